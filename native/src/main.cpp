@@ -1,0 +1,129 @@
+// baton-worker: parses the command line (docs/LAYOUT.md, "Worker binary") and calls
+// serve_worker(). Exit codes: 0 after a clean shutdown, 1 when the model cannot be loaded or
+// the socket cannot be bound, 2 on bad arguments. Errors are one line on stderr.
+#include "service.h"
+#include "sha256.h"
+#include "shard.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <string>
+
+namespace {
+
+constexpr const char * kUsage =
+    "usage: baton-worker --model PATH --layers BEGIN:END --socket PATH [--ctx-size N] [--max-sequences N]\n"
+    "                    [--batch-size N] [--threads N] [--gpu-layers N] [--model-sha256 HEX] [--no-mmap]\n"
+    "  --layers B:E      blocks [B, E) in global numbering; E empty or -1: to the last block\n"
+    "  --socket PATH     listen on unix:PATH only (mode 0600; a stale socket file is replaced)\n"
+    "  --ctx-size N      positions per sequence (default 2048)\n"
+    "  --max-sequences N sequence ids 0..N-1 (default 4)\n"
+    "  --batch-size N    most rows one Forward may carry (default 512)\n"
+    "  --threads N       CPU threads, 0 = all cores (default 0)\n"
+    "  --gpu-layers N    blocks to offload (llama.cpp n_gpu_layers; default -1 = all)\n"
+    "  --model-sha256 H  the model's sha256 (skips hashing the file at start)\n"
+    "  --no-mmap         read the model into memory instead of mapping it\n"
+    "  env BATON_LLAMA_LOG=1 passes llama.cpp's log through to stderr\n";
+
+[[noreturn]] void bad_arguments(const std::string & message) {
+    std::fprintf(stderr, "baton-worker: %s (see --help)\n", message.c_str());
+    std::exit(2);
+}
+
+long long parse_integer(const std::string & flag, const std::string & text, long long min, long long max) {
+    errno = 0;
+    char * stop = nullptr;
+    const long long v = text.empty() ? 0 : std::strtoll(text.c_str(), &stop, 10);
+    if (text.empty() || errno != 0 || stop != text.c_str() + text.size() || v < min || v > max) {
+        bad_arguments(flag + " must be an integer in [" + std::to_string(min) + ", " + std::to_string(max) +
+                      "], got '" + text + "'");
+    }
+    return v;
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    baton::WorkerOptions options;
+    baton::ShardConfig & shard = options.shard;
+    shard.ctx_size_per_seq = 2048;
+    shard.max_sequences = 4;
+    shard.batch_size = 512;
+    shard.threads = 0;
+    shard.gpu_layers = -1;
+    bool have_layers = false;
+
+    constexpr long long kU32Max = std::numeric_limits<uint32_t>::max();
+    constexpr long long kI32Max = std::numeric_limits<int32_t>::max();
+    for (int i = 1; i < argc; ++i) {
+        std::string flag = argv[i];
+        std::string value;
+        bool inline_value = false;
+        const size_t eq = flag.find('=');
+        if (flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+            value = flag.substr(eq + 1);
+            flag = flag.substr(0, eq);
+            inline_value = true;
+        }
+        auto take_value = [&]() -> std::string {
+            if (inline_value) {
+                return value;
+            }
+            if (i + 1 >= argc) {
+                bad_arguments(flag + " needs a value");
+            }
+            return argv[++i];
+        };
+
+        if (flag == "-h" || flag == "--help") {
+            std::fputs(kUsage, stdout);
+            return 0;
+        } else if (flag == "--model") {
+            shard.model_path = take_value();
+        } else if (flag == "--layers") {
+            std::string error;
+            if (!baton::parse_layer_range(take_value(), &shard.layer_begin, &shard.layer_end, &error)) {
+                bad_arguments(error);
+            }
+            have_layers = true;
+        } else if (flag == "--socket") {
+            options.socket_path = take_value();
+        } else if (flag == "--ctx-size") {
+            shard.ctx_size_per_seq = static_cast<uint32_t>(parse_integer(flag, take_value(), 1, kI32Max));
+        } else if (flag == "--max-sequences") {
+            shard.max_sequences = static_cast<uint32_t>(
+                parse_integer(flag, take_value(), 1, static_cast<long long>(baton::max_sequences_limit())));
+        } else if (flag == "--batch-size") {
+            shard.batch_size = static_cast<uint32_t>(parse_integer(flag, take_value(), 1, kI32Max));
+        } else if (flag == "--threads") {
+            shard.threads = static_cast<int32_t>(parse_integer(flag, take_value(), 0, 4096));
+        } else if (flag == "--gpu-layers") {
+            shard.gpu_layers = static_cast<int32_t>(parse_integer(flag, take_value(), -1, kI32Max));
+        } else if (flag == "--model-sha256") {
+            shard.model_sha256 = take_value();
+            if (!baton::is_sha256_hex(shard.model_sha256)) {
+                bad_arguments("--model-sha256 must be 64 hex digits");
+            }
+        } else if (flag == "--no-mmap" && !inline_value) {
+            shard.use_mmap = false;
+        } else {
+            bad_arguments("unknown argument '" + std::string(argv[i]) + "'");
+        }
+    }
+
+    if (shard.model_path.empty()) {
+        bad_arguments("--model is required");
+    }
+    if (!have_layers) {
+        bad_arguments("--layers is required");
+    }
+    if (options.socket_path.empty()) {
+        bad_arguments("--socket is required");
+    }
+    if (static_cast<uint64_t>(shard.ctx_size_per_seq) * shard.max_sequences > static_cast<uint64_t>(kU32Max)) {
+        bad_arguments("--ctx-size x --max-sequences is too large");
+    }
+    return baton::serve_worker(options);
+}

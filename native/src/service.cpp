@@ -1,0 +1,476 @@
+// ShardWorkerService and serve_worker(): see service.h.
+#include "service.h"
+
+#include <algorithm>
+#include <csignal>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <thread>
+#include <utility>
+
+#include <pthread.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+namespace baton {
+
+namespace v1 = baton::worker::v1;
+
+namespace {
+
+constexpr uint32_t kSchemaVersion = v1::SCHEMA_VERSION_CURRENT;
+// How long in-flight calls may take to finish once SIGTERM/SIGINT arrives.
+constexpr std::chrono::seconds kShutdownGrace{5};
+
+grpc::StatusCode grpc_code(ErrorCode code) {
+    switch (code) {
+        case ErrorCode::kOk: return grpc::StatusCode::OK;
+        case ErrorCode::kInvalidArgument: return grpc::StatusCode::INVALID_ARGUMENT;
+        case ErrorCode::kResourceExhausted: return grpc::StatusCode::RESOURCE_EXHAUSTED;
+        case ErrorCode::kFailedPrecondition: return grpc::StatusCode::FAILED_PRECONDITION;
+        case ErrorCode::kInternal: return grpc::StatusCode::INTERNAL;
+    }
+    return grpc::StatusCode::INTERNAL;
+}
+
+// The one place where exceptions stop: every handler body runs inside it.
+template <typename Body>
+grpc::Status guarded(const char * rpc, Body && body) noexcept {
+    try {
+        return body();
+    } catch (const std::exception & e) {
+        return grpc::Status(grpc::StatusCode::INTERNAL, std::string(rpc) + ": " + e.what());
+    } catch (...) {
+        return grpc::Status(grpc::StatusCode::INTERNAL, std::string(rpc) + ": unknown exception");
+    }
+}
+
+int clamp_to_int(uint64_t bytes) {
+    return bytes > static_cast<uint64_t>(INT_MAX) ? INT_MAX : static_cast<int>(bytes);
+}
+
+constexpr uint64_t kMessageSlackBytes = 4ull << 20;  // ids, positions, framing, Tokenize text
+constexpr uint64_t kPerRowOverheadBytes = 32;         // a position + a token id as varints, and tags
+
+}  // namespace
+
+grpc::Status to_grpc_status(const ShardStatus & status) {
+    if (status.ok()) {
+        return grpc::Status::OK;
+    }
+    return grpc::Status(grpc_code(status.code), status.message);
+}
+
+int max_receive_message_bytes(const ShardInfo & info) {
+    const uint64_t row = static_cast<uint64_t>(info.n_embd) * sizeof(float) + kPerRowOverheadBytes;
+    return clamp_to_int(static_cast<uint64_t>(info.n_batch_max) * row + kMessageSlackBytes);
+}
+
+int max_send_message_bytes(const ShardInfo & info) {
+    const uint64_t width = info.gives_logits ? info.n_vocab : info.n_embd;
+    const uint64_t row = width * sizeof(float) + kPerRowOverheadBytes;
+    const uint64_t forward = static_cast<uint64_t>(info.n_batch_max) * row + kMessageSlackBytes;
+    // A Tokenize reply holds at most one token (<= 5 varint bytes + tag) per request byte.
+    const uint64_t tokenize = 6ull * static_cast<uint64_t>(max_receive_message_bytes(info));
+    return clamp_to_int(std::max(forward, tokenize));
+}
+
+ShardWorkerService::ShardWorkerService(Shard * shard) : shard_(shard) {}
+
+grpc::Status ShardWorkerService::Info(grpc::ServerContext *, const v1::InfoRequest * request, v1::InfoReply * reply) {
+    return guarded("Info", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        const ShardInfo & info = shard_->info();  // immutable after load: no lock
+        reply->set_schema_version(kSchemaVersion);
+        reply->set_architecture(info.architecture);
+        reply->set_n_layer(info.n_layer);
+        reply->set_n_embd(info.n_embd);
+        reply->set_n_vocab(info.n_vocab);
+        reply->set_layer_begin(info.layer_begin);
+        reply->set_layer_end(info.layer_end);
+        reply->set_takes_tokens(info.takes_tokens);
+        reply->set_gives_logits(info.gives_logits);
+        v1::BoundarySchema * boundary = reply->mutable_boundary();
+        boundary->set_version(kBoundarySchemaVersion);
+        boundary->set_name(kBoundarySchemaName);
+        boundary->set_n_embd(info.n_embd);
+        boundary->set_dtype(v1::DTYPE_F32);
+        reply->set_recipe_hash(info.recipe_hash);
+        reply->set_model_sha256(info.model_sha256);
+        reply->set_llama_cpp_commit(info.llama_cpp_commit);
+        reply->set_patch_series_sha256(info.patch_series_sha256);
+        reply->set_backend(info.backend);
+        reply->set_weight_bytes(info.weight_bytes);
+        reply->set_weight_buffer_bytes(info.weight_buffer_bytes);
+        reply->set_kv_bytes(info.kv_bytes);
+        reply->set_n_ctx_per_sequence(info.n_ctx_per_sequence);
+        reply->set_n_seq_max(info.n_seq_max);
+        reply->set_n_batch_max(info.n_batch_max);
+        reply->set_model_path(info.model_path);
+        reply->set_n_threads(info.n_threads);
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::Health(grpc::ServerContext *, const v1::HealthRequest * request,
+                                        v1::HealthReply * reply) {
+    // Lock-free so a probe is answered even while a long Forward holds the context.
+    return guarded("Health", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        reply->set_schema_version(kSchemaVersion);
+        reply->set_ready(true);  // the service exists only once the shard is loaded
+        reply->set_forward_calls(forward_calls());
+        reply->set_active_sequences(shard_->active_sequences());
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::Forward(grpc::ServerContext *, const v1::ForwardRequest * request,
+                                         v1::ForwardReply * reply) {
+    return guarded("Forward", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        std::vector<ForwardEntry> entries(static_cast<size_t>(request->entries_size()));
+        for (int i = 0; i < request->entries_size(); ++i) {
+            const v1::SequenceInput & in = request->entries(i);
+            ForwardEntry & e = entries[static_cast<size_t>(i)];
+            e.seq_id = in.seq_id();
+            e.positions.assign(in.positions().begin(), in.positions().end());
+            e.token_ids.assign(in.token_ids().begin(), in.token_ids().end());
+            e.boundary = in.boundary();  // a view into the request, which outlives the call
+            e.boundary_dtype = static_cast<BoundaryDType>(in.boundary_dtype());
+            e.logit_rows.assign(in.logit_rows().begin(), in.logit_rows().end());
+        }
+
+        std::vector<ForwardOutput> outputs;
+        {
+            std::lock_guard<std::mutex> lock(shard_mu_);
+            st = shard_->forward(entries, &outputs);
+        }
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        forward_calls_.fetch_add(1, std::memory_order_relaxed);
+
+        reply->set_schema_version(kSchemaVersion);
+        reply->set_dtype(v1::DTYPE_F32);
+        for (ForwardOutput & o : outputs) {
+            v1::SequenceOutput * out = reply->add_entries();
+            out->set_seq_id(o.seq_id);
+            out->set_n_rows(o.n_rows);
+            if (!o.boundary.empty()) {
+                out->set_boundary(std::move(o.boundary));
+            }
+            if (!o.logits.empty()) {
+                out->set_logits(std::move(o.logits));
+            }
+            out->mutable_logit_rows()->Add(o.logit_rows.begin(), o.logit_rows.end());
+            out->set_next_position(o.next_position);
+        }
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::RemoveSequence(grpc::ServerContext *, const v1::RemoveSequenceRequest * request,
+                                                v1::SequenceReply * reply) {
+    return guarded("RemoveSequence", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        int32_t next = 0;
+        if (st.ok()) {
+            std::lock_guard<std::mutex> lock(shard_mu_);
+            st = shard_->remove_sequence(request->seq_id(), &next);
+        }
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        reply->set_schema_version(kSchemaVersion);
+        reply->set_seq_id(request->seq_id());
+        reply->set_next_position(next);
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::TrimSequence(grpc::ServerContext *, const v1::TrimSequenceRequest * request,
+                                              v1::SequenceReply * reply) {
+    return guarded("TrimSequence", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        int32_t next = 0;
+        if (st.ok()) {
+            std::lock_guard<std::mutex> lock(shard_mu_);
+            st = shard_->trim_sequence(request->seq_id(), request->keep_positions(), &next);
+        }
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        reply->set_schema_version(kSchemaVersion);
+        reply->set_seq_id(request->seq_id());
+        reply->set_next_position(next);
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::CopySequence(grpc::ServerContext *, const v1::CopySequenceRequest * request,
+                                              v1::SequenceReply * reply) {
+    return guarded("CopySequence", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        int32_t next = 0;
+        if (st.ok()) {
+            std::lock_guard<std::mutex> lock(shard_mu_);
+            st = shard_->copy_sequence(request->src_seq_id(), request->dst_seq_id(), &next);
+        }
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        reply->set_schema_version(kSchemaVersion);
+        reply->set_seq_id(request->dst_seq_id());
+        reply->set_next_position(next);
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::Tokenize(grpc::ServerContext *, const v1::TokenizeRequest * request,
+                                          v1::TokenizeReply * reply) {
+    // The vocab is read-only and llama_tokenize is thread-safe: no lock.
+    return guarded("Tokenize", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        std::vector<int32_t> tokens;
+        if (st.ok()) {
+            st = shard_->tokenize(request->text(), request->add_special(), request->parse_special(), &tokens);
+        }
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        reply->set_schema_version(kSchemaVersion);
+        reply->mutable_token_ids()->Add(tokens.begin(), tokens.end());
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::Detokenize(grpc::ServerContext *, const v1::DetokenizeRequest * request,
+                                            v1::DetokenizeReply * reply) {
+    return guarded("Detokenize", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        std::string text;
+        if (st.ok()) {
+            const std::vector<int32_t> tokens(request->token_ids().begin(), request->token_ids().end());
+            st = shard_->detokenize(tokens, request->remove_special(), request->unparse_special(), &text);
+        }
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        reply->set_schema_version(kSchemaVersion);
+        reply->set_text(std::move(text));
+        return grpc::Status::OK;
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// serve_worker
+
+namespace {
+
+// SIGTERM/SIGINT handled on a thread of its own through sigwait (a signal handler may not
+// call Server::Shutdown). The first signal cancels a load in progress or shuts the server
+// down; a second one removes the socket file and exits at once.
+class SignalWatcher {
+public:
+    explicit SignalWatcher(std::string socket_path) : socket_path_(std::move(socket_path)) {
+        sigemptyset(&signals_);
+        sigaddset(&signals_, SIGINT);
+        sigaddset(&signals_, SIGTERM);
+        pthread_sigmask(SIG_BLOCK, &signals_, &old_mask_);
+        thread_ = std::thread([this] { run(); });
+    }
+
+    ~SignalWatcher() {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            exiting_ = true;
+        }
+        pthread_kill(thread_.native_handle(), SIGTERM);  // wakes sigwait; seen as "exiting"
+        thread_.join();
+        pthread_sigmask(SIG_SETMASK, &old_mask_, nullptr);
+    }
+
+    SignalWatcher(const SignalWatcher &) = delete;
+    SignalWatcher & operator=(const SignalWatcher &) = delete;
+
+    const std::atomic<bool> * stop_flag() const { return &stop_; }
+    bool stop_requested() const { return stop_.load(); }
+
+    // Shut this server down on the next signal (or now, if one already came).
+    void attach(grpc::Server * server) {
+        std::lock_guard<std::mutex> lock(mu_);
+        server_ = server;
+        if (stop_.load()) {
+            shutdown_locked();
+        }
+    }
+
+    void detach() {
+        std::lock_guard<std::mutex> lock(mu_);
+        server_ = nullptr;
+    }
+
+private:
+    void run() {
+        for (;;) {
+            int sig = 0;
+            if (sigwait(&signals_, &sig) != 0) {
+                continue;
+            }
+            std::lock_guard<std::mutex> lock(mu_);
+            if (exiting_) {
+                return;
+            }
+            if (stop_.exchange(true)) {
+                std::fprintf(stderr, "baton-worker: second signal %d, exiting now\n", sig);
+                if (server_ != nullptr) {
+                    ::unlink(socket_path_.c_str());
+                }
+                std::_Exit(1);
+            }
+            if (server_ != nullptr) {
+                shutdown_locked();
+            }
+        }
+    }
+
+    void shutdown_locked() {
+        server_->Shutdown(std::chrono::system_clock::now() + kShutdownGrace);
+    }
+
+    std::string socket_path_;
+    sigset_t signals_{};
+    sigset_t old_mask_{};
+    std::thread thread_;
+    std::mutex mu_;
+    std::atomic<bool> stop_{false};
+    bool exiting_ = false;
+    grpc::Server * server_ = nullptr;
+};
+
+// Makes path free for bind(): removes a stale socket file, refuses to remove anything else or
+// a socket a live process still accepts on. Returns "" or a one-line reason.
+std::string free_socket_path(const std::string & path) {
+    sockaddr_un addr{};
+    if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
+        return "socket path must be 1.." + std::to_string(sizeof(addr.sun_path) - 1) + " bytes, got " +
+               std::to_string(path.size());
+    }
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) != 0) {
+        if (errno == ENOENT) {
+            return "";
+        }
+        return "cannot stat " + path + ": " + std::strerror(errno);
+    }
+    if (!S_ISSOCK(st.st_mode)) {
+        return path + " exists and is not a socket; not replacing it";
+    }
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0) {
+        const bool live = ::connect(fd, reinterpret_cast<const sockaddr *>(&addr), sizeof(addr)) == 0;
+        ::close(fd);
+        if (live) {
+            return "socket " + path + " is in use by a running process";
+        }
+    }
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+        return "cannot remove stale socket " + path + ": " + std::strerror(errno);
+    }
+    return "";
+}
+
+std::string one_line(std::string text) {
+    for (char & c : text) {
+        if (c == '\n' || c == '\r') {
+            c = ' ';
+        }
+    }
+    return text;
+}
+
+}  // namespace
+
+int serve_worker(const WorkerOptions & options) {
+    SignalWatcher signals(options.socket_path);
+
+    ShardConfig config = options.shard;
+    config.cancel_load = signals.stop_flag();
+    std::unique_ptr<Shard> shard;
+    try {
+        shard = std::make_unique<Shard>(config);
+    } catch (const std::exception & e) {
+        if (signals.stop_requested()) {
+            std::fprintf(stderr, "baton-worker: stopped while loading\n");
+            return 1;
+        }
+        std::fprintf(stderr, "baton-worker: %s\n", one_line(e.what()).c_str());
+        return 1;
+    }
+    if (signals.stop_requested()) {
+        std::fprintf(stderr, "baton-worker: stopped while loading\n");
+        return 1;
+    }
+
+    const std::string reason = free_socket_path(options.socket_path);
+    if (!reason.empty()) {
+        std::fprintf(stderr, "baton-worker: %s\n", one_line(reason).c_str());
+        return 1;
+    }
+
+    ShardWorkerService service(shard.get());
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("unix:" + options.socket_path, grpc::InsecureServerCredentials());
+    builder.SetMaxReceiveMessageSize(max_receive_message_bytes(shard->info()));
+    builder.SetMaxSendMessageSize(max_send_message_bytes(shard->info()));
+    builder.RegisterService(&service);
+
+    // The socket is created 0600 (umask) and chmod-ed again in case the umask was ignored.
+    const mode_t old_umask = ::umask(0177);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    ::umask(old_umask);
+    if (!server) {
+        std::fprintf(stderr, "baton-worker: cannot listen on unix:%s\n", options.socket_path.c_str());
+        return 1;
+    }
+    if (::chmod(options.socket_path.c_str(), 0600) != 0) {
+        std::fprintf(stderr, "baton-worker: cannot chmod 0600 %s: %s\n", options.socket_path.c_str(),
+                     std::strerror(errno));
+        server->Shutdown();
+        ::unlink(options.socket_path.c_str());
+        return 1;
+    }
+
+    const ShardInfo & info = shard->info();
+    std::fprintf(stderr, "baton-worker: serving %s layers [%u,%u) of %u on unix:%s (backend %s)\n",
+                 info.architecture.c_str(), info.layer_begin, info.layer_end, info.n_layer,
+                 options.socket_path.c_str(), info.backend.c_str());
+
+    signals.attach(server.get());
+    server->Wait();
+    signals.detach();
+    server.reset();
+    ::unlink(options.socket_path.c_str());
+    return 0;
+}
+
+}  // namespace baton

@@ -1,0 +1,72 @@
+// ShardWorkerService: baton.worker.v1.ShardWorker over one Shard, and serve_worker(), which
+// loads the shard, listens on a Unix socket and runs until SIGTERM/SIGINT.
+//
+// Owns: protobuf <-> Shard translation, the mutex that serialises use of the llama_context,
+// the error wrapper (no handler lets an exception escape; it becomes INTERNAL), the socket
+// file's lifetime (stale file removed before bind, mode 0600, removed at exit) and signals.
+// Must not contain model logic: validation and llama.cpp calls live in shard.cpp.
+#pragma once
+
+#include "shard.h"
+#include "worker.grpc.pb.h"
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+namespace baton {
+
+class ShardWorkerService final : public baton::worker::v1::ShardWorker::Service {
+public:
+    // shard must outlive the service.
+    explicit ShardWorkerService(Shard * shard);
+
+    grpc::Status Info(grpc::ServerContext * context, const worker::v1::InfoRequest * request,
+                      worker::v1::InfoReply * reply) override;
+    grpc::Status Health(grpc::ServerContext * context, const worker::v1::HealthRequest * request,
+                        worker::v1::HealthReply * reply) override;
+    grpc::Status Forward(grpc::ServerContext * context, const worker::v1::ForwardRequest * request,
+                         worker::v1::ForwardReply * reply) override;
+    grpc::Status RemoveSequence(grpc::ServerContext * context, const worker::v1::RemoveSequenceRequest * request,
+                                worker::v1::SequenceReply * reply) override;
+    grpc::Status TrimSequence(grpc::ServerContext * context, const worker::v1::TrimSequenceRequest * request,
+                              worker::v1::SequenceReply * reply) override;
+    grpc::Status CopySequence(grpc::ServerContext * context, const worker::v1::CopySequenceRequest * request,
+                              worker::v1::SequenceReply * reply) override;
+    grpc::Status Tokenize(grpc::ServerContext * context, const worker::v1::TokenizeRequest * request,
+                          worker::v1::TokenizeReply * reply) override;
+    grpc::Status Detokenize(grpc::ServerContext * context, const worker::v1::DetokenizeRequest * request,
+                            worker::v1::DetokenizeReply * reply) override;
+
+    uint64_t forward_calls() const { return forward_calls_.load(std::memory_order_relaxed); }
+
+private:
+    Shard * shard_;
+    std::mutex shard_mu_;                 // held around every call that touches the llama_context
+    std::atomic<uint64_t> forward_calls_{0};  // successful Forward calls
+};
+
+// Converts a Shard error into a gRPC status with the same message.
+grpc::Status to_grpc_status(const ShardStatus & status);
+
+// Message-size limits that fit one full batch (boundary rows in, boundary rows or logits out).
+int max_receive_message_bytes(const ShardInfo & info);
+int max_send_message_bytes(const ShardInfo & info);
+
+struct WorkerOptions {
+    ShardConfig shard;
+    std::string socket_path;  // listened on as unix:socket_path
+};
+
+// Loads the shard, serves it on unix:socket_path until SIGTERM/SIGINT, then shuts down,
+// removes the socket file and returns 0. Returns 1 (after one line on stderr) if the shard
+// cannot be loaded or the socket cannot be bound.
+//
+// Resource handling: blocks SIGTERM/SIGINT in the calling thread (and so in every thread
+// started after it) and handles them on a thread of its own; call before starting threads.
+int serve_worker(const WorkerOptions & options);
+
+}  // namespace baton

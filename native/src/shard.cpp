@@ -1,0 +1,883 @@
+// Shard: see shard.h. The only file besides service.cpp that calls llama.cpp.
+#include "shard.h"
+
+#include "sha256.h"
+
+#include "llama.h"
+#include "llama-ext.h"  // llama_get_memory_breakdown (C++, exported)
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <unordered_set>
+
+#ifndef BATON_LLAMA_COMMIT
+#define BATON_LLAMA_COMMIT "unknown"
+#endif
+#ifndef BATON_PATCH_SERIES_SHA256
+#define BATON_PATCH_SERIES_SHA256 "unknown"
+#endif
+
+namespace baton {
+
+const char * built_llama_cpp_commit() { return BATON_LLAMA_COMMIT; }
+const char * built_patch_series_sha256() { return BATON_PATCH_SERIES_SHA256; }
+
+size_t boundary_dtype_size(BoundaryDType dtype) {
+    switch (dtype) {
+        case BoundaryDType::kF32: return 4;
+        case BoundaryDType::kF16: return 2;
+        default: return 0;
+    }
+}
+
+std::string compute_recipe_hash(const std::string & model_sha256, const std::string & llama_commit,
+                                const std::string & patch_series_sha256, const std::string & backend) {
+    std::string joined;
+    for (const std::string & part : {model_sha256, llama_commit, patch_series_sha256, backend,
+                                     std::string(kBoundarySchemaName) + "/" + std::to_string(kBoundarySchemaVersion),
+                                     std::string(kBoundaryWireDType)}) {
+        if (!joined.empty()) {
+            joined.push_back('\n');
+        }
+        joined += part;
+    }
+    return sha256_hex(joined);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pure validation helpers
+
+namespace {
+
+std::string entry_name(size_t entry, uint32_t seq_id) {
+    return "entry " + std::to_string(entry) + " (seq " + std::to_string(seq_id) + ")";
+}
+
+std::string range_name(uint32_t begin, uint32_t end) {
+    return "[" + std::to_string(begin) + "," + std::to_string(end) + ")";
+}
+
+template <typename T>
+std::string preview(const std::vector<T> & values, size_t max_shown = 8) {
+    std::ostringstream out;
+    for (size_t i = 0; i < values.size() && i < max_shown; ++i) {
+        out << (i ? ", " : "") << values[i];
+    }
+    if (values.size() > max_shown) {
+        out << ", ... (" << values.size() << " rows)";
+    }
+    return out.str();
+}
+
+}  // namespace
+
+ShardStatus check_schema_version(uint32_t schema_version) {
+    if (schema_version != kBoundarySchemaVersion) {
+        return ShardStatus::Invalid("schema_version " + std::to_string(schema_version) +
+                                    " is not supported (this worker speaks 1)");
+    }
+    return ShardStatus::Ok();
+}
+
+ShardStatus check_positions(uint32_t seq_id, const std::vector<int32_t> & positions, int32_t next) {
+    for (size_t r = 0; r < positions.size(); ++r) {
+        if (static_cast<int64_t>(positions[r]) != static_cast<int64_t>(next) + static_cast<int64_t>(r)) {
+            return ShardStatus::Invalid("positions for seq " + std::to_string(seq_id) + " must start at " +
+                                        std::to_string(next) + " and increase by 1; got " + preview(positions) +
+                                        " (row " + std::to_string(r) + " is wrong)");
+        }
+    }
+    return ShardStatus::Ok();
+}
+
+ShardStatus check_boundary_bytes(size_t entry, uint32_t seq_id, size_t got_bytes, size_t n_rows,
+                                 size_t n_embd, size_t elem_size) {
+    const size_t row_bytes = n_embd * elem_size;
+    const size_t expected = n_rows * row_bytes;
+    if (got_bytes == expected) {
+        return ShardStatus::Ok();
+    }
+    if (row_bytes > 0 && got_bytes % row_bytes == 0) {
+        return ShardStatus::Invalid(entry_name(entry, seq_id) + ": " + std::to_string(n_rows) + " positions but " +
+                                    std::to_string(got_bytes / row_bytes) + " boundary rows of " +
+                                    std::to_string(row_bytes) + " bytes");
+    }
+    return ShardStatus::Invalid(entry_name(entry, seq_id) + ": row width: got " + std::to_string(got_bytes) +
+                                " bytes, expected " + std::to_string(n_rows) + " rows x " + std::to_string(n_embd) +
+                                " values x " + std::to_string(elem_size) + " bytes = " + std::to_string(expected));
+}
+
+int64_t find_non_finite_f32(const void * data, size_t n_values) {
+    // Exponent all ones = Inf or NaN. Branch-free block scan (vectorisable), then locate.
+    const unsigned char * p = static_cast<const unsigned char *>(data);
+    constexpr size_t kBlock = 4096;
+    for (size_t start = 0; start < n_values; start += kBlock) {
+        const size_t end = std::min(n_values, start + kBlock);
+        uint32_t bad = 0;
+        for (size_t i = start; i < end; ++i) {
+            uint32_t bits;
+            std::memcpy(&bits, p + 4 * i, 4);
+            bad |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+        }
+        if (bad) {
+            for (size_t i = start; i < end; ++i) {
+                uint32_t bits;
+                std::memcpy(&bits, p + 4 * i, 4);
+                if ((bits & 0x7f800000u) == 0x7f800000u) {
+                    return static_cast<int64_t>(i);
+                }
+            }
+        }
+    }
+    return -1;
+}
+
+int64_t find_non_finite_f16(const void * data, size_t n_values) {
+    const unsigned char * p = static_cast<const unsigned char *>(data);
+    for (size_t i = 0; i < n_values; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, p + 2 * i, 2);
+        if ((bits & 0x7c00u) == 0x7c00u) {
+            return static_cast<int64_t>(i);
+        }
+    }
+    return -1;
+}
+
+int64_t find_duplicate_seq_id(const std::vector<uint32_t> & seq_ids) {
+    std::unordered_set<uint32_t> seen;
+    for (size_t i = 0; i < seq_ids.size(); ++i) {
+        if (!seen.insert(seq_ids[i]).second) {
+            return static_cast<int64_t>(i);
+        }
+    }
+    return -1;
+}
+
+ShardStatus check_batch_rows(size_t total_rows, uint32_t n_batch_max) {
+    if (total_rows > n_batch_max) {
+        return ShardStatus::Exhausted("batch of " + std::to_string(total_rows) + " rows exceeds the limit of " +
+                                      std::to_string(n_batch_max));
+    }
+    return ShardStatus::Ok();
+}
+
+ShardStatus check_context_room(uint32_t seq_id, int32_t next, size_t n_rows, uint32_t n_ctx_per_sequence) {
+    if (static_cast<uint64_t>(next) + n_rows > n_ctx_per_sequence) {
+        return ShardStatus::Exhausted("context full for seq " + std::to_string(seq_id) + ": it holds " +
+                                      std::to_string(next) + " positions, " + std::to_string(n_rows) +
+                                      " more exceed n_ctx_per_sequence " + std::to_string(n_ctx_per_sequence));
+    }
+    return ShardStatus::Ok();
+}
+
+ShardStatus validate_forward(const ForwardLimits & limits, const std::vector<ForwardEntry> & entries,
+                             const std::vector<int32_t> & next_positions) {
+    if (entries.empty()) {
+        return ShardStatus::Invalid("empty request: a Forward needs at least one entry");
+    }
+
+    std::vector<uint32_t> seq_ids;
+    seq_ids.reserve(entries.size());
+    size_t total_rows = 0;
+    for (size_t i = 0; i < entries.size(); ++i) {
+        const ForwardEntry & e = entries[i];
+        if (e.seq_id >= limits.n_seq_max || e.seq_id >= next_positions.size()) {
+            return ShardStatus::Invalid(entry_name(i, e.seq_id) + ": seq_id " + std::to_string(e.seq_id) +
+                                        " is out of range: this worker holds sequences 0.." +
+                                        std::to_string(limits.n_seq_max - 1));
+        }
+        seq_ids.push_back(e.seq_id);
+        total_rows += e.positions.size();
+    }
+    const int64_t dup = find_duplicate_seq_id(seq_ids);
+    if (dup >= 0) {
+        return ShardStatus::Invalid(entry_name(static_cast<size_t>(dup), seq_ids[dup]) + ": seq_id " +
+                                    std::to_string(seq_ids[dup]) + " appears more than once in one request");
+    }
+    // Checked before the per-entry scans so an oversized request costs nothing to refuse.
+    ShardStatus st = check_batch_rows(total_rows, limits.n_batch_max);
+    if (!st.ok()) {
+        return st;
+    }
+
+    const std::string range = range_name(limits.layer_begin, limits.layer_end);
+    for (size_t i = 0; i < entries.size(); ++i) {
+        const ForwardEntry & e = entries[i];
+        const std::string who = entry_name(i, e.seq_id);
+        const size_t n_rows = e.positions.size();
+        if (n_rows == 0) {
+            return ShardStatus::Invalid(who + ": no rows (positions is empty)");
+        }
+
+        if (limits.takes_tokens) {
+            if (!e.boundary.empty()) {
+                return ShardStatus::Invalid(who + ": range " + range + " takes token ids, not boundary rows");
+            }
+            if (e.token_ids.size() != n_rows) {
+                return ShardStatus::Invalid(who + ": " + std::to_string(n_rows) + " positions but " +
+                                            std::to_string(e.token_ids.size()) + " token ids");
+            }
+            for (size_t r = 0; r < n_rows; ++r) {
+                const int32_t t = e.token_ids[r];
+                if (t < 0 || static_cast<uint32_t>(t) >= limits.n_vocab) {
+                    return ShardStatus::Invalid(who + ": token id " + std::to_string(t) + " at row " + std::to_string(r) +
+                                                " is outside [0, " + std::to_string(limits.n_vocab) + ")");
+                }
+            }
+        } else {
+            if (!e.token_ids.empty()) {
+                return ShardStatus::Invalid(who + ": range " + range + " takes boundary rows, not token ids");
+            }
+            const size_t elem = boundary_dtype_size(e.boundary_dtype);
+            if (elem == 0) {
+                return ShardStatus::Invalid(who + ": boundary_dtype " + std::to_string(static_cast<int>(e.boundary_dtype)) +
+                                            " is not supported (send DTYPE_F32, or DTYPE_F16)");
+            }
+            st = check_boundary_bytes(i, e.seq_id, e.boundary.size(), n_rows, limits.n_embd, elem);
+            if (!st.ok()) {
+                return st;
+            }
+            const size_t n_values = n_rows * limits.n_embd;
+            const int64_t bad = e.boundary_dtype == BoundaryDType::kF32
+                                    ? find_non_finite_f32(e.boundary.data(), n_values)
+                                    : find_non_finite_f16(e.boundary.data(), n_values);
+            if (bad >= 0) {
+                return ShardStatus::Invalid(who + ": boundary value at row " + std::to_string(bad / limits.n_embd) +
+                                            ", column " + std::to_string(bad % limits.n_embd) +
+                                            " is not finite (NaN or Inf)");
+            }
+        }
+
+        if (limits.gives_logits) {
+            std::unordered_set<uint32_t> seen;
+            for (uint32_t row : e.logit_rows) {
+                if (row >= n_rows) {
+                    return ShardStatus::Invalid(who + ": logit_rows names row " + std::to_string(row) +
+                                                " but the entry has " + std::to_string(n_rows) + " rows");
+                }
+                if (!seen.insert(row).second) {
+                    return ShardStatus::Invalid(who + ": logit_rows names row " + std::to_string(row) + " twice");
+                }
+            }
+        }
+
+        st = check_positions(e.seq_id, e.positions, next_positions[e.seq_id]);
+        if (!st.ok()) {
+            return st;
+        }
+        st = check_context_room(e.seq_id, next_positions[e.seq_id], n_rows, limits.n_ctx_per_sequence);
+        if (!st.ok()) {
+            return st;
+        }
+    }
+    return ShardStatus::Ok();
+}
+
+bool parse_layer_range(const std::string & text, int32_t * begin, int32_t * end, std::string * error) {
+    auto parse_int = [](const std::string & s, long long * out) {
+        if (s.empty()) {
+            return false;
+        }
+        errno = 0;
+        char * stop = nullptr;
+        const long long v = std::strtoll(s.c_str(), &stop, 10);
+        if (errno != 0 || stop != s.c_str() + s.size() || v < std::numeric_limits<int32_t>::min() ||
+            v > std::numeric_limits<int32_t>::max()) {
+            return false;
+        }
+        *out = v;
+        return true;
+    };
+    const size_t colon = text.find(':');
+    if (colon == std::string::npos) {
+        *error = "--layers must be BEGIN:END (END empty or -1 for the last block), got '" + text + "'";
+        return false;
+    }
+    long long b = 0;
+    long long e = -1;
+    if (!parse_int(text.substr(0, colon), &b) || b < 0) {
+        *error = "--layers: BEGIN must be an integer >= 0, got '" + text + "'";
+        return false;
+    }
+    const std::string tail = text.substr(colon + 1);
+    if (!tail.empty() && (!parse_int(tail, &e) || (e != -1 && e <= b))) {
+        *error = "--layers: END must be empty, -1, or an integer > BEGIN, got '" + text + "'";
+        return false;
+    }
+    *begin = static_cast<int32_t>(b);
+    *end = static_cast<int32_t>(e);
+    return true;
+}
+
+uint32_t max_sequences_limit() { return static_cast<uint32_t>(llama_max_parallel_sequences()); }
+
+// ---------------------------------------------------------------------------------------------
+// llama.cpp log capture
+
+namespace {
+
+struct LogCapture {
+    std::mutex mu;
+    std::deque<std::string> errors;  // last complete ERROR lines
+    std::string partial;             // an ERROR line still being written (CONT pieces)
+    bool in_error = false;
+    bool passthrough = false;
+};
+
+LogCapture & log_capture() {
+    static LogCapture capture;
+    return capture;
+}
+
+constexpr size_t kKeptErrorLines = 4;
+
+void trim_in_place(std::string * s) {
+    const char * ws = " \t\r\n";
+    const size_t b = s->find_first_not_of(ws);
+    if (b == std::string::npos) {
+        s->clear();
+        return;
+    }
+    const size_t e = s->find_last_not_of(ws);
+    *s = s->substr(b, e - b + 1);
+}
+
+void on_llama_log(ggml_log_level level, const char * text, void * /*user_data*/) {
+    LogCapture & c = log_capture();
+    if (c.passthrough) {
+        std::fputs(text, stderr);
+    }
+    std::lock_guard<std::mutex> lock(c.mu);
+    if (level != GGML_LOG_LEVEL_CONT) {
+        c.in_error = level == GGML_LOG_LEVEL_ERROR;
+    }
+    if (!c.in_error) {
+        return;
+    }
+    c.partial += text;
+    size_t nl;
+    while ((nl = c.partial.find('\n')) != std::string::npos) {
+        std::string line = c.partial.substr(0, nl);
+        c.partial.erase(0, nl + 1);
+        trim_in_place(&line);
+        if (!line.empty()) {
+            c.errors.push_back(std::move(line));
+            if (c.errors.size() > kKeptErrorLines) {
+                c.errors.pop_front();
+            }
+        }
+    }
+}
+
+}  // namespace
+
+void install_llama_log_capture() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        const char * env = std::getenv("BATON_LLAMA_LOG");
+        log_capture().passthrough = env && *env && std::strcmp(env, "0") != 0;
+        llama_log_set(on_llama_log, nullptr);
+    });
+}
+
+std::string last_llama_errors() {
+    LogCapture & c = log_capture();
+    std::lock_guard<std::mutex> lock(c.mu);
+    std::string out;
+    for (const std::string & line : c.errors) {
+        out += (out.empty() ? "" : "; ") + line;
+    }
+    std::string partial = c.partial;
+    trim_in_place(&partial);
+    if (!partial.empty()) {
+        out += (out.empty() ? "" : "; ") + partial;
+    }
+    return out;
+}
+
+void clear_llama_errors() {
+    LogCapture & c = log_capture();
+    std::lock_guard<std::mutex> lock(c.mu);
+    c.errors.clear();
+    c.partial.clear();
+    c.in_error = false;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shard
+
+void Shard::ModelDeleter::operator()(llama_model * m) const { llama_model_free(m); }
+void Shard::ContextDeleter::operator()(llama_context * c) const { llama_free(c); }
+
+struct Shard::Batch {
+    llama_batch batch;
+    Batch(int32_t n_tokens, int32_t n_embd) : batch(llama_batch_init(n_tokens, n_embd, 1)) {}
+    ~Batch() { llama_batch_free(batch); }
+    Batch(const Batch &) = delete;
+    Batch & operator=(const Batch &) = delete;
+};
+
+namespace {
+
+void init_llama_backend_once() {
+    static std::once_flag once;
+    std::call_once(once, [] { llama_backend_init(); });
+}
+
+std::string with_llama_reason(const std::string & what) {
+    const std::string reason = last_llama_errors();
+    return reason.empty() ? what : what + ": " + reason;
+}
+
+// The backend that computes the model: its first offload device's registry name ("CUDA",
+// "Vulkan", ...), or "CPU" when the model has no device besides the host.
+std::string backend_name_of(const llama_model * model) {
+    for (int32_t i = 0; i < llama_model_n_devices(model); ++i) {
+        ggml_backend_dev_t dev = llama_model_get_device(model, i);
+        if (dev == nullptr) {
+            continue;
+        }
+        ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(dev);
+        if (reg != nullptr && ggml_backend_reg_name(reg) != nullptr) {
+            return ggml_backend_reg_name(reg);
+        }
+    }
+    return "CPU";
+}
+
+std::string model_meta(const llama_model * model, const char * key) {
+    std::vector<char> buf(256);
+    int32_t n = llama_model_meta_val_str(model, key, buf.data(), buf.size());
+    if (n >= static_cast<int32_t>(buf.size())) {
+        buf.resize(static_cast<size_t>(n) + 1);
+        n = llama_model_meta_val_str(model, key, buf.data(), buf.size());
+    }
+    return n < 0 ? std::string() : std::string(buf.data());
+}
+
+}  // namespace
+
+Shard::Shard(ShardConfig config) : config_(std::move(config)) {
+    install_llama_log_capture();
+    init_llama_backend_once();
+
+    if (config_.layer_begin < 0 || (config_.layer_end != -1 && config_.layer_end <= config_.layer_begin)) {
+        throw ShardLoadError("bad layer range [" + std::to_string(config_.layer_begin) + "," +
+                             std::to_string(config_.layer_end) + ")");
+    }
+    if (config_.max_sequences == 0 || config_.max_sequences > max_sequences_limit()) {
+        throw ShardLoadError("max_sequences must be in [1, " + std::to_string(max_sequences_limit()) + "]");
+    }
+    if (config_.batch_size == 0 || config_.ctx_size_per_seq == 0) {
+        throw ShardLoadError("batch_size and ctx_size_per_seq must be > 0");
+    }
+    {
+        std::FILE * f = std::fopen(config_.model_path.c_str(), "rb");
+        if (f == nullptr) {
+            throw ShardLoadError("cannot open model " + config_.model_path + ": " + std::strerror(errno));
+        }
+        std::fclose(f);
+    }
+
+    std::string model_sha256 = config_.model_sha256;
+    if (model_sha256.empty()) {
+        try {
+            model_sha256 = sha256_file_hex(config_.model_path);
+        } catch (const std::exception & e) {
+            throw ShardLoadError(e.what());
+        }
+    }
+    std::transform(model_sha256.begin(), model_sha256.end(), model_sha256.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+
+    const int32_t n_threads = config_.threads > 0
+                                  ? config_.threads
+                                  : static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+
+    llama_model_params mparams = llama_model_default_params();
+    mparams.n_gpu_layers = config_.gpu_layers;
+    mparams.load_mode = config_.use_mmap ? LLAMA_LOAD_MODE_AUTO : LLAMA_LOAD_MODE_NONE;
+    mparams.layer_begin = config_.layer_begin;
+    mparams.layer_end = config_.layer_end;
+    if (config_.cancel_load != nullptr) {
+        mparams.progress_callback = [](float /*progress*/, void * user_data) {
+            return !static_cast<const std::atomic<bool> *>(user_data)->load(std::memory_order_relaxed);
+        };
+        mparams.progress_callback_user_data = const_cast<std::atomic<bool> *>(config_.cancel_load);
+    }
+
+    const std::string asked = "[" + std::to_string(config_.layer_begin) + "," +
+                              (config_.layer_end < 0 ? std::string("end") : std::to_string(config_.layer_end)) + ")";
+    clear_llama_errors();
+    model_.reset(llama_model_load_from_file(config_.model_path.c_str(), mparams));
+    if (!model_) {
+        throw ShardLoadError(with_llama_reason("cannot load layers " + asked + " of " + config_.model_path));
+    }
+
+    int32_t begin = 0;
+    int32_t end = 0;
+    llama_model_layer_range(model_.get(), &begin, &end);
+    const int32_t n_layer = llama_model_n_layer(model_.get());
+    const int32_t n_embd = llama_model_n_embd(model_.get());
+    if (begin < 0 || end > n_layer || begin >= end) {
+        throw ShardLoadError("llama.cpp reports layer range [" + std::to_string(begin) + "," + std::to_string(end) +
+                             ") for a model of " + std::to_string(n_layer) + " blocks");
+    }
+    if (begin != config_.layer_begin || (config_.layer_end >= 0 && end != config_.layer_end)) {
+        throw ShardLoadError("asked for layers " + asked + " but llama.cpp loaded [" + std::to_string(begin) + "," +
+                             std::to_string(end) + ")");
+    }
+    const bool takes_tokens = begin == 0;
+    const bool gives_logits = end == n_layer;
+    // The residual boundary schema carries n_embd values per row on both edges.
+    if (!takes_tokens && llama_model_n_embd_inp(model_.get()) != n_embd) {
+        throw ShardLoadError("boundary schema residual/1 needs the input width (" +
+                             std::to_string(llama_model_n_embd_inp(model_.get())) + ") to equal n_embd (" +
+                             std::to_string(n_embd) + ")");
+    }
+    if (!gives_logits && llama_model_n_embd_out(model_.get()) != n_embd) {
+        throw ShardLoadError("boundary schema residual/1 needs the output width (" +
+                             std::to_string(llama_model_n_embd_out(model_.get())) + ") to equal n_embd (" +
+                             std::to_string(n_embd) + ")");
+    }
+
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx = config_.ctx_size_per_seq * config_.max_sequences;
+    cparams.n_batch = config_.batch_size;
+    cparams.n_ubatch = config_.batch_size;
+    cparams.n_seq_max = config_.max_sequences;
+    cparams.n_threads = n_threads;
+    cparams.n_threads_batch = n_threads;
+    cparams.kv_unified = false;
+    // A range that is not last outputs the residual of every row through the embeddings path.
+    cparams.embeddings = !gives_logits;
+    if (!gives_logits) {
+        cparams.pooling_type = LLAMA_POOLING_TYPE_NONE;
+    }
+    clear_llama_errors();
+    ctx_.reset(llama_init_from_model(model_.get(), cparams));
+    if (!ctx_) {
+        throw ShardLoadError(with_llama_reason("cannot create a context for layers " + asked + " of " +
+                                               config_.model_path));
+    }
+
+    const uint32_t n_seq_max = llama_n_seq_max(ctx_.get());
+    if (n_seq_max != config_.max_sequences) {
+        throw ShardLoadError("llama.cpp made a context for " + std::to_string(n_seq_max) + " sequences, asked " +
+                             std::to_string(config_.max_sequences));
+    }
+
+    vocab_ = llama_model_get_vocab(model_.get());
+
+    uint64_t weight_buffer_bytes = 0;
+    uint64_t kv_bytes = 0;
+    for (const auto & buft_mem : llama_get_memory_breakdown(ctx_.get())) {
+        weight_buffer_bytes += buft_mem.second.model;
+        kv_bytes += buft_mem.second.context;
+    }
+
+    info_.architecture = model_meta(model_.get(), "general.architecture");
+    info_.n_layer = static_cast<uint32_t>(n_layer);
+    info_.n_embd = static_cast<uint32_t>(n_embd);
+    info_.n_vocab = static_cast<uint32_t>(llama_vocab_n_tokens(vocab_));
+    info_.layer_begin = static_cast<uint32_t>(begin);
+    info_.layer_end = static_cast<uint32_t>(end);
+    info_.takes_tokens = takes_tokens;
+    info_.gives_logits = gives_logits;
+    info_.model_sha256 = model_sha256;
+    info_.llama_cpp_commit = built_llama_cpp_commit();
+    info_.patch_series_sha256 = built_patch_series_sha256();
+    info_.backend = backend_name_of(model_.get());
+    info_.recipe_hash = compute_recipe_hash(info_.model_sha256, info_.llama_cpp_commit, info_.patch_series_sha256,
+                                            info_.backend);
+    info_.weight_bytes = llama_model_size(model_.get());
+    info_.weight_buffer_bytes = weight_buffer_bytes;
+    info_.kv_bytes = kv_bytes;
+    info_.n_ctx_per_sequence = std::min(config_.ctx_size_per_seq, llama_n_ctx_seq(ctx_.get()));
+    info_.n_seq_max = n_seq_max;
+    info_.n_batch_max = std::min({config_.batch_size, llama_n_batch(ctx_.get()), llama_n_ubatch(ctx_.get())});
+    info_.model_path = config_.model_path;
+    info_.n_threads = static_cast<uint32_t>(n_threads);
+
+    batch_ = std::make_unique<Batch>(static_cast<int32_t>(info_.n_batch_max), takes_tokens ? 0 : n_embd);
+    next_positions_.assign(n_seq_max, 0);
+}
+
+Shard::~Shard() = default;
+
+ForwardLimits Shard::limits() const {
+    ForwardLimits l;
+    l.layer_begin = info_.layer_begin;
+    l.layer_end = info_.layer_end;
+    l.takes_tokens = info_.takes_tokens;
+    l.gives_logits = info_.gives_logits;
+    l.n_embd = info_.n_embd;
+    l.n_vocab = info_.n_vocab;
+    l.n_seq_max = info_.n_seq_max;
+    l.n_batch_max = info_.n_batch_max;
+    l.n_ctx_per_sequence = info_.n_ctx_per_sequence;
+    return l;
+}
+
+int32_t Shard::next_position(uint32_t seq_id) const {
+    return seq_id < next_positions_.size() ? next_positions_[seq_id] : 0;
+}
+
+void Shard::set_next_position(uint32_t seq_id, int32_t next) {
+    next_positions_[seq_id] = next;
+    const auto active = std::count_if(next_positions_.begin(), next_positions_.end(), [](int32_t n) { return n > 0; });
+    active_sequences_.store(static_cast<uint32_t>(active), std::memory_order_relaxed);
+}
+
+ShardStatus Shard::check_seq_id(const char * what, uint32_t seq_id) const {
+    if (seq_id >= info_.n_seq_max) {
+        return ShardStatus::Invalid(std::string(what) + " " + std::to_string(seq_id) +
+                                    " is out of range: this worker holds sequences 0.." +
+                                    std::to_string(info_.n_seq_max - 1));
+    }
+    return ShardStatus::Ok();
+}
+
+ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vector<ForwardOutput> * outputs) {
+    ShardStatus st = validate_forward(limits(), entries, next_positions_);
+    if (!st.ok()) {
+        return st;
+    }
+
+    const size_t n_embd = info_.n_embd;
+    llama_batch & batch = batch_->batch;
+    int32_t n = 0;
+    std::vector<int32_t> first_row(entries.size());  // batch index of each entry's row 0
+    for (size_t i = 0; i < entries.size(); ++i) {
+        const ForwardEntry & e = entries[i];
+        const int32_t n_rows = static_cast<int32_t>(e.positions.size());
+        first_row[i] = n;
+        for (int32_t r = 0; r < n_rows; ++r) {
+            const int32_t k = n + r;
+            batch.pos[k] = e.positions[r];
+            batch.n_seq_id[k] = 1;
+            batch.seq_id[k][0] = static_cast<llama_seq_id>(e.seq_id);
+            batch.logits[k] = info_.gives_logits ? 0 : 1;
+            if (info_.takes_tokens) {
+                batch.token[k] = e.token_ids[r];
+            }
+        }
+        if (info_.gives_logits) {
+            if (e.logit_rows.empty()) {
+                batch.logits[n + n_rows - 1] = 1;
+            } else {
+                for (uint32_t row : e.logit_rows) {
+                    batch.logits[n + static_cast<int32_t>(row)] = 1;
+                }
+            }
+        }
+        if (!info_.takes_tokens) {
+            float * dst = batch.embd + static_cast<size_t>(n) * n_embd;
+            const size_t n_values = static_cast<size_t>(n_rows) * n_embd;
+            if (e.boundary_dtype == BoundaryDType::kF32) {
+                std::memcpy(dst, e.boundary.data(), n_values * sizeof(float));
+            } else {
+                std::vector<ggml_fp16_t> halves(n_values);  // the request bytes may be unaligned
+                std::memcpy(halves.data(), e.boundary.data(), n_values * sizeof(ggml_fp16_t));
+                ggml_fp16_to_fp32_row(halves.data(), dst, static_cast<int64_t>(n_values));
+            }
+        }
+        n += n_rows;
+    }
+    batch.n_tokens = n;
+
+    llama_memory_t mem = llama_get_memory(ctx_.get());
+    auto roll_back = [&] {
+        for (const ForwardEntry & e : entries) {
+            llama_memory_seq_rm(mem, static_cast<llama_seq_id>(e.seq_id), next_positions_[e.seq_id], -1);
+        }
+    };
+
+    clear_llama_errors();
+    const int32_t rc = llama_decode(ctx_.get(), batch);
+    if (rc != 0) {
+        roll_back();
+        const std::string what = "llama_decode returned " + std::to_string(rc);
+        if (rc == 1) {
+            return ShardStatus::Exhausted(with_llama_reason(what + " (no KV cache slot for the batch)"));
+        }
+        return ShardStatus::Internal(with_llama_reason(what));
+    }
+
+    std::vector<ForwardOutput> out(entries.size());
+    for (size_t i = 0; i < entries.size(); ++i) {
+        const ForwardEntry & e = entries[i];
+        ForwardOutput & o = out[i];
+        const uint32_t n_rows = static_cast<uint32_t>(e.positions.size());
+        o.seq_id = e.seq_id;
+        o.next_position = next_positions_[e.seq_id] + static_cast<int32_t>(n_rows);
+        if (info_.gives_logits) {
+            o.logit_rows = e.logit_rows.empty() ? std::vector<uint32_t>{n_rows - 1} : e.logit_rows;
+            o.n_rows = static_cast<uint32_t>(o.logit_rows.size());
+            const size_t row_bytes = static_cast<size_t>(info_.n_vocab) * sizeof(float);
+            o.logits.resize(o.logit_rows.size() * row_bytes);
+            for (size_t j = 0; j < o.logit_rows.size(); ++j) {
+                const float * src = llama_get_logits_ith(ctx_.get(), first_row[i] + static_cast<int32_t>(o.logit_rows[j]));
+                if (src == nullptr) {
+                    roll_back();
+                    return ShardStatus::Internal("no logits for row " + std::to_string(o.logit_rows[j]) + " of seq " +
+                                                 std::to_string(e.seq_id));
+                }
+                std::memcpy(&o.logits[j * row_bytes], src, row_bytes);
+            }
+        } else {
+            o.n_rows = n_rows;
+            const size_t row_bytes = n_embd * sizeof(float);
+            o.boundary.resize(n_rows * row_bytes);
+            for (uint32_t r = 0; r < n_rows; ++r) {
+                const float * src = llama_get_embeddings_ith(ctx_.get(), first_row[i] + static_cast<int32_t>(r));
+                if (src == nullptr) {
+                    roll_back();
+                    return ShardStatus::Internal("no boundary output for row " + std::to_string(r) + " of seq " +
+                                                 std::to_string(e.seq_id));
+                }
+                std::memcpy(&o.boundary[r * row_bytes], src, row_bytes);
+            }
+        }
+    }
+    for (const ForwardOutput & o : out) {
+        set_next_position(o.seq_id, o.next_position);
+    }
+    *outputs = std::move(out);
+    return ShardStatus::Ok();
+}
+
+ShardStatus Shard::remove_sequence(uint32_t seq_id, int32_t * next_position) {
+    ShardStatus st = check_seq_id("seq_id", seq_id);
+    if (!st.ok()) {
+        return st;
+    }
+    if (next_positions_[seq_id] == 0) {
+        return ShardStatus::Invalid("unknown sequence " + std::to_string(seq_id));
+    }
+    llama_memory_seq_rm(llama_get_memory(ctx_.get()), static_cast<llama_seq_id>(seq_id), -1, -1);
+    set_next_position(seq_id, 0);
+    *next_position = 0;
+    return ShardStatus::Ok();
+}
+
+ShardStatus Shard::trim_sequence(uint32_t seq_id, int32_t keep_positions, int32_t * next_position) {
+    ShardStatus st = check_seq_id("seq_id", seq_id);
+    if (!st.ok()) {
+        return st;
+    }
+    const int32_t next = next_positions_[seq_id];
+    if (next == 0) {
+        return ShardStatus::Invalid("unknown sequence " + std::to_string(seq_id));
+    }
+    if (keep_positions < 0 || keep_positions > next) {
+        return ShardStatus::Invalid("keep_positions " + std::to_string(keep_positions) + " for seq " +
+                                    std::to_string(seq_id) + " must be in [0, " + std::to_string(next) + "]");
+    }
+    if (keep_positions < next) {
+        clear_llama_errors();
+        if (!llama_memory_seq_rm(llama_get_memory(ctx_.get()), static_cast<llama_seq_id>(seq_id), keep_positions, -1)) {
+            return ShardStatus::Internal(with_llama_reason("llama.cpp cannot trim seq " + std::to_string(seq_id) +
+                                                           " to " + std::to_string(keep_positions) + " positions"));
+        }
+    }
+    set_next_position(seq_id, keep_positions);
+    *next_position = keep_positions;
+    return ShardStatus::Ok();
+}
+
+ShardStatus Shard::copy_sequence(uint32_t src_seq_id, uint32_t dst_seq_id, int32_t * next_position) {
+    ShardStatus st = check_seq_id("src_seq_id", src_seq_id);
+    if (!st.ok()) {
+        return st;
+    }
+    st = check_seq_id("dst_seq_id", dst_seq_id);
+    if (!st.ok()) {
+        return st;
+    }
+    if (next_positions_[src_seq_id] == 0) {
+        return ShardStatus::Invalid("unknown sequence " + std::to_string(src_seq_id));
+    }
+    if (next_positions_[dst_seq_id] != 0) {
+        return ShardStatus::Invalid("dst_seq_id " + std::to_string(dst_seq_id) + " already holds " +
+                                    std::to_string(next_positions_[dst_seq_id]) +
+                                    " positions; remove it first");
+    }
+    // With the non-unified KV cache every sequence has its own stream, so this copies the
+    // whole stream buffer (deferred to the next decode's memory update) and resets dst's
+    // cells: correct only because dst is empty, which is checked above.
+    llama_memory_seq_cp(llama_get_memory(ctx_.get()), static_cast<llama_seq_id>(src_seq_id),
+                        static_cast<llama_seq_id>(dst_seq_id), -1, -1);
+    set_next_position(dst_seq_id, next_positions_[src_seq_id]);
+    *next_position = next_positions_[dst_seq_id];
+    return ShardStatus::Ok();
+}
+
+ShardStatus Shard::tokenize(const std::string & text, bool add_special, bool parse_special,
+                            std::vector<int32_t> * tokens) const {
+    if (text.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+        return ShardStatus::Invalid("text of " + std::to_string(text.size()) + " bytes is too long to tokenize");
+    }
+    const int32_t text_len = static_cast<int32_t>(text.size());
+    std::vector<llama_token> buf(text.size() + 8);
+    int32_t n = llama_tokenize(vocab_, text.data(), text_len, buf.data(), static_cast<int32_t>(buf.size()),
+                               add_special, parse_special);
+    if (n == std::numeric_limits<int32_t>::min()) {
+        return ShardStatus::Invalid("tokenization of " + std::to_string(text.size()) + " bytes overflows");
+    }
+    if (n < 0) {  // buffer too small: -n is the size needed
+        buf.resize(static_cast<size_t>(-static_cast<int64_t>(n)));
+        n = llama_tokenize(vocab_, text.data(), text_len, buf.data(), static_cast<int32_t>(buf.size()), add_special,
+                           parse_special);
+        if (n < 0) {
+            return ShardStatus::Internal("llama_tokenize returned " + std::to_string(n));
+        }
+    }
+    buf.resize(static_cast<size_t>(n));
+    *tokens = std::move(buf);
+    return ShardStatus::Ok();
+}
+
+ShardStatus Shard::detokenize(const std::vector<int32_t> & tokens, bool remove_special, bool unparse_special,
+                              std::string * text) const {
+    for (size_t i = 0; i < tokens.size(); ++i) {
+        if (tokens[i] < 0 || static_cast<uint32_t>(tokens[i]) >= info_.n_vocab) {
+            return ShardStatus::Invalid("token id " + std::to_string(tokens[i]) + " at index " + std::to_string(i) +
+                                        " is outside [0, " + std::to_string(info_.n_vocab) + ")");
+        }
+    }
+    if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+        return ShardStatus::Invalid("too many tokens");
+    }
+    const int32_t n_tokens = static_cast<int32_t>(tokens.size());
+    std::string buf(tokens.size() * 8 + 16, '\0');
+    int32_t n = llama_detokenize(vocab_, tokens.data(), n_tokens, buf.data(), static_cast<int32_t>(buf.size()),
+                                 remove_special, unparse_special);
+    if (n < 0) {  // buffer too small: -n is the size needed
+        if (n == std::numeric_limits<int32_t>::min()) {
+            return ShardStatus::Invalid("detokenized text would be too long");
+        }
+        buf.resize(static_cast<size_t>(-static_cast<int64_t>(n)));
+        n = llama_detokenize(vocab_, tokens.data(), n_tokens, buf.data(), static_cast<int32_t>(buf.size()),
+                             remove_special, unparse_special);
+        if (n < 0) {
+            return ShardStatus::Internal("llama_detokenize returned " + std::to_string(n));
+        }
+    }
+    buf.resize(static_cast<size_t>(n));
+    *text = std::move(buf);
+    return ShardStatus::Ok();
+}
+
+}  // namespace baton

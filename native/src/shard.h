@@ -1,0 +1,253 @@
+// Shard: one loaded layer range [layer_begin, layer_end) of one GGUF, its llama_context (KV
+// cache for n_seq_max sequences) and the per-sequence position bookkeeping.
+//
+// Owns: the llama_model / llama_context / llama_batch lifetimes (RAII), the rules a Forward
+// request must satisfy (pure free functions below, testable without a model), and the
+// rollback of a failed decode. Knows nothing about gRPC or protobuf: service.cpp translates.
+//
+// Not thread-safe: a llama_context must be used by one thread at a time. The caller
+// serialises every non-const call (ShardWorkerService holds a mutex). info() is immutable
+// after construction and active_sequences() is atomic, so both may be read without the lock.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+struct llama_model;
+struct llama_context;
+struct llama_vocab;
+
+namespace baton {
+
+// ---------------------------------------------------------------------------------------------
+// Errors: a code (mapped 1:1 onto grpc::StatusCode by the service) and a message that names
+// the entry / sequence and what was wrong.
+
+enum class ErrorCode {
+    kOk = 0,
+    kInvalidArgument,
+    kResourceExhausted,
+    kFailedPrecondition,
+    kInternal,
+};
+
+struct ShardStatus {
+    ErrorCode code = ErrorCode::kOk;
+    std::string message;
+
+    bool ok() const { return code == ErrorCode::kOk; }
+    static ShardStatus Ok() { return {}; }
+    static ShardStatus Invalid(std::string m) { return {ErrorCode::kInvalidArgument, std::move(m)}; }
+    static ShardStatus Exhausted(std::string m) { return {ErrorCode::kResourceExhausted, std::move(m)}; }
+    static ShardStatus Internal(std::string m) { return {ErrorCode::kInternal, std::move(m)}; }
+};
+
+// Wire dtype of boundary rows; values equal baton.worker.v1.DType.
+enum class BoundaryDType : int {
+    kUnspecified = 0,
+    kF32 = 1,
+    kF16 = 2,
+};
+
+// Bytes per element of a boundary dtype, 0 for one the worker does not take.
+size_t boundary_dtype_size(BoundaryDType dtype);
+
+// ---------------------------------------------------------------------------------------------
+// Configuration and static description.
+
+struct ShardConfig {
+    std::string model_path;
+    int32_t layer_begin = 0;
+    int32_t layer_end = -1;           // -1: to the last block
+    uint32_t ctx_size_per_seq = 4096; // positions one sequence may hold
+    uint32_t max_sequences = 4;       // n_seq_max: sequence ids are [0, max_sequences)
+    uint32_t batch_size = 512;        // rows one Forward may carry (n_batch = n_ubatch)
+    int32_t threads = 0;              // 0: std::thread::hardware_concurrency()
+    int32_t gpu_layers = -1;          // llama.cpp n_gpu_layers; -1: all
+    bool use_mmap = true;
+    std::string model_sha256;         // hex; empty: computed from the file at load
+    // When set and it becomes true, loading stops (through llama's progress callback) and
+    // the constructor throws ShardLoadError. Not owned; must outlive the constructor call.
+    const std::atomic<bool> * cancel_load = nullptr;
+};
+
+// What a loaded shard is; mirrors InfoReply. Immutable after load.
+struct ShardInfo {
+    std::string architecture;
+    uint32_t n_layer = 0;
+    uint32_t n_embd = 0;
+    uint32_t n_vocab = 0;
+    uint32_t layer_begin = 0;
+    uint32_t layer_end = 0;
+    bool takes_tokens = false;
+    bool gives_logits = false;
+    std::string recipe_hash;
+    std::string model_sha256;
+    std::string llama_cpp_commit;
+    std::string patch_series_sha256;
+    std::string backend;
+    uint64_t weight_bytes = 0;
+    uint64_t weight_buffer_bytes = 0;
+    uint64_t kv_bytes = 0;
+    uint32_t n_ctx_per_sequence = 0;
+    uint32_t n_seq_max = 0;
+    uint32_t n_batch_max = 0;
+    std::string model_path;
+    uint32_t n_threads = 0;
+};
+
+// The boundary schema this worker speaks (BoundarySchema.name / version, wire dtype name).
+inline constexpr const char * kBoundarySchemaName = "residual";
+inline constexpr uint32_t kBoundarySchemaVersion = 1;
+inline constexpr const char * kBoundaryWireDType = "f32";
+
+// sha256 hex of "model_sha256\nllama_commit\npatch_sha256\nbackend\nresidual/1\nf32".
+std::string compute_recipe_hash(const std::string & model_sha256, const std::string & llama_commit,
+                                const std::string & patch_series_sha256, const std::string & backend);
+
+// The llama.cpp commit and patch-series hash baked in at build time ("unknown" if not given).
+const char * built_llama_cpp_commit();
+const char * built_patch_series_sha256();
+
+// ---------------------------------------------------------------------------------------------
+// Forward: plain input/output records (the service fills them from / into protobuf).
+
+struct ForwardEntry {
+    uint32_t seq_id = 0;
+    std::vector<int32_t> positions;
+    std::vector<int32_t> token_ids;
+    std::string_view boundary;        // points into the request; must outlive forward()
+    BoundaryDType boundary_dtype = BoundaryDType::kUnspecified;
+    std::vector<uint32_t> logit_rows; // empty: the entry's last row
+};
+
+struct ForwardOutput {
+    uint32_t seq_id = 0;
+    uint32_t n_rows = 0;
+    std::string boundary;             // f32 [n_rows, n_embd], ranges that are not last
+    std::string logits;               // f32 [n_rows, n_vocab], the last range
+    std::vector<uint32_t> logit_rows;
+    int32_t next_position = 0;
+};
+
+// The limits a Forward is checked against (from ShardInfo, separate so tests need no model).
+struct ForwardLimits {
+    uint32_t layer_begin = 0;
+    uint32_t layer_end = 0;
+    bool takes_tokens = false;
+    bool gives_logits = false;
+    uint32_t n_embd = 0;
+    uint32_t n_vocab = 0;
+    uint32_t n_seq_max = 0;
+    uint32_t n_batch_max = 0;
+    uint32_t n_ctx_per_sequence = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Pure validation helpers. Each returns Ok or an error naming what was wrong.
+
+// schema_version must be the one this worker speaks (1).
+ShardStatus check_schema_version(uint32_t schema_version);
+
+// positions must be next, next+1, ...; next is what the sequence already holds.
+ShardStatus check_positions(uint32_t seq_id, const std::vector<int32_t> & positions, int32_t next);
+
+// byte length of n_rows boundary rows of n_embd values of elem_size bytes.
+ShardStatus check_boundary_bytes(size_t entry, uint32_t seq_id, size_t got_bytes, size_t n_rows,
+                                 size_t n_embd, size_t elem_size);
+
+// index of the first NaN/Inf value, or -1 when all are finite. data need not be aligned.
+int64_t find_non_finite_f32(const void * data, size_t n_values);
+int64_t find_non_finite_f16(const void * data, size_t n_values);
+
+// index of the first entry whose seq_id already appeared earlier, or -1.
+int64_t find_duplicate_seq_id(const std::vector<uint32_t> & seq_ids);
+
+// total rows of one Forward against n_batch_max (RESOURCE_EXHAUSTED).
+ShardStatus check_batch_rows(size_t total_rows, uint32_t n_batch_max);
+
+// room in the sequence's context (RESOURCE_EXHAUSTED).
+ShardStatus check_context_room(uint32_t seq_id, int32_t next, size_t n_rows, uint32_t n_ctx_per_sequence);
+
+// The whole request, before anything touches the KV cache. next_positions[s] is what
+// sequence s holds now (size n_seq_max).
+ShardStatus validate_forward(const ForwardLimits & limits, const std::vector<ForwardEntry> & entries,
+                             const std::vector<int32_t> & next_positions);
+
+// The most sequences one context can hold (llama_max_parallel_sequences()).
+uint32_t max_sequences_limit();
+
+// "B:E", "B:" or "B:-1" (to the end). Returns false and sets *error on bad input.
+bool parse_layer_range(const std::string & text, int32_t * begin, int32_t * end, std::string * error);
+
+// ---------------------------------------------------------------------------------------------
+// llama.cpp log capture: llama's log goes through one process-wide callback that keeps the last
+// ERROR lines (the reason a load failed), and forwards everything to stderr only when the
+// environment variable BATON_LLAMA_LOG is set to a non-empty value other than "0".
+
+void install_llama_log_capture();
+std::string last_llama_errors();  // the kept ERROR lines joined with "; ", or ""
+void clear_llama_errors();
+
+// Thrown by Shard's constructor: a one-line reason the shard cannot be loaded.
+struct ShardLoadError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// ---------------------------------------------------------------------------------------------
+
+class Shard {
+public:
+    // Loads the model range and creates the context. Throws ShardLoadError.
+    explicit Shard(ShardConfig config);
+    ~Shard();
+
+    Shard(const Shard &) = delete;
+    Shard & operator=(const Shard &) = delete;
+
+    const ShardInfo & info() const { return info_; }
+    ForwardLimits limits() const;
+    uint32_t active_sequences() const { return active_sequences_.load(std::memory_order_relaxed); }
+
+    // Positions sequence seq_id holds (0 if unknown). seq_id must be < n_seq_max.
+    int32_t next_position(uint32_t seq_id) const;
+
+    // One llama_decode over the request. On any error nothing changes (a failed decode is
+    // rolled back). outputs is filled in request order on success.
+    ShardStatus forward(const std::vector<ForwardEntry> & entries, std::vector<ForwardOutput> * outputs);
+
+    ShardStatus remove_sequence(uint32_t seq_id, int32_t * next_position);
+    ShardStatus trim_sequence(uint32_t seq_id, int32_t keep_positions, int32_t * next_position);
+    ShardStatus copy_sequence(uint32_t src_seq_id, uint32_t dst_seq_id, int32_t * next_position);
+
+    // Thread-safe (vocab is read-only): may be called without the caller's lock.
+    ShardStatus tokenize(const std::string & text, bool add_special, bool parse_special,
+                         std::vector<int32_t> * tokens) const;
+    ShardStatus detokenize(const std::vector<int32_t> & tokens, bool remove_special, bool unparse_special,
+                           std::string * text) const;
+
+private:
+    struct ModelDeleter { void operator()(llama_model * m) const; };
+    struct ContextDeleter { void operator()(llama_context * c) const; };
+    struct Batch;  // owns a llama_batch (llama_batch_init / llama_batch_free)
+
+    ShardStatus check_seq_id(const char * what, uint32_t seq_id) const;
+    void set_next_position(uint32_t seq_id, int32_t next);
+
+    ShardConfig config_;
+    ShardInfo info_;
+    std::unique_ptr<llama_model, ModelDeleter> model_;
+    std::unique_ptr<llama_context, ContextDeleter> ctx_;
+    std::unique_ptr<Batch> batch_;
+    const llama_vocab * vocab_ = nullptr;
+    std::vector<int32_t> next_positions_;  // per seq id: positions held
+    std::atomic<uint32_t> active_sequences_{0};
+};
+
+}  // namespace baton

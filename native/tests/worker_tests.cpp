@@ -1,0 +1,831 @@
+// CTest driver for the shard worker: `baton-worker-tests validation|model|service`.
+//
+// validation: the pure helpers of shard.h / service.h, no model.
+// model:      BATON_TEST_MODEL=/path/SmolLM2-135M-Instruct.Q4_1.gguf (30 blocks). Loads [0,10),
+//             [10,30) and [0,30) through Shard and checks that split logits are bit-identical to
+//             the whole model's, across prefill, decode, several sequences, trim/copy/remove, and
+//             after bad requests (which must change nothing).
+// service:    BATON_TEST_MODEL as above; the gRPC service in-process on a Unix socket.
+// A model test exits 77 (CTest SKIP_RETURN_CODE) when BATON_TEST_MODEL is unset.
+#include "service.h"
+#include "sha256.h"
+#include "shard.h"
+
+#include "ggml.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+int g_failures = 0;
+
+#define CHECK(cond)                                                                  \
+    do {                                                                             \
+        if (!(cond)) {                                                               \
+            std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+            ++g_failures;                                                            \
+        }                                                                            \
+    } while (0)
+
+// Fatal variant: later steps depend on it.
+#define REQUIRE(cond)                                                                \
+    do {                                                                             \
+        if (!(cond)) {                                                               \
+            std::fprintf(stderr, "%s:%d: REQUIRE failed: %s\n", __FILE__, __LINE__, #cond); \
+            std::exit(1);                                                            \
+        }                                                                            \
+    } while (0)
+
+bool contains(const std::string & haystack, const std::string & needle) {
+    const bool found = haystack.find(needle) != std::string::npos;
+    if (!found) {
+        std::fprintf(stderr, "  message '%s' lacks '%s'\n", haystack.c_str(), needle.c_str());
+    }
+    return found;
+}
+
+#define CHECK_STATUS(st, want_code, want_text)                                      \
+    do {                                                                             \
+        const baton::ShardStatus st_ = (st);                                         \
+        CHECK(st_.code == (want_code));                                              \
+        CHECK(contains(st_.message, want_text));                                     \
+    } while (0)
+
+#define CHECK_OK(st)                                                                 \
+    do {                                                                             \
+        const baton::ShardStatus st_ = (st);                                         \
+        if (!st_.ok()) {                                                             \
+            std::fprintf(stderr, "%s:%d: not ok: %s\n", __FILE__, __LINE__, st_.message.c_str()); \
+            ++g_failures;                                                            \
+        }                                                                            \
+    } while (0)
+
+using baton::BoundaryDType;
+using baton::ErrorCode;
+using baton::ForwardEntry;
+using baton::ForwardLimits;
+using baton::ForwardOutput;
+using baton::ShardStatus;
+
+std::string f32_bytes(const std::vector<float> & values) {
+    return std::string(reinterpret_cast<const char *>(values.data()), values.size() * sizeof(float));
+}
+
+std::vector<int32_t> iota_positions(int32_t start, int32_t n) {
+    std::vector<int32_t> p(static_cast<size_t>(n));
+    for (int32_t i = 0; i < n; ++i) {
+        p[static_cast<size_t>(i)] = start + i;
+    }
+    return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+void test_schema_and_positions() {
+    CHECK_OK(baton::check_schema_version(1));
+    CHECK_STATUS(baton::check_schema_version(0), ErrorCode::kInvalidArgument,
+                 "schema_version 0 is not supported (this worker speaks 1)");
+    CHECK_STATUS(baton::check_schema_version(2), ErrorCode::kInvalidArgument, "schema_version 2");
+
+    CHECK_OK(baton::check_positions(3, {0, 1, 2}, 0));
+    CHECK_OK(baton::check_positions(3, {7}, 7));
+    CHECK_STATUS(baton::check_positions(3, {1, 2}, 0), ErrorCode::kInvalidArgument,
+                 "positions for seq 3 must start at 0 and increase by 1; got 1, 2");
+    CHECK_STATUS(baton::check_positions(4, {5, 6, 8}, 5), ErrorCode::kInvalidArgument, "row 2");
+    CHECK_STATUS(baton::check_positions(4, {5, 5}, 5), ErrorCode::kInvalidArgument, "must start at 5");
+    CHECK_STATUS(baton::check_positions(0, {std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min()},
+                                        std::numeric_limits<int32_t>::max()),
+                 ErrorCode::kInvalidArgument, "row 1");
+}
+
+void test_bytes_and_finite() {
+    CHECK_OK(baton::check_boundary_bytes(0, 1, 2 * 576 * 4, 2, 576, 4));
+    CHECK_STATUS(baton::check_boundary_bytes(0, 1, 2 * 576 * 4 - 1, 2, 576, 4), ErrorCode::kInvalidArgument,
+                 "row width: got 4607 bytes, expected 2 rows x 576 values x 4 bytes = 4608");
+    CHECK_STATUS(baton::check_boundary_bytes(2, 9, 3 * 576 * 4, 2, 576, 4), ErrorCode::kInvalidArgument,
+                 "entry 2 (seq 9): 2 positions but 3 boundary rows");
+    CHECK_STATUS(baton::check_boundary_bytes(0, 1, 0, 1, 576, 2), ErrorCode::kInvalidArgument, "1 positions but 0");
+
+    CHECK(baton::boundary_dtype_size(BoundaryDType::kF32) == 4);
+    CHECK(baton::boundary_dtype_size(BoundaryDType::kF16) == 2);
+    CHECK(baton::boundary_dtype_size(BoundaryDType::kUnspecified) == 0);
+    CHECK(baton::boundary_dtype_size(static_cast<BoundaryDType>(7)) == 0);
+
+    std::vector<float> v(10000, 1.5f);
+    CHECK(baton::find_non_finite_f32(v.data(), v.size()) == -1);
+    v[9999] = std::numeric_limits<float>::infinity();
+    CHECK(baton::find_non_finite_f32(v.data(), v.size()) == 9999);
+    v[5000] = -std::numeric_limits<float>::infinity();
+    CHECK(baton::find_non_finite_f32(v.data(), v.size()) == 5000);
+    v[4097] = std::nanf("");
+    CHECK(baton::find_non_finite_f32(v.data(), v.size()) == 4097);
+    v[0] = -std::numeric_limits<float>::quiet_NaN();
+    CHECK(baton::find_non_finite_f32(v.data(), v.size()) == 0);
+    CHECK(baton::find_non_finite_f32(v.data(), 0) == -1);
+    std::vector<float> edge = {std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                               std::numeric_limits<float>::denorm_min(), -0.0f};
+    CHECK(baton::find_non_finite_f32(edge.data(), edge.size()) == -1);
+    // Unaligned input (protobuf bytes carry no alignment promise).
+    std::string raw(1 + 8 * sizeof(float), '\0');
+    std::vector<float> w(8, 2.0f);
+    w[6] = std::numeric_limits<float>::infinity();
+    std::memcpy(&raw[1], w.data(), 8 * sizeof(float));
+    CHECK(baton::find_non_finite_f32(raw.data() + 1, 8) == 6);
+
+    const std::vector<uint16_t> halves = {0x3c00, 0xbc00, 0x7bff, 0x0001, 0x7c00, 0x7e00};
+    CHECK(baton::find_non_finite_f16(halves.data(), 4) == -1);
+    CHECK(baton::find_non_finite_f16(halves.data(), 5) == 4);
+    CHECK(baton::find_non_finite_f16(halves.data() + 5, 1) == 0);
+}
+
+void test_seq_ids_and_limits() {
+    CHECK(baton::find_duplicate_seq_id({}) == -1);
+    CHECK(baton::find_duplicate_seq_id({0, 1, 2}) == -1);
+    CHECK(baton::find_duplicate_seq_id({0, 1, 0}) == 2);
+    CHECK(baton::find_duplicate_seq_id({3, 3}) == 1);
+
+    CHECK_OK(baton::check_batch_rows(512, 512));
+    CHECK_STATUS(baton::check_batch_rows(513, 512), ErrorCode::kResourceExhausted,
+                 "batch of 513 rows exceeds the limit of 512");
+    CHECK_OK(baton::check_context_room(1, 100, 28, 128));
+    CHECK_STATUS(baton::check_context_room(1, 100, 29, 128), ErrorCode::kResourceExhausted, "context full for seq 1");
+}
+
+ForwardLimits middle_limits() {
+    ForwardLimits l;
+    l.layer_begin = 10;
+    l.layer_end = 20;
+    l.takes_tokens = false;
+    l.gives_logits = false;
+    l.n_embd = 4;
+    l.n_vocab = 100;
+    l.n_seq_max = 4;
+    l.n_batch_max = 8;
+    l.n_ctx_per_sequence = 16;
+    return l;
+}
+
+ForwardEntry boundary_entry(uint32_t seq, int32_t start, int32_t n_rows, const std::string & bytes) {
+    ForwardEntry e;
+    e.seq_id = seq;
+    e.positions = iota_positions(start, n_rows);
+    e.boundary = bytes;
+    e.boundary_dtype = BoundaryDType::kF32;
+    return e;
+}
+
+void test_validate_forward() {
+    const std::vector<int32_t> next = {0, 3, 0, 15};
+    const std::string one_row = f32_bytes({1, 2, 3, 4});
+    const std::string two_rows = f32_bytes({1, 2, 3, 4, 5, 6, 7, 8});
+
+    // Middle range: boundary rows in, boundary rows out.
+    ForwardLimits mid = middle_limits();
+    CHECK_OK(baton::validate_forward(mid, {boundary_entry(0, 0, 2, two_rows), boundary_entry(1, 3, 1, one_row)}, next));
+    CHECK_STATUS(baton::validate_forward(mid, {}, next), ErrorCode::kInvalidArgument, "empty request");
+    CHECK_STATUS(baton::validate_forward(mid, {boundary_entry(0, 0, 1, one_row), boundary_entry(0, 1, 1, one_row)}, next),
+                 ErrorCode::kInvalidArgument, "entry 1 (seq 0): seq_id 0 appears more than once");
+    CHECK_STATUS(baton::validate_forward(mid, {boundary_entry(4, 0, 1, one_row)}, next), ErrorCode::kInvalidArgument,
+                 "seq_id 4 is out of range");
+    CHECK_STATUS(baton::validate_forward(mid, {boundary_entry(0, 0, 0, "")}, next), ErrorCode::kInvalidArgument,
+                 "entry 0 (seq 0): no rows");
+    {
+        const std::string no_bytes;
+        ForwardEntry e = boundary_entry(0, 0, 1, no_bytes);
+        e.token_ids = {5};
+        CHECK_STATUS(baton::validate_forward(mid, {e}, next), ErrorCode::kInvalidArgument,
+                     "range [10,20) takes boundary rows, not token ids");
+    }
+    {
+        ForwardEntry e = boundary_entry(0, 0, 1, one_row);
+        e.boundary_dtype = BoundaryDType::kUnspecified;
+        CHECK_STATUS(baton::validate_forward(mid, {e}, next), ErrorCode::kInvalidArgument, "boundary_dtype 0");
+        e.boundary_dtype = BoundaryDType::kF16;  // 16 bytes of f16 = 2 rows of 4, but 1 position
+        CHECK_STATUS(baton::validate_forward(mid, {e}, next), ErrorCode::kInvalidArgument, "1 positions but 2 boundary rows");
+        const std::vector<uint16_t> h = {0x3c00, 0x3c00, 0x3c00, 0x3c00};
+        const std::string hb(reinterpret_cast<const char *>(h.data()), 8);
+        e.boundary = hb;
+        CHECK_OK(baton::validate_forward(mid, {e}, next));
+        const std::vector<uint16_t> hn = {0x3c00, 0x7c00, 0x3c00, 0x3c00};
+        const std::string hnb(reinterpret_cast<const char *>(hn.data()), 8);
+        e.boundary = hnb;
+        CHECK_STATUS(baton::validate_forward(mid, {e}, next), ErrorCode::kInvalidArgument, "row 0, column 1 is not finite");
+    }
+    CHECK_STATUS(baton::validate_forward(mid, {boundary_entry(0, 0, 1, one_row + "xyz")}, next),
+                 ErrorCode::kInvalidArgument, "row width: got 19 bytes");
+    {
+        const std::string nan_rows = f32_bytes({1, 2, 3, 4, 5, std::nanf(""), 7, 8});
+        CHECK_STATUS(baton::validate_forward(mid, {boundary_entry(0, 0, 2, nan_rows)}, next),
+                     ErrorCode::kInvalidArgument, "entry 0 (seq 0): boundary value at row 1, column 1 is not finite");
+    }
+    CHECK_STATUS(baton::validate_forward(mid, {boundary_entry(1, 2, 1, one_row)}, next), ErrorCode::kInvalidArgument,
+                 "positions for seq 1 must start at 3 and increase by 1; got 2");
+    CHECK_STATUS(baton::validate_forward(mid, {boundary_entry(3, 15, 2, two_rows)}, next),
+                 ErrorCode::kResourceExhausted, "context full for seq 3");
+    {
+        std::vector<float> many(9 * 4, 0.5f);
+        CHECK_STATUS(baton::validate_forward(mid, {boundary_entry(0, 0, 9, f32_bytes(many))}, next),
+                     ErrorCode::kResourceExhausted, "batch of 9 rows exceeds the limit of 8");
+        // Split over two entries, still too many in total.
+        std::vector<float> five(5 * 4, 0.5f);
+        std::vector<float> four(4 * 4, 0.5f);
+        CHECK_STATUS(baton::validate_forward(mid, {boundary_entry(0, 0, 5, f32_bytes(five)),
+                                                   boundary_entry(2, 0, 4, f32_bytes(four))},
+                                             next),
+                     ErrorCode::kResourceExhausted, "batch of 9 rows");
+    }
+    {
+        // logit_rows are ignored by a range that gives boundary rows.
+        ForwardEntry e = boundary_entry(0, 0, 1, one_row);
+        e.logit_rows = {7};
+        CHECK_OK(baton::validate_forward(mid, {e}, next));
+    }
+
+    // First range: token ids in.
+    ForwardLimits first = mid;
+    first.layer_begin = 0;
+    first.takes_tokens = true;
+    {
+        ForwardEntry e;
+        e.seq_id = 0;
+        e.positions = {0, 1};
+        e.token_ids = {1, 99};
+        CHECK_OK(baton::validate_forward(first, {e}, next));
+        e.token_ids = {1, 100};
+        CHECK_STATUS(baton::validate_forward(first, {e}, next), ErrorCode::kInvalidArgument,
+                     "token id 100 at row 1 is outside [0, 100)");
+        e.token_ids = {-1, 2};
+        CHECK_STATUS(baton::validate_forward(first, {e}, next), ErrorCode::kInvalidArgument, "token id -1 at row 0");
+        e.token_ids = {1};
+        CHECK_STATUS(baton::validate_forward(first, {e}, next), ErrorCode::kInvalidArgument,
+                     "2 positions but 1 token ids");
+        e.token_ids = {1, 2};
+        e.boundary = two_rows;
+        CHECK_STATUS(baton::validate_forward(first, {e}, next), ErrorCode::kInvalidArgument,
+                     "range [0,20) takes token ids, not boundary rows");
+    }
+
+    // Last range: logit_rows checked.
+    ForwardLimits last = mid;
+    last.layer_end = 30;
+    last.gives_logits = true;
+    {
+        ForwardEntry e = boundary_entry(0, 0, 2, two_rows);
+        e.logit_rows = {0, 1};
+        CHECK_OK(baton::validate_forward(last, {e}, next));
+        e.logit_rows = {2};
+        CHECK_STATUS(baton::validate_forward(last, {e}, next), ErrorCode::kInvalidArgument,
+                     "logit_rows names row 2 but the entry has 2 rows");
+        e.logit_rows = {1, 1};
+        CHECK_STATUS(baton::validate_forward(last, {e}, next), ErrorCode::kInvalidArgument, "names row 1 twice");
+    }
+}
+
+void test_parse_layers_and_hashes() {
+    int32_t b = -5;
+    int32_t e = -5;
+    std::string err;
+    CHECK(baton::parse_layer_range("0:10", &b, &e, &err) && b == 0 && e == 10);
+    CHECK(baton::parse_layer_range("10:", &b, &e, &err) && b == 10 && e == -1);
+    CHECK(baton::parse_layer_range("10:-1", &b, &e, &err) && b == 10 && e == -1);
+    for (const char * bad : {"", "10", ":10", "a:b", "10:5", "10:10", "-1:5", "1:-2", "1:2x", "99999999999:"}) {
+        err.clear();
+        CHECK(!baton::parse_layer_range(bad, &b, &e, &err));
+        CHECK(!err.empty());
+    }
+
+    CHECK(baton::sha256_hex("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+    CHECK(baton::sha256_hex("") == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    CHECK(baton::is_sha256_hex(std::string(64, 'a')));
+    CHECK(!baton::is_sha256_hex(std::string(63, 'a')));
+    CHECK(!baton::is_sha256_hex(std::string(64, 'g')));
+    CHECK(baton::compute_recipe_hash("m", "c", "p", "CPU") == baton::sha256_hex("m\nc\np\nCPU\nresidual/1\nf32"));
+
+    baton::ShardInfo info;
+    info.n_embd = 576;
+    info.n_vocab = 49152;
+    info.n_batch_max = 512;
+    info.gives_logits = false;
+    CHECK(baton::max_receive_message_bytes(info) >= 512 * 576 * 4);
+    CHECK(baton::max_send_message_bytes(info) >= 512 * 576 * 4);
+    info.gives_logits = true;
+    CHECK(baton::max_send_message_bytes(info) >= 512 * 49152 * 4);
+    info.n_batch_max = 100000;
+    CHECK(baton::max_send_message_bytes(info) == std::numeric_limits<int>::max());
+
+    CHECK(baton::to_grpc_status(ShardStatus::Ok()).ok());
+    CHECK(baton::to_grpc_status(ShardStatus::Invalid("x")).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    CHECK(baton::to_grpc_status(ShardStatus::Exhausted("x")).error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+    CHECK(baton::to_grpc_status(ShardStatus::Internal("why")).error_message() == "why");
+}
+
+int run_validation() {
+    test_schema_and_positions();
+    test_bytes_and_finite();
+    test_seq_ids_and_limits();
+    test_validate_forward();
+    test_parse_layers_and_hashes();
+    return g_failures == 0 ? 0 : 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model tests
+
+const char * test_model_or_skip() {
+    const char * path = std::getenv("BATON_TEST_MODEL");
+    if (path == nullptr || *path == '\0') {
+        std::fprintf(stderr, "BATON_TEST_MODEL is not set: skipping\n");
+        std::exit(77);
+    }
+    return path;
+}
+
+baton::ShardConfig test_config(const char * model, int32_t begin, int32_t end) {
+    baton::ShardConfig c;
+    c.model_path = model;
+    c.layer_begin = begin;
+    c.layer_end = end;
+    c.ctx_size_per_seq = 256;
+    c.max_sequences = 4;
+    c.batch_size = 64;
+    c.threads = 2;
+    c.gpu_layers = 0;
+    c.model_sha256 = std::string(64, '0');  // hashing is tested elsewhere; keep the test fast
+    return c;
+}
+
+std::unique_ptr<baton::Shard> load(const char * model, int32_t begin, int32_t end) {
+    try {
+        return std::make_unique<baton::Shard>(test_config(model, begin, end));
+    } catch (const std::exception & e) {
+        std::fprintf(stderr, "cannot load [%d,%d): %s\n", begin, end, e.what());
+        std::exit(1);
+    }
+}
+
+ForwardEntry token_entry(uint32_t seq, int32_t start, const std::vector<int32_t> & tokens,
+                         std::vector<uint32_t> logit_rows = {}) {
+    ForwardEntry e;
+    e.seq_id = seq;
+    e.positions = iota_positions(start, static_cast<int32_t>(tokens.size()));
+    e.token_ids = tokens;
+    e.logit_rows = std::move(logit_rows);
+    return e;
+}
+
+// The two-hop pipeline [0,10) -> [10,30) next to the whole model [0,30).
+struct Pipeline {
+    baton::Shard * head;
+    baton::Shard * tail;
+    baton::Shard * whole;
+
+    // Runs token entries through both paths; returns false after recording a failure.
+    // split/whole: the last range's outputs (logits) in request order.
+    bool run(const std::vector<ForwardEntry> & entries, std::vector<ForwardOutput> * split,
+             std::vector<ForwardOutput> * full) {
+        std::vector<ForwardOutput> mid;
+        ShardStatus st = head->forward(entries, &mid);
+        if (!st.ok()) {
+            std::fprintf(stderr, "head forward: %s\n", st.message.c_str());
+            ++g_failures;
+            return false;
+        }
+        std::vector<ForwardEntry> tail_entries;
+        for (size_t i = 0; i < entries.size(); ++i) {
+            ForwardEntry e;
+            e.seq_id = entries[i].seq_id;
+            e.positions = entries[i].positions;
+            e.boundary = mid[i].boundary;
+            e.boundary_dtype = BoundaryDType::kF32;
+            e.logit_rows = entries[i].logit_rows;
+            tail_entries.push_back(std::move(e));
+            CHECK(mid[i].n_rows == entries[i].positions.size());
+            CHECK(mid[i].boundary.size() == entries[i].positions.size() * head->info().n_embd * sizeof(float));
+            CHECK(mid[i].logits.empty());
+        }
+        st = tail->forward(tail_entries, split);
+        if (!st.ok()) {
+            std::fprintf(stderr, "tail forward: %s\n", st.message.c_str());
+            ++g_failures;
+            return false;
+        }
+        st = whole->forward(entries, full);
+        if (!st.ok()) {
+            std::fprintf(stderr, "whole forward: %s\n", st.message.c_str());
+            ++g_failures;
+            return false;
+        }
+        return true;
+    }
+
+    bool run_and_compare(const std::vector<ForwardEntry> & entries, std::vector<ForwardOutput> * out = nullptr) {
+        std::vector<ForwardOutput> split;
+        std::vector<ForwardOutput> full;
+        if (!run(entries, &split, &full)) {
+            return false;
+        }
+        bool same = split.size() == full.size();
+        for (size_t i = 0; same && i < split.size(); ++i) {
+            same = split[i].seq_id == full[i].seq_id && split[i].logit_rows == full[i].logit_rows &&
+                   split[i].next_position == full[i].next_position && split[i].logits.size() == full[i].logits.size() &&
+                   !split[i].logits.empty() &&
+                   std::memcmp(split[i].logits.data(), full[i].logits.data(), full[i].logits.size()) == 0;
+        }
+        if (!same) {
+            std::fprintf(stderr, "split logits differ from the whole model's\n");
+            ++g_failures;
+        }
+        if (out != nullptr) {
+            *out = std::move(full);
+        }
+        return same;
+    }
+};
+
+int32_t argmax_last_row(const ForwardOutput & o, uint32_t n_vocab) {
+    const float * row = reinterpret_cast<const float *>(o.logits.data()) + (o.n_rows - 1) * static_cast<size_t>(n_vocab);
+    int32_t best = 0;
+    for (uint32_t t = 1; t < n_vocab; ++t) {
+        if (row[t] > row[best]) {
+            best = static_cast<int32_t>(t);
+        }
+    }
+    return best;
+}
+
+int run_model() {
+    const char * model = test_model_or_skip();
+    auto whole = load(model, 0, -1);
+    auto head = load(model, 0, 10);
+    auto tail = load(model, 10, -1);
+    const baton::ShardInfo & wi = whole->info();
+    const baton::ShardInfo & hi = head->info();
+    const baton::ShardInfo & ti = tail->info();
+
+    CHECK(wi.layer_begin == 0 && wi.layer_end == wi.n_layer && wi.takes_tokens && wi.gives_logits);
+    CHECK(hi.layer_begin == 0 && hi.layer_end == 10 && hi.takes_tokens && !hi.gives_logits);
+    CHECK(ti.layer_begin == 10 && ti.layer_end == wi.n_layer && !ti.takes_tokens && ti.gives_logits);
+    CHECK(hi.n_embd == wi.n_embd && ti.n_embd == wi.n_embd && ti.n_vocab == wi.n_vocab);
+    CHECK(hi.weight_bytes < wi.weight_bytes && ti.weight_bytes < wi.weight_bytes);
+    CHECK(hi.kv_bytes > 0 && ti.kv_bytes > 0 && hi.kv_bytes < ti.kv_bytes && ti.kv_bytes < wi.kv_bytes);
+    CHECK(wi.weight_buffer_bytes > 0 && wi.backend == "CPU" && wi.architecture == "llama");
+    CHECK(wi.recipe_hash == hi.recipe_hash);
+    CHECK(wi.n_seq_max == 4 && wi.n_batch_max == 64 && wi.n_ctx_per_sequence == 256);
+    std::fprintf(stderr, "model: %s n_layer %u n_embd %u n_vocab %u; weights whole %llu head %llu tail %llu; "
+                         "kv whole %llu head %llu tail %llu\n",
+                 wi.architecture.c_str(), wi.n_layer, wi.n_embd, wi.n_vocab,
+                 (unsigned long long) wi.weight_bytes, (unsigned long long) hi.weight_bytes,
+                 (unsigned long long) ti.weight_bytes, (unsigned long long) wi.kv_bytes,
+                 (unsigned long long) hi.kv_bytes, (unsigned long long) ti.kv_bytes);
+
+    // Every range tokenizes (the vocab is always loaded), identically.
+    std::vector<int32_t> prompt;
+    std::vector<int32_t> prompt_tail;
+    CHECK_OK(whole->tokenize("The capital of France is", true, false, &prompt));
+    CHECK_OK(tail->tokenize("The capital of France is", true, false, &prompt_tail));
+    CHECK(prompt == prompt_tail && prompt.size() >= 4);
+    std::string text;
+    CHECK_OK(head->detokenize(prompt, true, false, &text));
+    CHECK(text == "The capital of France is");
+
+    Pipeline p{head.get(), tail.get(), whole.get()};
+    const int32_t n_prompt = static_cast<int32_t>(prompt.size());
+
+    // Prefill seq 0 with logits for every row.
+    std::vector<uint32_t> all_rows;
+    for (int32_t r = 0; r < n_prompt; ++r) {
+        all_rows.push_back(static_cast<uint32_t>(r));
+    }
+    std::vector<ForwardOutput> out;
+    REQUIRE(p.run_and_compare({token_entry(0, 0, prompt, all_rows)}, &out));
+    CHECK(out[0].n_rows == static_cast<uint32_t>(n_prompt) && out[0].next_position == n_prompt);
+    const ForwardOutput on_first_prefill = out[0];
+    int32_t next_token = argmax_last_row(out[0], wi.n_vocab);
+
+    // A bad request to each shard changes nothing.
+    {
+        std::vector<ForwardOutput> junk;
+        std::vector<float> rows(wi.n_embd, 0.25f);
+        rows[3] = std::nanf("");
+        const std::string nan_row = f32_bytes(rows);
+        ForwardEntry bad = boundary_entry(0, n_prompt, 1, nan_row);
+        CHECK_STATUS(tail->forward({bad}, &junk), ErrorCode::kInvalidArgument, "is not finite");
+        CHECK_STATUS(tail->forward({boundary_entry(0, 0, 1, f32_bytes(std::vector<float>(wi.n_embd, 1.f)))}, &junk),
+                     ErrorCode::kInvalidArgument, "must start at " + std::to_string(n_prompt));
+        CHECK_STATUS(head->forward({token_entry(0, n_prompt, {next_token}), token_entry(0, n_prompt, {next_token})}, &junk),
+                     ErrorCode::kInvalidArgument, "appears more than once");
+        CHECK_STATUS(head->forward({token_entry(0, n_prompt, {next_token}), token_entry(1, 0, {-3})}, &junk),
+                     ErrorCode::kInvalidArgument, "entry 1 (seq 1): token id -3");
+        CHECK_STATUS(whole->forward({token_entry(0, n_prompt, {next_token}), token_entry(1, 0, std::vector<int32_t>(64, 1))},
+                                    &junk),
+                     ErrorCode::kResourceExhausted, "batch of 65 rows exceeds the limit of 64");
+        CHECK_STATUS(whole->forward({token_entry(0, n_prompt, {next_token}, {1})}, &junk), ErrorCode::kInvalidArgument,
+                     "logit_rows names row 1");
+        CHECK(head->next_position(0) == n_prompt && tail->next_position(0) == n_prompt &&
+              whole->next_position(0) == n_prompt && head->next_position(1) == 0);
+        CHECK(whole->active_sequences() == 1);
+    }
+
+    // Greedy decode of seq 0 while seq 1 prefills in the same batch.
+    std::vector<int32_t> prompt1;
+    CHECK_OK(whole->tokenize("Once upon a time, in a small village,", true, false, &prompt1));
+    int32_t pos0 = n_prompt;
+    REQUIRE(p.run_and_compare({token_entry(1, 0, prompt1), token_entry(0, pos0, {next_token})}, &out));
+    CHECK(out.size() == 2 && out[0].seq_id == 1 && out[1].seq_id == 0);
+    CHECK(out[0].n_rows == 1 && out[0].logit_rows == std::vector<uint32_t>{static_cast<uint32_t>(prompt1.size() - 1)});
+    int32_t next1 = argmax_last_row(out[0], wi.n_vocab);
+    next_token = argmax_last_row(out[1], wi.n_vocab);
+    ++pos0;
+    int32_t pos1 = static_cast<int32_t>(prompt1.size());
+    for (int step = 0; step < 4; ++step) {
+        REQUIRE(p.run_and_compare({token_entry(0, pos0, {next_token}), token_entry(1, pos1, {next1})}, &out));
+        next_token = argmax_last_row(out[0], wi.n_vocab);
+        next1 = argmax_last_row(out[1], wi.n_vocab);
+        ++pos0;
+        ++pos1;
+    }
+    CHECK(whole->active_sequences() == 2 && head->active_sequences() == 2);
+
+    // Trim seq 1 back by two positions on every hop and continue: still identical.
+    int32_t next_pos = -1;
+    for (baton::Shard * s : {head.get(), tail.get(), whole.get()}) {
+        CHECK_OK(s->trim_sequence(1, pos1 - 2, &next_pos));
+        CHECK(next_pos == pos1 - 2);
+        CHECK_STATUS(s->trim_sequence(1, pos1, &next_pos), ErrorCode::kInvalidArgument, "keep_positions");
+        CHECK_STATUS(s->trim_sequence(1, -1, &next_pos), ErrorCode::kInvalidArgument, "keep_positions");
+        CHECK_STATUS(s->trim_sequence(2, 0, &next_pos), ErrorCode::kInvalidArgument, "unknown sequence 2");
+    }
+    pos1 -= 2;
+    REQUIRE(p.run_and_compare({token_entry(1, pos1, {next1, next1})}, &out));
+    pos1 += 2;
+
+    // Copy seq 0 to seq 2 on every hop; the same token on both gives the same logits.
+    for (baton::Shard * s : {head.get(), tail.get(), whole.get()}) {
+        CHECK_STATUS(s->copy_sequence(0, 1, &next_pos), ErrorCode::kInvalidArgument, "already holds");
+        CHECK_STATUS(s->copy_sequence(3, 2, &next_pos), ErrorCode::kInvalidArgument, "unknown sequence 3");
+        CHECK_STATUS(s->copy_sequence(0, 9, &next_pos), ErrorCode::kInvalidArgument, "out of range");
+        CHECK_OK(s->copy_sequence(0, 2, &next_pos));
+        CHECK(next_pos == pos0);
+    }
+    std::vector<ForwardOutput> on_copy;
+    std::vector<ForwardOutput> on_orig;
+    REQUIRE(p.run_and_compare({token_entry(2, pos0, {next_token})}, &on_copy));
+    REQUIRE(p.run_and_compare({token_entry(0, pos0, {next_token})}, &on_orig));
+    CHECK(on_copy[0].logits == on_orig[0].logits);
+
+    // Remove seq 2: it is unknown again and starts over at 0.
+    for (baton::Shard * s : {head.get(), tail.get(), whole.get()}) {
+        CHECK_OK(s->remove_sequence(2, &next_pos));
+        CHECK(next_pos == 0);
+        CHECK_STATUS(s->remove_sequence(2, &next_pos), ErrorCode::kInvalidArgument, "unknown sequence 2");
+        CHECK_STATUS(s->remove_sequence(7, &next_pos), ErrorCode::kInvalidArgument, "out of range");
+    }
+    {
+        std::vector<ForwardOutput> junk;
+        CHECK_STATUS(whole->forward({token_entry(2, pos0 + 1, {next_token})}, &junk), ErrorCode::kInvalidArgument,
+                     "positions for seq 2 must start at 0");
+    }
+    REQUIRE(p.run_and_compare({token_entry(2, 0, prompt)}, &out));
+
+    // Boundary rows sent as f16 are accepted and widened (not bit-identical, but finite and close).
+    {
+        std::vector<ForwardOutput> mid;
+        std::vector<ForwardOutput> last;
+        REQUIRE(head->forward({token_entry(3, 0, prompt)}, &mid).ok());
+        const float * rows = reinterpret_cast<const float *>(mid[0].boundary.data());
+        const size_t n_values = mid[0].boundary.size() / sizeof(float);
+        std::vector<ggml_fp16_t> halves(n_values);
+        for (size_t i = 0; i < n_values; ++i) {
+            halves[i] = ggml_fp32_to_fp16(rows[i]);
+        }
+        const std::string f16_bytes(reinterpret_cast<const char *>(halves.data()), n_values * sizeof(ggml_fp16_t));
+        ForwardEntry e;
+        e.seq_id = 3;
+        e.positions = iota_positions(0, n_prompt);
+        e.boundary = f16_bytes;
+        e.boundary_dtype = BoundaryDType::kF16;
+        REQUIRE(tail->forward({e}, &last).ok());
+        CHECK(last[0].next_position == n_prompt && last[0].logits.size() == wi.n_vocab * sizeof(float));
+        CHECK(baton::find_non_finite_f32(last[0].logits.data(), wi.n_vocab) == -1);
+        CHECK(argmax_last_row(last[0], wi.n_vocab) == argmax_last_row(on_first_prefill, wi.n_vocab));
+        CHECK_OK(head->remove_sequence(3, &next_pos));
+        CHECK_OK(tail->remove_sequence(3, &next_pos));
+    }
+
+    // Context limit: 256 positions per sequence.
+    {
+        std::vector<ForwardOutput> junk;
+        const int32_t held = whole->next_position(3);
+        CHECK(held == 0);
+        for (int32_t start = 0; start < 256; start += 64) {
+            CHECK_OK(whole->forward({token_entry(3, start, std::vector<int32_t>(64, prompt[1]))}, &junk));
+        }
+        CHECK_STATUS(whole->forward({token_entry(3, 256, {prompt[1]})}, &junk), ErrorCode::kResourceExhausted,
+                     "context full for seq 3");
+        CHECK_OK(whole->remove_sequence(3, &next_pos));
+    }
+
+    // Detokenize a text longer than the first guess of its size (the "buffer too small" path).
+    {
+        int32_t longest = 0;
+        std::string longest_text;
+        for (int32_t t = 0; t < static_cast<int32_t>(wi.n_vocab); ++t) {
+            std::string piece;
+            if (whole->detokenize({t}, false, true, &piece).ok() && piece.size() > longest_text.size()) {
+                longest = t;
+                longest_text = piece;
+            }
+        }
+        std::string many;
+        CHECK_OK(whole->detokenize(std::vector<int32_t>(10, longest), false, true, &many));
+        CHECK(many.size() >= 10 * longest_text.size() - 10);
+        CHECK_STATUS(whole->detokenize({static_cast<int32_t>(wi.n_vocab)}, false, false, &many),
+                     ErrorCode::kInvalidArgument, "outside");
+        std::vector<int32_t> toks;
+        const std::string long_text(5000, 'a');
+        CHECK_OK(whole->tokenize(long_text, true, false, &toks));
+        CHECK(!toks.empty());
+    }
+
+    return g_failures == 0 ? 0 : 1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Service test: the gRPC service in-process on a Unix socket.
+
+namespace v1 = baton::worker::v1;
+
+int run_service() {
+    const char * model = test_model_or_skip();
+    auto shard = load(model, 0, -1);
+    baton::ShardWorkerService service(shard.get());
+
+    const std::string socket_path = "/tmp/baton-worker-test-" + std::to_string(::getpid()) + ".sock";
+    ::unlink(socket_path.c_str());
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("unix:" + socket_path, grpc::InsecureServerCredentials());
+    builder.SetMaxReceiveMessageSize(baton::max_receive_message_bytes(shard->info()));
+    builder.SetMaxSendMessageSize(baton::max_send_message_bytes(shard->info()));
+    builder.RegisterService(&service);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    REQUIRE(server != nullptr);
+
+    auto channel = grpc::CreateChannel("unix:" + socket_path, grpc::InsecureChannelCredentials());
+    auto stub = v1::ShardWorker::NewStub(channel);
+
+    {
+        grpc::ClientContext ctx;
+        v1::InfoRequest req;
+        v1::InfoReply rep;
+        grpc::Status st = stub->Info(&ctx, req, &rep);
+        CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+        CHECK(contains(st.error_message(), "schema_version 0 is not supported (this worker speaks 1)"));
+    }
+    {
+        grpc::ClientContext ctx;
+        v1::InfoRequest req;
+        req.set_schema_version(1);
+        v1::InfoReply rep;
+        REQUIRE(stub->Info(&ctx, req, &rep).ok());
+        CHECK(rep.schema_version() == 1 && rep.architecture() == "llama" && rep.n_layer() == 30);
+        CHECK(rep.boundary().name() == "residual" && rep.boundary().version() == 1 &&
+              rep.boundary().dtype() == v1::DTYPE_F32 && rep.boundary().n_embd() == rep.n_embd());
+        CHECK(rep.takes_tokens() && rep.gives_logits() && rep.recipe_hash().size() == 64);
+        CHECK(rep.n_batch_max() == 64 && rep.n_seq_max() == 4 && rep.kv_bytes() > 0);
+    }
+    std::vector<int32_t> tokens;
+    {
+        grpc::ClientContext ctx;
+        v1::TokenizeRequest req;
+        req.set_schema_version(1);
+        req.set_text("Hello world");
+        req.set_add_special(true);
+        v1::TokenizeReply rep;
+        REQUIRE(stub->Tokenize(&ctx, req, &rep).ok());
+        tokens.assign(rep.token_ids().begin(), rep.token_ids().end());
+        CHECK(!tokens.empty());
+    }
+    {
+        grpc::ClientContext ctx;
+        v1::DetokenizeRequest req;
+        req.set_schema_version(1);
+        req.mutable_token_ids()->Add(tokens.begin(), tokens.end());
+        req.set_remove_special(true);
+        v1::DetokenizeReply rep;
+        REQUIRE(stub->Detokenize(&ctx, req, &rep).ok());
+        CHECK(rep.text() == "Hello world");
+    }
+    auto forward = [&](int32_t start, const std::vector<int32_t> & toks, v1::ForwardReply * rep) {
+        grpc::ClientContext ctx;
+        v1::ForwardRequest req;
+        req.set_schema_version(1);
+        v1::SequenceInput * in = req.add_entries();
+        in->set_seq_id(0);
+        for (size_t i = 0; i < toks.size(); ++i) {
+            in->add_positions(start + static_cast<int32_t>(i));
+            in->add_token_ids(toks[i]);
+        }
+        return stub->Forward(&ctx, req, rep);
+    };
+    {
+        v1::ForwardReply rep;
+        grpc::Status st = forward(0, tokens, &rep);
+        REQUIRE(st.ok());
+        CHECK(rep.entries_size() == 1 && rep.dtype() == v1::DTYPE_F32);
+        CHECK(rep.entries(0).logits().size() == shard->info().n_vocab * sizeof(float));
+        CHECK(rep.entries(0).next_position() == static_cast<int32_t>(tokens.size()));
+        CHECK(rep.entries(0).logit_rows_size() == 1);
+    }
+    {
+        v1::ForwardReply rep;
+        grpc::Status st = forward(0, tokens, &rep);  // positions do not continue
+        CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+        CHECK(contains(st.error_message(), "must start at " + std::to_string(tokens.size())));
+        st = forward(static_cast<int32_t>(tokens.size()), std::vector<int32_t>(65, 1), &rep);
+        CHECK(st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED);
+    }
+    {
+        grpc::ClientContext ctx;
+        v1::HealthRequest req;
+        req.set_schema_version(1);
+        v1::HealthReply rep;
+        REQUIRE(stub->Health(&ctx, req, &rep).ok());
+        CHECK(rep.ready() && rep.forward_calls() == 1 && rep.active_sequences() == 1);
+    }
+    {
+        grpc::ClientContext ctx;
+        v1::TrimSequenceRequest req;
+        req.set_schema_version(1);
+        req.set_seq_id(0);
+        req.set_keep_positions(1);
+        v1::SequenceReply rep;
+        REQUIRE(stub->TrimSequence(&ctx, req, &rep).ok());
+        CHECK(rep.seq_id() == 0 && rep.next_position() == 1);
+    }
+    {
+        grpc::ClientContext ctx;
+        v1::CopySequenceRequest req;
+        req.set_schema_version(1);
+        req.set_src_seq_id(0);
+        req.set_dst_seq_id(3);
+        v1::SequenceReply rep;
+        REQUIRE(stub->CopySequence(&ctx, req, &rep).ok());
+        CHECK(rep.seq_id() == 3 && rep.next_position() == 1);
+    }
+    for (uint32_t seq : {0u, 3u}) {
+        grpc::ClientContext ctx;
+        v1::RemoveSequenceRequest req;
+        req.set_schema_version(1);
+        req.set_seq_id(seq);
+        v1::SequenceReply rep;
+        REQUIRE(stub->RemoveSequence(&ctx, req, &rep).ok());
+        CHECK(rep.next_position() == 0);
+    }
+    {
+        grpc::ClientContext ctx;
+        v1::RemoveSequenceRequest req;
+        req.set_schema_version(1);
+        req.set_seq_id(0);
+        v1::SequenceReply rep;
+        grpc::Status st = stub->RemoveSequence(&ctx, req, &rep);
+        CHECK(st.error_code() == grpc::StatusCode::INVALID_ARGUMENT && contains(st.error_message(), "unknown sequence 0"));
+    }
+    {
+        v1::ForwardReply rep;
+        CHECK(forward(0, tokens, &rep).ok());  // still serving after the errors
+    }
+    server->Shutdown();
+    ::unlink(socket_path.c_str());
+    return g_failures == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    const std::string what = argc > 1 ? argv[1] : "validation";
+    int rc = 2;
+    if (what == "validation") {
+        rc = run_validation();
+    } else if (what == "model") {
+        rc = run_model();
+    } else if (what == "service") {
+        rc = run_service();
+    } else {
+        std::fprintf(stderr, "usage: baton-worker-tests validation|model|service\n");
+        return 2;
+    }
+    std::fprintf(stderr, "%s: %s (%d failed checks)\n", what.c_str(), rc == 0 ? "ok" : "FAILED", g_failures);
+    return rc;
+}

@@ -1,0 +1,73 @@
+"""Shared pytest fixtures and hooks for the whole suite.
+
+Owns: the ``gpu`` skip rule, the session fixtures that hand out pinned model files, and access
+to the packaging scripts (which are scripts, not a package: ``packaging`` would clash with the
+PyPI project of that name). Markers and warning filters are declared in pyproject.toml.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from agent.models import model_path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_packaging_script(name: str) -> ModuleType:
+    """Import ``packaging/<name>.py`` as module ``baton_packaging_<name>`` (once)."""
+    module_name = f"baton_packaging_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, REPO_ROOT / "packaging" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Registered before exec: dataclasses resolve their module through sys.modules.
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("BATON_GPU") == "1":
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a GPU; set BATON_GPU=1 to run")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def llama_source() -> ModuleType:
+    """The ``packaging/llama_source.py`` module."""
+    return load_packaging_script("llama_source")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (llama arch, 30 blocks, tied embeddings)."""
+    return model_path("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma-3-270M Q4_K_M (gemma3 arch, 18 blocks, sliding-window pattern 6)."""
+    return model_path("gemma3")
+
+
+@pytest.fixture(scope="session")
+def qwen2_tiny_path() -> Path:
+    """Synthetic qwen2 (6 blocks, n_embd 64, q/k/v biases, tied embeddings)."""
+    return model_path("qwen2-tiny")
+
+
+@pytest.fixture(scope="session")
+def qwen3_tiny_path() -> Path:
+    """Synthetic qwen3 (6 blocks, n_embd 64, per-head q/k norms, separate output head)."""
+    return model_path("qwen3-tiny")

@@ -99,9 +99,10 @@ native: llama
 models: venv
 	$(VPY) packaging/fetch_models.py
 
-# A 3-range local run of SmolLM2 (cuts after blocks 10 and 20) checked against the unsplit model.
+# SmolLM2 through three local range workers ([0,10) [10,20) [20,30)): streamed text, tokens/s,
+# and whether the tokens equal one unsplit worker's.
 demo: deps venv llama native models
-	$(VENV)/bin/baton parity --model "$$($(MODEL_PATH) smollm2)" --cuts 10,20 --steps 32
+	$(VENV)/bin/baton demo --model "$$($(MODEL_PATH) smollm2)"
 
 test: deps venv llama native models
 	BATON_TEST_MODEL="$$($(MODEL_PATH) smollm2)" ctest --test-dir $(NATIVE_BUILD) --output-on-failure

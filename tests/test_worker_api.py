@@ -289,6 +289,7 @@ async def test_smollm2_info_accounts_exactly_the_owned_tensors_and_kv(smollm2_pa
         ids = await first.tokenize("Hello world", add_special=False)
         text = await first.detokenize(ids)
         no_tokens = await first.tokenize("", add_special=False)
+        im_end = await first.tokenize("<|im_end|>", add_special=False, parse_special=True)
         model_paths = [h.info.model_path for h in handles]
 
     for (begin, end), info, health in zip(layers, infos, healths):
@@ -309,6 +310,8 @@ async def test_smollm2_info_accounts_exactly_the_owned_tensors_and_kv(smollm2_pa
         assert info.weight_buffer_bytes > 0, where
         assert info.kv_bytes > 0, where
         assert health.ready and health.forward_calls == 0 and health.active_sequences == 0
+        # SmolLM2-Instruct ends a turn with <|im_end|>: every range can tell a client so
+        assert len(im_end) == 1 and im_end[0] in info.eog_token_ids, where
 
     # Same recipe on every worker of one model and build.
     assert len({i.recipe_hash for i in infos}) == 1

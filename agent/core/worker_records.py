@@ -109,6 +109,7 @@ class WorkerInfo:
     n_batch_max: int
     model_path: str
     n_threads: int
+    eog_token_ids: tuple[int, ...] = ()
 
     @property
     def layers(self) -> LayerRange:

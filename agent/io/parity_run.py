@@ -31,7 +31,7 @@ from agent.core.worker_records import SeqInput, SeqOutput
 from .worker_client import AsyncWorkerClient
 from .worker_process import WorkerHandle, open_worker
 
-__all__ = ["DEFAULT_PROMPT_TEXT", "compare_workers", "make_prompts", "open_workers", "run_parity"]
+__all__ = ["DEFAULT_PROMPT_TEXT", "compare_workers", "make_prompts", "open_workers", "run_parity", "sha256_file"]
 
 DEFAULT_PROMPT_TEXT = (
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a "
@@ -43,7 +43,7 @@ DEFAULT_PROMPT_TEXT = (
 CTX_SLACK = 16
 
 
-def _sha256_file(path: str | os.PathLike) -> str:
+def sha256_file(path: str | os.PathLike) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -247,7 +247,7 @@ async def run_parity(
         ctx_size = -(-(max(lengths) + steps + 1 + CTX_SLACK) // 64) * 64
     if batch_size is None and sum(lengths) > 512:
         batch_size = sum(lengths)
-    sha256 = await trio.to_thread.run_sync(_sha256_file, model_path)
+    sha256 = await trio.to_thread.run_sync(sha256_file, model_path)
     edges: list[int | None] = [0, *cuts, None]
     layers = [(0, None), *zip(edges, edges[1:])]
     async with open_workers(

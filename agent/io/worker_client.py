@@ -123,6 +123,7 @@ def _info_from_reply(reply: worker_pb2.InfoReply) -> WorkerInfo:
         n_batch_max=reply.n_batch_max,
         model_path=reply.model_path,
         n_threads=reply.n_threads,
+        eog_token_ids=tuple(reply.eog_token_ids),
     )
 
 

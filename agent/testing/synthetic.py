@@ -176,3 +176,31 @@ def write_tiny_model(name: str, dest: Path, tokenizer_gguf: Path) -> None:
         writer.write_tensors_to_file()
     finally:
         writer.close()
+
+
+def write_metadata_only(dest: Path, arch: str, tokenizer_gguf: Path, *, n_layer: int = 4) -> None:
+    """A GGUF with ``arch``'s hyperparameters and a real tokenizer but no tensors.
+
+    llama.cpp reads hyperparameters and vocabulary before any tensor, so such a file tells
+    apart what is refused before loading weights (e.g. ranged execution of an architecture
+    without a ranged graph builder) from what fails while loading them (missing tensors).
+    """
+    cfg = TinyConfig(arch=arch, seed=0, n_layer=n_layer)
+    writer = gguf.GGUFWriter(os.fspath(dest), arch)
+    try:
+        writer.add_name(f"baton {arch} metadata only (synthetic)")
+        writer.add_context_length(cfg.context_length)
+        writer.add_embedding_length(cfg.n_embd)
+        writer.add_block_count(cfg.n_layer)
+        writer.add_feed_forward_length(cfg.n_ff)
+        writer.add_head_count(cfg.n_head)
+        writer.add_head_count_kv(cfg.n_head_kv)
+        writer.add_layer_norm_eps(cfg.rms_eps)
+        writer.add_layer_norm_rms_eps(cfg.rms_eps)
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        writer.add_vocab_size(_copy_tokenizer(writer, tokenizer_gguf))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()

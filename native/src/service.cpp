@@ -118,6 +118,9 @@ grpc::Status ShardWorkerService::Info(grpc::ServerContext *, const v1::InfoReque
         reply->set_n_batch_max(info.n_batch_max);
         reply->set_model_path(info.model_path);
         reply->set_n_threads(info.n_threads);
+        for (int32_t t : info.eog_token_ids) {
+            reply->add_eog_token_ids(t);
+        }
         return grpc::Status::OK;
     });
 }

@@ -591,6 +591,11 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     info_.n_layer = static_cast<uint32_t>(n_layer);
     info_.n_embd = static_cast<uint32_t>(n_embd);
     info_.n_vocab = static_cast<uint32_t>(llama_vocab_n_tokens(vocab_));
+    for (llama_token t = 0; t < static_cast<llama_token>(info_.n_vocab); ++t) {
+        if (llama_vocab_is_eog(vocab_, t)) {
+            info_.eog_token_ids.push_back(t);
+        }
+    }
     info_.layer_begin = static_cast<uint32_t>(begin);
     info_.layer_end = static_cast<uint32_t>(end);
     info_.takes_tokens = takes_tokens;

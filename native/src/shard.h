@@ -100,6 +100,7 @@ struct ShardInfo {
     uint32_t n_batch_max = 0;
     std::string model_path;
     uint32_t n_threads = 0;
+    std::vector<int32_t> eog_token_ids;  // end-of-generation tokens (EOS, EOT)
 };
 
 // The boundary schema this worker speaks (BoundarySchema.name / version, wire dtype name).

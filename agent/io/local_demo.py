@@ -1,0 +1,172 @@
+"""A model run through local range workers: the main job until the swarm exists.
+
+Owns the I/O of the local demo: starting one worker per range (and one unsplit worker to
+compare with), pushing each step through the chain hop by hop, timing the steps, and
+streaming text. Decisions (rows per step, next token, when to stop) are made by
+``agent.core.generation.GreedyGeneration``; range arithmetic by ``agent.core.ranges``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import trio
+
+from agent.core.generation import GreedyGeneration
+from agent.core.parity import next_hop_entries
+from agent.core.ranges import LayerRange, ranges_from_cuts
+from agent.core.worker_records import SeqOutput
+
+from .parity_run import open_workers, sha256_file
+from .worker_client import AsyncWorkerClient
+
+__all__ = ["DEMO_PROMPT", "ChainRun", "DemoReport", "even_cuts", "generate_through", "run_demo"]
+
+DEMO_PROMPT = "The three most useful things to know about volunteer computing are"
+
+
+def even_cuts(n_layer: int, n_ranges: int) -> list[int]:
+    """Cut points giving ``n_ranges`` ranges of (nearly) equal block counts."""
+    if not 1 <= n_ranges <= n_layer:
+        raise ValueError(f"cannot cut {n_layer} blocks into {n_ranges} ranges")
+    return [round(i * n_layer / n_ranges) for i in range(1, n_ranges)]
+
+
+@dataclasses.dataclass
+class ChainRun:
+    """Tokens generated through one chain of workers, and how long the steps took."""
+
+    tokens: list[int]
+    prefill_tokens: int
+    prefill_s: float
+    decode_steps: int
+    decode_s: float
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+
+async def generate_through(
+    chain: Sequence[AsyncWorkerClient],
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    stop_tokens: Sequence[int] = (),
+    seq_id: int = 0,
+    on_token: Callable[[int], Awaitable[None]] | None = None,
+) -> ChainRun:
+    """Greedy generation of ``prompt`` through ``chain`` (range workers in order, the first
+    taking tokens, the last giving logits): one Forward per hop per step.
+
+    The sequence is removed from every worker before returning.
+
+    Cancellation:
+      Safe to cancel; the sequence is then left on the workers (remove it before reuse).
+    """
+    gen = GreedyGeneration(seq_id, prompt, max_new_tokens, stop_tokens)
+    prefill_s = decode_s = 0.0
+    steps = 0
+    while not gen.finished:
+        hop = [gen.next_input()]
+        started = time.perf_counter()
+        out: list[SeqOutput] = []
+        for i, client in enumerate(chain):
+            out = await client.forward(hop)
+            if i + 1 < len(chain):
+                hop = next_hop_entries(hop, out)
+        elapsed = time.perf_counter() - started
+        if steps == 0:
+            prefill_s = elapsed
+        else:
+            decode_s += elapsed
+        steps += 1
+        token = gen.accept(out[0])
+        if on_token is not None:
+            await on_token(token)  # outside the timed part
+    for client in chain:
+        await client.remove_sequence(seq_id)
+    return ChainRun(
+        tokens=gen.generated,
+        prefill_tokens=gen.prompt_len,
+        prefill_s=prefill_s,
+        decode_steps=steps - 1,
+        decode_s=decode_s,
+    )
+
+
+@dataclasses.dataclass
+class DemoReport:
+    ranges: list[LayerRange]
+    prompt: str
+    text: str
+    split: ChainRun
+    single: ChainRun
+
+    @property
+    def tokens_equal_single_process(self) -> bool:
+        return self.split.tokens == self.single.tokens
+
+    def to_json(self) -> dict:
+        return {
+            "route": [{"node": f"local-worker-{i}", "begin": r.begin, "end": r.end} for i, r in enumerate(self.ranges)],
+            "prompt": self.prompt,
+            "text": self.text,
+            "tokens": self.split.tokens,
+            "tokens_per_s": self.split.decode_tokens_per_s,
+            "prefill_tokens_per_s": self.split.prefill_tokens_per_s,
+            "single_process_tokens_per_s": self.single.decode_tokens_per_s,
+            "tokens_equal_single_process": self.tokens_equal_single_process,
+        }
+
+
+async def run_demo(
+    model_path: str | os.PathLike,
+    *,
+    ranges: int = 3,
+    cuts: Sequence[int] | None = None,
+    prompt: str = DEMO_PROMPT,
+    max_new_tokens: int = 48,
+    threads: int = 1,
+    on_text: Callable[[str], None] | None = None,
+    **worker_options,
+) -> DemoReport:
+    """Generate from ``prompt`` through range workers on this machine, then once through
+    one unsplit worker, and report both (text streamed through ``on_text`` as it comes).
+
+    Resource handling:
+      Every worker started here is stopped before this returns or raises.
+    """
+    sha256 = await trio.to_thread.run_sync(sha256_file, model_path)
+    options = dict(threads=threads, max_sequences=1, model_sha256=sha256, **worker_options)
+    async with open_workers(model_path, [(0, None)], **options) as (single,):
+        n_layer = single.info.n_layer
+        cut_list = list(cuts) if cuts is not None else even_cuts(n_layer, ranges)
+        layer_ranges = ranges_from_cuts(n_layer, cut_list)
+        prompt_tokens = await single.client.tokenize(prompt, add_special=True)
+        stop = single.info.eog_token_ids
+        async with open_workers(model_path, [(r.begin, r.end) for r in layer_ranges], **options) as chain:
+            clients = [h.client for h in chain]
+            streamed: list[int] = []
+            shown = ""
+
+            async def stream(token: int) -> None:
+                # detokenize the whole suffix: a token may end in the middle of a UTF-8 character
+                nonlocal shown
+                streamed.append(token)
+                text = await clients[0].detokenize(streamed)
+                if on_text is not None and text.startswith(shown) and len(text) > len(shown):
+                    on_text(text[len(shown) :])
+                    shown = text
+
+            split = await generate_through(clients, prompt_tokens, max_new_tokens, stop_tokens=stop, on_token=stream)
+        single_run = await generate_through([single.client], prompt_tokens, max_new_tokens, stop_tokens=stop)
+        text = await single.client.detokenize(split.tokens)
+    return DemoReport(ranges=layer_ranges, prompt=prompt, text=text, split=split, single=single_run)

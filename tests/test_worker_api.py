@@ -8,7 +8,6 @@ once and groups its checks, because starting processes is the expensive part.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import re
@@ -32,6 +31,7 @@ from agent.io import worker_process
 from agent.io.parity_run import compare_workers, make_prompts, open_workers
 from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
 from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError, find_worker_binary, open_worker
+from agent.models import sha256_file
 
 TOLERANCE = 1e-4
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -129,14 +129,6 @@ def expected_weight_bytes(sizes: dict[str, int], begin: int, end: int, n_layer: 
         if "output.weight" not in sizes:  # tied embeddings: the head is token_embd.weight
             names.add("token_embd.weight")
     return sum(sizes[n] for n in names)
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # --- no worker process needed --------------------------------------------------------------

@@ -19,8 +19,9 @@ from agent.core.generation import GreedyGeneration
 from agent.core.parity import next_hop_entries
 from agent.core.ranges import LayerRange, ranges_from_cuts
 from agent.core.worker_records import SeqOutput
+from agent.models import sha256_file
 
-from .parity_run import open_workers, sha256_file
+from .parity_run import open_workers
 from .worker_client import AsyncWorkerClient
 
 __all__ = ["DEMO_PROMPT", "ChainRun", "DemoReport", "even_cuts", "generate_through", "run_demo"]

@@ -10,7 +10,6 @@ edit) is made by ``agent.core.parity.ParityRun``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections.abc import AsyncIterator, Sequence
 
@@ -27,11 +26,12 @@ from agent.core.parity import (
 )
 from agent.core.ranges import ranges_from_cuts
 from agent.core.worker_records import SeqInput, SeqOutput
+from agent.models import sha256_file
 
 from .worker_client import AsyncWorkerClient
 from .worker_process import WorkerHandle, open_worker
 
-__all__ = ["DEFAULT_PROMPT_TEXT", "compare_workers", "make_prompts", "open_workers", "run_parity", "sha256_file"]
+__all__ = ["DEFAULT_PROMPT_TEXT", "compare_workers", "make_prompts", "open_workers", "run_parity"]
 
 DEFAULT_PROMPT_TEXT = (
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a "
@@ -41,14 +41,6 @@ DEFAULT_PROMPT_TEXT = (
 
 #: Positions of context each sequence gets beyond prompt + generated tokens.
 CTX_SLACK = 16
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @contextlib.asynccontextmanager

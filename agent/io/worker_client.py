@@ -136,6 +136,23 @@ def _health_from_reply(reply: worker_pb2.HealthReply) -> WorkerHealth:
     )
 
 
+def tokenize_request(text: str, add_special: bool, parse_special: bool) -> worker_pb2.TokenizeRequest:
+    return worker_pb2.TokenizeRequest(
+        schema_version=SCHEMA_VERSION, text=text, add_special=add_special, parse_special=parse_special
+    )
+
+
+def detokenize_request(
+    token_ids: Sequence[int], remove_special: bool, unparse_special: bool
+) -> worker_pb2.DetokenizeRequest:
+    return worker_pb2.DetokenizeRequest(
+        schema_version=SCHEMA_VERSION,
+        token_ids=[int(t) for t in token_ids],
+        remove_special=remove_special,
+        unparse_special=unparse_special,
+    )
+
+
 def forward_request(entries: Sequence[SeqInput], info: WorkerInfo) -> worker_pb2.ForwardRequest:
     """Encode ``entries`` for a worker described by ``info``.
 
@@ -293,9 +310,7 @@ class WorkerClient:
     def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = False, timeout_s: float | None = None
     ) -> list[int]:
-        request = worker_pb2.TokenizeRequest(
-            schema_version=SCHEMA_VERSION, text=text, add_special=add_special, parse_special=parse_special
-        )
+        request = tokenize_request(text, add_special, parse_special)
         return list(self.call("Tokenize", request, timeout_s).token_ids)
 
     def detokenize(
@@ -306,12 +321,7 @@ class WorkerClient:
         unparse_special: bool = False,
         timeout_s: float | None = None,
     ) -> str:
-        request = worker_pb2.DetokenizeRequest(
-            schema_version=SCHEMA_VERSION,
-            token_ids=[int(t) for t in token_ids],
-            remove_special=remove_special,
-            unparse_special=unparse_special,
-        )
+        request = detokenize_request(token_ids, remove_special, unparse_special)
         return self.call("Detokenize", request, timeout_s).text
 
 
@@ -406,9 +416,7 @@ class AsyncWorkerClient:
     async def tokenize(
         self, text: str, *, add_special: bool = True, parse_special: bool = False, timeout_s: float | None = None
     ) -> list[int]:
-        request = worker_pb2.TokenizeRequest(
-            schema_version=SCHEMA_VERSION, text=text, add_special=add_special, parse_special=parse_special
-        )
+        request = tokenize_request(text, add_special, parse_special)
         return list((await self.call("Tokenize", request, timeout_s)).token_ids)
 
     async def detokenize(
@@ -419,10 +427,5 @@ class AsyncWorkerClient:
         unparse_special: bool = False,
         timeout_s: float | None = None,
     ) -> str:
-        request = worker_pb2.DetokenizeRequest(
-            schema_version=SCHEMA_VERSION,
-            token_ids=[int(t) for t in token_ids],
-            remove_special=remove_special,
-            unparse_special=unparse_special,
-        )
+        request = detokenize_request(token_ids, remove_special, unparse_special)
         return (await self.call("Detokenize", request, timeout_s)).text

@@ -189,60 +189,44 @@ grpc::Status ShardWorkerService::Forward(grpc::ServerContext *, const v1::Forwar
     });
 }
 
-grpc::Status ShardWorkerService::RemoveSequence(grpc::ServerContext *, const v1::RemoveSequenceRequest * request,
-                                                v1::SequenceReply * reply) {
-    return guarded("RemoveSequence", [&] {
-        ShardStatus st = check_schema_version(request->schema_version());
+// The three sequence operations differ only in the Shard call and the seq id they report.
+template <typename Op>
+grpc::Status ShardWorkerService::sequence_op(const char * method, uint32_t schema_version, uint32_t reply_seq_id,
+                                             v1::SequenceReply * reply, Op op) {
+    return guarded(method, [&] {
+        ShardStatus st = check_schema_version(schema_version);
         int32_t next = 0;
         if (st.ok()) {
             std::lock_guard<std::mutex> lock(shard_mu_);
-            st = shard_->remove_sequence(request->seq_id(), &next);
+            st = op(&next);
         }
         if (!st.ok()) {
             return to_grpc_status(st);
         }
         reply->set_schema_version(kSchemaVersion);
-        reply->set_seq_id(request->seq_id());
+        reply->set_seq_id(reply_seq_id);
         reply->set_next_position(next);
         return grpc::Status::OK;
     });
 }
 
+grpc::Status ShardWorkerService::RemoveSequence(grpc::ServerContext *, const v1::RemoveSequenceRequest * request,
+                                                v1::SequenceReply * reply) {
+    return sequence_op("RemoveSequence", request->schema_version(), request->seq_id(), reply,
+                       [&](int32_t * next) { return shard_->remove_sequence(request->seq_id(), next); });
+}
+
 grpc::Status ShardWorkerService::TrimSequence(grpc::ServerContext *, const v1::TrimSequenceRequest * request,
                                               v1::SequenceReply * reply) {
-    return guarded("TrimSequence", [&] {
-        ShardStatus st = check_schema_version(request->schema_version());
-        int32_t next = 0;
-        if (st.ok()) {
-            std::lock_guard<std::mutex> lock(shard_mu_);
-            st = shard_->trim_sequence(request->seq_id(), request->keep_positions(), &next);
-        }
-        if (!st.ok()) {
-            return to_grpc_status(st);
-        }
-        reply->set_schema_version(kSchemaVersion);
-        reply->set_seq_id(request->seq_id());
-        reply->set_next_position(next);
-        return grpc::Status::OK;
+    return sequence_op("TrimSequence", request->schema_version(), request->seq_id(), reply, [&](int32_t * next) {
+        return shard_->trim_sequence(request->seq_id(), request->keep_positions(), next);
     });
 }
 
 grpc::Status ShardWorkerService::CopySequence(grpc::ServerContext *, const v1::CopySequenceRequest * request,
                                               v1::SequenceReply * reply) {
-    return guarded("CopySequence", [&] {
-        ShardStatus st = check_schema_version(request->schema_version());
-        int32_t next = 0;
-        if (st.ok()) {
-            std::lock_guard<std::mutex> lock(shard_mu_);
-            st = shard_->copy_sequence(request->src_seq_id(), request->dst_seq_id(), &next);
-        }
-        if (!st.ok()) {
-            return to_grpc_status(st);
-        }
-        reply->set_schema_version(kSchemaVersion);
-        reply->set_seq_id(request->dst_seq_id());
-        reply->set_next_position(next);
-        return grpc::Status::OK;
+    return sequence_op("CopySequence", request->schema_version(), request->dst_seq_id(), reply, [&](int32_t * next) {
+        return shard_->copy_sequence(request->src_seq_id(), request->dst_seq_id(), next);
     });
 }
 

@@ -44,6 +44,11 @@ public:
     uint64_t forward_calls() const { return forward_calls_.load(std::memory_order_relaxed); }
 
 private:
+    // Runs op(&next_position) under the lock and fills a SequenceReply for reply_seq_id.
+    template <typename Op>
+    grpc::Status sequence_op(const char * method, uint32_t schema_version, uint32_t reply_seq_id,
+                             worker::v1::SequenceReply * reply, Op op);
+
     Shard * shard_;
     std::mutex shard_mu_;                 // held around every call that touches the llama_context
     std::atomic<uint64_t> forward_calls_{0};  // successful Forward calls

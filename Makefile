@@ -64,7 +64,7 @@ $(VENV_STAMP): pyproject.toml | deps
 
 proto: $(PROTO_OUT)
 
-$(PROTO_OUT): protocol/worker.proto packaging/gen_proto.py $(VENV_STAMP)
+$(PROTO_OUT): $(wildcard protocol/*.proto) packaging/gen_proto.py $(VENV_STAMP)
 	$(VPY) packaging/gen_proto.py --force
 
 # Stdlib only: runs with the system Python, before the venv exists.

@@ -22,26 +22,38 @@ import tempfile
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PROTO = REPO_ROOT / "protocol" / "worker.proto"
+PROTO_DIR = REPO_ROOT / "protocol"
 OUT_DIR = REPO_ROOT / "agent" / "_proto"
-OUTPUTS = ("__init__.py", "worker_pb2.py", "worker_pb2_grpc.py", "worker_pb2.pyi")
 
-INIT_TEXT = '''"""Generated gRPC stubs for protocol/worker.proto (package baton.worker.v1).
+
+def protos(proto_dir: Path = PROTO_DIR) -> list[Path]:
+    return sorted(proto_dir.glob("*.proto"))
+
+
+def outputs(proto_files: list[Path]) -> list[str]:
+    names = ["__init__.py"]
+    for proto in proto_files:
+        names += [f"{proto.stem}_pb2.py", f"{proto.stem}_pb2_grpc.py", f"{proto.stem}_pb2.pyi"]
+    return names
+
+
+INIT_TEXT = '''"""Generated protobuf / gRPC stubs for protocol/*.proto (baton.worker.v1, baton.swarm.v1).
 
 Made by packaging/gen_proto.py; do not edit, do not commit (ignored by git).
 """
 '''
 
 
-def up_to_date(out_dir: Path = OUT_DIR, proto: Path = PROTO) -> bool:
-    newest_input = max(proto.stat().st_mtime_ns, Path(__file__).stat().st_mtime_ns)
+def up_to_date(out_dir: Path = OUT_DIR, proto_dir: Path = PROTO_DIR) -> bool:
+    proto_files = protos(proto_dir)
+    newest_input = max(p.stat().st_mtime_ns for p in [*proto_files, Path(__file__)])
     try:
-        return all((out_dir / name).stat().st_mtime_ns > newest_input for name in OUTPUTS)
+        return all((out_dir / name).stat().st_mtime_ns > newest_input for name in outputs(proto_files))
     except FileNotFoundError:
         return False
 
 
-def generate(out_dir: Path = OUT_DIR, proto: Path = PROTO) -> None:
+def generate(out_dir: Path = OUT_DIR, proto_dir: Path = PROTO_DIR) -> None:
     from grpc_tools import protoc  # the venv's pinned grpcio-tools
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -50,30 +62,28 @@ def generate(out_dir: Path = OUT_DIR, proto: Path = PROTO) -> None:
         staging.mkdir()
         # The include path of grpc_tools carries the well-known types (google/protobuf/*.proto).
         well_known = Path(protoc.__file__).parent / "_proto"
+        proto_files = protos(proto_dir)
         args = [
             "grpc_tools.protoc",
-            f"-I{proto.parent}",
+            f"-I{proto_dir}",
             f"-I{well_known}",
             f"--python_out={staging}",
             f"--pyi_out={staging}",
             f"--grpc_python_out={staging}",
-            str(proto),
+            *map(str, proto_files),
         ]
         if protoc.main(args) != 0:
-            raise SystemExit(f"gen_proto: protoc failed on {proto}")
-        stem = proto.stem
-        grpc_file = staging / f"{stem}_pb2_grpc.py"
-        text = grpc_file.read_text()
-        # protoc emits `import worker_pb2 as worker__pb2`, which only works with the output
-        # directory on sys.path; inside the agent._proto package it must be relative.
-        text, count = re.subn(
-            rf"^import {stem}_pb2 as ", f"from . import {stem}_pb2 as ", text, flags=re.MULTILINE
-        )
-        if count != 1:
-            raise SystemExit(f"gen_proto: expected one `import {stem}_pb2` in {grpc_file.name}")
-        grpc_file.write_text(text)
+            raise SystemExit(f"gen_proto: protoc failed on {', '.join(p.name for p in proto_files)}")
+        for proto in proto_files:
+            stem = proto.stem
+            grpc_file = staging / f"{stem}_pb2_grpc.py"
+            text = grpc_file.read_text()
+            # protoc emits `import worker_pb2 as worker__pb2` in files with services, which only
+            # works with the output directory on sys.path; inside agent._proto it must be relative.
+            text = re.sub(rf"^import {stem}_pb2 as ", f"from . import {stem}_pb2 as ", text, flags=re.MULTILINE)
+            grpc_file.write_text(text)
         (staging / "__init__.py").write_text(INIT_TEXT)
-        missing = [name for name in OUTPUTS if not (staging / name).is_file()]
+        missing = [name for name in outputs(proto_files) if not (staging / name).is_file()]
         if missing:
             raise SystemExit(f"gen_proto: protoc did not write {', '.join(missing)}")
         old = Path(tmp) / "old"
@@ -91,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{OUT_DIR.relative_to(REPO_ROOT)} up to date")
         return 0
     generate()
-    print(f"generated {OUT_DIR.relative_to(REPO_ROOT)} from {PROTO.relative_to(REPO_ROOT)}")
+    print(f"generated {OUT_DIR.relative_to(REPO_ROOT)} from {PROTO_DIR.relative_to(REPO_ROOT)}/*.proto")
     return 0
 
 

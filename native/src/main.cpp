@@ -25,6 +25,7 @@ constexpr const char * kUsage =
     "  --gpu-layers N    blocks to offload (llama.cpp n_gpu_layers; default -1 = all)\n"
     "  --model-sha256 H  the model's sha256 (skips hashing the file at start)\n"
     "  --no-mmap         read the model into memory instead of mapping it\n"
+    "  --version         print the runtime this binary was built with (JSON) and exit\n"
     "  env BATON_LLAMA_LOG=1 passes llama.cpp's log through to stderr\n";
 
 [[noreturn]] void bad_arguments(const std::string & message) {
@@ -79,6 +80,9 @@ int main(int argc, char ** argv) {
 
         if (flag == "-h" || flag == "--help") {
             std::fputs(kUsage, stdout);
+            return 0;
+        } else if (flag == "--version") {
+            std::fputs(baton::runtime_version_json().c_str(), stdout);
             return 0;
         } else if (flag == "--model") {
             shard.model_path = take_value();

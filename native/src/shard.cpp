@@ -30,6 +30,27 @@
 namespace baton {
 
 const char * built_llama_cpp_commit() { return BATON_LLAMA_COMMIT; }
+
+std::string runtime_version_json() {
+    ggml_backend_load_all();
+    std::string backends;
+    for (size_t i = 0; i < ggml_backend_reg_count(); ++i) {
+        backends += std::string(i ? ", " : "") + "\"" + ggml_backend_reg_name(ggml_backend_reg_get(i)) + "\"";
+    }
+    std::string devices;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        size_t free_bytes = 0;
+        size_t total_bytes = 0;
+        ggml_backend_dev_memory(dev, &free_bytes, &total_bytes);
+        devices += std::string(i ? ", " : "") + "{\"backend\": \"" +
+                   ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)) + "\", \"name\": \"" +
+                   ggml_backend_dev_name(dev) + "\", \"total_bytes\": " + std::to_string(total_bytes) +
+                   ", \"free_bytes\": " + std::to_string(free_bytes) + "}";
+    }
+    return std::string("{\"llama_cpp_commit\": \"") + built_llama_cpp_commit() + "\", \"patch_series_sha256\": \"" +
+           built_patch_series_sha256() + "\", \"backends\": [" + backends + "], \"devices\": [" + devices + "]}\n";
+}
 const char * built_patch_series_sha256() { return BATON_PATCH_SERIES_SHA256; }
 
 size_t boundary_dtype_size(BoundaryDType dtype) {

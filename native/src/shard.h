@@ -116,6 +116,10 @@ std::string compute_recipe_hash(const std::string & model_sha256, const std::str
 const char * built_llama_cpp_commit();
 const char * built_patch_series_sha256();
 
+// {"llama_cpp_commit": ..., "patch_series_sha256": ..., "backends": [...], "devices": [...]}:
+// what a node puts in its fingerprint (devices with total/free bytes as ggml reports them).
+std::string runtime_version_json();
+
 // ---------------------------------------------------------------------------------------------
 // Forward: plain input/output records (the service fills them from / into protobuf).
 

@@ -4,8 +4,8 @@ Commands:
   ``baton worker``  exec the native shard worker with the given flags;
   ``baton parity``  check that a model split at ``--cuts`` computes what the unsplit model
                     computes (logits at every greedy step, several sequences per batch);
-  ``baton demo``    generate from a prompt through range workers on this machine, streaming
-                    text, and report tokens/s and whether the tokens equal one unsplit worker.
+  ``baton tracker``, ``baton node``, ``baton generate``, ``baton demo``: the swarm
+                    (see the modules named in ``_DELEGATED``).
 
 Only argument parsing and printing live here: the work is in ``agent.io`` / ``agent.core``.
 """
@@ -13,12 +13,21 @@ Only argument parsing and printing live here: the work is in ``agent.io`` / ``ag
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 from collections.abc import Sequence
 
 __all__ = ["build_parser", "main"]
+
+# Commands whose module provides ``add_arguments(parser)`` and ``main(args) -> int``.
+_DELEGATED = {
+    "tracker": ("agent.io.tracker.cli", "run the tracker (serve) or list its models"),
+    "node": ("agent.io.node.cli", "serve layer ranges as a swarm node"),
+    "generate": ("agent.io.client_cli", "generate text through the swarm"),
+    "demo": ("agent.io.swarm_cli", "a tracker and three nodes on loopback, a generation through them (main job)"),
+}
 
 
 def _positive_int(text: str) -> int:
@@ -89,14 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a worker may take to load")
     parity.add_argument("--json", action="store_true", help="print one JSON object")
 
-    demo = commands.add_parser("demo", help="generate through local range workers (the main job)")
-    demo.add_argument("--model", help="GGUF file (default: the cached SmolLM2-135M)")
-    demo.add_argument("--ranges", type=_positive_int, default=3, help="ranges of equal size (default 3)")
-    demo.add_argument("--cuts", type=_cuts, help="cut points instead of --ranges, e.g. 10,20")
-    demo.add_argument("--max-tokens", type=_positive_int, default=48, help="tokens to generate (default 48)")
-    demo.add_argument("--threads", type=_positive_int, default=1, help="threads per worker (default 1)")
-    demo.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    demo.add_argument("prompt", nargs="?", help="the prompt (default: a fixed one)")
+    for name, (module, help_text) in _DELEGATED.items():
+        sub = commands.add_parser(name, help=help_text)
+        importlib.import_module(module).add_arguments(sub)
     return parser
 
 
@@ -188,68 +192,12 @@ def _run_parity(args: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
-def _run_demo(args: argparse.Namespace) -> int:
-    import trio
-
-    from agent.io.local_demo import DEMO_PROMPT, run_demo
-    from agent.io.worker_client import WorkerError
-    from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError
-
-    if args.model is None:
-        from agent.models import model_path
-
-        args.model = str(model_path("smollm2"))
-    prompt = args.prompt or DEMO_PROMPT
-
-    def show(text: str) -> None:
-        print(text, end="", flush=True)
-
-    if not args.json:
-        print(prompt, end="", flush=True)
-    try:
-        report = trio.run(
-            lambda: run_demo(
-                args.model,
-                ranges=args.ranges,
-                cuts=args.cuts,
-                prompt=prompt,
-                max_new_tokens=args.max_tokens,
-                threads=args.threads,
-                on_text=None if args.json else show,
-            )
-        )
-    except (ValueError, OSError) as error:
-        print(f"\nbaton demo: {error}", file=sys.stderr)
-        return 2
-    except BaseExceptionGroup as group:
-        known, rest = group.split((WorkerError, WorkerStartError, WorkerBinaryNotFound, ValueError, OSError))
-        if rest is not None or known is None:
-            raise
-        for message in _leaf_messages(known):
-            print(f"\nbaton demo: {message}", file=sys.stderr)
-        return 2
-
-    result = report.to_json()
-    if args.json:
-        print(json.dumps(result))
-    else:
-        route = " -> ".join(f"{hop['node']}[{hop['begin']}, {hop['end']})" for hop in result["route"])
-        print()
-        print(f"route:         {route}")
-        print(
-            f"tokens/s:      {result['tokens_per_s']:.1f} decode, {result['prefill_tokens_per_s']:.1f} prefill "
-            f"(one unsplit worker: {result['single_process_tokens_per_s']:.1f} decode)"
-        )
-        print(f"parity:        tokens equal to one unsplit worker: {result['tokens_equal_single_process']}")
-    return 0 if report.tokens_equal_single_process else 1
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "worker":
         return _run_worker(args)
-    if args.command == "demo":
-        return _run_demo(args)
+    if args.command in _DELEGATED:
+        return importlib.import_module(_DELEGATED[args.command][0]).main(args)
     return _run_parity(args)
 
 

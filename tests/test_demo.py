@@ -23,7 +23,7 @@ def test_even_cuts() -> None:
 @pytest.mark.timeout(180)
 def test_demo_json_through_three_ranges(smollm2_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "demo", "--model", str(smollm2_path), "--max-tokens", "12", "--json",
+        [sys.executable, "-m", "agent.cli", "demo", "--local", "--model", str(smollm2_path), "--max-tokens", "12", "--json",
          "The capital of France is"],
         capture_output=True, text=True, timeout=170, check=False,
     )  # fmt: skip

@@ -1,0 +1,166 @@
+"""The sessions one served range holds: session id -> worker sequence id, and what the next
+step of each session must look like.
+
+Owns, for one range of one node:
+- allocating a worker sequence id at step 0 (refused with RESOURCE_EXHAUSTED when all are
+  taken) and binding the session to its owner (a step of someone else's session is refused);
+- the step order: step N + 1 after step N, positions continuing where the last accepted step
+  ended, within the worker's context per sequence. Accepting a step reserves its positions at
+  once, so a step that arrives while the previous one is still queued is checked correctly;
+- ending sessions (end_session, idle timeout, failures): an ended session's sequence id is
+  *closing* until the shell has removed the sequence on the worker (between two Forwards),
+  and only then free again, so a new session never inherits stale KV.
+
+Pure: ``now_ms`` comes in as an argument. Must not import trio, grpc, libp2p or agent.io.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from agent._proto import swarm_pb2
+
+from .swarm_wire import WireError
+
+__all__ = ["NodeSession", "SessionTable"]
+
+Code = swarm_pb2.Error.Code
+
+
+@dataclasses.dataclass
+class NodeSession:
+    session_id: bytes
+    seq_id: int
+    owner_peer_id: str
+    next_step: int
+    next_position: int
+    last_used_ms: int
+    pending: int = 0  # steps accepted and not yet done (queued or in a Forward)
+
+
+class SessionTable:
+    """Sessions of one range.
+
+    Args:
+      n_seq_max: sequence ids ``0 .. n_seq_max - 1`` of the worker.
+      n_ctx_per_sequence: positions one sequence may hold.
+    """
+
+    def __init__(self, n_seq_max: int, n_ctx_per_sequence: int) -> None:
+        if n_seq_max < 1:
+            raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
+        self.n_seq_max = n_seq_max
+        self.n_ctx_per_sequence = n_ctx_per_sequence
+        self._sessions: dict[bytes, NodeSession] = {}
+        self._free: list[int] = list(range(n_seq_max - 1, -1, -1))  # pop() gives the lowest id
+        self._closing: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._sessions
+
+    def get(self, session_id: bytes) -> NodeSession | None:
+        return self._sessions.get(session_id)
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def accept(
+        self, session_id: bytes, step: int, first_position: int, n_rows: int, owner_peer_id: str, now_ms: int
+    ) -> NodeSession:
+        """Admit a step of ``n_rows`` rows at positions ``first_position ..``; reserve them.
+
+        Raises:
+          WireError: INVALID_ARGUMENT (step 0 of a session that exists, a step or position out
+            of order), NOT_FOUND (step > 0 of an unknown session), REFUSED (another owner's
+            session), RESOURCE_EXHAUSTED (no free sequence, or the context is full).
+        """
+        session = self._sessions.get(session_id)
+        if step == 0:
+            if session is not None:
+                raise WireError(Code.INVALID_ARGUMENT, f"session {session_id.hex()} already exists (step 0 sent twice)")
+            if first_position != 0:
+                raise WireError(Code.INVALID_ARGUMENT, f"step 0 must start at position 0, got {first_position}")
+            self._check_context(session_id, 0, n_rows)
+            if not self._free:
+                raise WireError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"all {self.n_seq_max} sequences of this range are in use"
+                    + (f" ({len(self._closing)} being freed)" if self._closing else ""),
+                )
+            session = NodeSession(session_id, self._free.pop(), owner_peer_id, 0, 0, now_ms)
+            self._sessions[session_id] = session
+        else:
+            if session is None:
+                raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()} at step {step} (no step 0 here)")
+            if session.owner_peer_id != owner_peer_id:
+                raise WireError(
+                    Code.REFUSED, f"session {session_id.hex()} belongs to {session.owner_peer_id}, not {owner_peer_id}"
+                )
+            if step != session.next_step:
+                raise WireError(
+                    Code.INVALID_ARGUMENT,
+                    f"session {session_id.hex()}: step {step} out of order (expected {session.next_step})",
+                )
+            if first_position != session.next_position:
+                raise WireError(
+                    Code.INVALID_ARGUMENT,
+                    f"session {session_id.hex()}: step {step} starts at position {first_position},"
+                    f" expected {session.next_position}",
+                )
+            self._check_context(session_id, first_position, n_rows)
+        session.next_step = step + 1
+        session.next_position = first_position + n_rows
+        session.pending += 1
+        session.last_used_ms = now_ms
+        return session
+
+    def _check_context(self, session_id: bytes, first_position: int, n_rows: int) -> None:
+        if first_position + n_rows > self.n_ctx_per_sequence:
+            raise WireError(
+                Code.RESOURCE_EXHAUSTED,
+                f"session {session_id.hex()}: positions up to {first_position + n_rows} exceed the context of"
+                f" {self.n_ctx_per_sequence} positions per sequence",
+            )
+
+    def done(self, session_id: bytes, now_ms: int) -> None:
+        """A step of ``session_id`` left the worker (whatever its outcome)."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.pending = max(0, session.pending - 1)
+            session.last_used_ms = now_ms
+
+    def end(self, session_id: bytes) -> NodeSession | None:
+        """Forget ``session_id``; its sequence id is closing until ``release``. Returns the
+        ended session (None if unknown)."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self._closing.append(session.seq_id)
+        return session
+
+    def has_closing(self) -> bool:
+        return bool(self._closing)
+
+    def take_closing(self) -> list[int]:
+        """Sequence ids to remove on the worker now (each is returned once)."""
+        closing, self._closing = self._closing, []
+        return closing
+
+    def release(self, seq_id: int) -> None:
+        """The worker no longer holds ``seq_id``: it may be given to a new session."""
+        if not 0 <= seq_id < self.n_seq_max or seq_id in self._free:
+            raise ValueError(f"sequence id {seq_id} cannot be released")
+        self._free.append(seq_id)
+        self._free.sort(reverse=True)
+
+    def idle(self, now_ms: int, timeout_ms: int) -> list[bytes]:
+        """Sessions with nothing pending, unused for at least ``timeout_ms``."""
+        return [
+            s.session_id for s in self._sessions.values() if s.pending == 0 and now_ms - s.last_used_ms >= timeout_ms
+        ]
+
+    def session_ids(self) -> list[bytes]:
+        return list(self._sessions)

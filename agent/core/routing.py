@@ -1,0 +1,146 @@
+"""Route planning: which READY ranges a session's steps go through, in order.
+
+Owns the routing rule of the shared swarm semantics (docs/SWARM.md): from the ranges nodes
+report READY, all with one recipe hash, choose hops that chain exactly (hop i ends where hop
+i+1 begins) from block 0 to n_layer, minimising the estimated step time
+``sum(blocks * decode_s_per_block) + hop_latency_s`` per hop. Ties (costs are compared in
+units of ``cost_resolution_s``, so that two nodes measured a hair apart count as equally fast)
+go to the route with the least current session load (which spreads sessions over redundant
+hops), then to the smaller peer ids.
+
+Pure: no I/O, no clock. The tracker passes the load it has counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+__all__ = ["Hop", "NoRoute", "ReadyRange", "RoutePlan", "plan_route"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyRange:
+    """A range a live node serves READY."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+    begin: int
+    end: int
+    recipe_hash: str
+    decode_s_per_block: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Hop:
+    peer_id: str
+    addrs: tuple[str, ...]
+    begin: int
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutePlan:
+    model_sha256: str
+    n_layer: int
+    hops: tuple[Hop, ...]
+    recipe_hash: str
+    estimated_step_s: float
+
+
+class NoRoute(Exception):
+    """No chain of READY ranges with one recipe covers the model; the message says why."""
+
+
+def plan_route(
+    model: str,
+    model_sha256: str,
+    n_layer: int,
+    ranges: Sequence[ReadyRange],
+    *,
+    load: Mapping[str, int] | None = None,
+    hop_latency_s: float = 0.002,
+    cost_resolution_s: float = 1e-4,
+) -> RoutePlan:
+    """The cheapest exact chain of ``ranges`` over ``[0, n_layer)``.
+
+    Args:
+      model: the name the caller asked for (used in the error message).
+      load: sessions currently routed through each peer id (missing: 0).
+      hop_latency_s: estimated link latency added per hop.
+      cost_resolution_s: costs are compared in whole units of this.
+
+    Raises:
+      NoRoute: "no route for model X: blocks [a, b) have no ready node" when some blocks
+        are not served READY by anyone, or "...: ready ranges do not chain ..." when every block
+        is served but no exact chain with one recipe reaches the end.
+    """
+    load = load or {}
+    valid = [r for r in ranges if 0 <= r.begin < r.end <= n_layer]
+    best: tuple | None = None
+    for recipe in sorted({r.recipe_hash for r in valid}):
+        candidate = _best_chain(
+            n_layer, [r for r in valid if r.recipe_hash == recipe], load, hop_latency_s, cost_resolution_s
+        )
+        if candidate is not None and (best is None or candidate[0] < best[0]):
+            best = candidate
+    if best is None:
+        raise NoRoute(_why_no_route(model, n_layer, valid))
+    _, chain = best
+    estimated = sum((r.end - r.begin) * max(r.decode_s_per_block, 0.0) + hop_latency_s for r in chain)
+    return RoutePlan(
+        model_sha256=model_sha256,
+        n_layer=n_layer,
+        hops=tuple(Hop(r.peer_id, tuple(r.addrs), r.begin, r.end) for r in chain),
+        recipe_hash=chain[0].recipe_hash,
+        estimated_step_s=estimated,
+    )
+
+
+def _best_chain(
+    n_layer: int,
+    ranges: Sequence[ReadyRange],
+    load: Mapping[str, int],
+    hop_latency_s: float,
+    cost_resolution_s: float,
+) -> tuple[tuple, list[ReadyRange]] | None:
+    """Dynamic programme over block boundaries: best[b] = the best chain from 0 ending at b,
+    keyed (cost units, total load, peer ids); ranges only go forward, so boundaries in
+    increasing order are a topological order."""
+    by_begin: dict[int, list[ReadyRange]] = {}
+    for r in sorted(ranges, key=lambda r: (r.begin, r.end, r.peer_id)):
+        by_begin.setdefault(r.begin, []).append(r)
+    best: dict[int, tuple[tuple, list[ReadyRange]]] = {0: ((0, 0, ()), [])}
+    for boundary in range(n_layer):
+        if boundary not in best:
+            continue
+        (cost, total_load, peers), chain = best[boundary]
+        for r in by_begin.get(boundary, ()):
+            units = round(((r.end - r.begin) * max(r.decode_s_per_block, 0.0) + hop_latency_s) / cost_resolution_s)
+            key = (cost + units, total_load + load.get(r.peer_id, 0), (*peers, r.peer_id))
+            if r.end not in best or key < best[r.end][0]:
+                best[r.end] = (key, [*chain, r])
+    return best.get(n_layer)
+
+
+def _why_no_route(model: str, n_layer: int, ranges: Sequence[ReadyRange]) -> str:
+    covered = [False] * n_layer
+    for r in ranges:
+        for block in range(r.begin, r.end):
+            covered[block] = True
+    gaps = []
+    start = None
+    for block in range(n_layer + 1):
+        gap = block < n_layer and not covered[block]
+        if gap and start is None:
+            start = block
+        elif not gap and start is not None:
+            gaps.append(f"[{start}, {block})")
+            start = None
+    if gaps:
+        listed = gaps[0] if len(gaps) == 1 else ", ".join(gaps[:-1]) + " and " + gaps[-1]
+        return f"no route for model {model}: blocks {listed} have no ready node"
+    return (
+        f"no route for model {model}: every block has a ready node, but no chain of ready ranges "
+        f"with one recipe hash leads from block 0 to {n_layer}"
+    )

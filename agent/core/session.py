@@ -1,0 +1,328 @@
+"""A client session: one generation owned by the client, as a state machine the shell drives.
+
+Owns the decisions of a session owner (``baton generate``, later the relay):
+- which rows each step sends: step 0 the whole prompt (positions ``0..n-1``), then one row per
+  step, the last chosen token at the next position;
+- whether a ``StepResult`` answers the step in flight (schema, session id, step number: stale,
+  duplicate and out-of-order results are refused and change nothing), and whether its logits
+  are well formed (width, checksum, finite values);
+- the next token (``agent.core.sampling``) and when to stop (an end-of-generation token, which
+  is kept like ``GreedyGeneration`` keeps it, or ``max_new_tokens``);
+- the ``StepRequest`` / ``EndSessionRequest`` records the shell sends for it.
+
+Loop (the shell): ``while not s.finished: send(s.step_request(s.next_step(), ...)); result =
+<StepResult pushed to the owner>; token = s.receive(result)``.
+
+States: ``ready`` (may send the next step) -> ``awaiting`` (one step in flight) -> ``ready`` ...
+-> ``finished``; ``failed`` after a hop reported an error, a malformed answer to the step in
+flight, or ``fail()`` from the shell (e.g. a timeout). Both end states refuse everything.
+
+Pure: numpy and protobuf records (checksums and constants from ``agent.core.swarm_wire``); the random generator comes in as an argument. Must not
+import trio, grpc, libp2p, sockets, clocks or agent.io.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from agent._proto import swarm_pb2
+
+from .sampling import SamplingParams, sample_token
+from .swarm_wire import SCHEMA_VERSION, SESSION_ID_BYTES, crc32, token_checksum
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "SESSION_ID_BYTES",
+    "HopFailed",
+    "ResultRefused",
+    "Session",
+    "SessionError",
+    "StepInput",
+    "end_session_request",
+]
+
+_F32 = np.dtype("<f4")
+
+READY = "ready"
+AWAITING = "awaiting"
+FINISHED = "finished"
+FAILED = "failed"
+
+
+class SessionError(Exception):
+    """Base of the errors a session raises; ``code`` is a ``swarm_pb2.Error.Code``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ResultRefused(SessionError):
+    """A ``StepResult`` that does not answer the step in flight, or is malformed.
+
+    ``fatal`` is False when the result simply is not ours to take (another session, a stale,
+    duplicate or out-of-order step, a finished session): the session is unchanged. It is True
+    when the result answers the step in flight but is malformed: the session has failed.
+    """
+
+    def __init__(self, code: int, message: str, *, fatal: bool) -> None:
+        super().__init__(code, message)
+        self.fatal = fatal
+
+
+class HopFailed(SessionError):
+    """A hop of the route reported that the step in flight failed (``StepResult.error``)."""
+
+    def __init__(self, code: int, message: str, failed_peer_id: str) -> None:
+        who = failed_peer_id or "an unnamed hop"
+        super().__init__(code, f"hop {who} failed: {swarm_pb2.Error.Code.Name(code)}: {message}")
+        self.failed_peer_id = failed_peer_id
+        self.hop_message = message
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """The rows one step sends to the first hop."""
+
+    step: int
+    positions: tuple[int, ...]
+    token_ids: tuple[int, ...]
+
+
+def _error(code_name: str) -> int:
+    return swarm_pb2.Error.Code.Value(code_name)
+
+
+class Session:
+    """One generation of ``max_new_tokens`` at most from ``prompt`` (token ids).
+
+    Args:
+      session_id: 16 bytes chosen by the owner (random in the shell).
+      prompt: the prompt's token ids (at least one).
+      max_new_tokens: the token budget (>= 1).
+      stop_tokens: end-of-generation token ids; choosing one ends the session.
+      sampling: temperature / top-k / top-p (greedy by default).
+      rng: the generator draws come from (needed unless greedy); seed it for reproducible runs.
+      n_vocab: the expected logits width, if known; otherwise the first result fixes it.
+    """
+
+    def __init__(
+        self,
+        session_id: bytes,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        stop_tokens: Iterable[int] = (),
+        sampling: SamplingParams = SamplingParams(),
+        rng: np.random.Generator | None = None,
+        n_vocab: int | None = None,
+    ) -> None:
+        if len(session_id) != SESSION_ID_BYTES:
+            raise ValueError(f"a session id has {SESSION_ID_BYTES} bytes, got {len(session_id)}")
+        if not prompt:
+            raise ValueError("the prompt has no tokens")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not sampling.greedy and rng is None:
+            raise ValueError(f"sampling at temperature {sampling.temperature} needs a random generator")
+        if n_vocab is not None and n_vocab < 1:
+            raise ValueError(f"n_vocab must be >= 1, got {n_vocab}")
+        self.session_id = bytes(session_id)
+        self.prompt_len = len(prompt)
+        self.max_new_tokens = max_new_tokens
+        self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+        self.sampling = sampling
+        self.n_vocab = n_vocab
+        self.tokens: list[int] = [int(t) for t in prompt]
+        self.step = 0  # the next step to send, or the one in flight
+        self.state = READY
+        self.stopped_by_token = False
+        self.failure: str | None = None
+        self._rng = rng
+        self._n_cached = 0  # tokens[:_n_cached] are in the route's caches
+
+    # --- state -----------------------------------------------------------------------------
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def finished(self) -> bool:
+        """No more steps: the budget is spent, a stop token came, or the session failed."""
+        return self.state in (FINISHED, FAILED)
+
+    @property
+    def awaiting(self) -> bool:
+        return self.state == AWAITING
+
+    @property
+    def session_hex(self) -> str:
+        return self.session_id.hex()
+
+    def fail(self, reason: str) -> None:
+        """Record that the session cannot go on (the shell gave up on it)."""
+        if self.state != FINISHED:
+            self.state = FAILED
+            self.failure = reason
+
+    # --- sending ---------------------------------------------------------------------------
+
+    def next_step(self) -> StepInput:
+        """The rows not yet in the route's caches; the session then awaits this step's result.
+
+        Raises:
+          ValueError: a step is already in flight, or the session has ended.
+        """
+        if self.state == AWAITING:
+            raise ValueError(f"session {self.session_hex}: step {self.step} is still in flight")
+        if self.finished:
+            raise ValueError(f"session {self.session_hex}: the session has ended ({self.state})")
+        self.state = AWAITING
+        return StepInput(
+            step=self.step,
+            positions=tuple(range(self._n_cached, len(self.tokens))),
+            token_ids=tuple(self.tokens[self._n_cached :]),
+        )
+
+    def step_request(
+        self,
+        step_input: StepInput,
+        route: swarm_pb2.Route,
+        *,
+        owner_peer_id: str,
+        owner_addrs: Sequence[str],
+        admission: swarm_pb2.SignedAdmission,
+    ) -> swarm_pb2.StepRequest:
+        """The ``StepRequest`` for ``step_input`` to the first hop of ``route``."""
+        if not route.hops:
+            raise ValueError("the route has no hops")
+        first = route.hops[0]
+        return swarm_pb2.StepRequest(
+            schema_version=SCHEMA_VERSION,
+            session_id=self.session_id,
+            step=step_input.step,
+            begin=first.begin,
+            end=first.end,
+            positions=step_input.positions,
+            token_ids=step_input.token_ids,
+            recipe_hash=route.recipe_hash,
+            rest=list(route.hops[1:]),
+            owner_peer_id=owner_peer_id,
+            owner_addrs=list(owner_addrs),
+            checksum=token_checksum(step_input.token_ids),
+            sender_admission=admission,
+            model_sha256=route.model_sha256,
+        )
+
+    # --- receiving -------------------------------------------------------------------------
+
+    def check_result(self, result: swarm_pb2.StepResult) -> None:
+        """Whether ``result`` answers the step in flight (identity only, not content).
+
+        Raises:
+          ResultRefused: (not fatal) wrong schema or session, stale / duplicate /
+            out-of-order step, or an ended session. The session is unchanged.
+        """
+        if result.schema_version != SCHEMA_VERSION:
+            raise ResultRefused(
+                _error("INVALID_ARGUMENT"),
+                f"schema_version {result.schema_version} is not supported (this peer speaks {SCHEMA_VERSION})",
+                fatal=False,
+            )
+        if bytes(result.session_id) != self.session_id:
+            raise ResultRefused(
+                _error("NOT_FOUND"),
+                f"result for session {bytes(result.session_id).hex()} given to session {self.session_hex}",
+                fatal=False,
+            )
+        if self.finished:
+            raise ResultRefused(
+                _error("INVALID_ARGUMENT"),
+                f"session {self.session_hex} has ended ({self.state}): result for step {result.step} refused",
+                fatal=False,
+            )
+        awaited = self.step if self.state == AWAITING else None
+        if result.step == awaited:
+            return
+        last_answered = self.step - 1
+        if result.step == last_answered:
+            kind = "duplicate result"
+        elif result.step < last_answered:
+            kind = "stale result"
+        else:
+            kind = "out-of-order result"
+        waiting = f"waiting for step {awaited}" if awaited is not None else "no step in flight"
+        raise ResultRefused(
+            _error("INVALID_ARGUMENT"),
+            f"{kind} for step {result.step} of session {self.session_hex} ({waiting})",
+            fatal=False,
+        )
+
+    def receive(self, result: swarm_pb2.StepResult) -> int:
+        """Take the result of the step in flight: check it, choose the next token, advance.
+
+        Returns:
+          The chosen token (also appended to ``tokens``).
+
+        Raises:
+          ResultRefused: not ours (``fatal`` False, session unchanged; see ``check_result``) or
+            malformed logits for the step in flight (``fatal`` True, session failed).
+          HopFailed: the result reports a hop's error (session failed).
+        """
+        self.check_result(result)
+        if result.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
+            error = HopFailed(result.error.code, result.error.message, result.failed_peer_id)
+            self.fail(str(error))
+            raise error
+        try:
+            logits = self._logits(result)
+            token = sample_token(logits, self.sampling, self._rng)
+        except ValueError as bad:
+            message = f"malformed result for step {result.step} of session {self.session_hex}: {bad}"
+            self.fail(message)
+            raise ResultRefused(_error("INVALID_ARGUMENT"), message, fatal=True) from None
+        self.n_vocab = logits.size
+        self._n_cached = len(self.tokens)
+        self.tokens.append(token)
+        self.step += 1
+        if token in self.stop_tokens:
+            self.stopped_by_token = True
+            self.state = FINISHED
+        elif len(self.generated) >= self.max_new_tokens:
+            self.state = FINISHED
+        else:
+            self.state = READY
+        return token
+
+    def _logits(self, result: swarm_pb2.StepResult) -> np.ndarray:
+        n_vocab = result.n_vocab
+        if n_vocab < 1:
+            raise ValueError("n_vocab is 0")
+        if self.n_vocab is not None and n_vocab != self.n_vocab:
+            raise ValueError(f"n_vocab {n_vocab}, expected {self.n_vocab}")
+        data = bytes(result.logits)
+        if len(data) != n_vocab * _F32.itemsize:
+            raise ValueError(f"{len(data)} logits bytes for n_vocab {n_vocab} (expected {n_vocab * _F32.itemsize})")
+        checksum = crc32(data)
+        if checksum != result.checksum:
+            raise ValueError(f"logits checksum {checksum:#010x} does not match {result.checksum:#010x}")
+        logits = np.frombuffer(data, dtype=_F32)
+        if not np.isfinite(logits).all():
+            raise ValueError("the logits hold NaN or inf")
+        return logits
+
+
+def end_session_request(
+    session_id: bytes, route: swarm_pb2.Route, admission: swarm_pb2.SignedAdmission
+) -> swarm_pb2.NodeRequest:
+    """The ``NodeRequest`` to the first hop that frees the session on every hop of ``route``."""
+    return swarm_pb2.NodeRequest(
+        schema_version=SCHEMA_VERSION,
+        sender_admission=admission,
+        end_session=swarm_pb2.EndSessionRequest(session_id=bytes(session_id), rest=list(route.hops[1:])),
+    )

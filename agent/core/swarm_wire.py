@@ -1,0 +1,495 @@
+"""Swarm wire codecs: protocol ids, schema version, checksums, and the step / result / node
+records a node takes and gives (``protocol/swarm.proto``).
+
+Owns:
+- the four libp2p protocol ids and ``SCHEMA_VERSION`` (every top-level record carries it);
+- checksums: ``zlib.crc32`` of the token ids as little-endian int32 bytes, of boundary bytes,
+  of logits bytes;
+- parsing bytes from the network into records (``parse_record``), the schema-version rule, and
+  the validation of a ``StepRequest`` against the range a node serves (``validate_step``:
+  recipe, range, session id, owner, the hops after the receiver, row count and batch limit,
+  positions, checksum, payload kind, dtype, width, byte length, finite values, token ids);
+- building what a node sends on: the next hop's ``StepRequest`` (boundary rows in the dtype the
+  step arrived in), the owner's ``StepResult`` (f32 logits of the last row), and the error
+  replies (``StepAck`` / ``StepResult`` / ``NodeReply`` / ``TrackerReply`` with ``Error``).
+
+Tensors stay bytes end to end: ``np.frombuffer`` in (``agent.core.boundary.decode_rows``),
+``tobytes`` out; no per-element Python.
+
+Pure: numpy, zlib and protobuf records. Must not import trio, grpc, libp2p, sockets, clocks or
+agent.io.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections.abc import Sequence
+from typing import TypeVar
+
+import numpy as np
+from google.protobuf.message import DecodeError, Message
+
+from agent._proto import swarm_pb2
+
+from .boundary import BoundaryError, WireDType, decode_rows, encode_rows, itemsize
+
+__all__ = [
+    "NODE_PROTOCOL",
+    "RESULT_PROTOCOL",
+    "SCHEMA_VERSION",
+    "SESSION_ID_BYTES",
+    "STEP_PROTOCOL",
+    "TRACKER_PROTOCOL",
+    "RangeSpec",
+    "StepInput",
+    "WireError",
+    "check_hops",
+    "check_schema_version",
+    "crc32",
+    "error",
+    "first_step_request",
+    "next_hop_request",
+    "node_reply_error",
+    "parse_record",
+    "peer_id_from_multiaddr",
+    "step_ack",
+    "step_ack_error",
+    "step_result",
+    "step_result_error",
+    "token_bytes",
+    "token_checksum",
+    "tracker_reply_error",
+    "validate_step",
+    "validate_step_result",
+]
+
+TRACKER_PROTOCOL = "/baton/tracker/1.0.0"  # TrackerRequest -> TrackerReply
+STEP_PROTOCOL = "/baton/step/1.0.0"  # StepRequest -> StepAck
+RESULT_PROTOCOL = "/baton/result/1.0.0"  # StepResult -> StepAck
+NODE_PROTOCOL = "/baton/node/1.0.0"  # NodeRequest -> NodeReply
+
+#: The swarm schema version this code speaks (every top-level record carries it).
+SCHEMA_VERSION = 1
+#: A session id has exactly this many owner-chosen random bytes.
+SESSION_ID_BYTES = 16
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+Code = swarm_pb2.Error.Code
+M = TypeVar("M", bound=Message)
+
+
+class WireError(Exception):
+    """A record from the network breaks a rule; ``code`` (``swarm_pb2.Error.Code``) and
+    ``message`` become the ``Error`` of the reply. The message names what was wrong."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = int(code)
+        self.message = message
+
+    def to_error(self) -> swarm_pb2.Error:
+        return swarm_pb2.Error(code=self.code, message=self.message)
+
+    def __str__(self) -> str:
+        return f"{_code_name(self.code)}: {self.message}"
+
+
+def _code_name(code: int) -> str:
+    try:
+        return swarm_pb2.Error.Code.Name(code)
+    except ValueError:
+        return str(code)
+
+
+# --- checksums -----------------------------------------------------------------------------
+
+
+def crc32(data: bytes) -> int:
+    """``zlib.crc32`` as an unsigned 32-bit value (the ``fixed32 checksum`` fields)."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian int32 bytes (what their checksum covers)."""
+    return np.asarray(token_ids, dtype=_I32).tobytes()
+
+
+def token_checksum(token_ids: Sequence[int] | np.ndarray) -> int:
+    return crc32(token_bytes(token_ids))
+
+
+# --- parsing and errors --------------------------------------------------------------------
+
+
+def parse_record(message_type: type[M], data: bytes) -> M:
+    """Parse ``data`` as ``message_type`` and check its ``schema_version``.
+
+    Raises:
+      WireError: INVALID_ARGUMENT "malformed <Type>: ..." or "schema_version N is not
+        supported (this peer speaks 1)".
+    """
+    record = message_type()
+    try:
+        record.ParseFromString(bytes(data))
+    except DecodeError as err:
+        raise WireError(Code.INVALID_ARGUMENT, f"malformed {message_type.__name__}: {err}") from None
+    check_schema_version(record.schema_version)
+    return record
+
+
+def check_schema_version(version: int) -> None:
+    if version != SCHEMA_VERSION:
+        raise WireError(
+            Code.INVALID_ARGUMENT, f"schema_version {version} is not supported (this peer speaks {SCHEMA_VERSION})"
+        )
+
+
+def error(code: int, message: str) -> swarm_pb2.Error:
+    return swarm_pb2.Error(code=code, message=message)
+
+
+def step_ack(err: swarm_pb2.Error | WireError | None = None) -> bytes:
+    """A serialized ``StepAck``: no error (accepted) or ``err``."""
+    ack = swarm_pb2.StepAck(schema_version=SCHEMA_VERSION)
+    if err is not None:
+        ack.error.CopyFrom(err.to_error() if isinstance(err, WireError) else err)
+    return ack.SerializeToString()
+
+
+def step_ack_error(code: int, message: str) -> bytes:
+    return step_ack(error(code, message))
+
+
+def node_reply_error(code: int, message: str) -> bytes:
+    return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION, error=error(code, message)).SerializeToString()
+
+
+def tracker_reply_error(code: int, message: str) -> bytes:
+    return swarm_pb2.TrackerReply(schema_version=SCHEMA_VERSION, error=error(code, message)).SerializeToString()
+
+
+def peer_id_from_multiaddr(addr: str) -> str:
+    """The peer id a multiaddr ends with (``.../p2p/<peer id>``).
+
+    Raises:
+      ValueError: the address has no ``/p2p/<peer id>`` part.
+    """
+    head, sep, peer_id = addr.rstrip("/").rpartition("/p2p/")
+    if not sep or not peer_id or "/" in peer_id:
+        raise ValueError(f"multiaddr {addr!r} does not end with /p2p/<peer id>")
+    return peer_id
+
+
+# --- steps ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeSpec:
+    """What one served range takes: the worker's model, blocks, widths, recipe and batch limit."""
+
+    model_sha256: str
+    begin: int
+    end: int
+    n_layer: int
+    n_embd: int
+    n_vocab: int
+    recipe_hash: str
+    n_batch_max: int
+
+    @property
+    def takes_tokens(self) -> bool:
+        return self.begin == 0
+
+    @property
+    def gives_logits(self) -> bool:
+        return self.end == self.n_layer
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """A validated step, ready for the scheduler and the worker.
+
+    Exactly one of ``token_ids`` (int32 ``[n_rows]``, first range) or ``rows`` (float32
+    ``[n_rows, n_embd]``, a zero-copy view of the received bytes when they were F32) is set.
+    ``dtype``: the wire dtype the step arrived in; the next hop gets its rows in the same one.
+    """
+
+    session_id: bytes
+    step: int
+    begin: int
+    end: int
+    positions: np.ndarray
+    token_ids: np.ndarray | None
+    rows: np.ndarray | None
+    dtype: int
+    n_embd: int
+    recipe_hash: str
+    model_sha256: str
+    rest: tuple[swarm_pb2.Hop, ...]
+    owner_peer_id: str
+    owner_addrs: tuple[str, ...]
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def first_position(self) -> int:
+        return int(self.positions[0])
+
+
+def check_hops(hops: Sequence[swarm_pb2.Hop], begin: int, n_layer: int, what: str = "rest") -> None:
+    """Hops must chain exactly from ``begin`` to ``n_layer``: each hop starts where the one
+    before ends, and names a peer.
+
+    Raises:
+      WireError: INVALID_ARGUMENT naming the first hop that breaks the chain.
+    """
+    at = begin
+    for i, hop in enumerate(hops):
+        if not hop.peer_id:
+            raise WireError(Code.INVALID_ARGUMENT, f"{what}[{i}] names no peer")
+        if hop.begin != at or hop.end <= hop.begin:
+            raise WireError(
+                Code.INVALID_ARGUMENT,
+                f"{what}[{i}] covers blocks [{hop.begin}, {hop.end}), expected a non-empty range starting at {at}",
+            )
+        at = hop.end
+    if at != n_layer:
+        raise WireError(
+            Code.INVALID_ARGUMENT,
+            f"{what} ends at block {at}, but the model has {n_layer} blocks (nobody runs [{at}, {n_layer}))",
+        )
+
+
+def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
+    """Check a ``StepRequest`` (schema version already checked) against the range ``spec``
+    it is addressed to, and decode its rows.
+
+    Does not check the sender's admission, whether the session is known, or whether its
+    positions continue it: those need the node's state (``agent.core.node_sessions``).
+
+    Raises:
+      WireError: INVALID_ARGUMENT for a rule the request breaks, RESOURCE_EXHAUSTED for more
+        rows than the worker takes in one batch; the message says what was wrong.
+    """
+    bad = Code.INVALID_ARGUMENT
+    if request.model_sha256 != spec.model_sha256:
+        raise WireError(
+            bad, f"model_sha256 {request.model_sha256!r} is not the model of this range ({spec.model_sha256})"
+        )
+    if (request.begin, request.end) != (spec.begin, spec.end):
+        raise WireError(
+            bad, f"the step is for blocks [{request.begin}, {request.end}), this range is [{spec.begin}, {spec.end})"
+        )
+    if request.recipe_hash != spec.recipe_hash:
+        raise WireError(
+            bad, f"recipe_hash {request.recipe_hash!r} does not match this node's recipe {spec.recipe_hash!r}"
+        )
+    if len(request.session_id) != SESSION_ID_BYTES:
+        raise WireError(bad, f"session_id has {len(request.session_id)} bytes, expected {SESSION_ID_BYTES}")
+    if not request.owner_peer_id:
+        raise WireError(bad, "owner_peer_id is empty: nobody to send the result to")
+    check_hops(request.rest, spec.end, spec.n_layer)
+
+    n_rows = len(request.positions)
+    if n_rows == 0:
+        raise WireError(bad, "the step has no rows (positions is empty)")
+    if n_rows > spec.n_batch_max:
+        raise WireError(
+            Code.RESOURCE_EXHAUSTED, f"{n_rows} rows exceed this range's batch limit of {spec.n_batch_max} rows"
+        )
+    positions = np.array(request.positions, dtype=np.int32)
+    first = int(positions[0])
+    if first < 0 or (n_rows > 1 and not np.array_equal(positions, np.arange(first, first + n_rows, dtype=np.int32))):
+        raise WireError(bad, f"positions must be consecutive and >= 0, got {_preview(positions)}")
+    if request.step == 0 and first != 0:
+        raise WireError(bad, f"step 0 (prefill) must start at position 0, got {first}")
+
+    token_ids = rows = None
+    dtype = int(request.dtype) or int(WireDType.F32)
+    if spec.takes_tokens:
+        if request.boundary:
+            raise WireError(
+                bad, f"blocks [{spec.begin}, {spec.end}) take token ids, but the step carries boundary bytes"
+            )
+        if len(request.token_ids) != n_rows:
+            raise WireError(bad, f"{len(request.token_ids)} token ids but {n_rows} positions")
+        token_ids = np.array(request.token_ids, dtype=_I32)
+        if request.checksum != crc32(token_ids.tobytes()):
+            raise WireError(bad, f"checksum {request.checksum:#010x} does not match the token ids")
+        if token_ids.min() < 0 or token_ids.max() >= spec.n_vocab:
+            raise WireError(bad, f"token ids must be in [0, {spec.n_vocab}), got {_preview(token_ids)}")
+    else:
+        if len(request.token_ids):
+            raise WireError(
+                bad, f"blocks [{spec.begin}, {spec.end}) take boundary rows, but the step carries token ids"
+            )
+        if request.n_embd != spec.n_embd:
+            raise WireError(bad, f"n_embd {request.n_embd} does not match this model's width {spec.n_embd}")
+        try:
+            size = itemsize(dtype)
+        except BoundaryError as err:
+            raise WireError(bad, f"dtype: {err}") from None
+        if len(request.boundary) != n_rows * spec.n_embd * size:
+            raise WireError(
+                bad,
+                f"boundary has {len(request.boundary)} bytes, expected {n_rows} rows x {spec.n_embd} x {size} bytes"
+                f" = {n_rows * spec.n_embd * size}",
+            )
+        if request.checksum != crc32(request.boundary):
+            raise WireError(bad, f"checksum {request.checksum:#010x} does not match the boundary bytes")
+        try:
+            rows = decode_rows(request.boundary, n_rows, spec.n_embd, dtype)
+        except BoundaryError as err:
+            raise WireError(bad, f"boundary: {err}") from None
+    return StepInput(
+        session_id=bytes(request.session_id),
+        step=int(request.step),
+        begin=spec.begin,
+        end=spec.end,
+        positions=positions,
+        token_ids=token_ids,
+        rows=rows,
+        dtype=dtype,
+        n_embd=spec.n_embd,
+        recipe_hash=spec.recipe_hash,
+        model_sha256=spec.model_sha256,
+        rest=tuple(request.rest),
+        owner_peer_id=request.owner_peer_id,
+        owner_addrs=tuple(request.owner_addrs),
+    )
+
+
+def _preview(values: np.ndarray, limit: int = 8) -> str:
+    shown = ", ".join(str(int(v)) for v in values[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}] ({len(values)} values)"
+
+
+def first_step_request(
+    *,
+    session_id: bytes,
+    step: int,
+    hops: Sequence[swarm_pb2.Hop],
+    token_ids: Sequence[int] | np.ndarray,
+    first_position: int,
+    recipe_hash: str,
+    model_sha256: str,
+    owner_peer_id: str,
+    owner_addrs: Sequence[str],
+    sender_admission: swarm_pb2.SignedAdmission,
+) -> swarm_pb2.StepRequest:
+    """The ``StepRequest`` a session owner sends to ``hops[0]`` (token ids at consecutive
+    positions from ``first_position``)."""
+    ids = np.asarray(token_ids, dtype=_I32)
+    hop = hops[0]
+    return swarm_pb2.StepRequest(
+        schema_version=SCHEMA_VERSION,
+        session_id=session_id,
+        step=step,
+        begin=hop.begin,
+        end=hop.end,
+        positions=range(first_position, first_position + len(ids)),
+        token_ids=ids.tolist(),
+        recipe_hash=recipe_hash,
+        rest=list(hops[1:]),
+        owner_peer_id=owner_peer_id,
+        owner_addrs=list(owner_addrs),
+        checksum=crc32(ids.tobytes()),
+        sender_admission=sender_admission,
+        model_sha256=model_sha256,
+    )
+
+
+def next_hop_request(
+    step: StepInput, rows: np.ndarray, sender_admission: swarm_pb2.SignedAdmission
+) -> swarm_pb2.StepRequest:
+    """The ``StepRequest`` for ``step.rest[0]``: this range's output ``rows`` (float32
+    ``[n_rows, n_embd]``) in the dtype the step arrived in (F32 for token input).
+
+    Raises:
+      BoundaryError: rows of the wrong shape, non-finite, or out of float16 range.
+    """
+    hop = step.rest[0]
+    dtype = step.dtype if step.rows is not None else int(WireDType.F32)
+    data = encode_rows(rows, step.n_embd, dtype)
+    if rows.shape[0] != step.n_rows:
+        raise BoundaryError(f"{rows.shape[0]} output rows for a step of {step.n_rows} rows")
+    return swarm_pb2.StepRequest(
+        schema_version=SCHEMA_VERSION,
+        session_id=step.session_id,
+        step=step.step,
+        begin=hop.begin,
+        end=hop.end,
+        positions=step.positions.tolist(),
+        boundary=data,
+        dtype=dtype,
+        n_embd=step.n_embd,
+        recipe_hash=step.recipe_hash,
+        rest=list(step.rest[1:]),
+        owner_peer_id=step.owner_peer_id,
+        owner_addrs=list(step.owner_addrs),
+        checksum=crc32(data),
+        sender_admission=sender_admission,
+        model_sha256=step.model_sha256,
+    )
+
+
+def step_result(
+    session_id: bytes, step: int, logits: np.ndarray, sender_admission: swarm_pb2.SignedAdmission
+) -> swarm_pb2.StepResult:
+    """The owner's ``StepResult``: ``logits`` (one float32 row ``[n_vocab]``) as f32 bytes."""
+    row = np.ascontiguousarray(logits, dtype=_F32).reshape(-1)
+    data = row.tobytes()
+    return swarm_pb2.StepResult(
+        schema_version=SCHEMA_VERSION,
+        session_id=session_id,
+        step=step,
+        logits=data,
+        n_vocab=row.shape[0],
+        checksum=crc32(data),
+        sender_admission=sender_admission,
+    )
+
+
+def step_result_error(
+    session_id: bytes,
+    step: int,
+    code: int,
+    message: str,
+    failed_peer_id: str,
+    sender_admission: swarm_pb2.SignedAdmission,
+) -> swarm_pb2.StepResult:
+    """A ``StepResult`` telling the owner that ``failed_peer_id`` could not finish the step."""
+    return swarm_pb2.StepResult(
+        schema_version=SCHEMA_VERSION,
+        session_id=session_id,
+        step=step,
+        error=error(code, message),
+        failed_peer_id=failed_peer_id,
+        sender_admission=sender_admission,
+    )
+
+
+def validate_step_result(result: swarm_pb2.StepResult, n_vocab: int | None = None) -> np.ndarray:
+    """The logits row of a successful ``StepResult`` (float32 ``[n_vocab]``, zero-copy view).
+
+    Raises:
+      WireError: the result carries an error (its own code and message), or its logits do not
+        match ``n_vocab`` (when given), their checksum, or their byte length.
+    """
+    if result.error.code:
+        raise WireError(result.error.code, result.error.message)
+    if n_vocab is not None and result.n_vocab != n_vocab:
+        raise WireError(Code.INVALID_ARGUMENT, f"n_vocab {result.n_vocab}, expected {n_vocab}")
+    if result.checksum != crc32(result.logits):
+        raise WireError(Code.INVALID_ARGUMENT, f"checksum {result.checksum:#010x} does not match the logits")
+    if result.n_vocab == 0:
+        raise WireError(Code.INVALID_ARGUMENT, "n_vocab is 0")
+    try:
+        return decode_rows(result.logits, 1, result.n_vocab, WireDType.F32, check_finite=False)[0]
+    except BoundaryError as err:
+        raise WireError(Code.INVALID_ARGUMENT, f"logits: {err}") from None

@@ -1,0 +1,680 @@
+"""The session owner's shell: admission, routes, steps and results over the swarm transport.
+
+Owns the I/O of a client (``baton generate``; later the relay): the hello that gets a CLIENT
+admission from the tracker, route requests, tokenize / detokenize / end-session requests to a
+route's first hop, sending each step's ``StepRequest`` to the first hop, and the
+``/baton/result/1.0.0`` handler where the last hop pushes ``StepResult``. Every decision
+(which rows a step sends, whether a result answers the step in flight, which token comes
+next, when to stop) is made by ``agent.core.session.Session``.
+
+A result is taken only from a peer with a valid NODE admission that is on the session's
+route (logits only from its last hop; an error from any hop), for a live session, for the
+step in flight; anything else gets an error ``StepAck`` and changes nothing.
+
+When a hop fails (an error result, a refused or unreachable first hop, no result in time),
+the generation either fails with a ``GenerationError`` naming the failed peer (none for a
+timeout: which hop went silent is unknown), or, while ``SwarmClientConfig.replan_attempts`` allow
+and a peer was named, waits for a route without that peer and continues
+with a new session whose prefill is the prompt plus the tokens chosen so far. (The re-prefill
+computes the same greedy tokens in practice, but batched prefill is not promised to be
+bit-identical to step-by-step decode.)
+
+Must not hold a nursery on ``self``: the transport is opened by ``open_swarm_client``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import numpy as np
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from google.protobuf.message import DecodeError
+
+from agent._proto import swarm_pb2
+from agent.core.admission import AdmissionError, make_client_hello, verify_admission
+from agent.core.identity import peer_id_from_public_key
+from agent.core.sampling import SamplingParams
+from agent.core.session import HopFailed, ResultRefused, Session, end_session_request
+from agent.core.swarm_wire import (
+    NODE_PROTOCOL,
+    RESULT_PROTOCOL,
+    SCHEMA_VERSION,
+    SESSION_ID_BYTES,
+    STEP_PROTOCOL,
+    TRACKER_PROTOCOL,
+    peer_id_from_multiaddr,
+    step_ack,
+)
+
+from .transport import Transport, TransportError
+
+__all__ = [
+    "SwarmClientConfig",
+    "GenerationError",
+    "GenerationResult",
+    "SwarmClient",
+    "SwarmError",
+    "describe_route",
+    "open_swarm_client",
+    "route_hops",
+    "split_peer_addr",
+]
+
+log = logging.getLogger(__name__)
+
+_NONCE_BYTES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SwarmClientConfig:
+    """Timeouts and limits of a client.
+
+    ``request_timeout_s``: one control exchange (hello, route, tokenize, step ack, end session).
+    ``step_timeout_s``: from sending a step until its result is pushed back.
+    ``replan_attempts``: how many times one generation may move to a new route after a hop fails.
+    ``replan_wait_s``: how long a replan waits for the tracker to offer a route without the
+    failed peer (it notices a dead node after its heartbeat timeout).
+    ``route_poll_interval_s``: pause between two route requests while waiting for a route.
+    """
+
+    request_timeout_s: float = 10.0
+    step_timeout_s: float = 30.0
+    replan_attempts: int = 1
+    replan_wait_s: float = 20.0
+    route_poll_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        for name in ("request_timeout_s", "step_timeout_s", "replan_wait_s", "route_poll_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.replan_attempts < 0:
+            raise ValueError(f"replan_attempts must be >= 0, got {self.replan_attempts}")
+
+
+class SwarmError(Exception):
+    """A peer answered with an error (``code``: a ``swarm_pb2.Error.Code``), or an answer
+    could not be used. ``peer_id``: who answered."""
+
+    def __init__(self, peer_id: str, code: int, message: str) -> None:
+        super().__init__(f"{_code_name(code)} from {peer_id}: {message}")
+        self.peer_id = peer_id
+        self.code = code
+        self.message = message
+
+
+class GenerationError(Exception):
+    """A generation failed; ``failed_peer_id`` names the hop at fault ("" if unknown)."""
+
+    def __init__(self, message: str, *, failed_peer_id: str = "", step: int | None = None) -> None:
+        super().__init__(message)
+        self.failed_peer_id = failed_peer_id
+        self.step = step
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """What ``SwarmClient.generate`` produced.
+
+    ``tokens``: generated token ids (an end-of-generation token that stopped it included);
+    ``text``: their text (without that token); ``route``: the hops of the last route used, as
+    ``{"node", "begin", "end"}``; ``tokens_per_s``: decode steps per second of step time.
+    """
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: list[int]
+    route: list[dict]
+    model_sha256: str
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    stopped_by_token: bool
+    replans: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.prompt_tokens) / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "text": self.text,
+            "tokens": list(self.tokens),
+            "prompt_tokens": len(self.prompt_tokens),
+            "route": [dict(hop) for hop in self.route],
+            "model_sha256": self.model_sha256,
+            "tokens_per_s": self.tokens_per_s,
+            "prefill_tokens_per_s": self.prefill_tokens_per_s,
+            "stopped_by_token": self.stopped_by_token,
+            "replans": self.replans,
+        }
+
+
+def _code_name(code: int) -> str:
+    try:
+        return swarm_pb2.Error.Code.Name(code)
+    except ValueError:
+        return f"code {code}"
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def split_peer_addr(addr: str) -> tuple[str, list[str]]:
+    """``(peer_id, [addr])`` of a multiaddr ending in ``/p2p/<peer id>``.
+
+    Raises:
+      ValueError: the address names no peer id.
+    """
+    return peer_id_from_multiaddr(addr), [addr]
+
+
+def route_hops(route: swarm_pb2.Route) -> list[dict]:
+    """A route's hops as ``{"node": peer id, "begin", "end"}`` (what reports show)."""
+    return [{"node": hop.peer_id, "begin": hop.begin, "end": hop.end} for hop in route.hops]
+
+
+def describe_route(route: swarm_pb2.Route) -> str:
+    return " -> ".join(f"{hop.peer_id}[{hop.begin}, {hop.end})" for hop in route.hops)
+
+
+@dataclasses.dataclass
+class _Progress:
+    """Tokens chosen so far in one generation (over all its sessions) and step time."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+    def add(self, token: int, elapsed_s: float, *, prefill: bool) -> None:
+        self.tokens.append(token)
+        if prefill:
+            self.prefill_s += elapsed_s
+        else:
+            self.decode_s += elapsed_s
+            self.decode_steps += 1
+
+
+class _LiveSession:
+    """A session with a step in flight: where the result handler delivers its outcome."""
+
+    def __init__(self, session: Session, route: swarm_pb2.Route) -> None:
+        self.session = session
+        self.route_peers = {hop.peer_id for hop in route.hops}
+        self.last_hop = route.hops[-1].peer_id
+        self.arrived = trio.Event()
+        self.outcome: int | BaseException | None = None
+
+    def arm(self) -> None:
+        self.arrived = trio.Event()
+        self.outcome = None
+
+    def deliver(self, remote_peer_id: str, result: swarm_pb2.StepResult) -> swarm_pb2.Error | None:
+        """Hand ``result`` to the session; the error to acknowledge with, or None."""
+        if remote_peer_id not in self.route_peers:
+            return _err("REFUSED", f"result from {remote_peer_id}, which is not on the route of this session")
+        failed = result.error.code != swarm_pb2.Error.CODE_UNSPECIFIED
+        if not failed and remote_peer_id != self.last_hop:
+            return _err("REFUSED", f"logits from {remote_peer_id}, which is not the last hop ({self.last_hop})")
+        try:
+            self.outcome = self.session.receive(result)
+        except HopFailed as error:
+            self.outcome = GenerationError(
+                f"step {result.step}: {error}", failed_peer_id=error.failed_peer_id or remote_peer_id, step=result.step
+            )
+        except ResultRefused as error:
+            if not error.fatal:
+                return swarm_pb2.Error(code=error.code, message=error.message)
+            self.outcome = GenerationError(f"{error.message} (from {remote_peer_id})", failed_peer_id=remote_peer_id)
+            self.arrived.set()
+            return swarm_pb2.Error(code=error.code, message=error.message)
+        self.arrived.set()
+        return None
+
+
+def _err(code_name: str, message: str) -> swarm_pb2.Error:
+    return swarm_pb2.Error(code=swarm_pb2.Error.Code.Value(code_name), message=message)
+
+
+class SwarmClient:
+    """A client admitted by a tracker (made by ``open_swarm_client``)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        key: Ed25519PrivateKey,
+        tracker_peer_id: str,
+        tracker_addrs: Sequence[str],
+        config: SwarmClientConfig,
+        now_ms: Callable[[], int] = _now_ms,
+    ) -> None:
+        self.transport = transport
+        self.config = config
+        self.tracker_peer_id = tracker_peer_id
+        self.tracker_addrs = list(tracker_addrs)
+        self.tracker_public_key = b""
+        self.admission = swarm_pb2.SignedAdmission()
+        self._key = key
+        self._now_ms = now_ms
+        self._admission_record = swarm_pb2.AdmissionRecord()
+        self._live: dict[bytes, _LiveSession] = {}
+        transport.set_handler(RESULT_PROTOCOL, self._on_result)
+
+    @property
+    def peer_id(self) -> str:
+        return self.transport.peer_id
+
+    # --- tracker -----------------------------------------------------------------------------
+
+    async def _tracker(self, request: swarm_pb2.TrackerRequest) -> swarm_pb2.TrackerReply:
+        request.schema_version = SCHEMA_VERSION
+        raw = await self.transport.request(
+            self.tracker_peer_id,
+            self.tracker_addrs,
+            TRACKER_PROTOCOL,
+            request.SerializeToString(),
+            timeout_s=self.config.request_timeout_s,
+        )
+        reply = swarm_pb2.TrackerReply()
+        try:
+            reply.ParseFromString(raw)
+        except DecodeError:
+            raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, "malformed TrackerReply") from None
+        if reply.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
+            raise SwarmError(self.tracker_peer_id, reply.error.code, reply.error.message)
+        return reply
+
+    async def hello(self) -> None:
+        """Get a (new) CLIENT admission from the tracker.
+
+        Raises:
+          SwarmError: the tracker refused, or its key does not belong to its peer id.
+          TransportError: the tracker could not be reached.
+        """
+        hello = make_client_hello(self._key, self._now_ms(), os.urandom(_NONCE_BYTES))
+        reply = await self._tracker(swarm_pb2.TrackerRequest(client_hello=hello))
+        if reply.WhichOneof("body") != "client_hello":
+            raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, "the hello reply has no admission")
+        tracker_key = bytes(reply.client_hello.tracker_public_key)
+        try:
+            key_peer_id = peer_id_from_public_key(tracker_key)
+        except ValueError as error:
+            raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, str(error)) from None
+        if key_peer_id != self.tracker_peer_id:
+            raise SwarmError(
+                self.tracker_peer_id,
+                swarm_pb2.Error.REFUSED,
+                f"the tracker's public key belongs to {key_peer_id}, not to the tracker dialled",
+            )
+        try:
+            record = verify_admission(
+                reply.client_hello.admission, tracker_key, self.peer_id, self._now_ms(), roles=[swarm_pb2.ROLE_CLIENT]
+            )
+        except AdmissionError as error:
+            raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, f"unusable admission: {error}") from None
+        self.tracker_public_key = tracker_key
+        self.admission = reply.client_hello.admission
+        self._admission_record = record
+
+    async def _fresh_admission(self) -> None:
+        record = self._admission_record
+        half_life_ms = (record.expires_at_ms - record.issued_at_ms) // 2
+        if not record.expires_at_ms or self._now_ms() >= record.issued_at_ms + half_life_ms:
+            await self.hello()
+
+    async def route(self, model: str) -> swarm_pb2.Route:
+        """The tracker's route for ``model`` (alias, name or sha256).
+
+        Raises:
+          SwarmError: e.g. UNAVAILABLE when some blocks have no ready node, NOT_FOUND for an
+            unknown model.
+          TransportError: the tracker could not be reached.
+        """
+        reply = await self._tracker(swarm_pb2.TrackerRequest(route=swarm_pb2.RouteRequest(model=model)))
+        route = reply.route
+        if reply.WhichOneof("body") != "route" or not route.hops:
+            raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, f"the route reply for {model!r} has no hops")
+        return route
+
+    async def list_models(self) -> list[swarm_pb2.ModelEntry]:
+        reply = await self._tracker(swarm_pb2.TrackerRequest(list_models=swarm_pb2.ListModelsRequest()))
+        return list(reply.list_models.models)
+
+    async def wait_for_route(
+        self, model: str, *, timeout_s: float, avoid_peers: Sequence[str] = ()
+    ) -> swarm_pb2.Route:
+        """Poll ``route(model)`` until it succeeds without any of ``avoid_peers``.
+
+        Raises:
+          GenerationError: no such route within ``timeout_s`` (the last reason in the message).
+        """
+        avoid = set(avoid_peers)
+        last = "no answer yet"
+        with trio.move_on_after(timeout_s):
+            while True:
+                try:
+                    route = await self.route(model)
+                except (SwarmError, TransportError) as error:
+                    last = str(error)
+                else:
+                    bad = avoid & {hop.peer_id for hop in route.hops}
+                    if not bad:
+                        return route
+                    last = f"the route still goes through {', '.join(sorted(bad))}"
+                await trio.sleep(self.config.route_poll_interval_s)
+        raise GenerationError(f"no route for {model!r} within {timeout_s} s: {last}")
+
+    # --- first hop -----------------------------------------------------------------------------
+
+    async def _node(self, hop: swarm_pb2.Hop, request: swarm_pb2.NodeRequest) -> swarm_pb2.NodeReply:
+        request.schema_version = SCHEMA_VERSION
+        request.sender_admission.CopyFrom(self.admission)
+        raw = await self.transport.request(
+            hop.peer_id, list(hop.addrs), NODE_PROTOCOL, request.SerializeToString(),
+            timeout_s=self.config.request_timeout_s,
+        )  # fmt: skip
+        reply = swarm_pb2.NodeReply()
+        try:
+            reply.ParseFromString(raw)
+        except DecodeError:
+            raise SwarmError(hop.peer_id, swarm_pb2.Error.INTERNAL, "malformed NodeReply") from None
+        if reply.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
+            raise SwarmError(hop.peer_id, reply.error.code, reply.error.message)
+        return reply
+
+    async def tokenize(self, route: swarm_pb2.Route, text: str, *, add_special: bool = True) -> tuple[list[int], list[int]]:
+        """``(token ids, end-of-generation token ids)`` from the route's first hop."""
+        reply = await self._node(
+            route.hops[0],
+            swarm_pb2.NodeRequest(
+                tokenize=swarm_pb2.TokenizeRequest(model_sha256=route.model_sha256, text=text, add_special=add_special)
+            ),
+        )
+        return list(reply.token_ids), list(reply.eog_token_ids)
+
+    async def detokenize(self, route: swarm_pb2.Route, token_ids: Sequence[int]) -> str:
+        reply = await self._node(
+            route.hops[0],
+            swarm_pb2.NodeRequest(
+                detokenize=swarm_pb2.DetokenizeRequest(model_sha256=route.model_sha256, token_ids=list(token_ids))
+            ),
+        )
+        return reply.text
+
+    async def end_session(self, route: swarm_pb2.Route, session_id: bytes) -> None:
+        """Free ``session_id`` on every hop of ``route`` (through the first hop)."""
+        await self._node(route.hops[0], end_session_request(session_id, route, self.admission))
+
+    # --- results -----------------------------------------------------------------------------
+
+    async def _on_result(self, remote_peer_id: str, payload: bytes) -> bytes:
+        try:
+            return step_ack(self._take_result(remote_peer_id, payload))
+        except Exception as error:  # a handler answers; it never tears the host down
+            log.exception("result handler failed")
+            return step_ack(_err("INTERNAL", f"{type(error).__name__}: {error}"))
+
+    def _take_result(self, remote_peer_id: str, payload: bytes) -> swarm_pb2.Error | None:
+        result = swarm_pb2.StepResult()
+        try:
+            result.ParseFromString(payload)
+        except DecodeError:
+            return _err("INVALID_ARGUMENT", "malformed StepResult: the bytes do not parse")
+        if result.schema_version != SCHEMA_VERSION:
+            return _err(
+                "INVALID_ARGUMENT",
+                f"schema_version {result.schema_version} is not supported (this peer speaks {SCHEMA_VERSION})",
+            )
+        try:
+            verify_admission(
+                result.sender_admission, self.tracker_public_key, remote_peer_id, self._now_ms(),
+                roles=[swarm_pb2.ROLE_NODE],
+            )  # fmt: skip
+        except AdmissionError as error:
+            return _err("REFUSED", f"sender admission refused: {error.reason}")
+        live = self._live.get(bytes(result.session_id))
+        if live is None:
+            return _err("NOT_FOUND", f"unknown session {bytes(result.session_id).hex()}")
+        return live.deliver(remote_peer_id, result)
+
+    # --- generation ----------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        model: str,
+        prompt: str,
+        *,
+        max_tokens: int = 48,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        on_text: Callable[[str], None] | None = None,
+        route: swarm_pb2.Route | None = None,
+    ) -> GenerationResult:
+        """Generate up to ``max_tokens`` tokens from ``prompt`` through the swarm.
+
+        Args:
+          model: alias, name or sha256 the tracker knows.
+          prompt: the text; tokenized by the first hop (with special tokens, e.g. BOS).
+          temperature, top_k, top_p: sampling (temperature 0: greedy); see ``SamplingParams``.
+          seed: seeds the random generator (same seed, same route results: same tokens).
+          on_text: called with each new piece of text as it is decoded.
+          route: use this route instead of asking the tracker.
+
+        Returns:
+          A ``GenerationResult``.
+
+        Raises:
+          ValueError: bad sampling parameters or ``max_tokens``.
+          SwarmError: the tracker or first hop refused a control request (no route, unknown model).
+          GenerationError: a step failed and no replan was left; names the failed peer.
+
+        Resource handling:
+          Each session is ended on its route (best effort, within ``request_timeout_s``)
+          before this returns or raises.
+
+        Cancellation:
+          Safe to cancel; the session is then ended on its route as above (shielded).
+        """
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        rng = None if sampling.greedy else np.random.default_rng(seed)
+        await self._fresh_admission()
+        if route is None:
+            route = await self.route(model)
+        prompt_tokens: list[int] | None = None
+        stop_tokens: list[int] = []
+        progress = _Progress()
+        generated = progress.tokens
+        shown = ""
+        replans = 0
+        failed_peers: list[str] = []
+
+        async def stream(token: int) -> None:
+            # detokenize the whole output: a token may end in the middle of a UTF-8 character
+            nonlocal shown
+            if on_text is None or token in stop_tokens:
+                return
+            text = await self.detokenize(route, generated)
+            if text.startswith(shown) and len(text) > len(shown):
+                on_text(text[len(shown) :])
+                shown = text
+
+        while True:
+            try:
+                if prompt_tokens is None:
+                    prompt_tokens, stop_tokens = await self._tokenize_prompt(route, prompt)
+                session = Session(
+                    os.urandom(SESSION_ID_BYTES),
+                    prompt_tokens + generated,
+                    max_new_tokens=max_tokens - len(generated),
+                    stop_tokens=stop_tokens,
+                    sampling=sampling,
+                    rng=rng,
+                )
+                await self._run_session(session, route, progress, stream)
+                break
+            except GenerationError as error:
+                if replans >= self.config.replan_attempts or not error.failed_peer_id:
+                    raise
+                replans += 1
+                failed_peers.append(error.failed_peer_id)
+                log.warning("%s; replanning without %s", error, error.failed_peer_id)
+                await self._fresh_admission()
+                route = await self.wait_for_route(model, timeout_s=self.config.replan_wait_s, avoid_peers=failed_peers)
+        final_tokens = generated[:-1] if generated and generated[-1] in stop_tokens else generated
+        text = await self.detokenize(route, final_tokens) if final_tokens else ""
+        if on_text is not None and text.startswith(shown) and len(text) > len(shown):
+            on_text(text[len(shown) :])
+        return GenerationResult(
+            text=text,
+            tokens=list(generated),
+            prompt_tokens=list(prompt_tokens),
+            route=route_hops(route),
+            model_sha256=route.model_sha256,
+            prefill_s=progress.prefill_s,
+            decode_s=progress.decode_s,
+            decode_steps=progress.decode_steps,
+            stopped_by_token=bool(generated) and generated[-1] in stop_tokens,
+            replans=replans,
+        )
+
+    async def _tokenize_prompt(self, route: swarm_pb2.Route, prompt: str) -> tuple[list[int], list[int]]:
+        first = route.hops[0].peer_id
+        try:
+            prompt_tokens, stop_tokens = await self.tokenize(route, prompt)
+        except (SwarmError, TransportError) as error:
+            raise GenerationError(f"tokenize on first hop {first} failed: {error}", failed_peer_id=first) from None
+        if not prompt_tokens:
+            raise ValueError("the prompt tokenizes to no tokens")
+        return prompt_tokens, stop_tokens
+
+    async def _run_session(
+        self,
+        session: Session,
+        route: swarm_pb2.Route,
+        progress: _Progress,
+        stream: Callable[[int], Awaitable[None]],
+    ) -> None:
+        """Drive ``session`` over ``route`` to its end, appending its tokens to ``progress``.
+
+        Raises:
+          GenerationError: a step failed (naming the failed peer when known).
+        """
+        live = _LiveSession(session, route)
+        self._live[session.session_id] = live
+        first = route.hops[0]
+        try:
+            while not session.finished:
+                live.arm()
+                step_input = session.next_step()
+                request = session.step_request(
+                    step_input, route, owner_peer_id=self.peer_id, owner_addrs=self.transport.listen_addrs,
+                    admission=self.admission,
+                )  # fmt: skip
+                started = time.perf_counter()
+                await self._send_step(first, request)
+                with trio.move_on_after(self.config.step_timeout_s):
+                    await live.arrived.wait()
+                if not live.arrived.is_set():
+                    message = (
+                        f"no result for step {step_input.step} of session {session.session_hex} within "
+                        f"{self.config.step_timeout_s} s (route {describe_route(route)})"
+                    )
+                    session.fail(message)
+                    # which hop went silent is unknown, so there is no peer to replan around
+                    raise GenerationError(message, step=step_input.step)
+                elapsed = time.perf_counter() - started
+                if isinstance(live.outcome, BaseException):
+                    raise live.outcome
+                progress.add(int(live.outcome), elapsed, prefill=step_input.step == 0)
+                await stream(int(live.outcome))
+        finally:
+            del self._live[session.session_id]
+            with trio.CancelScope(shield=True):
+                with trio.move_on_after(self.config.request_timeout_s):
+                    try:
+                        await self.end_session(route, session.session_id)
+                    except (SwarmError, TransportError) as error:
+                        log.info("could not end session %s: %s", session.session_hex, error)
+
+    async def _send_step(self, first: swarm_pb2.Hop, request: swarm_pb2.StepRequest) -> None:
+        step = request.step
+        try:
+            raw = await self.transport.request(
+                first.peer_id, list(first.addrs), STEP_PROTOCOL, request.SerializeToString(),
+                timeout_s=self.config.request_timeout_s,
+            )  # fmt: skip
+        except TransportError as error:
+            raise GenerationError(f"step {step}: first hop unreachable: {error}", failed_peer_id=first.peer_id, step=step) from None
+        ack = swarm_pb2.StepAck()
+        try:
+            ack.ParseFromString(raw)
+        except DecodeError:
+            raise GenerationError(f"step {step}: malformed StepAck from {first.peer_id}", failed_peer_id=first.peer_id, step=step) from None
+        if ack.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
+            raise GenerationError(
+                f"step {step}: first hop {first.peer_id} refused the step: {_code_name(ack.error.code)}: {ack.error.message}",
+                failed_peer_id=first.peer_id,
+                step=step,
+            )
+
+
+@contextlib.asynccontextmanager
+async def open_swarm_client(
+    tracker_addr: str,
+    *,
+    key: Ed25519PrivateKey | None = None,
+    transport: Transport | None = None,
+    config: SwarmClientConfig | None = None,
+    listen_addrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+    now_ms: Callable[[], int] = _now_ms,
+) -> AsyncIterator[SwarmClient]:
+    """A client admitted by the tracker at ``tracker_addr`` (a multiaddr ending in /p2p/<id>).
+
+    Args:
+      key: the client's Ed25519 key; an ephemeral one when None (it must be the key of
+        ``transport`` when one is given).
+      transport: an open transport to use (tests: ``MemoryTransport``); by default a libp2p
+        transport listening on ``listen_addrs`` (last hops push results to it).
+      config: timeouts and limits.
+      now_ms: the unix clock in ms (hello timestamps, admission expiry).
+
+    Raises:
+      ValueError: a bad ``tracker_addr``, or ``transport`` given without its ``key``.
+      SwarmError: the tracker refused the hello.
+      TransportError: the tracker could not be reached.
+
+    Resource handling:
+      A transport opened here is closed on exit; a given one is left open (its RESULT
+      handler stays installed but finds no sessions).
+    """
+    tracker_peer_id, tracker_addrs = split_peer_addr(tracker_addr)
+    config = config or SwarmClientConfig()
+    if transport is not None:
+        if key is None:
+            raise ValueError("a transport given to open_swarm_client needs its key")
+        client = SwarmClient(transport, key, tracker_peer_id, tracker_addrs, config, now_ms)
+        await client.hello()
+        yield client
+        return
+    from .p2p import open_p2p_transport
+
+    key = key or Ed25519PrivateKey.generate()
+    async with open_p2p_transport(key, listen_addrs=listen_addrs) as p2p:
+        client = SwarmClient(p2p, key, tracker_peer_id, tracker_addrs, config, now_ms)
+        await client.hello()
+        yield client

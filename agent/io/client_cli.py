@@ -1,0 +1,166 @@
+"""``baton generate``: one generation through the swarm, streamed to stdout.
+
+``baton generate --tracker MADDR --model ALIAS [--max-tokens N] [--temperature T] [--top-k K]
+[--top-p P] [--seed S] [--json] "prompt"`` asks the tracker for a route, streams the text as it
+is generated, then prints the route and tokens/s (``--json``: one object instead, with keys
+text, tokens, route, tokens_per_s, ...). Exit status: 0 done, 1 the generation failed (the
+message names the failed peer when one is known), 2 bad arguments or no admission / route.
+
+Only argument parsing and printing live here; the work is in ``agent.io.client``.
+``agent.cli`` wires ``add_arguments`` / ``main`` in as the ``generate`` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+__all__ = ["add_arguments", "main"]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tracker", required=True, help="the tracker's multiaddr, ending in /p2p/<peer id>")
+    parser.add_argument("--model", required=True, help="model alias, name or sha256 known to the tracker")
+    parser.add_argument("--max-tokens", type=_positive_int, default=48, help="tokens to generate at most (default 48)")
+    parser.add_argument(
+        "--temperature", type=_non_negative_float, default=0.0, help="sampling temperature (default 0: greedy)"
+    )
+    parser.add_argument("--top-k", type=_non_negative_int, default=0, help="keep the K most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling mass (default 1.0: all)")
+    parser.add_argument("--seed", type=int, help="random seed: the same seed and route give the same text")
+    parser.add_argument("--key", help="the client's key file (default: a new key for this run)")
+    parser.add_argument(
+        "--listen",
+        action="append",
+        help="multiaddr the last hop pushes results to (repeatable; default /ip4/127.0.0.1/tcp/0)",
+    )
+    parser.add_argument(
+        "--request-timeout-s", type=_positive_float, default=10.0, help="limit on one control request (default 10)"
+    )
+    parser.add_argument(
+        "--step-timeout-s", type=_positive_float, default=30.0, help="limit on waiting for one step's result (default 30)"
+    )
+    parser.add_argument(
+        "--replan-attempts", type=_non_negative_int, default=1,
+        help="new routes one generation may move to after a hop fails (default 1)",
+    )  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    parser.add_argument("prompt", help="the prompt text")
+
+
+def _leaf_errors(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for sub in error.exceptions for leaf in _leaf_errors(sub)]
+    return [error]
+
+
+def main(args: argparse.Namespace) -> int:
+    import trio
+
+    from .client import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
+    from .transport import TransportError
+
+    key = None
+    if args.key:
+        from .keys import KeyFileError, load_or_create_key
+
+        try:
+            key = load_or_create_key(args.key)
+        except (KeyFileError, OSError) as error:
+            print(f"baton generate: key {args.key}: {error}", file=sys.stderr)
+            return 2
+    try:
+        config = SwarmClientConfig(
+            request_timeout_s=args.request_timeout_s,
+            step_timeout_s=args.step_timeout_s,
+            replan_attempts=args.replan_attempts,
+        )
+    except ValueError as error:
+        print(f"baton generate: {error}", file=sys.stderr)
+        return 2
+
+    def show(text: str) -> None:
+        print(text, end="", flush=True)
+
+    async def run():
+        async with open_swarm_client(
+            args.tracker, key=key, config=config, listen_addrs=args.listen or ("/ip4/127.0.0.1/tcp/0",)
+        ) as client:
+            result = await client.generate(
+                args.model, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_text=None if args.json else show,
+            )  # fmt: skip
+            return result
+
+    try:
+        result = trio.run(run)
+    except BaseException as caught:  # noqa: BLE001 - sorted below; anything unknown is re-raised
+        if isinstance(caught, (KeyboardInterrupt, SystemExit)):
+            raise
+        leaves = _leaf_errors(caught)
+        known = (GenerationError, SwarmError, TransportError, ValueError, OSError)
+        if not all(isinstance(leaf, known) for leaf in leaves):
+            raise
+        status = 1 if any(isinstance(leaf, GenerationError) for leaf in leaves) else 2
+        if not args.json:
+            print(file=sys.stderr)
+        for leaf in leaves:
+            failed = getattr(leaf, "failed_peer_id", "")
+            suffix = f" (failed peer: {failed})" if failed else ""
+            print(f"baton generate: {leaf}{suffix}", file=sys.stderr)
+        return status
+
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        route_text = " -> ".join(f"{hop['node']}[{hop['begin']}, {hop['end']})" for hop in result.route)
+        print()
+        print(f"route:         {route_text}")
+        print(
+            f"tokens/s:      {result.tokens_per_s:.1f} decode, {result.prefill_tokens_per_s:.1f} prefill "
+            f"({len(result.tokens)} tokens{', stopped by end of generation' if result.stopped_by_token else ''})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="baton generate", description=__doc__.split("\n\n")[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

@@ -1,0 +1,318 @@
+"""A swarm of real processes on loopback: one tracker and several nodes, for the demo and tests.
+
+Owns the processes' lifetimes and command lines (the ONLY place that spells them): a private
+work dir with one key file per process, the tracker's SQLite db, one log per process; starting
+the tracker and waiting for the address it writes to ``--addr-file``; starting, killing
+(SIGKILL, as a vanished machine) and restarting nodes and the tracker (same db, key and port);
+stopping everything with terminate, then kill. Readiness is learnt by polling (the address
+file, then the tracker's routes through a client) while watching for the process dying.
+
+The commands go through ``baton`` run by the current interpreter (``python -m agent.cli
+tracker serve ...`` / ``... node ...``; ``command_prefix``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import trio
+
+from agent.io.keys import load_or_create_key, peer_id_of
+
+__all__ = [
+    "LocalSwarm",
+    "LocalSwarmConfig",
+    "ProcessDied",
+    "SwarmProcess",
+    "command_prefix",
+    "open_local_swarm",
+]
+
+LOG_TAIL_BYTES = 4000
+
+
+class ProcessDied(RuntimeError):
+    """A swarm process exited (or never became ready); the message carries its log tail."""
+
+
+def command_prefix(command: str) -> list[str]:
+    """The argv that runs ``baton <command>`` with the current interpreter."""
+    return [sys.executable, "-m", "agent.cli", command]
+
+
+def _tail(path: Path, max_bytes: int = LOG_TAIL_BYTES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            return f.read().decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+@dataclasses.dataclass
+class SwarmProcess:
+    """One process of the swarm, leading its own process group (with its worker children)."""
+
+    name: str
+    argv: list[str]
+    process: subprocess.Popen
+    log_path: Path
+    key_path: Path
+    peer_id: str
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.poll()
+
+    def log_tail(self, max_bytes: int = LOG_TAIL_BYTES) -> str:
+        return _tail(self.log_path, max_bytes)
+
+    def died(self, what: str) -> ProcessDied:
+        return ProcessDied(
+            f"{self.name} {what} (exit code {self.process.poll()})\n--- {self.name} log (tail) ---\n{self.log_tail()}"
+        )
+
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the process and every process it started (its group)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signum)
+
+    async def stop(self, grace_s: float) -> None:
+        """SIGTERM the group, SIGKILL it after ``grace_s``, and reap the process."""
+        self.signal_group(signal.SIGTERM)
+        deadline = trio.current_time() + grace_s
+        while self.alive and trio.current_time() < deadline:
+            await trio.sleep(0.02)
+        self.signal_group(signal.SIGKILL)  # also reaches children that outlived their parent
+        await trio.to_thread.run_sync(self.process.wait)
+
+    def stop_nowait(self, grace_s: float) -> None:
+        """``stop`` for synchronous code (test fixtures)."""
+        self.signal_group(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=grace_s)
+        self.signal_group(signal.SIGKILL)
+        self.process.wait()
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalSwarmConfig:
+    """A loopback swarm's settings.
+
+    ``model_path`` is registered with the tracker as ``model_alias`` and offered by every node.
+    ``heartbeat_timeout_ms``: after this long without heartbeats the tracker drops a node.
+    ``start_timeout_s``: how long the tracker may take to write its address.
+    ``stop_grace_s``: SIGTERM -> SIGKILL delay. ``threads``: per node's worker.
+    ``workdir``: keys, db and logs (default: a fresh temp dir, removed on close).
+    ``tracker_args`` / ``node_args``: appended to every tracker / node command line.
+    """
+
+    model_path: Path
+    model_alias: str = "smollm2"
+    heartbeat_timeout_ms: int = 5000
+    threads: int = 1
+    start_timeout_s: float = 60.0
+    stop_grace_s: float = 5.0
+    workdir: Path | None = None
+    tracker_args: tuple[str, ...] = ()
+    node_args: tuple[str, ...] = ()
+
+
+class LocalSwarm:
+    """The processes of a loopback swarm (made by ``open_local_swarm``)."""
+
+    def __init__(self, config: LocalSwarmConfig, workdir: Path) -> None:
+        self.config = config
+        self.workdir = workdir
+        self.tracker: SwarmProcess | None = None
+        self.tracker_addr = ""
+        self.nodes: dict[str, SwarmProcess] = {}
+        self._tracker_listen = "/ip4/127.0.0.1/tcp/0"
+        self._killed: set[str] = set()
+
+    # --- paths and keys ------------------------------------------------------------------------
+
+    def key_path(self, name: str) -> Path:
+        return self.workdir / "keys" / f"{name}.key"
+
+    def peer_id(self, name: str) -> str:
+        """The peer id of process ``name`` (its key is created on first use)."""
+        return peer_id_of(load_or_create_key(self.key_path(name)))
+
+    @property
+    def db_path(self) -> Path:
+        return self.workdir / "tracker.db"
+
+    @property
+    def addr_file(self) -> Path:
+        return self.workdir / "tracker.addr"
+
+    # --- command lines (the one place that spells them) ------------------------------------------
+
+    def tracker_argv(self) -> list[str]:
+        c = self.config
+        return command_prefix("tracker") + [
+            "serve",
+            "--db", str(self.db_path),
+            "--key", str(self.key_path("tracker")),
+            "--listen", self._tracker_listen,
+            "--addr-file", str(self.addr_file),
+            "--register-model", f"{c.model_path}:{c.model_alias}",
+            "--heartbeat-timeout-ms", str(c.heartbeat_timeout_ms),
+            *c.tracker_args,
+        ]  # fmt: skip
+
+    def node_argv(self, name: str, memory_bytes: int, extra_args: Sequence[str] = ()) -> list[str]:
+        c = self.config
+        return command_prefix("node") + [
+            "--tracker", self.tracker_addr,
+            "--model", str(c.model_path),
+            "--key", str(self.key_path(name)),
+            "--memory-bytes", str(memory_bytes),
+            "--threads", str(c.threads),
+            *c.node_args,
+            *extra_args,
+        ]  # fmt: skip
+
+    # --- processes -----------------------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str]) -> SwarmProcess:
+        log_path = self.workdir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        peer_id = self.peer_id(name)
+        with open(log_path, "ab") as log:
+            log.write(f"\n=== {' '.join(argv)}\n".encode())
+            log.flush()
+            # its own process group: killing a "machine" kills its workers too
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )  # fmt: skip
+        return SwarmProcess(name, argv, process, log_path, self.key_path(name), peer_id)
+
+    async def start_tracker(self) -> str:
+        """Start the tracker (again: same db, key and port) and return its multiaddr.
+
+        Raises:
+          ProcessDied: it exited, or wrote no address within ``start_timeout_s``.
+        """
+        if self.tracker is not None and self.tracker.alive:
+            raise RuntimeError("the tracker is already running")
+        with contextlib.suppress(FileNotFoundError):
+            self.addr_file.unlink()
+        self.tracker = self._spawn("tracker", self.tracker_argv())
+        addr = await self._wait_addr_file(self.tracker)
+        if not self.tracker_addr:
+            # restarts listen on the same port, so nodes and clients keep the address
+            self._tracker_listen = addr.rpartition("/p2p/")[0]
+        self.tracker_addr = addr
+        return addr
+
+    async def _wait_addr_file(self, proc: SwarmProcess) -> str:
+        delay_s = 0.01
+        with trio.move_on_after(self.config.start_timeout_s):
+            while True:
+                if not proc.alive:
+                    raise proc.died("exited while starting")
+                try:
+                    lines = self.addr_file.read_text().split()
+                except FileNotFoundError:
+                    lines = []
+                mine = [line for line in lines if line.endswith(f"/p2p/{proc.peer_id}")]
+                if mine:
+                    return mine[0]
+                await trio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 0.2)
+        raise proc.died(f"wrote no address to {self.addr_file} within {self.config.start_timeout_s} s")
+
+    async def stop_tracker(self, *, kill: bool = True) -> None:
+        """SIGKILL (default) or terminate the tracker and wait for it."""
+        if self.tracker is None:
+            return
+        if kill:
+            self.tracker.signal_group(signal.SIGKILL)
+        await self.tracker.stop(self.config.stop_grace_s)
+
+    def start_node(self, name: str, memory_bytes: int, extra_args: Sequence[str] = ()) -> SwarmProcess:
+        """Start node ``name`` (its key: ``key_path(name)``) offering ``memory_bytes``.
+
+        It registers by itself; wait for its ranges through the tracker's routes.
+        """
+        if not self.tracker_addr:
+            raise RuntimeError("start the tracker first")
+        if name in self.nodes and self.nodes[name].alive:
+            raise RuntimeError(f"node {name} is already running")
+        proc = self._spawn(name, self.node_argv(name, memory_bytes, extra_args))
+        self.nodes[name] = proc
+        return proc
+
+    async def kill_node(self, name: str) -> None:
+        """SIGKILL node ``name`` and its workers (a machine that vanished) and reap it."""
+        proc = self.nodes[name]
+        proc.signal_group(signal.SIGKILL)
+        await trio.to_thread.run_sync(proc.process.wait)
+        self._killed.add(name)
+
+    def check_alive(self) -> None:
+        """Raise ``ProcessDied`` for the first process that exited without being killed here."""
+        for name, proc in [("tracker", self.tracker), *self.nodes.items()]:
+            if proc is not None and not proc.alive and name not in self._killed:
+                raise proc.died("exited")
+
+    def logs(self) -> str:
+        """Every process's log tail (for failure messages)."""
+        procs = [p for p in [self.tracker, *self.nodes.values()] if p is not None]
+        return "\n".join(f"--- {p.name} ({p.peer_id}, exit {p.process.poll()}) ---\n{p.log_tail()}" for p in procs)
+
+    def _procs(self) -> list[SwarmProcess]:
+        return [p for p in [*self.nodes.values(), self.tracker] if p is not None]
+
+    async def aclose(self) -> None:
+        """Stop every process (terminate, then kill after ``stop_grace_s``), concurrently."""
+        async with trio.open_nursery() as nursery:
+            for proc in self._procs():
+                nursery.start_soon(proc.stop, self.config.stop_grace_s)
+
+    def close_nowait(self) -> None:
+        """``aclose`` for synchronous code (module-scoped test fixtures)."""
+        procs = self._procs()
+        for proc in procs:
+            proc.signal_group(signal.SIGTERM)
+        for proc in procs:
+            proc.stop_nowait(self.config.stop_grace_s)
+
+
+@contextlib.asynccontextmanager
+async def open_local_swarm(config: LocalSwarmConfig) -> AsyncIterator[LocalSwarm]:
+    """A ``LocalSwarm`` in ``config.workdir`` (or a fresh private temp dir).
+
+    Resource handling:
+      Every process started through it is stopped on exit (shielded from cancellation); a
+      temp dir made here is removed.
+    """
+    made = config.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="baton-swarm-")) if made else Path(config.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    os.chmod(workdir, 0o700)
+    swarm = LocalSwarm(config, workdir)
+    try:
+        yield swarm
+    finally:
+        with trio.CancelScope(shield=True):
+            await swarm.aclose()
+        if made:
+            shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,12 @@
+"""The node agent (``baton node``): a volunteer machine serving layer ranges to the swarm.
+
+Modules:
+  ``probe``  measures the host (CPU, RAM, OS, runtime pin and devices, throughput proxies);
+  ``agent``  ``serve_node``: registration, heartbeats, directives (native workers), step
+             serving (``/baton/step/1.0.0``) and node requests (``/baton/node/1.0.0``);
+  ``cli``    the ``baton node`` command line (``add_arguments`` + ``main``).
+
+The decisions live in the pure core: ``agent.core.swarm_wire`` (codecs and validation),
+``agent.core.scheduler`` (batches), ``agent.core.node_sessions`` (sessions per range) and
+``agent.core.fingerprint``.
+"""

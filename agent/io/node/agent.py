@@ -1,0 +1,819 @@
+"""The node agent: a volunteer machine serving layer ranges to the swarm (``serve_node``).
+
+Owns the I/O of one node:
+- registration with the tracker (a signed fingerprint; refused -> ``NodeRefused``) and the
+  heartbeat loop (status of every served range; directives and admission refreshes back;
+  "unknown node" -> register again);
+- directives: LOAD starts a native worker (``agent.io.worker_process.open_worker``) for
+  (model, begin, end) and reports LOADING, then READY with the worker's recipe hash, or
+  FAILED with the error; UNLOAD stops it;
+- ``/baton/step/1.0.0``: check the sender's admission and role, validate the step, admit it
+  into the range's session table, ack at once, and queue it;
+- one serving task per worker: batches from the range's scheduler, ONE worker Forward per
+  batch, then the output pushed on (next hop ``StepRequest``, or the owner's ``StepResult``
+  from the last range); any failure after the ack goes to the owner as a ``StepResult`` error
+  naming the failed peer;
+- ``/baton/node/1.0.0``: tokenize / detokenize through a worker, end_session (frees the
+  sequence, forwards the end along ``rest``); idle sessions are freed after a timeout.
+
+Every decision is made in the pure core: ``agent.core.swarm_wire`` (codecs, validation),
+``agent.core.scheduler`` (which steps form a batch), ``agent.core.node_sessions`` (sequence
+ids, step order), ``agent.core.fingerprint`` and ``agent.core.admission``.
+
+Hot path: protobuf bytes -> ``np.frombuffer`` view -> worker client; worker output ->
+``tobytes``; no per-element Python, one Forward per batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent._proto import swarm_pb2
+from agent.core.admission import AdmissionError, public_key_bytes, verify_admission
+from agent.core.boundary import BoundaryError
+from agent.core.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
+from agent.core.identity import peer_id_from_public_key
+from agent.core.node_sessions import SessionTable
+from agent.core.scheduler import StepScheduler
+from agent.core.swarm_wire import (
+    NODE_PROTOCOL,
+    RESULT_PROTOCOL,
+    SCHEMA_VERSION,
+    SESSION_ID_BYTES,
+    STEP_PROTOCOL,
+    TRACKER_PROTOCOL,
+    RangeSpec,
+    StepInput,
+    WireError,
+    next_hop_request,
+    node_reply_error,
+    parse_record,
+    peer_id_from_multiaddr,
+    step_ack,
+    step_ack_error,
+    step_result,
+    step_result_error,
+    validate_step,
+)
+from agent.core.worker_records import SeqInput, SeqOutput, WorkerInfo
+from agent.io.transport import Transport, TransportError
+from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
+from agent.io.worker_process import WorkerBinaryNotFound, WorkerHandle, WorkerStartError, open_worker
+
+from .probe import ProbeConfig, probe_host
+
+__all__ = [
+    "LocalModel",
+    "Node",
+    "NodeConfig",
+    "NodeError",
+    "NodeRefused",
+    "ServedRange",
+    "serve_node",
+]
+
+log = logging.getLogger(__name__)
+
+Code = swarm_pb2.Error.Code
+State = swarm_pb2.AssignmentStatus.State
+RangeKey = tuple[str, int, int]  # (model sha256, begin, end)
+
+#: Default heartbeat interval when the tracker names none.
+DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalModel:
+    """A GGUF file this node has, with its sha256 hex."""
+
+    path: str
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeConfig:
+    """Everything ``serve_node`` needs; every timeout and limit of the node is here.
+
+    Fields:
+      tracker: the tracker's multiaddr, ending ``/p2p/<tracker peer id>``.
+      key: the node's Ed25519 key (the same key as its transport identity).
+      models: the GGUF files this node has.
+      memory_bytes: usable memory offered for weights + KV; None: the probe's available RAM.
+      threads, ctx_size, max_sequences, batch_size: worker flags (None: the worker's default).
+      heartbeat_interval_ms: None: what the tracker says at registration.
+      request_timeout_s: control messages (tracker, node requests, end-session forwarding).
+      step_push_timeout_s: pushing a step to the next hop or a result to the owner.
+      session_idle_timeout_s: a session unused this long is freed.
+      session_sweep_interval_s: how often idle sessions are looked for.
+      batch_window_ms: how long a serving task waits after the first pending step for others
+        to join its batch (0: take what is queued; steps that arrive while the worker is busy
+        are merged anyway).
+      worker_ready_timeout_s, worker_stop_grace_s, worker_call_timeout_s: worker process start,
+        SIGTERM grace, and the deadline of each worker call.
+      worker_binary: the baton-worker binary (None: ``find_worker_binary()``).
+      probe: measured host values; None: ``probe_host(probe_config)`` at start.
+    """
+
+    tracker: str
+    key: Ed25519PrivateKey
+    models: tuple[LocalModel, ...] = ()
+    memory_bytes: int | None = None
+    threads: int | None = None
+    ctx_size: int | None = None
+    max_sequences: int | None = None
+    batch_size: int | None = None
+    heartbeat_interval_ms: int | None = None
+    request_timeout_s: float = 10.0
+    step_push_timeout_s: float = 30.0
+    session_idle_timeout_s: float = 300.0
+    session_sweep_interval_s: float = 10.0
+    batch_window_ms: float = 0.0
+    worker_ready_timeout_s: float = 120.0
+    worker_stop_grace_s: float = 5.0
+    worker_call_timeout_s: float = 60.0
+    worker_binary: str | None = None
+    probe: HostProbe | None = None
+    probe_config: ProbeConfig = ProbeConfig()
+
+
+class NodeError(Exception):
+    """The node cannot take part (tracker unreachable or misbehaving at registration)."""
+
+
+class NodeRefused(NodeError):
+    """The tracker refused this node; ``reason`` is the tracker's text."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"refused: {reason}")
+        self.reason = reason
+
+
+@dataclasses.dataclass(eq=False)
+class ServedRange:
+    """One assignment on this node and, once READY, its worker, sessions and queue.
+
+    Read-only for anyone but the node (tests observe ``state``, ``forward_calls``, ...).
+    """
+
+    key: RangeKey
+    model: LocalModel | None
+    state: int = State.LOADING
+    error: str = ""
+    info: WorkerInfo | None = None
+    handle: WorkerHandle | None = None
+    spec: RangeSpec | None = None
+    sessions: SessionTable | None = None
+    scheduler: StepScheduler[tuple[int, StepInput]] | None = None
+    forward_calls: int = 0  # Forwards this node sent to the worker
+    entries_forwarded: int = 0
+    largest_batch: int = 0
+    cancel_scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
+    wakeup: trio.Event = dataclasses.field(default_factory=trio.Event)
+    stopped: trio.Event = dataclasses.field(default_factory=trio.Event)
+
+    @property
+    def client(self) -> AsyncWorkerClient | None:
+        return None if self.handle is None else self.handle.client
+
+    def status(self) -> swarm_pb2.AssignmentStatus:
+        state, error = self.state, self.error
+        if state == State.READY and self.handle is not None and self.handle.process.returncode is not None:
+            state, error = State.FAILED, f"worker exited with code {self.handle.process.returncode}"
+        model_sha256, begin, end = self.key
+        return swarm_pb2.AssignmentStatus(
+            assignment=swarm_pb2.Assignment(model_sha256=model_sha256, begin=begin, end=end),
+            state=state,
+            error=error,
+            recipe_hash=self.info.recipe_hash if self.info is not None and state == State.READY else "",
+        )
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _range_name(key: RangeKey) -> str:
+    return f"model {key[0][:12]} blocks [{key[1]}, {key[2]})"
+
+
+def _error_code(error: Exception) -> int:
+    """The swarm error code for a failed worker call (gRPC status names that exist in both)."""
+    name = getattr(error, "code_name", "")
+    try:
+        return Code.Value(name) if name in ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "INVALID_ARGUMENT") else Code.INTERNAL
+    except ValueError:
+        return Code.INTERNAL
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+class Node:
+    """A running node (what ``serve_node`` hands to ``task_status.started``).
+
+    Attributes (read-only for callers): ``peer_id``, ``admission`` (the current
+    ``SignedAdmission``), ``tracker_peer_id``, ``tracker_public_key``, ``ranges`` (range key ->
+    ``ServedRange``), ``registrations`` and ``heartbeats`` (counts).
+    """
+
+    def __init__(self, config: NodeConfig, transport: Transport) -> None:
+        self.config = config
+        self.transport = transport
+        self.peer_id = peer_id_from_public_key(public_key_bytes(config.key))
+        if transport.peer_id != self.peer_id:
+            raise ValueError(f"the transport is peer {transport.peer_id}, the node key is {self.peer_id}")
+        self.tracker_peer_id = peer_id_from_multiaddr(config.tracker)
+        self.tracker_public_key = b""
+        self.admission = swarm_pb2.SignedAdmission()
+        self.heartbeat_interval_ms = config.heartbeat_interval_ms or DEFAULT_HEARTBEAT_INTERVAL_MS
+        self.ranges: dict[RangeKey, ServedRange] = {}
+        self.models = {m.sha256: m for m in config.models}
+        self.registrations = 0
+        self.heartbeats = 0
+        self._heartbeat_wakeup = trio.Event()
+
+    # --- tracker -----------------------------------------------------------------------
+
+    async def _tracker_call(self, request: swarm_pb2.TrackerRequest) -> swarm_pb2.TrackerReply:
+        """Raises TransportError or WireError (a malformed reply)."""
+        data = await self.transport.request(
+            self.tracker_peer_id,
+            [self.config.tracker],
+            TRACKER_PROTOCOL,
+            request.SerializeToString(),
+            timeout_s=self.config.request_timeout_s,
+        )
+        return parse_record(swarm_pb2.TrackerReply, data)
+
+    async def register(self, probe: HostProbe) -> None:
+        """Register with a fresh signed fingerprint; keep the admission and tracker key.
+
+        Raises:
+          NodeRefused: the tracker said REFUSED.
+          NodeError: the tracker could not be reached, answered another error, or its key
+            does not belong to the tracker peer id of ``config.tracker``.
+        """
+        fingerprint = build_fingerprint(
+            probe,
+            peer_id=self.peer_id,
+            listen_addrs=self.transport.listen_addrs,
+            model_sha256s=sorted(self.models),
+            usable_memory_bytes=self.config.memory_bytes
+            if self.config.memory_bytes is not None
+            else probe.ram_available_bytes,
+            created_at_ms=_now_ms(),
+            nonce=os.urandom(16),
+        )
+        request = swarm_pb2.TrackerRequest(
+            schema_version=SCHEMA_VERSION,
+            register=swarm_pb2.RegisterRequest(fingerprint=signed_fingerprint(self.config.key, fingerprint)),
+        )
+        try:
+            reply = await self._tracker_call(request)
+        except TransportError as err:
+            raise NodeError(f"tracker {self.tracker_peer_id} unreachable: {err}") from err
+        except WireError as err:
+            raise NodeError(f"tracker answered a malformed reply: {err}") from err
+        if reply.error.code == Code.REFUSED:
+            raise NodeRefused(reply.error.message)
+        if reply.error.code:
+            raise NodeError(f"tracker refused registration: {WireError(reply.error.code, reply.error.message)}")
+        if reply.WhichOneof("body") != "register":
+            raise NodeError(f"tracker answered registration with {reply.WhichOneof('body')!r}")
+        registered = reply.register
+        tracker_key = bytes(registered.tracker_public_key)
+        try:
+            key_peer_id = peer_id_from_public_key(tracker_key)
+        except ValueError as err:
+            raise NodeError(f"tracker public key: {err}") from None
+        if key_peer_id != self.tracker_peer_id:
+            raise NodeError(
+                f"the tracker's key belongs to {key_peer_id}, not to the tracker {self.tracker_peer_id} dialled"
+            )
+        try:
+            verify_admission(registered.admission, tracker_key, self.peer_id, _now_ms(), roles=[swarm_pb2.ROLE_NODE])
+        except AdmissionError as err:
+            raise NodeError(f"tracker issued an unusable admission: {err.reason}") from None
+        self.tracker_public_key = tracker_key
+        self.admission = registered.admission
+        if self.config.heartbeat_interval_ms is None and registered.heartbeat_interval_ms:
+            self.heartbeat_interval_ms = registered.heartbeat_interval_ms
+        self.registrations += 1
+        log.info("node %s admitted by tracker %s", self.peer_id, self.tracker_peer_id)
+
+    def heartbeat_soon(self) -> None:
+        """Send the next heartbeat now (a range changed state)."""
+        self._heartbeat_wakeup.set()
+
+    async def _heartbeat_loop(self, nursery: trio.Nursery, probe: HostProbe) -> None:
+        while True:
+            self._heartbeat_wakeup = trio.Event()
+            await self._heartbeat_once(nursery, probe)
+            with trio.move_on_after(self.heartbeat_interval_ms / 1000):
+                await self._heartbeat_wakeup.wait()
+
+    async def _heartbeat_once(self, nursery: trio.Nursery, probe: HostProbe) -> None:
+        request = swarm_pb2.TrackerRequest(
+            schema_version=SCHEMA_VERSION,
+            heartbeat=swarm_pb2.HeartbeatRequest(
+                peer_id=self.peer_id,
+                sent_at_ms=_now_ms(),
+                serving=[served.status() for served in self.ranges.values()],
+                listen_addrs=self.transport.listen_addrs,
+            ),
+        )
+        try:
+            reply = await self._tracker_call(request)
+        except (TransportError, WireError) as err:
+            log.warning("heartbeat failed: %s", err)
+            return
+        self.heartbeats += 1
+        if reply.error.code == Code.NOT_FOUND:
+            log.warning("tracker does not know this node (%s): registering again", reply.error.message)
+            try:
+                await self.register(probe)
+            except NodeRefused:
+                raise
+            except NodeError as err:
+                log.warning("registering again failed: %s", err)
+                return
+            self.heartbeat_soon()
+            return
+        if reply.error.code:
+            log.warning("heartbeat refused: %s", WireError(reply.error.code, reply.error.message))
+            return
+        beat = reply.heartbeat
+        if beat.HasField("admission") and beat.admission.record:
+            try:
+                verify_admission(
+                    beat.admission, self.tracker_public_key, self.peer_id, _now_ms(), roles=[swarm_pb2.ROLE_NODE]
+                )
+            except AdmissionError as err:
+                log.warning("ignoring a refreshed admission: %s", err.reason)
+            else:
+                self.admission = beat.admission
+        for directive in beat.directives:
+            self._apply_directive(directive, nursery)
+
+    # --- directives --------------------------------------------------------------------
+
+    def _apply_directive(self, directive: swarm_pb2.Directive, nursery: trio.Nursery) -> None:
+        a = directive.assignment
+        key: RangeKey = (a.model_sha256, a.begin, a.end)
+        kind = swarm_pb2.Directive.Kind.Name(directive.kind) if directive.kind in (1, 2) else str(directive.kind)
+        log.info("directive %s %s", kind, _range_name(key))
+        if directive.kind == swarm_pb2.Directive.LOAD:
+            current = self.ranges.get(key)
+            if current is not None and current.state != State.FAILED:
+                return  # already loading or serving it
+            if current is not None:
+                current.cancel_scope.cancel()
+            model = self.models.get(a.model_sha256)
+            served = ServedRange(key=key, model=model)
+            self.ranges[key] = served
+            if model is None:
+                served.state, served.error = State.FAILED, f"model {a.model_sha256} is not on this node"
+            elif not 0 <= a.begin < a.end:
+                served.state, served.error = State.FAILED, f"bad range [{a.begin}, {a.end})"
+            else:
+                nursery.start_soon(self._run_range, served, nursery)
+            self.heartbeat_soon()
+        elif directive.kind == swarm_pb2.Directive.UNLOAD:
+            served = self.ranges.pop(key, None)
+            if served is not None:
+                served.cancel_scope.cancel()
+                self.heartbeat_soon()
+        else:
+            log.warning("ignoring directive of unknown kind %s", directive.kind)
+
+    async def _run_range(self, served: ServedRange, nursery: trio.Nursery) -> None:
+        """Start the worker of ``served`` and serve its batches until cancelled (UNLOAD) or
+        until the worker dies; report FAILED with the reason when it cannot (start) serve."""
+        try:
+            with served.cancel_scope:
+                failure = await self._load_and_serve(served)
+                served.state, served.error = State.FAILED, failure
+                log.warning("FAILED %s: %s", _range_name(served.key), failure)
+        except (WorkerStartError, WorkerBinaryNotFound, WorkerError, OSError, ValueError) as err:
+            served.state, served.error = State.FAILED, _first_line(err)
+            log.warning("FAILED %s: %s", _range_name(served.key), err)
+        finally:
+            served.handle = None
+            leftover = served.scheduler.drain() if served.scheduler is not None else []
+            if served.state == State.READY:  # unloaded
+                served.state, served.error = State.FAILED, "unloaded"
+            for _seq_id, step in leftover:
+                nursery.start_soon(
+                    self._guarded, self._send_error, step, Code.UNAVAILABLE,
+                    f"{_range_name(served.key)} stopped on {self.peer_id}: {served.error}", self.peer_id,
+                )  # fmt: skip
+            served.stopped.set()
+            self.heartbeat_soon()
+
+    async def _load_and_serve(self, served: ServedRange) -> str:
+        """Run the worker of ``served``; returns why it stopped serving (the worker died).
+
+        Raises:
+          WorkerStartError, WorkerBinaryNotFound, OSError, ValueError: it could not start.
+        """
+        model = served.model
+        assert model is not None
+        _, begin, end = served.key
+        cfg = self.config
+        async with open_worker(
+            model.path, begin, end,
+            ctx_size=cfg.ctx_size, max_sequences=cfg.max_sequences, batch_size=cfg.batch_size,
+            threads=cfg.threads, model_sha256=model.sha256, ready_timeout_s=cfg.worker_ready_timeout_s,
+            stop_grace_s=cfg.worker_stop_grace_s, client_config=ClientConfig(timeout_s=cfg.worker_call_timeout_s),
+            binary=cfg.worker_binary,
+        ) as handle:  # fmt: skip
+            info = handle.info
+            if info.model_sha256 and info.model_sha256 != model.sha256:
+                raise ValueError(f"worker loaded model {info.model_sha256}, expected {model.sha256}")
+            if (info.layer_begin, info.layer_end) != (begin, end):
+                raise ValueError(
+                    f"worker serves blocks [{info.layer_begin}, {info.layer_end}), expected [{begin}, {end})"
+                )
+            served.handle, served.info = handle, info
+            served.spec = RangeSpec(
+                model_sha256=model.sha256, begin=begin, end=end, n_layer=info.n_layer, n_embd=info.n_embd,
+                n_vocab=info.n_vocab, recipe_hash=info.recipe_hash, n_batch_max=info.n_batch_max,
+            )  # fmt: skip
+            served.sessions = SessionTable(info.n_seq_max, info.n_ctx_per_sequence)
+            served.scheduler = StepScheduler(info.n_batch_max, info.n_seq_max)
+            served.state, served.error = State.READY, ""
+            log.info("READY %s (recipe %s)", _range_name(served.key), info.recipe_hash[:12])
+            self.heartbeat_soon()
+            async with trio.open_nursery() as pushes:
+                failure = await self._serve_batches(served, handle, pushes)
+            return failure
+
+    # --- batches -----------------------------------------------------------------------
+
+    async def _serve_batches(self, served: ServedRange, handle: WorkerHandle, pushes: trio.Nursery) -> str:
+        """Forward batches until the worker dies (returns why); pushes run in ``pushes``."""
+        assert served.scheduler is not None and served.sessions is not None and served.info is not None
+        scheduler, sessions, info = served.scheduler, served.sessions, served.info
+        client = handle.client
+        timeout_s = self.config.worker_call_timeout_s
+        while True:
+            while not len(scheduler) and not sessions.has_closing():
+                served.wakeup = trio.Event()
+                await served.wakeup.wait()
+            if self.config.batch_window_ms > 0 and 0 < scheduler.pending_rows < info.n_batch_max:
+                await trio.sleep(self.config.batch_window_ms / 1000)
+            for seq_id in sessions.take_closing():
+                try:
+                    await client.remove_sequence(seq_id, timeout_s=timeout_s)
+                except WorkerError as err:
+                    if (reason := self._exit_reason(handle)) is not None:
+                        return reason
+                    if err.code_name != "INVALID_ARGUMENT":  # "unknown sequence": it holds nothing
+                        log.warning("%s: could not free sequence %d: %s", _range_name(served.key), seq_id, err)
+                        continue  # not reused: it may still hold positions
+                sessions.release(seq_id)
+            batch = scheduler.next_batch()
+            if not batch:
+                continue
+            entries = [
+                SeqInput(seq_id=seq_id, positions=step.positions, token_ids=step.token_ids, boundary=step.rows)
+                for seq_id, step in batch
+            ]
+            try:
+                outputs = await client.forward(entries, timeout_s=timeout_s)
+                if len(outputs) != len(entries):
+                    raise WorkerError(
+                        "INTERNAL", f"{len(entries)} entries sent, {len(outputs)} returned", method="Forward"
+                    )
+            except (WorkerError, BoundaryError, ValueError) as err:
+                now = _now_ms()
+                for _seq_id, step in batch:
+                    sessions.done(step.session_id, now)
+                    sessions.end(step.session_id)  # its positions on the worker are unknown now
+                    pushes.start_soon(
+                        self._guarded, self._send_error, step, _error_code(err), f"worker Forward failed: {err}",
+                        self.peer_id,
+                    )  # fmt: skip
+                if (reason := self._exit_reason(handle)) is not None:
+                    return reason
+                continue
+            served.forward_calls += 1
+            served.entries_forwarded += len(batch)
+            served.largest_batch = max(served.largest_batch, len(batch))
+            now = _now_ms()
+            for (_seq_id, step), output in zip(batch, outputs, strict=True):
+                sessions.done(step.session_id, now)
+                if step.session_id not in sessions:
+                    continue  # ended while in the Forward: nobody wants the output
+                pushes.start_soon(self._guarded, self._push, step, output)
+
+    @staticmethod
+    def _exit_reason(handle: WorkerHandle) -> str | None:
+        code = handle.process.poll()
+        if code is None:
+            return None
+        return f"worker exited with code {code}: {handle.log_tail(400)}"
+
+    @staticmethod
+    async def _guarded(fn, *args) -> None:  # noqa: ANN001
+        """Run a push task; a bug in one must not take the node down (it is logged)."""
+        try:
+            await fn(*args)
+        except Exception:
+            log.exception("push task %s failed", getattr(fn, "__name__", fn))
+
+    async def _push(self, step: StepInput, output: SeqOutput) -> None:
+        """Send one step's output on: to the next hop, or (last range) to the owner."""
+        if not step.rest:
+            if output.logits is None or output.logits.shape[0] < 1:
+                await self._send_error(step, Code.INTERNAL, "the last range returned no logits", self.peer_id)
+                return
+            result = step_result(step.session_id, step.step, output.logits[-1], self.admission)
+            await self._send_result(step, result)
+            return
+        hop = step.rest[0]
+        try:
+            if output.boundary is None:
+                raise BoundaryError("the worker returned no boundary rows")
+            request = next_hop_request(step, output.boundary, self.admission)
+        except BoundaryError as err:
+            await self._send_error(step, Code.INTERNAL, f"boundary for the next hop: {err}", self.peer_id)
+            return
+        data = request.SerializeToString()
+        try:
+            if hop.peer_id == self.peer_id:
+                reply = await self.handle_step(self.peer_id, data)
+            else:
+                reply = await self.transport.request(
+                    hop.peer_id, list(hop.addrs), STEP_PROTOCOL, data, timeout_s=self.config.step_push_timeout_s
+                )
+            ack = parse_record(swarm_pb2.StepAck, reply)
+        except TransportError as err:
+            await self._send_error(step, Code.UNAVAILABLE, f"next hop {hop.peer_id} unreachable: {err}", hop.peer_id)
+            return
+        except WireError as err:
+            await self._send_error(step, Code.UNAVAILABLE, f"next hop {hop.peer_id} answered badly: {err}", hop.peer_id)
+            return
+        if ack.error.code:
+            await self._send_error(
+                step, ack.error.code, f"next hop {hop.peer_id} refused the step: {ack.error.message}", hop.peer_id
+            )
+
+    async def _send_error(self, step: StepInput, code: int, message: str, failed_peer_id: str) -> None:
+        log.info("step %d of session %s failed at %s: %s", step.step, step.session_id.hex(), failed_peer_id, message)
+        result = step_result_error(step.session_id, step.step, code, message, failed_peer_id, self.admission)
+        await self._send_result(step, result)
+
+    async def _send_result(self, step: StepInput, result: swarm_pb2.StepResult) -> None:
+        try:
+            reply = await self.transport.request(
+                step.owner_peer_id,
+                list(step.owner_addrs),
+                RESULT_PROTOCOL,
+                result.SerializeToString(),
+                timeout_s=self.config.step_push_timeout_s,
+            )
+            ack = parse_record(swarm_pb2.StepAck, reply)
+        except (TransportError, WireError) as err:
+            log.warning("result of step %d could not reach owner %s: %s", step.step, step.owner_peer_id, err)
+            return
+        if ack.error.code:
+            log.warning("owner %s refused the result of step %d: %s", step.owner_peer_id, step.step, ack.error.message)
+
+    # --- sessions ----------------------------------------------------------------------
+
+    def _end_session_here(self, session_id: bytes) -> int:
+        """End ``session_id`` in every range of this node; returns how many held it."""
+        ended = 0
+        for served in self.ranges.values():
+            if served.sessions is None or served.scheduler is None:
+                continue
+            ended_session = served.sessions.end(session_id)
+            if ended_session is not None:
+                served.scheduler.drop_session(ended_session.seq_id)
+                served.wakeup.set()
+                ended += 1
+        return ended
+
+    async def _sweep_sessions(self) -> None:
+        timeout_ms = int(self.config.session_idle_timeout_s * 1000)
+        while True:
+            await trio.sleep(self.config.session_sweep_interval_s)
+            now = _now_ms()
+            for served in list(self.ranges.values()):
+                if served.sessions is None or served.scheduler is None:
+                    continue
+                for session_id in served.sessions.idle(now, timeout_ms):
+                    log.info("%s: session %s idle, freed", _range_name(served.key), session_id.hex())
+                    ended_session = served.sessions.end(session_id)
+                    if ended_session is not None:
+                        served.scheduler.drop_session(ended_session.seq_id)
+                    served.wakeup.set()
+
+    # --- handlers ----------------------------------------------------------------------
+
+    def _check_sender(self, signed: swarm_pb2.SignedAdmission, remote_peer_id: str) -> swarm_pb2.AdmissionRecord:
+        try:
+            return verify_admission(
+                signed,
+                self.tracker_public_key,
+                remote_peer_id,
+                _now_ms(),
+                roles=[swarm_pb2.ROLE_NODE, swarm_pb2.ROLE_CLIENT],
+            )
+        except AdmissionError as err:
+            raise WireError(Code.REFUSED, f"sender admission: {err.reason}") from None
+
+    async def handle_step(self, remote_peer_id: str, data: bytes) -> bytes:
+        """``/baton/step/1.0.0``: validate and queue a step; the ack says accepted or why not.
+
+        Never raises; never awaits before the step is queued (so steps that arrive together
+        are queued before the serving task looks)."""
+        try:
+            self._accept_step(remote_peer_id, data)
+        except WireError as err:
+            return step_ack(err)
+        except Exception as err:
+            log.exception("step handler failed")
+            return step_ack_error(Code.INTERNAL, f"internal error: {type(err).__name__}")
+        await trio.lowlevel.checkpoint()
+        return step_ack()
+
+    def _accept_step(self, remote_peer_id: str, data: bytes) -> None:
+        request = parse_record(swarm_pb2.StepRequest, data)
+        record = self._check_sender(request.sender_admission, remote_peer_id)
+        if record.role == swarm_pb2.ROLE_CLIENT:
+            if request.begin != 0:
+                raise WireError(
+                    Code.REFUSED,
+                    "a client may only send steps to the first hop (begin 0),"
+                    f" not to blocks [{request.begin}, {request.end})",
+                )
+            if request.owner_peer_id != remote_peer_id:
+                raise WireError(
+                    Code.REFUSED,
+                    f"a client may only send steps of its own sessions (owner is {request.owner_peer_id!r})",
+                )
+        key: RangeKey = (request.model_sha256, request.begin, request.end)
+        served = self.ranges.get(key)
+        if served is None:
+            raise WireError(Code.NOT_FOUND, f"this node does not serve {_range_name(key)}")
+        if served.state != State.READY or served.spec is None or served.sessions is None or served.scheduler is None:
+            state = swarm_pb2.AssignmentStatus.State.Name(served.state)
+            raise WireError(Code.UNAVAILABLE, f"{_range_name(key)} is {state} on this node, not READY")
+        step = validate_step(request, served.spec)
+        session = served.sessions.accept(
+            step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, _now_ms()
+        )
+        served.scheduler.push((session.seq_id, step), session=session.seq_id, n_rows=step.n_rows)
+        served.wakeup.set()
+
+    async def handle_node(self, remote_peer_id: str, data: bytes) -> bytes:
+        """``/baton/node/1.0.0``: tokenize, detokenize, end_session. Never raises."""
+        try:
+            request = parse_record(swarm_pb2.NodeRequest, data)
+            record = self._check_sender(request.sender_admission, remote_peer_id)
+            body = request.WhichOneof("body")
+            if body == "tokenize":
+                return await self._tokenize(request.tokenize)
+            if body == "detokenize":
+                return await self._detokenize(request.detokenize)
+            if body == "end_session":
+                return await self._end_session(request.end_session, remote_peer_id, record.role)
+            raise WireError(Code.INVALID_ARGUMENT, "the NodeRequest has no body (tokenize, detokenize or end_session)")
+        except WireError as err:
+            return node_reply_error(err.code, err.message)
+        except WorkerError as err:
+            return node_reply_error(Code.UNAVAILABLE, f"worker: {err}")
+        except Exception as err:
+            log.exception("node handler failed")
+            return node_reply_error(Code.INTERNAL, f"internal error: {type(err).__name__}")
+
+    def _worker_for(self, model_sha256: str) -> ServedRange:
+        ready = [s for s in self.ranges.values() if s.key[0] == model_sha256 and s.state == State.READY and s.handle]
+        if not ready:
+            raise WireError(Code.NOT_FOUND, f"model {model_sha256!r} is not ready on this node")
+        ready.sort(key=lambda s: s.key[1])  # prefer the first range (it owns the embeddings)
+        return ready[0]
+
+    async def _tokenize(self, body: swarm_pb2.TokenizeRequest) -> bytes:
+        served = self._worker_for(body.model_sha256)
+        assert served.client is not None and served.info is not None
+        ids = await served.client.tokenize(
+            body.text, add_special=body.add_special, timeout_s=self.config.request_timeout_s
+        )
+        reply = swarm_pb2.NodeReply(
+            schema_version=SCHEMA_VERSION, token_ids=ids, eog_token_ids=list(served.info.eog_token_ids)
+        )
+        return reply.SerializeToString()
+
+    async def _detokenize(self, body: swarm_pb2.DetokenizeRequest) -> bytes:
+        served = self._worker_for(body.model_sha256)
+        assert served.client is not None and served.info is not None
+        n_vocab = served.info.n_vocab
+        bad = [t for t in body.token_ids if not 0 <= t < n_vocab]
+        if bad:
+            raise WireError(Code.INVALID_ARGUMENT, f"token ids must be in [0, {n_vocab}), got {bad[:8]}")
+        text = await served.client.detokenize(list(body.token_ids), timeout_s=self.config.request_timeout_s)
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION, text=text).SerializeToString()
+
+    async def _end_session(self, body: swarm_pb2.EndSessionRequest, remote_peer_id: str, role: int) -> bytes:
+        session_id = bytes(body.session_id)
+        if len(session_id) != SESSION_ID_BYTES:
+            raise WireError(
+                Code.INVALID_ARGUMENT, f"session_id has {len(session_id)} bytes, expected {SESSION_ID_BYTES}"
+            )
+        if role == swarm_pb2.ROLE_CLIENT:
+            for served in self.ranges.values():
+                session = served.sessions.get(session_id) if served.sessions is not None else None
+                if session is not None and session.owner_peer_id != remote_peer_id:
+                    raise WireError(Code.REFUSED, f"session {session_id.hex()} belongs to {session.owner_peer_id}")
+        for i, hop in enumerate(body.rest):
+            if not hop.peer_id:
+                raise WireError(Code.INVALID_ARGUMENT, f"rest[{i}] names no peer")
+        self._end_session_here(session_id)
+        if body.rest:
+            hop = body.rest[0]
+            forward = swarm_pb2.NodeRequest(
+                schema_version=SCHEMA_VERSION,
+                sender_admission=self.admission,
+                end_session=swarm_pb2.EndSessionRequest(session_id=session_id, rest=list(body.rest[1:])),
+            )
+            data = forward.SerializeToString()
+            try:
+                if hop.peer_id == self.peer_id:
+                    raw = await self.handle_node(self.peer_id, data)
+                else:
+                    raw = await self.transport.request(
+                        hop.peer_id, list(hop.addrs), NODE_PROTOCOL, data, timeout_s=self.config.request_timeout_s
+                    )
+                reply = parse_record(swarm_pb2.NodeReply, raw)
+            except (TransportError, WireError) as err:
+                raise WireError(Code.UNAVAILABLE, f"ended here; next hop {hop.peer_id}: {err}") from None
+            if reply.error.code:
+                return reply.SerializeToString()
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
+
+
+async def _stopped_step(remote_peer_id: str, data: bytes) -> bytes:
+    return step_ack_error(Code.UNAVAILABLE, "this node is shutting down")
+
+
+async def _stopped_node(remote_peer_id: str, data: bytes) -> bytes:
+    return node_reply_error(Code.UNAVAILABLE, "this node is shutting down")
+
+
+async def serve_node(
+    config: NodeConfig, transport: Transport, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run a node: probe, register, then heartbeat, load ranges and serve steps until cancelled.
+
+    Args:
+      config: the node's configuration (``NodeConfig``).
+      transport: the node's peer transport; its peer id must be ``config.key``'s.
+
+    Started value (``nursery.start``): the ``Node`` (peer id, admission, served ranges), once
+    the tracker admitted the node and the step and node handlers are installed.
+
+    Raises:
+      NodeRefused: the tracker refused the registration: at start (raised as is), or when the
+        node registers again after the tracker forgot it (then inside an ExceptionGroup, as it
+        leaves the node's nursery).
+      NodeError: the tracker was unreachable or misbehaved at the first registration.
+      ValueError: the transport's peer id is not the key's, or ``config.tracker`` has no
+        ``/p2p/<peer id>``.
+      agent.io.worker_process.WorkerBinaryNotFound: probing needs the worker binary.
+
+    Resource handling:
+      Every worker process started for a LOAD directive lives in this call's nursery and is
+      stopped (SIGTERM, then SIGKILL) on UNLOAD or when this call exits. On exit the handlers
+      are replaced by ones answering UNAVAILABLE.
+
+    Cancellation:
+      Cancel the enclosing scope to stop the node; workers are stopped shielded.
+    """
+    node = Node(config, transport)
+    probe = config.probe
+    if probe is None:
+        probe = await trio.to_thread.run_sync(
+            lambda: probe_host(config.probe_config, binary=config.worker_binary), abandon_on_cancel=True
+        )
+    await node.register(probe)
+    transport.set_handler(STEP_PROTOCOL, node.handle_step)
+    transport.set_handler(NODE_PROTOCOL, node.handle_node)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(node._heartbeat_loop, nursery, probe)
+            nursery.start_soon(node._sweep_sessions)
+            task_status.started(node)
+    finally:
+        transport.set_handler(STEP_PROTOCOL, _stopped_step)
+        transport.set_handler(NODE_PROTOCOL, _stopped_node)

@@ -1,0 +1,207 @@
+"""``baton node``: run a node agent that serves layer ranges of local GGUF files to a swarm.
+
+    baton node --tracker MULTIADDR --model PATH [--model PATH ...] --key PATH
+               [--listen MULTIADDR] [--memory-bytes N] [--threads N] [--ctx-size N]
+               [--max-sequences N] [--heartbeat-interval-ms N]
+
+Prints ``node <peer id> admitted`` once the tracker admitted it, or ``node refused: <reason>``
+and exits with code 3. Directives (LOAD / UNLOAD) and range states are logged on stderr.
+Exit codes: 0 stopped (SIGTERM or Ctrl-C: workers are stopped first), 1 the tracker could not be reached or misbehaved, 2 bad local
+set-up (key, model file, worker binary), 3 refused by the tracker.
+
+Owns argument parsing, the model hashes (sha256, cached next to each model in a
+``<file>.sha256-ok`` sidecar keyed by size and mtime, the format ``agent.models`` uses) and the
+wiring of key, transport, probe and ``serve_node``. The lead wires ``baton node`` to
+``add_arguments`` and ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import trio
+
+from agent.models import sha256_file
+
+from .agent import LocalModel, NodeConfig, NodeError, NodeRefused, serve_node
+from .probe import probe_host
+
+__all__ = ["EXIT_REFUSED", "add_arguments", "main", "model_sha256", "open_transport", "run", "run_until_signal"]
+
+EXIT_UNREACHABLE = 1
+EXIT_SETUP = 2
+EXIT_REFUSED = 3
+
+log = logging.getLogger(__name__)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``baton node`` options to ``parser``."""
+    parser.add_argument("--tracker", required=True, help="the tracker's multiaddr, ending /p2p/<peer id>")
+    parser.add_argument(
+        "--model", required=True, action="append", metavar="PATH", help="a GGUF file this node offers (repeatable)"
+    )
+    parser.add_argument("--key", required=True, metavar="PATH", help="the node's Ed25519 key file (created if missing)")
+    parser.add_argument(
+        "--listen", default="/ip4/127.0.0.1/tcp/0", metavar="MULTIADDR", help="where to listen (default %(default)s)"
+    )
+    parser.add_argument(
+        "--memory-bytes", type=_positive_int, metavar="N", help="usable memory offered (default: available RAM)"
+    )
+    parser.add_argument("--threads", type=_positive_int, help="threads per worker (default: the worker's)")
+    parser.add_argument("--ctx-size", type=_positive_int, help="positions per sequence (default: the worker's)")
+    parser.add_argument("--max-sequences", type=_positive_int, help="sequences per worker (default: the worker's)")
+    parser.add_argument(
+        "--heartbeat-interval-ms", type=_positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"
+    )
+
+
+def model_sha256(path: str | os.PathLike) -> str:
+    """The sha256 hex of a model file, hashed once per (size, mtime).
+
+    The hash is kept in ``<file>.sha256-ok`` (``{"sha256", "size", "mtime_ns"}``); when the
+    model's directory is not writable the file is hashed each time.
+
+    Raises:
+      OSError: the file cannot be read.
+    """
+    path = Path(path)
+    st = path.stat()
+    marker = path.with_name(path.name + ".sha256-ok")
+    try:
+        recorded = json.loads(marker.read_text())
+        digest = recorded["sha256"]
+        if (
+            recorded.get("size") == st.st_size
+            and recorded.get("mtime_ns") == st.st_mtime_ns
+            and isinstance(digest, str)
+            and len(digest) == 64
+            and all(c in "0123456789abcdef" for c in digest)
+        ):
+            return digest
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    digest = sha256_file(path)
+    with contextlib.suppress(OSError):
+        fd, tmp = tempfile.mkstemp(prefix=f".{marker.name}.", dir=marker.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"sha256": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns}, f)
+            os.replace(tmp, marker)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    return digest
+
+
+@contextlib.asynccontextmanager
+async def open_transport(key, listen_addrs: Sequence[str]) -> AsyncIterator:  # noqa: ANN001
+    """The libp2p transport (``agent.io.p2p``); a seam for tests."""
+    from agent.io.p2p import open_p2p_transport
+
+    async with open_p2p_transport(key, listen_addrs=tuple(listen_addrs)) as transport:
+        yield transport
+
+
+def _first_leaf(group: BaseException) -> BaseException:
+    """The first exception inside (possibly nested) exception groups: ``except*`` keeps the
+    nesting of the nurseries the error crossed (the transport's and ours)."""
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
+
+
+async def run(args: argparse.Namespace) -> int:
+    """Run the node until cancelled; returns the exit code."""
+    from agent.io.keys import KeyFileError, load_or_create_key
+    from agent.io.worker_process import WorkerBinaryNotFound
+
+    try:
+        key = load_or_create_key(args.key)
+    except (KeyFileError, OSError) as err:
+        print(f"baton node: key {args.key}: {err}", file=sys.stderr)
+        return EXIT_SETUP
+    models = []
+    for path in args.model:
+        try:
+            digest = await trio.to_thread.run_sync(model_sha256, path)
+        except OSError as err:
+            print(f"baton node: model {path}: {err}", file=sys.stderr)
+            return EXIT_SETUP
+        log.info("model %s sha256 %s", path, digest)
+        models.append(LocalModel(path=os.path.abspath(path), sha256=digest))
+    try:
+        probe = await trio.to_thread.run_sync(probe_host)
+    except (WorkerBinaryNotFound, OSError, ValueError) as err:
+        print(f"baton node: probing this host failed: {err}", file=sys.stderr)
+        return EXIT_SETUP
+    config = NodeConfig(
+        tracker=args.tracker,
+        key=key,
+        models=tuple(models),
+        memory_bytes=args.memory_bytes,
+        threads=args.threads,
+        ctx_size=args.ctx_size,
+        max_sequences=args.max_sequences,
+        heartbeat_interval_ms=args.heartbeat_interval_ms,
+        probe=probe,
+    )
+    code = 0
+    try:
+        async with open_transport(key, [args.listen]) as transport, trio.open_nursery() as nursery:
+            node = await nursery.start(serve_node, config, transport)
+            print(f"node {node.peer_id} admitted", flush=True)
+            for addr in transport.listen_addrs:
+                print(f"listening on {addr}", flush=True)
+    except* NodeRefused as group:
+        print(f"node refused: {_first_leaf(group).reason}", flush=True)
+        code = EXIT_REFUSED
+    except* NodeError as group:
+        print(f"baton node: {_first_leaf(group)}", file=sys.stderr)
+        code = EXIT_UNREACHABLE
+    except* ValueError as group:
+        print(f"baton node: {_first_leaf(group)}", file=sys.stderr)
+        code = EXIT_SETUP
+    return code
+
+
+async def run_until_signal(args: argparse.Namespace) -> int:
+    """``run`` until it returns or SIGTERM / SIGINT arrives; a signal cancels it, so every
+    worker process is stopped (SIGTERM, then SIGKILL) before the node exits with 0."""
+    code = 0
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def node() -> None:
+                nonlocal code
+                code = await run(args)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(node)
+            async for signum in signals:
+                log.info("%s: stopping", signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+    return code
+
+
+def main(args: argparse.Namespace) -> int:
+    """``baton node``: returns the exit code (0 after SIGTERM / Ctrl-C)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return trio.run(run_until_signal, args)

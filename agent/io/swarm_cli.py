@@ -1,0 +1,141 @@
+"""``baton demo``: the swarm demo (default) or the local range-workers demo (``--local``).
+
+``baton demo [--model PATH] [--max-tokens N] [--threads N] [--nodes N] [--json] [prompt]``
+starts a tracker and ``--nodes`` (3) nodes on loopback, each offered memory for about a third
+of the model, generates through the route the tracker plans, and compares with one unsplit
+worker. ``--json`` prints one object with keys route, text, tokens_per_s,
+tokens_equal_single_process (and more). ``--local`` runs ``agent.io.local_demo`` instead
+(range workers started directly, no tracker; ``--ranges`` / ``--cuts`` apply there).
+Exit status: 0 when the tokens equal the unsplit worker's, 1 when not, 2 on errors.
+
+Only argument parsing and printing live here. ``agent.cli`` wires ``add_arguments`` / ``main``
+in as the ``demo`` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["add_arguments", "main"]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _cuts(text: str) -> list[int]:
+    from agent.core.ranges import parse_cuts
+
+    try:
+        return parse_cuts(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="GGUF file (default: the cached SmolLM2-135M)")
+    parser.add_argument("--max-tokens", type=_positive_int, default=48, help="tokens to generate (default 48)")
+    parser.add_argument("--threads", type=_positive_int, default=1, help="threads per worker (default 1)")
+    parser.add_argument("--nodes", type=_positive_int, default=3, help="swarm nodes to start (default 3)")
+    parser.add_argument(
+        "--coverage-timeout-s", type=float, default=180.0,
+        help="how long the swarm may take to cover the model (default 180)",
+    )  # fmt: skip
+    parser.add_argument("--workdir", help="keep keys, tracker db and process logs here (default: a temp dir)")
+    parser.add_argument("--local", action="store_true", help="local range workers instead of a swarm")
+    parser.add_argument("--ranges", type=_positive_int, default=3, help="--local: ranges of equal size (default 3)")
+    parser.add_argument("--cuts", type=_cuts, help="--local: cut points instead of --ranges, e.g. 10,20")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    parser.add_argument("prompt", nargs="?", help="the prompt (default: a fixed one)")
+
+
+def _leaf_errors(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for sub in error.exceptions for leaf in _leaf_errors(sub)]
+    return [error]
+
+
+def _known_errors() -> tuple[type[BaseException], ...]:
+    from .client import GenerationError, SwarmError
+    from .local_swarm import ProcessDied
+    from .transport import TransportError
+    from .worker_client import WorkerError
+    from .worker_process import WorkerBinaryNotFound, WorkerStartError
+
+    return (
+        GenerationError, SwarmError, ProcessDied, TransportError, WorkerError, WorkerStartError,
+        WorkerBinaryNotFound, TimeoutError, ValueError, OSError,
+    )  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    import trio
+
+    from .local_demo import DEMO_PROMPT
+
+    if args.model is None:
+        from agent.models import model_path
+
+        args.model = str(model_path("smollm2"))
+    prompt = args.prompt or DEMO_PROMPT
+
+    def show(text: str) -> None:
+        print(text, end="", flush=True)
+
+    on_text = None if args.json else show
+    if not args.json:
+        print(prompt, end="", flush=True)
+
+    if args.local:
+        from .local_demo import run_demo
+
+        def run():
+            return run_demo(
+                args.model, ranges=args.ranges, cuts=args.cuts, prompt=prompt, max_new_tokens=args.max_tokens,
+                threads=args.threads, on_text=on_text,
+            )  # fmt: skip
+    else:
+        from .swarm_demo import run_swarm_demo
+
+        def run():
+            return run_swarm_demo(
+                args.model, prompt=prompt, max_new_tokens=args.max_tokens, nodes=args.nodes, threads=args.threads,
+                coverage_timeout_s=args.coverage_timeout_s, workdir=args.workdir, on_text=on_text,
+            )  # fmt: skip
+
+    try:
+        report = trio.run(run)
+    except BaseException as caught:  # noqa: BLE001 - sorted below; anything unknown is re-raised
+        if isinstance(caught, (KeyboardInterrupt, SystemExit)):
+            raise
+        leaves = _leaf_errors(caught)
+        if not all(isinstance(leaf, _known_errors()) for leaf in leaves):
+            raise
+        for leaf in leaves:
+            print(f"\nbaton demo: {type(leaf).__name__}: {leaf}", file=sys.stderr)
+        return 2
+
+    result = report.to_json()
+    if args.json:
+        print(json.dumps(result))
+    else:
+        route = " -> ".join(f"{hop['node']}[{hop['begin']}, {hop['end']})" for hop in result["route"])
+        print()
+        print(f"route:         {route}")
+        print(
+            f"tokens/s:      {result['tokens_per_s']:.1f} decode, {result['prefill_tokens_per_s']:.1f} prefill "
+            f"(one unsplit worker: {result['single_process_tokens_per_s']:.1f} decode)"
+        )
+        print(f"parity:        tokens equal to one unsplit worker: {result['tokens_equal_single_process']}")
+    return 0 if report.tokens_equal_single_process else 1
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="baton demo", description=__doc__.split("\n\n")[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

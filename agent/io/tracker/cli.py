@@ -1,0 +1,224 @@
+"""``baton tracker``: run the tracker, or list the models its database holds.
+
+  baton tracker serve --db PATH --key PATH [--listen MULTIADDR] [--addr-file PATH]
+                      [--register-model PATH[:ALIAS] ...] [--heartbeat-interval-ms N]
+                      [--heartbeat-timeout-ms N] [--admission-ttl-ms N]
+                      [--registration-max-age-ms N] [--expected-pin COMMIT]
+                      [--expected-patch-hash HASH]
+  baton tracker models --db PATH
+
+``serve`` registers the given GGUF files (alias: ALIAS, else the file name without .gguf;
+name: general.name), opens the libp2p host, prints ``tracker listening on <multiaddr>`` as its
+first stdout line, writes that multiaddr to ``--addr-file`` (atomically: a temporary file
+renamed into place) and serves until SIGINT / SIGTERM (exit 0).
+
+Entry points: ``add_arguments(parser)`` fills a ``tracker`` sub-parser; ``main(args) -> int``
+runs the parsed command. ``python -m agent.io.tracker.cli serve ...`` runs the same thing.
+Only argument parsing, printing and opening resources live here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["add_arguments", "build_parser", "main", "parse_model_arg"]
+
+log = logging.getLogger(__name__)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_model_arg(text: str) -> tuple[Path, str]:
+    """``PATH[:ALIAS]`` -> (path, alias); the alias defaults to the file name without .gguf.
+    A colon followed by something with a ``/`` is part of the path."""
+    path_text, sep, alias = text.rpartition(":")
+    if not sep or not alias or "/" in alias or not path_text:
+        path_text, alias = text, ""
+    path = Path(path_text)
+    if not alias:
+        alias = path.name.removesuffix(".gguf")
+    return path, alias
+
+
+def _model_arg(text: str) -> tuple[Path, str]:
+    path, alias = parse_model_arg(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{path} is not a file")
+    return path, alias
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``serve`` and ``models`` sub-commands to ``parser`` (the ``tracker`` parser)."""
+    commands = parser.add_subparsers(dest="tracker_command", required=True, metavar="COMMAND")
+    serve = commands.add_parser("serve", help="run the tracker")
+    serve.add_argument("--db", required=True, help="SQLite database (created if missing)")
+    serve.add_argument("--key", required=True, help="Ed25519 key file (created if missing; fixes the peer id)")
+    serve.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr (default /ip4/127.0.0.1/tcp/0)")
+    serve.add_argument("--addr-file", help="write the full multiaddr (with /p2p/<id>) here once listening")
+    serve.add_argument(
+        "--register-model", action="append", default=[], type=_model_arg, metavar="PATH[:ALIAS]",
+        help="register a GGUF model (repeatable)",
+    )  # fmt: skip
+    serve.add_argument("--heartbeat-interval-ms", type=_positive_int, default=1000, help="default 1000")
+    serve.add_argument("--heartbeat-timeout-ms", type=_positive_int, default=5000, help="default 5000")
+    serve.add_argument("--admission-ttl-ms", type=_positive_int, default=600_000, help="default 600000")
+    serve.add_argument(
+        "--registration-max-age-ms", type=_positive_int, default=60_000,
+        help="fingerprint / hello timestamps must be this fresh (default 60000)",
+    )  # fmt: skip
+    serve.add_argument("--expected-pin", help="llama.cpp commit nodes must run (default: this checkout's)")
+    serve.add_argument("--expected-patch-hash", help="patch series sha256 nodes must have (default: this checkout's)")
+    serve.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
+
+    models = commands.add_parser("models", help="list the registered models")
+    models.add_argument("--db", required=True, help="the tracker's SQLite database")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton tracker", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run a parsed ``baton tracker`` command; returns the exit status."""
+    if args.tracker_command == "models":
+        return _models(args)
+    return _serve(args)
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _models(args: argparse.Namespace) -> int:
+    from agent.io.tracker.store import StoreError, open_store
+
+    if not Path(args.db).is_file():
+        print(f"baton tracker models: no tracker database at {args.db}", file=sys.stderr)
+        return 2
+    try:
+        with open_store(args.db) as store:
+            models = store.models()
+    except StoreError as error:
+        print(f"baton tracker models: {error}", file=sys.stderr)
+        return 2
+    rows = [("ALIAS", "NAME", "SHA256", "ARCHITECTURE", "BLOCKS", "SIZE")]
+    rows += [
+        (m.alias, m.name, m.sha256[:12], m.architecture, str(m.n_layer), _human_bytes(m.size_bytes)) for m in models
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    return 0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def register_models(store, models: Sequence[tuple[Path, str]], now_ms: int) -> list:
+    """Read each GGUF and put its ``ModelEntry`` in ``store`` (synchronous; seconds per model)."""
+    from agent.core.registry import model_entry
+    from agent.io.tracker.gguf_info import read_gguf_facts
+    from agent.models import sha256_file
+
+    entries = []
+    for path, alias in models:
+        facts = read_gguf_facts(path)
+        entry = model_entry(facts, sha256_file(path), alias)
+        store.put_model(entry, now_ms)
+        entries.append(entry)
+    return entries
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from agent.io.keys import KeyFileError, load_or_create_key
+    from agent.io.tracker.gguf_info import GgufError
+    from agent.io.tracker.service import TrackerConfig
+    from agent.io.tracker.store import StoreError, open_store
+
+    logging.basicConfig(
+        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    if args.expected_pin is None or args.expected_patch_hash is None:
+        from agent.runtime import expected_pin
+
+        pin, patch_hash = expected_pin()
+        args.expected_pin = args.expected_pin or pin
+        args.expected_patch_hash = args.expected_patch_hash or patch_hash
+    try:
+        config = TrackerConfig(
+            llama_cpp_commit=args.expected_pin,
+            patch_series_sha256=args.expected_patch_hash,
+            heartbeat_interval_ms=args.heartbeat_interval_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            admission_ttl_ms=args.admission_ttl_ms,
+            registration_max_age_ms=args.registration_max_age_ms,
+            nonce_retention_ms=max(600_000, 2 * args.registration_max_age_ms),
+        )
+        key = load_or_create_key(args.key)
+        with open_store(args.db) as store:
+            for entry in register_models(store, args.register_model, int(time.time() * 1000)):
+                log.info(
+                    "registered model %s (%s, %s, %d blocks)", entry.alias, entry.sha256[:12], entry.name, entry.n_layer
+                )
+            return trio.run(_serve_async, args, store, config, key)
+    except (ValueError, OSError, KeyFileError, StoreError, GgufError) as error:
+        print(f"baton tracker serve: {error}", file=sys.stderr)
+        return 2
+
+
+async def _serve_async(args: argparse.Namespace, store, config, key) -> int:
+    import trio
+
+    from agent.io.p2p import open_p2p_transport
+    from agent.io.tracker.service import serve_tracker
+
+    async with open_p2p_transport(key, listen_addrs=[args.listen]) as transport, trio.open_nursery() as nursery:
+        await nursery.start(serve_tracker, transport, store, config, key)
+        addr = transport.listen_addrs[0]
+        if args.addr_file:  # first, so that a reader of stdout finds the file in place
+            _write_atomically(Path(args.addr_file), addr + "\n")
+        print(f"tracker listening on {addr}", flush=True)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("received %s: stopping", signal.Signals(signum).name)
+                break
+        nursery.cancel_scope.cancel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(build_parser().parse_args()))

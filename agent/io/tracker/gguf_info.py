@@ -1,0 +1,77 @@
+"""Reading the facts the model registry needs from a GGUF file (``gguf`` package).
+
+Owns: opening the file with ``gguf.GGUFReader`` (memory-mapped; parsing a 100 MB model takes
+a second or two, mostly its tokenizer arrays), picking the metadata keys and summing tensor
+sizes into ``agent.core.registry.GgufFacts``, and the file's sha256. Synchronous: callers in
+trio run it in a thread.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from agent.core.registry import GgufFacts
+
+__all__ = ["GgufError", "read_gguf_facts"]
+
+
+class GgufError(Exception):
+    """The file is not a GGUF model the registry can describe; the message says why."""
+
+
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return field.contents()
+
+
+def _int(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, list):  # per-layer values (e.g. head_count_kv of some models)
+        return max(int(v) for v in value) if value else None
+    return int(value)
+
+
+def read_gguf_facts(path: str | os.PathLike[str]) -> GgufFacts:
+    """Metadata and block tensor bytes of the GGUF at ``path``.
+
+    Raises:
+      GgufError: not a GGUF file, or general.architecture / {arch}.block_count missing.
+      OSError: the file cannot be read.
+    """
+    from gguf import GGUFReader  # lazy: numpy-heavy import, only the tracker needs it
+
+    path = Path(path)
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError) as error:
+        raise GgufError(f"{path}: not a readable GGUF file ({error})") from None
+    arch = _field(reader, "general.architecture")
+    if not arch:
+        raise GgufError(f"{path}: no general.architecture in the metadata")
+    n_layer = _int(_field(reader, f"{arch}.block_count"))
+    if not n_layer:
+        raise GgufError(f"{path}: no {arch}.block_count in the metadata")
+    n_embd = _int(_field(reader, f"{arch}.embedding_length")) or 0
+    n_head = _int(_field(reader, f"{arch}.attention.head_count")) or 0
+    n_head_kv = _int(_field(reader, f"{arch}.attention.head_count_kv")) or n_head
+    head_dim = n_embd // n_head if n_head else 0
+    key_length = _int(_field(reader, f"{arch}.attention.key_length")) or head_dim
+    value_length = _int(_field(reader, f"{arch}.attention.value_length")) or head_dim
+    block_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith("blk."))
+    return GgufFacts(
+        name=str(_field(reader, "general.name") or ""),
+        architecture=str(arch),
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        key_length=key_length,
+        value_length=value_length,
+        block_tensor_bytes=block_bytes,
+        size_bytes=size,
+    )

@@ -1,0 +1,473 @@
+"""The tracker service: the ``/baton/tracker/1.0.0`` handler and the heartbeat sweeper.
+
+Owns the tracker's behaviour on the wire (docs/SWARM.md, shared semantics): registration
+(admission of nodes), client hellos, heartbeats (liveness, reported range status, LOAD /
+UNLOAD directives, admission refresh), routes and the model list; and when assignments are
+recomputed (a node registers, dies, or comes back). Decisions are the pure core's
+(``agent.core.admission``, ``assignment``, ``routing``); state is the SQLite store's.
+
+Liveness: a node is alive while heartbeats (or its registration) arrive at most
+``heartbeat_timeout_ms`` apart; the sweeper marks it dead at exactly that deadline, clears its
+reported states and recomputes assignments (healing). After a tracker restart, nodes the
+database still holds alive are *pending*: their assignments are kept (so that the first
+node to heartbeat does not take over everyone's ranges) but they are in no route until they
+heartbeat; one that does not within ``heartbeat_timeout_ms`` of the restart is marked dead.
+
+Every request gets a ``TrackerReply``; malformed input (bytes that do not parse, a wrong
+schema version, no body, bad fields) gets ``error`` naming what was wrong, and an unexpected
+exception is logged and answered with INTERNAL. Nothing a peer sends stops the tracker.
+
+Resource handling: ``serve_tracker`` sets the handler on the transport it is given and runs
+the sweeper; it does not own the transport or the store (callers open and close them).
+Cancellation: cancelling ``serve_tracker`` stops the sweeper; the handler stays registered on
+the transport (a closed transport stops calling it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent._proto import swarm_pb2
+from agent.core import admission
+from agent.core.assignment import Assignment, ModelSpec, NodeCapacity, assign
+from agent.core.identity import peer_id_from_public_key
+from agent.core.routing import NoRoute, ReadyRange, plan_route
+from agent.core.swarm_wire import (
+    SCHEMA_VERSION,
+    TRACKER_PROTOCOL,
+    WireError,
+    parse_record,
+    tracker_reply_error,
+)
+from agent.io.tracker.store import NodeRecord, TrackerStore
+
+__all__ = ["Tracker", "TrackerConfig", "serve_tracker", "trio_unix_clock"]
+
+log = logging.getLogger(__name__)
+
+Code = swarm_pb2.Error
+State = swarm_pb2.AssignmentStatus
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackerConfig:
+    """Tracker settings. ``llama_cpp_commit`` / ``patch_series_sha256``: what nodes must run
+    (the CLI defaults them to ``agent.runtime.expected_pin()``)."""
+
+    llama_cpp_commit: str
+    patch_series_sha256: str
+    heartbeat_interval_ms: int = 1000
+    heartbeat_timeout_ms: int = 5000
+    admission_ttl_ms: int = 600_000
+    registration_max_age_ms: int = 60_000
+    #: nonces are kept this long; must exceed registration_max_age_ms (older ones are stale anyway)
+    nonce_retention_ms: int = 600_000
+    #: estimated link latency per hop, for route planning
+    hop_latency_s: float = 0.002
+    #: a route handed out counts as load on its hops for this long
+    route_load_window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_ms", "heartbeat_timeout_ms", "admission_ttl_ms", "registration_max_age_ms"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.heartbeat_timeout_ms <= self.heartbeat_interval_ms:
+            raise ValueError(
+                f"heartbeat_timeout_ms ({self.heartbeat_timeout_ms}) must exceed heartbeat_interval_ms "
+                f"({self.heartbeat_interval_ms})"
+            )
+        if self.nonce_retention_ms <= self.registration_max_age_ms:
+            raise ValueError("nonce_retention_ms must exceed registration_max_age_ms (or replays become possible)")
+
+
+def trio_unix_clock() -> Callable[[], int]:
+    """Unix time in ms that advances with ``trio.current_time()`` (so that a MockClock drives
+    it), anchored to the wall clock when made. Call inside ``trio.run``."""
+    wall_ms = time.time() * 1000.0
+    start = trio.current_time()
+    return lambda: round(wall_ms + (trio.current_time() - start) * 1000.0)
+
+
+class _Refusal(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Tracker:
+    """The tracker's live state around its store. Made by ``serve_tracker`` (handed to
+    ``task_status.started``); tests read ``alive``/``pending`` and wait with ``wait_until``."""
+
+    def __init__(
+        self,
+        transport,
+        store: TrackerStore,
+        config: TrackerConfig,
+        key: Ed25519PrivateKey,
+        clock: Callable[[], int],
+    ) -> None:
+        self.transport = transport
+        self.store = store
+        self.config = config
+        self._key = key
+        self.public_key = admission.public_key_bytes(key)
+        self.peer_id = peer_id_from_public_key(self.public_key)
+        self._now_ms = clock
+        #: peer id -> unix ms by which the next heartbeat must arrive (alive or pending nodes)
+        self.deadline_ms: dict[str, int] = {}
+        #: peers heard from since this tracker started (only these are routed through)
+        self.confirmed: set[str] = set()
+        #: (peer id, model sha256) a node reported FAILED to load: not assigned to it again
+        #: until it registers anew (in memory: a tracker restart gives it another chance)
+        self.failed: set[tuple[str, str]] = set()
+        self._route_load: deque[tuple[float, tuple[str, ...]]] = deque()
+        self._changed = trio.Event()
+        self.recomputes = 0
+        now = clock()
+        self._pruned_at_ms = now - config.registration_max_age_ms  # prune at the first sweep
+        for node in store.nodes():
+            if node.alive:
+                self.deadline_ms[node.peer_id] = now + config.heartbeat_timeout_ms
+
+    @property
+    def pending(self) -> set[str]:
+        """Nodes alive before a restart that have not heartbeat since."""
+        return set(self.deadline_ms) - self.confirmed
+
+    @property
+    def alive(self) -> set[str]:
+        return set(self.deadline_ms) & self.confirmed
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Return once ``predicate()`` is true (checked after every state change)."""
+        while not predicate():
+            await self._changed.wait()
+
+    # --- requests -----------------------------------------------------------------------------
+
+    async def handle(self, remote_peer_id: str, payload: bytes) -> bytes:
+        """The TRACKER protocol handler: one TrackerRequest in, one TrackerReply out, always."""
+        try:
+            request = parse_record(swarm_pb2.TrackerRequest, payload)
+            kind = request.WhichOneof("body")
+            if kind is None:
+                raise _Refusal(
+                    Code.INVALID_ARGUMENT,
+                    "TrackerRequest has no body "
+                    "(expected one of register, heartbeat, route, list_models, client_hello)",
+                )
+            reply = swarm_pb2.TrackerReply(schema_version=SCHEMA_VERSION)
+            if kind == "register":
+                reply.register.CopyFrom(self._register(remote_peer_id, request.register))
+            elif kind == "heartbeat":
+                reply.heartbeat.CopyFrom(self._heartbeat(remote_peer_id, request.heartbeat))
+            elif kind == "route":
+                reply.route.CopyFrom(self._route(request.route))
+            elif kind == "list_models":
+                reply.list_models.CopyFrom(swarm_pb2.ListModelsReply(models=self.store.models()))
+            else:
+                reply.client_hello.CopyFrom(self._client_hello(remote_peer_id, request.client_hello))
+            return reply.SerializeToString()
+        except WireError as error:
+            return tracker_reply_error(error.code, error.message)
+        except _Refusal as refusal:
+            return tracker_reply_error(refusal.code, refusal.message)
+        except Exception as error:  # a bug: answer, log, keep serving
+            log.exception("tracker request from %s failed", remote_peer_id)
+            return tracker_reply_error(Code.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+
+    def _policy(self) -> admission.AdmissionPolicy:
+        sizes = [m.bytes_per_block for m in self.store.models() if m.bytes_per_block > 0]
+        return admission.AdmissionPolicy(
+            llama_cpp_commit=self.config.llama_cpp_commit,
+            patch_series_sha256=self.config.patch_series_sha256,
+            registration_max_age_ms=self.config.registration_max_age_ms,
+            min_bytes_per_block=min(sizes) if sizes else None,
+        )
+
+    def _issue(self, peer_id: str, role: int, now: int, fingerprint_sha256: str = "") -> swarm_pb2.SignedAdmission:
+        record = swarm_pb2.AdmissionRecord(
+            schema_version=admission.ADMISSION_SCHEMA_VERSION,
+            peer_id=peer_id,
+            role=role,
+            tracker_peer_id=self.peer_id,
+            issued_at_ms=now,
+            expires_at_ms=now + self.config.admission_ttl_ms,
+            fingerprint_sha256=fingerprint_sha256,
+        )
+        return admission.issue_admission(self._key, record)
+
+    def _register(self, remote: str, request: swarm_pb2.RegisterRequest) -> swarm_pb2.RegisterReply:
+        if not request.HasField("fingerprint"):
+            raise _Refusal(Code.INVALID_ARGUMENT, "RegisterRequest has no fingerprint")
+        signed = request.fingerprint
+        try:
+            fingerprint = admission.verify_signed_fingerprint(signed, remote)
+        except admission.AdmissionError as error:
+            raise _Refusal(Code.REFUSED, error.reason) from None
+        now = self._now_ms()
+        seen = self.store.nonce_seen(remote, fingerprint.nonce)
+        decision = admission.decide_admission(fingerprint, self._policy(), now, seen)
+        if len(fingerprint.nonce) == admission.NONCE_BYTES:
+            self.store.add_nonce(remote, fingerprint.nonce, now)
+        if not decision.admitted:
+            log.info("refused node %s: %s", remote, decision.reason)
+            raise _Refusal(Code.REFUSED, decision.reason)
+        signed_admission = self._issue(remote, swarm_pb2.ROLE_NODE, now, admission.fingerprint_sha256(signed))
+        self.store.put_node(
+            NodeRecord(
+                peer_id=remote,
+                public_key=bytes(signed.public_key),
+                signed_fingerprint=signed,
+                fingerprint=fingerprint,
+                admission=signed_admission,
+                admitted_at_ms=now,
+                expires_at_ms=now + self.config.admission_ttl_ms,
+                last_heartbeat_ms=now,
+                alive=True,
+                listen_addrs=tuple(fingerprint.listen_addrs),
+            )
+        )
+        self.store.clear_status(remote)  # a (re-)registering node has nothing loaded yet
+        self.failed = {(p, m) for p, m in self.failed if p != remote}
+        self.deadline_ms[remote] = now + self.config.heartbeat_timeout_ms
+        self.confirmed.add(remote)
+        log.info("admitted node %s", remote)
+        self._recompute()
+        return swarm_pb2.RegisterReply(
+            admission=signed_admission,
+            tracker_public_key=self.public_key,
+            heartbeat_interval_ms=self.config.heartbeat_interval_ms,
+            heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
+        )
+
+    def _client_hello(self, remote: str, hello: swarm_pb2.ClientHelloRequest) -> swarm_pb2.ClientHelloReply:
+        try:
+            admission.verify_client_hello(hello, remote)
+        except admission.AdmissionError as error:
+            raise _Refusal(Code.REFUSED, error.reason) from None
+        now = self._now_ms()
+        decision = admission.decide_client_admission(
+            hello, self._policy(), now, self.store.nonce_seen(remote, hello.nonce)
+        )
+        if len(hello.nonce) == admission.NONCE_BYTES:
+            self.store.add_nonce(remote, hello.nonce, now)
+        if not decision.admitted:
+            raise _Refusal(Code.REFUSED, decision.reason)
+        signed = self._issue(remote, swarm_pb2.ROLE_CLIENT, now)
+        self.store.put_client(remote, bytes(hello.public_key), signed, now, now + self.config.admission_ttl_ms)
+        return swarm_pb2.ClientHelloReply(admission=signed, tracker_public_key=self.public_key)
+
+    def _heartbeat(self, remote: str, beat: swarm_pb2.HeartbeatRequest) -> swarm_pb2.HeartbeatReply:
+        if beat.peer_id != remote:
+            raise _Refusal(
+                Code.REFUSED, f"peer id mismatch: the heartbeat names {beat.peer_id!r}, the connection is from {remote}"
+            )
+        node = self.store.node(remote)
+        if node is None:
+            raise _Refusal(Code.NOT_FOUND, "unknown node: register first")
+        now = self._now_ms()
+        if now >= node.expires_at_ms:
+            raise _Refusal(Code.NOT_FOUND, "unknown node: register first (its admission expired)")
+        reported: dict[Assignment, swarm_pb2.AssignmentStatus] = {}
+        for i, status in enumerate(beat.serving):
+            a = status.assignment
+            if not a.model_sha256 or a.end <= a.begin:
+                raise _Refusal(
+                    Code.INVALID_ARGUMENT,
+                    f"serving[{i}]: assignment {a.model_sha256!r} [{a.begin}, {a.end}) is not a model range",
+                )
+            if status.state not in (State.LOADING, State.READY, State.FAILED):
+                raise _Refusal(
+                    Code.INVALID_ARGUMENT, f"serving[{i}]: state {status.state} is not LOADING, READY or FAILED"
+                )
+            reported[Assignment(a.model_sha256, a.begin, a.end, remote)] = status
+
+        revived = node.alive is False or remote not in self.deadline_ms
+        self.store.record_heartbeat(remote, now, list(beat.listen_addrs) if beat.listen_addrs else None)
+        self.deadline_ms[remote] = now + self.config.heartbeat_timeout_ms
+        newly_confirmed = remote not in self.confirmed
+        self.confirmed.add(remote)
+        for assigned, status in reported.items():
+            self.store.set_status(assigned, status.state, status.recipe_hash, status.error, now)
+        newly_failed = {
+            (remote, a.model_sha256) for a, status in reported.items() if status.state == State.FAILED
+        } - self.failed
+        for _, model_sha256 in sorted(newly_failed):
+            log.warning("node %s failed to load model %s: not assigning it there again", remote, model_sha256)
+        self.failed |= newly_failed
+        if revived:
+            log.info("node %s is back", remote)
+        if revived or newly_failed:
+            self._recompute()
+        rows = [row for row in self.store.assignments() if row.assignment.peer_id == remote]
+        for row in rows:  # assigned but not reported: not loaded (e.g. the node restarted)
+            if row.assignment not in reported and (row.state or row.recipe_hash):
+                self.store.set_status(row.assignment, State.STATE_UNSPECIFIED, "", "", now)
+
+        should = {row.assignment for row in rows}
+        reply = swarm_pb2.HeartbeatReply()
+        for a in sorted(should - set(reported)):
+            reply.directives.add(kind=swarm_pb2.Directive.LOAD, assignment=_wire_assignment(a))
+        for a in sorted(set(reported) - should):
+            reply.directives.add(kind=swarm_pb2.Directive.UNLOAD, assignment=_wire_assignment(a))
+        if node.expires_at_ms - now < self.config.admission_ttl_ms // 2:
+            fresh = self._issue(remote, swarm_pb2.ROLE_NODE, now, admission.fingerprint_sha256(node.signed_fingerprint))
+            self.store.update_admission(remote, fresh, now + self.config.admission_ttl_ms)
+            reply.admission.CopyFrom(fresh)
+        if newly_confirmed or reported:
+            self._notify()
+        return reply
+
+    def _route(self, request: swarm_pb2.RouteRequest) -> swarm_pb2.Route:
+        if not request.model:
+            raise _Refusal(Code.INVALID_ARGUMENT, "RouteRequest.model is empty (give an alias, name or sha256)")
+        model = self.store.find_model(request.model)
+        if model is None:
+            raise _Refusal(Code.NOT_FOUND, f"unknown model {request.model!r}")
+        alive = self.alive
+        nodes = {n.peer_id: n for n in self.store.nodes() if n.peer_id in alive}
+        ready = [
+            ReadyRange(
+                peer_id=row.assignment.peer_id,
+                addrs=nodes[row.assignment.peer_id].listen_addrs,
+                begin=row.assignment.begin,
+                end=row.assignment.end,
+                recipe_hash=row.recipe_hash,
+                decode_s_per_block=nodes[row.assignment.peer_id].fingerprint.decode_s_per_block,
+            )
+            for row in self.store.assignments()
+            if row.assignment.model_sha256 == model.sha256
+            and row.assignment.peer_id in nodes
+            and row.state == State.READY
+            and row.recipe_hash
+        ]
+        try:
+            plan = plan_route(
+                request.model,
+                model.sha256,
+                model.n_layer,
+                ready,
+                load=self._load(),
+                hop_latency_s=self.config.hop_latency_s,
+            )
+        except NoRoute as error:
+            raise _Refusal(Code.UNAVAILABLE, str(error)) from None
+        self._route_load.append((trio.current_time(), tuple(h.peer_id for h in plan.hops)))
+        return swarm_pb2.Route(
+            model_sha256=plan.model_sha256,
+            n_layer=plan.n_layer,
+            hops=[swarm_pb2.Hop(peer_id=h.peer_id, addrs=list(h.addrs), begin=h.begin, end=h.end) for h in plan.hops],
+            recipe_hash=plan.recipe_hash,
+            estimated_step_s=plan.estimated_step_s,
+        )
+
+    def _load(self) -> dict[str, int]:
+        """Routes handed out within route_load_window_s, per peer (the tracker does not see
+        sessions end, so recent routes stand in for current sessions)."""
+        horizon = trio.current_time() - self.config.route_load_window_s
+        while self._route_load and self._route_load[0][0] < horizon:
+            self._route_load.popleft()
+        load: dict[str, int] = {}
+        for _, peers in self._route_load:
+            for peer in peers:
+                load[peer] = load.get(peer, 0) + 1
+        return load
+
+    # --- liveness and assignment ----------------------------------------------------------------
+
+    def _recompute(self) -> None:
+        """Recompute the assignment set from the models and the alive + pending nodes."""
+        models = [ModelSpec(m.sha256, m.n_layer, m.bytes_per_block) for m in self.store.models() if m.n_layer > 0]
+        live = set(self.deadline_ms)
+        nodes = [
+            NodeCapacity(
+                n.peer_id,
+                n.fingerprint.usable_memory_bytes,
+                n.fingerprint.decode_s_per_block,
+                frozenset(m for m in n.fingerprint.model_sha256s if (n.peer_id, m) not in self.failed),
+            )
+            for n in self.store.nodes()
+            if n.peer_id in live
+        ]
+        current = [row.assignment for row in self.store.assignments()]
+        new = assign(models, nodes, current)
+        self.store.replace_assignments(new)
+        self.recomputes += 1
+        self._notify()
+
+    def sweep(self) -> float:
+        """Mark nodes past their deadline dead (recomputing if any) and prune old nonces.
+        Returns the ms until the next deadline (inf when none)."""
+        now = self._now_ms()
+        dead = sorted(peer for peer, deadline in self.deadline_ms.items() if now >= deadline)
+        if dead:
+            for peer in dead:
+                del self.deadline_ms[peer]
+                self.confirmed.discard(peer)
+                self.store.clear_status(peer)
+            self.store.mark_dead(dead)
+            log.info("nodes missed heartbeats, marked dead: %s", ", ".join(dead))
+            self._recompute()
+        if now - self._pruned_at_ms >= self.config.registration_max_age_ms:
+            self.store.prune_nonces(now - self.config.nonce_retention_ms)
+            self._pruned_at_ms = now
+        if not self.deadline_ms:
+            return math.inf
+        return max(0, min(self.deadline_ms.values()) - now)
+
+    async def run_sweeper(self) -> None:
+        while True:
+            wait_ms = self.sweep()
+            changed = self._changed
+            with trio.move_on_after(min(wait_ms, self.config.registration_max_age_ms) / 1000.0):
+                await changed.wait()
+
+
+def _wire_assignment(a: Assignment) -> swarm_pb2.Assignment:
+    return swarm_pb2.Assignment(model_sha256=a.model_sha256, begin=a.begin, end=a.end)
+
+
+async def serve_tracker(
+    transport,
+    store: TrackerStore,
+    config: TrackerConfig,
+    key: Ed25519PrivateKey,
+    *,
+    clock: Callable[[], int] | None = None,
+    task_status: trio.TaskStatus[Tracker] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the TRACKER protocol on ``transport`` until cancelled.
+
+    Args:
+      transport: a ``Transport`` whose peer id is ``key``'s (libp2p or memory).
+      store: the open tracker database.
+      config: tracker settings.
+      key: the tracker's Ed25519 key (signs admissions; its public key goes to peers).
+      clock: unix time in ms; default ``trio_unix_clock()`` (follows trio's clock).
+      task_status: started with the ``Tracker`` (for tests and the CLI).
+
+    Raises:
+      ValueError: ``key`` is not the transport's identity.
+    """
+    tracker = Tracker(transport, store, config, key, clock or trio_unix_clock())
+    if tracker.peer_id != transport.peer_id:
+        raise ValueError(f"the tracker key belongs to {tracker.peer_id}, the transport is {transport.peer_id}")
+    # A model registered while the tracker was down, or nodes gone: bring assignments up to date.
+    tracker._recompute()
+    transport.set_handler(TRACKER_PROTOCOL, tracker.handle)
+    task_status.started(tracker)
+    await tracker.run_sweeper()

@@ -1,0 +1,376 @@
+"""The tracker's durable state: one SQLite file (stdlib ``sqlite3``).
+
+Owns the tables and every query on them: nodes (key, signed fingerprint, admission, liveness),
+clients (admissions), seen registration / hello nonces, models (``ModelEntry``), assignments
+and the status nodes report for them, and the schema version of the file. A tracker restart
+reopens the file and loses nothing; liveness is *not* trusted across a restart (the service
+confirms a node only once it heartbeats again, see ``service.py``).
+
+Threading: the store is synchronous and is called on the trio thread. Every query is a
+primary-key lookup or a scan of a few hundred rows on a local file, and commits in WAL mode
+with ``synchronous=NORMAL`` append to the WAL without an fsync, so a call takes well under a
+millisecond; handing each one to a worker thread would cost more than it saves and would need
+a lock around the connection. Durability: a committed transaction survives the tracker
+process being killed; a power cut may lose the last few commits (WAL + NORMAL).
+
+Resource handling: ``open_store(path)`` is a context manager that closes the connection;
+``TrackerStore.open(path)`` / ``close()`` for callers that manage it themselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sqlite3
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from agent._proto import swarm_pb2
+from agent.core.assignment import Assignment
+
+__all__ = ["STORE_SCHEMA_VERSION", "AssignmentRow", "NodeRecord", "StoreError", "TrackerStore", "open_store"]
+
+STORE_SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE schema_version (version INTEGER NOT NULL);
+CREATE TABLE nodes (
+    peer_id TEXT PRIMARY KEY,
+    public_key BLOB NOT NULL,            -- raw Ed25519, 32 bytes
+    signed_fingerprint BLOB NOT NULL,    -- serialized SignedFingerprint (fingerprint bytes + signature)
+    admission BLOB NOT NULL,             -- serialized SignedAdmission last issued
+    admitted_at_ms INTEGER NOT NULL,
+    expires_at_ms INTEGER NOT NULL,
+    last_heartbeat_ms INTEGER NOT NULL,
+    alive INTEGER NOT NULL,              -- 0 once declared dead (missed heartbeats)
+    listen_addrs TEXT NOT NULL           -- JSON list, from the last heartbeat (else the fingerprint)
+);
+CREATE TABLE clients (
+    peer_id TEXT PRIMARY KEY,
+    public_key BLOB NOT NULL,
+    admission BLOB NOT NULL,
+    admitted_at_ms INTEGER NOT NULL,
+    expires_at_ms INTEGER NOT NULL
+);
+CREATE TABLE seen_nonces (
+    peer_id TEXT NOT NULL,
+    nonce BLOB NOT NULL,
+    seen_at_ms INTEGER NOT NULL,
+    PRIMARY KEY (peer_id, nonce)
+);
+CREATE INDEX seen_nonces_by_time ON seen_nonces (seen_at_ms);
+CREATE TABLE models (
+    sha256 TEXT PRIMARY KEY,
+    alias TEXT NOT NULL UNIQUE,
+    name TEXT NOT NULL,
+    entry BLOB NOT NULL,                 -- serialized ModelEntry
+    registered_at_ms INTEGER NOT NULL
+);
+CREATE TABLE assignments (
+    model_sha256 TEXT NOT NULL,
+    begin_block INTEGER NOT NULL,
+    end_block INTEGER NOT NULL,
+    peer_id TEXT NOT NULL,
+    state INTEGER NOT NULL DEFAULT 0,    -- AssignmentStatus.State last reported (0: not yet)
+    recipe_hash TEXT NOT NULL DEFAULT '',
+    error TEXT NOT NULL DEFAULT '',
+    updated_at_ms INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (model_sha256, begin_block, end_block, peer_id)
+);
+"""
+
+
+class StoreError(Exception):
+    """The database file cannot be used (wrong schema version, not a tracker database)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRecord:
+    peer_id: str
+    public_key: bytes
+    signed_fingerprint: swarm_pb2.SignedFingerprint
+    fingerprint: swarm_pb2.Fingerprint
+    admission: swarm_pb2.SignedAdmission
+    admitted_at_ms: int
+    expires_at_ms: int
+    last_heartbeat_ms: int
+    alive: bool
+    listen_addrs: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class AssignmentRow:
+    assignment: Assignment
+    state: int  # swarm_pb2.AssignmentStatus.State
+    recipe_hash: str
+    error: str
+    updated_at_ms: int
+
+
+def _parse(message_type, data: bytes):
+    message = message_type()
+    message.ParseFromString(data)
+    return message
+
+
+class TrackerStore:
+    """Queries over one tracker database. Not thread-safe: use from one thread."""
+
+    def __init__(self, connection: sqlite3.Connection, path: Path) -> None:
+        self._db = connection
+        self.path = path
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> TrackerStore:
+        """Open (creating if needed) the database at ``path``.
+
+        Raises:
+          StoreError: the file holds another schema version or is not a tracker database.
+          sqlite3.Error / OSError: the file cannot be opened.
+        """
+        path = Path(path)
+        connection = sqlite3.connect(path, isolation_level=None)  # explicit transactions below
+        try:
+            connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute("PRAGMA synchronous=NORMAL")
+            connection.execute("PRAGMA foreign_keys=ON")
+            store = cls(connection, path)
+            store._migrate()
+        except BaseException:
+            connection.close()
+            raise
+        return store
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _migrate(self) -> None:
+        tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not tables:
+            with self._transaction() as db:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute("INSERT INTO schema_version (version) VALUES (?)", (STORE_SCHEMA_VERSION,))
+            return
+        if "schema_version" not in tables:
+            raise StoreError(f"{self.path}: not a Baton tracker database (no schema_version table)")
+        row = self._db.execute("SELECT version FROM schema_version").fetchone()
+        if row is None or row[0] != STORE_SCHEMA_VERSION:
+            version = None if row is None else row[0]
+            raise StoreError(
+                f"{self.path}: database schema version {version}, this tracker speaks {STORE_SCHEMA_VERSION}"
+            )
+
+    # --- models -----------------------------------------------------------------------------------
+
+    def put_model(self, entry: swarm_pb2.ModelEntry, now_ms: int) -> None:
+        """Register (or update) a model; its alias must not belong to another model.
+
+        Raises:
+          StoreError: the alias is taken by a model with another sha256.
+        """
+        with self._transaction() as db:
+            row = db.execute("SELECT sha256 FROM models WHERE alias = ?", (entry.alias,)).fetchone()
+            if row is not None and row[0] != entry.sha256:
+                raise StoreError(f"alias {entry.alias!r} already names model {row[0]}")
+            db.execute(
+                "INSERT INTO models (sha256, alias, name, entry, registered_at_ms) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT (sha256) DO UPDATE SET "
+                "alias = excluded.alias, name = excluded.name, entry = excluded.entry",
+                (entry.sha256, entry.alias, entry.name, entry.SerializeToString(deterministic=True), now_ms),
+            )
+
+    def models(self) -> list[swarm_pb2.ModelEntry]:
+        rows = self._db.execute("SELECT entry FROM models ORDER BY alias, sha256").fetchall()
+        return [_parse(swarm_pb2.ModelEntry, row[0]) for row in rows]
+
+    def find_model(self, name: str) -> swarm_pb2.ModelEntry | None:
+        """The model whose alias, sha256 or general.name is ``name`` (in that order)."""
+        for column in ("alias", "sha256", "name"):
+            row = self._db.execute(f"SELECT entry FROM models WHERE {column} = ? ORDER BY sha256", (name,)).fetchone()
+            if row is not None:
+                return _parse(swarm_pb2.ModelEntry, row[0])
+        return None
+
+    # --- nodes and clients ------------------------------------------------------------------------
+
+    def put_node(self, node: NodeRecord) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO nodes (peer_id, public_key, signed_fingerprint, admission, admitted_at_ms, "
+                "expires_at_ms, last_heartbeat_ms, alive, listen_addrs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    node.peer_id,
+                    node.public_key,
+                    node.signed_fingerprint.SerializeToString(deterministic=True),
+                    node.admission.SerializeToString(deterministic=True),
+                    node.admitted_at_ms,
+                    node.expires_at_ms,
+                    node.last_heartbeat_ms,
+                    int(node.alive),
+                    json.dumps(list(node.listen_addrs)),
+                ),
+            )
+
+    def node(self, peer_id: str) -> NodeRecord | None:
+        row = self._db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE peer_id = ?", (peer_id,)).fetchone()
+        return None if row is None else _node(row)
+
+    def nodes(self) -> list[NodeRecord]:
+        return [_node(row) for row in self._db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY peer_id")]
+
+    def record_heartbeat(self, peer_id: str, now_ms: int, listen_addrs: Iterable[str] | None) -> None:
+        """Mark the node alive and heard at ``now_ms`` (and update its addresses if given)."""
+        with self._transaction() as db:
+            if listen_addrs is None:
+                db.execute("UPDATE nodes SET last_heartbeat_ms = ?, alive = 1 WHERE peer_id = ?", (now_ms, peer_id))
+            else:
+                db.execute(
+                    "UPDATE nodes SET last_heartbeat_ms = ?, alive = 1, listen_addrs = ? WHERE peer_id = ?",
+                    (now_ms, json.dumps(list(listen_addrs)), peer_id),
+                )
+
+    def mark_dead(self, peer_ids: Iterable[str]) -> None:
+        with self._transaction() as db:
+            db.executemany("UPDATE nodes SET alive = 0 WHERE peer_id = ?", [(p,) for p in peer_ids])
+
+    def update_admission(self, peer_id: str, admission: swarm_pb2.SignedAdmission, expires_at_ms: int) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE nodes SET admission = ?, expires_at_ms = ? WHERE peer_id = ?",
+                (admission.SerializeToString(deterministic=True), expires_at_ms, peer_id),
+            )
+
+    def put_client(
+        self,
+        peer_id: str,
+        public_key: bytes,
+        admission: swarm_pb2.SignedAdmission,
+        admitted_at_ms: int,
+        expires_at_ms: int,
+    ) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO clients (peer_id, public_key, admission, admitted_at_ms, expires_at_ms) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (peer_id, public_key, admission.SerializeToString(deterministic=True), admitted_at_ms, expires_at_ms),
+            )
+
+    def client_admission(self, peer_id: str) -> swarm_pb2.SignedAdmission | None:
+        row = self._db.execute("SELECT admission FROM clients WHERE peer_id = ?", (peer_id,)).fetchone()
+        return None if row is None else _parse(swarm_pb2.SignedAdmission, row[0])
+
+    # --- nonces -------------------------------------------------------------------------------------
+
+    def nonce_seen(self, peer_id: str, nonce: bytes) -> bool:
+        row = self._db.execute(
+            "SELECT 1 FROM seen_nonces WHERE peer_id = ? AND nonce = ?", (peer_id, bytes(nonce))
+        ).fetchone()
+        return row is not None
+
+    def add_nonce(self, peer_id: str, nonce: bytes, now_ms: int) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO seen_nonces (peer_id, nonce, seen_at_ms) VALUES (?, ?, ?)",
+                (peer_id, bytes(nonce), now_ms),
+            )
+
+    def prune_nonces(self, before_ms: int) -> int:
+        """Forget nonces seen before ``before_ms`` (too old to pass the freshness check anyway)."""
+        with self._transaction() as db:
+            return db.execute("DELETE FROM seen_nonces WHERE seen_at_ms < ?", (before_ms,)).rowcount
+
+    # --- assignments --------------------------------------------------------------------------------
+
+    def assignments(self) -> list[AssignmentRow]:
+        rows = self._db.execute(
+            "SELECT model_sha256, begin_block, end_block, peer_id, state, recipe_hash, error, updated_at_ms "
+            "FROM assignments ORDER BY model_sha256, begin_block, end_block, peer_id"
+        ).fetchall()
+        return [AssignmentRow(Assignment(r[0], r[1], r[2], r[3]), r[4], r[5], r[6], r[7]) for r in rows]
+
+    def replace_assignments(self, assignments: Iterable[Assignment]) -> None:
+        """Make the assignment set exactly ``assignments``; rows that stay keep their status."""
+        wanted = set(assignments)
+        with self._transaction() as db:
+            existing = {
+                Assignment(*row)
+                for row in db.execute("SELECT model_sha256, begin_block, end_block, peer_id FROM assignments")
+            }
+            db.executemany(
+                "DELETE FROM assignments WHERE model_sha256 = ? AND begin_block = ? AND end_block = ? AND peer_id = ?",
+                [(a.model_sha256, a.begin, a.end, a.peer_id) for a in sorted(existing - wanted)],
+            )
+            db.executemany(
+                "INSERT INTO assignments (model_sha256, begin_block, end_block, peer_id) VALUES (?, ?, ?, ?)",
+                [(a.model_sha256, a.begin, a.end, a.peer_id) for a in sorted(wanted - existing)],
+            )
+
+    def set_status(self, assignment: Assignment, state: int, recipe_hash: str, error: str, now_ms: int) -> bool:
+        """Record what the node reports for one of its assignments; False if it is not assigned."""
+        with self._transaction() as db:
+            cursor = db.execute(
+                "UPDATE assignments SET state = ?, recipe_hash = ?, error = ?, updated_at_ms = ? "
+                "WHERE model_sha256 = ? AND begin_block = ? AND end_block = ? AND peer_id = ?",
+                (
+                    state,
+                    recipe_hash,
+                    error,
+                    now_ms,
+                    assignment.model_sha256,
+                    assignment.begin,
+                    assignment.end,
+                    assignment.peer_id,
+                ),
+            )
+            return cursor.rowcount > 0
+
+    def clear_status(self, peer_id: str) -> None:
+        """Forget the states a node reported (it died: what it had loaded is gone)."""
+        with self._transaction() as db:
+            db.execute("UPDATE assignments SET state = 0, recipe_hash = '', error = '' WHERE peer_id = ?", (peer_id,))
+
+
+_NODE_COLUMNS = (
+    "peer_id, public_key, signed_fingerprint, admission, admitted_at_ms, expires_at_ms, last_heartbeat_ms, alive, "
+    "listen_addrs"
+)
+
+
+def _node(row) -> NodeRecord:
+    signed = _parse(swarm_pb2.SignedFingerprint, row[2])
+    return NodeRecord(
+        peer_id=row[0],
+        public_key=bytes(row[1]),
+        signed_fingerprint=signed,
+        fingerprint=_parse(swarm_pb2.Fingerprint, signed.fingerprint),
+        admission=_parse(swarm_pb2.SignedAdmission, row[3]),
+        admitted_at_ms=row[4],
+        expires_at_ms=row[5],
+        last_heartbeat_ms=row[6],
+        alive=bool(row[7]),
+        listen_addrs=tuple(json.loads(row[8])),
+    )
+
+
+@contextlib.contextmanager
+def open_store(path: str | os.PathLike[str]) -> Iterator[TrackerStore]:
+    """``TrackerStore.open(path)``, closed on exit."""
+    store = TrackerStore.open(path)
+    try:
+        yield store
+    finally:
+        store.close()

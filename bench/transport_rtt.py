@@ -1,0 +1,272 @@
+"""Round-trip time of the libp2p transport against plain TCP, between two processes on loopback.
+
+Owns: one benchmark. For each message size (8 KiB, 1 MiB) and each path, a server process
+echoes every frame back; this process sends a frame and waits for the echo (one round trip
+carries the message both ways). Both paths use the same framing (uvarint length + payload):
+- ``libp2p``: ``agent.io.p2p.open_p2p_transport`` (TCP + Noise + yamux, one reused stream);
+- ``tcp``: trio TCP sockets (TCP_NODELAY, trio's default), no encryption.
+
+After a warm-up, each of ``--runs`` runs times ``exchanges`` round trips and records their mean;
+the report gives median/min/max over runs and libp2p/tcp ratios of the medians. Writes
+``bench/results/transport_rtt.json`` (with platform, CPU count, Python and library versions).
+
+Usage: ``.venv/bin/python bench/transport_rtt.py [--runs 7] [--output PATH]`` (well under 2 min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import trio  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
+
+from agent.io.p2p import decode_uvarint, encode_uvarint, open_p2p_transport  # noqa: E402
+
+PROTOCOL = "/baton/bench-echo/1.0.0"
+SIZES = {"8KiB": 8 * 1024, "1MiB": 1024 * 1024}
+EXCHANGES = {"8KiB": 200, "1MiB": 20}  # per run
+WARMUP = {"8KiB": 100, "1MiB": 10}
+MAX_FRAME_BYTES = 64 << 20
+SERVER_READY_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 30.0
+
+
+# -- plain TCP with the same framing ---------------------------------------------------------
+
+
+class _TcpFramer:
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.buffer = bytearray()
+
+    async def read_frame(self) -> bytes | None:
+        while (decoded := decode_uvarint(self.buffer)) is None:
+            chunk = await self.stream.receive_some(1 << 20)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        length, used = decoded
+        if length > MAX_FRAME_BYTES:
+            raise ValueError(f"frame of {length} bytes")
+        del self.buffer[:used]
+        while len(self.buffer) < length:
+            chunk = await self.stream.receive_some(max(length - len(self.buffer), 1 << 16))
+            if not chunk:
+                raise EOFError("stream ended inside a frame")
+            self.buffer += chunk
+        payload = bytes(self.buffer[:length])
+        del self.buffer[:length]
+        return payload
+
+    async def write_frame(self, payload: bytes) -> None:
+        await self.stream.send_all(encode_uvarint(len(payload)) + payload)
+
+
+async def _serve_tcp() -> None:
+    async def echo(stream: trio.SocketStream) -> None:
+        framer = _TcpFramer(stream)
+        while (frame := await framer.read_frame()) is not None:
+            await framer.write_frame(frame)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, echo, 0)
+        port = listeners[0].socket.getsockname()[1]
+        print(f"127.0.0.1:{port}", flush=True)
+        await _wait_for_stdin_eof()
+        nursery.cancel_scope.cancel()
+
+
+async def _serve_libp2p() -> None:
+    async def echo(remote_peer_id: str, payload: bytes) -> bytes:
+        return payload
+
+    async with open_p2p_transport(Ed25519PrivateKey.generate(), max_frame_bytes=MAX_FRAME_BYTES) as transport:
+        transport.set_handler(PROTOCOL, echo)
+        print(transport.listen_addrs[0], flush=True)
+        await _wait_for_stdin_eof()
+
+
+async def _wait_for_stdin_eof() -> None:
+    """The parent closes our stdin to stop us (no signals, no sleeps)."""
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    async with stdin:
+        while await stdin.receive_some(1024):
+            pass
+
+
+# -- client ----------------------------------------------------------------------------------
+
+
+async def _measure(round_trip, size: int, warmup: int, exchanges: int, runs: int) -> list[float]:  # noqa: ANN001
+    payload = os.urandom(size)
+    for _ in range(warmup):
+        await round_trip(payload)
+    means = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        for _ in range(exchanges):
+            reply = await round_trip(payload)
+        means.append((time.perf_counter() - started) / exchanges)
+        assert reply == payload
+    return means
+
+
+async def _client_tcp(address: str, runs: int) -> dict[str, list[float]]:
+    host, port = address.rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        framer = _TcpFramer(stream)
+
+        async def round_trip(payload: bytes) -> bytes:
+            await framer.write_frame(payload)
+            reply = await framer.read_frame()
+            assert reply is not None
+            return reply
+
+        return {name: await _measure(round_trip, size, WARMUP[name], EXCHANGES[name], runs) for name, size in SIZES.items()}
+
+
+async def _client_libp2p(address: str, runs: int) -> tuple[dict[str, list[float]], int]:
+    peer_id = address.rsplit("/p2p/", 1)[1]
+    async with open_p2p_transport(Ed25519PrivateKey.generate(), max_frame_bytes=MAX_FRAME_BYTES) as transport:
+
+        async def round_trip(payload: bytes) -> bytes:
+            return await transport.request(peer_id, [address], PROTOCOL, payload, timeout_s=REQUEST_TIMEOUT_S)
+
+        results = {name: await _measure(round_trip, size, WARMUP[name], EXCHANGES[name], runs) for name, size in SIZES.items()}
+        return results, transport.streams_opened
+
+
+def _start_server(kind: str) -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--serve", kind],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline().strip()  # the server prints its address once it listens
+    if not line:
+        _stop_server(process)
+        raise RuntimeError(f"{kind} server exited before listening (rc={process.returncode})")
+    return process, line
+
+
+def _stop_server(process: subprocess.Popen[str]) -> None:
+    assert process.stdin is not None
+    process.stdin.close()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.terminate()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _summary(means: list[float]) -> dict[str, float]:
+    return {
+        "median_ms": statistics.median(means) * 1e3,
+        "min_ms": min(means) * 1e3,
+        "max_ms": max(means) * 1e3,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--serve", choices=["tcp", "libp2p"], help=argparse.SUPPRESS)
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results" / "transport_rtt.json")
+    args = parser.parse_args()
+    if args.serve == "tcp":
+        trio.run(_serve_tcp)
+        return 0
+    if args.serve == "libp2p":
+        trio.run(_serve_libp2p)
+        return 0
+    if args.runs < 5:
+        parser.error("--runs must be at least 5")
+
+    started = time.perf_counter()
+    process, address = _start_server("tcp")
+    try:
+        tcp = trio.run(_client_tcp, address, args.runs)
+    finally:
+        _stop_server(process)
+    process, address = _start_server("libp2p")
+    try:
+        libp2p, streams_opened = trio.run(_client_libp2p, address, args.runs)
+    finally:
+        _stop_server(process)
+
+    report: dict[str, object] = {
+        "benchmark": "transport_rtt",
+        "what": "echo round trip (message sent and returned) between two processes on loopback",
+        "method": {
+            "runs": args.runs,
+            "exchanges_per_run": EXCHANGES,
+            "warmup_exchanges": WARMUP,
+            "statistic": "per run: mean round trip over its exchanges; reported: median/min/max over runs",
+            "framing": "uvarint length prefix + payload on both paths",
+            "libp2p": "agent.io.p2p (TCP + Noise + yamux, one reused stream)",
+            "tcp": "trio TCP sockets, TCP_NODELAY, no encryption",
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "libp2p": version("libp2p"),
+            "trio": version("trio"),
+        },
+        "results": {},
+        "libp2p_streams_opened": streams_opened,
+    }
+    results: dict[str, object] = {}
+    for name in SIZES:
+        tcp_summary, libp2p_summary = _summary(tcp[name]), _summary(libp2p[name])
+        results[name] = {
+            "bytes": SIZES[name],
+            "tcp": tcp_summary,
+            "libp2p": libp2p_summary,
+            "ratio_libp2p_over_tcp": libp2p_summary["median_ms"] / tcp_summary["median_ms"],
+            "libp2p_throughput_MB_per_s": 2 * SIZES[name] / (libp2p_summary["median_ms"] / 1e3) / 1e6,
+            "tcp_throughput_MB_per_s": 2 * SIZES[name] / (tcp_summary["median_ms"] / 1e3) / 1e6,
+        }
+    report["results"] = results
+    report["total_runtime_s"] = time.perf_counter() - started
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+
+    for name, entry in results.items():
+        assert isinstance(entry, dict)
+        print(
+            f"{name:>5}: tcp median {entry['tcp']['median_ms']:.3f} ms "
+            f"(min {entry['tcp']['min_ms']:.3f}, max {entry['tcp']['max_ms']:.3f}); "
+            f"libp2p median {entry['libp2p']['median_ms']:.3f} ms "
+            f"(min {entry['libp2p']['min_ms']:.3f}, max {entry['libp2p']['max_ms']:.3f}); "
+            f"ratio {entry['ratio_libp2p_over_tcp']:.1f}x"
+        )
+    print(f"wrote {args.output} in {report['total_runtime_s']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,565 @@
+"""The session owner's shell (agent.io.client) against a fake tracker and fake nodes on a
+``MemoryNetwork``: hello, route, tokenize, the step loop, results pushed back, and every way
+a step can fail (a hop's error result, a refused or unreachable first hop, no result in time,
+results that are not the client's to take)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent._proto import swarm_pb2
+from agent.core.admission import (
+    AdmissionError,
+    issue_admission,
+    public_key_bytes,
+    verify_admission,
+    verify_client_hello,
+)
+from agent.core.identity import peer_id_from_public_key
+from agent.core.swarm_wire import (
+    NODE_PROTOCOL,
+    RESULT_PROTOCOL,
+    STEP_PROTOCOL,
+    TRACKER_PROTOCOL,
+    crc32,
+    step_result,
+    step_result_error,
+)
+from agent.io.client import SwarmClientConfig, GenerationError, SwarmError, open_swarm_client
+from agent.io.transport import MemoryNetwork, TransportError
+
+ALPHABET = "abcdefghijklmnop"  # the fake model's vocabulary: token i is ALPHABET[i]
+N_VOCAB = len(ALPHABET)
+EOG = ALPHABET.index("p")
+N_EMBD = 4
+N_LAYER = 30
+MODEL_SHA = "5a" * 32
+RECIPE = "recipe-1"
+TTL_MS = 600_000
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000  # admissions use the wall clock, also under MockClock
+
+
+def new_key() -> tuple[Ed25519PrivateKey, str]:
+    key = Ed25519PrivateKey.generate()
+    return key, peer_id_from_public_key(public_key_bytes(key))
+
+
+def fake_logits(last_token: int, position: int) -> np.ndarray:
+    """The fake model: the next token is most likely ``last_token + 1``; a spread tail lets
+    sampling pick others."""
+    target = (last_token + 1) % N_VOCAB
+    distance = np.abs(np.arange(N_VOCAB) - target)
+    return (-1.5 * distance + 0.01 * (position % 3)).astype(np.float32)
+
+
+def greedy_continuation(prompt: str, n: int) -> list[int]:
+    tokens = [ALPHABET.index(c) for c in prompt]
+    out = []
+    for _ in range(n):
+        tokens.append((tokens[-1] + 1) % N_VOCAB)
+        out.append(tokens[-1])
+        if tokens[-1] == EOG:
+            break
+    return out
+
+
+class FakeTracker:
+    """Client hello + route + list models; the route is whatever the test sets."""
+
+    def __init__(self, transport, key: Ed25519PrivateKey) -> None:
+        self.key, self.peer_id = key, transport.peer_id
+        self.transport = transport
+        self.transport.set_handler(TRACKER_PROTOCOL, self.handle)
+        self.routes: list[swarm_pb2.Route] = []  # served in turn; the last one repeats
+        self.route_error: swarm_pb2.Error | None = None
+        self.refuse_hello: str | None = None
+        self.public_key_override: bytes | None = None
+        self.route_requests = 0
+
+    @property
+    def addr(self) -> str:
+        return self.transport.listen_addrs[0]
+
+    @property
+    def public_key(self) -> bytes:
+        return public_key_bytes(self.key)
+
+    def admission(self, peer_id: str, role: int) -> swarm_pb2.SignedAdmission:
+        now = now_ms()
+        record = swarm_pb2.AdmissionRecord(
+            schema_version=1, peer_id=peer_id, role=role, tracker_peer_id=self.peer_id,
+            issued_at_ms=now, expires_at_ms=now + TTL_MS,
+        )  # fmt: skip
+        return issue_admission(self.key, record)
+
+    async def handle(self, remote: str, payload: bytes) -> bytes:
+        request = swarm_pb2.TrackerRequest.FromString(payload)
+        reply = swarm_pb2.TrackerReply(schema_version=1)
+        kind = request.WhichOneof("body")
+        if kind == "client_hello":
+            if self.refuse_hello:
+                reply.error.CopyFrom(swarm_pb2.Error(code=swarm_pb2.Error.REFUSED, message=self.refuse_hello))
+            else:
+                verify_client_hello(request.client_hello, remote)
+                reply.client_hello.admission.CopyFrom(self.admission(remote, swarm_pb2.ROLE_CLIENT))
+                reply.client_hello.tracker_public_key = self.public_key_override or self.public_key
+        elif kind == "route":
+            self.route_requests += 1
+            if self.route_error is not None:
+                reply.error.CopyFrom(self.route_error)
+            else:
+                route = self.routes[0] if len(self.routes) == 1 else self.routes.pop(0)
+                reply.route.CopyFrom(route)
+        return reply.SerializeToString()
+
+
+@dataclasses.dataclass
+class Behaviour:
+    refuse_step: str | None = None  # ack every step with this error
+    silent: bool = False  # ack, then never push anything
+    duplicate_result: bool = False  # push every result twice
+
+
+class FakeNode:
+    """Serves [begin, end) of the fake model: acks steps at once, works in the background."""
+
+    def __init__(
+        self, transport, key: Ed25519PrivateKey, tracker: FakeTracker, nursery: trio.Nursery, begin: int, end: int
+    ) -> None:
+        self.key, self.peer_id = key, transport.peer_id
+        self.tracker = tracker
+        self.begin, self.end = begin, end
+        self.behaviour = Behaviour()
+        self.transport = transport
+        self.transport.set_handler(STEP_PROTOCOL, self.on_step)
+        self.transport.set_handler(NODE_PROTOCOL, self.on_node)
+        self.admission = tracker.admission(self.peer_id, swarm_pb2.ROLE_NODE)
+        self.nursery = nursery
+        self.ended: list[bytes] = []
+        self.steps: list[swarm_pb2.StepRequest] = []
+        self.result_acks: list[swarm_pb2.StepAck] = []
+
+    def hop(self) -> swarm_pb2.Hop:
+        return swarm_pb2.Hop(peer_id=self.peer_id, addrs=self.transport.listen_addrs, begin=self.begin, end=self.end)
+
+    def check_sender(self, signed: swarm_pb2.SignedAdmission, remote: str) -> str | None:
+        try:
+            record = verify_admission(signed, self.tracker.public_key, remote, now_ms())
+        except AdmissionError as error:
+            return error.reason
+        if record.role == swarm_pb2.ROLE_CLIENT and self.begin != 0:
+            return "clients may only send to first hops"
+        return None
+
+    async def on_step(self, remote: str, payload: bytes) -> bytes:
+        request = swarm_pb2.StepRequest.FromString(payload)
+        ack = swarm_pb2.StepAck(schema_version=1)
+        refusal = self.behaviour.refuse_step or self.check_sender(request.sender_admission, remote)
+        if refusal:
+            ack.error.CopyFrom(swarm_pb2.Error(code=swarm_pb2.Error.REFUSED, message=refusal))
+            return ack.SerializeToString()
+        self.steps.append(request)
+        if not self.behaviour.silent:
+            self.nursery.start_soon(self.work, request)
+        return ack.SerializeToString()
+
+    async def work(self, request: swarm_pb2.StepRequest) -> None:
+        if request.token_ids:
+            rows = np.zeros((len(request.positions), N_EMBD), np.float32)
+            rows[:, 0] = request.token_ids
+            rows[:, 1] = request.positions
+        else:
+            rows = np.frombuffer(request.boundary, np.float32).reshape(-1, N_EMBD)
+        if request.rest:
+            nxt = request.rest[0]
+            data = rows.tobytes()
+            forward = swarm_pb2.StepRequest()
+            forward.CopyFrom(request)
+            forward.ClearField("token_ids")
+            forward.begin, forward.end = nxt.begin, nxt.end
+            forward.boundary, forward.n_embd, forward.checksum = data, N_EMBD, crc32(data)
+            del forward.rest[0]
+            forward.sender_admission.CopyFrom(self.admission)
+            try:
+                await self.transport.request(
+                    nxt.peer_id, nxt.addrs, STEP_PROTOCOL, forward.SerializeToString(), timeout_s=5
+                )
+            except TransportError as error:  # as a real node does: tell the owner who failed
+                await self.push_result(
+                    request,
+                    step_result_error(request.session_id, request.step, swarm_pb2.Error.UNAVAILABLE,
+                                      f"next hop unreachable: {error}", nxt.peer_id, self.admission),
+                )  # fmt: skip
+            return
+        logits = fake_logits(int(rows[-1, 0]), int(rows[-1, 1]))
+        result = step_result(request.session_id, request.step, logits, self.admission)
+        await self.push_result(request, result)
+        if self.behaviour.duplicate_result:
+            await self.push_result(request, result)
+
+    async def push_result(self, request: swarm_pb2.StepRequest, result: swarm_pb2.StepResult) -> None:
+        raw = await self.transport.request(
+            request.owner_peer_id, request.owner_addrs, RESULT_PROTOCOL, result.SerializeToString(), timeout_s=5
+        )
+        self.result_acks.append(swarm_pb2.StepAck.FromString(raw))
+
+    async def on_node(self, remote: str, payload: bytes) -> bytes:
+        request = swarm_pb2.NodeRequest.FromString(payload)
+        reply = swarm_pb2.NodeReply(schema_version=1)
+        refusal = self.check_sender(request.sender_admission, remote)
+        if refusal:
+            reply.error.CopyFrom(swarm_pb2.Error(code=swarm_pb2.Error.REFUSED, message=refusal))
+            return reply.SerializeToString()
+        kind = request.WhichOneof("body")
+        if kind == "tokenize":
+            assert request.tokenize.model_sha256 == MODEL_SHA
+            reply.token_ids.extend(ALPHABET.index(c) for c in request.tokenize.text)
+            reply.eog_token_ids.append(EOG)
+        elif kind == "detokenize":
+            reply.text = "".join(ALPHABET[t] for t in request.detokenize.token_ids)
+        elif kind == "end_session":
+            self.ended.append(bytes(request.end_session.session_id))
+        return reply.SerializeToString()
+
+
+LAYOUT = ((0, 10), (10, 20), (20, 30))
+
+
+class Swarm:
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.network = MemoryNetwork()
+        self.nursery = nursery
+        self.tracker = FakeTracker(*self.peer())
+        self.nodes = [self.node(b, e) for b, e in LAYOUT]
+        self.tracker.routes = [self.route(self.nodes)]
+        self.client_transport, self.client_key = self.peer()
+        self.client_peer_id = self.client_transport.peer_id
+
+    def peer(self):
+        key, peer_id = new_key()
+        return self.network.add(peer_id), key
+
+    def node(self, begin: int, end: int) -> FakeNode:
+        return FakeNode(*self.peer(), self.tracker, self.nursery, begin, end)
+
+    def route(self, nodes: list[FakeNode]) -> swarm_pb2.Route:
+        return swarm_pb2.Route(
+            model_sha256=MODEL_SHA, n_layer=N_LAYER, recipe_hash=RECIPE, hops=[n.hop() for n in nodes]
+        )
+
+    def client(self, config: SwarmClientConfig | None = None):
+        return open_swarm_client(
+            self.tracker.addr, key=self.client_key, transport=self.client_transport,
+            config=config or SwarmClientConfig(replan_attempts=0),
+        )  # fmt: skip
+
+
+@pytest.fixture
+async def swarm():
+    async with trio.open_nursery() as nursery:
+        yield Swarm(nursery)
+        nursery.cancel_scope.cancel()
+
+
+# --- the happy path ----------------------------------------------------------------------------
+
+
+async def test_greedy_generation_through_three_hops(swarm: Swarm) -> None:
+    pieces: list[str] = []
+    async with swarm.client() as client:
+        result = await client.generate("smol", "abc", max_tokens=6, on_text=pieces.append)
+    assert result.tokens == greedy_continuation("abc", 6) == [3, 4, 5, 6, 7, 8]
+    assert result.text == "defghi" == "".join(pieces)
+    assert result.prompt_tokens == [0, 1, 2]
+    assert result.route == [{"node": n.peer_id, "begin": n.begin, "end": n.end} for n in swarm.nodes]
+    assert result.decode_steps == 5 and result.tokens_per_s > 0
+    assert not result.stopped_by_token
+    first = swarm.nodes[0]
+    # prefill, then one row per step at the next position; rest = the other hops
+    assert [list(s.positions) for s in first.steps] == [[0, 1, 2], [3], [4], [5], [6], [7]]
+    assert [list(s.token_ids) for s in first.steps] == [[0, 1, 2], [3], [4], [5], [6], [7]]
+    assert all([h.peer_id for h in s.rest] == [swarm.nodes[1].peer_id, swarm.nodes[2].peer_id] for s in first.steps)
+    assert {s.owner_peer_id for s in first.steps} == {swarm.client_peer_id}
+    assert len({bytes(s.session_id) for s in first.steps}) == 1
+    assert first.ended == [bytes(first.steps[0].session_id)]  # freed along the route
+    assert all(not ack.error.code for n in swarm.nodes for ack in n.result_acks)
+
+
+async def test_an_end_of_generation_token_stops_and_stays_out_of_the_text(swarm: Swarm) -> None:
+    async with swarm.client() as client:
+        result = await client.generate("smol", "mn", max_tokens=10)
+    assert result.tokens == [ALPHABET.index("o"), EOG]
+    assert result.stopped_by_token and result.text == "o"
+
+
+async def test_seeded_sampling_is_reproducible_through_the_swarm(swarm: Swarm) -> None:
+    async with swarm.client() as client:
+        runs = [
+            (await client.generate("smol", "a", max_tokens=12, temperature=1.5, top_k=8, top_p=0.95, seed=seed)).tokens
+            for seed in (1, 1, 2, 3, 4)
+        ]
+        greedy = (await client.generate("smol", "a", max_tokens=12)).tokens
+    assert runs[0] == runs[1]
+    assert len({tuple(run) for run in runs[1:]} | {tuple(greedy)}) > 2  # seeds matter, it samples
+
+
+async def test_invalid_sampling_parameters_are_refused_before_any_step(swarm: Swarm) -> None:
+    async with swarm.client() as client:
+        with pytest.raises(ValueError, match="top_p"):
+            await client.generate("smol", "abc", top_p=0.0, temperature=1.0)
+        with pytest.raises(ValueError, match="max_tokens"):
+            await client.generate("smol", "abc", max_tokens=0)
+    assert swarm.nodes[0].steps == []
+
+
+# --- failures ------------------------------------------------------------------------------------
+
+
+async def test_a_failed_hop_is_named(swarm: Swarm) -> None:
+    swarm.network.down.add(swarm.nodes[2].peer_id)  # vanished: the middle hop cannot push to it
+    async with swarm.client() as client:
+        with pytest.raises(GenerationError, match="UNAVAILABLE: next hop unreachable") as caught:
+            await client.generate("smol", "abc", max_tokens=4)
+    assert caught.value.failed_peer_id == swarm.nodes[2].peer_id
+    assert caught.value.step == 0
+    assert swarm.nodes[0].ended  # the session is still ended on the route
+
+
+async def test_a_first_hop_that_refuses_the_step_is_named(swarm: Swarm) -> None:
+    swarm.nodes[0].behaviour.refuse_step = "recipe_hash mismatch"
+    async with swarm.client() as client:
+        with pytest.raises(GenerationError, match="refused the step: REFUSED: recipe_hash mismatch") as caught:
+            await client.generate("smol", "abc", max_tokens=4)
+    assert caught.value.failed_peer_id == swarm.nodes[0].peer_id
+
+
+async def test_an_unreachable_first_hop_is_named(swarm: Swarm) -> None:
+    first, last = swarm.nodes[0], swarm.nodes[2]
+    original_work = last.work
+
+    async def work_then_first_vanishes(request: swarm_pb2.StepRequest) -> None:
+        await original_work(request)
+        swarm.network.down.add(first.peer_id)
+
+    last.work = work_then_first_vanishes
+    async with swarm.client() as client:
+        with pytest.raises(GenerationError, match="step 1: first hop unreachable") as caught:
+            await client.generate("smol", "abc", max_tokens=4)
+        assert caught.value.failed_peer_id == first.peer_id
+        # already gone before the generation starts: tokenizing on it fails
+        with pytest.raises(GenerationError, match=f"tokenize on first hop {first.peer_id} failed: .*unreachable") as caught:
+            await client.generate("smol", "abc", max_tokens=4)
+        assert caught.value.failed_peer_id == first.peer_id
+
+
+async def test_no_result_in_time_is_a_clear_error(swarm: Swarm, autojump_clock: trio.testing.MockClock) -> None:
+    swarm.nodes[2].behaviour.silent = True
+    async with swarm.client(SwarmClientConfig(step_timeout_s=7.0, replan_attempts=0)) as client:
+        started = trio.current_time()
+        with pytest.raises(GenerationError, match=r"no result for step 0 of session [0-9a-f]{32} within 7.0 s") as caught:
+            await client.generate("smol", "abc", max_tokens=4)
+        assert trio.current_time() - started == pytest.approx(7.0)
+    assert swarm.nodes[0].peer_id in str(caught.value)  # the route is in the message
+
+
+async def test_the_route_error_from_the_tracker_is_raised(swarm: Swarm) -> None:
+    swarm.tracker.route_error = swarm_pb2.Error(
+        code=swarm_pb2.Error.UNAVAILABLE, message="no route for model smol: blocks [10, 20) have no ready node"
+    )
+    async with swarm.client() as client:
+        with pytest.raises(SwarmError, match=r"UNAVAILABLE .*blocks \[10, 20\) have no ready node") as caught:
+            await client.generate("smol", "abc")
+    assert caught.value.code == swarm_pb2.Error.UNAVAILABLE
+
+
+async def test_a_refused_hello_is_raised(swarm: Swarm) -> None:
+    swarm.tracker.refuse_hello = "replayed registration: nonce seen"
+    with pytest.raises(SwarmError, match="REFUSED .*replayed registration"):
+        async with swarm.client():
+            pass
+
+
+async def test_a_tracker_key_of_another_peer_is_refused(swarm: Swarm) -> None:
+    swarm.tracker.public_key_override = public_key_bytes(Ed25519PrivateKey.generate())
+    with pytest.raises(SwarmError, match="public key belongs to"):
+        async with swarm.client():
+            pass
+
+
+async def test_a_transport_given_without_its_key_is_refused(swarm: Swarm) -> None:
+    with pytest.raises(ValueError, match="needs its key"):
+        async with open_swarm_client(swarm.tracker.addr, transport=swarm.client_transport):
+            pass
+    with pytest.raises(ValueError, match="/p2p/"):
+        async with open_swarm_client("/ip4/127.0.0.1/tcp/1", key=swarm.client_key, transport=swarm.client_transport):
+            pass
+
+
+async def test_replanning_moves_to_a_route_without_the_failed_peer(swarm: Swarm, nursery: trio.Nursery) -> None:
+    spare = swarm.node(20, 30)
+    last = swarm.nodes[2]
+    healed = swarm.route([swarm.nodes[0], swarm.nodes[1], spare])
+    original_work = last.work
+
+    async def work_then_vanish(request: swarm_pb2.StepRequest) -> None:
+        await original_work(request)
+        if request.step == 1:  # gone after two steps; the tracker then routes around it
+            swarm.network.down.add(last.peer_id)
+            swarm.tracker.routes = [healed]
+
+    last.work = work_then_vanish
+    config = SwarmClientConfig(replan_attempts=1, replan_wait_s=5.0, route_poll_interval_s=0.01)
+    async with swarm.client(config) as client:
+        result = await client.generate("smol", "abc", max_tokens=5)
+    assert result.tokens == greedy_continuation("abc", 5)
+    assert result.replans == 1
+    assert result.route[-1]["node"] == spare.peer_id
+    sessions = list(dict.fromkeys(bytes(s.session_id) for s in swarm.nodes[0].steps))
+    assert len(sessions) == 2
+    resumed = [s for s in swarm.nodes[0].steps if bytes(s.session_id) == sessions[1]]
+    # the new session's prefill is the prompt plus the two tokens chosen before the failure
+    assert list(resumed[0].token_ids) == [0, 1, 2, 3, 4] and list(resumed[0].positions) == [0, 1, 2, 3, 4]
+    assert [list(s.positions) for s in resumed[1:]] == [[5], [6]]
+    assert swarm.nodes[0].ended == sessions  # both sessions were ended
+
+
+# --- results that are not the client's to take ----------------------------------------------------
+
+
+async def result_ack(sender, result: swarm_pb2.StepResult | bytes, client_peer_id: str, addrs) -> swarm_pb2.StepAck:
+    payload = result if isinstance(result, bytes) else result.SerializeToString()
+    raw = await sender.transport.request(client_peer_id, addrs, RESULT_PROTOCOL, payload, timeout_s=5)
+    return swarm_pb2.StepAck.FromString(raw)
+
+
+async def test_the_result_handler_refuses_what_is_not_its_own(swarm: Swarm, nursery: trio.Nursery) -> None:
+    outsider = swarm.node(20, 30)  # admitted, not on the route
+    last = swarm.nodes[2]
+    gate = trio.Event()
+    in_flight = trio.Event()
+    original_work = last.work
+
+    async def held_work(request: swarm_pb2.StepRequest) -> None:
+        in_flight.set()
+        await gate.wait()
+        await original_work(request)
+
+    last.work = held_work
+    acks: dict[str, swarm_pb2.StepAck] = {}
+
+    async with swarm.client() as client:
+        addrs = swarm.client_transport.listen_addrs
+
+        async def probe() -> None:
+            await in_flight.wait()
+            session_id = bytes(last.steps[0].session_id)
+            good = step_result(session_id, 0, fake_logits(2, 2), last.admission)
+            acks["malformed"] = await result_ack(last, b"\xff\x00garbage", swarm.client_peer_id, addrs)
+            acks["unknown session"] = await result_ack(
+                last, step_result(os.urandom(16), 0, fake_logits(2, 2), last.admission), swarm.client_peer_id, addrs
+            )
+            acks["not on route"] = await result_ack(
+                outsider, step_result(session_id, 0, fake_logits(2, 2), outsider.admission), swarm.client_peer_id, addrs
+            )
+            acks["not last hop"] = await result_ack(
+                swarm.nodes[1], step_result(session_id, 0, fake_logits(2, 2), swarm.nodes[1].admission),
+                swarm.client_peer_id, addrs,
+            )  # fmt: skip
+            client_admission = swarm.tracker.admission(last.peer_id, swarm_pb2.ROLE_CLIENT)
+            acks["client role"] = await result_ack(
+                last, step_result(session_id, 0, fake_logits(2, 2), client_admission), swarm.client_peer_id, addrs
+            )
+            stolen = step_result(session_id, 0, fake_logits(2, 2), last.admission)  # another peer's admission
+            acks["stolen admission"] = await result_ack(outsider, stolen, swarm.client_peer_id, addrs)
+            future = step_result(session_id, 3, fake_logits(2, 2), last.admission)
+            acks["out of order"] = await result_ack(last, future, swarm.client_peer_id, addrs)
+            v2 = step_result(session_id, 0, fake_logits(2, 2), last.admission)
+            v2.schema_version = 2
+            acks["schema"] = await result_ack(last, v2, swarm.client_peer_id, addrs)
+            assert good.step == 0
+            gate.set()
+
+        nursery.start_soon(probe)
+        last.behaviour.duplicate_result = True
+        result = await client.generate("smol", "abc", max_tokens=3)
+
+    assert result.tokens == greedy_continuation("abc", 3)  # none of the above disturbed it
+    expected = {
+        "malformed": (swarm_pb2.Error.INVALID_ARGUMENT, "malformed StepResult"),
+        "unknown session": (swarm_pb2.Error.NOT_FOUND, "unknown session"),
+        "not on route": (swarm_pb2.Error.REFUSED, "not on the route"),
+        "not last hop": (swarm_pb2.Error.REFUSED, "not the last hop"),
+        "client role": (swarm_pb2.Error.REFUSED, "admission role ROLE_CLIENT"),
+        "stolen admission": (swarm_pb2.Error.REFUSED, "admission peer id mismatch"),
+        "out of order": (swarm_pb2.Error.INVALID_ARGUMENT, "out-of-order result for step 3"),
+        "schema": (swarm_pb2.Error.INVALID_ARGUMENT, "schema_version 2 is not supported"),
+    }
+    for name, (code, text) in expected.items():
+        assert acks[name].error.code == code, (name, acks[name])
+        assert text in acks[name].error.message, (name, acks[name].error.message)
+    # every result was pushed twice: the first taken, the duplicate refused
+    codes = [ack.error.code for ack in last.result_acks]
+    assert len(codes) == 6
+    assert codes[0::2] == [0, 0, 0]
+    messages = [ack.error.message for ack in last.result_acks[1::2]]
+    assert "duplicate result for step 0" in messages[0]
+    assert "duplicate result for step 1" in messages[1]
+    assert "unknown session" in messages[2] or "has ended" in messages[2]
+
+
+async def test_malformed_logits_fail_the_generation_naming_the_last_hop(swarm: Swarm) -> None:
+    last = swarm.nodes[2]
+
+    async def corrupt_push(request: swarm_pb2.StepRequest, result: swarm_pb2.StepResult) -> None:
+        result.checksum ^= 0xFFFF
+        raw = await last.transport.request(
+            request.owner_peer_id, request.owner_addrs, RESULT_PROTOCOL, result.SerializeToString(), timeout_s=5
+        )
+        last.result_acks.append(swarm_pb2.StepAck.FromString(raw))
+
+    last.push_result = corrupt_push
+    async with swarm.client() as client:
+        with pytest.raises(GenerationError, match="checksum") as caught:
+            await client.generate("smol", "abc", max_tokens=3)
+    assert caught.value.failed_peer_id == last.peer_id
+    assert "checksum" in last.result_acks[0].error.message
+
+
+async def test_a_tracker_that_cannot_be_reached_raises_transport_error() -> None:
+    network = MemoryNetwork()
+    key, peer_id = new_key()
+    transport = network.add(peer_id)
+    _, tracker_id = new_key()
+    with pytest.raises(TransportError, match="unreachable"):
+        async with open_swarm_client(f"/memory/x/p2p/{tracker_id}", key=key, transport=transport):
+            pass
+
+
+async def test_the_client_over_libp2p(nursery: trio.Nursery) -> None:
+    """The same exchange over the real transport (Noise, yamux): results reach the client at
+    the address it listens on, and the fake nodes see the client's authenticated peer id."""
+    from agent.io.p2p import open_p2p_transport
+
+    async with contextlib.AsyncExitStack() as stack:
+        keys = [Ed25519PrivateKey.generate() for _ in range(5)]
+        transports = [await stack.enter_async_context(open_p2p_transport(key)) for key in keys]
+        tracker = FakeTracker(transports[0], keys[0])
+        nodes = [FakeNode(transports[i + 1], keys[i + 1], tracker, nursery, b, e) for i, (b, e) in enumerate(LAYOUT)]
+        tracker.routes = [swarm_pb2.Route(model_sha256=MODEL_SHA, n_layer=N_LAYER, recipe_hash=RECIPE, hops=[n.hop() for n in nodes])]
+        async with open_swarm_client(tracker.addr, key=keys[4], transport=transports[4]) as client:
+            result = await client.generate("smol", "abc", max_tokens=5)
+        assert result.tokens == greedy_continuation("abc", 5)
+        assert {s.owner_peer_id for s in nodes[0].steps} == {transports[4].peer_id}
+        assert all(not ack.error.code for ack in nodes[2].result_acks)

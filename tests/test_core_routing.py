@@ -1,0 +1,94 @@
+"""agent.core.routing: exact chains of READY ranges, cheapest first, sessions spread by load."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.core.routing import Hop, NoRoute, ReadyRange, plan_route
+
+SHA = "aa" * 32
+R1, R2 = "recipe-1", "recipe-2"
+
+
+def rr(peer: str, begin: int, end: int, decode_s: float = 0.01, recipe: str = R1) -> ReadyRange:
+    return ReadyRange(peer, (f"/memory/{peer}",), begin, end, recipe, decode_s)
+
+
+def hops(plan) -> list[tuple[str, int, int]]:
+    return [(h.peer_id, h.begin, h.end) for h in plan.hops]
+
+
+def test_single_chain():
+    plan = plan_route("m", SHA, 30, [rr("B", 10, 30), rr("A", 0, 10)], hop_latency_s=0.002)
+    assert hops(plan) == [("A", 0, 10), ("B", 10, 30)]
+    assert plan.hops[0] == Hop("A", ("/memory/A",), 0, 10)
+    assert plan.model_sha256 == SHA and plan.n_layer == 30 and plan.recipe_hash == R1
+    assert plan.estimated_step_s == pytest.approx(30 * 0.01 + 2 * 0.002)
+
+
+def test_picks_the_faster_chain():
+    ranges = [rr("A", 0, 15, 0.01), rr("B", 15, 30, 0.01), rr("C", 0, 15, 0.005), rr("D", 15, 30, 0.02)]
+    assert hops(plan_route("m", SHA, 30, ranges)) == [("C", 0, 15), ("B", 15, 30)]
+
+
+def test_link_latency_prefers_fewer_hops():
+    ranges = [rr("A", 0, 10), rr("B", 10, 20), rr("C", 20, 30), rr("D", 0, 30)]
+    assert hops(plan_route("m", SHA, 30, ranges, hop_latency_s=0.002)) == [("D", 0, 30)]
+    # Without latency the two are equal; the tie goes to the smaller peer ids.
+    assert hops(plan_route("m", SHA, 30, ranges, hop_latency_s=0.0)) == [("A", 0, 10), ("B", 10, 20), ("C", 20, 30)]
+
+
+def test_spreads_sessions_over_redundant_hops_by_load():
+    ranges = [rr("A", 0, 15), rr("B", 15, 30), rr("C", 0, 15), rr("D", 15, 30)]
+    assert hops(plan_route("m", SHA, 30, ranges)) == [("A", 0, 15), ("B", 15, 30)]
+    assert hops(plan_route("m", SHA, 30, ranges, load={"A": 1, "B": 1})) == [("C", 0, 15), ("D", 15, 30)]
+    assert hops(plan_route("m", SHA, 30, ranges, load={"A": 1, "D": 1})) == [("C", 0, 15), ("B", 15, 30)]
+
+
+def test_nearly_equal_measurements_count_as_a_tie():
+    ranges = [rr("A", 0, 30, 0.0100001), rr("B", 0, 30, 0.0100002)]
+    assert hops(plan_route("m", SHA, 30, ranges, load={"A": 2})) == [("B", 0, 30)]
+    # but a clear speed difference beats load
+    ranges = [rr("A", 0, 30, 0.01), rr("B", 0, 30, 0.02)]
+    assert hops(plan_route("m", SHA, 30, ranges, load={"A": 5})) == [("A", 0, 30)]
+
+
+def test_hops_chain_exactly():
+    # [0, 12) then [10, 30) overlap: not a chain. [0, 10) + [10, 30) is.
+    ranges = [rr("A", 0, 12, 0.001), rr("B", 10, 30), rr("C", 12, 30, 0.05), rr("D", 0, 10)]
+    plan = plan_route("m", SHA, 30, ranges)
+    # A is fast, but its only continuation C is slow: D + B is cheaper (0.3 s vs 0.912 s).
+    assert hops(plan) == [("D", 0, 10), ("B", 10, 30)]
+    for left, right in zip(plan.hops, plan.hops[1:]):
+        assert left.end == right.begin
+    assert plan.hops[0].begin == 0 and plan.hops[-1].end == 30
+    # overlapping ranges alone never make a route
+    with pytest.raises(NoRoute, match="no chain of ready ranges"):
+        plan_route("m", SHA, 30, [rr("A", 0, 12), rr("B", 10, 30)])
+
+
+def test_one_recipe_hash_per_route():
+    ranges = [rr("A", 0, 15, recipe=R1), rr("B", 15, 30, recipe=R2)]
+    with pytest.raises(NoRoute, match="with one recipe hash"):
+        plan_route("m", SHA, 30, ranges)
+    ranges += [rr("C", 15, 30, 0.05, recipe=R1)]
+    plan = plan_route("m", SHA, 30, ranges)
+    assert hops(plan) == [("A", 0, 15), ("C", 15, 30)] and plan.recipe_hash == R1
+
+
+def test_the_cheaper_recipe_wins():
+    ranges = [rr("A", 0, 30, 0.02, recipe=R1), rr("B", 0, 30, 0.01, recipe=R2)]
+    assert plan_route("m", SHA, 30, ranges).recipe_hash == R2
+
+
+def test_no_route_names_the_uncovered_blocks():
+    with pytest.raises(NoRoute) as info:
+        plan_route("smollm2", SHA, 30, [rr("A", 0, 10), rr("B", 20, 25)])
+    assert str(info.value) == "no route for model smollm2: blocks [10, 20) and [25, 30) have no ready node"
+    with pytest.raises(NoRoute, match=r"^no route for model x: blocks \[0, 30\) have no ready node$"):
+        plan_route("x", SHA, 30, [])
+
+
+def test_out_of_bounds_ranges_are_ignored():
+    with pytest.raises(NoRoute, match=r"blocks \[0, 30\)"):
+        plan_route("m", SHA, 30, [rr("A", 0, 31), rr("B", 5, 5)])

@@ -1,0 +1,145 @@
+"""A node's per-range step queue (``agent.core.scheduler``) and its session table
+(``agent.core.node_sessions``): pure, so every rule is checked on plain values."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent._proto import swarm_pb2
+from agent.core.node_sessions import SessionTable
+from agent.core.scheduler import StepScheduler
+from agent.core.swarm_wire import WireError
+
+Code = swarm_pb2.Error.Code
+
+
+def queue(n_batch_max: int = 8, max_entries: int = 4, *steps: tuple[str, int, int]) -> StepScheduler:
+    """``steps``: (item name, session key, rows)."""
+    scheduler: StepScheduler[str] = StepScheduler(n_batch_max, max_entries)
+    for name, session, rows in steps:
+        scheduler.push(name, session=session, n_rows=rows)
+    return scheduler
+
+
+# --- scheduler -----------------------------------------------------------------------------
+
+
+def test_steps_of_different_sessions_are_merged_in_sequence_order() -> None:
+    scheduler = queue(8, 4, ("s2", 2, 1), ("s0", 0, 1), ("s1", 1, 1))
+    assert len(scheduler) == 3 and scheduler.pending_rows == 3
+    assert scheduler.next_batch() == ["s0", "s1", "s2"], "one batch, laid out by key, not arrival"
+    assert scheduler.next_batch() == [] and len(scheduler) == 0 and scheduler.pending_rows == 0
+
+
+def test_a_sessions_next_step_is_never_merged_with_its_previous_one() -> None:
+    scheduler = queue(8, 4, ("a0", 0, 1), ("a1", 0, 1), ("b0", 1, 1), ("a2", 0, 1))
+    assert scheduler.next_batch() == ["a0", "b0"]
+    assert scheduler.next_batch() == ["a1"]
+    assert scheduler.next_batch() == ["a2"]
+
+
+def test_row_limit_and_entry_limit() -> None:
+    scheduler = queue(8, 4, ("big", 0, 6), ("mid", 1, 3), ("small", 2, 2), ("tiny", 3, 1))
+    # The oldest always goes; "mid" does not fit next to it, the smaller later ones do.
+    assert scheduler.next_batch() == ["big", "small"]
+    assert scheduler.next_batch() == ["mid", "tiny"]
+    scheduler = queue(100, 2, ("a", 0, 1), ("b", 1, 1), ("c", 2, 1))
+    assert scheduler.next_batch() == ["a", "b"] and scheduler.next_batch() == ["c"]
+
+
+def test_fifo_the_oldest_step_is_always_in_the_next_batch() -> None:
+    scheduler = queue(4, 4, ("first", 0, 4))
+    for i in range(1, 4):
+        scheduler.push(f"small{i}", session=i, n_rows=1)
+    assert scheduler.next_batch() == ["first"]
+    scheduler.push("late", session=9, n_rows=4)
+    assert scheduler.next_batch() == ["small1", "small2", "small3"]
+    assert scheduler.next_batch() == ["late"]
+
+
+def test_a_held_back_step_keeps_its_sessions_later_steps_behind_it() -> None:
+    scheduler = queue(4, 4, ("x", 0, 3), ("a0", 1, 2), ("a1", 1, 1))
+    # a0 does not fit next to x; a1 would, but must not overtake a0.
+    assert scheduler.next_batch() == ["x"]
+    assert scheduler.next_batch() == ["a0"]
+    assert scheduler.next_batch() == ["a1"]
+
+
+def test_drop_session_and_drain() -> None:
+    scheduler = queue(8, 4, ("a0", 0, 2), ("b0", 1, 3), ("a1", 0, 1))
+    assert scheduler.drop_session(0) == ["a0", "a1"] and scheduler.pending_rows == 3
+    assert scheduler.drop_session(7) == []
+    assert scheduler.drain() == ["b0"] and len(scheduler) == 0 and scheduler.pending_rows == 0
+
+
+def test_a_step_that_can_never_run_is_refused() -> None:
+    scheduler = queue(4, 2)
+    for rows in (0, 5):
+        with pytest.raises(ValueError, match=f"a step of {rows} rows can never run"):
+            scheduler.push("x", session=0, n_rows=rows)
+    with pytest.raises(ValueError):
+        StepScheduler(0, 1)
+
+
+# --- session table -------------------------------------------------------------------------
+
+S1, S2, S3 = (bytes([i]) * 16 for i in (1, 2, 3))
+
+
+def refused(code: int, fragment: str, call, *args) -> None:
+    with pytest.raises(WireError) as caught:
+        call(*args)
+    assert caught.value.code == code and fragment in caught.value.message, str(caught.value)
+
+
+def test_sessions_get_the_lowest_free_sequence_and_run_out() -> None:
+    table = SessionTable(2, 64)
+    assert table.accept(S1, 0, 0, 5, "owner", now_ms=10).seq_id == 0
+    assert table.accept(S2, 0, 0, 3, "owner", now_ms=10).seq_id == 1
+    assert table.free_count == 0 and len(table) == 2 and S1 in table
+    refused(Code.RESOURCE_EXHAUSTED, "all 2 sequences of this range are in use", table.accept, S3, 0, 0, 1, "o", 10)
+    assert S3 not in table
+
+
+def test_steps_must_follow_in_order() -> None:
+    table = SessionTable(4, 16)
+    session = table.accept(S1, 0, 0, 5, "owner", now_ms=0)
+    assert (session.next_step, session.next_position, session.pending) == (1, 5, 1)
+    refused(Code.INVALID_ARGUMENT, "already exists", table.accept, S1, 0, 0, 1, "owner", 0)
+    refused(Code.NOT_FOUND, "unknown session", table.accept, S2, 1, 5, 1, "owner", 0)
+    refused(Code.REFUSED, "belongs to owner", table.accept, S1, 1, 5, 1, "thief", 0)
+    refused(Code.INVALID_ARGUMENT, "step 2 out of order (expected 1)", table.accept, S1, 2, 5, 1, "owner", 0)
+    refused(Code.INVALID_ARGUMENT, "starts at position 4, expected 5", table.accept, S1, 1, 4, 1, "owner", 0)
+    # Accepting reserves positions: the next step is checked against them at once.
+    table.accept(S1, 1, 5, 1, "owner", now_ms=1)
+    assert (session.next_step, session.next_position, session.pending) == (2, 6, 2)
+    refused(Code.RESOURCE_EXHAUSTED, "exceed the context of 16 positions", table.accept, S1, 2, 6, 11, "owner", 1)
+    refused(Code.RESOURCE_EXHAUSTED, "exceed the context", table.accept, S2, 0, 0, 17, "owner", 1)
+    refused(Code.INVALID_ARGUMENT, "step 0 must start at position 0", table.accept, S2, 0, 3, 1, "owner", 1)
+    assert table.accept(S1, 2, 6, 10, "owner", now_ms=2).next_position == 16
+
+
+def test_ended_sequences_are_reused_only_after_release() -> None:
+    table = SessionTable(1, 64)
+    table.accept(S1, 0, 0, 2, "owner", now_ms=0)
+    assert table.end(S1).seq_id == 0 and S1 not in table and table.end(S1) is None
+    assert table.has_closing()
+    refused(Code.RESOURCE_EXHAUSTED, "(1 being freed)", table.accept, S2, 0, 0, 1, "owner", 0)
+    assert table.take_closing() == [0] and table.take_closing() == [] and not table.has_closing()
+    table.release(0)
+    assert table.accept(S2, 0, 0, 1, "owner", now_ms=0).seq_id == 0
+    with pytest.raises(ValueError):
+        table.release(5)
+
+
+def test_idle_sessions_are_those_with_nothing_pending() -> None:
+    table = SessionTable(4, 64)
+    table.accept(S1, 0, 0, 2, "owner", now_ms=1000)
+    table.accept(S2, 0, 0, 2, "owner", now_ms=1000)
+    table.done(S1, now_ms=1500)
+    assert table.idle(now_ms=2000, timeout_ms=1000) == [], "S2 has a step pending, S1 was used at 1500"
+    assert table.idle(now_ms=2500, timeout_ms=1000) == [S1]
+    table.done(S2, now_ms=2500)
+    table.done(S3, now_ms=2500)  # unknown: ignored
+    assert table.idle(now_ms=3500, timeout_ms=1000) == [S1, S2]
+    assert table.get(S2).pending == 0 and sorted(table.session_ids()) == [S1, S2]

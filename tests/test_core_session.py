@@ -1,0 +1,345 @@
+"""Session state machine and sampling (agent.core.session, agent.core.sampling). Pure, no I/O."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from agent._proto import swarm_pb2
+from agent.core.sampling import SamplingParams, sample_token, sampling_candidates
+from agent.core.session import (
+    HopFailed,
+    ResultRefused,
+    Session,
+    StepInput,
+    end_session_request,
+)
+from agent.core.swarm_wire import token_checksum
+
+SID = bytes(range(16))
+OTHER_SID = bytes(range(1, 17))
+
+
+def logits_row(best: int, n_vocab: int = 8) -> np.ndarray:
+    row = np.zeros(n_vocab, dtype=np.float32)
+    row[best] = 5.0
+    return row
+
+
+def result(step: int, logits: np.ndarray | None = None, *, session_id: bytes = SID, **fields) -> swarm_pb2.StepResult:
+    msg = swarm_pb2.StepResult(schema_version=1, session_id=session_id, step=step)
+    if logits is not None:
+        data = np.asarray(logits, dtype="<f4").tobytes()
+        msg.logits = data
+        msg.n_vocab = len(logits)
+        msg.checksum = zlib.crc32(data)
+    for name, value in fields.items():
+        if name == "error":
+            msg.error.CopyFrom(value)
+        else:
+            setattr(msg, name, value)
+    return msg
+
+
+# --- sampling ---------------------------------------------------------------------------------
+
+
+def test_greedy_is_the_argmax_and_draws_nothing() -> None:
+    rng = np.random.default_rng(0)
+    state = rng.bit_generator.state
+    logits = np.array([0.1, 3.0, -2.0, 3.0, 1.0], dtype=np.float32)
+    assert sample_token(logits, SamplingParams(), rng) == 1  # lowest index on ties
+    assert sample_token(logits, SamplingParams(temperature=0.0, top_k=2, top_p=0.5), None) == 1
+    assert rng.bit_generator.state == state
+
+
+def test_seeded_sampling_is_reproducible_and_the_seed_matters() -> None:
+    logits = np.linspace(-1.0, 1.0, 50).astype(np.float32)
+    params = SamplingParams(temperature=1.5, top_k=40, top_p=0.95)
+
+    def draws(seed: int) -> list[int]:
+        rng = np.random.default_rng(seed)
+        return [sample_token(logits, params, rng) for _ in range(40)]
+
+    assert draws(7) == draws(7)
+    assert draws(7) != draws(8)
+    assert len(set(draws(7))) > 5  # it really samples
+
+
+def test_top_k_keeps_exactly_the_k_most_likely_tokens() -> None:
+    logits = np.array([0.0, 4.0, 1.0, 3.0, 2.0, 4.0], dtype=np.float32)
+    ids, probs = sampling_candidates(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert ids.tolist() == [1, 5, 3]  # ties ordered by token id
+    assert probs.sum() == pytest.approx(1.0)
+    assert probs[0] == pytest.approx(probs[1])
+    rng = np.random.default_rng(1)
+    drawn = {sample_token(logits, SamplingParams(temperature=5.0, top_k=3), rng) for _ in range(300)}
+    assert drawn == {1, 3, 5}
+    # ties at the cut: the lowest token ids stay, whatever order numpy partitions them in
+    flat = np.array([0.0, 2.0, 1.0, 1.0, 1.0, 1.0], dtype=np.float32)
+    ids, _ = sampling_candidates(flat, SamplingParams(temperature=1.0, top_k=3))
+    assert ids.tolist() == [1, 2, 3]
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(probs).astype(np.float32)
+    ids, kept = sampling_candidates(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert ids.tolist() == [0, 1]  # 0.5 + 0.3 reaches 0.8
+    assert kept == pytest.approx([0.5 / 0.8, 0.3 / 0.8], rel=1e-5)
+    ids, _ = sampling_candidates(logits, SamplingParams(temperature=1.0, top_p=0.81))
+    assert ids.tolist() == [0, 1, 2]
+    ids, _ = sampling_candidates(logits, SamplingParams(temperature=1.0, top_p=0.1))
+    assert ids.tolist() == [0]  # never empty
+    rng = np.random.default_rng(3)
+    assert {sample_token(logits, SamplingParams(temperature=1.0, top_p=0.8), rng) for _ in range(300)} == {0, 1}
+
+
+def test_temperature_sharpens_and_flattens() -> None:
+    logits = np.array([2.0, 1.0, 0.0], dtype=np.float32)
+    _, cold = sampling_candidates(logits, SamplingParams(temperature=0.5))
+    _, warm = sampling_candidates(logits, SamplingParams(temperature=2.0))
+    assert cold[0] > warm[0]
+    assert cold[0] == pytest.approx(np.exp(4) / (np.exp(4) + np.exp(2) + 1))
+
+
+def test_minus_infinity_is_never_drawn() -> None:
+    logits = np.array([-np.inf, 0.0, -np.inf, 0.0], dtype=np.float32)
+    rng = np.random.default_rng(5)
+    assert {sample_token(logits, SamplingParams(temperature=1.0), rng) for _ in range(100)} == {1, 3}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite"),
+        ({"temperature": float("inf")}, "temperature must be a finite"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+    ],
+)
+def test_invalid_sampling_params_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("logits", "message"),
+    [
+        (np.array([0.0, np.nan], np.float32), "NaN"),
+        (np.array([0.0, np.inf], np.float32), r"\+inf"),
+        (np.array([-np.inf, -np.inf], np.float32), "-inf"),
+        (np.zeros((2, 2), np.float32), "one non-empty logits row"),
+        (np.zeros(0, np.float32), "one non-empty logits row"),
+    ],
+)
+def test_bad_logits_rows_are_refused(logits: np.ndarray, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        sample_token(logits, SamplingParams(), None)
+    with pytest.raises(ValueError, match=message):
+        sample_token(logits, SamplingParams(temperature=1.0), np.random.default_rng(0))
+
+
+def test_sampling_without_a_generator_is_refused() -> None:
+    with pytest.raises(ValueError, match="random generator"):
+        sample_token(np.zeros(3, np.float32), SamplingParams(temperature=1.0), None)
+    with pytest.raises(ValueError, match="random generator"):
+        Session(SID, [1], max_new_tokens=2, sampling=SamplingParams(temperature=1.0))
+
+
+# --- session: steps and stopping ---------------------------------------------------------------
+
+
+def test_prefill_then_one_row_per_step_at_the_next_position() -> None:
+    s = Session(SID, [5, 6, 7], max_new_tokens=3)
+    first = s.next_step()
+    assert first == StepInput(step=0, positions=(0, 1, 2), token_ids=(5, 6, 7))
+    assert s.awaiting
+    assert s.receive(result(0, logits_row(4))) == 4
+    assert s.next_step() == StepInput(step=1, positions=(3,), token_ids=(4,))
+    assert s.receive(result(1, logits_row(2))) == 2
+    assert s.next_step() == StepInput(step=2, positions=(4,), token_ids=(2,))
+    s.receive(result(2, logits_row(1)))
+    assert s.generated == [4, 2, 1]
+    assert s.finished and not s.stopped_by_token
+    with pytest.raises(ValueError, match="ended"):
+        s.next_step()
+
+
+def test_an_end_of_generation_token_stops_and_is_kept() -> None:
+    s = Session(SID, [1], max_new_tokens=10, stop_tokens=[7])
+    s.next_step()
+    s.receive(result(0, logits_row(3)))
+    assert not s.finished
+    s.next_step()
+    s.receive(result(1, logits_row(7)))
+    assert s.finished and s.stopped_by_token
+    assert s.generated == [3, 7]
+
+
+def test_one_step_in_flight_at_a_time() -> None:
+    s = Session(SID, [1], max_new_tokens=4)
+    s.next_step()
+    with pytest.raises(ValueError, match="still in flight"):
+        s.next_step()
+
+
+def test_seeded_sessions_are_reproducible() -> None:
+    rows = [np.sin(np.arange(64) * (k + 1)).astype(np.float32) for k in range(6)]
+
+    def run(seed: int) -> list[int]:
+        s = Session(
+            SID, [1, 2], max_new_tokens=6, sampling=SamplingParams(temperature=1.0, top_k=20, top_p=0.9),
+            rng=np.random.default_rng(seed),
+        )  # fmt: skip
+        for k, row in enumerate(rows):
+            s.next_step()
+            s.receive(result(k, row))
+        return s.generated
+
+    assert run(11) == run(11)
+    assert run(11) != run(12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"session_id": b"short", "prompt": [1], "max_new_tokens": 1}, "16 bytes"),
+        ({"session_id": SID, "prompt": [], "max_new_tokens": 1}, "no tokens"),
+        ({"session_id": SID, "prompt": [1], "max_new_tokens": 0}, "max_new_tokens"),
+        ({"session_id": SID, "prompt": [1], "max_new_tokens": 1, "n_vocab": 0}, "n_vocab"),
+    ],
+)
+def test_invalid_sessions_are_refused(kwargs: dict, message: str) -> None:
+    session_id = kwargs.pop("session_id")
+    prompt = kwargs.pop("prompt")
+    with pytest.raises(ValueError, match=message):
+        Session(session_id, prompt, **kwargs)
+
+
+# --- session: results that are not ours --------------------------------------------------------
+
+
+def started(n_steps_done: int = 0) -> Session:
+    s = Session(SID, [1, 2], max_new_tokens=10)
+    for k in range(n_steps_done):
+        s.next_step()
+        s.receive(result(k, logits_row(3)))
+    s.next_step()
+    return s
+
+
+@pytest.mark.parametrize(
+    ("msg", "message"),
+    [
+        (result(2, logits_row(1)), "duplicate result for step 2"),
+        (result(1, logits_row(1)), "stale result for step 1"),
+        (result(4, logits_row(1)), "out-of-order result for step 4"),
+        (result(3, logits_row(1), session_id=OTHER_SID), "given to session"),
+        (result(3, logits_row(1), schema_version=2), "schema_version 2 is not supported"),
+    ],
+)
+def test_results_that_do_not_answer_the_step_in_flight_change_nothing(msg: swarm_pb2.StepResult, message: str) -> None:
+    s = started(3)  # steps 0..2 answered, step 3 in flight
+    before = (list(s.tokens), s.step, s.state)
+    with pytest.raises(ResultRefused, match=message) as caught:
+        s.receive(msg)
+    assert not caught.value.fatal
+    assert (list(s.tokens), s.step, s.state) == before
+    assert s.receive(result(3, logits_row(6))) == 6  # the real answer is still taken
+
+
+def test_a_result_when_nothing_is_in_flight_is_refused() -> None:
+    s = Session(SID, [1], max_new_tokens=3)
+    with pytest.raises(ResultRefused, match="out-of-order result for step 0 .*no step in flight"):
+        s.receive(result(0, logits_row(1)))
+    s.next_step()
+    s.receive(result(0, logits_row(1)))
+    with pytest.raises(ResultRefused, match="duplicate result for step 0"):
+        s.receive(result(0, logits_row(1)))
+
+
+def test_a_finished_session_refuses_results() -> None:
+    s = Session(SID, [1], max_new_tokens=1)
+    s.next_step()
+    s.receive(result(0, logits_row(1)))
+    with pytest.raises(ResultRefused, match="has ended"):
+        s.receive(result(1, logits_row(1)))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda m: setattr(m, "checksum", m.checksum ^ 1), "checksum"),
+        (lambda m: setattr(m, "n_vocab", 9), "logits bytes for n_vocab 9"),
+        (lambda m: setattr(m, "n_vocab", 0), "n_vocab is 0"),
+    ],
+)
+def test_malformed_logits_for_the_step_in_flight_fail_the_session(mutate, message: str) -> None:
+    s = started(0)  # the width is not known yet
+    msg = result(0, logits_row(2))
+    mutate(msg)
+    with pytest.raises(ResultRefused, match=message) as caught:
+        s.receive(msg)
+    assert caught.value.fatal
+    assert s.finished and s.failure is not None and message.split()[0] in s.failure
+
+
+def test_nan_logits_and_a_changed_width_fail_the_session() -> None:
+    s = started(1)  # n_vocab 8 learnt from step 0
+    with pytest.raises(ResultRefused, match="n_vocab 9, expected 8"):
+        s.receive(result(1, logits_row(2, n_vocab=9)))
+    s = started(0)
+    bad = logits_row(2)
+    bad[5] = np.nan
+    with pytest.raises(ResultRefused, match="NaN or inf"):
+        s.receive(result(0, bad))
+
+
+def test_a_hop_error_names_the_failed_peer() -> None:
+    s = started(2)
+    error = swarm_pb2.Error(code=swarm_pb2.Error.UNAVAILABLE, message="next hop unreachable")
+    with pytest.raises(HopFailed, match="hop QmBad failed: UNAVAILABLE: next hop unreachable") as caught:
+        s.receive(result(2, error=error, failed_peer_id="QmBad"))
+    assert caught.value.failed_peer_id == "QmBad"
+    assert s.finished and s.state == "failed"
+    with pytest.raises(ResultRefused, match="has ended"):
+        s.receive(result(2, logits_row(1)))
+
+
+def test_fail_ends_the_session() -> None:
+    s = started(0)
+    s.fail("no result within 30 s")
+    assert s.finished and s.failure == "no result within 30 s"
+    with pytest.raises(ValueError, match="ended"):
+        s.next_step()
+
+
+# --- records ------------------------------------------------------------------------------------
+
+
+def test_step_request_and_end_session_records() -> None:
+    route = swarm_pb2.Route(
+        model_sha256="ab" * 32, n_layer=30, recipe_hash="r1",
+        hops=[swarm_pb2.Hop(peer_id=f"p{i}", addrs=[f"/a/{i}"], begin=b, end=e)
+              for i, (b, e) in enumerate([(0, 10), (10, 20), (20, 30)])],
+    )  # fmt: skip
+    admission = swarm_pb2.SignedAdmission(record=b"r", signature=b"s")
+    s = Session(SID, [9, 8, 7], max_new_tokens=2)
+    req = s.step_request(s.next_step(), route, owner_peer_id="me", owner_addrs=["/me"], admission=admission)
+    assert (req.schema_version, req.session_id, req.step, req.begin, req.end) == (1, SID, 0, 0, 10)
+    assert list(req.positions) == [0, 1, 2] and list(req.token_ids) == [9, 8, 7]
+    assert [h.peer_id for h in req.rest] == ["p1", "p2"]
+    assert (req.owner_peer_id, list(req.owner_addrs), req.recipe_hash, req.model_sha256) == ("me", ["/me"], "r1", "ab" * 32)
+    assert req.checksum == zlib.crc32(np.array([9, 8, 7], "<i4").tobytes()) == token_checksum([9, 8, 7])
+    assert req.sender_admission == admission
+    assert not req.boundary
+    end = end_session_request(SID, route, admission)
+    assert end.schema_version == 1 and end.end_session.session_id == SID
+    assert [h.peer_id for h in end.end_session.rest] == ["p1", "p2"]

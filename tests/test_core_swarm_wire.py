@@ -1,0 +1,285 @@
+"""Swarm wire codecs: protocol ids, checksums, step validation (every rule has a case that
+breaks it and the error names what was wrong), next-hop / result builders, error replies."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+
+from agent._proto import swarm_pb2
+from agent.core.boundary import BoundaryError, WireDType
+from agent.core.swarm_wire import (
+    NODE_PROTOCOL,
+    RESULT_PROTOCOL,
+    SCHEMA_VERSION,
+    STEP_PROTOCOL,
+    TRACKER_PROTOCOL,
+    RangeSpec,
+    WireError,
+    check_hops,
+    crc32,
+    first_step_request,
+    next_hop_request,
+    node_reply_error,
+    parse_record,
+    peer_id_from_multiaddr,
+    step_ack,
+    step_ack_error,
+    step_result,
+    step_result_error,
+    token_checksum,
+    tracker_reply_error,
+    validate_step,
+    validate_step_result,
+)
+
+Code = swarm_pb2.Error.Code
+N_EMBD = 8
+N_VOCAB = 100
+SESSION = bytes(range(16))
+ADMISSION = swarm_pb2.SignedAdmission(record=b"record", signature=b"sig")
+
+
+def spec(begin: int, end: int, **overrides) -> RangeSpec:
+    fields = dict(
+        model_sha256="ab" * 32, begin=begin, end=end, n_layer=6, n_embd=N_EMBD, n_vocab=N_VOCAB,
+        recipe_hash="cd" * 32, n_batch_max=4,
+    )  # fmt: skip
+    fields.update(overrides)
+    return RangeSpec(**fields)
+
+
+def hop(peer: str, begin: int, end: int) -> swarm_pb2.Hop:
+    return swarm_pb2.Hop(peer_id=peer, addrs=[f"/memory/{peer}/p2p/{peer}"], begin=begin, end=end)
+
+
+ROUTE = [hop("A", 0, 2), hop("B", 2, 4), hop("C", 4, 6)]
+
+
+def token_step(token_ids=(1, 2, 3), *, first_position: int = 0, step: int = 0) -> swarm_pb2.StepRequest:
+    return first_step_request(
+        session_id=SESSION, step=step, hops=ROUTE, token_ids=list(token_ids), first_position=first_position,
+        recipe_hash="cd" * 32, model_sha256="ab" * 32, owner_peer_id="owner", owner_addrs=["/memory/owner"],
+        sender_admission=ADMISSION,
+    )  # fmt: skip
+
+
+def boundary_step(rows: np.ndarray, dtype: int = WireDType.F32, **fields) -> swarm_pb2.StepRequest:
+    data = rows.astype("<f4" if dtype == WireDType.F32 else "<f2").tobytes()
+    request = swarm_pb2.StepRequest(
+        schema_version=1, session_id=SESSION, step=0, begin=2, end=4, positions=range(rows.shape[0]),
+        boundary=data, dtype=dtype, n_embd=rows.shape[1], recipe_hash="cd" * 32, rest=[ROUTE[2]],
+        owner_peer_id="owner", checksum=crc32(data), sender_admission=ADMISSION, model_sha256="ab" * 32,
+    )  # fmt: skip
+    for name, value in fields.items():
+        setattr(request, name, value)
+    return request
+
+
+def rows_of(n: int) -> np.ndarray:
+    return np.arange(n * N_EMBD, dtype=np.float32).reshape(n, N_EMBD) / 7
+
+
+def expect(code: int, fragment: str, request: swarm_pb2.StepRequest, range_spec: RangeSpec) -> None:
+    with pytest.raises(WireError) as caught:
+        validate_step(request, range_spec)
+    assert caught.value.code == code, str(caught.value)
+    assert fragment in caught.value.message, caught.value.message
+
+
+def test_protocol_ids_and_schema_version() -> None:
+    assert (TRACKER_PROTOCOL, STEP_PROTOCOL, RESULT_PROTOCOL, NODE_PROTOCOL) == (
+        "/baton/tracker/1.0.0", "/baton/step/1.0.0", "/baton/result/1.0.0", "/baton/node/1.0.0",
+    )  # fmt: skip
+    assert SCHEMA_VERSION == 1
+
+
+def test_checksums_are_crc32_of_little_endian_bytes() -> None:
+    assert token_checksum([1, 2, -3]) == zlib.crc32(struct.pack("<3i", 1, 2, -3))
+    assert crc32(b"abc") == zlib.crc32(b"abc") and crc32(b"\xff" * 9) >= 0
+    assert token_step().checksum == token_checksum([1, 2, 3])
+
+
+def test_parse_record_refuses_garbage_and_other_schema_versions() -> None:
+    with pytest.raises(WireError, match="malformed StepRequest") as caught:
+        parse_record(swarm_pb2.StepRequest, b"\xff\xff\xff")
+    assert caught.value.code == Code.INVALID_ARGUMENT
+    data = swarm_pb2.StepRequest(schema_version=2).SerializeToString()
+    with pytest.raises(WireError, match=r"schema_version 2 is not supported \(this peer speaks 1\)"):
+        parse_record(swarm_pb2.StepRequest, data)
+    with pytest.raises(WireError, match="schema_version 0"):
+        parse_record(swarm_pb2.StepAck, b"")
+    assert parse_record(swarm_pb2.StepRequest, token_step().SerializeToString()).session_id == SESSION
+
+
+def test_valid_token_step() -> None:
+    step = validate_step(token_step([5, 6, 7]), spec(0, 2))
+    assert step.token_ids.tolist() == [5, 6, 7] and step.token_ids.dtype == np.int32
+    assert step.positions.tolist() == [0, 1, 2] and step.n_rows == 3 and step.first_position == 0
+    assert step.rows is None and step.dtype == WireDType.F32
+    assert [h.peer_id for h in step.rest] == ["B", "C"] and step.owner_peer_id == "owner"
+    later = validate_step(token_step([9], first_position=3, step=1), spec(0, 2))
+    assert later.positions.tolist() == [3] and later.step == 1
+
+
+def test_valid_boundary_steps_decode_without_copies() -> None:
+    rows = rows_of(3)
+    request = boundary_step(rows)
+    step = validate_step(request, spec(2, 4))
+    np.testing.assert_array_equal(step.rows, rows)
+    assert not step.rows.flags.writeable, "F32 rows are a view of the received bytes"
+    half = validate_step(boundary_step(rows, WireDType.F16), spec(2, 4))
+    assert half.dtype == WireDType.F16 and half.rows.dtype == np.float32
+    np.testing.assert_array_equal(half.rows, rows.astype(np.float16).astype(np.float32))
+
+
+def test_every_step_rule_is_checked() -> None:
+    rows = rows_of(2)
+    nan_rows = rows.copy()
+    nan_rows[1, 3] = np.nan
+    bad = Code.INVALID_ARGUMENT
+    cases = [
+        (bad, "model_sha256", token_step(), spec(0, 2, model_sha256="ef" * 32)),
+        (bad, "this range is [0, 3)", token_step(), spec(0, 3)),
+        (bad, "recipe_hash", token_step(), spec(0, 2, recipe_hash="00" * 32)),
+        (bad, "session_id has 3 bytes", _with(token_step(), session_id=b"abc"), spec(0, 2)),
+        (bad, "owner_peer_id is empty", _with(token_step(), owner_peer_id=""), spec(0, 2)),
+        (bad, "rest[0] covers blocks [3, 4)", _rest(token_step(), [hop("B", 3, 4), hop("C", 4, 6)]), spec(0, 2)),
+        (bad, "rest[1] names no peer", _rest(token_step(), [hop("B", 2, 4), hop("", 4, 6)]), spec(0, 2)),
+        (bad, "rest ends at block 4", _rest(token_step(), [hop("B", 2, 4)]), spec(0, 2)),
+        (bad, "rest ends at block 2", _rest(token_step(), []), spec(0, 2)),
+        (bad, "rest[0] covers blocks [2, 2)", _rest(token_step(), [hop("B", 2, 2), hop("C", 2, 6)]), spec(0, 2)),
+        (bad, "no rows", _with(token_step([]), checksum=token_checksum([])), spec(0, 2)),
+        (
+            Code.RESOURCE_EXHAUSTED,
+            "5 rows exceed this range's batch limit of 4",
+            token_step([1, 2, 3, 4, 5]),
+            spec(0, 2),
+        ),
+        (bad, "consecutive", _positions(token_step(), [0, 2, 3]), spec(0, 2)),
+        (bad, "consecutive", _positions(token_step(), [-1, 0, 1]), spec(0, 2)),
+        (bad, "step 0 (prefill) must start at position 0", token_step(first_position=2), spec(0, 2)),
+        (bad, "take token ids, but the step carries boundary", _with(token_step(), boundary=b"\0" * 4), spec(0, 2)),
+        (bad, "2 token ids but 3 positions", _positions(token_step([1, 2]), [0, 1, 2]), spec(0, 2)),
+        (bad, "does not match the token ids", _with(token_step(), checksum=1), spec(0, 2)),
+        (bad, f"token ids must be in [0, {N_VOCAB})", token_step([1, N_VOCAB]), spec(0, 2)),
+        (bad, "token ids must be in", token_step([-1]), spec(0, 2)),
+        (bad, "take boundary rows, but the step carries token ids", _tokens(boundary_step(rows), [1, 2]), spec(2, 4)),
+        (
+            bad,
+            f"n_embd 4 does not match this model's width {N_EMBD}",
+            boundary_step(np.ones((2, 4), np.float32)),
+            spec(2, 4),
+        ),
+        (bad, "unsupported wire dtype 9", boundary_step(rows, dtype=9), spec(2, 4)),
+        (bad, "boundary has 60 bytes, expected 2 rows x 8 x 4 bytes = 64", _short(boundary_step(rows)), spec(2, 4)),
+        (bad, "does not match the boundary bytes", _with(boundary_step(rows), checksum=5), spec(2, 4)),
+        (bad, "non-finite", boundary_step(nan_rows), spec(2, 4)),
+        (bad, "non-finite", boundary_step(np.full((2, N_EMBD), np.inf, np.float32), WireDType.F16), spec(2, 4)),
+    ]
+    for code, fragment, request, range_spec in cases:
+        expect(code, fragment, request, range_spec)
+
+
+def _with(request: swarm_pb2.StepRequest, **fields) -> swarm_pb2.StepRequest:
+    for name, value in fields.items():
+        setattr(request, name, value)
+    return request
+
+
+def _rest(request: swarm_pb2.StepRequest, hops: list[swarm_pb2.Hop]) -> swarm_pb2.StepRequest:
+    del request.rest[:]
+    request.rest.extend(hops)
+    return request
+
+
+def _positions(request: swarm_pb2.StepRequest, positions: list[int]) -> swarm_pb2.StepRequest:
+    del request.positions[:]
+    request.positions.extend(positions)
+    return request
+
+
+def _tokens(request: swarm_pb2.StepRequest, tokens: list[int]) -> swarm_pb2.StepRequest:
+    request.token_ids.extend(tokens)
+    return request
+
+
+def _short(request: swarm_pb2.StepRequest) -> swarm_pb2.StepRequest:
+    request.boundary = request.boundary[:-4]
+    request.checksum = crc32(request.boundary)
+    return request
+
+
+def test_check_hops_accepts_an_exact_chain() -> None:
+    check_hops(ROUTE, 0, 6, "hops")
+    check_hops([], 6, 6)
+    with pytest.raises(WireError, match=r"hops ends at block 4"):
+        check_hops(ROUTE[:2], 0, 6, "hops")
+
+
+def test_next_hop_request_keeps_the_dtype_and_validates_downstream() -> None:
+    first = validate_step(token_step([1, 2]), spec(0, 2))
+    out = rows_of(2)
+    request = next_hop_request(first, out, ADMISSION)
+    assert (request.begin, request.end, request.dtype, request.n_embd) == (2, 4, WireDType.F32, N_EMBD)
+    assert request.boundary == out.tobytes() and request.checksum == crc32(out.tobytes())
+    assert [h.peer_id for h in request.rest] == ["C"] and list(request.positions) == [0, 1]
+    assert request.sender_admission == ADMISSION and request.owner_peer_id == "owner"
+    assert not request.token_ids
+    middle = validate_step(request, spec(2, 4))
+    np.testing.assert_array_equal(middle.rows, out)
+
+    # F16 in -> F16 out, to the last range (no rest left).
+    half = validate_step(boundary_step(out, WireDType.F16), spec(2, 4))
+    request = next_hop_request(half, out * 2, ADMISSION)
+    assert request.dtype == WireDType.F16 and len(request.boundary) == 2 * N_EMBD * 2 and not request.rest
+    last = validate_step(request, spec(4, 6))
+    np.testing.assert_array_equal(last.rows, (out * 2).astype(np.float16).astype(np.float32))
+
+    with pytest.raises(BoundaryError, match="out of float16 range"):
+        next_hop_request(half, np.full((2, N_EMBD), 1e6, np.float32), ADMISSION)
+    with pytest.raises(BoundaryError, match="3 output rows for a step of 2 rows"):
+        next_hop_request(first, rows_of(3), ADMISSION)
+
+
+def test_step_results_round_trip_and_are_checked() -> None:
+    logits = np.linspace(-3, 3, N_VOCAB, dtype=np.float32)
+    result = step_result(SESSION, 4, logits, ADMISSION)
+    assert (result.step, result.n_vocab, result.checksum) == (4, N_VOCAB, crc32(logits.tobytes()))
+    parsed = parse_record(swarm_pb2.StepResult, result.SerializeToString())
+    np.testing.assert_array_equal(validate_step_result(parsed, N_VOCAB), logits)
+    with pytest.raises(WireError, match="n_vocab 100, expected 50"):
+        validate_step_result(parsed, 50)
+    parsed.checksum ^= 1
+    with pytest.raises(WireError, match="does not match the logits"):
+        validate_step_result(parsed)
+    failed = step_result_error(SESSION, 4, Code.UNAVAILABLE, "next hop B unreachable", "B", ADMISSION)
+    assert failed.failed_peer_id == "B" and not failed.logits
+    with pytest.raises(WireError) as caught:
+        validate_step_result(failed)
+    assert caught.value.code == Code.UNAVAILABLE and caught.value.message == "next hop B unreachable"
+
+
+def test_error_replies() -> None:
+    ack = parse_record(swarm_pb2.StepAck, step_ack())
+    assert ack.error.code == 0
+    ack = parse_record(swarm_pb2.StepAck, step_ack_error(Code.REFUSED, "no"))
+    assert (ack.error.code, ack.error.message) == (Code.REFUSED, "no")
+    ack = parse_record(swarm_pb2.StepAck, step_ack(WireError(Code.NOT_FOUND, "gone")))
+    assert (ack.error.code, ack.error.message) == (Code.NOT_FOUND, "gone")
+    reply = parse_record(swarm_pb2.NodeReply, node_reply_error(Code.INTERNAL, "x"))
+    assert reply.error.code == Code.INTERNAL
+    reply = parse_record(swarm_pb2.TrackerReply, tracker_reply_error(Code.NOT_FOUND, "unknown node: register first"))
+    assert reply.error.message == "unknown node: register first"
+    assert str(WireError(Code.REFUSED, "bad")) == "REFUSED: bad"
+
+
+def test_peer_id_from_multiaddr() -> None:
+    assert peer_id_from_multiaddr("/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWabc") == "12D3KooWabc"
+    assert peer_id_from_multiaddr("/memory/x/p2p/Qm/") == "Qm"
+    for bad in ("/ip4/127.0.0.1/tcp/4001", "/p2p/", "12D3KooWabc"):
+        with pytest.raises(ValueError, match="does not end with /p2p/<peer id>"):
+            peer_id_from_multiaddr(bad)

@@ -1,0 +1,600 @@
+"""The swarm end to end: a real tracker and real node processes on loopback, SmolLM2 split
+across them, driven by the real client over libp2p.
+
+One three-node swarm (each node offered memory for a third of the model) is shared by the
+tests of this module that do not break it; the healing test and the demo start their own.
+The tracker-restart test runs last on the shared swarm. Every process is stopped at the end
+(terminate, then kill), and each test has its own timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent._proto import swarm_pb2
+from agent.core.admission import issue_admission, sign_fingerprint
+from agent.core.swarm_wire import NODE_PROTOCOL, STEP_PROTOCOL, TRACKER_PROTOCOL, crc32, token_checksum
+from agent.io.client import SwarmClientConfig, open_swarm_client
+from agent.io.keys import peer_id_of
+from agent.io.local_demo import generate_through
+from agent.io.local_swarm import LocalSwarm, LocalSwarmConfig
+from agent.io.p2p import open_p2p_transport
+from agent.io.swarm_demo import node_memory_bytes, wait_for_coverage
+from agent.io.transport import TransportError
+from agent.io.worker_process import open_worker
+from agent.models import model_path, sha256_file
+from agent.runtime import expected_pin
+
+pytestmark = pytest.mark.slow
+
+ALIAS = "smollm2"
+PROMPTS = (
+    "The capital of France is",
+    "Volunteer computing works because",
+    "def fibonacci(n):",
+)
+NEW_TOKENS = 48
+SETUP_TIMEOUT_S = 240.0
+REQUEST_TIMEOUT_S = 10.0
+
+
+# --- the shared swarm ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RunningSwarm:
+    swarm: LocalSwarm
+    model_path: Path
+    model_sha256: str
+    n_layer: int
+    bytes_per_block: int
+
+    @property
+    def addr(self) -> str:
+        return self.swarm.tracker_addr
+
+    def node_ids(self) -> dict[str, str]:
+        return {name: proc.peer_id for name, proc in self.swarm.nodes.items()}
+
+
+async def _start(swarm: LocalSwarm, nodes: int, blocks_each: int | None = None) -> tuple[int, int]:
+    await swarm.start_tracker()
+    async with open_swarm_client(swarm.tracker_addr) as client:
+        (entry,) = [m for m in await client.list_models() if m.alias == ALIAS]
+        if blocks_each is None:
+            memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, nodes)
+        else:
+            memory = blocks_each * entry.bytes_per_block + entry.bytes_per_block // 2
+        for i in range(nodes):
+            swarm.start_node(f"node-{i + 1}", memory)
+        await wait_for_coverage(client, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
+    return entry.n_layer, entry.bytes_per_block
+
+
+def _new_swarm(workdir: Path, heartbeat_timeout_ms: int) -> LocalSwarm:
+    config = LocalSwarmConfig(model_path=model_path("smollm2"), model_alias=ALIAS, heartbeat_timeout_ms=heartbeat_timeout_ms)
+    return LocalSwarm(config, workdir)
+
+
+@contextlib.contextmanager
+def running_swarm(workdir: Path, nodes: int) -> Iterator[RunningSwarm]:
+    """For module fixtures: the processes outlive the ``trio.run`` that starts them."""
+    swarm = _new_swarm(workdir, 5000)
+    try:
+        n_layer, bpb = trio.run(_start, swarm, nodes, None)
+        path = swarm.config.model_path
+        yield RunningSwarm(swarm, path, sha256_file(path), n_layer, bpb)
+    finally:
+        swarm.close_nowait()
+
+
+@contextlib.asynccontextmanager
+async def running_swarm_async(
+    workdir: Path, nodes: int, *, blocks_each: int | None = None, heartbeat_timeout_ms: int = 5000
+) -> AsyncIterator[RunningSwarm]:
+    """For one test: started and stopped inside its trio run."""
+    swarm = _new_swarm(workdir, heartbeat_timeout_ms)
+    try:
+        n_layer, bpb = await _start(swarm, nodes, blocks_each)
+        path = swarm.config.model_path
+        yield RunningSwarm(swarm, path, await trio.to_thread.run_sync(sha256_file, path), n_layer, bpb)
+    finally:
+        with trio.CancelScope(shield=True):
+            await swarm.aclose()
+
+
+@pytest.fixture(scope="module")
+def swarm3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSwarm]:
+    """Tracker + three nodes, each able to hold a third of SmolLM2."""
+    with running_swarm(tmp_path_factory.mktemp("swarm3"), 3) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def reference(swarm3: RunningSwarm) -> dict[str, tuple[list[int], list[int]]]:
+    """prompt -> (prompt tokens, greedy tokens of one unsplit worker)."""
+
+    async def compute() -> dict[str, tuple[list[int], list[int]]]:
+        out = {}
+        async with open_worker(swarm3.model_path, 0, None, threads=1, max_sequences=1, model_sha256=swarm3.model_sha256) as single:
+            for prompt in PROMPTS:
+                tokens = await single.client.tokenize(prompt, add_special=True)
+                run = await generate_through([single.client], tokens, NEW_TOKENS, stop_tokens=single.info.eog_token_ids)
+                out[prompt] = (tokens, run.tokens)
+        return out
+
+    return trio.run(compute)
+
+
+def client(running: RunningSwarm, **config):
+    return open_swarm_client(running.addr, config=SwarmClientConfig(**config) if config else None)
+
+
+def assert_swarm_alive(running: RunningSwarm) -> None:
+    running.swarm.check_alive()
+
+
+# --- healing -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(400)
+async def test_a_killed_node_is_routed_around(tmp_path: Path) -> None:
+    heartbeat_timeout_ms = 2000
+    async with running_swarm_async(tmp_path, 4, blocks_each=15, heartbeat_timeout_ms=heartbeat_timeout_ms) as running:
+        async with client(running, replan_attempts=1, replan_wait_s=30.0) as c:
+            route = await c.route(ALIAS)
+            reference_run = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+            by_peer = {proc.peer_id: name for name, proc in running.swarm.nodes.items()}
+            victim_id = route.hops[-1].peer_id
+            victim = by_peer[victim_id]
+            assert len(route.hops) == 2  # two nodes of 15 blocks per copy, two copies
+
+            # killed between two steps of a running generation: the client replans around it
+            pieces = 0
+            killed = trio.Event()
+            noticed: dict[str, float] = {}
+
+            def kill_after_five(text: str) -> None:
+                nonlocal pieces
+                pieces += 1
+                if pieces == 5:
+                    running.swarm.nodes[victim].signal_group(signal.SIGKILL)
+                    noticed["killed_at"] = trio.current_time()
+                    killed.set()
+
+            async def watch_tracker() -> None:
+                await killed.wait()
+                async with client(running) as watcher:
+                    healed = await watcher.wait_for_route(ALIAS, timeout_s=30, avoid_peers=[victim_id])
+                noticed["after_s"] = trio.current_time() - noticed["killed_at"]
+                noticed["hops"] = [h.peer_id for h in healed.hops]
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch_tracker)
+                result = await c.generate(
+                    ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS, on_text=kill_after_five, route=route
+                )
+            await running.swarm.kill_node(victim)
+            assert result.replans == 1
+            assert victim_id not in [h["node"] for h in result.route]
+            assert result.tokens == reference_run.tokens
+
+            # the tracker noticed within its heartbeat timeout (plus polling slack)
+            assert noticed["after_s"] < heartbeat_timeout_ms / 1000 + 3, noticed
+            assert victim_id not in noticed["hops"]
+            again = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+            assert again.tokens == reference_run.tokens
+            assert victim_id not in [h["node"] for h in again.route]
+        running.swarm.check_alive()
+
+
+# --- the demo ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(400)
+def test_baton_demo_json_runs_the_swarm_end_to_end(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "demo", "--max-tokens", "12", "--workdir", str(tmp_path), "--json",
+         "The capital of France is"],
+        capture_output=True, text=True, timeout=380, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr + "\n" + _logs(tmp_path)
+    report = json.loads(done.stdout)
+    assert {"route", "text", "tokens_per_s", "tokens_equal_single_process"} <= set(report)
+    assert [(hop["begin"], hop["end"]) for hop in report["route"]] == [(0, 10), (10, 20), (20, 30)]
+    assert len({hop["node"] for hop in report["route"]}) == 3
+    assert report["tokens_equal_single_process"] is True
+    assert report["tokens_per_s"] > 0
+    assert "Paris" in report["text"]
+    # every process it started is gone
+    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True, check=False)
+    assert leftovers.stdout.strip() == "", leftovers.stdout
+
+
+def _logs(workdir: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(workdir.glob("logs/*.log")))
+
+
+# --- generation --------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+async def test_greedy_through_three_nodes_equals_one_unsplit_worker(swarm3: RunningSwarm, reference) -> None:
+    async with client(swarm3) as c:
+        for prompt in PROMPTS:
+            pieces: list[str] = []
+            result = await c.generate(ALIAS, prompt, max_tokens=NEW_TOKENS, on_text=pieces.append)
+            prompt_tokens, expected = reference[prompt]
+            assert result.prompt_tokens == prompt_tokens
+            assert result.tokens == expected, prompt
+            assert "".join(pieces) == result.text
+            # the tracker split the model three ways, one range per node
+            assert [(h["begin"], h["end"]) for h in result.route] == [(0, 10), (10, 20), (20, 30)]
+            assert sorted(h["node"] for h in result.route) == sorted(swarm3.node_ids().values())
+            assert result.tokens_per_s > 0
+    assert "Paris" in (await _text(swarm3, PROMPTS[0]))
+    assert_swarm_alive(swarm3)
+
+
+async def _text(running: RunningSwarm, prompt: str) -> str:
+    async with client(running) as c:
+        return (await c.generate(ALIAS, prompt, max_tokens=8)).text
+
+
+@pytest.mark.timeout(120)
+async def test_seeded_sampling_through_the_swarm_is_reproducible(swarm3: RunningSwarm) -> None:
+    async with client(swarm3) as c:
+        runs = [
+            (await c.generate(ALIAS, PROMPTS[1], max_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=seed)).tokens
+            for seed in (5, 5, 6)
+        ]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+@pytest.mark.timeout(120)
+async def test_concurrent_sessions_do_not_disturb_each_other(swarm3: RunningSwarm, reference) -> None:
+    results = {}
+    async with client(swarm3) as c:
+
+        async def one(prompt: str) -> None:
+            results[prompt] = await c.generate(ALIAS, prompt, max_tokens=NEW_TOKENS)
+
+        async with trio.open_nursery() as nursery:
+            for prompt in PROMPTS:
+                nursery.start_soon(one, prompt)
+    for prompt in PROMPTS:
+        assert results[prompt].tokens == reference[prompt][1], prompt
+
+
+@pytest.mark.timeout(120)
+def test_baton_generate_cli(swarm3: RunningSwarm, reference) -> None:
+    command = [sys.executable, "-m", "agent.cli", "generate", "--tracker", swarm3.addr, "--model", ALIAS]
+    done = subprocess.run(
+        command + ["--max-tokens", str(NEW_TOKENS), "--json", PROMPTS[0]],
+        capture_output=True, text=True, timeout=100, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["tokens"] == reference[PROMPTS[0]][1]
+    assert [(h["begin"], h["end"]) for h in report["route"]] == [(0, 10), (10, 20), (20, 30)]
+    assert report["tokens_per_s"] > 0 and "Paris" in report["text"]
+
+    streamed = subprocess.run(
+        command + ["--max-tokens", "8", PROMPTS[0]], capture_output=True, text=True, timeout=100, check=False
+    )
+    assert streamed.returncode == 0, streamed.stderr
+    lines = streamed.stdout.splitlines()
+    assert "Paris" in lines[0]
+    assert lines[-2].startswith("route:") and "[0, 10) -> " in lines[-2]
+    assert lines[-1].startswith("tokens/s:")
+
+    unknown = subprocess.run(
+        [sys.executable, "-m", "agent.cli", "generate", "--tracker", swarm3.addr, "--model", "no-such-model", "hi"],
+        capture_output=True, text=True, timeout=100, check=False,
+    )  # fmt: skip
+    assert unknown.returncode == 2
+    assert "no-such-model" in unknown.stderr
+
+
+# --- admission over the real transport ---------------------------------------------------------------
+
+
+def fingerprint(peer_id: str, transport, **overrides) -> swarm_pb2.Fingerprint:
+    commit, patch_hash = expected_pin()
+    fields = dict(
+        schema_version=1, peer_id=peer_id, os="Linux", cpu_model="test", cpu_cores=2,
+        ram_total_bytes=8 << 30, ram_available_bytes=4 << 30,
+        devices=[swarm_pb2.Device(backend="CPU", name="cpu", total_bytes=8 << 30, free_bytes=4 << 30)],
+        llama_cpp_commit=commit, patch_series_sha256=patch_hash, architectures=["llama"],
+        decode_s_per_block=0.001, bandwidth_bytes_per_s=1e9, created_at_ms=time.time_ns() // 1_000_000,
+        nonce=os.urandom(16), listen_addrs=transport.listen_addrs, model_sha256s=[],
+        usable_memory_bytes=1 << 30,
+    )  # fmt: skip
+    fields.update(overrides)
+    return swarm_pb2.Fingerprint(**fields)
+
+
+async def tracker_call(transport, running: RunningSwarm, request: swarm_pb2.TrackerRequest | bytes) -> swarm_pb2.TrackerReply:
+    tracker_id = running.addr.rpartition("/p2p/")[2]
+    payload = request if isinstance(request, bytes) else request.SerializeToString()
+    raw = await transport.request(tracker_id, [running.addr], TRACKER_PROTOCOL, payload, timeout_s=REQUEST_TIMEOUT_S)
+    return swarm_pb2.TrackerReply.FromString(raw)
+
+
+def register_request(signed: swarm_pb2.SignedFingerprint) -> swarm_pb2.TrackerRequest:
+    return swarm_pb2.TrackerRequest(schema_version=1, register=swarm_pb2.RegisterRequest(fingerprint=signed))
+
+
+async def admitted_node(transport, key: Ed25519PrivateKey, running: RunningSwarm) -> swarm_pb2.RegisterReply:
+    """Register a node that holds no model (it gets no ranges) and return its reply."""
+    reply = await tracker_call(
+        transport, running, register_request(sign_fingerprint(key, fingerprint(transport.peer_id, transport)))
+    )
+    assert not reply.error.code, reply.error.message
+    return reply.register
+
+
+@pytest.mark.timeout(120)
+async def test_registrations_are_refused_with_their_reason(swarm3: RunningSwarm) -> None:
+    key = Ed25519PrivateKey.generate()
+    other = Ed25519PrivateKey.generate()
+    async with open_p2p_transport(key) as transport:
+        me = transport.peer_id
+        now = time.time_ns() // 1_000_000
+
+        def signed(**overrides) -> swarm_pb2.SignedFingerprint:
+            return sign_fingerprint(key, fingerprint(me, transport, **overrides))
+
+        forged = signed()
+        forged.signature = bytes(64)
+        stranger = sign_fingerprint(other, fingerprint(peer_id_of(other), transport))
+        cases = {
+            "bad signature": forged,
+            "peer id mismatch": stranger,  # another peer's registration sent from this connection
+            "wrong llama.cpp pin": signed(llama_cpp_commit="0" * 40),
+            "wrong patch series": signed(patch_series_sha256="f" * 64),
+            "stale registration": signed(created_at_ms=now - 10 * 60_000),
+            "too little memory": signed(usable_memory_bytes=1000),
+            "no usable backend": signed(devices=[]),
+        }
+        for reason, registration in cases.items():
+            reply = await tracker_call(transport, swarm3, register_request(registration))
+            assert reply.error.code == swarm_pb2.Error.REFUSED, (reason, reply)
+            assert reply.error.message.startswith(reason), (reason, reply.error.message)
+
+        once = signed()
+        first = await tracker_call(transport, swarm3, register_request(once))
+        assert not first.error.code, first.error.message
+        assert first.register.admission.record and first.register.heartbeat_timeout_ms == 5000
+        again = await tracker_call(transport, swarm3, register_request(once))
+        assert again.error.code == swarm_pb2.Error.REFUSED
+        assert again.error.message.startswith("replayed registration")
+
+        v2 = register_request(signed())
+        v2.schema_version = 2
+        reply = await tracker_call(transport, swarm3, v2)
+        assert reply.error.code == swarm_pb2.Error.INVALID_ARGUMENT
+        assert "schema_version 2 is not supported" in reply.error.message
+        reply = await tracker_call(transport, swarm3, b"\xff\xffnot a protobuf")
+        assert reply.error.code == swarm_pb2.Error.INVALID_ARGUMENT
+    assert_swarm_alive(swarm3)
+
+
+@pytest.mark.timeout(120)
+async def test_a_node_process_offering_too_little_memory_is_refused(swarm3: RunningSwarm) -> None:
+    proc = swarm3.swarm.start_node("tiny", memory_bytes=1000)
+    try:
+        with trio.fail_after(90):
+            while proc.alive:
+                await trio.sleep(0.1)
+    finally:
+        del swarm3.swarm.nodes["tiny"]  # not part of the swarm (and not a process that died on it)
+        proc.stop_nowait(1.0)
+    log = proc.log_tail()
+    assert proc.returncode == 3, log
+    assert "node refused: too little memory" in log
+    assert_swarm_alive(swarm3)
+
+
+@pytest.mark.timeout(120)
+async def test_steps_from_peers_without_a_valid_admission_are_refused(swarm3: RunningSwarm) -> None:
+    async with client(swarm3) as c:
+        route = await c.route(ALIAS)
+        first, second = route.hops[0], route.hops[1]
+        key = Ed25519PrivateKey.generate()
+        async with open_p2p_transport(key) as transport:
+            registered = await admitted_node(transport, key, swarm3)
+            foreign_tracker = Ed25519PrivateKey.generate()
+            record = swarm_pb2.AdmissionRecord.FromString(registered.admission.record)
+            forged = issue_admission(foreign_tracker, record)  # same record, another tracker's signature
+            garbage = swarm_pb2.SignedAdmission(record=b"\xff\xff not a record", signature=bytes(64))
+
+            boundary = np.zeros((1, 576), np.float32).tobytes()
+            base = swarm_pb2.StepRequest(
+                schema_version=1, session_id=os.urandom(16), step=0, begin=second.begin, end=second.end,
+                positions=[0], boundary=boundary, dtype=swarm_pb2.DTYPE_F32, n_embd=576,
+                recipe_hash=route.recipe_hash, rest=list(route.hops[2:]), owner_peer_id=transport.peer_id,
+                owner_addrs=transport.listen_addrs, checksum=crc32(boundary), model_sha256=route.model_sha256,
+            )  # fmt: skip
+            cases = {
+                "none": (None, "admission"),
+                "foreign tracker": (forged, "bad tracker signature"),
+                "garbage": (garbage, "admission"),
+            }
+            for name, (admission, text) in cases.items():
+                request = swarm_pb2.StepRequest()
+                request.CopyFrom(base)
+                if admission is not None:
+                    request.sender_admission.CopyFrom(admission)
+                ack = await step(transport, second, request)
+                assert ack.error.code == swarm_pb2.Error.REFUSED, (name, ack)
+                assert text in ack.error.message, (name, ack.error.message)
+
+            # a client (its own valid admission) may only send to first hops
+            request = swarm_pb2.StepRequest()
+            request.CopyFrom(base)
+            request.owner_peer_id = c.peer_id
+            request.sender_admission.CopyFrom(c.admission)
+            ack = await step(c.transport, second, request)
+            assert ack.error.code == swarm_pb2.Error.REFUSED, ack
+            assert "ROLE_CLIENT" in ack.error.message or "client" in ack.error.message.lower(), ack.error.message
+
+            # the client's own admission presented by another peer
+            stolen = swarm_pb2.StepRequest(
+                schema_version=1, session_id=os.urandom(16), step=0, begin=first.begin, end=first.end,
+                positions=[0], token_ids=[1], recipe_hash=route.recipe_hash, rest=list(route.hops[1:]),
+                owner_peer_id=transport.peer_id, owner_addrs=transport.listen_addrs, checksum=token_checksum([1]),
+                sender_admission=c.admission, model_sha256=route.model_sha256,
+            )  # fmt: skip
+            ack = await step(transport, first, stolen)
+            assert ack.error.code == swarm_pb2.Error.REFUSED
+            assert "peer id mismatch" in ack.error.message
+    assert_swarm_alive(swarm3)
+
+
+async def step(transport, hop: swarm_pb2.Hop, request: swarm_pb2.StepRequest | bytes) -> swarm_pb2.StepAck:
+    payload = request if isinstance(request, bytes) else request.SerializeToString()
+    raw = await transport.request(hop.peer_id, list(hop.addrs), STEP_PROTOCOL, payload, timeout_s=REQUEST_TIMEOUT_S)
+    return swarm_pb2.StepAck.FromString(raw)
+
+
+# --- bad input at the network boundaries ------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+async def test_bad_input_gets_error_replies_and_disturbs_no_other_session(swarm3: RunningSwarm, reference) -> None:
+    prompt = PROMPTS[2]
+    bad_replies: dict[str, tuple[int, str]] = {}
+    async with client(swarm3) as c:
+        route = await c.route(ALIAS)
+        first, second = route.hops[0], route.hops[1]
+        key = Ed25519PrivateKey.generate()
+        async with open_p2p_transport(key, max_frame_bytes=80 << 20) as transport:
+            admission = (await admitted_node(transport, key, swarm3)).admission
+            n_embd = 576
+
+            def boundary_step(rows: np.ndarray, **overrides) -> swarm_pb2.StepRequest:
+                data = rows.astype(np.float32).tobytes()
+                fields = dict(
+                    schema_version=1, session_id=os.urandom(16), step=0, begin=second.begin, end=second.end,
+                    positions=list(range(rows.shape[0])), boundary=data, dtype=swarm_pb2.DTYPE_F32, n_embd=n_embd,
+                    recipe_hash=route.recipe_hash, rest=list(route.hops[2:]), owner_peer_id=transport.peer_id,
+                    owner_addrs=transport.listen_addrs, checksum=crc32(data), sender_admission=admission,
+                    model_sha256=route.model_sha256,
+                )  # fmt: skip
+                fields.update(overrides)
+                return swarm_pb2.StepRequest(**fields)
+
+            good_rows = np.random.default_rng(0).standard_normal((2, n_embd)).astype(np.float32)
+            nan_rows = good_rows.copy()
+            nan_rows[1, 7] = np.nan
+            narrow = np.zeros((2, n_embd - 1), np.float32)
+
+            async def probe_all() -> None:
+                await started.wait()
+                cases = {
+                    "malformed protobuf": b"\x0a\xff\xff\xff\xff\x0f garbage",
+                    "wrong width": boundary_step(narrow, n_embd=n_embd - 1),
+                    "wrong byte length": boundary_step(good_rows, boundary=good_rows.tobytes()[:-4],
+                                                       checksum=crc32(good_rows.tobytes()[:-4])),
+                    "NaN rows": boundary_step(nan_rows),
+                    "bad checksum": boundary_step(good_rows, checksum=12345),
+                    "unknown session": boundary_step(good_rows[:1], step=5, positions=[40]),
+                    "wrong recipe": boundary_step(good_rows, recipe_hash="not-the-recipe"),
+                    "wrong schema": boundary_step(good_rows, schema_version=7),
+                    "wrong range": boundary_step(good_rows, begin=11, end=20),
+                    "bad dtype": boundary_step(good_rows, dtype=9),
+                }
+                for name, request in cases.items():
+                    ack = await step(transport, second, request)
+                    bad_replies[name] = (ack.error.code, ack.error.message)
+                # a frame over the node's limit (64 MiB): the stream is refused, the node stays up
+                try:
+                    await step(transport, second, boundary_step(np.zeros(((65 << 20) // (4 * n_embd) + 1, n_embd))))
+                except TransportError as error:
+                    bad_replies["oversize frame"] = (-1, str(error))
+                else:
+                    bad_replies["oversize frame"] = (0, "accepted")
+                node_raw = await transport.request(
+                    first.peer_id, list(first.addrs), NODE_PROTOCOL, b"\xff\x01junk", timeout_s=REQUEST_TIMEOUT_S
+                )
+                reply = swarm_pb2.NodeReply.FromString(node_raw)
+                bad_replies["malformed node request"] = (reply.error.code, reply.error.message)
+                tracker_reply = await tracker_call(transport, swarm3, b"\xff\x01junk")
+                bad_replies["malformed tracker request"] = (tracker_reply.error.code, tracker_reply.error.message)
+
+            started = trio.Event()
+            results = {}
+
+            async def generate() -> None:
+                def first_piece(text: str) -> None:
+                    started.set()
+
+                results["clean"] = await c.generate(ALIAS, prompt, max_tokens=NEW_TOKENS, on_text=first_piece)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(generate)
+                nursery.start_soon(probe_all)
+
+    invalid = swarm_pb2.Error.INVALID_ARGUMENT
+    for name in ("malformed protobuf", "wrong width", "wrong byte length", "NaN rows", "bad checksum",
+                 "wrong recipe", "wrong schema", "bad dtype",
+                 "malformed node request", "malformed tracker request"):  # fmt: skip
+        code, message = bad_replies[name]
+        assert code == invalid, (name, code, message)
+        assert message, name
+    assert "n_embd" in bad_replies["wrong width"][1]
+    assert "finite" in bad_replies["NaN rows"][1].lower() or "nan" in bad_replies["NaN rows"][1].lower()
+    assert "checksum" in bad_replies["bad checksum"][1]
+    assert "recipe" in bad_replies["wrong recipe"][1]
+    assert "schema_version 7" in bad_replies["wrong schema"][1]
+    code, message = bad_replies["wrong range"]
+    assert code == swarm_pb2.Error.NOT_FOUND and "[11, 20)" in message, (code, message)
+    code, message = bad_replies["unknown session"]
+    assert code in (swarm_pb2.Error.NOT_FOUND, invalid), message
+    assert "session" in message
+    assert bad_replies["oversize frame"][0] != 0, bad_replies["oversize frame"]
+    # the session that ran meanwhile is exactly what it is alone
+    assert results["clean"].tokens == reference[prompt][1]
+    assert_swarm_alive(swarm3)
+    async with client(swarm3) as c:
+        assert (await c.generate(ALIAS, prompt, max_tokens=NEW_TOKENS)).tokens == reference[prompt][1]
+
+
+# --- tracker restart (last on the shared swarm) -----------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+async def test_a_restarted_tracker_keeps_models_nodes_and_assignments(swarm3: RunningSwarm, reference) -> None:
+    async with client(swarm3) as c:
+        before = await c.route(ALIAS)
+        models_before = [(m.sha256, m.alias, m.n_layer) for m in await c.list_models()]
+    swarm = swarm3.swarm
+    await swarm.stop_tracker(kill=True)
+    assert not swarm.tracker.alive
+    await swarm.start_tracker()  # same db, key and port
+    async with client(swarm3) as c:
+        assert [(m.sha256, m.alias, m.n_layer) for m in await c.list_models()] == models_before
+        # nodes come back with their next heartbeat, with the ranges they had
+        after = await wait_for_coverage(c, swarm, ALIAS, timeout_s=60)
+        assert [(h.peer_id, h.begin, h.end) for h in after.hops] == [(h.peer_id, h.begin, h.end) for h in before.hops]
+        result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+    assert result.tokens == reference[PROMPTS[0]][1]
+    assert_swarm_alive(swarm3)
+
+

@@ -1,0 +1,598 @@
+"""The tracker service over in-memory transports, with a real SQLite file and trio's MockClock.
+
+Covers: admission and every refusal reason, admissions that verify, heartbeat directives and
+admission refresh, malformed requests (error replies, tracker keeps serving), the heartbeat
+timeout at exactly the configured time with healing, restart without loss, routes once nodes
+report READY, and the model registry (GGUF facts, bytes per block).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sqlite3
+
+import pytest
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent._proto import swarm_pb2
+from agent.core import admission as adm
+from agent.core.assignment import Assignment
+from agent.core.identity import peer_id_from_public_key
+from agent.core.registry import GgufFacts, bytes_per_block, model_entry
+from agent.core.swarm_wire import TRACKER_PROTOCOL
+from agent.io.tracker.cli import parse_model_arg, register_models
+from agent.io.tracker.gguf_info import GgufError, read_gguf_facts
+from agent.io.tracker.service import TrackerConfig, serve_tracker
+from agent.io.tracker.store import StoreError, TrackerStore, open_store
+from agent.io.transport import MemoryNetwork
+
+T0_MS = 1_800_000_000_000  # unix ms at trio time 0
+PIN = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+PATCH = "c7" * 32
+BPB = 1_000_000
+MODEL = swarm_pb2.ModelEntry(
+    sha256="aa" * 32, name="Tiny Model", alias="tiny", architecture="qwen2", n_layer=6, size_bytes=10**7,
+    bytes_per_block=BPB,
+)  # fmt: skip
+CONFIG = TrackerConfig(llama_cpp_commit=PIN, patch_series_sha256=PATCH)
+READY, LOADING = swarm_pb2.AssignmentStatus.READY, swarm_pb2.AssignmentStatus.LOADING
+Code = swarm_pb2.Error
+
+
+def now_ms() -> int:
+    return T0_MS + round(trio.current_time() * 1000)
+
+
+def key(seed: int) -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.from_private_bytes(bytes([seed]) * 32)
+
+
+def peer(k: Ed25519PrivateKey) -> str:
+    return peer_id_from_public_key(adm.public_key_bytes(k))
+
+
+TRACKER_KEY = key(100)
+TRACKER = peer(TRACKER_KEY)
+
+
+class Peer:
+    """A node or client talking to the tracker over the memory network."""
+
+    def __init__(self, net: MemoryNetwork, k: Ed25519PrivateKey) -> None:
+        self.key = k
+        self.peer_id = peer(k)
+        self.transport = net.add(self.peer_id)
+        self._nonce = 0
+
+    async def raw(self, payload: bytes) -> swarm_pb2.TrackerReply:
+        data = await self.transport.request(TRACKER, [], TRACKER_PROTOCOL, payload, timeout_s=10)
+        reply = swarm_pb2.TrackerReply()
+        reply.ParseFromString(data)
+        assert reply.schema_version == 1
+        return reply
+
+    async def call(self, **body) -> swarm_pb2.TrackerReply:
+        return await self.raw(swarm_pb2.TrackerRequest(schema_version=1, **body).SerializeToString())
+
+    def nonce(self) -> bytes:
+        self._nonce += 1
+        return self._nonce.to_bytes(16, "big")
+
+    def fingerprint(self, **overrides) -> swarm_pb2.Fingerprint:
+        fields = {
+            "schema_version": 1,
+            "peer_id": self.peer_id,
+            "llama_cpp_commit": PIN,
+            "patch_series_sha256": PATCH,
+            "created_at_ms": now_ms(),
+            "nonce": self.nonce(),
+            "usable_memory_bytes": 6 * BPB,
+            "devices": [swarm_pb2.Device(backend="CPU", name="CPU", total_bytes=1 << 34, free_bytes=1 << 34)],
+            "decode_s_per_block": 0.001,
+            "listen_addrs": [f"/memory/{self.peer_id}"],
+            "model_sha256s": [MODEL.sha256],
+        }
+        fields.update(overrides)
+        return swarm_pb2.Fingerprint(**fields)
+
+    async def register(self, **overrides) -> swarm_pb2.TrackerReply:
+        signed = adm.sign_fingerprint(self.key, self.fingerprint(**overrides))
+        return await self.call(register=swarm_pb2.RegisterRequest(fingerprint=signed))
+
+    async def heartbeat(self, serving=(), recipe="recipe-1", state=READY) -> swarm_pb2.TrackerReply:
+        statuses = [
+            swarm_pb2.AssignmentStatus(
+                assignment=swarm_pb2.Assignment(model_sha256=MODEL.sha256, begin=b, end=e),
+                state=state,
+                recipe_hash=recipe if state == READY else "",
+            )
+            for b, e in serving
+        ]
+        return await self.call(
+            heartbeat=swarm_pb2.HeartbeatRequest(peer_id=self.peer_id, sent_at_ms=now_ms(), serving=statuses)
+        )
+
+
+def ranges_of(directives, kind=swarm_pb2.Directive.LOAD) -> list[tuple[int, int]]:
+    return sorted((d.assignment.begin, d.assignment.end) for d in directives if d.kind == kind)
+
+
+@dataclasses.dataclass
+class Harness:
+    net: MemoryNetwork
+    db_path: object
+    store: TrackerStore
+    tracker: object
+    nursery: trio.Nursery
+    config: TrackerConfig
+
+    def peer(self, seed: int) -> Peer:
+        return Peer(self.net, key(seed))
+
+
+@contextlib.asynccontextmanager
+async def running_tracker(db_path, net=None, config=CONFIG, models=(MODEL,)):
+    net = net or MemoryNetwork()
+    transport = net.add(TRACKER)
+    with open_store(db_path) as store:
+        for m in models:
+            store.put_model(m, now_ms())
+        async with trio.open_nursery() as nursery:
+            tracker = await nursery.start(
+                lambda task_status: serve_tracker(
+                    transport, store, config, TRACKER_KEY, clock=now_ms, task_status=task_status
+                )
+            )
+            yield Harness(net, db_path, store, tracker, nursery, config)
+            nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def db_path(tmp_path):
+    return tmp_path / "tracker.db"
+
+
+# --- admission ----------------------------------------------------------------------------------
+
+
+async def test_admitted_node_gets_a_valid_admission_and_load_directives(autojump_clock, db_path):
+    async with running_tracker(db_path) as h:
+        node = h.peer(1)
+        reply = await node.register()
+        assert reply.WhichOneof("body") == "register", reply.error
+        reg = reply.register
+        assert peer_id_from_public_key(reg.tracker_public_key) == TRACKER
+        record = adm.verify_admission(
+            reg.admission, reg.tracker_public_key, node.peer_id, now_ms(), roles=[swarm_pb2.ROLE_NODE]
+        )
+        assert record.expires_at_ms == now_ms() + 600_000 and record.tracker_peer_id == TRACKER
+        assert (reg.heartbeat_interval_ms, reg.heartbeat_timeout_ms) == (1000, 5000)
+        # a node that holds the whole model gets it all
+        beat = await node.heartbeat()
+        assert beat.WhichOneof("body") == "heartbeat", beat.error
+        assert ranges_of(beat.heartbeat.directives) == [(0, 6)]
+        assert not beat.heartbeat.HasField("admission")  # still fresh
+        # once it reports the range, nothing more to do; a range it was not given is unloaded
+        beat = await node.heartbeat(serving=[(0, 6), (2, 4)], state=LOADING)
+        assert ranges_of(beat.heartbeat.directives) == []
+        assert ranges_of(beat.heartbeat.directives, swarm_pb2.Directive.UNLOAD) == [(2, 4)]
+
+
+async def test_client_hello_gets_a_client_admission_once_per_nonce(autojump_clock, db_path):
+    async with running_tracker(db_path) as h:
+        client = h.peer(2)
+        hello = adm.make_client_hello(client.key, now_ms(), b"\x01" * 16)
+        reply = await client.call(client_hello=hello)
+        assert reply.WhichOneof("body") == "client_hello", reply.error
+        record = adm.verify_admission(
+            reply.client_hello.admission, reply.client_hello.tracker_public_key, client.peer_id, now_ms()
+        )
+        assert record.role == swarm_pb2.ROLE_CLIENT
+        again = await client.call(client_hello=hello)
+        assert again.error.code == Code.REFUSED and again.error.message.startswith("replayed registration")
+        impostor = await h.peer(3).call(client_hello=hello)
+        assert impostor.error.code == Code.REFUSED and impostor.error.message.startswith("peer id mismatch")
+        await trio.sleep(61)
+        stale = await client.call(client_hello=adm.make_client_hello(client.key, now_ms() - 60_001, b"\x02" * 16))
+        assert stale.error.message.startswith("stale registration")
+
+
+def _tampered(node: Peer) -> swarm_pb2.SignedFingerprint:
+    signed = adm.sign_fingerprint(node.key, node.fingerprint())
+    signed.fingerprint = node.fingerprint(usable_memory_bytes=10**12).SerializeToString()
+    return signed
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("tampered", "bad signature"),
+        ("other_peer", "peer id mismatch"),
+        ("schema", "unsupported fingerprint schema"),
+        ("pin", "wrong llama.cpp pin"),
+        ("patch", "wrong patch series"),
+        ("stale", "stale registration"),
+        ("future", "stale registration"),
+        ("replay", "replayed registration"),
+        ("memory", "too little memory"),
+        ("backend", "no usable backend"),
+    ],
+)
+async def test_refusals_carry_the_reason(autojump_clock, db_path, case, reason):
+    async with running_tracker(db_path) as h:
+        node = h.peer(1)
+        overrides = {
+            "schema": {"schema_version": 7},
+            "pin": {"llama_cpp_commit": "f" * 40},
+            "patch": {"patch_series_sha256": "0" * 64},
+            "stale": {"created_at_ms": now_ms() - 60_001},
+            "future": {"created_at_ms": now_ms() + 60_001},
+            "memory": {"usable_memory_bytes": BPB - 1},
+            "backend": {"devices": []},
+        }.get(case, {})
+        if case == "tampered":
+            reply = await node.call(register=swarm_pb2.RegisterRequest(fingerprint=_tampered(node)))
+        elif case == "other_peer":
+            signed = adm.sign_fingerprint(node.key, node.fingerprint())
+            reply = await h.peer(2).call(register=swarm_pb2.RegisterRequest(fingerprint=signed))
+        elif case == "replay":
+            signed = adm.sign_fingerprint(node.key, node.fingerprint())
+            first = await node.call(register=swarm_pb2.RegisterRequest(fingerprint=signed))
+            assert first.WhichOneof("body") == "register"
+            reply = await node.call(register=swarm_pb2.RegisterRequest(fingerprint=signed))
+        else:
+            reply = await node.register(**overrides)
+        assert reply.WhichOneof("body") is None
+        assert reply.error.code == Code.REFUSED
+        assert reply.error.message.startswith(reason + ":"), reply.error.message
+        if case != "replay":
+            assert h.store.node(node.peer_id) is None
+            assert h.store.assignments() == []
+
+
+async def test_memory_check_uses_the_smallest_registered_model(autojump_clock, db_path):
+    small = swarm_pb2.ModelEntry(sha256="bb" * 32, alias="small", name="Small", n_layer=2, bytes_per_block=BPB // 10)
+    async with running_tracker(db_path, models=(MODEL, small)) as h:
+        reply = await h.peer(1).register(usable_memory_bytes=BPB // 10, model_sha256s=[small.sha256])
+        assert reply.WhichOneof("body") == "register", reply.error
+
+
+# --- malformed input ----------------------------------------------------------------------------
+
+
+async def test_malformed_requests_get_error_replies_and_the_tracker_keeps_serving(autojump_clock, db_path):
+    async with running_tracker(db_path) as h:
+        node, other = h.peer(1), h.peer(2)
+        cases = [
+            (await node.raw(b"\xff\xff\xff\xff"), Code.INVALID_ARGUMENT, "malformed TrackerRequest"),
+            (await node.raw(b""), Code.INVALID_ARGUMENT, "schema_version 0 is not supported (this peer speaks 1)"),
+            (
+                await node.raw(swarm_pb2.TrackerRequest(schema_version=2, list_models={}).SerializeToString()),
+                Code.INVALID_ARGUMENT,
+                "schema_version 2 is not supported (this peer speaks 1)",
+            ),
+            (await node.call(), Code.INVALID_ARGUMENT, "TrackerRequest has no body"),
+            (await node.call(register=swarm_pb2.RegisterRequest()), Code.INVALID_ARGUMENT, "no fingerprint"),
+            (await node.heartbeat(), Code.NOT_FOUND, "unknown node: register first"),
+            (
+                await other.call(heartbeat=swarm_pb2.HeartbeatRequest(peer_id=node.peer_id)),
+                Code.REFUSED,
+                "peer id mismatch",
+            ),
+            (
+                await node.call(route=swarm_pb2.RouteRequest(model="")),
+                Code.INVALID_ARGUMENT,
+                "RouteRequest.model is empty",
+            ),
+            (await node.call(route=swarm_pb2.RouteRequest(model="nope")), Code.NOT_FOUND, "unknown model 'nope'"),
+            (
+                await node.call(client_hello=swarm_pb2.ClientHelloRequest()),
+                Code.REFUSED,
+                "bad signature: public_key has 0 bytes",
+            ),
+        ]
+        assert (await node.register()).WhichOneof("body") == "register"
+        cases += [
+            (await node.heartbeat(serving=[(4, 4)]), Code.INVALID_ARGUMENT, "serving[0]: assignment"),
+            (await node.heartbeat(serving=[(0, 6)], state=0), Code.INVALID_ARGUMENT, "serving[0]: state 0"),
+        ]
+        for reply, code, text in cases:
+            assert reply.WhichOneof("body") is None
+            assert reply.error.code == code, (reply.error, text)
+            assert text in reply.error.message, (reply.error.message, text)
+        listed = await node.call(list_models=swarm_pb2.ListModelsRequest())
+        assert list(listed.list_models.models) == [MODEL]
+
+
+async def test_an_internal_error_is_answered_not_raised(autojump_clock, db_path, monkeypatch):
+    async with running_tracker(db_path) as h:
+
+        def broken():
+            raise RuntimeError("disk on fire")
+
+        monkeypatch.setattr(h.store, "models", broken)
+        reply = await h.peer(1).call(list_models=swarm_pb2.ListModelsRequest())
+        assert reply.error.code == Code.INTERNAL and "disk on fire" in reply.error.message
+        monkeypatch.undo()
+        assert list((await h.peer(1).call(list_models={})).list_models.models) == [MODEL]
+
+
+# --- liveness, healing, refresh -----------------------------------------------------------------
+
+
+async def _beat_forever(node: Peer, serving, interval_s: float = 1.0, replies=None) -> None:
+    while True:
+        reply = await node.heartbeat(serving=serving())
+        if replies is not None:
+            replies.append(reply)
+        await trio.sleep(interval_s)
+
+
+async def test_heartbeat_timeout_marks_dead_at_exactly_the_timeout_and_heals(autojump_clock, db_path):
+    async with running_tracker(db_path) as h:
+        a, b = h.peer(1), h.peer(2)
+        # B alone cannot hold the model (nothing assigned); with A the two split it 3 / 3.
+        assert (await b.register(usable_memory_bytes=3 * BPB)).WhichOneof("body") == "register"
+        assert h.store.assignments() == []
+        assert (await a.register(usable_memory_bytes=6 * BPB)).WhichOneof("body") == "register"
+        ranges = {row.assignment.peer_id: (row.assignment.begin, row.assignment.end) for row in h.store.assignments()}
+        assert sorted(ranges.values()) == [(0, 3), (3, 6)] and set(ranges) == {a.peer_id, b.peer_id}
+        range_a, range_b = ranges[a.peer_id], ranges[b.peer_id]
+
+        h.nursery.start_soon(_beat_forever, a, lambda: [range_a])
+        assert ranges_of((await b.heartbeat()).heartbeat.directives) == [range_b]
+        last_b = trio.current_time()
+
+        await trio.sleep_until(last_b + 4.999)
+        assert b.peer_id in h.tracker.alive
+        await h.tracker.wait_until(lambda: b.peer_id not in h.tracker.alive)
+        assert trio.current_time() == pytest.approx(last_b + 5.0, abs=1e-9)
+        assert not h.store.node(b.peer_id).alive
+        # A keeps its range and takes over B's (it has room); B has nothing any more.
+        assert [(r.assignment.peer_id, r.assignment.begin, r.assignment.end) for r in h.store.assignments()] == [
+            (a.peer_id, 0, 3), (a.peer_id, 3, 6)
+        ]  # fmt: skip
+        beat = await a.heartbeat(serving=[range_a])
+        assert ranges_of(beat.heartbeat.directives) == [range_b]
+        # B comes back without re-registering: alive again, assignments recomputed (it keeps nothing).
+        beat = await b.heartbeat()
+        assert beat.WhichOneof("body") == "heartbeat" and b.peer_id in h.tracker.alive
+
+
+async def test_admission_is_refreshed_when_half_its_ttl_is_left(autojump_clock, db_path):
+    config = dataclasses.replace(CONFIG, admission_ttl_ms=8000)
+    async with running_tracker(db_path, config=config) as h:
+        node = h.peer(1)
+        reg = (await node.register()).register
+        refreshed_at = None
+        for second in range(1, 7):
+            await trio.sleep(1)
+            beat = (await node.heartbeat(serving=[(0, 6)])).heartbeat
+            if beat.HasField("admission"):
+                refreshed_at = second
+                record = adm.verify_admission(beat.admission, reg.tracker_public_key, node.peer_id, now_ms())
+                assert record.expires_at_ms == now_ms() + 8000
+                break
+        assert refreshed_at == 5  # 3000 ms left < 4000 ms; at 4 s exactly 4000 ms were left
+        assert h.store.node(node.peer_id).expires_at_ms == now_ms() + 8000
+
+
+async def test_expired_admission_must_register_again(autojump_clock, db_path):
+    config = dataclasses.replace(CONFIG, admission_ttl_ms=3000, heartbeat_timeout_ms=5000)
+    async with running_tracker(db_path, config=config) as h:
+        node = h.peer(1)
+        await node.register()
+        await trio.sleep(3)
+        reply = await node.heartbeat()
+        assert reply.error.code == Code.NOT_FOUND and "admission expired" in reply.error.message
+
+
+async def test_a_range_that_failed_to_load_is_moved_elsewhere(autojump_clock, db_path):
+    async with running_tracker(db_path) as h:
+        a, b = h.peer(1), h.peer(2)
+        await a.register(usable_memory_bytes=6 * BPB)
+        await b.register(usable_memory_bytes=6 * BPB)
+        assert sorted(r.assignment.peer_id for r in h.store.assignments()) == sorted([a.peer_id, b.peer_id])
+        beat = await a.heartbeat(serving=[(0, 6)], state=swarm_pb2.AssignmentStatus.FAILED)
+        assert ranges_of(beat.heartbeat.directives, swarm_pb2.Directive.UNLOAD) == [(0, 6)]
+        assert [r.assignment.peer_id for r in h.store.assignments()] == [b.peer_id]
+        # registering anew (e.g. after fixing the node) gives it another chance
+        await a.register(usable_memory_bytes=6 * BPB)
+        assert sorted(r.assignment.peer_id for r in h.store.assignments()) == sorted([a.peer_id, b.peer_id])
+
+
+# --- routes ---------------------------------------------------------------------------------------
+
+
+async def test_route_once_nodes_report_ready(autojump_clock, db_path):
+    async with running_tracker(db_path) as h:
+        a, b = h.peer(1), h.peer(2)
+        await a.register(usable_memory_bytes=3 * BPB)
+        await b.register(usable_memory_bytes=3 * BPB)
+        client = h.peer(3)
+        reply = await client.call(route=swarm_pb2.RouteRequest(model="tiny"))
+        assert reply.error.code == Code.UNAVAILABLE
+        assert reply.error.message == "no route for model tiny: blocks [0, 6) have no ready node"
+        by_begin = {row.assignment.begin: row.assignment for row in h.store.assignments()}
+        first, second = ({a.peer_id: a, b.peer_id: b}[by_begin[begin].peer_id] for begin in (0, 3))
+        assert (by_begin[0].end, by_begin[3].end) == (3, 6) and first is not second
+        await first.heartbeat(serving=[(0, 3)])
+        await second.heartbeat(serving=[(3, 6)], state=LOADING)
+        reply = await client.call(route=swarm_pb2.RouteRequest(model="tiny"))
+        assert reply.error.message == "no route for model tiny: blocks [3, 6) have no ready node"
+        await second.heartbeat(serving=[(3, 6)])
+        for name in ("tiny", "Tiny Model", MODEL.sha256):
+            reply = await client.call(route=swarm_pb2.RouteRequest(model=name))
+            assert reply.WhichOneof("body") == "route", reply.error
+            route = reply.route
+            assert [(hop.peer_id, hop.begin, hop.end) for hop in route.hops] == [
+                (first.peer_id, 0, 3), (second.peer_id, 3, 6)
+            ]  # fmt: skip
+            assert list(route.hops[0].addrs) == [f"/memory/{first.peer_id}"]
+            assert (route.model_sha256, route.n_layer, route.recipe_hash) == (MODEL.sha256, 6, "recipe-1")
+            assert route.estimated_step_s == pytest.approx(6 * 0.001 + 2 * 0.002)
+        # a node that restarts (reports nothing loaded) drops out of routes
+        await second.heartbeat(serving=[])
+        reply = await client.call(route=swarm_pb2.RouteRequest(model="tiny"))
+        assert reply.error.code == Code.UNAVAILABLE
+
+
+async def test_routes_spread_over_redundant_copies(autojump_clock, db_path):
+    async with running_tracker(db_path) as h:
+        nodes = [h.peer(i) for i in (1, 2)]
+        for n in nodes:
+            await n.register()
+        assert [(r.assignment.begin, r.assignment.end) for r in h.store.assignments()] == [(0, 6), (0, 6)]
+        for n in nodes:
+            await n.heartbeat(serving=[(0, 6)])
+        client = h.peer(3)
+        first = (await client.call(route={"model": "tiny"})).route.hops[0].peer_id
+        second = (await client.call(route={"model": "tiny"})).route.hops[0].peer_id
+        assert {first, second} == {n.peer_id for n in nodes}
+
+
+# --- restart ----------------------------------------------------------------------------------------
+
+
+async def test_restart_keeps_nodes_models_and_assignments(autojump_clock, db_path):
+    net = MemoryNetwork()
+    async with running_tracker(db_path, net=net) as h:
+        a, b, c = sorted((h.peer(i) for i in (1, 2, 3)), key=lambda p: p.peer_id)  # ranges go in peer id order
+        for n in (a, b, c):
+            await n.register(usable_memory_bytes=2 * BPB)
+        before_assignments = h.store.assignments()
+        assert [(r.assignment.peer_id, r.assignment.begin) for r in before_assignments] == [
+            (a.peer_id, 0), (b.peer_id, 2), (c.peer_id, 4)
+        ]  # fmt: skip
+        hello_nonce = b"\x09" * 16
+        assert (await a.call(client_hello=adm.make_client_hello(a.key, now_ms(), hello_nonce))).WhichOneof("body")
+        used = adm.sign_fingerprint(a.key, a.fingerprint(usable_memory_bytes=2 * BPB))
+        await a.call(register=swarm_pb2.RegisterRequest(fingerprint=used))
+        before_nodes = h.store.nodes()
+        before_assignments = h.store.assignments()
+
+    # the tracker is down a second; everything comes back from the file
+    await trio.sleep(1)
+    async with running_tracker(db_path, net=net, models=()) as h:
+        assert h.store.nodes() == before_nodes
+        assert [m for m in h.store.models()] == [MODEL]
+        assert [r.assignment for r in h.store.assignments()] == [r.assignment for r in before_assignments]
+        assert h.tracker.pending == {a.peer_id, b.peer_id, c.peer_id} and h.tracker.alive == set()
+        # seen nonces survive: a replay is still refused
+        reply = await a.call(register=swarm_pb2.RegisterRequest(fingerprint=used))
+        assert reply.error.message.startswith("replayed registration")
+        # no route until the nodes heartbeat again, even though their ranges were READY
+        reply = await a.call(route={"model": "tiny"})
+        assert reply.error.code == Code.UNAVAILABLE
+        # the first node to come back does not take over the others' ranges
+        beat = await a.heartbeat(serving=[(0, 2)])
+        assert ranges_of(beat.heartbeat.directives) == []
+        await b.heartbeat(serving=[(2, 4)])
+        await c.heartbeat(serving=[(4, 6)])
+        route = (await a.call(route={"model": "tiny"})).route
+        assert [(hop.peer_id, hop.begin, hop.end) for hop in route.hops] == [
+            (a.peer_id, 0, 2), (b.peer_id, 2, 4), (c.peer_id, 4, 6)
+        ]  # fmt: skip
+        assert [r.assignment for r in h.store.assignments()] == [r.assignment for r in before_assignments]
+
+
+async def test_a_pending_node_that_never_returns_is_marked_dead(autojump_clock, db_path):
+    net = MemoryNetwork()
+    async with running_tracker(db_path, net=net) as h:
+        a, b = h.peer(1), h.peer(2)
+        await a.register(usable_memory_bytes=6 * BPB)
+        await b.register(usable_memory_bytes=6 * BPB)
+        assert len(h.store.assignments()) == 2  # two copies
+    async with running_tracker(db_path, net=net, models=()) as h:
+        restarted = trio.current_time()
+        h.nursery.start_soon(_beat_forever, a, lambda: [(0, 6)])
+        await h.tracker.wait_until(lambda: b.peer_id not in h.tracker.pending)
+        assert trio.current_time() == pytest.approx(restarted + 5.0, abs=1e-9)
+        assert h.tracker.alive == {a.peer_id}
+        assert [r.assignment.peer_id for r in h.store.assignments()] == [a.peer_id]
+
+
+# --- store ------------------------------------------------------------------------------------------
+
+
+def test_store_refuses_another_schema_version(db_path):
+    with open_store(db_path):
+        pass
+    connection = sqlite3.connect(db_path)
+    connection.execute("UPDATE schema_version SET version = 99")
+    connection.commit()
+    connection.close()
+    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 1"):
+        TrackerStore.open(db_path)
+
+
+def test_store_uses_wal_and_keeps_assignment_status(db_path):
+    with open_store(db_path) as store:
+        assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        a, b = Assignment("m", 0, 3, "A"), Assignment("m", 3, 6, "B")
+        store.replace_assignments([a, b])
+        assert store.set_status(a, READY, "r", "", 5)
+        assert not store.set_status(Assignment("m", 0, 6, "A"), READY, "r", "", 5)
+        store.replace_assignments([a, Assignment("m", 3, 6, "C")])
+        rows = store.assignments()
+        assert [(r.assignment, r.state, r.recipe_hash) for r in rows] == [
+            (a, READY, "r"),
+            (Assignment("m", 3, 6, "C"), 0, ""),
+        ]
+
+
+def test_store_alias_belongs_to_one_model(db_path):
+    with open_store(db_path) as store:
+        store.put_model(MODEL, 0)
+        store.put_model(MODEL, 1)  # re-registering is fine
+        with pytest.raises(StoreError, match="alias 'tiny' already names model"):
+            store.put_model(swarm_pb2.ModelEntry(sha256="cc" * 32, alias="tiny"), 2)
+
+
+def test_nonces_are_pruned_after_the_retention(db_path):
+    with open_store(db_path) as store:
+        store.add_nonce("A", b"n1", 1000)
+        store.add_nonce("A", b"n2", 5000)
+        assert store.prune_nonces(2000) == 1
+        assert not store.nonce_seen("A", b"n1") and store.nonce_seen("A", b"n2")
+
+
+# --- registry -----------------------------------------------------------------------------------------
+
+
+def test_bytes_per_block_is_weights_plus_kv():
+    facts = GgufFacts(
+        name="x", architecture="llama", n_layer=30, n_embd=576, n_head=9, n_head_kv=3, key_length=64,
+        value_length=64, block_tensor_bytes=66_493_440, size_bytes=98_362_432,
+    )  # fmt: skip
+    # 66493440 / 30 = 2216448 weight bytes; KV: 8192 tokens * 3 heads * (64 + 64) * 2 bytes = 6291456
+    assert bytes_per_block(facts) == 2_216_448 + 6_291_456
+    entry = model_entry(facts, "ab" * 32, "smol")
+    assert (entry.alias, entry.n_layer, entry.size_bytes, entry.bytes_per_block) == ("smol", 30, 98_362_432, 8_507_904)
+
+
+def test_register_a_real_gguf(db_path, qwen2_tiny_path):
+    with open_store(db_path) as store:
+        [entry] = register_models(store, [(qwen2_tiny_path, "qwen2-tiny")], 0)
+        assert store.find_model("qwen2-tiny") == entry
+        assert store.find_model(entry.sha256) == entry and store.find_model("baton qwen2-tiny (synthetic)") == entry
+    assert (entry.architecture, entry.n_layer, entry.size_bytes) == ("qwen2", 6, qwen2_tiny_path.stat().st_size)
+    # blk.* tensors 890880 bytes / 6 blocks + KV 8192 tokens * 2 kv heads * (16 + 16) * 2 bytes
+    assert entry.bytes_per_block == 890_880 // 6 + 8192 * 2 * 32 * 2
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(GgufError, match="not a readable GGUF file"):
+        read_gguf_facts(bad)
+
+
+def test_model_arg_parsing():
+    assert parse_model_arg("/m/SmolLM2.Q4_1.gguf") == (parse_model_arg("/m/SmolLM2.Q4_1.gguf")[0], "SmolLM2.Q4_1")
+    path, alias = parse_model_arg("/m/a.gguf:smol")
+    assert (str(path), alias) == ("/m/a.gguf", "smol")
+    path, alias = parse_model_arg("C:/m/a.gguf")
+    assert (str(path), alias) == ("C:/m/a.gguf", "a")

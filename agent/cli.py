@@ -19,6 +19,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from agent import cli_args
+
 __all__ = ["build_parser", "main"]
 
 # Commands whose module provides ``add_arguments(parser)`` and ``main(args) -> int``.
@@ -30,71 +32,38 @@ _DELEGATED = {
 }
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _layers(text: str) -> str:
-    from agent.core.ranges import parse_layers
-
-    try:
-        parse_layers(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
-
-
-def _cuts(text: str) -> list[int]:
-    from agent.core.ranges import parse_cuts
-
-    try:
-        return parse_cuts(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     worker = commands.add_parser("worker", help="run the native shard worker for one layer range")
     worker.add_argument("--model", required=True, help="GGUF file")
-    worker.add_argument("--layers", required=True, type=_layers, help="BEGIN:END (END empty or -1: to the end)")
+    worker.add_argument("--layers", required=True, type=cli_args.layers, help="BEGIN:END (END empty or -1: to the end)")
     worker.add_argument("--socket", required=True, help="Unix socket path to listen on")
-    worker.add_argument("--ctx-size", type=_positive_int, help="positions per sequence")
-    worker.add_argument("--max-sequences", type=_positive_int, help="sequences held at once")
-    worker.add_argument("--batch-size", type=_positive_int, help="most rows in one Forward")
-    worker.add_argument("--threads", type=_positive_int)
+    worker.add_argument("--ctx-size", type=cli_args.positive_int, help="positions per sequence")
+    worker.add_argument("--max-sequences", type=cli_args.positive_int, help="sequences held at once")
+    worker.add_argument("--batch-size", type=cli_args.positive_int, help="most rows in one Forward")
+    worker.add_argument("--threads", type=cli_args.positive_int)
     worker.add_argument("--gpu-layers", type=int, help="layers to offload (-1: all)")
     worker.add_argument("--model-sha256", help="the model's sha256 hex (skips hashing the file)")
     worker.add_argument("--no-mmap", action="store_true", help="read the model instead of mapping it")
 
     parity = commands.add_parser("parity", help="compare a split model against the unsplit one")
     parity.add_argument("--model", required=True, help="GGUF file")
-    parity.add_argument("--cuts", required=True, type=_cuts, help="cut points, e.g. 10,20")
-    parity.add_argument("--sequences", type=_positive_int, default=1, help="sequences per batch (default 1)")
-    parity.add_argument("--steps", type=_non_negative_int, default=32, help="greedy decode steps (default 32)")
+    parity.add_argument("--cuts", required=True, type=cli_args.cuts, help="cut points, e.g. 10,20")
+    parity.add_argument("--sequences", type=cli_args.positive_int, default=1, help="sequences per batch (default 1)")
+    parity.add_argument("--steps", type=cli_args.non_negative_int, default=32, help="greedy decode steps (default 32)")
     parity.add_argument(
-        "--prompt-tokens", type=_positive_int, default=40, help="prompt length of sequence 0 (default 40)"
+        "--prompt-tokens", type=cli_args.positive_int, default=40, help="prompt length of sequence 0 (default 40)"
     )
-    parity.add_argument("--threads", type=_positive_int, default=1, help="threads per worker (default 1)")
+    parity.add_argument("--threads", type=cli_args.positive_int, default=1, help="threads per worker (default 1)")
     parity.add_argument(
         "--tolerance", type=float, default=1e-4, help="largest max abs logits difference (default 1e-4)"
     )
-    parity.add_argument("--edit-after-step", type=_non_negative_int, help="scenario: edit sequences after this step")
-    parity.add_argument("--remove-seq", type=_non_negative_int, help="scenario: sequence to remove")
-    parity.add_argument("--trim-seq", type=_non_negative_int, help="scenario: sequence to trim")
-    parity.add_argument("--trim-by", type=_positive_int, default=1, help="scenario: positions to trim (default 1)")
+    parity.add_argument("--edit-after-step", type=cli_args.non_negative_int, help="scenario: edit sequences after this step")
+    parity.add_argument("--remove-seq", type=cli_args.non_negative_int, help="scenario: sequence to remove")
+    parity.add_argument("--trim-seq", type=cli_args.non_negative_int, help="scenario: sequence to trim")
+    parity.add_argument("--trim-by", type=cli_args.positive_int, default=1, help="scenario: positions to trim (default 1)")
     parity.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a worker may take to load")
     parity.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -124,12 +93,6 @@ def _run_worker(args: argparse.Namespace) -> int:
     sys.stderr.flush()
     os.execv(argv[0], argv)
     return 0  # not reached
-
-
-def _leaf_messages(error: BaseException) -> list[str]:
-    if isinstance(error, BaseExceptionGroup):
-        return [m for e in error.exceptions for m in _leaf_messages(e)]
-    return [f"{type(error).__name__}: {error}"]
 
 
 def _run_parity(args: argparse.Namespace) -> int:
@@ -175,8 +138,8 @@ def _run_parity(args: argparse.Namespace) -> int:
         )
         if rest is not None or known is None:
             raise
-        for message in _leaf_messages(known):
-            print(f"baton parity: {message}", file=sys.stderr)
+        for leaf in cli_args.leaf_errors(known):
+            print(f"baton parity: {type(leaf).__name__}: {leaf}", file=sys.stderr)
         return 2
 
     if args.json:

@@ -14,56 +14,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
+from agent import cli_args
+
 __all__ = ["add_arguments", "main"]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _top_p(text: str) -> float:
-    value = float(text)
-    if not (math.isfinite(value) and 0 < value <= 1):
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tracker", required=True, help="the tracker's multiaddr, ending in /p2p/<peer id>")
     parser.add_argument("--model", required=True, help="model alias, name or sha256 known to the tracker")
-    parser.add_argument("--max-tokens", type=_positive_int, default=48, help="tokens to generate at most (default 48)")
+    parser.add_argument("--max-tokens", type=cli_args.positive_int, default=48, help="tokens to generate at most (default 48)")
     parser.add_argument(
-        "--temperature", type=_non_negative_float, default=0.0, help="sampling temperature (default 0: greedy)"
+        "--temperature", type=cli_args.non_negative_float, default=0.0, help="sampling temperature (default 0: greedy)"
     )
-    parser.add_argument("--top-k", type=_non_negative_int, default=0, help="keep the K most likely tokens (0: all)")
-    parser.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling mass (default 1.0: all)")
+    parser.add_argument("--top-k", type=cli_args.non_negative_int, default=0, help="keep the K most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=cli_args.unit_interval, default=1.0, help="nucleus sampling mass (default 1.0: all)")
     parser.add_argument("--seed", type=int, help="random seed: the same seed and route give the same text")
     parser.add_argument("--key", help="the client's key file (default: a new key for this run)")
     parser.add_argument(
@@ -72,23 +38,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="multiaddr the last hop pushes results to (repeatable; default /ip4/127.0.0.1/tcp/0)",
     )
     parser.add_argument(
-        "--request-timeout-s", type=_positive_float, default=10.0, help="limit on one control request (default 10)"
+        "--request-timeout-s", type=cli_args.positive_float, default=10.0, help="limit on one control request (default 10)"
     )
     parser.add_argument(
-        "--step-timeout-s", type=_positive_float, default=30.0, help="limit on waiting for one step's result (default 30)"
+        "--step-timeout-s", type=cli_args.positive_float, default=30.0, help="limit on waiting for one step's result (default 30)"
     )
     parser.add_argument(
-        "--replan-attempts", type=_non_negative_int, default=1,
+        "--replan-attempts", type=cli_args.non_negative_int, default=1,
         help="new routes one generation may move to after a hop fails (default 1)",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument("prompt", help="the prompt text")
-
-
-def _leaf_errors(error: BaseException) -> list[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        return [leaf for sub in error.exceptions for leaf in _leaf_errors(sub)]
-    return [error]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -134,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
     except BaseException as caught:  # noqa: BLE001 - sorted below; anything unknown is re-raised
         if isinstance(caught, (KeyboardInterrupt, SystemExit)):
             raise
-        leaves = _leaf_errors(caught)
+        leaves = cli_args.leaf_errors(caught)
         known = (GenerationError, SwarmError, TransportError, ValueError, OSError)
         if not all(isinstance(leaf, known) for leaf in leaves):
             raise

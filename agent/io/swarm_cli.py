@@ -18,46 +18,26 @@ import argparse
 import json
 import sys
 
+from agent import cli_args
+
 __all__ = ["add_arguments", "main"]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _cuts(text: str) -> list[int]:
-    from agent.core.ranges import parse_cuts
-
-    try:
-        return parse_cuts(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="GGUF file (default: the cached SmolLM2-135M)")
-    parser.add_argument("--max-tokens", type=_positive_int, default=48, help="tokens to generate (default 48)")
-    parser.add_argument("--threads", type=_positive_int, default=1, help="threads per worker (default 1)")
-    parser.add_argument("--nodes", type=_positive_int, default=3, help="swarm nodes to start (default 3)")
+    parser.add_argument("--max-tokens", type=cli_args.positive_int, default=48, help="tokens to generate (default 48)")
+    parser.add_argument("--threads", type=cli_args.positive_int, default=1, help="threads per worker (default 1)")
+    parser.add_argument("--nodes", type=cli_args.positive_int, default=3, help="swarm nodes to start (default 3)")
     parser.add_argument(
         "--coverage-timeout-s", type=float, default=180.0,
         help="how long the swarm may take to cover the model (default 180)",
     )  # fmt: skip
     parser.add_argument("--workdir", help="keep keys, tracker db and process logs here (default: a temp dir)")
     parser.add_argument("--local", action="store_true", help="local range workers instead of a swarm")
-    parser.add_argument("--ranges", type=_positive_int, default=3, help="--local: ranges of equal size (default 3)")
-    parser.add_argument("--cuts", type=_cuts, help="--local: cut points instead of --ranges, e.g. 10,20")
+    parser.add_argument("--ranges", type=cli_args.positive_int, default=3, help="--local: ranges of equal size (default 3)")
+    parser.add_argument("--cuts", type=cli_args.cuts, help="--local: cut points instead of --ranges, e.g. 10,20")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument("prompt", nargs="?", help="the prompt (default: a fixed one)")
-
-
-def _leaf_errors(error: BaseException) -> list[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        return [leaf for sub in error.exceptions for leaf in _leaf_errors(sub)]
-    return [error]
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
@@ -113,7 +93,7 @@ def main(args: argparse.Namespace) -> int:
     except BaseException as caught:  # noqa: BLE001 - sorted below; anything unknown is re-raised
         if isinstance(caught, (KeyboardInterrupt, SystemExit)):
             raise
-        leaves = _leaf_errors(caught)
+        leaves = cli_args.leaf_errors(caught)
         if not all(isinstance(leaf, _known_errors()) for leaf in leaves):
             raise
         for leaf in leaves:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import trio
 
+from agent import cli_args
 from agent.models import sha256_file
 
 from .agent import LocalModel, NodeConfig, NodeError, NodeRefused, serve_node
@@ -44,13 +45,6 @@ EXIT_REFUSED = 3
 log = logging.getLogger(__name__)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``baton node`` options to ``parser``."""
     parser.add_argument("--tracker", required=True, help="the tracker's multiaddr, ending /p2p/<peer id>")
@@ -62,13 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--listen", default="/ip4/127.0.0.1/tcp/0", metavar="MULTIADDR", help="where to listen (default %(default)s)"
     )
     parser.add_argument(
-        "--memory-bytes", type=_positive_int, metavar="N", help="usable memory offered (default: available RAM)"
+        "--memory-bytes", type=cli_args.positive_int, metavar="N", help="usable memory offered (default: available RAM)"
     )
-    parser.add_argument("--threads", type=_positive_int, help="threads per worker (default: the worker's)")
-    parser.add_argument("--ctx-size", type=_positive_int, help="positions per sequence (default: the worker's)")
-    parser.add_argument("--max-sequences", type=_positive_int, help="sequences per worker (default: the worker's)")
+    parser.add_argument("--threads", type=cli_args.positive_int, help="threads per worker (default: the worker's)")
+    parser.add_argument("--ctx-size", type=cli_args.positive_int, help="positions per sequence (default: the worker's)")
+    parser.add_argument("--max-sequences", type=cli_args.positive_int, help="sequences per worker (default: the worker's)")
     parser.add_argument(
-        "--heartbeat-interval-ms", type=_positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"
+        "--heartbeat-interval-ms", type=cli_args.positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"
     )
 
 

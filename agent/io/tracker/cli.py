@@ -30,16 +30,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from agent import cli_args
+
 __all__ = ["add_arguments", "build_parser", "main", "parse_model_arg"]
 
 log = logging.getLogger(__name__)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def parse_model_arg(text: str) -> tuple[Path, str]:
@@ -73,11 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--register-model", action="append", default=[], type=_model_arg, metavar="PATH[:ALIAS]",
         help="register a GGUF model (repeatable)",
     )  # fmt: skip
-    serve.add_argument("--heartbeat-interval-ms", type=_positive_int, default=1000, help="default 1000")
-    serve.add_argument("--heartbeat-timeout-ms", type=_positive_int, default=5000, help="default 5000")
-    serve.add_argument("--admission-ttl-ms", type=_positive_int, default=600_000, help="default 600000")
+    serve.add_argument("--heartbeat-interval-ms", type=cli_args.positive_int, default=1000, help="default 1000")
+    serve.add_argument("--heartbeat-timeout-ms", type=cli_args.positive_int, default=5000, help="default 5000")
+    serve.add_argument("--admission-ttl-ms", type=cli_args.positive_int, default=600_000, help="default 600000")
     serve.add_argument(
-        "--registration-max-age-ms", type=_positive_int, default=60_000,
+        "--registration-max-age-ms", type=cli_args.positive_int, default=60_000,
         help="fingerprint / hello timestamps must be this fresh (default 60000)",
     )  # fmt: skip
     serve.add_argument("--expected-pin", help="llama.cpp commit nodes must run (default: this checkout's)")

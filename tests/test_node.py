@@ -729,6 +729,24 @@ def test_cli_arguments(tmp_path: Path) -> None:
     assert args.memory_bytes is None and args.threads is None
     with pytest.raises(SystemExit):
         parse_cli(["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--model", "a.gguf", "--key", "k", "--threads", "0"])
+    assert args.relay is False
+    hidden = parse_cli(["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--model", "a", "--key", "k", "--listen", "none", "--relay"])
+    assert hidden.relay is True and node_cli.listen_addrs(hidden.listen) == []
+    assert node_cli.listen_addrs("") == [] and node_cli.listen_addrs("/ip4/0.0.0.0/tcp/9") == ["/ip4/0.0.0.0/tcp/9"]
+
+
+async def test_cli_refuses_a_node_nobody_could_reach(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse_cli(["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--model", "a", "--key", str(tmp_path / "k"), "--listen", "none"])
+    assert await node_cli.run(args) == node_cli.EXIT_SETUP
+    assert "--listen none needs --relay" in capsys.readouterr().err
+
+
+async def test_relay_needs_a_transport_that_can_reserve() -> None:
+    network = MemoryNetwork()
+    key = Ed25519PrivateKey.generate()
+    transport = network.add(peer_id_from_public_key(public_key_bytes(key)))
+    with pytest.raises(ValueError, match="relay"):
+        Node(NodeConfig(tracker="/ip4/1.2.3.4/tcp/1/p2p/12D3KooWTracker", key=key, relay=True), transport)
 
 
 def test_model_hash_is_cached_in_a_sidecar(tmp_path: Path) -> None:

@@ -19,7 +19,14 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from agent.io.keys import peer_id_of
-from agent.io.p2p import P2PTransport, _libp2p_key_pair, decode_uvarint, encode_uvarint, open_p2p_transport
+from agent.io.p2p import (
+    P2PTransport,
+    RelayPolicy,
+    _libp2p_key_pair,
+    decode_uvarint,
+    encode_uvarint,
+    open_p2p_transport,
+)
 from agent.io.transport import TransportError
 
 pytestmark = pytest.mark.timeout(60)
@@ -378,3 +385,102 @@ async def test_relay_reservation_is_refused_by_a_peer_without_hop() -> None:
             with pytest.raises(TransportError, match="relay reservation failed"):
                 async with open_p2p_transport(Ed25519PrivateKey.generate(), relay_addrs=not_a_relay.listen_addrs):
                     pass
+
+
+async def test_the_relay_policy_decides_who_may_reserve_and_open_circuits() -> None:
+    allowed_reserve: set[str] = set()
+    allowed_connect: set[str] = set()
+    policy = RelayPolicy(allowed_reserve.__contains__, allowed_connect.__contains__)
+    node_key, client_key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    node_id, client_id = peer_id_of(node_key), peer_id_of(client_key)
+    with trio.fail_after(60):
+        async with open_p2p_transport(Ed25519PrivateKey.generate(), enable_relay_hop=True, relay_policy=policy) as relay:
+            (relay_addr,) = relay.listen_addrs
+            with pytest.raises(TransportError, match="refused the reservation"):
+                async with open_p2p_transport(node_key, listen_addrs=(), relay_addrs=[relay_addr]):
+                    pass
+            allowed_reserve.add(node_id)
+            async with open_p2p_transport(node_key, listen_addrs=(), relay_addrs=[relay_addr]) as node:
+                node.set_handler(ECHO, reverse)
+                (circuit,) = node.listen_addrs  # no direct address
+                assert circuit == f"{relay_addr}/p2p-circuit/p2p/{node_id}"
+                async with open_p2p_transport(client_key) as client:
+                    with pytest.raises(TransportError, match="could not connect"):  # source not allowed
+                        await client.request(node_id, [circuit], ECHO, b"abc", timeout_s=TIMEOUT_S)
+                    allowed_connect.add(client_id)
+                    assert await client.request(node_id, [circuit], ECHO, b"abc", timeout_s=TIMEOUT_S) == b"cba"
+                async with open_p2p_transport(client_key) as client:
+                    allowed_reserve.discard(node_id)  # e.g. its admission lapsed: unreachable at once
+                    with pytest.raises(TransportError, match="could not connect"):
+                        await client.request(node_id, [circuit], ECHO, b"abc", timeout_s=TIMEOUT_S)
+                # and once its connection (and so its reservation) is gone, it cannot reserve again
+                held = node._reserved_over[relay.peer_id]
+                await relay.host.get_network().close_peer(ID.from_base58(node_id))
+                with trio.fail_after(10):
+                    while not held.is_closed:
+                        await trio.sleep(0.01)
+                with pytest.raises(TransportError, match="refused the reservation"):
+                    await node.keep_relay_reservation(relay_addr)
+
+
+async def test_a_relay_reservation_is_made_again_over_a_new_connection() -> None:
+    with trio.fail_after(60):
+        async with open_p2p_transport(Ed25519PrivateKey.generate(), enable_relay_hop=True) as relay:
+            (relay_addr,) = relay.listen_addrs
+            async with open_p2p_transport(Ed25519PrivateKey.generate(), listen_addrs=()) as node:
+                node.set_handler(ECHO, reverse)
+                circuit = await node.keep_relay_reservation(relay_addr)
+                assert node.listen_addrs == [circuit]
+                first = node._reserved_over[relay.peer_id]
+                assert await node.keep_relay_reservation(relay_addr) == circuit  # held: nothing to do
+                assert node._reserved_over[relay.peer_id] is first
+                # The relay drops the connection, and with it the reservation (spec).
+                await relay.host.get_network().close_peer(ID.from_base58(node.peer_id))
+                with trio.fail_after(10):
+                    while not first.is_closed:
+                        await trio.sleep(0.01)
+                assert await node.keep_relay_reservation(relay_addr) == circuit
+                assert node._reserved_over[relay.peer_id] is not first
+                assert node.listen_addrs == [circuit]
+                async with open_p2p_transport(Ed25519PrivateKey.generate()) as client:
+                    assert await client.request(node.peer_id, [circuit], ECHO, b"abc", timeout_s=TIMEOUT_S) == b"cba"
+
+
+async def test_hosts_do_not_auto_dial_known_peers() -> None:
+    # py-libp2p's AutoConnector would dial peerstore peers towards 200 connections.
+    async with two_peers() as (a, b):
+        b.set_handler(ECHO, reverse)
+        assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"xy", timeout_s=TIMEOUT_S) == b"yx"
+        for transport in (a, b):
+            assert transport.host.get_network().auto_connector._started is False
+
+
+async def test_a_circuit_ending_leaves_other_circuits_to_the_same_peer_alone() -> None:
+    # py-libp2p's relay closed the latest circuit to a peer whenever any circuit to it ended.
+    with trio.fail_after(60):
+        async with open_p2p_transport(Ed25519PrivateKey.generate(), enable_relay_hop=True) as relay:
+            (relay_addr,) = relay.listen_addrs
+            async with open_p2p_transport(Ed25519PrivateKey.generate(), listen_addrs=(), relay_addrs=[relay_addr]) as node:
+                node.set_handler(ECHO, reverse)
+                protocol = relay._circuit.protocol
+                relay_data = protocol._relay_data
+                ended: list[str] = []  # relayed directions that finished
+
+                async def counting(*args: object, **kwargs: object) -> None:
+                    try:
+                        await relay_data(*args, **kwargs)
+                    finally:
+                        ended.append(str(args[2]))
+
+                protocol._relay_data = counting
+                async with open_p2p_transport(Ed25519PrivateKey.generate()) as staying:
+                    async with open_p2p_transport(Ed25519PrivateKey.generate()) as leaving:
+                        assert await leaving.request(node.peer_id, node.listen_addrs, ECHO, b"ab", timeout_s=TIMEOUT_S) == b"ba"
+                        assert await staying.request(node.peer_id, node.listen_addrs, ECHO, b"cd", timeout_s=TIMEOUT_S) == b"dc"
+                        (circuit,) = staying.host.get_network().connections[ID.from_base58(node.peer_id)]
+                    with trio.fail_after(10):  # the relay has wound up both directions of that circuit
+                        while len(ended) < 2:
+                            await trio.sleep(0.01)
+                    assert not circuit.is_closed
+                    assert await staying.request(node.peer_id, node.listen_addrs, ECHO, b"ef", timeout_s=TIMEOUT_S) == b"fe"
+                    assert staying.host.get_network().connections[ID.from_base58(node.peer_id)] == [circuit]

@@ -202,6 +202,82 @@ async def test_a_killed_node_is_routed_around(tmp_path: Path) -> None:
         running.swarm.check_alive()
 
 
+# --- circuit relay through the tracker --------------------------------------------------------------
+
+
+async def _single_worker_tokens(path: Path, sha256: str, prompt: str) -> tuple[list[int], list[int]]:
+    """(prompt tokens, greedy tokens) of one unsplit worker."""
+    async with open_worker(path, 0, None, threads=1, max_sequences=1, model_sha256=sha256) as single:
+        tokens = await single.client.tokenize(prompt, add_special=True)
+        run = await generate_through([single.client], tokens, NEW_TOKENS, stop_tokens=single.info.eog_token_ids)
+    return tokens, run.tokens
+
+
+@pytest.mark.timeout(400)
+async def test_a_node_that_cannot_be_dialled_is_reached_through_the_tracker_relay(tmp_path: Path) -> None:
+    """Tracker + 3 nodes; the one serving the middle range listens nowhere (``--listen none
+    --relay``): the node before it and the tracker's relay carry its traffic. Output equals
+    one unsplit worker, before and after a tracker restart (the node reserves again). Only
+    admitted peers may reserve a slot on the relay or open circuits through it."""
+    swarm = _new_swarm(tmp_path, 5000)
+    try:
+        await swarm.start_tracker()
+        names = ["node-1", "node-2", "node-3"]
+        hidden = sorted(names, key=swarm.peer_id)[1]  # ranges go to nodes in peer id order
+        async with open_swarm_client(swarm.tracker_addr) as c:
+            (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
+            memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, len(names))
+            for name in names:
+                if name == hidden:
+                    swarm.start_node(name, memory, listen="none", relay=True)
+                else:
+                    swarm.start_node(name, memory)
+            route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
+        path = swarm.config.model_path
+        running = RunningSwarm(swarm, path, await trio.to_thread.run_sync(sha256_file, path), entry.n_layer, entry.bytes_per_block)
+        hidden_id = swarm.nodes[hidden].peer_id
+        circuit = f"{swarm.tracker_addr}/p2p-circuit/p2p/{hidden_id}"
+        assert [(h.begin, h.end) for h in route.hops] == [(0, 10), (10, 20), (20, 30)]
+        assert route.hops[1].peer_id == hidden_id
+        assert list(route.hops[1].addrs) == [circuit]  # its only address
+        assert f"listening on {circuit}" in swarm.nodes[hidden].log_tail(20_000)
+
+        prompt_tokens, expected = await _single_worker_tokens(path, running.model_sha256, PROMPTS[0])
+        async with client(running, replan_attempts=0) as c:
+            result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+        assert result.prompt_tokens == prompt_tokens
+        assert result.tokens == expected
+        assert [h["node"] for h in result.route][1] == hidden_id
+
+        # The relay serves admitted peers only.
+        key = Ed25519PrivateKey.generate()
+        with pytest.raises(TransportError, match="refused the reservation"):
+            async with open_p2p_transport(key, relay_addrs=[swarm.tracker_addr]):
+                pass
+        async with open_p2p_transport(key) as stranger:
+            with pytest.raises(TransportError, match="could not connect"):
+                await stranger.request(hidden_id, [circuit], NODE_PROTOCOL, b"", timeout_s=REQUEST_TIMEOUT_S)
+            await admitted_node(stranger, key, running)  # now an admitted node
+            assert await stranger.keep_relay_reservation(swarm.tracker_addr) == (
+                f"{swarm.tracker_addr}/p2p-circuit/p2p/{stranger.peer_id}"
+            )
+            raw = await stranger.request(hidden_id, [circuit], NODE_PROTOCOL, b"\xff\x01junk", timeout_s=REQUEST_TIMEOUT_S)
+            assert swarm_pb2.NodeReply.FromString(raw).error.code == swarm_pb2.Error.INVALID_ARGUMENT
+
+        # A restarted tracker has no reservations: the node makes its own again.
+        await swarm.stop_tracker(kill=True)
+        await swarm.start_tracker()
+        async with client(running, replan_attempts=0) as c:
+            after = await wait_for_coverage(c, swarm, ALIAS, timeout_s=60)
+            assert list(after.hops[1].addrs) == [circuit]
+            again = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+        assert again.tokens == expected
+        swarm.check_alive()
+    finally:
+        with trio.CancelScope(shield=True):
+            await swarm.aclose()
+
+
 # --- the demo ------------------------------------------------------------------------------------------
 
 

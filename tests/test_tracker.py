@@ -199,6 +199,28 @@ async def test_client_hello_gets_a_client_admission_once_per_nonce(autojump_cloc
         assert stale.error.message.startswith("stale registration")
 
 
+async def test_only_admitted_live_nodes_may_use_the_relay(autojump_clock, db_path):
+    config = dataclasses.replace(CONFIG, admission_ttl_ms=20_000)
+    async with running_tracker(db_path, config=config) as h:
+        tracker, node, client, stranger = h.tracker, h.peer(1), h.peer(2), h.peer(3)
+        await node.register()
+        hello = adm.make_client_hello(client.key, now_ms(), b"\x01" * 16)
+        assert (await client.call(client_hello=hello)).WhichOneof("body") == "client_hello"
+        assert tracker.may_hold_relay_reservation(node.peer_id) and tracker.may_open_relay_circuit(node.peer_id)
+        # a client may open circuits but not be reached through the relay; a stranger neither
+        assert not tracker.may_hold_relay_reservation(client.peer_id) and tracker.may_open_relay_circuit(client.peer_id)
+        assert not tracker.may_hold_relay_reservation(stranger.peer_id)
+        assert not tracker.may_open_relay_circuit(stranger.peer_id)
+        # a node that missed its heartbeats loses the right, and gets it back with a heartbeat
+        await tracker.wait_until(lambda: node.peer_id not in tracker.alive)
+        assert not tracker.may_hold_relay_reservation(node.peer_id) and not tracker.may_open_relay_circuit(node.peer_id)
+        assert (await node.heartbeat()).WhichOneof("body") == "heartbeat"
+        assert tracker.may_hold_relay_reservation(node.peer_id)
+        # an expired client admission counts for nothing
+        await trio.sleep(20)
+        assert not tracker.may_open_relay_circuit(client.peer_id)
+
+
 def _tampered(node: Peer) -> swarm_pb2.SignedFingerprint:
     signed = adm.sign_fingerprint(node.key, node.fingerprint())
     signed.fingerprint = node.fingerprint(usable_memory_bytes=10**12).SerializeToString()

@@ -46,6 +46,7 @@ __all__ = [
     "WireError",
     "check_hops",
     "check_schema_version",
+    "circuit_multiaddr",
     "crc32",
     "error",
     "first_step_request",
@@ -181,6 +182,18 @@ def peer_id_from_multiaddr(addr: str) -> str:
     if not sep or not peer_id or "/" in peer_id:
         raise ValueError(f"multiaddr {addr!r} does not end with /p2p/<peer id>")
     return peer_id
+
+
+def circuit_multiaddr(relay_addr: str, peer_id: str) -> str:
+    """``<relay_addr>/p2p-circuit/p2p/<peer_id>``: where ``peer_id`` is reached through the
+    circuit relay at ``relay_addr`` (which must end with ``/p2p/<relay id>``) once it holds a
+    reservation there.
+
+    Raises:
+      ValueError: ``relay_addr`` has no ``/p2p/<relay id>``.
+    """
+    peer_id_from_multiaddr(relay_addr)
+    return f"{relay_addr.rstrip('/')}/p2p-circuit/p2p/{peer_id}"
 
 
 # --- steps ---------------------------------------------------------------------------------

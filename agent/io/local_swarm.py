@@ -176,7 +176,15 @@ class LocalSwarm:
             *c.tracker_args,
         ]  # fmt: skip
 
-    def node_argv(self, name: str, memory_bytes: int, extra_args: Sequence[str] = ()) -> list[str]:
+    def node_argv(
+        self,
+        name: str,
+        memory_bytes: int,
+        extra_args: Sequence[str] = (),
+        *,
+        listen: str | None = None,
+        relay: bool = False,
+    ) -> list[str]:
         c = self.config
         return command_prefix("node") + [
             "--tracker", self.tracker_addr,
@@ -184,6 +192,8 @@ class LocalSwarm:
             "--key", str(self.key_path(name)),
             "--memory-bytes", str(memory_bytes),
             "--threads", str(c.threads),
+            *(["--listen", listen] if listen is not None else []),
+            *(["--relay"] if relay else []),
             *c.node_args,
             *extra_args,
         ]  # fmt: skip
@@ -247,16 +257,26 @@ class LocalSwarm:
             self.tracker.signal_group(signal.SIGKILL)
         await self.tracker.stop(self.config.stop_grace_s)
 
-    def start_node(self, name: str, memory_bytes: int, extra_args: Sequence[str] = ()) -> SwarmProcess:
+    def start_node(
+        self,
+        name: str,
+        memory_bytes: int,
+        extra_args: Sequence[str] = (),
+        *,
+        listen: str | None = None,
+        relay: bool = False,
+    ) -> SwarmProcess:
         """Start node ``name`` (its key: ``key_path(name)``) offering ``memory_bytes``.
 
+        ``listen``: its ``--listen`` (None: the default, loopback; ``"none"``: no direct
+        address). ``relay``: reachable through the tracker's circuit relay (``--relay``).
         It registers by itself; wait for its ranges through the tracker's routes.
         """
         if not self.tracker_addr:
             raise RuntimeError("start the tracker first")
         if name in self.nodes and self.nodes[name].alive:
             raise RuntimeError(f"node {name} is already running")
-        proc = self._spawn(name, self.node_argv(name, memory_bytes, extra_args))
+        proc = self._spawn(name, self.node_argv(name, memory_bytes, extra_args, listen=listen, relay=relay))
         self.nodes[name] = proc
         return proc
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,17 +33,20 @@ import multiaddr
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from libp2p import new_host
-from libp2p.abc import IHost, INetStream
+from libp2p.abc import IHost, INetConn, INetStream
 from libp2p.crypto.ed25519 import Ed25519PrivateKey as Libp2pEd25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
+from libp2p.network.auto_connector import AutoConnector
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as RELAY_HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -54,7 +58,14 @@ from libp2p.tools.anyio_service import background_trio_service
 from agent.io.keys import peer_id_of, private_seed
 from agent.io.transport import Handler, TransportError
 
-__all__ = ["FrameTooLarge", "P2PTransport", "decode_uvarint", "encode_uvarint", "open_p2p_transport"]
+__all__ = [
+    "FrameTooLarge",
+    "P2PTransport",
+    "RelayPolicy",
+    "decode_uvarint",
+    "encode_uvarint",
+    "open_p2p_transport",
+]
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +200,150 @@ class _PeerStreams:
         return sum(len(streams) for streams in self.idle.values())
 
 
+@dataclass(frozen=True)
+class RelayPolicy:
+    """Who may use a relay (a host opened with ``enable_relay_hop=True``); both take a peer id.
+
+    ``may_reserve``: may hold a reservation, i.e. be reachable through this relay (asked on
+    every RESERVE and refresh, and again for the destination of every CONNECT, so a peer that
+    lost the right stops being reachable at once). ``may_connect``: may open circuits through
+    this relay (the source of a CONNECT). Neither may block: they run inside the relay's
+    stream handlers.
+    """
+
+    may_reserve: Callable[[str], bool]
+    may_connect: Callable[[str], bool]
+
+    @classmethod
+    def open(cls) -> RelayPolicy:
+        """Anyone may reserve and connect (py-libp2p's own behaviour)."""
+        return cls(lambda _peer: True, lambda _peer: True)
+
+    @classmethod
+    def closed(cls) -> RelayPolicy:
+        """Nobody may (e.g. until the tracker that decides is running)."""
+        return cls(lambda _peer: False, lambda _peer: False)
+
+
+class _GatedRelayProtocol(CircuitV2Protocol):
+    """py-libp2p's circuit relay v2 with a ``RelayPolicy`` in front of RESERVE and CONNECT.
+
+    py-libp2p 0.8.1 has no ACL hook: ``RelayResourceManager`` only counts reservations, and
+    ``_handle_reserve`` takes the reserving peer from the message's optional ``peer`` field (a
+    peer could reserve in another's name). Here a RESERVE is accepted only for the
+    connection's authenticated peer, when ``may_reserve`` says so; a CONNECT only from a
+    source ``may_connect`` accepts, to a destination ``may_reserve`` still accepts. Refusals
+    answer PERMISSION_DENIED. Also: the end of one circuit no longer tears down another
+    circuit to the same peer (``_relay_data``).
+    """
+
+    def __init__(self, *args: Any, policy: Callable[[], RelayPolicy], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._policy = policy
+
+    async def _refuse(self, stream: INetStream, message: str) -> None:
+        # As py-libp2p's own refusals: the status only; the requester closes the stream.
+        log.info("relay: %s", message)
+        await self._send_status(stream, StatusCode.PERMISSION_DENIED, message)
+
+    async def _handle_reserve(self, stream: INetStream, msg: HopMessage) -> None:
+        remote = stream.muxed_conn.peer_id
+        if msg.HasField("peer") and msg.peer.id and bytes(msg.peer.id) != remote.to_bytes():
+            await self._refuse(stream, f"{remote} asked for a reservation in another peer's name")
+            return
+        if not self._policy().may_reserve(str(remote)):
+            await self._refuse(stream, f"reservation refused to {remote} (not admitted)")
+            return
+        await super()._handle_reserve(stream, msg)
+
+    async def _handle_connect(self, stream: INetStream, msg: HopMessage) -> None:
+        source = str(stream.muxed_conn.peer_id)
+        policy = self._policy()
+        if not policy.may_connect(source):
+            await self._refuse(stream, f"circuit refused to {source} (not admitted)")
+            return
+        try:
+            destination = str(ID(msg.peer.id))
+        except Exception:
+            destination = "?"
+        if destination == "?" or not policy.may_reserve(destination):
+            await self._refuse(stream, f"circuit from {source} to {destination} refused (destination not admitted)")
+            return
+        await super()._handle_connect(stream, msg)
+
+    async def _relay_data(
+        self,
+        src_stream: INetStream,
+        dst_stream: INetStream,
+        peer_id: ID,
+        deadline: float | None = None,
+        circuit_data_limit: list[int] | None = None,
+    ) -> None:
+        # py-libp2p keys ``_active_relays`` by peer id, and when one direction of a circuit
+        # ends it closes whatever circuit that id maps to: with two circuits to one peer (two
+        # upstream nodes, or a client and a node), the end of one tore down the other. Here
+        # each direction gets a key of its own that holds its own circuit's streams.
+        key = _CircuitKey(peer_id)
+        self._active_relays[key] = (src_stream, dst_stream)  # type: ignore[index]
+        try:
+            await super()._relay_data(src_stream, dst_stream, key, deadline, circuit_data_limit)  # type: ignore[arg-type]
+        finally:
+            self._active_relays.pop(key, None)  # type: ignore[call-overload]
+            shared = self._active_relays.get(peer_id)
+            if shared is not None and any(s is not None and s in (src_stream, dst_stream) for s in shared):
+                del self._active_relays[peer_id]
+
+
+class _CircuitKey:
+    """One relayed direction's key in ``CircuitV2Protocol._active_relays`` (prints as the peer)."""
+
+    __slots__ = ("peer_id",)
+
+    def __init__(self, peer_id: ID) -> None:
+        self.peer_id = peer_id
+
+    def __str__(self) -> str:
+        return str(self.peer_id)
+
+
+# py-libp2p's relay handler reads a HOP stream until it fails, and logs the normal end of a
+# stream (the peer closed it after its one RESERVE or after a refusal, or a circuit ended) as
+# ERRORs whose text is empty (EOF) or "stream is reset". Only those lines are dropped.
+_RELAY_STREAM_END = re.compile(
+    r"^(Error reading from hop stream from \S+|Unexpected error handling hop stream from \S+"
+    r"|Unexpected error reading from stream|Error sending status message|Error writing to destination stream"
+    r"|Error relaying data)"
+    r": (|Cannot (read from|write to) stream; stream is reset)$"
+)
+
+
+class _RelayStreamEndFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _RELAY_STREAM_END.match(record.getMessage())
+
+
+_relay_protocol_log = logging.getLogger("libp2p.relay.circuit_v2.protocol")
+if not any(isinstance(f, _RelayStreamEndFilter) for f in _relay_protocol_log.filters):
+    _relay_protocol_log.addFilter(_RelayStreamEndFilter())
+
+
+class _NoAutoConnector(AutoConnector):
+    """py-libp2p's AutoConnector, never started: by default every host dials peers from its
+    peerstore until it holds 200 connections (the midpoint of its watermarks) and logs that
+    every 10 s. Baton dials whom it needs, explicitly."""
+
+    async def start(self) -> None:
+        self._started = False
+
+
+def _circuit_addr(relay_addr: str, peer_id: str) -> str:
+    """``<relay addr>/p2p-circuit/p2p/<peer_id>``: where ``peer_id`` is reached through the
+    relay at ``relay_addr`` (``.../p2p/<relay id>``) once it holds a reservation there."""
+    if _p2p_component(relay_addr) is None:
+        raise ValueError(f"relay address {relay_addr} has no /p2p/<relay peer id>")
+    return f"{relay_addr.rstrip('/')}/p2p-circuit/p2p/{peer_id}"
+
+
 class P2PTransport:
     """``Transport`` over a running libp2p host. Made by ``open_p2p_transport`` only.
 
@@ -217,6 +372,11 @@ class P2PTransport:
         self._peers: dict[str, _PeerStreams] = {}
         self._relay_addrs: list[str] = []
         self._circuit: CircuitV2Transport | None = None
+        self._relay_policy = RelayPolicy.open()
+        #: relay peer id -> the connection its reservation was made over
+        self._reserved_over: dict[str, INetConn] = {}
+        self._reservation_lock = trio.Lock()
+        self._background: trio.Nursery | None = None  # reservation refreshes
         self.streams_opened = 0
         self.streams_accepted = 0
 
@@ -236,6 +396,66 @@ class P2PTransport:
     def host(self) -> IHost:
         """The libp2p host (for diagnostics and tests; protocols use ``request``/``set_handler``)."""
         return self._host
+
+    @property
+    def relay_policy(self) -> RelayPolicy:
+        """Who may reserve and open circuits here (only matters with ``enable_relay_hop``)."""
+        return self._relay_policy
+
+    @relay_policy.setter
+    def relay_policy(self, policy: RelayPolicy) -> None:
+        self._relay_policy = policy
+
+    async def keep_relay_reservation(self, relay_addr: str) -> str:
+        """Hold a reservation on the relay at ``relay_addr`` (``.../p2p/<relay id>``) and
+        advertise ``<relay_addr>/p2p-circuit/p2p/<our id>`` in ``listen_addrs``; returns that address.
+
+        Cheap when the reservation was made over the connection to the relay that is still
+        open. Otherwise (first call, connection lost, relay restarted: a relay keeps a
+        reservation only while the reserving peer stays connected) it connects and reserves
+        again. py-libp2p refreshes a reservation before its TTL runs out.
+
+        Raises:
+          TransportError: the relay could not be reached, or refused or failed the reservation.
+        """
+        relay_peer_id = _p2p_component(relay_addr)
+        if relay_peer_id is None:
+            raise TransportError("?", f"relay address {relay_addr} has no /p2p/<relay peer id>")
+        if self._circuit is None or self._background is None:
+            raise TransportError(relay_peer_id, "the transport is not running")
+        relay = ID.from_base58(relay_peer_id)
+        async with self._reservation_lock:
+            network = self._host.get_network()
+            held = self._reserved_over.get(relay_peer_id)
+            if held is not None and not held.is_closed and any(c is held for c in network.connections.get(relay, ())):
+                return _circuit_addr(relay_addr, self._peer_id)
+            self._reserved_over.pop(relay_peer_id, None)
+            await self._ensure_connected(self._peer_streams(relay_peer_id), relay, relay_peer_id, [relay_addr])
+            try:
+                with trio.fail_after(self._connect_timeout_s):
+                    stream = await self._host.new_stream(relay, [RELAY_HOP_PROTOCOL_ID])
+                    try:
+                        reserved = await self._circuit.reserve(stream, relay, self._background)
+                    finally:
+                        await _close_quietly(stream)
+            except trio.TooSlowError:
+                raise TransportError(
+                    relay_peer_id, f"no relay reservation within {self._connect_timeout_s} s"
+                ) from None
+            except Exception as error:
+                raise TransportError(
+                    relay_peer_id, f"relay reservation failed ({type(error).__name__}: {error})"
+                ) from error
+            if not reserved:
+                raise TransportError(relay_peer_id, "the relay refused the reservation")
+            over = [c for c in network.connections.get(relay, ()) if getattr(c, "muxed_conn", None) is stream.muxed_conn]
+            if over:
+                self._reserved_over[relay_peer_id] = over[0]
+            addr = _circuit_addr(relay_addr, self._peer_id)
+            if addr not in self._relay_addrs:
+                self._relay_addrs.append(addr)
+            log.info("holding a relay reservation on %s", relay_peer_id)
+            return addr
 
     def set_handler(self, protocol_id: str, handler: Handler) -> None:
         async def guarded(stream: INetStream) -> None:
@@ -363,6 +583,9 @@ class P2PTransport:
                             if _is_circuit(maddr):
                                 if self._circuit is None:
                                     raise TransportError(peer_id, "relay transport not running")
+                                # the circuit transport looks the target up in the peerstore
+                                # first (and logs a warning when it is not there)
+                                self._host.get_peerstore().add_addrs(remote, [maddr], _PEERSTORE_ADDR_TTL_S)
                                 conn = await self._circuit.dial(maddr)
                             else:
                                 conn = await network.dial_addr(maddr, remote)
@@ -379,32 +602,6 @@ class P2PTransport:
             except Exception as error:
                 raise TransportError(peer_id, f"could not connect ({type(error).__name__}: {error})") from error
             raise TransportError(peer_id, f"could not connect ({'; '.join(failures)})")
-
-    async def _reserve_relay_slot(self, relay_addr: str, nursery: trio.Nursery) -> None:
-        """Reserve a slot on the relay at ``relay_addr`` (``.../p2p/<relay id>``) and advertise
-        ``relay_addr/p2p-circuit/p2p/<our id>``. The circuit transport refreshes the
-        reservation in ``nursery`` until it is cancelled."""
-        assert self._circuit is not None
-        relay_peer_id = _p2p_component(relay_addr)
-        if relay_peer_id is None:
-            raise TransportError("?", f"relay address {relay_addr} has no /p2p/<relay peer id>")
-        relay = ID.from_base58(relay_peer_id)
-        await self._ensure_connected(self._peer_streams(relay_peer_id), relay, relay_peer_id, [relay_addr])
-        try:
-            with trio.fail_after(self._connect_timeout_s):
-                stream = await self._host.new_stream(relay, [RELAY_HOP_PROTOCOL_ID])
-                try:
-                    reserved = await self._circuit.reserve(stream, relay, nursery)
-                finally:
-                    await _close_quietly(stream)
-        except trio.TooSlowError:
-            raise TransportError(relay_peer_id, f"no relay reservation within {self._connect_timeout_s} s") from None
-        except Exception as error:
-            raise TransportError(relay_peer_id, f"relay reservation failed ({type(error).__name__}: {error})") from error
-        if not reserved:
-            raise TransportError(relay_peer_id, "the relay refused the reservation")
-        direct = relay_addr if relay_addr.endswith(f"/p2p/{relay_peer_id}") else f"{relay_addr}/p2p/{relay_peer_id}"
-        self._relay_addrs.append(f"{direct}/p2p-circuit/p2p/{self._peer_id}")
 
     # -- listener side -----------------------------------------------------------------------
 
@@ -526,6 +723,7 @@ async def open_p2p_transport(
     close_timeout_s: float = 5.0,
     dial_retries: int = 0,
     enable_relay_hop: bool = False,
+    relay_policy: RelayPolicy | None = None,
     relay_addrs: Sequence[str] = (),
     relay_max_reservations: int = 128,
     relay_max_circuits: int = 64,
@@ -538,6 +736,8 @@ async def open_p2p_transport(
         key: the node's identity; its libp2p peer id is ``agent.io.keys.peer_id_of(key)``.
         listen_addrs: TCP multiaddrs; port 0 picks a free port (see ``listen_addrs`` on the
             result). The default listens on loopback only.
+            Empty: a host that accepts no direct connections (it can still dial out, and be
+            reached through a relay it holds a reservation on).
         max_frame_bytes: the largest frame read or written, either direction.
         connect_timeout_s: limit on dialling a peer (TCP + Noise + yamux).
         frame_timeout_s: once a request frame has begun to arrive, the limit on the rest of it.
@@ -552,15 +752,22 @@ async def open_p2p_transport(
             0.2 s, ...); 0 by default, since callers own their retry policy.
         enable_relay_hop: act as a circuit relay v2 (the tracker): peers reserve slots here
             and others reach them through ``<our addr>/p2p-circuit/p2p/<their id>``.
+        relay_policy: who may reserve and open circuits here (``RelayPolicy``; default:
+            anyone). Can be replaced later through ``P2PTransport.relay_policy``.
         relay_addrs: relays (``/ip4/.../tcp/N/p2p/<relay id>``) to reserve a slot on at
-            start; each success adds ``<relay addr>/p2p-circuit/p2p/<our id>`` to
-            ``listen_addrs``. A refused or failed reservation raises ``TransportError``.
+            start (``keep_relay_reservation``); each success adds
+            ``<relay addr>/p2p-circuit/p2p/<our id>`` to ``listen_addrs``. A refused or
+            failed reservation raises ``TransportError``.
         relay_max_reservations, relay_max_circuits, relay_circuit_duration_s,
             relay_circuit_bytes: limits of the relay role (py-libp2p's defaults are 4
             reservations and 8 circuits).
 
     Every host can dial ``/p2p-circuit`` addresses and accept relayed connections (the
     circuit is end-to-end Noise, so the relay sees only ciphertext and cannot impersonate).
+    Dialling a circuit makes no reservation (py-libp2p's relay CLIENT role would take one on
+    every dial); only ``relay_addrs`` / ``keep_relay_reservation`` do. py-libp2p's
+    auto-connector (dials peerstore peers up to 200 connections) is off: Baton dials
+    explicitly.
 
     Resource handling: the host, its listeners and all connections close on exit.
     Cancellation: cancelling the enclosing scope closes the host.
@@ -593,8 +800,10 @@ async def open_p2p_transport(
         ping_interval_s=ping_interval_s,
         ping_timeout_s=ping_timeout_s,
     )
+    network = host.get_network()
     # new_host() has no retry_config parameter (new_swarm() has); the swarm reads the attribute.
-    host.get_network().retry_config = RetryConfig(max_retries=dial_retries)
+    network.retry_config = RetryConfig(max_retries=dial_retries)
+    network.auto_connector = _NoAutoConnector(network, network.connection_config.auto_connect_interval)
     if str(host.get_id()) != peer_id:  # both derive the id from the same key; never differ
         raise RuntimeError(f"libp2p peer id {host.get_id()} differs from {peer_id}")
     transport = P2PTransport(
@@ -606,8 +815,11 @@ async def open_p2p_transport(
         max_streams_per_peer=max_streams_per_peer,
         max_idle_streams_per_peer=max_idle_streams_per_peer,
     )
-    relay_protocol = CircuitV2Protocol(
+    if relay_policy is not None:
+        transport.relay_policy = relay_policy
+    relay_protocol = _GatedRelayProtocol(
         host,
+        policy=lambda: transport.relay_policy,
         limits=RelayLimits(
             duration=relay_circuit_duration_s,
             data=relay_circuit_bytes,
@@ -616,7 +828,7 @@ async def open_p2p_transport(
         ),
         allow_hop=enable_relay_hop,
     )
-    roles = RelayRole.STOP | RelayRole.CLIENT | (RelayRole.HOP if enable_relay_hop else RelayRole(0))
+    roles = RelayRole.STOP | (RelayRole.HOP if enable_relay_hop else RelayRole(0))
     transport._circuit = CircuitV2Transport(host, relay_protocol, RelayConfig(roles=roles))
     # Raised after every nursery has exited, so the caller gets it bare, not in a group.
     reservation_failure: TransportError | None = None
@@ -625,9 +837,10 @@ async def open_p2p_transport(
             async with background_trio_service(relay_protocol):
                 await relay_protocol.event_started.wait()
                 async with trio.open_nursery() as nursery:  # reservation refreshes
+                    transport._background = nursery
                     try:
                         for relay_addr in relay_addrs:
-                            await transport._reserve_relay_slot(relay_addr, nursery)
+                            await transport.keep_relay_reservation(relay_addr)
                     except TransportError as error:
                         reservation_failure = error
                     else:
@@ -636,6 +849,7 @@ async def open_p2p_transport(
                         finally:
                             nursery.cancel_scope.cancel()
                     nursery.cancel_scope.cancel()
+                transport._background = None
         finally:
             # host.run's own exit closes connections inside an already-cancelled scope, so
             # SwarmConn.close() is cut short and dialled sockets leak (network/swarm.py, the

@@ -248,7 +248,11 @@ async def open_worker(
             gpu_layers=gpu_layers, model_sha256=model_sha256, extra_args=extra_args,
         )  # fmt: skip
         with open(log_path, "wb") as log:
-            process = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            # the worker stops when this process exits, even by SIGKILL (Linux; native/src/main.cpp)
+            env = {**os.environ, "BATON_WORKER_PARENT_PID": str(os.getpid())}
+            process = await trio.lowlevel.open_process(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
+            )
         try:
             client = AsyncWorkerClient(socket_path, client_config)
             try:

@@ -1,6 +1,8 @@
 // baton-worker: parses the command line (docs/LAYOUT.md, "Worker binary") and calls
 // serve_worker(). Exit codes: 0 after a clean shutdown, 1 when the model cannot be loaded or
-// the socket cannot be bound, 2 on bad arguments. Errors are one line on stderr.
+// the socket cannot be bound (or, on Linux, the parent had already exited), 2 on bad
+// arguments. Errors are one line on stderr. On Linux it stops (as on SIGTERM) when the
+// process that started it exits.
 #include "service.h"
 #include "sha256.h"
 #include "shard.h"
@@ -10,6 +12,13 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+
+#ifdef __linux__
+#include <csignal>
+#include <pthread.h>
+#include <sys/prctl.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -47,6 +56,37 @@ long long parse_integer(const std::string & flag, const std::string & text, long
 }  // namespace
 
 int main(int argc, char ** argv) {
+#ifdef __linux__
+    // A worker must not outlive the node agent that started it (a SIGKILLed agent cannot stop
+    // it). PR_SET_PDEATHSIG fires when the *thread* that forked us exits, not the process
+    // (trio forks from a cached thread that retires after 10 s idle), so the signal is SIGHUP,
+    // blocked here and handled by serve_worker's signal thread: a stop only once getppid() is
+    // no longer the agent (the kernel re-parents us before it signals, and re-arms for the
+    // next thread). Parent = BATON_WORKER_PARENT_PID when the agent sets it, so that an agent
+    // that died before prctl() is noticed too.
+    pid_t parent = getppid();
+    if (const char * env = std::getenv("BATON_WORKER_PARENT_PID"); env != nullptr && *env != '\0') {
+        char * stop = nullptr;
+        const long long pid = std::strtoll(env, &stop, 10);
+        if (stop != nullptr && *stop == '\0' && pid > 0 && pid <= std::numeric_limits<pid_t>::max()) {
+            parent = static_cast<pid_t>(pid);
+        }
+    }
+    {
+        sigset_t hup;
+        sigemptyset(&hup);
+        sigaddset(&hup, SIGHUP);
+        pthread_sigmask(SIG_BLOCK, &hup, nullptr);  // inherited by every thread started later
+        if (prctl(PR_SET_PDEATHSIG, SIGHUP) != 0) {
+            std::perror("baton-worker: prctl(PR_SET_PDEATHSIG)");
+        }
+        if (getppid() != parent) {
+            std::fprintf(stderr, "baton-worker: parent process %d exited before the worker started\n",
+                         static_cast<int>(parent));
+            return 1;
+        }
+    }
+#endif
     baton::WorkerOptions options;
     baton::ShardConfig & shard = options.shard;
     shard.ctx_size_per_seq = 2048;
@@ -129,5 +169,8 @@ int main(int argc, char ** argv) {
     if (static_cast<uint64_t>(shard.ctx_size_per_seq) * shard.max_sequences > static_cast<uint64_t>(kU32Max)) {
         bad_arguments("--ctx-size x --max-sequences is too large");
     }
+#ifdef __linux__
+    options.parent_pid = parent;
+#endif
     return baton::serve_worker(options);
 }

@@ -274,12 +274,20 @@ namespace {
 // SIGTERM/SIGINT handled on a thread of its own through sigwait (a signal handler may not
 // call Server::Shutdown). The first signal cancels a load in progress or shuts the server
 // down; a second one removes the socket file and exits at once.
+//
+// With parent_pid > 0, SIGHUP is the parent-death signal (PR_SET_PDEATHSIG, armed in main):
+// it counts as a stop signal once getppid() is no longer parent_pid, and is ignored while it
+// still is (the thread that forked us exited; the parent process lives on).
 class SignalWatcher {
 public:
-    explicit SignalWatcher(std::string socket_path) : socket_path_(std::move(socket_path)) {
+    SignalWatcher(std::string socket_path, int parent_pid)
+        : socket_path_(std::move(socket_path)), parent_pid_(parent_pid) {
         sigemptyset(&signals_);
         sigaddset(&signals_, SIGINT);
         sigaddset(&signals_, SIGTERM);
+        if (parent_pid_ > 0) {
+            sigaddset(&signals_, SIGHUP);
+        }
         pthread_sigmask(SIG_BLOCK, &signals_, &old_mask_);
         thread_ = std::thread([this] { run(); });
     }
@@ -325,6 +333,14 @@ private:
             if (exiting_) {
                 return;
             }
+            if (sig == SIGHUP) {
+                if (parent_pid_ <= 0 || static_cast<int>(::getppid()) == parent_pid_) {
+                    continue;
+                }
+                if (!stop_.load()) {
+                    std::fprintf(stderr, "baton-worker: parent process %d exited, stopping\n", parent_pid_);
+                }
+            }
             if (stop_.exchange(true)) {
                 std::fprintf(stderr, "baton-worker: second signal %d, exiting now\n", sig);
                 if (server_ != nullptr) {
@@ -343,6 +359,7 @@ private:
     }
 
     std::string socket_path_;
+    int parent_pid_ = 0;
     sigset_t signals_{};
     sigset_t old_mask_{};
     std::thread thread_;
@@ -398,7 +415,7 @@ std::string one_line(std::string text) {
 }  // namespace
 
 int serve_worker(const WorkerOptions & options) {
-    SignalWatcher signals(options.socket_path);
+    SignalWatcher signals(options.socket_path, options.parent_pid);
 
     ShardConfig config = options.shard;
     config.cancel_load = signals.stop_flag();

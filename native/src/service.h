@@ -64,14 +64,19 @@ int max_send_message_bytes(const ShardInfo & info);
 struct WorkerOptions {
     ShardConfig shard;
     std::string socket_path;  // listened on as unix:socket_path
+    // > 0: SIGHUP (the parent-death signal main() arms on Linux) stops the worker as SIGTERM
+    // does, but only once getppid() differs from parent_pid; otherwise it is ignored.
+    int parent_pid = 0;
 };
 
-// Loads the shard, serves it on unix:socket_path until SIGTERM/SIGINT, then shuts down,
+// Loads the shard, serves it on unix:socket_path until SIGTERM/SIGINT (or the parent's death,
+// see parent_pid), then shuts down,
 // removes the socket file and returns 0. Returns 1 (after one line on stderr) if the shard
 // cannot be loaded or the socket cannot be bound.
 //
-// Resource handling: blocks SIGTERM/SIGINT in the calling thread (and so in every thread
-// started after it) and handles them on a thread of its own; call before starting threads.
+// Resource handling: blocks SIGTERM/SIGINT (and SIGHUP with parent_pid) in the calling thread
+// (and so in every thread started after it) and handles them on a thread of its own; call
+// before starting threads.
 int serve_worker(const WorkerOptions & options);
 
 }  // namespace baton

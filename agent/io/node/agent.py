@@ -51,6 +51,7 @@ from agent.core.swarm_wire import (
     RangeSpec,
     StepInput,
     WireError,
+    circuit_multiaddr,
     next_hop_request,
     node_reply_error,
     parse_record,
@@ -107,6 +108,11 @@ class NodeConfig:
       memory_bytes: usable memory offered for weights + KV; None: the probe's available RAM.
       threads, ctx_size, max_sequences, batch_size: worker flags (None: the worker's default).
       heartbeat_interval_ms: None: what the tracker says at registration.
+      relay: hold a reservation on the tracker's circuit relay and advertise
+        ``<tracker>/p2p-circuit/p2p/<node id>`` (for a node that cannot be dialled; the
+        transport may then listen nowhere). Reserved right after admission and checked after
+        every heartbeat (a relay keeps a reservation only while the connection that made it
+        lasts: after a tracker restart or a broken connection it is made again).
       request_timeout_s: control messages (tracker, node requests, end-session forwarding).
       step_push_timeout_s: pushing a step to the next hop or a result to the owner.
       session_idle_timeout_s: a session unused this long is freed.
@@ -129,6 +135,7 @@ class NodeConfig:
     max_sequences: int | None = None
     batch_size: int | None = None
     heartbeat_interval_ms: int | None = None
+    relay: bool = False
     request_timeout_s: float = 10.0
     step_push_timeout_s: float = 30.0
     session_idle_timeout_s: float = 300.0
@@ -231,6 +238,9 @@ class Node:
         if transport.peer_id != self.peer_id:
             raise ValueError(f"the transport is peer {transport.peer_id}, the node key is {self.peer_id}")
         self.tracker_peer_id = peer_id_from_multiaddr(config.tracker)
+        self._keep_relay_reservation = getattr(transport, "keep_relay_reservation", None)
+        if config.relay and self._keep_relay_reservation is None:
+            raise ValueError("relay=True needs a transport that can hold relay reservations (libp2p)")
         self.tracker_public_key = b""
         self.admission = swarm_pb2.SignedAdmission()
         self.heartbeat_interval_ms = config.heartbeat_interval_ms or DEFAULT_HEARTBEAT_INTERVAL_MS
@@ -241,6 +251,28 @@ class Node:
         self._heartbeat_wakeup = trio.Event()
 
     # --- tracker -----------------------------------------------------------------------
+
+    def advertised_addrs(self) -> list[str]:
+        """Where others reach this node: the transport's addresses, plus (``config.relay``) the
+        circuit address through the tracker even before the reservation is made (the node is
+        in no route before its first heartbeat, which follows the reservation)."""
+        addrs = list(self.transport.listen_addrs)
+        if self.config.relay:
+            circuit = circuit_multiaddr(self.config.tracker, self.peer_id)
+            if circuit not in addrs:
+                addrs.append(circuit)
+        return addrs
+
+    async def keep_relay_reservation(self) -> None:
+        """(``config.relay``) Hold the reservation on the tracker's relay; a no-op while the
+        connection it was made over lasts.
+
+        Raises:
+          TransportError: the tracker refused or failed the reservation.
+        """
+        if self.config.relay:
+            assert self._keep_relay_reservation is not None
+            await self._keep_relay_reservation(self.config.tracker)
 
     async def _tracker_call(self, request: swarm_pb2.TrackerRequest) -> swarm_pb2.TrackerReply:
         """Raises TransportError or WireError (a malformed reply)."""
@@ -264,7 +296,7 @@ class Node:
         fingerprint = build_fingerprint(
             probe,
             peer_id=self.peer_id,
-            listen_addrs=self.transport.listen_addrs,
+            listen_addrs=self.advertised_addrs(),
             model_sha256s=sorted(self.models),
             usable_memory_bytes=self.config.memory_bytes
             if self.config.memory_bytes is not None
@@ -321,13 +353,20 @@ class Node:
                 await self._heartbeat_wakeup.wait()
 
     async def _heartbeat_once(self, nursery: trio.Nursery, probe: HostProbe) -> None:
+        # Before the heartbeat too: after a tracker restart the reservation is back in place
+        # before the tracker routes through this node again (a node it holds pending may
+        # reserve). Failing here is expected when the tracker forgot or dropped the node.
+        try:
+            await self.keep_relay_reservation()
+        except TransportError as err:
+            log.debug("relay reservation before the heartbeat: %s", err)
         request = swarm_pb2.TrackerRequest(
             schema_version=SCHEMA_VERSION,
             heartbeat=swarm_pb2.HeartbeatRequest(
                 peer_id=self.peer_id,
                 sent_at_ms=_now_ms(),
                 serving=[served.status() for served in self.ranges.values()],
-                listen_addrs=self.transport.listen_addrs,
+                listen_addrs=self.advertised_addrs(),
             ),
         )
         try:
@@ -362,6 +401,10 @@ class Node:
                 self.admission = beat.admission
         for directive in beat.directives:
             self._apply_directive(directive, nursery)
+        try:
+            await self.keep_relay_reservation()
+        except TransportError as err:
+            log.warning("relay reservation on the tracker: %s", err)
 
     # --- directives --------------------------------------------------------------------
 
@@ -787,9 +830,11 @@ async def serve_node(
       NodeRefused: the tracker refused the registration: at start (raised as is), or when the
         node registers again after the tracker forgot it (then inside an ExceptionGroup, as it
         leaves the node's nursery).
-      NodeError: the tracker was unreachable or misbehaved at the first registration.
-      ValueError: the transport's peer id is not the key's, or ``config.tracker`` has no
-        ``/p2p/<peer id>``.
+      NodeError: the tracker was unreachable or misbehaved at the first registration, or
+        (``config.relay``) refused the relay reservation.
+      ValueError: the transport's peer id is not the key's, ``config.tracker`` has no
+        ``/p2p/<peer id>``, or ``config.relay`` with a transport that cannot hold
+        reservations.
       agent.io.worker_process.WorkerBinaryNotFound: probing needs the worker binary.
 
     Resource handling:
@@ -807,6 +852,10 @@ async def serve_node(
             lambda: probe_host(config.probe_config, binary=config.worker_binary), abandon_on_cancel=True
         )
     await node.register(probe)
+    try:
+        await node.keep_relay_reservation()
+    except TransportError as err:
+        raise NodeError(f"could not reserve a slot on the tracker's relay: {err}") from err
     transport.set_handler(STEP_PROTOCOL, node.handle_step)
     transport.set_handler(NODE_PROTOCOL, node.handle_node)
     try:

@@ -1,8 +1,12 @@
 """``baton node``: run a node agent that serves layer ranges of local GGUF files to a swarm.
 
     baton node --tracker MULTIADDR --model PATH [--model PATH ...] --key PATH
-               [--listen MULTIADDR] [--memory-bytes N] [--threads N] [--ctx-size N]
-               [--max-sequences N] [--heartbeat-interval-ms N]
+               [--listen MULTIADDR|none] [--relay] [--memory-bytes N] [--threads N]
+               [--ctx-size N] [--max-sequences N] [--heartbeat-interval-ms N]
+
+A node that cannot be dialled (behind NAT) runs with ``--relay``: it reserves a slot on the
+tracker's circuit relay and is reached at ``<tracker>/p2p-circuit/p2p/<node id>``;
+``--listen none`` makes that its only address (it accepts no direct connections).
 
 Prints ``node <peer id> admitted`` once the tracker admitted it, or ``node refused: <reason>``
 and exits with code 3. Directives (LOAD / UNLOAD) and range states are logged on stderr.
@@ -36,7 +40,16 @@ from agent.models import sha256_file
 from .agent import LocalModel, NodeConfig, NodeError, NodeRefused, serve_node
 from .probe import probe_host
 
-__all__ = ["EXIT_REFUSED", "add_arguments", "main", "model_sha256", "open_transport", "run", "run_until_signal"]
+__all__ = [
+    "EXIT_REFUSED",
+    "add_arguments",
+    "listen_addrs",
+    "main",
+    "model_sha256",
+    "open_transport",
+    "run",
+    "run_until_signal",
+]
 
 EXIT_UNREACHABLE = 1
 EXIT_SETUP = 2
@@ -53,8 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--key", required=True, metavar="PATH", help="the node's Ed25519 key file (created if missing)")
     parser.add_argument(
-        "--listen", default="/ip4/127.0.0.1/tcp/0", metavar="MULTIADDR", help="where to listen (default %(default)s)"
-    )
+        "--listen", default="/ip4/127.0.0.1/tcp/0", metavar="MULTIADDR",
+        help="where to listen (default %(default)s); 'none': accept no direct connections (needs --relay)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--relay", action="store_true",
+        help="be reachable through the tracker's circuit relay (for a node that cannot be dialled)",
+    )  # fmt: skip
     parser.add_argument(
         "--memory-bytes", type=cli_args.positive_int, metavar="N", help="usable memory offered (default: available RAM)"
     )
@@ -121,11 +139,22 @@ def _first_leaf(group: BaseException) -> BaseException:
     return group
 
 
+def listen_addrs(listen: str) -> list[str]:
+    """``--listen``: one multiaddr, or none for ``none`` / an empty value."""
+    listen = listen.strip()
+    return [] if listen.lower() in ("", "none") else [listen]
+
+
 async def run(args: argparse.Namespace) -> int:
     """Run the node until cancelled; returns the exit code."""
     from agent.io.keys import KeyFileError, load_or_create_key
     from agent.io.worker_process import WorkerBinaryNotFound
 
+    listen = listen_addrs(args.listen)
+    relay = getattr(args, "relay", False)
+    if not listen and not relay:
+        print("baton node: --listen none needs --relay (nobody could reach this node)", file=sys.stderr)
+        return EXIT_SETUP
     try:
         key = load_or_create_key(args.key)
     except (KeyFileError, OSError) as err:
@@ -154,11 +183,12 @@ async def run(args: argparse.Namespace) -> int:
         ctx_size=args.ctx_size,
         max_sequences=args.max_sequences,
         heartbeat_interval_ms=args.heartbeat_interval_ms,
+        relay=relay,
         probe=probe,
     )
     code = 0
     try:
-        async with open_transport(key, [args.listen]) as transport, trio.open_nursery() as nursery:
+        async with open_transport(key, listen) as transport, trio.open_nursery() as nursery:
             node = await nursery.start(serve_node, config, transport)
             print(f"node {node.peer_id} admitted", flush=True)
             for addr in transport.listen_addrs:

@@ -1,6 +1,6 @@
 """``baton tracker``: run the tracker, or list the models its database holds.
 
-  baton tracker serve --db PATH --key PATH [--listen MULTIADDR] [--addr-file PATH]
+  baton tracker serve --db PATH --key PATH [--listen MULTIADDR] [--addr-file PATH] [--no-relay]
                       [--register-model PATH[:ALIAS] ...] [--heartbeat-interval-ms N]
                       [--heartbeat-timeout-ms N] [--admission-ttl-ms N]
                       [--registration-max-age-ms N] [--expected-pin COMMIT]
@@ -11,6 +11,13 @@
 name: general.name), opens the libp2p host, prints ``tracker listening on <multiaddr>`` as its
 first stdout line, writes that multiaddr to ``--addr-file`` (atomically: a temporary file
 renamed into place) and serves until SIGINT / SIGTERM (exit 0).
+
+The tracker is also a circuit relay v2 (unless ``--no-relay``): a node that cannot be dialled
+(``baton node --relay``) reserves a slot on it and is reached at
+``<tracker addr>/p2p-circuit/p2p/<node id>``. Only admitted nodes that are alive (or pending
+after a restart) may hold a reservation or be the destination of a circuit; only such nodes and
+admitted clients may open circuits (``Tracker.may_hold_relay_reservation`` /
+``may_open_relay_circuit``).
 
 Entry points: ``add_arguments(parser)`` fills a ``tracker`` sub-parser; ``main(args) -> int``
 runs the parsed command. ``python -m agent.io.tracker.cli serve ...`` runs the same thing.
@@ -64,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--key", required=True, help="Ed25519 key file (created if missing; fixes the peer id)")
     serve.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr (default /ip4/127.0.0.1/tcp/0)")
     serve.add_argument("--addr-file", help="write the full multiaddr (with /p2p/<id>) here once listening")
+    serve.add_argument(
+        "--no-relay", dest="relay", action="store_false",
+        help="do not act as a circuit relay for nodes that cannot be dialled (default: relay for admitted nodes)",
+    )  # fmt: skip
     serve.add_argument(
         "--register-model", action="append", default=[], type=_model_arg, metavar="PATH[:ALIAS]",
         help="register a GGUF model (repeatable)",
@@ -198,11 +209,19 @@ def _serve(args: argparse.Namespace) -> int:
 async def _serve_async(args: argparse.Namespace, store, config, key) -> int:
     import trio
 
-    from agent.io.p2p import open_p2p_transport
+    from agent.io.p2p import RelayPolicy, open_p2p_transport
     from agent.io.tracker.service import serve_tracker
 
-    async with open_p2p_transport(key, listen_addrs=[args.listen]) as transport, trio.open_nursery() as nursery:
-        await nursery.start(serve_tracker, transport, store, config, key)
+    relay = getattr(args, "relay", True)
+    async with (
+        # closed until the tracker that decides who may use it runs
+        open_p2p_transport(
+            key, listen_addrs=[args.listen], enable_relay_hop=relay, relay_policy=RelayPolicy.closed()
+        ) as transport,
+        trio.open_nursery() as nursery,
+    ):
+        tracker = await nursery.start(serve_tracker, transport, store, config, key)
+        transport.relay_policy = RelayPolicy(tracker.may_hold_relay_reservation, tracker.may_open_relay_circuit)
         addr = transport.listen_addrs[0]
         if args.addr_file:  # first, so that a reader of stdout finds the file in place
             _write_atomically(Path(args.addr_file), addr + "\n")

@@ -156,6 +156,38 @@ class Tracker:
         while not predicate():
             await self._changed.wait()
 
+    # --- relay admission ------------------------------------------------------------------------
+
+    def may_hold_relay_reservation(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` may be reached through the tracker's circuit relay: an admitted
+        node (admission not expired) that is alive or pending. Never raises (it runs inside
+        the relay's stream handler); asked on every reservation and refresh, and for the
+        destination of every circuit."""
+        try:
+            if peer_id not in self.deadline_ms:
+                return False
+            node = self.store.node(peer_id)
+            return node is not None and self._now_ms() < node.expires_at_ms
+        except Exception:
+            log.exception("relay admission check for %s failed", peer_id)
+            return False
+
+    def may_open_relay_circuit(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` may open circuits through the tracker's relay: a node that
+        ``may_hold_relay_reservation``, or a client whose admission has not expired. Never
+        raises."""
+        if self.may_hold_relay_reservation(peer_id):
+            return True
+        try:
+            signed = self.store.client_admission(peer_id)
+            if signed is None:
+                return False
+            record = swarm_pb2.AdmissionRecord.FromString(signed.record)
+            return record.peer_id == peer_id and self._now_ms() < record.expires_at_ms
+        except Exception:
+            log.exception("relay circuit check for %s failed", peer_id)
+            return False
+
     # --- requests -----------------------------------------------------------------------------
 
     async def handle(self, remote_peer_id: str, payload: bytes) -> bytes:

@@ -603,6 +603,21 @@ def test_register_a_real_gguf(db_path, qwen2_tiny_path):
     assert (entry.architecture, entry.n_layer, entry.size_bytes) == ("qwen2", 6, qwen2_tiny_path.stat().st_size)
     # blk.* tensors 890880 bytes / 6 blocks + KV 8192 tokens * 2 kv heads * (16 + 16) * 2 bytes
     assert entry.bytes_per_block == 890_880 // 6 + 8192 * 2 * 32 * 2
+    assert entry.hf_repo == ""  # the synthetic GGUF names no source repo
+
+
+def test_registered_models_carry_their_hugging_face_repo(db_path, qwen2_tiny_path, capsys):
+    with open_store(db_path) as store:
+        [entry] = register_models(store, [(qwen2_tiny_path, "tiny")], 0, {"tiny": "baton/qwen2-tiny"})
+        assert store.find_model("tiny").hf_repo == "baton/qwen2-tiny"
+    assert entry.hf_repo == "baton/qwen2-tiny"
+    from agent.cli import main as baton
+
+    assert baton(["tracker", "models", "--db", str(db_path)]) == 0
+    listing = capsys.readouterr().out
+    assert "HF REPO" in listing and "baton/qwen2-tiny" in listing and "tiny" in listing
+    with pytest.raises(SystemExit):
+        baton(["tracker", "serve", "--db", str(db_path), "--key", "k", "--hf-repo", "no-slash"])
 
 
 def test_a_file_that_is_not_gguf_is_refused(tmp_path):

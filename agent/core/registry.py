@@ -42,6 +42,7 @@ class GgufFacts:
     value_length: int  # {arch}.attention.value_length (defaults to n_embd / n_head)
     block_tensor_bytes: int  # sum of n_bytes over tensors named blk.*
     size_bytes: int  # the file's size
+    source_repo: str = ""  # the Hugging Face repo the GGUF names as its source ("" when absent)
 
 
 def bytes_per_block(facts: GgufFacts, kv_tokens: int = DEFAULT_KV_TOKENS) -> int:
@@ -59,7 +60,7 @@ def model_entry(
     return swarm_pb2.ModelEntry(
         sha256=sha256,
         name=facts.name,
-        hf_repo=hf_repo,
+        hf_repo=hf_repo or facts.source_repo,
         alias=alias,
         architecture=facts.architecture,
         n_layer=facts.n_layer,

@@ -63,6 +63,13 @@ def _model_arg(text: str) -> tuple[Path, str]:
     return path, alias
 
 
+def _hf_repo_arg(text: str) -> tuple[str, str]:
+    alias, sep, repo = text.partition("=")
+    if not sep or not alias or repo.count("/") != 1 or repo.startswith("/") or repo.endswith("/"):
+        raise argparse.ArgumentTypeError(f"expected ALIAS=ORG/NAME, got {text!r}")
+    return alias, repo
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``serve`` and ``models`` sub-commands to ``parser`` (the ``tracker`` parser)."""
     commands = parser.add_subparsers(dest="tracker_command", required=True, metavar="COMMAND")
@@ -78,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--register-model", action="append", default=[], type=_model_arg, metavar="PATH[:ALIAS]",
         help="register a GGUF model (repeatable)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--hf-repo", action="append", default=[], type=_hf_repo_arg, metavar="ALIAS=ORG/NAME",
+        help="the Hugging Face repo of a registered model (default: what its GGUF metadata names)",
     )  # fmt: skip
     serve.add_argument("--heartbeat-interval-ms", type=cli_args.positive_int, default=1000, help="default 1000")
     serve.add_argument("--heartbeat-timeout-ms", type=cli_args.positive_int, default=5000, help="default 5000")
@@ -127,9 +138,10 @@ def _models(args: argparse.Namespace) -> int:
     except StoreError as error:
         print(f"baton tracker models: {error}", file=sys.stderr)
         return 2
-    rows = [("ALIAS", "NAME", "SHA256", "ARCHITECTURE", "BLOCKS", "SIZE")]
+    rows = [("ALIAS", "NAME", "HF REPO", "SHA256", "ARCHITECTURE", "BLOCKS", "SIZE")]
     rows += [
-        (m.alias, m.name, m.sha256[:12], m.architecture, str(m.n_layer), _human_bytes(m.size_bytes)) for m in models
+        (m.alias, m.name, m.hf_repo or "-", m.sha256[:12], m.architecture, str(m.n_layer), _human_bytes(m.size_bytes))
+        for m in models
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
@@ -152,8 +164,11 @@ def _write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def register_models(store, models: Sequence[tuple[Path, str]], now_ms: int) -> list:
-    """Read each GGUF and put its ``ModelEntry`` in ``store`` (synchronous; seconds per model)."""
+def register_models(
+    store, models: Sequence[tuple[Path, str]], now_ms: int, hf_repos: dict[str, str] | None = None
+) -> list:
+    """Read each GGUF and put its ``ModelEntry`` in ``store`` (synchronous; seconds per model).
+    ``hf_repos`` maps an alias to its Hugging Face repo (else the GGUF's own metadata says)."""
     from agent.core.registry import model_entry
     from agent.io.tracker.gguf_info import read_gguf_facts
     from agent.models import sha256_file
@@ -161,7 +176,7 @@ def register_models(store, models: Sequence[tuple[Path, str]], now_ms: int) -> l
     entries = []
     for path, alias in models:
         facts = read_gguf_facts(path)
-        entry = model_entry(facts, sha256_file(path), alias)
+        entry = model_entry(facts, sha256_file(path), alias, hf_repo=(hf_repos or {}).get(alias, ""))
         store.put_model(entry, now_ms)
         entries.append(entry)
     return entries
@@ -194,9 +209,13 @@ def _serve(args: argparse.Namespace) -> int:
             registration_max_age_ms=args.registration_max_age_ms,
             nonce_retention_ms=max(600_000, 2 * args.registration_max_age_ms),
         )
+        hf_repos = dict(args.hf_repo)
+        unknown = sorted(set(hf_repos) - {alias for _, alias in args.register_model})
+        if unknown:
+            raise ValueError(f"--hf-repo names aliases that no --register-model gives: {', '.join(unknown)}")
         key = load_or_create_key(args.key)
         with open_store(args.db) as store:
-            for entry in register_models(store, args.register_model, int(time.time() * 1000)):
+            for entry in register_models(store, args.register_model, int(time.time() * 1000), hf_repos):
                 log.info(
                     "registered model %s (%s, %s, %d blocks)", entry.alias, entry.sha256[:12], entry.name, entry.n_layer
                 )

@@ -35,6 +35,24 @@ def _int(value) -> int | None:
     return int(value)
 
 
+# Where GGUF writers record the model's origin (convert_hf_to_gguf.py writes the first two).
+_SOURCE_REPO_KEYS = (
+    "general.source.huggingface.repository",
+    "general.base_model.0.repo_url",
+    "general.source.url",
+)
+
+
+def _source_repo(reader) -> str:
+    """``org/name`` of the Hugging Face repo the metadata names, or ""."""
+    for key in _SOURCE_REPO_KEYS:
+        value = _field(reader, key)
+        if value:
+            text = str(value).strip()
+            return text.removeprefix("https://huggingface.co/").strip("/")
+    return ""
+
+
 def read_gguf_facts(path: str | os.PathLike[str]) -> GgufFacts:
     """Metadata and block tensor bytes of the GGUF at ``path``.
 
@@ -65,6 +83,7 @@ def read_gguf_facts(path: str | os.PathLike[str]) -> GgufFacts:
     block_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.name.startswith("blk."))
     return GgufFacts(
         name=str(_field(reader, "general.name") or ""),
+        source_repo=_source_repo(reader),
         architecture=str(arch),
         n_layer=n_layer,
         n_embd=n_embd,

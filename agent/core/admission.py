@@ -195,13 +195,9 @@ def decide_admission(
             f"{REASON_PATCH}: node has {fingerprint.patch_series_sha256!r}, "
             f"tracker expects {policy.patch_series_sha256!r}",
         )
-    stale = _freshness(fingerprint.created_at_ms, now_ms, policy.registration_max_age_ms, "fingerprint")
-    if stale is not None:
-        return Decision(False, stale)
-    if len(fingerprint.nonce) != NONCE_BYTES:
-        return Decision(False, f"{REASON_REPLAYED}: nonce has {len(fingerprint.nonce)} bytes, expected {NONCE_BYTES}")
-    if seen_nonce:
-        return Decision(False, f"{REASON_REPLAYED}: nonce {fingerprint.nonce.hex()} was already used by this peer")
+    refused = _fresh_and_unseen(fingerprint.created_at_ms, fingerprint.nonce, now_ms, policy, seen_nonce, "fingerprint")
+    if refused is not None:
+        return refused
     if policy.min_bytes_per_block is not None and fingerprint.usable_memory_bytes < policy.min_bytes_per_block:
         return Decision(
             False,
@@ -256,14 +252,22 @@ def decide_client_admission(
     hello: swarm_pb2.ClientHelloRequest, policy: AdmissionPolicy, now_ms: int, seen_nonce: bool
 ) -> Decision:
     """Freshness and replay rules for a verified client hello (same as for fingerprints)."""
-    stale = _freshness(hello.created_at_ms, now_ms, policy.registration_max_age_ms, "hello")
+    refused = _fresh_and_unseen(hello.created_at_ms, hello.nonce, now_ms, policy, seen_nonce, "hello")
+    return refused if refused is not None else _ADMITTED
+
+
+def _fresh_and_unseen(
+    created_at_ms: int, nonce: bytes, now_ms: int, policy: AdmissionPolicy, seen_nonce: bool, what: str
+) -> Decision | None:
+    """The refusal for a stale or replayed signed record, or None when it is fresh and new."""
+    stale = _freshness(created_at_ms, now_ms, policy.registration_max_age_ms, what)
     if stale is not None:
         return Decision(False, stale)
-    if len(hello.nonce) != NONCE_BYTES:
-        return Decision(False, f"{REASON_REPLAYED}: nonce has {len(hello.nonce)} bytes, expected {NONCE_BYTES}")
+    if len(nonce) != NONCE_BYTES:
+        return Decision(False, f"{REASON_REPLAYED}: nonce has {len(nonce)} bytes, expected {NONCE_BYTES}")
     if seen_nonce:
-        return Decision(False, f"{REASON_REPLAYED}: nonce {hello.nonce.hex()} was already used by this peer")
-    return _ADMITTED
+        return Decision(False, f"{REASON_REPLAYED}: nonce {nonce.hex()} was already used by this peer")
+    return None
 
 
 # --------------------------------------------------------------------------------------------

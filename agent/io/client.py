@@ -277,23 +277,25 @@ class SwarmClient:
 
     # --- tracker -----------------------------------------------------------------------------
 
-    async def _tracker(self, request: swarm_pb2.TrackerRequest) -> swarm_pb2.TrackerReply:
+    async def _exchange(self, peer_id: str, addrs: Sequence[str], protocol: str, request, reply):
+        """Send ``request`` on ``protocol``, parse the answer into ``reply`` (a message of the
+        expected type) and raise ``SwarmError`` for an error reply or bytes that do not parse."""
         request.schema_version = SCHEMA_VERSION
         raw = await self.transport.request(
-            self.tracker_peer_id,
-            self.tracker_addrs,
-            TRACKER_PROTOCOL,
-            request.SerializeToString(),
-            timeout_s=self.config.request_timeout_s,
+            peer_id, list(addrs), protocol, request.SerializeToString(), timeout_s=self.config.request_timeout_s
         )
-        reply = swarm_pb2.TrackerReply()
         try:
             reply.ParseFromString(raw)
         except DecodeError:
-            raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, "malformed TrackerReply") from None
+            raise SwarmError(peer_id, swarm_pb2.Error.INTERNAL, f"malformed {type(reply).__name__}") from None
         if reply.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
-            raise SwarmError(self.tracker_peer_id, reply.error.code, reply.error.message)
+            raise SwarmError(peer_id, reply.error.code, reply.error.message)
         return reply
+
+    async def _tracker(self, request: swarm_pb2.TrackerRequest) -> swarm_pb2.TrackerReply:
+        return await self._exchange(
+            self.tracker_peer_id, self.tracker_addrs, TRACKER_PROTOCOL, request, swarm_pb2.TrackerReply()
+        )
 
     async def hello(self) -> None:
         """Get a (new) CLIENT admission from the tracker.
@@ -378,20 +380,8 @@ class SwarmClient:
     # --- first hop -----------------------------------------------------------------------------
 
     async def _node(self, hop: swarm_pb2.Hop, request: swarm_pb2.NodeRequest) -> swarm_pb2.NodeReply:
-        request.schema_version = SCHEMA_VERSION
         request.sender_admission.CopyFrom(self.admission)
-        raw = await self.transport.request(
-            hop.peer_id, list(hop.addrs), NODE_PROTOCOL, request.SerializeToString(),
-            timeout_s=self.config.request_timeout_s,
-        )  # fmt: skip
-        reply = swarm_pb2.NodeReply()
-        try:
-            reply.ParseFromString(raw)
-        except DecodeError:
-            raise SwarmError(hop.peer_id, swarm_pb2.Error.INTERNAL, "malformed NodeReply") from None
-        if reply.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
-            raise SwarmError(hop.peer_id, reply.error.code, reply.error.message)
-        return reply
+        return await self._exchange(hop.peer_id, hop.addrs, NODE_PROTOCOL, request, swarm_pb2.NodeReply())
 
     async def tokenize(self, route: swarm_pb2.Route, text: str, *, add_special: bool = True) -> tuple[list[int], list[int]]:
         """``(token ids, end-of-generation token ids)`` from the route's first hop."""

@@ -9,6 +9,7 @@ carries the message both ways). Both paths use the same framing (uvarint length 
 After a warm-up, each of ``--runs`` runs times ``exchanges`` round trips and records their mean;
 the report gives median/min/max over runs and libp2p/tcp ratios of the medians. Writes
 ``bench/results/transport_rtt.json`` (with platform, CPU count, Python and library versions).
+``run_benchmark(runs)`` returns that report without writing it (``bench/compare.py`` calls it).
 
 Usage: ``.venv/bin/python bench/transport_rtt.py [--runs 7] [--output PATH]`` (well under 2 min).
 """
@@ -188,30 +189,18 @@ def _summary(means: list[float]) -> dict[str, float]:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--serve", choices=["tcp", "libp2p"], help=argparse.SUPPRESS)
-    parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results" / "transport_rtt.json")
-    args = parser.parse_args()
-    if args.serve == "tcp":
-        trio.run(_serve_tcp)
-        return 0
-    if args.serve == "libp2p":
-        trio.run(_serve_libp2p)
-        return 0
-    if args.runs < 5:
-        parser.error("--runs must be at least 5")
-
+def run_benchmark(runs: int) -> dict[str, object]:
+    """Measure both paths (``runs`` runs each after a warm-up) and return the report that
+    ``main`` writes (also called by ``bench/compare.py``)."""
     started = time.perf_counter()
     process, address = _start_server("tcp")
     try:
-        tcp = trio.run(_client_tcp, address, args.runs)
+        tcp = trio.run(_client_tcp, address, runs)
     finally:
         _stop_server(process)
     process, address = _start_server("libp2p")
     try:
-        libp2p, streams_opened = trio.run(_client_libp2p, address, args.runs)
+        libp2p, streams_opened = trio.run(_client_libp2p, address, runs)
     finally:
         _stop_server(process)
 
@@ -219,7 +208,7 @@ def main() -> int:
         "benchmark": "transport_rtt",
         "what": "echo round trip (message sent and returned) between two processes on loopback",
         "method": {
-            "runs": args.runs,
+            "runs": runs,
             "exchanges_per_run": EXCHANGES,
             "warmup_exchanges": WARMUP,
             "statistic": "per run: mean round trip over its exchanges; reported: median/min/max over runs",
@@ -252,6 +241,27 @@ def main() -> int:
         }
     report["results"] = results
     report["total_runtime_s"] = time.perf_counter() - started
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--serve", choices=["tcp", "libp2p"], help=argparse.SUPPRESS)
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results" / "transport_rtt.json")
+    args = parser.parse_args()
+    if args.serve == "tcp":
+        trio.run(_serve_tcp)
+        return 0
+    if args.serve == "libp2p":
+        trio.run(_serve_libp2p)
+        return 0
+    if args.runs < 5:
+        parser.error("--runs must be at least 5")
+
+    report = run_benchmark(args.runs)
+    results = report["results"]
+    assert isinstance(results, dict)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -1,0 +1,320 @@
+"""The pure half of ``bench/compare.py``: statistics, derived figures, headline checks, markdown.
+
+Owns: turning per-run samples into median/min/max summaries, the ratios and per-hop overheads
+derived from them, the three target checks, and the text of ``compare.md``. No processes,
+clocks, files or imports from ``agent`` (``tests/test_bench_compare.py`` runs it on fixed
+numbers).
+
+Vocabulary (docs/SWARM.md, DESIGN.md): a *hop* is one (node, range) entry of a route, so an
+N-way split has N hops; each hop adds one node agent, one worker Forward and one libp2p message
+into it (the last hop also pushes the result back to the client).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "DECODE_RATIO_TARGET",
+    "PER_HOP_TARGET_MS",
+    "SYSTEMS",
+    "derive",
+    "headline",
+    "render_markdown",
+    "summarize",
+    "table",
+]
+
+#: targets of issue 4, checked by reading the results
+PER_HOP_TARGET_MS = 1.0
+DECODE_RATIO_TARGET = 0.8
+
+#: (key, label, family, hops, reference key): the rows of the table, in order. A split row is
+#: compared with the unsplit run of the same harness: Baton rows with Baton's worker driven
+#: directly, llama.cpp RPC rows with llama-bench unsplit.
+SYSTEMS: tuple[tuple[str, str, str, int, str | None], ...] = (
+    ("worker_unsplit", "Baton worker, unsplit (direct, Unix socket)", "baton", 0, None),
+    ("llama_bench", "llama-bench, unsplit", "llama.cpp", 0, None),
+    ("baton_2", "Baton 2-split (tracker, libp2p, 2 nodes)", "baton", 2, "worker_unsplit"),
+    ("baton_3", "Baton 3-split (tracker, libp2p, 3 nodes)", "baton", 3, "worker_unsplit"),
+    ("rpc_2", "llama.cpp RPC 2-split (2 rpc-servers)", "llama.cpp", 2, "llama_bench"),
+    ("rpc_3", "llama.cpp RPC 3-split (3 rpc-servers)", "llama.cpp", 3, "llama_bench"),
+)
+
+
+def summarize(samples: Sequence[float]) -> dict:
+    """``{"median", "min", "max", "runs", "samples"}`` of per-run values (at least one)."""
+    values = [float(v) for v in samples]
+    if not values:
+        raise ValueError("no samples")
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "runs": len(values),
+        "samples": values,
+    }
+
+
+def step_ms(tokens_per_s: Mapping) -> dict:
+    """The decode step time (ms) summary matching a tokens/s summary (1000 / t/s per run)."""
+    return summarize([1000.0 / v for v in tokens_per_s["samples"]])
+
+
+def derive(systems: Mapping[str, Mapping]) -> dict[str, dict]:
+    """Ratio to the reference and per-hop overhead for every split row present.
+
+    ``systems[key]`` holds ``prefill_tps`` and ``decode_tps`` summaries (``summarize``).
+    Per-hop overhead = (split decode step ms - reference decode step ms) / hops; its interval
+    pairs the split's fastest run with the reference's slowest run and vice versa.
+    """
+    out: dict[str, dict] = {}
+    for key, _label, _family, hops, ref in SYSTEMS:
+        if key not in systems or ref is None or ref not in systems:
+            continue
+        split, base = systems[key], systems[ref]
+        split_ms, base_ms = step_ms(split["decode_tps"]), step_ms(base["decode_tps"])
+        out[key] = {
+            "reference": ref,
+            "hops": hops,
+            "decode_ratio": split["decode_tps"]["median"] / base["decode_tps"]["median"],
+            "prefill_ratio": split["prefill_tps"]["median"] / base["prefill_tps"]["median"],
+            "decode_step_ms": split_ms["median"],
+            "reference_step_ms": base_ms["median"],
+            "per_hop_overhead_ms": {
+                "median": (split_ms["median"] - base_ms["median"]) / hops,
+                "min": (split_ms["min"] - base_ms["max"]) / hops,
+                "max": (split_ms["max"] - base_ms["min"]) / hops,
+            },
+        }
+    return out
+
+
+def _check(name: str, value: float, target: float, higher_is_better: bool, unit: str, target_text: str) -> dict:
+    met = value >= target if higher_is_better else value <= target
+    if met:
+        miss = ""
+    elif higher_is_better:
+        miss = f"missed by {target - value:.2f}{unit} ({(1 - value / target) * 100:.0f}% short of {target_text})"
+    else:
+        miss = f"missed by {value - target:.2f}{unit} ({value / target:.1f}x the {target_text} target)"
+    return {"name": name, "value": value, "target": target_text, "met": met, "miss": miss}
+
+
+def headline(systems: Mapping[str, Mapping], derived: Mapping[str, Mapping]) -> list[dict]:
+    """The target checks, each ``{"name", "value", "target", "met", "miss"}`` (``miss``: by how
+    much, empty when met). Checks whose rows are missing are left out."""
+    checks = []
+    for n in (3, 2):
+        key = f"baton_{n}"
+        if key in derived:
+            checks.append(
+                _check(
+                    f"Baton {n}-split decode / unsplit decode",
+                    derived[key]["decode_ratio"],
+                    DECODE_RATIO_TARGET,
+                    True,
+                    "x",
+                    f">= {DECODE_RATIO_TARGET}x",
+                )
+            )
+    for n in (3, 2):
+        if f"baton_{n}" in systems and f"rpc_{n}" in systems:
+            ratio = systems[f"baton_{n}"]["decode_tps"]["median"] / systems[f"rpc_{n}"]["decode_tps"]["median"]
+            checks.append(_check(f"Baton {n}-split decode / RPC {n}-split decode", ratio, 1.0, True, "x", "> 1x"))
+    for n in (3, 2):
+        key = f"baton_{n}"
+        if key in derived:
+            checks.append(
+                _check(
+                    f"Baton {n}-split per-hop overhead (ms)",
+                    derived[key]["per_hop_overhead_ms"]["median"],
+                    PER_HOP_TARGET_MS,
+                    False,
+                    " ms",
+                    f"{PER_HOP_TARGET_MS:g} ms",
+                )
+            )
+    return checks
+
+
+# --- markdown --------------------------------------------------------------------------------
+
+
+def _fmt(summary: Mapping | None, digits: int = 1) -> str:
+    if summary is None:
+        return "—"
+    return f"{summary['median']:.{digits}f} ({summary['min']:.{digits}f}–{summary['max']:.{digits}f})"
+
+
+def system_rows(systems: Mapping[str, Mapping], derived: Mapping[str, Mapping]) -> list[list[str]]:
+    """The main table's rows: system, hops, prefill t/s, decode t/s, decode step ms, ratio, per-hop."""
+    rows = []
+    for key, label, _family, hops, ref in SYSTEMS:
+        fig = systems.get(key)
+        if fig is None:
+            rows.append([label, str(hops or 1), "not measured", "", "", "", ""])
+            continue
+        d = derived.get(key)
+        ratio = "1 (reference)" if ref is None else (f"{d['decode_ratio']:.2f}x" if d else "—")
+        if d:
+            o = d["per_hop_overhead_ms"]
+            per_hop = f"{o['median']:.2f} ({o['min']:.2f}–{o['max']:.2f})"
+        else:
+            per_hop = "—"
+        rows.append(
+            [
+                label,
+                str(hops or 1),
+                _fmt(fig.get("prefill_tps")),
+                _fmt(fig.get("decode_tps")),
+                _fmt(step_ms(fig["decode_tps"]), 2),
+                ratio,
+                per_hop,
+            ]
+        )
+    return rows
+
+
+def transport_rows(transport: Mapping) -> list[list[str]]:
+    rows = []
+    for name, entry in transport.get("results", {}).items():
+        for path in ("libp2p", "tcp"):
+            s = entry[path]
+            rows.append(
+                [
+                    f"transport {name} round trip, {'libp2p (TCP+Noise+yamux)' if path == 'libp2p' else 'plain trio TCP'}",
+                    f"{s['median_ms']:.3f} ({s['min_ms']:.3f}–{s['max_ms']:.3f})",
+                    f"{entry['ratio_libp2p_over_tcp']:.1f}x" if path == "libp2p" else "1 (reference)",
+                    f"{entry[f'{path}_throughput_MB_per_s']:.0f}",
+                ]
+            )
+    return rows
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def render_markdown(report: Mapping, profile_md: str = "") -> str:
+    """``compare.md``: what ran, the tables, the headline checks and ``profile_md`` (the
+    "Where the time goes" section)."""
+    m = report["machine"]
+    method = report["method"]
+    systems, derived = report["systems"], report["derived"]
+    lines = [
+        "# Baton vs llama.cpp on one machine (`bench/compare.py`)",
+        "",
+        (
+            f"Model: `{report['model']['name']}` ({report['model']['n_layer']} blocks). Prompt {method['prompt_tokens']} "
+            f"tokens, then {method['decode_steps']} greedy decode steps; {method['runs']} runs after a warm-up; "
+            f"{method['threads']} thread(s) in every process (workers, llama-bench `-t`, rpc-server `-t`). "
+            "Cells: median (min–max) over runs."
+        ),
+        "",
+        (
+            f"Machine: {m['cpu_model']}, {m['cores']} cores, {m['ram_gib']:.1f} GiB RAM, {m['platform']}, "
+            f"Python {m['python']}; load average before/after {m['loadavg_before']} / {m['loadavg_after']}."
+        ),
+        (
+            f"llama.cpp `{m['llama_cpp_commit']}` + patch series `{m['patch_series_sha256'][:16]}…` (the same tree for "
+            "Baton's worker and for `llama-bench`/`rpc-server`, both built Release, static, with `GGML_NATIVE=OFF`). "
+            "The patches add ranged execution (which blocks' tensors are loaded, which layers get KV cache, which "
+            "blocks a graph runs, hidden states in and out at a range's edges); with the whole range, the default "
+            "that llama-bench and rpc-server use and the unsplit worker asks for, every tensor and KV layer is owned "
+            "and every block runs as in the pinned code: whole-model behaviour is unchanged by the patches."
+        ),
+        (
+            f"Baton checkout `{m['baton_commit']}`"
+            + (
+                f", with uncommitted changes in {', '.join(f'`{f}`' for f in m['baton_modified_files'])}"
+                if m.get("baton_modified_files")
+                else ""
+            )
+            + "."
+            if m.get("baton_commit")
+            else ""
+        ),
+        f"Total wall time of this run: {report['wall_time_s']:.0f} s"
+        + (
+            f" (including building the llama.cpp tools: {report['tools_build_s']:.0f} s)"
+            if report.get("tools_build_s")
+            else ""
+        )
+        + ".",
+        "",
+        "## Tokens per second",
+        "",
+    ]
+    lines += table(
+        [
+            "system",
+            "hops",
+            "prefill t/s",
+            "decode t/s",
+            "decode step ms",
+            "decode ratio to unsplit",
+            "per-hop overhead ms",
+        ],
+        system_rows(systems, derived),
+    )
+    lines += [
+        "",
+        (
+            "Ratio and per-hop overhead compare each split with the unsplit run of the same harness: Baton rows with "
+            "Baton's worker driven directly over its Unix socket (one gRPC Forward per step, from Python), RPC rows "
+            "with `llama-bench` unsplit. Per-hop overhead = (split decode step − unsplit decode step) / hops, where "
+            "hops = route hops (N for an N-way split); its interval pairs the extreme runs."
+        ),
+    ]
+    others = report.get("cpu_used_by_other_processes") or {}
+    if others:
+        lines += [
+            "",
+            "The machine is shared: CPU used by processes outside this benchmark during each measurement, in "
+            f"cores busy on average (of {m['cores']}): "
+            + ", ".join(
+                f"{k} {v['others_cores']:.2f}" + (f" ({v['attempts']} attempts)" if v.get("attempts", 1) > 1 else "")
+                for k, v in others.items()
+            )
+            + ". A measurement disturbed by more than "
+            + f"{method.get('busy_threshold', 0.15):.2f} cores is run again (the quietest attempt is kept); "
+            "a figure whose value here is still above that competed for the CPU.",
+        ]
+    notes = method.get("notes", [])
+    if notes:
+        lines += [""] + [f"- {note}" for note in notes]
+    if report.get("transport"):
+        lines += ["", "## Boundary transport alone (`bench/transport_rtt.py`)", ""]
+        lines += table(
+            ["path", "round trip ms", "ratio to TCP", "MB/s (both ways)"], transport_rows(report["transport"])
+        )
+    checks = report.get("headline", [])
+    if checks:
+        lines += ["", "## Headline (computed in this run)", ""]
+        for c in checks:
+            verdict = "met" if c["met"] else f"**MISSED**: {c['miss']}"
+            lines.append(f"- {c['name']}: **{c['value']:.2f}** (target {c['target']}): {verdict}")
+        if "worker_unsplit" in systems and "llama_bench" in systems:
+            worker_ms = step_ms(systems["worker_unsplit"]["decode_tps"])["median"]
+            bench_ms = step_ms(systems["llama_bench"]["decode_tps"])["median"]
+            line = (
+                f"- For scale (no target): Baton's unsplit worker, driven directly, decodes at "
+                f"{bench_ms / worker_ms:.2f}x llama-bench's speed ({worker_ms:.2f} vs {bench_ms:.2f} ms a step: Python, "
+                "gRPC and the logits row of the direct harness)"
+            )
+            for n in (3, 2):
+                if f"baton_{n}" in systems:
+                    split_ms = step_ms(systems[f"baton_{n}"]["decode_tps"])["median"]
+                    line += (
+                        f"; measured from llama-bench instead, Baton's {n}-split per-hop overhead is "
+                        f"{(split_ms - bench_ms) / n:.2f} ms"
+                    )
+                    break
+            lines.append(line + ".")
+    if profile_md:
+        lines += ["", profile_md.rstrip()]
+    return "\n".join(lines) + "\n"

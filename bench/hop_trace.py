@@ -1,0 +1,390 @@
+"""Timestamps inside the swarm's hot path, for ``bench/compare.py``'s "Where the time goes".
+
+Owns: wrapping (at run time, without editing ``agent``) the calls one step goes through —
+the node's step handler, the worker Forward (encode, thread hand-off, gRPC + compute, decode),
+the push to the next hop and the libp2p request — so that each records a monotonic timestamp
+(``time.perf_counter_ns``: CLOCK_MONOTONIC, one clock for every process on the machine);
+switching recording on (SIGUSR1) and dumping it to ``$BATON_BENCH_TRACE_DIR/trace-<pid>.json``
+(SIGUSR2); and ``step_breakdown``, which joins the client's and the nodes' events into
+per-stage times of each decode step.
+
+Node processes get the hooks through ``bench/_trace/sitecustomize.py`` (on ``PYTHONPATH``
+only for the profiled swarm), installed when ``agent.io.node.agent`` is first imported. A
+method that is not there (renamed by a later change) is skipped and named in the dump, never
+an error. While recording is off a hook costs one flag test; while on, two list appends.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+__all__ = [
+    "ENV_DIR",
+    "TraceFinder",
+    "forward_times",
+    "install_client_hooks",
+    "install_from_env",
+    "install_worker_hooks",
+    "load_dumps",
+    "step_breakdown",
+]
+
+ENV_DIR = "BATON_BENCH_TRACE_DIR"
+STEP_PROTOCOL = "/baton/step/1.0.0"
+RESULT_PROTOCOL = "/baton/result/1.0.0"
+
+_events: list[tuple[int, str, object]] = []
+_state = {"on": False}
+_missing: list[str] = []
+
+
+def _ev(name: str, extra: object = None) -> None:
+    _events.append((time.perf_counter_ns(), name, extra))
+
+
+def start() -> None:
+    _events.clear()
+    _state["on"] = True
+
+
+def stop() -> list[tuple[int, str, object]]:
+    _state["on"] = False
+    return list(_events)
+
+
+def _wrap(cls: type, name: str, tag: str, *, when: Callable[..., object] | None = None, static: bool = False) -> None:
+    """Record ``<tag>_in`` / ``<tag>_out`` around ``cls.name`` (async or not) while on.
+
+    ``when(*args)`` returns None to skip recording a call, else an extra value to record."""
+    original = cls.__dict__.get(name)
+    if original is None:
+        _missing.append(f"{cls.__name__}.{name}")
+        return
+    fn = original.__func__ if isinstance(original, staticmethod) else original
+    if getattr(fn, "__hop_trace__", False):
+        return  # hooked already
+    is_async = getattr(fn, "__code__", None) is not None and fn.__code__.co_flags & 0x80  # CO_COROUTINE
+
+    if is_async:
+
+        @functools.wraps(fn)
+        async def wrapper(*args, **kwargs):  # noqa: ANN202
+            extra = when(*args, **kwargs) if (_state["on"] and when is not None) else 0
+            if not _state["on"] or extra is None:
+                return await fn(*args, **kwargs)
+            _ev(tag + "_in", extra)
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                _ev(tag + "_out", extra)
+
+    else:
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):  # noqa: ANN202
+            extra = when(*args, **kwargs) if (_state["on"] and when is not None) else 0
+            if not _state["on"] or extra is None:
+                return fn(*args, **kwargs)
+            _ev(tag + "_in", extra)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _ev(tag + "_out", extra)
+
+    wrapper.__hop_trace__ = True
+    setattr(cls, name, staticmethod(wrapper) if static or isinstance(original, staticmethod) else wrapper)
+
+
+def _is_step_or_result(_self, _peer_id, _addrs, protocol_id, payload, *a, **k):  # noqa: ANN001, ANN202
+    return len(payload) if protocol_id in (STEP_PROTOCOL, RESULT_PROTOCOL) else None
+
+
+def _install_transport_hooks() -> None:
+    from agent.io import p2p
+
+    _wrap(p2p.P2PTransport, "request", "req", when=_is_step_or_result)
+    framed = getattr(p2p, "_FramedStream", None)
+    if framed is None:
+        _missing.append("p2p._FramedStream")
+    else:
+        _wrap(framed, "write_frame", "wr", when=lambda _self, payload: len(payload))
+        _wrap(framed, "read_frame", "rd")
+
+
+def install_worker_hooks() -> None:
+    from agent.io import worker_client
+
+    _wrap(worker_client.AsyncWorkerClient, "forward", "fwd")
+    _wrap(
+        worker_client.AsyncWorkerClient,
+        "call",
+        "call",
+        when=lambda _s, method, *a, **k: 1 if method == "Forward" else None,
+    )
+    _wrap(
+        worker_client.WorkerClient,
+        "start_call",
+        "start",
+        when=lambda _s, method, *a, **k: 1 if method == "Forward" else None,
+    )
+    _wrap(
+        worker_client.WorkerClient,
+        "finish_call",
+        "thr",
+        when=lambda method, *a, **k: 1 if method == "Forward" else None,
+    )
+
+
+def install_node_hooks(agent_module) -> None:  # noqa: ANN001
+    node = agent_module.Node
+    _wrap(node, "handle_step", "step", when=lambda _self, _remote, data: len(data))
+    _wrap(node, "_accept_step", "accept")
+    _wrap(node, "_push", "push")
+    install_worker_hooks()
+    _install_transport_hooks()
+
+
+def install_client_hooks() -> None:
+    """Hooks in this process (the client): sending a step, a result arriving."""
+    from agent.io import client
+
+    _wrap(client.SwarmClient, "_send_step", "send", when=lambda _self, _first, request: int(request.step))
+    _wrap(client.SwarmClient, "_on_result", "result")
+    _install_transport_hooks()
+
+
+def _dump(path: Path) -> None:
+    events = stop()
+    path.write_text(json.dumps({"pid": os.getpid(), "missing_hooks": _missing, "events": events}))
+
+
+class TraceFinder(importlib.abc.MetaPathFinder):
+    """Installs the node hooks right after ``agent.io.node.agent`` is executed."""
+
+    target = "agent.io.node.agent"
+
+    def find_spec(self, fullname, path, target=None):  # noqa: ANN001, ANN201
+        if fullname != self.target:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                loader = spec.loader
+
+                def exec_and_hook(module, exec_module=loader.exec_module):  # noqa: ANN001, ANN202
+                    exec_module(module)
+                    install_node_hooks(module)
+
+                loader.exec_module = exec_and_hook
+                return spec
+        return None
+
+
+def install_from_env() -> None:
+    """Called by ``bench/_trace/sitecustomize.py``: with ``$BATON_BENCH_TRACE_DIR`` set,
+    hook the node module when it is imported; SIGUSR1 starts recording, SIGUSR2 dumps."""
+    directory = os.environ.get(ENV_DIR)
+    if not directory:
+        return
+    sys.meta_path.insert(0, TraceFinder())
+    dump_path = Path(directory) / f"trace-{os.getpid()}.json"
+    signal.signal(signal.SIGUSR1, lambda *_: start())
+    signal.signal(signal.SIGUSR2, lambda *_: _dump(dump_path))
+
+
+def load_dumps(directory: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(Path(directory).glob("trace-*.json"))]
+
+
+# --- analysis (pure) ------------------------------------------------------------------------
+
+#: (stage, from event, to event) within one node's step, in order. The worker computes from
+#: the moment the gRPC call is started, so compute overlaps the stages from "start the call"
+#: to "wait for the reply"; "Forward call, all of it" is their sum.
+NODE_STAGES = (
+    ("step handler: parse, admission check (Ed25519), validate, queue", "accept_in", "accept_out"),
+    ("wake the serving task", "accept_out", "fwd_in"),
+    ("encode the Forward request", "fwd_in", "call_in"),
+    ("grpc future(): start the call (on the event loop)", "start_in", "start_out"),
+    ("hand-off to a thread (trio.to_thread)", "start_out", "thr_in"),
+    ("wait for the reply in the thread", "thr_in", "thr_out"),
+    ("hand-back from the thread", "thr_out", "call_out"),
+    ("decode the Forward reply", "call_out", "fwd_out"),
+    ("Forward call, all of it (encode to decode)", "fwd_in", "fwd_out"),
+    ("start the push task", "fwd_out", "push_in"),
+    ("build + serialize the next message", "push_in", "req_in"),
+    ("in the node, all of it (step handler to the next request)", "step_in", "req_in"),
+)
+
+#: (stage, from event, to event) of one libp2p message: sender's events, then receiver's
+LINK_STAGES = (
+    ("sender: request() until the frame write", "req_in", "wr_in"),
+    ("sender: write the frame (yamux, Noise, socket)", "wr_in", "wr_out"),
+    ("kernel + receiver's libp2p until the frame is read", "wr_out", "rd_in"),
+    ("receiver: read the frame", "rd_in", "rd_out"),
+    ("receiver: hand it to the handler", "rd_out", "handler_in"),
+    ("one way, all of it", "req_in", "handler_in"),
+)
+
+
+def _first_times(events: Sequence[Sequence]) -> dict[str, int]:
+    """First time of each event name, and the write of the request (the ``wr_in``/``wr_out``
+    of the same size as the first ``req_in``: a node also writes acks meanwhile)."""
+    first: dict[str, int] = {}
+    for t, name, _extra in events:
+        first.setdefault(name, t)
+    req = next(((t, extra) for t, name, extra in events if name == "req_in"), None)
+    first.pop("wr_in", None)
+    first.pop("wr_out", None)
+    if req is not None:
+        for t, name, extra in events:
+            if t >= req[0] and name in ("wr_in", "wr_out") and extra == req[1] and name not in first:
+                first[name] = t
+    return first
+
+
+def _node_steps(events: Sequence[Sequence]) -> list[dict[str, int]]:
+    """A node's events cut into steps: each ``step_in`` opens one; ``rd_in``/``rd_out`` are
+    the last frame read before it (the incoming request)."""
+    steps: list[dict] = []
+    chunks: list[list] = []
+    last_rd: dict[str, int] = {}
+    for t, name, extra in events:
+        if name in ("rd_in", "rd_out"):
+            last_rd[name] = t
+        if name == "step_in":
+            steps.append({"step_in": t, "handler_in": t, "bytes_in": extra, **last_rd})
+            chunks.append([])
+        elif chunks:
+            chunks[-1].append((t, name, extra))
+    for step, chunk in zip(steps, chunks, strict=True):
+        for name, t in _first_times(chunk).items():
+            step.setdefault(name, t)
+    return steps
+
+
+def _client_steps(events: Sequence[Sequence]) -> list[dict]:
+    """The client's steps: ``send_in`` (extra: step number) to ``result_in``."""
+    steps: list[dict] = []
+    chunk: list = []
+    last_rd: dict[str, int] = {}
+    for t, name, extra in events:
+        if name in ("rd_in", "rd_out"):
+            last_rd[name] = t
+        if name == "send_in":
+            chunk = [(t, name, extra)]
+        elif name == "result_in" and chunk:
+            first = _first_times(chunk)
+            steps.append(
+                {
+                    "step": chunk[0][2],
+                    "send_in": chunk[0][0],
+                    "result_in": t,
+                    **first,
+                    "rd_in_result": last_rd.get("rd_in"),
+                    "rd_out_result": last_rd.get("rd_out"),
+                }
+            )
+            chunk = []
+        elif chunk:
+            chunk.append((t, name, extra))
+    return steps
+
+
+_SENDER_EVENTS = ("req_in", "wr_in", "wr_out")
+
+
+def _stages(sender: Mapping[str, int], receiver: Mapping[str, int | None]) -> dict[str, float]:
+    """``LINK_STAGES`` of one message from ``sender``'s events to ``receiver``'s."""
+    out = {}
+    for stage, a, b in LINK_STAGES:
+        ta = (sender if a in _SENDER_EVENTS else receiver).get(a)
+        tb = (sender if b in _SENDER_EVENTS else receiver).get(b)
+        if ta is not None and tb is not None:
+            out[stage] = (tb - ta) / 1e6
+    return out
+
+
+def _median_dicts(rows: Sequence[Mapping[str, float]], order: Sequence[str]) -> dict[str, float]:
+    return {k: statistics.median([r[k] for r in rows if k in r]) for k in order if any(k in r for r in rows)}
+
+
+def step_breakdown(client_events: Sequence[Sequence], node_dumps: Sequence[Mapping]) -> dict:
+    """Per-stage medians (ms) over the decode steps (step > 0) of the client's generations.
+
+    Returns ``{"steps", "hops": [{node stage: ms}], "links": [{link stage: ms}], "total_ms",
+    "sum_of_stages_ms", "missing_hooks"}``: ``links[0]`` is client -> hop 1, ``links[i]`` hop
+    i -> hop i+1, ``links[-1]`` last hop -> client (the logits row). The links' and the
+    nodes' "all of it" rows add up to the step the client sees, less the client's own time
+    before its request (``sum_of_stages_ms``)."""
+    nodes = [_node_steps(d["events"]) for d in node_dumps]
+    missing = sorted({m for d in node_dumps for m in d.get("missing_hooks", [])})
+    hop_rows: dict[int, list[dict[str, float]]] = {}
+    link_rows: dict[int, list[dict[str, float]]] = {}
+    totals: list[float] = []
+    n_hops = 0
+    for c in _client_steps(client_events):
+        if c["step"] == 0:
+            continue  # prefill
+        t0, t1 = c["send_in"], c["result_in"]
+        hits = []
+        for steps in nodes:
+            inside = [s for s in steps if t0 <= s["step_in"] <= t1]
+            if inside:
+                hits.append(inside[0])
+        hits.sort(key=lambda s: s["step_in"])
+        if not hits or not all("req_in" in s for s in hits):
+            continue
+        n_hops = len(hits)
+        totals.append((t1 - t0) / 1e6)
+        sender: Mapping[str, int] = c
+        for i, s in enumerate(hits):
+            link_rows.setdefault(i, []).append(_stages(sender, s))
+            hop_rows.setdefault(i, []).append(
+                {stage: (s[b] - s[a]) / 1e6 for stage, a, b in NODE_STAGES if a in s and b in s}
+            )
+            sender = s
+        back = {"rd_in": c["rd_in_result"], "rd_out": c["rd_out_result"], "handler_in": t1}
+        link_rows.setdefault(len(hits), []).append(_stages(sender, back))
+    node_order = [stage for stage, _a, _b in NODE_STAGES]
+    link_order = [stage for stage, _a, _b in LINK_STAGES]
+    hops = [_median_dicts(hop_rows[i], node_order) for i in range(n_hops)]
+    links = [_median_dicts(link_rows[i], link_order) for i in sorted(link_rows)]
+    sum_ms = sum(h.get(NODE_STAGES[-1][0], 0.0) for h in hops) + sum(
+        link.get(LINK_STAGES[-1][0], 0.0) for link in links
+    )
+    return {
+        "steps": len(totals),
+        "hops": hops,
+        "links": links,
+        "total_ms": statistics.median(totals) if totals else 0.0,
+        "sum_of_stages_ms": sum_ms,
+        "missing_hooks": missing,
+    }
+
+
+def forward_times(events: Sequence[Sequence], n_ranges: int) -> list[float]:
+    """Median ms of each range's Forward call (``fwd_in`` to ``fwd_out``) in a chain driven
+    from one process, decode steps only (the first ``n_ranges`` calls of a generation are
+    its prefill; one generation per trace)."""
+    calls = []
+    start = None
+    for t, name, _extra in events:
+        if name == "fwd_in":
+            start = t
+        elif name == "fwd_out" and start is not None:
+            calls.append((t - start) / 1e6)
+            start = None
+    decode = calls[n_ranges:]
+    return [statistics.median(decode[i::n_ranges]) for i in range(n_ranges)] if decode else []

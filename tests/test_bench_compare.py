@@ -1,0 +1,227 @@
+"""The pure parts of ``bench/compare.py``: statistics, ratios, per-hop overhead, headline
+checks, the markdown table, the PNG writer and the hop-trace join. No processes."""
+
+from __future__ import annotations
+
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH_DIR))
+
+import compare_report  # noqa: E402
+import hop_trace  # noqa: E402
+import png_chart  # noqa: E402
+
+
+def _fig(prefill: list[float], decode: list[float]) -> dict:
+    return {"prefill_tps": compare_report.summarize(prefill), "decode_tps": compare_report.summarize(decode)}
+
+
+# decode t/s chosen so step times are round: 50 t/s = 20 ms, 40 t/s = 25 ms, 25 t/s = 40 ms
+SYSTEMS = {
+    "worker_unsplit": _fig([400, 410, 390, 405, 395], [50, 50, 50, 49, 51]),
+    "llama_bench": _fig([500] * 5, [80] * 5),
+    "baton_2": _fig([300] * 5, [40] * 5),
+    "baton_3": _fig([250] * 5, [25, 25, 25, 24, 26]),
+    "rpc_2": _fig([300] * 5, [50] * 5),
+    "rpc_3": _fig([250] * 5, [20] * 5),
+}
+
+
+def test_summarize_gives_median_min_max_runs():
+    s = compare_report.summarize([3.0, 1.0, 2.0, 10.0, 4.0])
+    assert (s["median"], s["min"], s["max"], s["runs"]) == (3.0, 1.0, 10.0, 5)
+    with pytest.raises(ValueError):
+        compare_report.summarize([])
+
+
+def test_derive_ratios_and_per_hop_overhead():
+    derived = compare_report.derive(SYSTEMS)
+    assert set(derived) == {"baton_2", "baton_3", "rpc_2", "rpc_3"}
+    b3 = derived["baton_3"]
+    assert b3["reference"] == "worker_unsplit"
+    assert b3["decode_ratio"] == pytest.approx(0.5)
+    # (40 ms - 20 ms) / 3 hops
+    assert b3["per_hop_overhead_ms"]["median"] == pytest.approx(20 / 3)
+    # interval: fastest split run (1000/26) against slowest unsplit run (1000/49), and vice versa
+    assert b3["per_hop_overhead_ms"]["min"] == pytest.approx((1000 / 26 - 1000 / 49) / 3)
+    assert b3["per_hop_overhead_ms"]["max"] == pytest.approx((1000 / 24 - 1000 / 51) / 3)
+    assert derived["baton_2"]["per_hop_overhead_ms"]["median"] == pytest.approx((25 - 20) / 2)
+    # RPC rows are compared with llama-bench: 12.5 ms unsplit, 50 ms 3-split
+    assert derived["rpc_3"]["reference"] == "llama_bench"
+    assert derived["rpc_3"]["per_hop_overhead_ms"]["median"] == pytest.approx((50 - 12.5) / 3)
+
+
+def test_headline_checks_say_by_how_much_a_target_is_missed():
+    checks = {c["name"]: c for c in compare_report.headline(SYSTEMS, compare_report.derive(SYSTEMS))}
+    ratio = checks["Baton 3-split decode / unsplit decode"]
+    assert ratio["value"] == pytest.approx(0.5) and not ratio["met"]
+    assert "missed by 0.30x" in ratio["miss"] and "38% short" in ratio["miss"]
+    vs_rpc = checks["Baton 3-split decode / RPC 3-split decode"]
+    assert vs_rpc["value"] == pytest.approx(25 / 20) and vs_rpc["met"] and vs_rpc["miss"] == ""
+    assert not checks["Baton 2-split decode / RPC 2-split decode"]["met"]
+    hop = checks["Baton 3-split per-hop overhead (ms)"]
+    assert not hop["met"] and "missed by 5.67 ms" in hop["miss"]
+    assert checks["Baton 2-split decode / unsplit decode"]["met"]  # 0.8 exactly
+
+
+def test_markdown_has_every_row_and_the_headline():
+    derived = compare_report.derive(SYSTEMS)
+    report = {
+        "model": {"name": "m.gguf", "n_layer": 30},
+        "machine": {
+            "cpu_model": "cpu",
+            "cores": 2,
+            "ram_gib": 24.0,
+            "platform": "linux",
+            "python": "3.11",
+            "loadavg_before": "0",
+            "loadavg_after": "0",
+            "llama_cpp_commit": "abc",
+            "patch_series_sha256": "f" * 64,
+        },
+        "method": {"prompt_tokens": 64, "decode_steps": 32, "runs": 5, "threads": 1},
+        "systems": SYSTEMS,
+        "derived": derived,
+        "headline": compare_report.headline(SYSTEMS, derived),
+        "transport": {
+            "results": {
+                "8KiB": {
+                    "libp2p": {"median_ms": 0.5, "min_ms": 0.4, "max_ms": 0.6},
+                    "tcp": {"median_ms": 0.05, "min_ms": 0.04, "max_ms": 0.06},
+                    "ratio_libp2p_over_tcp": 10.0,
+                    "libp2p_throughput_MB_per_s": 33.0,
+                    "tcp_throughput_MB_per_s": 330.0,
+                }
+            }
+        },
+        "wall_time_s": 200.0,
+    }
+    md = compare_report.render_markdown(report, "## Where the time goes\n\nhere")
+    for _key, label, *_ in compare_report.SYSTEMS:
+        assert f"| {label} |" in md
+    assert "| 50.0 (49.0–51.0) |" in md  # unsplit decode t/s
+    assert "0.50x" in md and "6.67 (" in md  # 3-split ratio and per-hop overhead
+    assert "transport 8KiB round trip, libp2p" in md and "10.0x" in md
+    assert "**MISSED**" in md and md.rstrip().endswith("here")
+
+
+def _png_chunks(data: bytes) -> dict[bytes, bytes]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    chunks, pos = {}, 8
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
+        chunks[kind] = chunks.get(kind, b"") + body
+        pos += 12 + length
+    return chunks
+
+
+def test_png_writer_makes_a_valid_rgb_png():
+    width, height = 3, 2
+    pixels = bytes([255, 0, 0] * 3 + [0, 0, 255] * 3)
+    chunks = _png_chunks(png_chart.encode_png(width, height, pixels))
+    assert struct.unpack(">IIBBBBB", chunks[b"IHDR"]) == (3, 2, 8, 2, 0, 0, 0)
+    raw = zlib.decompress(chunks[b"IDAT"])
+    assert raw == b"\x00" + pixels[:9] + b"\x00" + pixels[9:]
+    assert b"IEND" in chunks
+    with pytest.raises(ValueError):
+        png_chart.encode_png(2, 2, b"\x00" * 3)
+
+
+def test_bar_chart_draws_bars_in_their_colours():
+    data = png_chart.bar_chart_png(
+        [("Baton 3-split", 30.0, 28.0, 32.0, (52, 101, 164)), ("RPC 3-split", 20.0, 19.0, 21.0, (230, 140, 40))],
+        title="Decode tokens/s",
+        y_label="tokens/s",
+        width=320,
+        height=240,
+    )
+    chunks = _png_chunks(data)
+    width, height = struct.unpack(">II", chunks[b"IHDR"][:8])
+    raw = zlib.decompress(chunks[b"IDAT"])
+    assert len(raw) == height * (1 + 3 * width)
+    assert bytes([52, 101, 164]) in raw and bytes([230, 140, 40]) in raw
+
+
+def test_step_breakdown_joins_client_and_node_events():
+    ms = 1_000_000
+    # the client: step 0 (prefill, left out) and step 1, sent at 100 ms, result at 122 ms
+    client = [
+        (0, "send_in", 0),
+        (50 * ms, "result_in", None),
+        (100 * ms, "send_in", 1),
+        (100 * ms, "req_in", 700),
+        (100 * ms, "wr_in", 700),
+        (101 * ms, "wr_out", 700),
+        (101 * ms, "rd_in", None),  # waiting for the ack
+        (120 * ms, "rd_in", None),
+        (121 * ms, "rd_out", None),
+        (122 * ms, "result_in", None),
+    ]
+
+    def node(start_ms: int, out_bytes: int) -> dict:
+        names = [
+            "rd_in",
+            "rd_out",
+            "step_in",
+            "accept_in",
+            "accept_out",
+            "fwd_in",
+            "call_in",
+            "start_in",
+            "start_out",
+            "thr_in",
+            "thr_out",
+            "call_out",
+            "fwd_out",
+            "push_in",
+            "req_in",
+            "wr_in",
+            "wr_out",
+        ]
+        events = [
+            ((start_ms * 2 + i) * ms // 2, name, out_bytes if name in ("req_in", "wr_in", "wr_out") else None)
+            for i, name in enumerate(names)
+        ]
+        # an ack (2 bytes) written between the Forward and the push must not count as the request
+        events.insert(13, ((start_ms * 2 + 12) * ms // 2, "wr_in", 2))
+        return {"pid": start_ms, "events": sorted(events, key=lambda e: e[0])}
+
+    # events every 0.5 ms: hop 1 reads at 102 ms, handles at 103, requests at 109 (write ends 110);
+    # hop 2 reads at 111, handles at 112, requests at 118 (write ends 119)
+    dumps = [node(111, 196_000), node(102, 3000)]  # in no particular order
+    out = hop_trace.step_breakdown(client, dumps)
+    assert out["steps"] == 1
+    assert len(out["hops"]) == 2 and len(out["links"]) == 3
+    link0, link1, back = out["links"]
+    assert link0["sender: write the frame (yamux, Noise, socket)"] == pytest.approx(1.0)
+    assert link0["kernel + receiver's libp2p until the frame is read"] == pytest.approx(1.0)
+    assert link0["one way, all of it"] == pytest.approx(3.0)  # 100 -> step_in at 103
+    assert link1["one way, all of it"] == pytest.approx(112 - 109)
+    assert link1["sender: request() until the frame write"] == pytest.approx(0.5)  # not the ack's write at 108
+    assert back["receiver: read the frame"] == pytest.approx(1.0)
+    assert back["one way, all of it"] == pytest.approx(122 - 118)
+    hop = out["hops"][0]
+    assert hop["grpc future(): start the call (on the event loop)"] == pytest.approx(0.5)
+    assert hop["Forward call, all of it (encode to decode)"] == pytest.approx(3.5)
+    assert hop["in the node, all of it (step handler to the next request)"] == pytest.approx(6.0)
+    assert out["total_ms"] == pytest.approx(22.0)
+    assert out["sum_of_stages_ms"] == pytest.approx(3 + 6 + 3 + 6 + 4)
+
+
+def test_forward_times_per_range_skip_the_prefill():
+    ms = 1_000_000
+    events, t = [], 0
+    for step in range(3):
+        for dur in (5, 7):
+            events += [(t, "fwd_in", 0), (t + dur * ms * (10 if step == 0 else 1), "fwd_out", 0)]
+            t += 100 * ms
+    assert hop_trace.forward_times(events, 2) == pytest.approx([5.0, 7.0])

@@ -162,7 +162,7 @@ async def test_tracker_process_survives_kill_and_restart(tmp_path, qwen2_tiny_pa
                 cwd=REPO_ROOT, capture_stdout=True, check=True,
             )  # fmt: skip
         lines = models.stdout.decode().splitlines()
-        assert lines[0].split() == ["ALIAS", "NAME", "SHA256", "ARCHITECTURE", "BLOCKS", "SIZE"]
+        assert lines[0].split() == ["ALIAS", "NAME", "HF", "REPO", "SHA256", "ARCHITECTURE", "BLOCKS", "SIZE"]
         assert lines[1].startswith("qwen2-tiny") and sha[:12] in lines[1] and " qwen2 " in lines[1]
     finally:
         with trio.CancelScope(shield=True):

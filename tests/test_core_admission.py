@@ -223,3 +223,37 @@ def test_admission_expires_at_its_deadline():
 def test_malformed_admissions(signed, key, match):
     with pytest.raises(adm.AdmissionError, match=f"^malformed admission: .*{match}"):
         adm.verify_admission(signed, key, NODE, NOW_MS)
+
+
+def test_admission_verifier_checks_each_signature_once_but_sender_expiry_and_role_every_time(monkeypatch):
+    calls = []
+    real_verify = adm.verify
+    monkeypatch.setattr(adm, "verify", lambda *args: calls.append(args) or real_verify(*args))
+    verifier = adm.AdmissionVerifier(TRACKER_PUB)
+    signed = adm.issue_admission(TRACKER_KEY, _record())
+    assert verifier.verify(signed, NODE, NOW_MS) == _record()
+    assert verifier.verify(signed, NODE, NOW_MS + 1, roles=[swarm_pb2.ROLE_NODE]) == _record()
+    assert len(calls) == 1
+    # remembered or not, the record is still checked against who sends it and when
+    with pytest.raises(adm.AdmissionError, match="^admission peer id mismatch"):
+        verifier.verify(signed, OTHER, NOW_MS)
+    with pytest.raises(adm.AdmissionError, match="^admission expired"):
+        verifier.verify(signed, NODE, NOW_MS + 600_000)
+    with pytest.raises(adm.AdmissionError, match="^admission role ROLE_NODE is not allowed here"):
+        verifier.verify(signed, NODE, NOW_MS, roles=[swarm_pb2.ROLE_CLIENT])
+    assert len(calls) == 1
+
+
+def test_admission_verifier_remembers_no_refusal_and_a_bounded_number_of_admissions():
+    verifier = adm.AdmissionVerifier(TRACKER_PUB, max_entries=2)
+    forged = adm.issue_admission(OTHER_KEY, _record())
+    for _ in range(2):  # refused every time: a bad signature is never remembered as good
+        with pytest.raises(adm.AdmissionError, match="^bad tracker signature"):
+            verifier.verify(forged, NODE, NOW_MS)
+    tampered = adm.issue_admission(TRACKER_KEY, _record())
+    tampered.record = _record(expires_at_ms=NOW_MS * 2).SerializeToString()
+    with pytest.raises(adm.AdmissionError, match="^bad tracker signature"):
+        verifier.verify(tampered, NODE, NOW_MS)
+    for expires in (1, 2, 3):
+        verifier.verify(adm.issue_admission(TRACKER_KEY, _record(expires_at_ms=NOW_MS + expires)), NODE, NOW_MS)
+    assert len(verifier._verified) == 2

@@ -52,6 +52,8 @@ __all__ = [
     "make_client_hello",
     "public_key_bytes",
     "sign_fingerprint",
+    "AdmissionVerifier",
+    "check_admission_record",
     "verify_admission",
     "verify_client_hello",
     "verify_signed_fingerprint",
@@ -307,6 +309,11 @@ def verify_admission(
         schema, wrong tracker), "bad tracker signature", "admission peer id mismatch",
         "admission expired" or "admission role".
     """
+    return check_admission_record(_signed_record(signed, tracker_public_key), remote_peer_id, now_ms, roles=roles)
+
+
+def _signed_record(signed: swarm_pb2.SignedAdmission, tracker_public_key: bytes) -> swarm_pb2.AdmissionRecord:
+    """The checks that depend only on the signed bytes and the tracker key (memoizable)."""
     if not signed.record:
         raise AdmissionError("malformed admission: no admission record")
     if len(tracker_public_key) != ED25519_KEY_BYTES:
@@ -330,6 +337,13 @@ def verify_admission(
         raise AdmissionError(
             f"malformed admission: issued for tracker {record.tracker_peer_id!r}, not {tracker_peer_id}"
         )
+    return record
+
+
+def check_admission_record(
+    record: swarm_pb2.AdmissionRecord, remote_peer_id: str, now_ms: int, *, roles: Iterable[int] | None = None
+) -> swarm_pb2.AdmissionRecord:
+    """The checks of a tracker-signed record that depend on who sends it, and when."""
     if record.peer_id != remote_peer_id:
         raise AdmissionError(
             f"admission peer id mismatch: the admission is for {record.peer_id!r}, the sender is {remote_peer_id}"
@@ -345,6 +359,38 @@ def verify_admission(
             names = ", ".join(_role_name(r) for r in sorted(allowed))
             raise AdmissionError(f"admission role {_role_name(record.role)} is not allowed here ({names})")
     return record
+
+
+class AdmissionVerifier:
+    """``verify_admission`` for one tracker key, remembering signatures it has checked.
+
+    A peer presents the same ``SignedAdmission`` bytes on every step until it is re-issued,
+    so the Ed25519 verification (~0.1 ms) is done once per distinct admission; who sends it,
+    its expiry and its role are still checked on every call. At most ``max_entries``
+    admissions are remembered (the oldest is forgotten first).
+    """
+
+    def __init__(self, tracker_public_key: bytes, max_entries: int = 4096) -> None:
+        self.tracker_public_key = bytes(tracker_public_key)
+        self.max_entries = max_entries
+        self._verified: dict[tuple[bytes, bytes], swarm_pb2.AdmissionRecord] = {}
+
+    def verify(
+        self,
+        signed: swarm_pb2.SignedAdmission,
+        remote_peer_id: str,
+        now_ms: int,
+        *,
+        roles: Iterable[int] | None = None,
+    ) -> swarm_pb2.AdmissionRecord:
+        key = (bytes(signed.record), bytes(signed.signature))
+        record = self._verified.get(key)
+        if record is None:
+            record = _signed_record(signed, self.tracker_public_key)  # raises: nothing is remembered
+            if len(self._verified) >= self.max_entries:
+                del self._verified[next(iter(self._verified))]
+            self._verified[key] = record
+        return check_admission_record(record, remote_peer_id, now_ms, roles=roles)
 
 
 def _role_name(role: int) -> str:

@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.message import DecodeError
 
 from agent._proto import swarm_pb2
-from agent.core.admission import AdmissionError, make_client_hello, verify_admission
+from agent.core.admission import AdmissionError, AdmissionVerifier, make_client_hello, verify_admission
 from agent.core.identity import peer_id_from_public_key
 from agent.core.sampling import SamplingParams
 from agent.core.session import HopFailed, ResultRefused, Session, end_session_request
@@ -264,6 +264,7 @@ class SwarmClient:
         self.tracker_peer_id = tracker_peer_id
         self.tracker_addrs = list(tracker_addrs)
         self.tracker_public_key = b""
+        self._sender_admissions = AdmissionVerifier(b"")  # replaced once the tracker key is known
         self.admission = swarm_pb2.SignedAdmission()
         self._key = key
         self._now_ms = now_ms
@@ -426,11 +427,13 @@ class SwarmClient:
                 "INVALID_ARGUMENT",
                 f"schema_version {result.schema_version} is not supported (this peer speaks {SCHEMA_VERSION})",
             )
+        if self._sender_admissions.tracker_public_key != self.tracker_public_key:
+            self._sender_admissions = AdmissionVerifier(self.tracker_public_key)
         try:
-            verify_admission(
-                result.sender_admission, self.tracker_public_key, remote_peer_id, self._now_ms(),
-                roles=[swarm_pb2.ROLE_NODE],
-            )  # fmt: skip
+            # every result of a route carries the same admissions: each signature is checked once
+            self._sender_admissions.verify(
+                result.sender_admission, remote_peer_id, self._now_ms(), roles=[swarm_pb2.ROLE_NODE]
+            )
         except AdmissionError as error:
             return _err("REFUSED", f"sender admission refused: {error.reason}")
         live = self._live.get(bytes(result.session_id))

@@ -35,7 +35,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.admission import AdmissionError, public_key_bytes, verify_admission
+from agent.core.admission import AdmissionError, AdmissionVerifier, public_key_bytes, verify_admission
 from agent.core.boundary import BoundaryError
 from agent.core.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
 from agent.core.identity import peer_id_from_public_key
@@ -242,6 +242,7 @@ class Node:
         if config.relay and self._keep_relay_reservation is None:
             raise ValueError("relay=True needs a transport that can hold relay reservations (libp2p)")
         self.tracker_public_key = b""
+        self._sender_admissions = AdmissionVerifier(b"")  # replaced once the tracker key is known
         self.admission = swarm_pb2.SignedAdmission()
         self.heartbeat_interval_ms = config.heartbeat_interval_ms or DEFAULT_HEARTBEAT_INTERVAL_MS
         self.ranges: dict[RangeKey, ServedRange] = {}
@@ -664,13 +665,12 @@ class Node:
     # --- handlers ----------------------------------------------------------------------
 
     def _check_sender(self, signed: swarm_pb2.SignedAdmission, remote_peer_id: str) -> swarm_pb2.AdmissionRecord:
+        if self._sender_admissions.tracker_public_key != self.tracker_public_key:
+            self._sender_admissions = AdmissionVerifier(self.tracker_public_key)
         try:
-            return verify_admission(
-                signed,
-                self.tracker_public_key,
-                remote_peer_id,
-                _now_ms(),
-                roles=[swarm_pb2.ROLE_NODE, swarm_pb2.ROLE_CLIENT],
+            # the same admission arrives with every step: its signature is checked once
+            return self._sender_admissions.verify(
+                signed, remote_peer_id, _now_ms(), roles=[swarm_pb2.ROLE_NODE, swarm_pb2.ROLE_CLIENT]
             )
         except AdmissionError as err:
             raise WireError(Code.REFUSED, f"sender admission: {err.reason}") from None

@@ -107,7 +107,7 @@ REGISTRY: dict[str, ModelSpec] = {
 }
 
 # (path, size, mtime_ns) of files verified by this process.
-_verified: set[tuple[str, int, int]] = set()
+_verified: dict[tuple[str, int, int], str] = {}  # (path, size, mtime_ns) -> sha256
 
 
 def cache_dir() -> Path:
@@ -133,24 +133,42 @@ def _stat_key(path: Path) -> tuple[str, int, int]:
     return (str(path), st.st_size, st.st_mtime_ns)
 
 
-def is_verified(path: Path, sha256: str) -> bool:
-    """True if path's bytes hash to sha256; trusts this process's memory and a fresh marker."""
+def _record_hash(path: Path, key: tuple[str, int, int], digest: str) -> None:
+    """Remember digest for this (size, mtime) in memory and, when the directory is writable, in
+    the ``.sha256-ok`` marker beside the file."""
+    _verified[key] = digest
+    with contextlib.suppress(OSError):
+        _write_atomic_text(_marker_path(path), json.dumps({"sha256": digest, "size": key[1], "mtime_ns": key[2]}))
+
+
+def cached_sha256(path: str | os.PathLike) -> str:
+    """The sha256 hex of a file, hashed at most once per (size, mtime): remembered in this
+    process and in a ``<file>.sha256-ok`` marker that the next process trusts."""
+    path = Path(path)
     key = _stat_key(path)
     if key in _verified:
-        return True
-    marker = _marker_path(path)
+        return _verified[key]
     try:
-        recorded = json.loads(marker.read_text())
-        if recorded == {"sha256": sha256, "size": key[1], "mtime_ns": key[2]}:
-            _verified.add(key)
-            return True
-    except (OSError, ValueError):
+        recorded = json.loads(_marker_path(path).read_text())
+        digest = recorded["sha256"]
+        if (recorded.get("size"), recorded.get("mtime_ns")) == key[1:] and re.fullmatch(r"[0-9a-f]{64}", digest):
+            _verified[key] = digest
+            return digest
+    except (OSError, ValueError, KeyError, TypeError):
         pass
-    if sha256_file(path) != sha256:
-        return False
-    _verified.add(key)
-    _write_atomic_text(marker, json.dumps({"sha256": sha256, "size": key[1], "mtime_ns": key[2]}))
-    return True
+    digest = sha256_file(path)
+    _record_hash(path, key, digest)
+    return digest
+
+
+def is_verified(path: Path, sha256: str) -> bool:
+    """True if path's bytes hash to sha256; trusts this process's memory and a fresh marker,
+    and hashes the file again before saying no."""
+    if cached_sha256(path) == sha256:
+        return True
+    digest = sha256_file(path)
+    _record_hash(path, _stat_key(path), digest)
+    return digest == sha256
 
 
 def _write_atomic_text(path: Path, text: str) -> None:
@@ -258,9 +276,5 @@ def model_path(name: str, *, cache: Path | None = None) -> Path:
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
-        key = _stat_key(path)
-        _verified.add(key)
-        _write_atomic_text(
-            _marker_path(path), json.dumps({"sha256": spec.sha256, "size": key[1], "mtime_ns": key[2]})
-        )
+        _record_hash(path, _stat_key(path), spec.sha256)
     return path

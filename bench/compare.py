@@ -849,7 +849,7 @@ def main() -> int:
         parser.error("--threads must be at least 1")
 
     started = time.perf_counter()
-    from agent.models import model_path, sha256_file
+    from agent.models import cached_sha256, model_path
 
     model = args.model or model_path("smollm2")
     model = Path(model).resolve()
@@ -858,7 +858,7 @@ def main() -> int:
     log(
         f"model {model.name}; {args.runs} runs; {args.threads} thread(s); {machine['cpu_model']}, {machine['cores']} cores"
     )
-    sha256 = sha256_file(model)
+    sha256 = cached_sha256(model)
     runs, threads, n_prompt, n_gen = args.runs, args.threads, args.prompt_tokens, args.decode_steps
     systems: dict[str, dict] = {}
     extra: dict[str, dict] = {}

@@ -34,7 +34,7 @@ from agent.core.swarm_wire import (
     step_result,
     step_result_error,
 )
-from agent.io.client import SwarmClientConfig, GenerationError, SwarmError, open_swarm_client
+from agent.io.client import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
 from agent.io.transport import MemoryNetwork, TransportError
 
 ALPHABET = "abcdefghijklmnop"  # the fake model's vocabulary: token i is ALPHABET[i]

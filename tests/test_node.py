@@ -60,7 +60,7 @@ from agent.io.node.probe import ProbeConfig, probe_host
 from agent.io.transport import MemoryNetwork, Transport
 from agent.io.worker_client import AsyncWorkerClient
 from agent.io.worker_process import open_worker
-from agent.models import REGISTRY
+from agent.models import REGISTRY, cached_sha256
 from agent.runtime import expected_pin
 
 Code = swarm_pb2.Error.Code
@@ -749,21 +749,25 @@ async def test_relay_needs_a_transport_that_can_reserve() -> None:
         Node(NodeConfig(tracker="/ip4/1.2.3.4/tcp/1/p2p/12D3KooWTracker", key=key, relay=True), transport)
 
 
-def test_model_hash_is_cached_in_a_sidecar(tmp_path: Path) -> None:
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF" + bytes(1000))
+def test_model_hash_is_cached_in_a_sidecar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import hashlib
 
+    from agent import models
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(1000))
     expected = hashlib.sha256(model.read_bytes()).hexdigest()
-    assert node_cli.model_sha256(model) == expected
+    monkeypatch.setattr(models, "_verified", {})
+    assert models.cached_sha256(model) == expected
     sidecar = tmp_path / "m.gguf.sha256-ok"
     assert sidecar.exists()
-    # A sidecar that matches size and mtime is trusted (no re-hash) ...
+    # A later process (no memory) trusts a sidecar that matches size and mtime (no re-hash) ...
     sidecar.write_text(sidecar.read_text().replace(expected, "a" * 64))
-    assert node_cli.model_sha256(model) == "a" * 64
-    # ... and one that does not match the file is not.
+    monkeypatch.setattr(models, "_verified", {})
+    assert models.cached_sha256(model) == "a" * 64
+    # ... and not one that does not match the file.
     model.write_bytes(b"GGUF" + bytes(1001))
-    assert node_cli.model_sha256(model) == hashlib.sha256(model.read_bytes()).hexdigest()
+    assert models.cached_sha256(model) == hashlib.sha256(model.read_bytes()).hexdigest()
 
 
 async def test_cli_main_reports_refusal_with_exit_code_3(
@@ -787,7 +791,7 @@ async def test_cli_main_reports_refusal_with_exit_code_3(
     assert "node refused: too little memory: 5 bytes" in out.out + out.err
     # The tracker saw a signed registration that lists the model's hash.
     (fingerprint,) = tracker.fingerprints.values()
-    assert list(fingerprint.model_sha256s) == [node_cli.model_sha256(model)]
+    assert list(fingerprint.model_sha256s) == [cached_sha256(model)]
     assert not tracker.registrations
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 from collections.abc import AsyncIterator
+from functools import partial
 
 import multiaddr
 import pytest

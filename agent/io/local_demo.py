@@ -19,7 +19,7 @@ from agent.core.generation import GreedyGeneration
 from agent.core.parity import next_hop_entries
 from agent.core.ranges import LayerRange, ranges_from_cuts
 from agent.core.worker_records import SeqOutput
-from agent.models import sha256_file
+from agent.models import cached_sha256
 
 from .parity_run import open_workers
 from .worker_client import AsyncWorkerClient
@@ -145,7 +145,7 @@ async def run_demo(
     Resource handling:
       Every worker started here is stopped before this returns or raises.
     """
-    sha256 = await trio.to_thread.run_sync(sha256_file, model_path)
+    sha256 = await trio.to_thread.run_sync(cached_sha256, model_path)
     options = dict(threads=threads, max_sequences=1, model_sha256=sha256, **worker_options)
     async with open_workers(model_path, [(0, None)], **options) as (single,):
         n_layer = single.info.n_layer

@@ -26,7 +26,7 @@ from agent.core.parity import (
 )
 from agent.core.ranges import ranges_from_cuts
 from agent.core.worker_records import SeqInput, SeqOutput
-from agent.models import sha256_file
+from agent.models import cached_sha256
 
 from .worker_client import AsyncWorkerClient
 from .worker_process import WorkerHandle, open_worker
@@ -239,7 +239,7 @@ async def run_parity(
         ctx_size = -(-(max(lengths) + steps + 1 + CTX_SLACK) // 64) * 64
     if batch_size is None and sum(lengths) > 512:
         batch_size = sum(lengths)
-    sha256 = await trio.to_thread.run_sync(sha256_file, model_path)
+    sha256 = await trio.to_thread.run_sync(cached_sha256, model_path)
     edges: list[int | None] = [0, *cuts, None]
     layers = [(0, None), *zip(edges, edges[1:])]
     async with open_workers(

@@ -21,7 +21,7 @@ from pathlib import Path
 import trio
 
 from agent._proto import swarm_pb2
-from agent.models import sha256_file
+from agent.models import cached_sha256
 
 from .client import GenerationResult, SwarmClient, SwarmClientConfig, SwarmError, open_swarm_client
 from .local_demo import DEMO_PROMPT, ChainRun, generate_through
@@ -129,7 +129,7 @@ async def run_swarm_demo(
             generation = await client.generate(
                 model_alias, prompt, max_tokens=max_new_tokens, on_text=on_text, route=route
             )
-    sha256 = await trio.to_thread.run_sync(sha256_file, model_path)
+    sha256 = await trio.to_thread.run_sync(cached_sha256, model_path)
     async with open_worker(model_path, 0, None, threads=threads, max_sequences=1, model_sha256=sha256) as single:
         single_run = await generate_through(
             [single.client], generation.prompt_tokens, max_new_tokens, stop_tokens=single.info.eog_token_ids

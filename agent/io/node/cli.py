@@ -23,19 +23,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 
 import trio
 
 from agent import cli_args
-from agent.models import sha256_file
+from agent.models import cached_sha256
 
 from .agent import LocalModel, NodeConfig, NodeError, NodeRefused, serve_node
 from .probe import probe_host
@@ -45,7 +42,6 @@ __all__ = [
     "add_arguments",
     "listen_addrs",
     "main",
-    "model_sha256",
     "open_transport",
     "run",
     "run_until_signal",
@@ -82,44 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--heartbeat-interval-ms", type=cli_args.positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"
     )
-
-
-def model_sha256(path: str | os.PathLike) -> str:
-    """The sha256 hex of a model file, hashed once per (size, mtime).
-
-    The hash is kept in ``<file>.sha256-ok`` (``{"sha256", "size", "mtime_ns"}``); when the
-    model's directory is not writable the file is hashed each time.
-
-    Raises:
-      OSError: the file cannot be read.
-    """
-    path = Path(path)
-    st = path.stat()
-    marker = path.with_name(path.name + ".sha256-ok")
-    try:
-        recorded = json.loads(marker.read_text())
-        digest = recorded["sha256"]
-        if (
-            recorded.get("size") == st.st_size
-            and recorded.get("mtime_ns") == st.st_mtime_ns
-            and isinstance(digest, str)
-            and len(digest) == 64
-            and all(c in "0123456789abcdef" for c in digest)
-        ):
-            return digest
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    digest = sha256_file(path)
-    with contextlib.suppress(OSError):
-        fd, tmp = tempfile.mkstemp(prefix=f".{marker.name}.", dir=marker.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"sha256": digest, "size": st.st_size, "mtime_ns": st.st_mtime_ns}, f)
-            os.replace(tmp, marker)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-    return digest
 
 
 @contextlib.asynccontextmanager
@@ -163,7 +121,7 @@ async def run(args: argparse.Namespace) -> int:
     models = []
     for path in args.model:
         try:
-            digest = await trio.to_thread.run_sync(model_sha256, path)
+            digest = await trio.to_thread.run_sync(cached_sha256, path)
         except OSError as err:
             print(f"baton node: model {path}: {err}", file=sys.stderr)
             return EXIT_SETUP

@@ -171,12 +171,12 @@ def register_models(
     ``hf_repos`` maps an alias to its Hugging Face repo (else the GGUF's own metadata says)."""
     from agent.core.registry import model_entry
     from agent.io.tracker.gguf_info import read_gguf_facts
-    from agent.models import sha256_file
+    from agent.models import cached_sha256
 
     entries = []
     for path, alias in models:
         facts = read_gguf_facts(path)
-        entry = model_entry(facts, sha256_file(path), alias, hf_repo=(hf_repos or {}).get(alias, ""))
+        entry = model_entry(facts, cached_sha256(path), alias, hf_repo=(hf_repos or {}).get(alias, ""))
         store.put_model(entry, now_ms)
         entries.append(entry)
     return entries

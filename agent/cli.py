@@ -27,8 +27,8 @@ __all__ = ["build_parser", "main"]
 _DELEGATED = {
     "tracker": ("agent.io.tracker.cli", "run the tracker (serve) or list its models"),
     "node": ("agent.io.node.cli", "serve layer ranges as a swarm node"),
-    "generate": ("agent.io.client_cli", "generate text through the swarm"),
-    "demo": ("agent.io.swarm_cli", "a tracker and three nodes on loopback, a generation through them (main job)"),
+    "generate": ("agent.io.client.cli", "generate text through the swarm"),
+    "demo": ("agent.demo.cli", "a tracker and three nodes on loopback, a generation through them (main job)"),
 }
 
 
@@ -99,7 +99,7 @@ def _run_parity(args: argparse.Namespace) -> int:
     import trio
 
     from agent.core.parity import Scenario
-    from agent.io.parity_run import run_parity
+    from agent.harness.parity_run import run_parity
     from agent.io.worker_client import WorkerError
     from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError
 

@@ -2,10 +2,10 @@
 
 Owns: one command that measures, on the same model, prompt and thread count,
 1. one unsplit llama.cpp process from the same pin: (a) Baton's worker over ``[0, n_layer)``
-   driven directly over its Unix socket (``agent.io.local_demo.generate_through``), (b)
+   driven directly over its Unix socket (``agent.demo.local_demo.generate_through``), (b)
    llama.cpp's own ``llama-bench`` (``-p P -n G -t T -r R -o json``);
 2. Baton split 2 and 3 ways through the whole path: a tracker and N node processes
-   (``agent.io.local_swarm``; node memory from ``swarm_demo.node_memory_bytes`` so the
+   (``agent.harness.local_swarm``; node memory from ``swarm_demo.node_memory_bytes`` so the
    tracker must split N ways), generation through ``agent.io.client`` at temperature 0;
 3. llama.cpp's RPC backend from the same pin: N ``ggml-rpc-server`` processes on loopback and
    ``llama-bench -rpc ... -ngl 99 -ts 1/1[/1]`` (layers split evenly over the N servers);
@@ -313,7 +313,7 @@ async def bench_worker(
     model: Path, sha256: str, n_prompt: int, n_gen: int, runs: int, threads: int
 ) -> tuple[dict, str, list[int], dict]:
     """Baton's worker unsplit, driven directly: ``(figure, prompt text, prompt tokens, model info)``."""
-    from agent.io.local_demo import generate_through
+    from agent.demo.local_demo import generate_through
     from agent.io.worker_process import open_worker
 
     async with open_worker(model, 0, None, threads=threads, model_sha256=sha256) as worker:
@@ -338,8 +338,8 @@ async def bench_chain(
 ) -> dict:
     """``n_ranges`` range workers chained directly from this process (no tracker, no libp2p)."""
     from agent.core.ranges import ranges_from_cuts
-    from agent.io.local_demo import even_cuts, generate_through
-    from agent.io.parity_run import open_workers
+    from agent.demo.local_demo import even_cuts, generate_through
+    from agent.harness.parity_run import open_workers
 
     ranges = ranges_from_cuts(n_layer, even_cuts(n_layer, n_ranges))
     async with open_workers(model, [(r.begin, r.end) for r in ranges], threads=threads, model_sha256=sha256) as chain:
@@ -430,8 +430,8 @@ async def bench_swarm(
     With ``trace_dir``: after the measured runs, ``PROFILE_GENERATIONS`` more generations are
     traced (``hop_trace``) and the figure gets a ``"profile"`` (``hop_trace.step_breakdown``)."""
     from agent.io.client import open_swarm_client
-    from agent.io.local_swarm import LocalSwarmConfig, open_local_swarm
-    from agent.io.swarm_demo import node_memory_bytes, wait_for_coverage
+    from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
+    from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 
     trace_env: dict[str, str | None] = {}
     if trace_dir is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.io.local_demo import even_cuts
+from agent.demo.local_demo import even_cuts
 
 
 def test_even_cuts() -> None:

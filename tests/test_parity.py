@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from agent.core.parity import ParityReport, Scenario
-from agent.io.parity_run import compare_workers, make_prompts, open_workers, run_parity
+from agent.harness.parity_run import compare_workers, make_prompts, open_workers, run_parity
 from agent.io.worker_client import AsyncWorkerClient
 
 pytestmark = pytest.mark.slow

@@ -30,10 +30,10 @@ from agent.core.admission import issue_admission, sign_fingerprint
 from agent.core.swarm_wire import NODE_PROTOCOL, STEP_PROTOCOL, TRACKER_PROTOCOL, crc32, token_checksum
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.keys import peer_id_of
-from agent.io.local_demo import generate_through
-from agent.io.local_swarm import LocalSwarm, LocalSwarmConfig
+from agent.demo.local_demo import generate_through
+from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.p2p import open_p2p_transport
-from agent.io.swarm_demo import node_memory_bytes, wait_for_coverage
+from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.io.transport import TransportError
 from agent.io.worker_process import open_worker
 from agent.models import model_path, sha256_file

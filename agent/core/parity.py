@@ -4,7 +4,7 @@ Owns the decisions of a parity run, not its I/O: which rows each Forward batch c
 (``ParityRun.batch``), how the boundary rows of one range become the input of the next
 (``next_hop_entries``), how logits are compared and which greedy token is fed next
 (``ParityRun.record``), when a scenario removes or trims a sequence, and the report.
-The trio driver that talks to workers is ``agent.io.parity_run``.
+The trio driver that talks to workers is ``agent.harness.parity_run``.
 
 Steps: step 0 is the prefill (every sequence's prompt, in one batch); steps 1..``steps`` are
 decode batches holding every live sequence. Every step's logits are compared, so a run

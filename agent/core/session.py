@@ -4,8 +4,9 @@ Owns the decisions of a session owner (``baton generate``, later the relay):
 - which rows each step sends: step 0 the whole prompt (positions ``0..n-1``), then one row per
   step, the last chosen token at the next position;
 - whether a ``StepResult`` answers the step in flight (schema, session id, step number: stale,
-  duplicate and out-of-order results are refused and change nothing), and whether its logits
-  are well formed (width, checksum, finite values);
+  duplicate and out-of-order results are refused and change nothing), whether its sender may
+  send it (a peer of the session's route; logits only from the last hop, an error from any
+  hop), and whether its logits are well formed (width, checksum, finite values);
 - the next token (``agent.core.sampling``) and when to stop (an end-of-generation token, which
   is kept like ``GreedyGeneration`` keeps it, or ``max_new_tokens``);
 - the ``StepRequest`` / ``EndSessionRequest`` records the shell sends for it.
@@ -108,6 +109,8 @@ class Session:
       sampling: temperature / top-k / top-p (greedy by default).
       rng: the generator draws come from (needed unless greedy); seed it for reproducible runs.
       n_vocab: the expected logits width, if known; otherwise the first result fixes it.
+      route_peer_ids: the peer ids of the route's hops, in order; when given, ``receive``
+        takes a result only from one of them, and logits only from the last.
     """
 
     def __init__(
@@ -120,6 +123,7 @@ class Session:
         sampling: SamplingParams = SamplingParams(),
         rng: np.random.Generator | None = None,
         n_vocab: int | None = None,
+        route_peer_ids: Sequence[str] = (),
     ) -> None:
         if len(session_id) != SESSION_ID_BYTES:
             raise ValueError(f"a session id has {SESSION_ID_BYTES} bytes, got {len(session_id)}")
@@ -142,6 +146,7 @@ class Session:
         self.state = READY
         self.stopped_by_token = False
         self.failure: str | None = None
+        self.route_peer_ids = tuple(route_peer_ids)
         self._rng = rng
         self._n_cached = 0  # tokens[:_n_cached] are in the route's caches
 
@@ -221,6 +226,27 @@ class Session:
 
     # --- receiving -------------------------------------------------------------------------
 
+    def check_sender(self, result: swarm_pb2.StepResult, sender_peer_id: str | None) -> None:
+        """Whether ``sender_peer_id`` may send ``result``: a hop of the route, and the last hop
+        for logits (any hop may report an error). No check when the route is not known.
+
+        Raises:
+          ResultRefused: (not fatal, ``REFUSED``) the sender is not on the route, or sends
+            logits without being the last hop. The session is unchanged.
+        """
+        if not self.route_peer_ids:
+            return
+        if sender_peer_id not in self.route_peer_ids:
+            raise ResultRefused(
+                _error("REFUSED"), f"result from {sender_peer_id}, which is not on the route of this session", fatal=False
+            )
+        failed = result.error.code != swarm_pb2.Error.CODE_UNSPECIFIED
+        last = self.route_peer_ids[-1]
+        if not failed and sender_peer_id != last:
+            raise ResultRefused(
+                _error("REFUSED"), f"logits from {sender_peer_id}, which is not the last hop ({last})", fatal=False
+            )
+
     def check_result(self, result: swarm_pb2.StepResult) -> None:
         """Whether ``result`` answers the step in flight (identity only, not content).
 
@@ -263,8 +289,11 @@ class Session:
             fatal=False,
         )
 
-    def receive(self, result: swarm_pb2.StepResult) -> int:
+    def receive(self, result: swarm_pb2.StepResult, sender_peer_id: str | None = None) -> int:
         """Take the result of the step in flight: check it, choose the next token, advance.
+
+        ``sender_peer_id``: the (authenticated) peer that pushed ``result``; checked against
+        the route when the session knows it (``check_sender``).
 
         Returns:
           The chosen token (also appended to ``tokens``).
@@ -274,6 +303,7 @@ class Session:
             malformed logits for the step in flight (``fatal`` True, session failed).
           HopFailed: the result reports a hop's error (session failed).
         """
+        self.check_sender(result, sender_peer_id)
         self.check_result(result)
         if result.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
             error = HopFailed(result.error.code, result.error.message, result.failed_peer_id)

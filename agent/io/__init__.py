@@ -3,5 +3,9 @@
 - ``worker_client``: gRPC client of one native shard worker (sync, plus a trio wrapper
   that runs the sync calls in threads; grpcio's asyncio API is never used under trio).
 - ``worker_process``: start / stop the native worker binary (``open_worker``).
-- ``parity_run``: drive an unsplit worker and a chain of range workers side by side.
+- ``transport`` / ``p2p``: the peer transport interface and its libp2p implementation;
+- ``keys``: owner-only key files.
+
+One package per role: ``tracker/``, ``node/``, ``client/``, ``relay/``. Demos live in
+``agent.demo`` and the process harness for tests and benchmarks in ``agent.harness``.
 """

@@ -6,8 +6,8 @@ Owns the demo's sequence: start the tracker (registering the model), read the mo
 ``1 / nodes`` of the model each (so the tracker must split it that many ways), wait (bounded)
 until the tracker has a route covering every block, generate through it with
 ``agent.io.client``, stop the swarm, run the same prompt tokens through one local unsplit
-worker (``agent.io.local_demo.generate_through``), and report both. Processes are
-``agent.io.local_swarm``'s; every one is stopped before this returns or raises.
+worker (``agent.demo.local_demo.generate_through``), and report both. Processes are
+``agent.harness.local_swarm``'s; every one is stopped before this returns or raises.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import trio
 from agent._proto import swarm_pb2
 from agent.models import cached_sha256
 
-from .client import GenerationResult, SwarmClient, SwarmClientConfig, SwarmError, open_swarm_client
-from .local_demo import DEMO_PROMPT, ChainRun, generate_through
-from .local_swarm import LocalSwarm, LocalSwarmConfig, open_local_swarm
-from .transport import TransportError
-from .worker_process import open_worker
+from agent.io.client import GenerationResult, SwarmClient, SwarmClientConfig, SwarmError, open_swarm_client
+from agent.demo.local_demo import DEMO_PROMPT, ChainRun, generate_through
+from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, open_local_swarm
+from agent.io.transport import TransportError
+from agent.io.worker_process import open_worker
 
 __all__ = ["SwarmDemoReport", "node_memory_bytes", "run_swarm_demo", "wait_for_coverage"]
 

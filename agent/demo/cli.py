@@ -4,7 +4,7 @@
 starts a tracker and ``--nodes`` (3) nodes on loopback, each offered memory for about a third
 of the model, generates through the route the tracker plans, and compares with one unsplit
 worker. ``--json`` prints one object with keys route, text, tokens_per_s,
-tokens_equal_single_process (and more). ``--local`` runs ``agent.io.local_demo`` instead
+tokens_equal_single_process (and more). ``--local`` runs ``agent.demo.local_demo`` instead
 (range workers started directly, no tracker; ``--ranges`` / ``--cuts`` apply there).
 Exit status: 0 when the tokens equal the unsplit worker's, 1 when not, 2 on errors.
 
@@ -41,11 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    from .client import GenerationError, SwarmError
-    from .local_swarm import ProcessDied
-    from .transport import TransportError
-    from .worker_client import WorkerError
-    from .worker_process import WorkerBinaryNotFound, WorkerStartError
+    from agent.io.client import GenerationError, SwarmError
+    from agent.harness.local_swarm import ProcessDied
+    from agent.io.transport import TransportError
+    from agent.io.worker_client import WorkerError
+    from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError
 
     return (
         GenerationError, SwarmError, ProcessDied, TransportError, WorkerError, WorkerStartError,
@@ -56,7 +56,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 def main(args: argparse.Namespace) -> int:
     import trio
 
-    from .local_demo import DEMO_PROMPT
+    from agent.demo.local_demo import DEMO_PROMPT
 
     if args.model is None:
         from agent.models import model_path
@@ -72,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
         print(prompt, end="", flush=True)
 
     if args.local:
-        from .local_demo import run_demo
+        from agent.demo.local_demo import run_demo
 
         def run():
             return run_demo(
@@ -80,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
                 threads=args.threads, on_text=on_text,
             )  # fmt: skip
     else:
-        from .swarm_demo import run_swarm_demo
+        from agent.demo.swarm_demo import run_swarm_demo
 
         def run():
             return run_swarm_demo(

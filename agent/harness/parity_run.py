@@ -28,8 +28,8 @@ from agent.core.ranges import ranges_from_cuts
 from agent.core.worker_records import SeqInput, SeqOutput
 from agent.models import cached_sha256
 
-from .worker_client import AsyncWorkerClient
-from .worker_process import WorkerHandle, open_worker
+from agent.io.worker_client import AsyncWorkerClient
+from agent.io.worker_process import WorkerHandle, open_worker
 
 __all__ = ["DEFAULT_PROMPT_TEXT", "compare_workers", "make_prompts", "open_workers", "run_parity"]
 

@@ -52,7 +52,7 @@ from agent.core.swarm_wire import (
     step_ack,
 )
 
-from .transport import Transport, TransportError
+from agent.io.transport import Transport, TransportError
 
 __all__ = [
     "SwarmClientConfig",
@@ -211,8 +211,6 @@ class _LiveSession:
 
     def __init__(self, session: Session, route: swarm_pb2.Route) -> None:
         self.session = session
-        self.route_peers = {hop.peer_id for hop in route.hops}
-        self.last_hop = route.hops[-1].peer_id
         self.arrived = trio.Event()
         self.outcome: int | BaseException | None = None
 
@@ -221,14 +219,10 @@ class _LiveSession:
         self.outcome = None
 
     def deliver(self, remote_peer_id: str, result: swarm_pb2.StepResult) -> swarm_pb2.Error | None:
-        """Hand ``result`` to the session; the error to acknowledge with, or None."""
-        if remote_peer_id not in self.route_peers:
-            return _err("REFUSED", f"result from {remote_peer_id}, which is not on the route of this session")
-        failed = result.error.code != swarm_pb2.Error.CODE_UNSPECIFIED
-        if not failed and remote_peer_id != self.last_hop:
-            return _err("REFUSED", f"logits from {remote_peer_id}, which is not the last hop ({self.last_hop})")
+        """Hand ``result`` to the session (which decides whether to take it); the error to
+        acknowledge with, or None."""
         try:
-            self.outcome = self.session.receive(result)
+            self.outcome = self.session.receive(result, remote_peer_id)
         except HopFailed as error:
             self.outcome = GenerationError(
                 f"step {result.step}: {error}", failed_peer_id=error.failed_peer_id or remote_peer_id, step=result.step
@@ -664,7 +658,7 @@ async def open_swarm_client(
         await client.hello()
         yield client
         return
-    from .p2p import open_p2p_transport
+    from agent.io.p2p import open_p2p_transport
 
     key = key or Ed25519PrivateKey.generate()
     async with open_p2p_transport(key, listen_addrs=listen_addrs) as p2p:

@@ -6,7 +6,7 @@ is generated, then prints the route and tokens/s (``--json``: one object instead
 text, tokens, route, tokens_per_s, ...). Exit status: 0 done, 1 the generation failed (the
 message names the failed peer when one is known), 2 bad arguments or no admission / route.
 
-Only argument parsing and printing live here; the work is in ``agent.io.client``.
+Only argument parsing and printing live here; the work is in ``agent.io.client.swarm``.
 ``agent.cli`` wires ``add_arguments`` / ``main`` in as the ``generate`` command.
 """
 
@@ -54,12 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import trio
 
-    from .client import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
-    from .transport import TransportError
+    from .swarm import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
+    from agent.io.transport import TransportError
 
     key = None
     if args.key:
-        from .keys import KeyFileError, load_or_create_key
+        from agent.io.keys import KeyFileError, load_or_create_key
 
         try:
             key = load_or_create_key(args.key)

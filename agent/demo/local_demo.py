@@ -21,8 +21,8 @@ from agent.core.ranges import LayerRange, ranges_from_cuts
 from agent.core.worker_records import SeqOutput
 from agent.models import cached_sha256
 
-from .parity_run import open_workers
-from .worker_client import AsyncWorkerClient
+from agent.harness.parity_run import open_workers
+from agent.io.worker_client import AsyncWorkerClient
 
 __all__ = ["DEMO_PROMPT", "ChainRun", "DemoReport", "even_cuts", "generate_through", "run_demo"]
 

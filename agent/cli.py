@@ -4,8 +4,9 @@ Commands:
   ``baton worker``  exec the native shard worker with the given flags;
   ``baton parity``  check that a model split at ``--cuts`` computes what the unsplit model
                     computes (logits at every greedy step, several sequences per batch);
-  ``baton tracker``, ``baton node``, ``baton generate``, ``baton demo``: the swarm
-                    (see the modules named in ``_DELEGATED``).
+  ``baton tracker``, ``baton node``, ``baton generate``, ``baton demo``: the swarm;
+  ``baton relay``   the OpenAI-compatible relay: serve, API keys, ledger
+                    (these two lines: the modules named in ``_DELEGATED``).
 
 Only argument parsing and printing live here: the work is in ``agent.io`` / ``agent.core``.
 """
@@ -28,6 +29,7 @@ _DELEGATED = {
     "tracker": ("agent.io.tracker.cli", "run the tracker (serve) or list its models"),
     "node": ("agent.io.node.cli", "serve layer ranges as a swarm node"),
     "generate": ("agent.io.client.cli", "generate text through the swarm"),
+    "relay": ("agent.io.relay.cli", "the OpenAI-compatible relay: serve, API keys, ledger"),
     "demo": ("agent.demo.cli", "a tracker and three nodes on loopback, a generation through them (main job)"),
 }
 

@@ -1,0 +1,18 @@
+"""The relay (``baton relay``): an OpenAI-compatible HTTP API over the swarm.
+
+Modules:
+  ``server``       ``serve_main``: the ASGI app (``/v1/models``, ``/v1/completions``,
+                   ``/v1/chat/completions``, SSE streaming, OpenAI error envelopes) on
+                   Hypercorn's trio worker, in the same trio process as its swarm client;
+  ``store``        ``RelayStore`` / ``open_relay_store``: the SQLite file with the hashed API
+                   keys, their limits, token usage per UTC day, recent requests and the ledger;
+  ``cli``          the ``baton relay`` command line (``add_arguments`` + ``main``): ``serve``,
+                   ``keys add / list / revoke``, ``ledger``;
+  ``metrics``      Prometheus ``/metrics``;
+  ``status_page``  the status page at ``/``;
+  ``tokenizer``    the model's tokenizer held locally (vocab-only load) and its chat template.
+
+The decisions live in the pure core: ``agent.core.quotas`` (limits, UTC days, ledger credit)
+and ``agent.core.session`` (a generation's steps, results and stopping). Nothing is imported
+here, so ``baton relay keys`` does not load the HTTP stack.
+"""

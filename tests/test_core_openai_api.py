@@ -1,0 +1,121 @@
+"""agent.core.openai_api: request validation, response shapes, error envelopes, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from agent.core.openai_api import ApiError, chat_chunk, chat_response, parse_request, token_logprobs, usage
+
+
+def _chat(**fields):
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+def test_chat_defaults_and_fields() -> None:
+    req = parse_request(
+        _chat(max_completion_tokens=7, temperature=0, top_p=0.5, top_k=3, seed=9, stop="\n", stream=True,
+              stream_options={"include_usage": True}, logprobs=True, top_logprobs=2, user="u", n=1),
+        "chat",
+    )  # fmt: skip
+    assert (req.kind, req.model, req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed) == (
+        "chat", "m", 7, 0.0, 0.5, 3, 9,
+    )  # fmt: skip
+    assert req.stop == ("\n",) and req.stream and req.include_usage and req.top_logprobs == 2 and req.user == "u"
+    assert req.messages == ({"role": "user", "content": "hi"},)
+    plain = parse_request(_chat(), "chat")
+    assert plain.max_tokens is None and plain.temperature == 1.0 and not plain.logprobs and plain.stop == ()
+
+
+def test_max_tokens_and_max_completion_tokens_take_the_smaller() -> None:
+    assert parse_request(_chat(max_tokens=10, max_completion_tokens=4), "chat").max_tokens == 4
+    assert parse_request({"model": "m", "prompt": "x"}, "completion").max_tokens == 16
+
+
+def test_content_parts_join_and_non_text_parts_are_refused() -> None:
+    req = parse_request(_chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]), "chat")
+    assert req.messages[0]["content"] == "ab"
+    with pytest.raises(ApiError) as caught:
+        parse_request(_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "chat")
+    assert caught.value.status == 400 and caught.value.param == "messages[0].content"
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"n": 2}, "n"),
+        ({"model": ""}, "model"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"temperature": 3}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"seed": 1.5}, "seed"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+    ],
+)
+def test_bad_chat_fields_are_400_naming_the_field(fields: dict, param: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_request(_chat(**fields), "chat")
+    error = caught.value
+    assert error.status == 400 and error.param == param
+    envelope = error.envelope()["error"]
+    assert set(envelope) == {"message", "type", "param", "code"}
+    assert envelope["type"] == "invalid_request_error" and envelope["param"] == param
+
+
+def test_completion_prompts() -> None:
+    assert parse_request({"model": "m", "prompt": ["one"]}, "completion").prompt == "one"
+    assert parse_request({"model": "m", "prompt": [1, 2, 3]}, "completion").prompt == (1, 2, 3)
+    assert parse_request({"model": "m", "prompt": "x", "logprobs": 3}, "completion").top_logprobs == 3
+    for prompt in ("", ["a", "b"], [], None, [-1]):
+        with pytest.raises(ApiError) as caught:
+            parse_request({"model": "m", "prompt": prompt}, "completion")
+        assert caught.value.param == "prompt"
+
+
+def test_a_body_that_is_not_an_object_is_400() -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_request([1, 2], "chat")
+    assert caught.value.status == 400
+
+
+def test_error_types_by_status() -> None:
+    assert ApiError(401, "x").envelope()["error"]["code"] == "invalid_api_key"
+    assert ApiError(404, "x").envelope()["error"]["code"] == "model_not_found"
+    limited = ApiError(429, "x", code="tokens_per_day", retry_after_s=3.2)
+    assert limited.type == "rate_limit_error" and limited.code == "tokens_per_day" and limited.retry_after_s == 3.2
+    assert ApiError(503, "x").type == "server_error"
+
+
+def test_logprobs_are_log_softmax_and_top_sorted() -> None:
+    logits = np.array([1.0, 3.0, 2.0, 3.0], dtype=np.float32)
+    logprob, top = token_logprobs(logits, 2, 3)
+    expected = logits.astype(np.float64) - math.log(np.exp(logits.astype(np.float64)).sum())
+    assert logprob == pytest.approx(expected[2])
+    assert [t for t, _ in top] == [1, 3, 2]  # ties by token id
+    assert [lp for _, lp in top] == pytest.approx([expected[1], expected[3], expected[2]])
+    assert sum(math.exp(v) for v in expected) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        token_logprobs(logits, 4, 1)
+
+
+def test_response_shapes() -> None:
+    body = chat_response(id_="c", created=1, model="m", text="hi", finish_reason="stop", usage_=usage(3, 2))
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi", "refusal": None}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    final = chat_chunk(id_="c", created=1, model="m", usage_=usage(1, 1), final_usage=True)
+    assert final["choices"] == [] and final["usage"]["total_tokens"] == 2

@@ -10,13 +10,23 @@ Pure: imports numpy only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import enum
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from .ranges import LayerRange
 
-__all__ = ["SCHEMA_VERSION", "BoundarySchemaInfo", "SeqInput", "SeqOutput", "WorkerHealth", "WorkerInfo"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "BoundarySchemaInfo",
+    "SeqInput",
+    "SeqOutput",
+    "TokenAttr",
+    "Vocabulary",
+    "WorkerHealth",
+    "WorkerInfo",
+]
 
 #: The worker schema version this code speaks (``SCHEMA_VERSION_CURRENT``).
 SCHEMA_VERSION = 1
@@ -84,7 +94,12 @@ class BoundarySchemaInfo:
 
 @dataclasses.dataclass(frozen=True)
 class WorkerInfo:
-    """What a worker holds (``InfoReply``)."""
+    """What a worker holds (``InfoReply``).
+
+    ``vocab_only``: the worker holds the vocabulary and no tensors (``--vocab-only``); then
+    only ``architecture``, ``n_vocab``, ``eog_token_ids``, ``model_path``, the build's fields
+    and a ``model_sha256`` it was given are set, the rest is 0 / empty.
+    """
 
     schema_version: int
     architecture: str
@@ -110,9 +125,13 @@ class WorkerInfo:
     model_path: str
     n_threads: int
     eog_token_ids: tuple[int, ...] = ()
+    vocab_only: bool = False
 
     @property
     def layers(self) -> LayerRange:
+        """The blocks this worker serves. Raises ValueError for a vocab-only worker."""
+        if self.vocab_only:
+            raise ValueError("a vocab-only worker holds no layers")
         return LayerRange(self.layer_begin, self.layer_end)
 
 
@@ -124,3 +143,57 @@ class WorkerHealth:
     ready: bool
     forward_calls: int
     active_sequences: int
+
+
+class TokenAttr(enum.IntFlag):
+    """``llama_token_attr`` bit flags (llama.h) of ``Vocabulary.attrs``."""
+
+    UNDEFINED = 0
+    UNKNOWN = 1 << 0
+    UNUSED = 1 << 1
+    NORMAL = 1 << 2
+    CONTROL = 1 << 3
+    USER_DEFINED = 1 << 4
+    BYTE = 1 << 5
+    NORMALIZED = 1 << 6
+    LSTRIP = 1 << 7
+    RSTRIP = 1 << 8
+    SINGLE_WORD = 1 << 9
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocabulary:
+    """A model's whole vocabulary (``VocabularyReply``), enough to detokenize a stream.
+
+    ``pieces[t]``: the bytes llama.cpp appends to a stream for token ``t``
+    (``llama_token_to_piece`` with ``lstrip=0, special=False``): possibly part of one UTF-8
+    character, empty for control tokens. ``attrs[t]``: its ``TokenAttr`` flags.
+    ``bos_token_id``: None when the vocabulary has none; ``add_bos``: Tokenize with
+    ``add_special`` prepends it.
+    """
+
+    schema_version: int
+    n_vocab: int
+    pieces: tuple[bytes, ...]
+    attrs: tuple[int, ...]
+    bos_token_id: int | None
+    add_bos: bool
+    eog_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.pieces) == len(self.attrs) == self.n_vocab):
+            raise ValueError(
+                f"a vocabulary of {self.n_vocab} tokens needs as many pieces and attrs, "
+                f"got {len(self.pieces)} and {len(self.attrs)}"
+            )
+
+    def piece_bytes(self, token_ids: Iterable[int]) -> bytes:
+        """The concatenated pieces of ``token_ids`` (decode with an incremental UTF-8 decoder
+        when the ids arrive one at a time). Raises IndexError for an id outside the vocabulary."""
+        pieces = self.pieces
+        out = []
+        for t in token_ids:
+            if not 0 <= t < self.n_vocab:
+                raise IndexError(f"token id {t} is outside [0, {self.n_vocab})")
+            out.append(pieces[t])
+        return b"".join(out)

@@ -27,6 +27,7 @@ from agent.core.worker_records import (
     BoundarySchemaInfo,
     SeqInput,
     SeqOutput,
+    Vocabulary,
     WorkerHealth,
     WorkerInfo,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "ClientConfig",
     "SeqInput",
     "SeqOutput",
+    "Vocabulary",
     "WorkerClient",
     "WorkerError",
     "WorkerHealth",
@@ -124,6 +126,7 @@ def _info_from_reply(reply: worker_pb2.InfoReply) -> WorkerInfo:
         model_path=reply.model_path,
         n_threads=reply.n_threads,
         eog_token_ids=tuple(reply.eog_token_ids),
+        vocab_only=reply.vocab_only,
     )
 
 
@@ -133,6 +136,19 @@ def _health_from_reply(reply: worker_pb2.HealthReply) -> WorkerHealth:
         ready=reply.ready,
         forward_calls=reply.forward_calls,
         active_sequences=reply.active_sequences,
+    )
+
+
+def _vocabulary_from_reply(reply: worker_pb2.VocabularyReply) -> Vocabulary:
+    """Raises ValueError when the reply's pieces or attrs do not match its n_vocab."""
+    return Vocabulary(
+        schema_version=reply.schema_version,
+        n_vocab=reply.n_vocab,
+        pieces=tuple(reply.pieces),
+        attrs=tuple(reply.attrs),
+        bos_token_id=reply.bos_token_id if reply.bos_token_id >= 0 else None,
+        add_bos=reply.add_bos,
+        eog_token_ids=tuple(reply.eog_token_ids),
     )
 
 
@@ -324,6 +340,11 @@ class WorkerClient:
         request = detokenize_request(token_ids, remove_special, unparse_special)
         return self.call("Detokenize", request, timeout_s).text
 
+    def vocabulary(self, *, timeout_s: float | None = None) -> Vocabulary:
+        """The model's whole vocabulary (any worker, vocab-only or not)."""
+        reply = self.call("Vocabulary", worker_pb2.VocabularyRequest(schema_version=SCHEMA_VERSION), timeout_s)
+        return _vocabulary_from_reply(reply)
+
 
 # --- the trio client ---------------------------------------------------------------------
 
@@ -429,3 +450,11 @@ class AsyncWorkerClient:
     ) -> str:
         request = detokenize_request(token_ids, remove_special, unparse_special)
         return (await self.call("Detokenize", request, timeout_s)).text
+
+    async def vocabulary(self, *, timeout_s: float | None = None) -> Vocabulary:
+        return await self._typed(
+            "Vocabulary",
+            worker_pb2.VocabularyRequest(schema_version=SCHEMA_VERSION),
+            _vocabulary_from_reply,
+            timeout_s,
+        )

@@ -91,10 +91,25 @@ def worker_argv(
     threads: int | None = None,
     gpu_layers: int | None = None,
     model_sha256: str | None = None,
+    vocab_only: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """The worker's command line (docs/LAYOUT.md); options left None use the binary's default."""
-    argv = [str(binary), "--model", str(model_path), "--layers", format_layers(begin, end), "--socket", socket_path]
+    """The worker's command line (docs/LAYOUT.md); options left None use the binary's default.
+
+    ``vocab_only``: ``--vocab-only`` instead of ``--layers`` (the worker holds no blocks, so
+    ``begin, end`` must be ``0, None``).
+
+    Raises:
+      ValueError: ``vocab_only`` with a layer range other than ``0, None``.
+    """
+    argv = [str(binary), "--model", str(model_path)]
+    if vocab_only:
+        if (begin, end) != (0, None):
+            raise ValueError(f"a vocab-only worker holds no layers: pass begin=0, end=None, not {begin}, {end}")
+        argv.append("--vocab-only")
+    else:
+        argv += ["--layers", format_layers(begin, end)]
+    argv += ["--socket", socket_path]
     for flag, value in (
         ("--ctx-size", ctx_size),
         ("--max-sequences", max_sequences),
@@ -193,6 +208,7 @@ async def open_worker(
     threads: int | None = None,
     gpu_layers: int | None = None,
     model_sha256: str | None = None,
+    vocab_only: bool = False,
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = 120.0,
     stop_grace_s: float = 5.0,
@@ -209,6 +225,11 @@ async def open_worker(
         temp dir (``/tmp/baton-XXXX``, mode 0700, short enough for ``sun_path``).
       ctx_size, max_sequences, batch_size, threads, gpu_layers, model_sha256: the worker
         flags of the same names; None leaves the binary's default.
+      vocab_only: start ``--vocab-only`` (no ``--layers``; pass ``begin=0, end=None``): the
+        worker loads only the vocabulary, so a metadata-only sparse GGUF
+        (``agent.io.gguf_sparse``) serves; it answers Info, Health, Tokenize, Detokenize and
+        Vocabulary, and refuses Forward and the sequence calls (FAILED_PRECONDITION). The
+        file is not hashed: Info's ``model_sha256`` is the one given here, else empty.
       extra_args: appended to the command line.
       ready_timeout_s: how long loading may take before giving up.
       stop_grace_s: how long SIGTERM may take before SIGKILL.
@@ -224,7 +245,8 @@ async def open_worker(
       WorkerBinaryNotFound: no binary.
       WorkerStartError: the worker exited while starting (exit code + log tail), refused
         Health, or was not ready within ``ready_timeout_s``.
-      ValueError: ``socket_path`` is too long for a Unix socket.
+      ValueError: ``socket_path`` is too long for a Unix socket, or ``vocab_only`` with a
+        layer range.
 
     Resource handling:
       Owns the process, its temp dir (log, default socket) and the client's channel. On
@@ -245,7 +267,7 @@ async def open_worker(
         argv = worker_argv(
             binary, model_path, begin, end, socket_path,
             ctx_size=ctx_size, max_sequences=max_sequences, batch_size=batch_size, threads=threads,
-            gpu_layers=gpu_layers, model_sha256=model_sha256, extra_args=extra_args,
+            gpu_layers=gpu_layers, model_sha256=model_sha256, vocab_only=vocab_only, extra_args=extra_args,
         )  # fmt: skip
         with open(log_path, "wb") as log:
             # the worker stops when this process exits, even by SIGKILL (Linux; native/src/main.cpp)

@@ -25,7 +25,12 @@ namespace {
 constexpr const char * kUsage =
     "usage: baton-worker --model PATH --layers BEGIN:END --socket PATH [--ctx-size N] [--max-sequences N]\n"
     "                    [--batch-size N] [--threads N] [--gpu-layers N] [--model-sha256 HEX] [--no-mmap]\n"
+    "       baton-worker --vocab-only --model PATH --socket PATH [--model-sha256 HEX] [--no-mmap]\n"
     "  --layers B:E      blocks [B, E) in global numbering; E empty or -1: to the last block\n"
+    "  --vocab-only      load only the vocabulary (no tensor is read: a metadata-only sparse GGUF\n"
+    "                    serves): Info, Health, Tokenize, Detokenize, Vocabulary; no --layers; the\n"
+    "                    context flags have no effect; the file is not hashed (Info reports the\n"
+    "                    --model-sha256 given, else no sha256)\n"
     "  --socket PATH     listen on unix:PATH only (mode 0600; a stale socket file is replaced)\n"
     "  --ctx-size N      positions per sequence (default 2048)\n"
     "  --max-sequences N sequence ids 0..N-1 (default 4)\n"
@@ -95,6 +100,7 @@ int main(int argc, char ** argv) {
     shard.threads = 0;
     shard.gpu_layers = -1;
     bool have_layers = false;
+    bool vocab_only = false;
 
     constexpr long long kU32Max = std::numeric_limits<uint32_t>::max();
     constexpr long long kI32Max = std::numeric_limits<int32_t>::max();
@@ -152,6 +158,8 @@ int main(int argc, char ** argv) {
             }
         } else if (flag == "--no-mmap" && !inline_value) {
             shard.use_mmap = false;
+        } else if (flag == "--vocab-only" && !inline_value) {
+            vocab_only = true;
         } else {
             bad_arguments("unknown argument '" + std::string(argv[i]) + "'");
         }
@@ -160,9 +168,13 @@ int main(int argc, char ** argv) {
     if (shard.model_path.empty()) {
         bad_arguments("--model is required");
     }
-    if (!have_layers) {
-        bad_arguments("--layers is required");
+    if (vocab_only && have_layers) {
+        bad_arguments("--layers cannot be given with --vocab-only (a vocab-only worker holds no blocks)");
     }
+    if (!have_layers && !vocab_only) {
+        bad_arguments("--layers is required (unless --vocab-only)");
+    }
+    shard.vocab_only = vocab_only;
     if (options.socket_path.empty()) {
         bad_arguments("--socket is required");
     }

@@ -58,6 +58,7 @@ int clamp_to_int(uint64_t bytes) {
 
 constexpr uint64_t kMessageSlackBytes = 4ull << 20;  // ids, positions, framing, Tokenize text
 constexpr uint64_t kPerRowOverheadBytes = 32;         // a position + a token id as varints, and tags
+constexpr uint64_t kPerTokenVocabularyBytes = 16;     // a piece's tag + length varint, an attr and eog varint
 
 }  // namespace
 
@@ -79,7 +80,12 @@ int max_send_message_bytes(const ShardInfo & info) {
     const uint64_t forward = static_cast<uint64_t>(info.n_batch_max) * row + kMessageSlackBytes;
     // A Tokenize reply holds at most one token (<= 5 varint bytes + tag) per request byte.
     const uint64_t tokenize = 6ull * static_cast<uint64_t>(max_receive_message_bytes(info));
-    return clamp_to_int(std::max(forward, tokenize));
+    return clamp_to_int(std::max({forward, tokenize, vocabulary_reply_bytes(info)}));
+}
+
+uint64_t vocabulary_reply_bytes(const ShardInfo & info) {
+    return info.vocabulary_piece_bytes + static_cast<uint64_t>(info.n_vocab) * kPerTokenVocabularyBytes +
+           kMessageSlackBytes;
 }
 
 ShardWorkerService::ShardWorkerService(Shard * shard) : shard_(shard) {}
@@ -100,11 +106,13 @@ grpc::Status ShardWorkerService::Info(grpc::ServerContext *, const v1::InfoReque
         reply->set_layer_end(info.layer_end);
         reply->set_takes_tokens(info.takes_tokens);
         reply->set_gives_logits(info.gives_logits);
-        v1::BoundarySchema * boundary = reply->mutable_boundary();
-        boundary->set_version(kBoundarySchemaVersion);
-        boundary->set_name(kBoundarySchemaName);
-        boundary->set_n_embd(info.n_embd);
-        boundary->set_dtype(v1::DTYPE_F32);
+        if (!info.vocab_only) {  // a vocab-only worker has no edges, so no boundary schema
+            v1::BoundarySchema * boundary = reply->mutable_boundary();
+            boundary->set_version(kBoundarySchemaVersion);
+            boundary->set_name(kBoundarySchemaName);
+            boundary->set_n_embd(info.n_embd);
+            boundary->set_dtype(v1::DTYPE_F32);
+        }
         reply->set_recipe_hash(info.recipe_hash);
         reply->set_model_sha256(info.model_sha256);
         reply->set_llama_cpp_commit(info.llama_cpp_commit);
@@ -121,6 +129,7 @@ grpc::Status ShardWorkerService::Info(grpc::ServerContext *, const v1::InfoReque
         for (int32_t t : info.eog_token_ids) {
             reply->add_eog_token_ids(t);
         }
+        reply->set_vocab_only(info.vocab_only);
         return grpc::Status::OK;
     });
 }
@@ -244,6 +253,32 @@ grpc::Status ShardWorkerService::Tokenize(grpc::ServerContext *, const v1::Token
         }
         reply->set_schema_version(kSchemaVersion);
         reply->mutable_token_ids()->Add(tokens.begin(), tokens.end());
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::Vocabulary(grpc::ServerContext *, const v1::VocabularyRequest * request,
+                                            v1::VocabularyReply * reply) {
+    // Read-only vocabulary, like Tokenize: no lock.
+    return guarded("Vocabulary", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        ShardVocabulary vocab;
+        if (st.ok()) {
+            st = shard_->vocabulary(&vocab);
+        }
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        reply->set_schema_version(kSchemaVersion);
+        reply->set_n_vocab(static_cast<uint32_t>(vocab.pieces.size()));
+        reply->mutable_pieces()->Reserve(static_cast<int>(vocab.pieces.size()));
+        for (std::string & piece : vocab.pieces) {
+            reply->add_pieces(std::move(piece));
+        }
+        reply->mutable_attrs()->Add(vocab.attrs.begin(), vocab.attrs.end());
+        reply->set_bos_token_id(vocab.bos_token_id);
+        reply->set_add_bos(vocab.add_bos);
+        reply->mutable_eog_token_ids()->Add(vocab.eog_token_ids.begin(), vocab.eog_token_ids.end());
         return grpc::Status::OK;
     });
 }
@@ -465,9 +500,14 @@ int serve_worker(const WorkerOptions & options) {
     }
 
     const ShardInfo & info = shard->info();
-    std::fprintf(stderr, "baton-worker: serving %s layers [%u,%u) of %u on unix:%s (backend %s)\n",
-                 info.architecture.c_str(), info.layer_begin, info.layer_end, info.n_layer,
-                 options.socket_path.c_str(), info.backend.c_str());
+    if (info.vocab_only) {
+        std::fprintf(stderr, "baton-worker: serving the vocabulary of %s (%u tokens, --vocab-only) on unix:%s\n",
+                     info.architecture.c_str(), info.n_vocab, options.socket_path.c_str());
+    } else {
+        std::fprintf(stderr, "baton-worker: serving %s layers [%u,%u) of %u on unix:%s (backend %s)\n",
+                     info.architecture.c_str(), info.layer_begin, info.layer_end, info.n_layer,
+                     options.socket_path.c_str(), info.backend.c_str());
+    }
 
     signals.attach(server.get());
     server->Wait();

@@ -40,6 +40,8 @@ public:
                           worker::v1::TokenizeReply * reply) override;
     grpc::Status Detokenize(grpc::ServerContext * context, const worker::v1::DetokenizeRequest * request,
                             worker::v1::DetokenizeReply * reply) override;
+    grpc::Status Vocabulary(grpc::ServerContext * context, const worker::v1::VocabularyRequest * request,
+                            worker::v1::VocabularyReply * reply) override;
 
     uint64_t forward_calls() const { return forward_calls_.load(std::memory_order_relaxed); }
 
@@ -57,9 +59,12 @@ private:
 // Converts a Shard error into a gRPC status with the same message.
 grpc::Status to_grpc_status(const ShardStatus & status);
 
-// Message-size limits that fit one full batch (boundary rows in, boundary rows or logits out).
+// Message-size limits that fit one full batch (boundary rows in, boundary rows or logits out)
+// and, out, the whole Vocabulary reply.
 int max_receive_message_bytes(const ShardInfo & info);
 int max_send_message_bytes(const ShardInfo & info);
+// An upper bound of the Vocabulary reply's size (every piece, attr and EOG id, and framing).
+uint64_t vocabulary_reply_bytes(const ShardInfo & info);
 
 struct WorkerOptions {
     ShardConfig shard;

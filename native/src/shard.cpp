@@ -477,6 +477,64 @@ std::string backend_name_of(const llama_model * model) {
     return "CPU";
 }
 
+// llama_token_to_piece(token, lstrip 0, special false): what llama.cpp's server streams.
+bool token_piece(const llama_vocab * vocab, llama_token token, std::string * piece) {
+    char small[64];
+    int32_t n = llama_token_to_piece(vocab, token, small, static_cast<int32_t>(sizeof(small)), 0, false);
+    if (n >= 0) {
+        piece->assign(small, static_cast<size_t>(n));
+        return true;
+    }
+    piece->assign(static_cast<size_t>(-static_cast<int64_t>(n)), '\0');
+    n = llama_token_to_piece(vocab, token, piece->data(), static_cast<int32_t>(piece->size()), 0, false);
+    if (n < 0) {
+        return false;
+    }
+    piece->resize(static_cast<size_t>(n));
+    return true;
+}
+
+// Loading stops (llama's progress callback returns false) once *cancel becomes true.
+void set_cancel_callback(llama_model_params * mparams, const std::atomic<bool> * cancel) {
+    if (cancel != nullptr) {
+        mparams->progress_callback = [](float /*progress*/, void * user_data) {
+            return !static_cast<const std::atomic<bool> *>(user_data)->load(std::memory_order_relaxed);
+        };
+        mparams->progress_callback_user_data = const_cast<std::atomic<bool> *>(cancel);
+    }
+}
+
+void check_readable(const std::string & path) {
+    std::FILE * f = std::fopen(path.c_str(), "rb");
+    if (f == nullptr) {
+        throw ShardLoadError("cannot open model " + path + ": " + std::strerror(errno));
+    }
+    std::fclose(f);
+}
+
+std::string lowercase(std::string text) {
+    std::transform(text.begin(), text.end(), text.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    return text;
+}
+
+// The vocabulary facts every shard reports: n_vocab, EOG ids, the pieces' total length.
+void describe_vocabulary(const llama_vocab * vocab, ShardInfo * info) {
+    info->n_vocab = static_cast<uint32_t>(llama_vocab_n_tokens(vocab));
+    info->eog_token_ids.clear();
+    info->vocabulary_piece_bytes = 0;
+    std::string piece;
+    for (llama_token t = 0; t < static_cast<llama_token>(info->n_vocab); ++t) {
+        if (llama_vocab_is_eog(vocab, t)) {
+            info->eog_token_ids.push_back(t);
+        }
+        if (!token_piece(vocab, t, &piece)) {
+            throw ShardLoadError("llama_token_to_piece fails for token " + std::to_string(t));
+        }
+        info->vocabulary_piece_bytes += piece.size();
+    }
+}
+
 std::string model_meta(const llama_model * model, const char * key) {
     std::vector<char> buf(256);
     int32_t n = llama_model_meta_val_str(model, key, buf.data(), buf.size());
@@ -492,6 +550,10 @@ std::string model_meta(const llama_model * model, const char * key) {
 Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     install_llama_log_capture();
     init_llama_backend_once();
+    if (config_.vocab_only) {
+        load_vocab_only();
+        return;
+    }
 
     if (config_.layer_begin < 0 || (config_.layer_end != -1 && config_.layer_end <= config_.layer_begin)) {
         throw ShardLoadError("bad layer range [" + std::to_string(config_.layer_begin) + "," +
@@ -503,13 +565,7 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     if (config_.batch_size == 0 || config_.ctx_size_per_seq == 0) {
         throw ShardLoadError("batch_size and ctx_size_per_seq must be > 0");
     }
-    {
-        std::FILE * f = std::fopen(config_.model_path.c_str(), "rb");
-        if (f == nullptr) {
-            throw ShardLoadError("cannot open model " + config_.model_path + ": " + std::strerror(errno));
-        }
-        std::fclose(f);
-    }
+    check_readable(config_.model_path);
 
     std::string model_sha256 = config_.model_sha256;
     if (model_sha256.empty()) {
@@ -519,8 +575,7 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
             throw ShardLoadError(e.what());
         }
     }
-    std::transform(model_sha256.begin(), model_sha256.end(), model_sha256.begin(),
-                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    model_sha256 = lowercase(std::move(model_sha256));
 
     const int32_t n_threads = config_.threads > 0
                                   ? config_.threads
@@ -531,12 +586,7 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     mparams.load_mode = config_.use_mmap ? LLAMA_LOAD_MODE_AUTO : LLAMA_LOAD_MODE_NONE;
     mparams.layer_begin = config_.layer_begin;
     mparams.layer_end = config_.layer_end;
-    if (config_.cancel_load != nullptr) {
-        mparams.progress_callback = [](float /*progress*/, void * user_data) {
-            return !static_cast<const std::atomic<bool> *>(user_data)->load(std::memory_order_relaxed);
-        };
-        mparams.progress_callback_user_data = const_cast<std::atomic<bool> *>(config_.cancel_load);
-    }
+    set_cancel_callback(&mparams, config_.cancel_load);
 
     const std::string asked = "[" + std::to_string(config_.layer_begin) + "," +
                               (config_.layer_end < 0 ? std::string("end") : std::to_string(config_.layer_end)) + ")";
@@ -611,12 +661,7 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     info_.architecture = model_meta(model_.get(), "general.architecture");
     info_.n_layer = static_cast<uint32_t>(n_layer);
     info_.n_embd = static_cast<uint32_t>(n_embd);
-    info_.n_vocab = static_cast<uint32_t>(llama_vocab_n_tokens(vocab_));
-    for (llama_token t = 0; t < static_cast<llama_token>(info_.n_vocab); ++t) {
-        if (llama_vocab_is_eog(vocab_, t)) {
-            info_.eog_token_ids.push_back(t);
-        }
-    }
+    describe_vocabulary(vocab_, &info_);
     info_.layer_begin = static_cast<uint32_t>(begin);
     info_.layer_end = static_cast<uint32_t>(end);
     info_.takes_tokens = takes_tokens;
@@ -638,6 +683,36 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
 
     batch_ = std::make_unique<Batch>(static_cast<int32_t>(info_.n_batch_max), takes_tokens ? 0 : n_embd);
     next_positions_.assign(n_seq_max, 0);
+}
+
+void Shard::load_vocab_only() {
+    check_readable(config_.model_path);
+
+    // vocab_only stops llama.cpp's loader after the vocabulary: it still opens the file and
+    // checks every tensor's extent against the file size (a metadata-only sparse file has
+    // the full size), but reads no tensor data, creates no tensor and needs no backend.
+    llama_model_params mparams = llama_model_default_params();
+    mparams.vocab_only = true;
+    mparams.n_gpu_layers = 0;
+    mparams.load_mode = config_.use_mmap ? LLAMA_LOAD_MODE_AUTO : LLAMA_LOAD_MODE_NONE;
+    set_cancel_callback(&mparams, config_.cancel_load);
+    clear_llama_errors();
+    model_.reset(llama_model_load_from_file(config_.model_path.c_str(), mparams));
+    if (!model_) {
+        throw ShardLoadError(with_llama_reason("cannot load the vocabulary of " + config_.model_path));
+    }
+    vocab_ = llama_model_get_vocab(model_.get());
+
+    info_.vocab_only = true;
+    info_.architecture = model_meta(model_.get(), "general.architecture");
+    describe_vocabulary(vocab_, &info_);
+    info_.model_sha256 = lowercase(config_.model_sha256);
+    info_.llama_cpp_commit = built_llama_cpp_commit();
+    info_.patch_series_sha256 = built_patch_series_sha256();
+    info_.model_path = config_.model_path;
+    // Nothing else: llama.cpp reads no hyperparameters (n_layer, n_embd) for a vocab-only
+    // load, and there is no range, context, batch or recipe. Forward and the sequence calls
+    // are refused.
 }
 
 Shard::~Shard() = default;
@@ -676,6 +751,9 @@ ShardStatus Shard::check_seq_id(const char * what, uint32_t seq_id) const {
 }
 
 ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vector<ForwardOutput> * outputs) {
+    if (info_.vocab_only) {
+        return ShardStatus::Precondition(kVocabOnlyRefusal);
+    }
     ShardStatus st = validate_forward(limits(), entries, next_positions_);
     if (!st.ok()) {
         return st;
@@ -785,6 +863,9 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
 }
 
 ShardStatus Shard::remove_sequence(uint32_t seq_id, int32_t * next_position) {
+    if (info_.vocab_only) {
+        return ShardStatus::Precondition(kVocabOnlyRefusal);
+    }
     ShardStatus st = check_seq_id("seq_id", seq_id);
     if (!st.ok()) {
         return st;
@@ -799,6 +880,9 @@ ShardStatus Shard::remove_sequence(uint32_t seq_id, int32_t * next_position) {
 }
 
 ShardStatus Shard::trim_sequence(uint32_t seq_id, int32_t keep_positions, int32_t * next_position) {
+    if (info_.vocab_only) {
+        return ShardStatus::Precondition(kVocabOnlyRefusal);
+    }
     ShardStatus st = check_seq_id("seq_id", seq_id);
     if (!st.ok()) {
         return st;
@@ -824,6 +908,9 @@ ShardStatus Shard::trim_sequence(uint32_t seq_id, int32_t keep_positions, int32_
 }
 
 ShardStatus Shard::copy_sequence(uint32_t src_seq_id, uint32_t dst_seq_id, int32_t * next_position) {
+    if (info_.vocab_only) {
+        return ShardStatus::Precondition(kVocabOnlyRefusal);
+    }
     ShardStatus st = check_seq_id("src_seq_id", src_seq_id);
     if (!st.ok()) {
         return st;
@@ -903,6 +990,24 @@ ShardStatus Shard::detokenize(const std::vector<int32_t> & tokens, bool remove_s
     }
     buf.resize(static_cast<size_t>(n));
     *text = std::move(buf);
+    return ShardStatus::Ok();
+}
+
+ShardStatus Shard::vocabulary(ShardVocabulary * out) const {
+    ShardVocabulary v;
+    v.pieces.resize(info_.n_vocab);
+    v.attrs.resize(info_.n_vocab);
+    for (llama_token t = 0; t < static_cast<llama_token>(info_.n_vocab); ++t) {
+        if (!token_piece(vocab_, t, &v.pieces[static_cast<size_t>(t)])) {
+            return ShardStatus::Internal("llama_token_to_piece fails for token " + std::to_string(t));
+        }
+        v.attrs[static_cast<size_t>(t)] = static_cast<uint32_t>(llama_vocab_get_attr(vocab_, t));
+    }
+    const llama_token bos = llama_vocab_bos(vocab_);
+    v.bos_token_id = bos == LLAMA_TOKEN_NULL ? -1 : bos;
+    v.add_bos = llama_vocab_get_add_bos(vocab_);
+    v.eog_token_ids = info_.eog_token_ids;
+    *out = std::move(v);
     return ShardStatus::Ok();
 }
 

@@ -1,5 +1,6 @@
 // Shard: one loaded layer range [layer_begin, layer_end) of one GGUF, its llama_context (KV
-// cache for n_seq_max sequences) and the per-sequence position bookkeeping.
+// cache for n_seq_max sequences) and the per-sequence position bookkeeping; or, vocab-only,
+// just the GGUF's vocabulary (no tensors, no context: tokenizer calls only).
 //
 // Owns: the llama_model / llama_context / llama_batch lifetimes (RAII), the rules a Forward
 // request must satisfy (pure free functions below, testable without a model), and the
@@ -46,6 +47,7 @@ struct ShardStatus {
     static ShardStatus Invalid(std::string m) { return {ErrorCode::kInvalidArgument, std::move(m)}; }
     static ShardStatus Exhausted(std::string m) { return {ErrorCode::kResourceExhausted, std::move(m)}; }
     static ShardStatus Internal(std::string m) { return {ErrorCode::kInternal, std::move(m)}; }
+    static ShardStatus Precondition(std::string m) { return {ErrorCode::kFailedPrecondition, std::move(m)}; }
 };
 
 // Wire dtype of boundary rows; values equal baton.worker.v1.DType.
@@ -71,7 +73,11 @@ struct ShardConfig {
     int32_t threads = 0;              // 0: std::thread::hardware_concurrency()
     int32_t gpu_layers = -1;          // llama.cpp n_gpu_layers; -1: all
     bool use_mmap = true;
-    std::string model_sha256;         // hex; empty: computed from the file at load
+    std::string model_sha256;         // hex; empty: computed from the file at load (not vocab-only)
+    // Load only the vocabulary (llama_model_params.vocab_only): no tensor is read, so a
+    // metadata-only sparse GGUF serves; the layer range and the context fields are unused,
+    // and an empty model_sha256 stays empty (the file is not hashed).
+    bool vocab_only = false;
     // When set and it becomes true, loading stops (through llama's progress callback) and
     // the constructor throws ShardLoadError. Not owned; must outlive the constructor call.
     const std::atomic<bool> * cancel_load = nullptr;
@@ -101,7 +107,23 @@ struct ShardInfo {
     std::string model_path;
     uint32_t n_threads = 0;
     std::vector<int32_t> eog_token_ids;  // end-of-generation tokens (EOS, EOT)
+    bool vocab_only = false;             // then only architecture, n_vocab, eog ids, model path,
+                                         // the build's fields and a given model_sha256 are set
+    uint64_t vocabulary_piece_bytes = 0; // sum of every token's piece length (sizes the Vocabulary reply)
 };
+
+// The whole vocabulary (mirrors VocabularyReply): per token id, its piece
+// (llama_token_to_piece with lstrip 0 and special false) and llama_token_attr flags.
+struct ShardVocabulary {
+    std::vector<std::string> pieces;
+    std::vector<uint32_t> attrs;
+    int32_t bos_token_id = -1;           // -1: none
+    bool add_bos = false;
+    std::vector<int32_t> eog_token_ids;
+};
+
+// What Forward and the sequence calls of a vocab-only shard answer (FAILED_PRECONDITION).
+inline constexpr const char * kVocabOnlyRefusal = "this worker holds only the vocabulary (--vocab-only)";
 
 // The boundary schema this worker speaks (BoundarySchema.name / version, wire dtype name).
 inline constexpr const char * kBoundarySchemaName = "residual";
@@ -209,7 +231,8 @@ struct ShardLoadError : std::runtime_error {
 
 class Shard {
 public:
-    // Loads the model range and creates the context. Throws ShardLoadError.
+    // Loads the model range and creates the context (vocab-only: loads the vocabulary only).
+    // Throws ShardLoadError.
     explicit Shard(ShardConfig config);
     ~Shard();
 
@@ -224,7 +247,8 @@ public:
     int32_t next_position(uint32_t seq_id) const;
 
     // One llama_decode over the request. On any error nothing changes (a failed decode is
-    // rolled back). outputs is filled in request order on success.
+    // rolled back). outputs is filled in request order on success. forward and the three
+    // sequence calls answer kFailedPrecondition (kVocabOnlyRefusal) on a vocab-only shard.
     ShardStatus forward(const std::vector<ForwardEntry> & entries, std::vector<ForwardOutput> * outputs);
 
     ShardStatus remove_sequence(uint32_t seq_id, int32_t * next_position);
@@ -236,6 +260,8 @@ public:
                          std::vector<int32_t> * tokens) const;
     ShardStatus detokenize(const std::vector<int32_t> & tokens, bool remove_special, bool unparse_special,
                            std::string * text) const;
+    // Thread-safe, like tokenize.
+    ShardStatus vocabulary(ShardVocabulary * out) const;
 
 private:
     struct ModelDeleter { void operator()(llama_model * m) const; };
@@ -243,6 +269,7 @@ private:
     struct Batch;  // owns a llama_batch (llama_batch_init / llama_batch_free)
 
     ShardStatus check_seq_id(const char * what, uint32_t seq_id) const;
+    void load_vocab_only();  // the constructor's vocab-only path
     void set_next_position(uint32_t seq_id, int32_t next);
 
     ShardConfig config_;

@@ -1,4 +1,4 @@
-// CTest driver for the shard worker: `baton-worker-tests validation|model|service`.
+// CTest driver for the shard worker: `baton-worker-tests validation|model|service|vocab`.
 //
 // validation: the pure helpers of shard.h / service.h, no model.
 // model:      BATON_TEST_MODEL=/path/SmolLM2-135M-Instruct.Q4_1.gguf (30 blocks). Loads [0,10),
@@ -6,15 +6,22 @@
 //             the whole model's, across prefill, decode, several sequences, trim/copy/remove, and
 //             after bad requests (which must change nothing).
 // service:    BATON_TEST_MODEL as above; the gRPC service in-process on a Unix socket.
+// vocab:      BATON_TEST_MODEL as above; a vocab-only Shard on a metadata-only sparse copy of
+//             it (the GGUF's first data_offset bytes, then a hole to the full size) tokenizes
+//             like the whole model, refuses Forward and the sequence calls, and refuses a copy
+//             cut at data_offset (llama.cpp checks every tensor against the file size).
 // A model test exits 77 (CTest SKIP_RETURN_CODE) when BATON_TEST_MODEL is unset.
 #include "service.h"
 #include "sha256.h"
 #include "shard.h"
 
 #include "ggml.h"
+#include "gguf.h"
 
 #include <grpcpp/grpcpp.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -811,6 +818,137 @@ int run_service() {
     return g_failures == 0 ? 0 : 1;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Vocab-only test
+
+// Writes the first data_offset bytes of src to dest, then (sparse) extends dest to src's size.
+void write_metadata_copy(const char * src, const std::string & dest, bool sparse_to_full_size) {
+    gguf_init_params params{};
+    params.no_alloc = true;
+    params.ctx = nullptr;
+    gguf_context * meta = gguf_init_from_file(src, params);
+    REQUIRE(meta != nullptr);
+    const size_t data_offset = gguf_get_data_offset(meta);
+    gguf_free(meta);
+
+    struct stat st {};
+    REQUIRE(::stat(src, &st) == 0 && static_cast<size_t>(st.st_size) > data_offset);
+    std::FILE * in = std::fopen(src, "rb");
+    REQUIRE(in != nullptr);
+    std::string prefix(data_offset, '\0');
+    REQUIRE(std::fread(prefix.data(), 1, prefix.size(), in) == prefix.size());
+    std::fclose(in);
+    const int fd = ::open(dest.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    REQUIRE(fd >= 0);
+    REQUIRE(::write(fd, prefix.data(), prefix.size()) == static_cast<ssize_t>(prefix.size()));
+    if (sparse_to_full_size) {
+        REQUIRE(::ftruncate(fd, st.st_size) == 0);
+    }
+    ::close(fd);
+}
+
+int run_vocab() {
+    const char * model = test_model_or_skip();
+    const std::string base = "/tmp/baton-worker-test-" + std::to_string(::getpid());
+    const std::string sparse_path = base + "-sparse.gguf";
+    const std::string cut_path = base + "-cut.gguf";
+    write_metadata_copy(model, sparse_path, true);
+    write_metadata_copy(model, cut_path, false);
+
+    baton::ShardConfig config;
+    config.model_path = sparse_path;
+    config.vocab_only = true;
+    std::unique_ptr<baton::Shard> vocab;
+    try {
+        vocab = std::make_unique<baton::Shard>(config);
+    } catch (const std::exception & e) {
+        std::fprintf(stderr, "cannot load the vocabulary of the sparse copy: %s\n", e.what());
+        ::unlink(sparse_path.c_str());
+        ::unlink(cut_path.c_str());
+        return 1;
+    }
+    config.model_path = cut_path;
+    try {
+        baton::Shard cut(config);
+        std::fprintf(stderr, "a copy cut at data_offset loaded\n");
+        ++g_failures;
+    } catch (const baton::ShardLoadError & e) {
+        CHECK(contains(e.what(), "data is not within the file bounds"));
+    }
+    ::unlink(sparse_path.c_str());
+    ::unlink(cut_path.c_str());
+
+    auto whole = load(model, 0, -1);
+    const baton::ShardInfo & vi = vocab->info();
+    const baton::ShardInfo & wi = whole->info();
+    CHECK(vi.vocab_only && !wi.vocab_only);
+    CHECK(vi.architecture == wi.architecture && vi.n_vocab == wi.n_vocab && vi.n_vocab > 0);
+    CHECK(vi.eog_token_ids == wi.eog_token_ids);
+    CHECK(vi.model_sha256.empty());  // not hashed unless given
+    CHECK(vi.n_layer == 0 && vi.kv_bytes == 0 && vi.weight_bytes == 0 && vi.n_seq_max == 0 && vi.recipe_hash.empty());
+    CHECK(vi.vocabulary_piece_bytes == wi.vocabulary_piece_bytes && vi.vocabulary_piece_bytes > 0);
+
+    const std::string text = "Hello world, \xF0\x9F\x99\x82 \xE4\xBD\xA0\xE5\xA5\xBD";  // emoji, CJK
+    for (bool add_special : {false, true}) {
+        std::vector<int32_t> a;
+        std::vector<int32_t> b;
+        CHECK_OK(vocab->tokenize(text, add_special, false, &a));
+        CHECK_OK(whole->tokenize(text, add_special, false, &b));
+        CHECK(a == b && !a.empty());
+    }
+    baton::ShardVocabulary va;
+    baton::ShardVocabulary wa;
+    CHECK_OK(vocab->vocabulary(&va));
+    CHECK_OK(whole->vocabulary(&wa));
+    CHECK(va.pieces.size() == vi.n_vocab && va.attrs.size() == vi.n_vocab);
+    CHECK(va.pieces == wa.pieces && va.attrs == wa.attrs && va.bos_token_id == wa.bos_token_id &&
+          va.add_bos == wa.add_bos && va.eog_token_ids == vi.eog_token_ids);
+    std::vector<int32_t> ids;
+    CHECK_OK(vocab->tokenize(text, false, false, &ids));
+    std::string joined;
+    for (int32_t t : ids) {
+        joined += va.pieces.at(static_cast<size_t>(t));
+    }
+    std::string detok;
+    CHECK_OK(vocab->detokenize(ids, false, false, &detok));
+    CHECK(joined == detok);
+
+    std::vector<ForwardOutput> outputs;
+    int32_t next = -1;
+    CHECK_STATUS(vocab->forward({token_entry(0, 0, {1, 2})}, &outputs), ErrorCode::kFailedPrecondition,
+                 baton::kVocabOnlyRefusal);
+    CHECK_STATUS(vocab->remove_sequence(0, &next), ErrorCode::kFailedPrecondition, baton::kVocabOnlyRefusal);
+    CHECK_STATUS(vocab->trim_sequence(0, 0, &next), ErrorCode::kFailedPrecondition, baton::kVocabOnlyRefusal);
+    CHECK_STATUS(vocab->copy_sequence(0, 1, &next), ErrorCode::kFailedPrecondition, baton::kVocabOnlyRefusal);
+    CHECK(next == -1 && outputs.empty());
+
+    // The service: Info says vocab_only and holds no boundary schema; the Vocabulary reply
+    // fits the send limit the server is built with.
+    baton::ShardWorkerService service(vocab.get());
+    baton::worker::v1::InfoRequest info_req;
+    info_req.set_schema_version(1);
+    baton::worker::v1::InfoReply info_rep;
+    CHECK(service.Info(nullptr, &info_req, &info_rep).ok());
+    CHECK(info_rep.vocab_only() && !info_rep.has_boundary() && info_rep.n_vocab() == vi.n_vocab);
+    baton::worker::v1::VocabularyRequest vocab_req;
+    baton::worker::v1::VocabularyReply vocab_rep;
+    CHECK(service.Vocabulary(nullptr, &vocab_req, &vocab_rep).error_code() == grpc::StatusCode::INVALID_ARGUMENT);
+    vocab_req.set_schema_version(1);
+    vocab_rep.Clear();
+    CHECK(service.Vocabulary(nullptr, &vocab_req, &vocab_rep).ok());
+    CHECK(vocab_rep.n_vocab() == vi.n_vocab && static_cast<uint32_t>(vocab_rep.pieces_size()) == vi.n_vocab);
+    CHECK(vocab_rep.ByteSizeLong() <= baton::vocabulary_reply_bytes(vi));
+    CHECK(static_cast<uint64_t>(baton::max_send_message_bytes(vi)) >= baton::vocabulary_reply_bytes(vi));
+    CHECK(static_cast<uint64_t>(baton::max_send_message_bytes(wi)) >= baton::vocabulary_reply_bytes(wi));
+    baton::worker::v1::ForwardRequest fwd_req;
+    fwd_req.set_schema_version(1);
+    baton::worker::v1::ForwardReply fwd_rep;
+    const grpc::Status refused = service.Forward(nullptr, &fwd_req, &fwd_rep);
+    CHECK(refused.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
+          contains(refused.error_message(), baton::kVocabOnlyRefusal));
+    return g_failures == 0 ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char ** argv) {
@@ -822,8 +960,10 @@ int main(int argc, char ** argv) {
         rc = run_model();
     } else if (what == "service") {
         rc = run_service();
+    } else if (what == "vocab") {
+        rc = run_vocab();
     } else {
-        std::fprintf(stderr, "usage: baton-worker-tests validation|model|service\n");
+        std::fprintf(stderr, "usage: baton-worker-tests validation|model|service|vocab\n");
         return 2;
     }
     std::fprintf(stderr, "%s: %s (%d failed checks)\n", what.c_str(), rc == 0 ? "ok" : "FAILED", g_failures);

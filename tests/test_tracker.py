@@ -3,13 +3,17 @@
 Covers: admission and every refusal reason, admissions that verify, heartbeat directives and
 admission refresh, malformed requests (error replies, tracker keeps serving), the heartbeat
 timeout at exactly the configured time with healing, restart without loss, routes once nodes
-report READY, and the model registry (GGUF facts, bytes per block).
+report READY, model metadata (a registered GGUF's prefix, cached, NOT_FOUND / UNAVAILABLE), the
+node list (assignments, reported states, liveness) and ``baton tracker nodes``, store migration,
+and the model registry (GGUF facts, bytes per block).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+import shutil
 import sqlite3
 
 import pytest
@@ -23,9 +27,10 @@ from agent.core.identity import peer_id_from_public_key
 from agent.core.registry import GgufFacts, bytes_per_block, model_entry
 from agent.core.swarm_wire import TRACKER_PROTOCOL
 from agent.io.tracker.cli import parse_model_arg, register_models
+from agent.io.gguf_sparse import gguf_metadata_prefix
 from agent.io.tracker.gguf_info import GgufError, read_gguf_facts
 from agent.io.tracker.service import TrackerConfig, serve_tracker
-from agent.io.tracker.store import StoreError, TrackerStore, open_store
+from agent.io.tracker.store import NodeRecord, StoreError, TrackerStore, open_store
 from agent.io.transport import MemoryNetwork
 
 T0_MS = 1_800_000_000_000  # unix ms at trio time 0
@@ -38,6 +43,7 @@ MODEL = swarm_pb2.ModelEntry(
 )  # fmt: skip
 CONFIG = TrackerConfig(llama_cpp_commit=PIN, patch_series_sha256=PATCH)
 READY, LOADING = swarm_pb2.AssignmentStatus.READY, swarm_pb2.AssignmentStatus.LOADING
+FAILED = swarm_pb2.AssignmentStatus.FAILED
 Code = swarm_pb2.Error
 
 
@@ -133,12 +139,16 @@ class Harness:
 
 
 @contextlib.asynccontextmanager
-async def running_tracker(db_path, net=None, config=CONFIG, models=(MODEL,)):
+async def running_tracker(db_path, net=None, config=CONFIG, models=(MODEL,), gguf_files=()):
+    """A tracker on ``net`` over the database at ``db_path``, holding ``models`` (entries
+    only, no file) and ``gguf_files`` ((path, alias): registered as ``baton tracker serve``
+    does)."""
     net = net or MemoryNetwork()
     transport = net.add(TRACKER)
     with open_store(db_path) as store:
         for m in models:
             store.put_model(m, now_ms())
+        register_models(store, list(gguf_files), now_ms())
         async with trio.open_nursery() as nursery:
             tracker = await nursery.start(
                 lambda task_status: serve_tracker(
@@ -502,6 +512,8 @@ async def test_restart_keeps_nodes_models_and_assignments(autojump_clock, db_pat
         assert [m for m in h.store.models()] == [MODEL]
         assert [r.assignment for r in h.store.assignments()] == [r.assignment for r in before_assignments]
         assert h.tracker.pending == {a.peer_id, b.peer_id, c.peer_id} and h.tracker.alive == set()
+        listed = (await a.call(list_nodes={})).list_nodes.nodes
+        assert [(n.peer_id, n.alive, n.pending) for n in listed] == [(p.peer_id, False, True) for p in (a, b, c)]
         # seen nonces survive: a replay is still refused
         reply = await a.call(register=swarm_pb2.RegisterRequest(fingerprint=used))
         assert reply.error.message.startswith("replayed registration")
@@ -536,6 +548,196 @@ async def test_a_pending_node_that_never_returns_is_marked_dead(autojump_clock, 
         assert [r.assignment.peer_id for r in h.store.assignments()] == [a.peer_id]
 
 
+# --- model metadata ---------------------------------------------------------------------------------
+# These run on trio's real clock: the tracker reads the file in a thread, and an autojumping
+# MockClock would jump past the request's timeout while the thread works.
+
+
+@pytest.fixture(scope="module")
+def qwen2_tiny_prefix(qwen2_tiny_path) -> bytes:
+    return gguf_metadata_prefix(qwen2_tiny_path)  # seconds: the reader parses every vocab string
+
+
+async def test_model_metadata_is_the_registered_files_prefix(db_path, qwen2_tiny_path, qwen2_tiny_prefix, monkeypatch):
+    async with running_tracker(db_path, gguf_files=[(qwen2_tiny_path, "qwen2-tiny")]) as h:
+        client = h.peer(3)
+        entry = h.store.find_model("qwen2-tiny")
+        prefix = qwen2_tiny_prefix
+        for name in ("qwen2-tiny", entry.name, entry.sha256):
+            reply = await client.call(model_metadata=swarm_pb2.ModelMetadataRequest(model=name))
+            assert reply.WhichOneof("body") == "model_metadata", reply.error
+            meta = reply.model_metadata
+            assert meta.metadata == prefix and meta.metadata.startswith(b"GGUF")
+            assert (meta.model_sha256, meta.alias) == (entry.sha256, "qwen2-tiny")
+            assert meta.name == "baton qwen2-tiny (synthetic)"
+            assert (meta.architecture, meta.n_layer) == ("qwen2", 6)
+            assert meta.size_bytes == qwen2_tiny_path.stat().st_size
+            assert meta.context_length == 2048  # what agent.testing.synthetic writes
+        assert entry.context_length == 2048  # the registry records it too (list_models)
+
+        # read once: later requests are answered from memory
+        def unreadable(*args):
+            raise OSError("the disk is gone")
+
+        monkeypatch.setattr("agent.io.tracker.service.read_registered_metadata", unreadable)
+        reply = await client.call(model_metadata={"model": "qwen2-tiny"})
+        assert reply.model_metadata.metadata == prefix
+
+        for request, code, text in [
+            ({"model": "nope"}, Code.NOT_FOUND, "unknown model 'nope'"),
+            ({"model": ""}, Code.INVALID_ARGUMENT, "ModelMetadataRequest.model is empty"),
+            # registered without a file (as by a tracker that did not record paths)
+            ({"model": "tiny"}, Code.UNAVAILABLE, "model tiny (aaaaaaaaaaaa) has no registered file"),
+        ]:
+            reply = await client.call(model_metadata=request)
+            assert reply.WhichOneof("body") is None
+            assert reply.error.code == code and text in reply.error.message, reply.error
+
+
+async def test_model_metadata_is_unavailable_while_the_file_cannot_be_read(
+    db_path, tmp_path, qwen2_tiny_path, qwen2_tiny_prefix
+):
+    path = tmp_path / "models" / "tiny-copy.gguf"
+    path.parent.mkdir()
+    shutil.copyfile(qwen2_tiny_path, path)
+    async with running_tracker(db_path, models=(), gguf_files=[(path, "copy")]) as h:
+        client = h.peer(3)
+        moved = path.rename(tmp_path / "elsewhere.gguf")
+        reply = await client.call(model_metadata={"model": "copy"})
+        assert reply.error.code == Code.UNAVAILABLE, reply
+        message = reply.error.message
+        assert message.startswith("the registered file of model copy cannot be read any more: ")
+        assert "No such file" in message and "tiny-copy.gguf" in message
+        assert str(tmp_path) not in message  # the tracker's directories are not sent to peers
+        # another file in its place
+        with open(path, "wb") as f:
+            f.write(moved.read_bytes()[:-1] + b"\x01")
+        reply = await client.call(model_metadata={"model": "copy"})
+        assert reply.error.code == Code.UNAVAILABLE and "the file changed" in reply.error.message, reply.error
+        # a failure is not remembered: once the file is back, the metadata is served
+        moved.replace(path)
+        reply = await client.call(model_metadata={"model": "copy"})
+        assert reply.model_metadata.metadata == qwen2_tiny_prefix
+
+
+# --- node list ----------------------------------------------------------------------------------------
+
+
+def _ranges(entries) -> list[tuple[int, int, int, str]]:
+    return [(s.assignment.begin, s.assignment.end, s.state, s.error) for s in entries]
+
+
+async def test_list_nodes_shows_assignments_reported_states_and_liveness(autojump_clock, db_path, capsys):
+    async with running_tracker(db_path) as h:
+        a, b = sorted((h.peer(i) for i in (1, 2)), key=lambda p: p.peer_id)  # ranges go in peer id order
+        await a.register(usable_memory_bytes=3 * BPB)
+        await b.register(usable_memory_bytes=3 * BPB)
+        registered_at = now_ms()
+        await trio.sleep(1)
+        await a.heartbeat(serving=[(0, 3)])
+        b_heard_at = now_ms()
+        await b.heartbeat(serving=[(3, 6)], state=LOADING)
+        listed = await h.peer(3).call(list_nodes=swarm_pb2.ListNodesRequest())
+        assert listed.WhichOneof("body") == "list_nodes", listed.error
+        by_peer = {n.peer_id: n for n in listed.list_nodes.nodes}
+        assert list(by_peer) == [a.peer_id, b.peer_id]
+        na, nb = by_peer[a.peer_id], by_peer[b.peer_id]
+        assert (na.alive, na.pending, nb.alive, nb.pending) == (True, False, True, False)
+        assert list(na.listen_addrs) == [f"/memory/{a.peer_id}"] and na.usable_memory_bytes == 3 * BPB
+        assert na.last_heartbeat_ms == nb.last_heartbeat_ms == b_heard_at == registered_at + 1000
+        assert [(x.model_sha256, x.begin, x.end) for x in na.assigned] == [(MODEL.sha256, 0, 3)]
+        assert [(x.begin, x.end) for x in nb.assigned] == [(3, 6)]
+        assert _ranges(na.serving) == [(0, 3, READY, "")] and na.serving[0].recipe_hash == "recipe-1"
+        assert _ranges(nb.serving) == [(3, 6, LOADING, "")]
+
+        # B fails to load: the report (with its error) shows although the range is taken back
+        failed = swarm_pb2.AssignmentStatus(
+            assignment=swarm_pb2.Assignment(model_sha256=MODEL.sha256, begin=3, end=6), state=FAILED,
+            error="out of memory",
+        )  # fmt: skip
+        await b.call(heartbeat=swarm_pb2.HeartbeatRequest(peer_id=b.peer_id, serving=[failed]))
+        na, nb = (await a.call(list_nodes={})).list_nodes.nodes
+        assert _ranges(nb.serving) == [(3, 6, FAILED, "out of memory")] and list(nb.assigned) == []
+        assert list(na.assigned) == []  # A alone cannot hold the model: nothing is assigned
+        assert _ranges(na.serving) == [(0, 3, READY, "")]  # until its next heartbeat says otherwise
+
+        # B stops heartbeating: not alive once its timeout passes, its report forgotten
+        h.nursery.start_soon(_beat_forever, a, lambda: [(0, 3)])
+        await h.tracker.wait_until(lambda: b.peer_id not in h.tracker.alive)
+        assert trio.current_time() == pytest.approx((b_heard_at - T0_MS) / 1000 + 5.0, abs=1e-9)
+        na, nb = (await a.call(list_nodes={})).list_nodes.nodes
+        assert (na.alive, nb.alive, nb.pending) == (True, False, False)
+        assert list(nb.serving) == [] and list(nb.assigned) == [] and _ranges(na.serving) == [(0, 3, READY, "")]
+        assert nb.last_heartbeat_ms == b_heard_at
+        # ... and alive again with its next heartbeat
+        await b.heartbeat()
+        assert [n.alive for n in (await a.call(list_nodes={})).list_nodes.nodes] == [True, True]
+        # a node that reports a range it was not given
+        await b.heartbeat(serving=[(0, 6)], state=LOADING)
+        h.nursery.cancel_scope.cancel()
+
+    from agent.cli import main as baton
+
+    assert baton(["tracker", "nodes", "--db", str(db_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["PEER", "ID", "ALIVE", "LAST", "HEARTBEAT", "(UTC)", "MEMORY", "ADDRS", "RANGES"]
+    assert lines[1].startswith(a.peer_id) and lines[1].split()[1] == "yes"
+    assert f"/memory/{a.peer_id}" in lines[1] and "2.9 MiB" in lines[1]
+    assert lines[1].endswith("tiny[0, 3) READY unassigned")
+    assert lines[2].startswith(b.peer_id) and lines[2].endswith("tiny[0, 6) LOADING unassigned")
+    assert len(lines) == 3
+
+    assert baton(["tracker", "nodes", "--db", str(db_path), "--json"]) == 0
+    nodes = json.loads(capsys.readouterr().out)["nodes"]
+    assert [n["peer_id"] for n in nodes] == [a.peer_id, b.peer_id]
+    assert nodes[0]["alive"] is True and nodes[0]["listen_addrs"] == [f"/memory/{a.peer_id}"]
+    assert nodes[0]["usable_memory_bytes"] == 3 * BPB and isinstance(nodes[0]["last_heartbeat_ms"], int)
+    assert nodes[0]["assigned"] == []
+    assert nodes[0]["serving"] == [
+        {"model_sha256": MODEL.sha256, "begin": 0, "end": 3, "state": "READY", "error": "", "recipe_hash": "recipe-1"}
+    ]
+    assert nodes[1]["serving"][0]["state"] == "LOADING" and nodes[1]["assigned"] == []
+
+
+def test_nodes_listing_shows_failures_and_refuses_a_missing_database(tmp_path, capsys):
+    from agent.cli import main as baton
+
+    db = tmp_path / "tracker.db"
+    assert baton(["tracker", "nodes", "--db", str(db)]) == 2
+    assert "no tracker database at" in capsys.readouterr().err
+    with open_store(db) as store:
+        store.put_model(MODEL, 0)
+        k = key(1)
+        fingerprint = swarm_pb2.Fingerprint(schema_version=1, peer_id=peer(k), usable_memory_bytes=BPB)
+        signed = adm.sign_fingerprint(k, fingerprint)
+        store.put_node(
+            NodeRecord(
+                peer_id=peer(k), public_key=adm.public_key_bytes(k), signed_fingerprint=signed,
+                fingerprint=fingerprint, admission=swarm_pb2.SignedAdmission(), admitted_at_ms=T0_MS,
+                expires_at_ms=T0_MS + 1, last_heartbeat_ms=T0_MS, alive=False, listen_addrs=(),
+            )
+        )  # fmt: skip
+        store.replace_assignments([Assignment(MODEL.sha256, 0, 6, peer(k)), Assignment(MODEL.sha256, 0, 3, peer(k))])
+        status = swarm_pb2.AssignmentStatus(
+            assignment=swarm_pb2.Assignment(model_sha256=MODEL.sha256, begin=0, end=6), state=FAILED, error="boom"
+        )
+        store.record_heartbeat(peer(k), T0_MS, None, [status])
+        store.mark_dead([peer(k)])
+    assert baton(["tracker", "nodes", "--db", str(db)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[:2] == [peer(k), "no"] and "2027-01-15 08:00:00" in lines[1]
+    # no addresses; [0, 3) assigned but not reported
+    assert " ".join(lines[1].split()).endswith("976.6 KiB - tiny[0, 3) -, tiny[0, 6) FAILED")
+    assert lines[2] == f"  {peer(k)} tiny[0, 6): boom" and len(lines) == 3
+    assert baton(["tracker", "nodes", "--db", str(db), "--json"]) == 0
+    [node] = json.loads(capsys.readouterr().out)["nodes"]
+    assert (node["alive"], node["listen_addrs"], node["last_heartbeat_ms"]) == (False, [], T0_MS)
+    assert node["assigned"] == [
+        {"model_sha256": MODEL.sha256, "begin": 0, "end": 3}, {"model_sha256": MODEL.sha256, "begin": 0, "end": 6}
+    ]  # fmt: skip
+    assert [(s["state"], s["error"]) for s in node["serving"]] == [("FAILED", "boom")]
+
+
 # --- store ------------------------------------------------------------------------------------------
 
 
@@ -546,8 +748,42 @@ def test_store_refuses_another_schema_version(db_path):
     connection.execute("UPDATE schema_version SET version = 99")
     connection.commit()
     connection.close()
-    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 1"):
+    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 2"):
         TrackerStore.open(db_path)
+
+
+def test_store_migrates_a_version_1_file(db_path):
+    with open_store(db_path) as store:
+        store.put_model(MODEL, 0, "/models/tiny.gguf")
+    connection = sqlite3.connect(db_path)  # back to the columns of a version 1 file
+    connection.executescript(
+        "CREATE TABLE models_v1 (sha256 TEXT PRIMARY KEY, alias TEXT NOT NULL UNIQUE, name TEXT NOT NULL, "
+        "entry BLOB NOT NULL, registered_at_ms INTEGER NOT NULL); "
+        "INSERT INTO models_v1 SELECT sha256, alias, name, entry, registered_at_ms FROM models; "
+        "DROP TABLE models; ALTER TABLE models_v1 RENAME TO models; "
+        "CREATE TABLE nodes_v1 (peer_id TEXT PRIMARY KEY, public_key BLOB NOT NULL, signed_fingerprint BLOB NOT NULL, "
+        "admission BLOB NOT NULL, admitted_at_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, "
+        "last_heartbeat_ms INTEGER NOT NULL, alive INTEGER NOT NULL, listen_addrs TEXT NOT NULL); "
+        "DROP TABLE nodes; ALTER TABLE nodes_v1 RENAME TO nodes; "
+        "UPDATE schema_version SET version = 1;"
+    )
+    connection.close()
+    with open_store(db_path) as store:
+        assert store._db.execute("SELECT version FROM schema_version").fetchone()[0] == 2
+        assert store.models() == [MODEL] and store.model_path(MODEL.sha256) is None
+        store.put_model(MODEL, 1, "/models/tiny.gguf")
+        store.put_model(MODEL, 2)  # an update without a path keeps the recorded one
+        assert str(store.model_path(MODEL.sha256)) == "/models/tiny.gguf"
+        store.put_node(
+            NodeRecord(
+                peer_id="A", public_key=b"k", signed_fingerprint=swarm_pb2.SignedFingerprint(),
+                fingerprint=swarm_pb2.Fingerprint(), admission=swarm_pb2.SignedAdmission(), admitted_at_ms=0,
+                expires_at_ms=1, last_heartbeat_ms=0, alive=True, listen_addrs=("/memory/A",),
+            )
+        )  # fmt: skip
+        assert [(n.peer_id, list(n.listen_addrs), list(n.serving)) for n in store.node_entries()] == [
+            ("A", ["/memory/A"], [])
+        ]
 
 
 def test_store_uses_wal_and_keeps_assignment_status(db_path):

@@ -1,10 +1,12 @@
 """The tracker as a real process over the real libp2p transport: serve, kill -9, restart.
 
 Starts ``python -m agent.io.tracker.cli serve`` with a tiny real GGUF registered, reads its
-first stdout line and --addr-file, lists models and registers a node over libp2p, kills the
-process (SIGKILL: no graceful shutdown), restarts it on the same --db / --key / port without
---register-model, and checks that the peer id, the model, the node and its assignment are
-still there. Finally a SIGTERM stops it with exit status 0.
+first stdout line and --addr-file, lists models, fetches a model's metadata and registers a
+node over libp2p, lists nodes, kills the process (SIGKILL: no graceful shutdown), restarts it
+on the same --db / --key / port without --register-model, and checks that the peer id, the
+model (and its metadata, read from the recorded file), the node (pending until it heartbeats)
+and its assignment are still there. Finally a SIGTERM stops it with exit status 0, and
+``baton tracker models`` / ``nodes`` read the database.
 """
 
 from __future__ import annotations
@@ -106,6 +108,17 @@ def _wall_ms() -> int:
     return int(time.time() * 1000)
 
 
+async def _check_metadata(transport, addr: str, model_path: Path, sha: str) -> None:
+    reply = await _call(transport, addr, model_metadata={"model": "qwen2-tiny"})
+    assert reply.WhichOneof("body") == "model_metadata", reply.error
+    meta = reply.model_metadata
+    assert (meta.model_sha256, meta.alias, meta.n_layer, meta.context_length) == (sha, "qwen2-tiny", 6, 2048)
+    assert meta.size_bytes == model_path.stat().st_size
+    # the file's first bytes, up to the tensor data (exactly: tests/test_tracker.py)
+    with open(model_path, "rb") as f:
+        assert len(meta.metadata) > 1000 and f.read(len(meta.metadata) + 1)[:-1] == meta.metadata
+
+
 async def test_tracker_process_survives_kill_and_restart(tmp_path, qwen2_tiny_path):
     node_key = Ed25519PrivateKey.from_private_bytes(b"\x11" * 32)
     node_peer = peer_id_from_public_key(public_key_bytes(node_key))
@@ -135,6 +148,11 @@ async def test_tracker_process_survives_kill_and_restart(tmp_path, qwen2_tiny_pa
             assert [(d.kind, d.assignment.begin, d.assignment.end) for d in beat.heartbeat.directives] == [
                 (swarm_pb2.Directive.LOAD, 0, 6)
             ]
+            [node] = (await _call(transport, addr, list_nodes={})).list_nodes.nodes
+            assert (node.peer_id, node.alive, node.pending, list(node.serving)) == (node_peer, True, False, [])
+            assert [(a.model_sha256, a.begin, a.end) for a in node.assigned] == [(sha, 0, 6)]
+            assert list(node.listen_addrs) == list(transport.listen_addrs)
+            await _check_metadata(transport, addr, qwen2_tiny_path, sha)
 
         assert await first.stop(signal.SIGKILL) == -signal.SIGKILL
 
@@ -143,6 +161,9 @@ async def test_tracker_process_survives_kill_and_restart(tmp_path, qwen2_tiny_pa
         async with open_p2p_transport(node_key) as transport:
             listed = (await _call(transport, addr, list_models={})).list_models.models
             assert [(m.alias, m.sha256) for m in listed] == [("qwen2-tiny", sha)]
+            [node] = (await _call(transport, addr, list_nodes={})).list_nodes.nodes
+            assert (node.peer_id, node.alive, node.pending) == (node_peer, False, True)
+            await _check_metadata(transport, addr, qwen2_tiny_path, sha)  # the file's path survived
             # the node is still known (no "register first") and still assigned the model
             beat = await _call(transport, addr, heartbeat=swarm_pb2.HeartbeatRequest(peer_id=node_peer))
             assert beat.WhichOneof("body") == "heartbeat", beat.error
@@ -164,6 +185,14 @@ async def test_tracker_process_survives_kill_and_restart(tmp_path, qwen2_tiny_pa
         lines = models.stdout.decode().splitlines()
         assert lines[0].split() == ["ALIAS", "NAME", "HF", "REPO", "SHA256", "ARCHITECTURE", "BLOCKS", "SIZE"]
         assert lines[1].startswith("qwen2-tiny") and sha[:12] in lines[1] and " qwen2 " in lines[1]
+        with trio.fail_after(60):
+            nodes = await trio.run_process(
+                [sys.executable, "-m", "agent.io.tracker.cli", "nodes", "--db", str(tmp_path / "tracker.db")],
+                cwd=REPO_ROOT, capture_stdout=True, check=True,
+            )  # fmt: skip
+        lines = nodes.stdout.decode().splitlines()
+        assert lines[0].split()[:3] == ["PEER", "ID", "ALIVE"] and len(lines) == 2
+        assert lines[1].startswith(node_peer + "  yes") and lines[1].endswith("qwen2-tiny[0, 6) -")
     finally:
         with trio.CancelScope(shield=True):
             await first.close()

@@ -43,6 +43,7 @@ class GgufFacts:
     block_tensor_bytes: int  # sum of n_bytes over tensors named blk.*
     size_bytes: int  # the file's size
     source_repo: str = ""  # the Hugging Face repo the GGUF names as its source ("" when absent)
+    context_length: int = 0  # {arch}.context_length (0 when absent)
 
 
 def bytes_per_block(facts: GgufFacts, kv_tokens: int = DEFAULT_KV_TOKENS) -> int:
@@ -66,4 +67,5 @@ def model_entry(
         n_layer=facts.n_layer,
         size_bytes=facts.size_bytes,
         bytes_per_block=bytes_per_block(facts, kv_tokens),
+        context_length=facts.context_length,
     )

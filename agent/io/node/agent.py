@@ -198,6 +198,8 @@ class ServedRange:
             state=state,
             error=error,
             recipe_hash=self.info.recipe_hash if self.info is not None and state == State.READY else "",
+            sequences_in_use=0 if self.sessions is None else self.sessions.n_seq_max - self.sessions.free_count,
+            sequences_total=0 if self.sessions is None else self.sessions.n_seq_max,
         )
 
 

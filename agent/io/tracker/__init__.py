@@ -1,7 +1,8 @@
 """The tracker shell: SQLite store, the ``/baton/tracker/1.0.0`` service, GGUF reading, CLI.
 
 Modules: ``store`` (``TrackerStore``, ``open_store``), ``service`` (``serve_tracker``,
-``TrackerConfig``, ``Tracker``), ``gguf_info`` (``read_gguf_facts``), ``cli``
-(``add_arguments``, ``main``). Decisions live in ``agent.core.admission``, ``assignment``,
-``routing`` and ``registry``; this package only performs them.
+``TrackerConfig``, ``Tracker``), ``gguf_info`` (``read_gguf_facts``,
+``read_registered_metadata``), ``cli`` (``add_arguments``, ``main``). Decisions live in
+``agent.core.admission``, ``assignment``, ``routing`` and ``registry``; this package only
+performs them.
 """

@@ -1,4 +1,4 @@
-"""``baton tracker``: run the tracker, or list the models its database holds.
+"""``baton tracker``: run the tracker, or list the models or nodes its database holds.
 
   baton tracker serve --db PATH --key PATH [--listen MULTIADDR] [--addr-file PATH] [--no-relay]
                       [--register-model PATH[:ALIAS] ...] [--heartbeat-interval-ms N]
@@ -6,11 +6,20 @@
                       [--registration-max-age-ms N] [--expected-pin COMMIT]
                       [--expected-patch-hash HASH]
   baton tracker models --db PATH
+  baton tracker nodes --db PATH [--json]
 
 ``serve`` registers the given GGUF files (alias: ALIAS, else the file name without .gguf;
 name: general.name), opens the libp2p host, prints ``tracker listening on <multiaddr>`` as its
 first stdout line, writes that multiaddr to ``--addr-file`` (atomically: a temporary file
 renamed into place) and serves until SIGINT / SIGTERM (exit 0).
+
+``models`` and ``nodes`` read the database (a running tracker's too: WAL allows readers).
+``nodes`` prints each node's peer id, whether it was alive when the tracker last decided,
+its last heartbeat, usable memory, addresses and ranges: every range it is assigned or its
+last heartbeat reported, with the reported state (``-``: assigned, not reported loading),
+``unassigned`` for a reported range the tracker did not give it, and the errors of FAILED
+ranges below the table. ``--json`` prints one JSON object ``{"nodes": [...]}`` with the
+``NodeEntry`` fields (states by name).
 
 The tracker is also a circuit relay v2 (unless ``--no-relay``): a node that cannot be dialled
 (``baton node --relay``) reserves a slot on it and is reached at
@@ -71,7 +80,7 @@ def _hf_repo_arg(text: str) -> tuple[str, str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``serve`` and ``models`` sub-commands to ``parser`` (the ``tracker`` parser)."""
+    """Add the ``serve``, ``models`` and ``nodes`` sub-commands to ``parser`` (the ``tracker`` parser)."""
     commands = parser.add_subparsers(dest="tracker_command", required=True, metavar="COMMAND")
     serve = commands.add_parser("serve", help="run the tracker")
     serve.add_argument("--db", required=True, help="SQLite database (created if missing)")
@@ -104,6 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     models = commands.add_parser("models", help="list the registered models")
     models.add_argument("--db", required=True, help="the tracker's SQLite database")
 
+    nodes = commands.add_parser("nodes", help="list the admitted nodes, their ranges and states")
+    nodes.add_argument("--db", required=True, help="the tracker's SQLite database")
+    nodes.add_argument("--json", action="store_true", help="print one JSON object")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton tracker", description=__doc__.split("\n\n")[0])
@@ -115,6 +128,8 @@ def main(args: argparse.Namespace) -> int:
     """Run a parsed ``baton tracker`` command; returns the exit status."""
     if args.tracker_command == "models":
         return _models(args)
+    if args.tracker_command == "nodes":
+        return _nodes(args)
     return _serve(args)
 
 
@@ -126,26 +141,119 @@ def _human_bytes(n: int) -> str:
     raise AssertionError
 
 
-def _models(args: argparse.Namespace) -> int:
+def _print_table(rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def _read_store(command: str, db: str, read):
+    """``read(store)`` on the database at ``db``; None (after saying why on stderr) when there
+    is none or it is not a tracker database."""
     from agent.io.tracker.store import StoreError, open_store
 
-    if not Path(args.db).is_file():
-        print(f"baton tracker models: no tracker database at {args.db}", file=sys.stderr)
-        return 2
+    if not Path(db).is_file():
+        print(f"baton tracker {command}: no tracker database at {db}", file=sys.stderr)
+        return None
     try:
-        with open_store(args.db) as store:
-            models = store.models()
+        with open_store(db) as store:
+            return read(store)
     except StoreError as error:
-        print(f"baton tracker models: {error}", file=sys.stderr)
+        print(f"baton tracker {command}: {error}", file=sys.stderr)
+        return None
+
+
+def _models(args: argparse.Namespace) -> int:
+    models = _read_store("models", args.db, lambda store: store.models())
+    if models is None:
         return 2
     rows = [("ALIAS", "NAME", "HF REPO", "SHA256", "ARCHITECTURE", "BLOCKS", "SIZE")]
     rows += [
         (m.alias, m.name, m.hf_repo or "-", m.sha256[:12], m.architecture, str(m.n_layer), _human_bytes(m.size_bytes))
         for m in models
     ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    _print_table(rows)
+    return 0
+
+
+def _state_name(state: int) -> str:
+    from agent._proto import swarm_pb2
+
+    return swarm_pb2.AssignmentStatus.State.Name(state)
+
+
+def _node_ranges(entry, aliases: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(range, state, error) for every range ``entry`` (a ``NodeEntry``) is assigned or
+    reported serving, in (model, begin, end) order; range as ``alias[begin, end)``."""
+    reported = {(s.assignment.model_sha256, s.assignment.begin, s.assignment.end): s for s in entry.serving}
+    assigned = {(a.model_sha256, a.begin, a.end) for a in entry.assigned}
+    ranges = []
+    for key in sorted(assigned | set(reported)):
+        sha, begin, end = key
+        status = reported.get(key)
+        state = "-" if status is None else _state_name(status.state)
+        if key not in assigned:
+            state += " unassigned"
+        ranges.append((f"{aliases.get(sha, sha[:12])}[{begin}, {end})", state, "" if status is None else status.error))
+    return ranges
+
+
+def _utc(ms: int) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _node_json(entry) -> dict:
+    return {
+        "peer_id": entry.peer_id,
+        "listen_addrs": list(entry.listen_addrs),
+        "alive": entry.alive,
+        "last_heartbeat_ms": entry.last_heartbeat_ms,
+        "usable_memory_bytes": entry.usable_memory_bytes,
+        "serving": [
+            {
+                "model_sha256": s.assignment.model_sha256,
+                "begin": s.assignment.begin,
+                "end": s.assignment.end,
+                "state": _state_name(s.state),
+                "error": s.error,
+                "recipe_hash": s.recipe_hash,
+            }
+            for s in entry.serving
+        ],
+        "assigned": [{"model_sha256": a.model_sha256, "begin": a.begin, "end": a.end} for a in entry.assigned],
+    }
+
+
+def _nodes(args: argparse.Namespace) -> int:
+    import json
+
+    read = _read_store(
+        "nodes", args.db, lambda store: (store.node_entries(), {m.sha256: m.alias for m in store.models()})
+    )
+    if read is None:
+        return 2
+    entries, aliases = read
+    if args.json:
+        print(json.dumps({"nodes": [_node_json(entry) for entry in entries]}, indent=2))
+        return 0
+    rows = [("PEER ID", "ALIVE", "LAST HEARTBEAT (UTC)", "MEMORY", "ADDRS", "RANGES")]
+    failures = []
+    for entry in entries:
+        ranges = _node_ranges(entry, aliases)
+        rows.append((
+            entry.peer_id,
+            "yes" if entry.alive else "no",
+            _utc(entry.last_heartbeat_ms),
+            _human_bytes(entry.usable_memory_bytes),
+            ",".join(entry.listen_addrs) or "-",
+            ", ".join(f"{name} {state}" for name, state, _ in ranges) or "-",
+        ))  # fmt: skip
+        failures += [(entry.peer_id, name, error) for name, _, error in ranges if error]
+    _print_table(rows)
+    for peer_id, name, error in failures:
+        print(f"  {peer_id} {name}: {error}")
     return 0
 
 
@@ -177,7 +285,7 @@ def register_models(
     for path, alias in models:
         facts = read_gguf_facts(path)
         entry = model_entry(facts, cached_sha256(path), alias, hf_repo=(hf_repos or {}).get(alias, ""))
-        store.put_model(entry, now_ms)
+        store.put_model(entry, now_ms, path)
         entries.append(entry)
     return entries
 

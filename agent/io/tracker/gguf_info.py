@@ -2,8 +2,9 @@
 
 Owns: opening the file with ``gguf.GGUFReader`` (memory-mapped; parsing a 100 MB model takes
 a second or two, mostly its tokenizer arrays), picking the metadata keys and summing tensor
-sizes into ``agent.core.registry.GgufFacts``, and the file's sha256. Synchronous: callers in
-trio run it in a thread.
+sizes into ``agent.core.registry.GgufFacts``, the file's sha256, and reading a registered
+file's metadata prefix back (``read_registered_metadata``: checked against what was
+registered). Synchronous: callers in trio run it in a thread.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from agent.core.registry import GgufFacts
 
-__all__ = ["GgufError", "read_gguf_facts"]
+__all__ = ["GgufError", "read_gguf_facts", "read_registered_metadata"]
 
 
 class GgufError(Exception):
@@ -93,4 +94,31 @@ def read_gguf_facts(path: str | os.PathLike[str]) -> GgufFacts:
         value_length=value_length,
         block_tensor_bytes=block_bytes,
         size_bytes=size,
+        context_length=_int(_field(reader, f"{arch}.context_length")) or 0,
     )
+
+
+def read_registered_metadata(path: str | os.PathLike[str], sha256: str, size_bytes: int) -> bytes:
+    """The metadata prefix (``agent.io.gguf_sparse.gguf_metadata_prefix``) of the GGUF at
+    ``path``, after checking that the file is still the one registered: ``size_bytes`` long
+    and hashing to ``sha256`` (``agent.models.cached_sha256``: a fresh hash only when the
+    file's size or mtime changed since it was last hashed).
+
+    Raises:
+      GgufError: the file has another size or sha256 than registered, or is not a GGUF.
+      OSError: the file cannot be read.
+    """
+    from agent.io.gguf_sparse import gguf_metadata_prefix
+    from agent.models import cached_sha256
+
+    path = Path(path)
+    size = path.stat().st_size
+    if size != size_bytes:
+        raise GgufError(f"{path} is {size} bytes, the registered model {size_bytes}: the file changed")
+    digest = cached_sha256(path)
+    if digest != sha256:
+        raise GgufError(f"{path} now hashes to {digest}, not the registered {sha256}: the file changed")
+    try:
+        return gguf_metadata_prefix(path)
+    except ValueError as error:
+        raise GgufError(str(error)) from None

@@ -2,9 +2,11 @@
 
 Owns the tracker's behaviour on the wire (docs/SWARM.md, shared semantics): registration
 (admission of nodes), client hellos, heartbeats (liveness, reported range status, LOAD /
-UNLOAD directives, admission refresh), routes and the model list; and when assignments are
-recomputed (a node registers, dies, or comes back). Decisions are the pure core's
-(``agent.core.admission``, ``assignment``, ``routing``); state is the SQLite store's.
+UNLOAD directives, admission refresh), routes, the model list, model metadata (a GGUF's
+bytes before its tensor data, read from the registered file once and kept in memory), the
+node list; and when assignments are recomputed (a node registers, dies, or comes back).
+Decisions are the pure core's (``agent.core.admission``, ``assignment``, ``routing``); state
+is the SQLite store's.
 
 Liveness: a node is alive while heartbeats (or its registration) arrive at most
 ``heartbeat_timeout_ms`` apart; the sweeper marks it dead at exactly that deadline, clears its
@@ -12,6 +14,12 @@ reported states and recomputes assignments (healing). After a tracker restart, n
 database still holds alive are *pending*: their assignments are kept (so that the first
 node to heartbeat does not take over everyone's ranges) but they are in no route until they
 heartbeat; one that does not within ``heartbeat_timeout_ms`` of the restart is marked dead.
+
+Authorization: registration and heartbeats are checked against the connection's peer id (the
+Noise-authenticated key); routes, the model list, model metadata and the node list change no
+state and answer any peer that reaches the tracker. The node list shows at once what routes
+hand out piecemeal (where admitted nodes listen, what they serve) plus their liveness and
+usable memory; model metadata is the public header of a registered GGUF.
 
 Every request gets a ``TrackerReply``; malformed input (bytes that do not parse, a wrong
 schema version, no body, bad fields) gets ``error`` naming what was wrong, and an unexpected
@@ -47,6 +55,7 @@ from agent.core.swarm_wire import (
     parse_record,
     tracker_reply_error,
 )
+from agent.io.tracker.gguf_info import GgufError, read_registered_metadata
 from agent.io.tracker.store import NodeRecord, TrackerStore
 
 __all__ = ["Tracker", "TrackerConfig", "serve_tracker", "trio_unix_clock"]
@@ -132,6 +141,9 @@ class Tracker:
         self._route_load: deque[tuple[float, tuple[str, ...]]] = deque()
         self._changed = trio.Event()
         self.recomputes = 0
+        #: model sha256 -> its GGUF's metadata prefix (read once, on the first request)
+        self._metadata: dict[str, bytes] = {}
+        self._metadata_locks: dict[str, trio.Lock] = {}
         now = clock()
         self._pruned_at_ms = now - config.registration_max_age_ms  # prune at the first sweep
         for node in store.nodes():
@@ -198,8 +210,8 @@ class Tracker:
             if kind is None:
                 raise _Refusal(
                     Code.INVALID_ARGUMENT,
-                    "TrackerRequest has no body "
-                    "(expected one of register, heartbeat, route, list_models, client_hello)",
+                    "TrackerRequest has no body (expected one of register, heartbeat, route, list_models, "
+                    "client_hello, model_metadata, list_nodes)",
                 )
             reply = swarm_pb2.TrackerReply(schema_version=SCHEMA_VERSION)
             if kind == "register":
@@ -210,6 +222,11 @@ class Tracker:
                 reply.route.CopyFrom(self._route(request.route))
             elif kind == "list_models":
                 reply.list_models.CopyFrom(swarm_pb2.ListModelsReply(models=self.store.models()))
+            elif kind == "model_metadata":
+                reply.model_metadata.CopyFrom(await self._model_metadata(request.model_metadata))
+            elif kind == "list_nodes":
+                nodes = self.store.node_entries(alive=self.alive, pending=self.pending)
+                reply.list_nodes.CopyFrom(swarm_pb2.ListNodesReply(nodes=nodes))
             else:
                 reply.client_hello.CopyFrom(self._client_hello(remote_peer_id, request.client_hello))
             return reply.SerializeToString()
@@ -329,7 +346,7 @@ class Tracker:
             reported[Assignment(a.model_sha256, a.begin, a.end, remote)] = status
 
         revived = node.alive is False or remote not in self.deadline_ms
-        self.store.record_heartbeat(remote, now, list(beat.listen_addrs) if beat.listen_addrs else None)
+        self.store.record_heartbeat(remote, now, list(beat.listen_addrs) if beat.listen_addrs else None, beat.serving)
         self.deadline_ms[remote] = now + self.config.heartbeat_timeout_ms
         newly_confirmed = remote not in self.confirmed
         self.confirmed.add(remote)
@@ -406,6 +423,54 @@ class Tracker:
             recipe_hash=plan.recipe_hash,
             estimated_step_s=plan.estimated_step_s,
         )
+
+    async def _model_metadata(self, request: swarm_pb2.ModelMetadataRequest) -> swarm_pb2.ModelMetadataReply:
+        if not request.model:
+            raise _Refusal(Code.INVALID_ARGUMENT, "ModelMetadataRequest.model is empty (give an alias, name or sha256)")
+        model = self.store.find_model(request.model)
+        if model is None:
+            raise _Refusal(Code.NOT_FOUND, f"unknown model {request.model!r}")
+        return swarm_pb2.ModelMetadataReply(
+            model_sha256=model.sha256,
+            name=model.name,
+            alias=model.alias,
+            architecture=model.architecture,
+            n_layer=model.n_layer,
+            size_bytes=model.size_bytes,
+            metadata=await self._metadata_prefix(model),
+            context_length=model.context_length,
+        )
+
+    async def _metadata_prefix(self, model: swarm_pb2.ModelEntry) -> bytes:
+        """The metadata prefix of ``model``'s registered file: read in a thread on the first
+        request (concurrent first requests share one read), then from memory. A failed read
+        is not remembered: the next request tries again (the file may be back)."""
+        cached = self._metadata.get(model.sha256)
+        if cached is not None:
+            return cached
+        async with self._metadata_locks.setdefault(model.sha256, trio.Lock()):
+            cached = self._metadata.get(model.sha256)
+            if cached is not None:
+                return cached
+            path = self.store.model_path(model.sha256)
+            if path is None:
+                raise _Refusal(
+                    Code.UNAVAILABLE,
+                    f"model {model.alias} ({model.sha256[:12]}) has no registered file "
+                    "(the database predates recorded paths): register it again with --register-model",
+                )
+            try:
+                metadata = await trio.to_thread.run_sync(
+                    read_registered_metadata, path, model.sha256, model.size_bytes
+                )
+            except (OSError, GgufError) as error:
+                log.warning("cannot read the metadata of model %s: %s", model.alias, error)
+                reason = str(error).replace(str(path), path.name)  # the tracker's directories stay private
+                raise _Refusal(
+                    Code.UNAVAILABLE, f"the registered file of model {model.alias} cannot be read any more: {reason}"
+                ) from None
+            self._metadata[model.sha256] = metadata
+            return metadata
 
     def _load(self) -> dict[str, int]:
         """Routes handed out within route_load_window_s, per peer (the tracker does not see

@@ -1,10 +1,13 @@
 """The tracker's durable state: one SQLite file (stdlib ``sqlite3``).
 
-Owns the tables and every query on them: nodes (key, signed fingerprint, admission, liveness),
-clients (admissions), seen registration / hello nonces, models (``ModelEntry``), assignments
-and the status nodes report for them, and the schema version of the file. A tracker restart
-reopens the file and loses nothing; liveness is *not* trusted across a restart (the service
-confirms a node only once it heartbeats again, see ``service.py``).
+Owns the tables and every query on them: nodes (key, signed fingerprint, admission, liveness,
+the ranges their last heartbeat reported), clients (admissions), seen registration / hello
+nonces, models (``ModelEntry`` and the file it was registered from), assignments and the
+status nodes report for them, the ``NodeEntry`` view of all that (``node_entries``), and the
+schema version of the file (an older version is migrated on open, see ``_MIGRATIONS``; a
+newer one is refused). A tracker restart reopens the file and loses nothing; liveness is
+*not* trusted across a restart (the service confirms a node only once it heartbeats again,
+see ``service.py``).
 
 Threading: the store is synchronous and is called on the trio thread. Every query is a
 primary-key lookup or a scan of a few hundred rows on a local file, and commits in WAL mode
@@ -24,7 +27,7 @@ import dataclasses
 import json
 import os
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 from agent._proto import swarm_pb2
@@ -32,7 +35,7 @@ from agent.core.assignment import Assignment
 
 __all__ = ["STORE_SCHEMA_VERSION", "AssignmentRow", "NodeRecord", "StoreError", "TrackerStore", "open_store"]
 
-STORE_SCHEMA_VERSION = 1
+STORE_SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -45,7 +48,9 @@ CREATE TABLE nodes (
     expires_at_ms INTEGER NOT NULL,
     last_heartbeat_ms INTEGER NOT NULL,
     alive INTEGER NOT NULL,              -- 0 once declared dead (missed heartbeats)
-    listen_addrs TEXT NOT NULL           -- JSON list, from the last heartbeat (else the fingerprint)
+    listen_addrs TEXT NOT NULL,          -- JSON list, from the last heartbeat (else the fingerprint)
+    -- (version 2) what the last heartbeat reported: a serialized NodeEntry holding only serving
+    serving BLOB NOT NULL DEFAULT x''
 );
 CREATE TABLE clients (
     peer_id TEXT PRIMARY KEY,
@@ -66,7 +71,9 @@ CREATE TABLE models (
     alias TEXT NOT NULL UNIQUE,
     name TEXT NOT NULL,
     entry BLOB NOT NULL,                 -- serialized ModelEntry
-    registered_at_ms INTEGER NOT NULL
+    registered_at_ms INTEGER NOT NULL,
+    -- (version 2) absolute path of the registered GGUF ('' if unknown)
+    path TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE assignments (
     model_sha256 TEXT NOT NULL,
@@ -80,6 +87,14 @@ CREATE TABLE assignments (
     PRIMARY KEY (model_sha256, begin_block, end_block, peer_id)
 );
 """
+
+#: version -> statements that bring a file of that version to the next one
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: (
+        "ALTER TABLE models ADD COLUMN path TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE nodes ADD COLUMN serving BLOB NOT NULL DEFAULT x''",
+    ),
+}
 
 
 class StoreError(Exception):
@@ -168,30 +183,49 @@ class TrackerStore:
         if "schema_version" not in tables:
             raise StoreError(f"{self.path}: not a Baton tracker database (no schema_version table)")
         row = self._db.execute("SELECT version FROM schema_version").fetchone()
-        if row is None or row[0] != STORE_SCHEMA_VERSION:
-            version = None if row is None else row[0]
+        version = None if row is None else row[0]
+        if version == STORE_SCHEMA_VERSION:
+            return
+        if version not in _MIGRATIONS:
             raise StoreError(
                 f"{self.path}: database schema version {version}, this tracker speaks {STORE_SCHEMA_VERSION}"
             )
+        with self._transaction() as db:
+            while version != STORE_SCHEMA_VERSION:
+                for statement in _MIGRATIONS[version]:
+                    db.execute(statement)
+                version += 1
+            db.execute("UPDATE schema_version SET version = ?", (version,))
 
     # --- models -----------------------------------------------------------------------------------
 
-    def put_model(self, entry: swarm_pb2.ModelEntry, now_ms: int) -> None:
-        """Register (or update) a model; its alias must not belong to another model.
+    def put_model(
+        self, entry: swarm_pb2.ModelEntry, now_ms: int, path: str | os.PathLike[str] | None = None
+    ) -> None:
+        """Register (or update) a model; its alias must not belong to another model. ``path``:
+        the GGUF it was read from (stored absolute; ``None`` keeps the one already recorded).
 
         Raises:
           StoreError: the alias is taken by a model with another sha256.
         """
+        path_text = "" if path is None else str(Path(path).resolve())
         with self._transaction() as db:
             row = db.execute("SELECT sha256 FROM models WHERE alias = ?", (entry.alias,)).fetchone()
             if row is not None and row[0] != entry.sha256:
                 raise StoreError(f"alias {entry.alias!r} already names model {row[0]}")
             db.execute(
-                "INSERT INTO models (sha256, alias, name, entry, registered_at_ms) VALUES (?, ?, ?, ?, ?) "
+                "INSERT INTO models (sha256, alias, name, entry, registered_at_ms, path) VALUES (?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT (sha256) DO UPDATE SET "
-                "alias = excluded.alias, name = excluded.name, entry = excluded.entry",
-                (entry.sha256, entry.alias, entry.name, entry.SerializeToString(deterministic=True), now_ms),
+                "alias = excluded.alias, name = excluded.name, entry = excluded.entry, "
+                "path = CASE WHEN excluded.path != '' THEN excluded.path ELSE models.path END",
+                (entry.sha256, entry.alias, entry.name, entry.SerializeToString(deterministic=True), now_ms, path_text),
             )
+
+    def model_path(self, sha256: str) -> Path | None:
+        """The file model ``sha256`` was registered from (None: unknown model, or registered
+        by a tracker that did not record paths)."""
+        row = self._db.execute("SELECT path FROM models WHERE sha256 = ?", (sha256,)).fetchone()
+        return Path(row[0]) if row is not None and row[0] else None
 
     def models(self) -> list[swarm_pb2.ModelEntry]:
         rows = self._db.execute("SELECT entry FROM models ORDER BY alias, sha256").fetchall()
@@ -232,15 +266,27 @@ class TrackerStore:
     def nodes(self) -> list[NodeRecord]:
         return [_node(row) for row in self._db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY peer_id")]
 
-    def record_heartbeat(self, peer_id: str, now_ms: int, listen_addrs: Iterable[str] | None) -> None:
-        """Mark the node alive and heard at ``now_ms`` (and update its addresses if given)."""
+    def record_heartbeat(
+        self,
+        peer_id: str,
+        now_ms: int,
+        listen_addrs: Iterable[str] | None,
+        serving: Iterable[swarm_pb2.AssignmentStatus] = (),
+    ) -> None:
+        """Mark the node alive and heard at ``now_ms``, reporting ``serving`` (and update its
+        addresses if given)."""
+        reported = swarm_pb2.NodeEntry(serving=serving).SerializeToString(deterministic=True)
         with self._transaction() as db:
             if listen_addrs is None:
-                db.execute("UPDATE nodes SET last_heartbeat_ms = ?, alive = 1 WHERE peer_id = ?", (now_ms, peer_id))
+                db.execute(
+                    "UPDATE nodes SET last_heartbeat_ms = ?, alive = 1, serving = ? WHERE peer_id = ?",
+                    (now_ms, reported, peer_id),
+                )
             else:
                 db.execute(
-                    "UPDATE nodes SET last_heartbeat_ms = ?, alive = 1, listen_addrs = ? WHERE peer_id = ?",
-                    (now_ms, json.dumps(list(listen_addrs)), peer_id),
+                    "UPDATE nodes SET last_heartbeat_ms = ?, alive = 1, listen_addrs = ?, serving = ? "
+                    "WHERE peer_id = ?",
+                    (now_ms, json.dumps(list(listen_addrs)), reported, peer_id),
                 )
 
     def mark_dead(self, peer_ids: Iterable[str]) -> None:
@@ -342,6 +388,35 @@ class TrackerStore:
         """Forget the states a node reported (it died: what it had loaded is gone)."""
         with self._transaction() as db:
             db.execute("UPDATE assignments SET state = 0, recipe_hash = '', error = '' WHERE peer_id = ?", (peer_id,))
+            db.execute("UPDATE nodes SET serving = x'' WHERE peer_id = ?", (peer_id,))
+
+    # --- views ----------------------------------------------------------------------------------------
+
+    def node_entries(
+        self, alive: Collection[str] | None = None, pending: Collection[str] = ()
+    ) -> list[swarm_pb2.NodeEntry]:
+        """Every node as a ``NodeEntry``, by peer id. ``alive`` / ``pending``: the peers the
+        running service holds alive / pending; ``None`` (a reader of the file, e.g. the CLI)
+        takes the stored flag, i.e. what the tracker last decided."""
+        assigned: dict[str, list[Assignment]] = {}
+        for row in self.assignments():
+            assigned.setdefault(row.assignment.peer_id, []).append(row.assignment)
+        reported = dict(self._db.execute("SELECT peer_id, serving FROM nodes").fetchall())
+        entries = []
+        for node in self.nodes():
+            entry = _parse(swarm_pb2.NodeEntry, reported.get(node.peer_id) or b"")
+            entry.peer_id = node.peer_id
+            entry.listen_addrs.extend(node.listen_addrs)
+            entry.alive = node.alive if alive is None else node.peer_id in alive
+            entry.pending = node.peer_id in pending
+            entry.last_heartbeat_ms = node.last_heartbeat_ms
+            entry.usable_memory_bytes = node.fingerprint.usable_memory_bytes
+            entry.assigned.extend(
+                swarm_pb2.Assignment(model_sha256=a.model_sha256, begin=a.begin, end=a.end)
+                for a in assigned.get(node.peer_id, ())
+            )
+            entries.append(entry)
+        return entries
 
 
 _NODE_COLUMNS = (

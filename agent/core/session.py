@@ -145,6 +145,8 @@ class Session:
         self.step = 0  # the next step to send, or the one in flight
         self.state = READY
         self.stopped_by_token = False
+        self.stopped_by_caller = False
+        self.last_logits: np.ndarray = np.zeros(0, dtype=_F32)  # the row the last token came from
         self.failure: str | None = None
         self.route_peer_ids = tuple(route_peer_ids)
         self._rng = rng
@@ -168,6 +170,17 @@ class Session:
     @property
     def session_hex(self) -> str:
         return self.session_id.hex()
+
+    def stop(self) -> None:
+        """End the session before its budget (the owner's own reason, e.g. a stop string).
+
+        Raises:
+          ValueError: a step is in flight, or the session has already ended.
+        """
+        if self.state != READY:
+            raise ValueError(f"session {self.session_hex}: cannot stop while {self.state}")
+        self.state = FINISHED
+        self.stopped_by_caller = True
 
     def fail(self, reason: str) -> None:
         """Record that the session cannot go on (the shell gave up on it)."""
@@ -317,6 +330,7 @@ class Session:
             self.fail(message)
             raise ResultRefused(_error("INVALID_ARGUMENT"), message, fatal=True) from None
         self.n_vocab = logits.size
+        self.last_logits = logits
         self._n_cached = len(self.tokens)
         self.tokens.append(token)
         self.step += 1

@@ -1,10 +1,12 @@
 """``baton demo``: the swarm demo (default) or the local range-workers demo (``--local``).
 
-``baton demo [--model PATH] [--max-tokens N] [--threads N] [--nodes N] [--json] [prompt]``
-starts a tracker and ``--nodes`` (3) nodes on loopback, each offered memory for about a third
-of the model, generates through the route the tracker plans, and compares with one unsplit
-worker. ``--json`` prints one object with keys route, text, tokens_per_s,
-tokens_equal_single_process (and more). ``--local`` runs ``agent.demo.local_demo`` instead
+``baton demo [--model PATH] [--max-tokens N] [--threads N] [--nodes N] [--json] [--serve] [prompt]``
+starts a tracker, ``--nodes`` (3) nodes on loopback, each offered memory for about a third of
+the model, and the relay; generates through the relay's OpenAI-compatible HTTP API over the
+route the tracker plans, and compares with one unsplit worker. ``--json`` prints one object
+with keys via ("relay"), route, text, tokens_per_s, tokens_equal_single_process (and more).
+``--serve`` keeps the swarm and relay running until Ctrl-C, after printing one JSON line
+``{"base_url", "api_key", "model", "status_page"}`` for any OpenAI client. ``--local`` runs ``agent.demo.local_demo`` instead
 (range workers started directly, no tracker; ``--ranges`` / ``--cuts`` apply there).
 Exit status: 0 when the tokens equal the unsplit worker's, 1 when not, 2 on errors.
 
@@ -37,19 +39,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranges", type=cli_args.positive_int, default=3, help="--local: ranges of equal size (default 3)")
     parser.add_argument("--cuts", type=cli_args.cuts, help="--local: cut points instead of --ranges, e.g. 10,20")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    parser.add_argument(
+        "--serve", action="store_true",
+        help="keep the swarm and relay running until Ctrl-C; first print one JSON line with "
+        "base_url, api_key and model for any OpenAI client",
+    )  # fmt: skip
     parser.add_argument("prompt", nargs="?", help="the prompt (default: a fixed one)")
 
 
 def _known_errors() -> tuple[type[BaseException], ...]:
-    from agent.io.client import GenerationError, SwarmError
+    from agent.demo.swarm_demo import RelayError
     from agent.harness.local_swarm import ProcessDied
+    from agent.io.client import GenerationError, SwarmError
     from agent.io.transport import TransportError
     from agent.io.worker_client import WorkerError
     from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError
 
     return (
         GenerationError, SwarmError, ProcessDied, TransportError, WorkerError, WorkerStartError,
-        WorkerBinaryNotFound, TimeoutError, ValueError, OSError,
+        WorkerBinaryNotFound, RelayError, TimeoutError, ValueError, OSError,
     )  # fmt: skip
 
 
@@ -63,6 +71,8 @@ def main(args: argparse.Namespace) -> int:
 
         args.model = str(model_path("smollm2"))
     prompt = args.prompt or DEMO_PROMPT
+    if args.serve:
+        return _serve(args)
 
     def show(text: str) -> None:
         print(text, end="", flush=True)
@@ -113,6 +123,36 @@ def main(args: argparse.Namespace) -> int:
         )
         print(f"parity:        tokens equal to one unsplit worker: {result['tokens_equal_single_process']}")
     return 0 if report.tokens_equal_single_process else 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from agent.demo.swarm_demo import serve_swarm_demo
+
+    def ready(info: dict) -> None:
+        print(json.dumps(info), flush=True)
+        print(
+            f"baton demo: serving until Ctrl-C; point an OpenAI client at {info['base_url']} "
+            f"(model {info['model']!r}), status page at {info['status_page']}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+
+    try:
+        trio.run(lambda: serve_swarm_demo(
+            args.model, nodes=args.nodes, threads=args.threads, coverage_timeout_s=args.coverage_timeout_s,
+            workdir=args.workdir, on_ready=ready,
+        ))  # fmt: skip
+    except KeyboardInterrupt:
+        return 0
+    except BaseException as caught:  # noqa: BLE001 - sorted below; anything unknown is re-raised
+        leaves = cli_args.leaf_errors(caught)
+        if not all(isinstance(leaf, _known_errors()) for leaf in leaves):
+            raise
+        for leaf in leaves:
+            print(f"baton demo: {type(leaf).__name__}: {leaf}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,35 +1,54 @@
-"""The swarm demo: a tracker and three nodes on loopback split a real model three ways,
-generate from a prompt through them, and compare with one unsplit worker.
+"""The swarm demo: a tracker, three nodes and the relay on loopback split a real model three
+ways, generate from a prompt through the relay's OpenAI-compatible HTTP API, and compare with
+one unsplit worker.
 
 Owns the demo's sequence: start the tracker (registering the model), read the model's
 ``bytes_per_block`` from the tracker, start the nodes offering memory for about
 ``1 / nodes`` of the model each (so the tracker must split it that many ways), wait (bounded)
-until the tracker has a route covering every block, generate through it with
-``agent.io.client``, stop the swarm, run the same prompt tokens through one local unsplit
-worker (``agent.demo.local_demo.generate_through``), and report both. Processes are
-``agent.harness.local_swarm``'s; every one is stopped before this returns or raises.
+until the tracker has a route covering every block, start the relay and give it an API key,
+stream a completion from ``/v1/completions`` (as any OpenAI client would, plus
+``return_token_ids`` so the tokens can be compared), stop the swarm, run the same prompt tokens
+through one local unsplit worker (``agent.demo.local_demo.generate_through``), and report both.
+``serve_swarm_demo`` starts the same swarm and relay and keeps them until cancelled. Processes
+are ``agent.harness.local_swarm``'s; every one is stopped before these return or raise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import trio
 
 from agent._proto import swarm_pb2
-from agent.models import cached_sha256
-
-from agent.io.client import GenerationResult, SwarmClient, SwarmClientConfig, SwarmError, open_swarm_client
 from agent.demo.local_demo import DEMO_PROMPT, ChainRun, generate_through
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, open_local_swarm
+from agent.io.client import SwarmClient, SwarmClientConfig, SwarmError, open_swarm_client, route_hops
 from agent.io.transport import TransportError
 from agent.io.worker_process import open_worker
+from agent.models import cached_sha256
 
-__all__ = ["SwarmDemoReport", "node_memory_bytes", "run_swarm_demo", "wait_for_coverage"]
+__all__ = [
+    "RelayGeneration",
+    "RelayError",
+    "SwarmDemoReport",
+    "node_memory_bytes",
+    "run_swarm_demo",
+    "serve_swarm_demo",
+    "stream_completion",
+    "wait_for_coverage",
+]
+
+DEMO_KEY_NAME = "demo"
+
+
+class RelayError(Exception):
+    """The relay answered a request with an error (its OpenAI envelope's message)."""
 
 
 def node_memory_bytes(n_layer: int, bytes_per_block: int, nodes: int) -> int:
@@ -56,12 +75,104 @@ async def wait_for_coverage(client: SwarmClient, swarm: LocalSwarm, model: str, 
 
 
 @dataclasses.dataclass
+class RelayGeneration:
+    """A completion streamed from the relay: its text, token ids and timing (client side)."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: list[int]
+    finish_reason: str
+    usage: dict
+    first_token_s: float
+    decode_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (len(self.tokens) - 1) / self.decode_s if self.decode_s > 0 and len(self.tokens) > 1 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.prompt_tokens) / self.first_token_s if self.first_token_s > 0 else 0.0
+
+
+async def stream_completion(
+    base_url: str,
+    api_key: str,
+    model: str,
+    prompt: str,
+    *,
+    max_tokens: int,
+    on_text: Callable[[str], None] | None = None,
+    timeout_s: float = 300.0,
+) -> RelayGeneration:
+    """Stream a greedy ``/v1/completions`` from the relay at ``base_url``, as an OpenAI client
+    would (SSE), asking for the token ids too (``return_token_ids``).
+
+    Raises:
+      RelayError: an error status or an error event (its message).
+      httpx.HTTPError: the relay could not be reached.
+    """
+    import httpx
+
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}, "return_token_ids": True,
+    }  # fmt: skip
+    text, tokens, prompt_tokens, finish, usage = [], [], [], "", {}
+    started = time.perf_counter()
+    first_at = last_at = None
+    async with httpx.AsyncClient(timeout=timeout_s) as http:
+        async with http.stream(
+            "POST", f"{base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {api_key}"}
+        ) as response:
+            if response.status_code != 200:
+                raw = await response.aread()
+                raise RelayError(f"HTTP {response.status_code}: {_error_message(raw)}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RelayError(chunk["error"].get("message", str(chunk["error"])))
+                prompt_tokens = chunk.get("prompt_token_ids", prompt_tokens)
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices", []):
+                    ids = choice.get("token_ids") or []
+                    if ids:
+                        now = time.perf_counter()
+                        first_at = first_at or now
+                        last_at = now
+                        tokens += ids
+                    if choice.get("text"):
+                        text.append(choice["text"])
+                        if on_text is not None:
+                            on_text(choice["text"])
+                    finish = choice.get("finish_reason") or finish
+    first_token_s = (first_at - started) if first_at else 0.0
+    decode_s = (last_at - first_at) if first_at and last_at else 0.0
+    return RelayGeneration("".join(text), tokens, list(prompt_tokens), finish, usage, first_token_s, decode_s)
+
+
+def _error_message(raw: bytes) -> str:
+    try:
+        return json.loads(raw)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return raw.decode("utf-8", "replace")[:500]
+
+
+@dataclasses.dataclass
 class SwarmDemoReport:
     prompt: str
-    generation: GenerationResult
+    generation: RelayGeneration
+    route: list[dict]
     single: ChainRun
     node_memory_bytes: int
     bytes_per_block: int
+    base_url: str
 
     @property
     def tokens_equal_single_process(self) -> bool:
@@ -69,7 +180,11 @@ class SwarmDemoReport:
 
     def to_json(self) -> dict:
         return {
-            "route": [dict(hop) for hop in self.generation.route],
+            "via": "relay",
+            "base_url": self.base_url,
+            "finish_reason": self.generation.finish_reason,
+            "usage": dict(self.generation.usage),
+            "route": [dict(hop) for hop in self.route],
             "text": self.generation.text,
             "tokens_per_s": self.generation.tokens_per_s,
             "tokens_equal_single_process": self.tokens_equal_single_process,
@@ -81,6 +196,31 @@ class SwarmDemoReport:
             "node_memory_bytes": self.node_memory_bytes,
             "bytes_per_block": self.bytes_per_block,
         }
+
+
+async def _start_swarm_and_relay(
+    swarm: LocalSwarm, client: SwarmClient, model_alias: str, nodes: int, coverage_timeout_s: float
+) -> tuple[swarm_pb2.ModelEntry, int, swarm_pb2.Route, str, str]:
+    """Nodes, coverage, relay, key: ``(entry, node memory, route, relay URL, API key)``."""
+    entry = await _model_entry(client, model_alias)
+    memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, nodes)
+    for i in range(nodes):
+        swarm.start_node(f"node-{i + 1}", memory)
+    route = await wait_for_coverage(client, swarm, model_alias, timeout_s=coverage_timeout_s)
+    url = await swarm.start_relay()
+    api_key = swarm.add_relay_key(DEMO_KEY_NAME)
+    return entry, memory, route, url, api_key
+
+
+def _swarm_config(model_path, model_alias, heartbeat_timeout_ms, threads, workdir) -> LocalSwarmConfig:  # noqa: ANN001
+    if model_path is None:
+        from agent.models import model_path as cached_model
+
+        model_path = cached_model("smollm2")
+    return LocalSwarmConfig(
+        model_path=Path(model_path), model_alias=model_alias, heartbeat_timeout_ms=heartbeat_timeout_ms,
+        threads=threads, workdir=Path(workdir) if workdir is not None else None,
+    )  # fmt: skip
 
 
 async def run_swarm_demo(
@@ -100,47 +240,66 @@ async def run_swarm_demo(
     """Run the demo (see the module docstring) and report.
 
     Raises:
-      ProcessDied: a tracker or node process exited (its log tail in the message).
+      ProcessDied: a tracker, node or relay process exited (its log tail in the message).
       TimeoutError: the swarm did not cover the model within ``coverage_timeout_s``.
-      GenerationError / SwarmError: the generation failed.
+      RelayError / SwarmError: the generation failed.
       WorkerStartError: the unsplit worker did not start.
 
     Resource handling:
-      Every process (tracker, nodes, the unsplit worker) is stopped before this returns or
-      raises; a temp work dir made here is removed (``workdir`` given: keys, db and logs stay).
+      Every process (tracker, nodes, relay, the unsplit worker) is stopped before this returns
+      or raises; a temp work dir made here is removed (``workdir`` given: keys, dbs and logs stay).
     """
-    if model_path is None:
-        from agent.models import model_path as cached_model
-
-        model_path = cached_model("smollm2")
-    model_path = Path(model_path)
-    config = LocalSwarmConfig(
-        model_path=model_path, model_alias=model_alias, heartbeat_timeout_ms=heartbeat_timeout_ms, threads=threads,
-        workdir=Path(workdir) if workdir is not None else None,
-    )  # fmt: skip
+    config = _swarm_config(model_path, model_alias, heartbeat_timeout_ms, threads, workdir)
     async with open_local_swarm(config) as swarm:
         await swarm.start_tracker()
         async with open_swarm_client(swarm.tracker_addr, config=client_config) as client:
-            entry = await _model_entry(client, model_alias)
-            memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, nodes)
-            for i in range(nodes):
-                swarm.start_node(f"node-{i + 1}", memory)
-            route = await wait_for_coverage(client, swarm, model_alias, timeout_s=coverage_timeout_s)
-            generation = await client.generate(
-                model_alias, prompt, max_tokens=max_new_tokens, on_text=on_text, route=route
+            entry, memory, route, url, api_key = await _start_swarm_and_relay(
+                swarm, client, model_alias, nodes, coverage_timeout_s
             )
-    sha256 = await trio.to_thread.run_sync(cached_sha256, model_path)
-    async with open_worker(model_path, 0, None, threads=threads, max_sequences=1, model_sha256=sha256) as single:
+            generation = await stream_completion(url, api_key, model_alias, prompt, max_tokens=max_new_tokens, on_text=on_text)
+    sha256 = await trio.to_thread.run_sync(cached_sha256, config.model_path)
+    async with open_worker(config.model_path, 0, None, threads=threads, max_sequences=1, model_sha256=sha256) as single:
         single_run = await generate_through(
             [single.client], generation.prompt_tokens, max_new_tokens, stop_tokens=single.info.eog_token_ids
         )
     return SwarmDemoReport(
         prompt=prompt,
         generation=generation,
+        route=route_hops(route),
         single=single_run,
         node_memory_bytes=memory,
         bytes_per_block=entry.bytes_per_block,
+        base_url=url,
     )
+
+
+async def serve_swarm_demo(
+    model_path: str | os.PathLike | None = None,
+    *,
+    nodes: int = 3,
+    threads: int = 1,
+    model_alias: str = "smollm2",
+    coverage_timeout_s: float = 180.0,
+    heartbeat_timeout_ms: int = 5000,
+    workdir: str | os.PathLike | None = None,
+    on_ready: Callable[[dict], None],
+) -> None:
+    """Start the demo's swarm and relay, call ``on_ready({"base_url", "api_key", "model"})``,
+    and keep them until cancelled (Ctrl-C).
+
+    Resource handling: as ``run_swarm_demo``.
+    """
+    config = _swarm_config(model_path, model_alias, heartbeat_timeout_ms, threads, workdir)
+    async with open_local_swarm(config) as swarm:
+        await swarm.start_tracker()
+        async with open_swarm_client(swarm.tracker_addr) as client:
+            _entry, _memory, _route, url, api_key = await _start_swarm_and_relay(
+                swarm, client, model_alias, nodes, coverage_timeout_s
+            )
+        on_ready({"base_url": f"{url}/v1", "api_key": api_key, "model": model_alias, "status_page": f"{url}/"})
+        while True:
+            swarm.check_alive()
+            await trio.sleep(1.0)
 
 
 async def _model_entry(client: SwarmClient, alias: str) -> swarm_pb2.ModelEntry:

@@ -1,4 +1,4 @@
-"""A swarm of real processes on loopback: one tracker and several nodes, for the demo and tests.
+"""A swarm of real processes on loopback: a tracker, several nodes and a relay, for the demo and tests.
 
 Owns the processes' lifetimes and command lines (the ONLY place that spells them): a private
 work dir with one key file per process, the tracker's SQLite db, one log per process; starting
@@ -118,7 +118,8 @@ class LocalSwarmConfig:
     ``start_timeout_s``: how long the tracker may take to write its address.
     ``stop_grace_s``: SIGTERM -> SIGKILL delay. ``threads``: per node's worker.
     ``workdir``: keys, db and logs (default: a fresh temp dir, removed on close).
-    ``tracker_args`` / ``node_args``: appended to every tracker / node command line.
+    ``tracker_args`` / ``node_args`` / ``relay_args``: appended to every tracker / node / relay
+    command line.
     """
 
     model_path: Path
@@ -130,6 +131,7 @@ class LocalSwarmConfig:
     workdir: Path | None = None
     tracker_args: tuple[str, ...] = ()
     node_args: tuple[str, ...] = ()
+    relay_args: tuple[str, ...] = ()
 
 
 class LocalSwarm:
@@ -141,6 +143,9 @@ class LocalSwarm:
         self.tracker: SwarmProcess | None = None
         self.tracker_addr = ""
         self.nodes: dict[str, SwarmProcess] = {}
+        self.relay: SwarmProcess | None = None
+        self.relay_url = ""
+        self._relay_listen = "127.0.0.1:0"
         self._tracker_listen = "/ip4/127.0.0.1/tcp/0"
         self._killed: set[str] = set()
 
@@ -161,7 +166,28 @@ class LocalSwarm:
     def addr_file(self) -> Path:
         return self.workdir / "tracker.addr"
 
+    @property
+    def relay_db_path(self) -> Path:
+        return self.workdir / "relay.db"
+
+    @property
+    def relay_addr_file(self) -> Path:
+        return self.workdir / "relay.addr"
+
     # --- command lines (the one place that spells them) ------------------------------------------
+
+    def relay_argv(self, extra_args: Sequence[str] = ()) -> list[str]:
+        return command_prefix("relay") + [
+            "serve",
+            "--tracker", self.tracker_addr,
+            "--listen", self._relay_listen,
+            "--db", str(self.relay_db_path),
+            "--key", str(self.key_path("relay")),
+            "--addr-file", str(self.relay_addr_file),
+            "--cache-dir", str(self.workdir / "relay-cache"),
+            *self.config.relay_args,
+            *extra_args,
+        ]  # fmt: skip
 
     def tracker_argv(self) -> list[str]:
         c = self.config
@@ -257,6 +283,61 @@ class LocalSwarm:
             self.tracker.signal_group(signal.SIGKILL)
         await self.tracker.stop(self.config.stop_grace_s)
 
+    async def start_relay(self, extra_args: Sequence[str] = ()) -> str:
+        """Start the relay (again: same db, key and port) and return its base URL.
+
+        Raises:
+          ProcessDied: it exited, or wrote no address within ``start_timeout_s``.
+        """
+        if not self.tracker_addr:
+            raise RuntimeError("start the tracker first")
+        if self.relay is not None and self.relay.alive:
+            raise RuntimeError("the relay is already running")
+        with contextlib.suppress(FileNotFoundError):
+            self.relay_addr_file.unlink()
+        self.relay = self._spawn("relay", self.relay_argv(extra_args))
+        delay_s = 0.01
+        url = ""
+        with trio.move_on_after(self.config.start_timeout_s):
+            while not url:
+                if not self.relay.alive:
+                    raise self.relay.died("exited while starting")
+                with contextlib.suppress(FileNotFoundError):
+                    url = self.relay_addr_file.read_text().strip()
+                if not url:
+                    await trio.sleep(delay_s)
+                    delay_s = min(delay_s * 2, 0.2)
+        if not url:
+            raise self.relay.died(f"wrote no address to {self.relay_addr_file} within {self.config.start_timeout_s} s")
+        self._relay_listen = url.removeprefix("http://")  # restarts keep the port
+        self.relay_url = url
+        return url
+
+    async def stop_relay(self, *, kill: bool = False) -> None:
+        """Terminate (or SIGKILL) the relay and wait for it."""
+        if self.relay is None:
+            return
+        if kill:
+            self.relay.signal_group(signal.SIGKILL)
+        await self.relay.stop(self.config.stop_grace_s)
+
+    def add_relay_key(self, name: str, **limits: int | None) -> str:
+        """A new API key of the relay's db (``tokens_per_day``, ``requests_per_minute``,
+        ``max_concurrent``), as ``baton relay keys add`` makes it; an existing key of that
+        name is revoked first."""
+        from agent.core.quotas import KeyLimits
+        from agent.io.relay.store import open_relay_store
+
+        from agent.io.relay.store import KeyExistsError
+
+        key_limits = KeyLimits(limits.get("tokens_per_day"), limits.get("requests_per_minute"), limits.get("max_concurrent"))
+        with open_relay_store(self.relay_db_path) as store:
+            try:
+                return store.create_key(name, key_limits)
+            except KeyExistsError:  # a kept work dir: the old key was printed once and is gone
+                store.revoke_key(name)
+                return store.create_key(name, key_limits)
+
     def start_node(
         self,
         name: str,
@@ -289,17 +370,17 @@ class LocalSwarm:
 
     def check_alive(self) -> None:
         """Raise ``ProcessDied`` for the first process that exited without being killed here."""
-        for name, proc in [("tracker", self.tracker), *self.nodes.items()]:
+        for name, proc in [("tracker", self.tracker), ("relay", self.relay), *self.nodes.items()]:
             if proc is not None and not proc.alive and name not in self._killed:
                 raise proc.died("exited")
 
     def logs(self) -> str:
         """Every process's log tail (for failure messages)."""
-        procs = [p for p in [self.tracker, *self.nodes.values()] if p is not None]
+        procs = [p for p in [self.tracker, self.relay, *self.nodes.values()] if p is not None]
         return "\n".join(f"--- {p.name} ({p.peer_id}, exit {p.process.poll()}) ---\n{p.log_tail()}" for p in procs)
 
     def _procs(self) -> list[SwarmProcess]:
-        return [p for p in [*self.nodes.values(), self.tracker] if p is not None]
+        return [p for p in [self.relay, *self.nodes.values(), self.tracker] if p is not None]
 
     async def aclose(self) -> None:
         """Stop every process (terminate, then kill after ``stop_grace_s``), concurrently."""

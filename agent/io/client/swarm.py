@@ -80,7 +80,9 @@ class SwarmClientConfig:
     ``replan_attempts``: how many times one generation may move to a new route after a hop fails.
     ``replan_wait_s``: how long a replan waits for the tracker to offer a route without the
     failed peer (it notices a dead node after its heartbeat timeout).
-    ``route_poll_interval_s``: pause between two route requests while waiting for a route.
+    ``route_poll_interval_s``: pause between two route requests while waiting for a route
+    (and the first pause while waiting for a free sequence).
+    ``queue_timeout_s``: how long a new generation waits for a free sequence on its route.
     """
 
     request_timeout_s: float = 10.0
@@ -88,9 +90,10 @@ class SwarmClientConfig:
     replan_attempts: int = 1
     replan_wait_s: float = 20.0
     route_poll_interval_s: float = 0.25
+    queue_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout_s", "step_timeout_s", "replan_wait_s", "route_poll_interval_s"):
+        for name in ("request_timeout_s", "step_timeout_s", "replan_wait_s", "route_poll_interval_s", "queue_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.replan_attempts < 0:
@@ -111,10 +114,13 @@ class SwarmError(Exception):
 class GenerationError(Exception):
     """A generation failed; ``failed_peer_id`` names the hop at fault ("" if unknown)."""
 
-    def __init__(self, message: str, *, failed_peer_id: str = "", step: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, failed_peer_id: str = "", step: int | None = None, code: int = 0
+    ) -> None:
         super().__init__(message)
         self.failed_peer_id = failed_peer_id
         self.step = step
+        self.code = code  # the swarm_pb2.Error.Code a hop reported (0: none, e.g. a timeout)
 
 
 @dataclasses.dataclass
@@ -123,7 +129,11 @@ class GenerationResult:
 
     ``tokens``: generated token ids (an end-of-generation token that stopped it included);
     ``text``: their text (without that token); ``route``: the hops of the last route used, as
-    ``{"node", "begin", "end"}``; ``tokens_per_s``: decode steps per second of step time.
+    ``{"node", "begin", "end"}``; ``tokens_per_s``: decode steps per second of step time;
+    ``hop_rows``: rows each hop processed, over every route used, as ``{"node", "begin",
+    "end", "rows"}`` (the ledger's input); ``context_full``: the route's context filled up
+    before the budget was spent; ``stopped_by_caller``: ``on_token`` ended it;
+    ``first_token_s``: from the first step sent to the first token.
     """
 
     text: str
@@ -136,6 +146,10 @@ class GenerationResult:
     decode_steps: int
     stopped_by_token: bool
     replans: int = 0
+    hop_rows: list[dict] = dataclasses.field(default_factory=list)
+    context_full: bool = False
+    stopped_by_caller: bool = False
+    first_token_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -156,6 +170,7 @@ class GenerationResult:
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "stopped_by_token": self.stopped_by_token,
             "replans": self.replans,
+            "hop_rows": [dict(hop) for hop in self.hop_rows],
         }
 
 
@@ -190,20 +205,33 @@ def describe_route(route: swarm_pb2.Route) -> str:
 
 @dataclasses.dataclass
 class _Progress:
-    """Tokens chosen so far in one generation (over all its sessions) and step time."""
+    """Tokens chosen so far in one generation (over all its sessions), step time, and the rows
+    each hop processed."""
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
+    first_token_s: float = 0.0
+    rows: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
 
     def add(self, token: int, elapsed_s: float, *, prefill: bool) -> None:
+        if not self.tokens:
+            self.first_token_s = elapsed_s
         self.tokens.append(token)
         if prefill:
             self.prefill_s += elapsed_s
         else:
             self.decode_s += elapsed_s
             self.decode_steps += 1
+
+    def add_rows(self, route: swarm_pb2.Route, n_rows: int) -> None:
+        for hop in route.hops:
+            key = (hop.peer_id, hop.begin, hop.end)
+            self.rows[key] = self.rows.get(key, 0) + n_rows
+
+    def hop_rows_list(self) -> list[dict]:
+        return [{"node": p, "begin": b, "end": e, "rows": n} for (p, b, e), n in self.rows.items()]
 
 
 class _LiveSession:
@@ -225,8 +253,9 @@ class _LiveSession:
             self.outcome = self.session.receive(result, remote_peer_id)
         except HopFailed as error:
             self.outcome = GenerationError(
-                f"step {result.step}: {error}", failed_peer_id=error.failed_peer_id or remote_peer_id, step=result.step
-            )
+                f"step {result.step}: {error}", failed_peer_id=error.failed_peer_id or remote_peer_id,
+                step=result.step, code=error.code,
+            )  # fmt: skip
         except ResultRefused as error:
             if not error.fatal:
                 return swarm_pb2.Error(code=error.code, message=error.message)
@@ -347,6 +376,24 @@ class SwarmClient:
     async def list_models(self) -> list[swarm_pb2.ModelEntry]:
         reply = await self._tracker(swarm_pb2.TrackerRequest(list_models=swarm_pb2.ListModelsRequest()))
         return list(reply.list_models.models)
+
+    async def model_metadata(self, model: str) -> swarm_pb2.ModelMetadataReply:
+        """The registered GGUF's metadata bytes (everything before its tensors) and size.
+
+        Raises:
+          SwarmError: NOT_FOUND for an unknown model; UNAVAILABLE when the tracker cannot read it.
+          TransportError: the tracker could not be reached.
+        """
+        request = swarm_pb2.TrackerRequest(model_metadata=swarm_pb2.ModelMetadataRequest(model=model))
+        reply = await self._tracker(request)
+        if reply.WhichOneof("body") != "model_metadata":
+            raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, f"the metadata reply for {model!r} is empty")
+        return reply.model_metadata
+
+    async def list_nodes(self) -> list[swarm_pb2.NodeEntry]:
+        """The tracker's nodes: addresses, liveness, what each serves and was assigned."""
+        reply = await self._tracker(swarm_pb2.TrackerRequest(list_nodes=swarm_pb2.ListNodesRequest()))
+        return list(reply.list_nodes.nodes)
 
     async def wait_for_route(
         self, model: str, *, timeout_s: float, avoid_peers: Sequence[str] = ()
@@ -478,43 +525,122 @@ class SwarmClient:
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        await self._fresh_admission()
+        if route is None:
+            route = await self.route(model)
+        prompt_tokens, stop_tokens = await self._tokenize_prompt(route, prompt)
+        generated: list[int] = []
+        shown = ""
+        current_route = route
+
+        async def stream(token: int, _logits: np.ndarray, on_route: swarm_pb2.Route) -> bool:
+            # detokenize the whole output: a token may end in the middle of a UTF-8 character
+            nonlocal shown, current_route
+            generated.append(token)
+            current_route = on_route
+            if on_text is None or token in stop_tokens:
+                return False
+            text = await self.detokenize(on_route, generated)
+            if text.startswith(shown) and len(text) > len(shown):
+                on_text(text[len(shown) :])
+                shown = text
+            return False
+
+        result = await self.generate_tokens(
+            model, prompt_tokens, max_tokens=max_tokens, stop_tokens=stop_tokens, sampling=sampling, seed=seed,
+            on_token=stream, route=route,
+        )  # fmt: skip
+        final_tokens = result.tokens[:-1] if result.stopped_by_token else result.tokens
+        text = await self.detokenize(current_route, final_tokens) if final_tokens else ""
+        if on_text is not None and text.startswith(shown) and len(text) > len(shown):
+            on_text(text[len(shown) :])
+        result.text = text
+        return result
+
+    async def generate_tokens(
+        self,
+        model: str,
+        prompt_tokens: Sequence[int],
+        *,
+        max_tokens: int,
+        stop_tokens: Sequence[int] = (),
+        sampling: SamplingParams = SamplingParams(),
+        seed: int | None = None,
+        on_token: Callable[[int, np.ndarray, swarm_pb2.Route], Awaitable[bool]] | None = None,
+        route: swarm_pb2.Route | None = None,
+        queue_timeout_s: float | None = None,
+    ) -> GenerationResult:
+        """Generate up to ``max_tokens`` token ids after ``prompt_tokens`` (tokenized by the caller).
+
+        Args:
+          on_token: awaited with each chosen token, its logits row (f32 ``[n_vocab]``, valid
+            during the call) and the route it came from; returning True stops the generation
+            there (e.g. a stop string was completed).
+          queue_timeout_s: while the route's ranges have no free sequence (RESOURCE_EXHAUSTED
+            at the first step), wait and try again for this long (default
+            ``SwarmClientConfig.queue_timeout_s``): busy is not a failed hop.
+
+        Returns:
+          A ``GenerationResult`` with ``text`` empty (the caller detokenizes). A route whose
+          context filled up (RESOURCE_EXHAUSTED after the first step) ends the generation
+          there with ``context_full`` set.
+
+        Raises:
+          ValueError: an empty prompt or ``max_tokens`` < 1.
+          SwarmError / GenerationError: as ``generate``.
+
+        Resource handling / Cancellation: as ``generate``.
+        """
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not prompt_tokens:
+            raise ValueError("the prompt has no tokens")
+        queue_timeout_s = self.config.queue_timeout_s if queue_timeout_s is None else queue_timeout_s
         rng = None if sampling.greedy else np.random.default_rng(seed)
         await self._fresh_admission()
         if route is None:
             route = await self.route(model)
-        prompt_tokens: list[int] | None = None
-        stop_tokens: list[int] = []
+        prompt = [int(t) for t in prompt_tokens]
         progress = _Progress()
         generated = progress.tokens
-        shown = ""
         replans = 0
         failed_peers: list[str] = []
+        context_full = False
+        stopped_by_caller = False
+        busy_until = trio.current_time() + queue_timeout_s
+        busy_wait_s = self.config.route_poll_interval_s
 
-        async def stream(token: int) -> None:
-            # detokenize the whole output: a token may end in the middle of a UTF-8 character
-            nonlocal shown
-            if on_text is None or token in stop_tokens:
-                return
-            text = await self.detokenize(route, generated)
-            if text.startswith(shown) and len(text) > len(shown):
-                on_text(text[len(shown) :])
-                shown = text
+        async def take(token: int, logits: np.ndarray) -> bool:
+            return bool(on_token is not None and await on_token(token, logits, route))
 
         while True:
+            session = Session(
+                os.urandom(SESSION_ID_BYTES),
+                prompt + generated,
+                max_new_tokens=max_tokens - len(generated),
+                stop_tokens=stop_tokens,
+                sampling=sampling,
+                rng=rng,
+                route_peer_ids=[hop.peer_id for hop in route.hops],
+            )
             try:
-                if prompt_tokens is None:
-                    prompt_tokens, stop_tokens = await self._tokenize_prompt(route, prompt)
-                session = Session(
-                    os.urandom(SESSION_ID_BYTES),
-                    prompt_tokens + generated,
-                    max_new_tokens=max_tokens - len(generated),
-                    stop_tokens=stop_tokens,
-                    sampling=sampling,
-                    rng=rng,
-                )
-                await self._run_session(session, route, progress, stream)
+                await self._run_session(session, route, progress, take)
+                stopped_by_caller = session.stopped_by_caller
                 break
             except GenerationError as error:
+                exhausted = error.code == swarm_pb2.Error.RESOURCE_EXHAUSTED
+                if exhausted and error.step == 0 and trio.current_time() < busy_until:
+                    # every sequence of some range is in use: wait for one, on any route
+                    log.info("%s; waiting %.2f s for a free sequence", error, busy_wait_s)
+                    await trio.sleep(busy_wait_s)
+                    busy_wait_s = min(busy_wait_s * 2, 1.0)
+                    await self._fresh_admission()
+                    with contextlib.suppress(SwarmError, TransportError):
+                        route = await self.route(model)
+                    continue
+                if exhausted and error.step:
+                    context_full = True  # the context of the route's sequences is full
+                    break
                 if replans >= self.config.replan_attempts or not error.failed_peer_id:
                     raise
                 replans += 1
@@ -522,21 +648,21 @@ class SwarmClient:
                 log.warning("%s; replanning without %s", error, error.failed_peer_id)
                 await self._fresh_admission()
                 route = await self.wait_for_route(model, timeout_s=self.config.replan_wait_s, avoid_peers=failed_peers)
-        final_tokens = generated[:-1] if generated and generated[-1] in stop_tokens else generated
-        text = await self.detokenize(route, final_tokens) if final_tokens else ""
-        if on_text is not None and text.startswith(shown) and len(text) > len(shown):
-            on_text(text[len(shown) :])
         return GenerationResult(
-            text=text,
+            text="",
             tokens=list(generated),
-            prompt_tokens=list(prompt_tokens),
+            prompt_tokens=prompt,
             route=route_hops(route),
             model_sha256=route.model_sha256,
             prefill_s=progress.prefill_s,
             decode_s=progress.decode_s,
             decode_steps=progress.decode_steps,
-            stopped_by_token=bool(generated) and generated[-1] in stop_tokens,
+            stopped_by_token=bool(generated) and generated[-1] in set(stop_tokens) and not stopped_by_caller,
             replans=replans,
+            hop_rows=progress.hop_rows_list(),
+            context_full=context_full,
+            stopped_by_caller=stopped_by_caller,
+            first_token_s=progress.first_token_s,
         )
 
     async def _tokenize_prompt(self, route: swarm_pb2.Route, prompt: str) -> tuple[list[int], list[int]]:
@@ -554,9 +680,11 @@ class SwarmClient:
         session: Session,
         route: swarm_pb2.Route,
         progress: _Progress,
-        stream: Callable[[int], Awaitable[None]],
+        take: Callable[[int, np.ndarray], Awaitable[bool]],
     ) -> None:
         """Drive ``session`` over ``route`` to its end, appending its tokens to ``progress``.
+
+        ``take(token, logits)`` is awaited with each token; True stops the session there.
 
         Raises:
           GenerationError: a step failed (naming the failed peer when known).
@@ -587,8 +715,11 @@ class SwarmClient:
                 elapsed = time.perf_counter() - started
                 if isinstance(live.outcome, BaseException):
                     raise live.outcome
-                progress.add(int(live.outcome), elapsed, prefill=step_input.step == 0)
-                await stream(int(live.outcome))
+                token = int(live.outcome)
+                progress.add(token, elapsed, prefill=step_input.step == 0)
+                progress.add_rows(route, len(step_input.token_ids))
+                if await take(token, session.last_logits) and not session.finished:
+                    session.stop()
         finally:
             del self._live[session.session_id]
             with trio.CancelScope(shield=True):
@@ -617,6 +748,7 @@ class SwarmClient:
                 f"step {step}: first hop {first.peer_id} refused the step: {_code_name(ack.error.code)}: {ack.error.message}",
                 failed_peer_id=first.peer_id,
                 step=step,
+                code=ack.error.code,
             )
 
 

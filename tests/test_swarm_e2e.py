@@ -291,12 +291,48 @@ def test_baton_demo_json_runs_the_swarm_end_to_end(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr + "\n" + _logs(tmp_path)
     report = json.loads(done.stdout)
     assert {"route", "text", "tokens_per_s", "tokens_equal_single_process"} <= set(report)
+    assert report["via"] == "relay" and report["base_url"].startswith("http://127.0.0.1:")
+    assert report["usage"]["completion_tokens"] == len(report["tokens"]) == 12
     assert [(hop["begin"], hop["end"]) for hop in report["route"]] == [(0, 10), (10, 20), (20, 30)]
     assert len({hop["node"] for hop in report["route"]}) == 3
     assert report["tokens_equal_single_process"] is True
     assert report["tokens_per_s"] > 0
     assert "Paris" in report["text"]
     # every process it started is gone
+    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True, check=False)
+    assert leftovers.stdout.strip() == "", leftovers.stdout
+
+
+@pytest.mark.timeout(400)
+def test_baton_demo_serve_prints_what_an_openai_client_needs(tmp_path: Path) -> None:
+    import openai
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "demo", "--serve", "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        line = process.stdout.readline()  # blocks until the swarm and relay are up (or it exits)
+        assert line, f"baton demo --serve printed nothing (exit {process.poll()})\n{_logs(tmp_path)}"
+        info = json.loads(line)
+        assert set(info) >= {"base_url", "api_key", "model"}
+        client = openai.OpenAI(base_url=info["base_url"], api_key=info["api_key"], max_retries=0, timeout=120)
+        assert info["model"] in [m.id for m in client.models.list().data]
+        response = client.chat.completions.create(
+            model=info["model"], messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
+        )
+        assert response.usage.completion_tokens >= 1 and response.choices[0].message.content
+        assert process.poll() is None  # still serving
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C
+        try:
+            code = process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            code = process.wait()
+        process.stdout.close()
+    assert code == 0
     leftovers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True, check=False)
     assert leftovers.stdout.strip() == "", leftovers.stdout
 

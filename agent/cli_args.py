@@ -84,3 +84,18 @@ def leaf_errors(error: BaseException) -> list[BaseException]:
     if isinstance(error, BaseExceptionGroup):
         return [leaf for sub in error.exceptions for leaf in leaf_errors(sub)]
     return [error]
+
+
+def known_failures(caught: BaseException, known: tuple[type[BaseException], ...]) -> list[BaseException]:
+    """The leaf errors of ``caught`` (what a command reports and exits non-zero on) when each is
+    of a ``known`` type. Call it in an ``except BaseException`` block.
+
+    Raises:
+      ``caught`` itself: Ctrl-C, SystemExit, or any leaf of an unknown type (a bug: let it show).
+    """
+    if isinstance(caught, (KeyboardInterrupt, SystemExit)):
+        raise caught
+    leaves = leaf_errors(caught)
+    if not all(isinstance(leaf, known) for leaf in leaves):
+        raise caught
+    return leaves

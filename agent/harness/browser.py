@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import trio
+from agent.io.log_tail import log_tail as read_log_tail
 
 __all__ = [
     "CHROMIUM_ENV",
@@ -34,7 +35,6 @@ __all__ = [
 
 CHROMIUM_ENV = "BATON_CHROMIUM"
 DEBIAN_CHROMIUM = "/usr/bin/chromium"
-LOG_TAIL_BYTES = 4000
 
 # --headless: the new headless mode (Chromium >= 112), which still has --dump-dom/--screenshot.
 # --no-sandbox: the sandbox refuses to run as root (containers, CI).
@@ -225,13 +225,13 @@ async def _run_chromium(
                 await process.wait()
         if scope.cancelled_caught:
             raise BrowserError(
-                f"chromium did not finish within {timeout_s} s", exit_code=None, log_tail=_tail(log_path)
+                f"chromium did not finish within {timeout_s} s", exit_code=None, log_tail=read_log_tail(log_path)
             )
         if process.returncode != 0:
             raise BrowserError(
                 f"chromium exited with code {process.returncode}",
                 exit_code=process.returncode,
-                log_tail=_tail(log_path),
+                log_tail=read_log_tail(log_path),
             )
         return out_path.read_bytes()
     finally:
@@ -252,13 +252,3 @@ def _kill_session(process: trio.Process) -> None:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def _tail(path: Path, max_bytes: int = LOG_TAIL_BYTES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            return f.read().decode("utf-8", "replace").strip()
-    except OSError:
-        return ""

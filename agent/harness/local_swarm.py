@@ -27,6 +27,7 @@ from pathlib import Path
 import trio
 
 from agent.io.keys import load_or_create_key, peer_id_of
+from agent.io.log_tail import LOG_TAIL_BYTES, log_tail as read_log_tail
 
 __all__ = [
     "LocalSwarm",
@@ -37,9 +38,6 @@ __all__ = [
     "open_local_swarm",
 ]
 
-LOG_TAIL_BYTES = 4000
-
-
 class ProcessDied(RuntimeError):
     """A swarm process exited (or never became ready); the message carries its log tail."""
 
@@ -47,16 +45,6 @@ class ProcessDied(RuntimeError):
 def command_prefix(command: str) -> list[str]:
     """The argv that runs ``baton <command>`` with the current interpreter."""
     return [sys.executable, "-m", "agent.cli", command]
-
-
-def _tail(path: Path, max_bytes: int = LOG_TAIL_BYTES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            return f.read().decode("utf-8", "replace").strip()
-    except OSError:
-        return ""
 
 
 @dataclasses.dataclass
@@ -79,7 +67,7 @@ class SwarmProcess:
         return self.process.poll()
 
     def log_tail(self, max_bytes: int = LOG_TAIL_BYTES) -> str:
-        return _tail(self.log_path, max_bytes)
+        return read_log_tail(self.log_path, max_bytes)
 
     def died(self, what: str) -> ProcessDied:
         return ProcessDied(

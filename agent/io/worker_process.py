@@ -22,6 +22,7 @@ from agent.core.ranges import format_layers
 from agent.core.worker_records import WorkerInfo
 
 from .worker_client import AsyncWorkerClient, ClientConfig, WorkerError
+from agent.io.log_tail import LOG_TAIL_BYTES, log_tail as read_log_tail
 
 __all__ = [
     "WorkerBinaryNotFound",
@@ -40,7 +41,6 @@ BINARY_ENV = "BATON_WORKER_BIN"
 MAX_SOCKET_PATH_BYTES = 107
 
 #: How much of the worker's log a start error shows.
-LOG_TAIL_BYTES = 4000
 
 
 class WorkerBinaryNotFound(FileNotFoundError):
@@ -135,18 +135,7 @@ class WorkerHandle:
     log_path: str
 
     def log_tail(self, max_bytes: int = LOG_TAIL_BYTES) -> str:
-        return _tail(self.log_path, max_bytes)
-
-
-def _tail(path: str, max_bytes: int = LOG_TAIL_BYTES) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            return f.read().decode("utf-8", "replace").strip()
-    except OSError:
-        return ""
+        return read_log_tail(self.log_path, max_bytes)
 
 
 async def _stop(process: trio.Process, grace_s: float) -> None:
@@ -176,7 +165,7 @@ async def _wait_ready(
                 raise WorkerStartError(
                     f"worker exited with code {process.returncode} while starting",
                     exit_code=process.returncode,
-                    log_tail=_tail(log_path),
+                    log_tail=read_log_tail(log_path),
                 )
             if os.path.exists(socket_path):
                 try:
@@ -186,12 +175,12 @@ async def _wait_ready(
                 except WorkerError as error:
                     if error.code_name not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
                         raise WorkerStartError(
-                            f"worker answered Health with {error}", exit_code=process.poll(), log_tail=_tail(log_path)
+                            f"worker answered Health with {error}", exit_code=process.poll(), log_tail=read_log_tail(log_path)
                         ) from error
             await trio.sleep(delay_s)
             delay_s = min(delay_s * 2, poll_s)
     raise WorkerStartError(
-        f"worker not ready after {ready_timeout_s} s", exit_code=process.poll(), log_tail=_tail(log_path)
+        f"worker not ready after {ready_timeout_s} s", exit_code=process.poll(), log_tail=read_log_tail(log_path)
     )
 
 

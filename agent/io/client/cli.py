@@ -91,13 +91,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         result = trio.run(run)
-    except BaseException as caught:  # noqa: BLE001 - sorted below; anything unknown is re-raised
-        if isinstance(caught, (KeyboardInterrupt, SystemExit)):
-            raise
-        leaves = cli_args.leaf_errors(caught)
-        known = (GenerationError, SwarmError, TransportError, ValueError, OSError)
-        if not all(isinstance(leaf, known) for leaf in leaves):
-            raise
+    except BaseException as caught:  # noqa: BLE001 - sorted by known_failures; anything unknown is re-raised
+        leaves = cli_args.known_failures(caught, (GenerationError, SwarmError, TransportError, ValueError, OSError))
         status = 1 if any(isinstance(leaf, GenerationError) for leaf in leaves) else 2
         if not args.json:
             print(file=sys.stderr)

@@ -822,13 +822,10 @@ def serve_main(args) -> int:  # noqa: ANN001 - argparse.Namespace from agent.io.
         trio.run(run)
     except KeyboardInterrupt:
         return 0
-    except BaseException as caught:  # noqa: BLE001 - sorted below
+    except BaseException as caught:  # noqa: BLE001 - sorted by known_failures; anything unknown is re-raised
         from agent import cli_args
 
-        leaves = cli_args.leaf_errors(caught)
-        if not all(isinstance(leaf, (SwarmError, TransportError, OSError, ValueError)) for leaf in leaves):
-            raise
-        for leaf in leaves:
+        for leaf in cli_args.known_failures(caught, (SwarmError, TransportError, OSError, ValueError)):
             print(f"baton relay serve: {leaf}", file=sys.stderr)
         return 2
     return 0

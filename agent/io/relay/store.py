@@ -46,6 +46,8 @@ from pathlib import Path
 
 from agent.core.quotas import RPM_WINDOW_S, KeyLimits, credit_for_hops
 
+from agent.io import sqlite_db
+
 __all__ = [
     "ANONYMOUS",
     "API_KEY_PREFIX",
@@ -202,14 +204,11 @@ class RelayStore:
         """
         path = Path(path)
         _create_private_file(path)
-        connection = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None)  # explicit transactions
+        connection = sqlite_db.connect(
+            path, busy_timeout_s=busy_timeout_s,
+            not_a_database=lambda error: StoreError(f"{path}: not a Baton relay database ({error})"),
+        )  # fmt: skip
         try:
-            try:
-                connection.execute("PRAGMA journal_mode=WAL")
-            except sqlite3.DatabaseError as error:
-                raise StoreError(f"{path}: not a Baton relay database ({error})") from None
-            connection.execute("PRAGMA synchronous=NORMAL")
-            connection.execute("PRAGMA foreign_keys=ON")
             store = cls(connection, path)
             store._migrate()
         except BaseException:
@@ -220,15 +219,8 @@ class RelayStore:
     def close(self) -> None:
         self._db.close()
 
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+    def _transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return sqlite_db.transaction(self._db)
 
     def _migrate(self) -> None:
         # Inside one write transaction: two processes creating the same new file do not both

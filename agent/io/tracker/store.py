@@ -33,6 +33,8 @@ from pathlib import Path
 from agent._proto import swarm_pb2
 from agent.core.assignment import Assignment
 
+from agent.io import sqlite_db
+
 __all__ = ["STORE_SCHEMA_VERSION", "AssignmentRow", "NodeRecord", "StoreError", "TrackerStore", "open_store"]
 
 STORE_SCHEMA_VERSION = 2
@@ -146,11 +148,8 @@ class TrackerStore:
           sqlite3.Error / OSError: the file cannot be opened.
         """
         path = Path(path)
-        connection = sqlite3.connect(path, isolation_level=None)  # explicit transactions below
+        connection = sqlite_db.connect(path)
         try:
-            connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute("PRAGMA synchronous=NORMAL")
-            connection.execute("PRAGMA foreign_keys=ON")
             store = cls(connection, path)
             store._migrate()
         except BaseException:
@@ -161,15 +160,8 @@ class TrackerStore:
     def close(self) -> None:
         self._db.close()
 
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+    def _transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return sqlite_db.transaction(self._db)
 
     def _migrate(self) -> None:
         tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}

@@ -35,8 +35,9 @@ pytestmark = pytest.mark.slow
 ALIAS = "smollm2"
 SETUP_TIMEOUT_S = 240.0
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
-# SmolLM2 answers this with CJK characters, some of whose UTF-8 bytes are split across tokens
+# SmolLM2 answers these with CJK characters / emoji, some of whose UTF-8 bytes are split across tokens
 CJK_PROMPT = "English: Hello, world!\nChinese: 你好，世界！\nEnglish: Thank you very much.\nChinese:"
+EMOJI_PROMPT = "Emoji story: 🐶 meets 🐱 and they"
 
 
 @dataclasses.dataclass
@@ -172,22 +173,23 @@ def test_completion_with_a_stop_string_is_cut_exactly(relay: Relay) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_cjk_split_across_tokens_streams_intact(relay: Relay) -> None:
-    ref = reference(relay, CJK_PROMPT, 12)
+@pytest.mark.parametrize("prompt", [CJK_PROMPT, EMOJI_PROMPT], ids=["cjk", "emoji"])
+def test_characters_split_across_tokens_stream_intact(relay: Relay, prompt: str) -> None:
+    ref = reference(relay, prompt, 12)
     split = [p for p in ref.pieces if _not_whole_utf8(p)]
     assert split, f"the reference output {ref.text!r} splits no character across tokens: the test proves nothing"
     # the budget may end inside a character: only that last one may come out as U+FFFD
     whole = ref.text.removesuffix("\ufffd")
-    assert "\ufffd" not in whole and any(ord(ch) > 0x2E80 for ch in whole)
+    assert "\ufffd" not in whole and any(ord(ch) > 0x2E80 for ch in whole)  # CJK or emoji
     client = relay.client()
     deltas = [
         c.choices[0].text
-        for c in client.completions.create(model=ALIAS, prompt=CJK_PROMPT, max_tokens=12, temperature=0, stream=True)
+        for c in client.completions.create(model=ALIAS, prompt=prompt, max_tokens=12, temperature=0, stream=True)
         if c.choices
     ]
     assert "".join(deltas) == ref.text
     assert "\ufffd" not in "".join(deltas).removesuffix("\ufffd")
-    response = client.completions.create(model=ALIAS, prompt=CJK_PROMPT, max_tokens=12, temperature=0)
+    response = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=12, temperature=0)
     assert response.choices[0].text == ref.text
 
 

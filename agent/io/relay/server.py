@@ -215,6 +215,23 @@ async def _prepare(state: RelayState, req: CompletionRequest) -> _Prompt:
         vocab = await state.vocabularies.get(entry.sha256)
     except VocabularyError as error:
         raise ApiError(503, str(error)) from None
+    try:
+        tokens = await _prompt_tokens(req, vocab)
+    except VocabularyError as error:
+        raise ApiError(503, str(error)) from None
+    if not tokens:
+        raise ApiError(400, "the prompt tokenizes to no tokens", param="prompt" if req.kind == "completion" else "messages")
+    context = vocab.context_length or 0
+    if context and len(tokens) >= context:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has {len(tokens)}.",
+                       param="messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")  # fmt: skip
+    limit = req.max_tokens if req.max_tokens is not None else state.config.default_max_tokens
+    if context:
+        limit = min(limit, context - len(tokens))
+    return _Prompt(tokens=tokens, vocab=vocab, entry=entry, max_tokens=max(1, limit))
+
+
+async def _prompt_tokens(req: CompletionRequest, vocab: ModelVocab) -> list[int]:
     if req.kind == "chat":
         if vocab.chat_template is None:
             raise ApiError(400, f"The model '{req.model}' has no usable chat template: {vocab.chat_template_error}; "
@@ -231,16 +248,7 @@ async def _prepare(state: RelayState, req: CompletionRequest) -> _Prompt:
         tokens = list(req.prompt)
     else:
         tokens = await vocab.tokenize(str(req.prompt))
-    if not tokens:
-        raise ApiError(400, "the prompt tokenizes to no tokens", param="prompt" if req.kind == "completion" else "messages")
-    context = vocab.context_length or 0
-    if context and len(tokens) >= context:
-        raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has {len(tokens)}.",
-                       param="messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")  # fmt: skip
-    limit = req.max_tokens if req.max_tokens is not None else state.config.default_max_tokens
-    if context:
-        limit = min(limit, context - len(tokens))
-    return _Prompt(tokens=tokens, vocab=vocab, entry=entry, max_tokens=max(1, limit))
+    return tokens
 
 
 def _token_text(piece: bytes) -> str:

@@ -25,7 +25,7 @@ import trio
 from agent.core.chat_template import ChatTemplate, ChatTemplateError
 from agent.core.worker_records import Vocabulary
 from agent.io.gguf_sparse import write_sparse_gguf
-from agent.io.worker_client import AsyncWorkerClient
+from agent.io.worker_client import AsyncWorkerClient, WorkerError
 from agent.io.worker_process import open_worker
 
 __all__ = ["ModelVocab", "VocabularyError", "VocabularyPool", "serve_vocabularies"]
@@ -69,8 +69,15 @@ class ModelVocab:
 
     async def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text``, with BOS if the model adds it, special tokens parsed (as
-        llama.cpp's server tokenizes a prompt)."""
-        return await self.worker.tokenize(text, add_special=True, parse_special=True, timeout_s=self.request_timeout_s)
+        llama.cpp's server tokenizes a prompt).
+
+        Raises:
+          VocabularyError: the vocab worker failed (the pool loads it again on next use).
+        """
+        try:
+            return await self.worker.tokenize(text, add_special=True, parse_special=True, timeout_s=self.request_timeout_s)
+        except WorkerError as error:
+            raise VocabularyError(f"the tokenizer of model {self.sha256[:12]} failed: {error}") from None
 
 
 def _strftime_now(fmt: str) -> str:

@@ -1,0 +1,221 @@
+"""The relay's app against fakes of its swarm side (agent.io.relay.server.build_app): the error
+paths that a healthy three-node swarm cannot show, over real HTTP semantics (httpx's ASGI
+transport), a real SQLite store and real metrics.
+
+The fake swarm client implements the ``SwarmClient`` methods the relay uses; its generations
+are scripted token by token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from agent._proto import swarm_pb2
+from agent.core.chat_template import ChatTemplate
+from agent.core.quotas import KeyLimits
+from agent.core.worker_records import Vocabulary
+from agent.io.client import GenerationError, GenerationResult, SwarmError
+from agent.io.relay.metrics import RelayMetrics
+from agent.io.relay.server import RelayConfig, RelayState, build_app
+from agent.io.relay.store import open_relay_store
+from agent.io.relay.tokenizer import ModelVocab
+
+SHA = "ab" * 32
+# token id -> bytes; 7 and 8 are the two halves of "é" (c3 a9); 9 is end-of-generation
+PIECES = [b"", b"Hello", b" wor", b"ld", b"!", b" and", b" more", b"\xc3", b"\xa9", b""]
+EOG = 9
+
+
+@dataclasses.dataclass
+class FakeWorker:
+    async def tokenize(self, text: str, **_kwargs) -> list[int]:
+        return [1] * max(1, len(text.split()))
+
+
+class FakeClient:
+    """Scripted generations; ``fail`` makes the next generation raise it."""
+
+    peer_id = "12D3KooWFakeRelay"
+
+    def __init__(self) -> None:
+        self.script = [1, 2, 3, 4, EOG]
+        self.fail: BaseException | None = None
+        self.generations = 0
+
+    async def list_models(self) -> list[swarm_pb2.ModelEntry]:
+        return [
+            swarm_pb2.ModelEntry(sha256=SHA, alias="tiny", name="Tiny", n_layer=4, context_length=64),
+            swarm_pb2.ModelEntry(sha256="cd" * 32, alias="plain", name="Plain", n_layer=4, context_length=64),
+        ]
+
+    async def list_nodes(self) -> list[swarm_pb2.NodeEntry]:
+        return []
+
+    async def generate_tokens(self, model, prompt_tokens, *, max_tokens, on_token, **_kwargs) -> GenerationResult:  # noqa: ANN001
+        self.generations += 1
+        if self.fail is not None:
+            raise self.fail
+        tokens: list[int] = []
+        logits = np.zeros(len(PIECES), dtype=np.float32)
+        stopped = False
+        for token in self.script[:max_tokens]:
+            tokens.append(token)
+            if await on_token(token, logits, None):
+                stopped = True
+                break
+            if token == EOG:
+                break
+        return GenerationResult(
+            text="", tokens=tokens, prompt_tokens=list(prompt_tokens), route=[], model_sha256=model, prefill_s=0.0,
+            decode_s=0.0, decode_steps=0, stopped_by_token=bool(tokens) and tokens[-1] == EOG and not stopped,
+            hop_rows=[{"node": "n1", "begin": 0, "end": 4, "rows": len(prompt_tokens) + len(tokens) - 1}],
+            stopped_by_caller=stopped,
+        )  # fmt: skip
+
+
+class FakePool:
+    def __init__(self) -> None:
+        vocabulary = Vocabulary(
+            schema_version=1, n_vocab=len(PIECES), pieces=tuple(PIECES), attrs=(0,) * len(PIECES), bos_token_id=None,
+            add_bos=False, eog_token_ids=(EOG,),
+        )  # fmt: skip
+
+        def vocab(sha: str, template: ChatTemplate | None) -> ModelVocab:
+            return ModelVocab(
+                sha256=sha, name="x", alias="x", n_layer=4, context_length=64, vocabulary=vocabulary,
+                chat_template=template, chat_template_error="" if template else "the model's GGUF has no chat template",
+                worker=FakeWorker(), request_timeout_s=1.0,  # type: ignore[arg-type]
+            )  # fmt: skip
+
+        self.vocabs = {
+            SHA: vocab(SHA, ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}")),
+            "cd" * 32: vocab("cd" * 32, None),
+        }
+
+    async def get(self, sha256: str) -> ModelVocab:
+        return self.vocabs[sha256]
+
+
+@pytest.fixture
+def app_parts(tmp_path: Path):
+    with open_relay_store(tmp_path / "relay.db") as store:
+        key = store.create_key("k", KeyLimits())
+        client = FakeClient()
+        config = RelayConfig(tracker_addr="/memory/t/p2p/x", db_path=tmp_path / "relay.db", anonymous_tokens_per_day=12)
+        state = RelayState(config, client, store, FakePool(), RelayMetrics(), now_s=lambda: 1_800_000_000.0)  # type: ignore[arg-type]
+        yield build_app(state), key, client, state
+
+
+def _http(app) -> httpx.AsyncClient:  # noqa: ANN001
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://relay")
+
+
+@pytest.mark.timeout(30)
+async def test_a_model_without_a_chat_template_gets_a_clear_400(app_parts) -> None:
+    app, key, _client, _state = app_parts
+    async with _http(app) as http:
+        reply = await http.post(
+            "/v1/chat/completions", json={"model": "plain", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer {key}"},
+        )  # fmt: skip
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert "chat template" in error["message"] and error["param"] == "messages"
+
+
+@pytest.mark.timeout(30)
+async def test_a_stop_string_across_tokens_ends_the_generation_there(app_parts) -> None:
+    app, key, client, _state = app_parts
+    client.script = [1, 2, 3, 4, 5, 6, EOG]
+    async with _http(app) as http:
+        reply = await http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "x", "stop": "orld!", "max_tokens": 10},
+            headers={"Authorization": f"Bearer {key}"},
+        )  # fmt: skip
+    body = reply.json()
+    assert reply.status_code == 200, body
+    assert body["choices"][0]["text"] == "Hello w" and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 4  # the generation stopped at the token that completed it
+
+
+@pytest.mark.timeout(30)
+async def test_a_character_split_across_two_tokens_streams_whole(app_parts) -> None:
+    app, key, client, _state = app_parts
+    client.script = [1, 7, 8, 4, EOG]
+    async with _http(app) as http:
+        async with http.stream(
+            "POST", "/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True, "max_tokens": 10},
+            headers={"Authorization": f"Bearer {key}"},
+        ) as reply:  # fmt: skip
+            lines = [line async for line in reply.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    texts = [json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1] if json.loads(line[6:])["choices"]]
+    assert "".join(texts) == "Helloé!" and "é" in texts  # never half of it
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "failure, status",
+    [
+        (SwarmError("t", swarm_pb2.Error.UNAVAILABLE, "blocks [10, 20) have no ready node"), 503),
+        (GenerationError("no result for step 3 within 30 s"), 504),
+        (GenerationError("busy", failed_peer_id="p", step=0, code=swarm_pb2.Error.RESOURCE_EXHAUSTED), 503),
+        (GenerationError("hop p failed", failed_peer_id="p", step=2, code=swarm_pb2.Error.INTERNAL), 503),
+    ],
+)
+async def test_swarm_failures_map_to_503_and_504(app_parts, failure: BaseException, status: int) -> None:
+    app, key, client, _state = app_parts
+    client.fail = failure
+    async with _http(app) as http:
+        reply = await http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "x"}, headers={"Authorization": f"Bearer {key}"}
+        )
+        assert reply.status_code == status
+        assert reply.json()["error"]["type"] == "server_error"
+        client.fail = None
+        again = await http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "x"}, headers={"Authorization": f"Bearer {key}"}
+        )
+    assert again.status_code == 200  # the relay keeps serving
+
+
+@pytest.mark.timeout(30)
+async def test_a_prompt_over_the_context_is_400(app_parts) -> None:
+    app, key, _client, _state = app_parts
+    async with _http(app) as http:
+        reply = await http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "w " * 80}, headers={"Authorization": f"Bearer {key}"}
+        )
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
+
+
+@pytest.mark.timeout(30)
+async def test_anonymous_access_within_its_daily_tokens_then_429(app_parts) -> None:
+    app, _key, client, _state = app_parts
+    async with _http(app) as http:
+        first = await http.post("/v1/completions", json={"model": "tiny", "prompt": "a b c d e f"})
+        assert first.status_code == 200 and first.json()["usage"]["total_tokens"] == 11
+        second = await http.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
+        assert second.status_code == 200  # 11 of 12 used
+        third = await http.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
+    assert third.status_code == 429 and int(third.headers["retry-after"]) >= 1
+    assert "tokens_per_day" in third.json()["error"]["message"]
+    assert client.generations == 2
+
+
+@pytest.mark.timeout(30)
+async def test_unknown_paths_and_methods_get_envelopes(app_parts) -> None:
+    app, key, _client, _state = app_parts
+    async with _http(app) as http:
+        missing = await http.get("/v1/nothing", headers={"Authorization": f"Bearer {key}"})
+        wrong = await http.get("/v1/completions", headers={"Authorization": f"Bearer {key}"})
+        status = await http.get("/status.json")
+    assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+    assert wrong.status_code == 405 and "error" in wrong.json()
+    assert status.status_code == 200 and [m["alias"] for m in status.json()["models"]] == ["tiny", "plain"]

@@ -658,7 +658,8 @@ async def test_list_nodes_shows_assignments_reported_states_and_liveness(autojum
         await b.call(heartbeat=swarm_pb2.HeartbeatRequest(peer_id=b.peer_id, serving=[failed]))
         na, nb = (await a.call(list_nodes={})).list_nodes.nodes
         assert _ranges(nb.serving) == [(3, 6, FAILED, "out of memory")] and list(nb.assigned) == []
-        assert list(na.assigned) == []  # A alone cannot hold the model: nothing is assigned
+        # A alone cannot hold the model: nothing new is assigned, but A keeps what it serves
+        assert [(x.begin, x.end) for x in na.assigned] == [(0, 3)]
         assert _ranges(na.serving) == [(0, 3, READY, "")]  # until its next heartbeat says otherwise
 
         # B stops heartbeating: not alive once its timeout passes, its report forgotten
@@ -683,7 +684,7 @@ async def test_list_nodes_shows_assignments_reported_states_and_liveness(autojum
     assert lines[0].split() == ["PEER", "ID", "ALIVE", "LAST", "HEARTBEAT", "(UTC)", "MEMORY", "ADDRS", "RANGES"]
     assert lines[1].startswith(a.peer_id) and lines[1].split()[1] == "yes"
     assert f"/memory/{a.peer_id}" in lines[1] and "2.9 MiB" in lines[1]
-    assert lines[1].endswith("tiny[0, 3) READY unassigned")
+    assert lines[1].endswith("tiny[0, 3) READY")  # still assigned: kept while the model waits for a node
     assert lines[2].startswith(b.peer_id) and lines[2].endswith("tiny[0, 6) LOADING unassigned")
     assert len(lines) == 3
 
@@ -692,7 +693,7 @@ async def test_list_nodes_shows_assignments_reported_states_and_liveness(autojum
     assert [n["peer_id"] for n in nodes] == [a.peer_id, b.peer_id]
     assert nodes[0]["alive"] is True and nodes[0]["listen_addrs"] == [f"/memory/{a.peer_id}"]
     assert nodes[0]["usable_memory_bytes"] == 3 * BPB and isinstance(nodes[0]["last_heartbeat_ms"], int)
-    assert nodes[0]["assigned"] == []
+    assert [(x["begin"], x["end"]) for x in nodes[0]["assigned"]] == [(0, 3)]
     assert nodes[0]["serving"] == [
         {"model_sha256": MODEL.sha256, "begin": 0, "end": 3, "state": "READY", "error": "", "recipe_hash": "recipe-1"}
     ]

@@ -17,8 +17,11 @@ Owns the assignment policy of the shared swarm semantics (docs/SWARM.md):
   can hold it, largest free capacity first; a whole missing copy is spread over its group).
   A node may thus hold two ranges of one model (e.g. after healing: its old range plus part
   of a dead neighbour's).
-- A model whose nodes together cannot hold one copy gets no assignment at all (a partial copy
-  serves nobody and would take memory from the other models).
+- A model whose nodes together cannot hold one copy gets no *new* ranges (a partial copy serves
+  nobody). Its current ranges that still fit are kept, though: when a one-copy swarm loses a
+  node, the survivors stay loaded while the lost range waits for a node, instead of unloading
+  and reloading everything when one comes back. They are dropped only when the memory they
+  hold is what another model needs to be covered at all.
 - Deterministic for the same inputs: everything is ordered by peer id / sha256, and shares
   are computed with exact fractions.
 
@@ -100,14 +103,31 @@ def assign(
             break
         coverable.discard(min(short)[1])
 
+    # Uncoverable models keep what still fits of their current ranges, if the covered models
+    # stay covered with those counted in the nodes' shares.
+    waiting = {m.sha256 for m in models if m.sha256 not in coverable and any(a.model_sha256 == m.sha256 for a in current)}
+    if waiting:
+        shared = _budgets(nodes, coverable | waiting)
+        if all(
+            sum(blocks_holdable(shared[n.peer_id], m) for n in nodes if m.sha256 in n.model_sha256s) >= m.n_layer
+            for m in models
+            if m.sha256 in coverable
+        ):
+            budgets = shared
+        else:
+            waiting = set()
+
     result: list[Assignment] = []
     for model in models:
-        if model.sha256 not in coverable:
+        if model.sha256 not in coverable and model.sha256 not in waiting:
             continue
         caps = {n.peer_id: blocks_holdable(budgets[n.peer_id], model) for n in nodes if model.sha256 in n.model_sha256s}
         caps = {peer: cap for peer, cap in caps.items() if cap > 0}
         mine = [a for a in current if a.model_sha256 == model.sha256]
-        result.extend(_assign_model(model, caps, weights, mine))
+        if model.sha256 in waiting:
+            result.extend(_kept(model, caps, mine)[0])
+        else:
+            result.extend(_assign_model(model, caps, weights, mine))
     return tuple(sorted(result))
 
 
@@ -130,12 +150,11 @@ def _weights(nodes: Sequence[NodeCapacity]) -> dict[str, Fraction]:
     return weights
 
 
-def _assign_model(
-    model: ModelSpec, caps: dict[str, int], weights: dict[str, Fraction], current: Sequence[Assignment]
-) -> list[Assignment]:
-    total = sum(caps.values())
-    if total < model.n_layer:
-        return []
+def _kept(
+    model: ModelSpec, caps: dict[str, int], current: Sequence[Assignment]
+) -> tuple[list[Assignment], dict[str, int]]:
+    """The current ranges that stay (node alive with the model, range valid, within its cap),
+    and the blocks they use per node."""
     kept: list[Assignment] = []
     used = dict.fromkeys(caps, 0)
     for a in current:
@@ -146,6 +165,16 @@ def _assign_model(
         ):
             kept.append(a)
             used[a.peer_id] += a.n_blocks
+    return kept, used
+
+
+def _assign_model(
+    model: ModelSpec, caps: dict[str, int], weights: dict[str, Fraction], current: Sequence[Assignment]
+) -> list[Assignment]:
+    total = sum(caps.values())
+    if total < model.n_layer:
+        return []
+    kept, used = _kept(model, caps, current)
     max_copies = max(1, total // model.n_layer)
     for base in (kept, []):  # with the kept ranges first; from scratch if they fragment capacity
         base_used = used if base else dict.fromkeys(caps, 0)

@@ -87,6 +87,8 @@ class FakeTracker:
         self.refuse_hello: str | None = None
         self.public_key_override: bytes | None = None
         self.route_requests = 0
+        self.lost_reports: list[str] = []
+        self.avoided: list[list[str]] = []  # avoid_peers of each route request
 
     @property
     def addr(self) -> str:
@@ -115,8 +117,12 @@ class FakeTracker:
                 verify_client_hello(request.client_hello, remote)
                 reply.client_hello.admission.CopyFrom(self.admission(remote, swarm_pb2.ROLE_CLIENT))
                 reply.client_hello.tracker_public_key = self.public_key_override or self.public_key
+        elif kind == "report_lost_peer":
+            self.lost_reports.append(request.report_lost_peer.peer_id)
+            reply.report_lost_peer.confirmed = True
         elif kind == "route":
             self.route_requests += 1
+            self.avoided.append(list(request.route.avoid_peers))
             if self.route_error is not None:
                 reply.error.CopyFrom(self.route_error)
             else:
@@ -130,6 +136,7 @@ class Behaviour:
     refuse_step: str | None = None  # ack every step with this error
     silent: bool = False  # ack, then never push anything
     duplicate_result: bool = False  # push every result twice
+    freeze_after_steps: int | None = None  # then answer nothing at all (SIGSTOP)
 
 
 class FakeNode:
@@ -163,7 +170,13 @@ class FakeNode:
             return "clients may only send to first hops"
         return None
 
+    async def freeze_if_told(self) -> None:
+        after = self.behaviour.freeze_after_steps
+        if after is not None and len(self.steps) >= after:
+            await trio.sleep_forever()
+
     async def on_step(self, remote: str, payload: bytes) -> bytes:
+        await self.freeze_if_told()
         request = swarm_pb2.StepRequest.FromString(payload)
         ack = swarm_pb2.StepAck(schema_version=1)
         refusal = self.behaviour.refuse_step or self.check_sender(request.sender_admission, remote)
@@ -216,6 +229,7 @@ class FakeNode:
         self.result_acks.append(swarm_pb2.StepAck.FromString(raw))
 
     async def on_node(self, remote: str, payload: bytes) -> bytes:
+        await self.freeze_if_told()
         request = swarm_pb2.NodeRequest.FromString(payload)
         reply = swarm_pb2.NodeReply(schema_version=1)
         refusal = self.check_sender(request.sender_admission, remote)
@@ -372,6 +386,34 @@ async def test_no_result_in_time_is_a_clear_error(swarm: Swarm, autojump_clock: 
             await client.generate("smol", "abc", max_tokens=4)
         assert trio.current_time() - started == pytest.approx(7.0)
     assert swarm.nodes[0].peer_id in str(caught.value)  # the route is in the message
+
+
+async def test_a_frozen_hop_is_named_by_its_step_deadline_reported_and_routed_around(
+    swarm: Swarm, autojump_clock: trio.testing.MockClock
+) -> None:
+    spare = swarm.node(10, 20)
+    frozen = swarm.nodes[1]
+    swarm.tracker.routes = [swarm.route(swarm.nodes), swarm.route([swarm.nodes[0], spare, swarm.nodes[2]])]
+    frozen.behaviour.freeze_after_steps = 4  # prefill and three decode steps, then nothing
+    config = SwarmClientConfig(step_timeout_s=30.0, replan_attempts=1, min_step_deadline_s=1.0, probe_timeout_s=0.5)
+    async with swarm.client(config) as client:
+        started = trio.current_time()
+        result = await client.generate("smol", "abc", max_tokens=8)
+        elapsed = trio.current_time() - started
+    assert result.tokens == greedy_continuation("abc", 8) and result.replans == 1
+    # named after the 1 s deadline and a 0.5 s probe, not after the 30 s step timeout
+    assert elapsed < 3.0
+    assert swarm.tracker.lost_reports == [frozen.peer_id]
+    assert [frozen.peer_id] in swarm.tracker.avoided  # the new route was asked to avoid it
+    assert [hop["node"] for hop in result.route] == [swarm.nodes[0].peer_id, spare.peer_id, swarm.nodes[2].peer_id]
+
+
+async def test_with_the_tracker_gone_new_generations_use_the_last_route(swarm: Swarm) -> None:
+    async with swarm.client() as client:
+        first = await client.generate("smol", "abc", max_tokens=3)
+        swarm.network.down.add(swarm.tracker.peer_id)  # the tracker vanished
+        again = await client.generate("smol", "abc", max_tokens=3)
+    assert again.tokens == first.tokens and again.route == first.route
 
 
 async def test_the_route_error_from_the_tracker_is_raised(swarm: Swarm) -> None:

@@ -26,6 +26,14 @@ def test_single_chain():
     assert plan.estimated_step_s == pytest.approx(30 * 0.01 + 2 * 0.002)
 
 
+def test_avoided_peers_are_planned_around_or_named_in_the_refusal():
+    ranges = [rr("A", 0, 10), rr("B", 10, 30), rr("C", 10, 30, 0.02)]
+    assert hops(plan_route("m", SHA, 30, ranges)) == [("A", 0, 10), ("B", 10, 30)]
+    assert hops(plan_route("m", SHA, 30, ranges, avoid={"B"})) == [("A", 0, 10), ("C", 10, 30)]
+    with pytest.raises(NoRoute, match=r"blocks \[0, 10\) have no ready node \(without A\)"):
+        plan_route("m", SHA, 30, ranges, avoid=["A"])
+
+
 def test_picks_the_faster_chain():
     ranges = [rr("A", 0, 15, 0.01), rr("B", 15, 30, 0.01), rr("C", 0, 15, 0.005), rr("D", 15, 30, 0.02)]
     assert hops(plan_route("m", SHA, 30, ranges)) == [("C", 0, 15), ("B", 15, 30)]

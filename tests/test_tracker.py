@@ -25,7 +25,7 @@ from agent.core import admission as adm
 from agent.core.assignment import Assignment
 from agent.core.identity import peer_id_from_public_key
 from agent.core.registry import GgufFacts, bytes_per_block, model_entry
-from agent.core.swarm_wire import TRACKER_PROTOCOL
+from agent.core.swarm_wire import NODE_PROTOCOL, TRACKER_PROTOCOL
 from agent.io.tracker.cli import parse_model_arg, register_models
 from agent.io.gguf_sparse import gguf_metadata_prefix
 from agent.io.tracker.gguf_info import GgufError, read_gguf_facts
@@ -483,6 +483,42 @@ async def test_routes_spread_over_redundant_copies(autojump_clock, db_path):
         first = (await client.call(route={"model": "tiny"})).route.hops[0].peer_id
         second = (await client.call(route={"model": "tiny"})).route.hops[0].peer_id
         assert {first, second} == {n.peer_id for n in nodes}
+
+
+async def test_a_lost_peer_that_does_not_answer_a_probe_leaves_routes_at_once(autojump_clock, db_path):
+    async with running_tracker(db_path) as h:
+        nodes = [h.peer(i) for i in (1, 2)]
+        for n in nodes:
+            await n.register()
+            await n.heartbeat(serving=[(0, 6)])
+            # a live node answers the probe (a NodeRequest without a body) with an error
+            n.transport.set_handler(NODE_PROTOCOL, _answer_node_probe)
+        client = h.peer(3)
+        alive, dead = nodes
+        route = await client.call(route={"model": "tiny", "avoid_peers": [dead.peer_id]})
+        assert [hop.peer_id for hop in route.route.hops] == [alive.peer_id]  # planned around it
+        reply = await client.call(report_lost_peer={"peer_id": alive.peer_id, "reason": "reset"})
+        assert reply.report_lost_peer.confirmed is False  # it answers: a report alone removes nobody
+        assert alive.peer_id in h.tracker.alive
+        h.net.down.add(dead.peer_id)
+        started = trio.current_time()
+        reply = await client.call(report_lost_peer={"peer_id": dead.peer_id, "reason": "connection refused"})
+        assert reply.report_lost_peer.confirmed is True
+        assert trio.current_time() - started < 1.0  # not the 5 s heartbeat timeout
+        assert dead.peer_id not in h.tracker.alive
+        for _ in range(3):
+            route = await client.call(route={"model": "tiny"})
+            assert [hop.peer_id for hop in route.route.hops] == [alive.peer_id]
+        both = await client.call(route={"model": "tiny", "avoid_peers": [alive.peer_id]})
+        assert both.error.code == Code.UNAVAILABLE and f"without {alive.peer_id}" in both.error.message
+        empty = await client.call(report_lost_peer={"peer_id": ""})
+        assert empty.error.code == Code.INVALID_ARGUMENT
+
+
+async def _answer_node_probe(_remote: str, _payload: bytes) -> bytes:
+    return swarm_pb2.NodeReply(
+        schema_version=1, error=swarm_pb2.Error(code=Code.INVALID_ARGUMENT, message="the NodeRequest has no body")
+    ).SerializeToString()
 
 
 # --- restart ----------------------------------------------------------------------------------------

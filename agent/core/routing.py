@@ -14,7 +14,7 @@ Pure: no I/O, no clock. The tracker passes the load it has counted.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 __all__ = ["Hop", "NoRoute", "ReadyRange", "RoutePlan", "plan_route"]
 
@@ -61,12 +61,14 @@ def plan_route(
     load: Mapping[str, int] | None = None,
     hop_latency_s: float = 0.002,
     cost_resolution_s: float = 1e-4,
+    avoid: Collection[str] = (),
 ) -> RoutePlan:
     """The cheapest exact chain of ``ranges`` over ``[0, n_layer)``.
 
     Args:
       model: the name the caller asked for (used in the error message).
       load: sessions currently routed through each peer id (missing: 0).
+      avoid: peers the route must not go through (an owner lost them).
       hop_latency_s: estimated link latency added per hop.
       cost_resolution_s: costs are compared in whole units of this.
 
@@ -76,7 +78,8 @@ def plan_route(
         is served but no exact chain with one recipe reaches the end.
     """
     load = load or {}
-    valid = [r for r in ranges if 0 <= r.begin < r.end <= n_layer]
+    avoid = frozenset(avoid)
+    valid = [r for r in ranges if 0 <= r.begin < r.end <= n_layer and r.peer_id not in avoid]
     best: tuple | None = None
     for recipe in sorted({r.recipe_hash for r in valid}):
         candidate = _best_chain(
@@ -85,7 +88,10 @@ def plan_route(
         if candidate is not None and (best is None or candidate[0] < best[0]):
             best = candidate
     if best is None:
-        raise NoRoute(_why_no_route(model, n_layer, valid))
+        why = _why_no_route(model, n_layer, valid)
+        if avoid:
+            why += f" (without {', '.join(sorted(avoid))})"
+        raise NoRoute(why)
     _, chain = best
     estimated = sum((r.end - r.begin) * max(r.decode_s_per_block, 0.0) + hop_latency_s for r in chain)
     return RoutePlan(

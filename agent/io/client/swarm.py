@@ -83,6 +83,10 @@ class SwarmClientConfig:
     ``route_poll_interval_s``: pause between two route requests while waiting for a route
     (and the first pause while waiting for a free sequence).
     ``queue_timeout_s``: how long a new generation waits for a free sequence on its route.
+    ``step_deadline_factor`` / ``min_step_deadline_s``: a decode step that takes longer than
+    this multiple of the measured decode step time (and at least the minimum) makes the owner
+    probe the route's hops, each within ``probe_timeout_s``; one that does not answer is named
+    as the failed peer (``step_timeout_s`` still bounds the wait when every hop answers).
     """
 
     request_timeout_s: float = 10.0
@@ -91,9 +95,15 @@ class SwarmClientConfig:
     replan_wait_s: float = 20.0
     route_poll_interval_s: float = 0.25
     queue_timeout_s: float = 60.0
+    step_deadline_factor: float = 10.0
+    min_step_deadline_s: float = 1.0
+    probe_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("request_timeout_s", "step_timeout_s", "replan_wait_s", "route_poll_interval_s", "queue_timeout_s"):
+        for name in (
+            "request_timeout_s", "step_timeout_s", "replan_wait_s", "route_poll_interval_s", "queue_timeout_s",
+            "step_deadline_factor", "min_step_deadline_s", "probe_timeout_s",
+        ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.replan_attempts < 0:
@@ -293,6 +303,8 @@ class SwarmClient:
         self._now_ms = now_ms
         self._admission_record = swarm_pb2.AdmissionRecord()
         self._live: dict[bytes, _LiveSession] = {}
+        self._last_routes: dict[str, swarm_pb2.Route] = {}  # model -> the tracker's last route
+        self._decode_step_s: float | None = None  # moving average of decode step time
         transport.set_handler(RESULT_PROTOCOL, self._on_result)
 
     @property
@@ -354,24 +366,56 @@ class SwarmClient:
         self._admission_record = record
 
     async def _fresh_admission(self) -> None:
+        """Renew the admission past its half-life. While the tracker cannot be reached, an
+        admission that has not expired is used as it is (running swarms do not need the
+        tracker)."""
         record = self._admission_record
         half_life_ms = (record.expires_at_ms - record.issued_at_ms) // 2
         if not record.expires_at_ms or self._now_ms() >= record.issued_at_ms + half_life_ms:
-            await self.hello()
+            try:
+                await self.hello()
+            except TransportError as error:
+                if not record.expires_at_ms or self._now_ms() >= record.expires_at_ms:
+                    raise
+                log.warning("the tracker cannot be reached (%s): keeping the current admission", error)
 
-    async def route(self, model: str) -> swarm_pb2.Route:
-        """The tracker's route for ``model`` (alias, name or sha256).
+    async def route(self, model: str, *, avoid_peers: Sequence[str] = ()) -> swarm_pb2.Route:
+        """The tracker's route for ``model`` (alias, name or sha256), around ``avoid_peers``.
+
+        While the tracker cannot be reached, the last route it gave for ``model`` is used (if it
+        avoids ``avoid_peers``), with a warning: running swarms do not need the tracker.
 
         Raises:
-          SwarmError: e.g. UNAVAILABLE when some blocks have no ready node, NOT_FOUND for an
-            unknown model.
-          TransportError: the tracker could not be reached.
+          SwarmError: e.g. UNAVAILABLE when some blocks have no ready node (or none without
+            ``avoid_peers``), NOT_FOUND for an unknown model.
+          TransportError: the tracker could not be reached and no route for ``model`` was seen.
         """
-        reply = await self._tracker(swarm_pb2.TrackerRequest(route=swarm_pb2.RouteRequest(model=model)))
+        request = swarm_pb2.RouteRequest(model=model, avoid_peers=list(avoid_peers))
+        try:
+            reply = await self._tracker(swarm_pb2.TrackerRequest(route=request))
+        except TransportError as error:
+            last = self._last_routes.get(model)
+            if last is None or set(avoid_peers) & {hop.peer_id for hop in last.hops}:
+                raise
+            log.warning("the tracker cannot be reached (%s): using the last route it gave for %r", error, model)
+            return last
         route = reply.route
         if reply.WhichOneof("body") != "route" or not route.hops:
             raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, f"the route reply for {model!r} has no hops")
+        self._last_routes[model] = route
         return route
+
+    async def report_lost_peer(self, peer_id: str, reason: str) -> bool:
+        """Tell the tracker this owner lost ``peer_id``; True when the tracker confirmed it
+        (its probe got no answer either) and took it out of routes. Best effort: a tracker
+        that cannot be reached gives False."""
+        request = swarm_pb2.ReportLostPeerRequest(peer_id=peer_id, reason=reason[:500])
+        try:
+            reply = await self._tracker(swarm_pb2.TrackerRequest(report_lost_peer=request))
+        except (SwarmError, TransportError) as error:
+            log.info("could not report the lost peer %s to the tracker: %s", peer_id, error)
+            return False
+        return reply.report_lost_peer.confirmed
 
     async def list_models(self) -> list[swarm_pb2.ModelEntry]:
         reply = await self._tracker(swarm_pb2.TrackerRequest(list_models=swarm_pb2.ListModelsRequest()))
@@ -408,7 +452,7 @@ class SwarmClient:
         with trio.move_on_after(timeout_s):
             while True:
                 try:
-                    route = await self.route(model)
+                    route = await self.route(model, avoid_peers=sorted(avoid))
                 except (SwarmError, TransportError) as error:
                     last = str(error)
                 else:
@@ -646,6 +690,8 @@ class SwarmClient:
                 replans += 1
                 failed_peers.append(error.failed_peer_id)
                 log.warning("%s; replanning without %s", error, error.failed_peer_id)
+                with trio.move_on_after(self.config.request_timeout_s):
+                    await self.report_lost_peer(error.failed_peer_id, str(error))
                 await self._fresh_admission()
                 route = await self.wait_for_route(model, timeout_s=self.config.replan_wait_s, avoid_peers=failed_peers)
         return GenerationResult(
@@ -701,21 +747,15 @@ class SwarmClient:
                     admission=self.admission,
                 )  # fmt: skip
                 started = time.perf_counter()
+                sent_at = trio.current_time()
                 await self._send_step(first, request)
-                with trio.move_on_after(self.config.step_timeout_s):
-                    await live.arrived.wait()
-                if not live.arrived.is_set():
-                    message = (
-                        f"no result for step {step_input.step} of session {session.session_hex} within "
-                        f"{self.config.step_timeout_s} s (route {describe_route(route)})"
-                    )
-                    session.fail(message)
-                    # which hop went silent is unknown, so there is no peer to replan around
-                    raise GenerationError(message, step=step_input.step)
+                await self._await_result(live, route, step_input.step, sent_at)
                 elapsed = time.perf_counter() - started
                 if isinstance(live.outcome, BaseException):
                     raise live.outcome
                 token = int(live.outcome)
+                if step_input.step > 0:
+                    self._note_decode_step(elapsed)
                 progress.add(token, elapsed, prefill=step_input.step == 0)
                 progress.add_rows(route, len(step_input.token_ids))
                 if await take(token, session.last_logits) and not session.finished:
@@ -728,6 +768,69 @@ class SwarmClient:
                         await self.end_session(route, session.session_id)
                     except (SwarmError, TransportError) as error:
                         log.info("could not end session %s: %s", session.session_hex, error)
+
+    def _note_decode_step(self, elapsed_s: float) -> None:
+        average = self._decode_step_s
+        self._decode_step_s = elapsed_s if average is None else 0.8 * average + 0.2 * elapsed_s
+
+    def _step_deadline_s(self, step: int) -> float:
+        """How long a step may take before the owner looks for a silent hop: a multiple of the
+        measured decode step time (``step_deadline_factor``, at least ``min_step_deadline_s``);
+        a prefill, or a decode before anything was measured, gets ``step_timeout_s``."""
+        if step == 0 or self._decode_step_s is None:
+            return self.config.step_timeout_s
+        deadline = max(self.config.min_step_deadline_s, self.config.step_deadline_factor * self._decode_step_s)
+        return min(deadline, self.config.step_timeout_s)
+
+    async def _await_result(self, live: _LiveSession, route: swarm_pb2.Route, step: int, sent_at: float) -> None:
+        """Wait for the step's result; past its deadline, probe the hops and name a silent one.
+
+        Raises:
+          GenerationError: a hop does not answer its probe (named, so the owner can replan
+            around it), or no result within ``step_timeout_s`` although every hop answers.
+        """
+        with trio.move_on_after(self._step_deadline_s(step)):
+            await live.arrived.wait()
+            return
+        silent = await self._silent_hop(route)
+        if silent is not None:
+            message = (
+                f"no result for step {step} of session {live.session.session_hex} within "
+                f"{trio.current_time() - sent_at:.2f} s, and {silent} does not answer a probe"
+            )
+            live.session.fail(message)
+            raise GenerationError(message, failed_peer_id=silent, step=step)
+        remaining = self.config.step_timeout_s - (trio.current_time() - sent_at)
+        with trio.move_on_after(max(0.0, remaining)):
+            await live.arrived.wait()
+            return
+        message = (
+            f"no result for step {step} of session {live.session.session_hex} within "
+            f"{self.config.step_timeout_s} s (route {describe_route(route)}; every hop answers probes)"
+        )
+        live.session.fail(message)
+        raise GenerationError(message, step=step)
+
+    async def _silent_hop(self, route: swarm_pb2.Route) -> str | None:
+        """The first hop of ``route`` that does not answer a probe within ``probe_timeout_s``
+        (None when all do). A probe is a NodeRequest without a body: a live node answers it
+        with INVALID_ARGUMENT at once."""
+        silent: dict[int, str] = {}
+
+        async def probe(index: int, hop: swarm_pb2.Hop) -> None:
+            request = swarm_pb2.NodeRequest(schema_version=SCHEMA_VERSION, sender_admission=self.admission)
+            try:
+                await self.transport.request(
+                    hop.peer_id, list(hop.addrs), NODE_PROTOCOL, request.SerializeToString(),
+                    timeout_s=self.config.probe_timeout_s,
+                )  # fmt: skip
+            except TransportError:
+                silent[index] = hop.peer_id
+
+        async with trio.open_nursery() as nursery:
+            for index, hop in enumerate(route.hops):
+                nursery.start_soon(probe, index, hop)
+        return silent[min(silent)] if silent else None
 
     async def _send_step(self, first: swarm_pb2.Hop, request: swarm_pb2.StepRequest) -> None:
         step = request.step

@@ -49,6 +49,7 @@ from agent.core.assignment import Assignment, ModelSpec, NodeCapacity, assign
 from agent.core.identity import peer_id_from_public_key
 from agent.core.routing import NoRoute, ReadyRange, plan_route
 from agent.core.swarm_wire import (
+    NODE_PROTOCOL,
     SCHEMA_VERSION,
     TRACKER_PROTOCOL,
     WireError,
@@ -56,6 +57,7 @@ from agent.core.swarm_wire import (
     tracker_reply_error,
 )
 from agent.io.tracker.gguf_info import GgufError, read_registered_metadata
+from agent.io.transport import TransportError
 from agent.io.tracker.store import NodeRecord, TrackerStore
 
 __all__ = ["Tracker", "TrackerConfig", "serve_tracker", "trio_unix_clock"]
@@ -81,6 +83,8 @@ class TrackerConfig:
     nonce_retention_ms: int = 600_000
     #: estimated link latency per hop, for route planning
     hop_latency_s: float = 0.002
+    #: how long a lost-peer probe waits for the peer to answer
+    lost_peer_probe_timeout_s: float = 1.0
     #: a route handed out counts as load on its hops for this long
     route_load_window_s: float = 60.0
 
@@ -144,6 +148,7 @@ class Tracker:
         #: model sha256 -> its GGUF's metadata prefix (read once, on the first request)
         self._metadata: dict[str, bytes] = {}
         self._metadata_locks: dict[str, trio.Lock] = {}
+        self._probes: dict[str, _Probe] = {}
         now = clock()
         self._pruned_at_ms = now - config.registration_max_age_ms  # prune at the first sweep
         for node in store.nodes():
@@ -211,7 +216,7 @@ class Tracker:
                 raise _Refusal(
                     Code.INVALID_ARGUMENT,
                     "TrackerRequest has no body (expected one of register, heartbeat, route, list_models, "
-                    "client_hello, model_metadata, list_nodes)",
+                    "client_hello, model_metadata, list_nodes, report_lost_peer)",
                 )
             reply = swarm_pb2.TrackerReply(schema_version=SCHEMA_VERSION)
             if kind == "register":
@@ -227,6 +232,8 @@ class Tracker:
             elif kind == "list_nodes":
                 nodes = self.store.node_entries(alive=self.alive, pending=self.pending)
                 reply.list_nodes.CopyFrom(swarm_pb2.ListNodesReply(nodes=nodes))
+            elif kind == "report_lost_peer":
+                reply.report_lost_peer.CopyFrom(await self._report_lost_peer(remote_peer_id, request.report_lost_peer))
             else:
                 reply.client_hello.CopyFrom(self._client_hello(remote_peer_id, request.client_hello))
             return reply.SerializeToString()
@@ -412,6 +419,7 @@ class Tracker:
                 ready,
                 load=self._load(),
                 hop_latency_s=self.config.hop_latency_s,
+                avoid=request.avoid_peers,
             )
         except NoRoute as error:
             raise _Refusal(Code.UNAVAILABLE, str(error)) from None
@@ -423,6 +431,44 @@ class Tracker:
             recipe_hash=plan.recipe_hash,
             estimated_step_s=plan.estimated_step_s,
         )
+
+    async def _report_lost_peer(
+        self, remote_peer_id: str, report: swarm_pb2.ReportLostPeerRequest
+    ) -> swarm_pb2.ReportLostPeerReply:
+        """Probe a peer an owner lost; mark it dead now if it does not answer either.
+
+        One probe per peer at a time: reports that arrive while one runs share its verdict
+        (a burst of reports cannot turn into a burst of dials)."""
+        peer = report.peer_id
+        if not peer:
+            raise _Refusal(Code.INVALID_ARGUMENT, "ReportLostPeerRequest.peer_id is empty")
+        if peer not in self.deadline_ms:
+            return swarm_pb2.ReportLostPeerReply(confirmed=peer in self._known_dead(), detail="not a live node")
+        probe = self._probes.get(peer)
+        if probe is None:
+            probe = self._probes[peer] = _Probe()
+            node = self.store.node(peer)
+            addrs = list(node.listen_addrs) if node is not None else []
+            try:
+                await self.transport.request(
+                    peer, addrs, NODE_PROTOCOL, _PROBE, timeout_s=self.config.lost_peer_probe_timeout_s
+                )
+                probe.answered = True
+            except TransportError as error:
+                probe.error = str(error)
+            finally:
+                del self._probes[peer]
+                probe.done.set()
+            if not probe.answered and peer in self.deadline_ms:
+                self._mark_dead([peer], f"{remote_peer_id} lost it ({report.reason[:200]}) and it does not answer a probe")
+        else:
+            await probe.done.wait()
+        if probe.answered:
+            return swarm_pb2.ReportLostPeerReply(confirmed=False, detail="the peer answered the tracker's probe")
+        return swarm_pb2.ReportLostPeerReply(confirmed=True, detail=f"no answer to the tracker's probe: {probe.error}")
+
+    def _known_dead(self) -> set[str]:
+        return {n.peer_id for n in self.store.nodes() if not n.alive}
 
     async def _model_metadata(self, request: swarm_pb2.ModelMetadataRequest) -> swarm_pb2.ModelMetadataReply:
         if not request.model:
@@ -506,19 +552,22 @@ class Tracker:
         self.recomputes += 1
         self._notify()
 
+    def _mark_dead(self, dead: list[str], why: str) -> None:
+        for peer in dead:
+            del self.deadline_ms[peer]
+            self.confirmed.discard(peer)
+            self.store.clear_status(peer)
+        self.store.mark_dead(dead)
+        log.info("%s, marked dead: %s", why, ", ".join(dead))
+        self._recompute()
+
     def sweep(self) -> float:
         """Mark nodes past their deadline dead (recomputing if any) and prune old nonces.
         Returns the ms until the next deadline (inf when none)."""
         now = self._now_ms()
         dead = sorted(peer for peer, deadline in self.deadline_ms.items() if now >= deadline)
         if dead:
-            for peer in dead:
-                del self.deadline_ms[peer]
-                self.confirmed.discard(peer)
-                self.store.clear_status(peer)
-            self.store.mark_dead(dead)
-            log.info("nodes missed heartbeats, marked dead: %s", ", ".join(dead))
-            self._recompute()
+            self._mark_dead(dead, "nodes missed heartbeats")
         if now - self._pruned_at_ms >= self.config.registration_max_age_ms:
             self.store.prune_nonces(now - self.config.nonce_retention_ms)
             self._pruned_at_ms = now
@@ -532,6 +581,18 @@ class Tracker:
             changed = self._changed
             with trio.move_on_after(min(wait_ms, self.config.registration_max_age_ms) / 1000.0):
                 await changed.wait()
+
+
+@dataclasses.dataclass
+class _Probe:
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    answered: bool = False
+    error: str = ""
+
+
+# Any answer proves the peer's node handler runs: a NodeRequest with no body is answered with
+# INVALID_ARGUMENT at once by a live node (no admission needed to be refused).
+_PROBE = swarm_pb2.NodeRequest(schema_version=SCHEMA_VERSION).SerializeToString()
 
 
 def _wire_assignment(a: Assignment) -> swarm_pb2.Assignment:

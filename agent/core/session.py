@@ -43,6 +43,7 @@ __all__ = [
     "SessionError",
     "StepInput",
     "end_session_request",
+    "surviving_hops",
 ]
 
 _F32 = np.dtype("<f4")
@@ -361,12 +362,24 @@ class Session:
         return logits
 
 
+def surviving_hops(route: swarm_pb2.Route, lost_peers: Iterable[str] = ()) -> list[swarm_pb2.Hop]:
+    """The hops of ``route`` not run by a lost peer (where an end-session can still go)."""
+    lost = set(lost_peers)
+    return [hop for hop in route.hops if hop.peer_id not in lost]
+
+
 def end_session_request(
-    session_id: bytes, route: swarm_pb2.Route, admission: swarm_pb2.SignedAdmission
+    session_id: bytes,
+    route: swarm_pb2.Route,
+    admission: swarm_pb2.SignedAdmission,
+    lost_peers: Iterable[str] = (),
 ) -> swarm_pb2.NodeRequest:
-    """The ``NodeRequest`` to the first hop that frees the session on every hop of ``route``."""
+    """The ``NodeRequest`` to the first surviving hop that frees the session on every surviving
+    hop of ``route``: a lost peer is skipped, so that ending a session never waits on it."""
     return swarm_pb2.NodeRequest(
         schema_version=SCHEMA_VERSION,
         sender_admission=admission,
-        end_session=swarm_pb2.EndSessionRequest(session_id=bytes(session_id), rest=list(route.hops[1:])),
+        end_session=swarm_pb2.EndSessionRequest(
+            session_id=bytes(session_id), rest=surviving_hops(route, lost_peers)[1:]
+        ),
     )

@@ -40,7 +40,7 @@ from agent._proto import swarm_pb2
 from agent.core.admission import AdmissionError, AdmissionVerifier, make_client_hello, verify_admission
 from agent.core.identity import peer_id_from_public_key
 from agent.core.sampling import SamplingParams
-from agent.core.session import HopFailed, ResultRefused, Session, end_session_request
+from agent.core.session import HopFailed, ResultRefused, Session, end_session_request, surviving_hops
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -488,9 +488,12 @@ class SwarmClient:
         )
         return reply.text
 
-    async def end_session(self, route: swarm_pb2.Route, session_id: bytes) -> None:
-        """Free ``session_id`` on every hop of ``route`` (through the first hop)."""
-        await self._node(route.hops[0], end_session_request(session_id, route, self.admission))
+    async def end_session(self, route: swarm_pb2.Route, session_id: bytes, *, lost_peers: Sequence[str] = ()) -> None:
+        """Free ``session_id`` on every hop of ``route`` but the ``lost_peers`` (through the
+        first of the others, which passes it on)."""
+        hops = surviving_hops(route, lost_peers)
+        if hops:
+            await self._node(hops[0], end_session_request(session_id, route, self.admission, lost_peers))
 
     # --- results -----------------------------------------------------------------------------
 
@@ -738,6 +741,7 @@ class SwarmClient:
         live = _LiveSession(session, route)
         self._live[session.session_id] = live
         first = route.hops[0]
+        lost: list[str] = []
         try:
             while not session.finished:
                 live.arm()
@@ -760,12 +764,16 @@ class SwarmClient:
                 progress.add_rows(route, len(step_input.token_ids))
                 if await take(token, session.last_logits) and not session.finished:
                     session.stop()
+        except GenerationError as error:
+            if error.failed_peer_id:
+                lost.append(error.failed_peer_id)  # the end below must not wait on it
+            raise
         finally:
             del self._live[session.session_id]
             with trio.CancelScope(shield=True):
                 with trio.move_on_after(self.config.request_timeout_s):
                     try:
-                        await self.end_session(route, session.session_id)
+                        await self.end_session(route, session.session_id, lost_peers=lost)
                     except (SwarmError, TransportError) as error:
                         log.info("could not end session %s: %s", session.session_hex, error)
 

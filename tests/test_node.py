@@ -691,6 +691,35 @@ async def test_refused_registration_raises_with_the_reason() -> None:
     assert caught.value.reason == "wrong llama.cpp pin: node runs 'pin'"
 
 
+async def test_a_tracker_unreachable_at_start_is_retried_with_backoff(autojump_clock, caplog) -> None:
+    network = MemoryNetwork()
+    tracker = FakeTracker(network, refuse="registered: stop here")
+    network.down.add(tracker.transport.peer_id)
+    key, peer_id = new_peer()
+    config = node_config(tracker, key, LocalModel("/nowhere.gguf", "0" * 64), start_retry_initial_s=0.5, start_retry_max_s=4.0)
+    started = trio.current_time()
+
+    async def tracker_back_after_10_s() -> None:
+        await trio.sleep(10)
+        network.down.discard(tracker.transport.peer_id)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tracker_back_after_10_s)
+        with pytest.raises(NodeRefused, match="registered: stop here"):  # it got through
+            await serve_node(config, network.add(peer_id))
+    # tries at 0, 0.5, 1.5, 3.5, 7.5, then 11.5 s: the waits double up to the 4 s cap
+    assert trio.current_time() - started == pytest.approx(11.5)
+    waits = [r.getMessage() for r in caplog.records if "trying again in" in r.getMessage()]
+    assert [w.rsplit("trying again in ", 1)[1] for w in waits] == ["0.5 s", "1.0 s", "2.0 s", "4.0 s", "4.0 s"]
+    network.down.add(tracker.transport.peer_id)
+    other_key, other_id = new_peer()
+    with pytest.raises(NodeError, match="unreachable"):  # bounded when told to be
+        await serve_node(
+            node_config(tracker, other_key, LocalModel("/nowhere.gguf", "0" * 64), start_retry_timeout_s=2.0),
+            network.add(other_id),
+        )
+
+
 async def test_node_requires_the_tracker_key_of_the_dialled_tracker() -> None:
     network = MemoryNetwork()
     tracker = FakeTracker(network)

@@ -124,6 +124,9 @@ class NodeConfig:
         SIGTERM grace, and the deadline of each worker call.
       worker_binary: the baton-worker binary (None: ``find_worker_binary()``).
       probe: measured host values; None: ``probe_host(probe_config)`` at start.
+      start_retry_initial_s, start_retry_max_s, start_retry_timeout_s: a tracker that cannot
+        be reached at start is tried again after ``initial``, doubling up to ``max`` between
+        tries, for ``timeout`` in all (None: until it answers); each wait is logged.
     """
 
     tracker: str
@@ -147,10 +150,17 @@ class NodeConfig:
     worker_binary: str | None = None
     probe: HostProbe | None = None
     probe_config: ProbeConfig = ProbeConfig()
+    start_retry_initial_s: float = 0.5
+    start_retry_max_s: float = 30.0
+    start_retry_timeout_s: float | None = None
 
 
 class NodeError(Exception):
     """The node cannot take part (tracker unreachable or misbehaving at registration)."""
+
+
+class TrackerUnreachable(NodeError):
+    """The tracker could not be reached (a transport error, not an answer)."""
 
 
 class NodeRefused(NodeError):
@@ -314,7 +324,7 @@ class Node:
         try:
             reply = await self._tracker_call(request)
         except TransportError as err:
-            raise NodeError(f"tracker {self.tracker_peer_id} unreachable: {err}") from err
+            raise TrackerUnreachable(f"tracker {self.tracker_peer_id} unreachable: {err}") from err
         except WireError as err:
             raise NodeError(f"tracker answered a malformed reply: {err}") from err
         if reply.error.code == Code.REFUSED:
@@ -816,6 +826,27 @@ async def _stopped_node(remote_peer_id: str, data: bytes) -> bytes:
     return node_reply_error(Code.UNAVAILABLE, "this node is shutting down")
 
 
+async def _first_registration(node: Node, probe: HostProbe, config: NodeConfig) -> None:
+    """Register, trying again with backoff while the tracker cannot be reached.
+
+    Raises:
+      TrackerUnreachable: still unreachable after ``config.start_retry_timeout_s``.
+      NodeRefused / NodeError: the tracker answered with a refusal or misbehaved (not retried).
+    """
+    delay_s = config.start_retry_initial_s
+    deadline = None if config.start_retry_timeout_s is None else trio.current_time() + config.start_retry_timeout_s
+    while True:
+        try:
+            await node.register(probe)
+            return
+        except TrackerUnreachable as err:
+            if deadline is not None and trio.current_time() + delay_s > deadline:
+                raise
+            log.warning("%s; trying again in %.1f s", err, delay_s)
+        await trio.sleep(delay_s)
+        delay_s = min(delay_s * 2, config.start_retry_max_s)
+
+
 async def serve_node(
     config: NodeConfig, transport: Transport, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -832,8 +863,9 @@ async def serve_node(
       NodeRefused: the tracker refused the registration: at start (raised as is), or when the
         node registers again after the tracker forgot it (then inside an ExceptionGroup, as it
         leaves the node's nursery).
-      NodeError: the tracker was unreachable or misbehaved at the first registration, or
-        (``config.relay``) refused the relay reservation.
+      NodeError: the tracker misbehaved at the first registration, stayed unreachable for
+        ``config.start_retry_timeout_s`` (``TrackerUnreachable``; it is retried with backoff
+        until then), or (``config.relay``) refused the relay reservation.
       ValueError: the transport's peer id is not the key's, ``config.tracker`` has no
         ``/p2p/<peer id>``, or ``config.relay`` with a transport that cannot hold
         reservations.
@@ -853,7 +885,7 @@ async def serve_node(
         probe = await trio.to_thread.run_sync(
             lambda: probe_host(config.probe_config, binary=config.worker_binary), abandon_on_cancel=True
         )
-    await node.register(probe)
+    await _first_registration(node, probe, config)
     try:
         await node.keep_relay_reservation()
     except TransportError as err:

@@ -438,7 +438,12 @@ class ChannelTransport:
         reader = connection.reader
         stream = connection.stream
         while True:
-            data = await stream.receive_some(_RECEIVE_BYTES)  # noqa: ASYNC
+            try:
+                data = await stream.receive_some(_RECEIVE_BYTES)
+            except trio.BrokenResourceError:
+                if not reader.at_frame_boundary:  # the peer went away inside a frame
+                    raise reader.truncation_error() from None
+                raise
             if not data:
                 if not reader.at_frame_boundary:
                     raise reader.truncation_error()

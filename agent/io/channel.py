@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 #: Negotiated by ALPN: a peer that does not speak this channel version fails the handshake.
 ALPN = "baton-channel/1"
 _RECEIVE_BYTES = 256 * 1024
+_TLS_RECORD_BYTES = 16 * 1024  # TLS 1.3's largest record plaintext
 _SINGLE_WRITE_BYTES = 64 * 1024  # below this, prefix + header + payload go out as one write
 
 
@@ -181,7 +182,9 @@ class _TlsStream:
             parts = []
             try:
                 while True:
-                    parts.append(self._ssl.read(max_bytes))
+                    # one record at most per read: asking for more only makes (and page-faults)
+                    # a bigger buffer each time
+                    parts.append(self._ssl.read(_TLS_RECORD_BYTES))
             except ssl.SSLWantReadError:
                 pass
             except ssl.SSLZeroReturnError:

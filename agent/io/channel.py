@@ -411,7 +411,12 @@ class ChannelTransport:
             raise PeerCertError(f"the peer at {host}:{port} proved to be {remote}, not {peer_id}")
         connection = _Connection(stream, peer_id, self.config.max_frame_bytes, outbound=True)
         self.connections_dialled += 1
-        await self._spawn.send(connection)
+        try:
+            await self._spawn.send(connection)  # its reader runs in open_channel_transport's nursery
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
         return connection
 
     # -- serving a connection (both directions) ----------------------------------------------

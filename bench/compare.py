@@ -886,7 +886,7 @@ def main() -> int:
         return result
 
     transport = measure(
-        "transport", "transport: 8 KiB / 1 MiB round trips, libp2p vs TCP", transport_rtt.run_benchmark, max(runs, 5)
+        "transport", "transport: 8 KiB / 1 MiB round trips, channel and libp2p vs TCP", transport_rtt.run_benchmark, max(runs, 5)
     )
 
     worker, prompt_text, prompt_tokens, model_info = measure(
@@ -982,8 +982,9 @@ def main() -> int:
         (
             "Baton figures are timed by the caller per step (prefill = the first step, the whole prompt in one "
             "Forward per hop; decode = each later step, mean over the steps of a run); a run's decode t/s = steps / "
-            "their summed time. Swarm steps go client -> hop 1 -> ... -> last hop -> client over libp2p "
-            "(TCP + Noise + yamux), the last hop sending the full f32 logits row back."
+            "their summed time. Swarm steps go client -> hop 1 -> ... -> last hop -> client over the direct "
+            "channel (TCP + TLS 1.3, libp2p-TLS certificates; libp2p only for the tracker), the last hop "
+            "sending the top-40 logits and the row's log-sum-exp back (greedy decode)."
         ),
         (
             f"llama-bench: `-p {n_prompt} -n {n_gen} -t {threads} -r {runs}` (its own warm-up; random tokens; decode "
@@ -1030,7 +1031,7 @@ def main() -> int:
         },
         "systems": systems,
         "derived": derived,
-        "headline": compare_report.headline(systems, derived),
+        "headline": compare_report.headline(systems, derived, transport),
         "transport": transport,
         "extra": extra,
         "greedy_tokens_equal_unsplit_worker": tokens_match,

@@ -36,8 +36,8 @@ DECODE_RATIO_TARGET = 0.8
 SYSTEMS: tuple[tuple[str, str, str, int, str | None], ...] = (
     ("worker_unsplit", "Baton worker, unsplit (direct, Unix socket)", "baton", 0, None),
     ("llama_bench", "llama-bench, unsplit", "llama.cpp", 0, None),
-    ("baton_2", "Baton 2-split (tracker, libp2p, 2 nodes)", "baton", 2, "worker_unsplit"),
-    ("baton_3", "Baton 3-split (tracker, libp2p, 3 nodes)", "baton", 3, "worker_unsplit"),
+    ("baton_2", "Baton 2-split (tracker, direct channel, 2 nodes)", "baton", 2, "worker_unsplit"),
+    ("baton_3", "Baton 3-split (tracker, direct channel, 3 nodes)", "baton", 3, "worker_unsplit"),
     ("rpc_2", "llama.cpp RPC 2-split (2 rpc-servers)", "llama.cpp", 2, "llama_bench"),
     ("rpc_3", "llama.cpp RPC 3-split (3 rpc-servers)", "llama.cpp", 3, "llama_bench"),
 )
@@ -102,10 +102,37 @@ def _check(name: str, value: float, target: float, higher_is_better: bool, unit:
     return {"name": name, "value": value, "target": target_text, "met": met, "miss": miss}
 
 
-def headline(systems: Mapping[str, Mapping], derived: Mapping[str, Mapping]) -> list[dict]:
+def headline(
+    systems: Mapping[str, Mapping], derived: Mapping[str, Mapping], transport: Mapping | None = None
+) -> list[dict]:
     """The target checks, each ``{"name", "value", "target", "met", "miss"}`` (``miss``: by how
-    much, empty when met). Checks whose rows are missing are left out."""
+    much, empty when met). Checks whose rows are missing are left out. Issue 8's targets:
+    per-hop <= 0.3 ms; 3-split >= 0.9x llama-bench unsplit and >= 1.15x RPC 3-split; the
+    worker unsplit >= 0.97x llama-bench decode and >= 0.95x prefill; the channel's round
+    trips within 1.5x plain TCP."""
     checks = []
+    bench = systems.get("llama_bench")
+    if bench is not None and "baton_3" in systems:
+        ratio = systems["baton_3"]["decode_tps"]["median"] / bench["decode_tps"]["median"]
+        checks.append(_check("Baton 3-split decode / llama-bench unsplit decode", ratio, 0.9, True, "x", ">= 0.9x"))
+    if "baton_3" in systems and "rpc_3" in systems:
+        ratio = systems["baton_3"]["decode_tps"]["median"] / systems["rpc_3"]["decode_tps"]["median"]
+        checks.append(_check("Baton 3-split decode / RPC 3-split decode", ratio, 1.15, True, "x", ">= 1.15x"))
+    if "baton_3" in derived:
+        checks.append(
+            _check("Baton 3-split per-hop overhead (ms, issue 8)", derived["baton_3"]["per_hop_overhead_ms"]["median"],
+                   0.3, False, " ms", "0.3 ms")
+        )  # fmt: skip
+    worker = systems.get("worker_unsplit")
+    if bench is not None and worker is not None:
+        for what, key, target in (("decode", "decode_tps", 0.97), ("prefill", "prefill_tps", 0.95)):
+            ratio = worker[key]["median"] / bench[key]["median"]
+            checks.append(_check(f"Baton worker unsplit {what} / llama-bench {what}", ratio, target, True, "x", f">= {target}x"))
+    for name, entry in ((transport or {}).get("results") or {}).items():
+        if "ratio_channel_over_tcp" in entry:
+            checks.append(
+                _check(f"channel {name} round trip / plain TCP", entry["ratio_channel_over_tcp"], 1.5, False, "x", "1.5x")
+            )
     for n in (3, 2):
         key = f"baton_{n}"
         if key in derived:
@@ -179,14 +206,22 @@ def system_rows(systems: Mapping[str, Mapping], derived: Mapping[str, Mapping]) 
 
 def transport_rows(transport: Mapping) -> list[list[str]]:
     rows = []
+    labels = {
+        "channel": "Baton channel (TCP+TLS 1.3, libp2p-TLS certs)",
+        "libp2p": "libp2p (TCP+Noise+yamux)",
+        "tcp": "plain trio TCP",
+    }
     for name, entry in transport.get("results", {}).items():
-        for path in ("libp2p", "tcp"):
+        for path in ("channel", "libp2p", "tcp"):
+            if path not in entry:
+                continue
             s = entry[path]
+            ratio = "1 (reference)" if path == "tcp" else f"{entry[f'ratio_{path}_over_tcp']:.2f}x"
             rows.append(
                 [
-                    f"transport {name} round trip, {'libp2p (TCP+Noise+yamux)' if path == 'libp2p' else 'plain trio TCP'}",
+                    f"transport {name} round trip, {labels[path]}",
                     f"{s['median_ms']:.3f} ({s['min_ms']:.3f}–{s['max_ms']:.3f})",
-                    f"{entry['ratio_libp2p_over_tcp']:.1f}x" if path == "libp2p" else "1 (reference)",
+                    ratio,
                     f"{entry[f'{path}_throughput_MB_per_s']:.0f}",
                 ]
             )

@@ -34,7 +34,11 @@ if str(REPO_ROOT) not in sys.path:
 import trio  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 
-from agent.io.p2p import decode_uvarint, encode_uvarint, open_p2p_transport  # noqa: E402
+from agent.core.frames import decode_uvarint, encode_uvarint  # noqa: E402
+from agent.io.channel import ChannelConfig, open_channel_transport  # noqa: E402
+from agent.io.keys import peer_id_of  # noqa: E402
+from agent.io.p2p import open_p2p_transport  # noqa: E402
+from agent.io.transport import MemoryNetwork  # noqa: E402
 
 PROTOCOL = "/baton/bench-echo/1.0.0"
 SIZES = {"8KiB": 8 * 1024, "1MiB": 1024 * 1024}
@@ -100,6 +104,18 @@ async def _serve_libp2p() -> None:
         await _wait_for_stdin_eof()
 
 
+async def _serve_channel() -> None:
+    async def echo(remote_peer_id: str, payload: bytes) -> bytes:
+        return payload
+
+    key = Ed25519PrivateKey.generate()
+    fallback = MemoryNetwork().add(peer_id_of(key))  # never used: the client dials the channel
+    async with open_channel_transport(key, fallback, ChannelConfig(max_frame_bytes=MAX_FRAME_BYTES)) as transport:
+        transport.set_handler(PROTOCOL, echo)
+        print(transport.channel_addrs[0], flush=True)
+        await _wait_for_stdin_eof()
+
+
 async def _wait_for_stdin_eof() -> None:
     """The parent closes our stdin to stop us (no signals, no sleeps)."""
     stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
@@ -149,6 +165,20 @@ async def _client_libp2p(address: str, runs: int) -> tuple[dict[str, list[float]
 
         results = {name: await _measure(round_trip, size, WARMUP[name], EXCHANGES[name], runs) for name, size in SIZES.items()}
         return results, transport.streams_opened
+
+
+async def _client_channel(address: str, runs: int) -> tuple[dict[str, list[float]], int]:
+    peer_id = address.rsplit("/p2p/", 1)[1]
+    key = Ed25519PrivateKey.generate()
+    fallback = MemoryNetwork().add(peer_id_of(key))
+    async with open_channel_transport(key, fallback, ChannelConfig(max_frame_bytes=MAX_FRAME_BYTES, listen_host=None)) as transport:
+
+        async def round_trip(payload: bytes) -> bytes:
+            return await transport.request(peer_id, [address], PROTOCOL, payload, timeout_s=REQUEST_TIMEOUT_S)
+
+        results = {name: await _measure(round_trip, size, WARMUP[name], EXCHANGES[name], runs) for name, size in SIZES.items()}
+        assert transport.fallback_requests == 0
+        return results, transport.connections_dialled
 
 
 def _start_server(kind: str) -> tuple[subprocess.Popen[str], str]:
@@ -203,6 +233,11 @@ def run_benchmark(runs: int) -> dict[str, object]:
         libp2p, streams_opened = trio.run(_client_libp2p, address, runs)
     finally:
         _stop_server(process)
+    process, address = _start_server("channel")
+    try:
+        channel, channel_connections = trio.run(_client_channel, address, runs)
+    finally:
+        _stop_server(process)
 
     report: dict[str, object] = {
         "benchmark": "transport_rtt",
@@ -215,6 +250,7 @@ def run_benchmark(runs: int) -> dict[str, object]:
             "framing": "uvarint length prefix + payload on both paths",
             "libp2p": "agent.io.p2p (TCP + Noise + yamux, one reused stream)",
             "tcp": "trio TCP sockets, TCP_NODELAY, no encryption",
+            "channel": "agent.io.channel (TCP + TLS 1.3 with libp2p-TLS certificates, exchange frames, one connection)",
         },
         "machine": {
             "platform": platform.platform(),
@@ -227,14 +263,19 @@ def run_benchmark(runs: int) -> dict[str, object]:
         },
         "results": {},
         "libp2p_streams_opened": streams_opened,
+        "channel_connections_dialled": channel_connections,
     }
     results: dict[str, object] = {}
     for name in SIZES:
         tcp_summary, libp2p_summary = _summary(tcp[name]), _summary(libp2p[name])
+        channel_summary = _summary(channel[name])
         results[name] = {
             "bytes": SIZES[name],
             "tcp": tcp_summary,
             "libp2p": libp2p_summary,
+            "channel": channel_summary,
+            "ratio_channel_over_tcp": channel_summary["median_ms"] / tcp_summary["median_ms"],
+            "channel_throughput_MB_per_s": 2 * SIZES[name] / (channel_summary["median_ms"] / 1e3) / 1e6,
             "ratio_libp2p_over_tcp": libp2p_summary["median_ms"] / tcp_summary["median_ms"],
             "libp2p_throughput_MB_per_s": 2 * SIZES[name] / (libp2p_summary["median_ms"] / 1e3) / 1e6,
             "tcp_throughput_MB_per_s": 2 * SIZES[name] / (tcp_summary["median_ms"] / 1e3) / 1e6,
@@ -246,7 +287,7 @@ def run_benchmark(runs: int) -> dict[str, object]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--serve", choices=["tcp", "libp2p"], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=["tcp", "libp2p", "channel"], help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results" / "transport_rtt.json")
     args = parser.parse_args()
@@ -255,6 +296,9 @@ def main() -> int:
         return 0
     if args.serve == "libp2p":
         trio.run(_serve_libp2p)
+        return 0
+    if args.serve == "channel":
+        trio.run(_serve_channel)
         return 0
     if args.runs < 5:
         parser.error("--runs must be at least 5")
@@ -272,7 +316,8 @@ def main() -> int:
             f"(min {entry['tcp']['min_ms']:.3f}, max {entry['tcp']['max_ms']:.3f}); "
             f"libp2p median {entry['libp2p']['median_ms']:.3f} ms "
             f"(min {entry['libp2p']['min_ms']:.3f}, max {entry['libp2p']['max_ms']:.3f}); "
-            f"ratio {entry['ratio_libp2p_over_tcp']:.1f}x"
+            f"ratio {entry['ratio_libp2p_over_tcp']:.1f}x; channel median {entry['channel']['median_ms']:.3f} ms "
+            f"({entry['ratio_channel_over_tcp']:.2f}x tcp)"
         )
     print(f"wrote {args.output} in {report['total_runtime_s']:.1f} s")
     return 0

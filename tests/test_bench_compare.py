@@ -96,6 +96,9 @@ def test_markdown_has_every_row_and_the_headline():
                     "tcp": {"median_ms": 0.05, "min_ms": 0.04, "max_ms": 0.06},
                     "ratio_libp2p_over_tcp": 10.0,
                     "libp2p_throughput_MB_per_s": 33.0,
+                    "channel": {"median_ms": 0.06, "min_ms": 0.05, "max_ms": 0.07},
+                    "ratio_channel_over_tcp": 1.2,
+                    "channel_throughput_MB_per_s": 270.0,
                     "tcp_throughput_MB_per_s": 330.0,
                 }
             }
@@ -107,7 +110,8 @@ def test_markdown_has_every_row_and_the_headline():
         assert f"| {label} |" in md
     assert "| 50.0 (49.0–51.0) |" in md  # unsplit decode t/s
     assert "0.50x" in md and "6.67 (" in md  # 3-split ratio and per-hop overhead
-    assert "transport 8KiB round trip, libp2p" in md and "10.0x" in md
+    assert "transport 8KiB round trip, libp2p" in md and "10.00x" in md
+    assert "transport 8KiB round trip, Baton channel" in md and "1.20x" in md
     assert "**MISSED**" in md and md.rstrip().endswith("here")
 
 

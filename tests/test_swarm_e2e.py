@@ -26,6 +26,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
+from agent.core.multiaddrs import is_channel_multiaddr
 from agent.core.admission import issue_admission, sign_fingerprint
 from agent.core.swarm_wire import NODE_PROTOCOL, STEP_PROTOCOL, TRACKER_PROTOCOL, crc32, token_checksum
 from agent.io.client import SwarmClientConfig, open_swarm_client
@@ -256,6 +257,9 @@ async def test_a_node_that_cannot_be_dialled_is_reached_through_the_tracker_rela
         prompt_tokens, expected = await _single_worker_tokens(path, running.model_sha256, PROMPTS[0])
         async with client(running, replan_attempts=0) as c:
             result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+            # the others have direct channels: the last hop pushed its results over one
+            assert all(is_channel_multiaddr(a) for a in (route.hops[0].addrs[0], route.hops[2].addrs[0]))
+            assert c.transport.connections_accepted >= 1 and c.transport.channel_requests >= NEW_TOKENS
         assert result.prompt_tokens == prompt_tokens
         assert result.tokens == expected
         assert [h["node"] for h in result.route][1] == hidden_id
@@ -369,6 +373,11 @@ async def test_greedy_through_three_nodes_equals_one_unsplit_worker(swarm3: Runn
             assert [(h["begin"], h["end"]) for h in result.route] == [(0, 10), (10, 20), (20, 30)]
             assert sorted(h["node"] for h in result.route) == sorted(swarm3.node_ids().values())
             assert result.tokens_per_s > 0
+        # over the direct channel: every node advertises one, and results came back over it
+        route = await c.route(ALIAS)
+        assert all(any(is_channel_multiaddr(a) for a in hop.addrs) for hop in route.hops)
+        assert c.transport.connections_accepted >= 1
+        assert c.transport.channel_requests >= len(PROMPTS) * NEW_TOKENS  # every step
     assert "Paris" in (await _text(swarm3, PROMPTS[0]))
     assert_swarm_alive(swarm3)
 

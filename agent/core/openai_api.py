@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from .topk import TopLogits
+
 __all__ = [
     "ApiError",
     "CompletionRequest",
@@ -402,13 +404,24 @@ def chat_chunk(
 # --- logprobs ----------------------------------------------------------------------------------
 
 
-def token_logprobs(logits: np.ndarray, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
+def token_logprobs(
+    logits: np.ndarray | TopLogits, token: int, top_n: int
+) -> tuple[float, list[tuple[int, float]]]:
     """The log-probability of ``token`` under ``logits`` (softmax at temperature 1, as OpenAI
     reports it), and the ``top_n`` most likely tokens with theirs (ties by token id).
 
+    ``logits``: the full row, or the top-K the last hop returned with the row's log-sum-exp:
+    then exact for the K tokens (the chosen token always is one: greedy and top-k <= K pick
+    among them); ``top_n`` is cut to K (the owner asks for K >= ``MAX_TOP_LOGPROBS``).
+
     Raises:
-      ValueError: ``token`` is outside the row.
+      ValueError: ``token`` is outside the row, or (top-K) not among the K.
     """
+    if isinstance(logits, TopLogits):
+        logprob = logits.logprob(token)
+        n = min(max(top_n, 0), logits.k)
+        lse = logits.log_sum_exp
+        return logprob, [(int(i), float(np.float64(v) - lse)) for i, v in zip(logits.ids[:n], logits.logits[:n])]
     row = np.asarray(logits, dtype=np.float64)
     if not 0 <= token < row.size:
         raise ValueError(f"token {token} is outside a row of {row.size} logits")

@@ -19,6 +19,8 @@ import math
 
 import numpy as np
 
+from .topk import TopLogits, top_k_ids
+
 __all__ = ["SamplingParams", "sample_token", "sampling_candidates"]
 
 
@@ -56,28 +58,40 @@ def _check_row(logits: np.ndarray) -> np.ndarray:
     return row
 
 
-def sampling_candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+def _top_k_of(top: TopLogits, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``top_k`` entries of a top-K record (already in candidate order), as float64
+    logits over temperature: the same numbers ``sampling_candidates`` gets from a full row."""
+    k = params.top_k
+    if k == 0 and top.k < top.n_vocab:
+        raise ValueError(f"sampling without a top-k cut needs the full row, got only the top {top.k}")
+    if k > top.k and top.k < top.n_vocab:
+        raise ValueError(f"top_k {k} needs at least {k} logits, got the top {top.k}")
+    n = min(k, top.k) if k else top.k
+    return top.ids[:n].astype(np.int64), top.logits[:n].astype(np.float64) / params.temperature
+
+
+def sampling_candidates(logits: np.ndarray | TopLogits, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """The tokens a draw can pick and their probabilities (summing to 1), most likely first.
 
+    ``logits``: the full row, or the top-K a last hop returned (exact for ``top_k`` <= K).
+
     Raises:
-      ValueError: ``params`` is greedy, or the row is empty, holds NaN / +inf, or is all -inf.
+      ValueError: ``params`` is greedy, the row is empty, holds NaN / +inf, or is all -inf, or
+        a top-K record has fewer entries than ``top_k`` (or ``top_k`` is 0).
     """
     if params.greedy:
         raise ValueError("greedy sampling has no candidate distribution")
-    row = _check_row(logits).astype(np.float64) / params.temperature
-    n = row.size
-    k = params.top_k
-    if 0 < k < n:
-        # O(n): the k-th largest logit, everything above it, then the lowest ids among its ties
-        kth = -np.partition(-row, k - 1)[k - 1]
-        above = np.flatnonzero(row > kth)
-        ids = np.concatenate([above, np.flatnonzero(row == kth)[: k - above.size]])
+    if isinstance(logits, TopLogits):
+        ids, values = _top_k_of(logits, params)
     else:
-        ids = np.arange(n)
-    values = row[ids]
-    order = np.lexsort((ids, -values))  # by logit descending, then token id ascending
-    ids = ids[order]
-    values = values[order]
+        row = _check_row(logits).astype(np.float64) / params.temperature
+        k = params.top_k
+        # O(n): everything above the k-th largest logit, then the lowest ids among its ties
+        ids = top_k_ids(row, k) if 0 < k < row.size else np.arange(row.size)
+        values = row[ids]
+        order = np.lexsort((ids, -values))  # by logit descending, then token id ascending
+        ids = ids[order]
+        values = values[order]
     keep = np.isfinite(values)
     ids, values = ids[keep], values[keep]
     probs = np.exp(values - values[0])
@@ -91,7 +105,7 @@ def sampling_candidates(logits: np.ndarray, params: SamplingParams) -> tuple[np.
     return ids, probs
 
 
-def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None) -> int:
+def sample_token(logits: np.ndarray | TopLogits, params: SamplingParams, rng: np.random.Generator | None) -> int:
     """The next token for one logits row ``[n_vocab]``.
 
     Greedy (temperature 0) needs no ``rng`` and draws nothing from it; otherwise exactly one
@@ -101,6 +115,8 @@ def sample_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Gene
       ValueError: bad row (see ``sampling_candidates``), or a non-greedy draw without ``rng``.
     """
     if params.greedy:
+        if isinstance(logits, TopLogits):
+            return int(logits.ids[0])  # ordered by logit, then lowest id: the argmax
         return int(np.argmax(_check_row(logits)))
     if rng is None:
         raise ValueError(f"sampling at temperature {params.temperature} needs a random generator")

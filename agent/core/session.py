@@ -32,7 +32,8 @@ import numpy as np
 from agent._proto import swarm_pb2
 
 from .sampling import SamplingParams, sample_token
-from .swarm_wire import SCHEMA_VERSION, SESSION_ID_BYTES, crc32, token_checksum
+from .swarm_wire import SCHEMA_VERSION, SESSION_ID_BYTES, result_scores, token_checksum
+from .topk import TopLogits, result_top_k
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -112,6 +113,9 @@ class Session:
       n_vocab: the expected logits width, if known; otherwise the first result fixes it.
       route_peer_ids: the peer ids of the route's hops, in order; when given, ``receive``
         takes a result only from one of them, and logits only from the last.
+      top_k_at_least: ask the last hop for at least this many top logits (e.g. the owner's
+        top_logprobs); the request's K is ``agent.core.topk.result_top_k`` (0, the full row,
+        when sampling has no top-k cut).
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class Session:
         rng: np.random.Generator | None = None,
         n_vocab: int | None = None,
         route_peer_ids: Sequence[str] = (),
+        top_k_at_least: int = 0,
     ) -> None:
         if len(session_id) != SESSION_ID_BYTES:
             raise ValueError(f"a session id has {SESSION_ID_BYTES} bytes, got {len(session_id)}")
@@ -147,7 +152,9 @@ class Session:
         self.state = READY
         self.stopped_by_token = False
         self.stopped_by_caller = False
-        self.last_logits: np.ndarray = np.zeros(0, dtype=_F32)  # the row the last token came from
+        # the scores the last token came from: the full row, or the top-K (``result_top_k``)
+        self.last_logits: np.ndarray | TopLogits = np.zeros(0, dtype=_F32)
+        self.result_top_k = result_top_k(sampling.temperature, sampling.top_k, at_least=top_k_at_least)
         self.failure: str | None = None
         self.route_peer_ids = tuple(route_peer_ids)
         self._rng = rng
@@ -236,6 +243,7 @@ class Session:
             checksum=token_checksum(step_input.token_ids),
             sender_admission=admission,
             model_sha256=route.model_sha256,
+            result_top_k=self.result_top_k,
         )
 
     # --- receiving -------------------------------------------------------------------------
@@ -330,7 +338,7 @@ class Session:
             message = f"malformed result for step {result.step} of session {self.session_hex}: {bad}"
             self.fail(message)
             raise ResultRefused(_error("INVALID_ARGUMENT"), message, fatal=True) from None
-        self.n_vocab = logits.size
+        self.n_vocab = int(result.n_vocab)
         self.last_logits = logits
         self._n_cached = len(self.tokens)
         self.tokens.append(token)
@@ -344,22 +352,18 @@ class Session:
             self.state = READY
         return token
 
-    def _logits(self, result: swarm_pb2.StepResult) -> np.ndarray:
-        n_vocab = result.n_vocab
-        if n_vocab < 1:
-            raise ValueError("n_vocab is 0")
-        if self.n_vocab is not None and n_vocab != self.n_vocab:
-            raise ValueError(f"n_vocab {n_vocab}, expected {self.n_vocab}")
-        data = bytes(result.logits)
-        if len(data) != n_vocab * _F32.itemsize:
-            raise ValueError(f"{len(data)} logits bytes for n_vocab {n_vocab} (expected {n_vocab * _F32.itemsize})")
-        checksum = crc32(data)
-        if checksum != result.checksum:
-            raise ValueError(f"logits checksum {checksum:#010x} does not match {result.checksum:#010x}")
-        logits = np.frombuffer(data, dtype=_F32)
-        if not np.isfinite(logits).all():
+    def _logits(self, result: swarm_pb2.StepResult) -> np.ndarray | TopLogits:
+        if self.n_vocab is not None and result.n_vocab != self.n_vocab:
+            raise ValueError(f"n_vocab {result.n_vocab}, expected {self.n_vocab}")
+        scores = result_scores(result)
+        if isinstance(scores, TopLogits):
+            if self.result_top_k == 0 and scores.k < scores.n_vocab:
+                raise ValueError(f"the full row was asked for, the result has the top {scores.k}")
+            if scores.k < min(self.result_top_k, scores.n_vocab):
+                raise ValueError(f"the top {self.result_top_k} were asked for, the result has {scores.k}")
+        elif not np.isfinite(scores).all():
             raise ValueError("the logits hold NaN or inf")
-        return logits
+        return scores
 
 
 def surviving_hops(route: swarm_pb2.Route, lost_peers: Iterable[str] = ()) -> list[swarm_pb2.Hop]:

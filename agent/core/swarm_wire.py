@@ -33,6 +33,8 @@ from google.protobuf.message import DecodeError, Message
 from agent._proto import swarm_pb2
 
 from .boundary import BoundaryError, WireDType, decode_rows, encode_rows, itemsize
+from .topk import TopLogits, select_top_k
+from .multiaddrs import circuit_multiaddr, peer_id_from_multiaddr  # re-exported: callers import them here
 
 __all__ = [
     "NODE_PROTOCOL",
@@ -63,6 +65,7 @@ __all__ = [
     "tracker_reply_error",
     "validate_step",
     "validate_step_result",
+    "result_scores",
 ]
 
 TRACKER_PROTOCOL = "/baton/tracker/1.0.0"  # TrackerRequest -> TrackerReply
@@ -172,30 +175,6 @@ def tracker_reply_error(code: int, message: str) -> bytes:
     return swarm_pb2.TrackerReply(schema_version=SCHEMA_VERSION, error=error(code, message)).SerializeToString()
 
 
-def peer_id_from_multiaddr(addr: str) -> str:
-    """The peer id a multiaddr ends with (``.../p2p/<peer id>``).
-
-    Raises:
-      ValueError: the address has no ``/p2p/<peer id>`` part.
-    """
-    head, sep, peer_id = addr.rstrip("/").rpartition("/p2p/")
-    if not sep or not peer_id or "/" in peer_id:
-        raise ValueError(f"multiaddr {addr!r} does not end with /p2p/<peer id>")
-    return peer_id
-
-
-def circuit_multiaddr(relay_addr: str, peer_id: str) -> str:
-    """``<relay_addr>/p2p-circuit/p2p/<peer_id>``: where ``peer_id`` is reached through the
-    circuit relay at ``relay_addr`` (which must end with ``/p2p/<relay id>``) once it holds a
-    reservation there.
-
-    Raises:
-      ValueError: ``relay_addr`` has no ``/p2p/<relay id>``.
-    """
-    peer_id_from_multiaddr(relay_addr)
-    return f"{relay_addr.rstrip('/')}/p2p-circuit/p2p/{peer_id}"
-
-
 # --- steps ---------------------------------------------------------------------------------
 
 
@@ -244,6 +223,7 @@ class StepInput:
     rest: tuple[swarm_pb2.Hop, ...]
     owner_peer_id: str
     owner_addrs: tuple[str, ...]
+    result_top_k: int = 0  # what the last hop returns: 0 the full row, else the top K
 
     @property
     def n_rows(self) -> int:
@@ -374,6 +354,7 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
         rest=tuple(request.rest),
         owner_peer_id=request.owner_peer_id,
         owner_addrs=tuple(request.owner_addrs),
+        result_top_k=min(int(request.result_top_k), spec.n_vocab),
     )
 
 
@@ -394,9 +375,10 @@ def first_step_request(
     owner_peer_id: str,
     owner_addrs: Sequence[str],
     sender_admission: swarm_pb2.SignedAdmission,
+    result_top_k: int = 0,
 ) -> swarm_pb2.StepRequest:
     """The ``StepRequest`` a session owner sends to ``hops[0]`` (token ids at consecutive
-    positions from ``first_position``)."""
+    positions from ``first_position``); ``result_top_k``: see ``StepRequest.result_top_k``."""
     ids = np.asarray(token_ids, dtype=_I32)
     hop = hops[0]
     return swarm_pb2.StepRequest(
@@ -414,6 +396,7 @@ def first_step_request(
         checksum=crc32(ids.tobytes()),
         sender_admission=sender_admission,
         model_sha256=model_sha256,
+        result_top_k=result_top_k,
     )
 
 
@@ -448,14 +431,35 @@ def next_hop_request(
         checksum=crc32(data),
         sender_admission=sender_admission,
         model_sha256=step.model_sha256,
+        result_top_k=step.result_top_k,
     )
 
 
 def step_result(
-    session_id: bytes, step: int, logits: np.ndarray, sender_admission: swarm_pb2.SignedAdmission
+    session_id: bytes,
+    step: int,
+    logits: np.ndarray,
+    sender_admission: swarm_pb2.SignedAdmission,
+    top_k: int = 0,
 ) -> swarm_pb2.StepResult:
-    """The owner's ``StepResult``: ``logits`` (one float32 row ``[n_vocab]``) as f32 bytes."""
+    """The owner's ``StepResult`` for one float32 row ``[n_vocab]``: the row as f32 bytes
+    (``top_k`` 0, or K covering the row), or its top ``top_k`` ids and logits with the row's
+    log-sum-exp (``agent.core.topk.select_top_k``)."""
     row = np.ascontiguousarray(logits, dtype=_F32).reshape(-1)
+    if 0 < top_k < row.shape[0]:
+        ids, top, lse = select_top_k(row, top_k)
+        id_bytes, logit_bytes = ids.tobytes(), top.tobytes()
+        return swarm_pb2.StepResult(
+            schema_version=SCHEMA_VERSION,
+            session_id=session_id,
+            step=step,
+            n_vocab=row.shape[0],
+            top_token_ids=id_bytes,
+            top_logits=logit_bytes,
+            log_sum_exp=lse,
+            checksum=crc32(id_bytes + logit_bytes),
+            sender_admission=sender_admission,
+        )
     data = row.tobytes()
     return swarm_pb2.StepResult(
         schema_version=SCHEMA_VERSION,
@@ -485,6 +489,41 @@ def step_result_error(
         failed_peer_id=failed_peer_id,
         sender_admission=sender_admission,
     )
+
+
+def result_scores(result: swarm_pb2.StepResult) -> np.ndarray | TopLogits:
+    """The scores a successful ``StepResult`` carries: the full f32 row (zero-copy view, not
+    checked for finite values) or a checked ``TopLogits``.
+
+    Raises:
+      ValueError: n_vocab 0, a checksum or byte length that does not match, both or neither
+        of logits and top-K set, or a malformed top-K (``TopLogits.check``).
+    """
+    n_vocab = result.n_vocab
+    if n_vocab < 1:
+        raise ValueError("n_vocab is 0")
+    has_top = bool(result.top_token_ids or result.top_logits)
+    if has_top and result.logits:
+        raise ValueError("the result carries both a logits row and top-k logits")
+    if not has_top:
+        data = result.logits
+        if len(data) != n_vocab * _F32.itemsize:
+            raise ValueError(f"{len(data)} logits bytes for n_vocab {n_vocab} (expected {n_vocab * _F32.itemsize})")
+        checksum = crc32(data)
+        if checksum != result.checksum:
+            raise ValueError(f"logits checksum {checksum:#010x} does not match {result.checksum:#010x}")
+        return np.frombuffer(data, dtype=_F32)
+    id_bytes, logit_bytes = result.top_token_ids, result.top_logits
+    if len(id_bytes) != len(logit_bytes) or len(id_bytes) % 4:
+        raise ValueError(f"{len(id_bytes)} top-k id bytes and {len(logit_bytes)} logit bytes do not pair up")
+    checksum = crc32(id_bytes + logit_bytes)
+    if checksum != result.checksum:
+        raise ValueError(f"top-k checksum {checksum:#010x} does not match {result.checksum:#010x}")
+    top = TopLogits(
+        np.frombuffer(id_bytes, dtype=_I32), np.frombuffer(logit_bytes, dtype=_F32), float(result.log_sum_exp), n_vocab
+    )
+    top.check()
+    return top
 
 
 def validate_step_result(result: swarm_pb2.StepResult, n_vocab: int | None = None) -> np.ndarray:

@@ -2,10 +2,13 @@
 
 Owns: building a libp2p host from the node's Ed25519 key with the settings DESIGN.md makes
 mandatory (Noise only, yamux only, one connection per peer, ping health checks that abort a
-frozen connection), framing (unsigned varint length + payload, bounded by
-``max_frame_bytes``), the per-peer pool of reused streams, and guarding every stream handler.
-Must not import agent.core modules other than identity helpers through ``agent.io.keys``; the
-swarm protocols above it see only ``Transport``.
+frozen connection), the per-peer pool of reused streams, and guarding every stream handler.
+Framing (``uvarint(len) || payload``) and multiaddr strings come from ``agent.core.frames``
+and ``agent.core.multiaddrs`` (one definition for libp2p and the direct channel); the circuit
+relay's policy and py-libp2p workarounds live in ``agent.io.p2p_relay``; the direct data
+channel in front of this transport is ``agent.io.channel``. The swarm protocols above it see
+only ``Transport``. No nursery is kept on the transport (reservation refreshes go to a task
+of ``open_p2p_transport`` through a channel).
 
 Wire: a stream carries a sequence of exchanges, one at a time: the dialler writes one request
 frame, the listener answers with one reply frame, and so on until either side closes the
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -38,15 +40,11 @@ from libp2p.crypto.ed25519 import Ed25519PrivateKey as Libp2pEd25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
-from libp2p.network.auto_connector import AutoConnector
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
-from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as RELAY_HOP_PROTOCOL_ID
-from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
-from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -55,7 +53,10 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
+from agent.core.frames import FrameError, FrameTooLarge, decode_uvarint, encode_uvarint
+from agent.core.multiaddrs import circuit_multiaddr, is_channel_multiaddr, peer_id_from_multiaddr
 from agent.io.keys import peer_id_of, private_seed
+from agent.io.p2p_relay import GatedRelayProtocol, NoAutoConnector, RelayPolicy
 from agent.io.transport import Handler, TransportError
 
 __all__ = [
@@ -72,46 +73,10 @@ log = logging.getLogger(__name__)
 DEFAULT_LISTEN_ADDRS = ("/ip4/127.0.0.1/tcp/0",)
 YAMUX_OUTBOUND_STREAM_LIMIT = 256  # py-libp2p yamux: Yamux.stream_backlog_semaphore
 _STREAM_HEADROOM = 16  # outbound streams left to libp2p itself (identify, ping, relay)
-_MAX_VARINT_BYTES = 10  # a 64-bit unsigned varint
 _READ_CHUNK_BYTES = 64 * 1024
 _SINGLE_WRITE_BYTES = 16 * 1024  # below this, prefix and payload go out in one write
 _RESET_TIMEOUT_S = 1.0
 _PEERSTORE_ADDR_TTL_S = 600  # resetting a broken stream must not hold up the caller for long
-
-
-class FrameTooLarge(Exception):
-    """A frame's length prefix is over the reader's limit (the frame is not read)."""
-
-
-class FrameError(Exception):
-    """The bytes on a stream are not a well-formed frame."""
-
-
-def encode_uvarint(value: int) -> bytes:
-    if value < 0:
-        raise ValueError(f"a uvarint is not negative, got {value}")
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def decode_uvarint(data: bytes | bytearray) -> tuple[int, int] | None:
-    """``(value, bytes used)`` of the uvarint at the start of ``data``; None if incomplete.
-
-    Raises FrameError for a varint longer than 10 bytes.
-    """
-    value = 0
-    for index in range(min(len(data), _MAX_VARINT_BYTES)):
-        byte = data[index]
-        value |= (byte & 0x7F) << (7 * index)
-        if not byte & 0x80:
-            return value, index + 1
-    if len(data) >= _MAX_VARINT_BYTES:
-        raise FrameError(f"length prefix longer than {_MAX_VARINT_BYTES} bytes")
-    return None
 
 
 class _FramedStream:
@@ -200,150 +165,6 @@ class _PeerStreams:
         return sum(len(streams) for streams in self.idle.values())
 
 
-@dataclass(frozen=True)
-class RelayPolicy:
-    """Who may use a relay (a host opened with ``enable_relay_hop=True``); both take a peer id.
-
-    ``may_reserve``: may hold a reservation, i.e. be reachable through this relay (asked on
-    every RESERVE and refresh, and again for the destination of every CONNECT, so a peer that
-    lost the right stops being reachable at once). ``may_connect``: may open circuits through
-    this relay (the source of a CONNECT). Neither may block: they run inside the relay's
-    stream handlers.
-    """
-
-    may_reserve: Callable[[str], bool]
-    may_connect: Callable[[str], bool]
-
-    @classmethod
-    def open(cls) -> RelayPolicy:
-        """Anyone may reserve and connect (py-libp2p's own behaviour)."""
-        return cls(lambda _peer: True, lambda _peer: True)
-
-    @classmethod
-    def closed(cls) -> RelayPolicy:
-        """Nobody may (e.g. until the tracker that decides is running)."""
-        return cls(lambda _peer: False, lambda _peer: False)
-
-
-class _GatedRelayProtocol(CircuitV2Protocol):
-    """py-libp2p's circuit relay v2 with a ``RelayPolicy`` in front of RESERVE and CONNECT.
-
-    py-libp2p 0.8.1 has no ACL hook: ``RelayResourceManager`` only counts reservations, and
-    ``_handle_reserve`` takes the reserving peer from the message's optional ``peer`` field (a
-    peer could reserve in another's name). Here a RESERVE is accepted only for the
-    connection's authenticated peer, when ``may_reserve`` says so; a CONNECT only from a
-    source ``may_connect`` accepts, to a destination ``may_reserve`` still accepts. Refusals
-    answer PERMISSION_DENIED. Also: the end of one circuit no longer tears down another
-    circuit to the same peer (``_relay_data``).
-    """
-
-    def __init__(self, *args: Any, policy: Callable[[], RelayPolicy], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._policy = policy
-
-    async def _refuse(self, stream: INetStream, message: str) -> None:
-        # As py-libp2p's own refusals: the status only; the requester closes the stream.
-        log.info("relay: %s", message)
-        await self._send_status(stream, StatusCode.PERMISSION_DENIED, message)
-
-    async def _handle_reserve(self, stream: INetStream, msg: HopMessage) -> None:
-        remote = stream.muxed_conn.peer_id
-        if msg.HasField("peer") and msg.peer.id and bytes(msg.peer.id) != remote.to_bytes():
-            await self._refuse(stream, f"{remote} asked for a reservation in another peer's name")
-            return
-        if not self._policy().may_reserve(str(remote)):
-            await self._refuse(stream, f"reservation refused to {remote} (not admitted)")
-            return
-        await super()._handle_reserve(stream, msg)
-
-    async def _handle_connect(self, stream: INetStream, msg: HopMessage) -> None:
-        source = str(stream.muxed_conn.peer_id)
-        policy = self._policy()
-        if not policy.may_connect(source):
-            await self._refuse(stream, f"circuit refused to {source} (not admitted)")
-            return
-        try:
-            destination = str(ID(msg.peer.id))
-        except Exception:
-            destination = "?"
-        if destination == "?" or not policy.may_reserve(destination):
-            await self._refuse(stream, f"circuit from {source} to {destination} refused (destination not admitted)")
-            return
-        await super()._handle_connect(stream, msg)
-
-    async def _relay_data(
-        self,
-        src_stream: INetStream,
-        dst_stream: INetStream,
-        peer_id: ID,
-        deadline: float | None = None,
-        circuit_data_limit: list[int] | None = None,
-    ) -> None:
-        # py-libp2p keys ``_active_relays`` by peer id, and when one direction of a circuit
-        # ends it closes whatever circuit that id maps to: with two circuits to one peer (two
-        # upstream nodes, or a client and a node), the end of one tore down the other. Here
-        # each direction gets a key of its own that holds its own circuit's streams.
-        key = _CircuitKey(peer_id)
-        self._active_relays[key] = (src_stream, dst_stream)  # type: ignore[index]
-        try:
-            await super()._relay_data(src_stream, dst_stream, key, deadline, circuit_data_limit)  # type: ignore[arg-type]
-        finally:
-            self._active_relays.pop(key, None)  # type: ignore[call-overload]
-            shared = self._active_relays.get(peer_id)
-            if shared is not None and any(s is not None and s in (src_stream, dst_stream) for s in shared):
-                del self._active_relays[peer_id]
-
-
-class _CircuitKey:
-    """One relayed direction's key in ``CircuitV2Protocol._active_relays`` (prints as the peer)."""
-
-    __slots__ = ("peer_id",)
-
-    def __init__(self, peer_id: ID) -> None:
-        self.peer_id = peer_id
-
-    def __str__(self) -> str:
-        return str(self.peer_id)
-
-
-# py-libp2p's relay handler reads a HOP stream until it fails, and logs the normal end of a
-# stream (the peer closed it after its one RESERVE or after a refusal, or a circuit ended) as
-# ERRORs whose text is empty (EOF) or "stream is reset". Only those lines are dropped.
-_RELAY_STREAM_END = re.compile(
-    r"^(Error reading from hop stream from \S+|Unexpected error handling hop stream from \S+"
-    r"|Unexpected error reading from stream|Error sending status message|Error writing to destination stream"
-    r"|Error relaying data)"
-    r": (|Cannot (read from|write to) stream; stream is reset)$"
-)
-
-
-class _RelayStreamEndFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not _RELAY_STREAM_END.match(record.getMessage())
-
-
-_relay_protocol_log = logging.getLogger("libp2p.relay.circuit_v2.protocol")
-if not any(isinstance(f, _RelayStreamEndFilter) for f in _relay_protocol_log.filters):
-    _relay_protocol_log.addFilter(_RelayStreamEndFilter())
-
-
-class _NoAutoConnector(AutoConnector):
-    """py-libp2p's AutoConnector, never started: by default every host dials peers from its
-    peerstore until it holds 200 connections (the midpoint of its watermarks) and logs that
-    every 10 s. Baton dials whom it needs, explicitly."""
-
-    async def start(self) -> None:
-        self._started = False
-
-
-def _circuit_addr(relay_addr: str, peer_id: str) -> str:
-    """``<relay addr>/p2p-circuit/p2p/<peer_id>``: where ``peer_id`` is reached through the
-    relay at ``relay_addr`` (``.../p2p/<relay id>``) once it holds a reservation there."""
-    if _p2p_component(relay_addr) is None:
-        raise ValueError(f"relay address {relay_addr} has no /p2p/<relay peer id>")
-    return f"{relay_addr.rstrip('/')}/p2p-circuit/p2p/{peer_id}"
-
-
 class P2PTransport:
     """``Transport`` over a running libp2p host. Made by ``open_p2p_transport`` only.
 
@@ -376,7 +197,9 @@ class P2PTransport:
         #: relay peer id -> the connection its reservation was made over
         self._reserved_over: dict[str, INetConn] = {}
         self._reservation_lock = trio.Lock()
-        self._background: trio.Nursery | None = None  # reservation refreshes
+        # py-libp2p starts reservation refreshes with ``start_soon``: they go through this
+        # channel to a task of ``open_p2p_transport`` (no nursery kept on the transport)
+        self._background: _Spawner | None = None
         self.streams_opened = 0
         self.streams_accepted = 0
 
@@ -428,7 +251,7 @@ class P2PTransport:
             network = self._host.get_network()
             held = self._reserved_over.get(relay_peer_id)
             if held is not None and not held.is_closed and any(c is held for c in network.connections.get(relay, ())):
-                return _circuit_addr(relay_addr, self._peer_id)
+                return circuit_multiaddr(relay_addr, self._peer_id)
             self._reserved_over.pop(relay_peer_id, None)
             await self._ensure_connected(self._peer_streams(relay_peer_id), relay, relay_peer_id, [relay_addr])
             try:
@@ -451,7 +274,7 @@ class P2PTransport:
             over = [c for c in network.connections.get(relay, ()) if getattr(c, "muxed_conn", None) is stream.muxed_conn]
             if over:
                 self._reserved_over[relay_peer_id] = over[0]
-            addr = _circuit_addr(relay_addr, self._peer_id)
+            addr = circuit_multiaddr(relay_addr, self._peer_id)
             if addr not in self._relay_addrs:
                 self._relay_addrs.append(addr)
             log.info("holding a relay reservation on %s", relay_peer_id)
@@ -561,7 +384,8 @@ class P2PTransport:
         network = self._host.get_network()
         if network.connections.get(remote):
             return
-        dial_addrs = [_dial_multiaddr(peer_id, addr) for addr in addrs]
+        # a direct channel address (agent.io.channel) is TLS + Baton frames, not libp2p
+        dial_addrs = [_dial_multiaddr(peer_id, addr) for addr in addrs if not is_channel_multiaddr(addr)]
         async with peer.dial_lock:  # concurrent requests share one dial
             if network.connections.get(remote):
                 return
@@ -645,6 +469,22 @@ class P2PTransport:
             await _close_quietly(stream)
 
 
+class _Spawner:
+    """What py-libp2p's ``CircuitV2Transport.reserve`` takes as a nursery: only ``start_soon``,
+    handed to the task that owns the real nursery."""
+
+    def __init__(self, send: trio.MemorySendChannel) -> None:
+        self._send = send
+
+    def start_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._send.send_nowait((fn, args))
+
+
+async def _run_spawned(receive: trio.MemoryReceiveChannel, nursery: trio.Nursery) -> None:
+    async for fn, args in receive:
+        nursery.start_soon(fn, *args)
+
+
 async def _reset_quietly(stream: INetStream) -> None:
     with trio.CancelScope(shield=True), trio.move_on_after(_RESET_TIMEOUT_S):
         try:
@@ -691,8 +531,10 @@ def _is_circuit(maddr: multiaddr.Multiaddr) -> bool:
 
 def _p2p_component(addr: str) -> str | None:
     """The last /p2p/<id> of a direct multiaddr."""
-    parts = addr.rstrip("/").split("/")
-    return parts[-1] if len(parts) >= 2 and parts[-2] == "p2p" else None
+    try:
+        return peer_id_from_multiaddr(addr)
+    except ValueError:
+        return None
 
 
 def _libp2p_key_pair(key: Ed25519PrivateKey) -> KeyPair:
@@ -803,7 +645,7 @@ async def open_p2p_transport(
     network = host.get_network()
     # new_host() has no retry_config parameter (new_swarm() has); the swarm reads the attribute.
     network.retry_config = RetryConfig(max_retries=dial_retries)
-    network.auto_connector = _NoAutoConnector(network, network.connection_config.auto_connect_interval)
+    network.auto_connector = NoAutoConnector(network, network.connection_config.auto_connect_interval)
     if str(host.get_id()) != peer_id:  # both derive the id from the same key; never differ
         raise RuntimeError(f"libp2p peer id {host.get_id()} differs from {peer_id}")
     transport = P2PTransport(
@@ -817,7 +659,7 @@ async def open_p2p_transport(
     )
     if relay_policy is not None:
         transport.relay_policy = relay_policy
-    relay_protocol = _GatedRelayProtocol(
+    relay_protocol = GatedRelayProtocol(
         host,
         policy=lambda: transport.relay_policy,
         limits=RelayLimits(
@@ -837,7 +679,9 @@ async def open_p2p_transport(
             async with background_trio_service(relay_protocol):
                 await relay_protocol.event_started.wait()
                 async with trio.open_nursery() as nursery:  # reservation refreshes
-                    transport._background = nursery
+                    spawn_send, spawn_receive = trio.open_memory_channel[tuple](64)
+                    nursery.start_soon(_run_spawned, spawn_receive, nursery)
+                    transport._background = _Spawner(spawn_send)
                     try:
                         for relay_addr in relay_addrs:
                             await transport.keep_relay_reservation(relay_addr)

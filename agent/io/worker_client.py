@@ -13,11 +13,13 @@ Makes no decisions (those live in ``agent.core``) and starts no processes
 from __future__ import annotations
 
 import dataclasses
-import functools
+import queue
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+import outcome
 import trio
 
 from agent._proto import worker_pb2, worker_pb2_grpc
@@ -73,6 +75,7 @@ class ClientConfig:
     may simply not be listening yet (gRPC's default starts at 1 s and grows to 120 s)."""
 
     timeout_s: float = 60.0
+    call_threads: int = 2  # AsyncWorkerClient: long-lived threads making the blocking calls
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     min_reconnect_backoff_ms: int = 20
     max_reconnect_backoff_ms: int = 200
@@ -281,6 +284,14 @@ class WorkerClient:
         except grpc.RpcError as error:
             raise _rpc_error(method, error) from None
 
+    def blocking_call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
+        """``call`` as one blocking gRPC call on this thread (no polling thread is started)."""
+        rpc = getattr(self._stub, method)
+        try:
+            return rpc(request, timeout=self.config.timeout_s if timeout_s is None else timeout_s)
+        except grpc.RpcError as error:
+            raise _rpc_error(method, error) from None
+
     def call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         """Send a prepared protobuf ``request`` to ``method`` and return the raw reply.
 
@@ -349,26 +360,99 @@ class WorkerClient:
 # --- the trio client ---------------------------------------------------------------------
 
 
+class _CallThreads:
+    """Long-lived threads that make blocking gRPC calls for trio tasks.
+
+    Why: grpcio's ``future()`` starts a channel-polling thread for a call made while no other
+    call is in flight, and waits for it on the calling (event-loop) thread: ~0.7 ms per
+    Forward with the loop blocked (bench/results/compare.md). A blocking call drives its own
+    completion queue on the thread that makes it, so these threads start once and each call
+    costs a queue put and a wake-up of the trio task (``TrioToken.run_sync_soon``).
+    """
+
+    def __init__(self, n_threads: int) -> None:
+        if n_threads < 1:
+            raise ValueError(f"call_threads must be >= 1, got {n_threads}")
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"baton-worker-call-{i}", daemon=True) for i in range(n_threads)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, deliver = job
+            try:
+                result: Any = (True, fn())
+            except BaseException as error:  # handed to the waiting task
+                result = (False, error)
+            deliver(result)
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on a call thread; the trio task sleeps meanwhile (the loop runs on).
+
+        Cancellation: the task returns at once with ``trio.Cancelled``; ``fn`` runs on to its
+        end (or deadline) and its result is dropped.
+        """
+        token = trio.lowlevel.current_trio_token()
+        task = trio.lowlevel.current_task()
+        state = {"waiting": True}
+
+        def wake(result: Any) -> None:
+            def reschedule() -> None:
+                if state["waiting"]:
+                    state["waiting"] = False
+                    trio.lowlevel.reschedule(task, _outcome(result))
+
+            try:
+                token.run_sync_soon(reschedule)
+            except trio.RunFinishedError:
+                pass
+
+        self._jobs.put((fn, wake))
+
+        def abort(_raise_cancel: Any) -> trio.lowlevel.Abort:
+            state["waiting"] = False
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        return await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
+def _outcome(result: tuple[bool, Any]) -> Any:
+    ok, value = result
+    return outcome.Value(value) if ok else outcome.Error(value)
+
+
 class AsyncWorkerClient:
     """The calls of ``WorkerClient`` for trio code.
 
-    Each call is started with grpcio's non-blocking ``future()`` API and waited for in a
-    thread (``trio.to_thread.run_sync``), so the trio loop never blocks on the network.
+    Each call is a blocking gRPC call made on one of ``config.call_threads`` long-lived
+    threads (``_CallThreads``): no thread starts per call and the trio loop never blocks on
+    the network or on grpcio.
 
     Resource handling:
-      Wraps (and owns) one ``WorkerClient``; ``aclose()`` or leaving ``async with`` closes
-      its channel.
+      Wraps (and owns) one ``WorkerClient`` and its call threads; ``aclose()`` or leaving
+      ``async with`` closes its channel and ends the threads.
 
     Cancellation:
-      Every call is a checkpoint and may be cancelled. On cancellation the in-flight gRPC
-      call is cancelled too and ``trio.Cancelled`` propagates at once. The worker may or
-      may not have executed a cancelled call (a Forward may have advanced its sequences), so
-      after cancelling a state-changing call, treat those sequences' positions as unknown
-      (read them back from a later reply, or remove the sequences).
+      Every call is a checkpoint and may be cancelled: ``trio.Cancelled`` propagates at
+      once, and the call in its thread runs on to its end or deadline (the worker may or may
+      not have executed it; a Forward may have advanced its sequences), so after cancelling a
+      state-changing call, treat those sequences' positions as unknown (read them back from
+      a later reply, or remove the sequences).
     """
 
     def __init__(self, socket_path: str, config: ClientConfig | None = None, *, timeout_s: float | None = None) -> None:
         self.sync = WorkerClient(socket_path, config, timeout_s=timeout_s)
+        self._threads = _CallThreads(self.sync.config.call_threads)
 
     @property
     def socket_path(self) -> str:
@@ -379,6 +463,7 @@ class AsyncWorkerClient:
         return self.sync.cached_info
 
     async def aclose(self) -> None:
+        self._threads.close()
         self.sync.close()
         await trio.lowlevel.checkpoint()
 
@@ -390,14 +475,7 @@ class AsyncWorkerClient:
 
     async def call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         """Send a prepared protobuf request; see ``WorkerClient.call``."""
-        future = self.sync.start_call(method, request, timeout_s)
-        try:
-            return await trio.to_thread.run_sync(
-                functools.partial(WorkerClient.finish_call, method, future), abandon_on_cancel=True
-            )
-        except trio.Cancelled:
-            future.cancel()
-            raise
+        return await self._threads.call(lambda: self.sync.blocking_call(method, request, timeout_s))
 
     async def _typed(self, method: str, request: Any, decode: Callable[[Any], T], timeout_s: float | None) -> T:
         return decode(await self.call(method, request, timeout_s))

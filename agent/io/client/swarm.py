@@ -872,16 +872,20 @@ async def open_swarm_client(
     config: SwarmClientConfig | None = None,
     listen_addrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
     now_ms: Callable[[], int] = _now_ms,
+    channel: bool = True,
 ) -> AsyncIterator[SwarmClient]:
     """A client admitted by the tracker at ``tracker_addr`` (a multiaddr ending in /p2p/<id>).
 
     Args:
       key: the client's Ed25519 key; an ephemeral one when None (it must be the key of
         ``transport`` when one is given).
-      transport: an open transport to use (tests: ``MemoryTransport``); by default a libp2p
-        transport listening on ``listen_addrs`` (last hops push results to it).
+      transport: an open transport to use (tests: ``MemoryTransport``); by default libp2p
+        listening on ``listen_addrs`` with the direct channel in front
+        (``agent.io.peer_transport``; last hops push results to it).
       config: timeouts and limits.
       now_ms: the unix clock in ms (hello timestamps, admission expiry).
+      channel: (own transport only) results come back over the direct channel
+        (``agent.io.channel``) when the last hop can dial it; False: libp2p only.
 
     Raises:
       ValueError: a bad ``tracker_addr``, or ``transport`` given without its ``key``.
@@ -901,10 +905,10 @@ async def open_swarm_client(
         await client.hello()
         yield client
         return
-    from agent.io.p2p import open_p2p_transport
+    from agent.io.peer_transport import open_peer_transport
 
     key = key or Ed25519PrivateKey.generate()
-    async with open_p2p_transport(key, listen_addrs=listen_addrs) as p2p:
+    async with open_peer_transport(key, listen_addrs, channel=channel) as p2p:
         client = SwarmClient(p2p, key, tracker_peer_id, tracker_addrs, config, now_ms)
         await client.hello()
         yield client

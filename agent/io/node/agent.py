@@ -592,7 +592,7 @@ class Node:
             if output.logits is None or output.logits.shape[0] < 1:
                 await self._send_error(step, Code.INTERNAL, "the last range returned no logits", self.peer_id)
                 return
-            result = step_result(step.session_id, step.step, output.logits[-1], self.admission)
+            result = step_result(step.session_id, step.step, output.logits[-1], self.admission, step.result_top_k)
             await self._send_result(step, result)
             return
         hop = step.rest[0]

@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to listen (default %(default)s); 'none': accept no direct connections (needs --relay)",
     )  # fmt: skip
     parser.add_argument(
+        "--no-channel", action="store_true",
+        help="send steps and results over libp2p only (no direct TLS channel; for comparisons)",
+    )
+    parser.add_argument(
         "--relay", action="store_true",
         help="be reachable through the tracker's circuit relay (for a node that cannot be dialled)",
     )  # fmt: skip
@@ -81,11 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.asynccontextmanager
-async def open_transport(key, listen_addrs: Sequence[str]) -> AsyncIterator:  # noqa: ANN001
-    """The libp2p transport (``agent.io.p2p``); a seam for tests."""
-    from agent.io.p2p import open_p2p_transport
+async def open_transport(key, listen_addrs: Sequence[str], channel: bool = True) -> AsyncIterator:  # noqa: ANN001
+    """libp2p (``agent.io.p2p``) with the direct channel in front (``agent.io.channel``;
+    ``channel`` False: libp2p only); a seam for tests."""
+    from agent.io.peer_transport import open_peer_transport
 
-    async with open_p2p_transport(key, listen_addrs=tuple(listen_addrs)) as transport:
+    async with open_peer_transport(key, listen_addrs, channel=channel) as transport:
         yield transport
 
 
@@ -146,7 +151,8 @@ async def run(args: argparse.Namespace) -> int:
     )
     code = 0
     try:
-        async with open_transport(key, listen) as transport, trio.open_nursery() as nursery:
+        no_channel = {"channel": False} if getattr(args, "no_channel", False) else {}
+        async with open_transport(key, listen, **no_channel) as transport, trio.open_nursery() as nursery:
             node = await nursery.start(serve_node, config, transport)
             print(f"node {node.peer_id} admitted", flush=True)
             for addr in transport.listen_addrs:

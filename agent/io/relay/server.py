@@ -29,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import numpy as np
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -276,7 +277,7 @@ class _Completion:
         self.finish_reason = "length"
 
     def _logprobs(self, token: int, logits) -> None:  # noqa: ANN001
-        if not self.req.logprobs or logits is None or logits.size == 0:
+        if not self.req.logprobs or logits is None or (isinstance(logits, np.ndarray) and logits.size == 0):
             return
         vocab = self.prompt.vocab
         logprob, top = token_logprobs(logits, token, self.req.top_logprobs or 0)

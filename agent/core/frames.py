@@ -1,0 +1,256 @@
+"""Framing: the one place where bytes on a stream become frames, and channel frames become
+exchanges.
+
+Owns:
+- the unsigned varint (``encode_uvarint`` / ``decode_uvarint``, at most 10 bytes);
+- a frame on any Baton stream (libp2p streams and the direct channel alike):
+  ``uvarint(len(body)) || body``; ``FrameReader`` is the sans-I/O reader (``feed`` bytes,
+  take whole frames, bounded by ``max_frame_bytes``: a prefix announcing a bigger frame is an
+  error before anything is allocated);
+- the direct channel's exchange layer (``agent.io.channel``): one connection carries many
+  exchanges at once, each a REQUEST answered by exactly one REPLY or ERROR with the same
+  exchange id. A channel frame body is::
+
+      kind (1 byte) || exchange id (4 bytes, big-endian) || rest
+      REQUEST: len(protocol id) (1 byte, 1..255) || protocol id (ASCII) || payload
+      REPLY:   payload
+      ERROR:   UTF-8 text (the handler failed; the requester raises it)
+
+  Requests are pipelined: a requester writes request after request without waiting; replies
+  come back in any order.
+
+Errors say who is at fault: ``FrameError`` (and ``FrameTooLarge``) are the remote peer's
+(``RemoteProtocolError`` in h11's terms): the connection that produced them is closed, and
+nothing else is touched.
+
+Pure: no sockets, trio, clocks or randomness. Must not import agent.io.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = [
+    "ERROR",
+    "MAX_PROTOCOL_ID_BYTES",
+    "REPLY",
+    "REQUEST",
+    "ChannelFrame",
+    "FrameError",
+    "FrameReader",
+    "FrameTooLarge",
+    "decode_uvarint",
+    "encode_uvarint",
+    "error_header",
+    "frame_prefix",
+    "parse_channel_frame",
+    "reply_header",
+    "request_header",
+]
+
+MAX_VARINT_BYTES = 10  # a 64-bit unsigned varint
+MAX_PROTOCOL_ID_BYTES = 255
+
+REQUEST = 1
+REPLY = 2
+ERROR = 3
+_KINDS = {REQUEST: "REQUEST", REPLY: "REPLY", ERROR: "ERROR"}
+_HEADER_BYTES = 5  # kind + exchange id
+
+
+class FrameError(Exception):
+    """The bytes on a stream are not a well-formed frame (the remote peer's fault)."""
+
+
+class FrameTooLarge(FrameError):
+    """A frame's length prefix is over the reader's limit (the frame is not read)."""
+
+
+def encode_uvarint(value: int) -> bytes:
+    if value < 0:
+        raise ValueError(f"a uvarint is not negative, got {value}")
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def decode_uvarint(data: bytes | bytearray | memoryview, start: int = 0) -> tuple[int, int] | None:
+    """``(value, bytes used)`` of the uvarint at ``data[start:]``; None if incomplete.
+
+    Raises:
+      FrameError: a varint longer than 10 bytes.
+    """
+    value = 0
+    end = min(len(data), start + MAX_VARINT_BYTES)
+    for index in range(start, end):
+        byte = data[index]
+        value |= (byte & 0x7F) << (7 * (index - start))
+        if not byte & 0x80:
+            return value, index - start + 1
+    if len(data) - start >= MAX_VARINT_BYTES:
+        raise FrameError(f"length prefix longer than {MAX_VARINT_BYTES} bytes")
+    return None
+
+
+def frame_prefix(body_bytes: int) -> bytes:
+    """The length prefix of a frame whose body has ``body_bytes`` bytes."""
+    return encode_uvarint(body_bytes)
+
+
+class FrameReader:
+    """Sans-I/O frame reader: ``feed`` what the stream gave, take whole frames with ``next_frame``.
+
+    A prefix over ``max_frame_bytes`` raises ``FrameTooLarge`` as soon as the prefix is
+    complete; the reader is then unusable (the stream has lost framing) and raises again.
+    """
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        if max_frame_bytes < 1:
+            raise ValueError(f"max_frame_bytes must be positive, got {max_frame_bytes}")
+        self.max_frame_bytes = max_frame_bytes
+        self._buffer = bytearray()
+        self._start = 0  # frames before this offset were taken (compacted lazily)
+        self._broken: FrameError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes fed and not yet returned in a frame."""
+        return len(self._buffer) - self._start
+
+    @property
+    def at_frame_boundary(self) -> bool:
+        """True when no partial frame is buffered (a clean place for the stream to end)."""
+        return self.buffered == 0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._start and self._start == len(self._buffer):
+            self._buffer.clear()
+            self._start = 0
+        self._buffer += data
+
+    def needed(self) -> int:
+        """At least how many more bytes the next frame needs (1 while the prefix is incomplete)."""
+        decoded = decode_uvarint(self._buffer, self._start)
+        if decoded is None:
+            return 1
+        length, used = decoded
+        return max(1, used + length - self.buffered)
+
+    def next_frame(self) -> bytes | None:
+        """The next whole frame body, or None until more bytes are fed.
+
+        Raises:
+          FrameTooLarge: the next frame announces more than ``max_frame_bytes``.
+          FrameError: the length prefix is malformed.
+        """
+        if self._broken is not None:
+            raise self._broken
+        try:
+            decoded = decode_uvarint(self._buffer, self._start)
+        except FrameError as error:
+            self._broken = error
+            raise
+        if decoded is None:
+            return None
+        length, used = decoded
+        if length > self.max_frame_bytes:
+            self._broken = FrameTooLarge(
+                f"frame of {length} bytes is over the limit of {self.max_frame_bytes} bytes"
+            )
+            raise self._broken
+        begin = self._start + used
+        end = begin + length
+        if end > len(self._buffer):
+            return None
+        with memoryview(self._buffer) as view:  # one copy, and no export left behind
+            body = bytes(view[begin:end])
+        self._start = end
+        if self._start == len(self._buffer):
+            self._buffer.clear()
+            self._start = 0
+        elif self._start > (1 << 20):
+            del self._buffer[: self._start]
+            self._start = 0
+        return body
+
+    def truncation_error(self) -> FrameError:
+        """What to raise when the stream ends with a partial frame buffered."""
+        decoded = None
+        try:
+            decoded = decode_uvarint(self._buffer, self._start)
+        except FrameError as error:
+            return error
+        if decoded is None:
+            return FrameError("stream ended inside a length prefix")
+        length, used = decoded
+        return FrameError(f"stream ended {used + length - self.buffered} bytes before the end of a frame")
+
+
+# --- channel exchanges ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelFrame:
+    """One parsed channel frame. ``protocol_id`` is set for REQUEST only; ``payload`` is the
+    request or reply bytes, or the error text's UTF-8 bytes."""
+
+    kind: int
+    exchange_id: int
+    protocol_id: str
+    payload: bytes
+
+    @property
+    def kind_name(self) -> str:
+        return _KINDS.get(self.kind, str(self.kind))
+
+
+def _header(kind: int, exchange_id: int) -> bytes:
+    if not 0 <= exchange_id < 1 << 32:
+        raise ValueError(f"exchange id {exchange_id} does not fit in 32 bits")
+    return bytes((kind,)) + exchange_id.to_bytes(4, "big")
+
+
+def request_header(exchange_id: int, protocol_id: str) -> bytes:
+    """The body's head of a REQUEST (the payload follows it in the same frame)."""
+    name = protocol_id.encode("ascii")
+    if not 1 <= len(name) <= MAX_PROTOCOL_ID_BYTES:
+        raise ValueError(f"a protocol id has 1..{MAX_PROTOCOL_ID_BYTES} bytes, got {len(name)}")
+    return _header(REQUEST, exchange_id) + bytes((len(name),)) + name
+
+
+def reply_header(exchange_id: int) -> bytes:
+    return _header(REPLY, exchange_id)
+
+
+def error_header(exchange_id: int) -> bytes:
+    return _header(ERROR, exchange_id)
+
+
+def parse_channel_frame(body: bytes) -> ChannelFrame:
+    """Split a channel frame body into its parts.
+
+    Raises:
+      FrameError: too short, an unknown kind, or a malformed protocol id.
+    """
+    if len(body) < _HEADER_BYTES:
+        raise FrameError(f"a channel frame has at least {_HEADER_BYTES} bytes, got {len(body)}")
+    kind = body[0]
+    exchange_id = int.from_bytes(body[1:5], "big")
+    if kind == REQUEST:
+        if len(body) < _HEADER_BYTES + 1:
+            raise FrameError("a REQUEST frame ends before its protocol id")
+        n = body[_HEADER_BYTES]
+        start = _HEADER_BYTES + 1
+        if n == 0 or start + n > len(body):
+            raise FrameError(f"a REQUEST frame's protocol id of {n} bytes does not fit in the frame")
+        try:
+            protocol_id = body[start : start + n].decode("ascii")
+        except UnicodeDecodeError:
+            raise FrameError("a REQUEST frame's protocol id is not ASCII") from None
+        return ChannelFrame(REQUEST, exchange_id, protocol_id, body[start + n :])
+    if kind in (REPLY, ERROR):
+        return ChannelFrame(kind, exchange_id, "", body[_HEADER_BYTES:])
+    raise FrameError(f"unknown channel frame kind {kind}")

@@ -1,0 +1,540 @@
+"""The direct data channel: ``Transport`` over one long-lived TLS 1.3 connection per peer pair.
+
+Owns: listening for and dialling channel connections (``/ip4/<h>/tcp/<p>/tls/p2p/<id>``,
+``agent.core.multiaddrs``), their TLS 1.3 handshake with libp2p-TLS certificates
+(``agent.core.peer_cert``: an ephemeral P-256 certificate whose extension carries the peer's
+Ed25519 key and its signature over the certificate key; mutual: both sides present one and
+both check it), binding each connection to the peer id it proved, the exchanges multiplexed
+on it (``agent.core.frames``: REQUEST / REPLY / ERROR frames with exchange ids, so requests
+are pipelined: many in flight, answered in any order), and the fallback to libp2p.
+
+``ChannelTransport.request`` goes over the channel when the peer advertises a channel address
+(and the dial works: a refused or failed dial falls back before anything is sent); anything
+else (the tracker, a peer reachable only through the circuit relay, a peer without a channel)
+goes to the wrapped libp2p transport. Handlers are installed on both, so a peer is served the
+same way whichever path a request took. There is no plaintext mode: a connection that does
+not complete the TLS 1.3 handshake with a valid peer certificate is closed before a frame is
+read.
+
+Bad input from the network (a frame over ``max_frame_bytes``, a truncated frame, garbage,
+a reply to no request) closes that connection only: its pending requests fail with
+``TransportError``; other connections and their sessions are untouched.
+
+Must not import libp2p: the fallback is any ``Transport``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import secrets
+import ssl
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import trio
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent.core.frames import (
+    ERROR,
+    REPLY,
+    REQUEST,
+    FrameError,
+    FrameReader,
+    error_header,
+    frame_prefix,
+    parse_channel_frame,
+    reply_header,
+    request_header,
+)
+from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
+from agent.core.peer_cert import ISSUER_CERT_PEM, PeerCertError, make_peer_certificate, verify_peer_certificate
+from agent.io.keys import peer_id_of
+from agent.io.transport import Handler, Transport, TransportError
+
+__all__ = ["ALPN", "ChannelConfig", "ChannelTransport", "open_channel_transport", "tls_contexts"]
+
+log = logging.getLogger(__name__)
+
+#: Negotiated by ALPN: a peer that does not speak this channel version fails the handshake.
+ALPN = "baton-channel/1"
+_RECEIVE_BYTES = 256 * 1024
+_TLS_RECORD_BYTES = 16 * 1024  # TLS 1.3's largest record plaintext
+_SINGLE_WRITE_BYTES = 64 * 1024  # below this, prefix + header + payload go out as one write
+
+
+@dataclass(frozen=True)
+class ChannelConfig:
+    """Limits and timeouts of the channel.
+
+    ``listen_host``: where the channel listens (None: no listener: this peer dials out only,
+    e.g. a node behind NAT that is reached through the relay). ``listen_port``: 0 picks one.
+    ``advertise_host``: the host put in the advertised address (default ``listen_host``).
+    ``max_frame_bytes``: the largest frame read or written. ``connect_timeout_s``: TCP connect
+    + TLS handshake. ``cert_lifetime_s``: validity of the ephemeral certificate.
+    """
+
+    listen_host: str | None = "127.0.0.1"
+    listen_port: int = 0
+    advertise_host: str | None = None
+    max_frame_bytes: int = 64 << 20
+    connect_timeout_s: float = 5.0
+    cert_lifetime_s: float = 30 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.max_frame_bytes < 1:
+            raise ValueError(f"max_frame_bytes must be positive, got {self.max_frame_bytes}")
+        for name in ("connect_timeout_s", "cert_lifetime_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+
+
+def tls_contexts(key: Ed25519PrivateKey, cert_lifetime_s: float) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """``(server, client)`` TLS 1.3 contexts presenting a fresh certificate for ``key``.
+
+    Both require the peer's certificate (signed by the public issuer: see
+    ``agent.core.peer_cert``); the peer id is checked after the handshake.
+    """
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert_pem, key_pem = make_peer_certificate(
+        key,
+        ec.generate_private_key(ec.SECP256R1()),
+        serial_number=secrets.randbits(63) + 1,
+        not_before=now - datetime.timedelta(hours=1),  # clock skew between peers
+        not_after=now + datetime.timedelta(seconds=cert_lifetime_s),
+    )
+    contexts = []
+    for purpose in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT):
+        context = ssl.SSLContext(purpose)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        context.check_hostname = False  # peers are named by peer id, checked after the handshake
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cadata=ISSUER_CERT_PEM.decode("ascii"))
+        context.set_alpn_protocols([ALPN])
+        if purpose == ssl.PROTOCOL_TLS_SERVER:
+            context.num_tickets = 0  # no resumption: one long-lived connection per peer pair
+        # load_cert_chain reads files only: a private 0600 file that lives for this call
+        with tempfile.TemporaryDirectory(prefix="baton-tls-") as folder:
+            cert_path, key_path = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+            for path, data in ((cert_path, cert_pem), (key_path, key_pem)):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as file:
+                    file.write(data)
+            context.load_cert_chain(cert_path, key_path)
+        contexts.append(context)
+    return contexts[0], contexts[1]
+
+
+class _TlsStream:
+    """TLS over a trio TCP stream through ``ssl.SSLObject`` and memory BIOs.
+
+    Why not ``trio.SSLStream``: it moves one TLS record (16 KiB) per trip through its retry
+    loop, which costs ~20 ms per MiB here; this pump reads the socket in big chunks and drains
+    every record they hold in one go, and encrypts a whole frame with one ``write``.
+    """
+
+    def __init__(self, tcp: trio.SocketStream, context: ssl.SSLContext, *, server_side: bool) -> None:
+        self.tcp = tcp
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self._ssl = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side)
+        self._send_lock = trio.Lock()
+        self._eof = False
+
+    async def _flush(self) -> None:
+        async with self._send_lock:
+            if self._outgoing.pending:
+                await self.tcp.send_all(self._outgoing.read())
+
+    async def _fill(self) -> bool:
+        data = await self.tcp.receive_some(_RECEIVE_BYTES)
+        if not data:
+            self._incoming.write_eof()
+            return False
+        self._incoming.write(data)
+        return True
+
+    async def do_handshake(self) -> None:
+        while True:
+            try:
+                self._ssl.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self._flush()
+                if not await self._fill():
+                    raise trio.BrokenResourceError("the peer closed the connection during the TLS handshake") from None
+        await self._flush()
+
+    async def send_all(self, data: bytes) -> None:
+        async with self._send_lock:
+            self._ssl.write(data)
+            await self.tcp.send_all(self._outgoing.read())
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        """Decrypted bytes (possibly more than one record's); b"" at a clean end."""
+        while True:
+            parts = []
+            try:
+                while True:
+                    # one record at most per read: asking for more only makes (and page-faults)
+                    # a bigger buffer each time
+                    parts.append(self._ssl.read(_TLS_RECORD_BYTES))
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLZeroReturnError:
+                self._eof = True
+            if self._outgoing.pending:
+                await self._flush()  # post-handshake messages (e.g. key updates)
+            if parts or self._eof:
+                return b"".join(parts)
+            if not await self._fill():
+                try:
+                    return self._ssl.read(max_bytes)
+                except ssl.SSLZeroReturnError:
+                    return b""
+                except ssl.SSLError as error:  # truncated: EOF without close_notify
+                    raise trio.BrokenResourceError(f"TLS stream ended uncleanly ({error})") from None
+
+    def getpeercert(self, binary_form: bool = True) -> bytes | None:
+        return self._ssl.getpeercert(binary_form=True)
+
+    def selected_alpn_protocol(self) -> str | None:
+        return self._ssl.selected_alpn_protocol()
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self.tcp)
+
+
+def _peer_of(stream: _TlsStream) -> str:
+    """The authenticated peer id of a finished handshake. Raises PeerCertError."""
+    if stream.selected_alpn_protocol() != ALPN:
+        raise PeerCertError(f"the peer did not negotiate {ALPN}")
+    der = stream.getpeercert(binary_form=True)
+    if not der:
+        raise PeerCertError("the peer presented no certificate")
+    return verify_peer_certificate(der)
+
+
+@dataclass(eq=False)
+class _Pending:
+    done: trio.Event = field(default_factory=trio.Event)
+    kind: int = 0
+    payload: bytes = b""
+
+
+class _Connection:
+    """One authenticated channel connection and the exchanges in flight on it (either way)."""
+
+    def __init__(self, stream: _TlsStream, peer_id: str, max_frame_bytes: int, *, outbound: bool) -> None:
+        self.stream = stream
+        self.peer_id = peer_id
+        self.outbound = outbound
+        self.max_frame_bytes = max_frame_bytes
+        self.reader = FrameReader(max_frame_bytes)
+        self.send_lock = trio.Lock()
+        self.pending: dict[int, _Pending] = {}
+        # odd ids from the dialler, even from the listener: never the same id both ways
+        self._next_id = 1 if outbound else 2
+        self.closed: str | None = None
+
+    async def send_frame(self, header: bytes, payload: bytes) -> None:
+        prefix = frame_prefix(len(header) + len(payload))
+        async with self.send_lock:
+            if len(payload) <= _SINGLE_WRITE_BYTES:
+                await self.stream.send_all(prefix + header + payload)
+            else:
+                await self.stream.send_all(prefix + header)
+                await self.stream.send_all(payload)
+
+    async def request(self, protocol_id: str, payload: bytes) -> bytes:
+        if self.closed is not None:
+            raise TransportError(self.peer_id, f"channel closed ({self.closed})")
+        exchange_id = self._next_id
+        self._next_id = (self._next_id + 2) % (1 << 32) or (1 if self.outbound else 2)
+        waiter = _Pending()
+        self.pending[exchange_id] = waiter
+        try:
+            try:
+                await self.send_frame(request_header(exchange_id, protocol_id), payload)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+                self.fail(f"send failed: {type(error).__name__}: {error}")
+            await waiter.done.wait()
+        finally:
+            self.pending.pop(exchange_id, None)
+        if waiter.kind == REPLY:
+            return waiter.payload
+        if waiter.kind == ERROR:
+            raise TransportError(self.peer_id, f"stream reset ({waiter.payload.decode('utf-8', 'replace')})")
+        raise TransportError(self.peer_id, f"channel closed ({self.closed})")
+
+    def fail(self, reason: str) -> None:
+        """Mark the connection dead and wake every requester waiting on it."""
+        if self.closed is None:
+            self.closed = reason
+        for waiter in self.pending.values():
+            waiter.done.set()
+
+
+class ChannelTransport:
+    """``Transport``: the direct channel where the peer has one, else ``fallback`` (libp2p).
+
+    Made by ``open_channel_transport`` only. Counters (tests, benchmarks): ``channel_requests``
+    (requests sent over the channel), ``fallback_requests`` (sent through ``fallback``),
+    ``connections_dialled``, ``connections_accepted``, ``connections_refused`` (inbound
+    handshakes or peer certificates that failed), ``frames_refused`` (connections closed for
+    a bad frame).
+    """
+
+    def __init__(
+        self,
+        key: Ed25519PrivateKey,
+        fallback: Transport,
+        config: ChannelConfig,
+        client_context: ssl.SSLContext,
+        spawn: trio.MemorySendChannel,
+    ) -> None:
+        self._key = key
+        self._peer_id = peer_id_of(key)
+        if fallback.peer_id != self._peer_id:
+            raise ValueError(f"the fallback transport is peer {fallback.peer_id}, the key is {self._peer_id}")
+        self.fallback = fallback
+        self.config = config
+        self._client_context = client_context
+        self._spawn = spawn  # to the task that runs connections (the nursery stays in open_*)
+        self._handlers: dict[str, Handler] = {}
+        self._connections: dict[str, _Connection] = {}
+        self._dial_locks: dict[str, trio.Lock] = {}
+        self.channel_addrs: list[str] = []
+        self.channel_requests = 0
+        self.fallback_requests = 0
+        self.connections_dialled = 0
+        self.connections_accepted = 0
+        self.connections_refused = 0
+        self.frames_refused = 0
+
+    # -- Transport ---------------------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> str:
+        return self._peer_id
+
+    @property
+    def listen_addrs(self) -> list[str]:
+        return list(self.channel_addrs) + list(self.fallback.listen_addrs)
+
+    def set_handler(self, protocol_id: str, handler: Handler) -> None:
+        self._handlers[protocol_id] = handler
+        self.fallback.set_handler(protocol_id, handler)
+
+    async def keep_relay_reservation(self, relay_addr: str) -> str:
+        """The fallback's (libp2p) relay reservation; see ``P2PTransport.keep_relay_reservation``."""
+        keep = getattr(self.fallback, "keep_relay_reservation", None)
+        if keep is None:
+            raise TransportError("?", "the fallback transport cannot hold relay reservations")
+        return await keep(relay_addr)
+
+    async def request(
+        self, peer_id: str, addrs: Sequence[str], protocol_id: str, payload: bytes, *, timeout_s: float
+    ) -> bytes:
+        """Send ``payload`` to ``peer_id`` on ``protocol_id``; its reply. Raises TransportError.
+
+        The channel when ``addrs`` name one (or a connection to the peer is open), else, or
+        when every channel dial fails, the fallback with the other addresses.
+
+        Cancellation: the exchange is abandoned (its reply, if it comes, is dropped); the
+        connection stays up for the others.
+        """
+        if len(payload) > self.config.max_frame_bytes:
+            raise TransportError(
+                peer_id, f"request of {len(payload)} bytes is over max_frame_bytes={self.config.max_frame_bytes}"
+            )
+        if peer_id == self._peer_id:
+            raise TransportError(peer_id, "a peer cannot send a request to itself")
+        channel_targets, others = [], []
+        for addr in addrs:
+            parsed = parse_channel_multiaddr(addr)
+            if parsed is None:
+                others.append(addr)
+            elif parsed[2] != peer_id:
+                raise TransportError(peer_id, f"channel address {addr} names another peer ({parsed[2]})")
+            else:
+                channel_targets.append(parsed)
+        with trio.move_on_after(timeout_s) as scope:
+            connection = self._connections.get(peer_id)
+            if connection is None and channel_targets:
+                connection = await self._connect(peer_id, channel_targets)
+            if connection is not None:
+                self.channel_requests += 1
+                return await connection.request(protocol_id, payload)
+        if scope.cancelled_caught:
+            raise TransportError(peer_id, f"no reply on {protocol_id} within {timeout_s} s")
+        self.fallback_requests += 1
+        return await self.fallback.request(peer_id, others, protocol_id, payload, timeout_s=timeout_s)
+
+    # -- dialling ----------------------------------------------------------------------------
+
+    async def _connect(self, peer_id: str, targets: list[tuple[str, int, str]]) -> _Connection | None:
+        """A live connection to ``peer_id``, dialling ``targets`` in turn; None when all fail."""
+        lock = self._dial_locks.setdefault(peer_id, trio.Lock())
+        async with lock:  # concurrent requests share one dial
+            connection = self._connections.get(peer_id)
+            if connection is not None:
+                return connection
+            for host, port, _ in targets:
+                try:
+                    with trio.fail_after(self.config.connect_timeout_s):
+                        connection = await self._dial(peer_id, host, port)
+                except (OSError, trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError, PeerCertError) as error:
+                    log.info("channel to %s at %s:%d failed: %s: %s", peer_id, host, port, type(error).__name__, error)
+                    continue
+                self._connections[peer_id] = connection
+                return connection
+        return None
+
+    async def _dial(self, peer_id: str, host: str, port: int) -> _Connection:
+        tcp = await trio.open_tcp_stream(host, port)
+        try:
+            stream = _TlsStream(tcp, self._client_context, server_side=False)
+            await stream.do_handshake()
+            remote = _peer_of(stream)
+        except BaseException:
+            await trio.aclose_forcefully(tcp)
+            raise
+        if remote != peer_id:
+            await stream.aclose()
+            raise PeerCertError(f"the peer at {host}:{port} proved to be {remote}, not {peer_id}")
+        connection = _Connection(stream, peer_id, self.config.max_frame_bytes, outbound=True)
+        self.connections_dialled += 1
+        try:
+            await self._spawn.send(connection)  # its reader runs in open_channel_transport's nursery
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
+        return connection
+
+    # -- serving a connection (both directions) ----------------------------------------------
+
+    async def run_connection(self, connection: _Connection) -> None:
+        """Read frames until the connection ends; requests are answered in their own tasks.
+        Never raises (but Cancelled): a bad frame closes this connection only."""
+        try:
+            async with trio.open_nursery() as handlers:
+                try:
+                    await self._read_frames(connection, handlers)
+                except FrameError as error:
+                    self.frames_refused += 1
+                    log.warning("channel from %s: %s; closing the connection", connection.peer_id, error)
+                    connection.fail(f"bad frame: {error}")
+                except (trio.BrokenResourceError, trio.ClosedResourceError, ssl.SSLError, OSError) as error:
+                    connection.fail(f"{type(error).__name__}: {error}")
+                handlers.cancel_scope.cancel()
+        finally:
+            connection.fail(connection.closed or "closed")
+            if self._connections.get(connection.peer_id) is connection:
+                del self._connections[connection.peer_id]
+            with trio.CancelScope(shield=True):
+                await connection.stream.aclose()
+
+    async def _read_frames(self, connection: _Connection, handlers: trio.Nursery) -> None:
+        reader = connection.reader
+        stream = connection.stream
+        while True:
+            try:
+                data = await stream.receive_some(_RECEIVE_BYTES)
+            except trio.BrokenResourceError:
+                if not reader.at_frame_boundary:  # the peer went away inside a frame
+                    raise reader.truncation_error() from None
+                raise
+            if not data:
+                if not reader.at_frame_boundary:
+                    raise reader.truncation_error()
+                connection.fail("the peer closed the connection")
+                return
+            reader.feed(data)
+            while (body := reader.next_frame()) is not None:
+                frame = parse_channel_frame(body)
+                if frame.kind == REQUEST:
+                    handler = self._handlers.get(frame.protocol_id)
+                    handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
+                else:
+                    waiter = connection.pending.get(frame.exchange_id)
+                    if waiter is None:
+                        continue  # its requester gave up (cancelled or timed out)
+                    waiter.kind, waiter.payload = frame.kind, frame.payload
+                    waiter.done.set()
+
+    async def _answer(
+        self, connection: _Connection, handler: Handler | None, exchange_id: int, protocol_id: str, payload: bytes
+    ) -> None:
+        if handler is None:
+            header, reply = error_header(exchange_id), f"protocol {protocol_id} not supported".encode()
+        else:
+            try:
+                reply = bytes(await handler(connection.peer_id, payload))
+                header = reply_header(exchange_id)
+            except Exception as error:
+                log.exception("handler for %s failed on a request from %s", protocol_id, connection.peer_id)
+                header, reply = error_header(exchange_id), f"handler failed ({type(error).__name__})".encode()
+            if len(reply) > connection.max_frame_bytes:
+                log.error("handler for %s returned %d bytes, over max_frame_bytes", protocol_id, len(reply))
+                header, reply = error_header(exchange_id), b"reply over max_frame_bytes"
+        try:
+            await connection.send_frame(header, reply)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            connection.fail(f"send failed: {type(error).__name__}: {error}")
+
+    async def serve_inbound(self, server_context: ssl.SSLContext, tcp: trio.SocketStream) -> None:
+        """One accepted TCP connection: handshake, check the peer's certificate, serve it."""
+        stream = _TlsStream(tcp, server_context, server_side=True)
+        try:
+            with trio.fail_after(self.config.connect_timeout_s):
+                await stream.do_handshake()
+            remote = _peer_of(stream)
+        except (trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError, PeerCertError, OSError) as error:
+            self.connections_refused += 1
+            log.info("refused a channel connection: %s: %s", type(error).__name__, error)
+            await stream.aclose()
+            return
+        self.connections_accepted += 1
+        await self.run_connection(_Connection(stream, remote, self.config.max_frame_bytes, outbound=False))
+
+
+@asynccontextmanager
+async def open_channel_transport(
+    key: Ed25519PrivateKey, fallback: Transport, config: ChannelConfig | None = None
+) -> AsyncIterator[ChannelTransport]:
+    """The direct channel for ``key`` in front of ``fallback`` (libp2p, same key).
+
+    Resource handling: the listener and every connection close on exit; ``fallback`` is left
+    open (its owner closes it).
+    Cancellation: cancelling the enclosing scope closes the channel.
+    """
+    config = config or ChannelConfig()
+    server_context, client_context = tls_contexts(key, config.cert_lifetime_s)
+    spawn_send, spawn_receive = trio.open_memory_channel[_Connection](0)
+    transport = ChannelTransport(key, fallback, config, client_context, spawn_send)
+
+    async def run_dialled() -> None:
+        async with trio.open_nursery() as connections:
+            async for connection in spawn_receive:
+                connections.start_soon(transport.run_connection, connection)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_dialled)
+        if config.listen_host is not None:
+            listeners = await trio.open_tcp_listeners(config.listen_port, host=config.listen_host)
+            nursery.start_soon(trio.serve_listeners, lambda tcp: transport.serve_inbound(server_context, tcp), listeners)
+            host = config.advertise_host or config.listen_host
+            port = listeners[0].socket.getsockname()[1]
+            transport.channel_addrs.append(channel_multiaddr(host, port, transport.peer_id))
+        try:
+            yield transport
+        finally:
+            nursery.cancel_scope.cancel()

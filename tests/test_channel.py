@@ -1,0 +1,189 @@
+"""agent.io.channel: the direct TLS channel, over real sockets on loopback.
+
+Fallback peers are a ``MemoryNetwork`` (the channel must not need libp2p to be tested)."""
+
+from __future__ import annotations
+
+import ssl
+
+import pytest
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent.core import frames
+from agent.core.multiaddrs import parse_channel_multiaddr
+from agent.io.channel import ChannelConfig, _TlsStream, open_channel_transport, tls_contexts
+from agent.io.keys import peer_id_of
+from agent.io.transport import MemoryNetwork, TransportError
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.trio]
+
+ECHO = "/test/echo/1.0.0"
+
+
+class Pair:
+    def __init__(self, a, b, net: MemoryNetwork) -> None:  # noqa: ANN001
+        self.a, self.b, self.net = a, b, net
+        self.seen: list[tuple[str, bytes]] = []
+        self.release = trio.Event()
+        self.arrived = trio.Event()
+
+        async def echo(remote: str, payload: bytes) -> bytes:
+            self.seen.append((remote, payload))
+            self.arrived.set()
+            if payload.startswith(b"slow"):
+                await self.release.wait()
+            return b"echo:" + payload
+
+        b.set_handler(ECHO, echo)
+
+
+@pytest.fixture
+async def pair():  # noqa: ANN201
+    net = MemoryNetwork()
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    async with open_channel_transport(ka, net.add(peer_id_of(ka)), ChannelConfig(max_frame_bytes=4096)) as a:
+        async with open_channel_transport(kb, net.add(peer_id_of(kb)), ChannelConfig(max_frame_bytes=4096)) as b:
+            yield Pair(a, b, net)
+
+
+async def test_requests_are_pipelined_on_one_authenticated_connection(pair: Pair) -> None:
+    a, b = pair.a, pair.b
+    assert parse_channel_multiaddr(b.listen_addrs[0])[2] == b.peer_id
+    replies = {}
+
+    async def one(i: int) -> None:
+        replies[i] = await a.request(b.peer_id, b.listen_addrs, ECHO, b"m%d" % i, timeout_s=10)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(50):
+            nursery.start_soon(one, i)
+    assert replies == {i: b"echo:m%d" % i for i in range(50)}
+    assert a.connections_dialled == 1 and b.connections_accepted == 1
+    assert a.channel_requests == 50 and a.fallback_requests == 0
+    assert {remote for remote, _ in pair.seen} == {a.peer_id}  # the id the certificate proved
+
+
+async def test_a_slow_exchange_does_not_hold_up_others(pair: Pair) -> None:
+    a, b = pair.a, pair.b
+    async with trio.open_nursery() as nursery:
+        slow = {}
+
+        async def slow_one() -> None:
+            slow["reply"] = await a.request(b.peer_id, b.listen_addrs, ECHO, b"slow", timeout_s=10)
+
+        nursery.start_soon(slow_one)
+        assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"fast", timeout_s=10) == b"echo:fast"
+        pair.release.set()
+    assert slow["reply"] == b"echo:slow"
+
+
+async def test_a_peer_with_another_key_cannot_answer_for_a_peer_id(pair: Pair) -> None:
+    """B's channel address offered as X's: B proves to be B, so nothing is sent to it."""
+    a, b = pair.a, pair.b
+    x = peer_id_of(Ed25519PrivateKey.generate())
+    host, port, _ = parse_channel_multiaddr(b.listen_addrs[0])
+    with pytest.raises(TransportError, match="unreachable"):  # no channel; the fallback knows no X
+        await a.request(x, [f"/ip4/{host}/tcp/{port}/tls/p2p/{x}"], ECHO, b"secret", timeout_s=5)
+    assert pair.seen == [] and a.channel_requests == 0
+    with pytest.raises(TransportError, match="names another peer"):
+        await a.request(x, b.listen_addrs, ECHO, b"secret", timeout_s=5)
+
+
+async def test_falls_back_when_there_is_no_channel(pair: Pair) -> None:
+    a, b = pair.a, pair.b
+    assert await a.request(b.peer_id, [f"/memory/{b.peer_id}/p2p/{b.peer_id}"], ECHO, b"x", timeout_s=5) == b"echo:x"
+    assert a.fallback_requests == 1 and a.channel_requests == 0
+
+
+async def _raw_tls(port: int, context: ssl.SSLContext) -> _TlsStream:
+    tcp = await trio.open_tcp_stream("127.0.0.1", port)
+    stream = _TlsStream(tcp, context, server_side=False)
+    await stream.do_handshake()
+    return stream
+
+
+def _port(transport) -> int:  # noqa: ANN001
+    return parse_channel_multiaddr(transport.listen_addrs[0])[1]
+
+
+async def _closed_without_reply(receive) -> bool:  # noqa: ANN001
+    with trio.fail_after(5):
+        try:
+            return await receive(1 << 16) == b""
+        except (trio.BrokenResourceError, ssl.SSLError, OSError):
+            return True
+
+
+async def test_plaintext_is_refused(pair: Pair) -> None:
+    b = pair.b
+    async with await trio.open_tcp_stream("127.0.0.1", _port(b)) as tcp:
+        body = frames.request_header(1, ECHO) + b"plain"
+        await tcp.send_all(frames.frame_prefix(len(body)) + body)
+        assert await _closed_without_reply(tcp.receive_some)
+    assert pair.seen == [] and b.connections_refused == 1
+
+
+async def test_a_client_without_a_peer_certificate_is_refused(pair: Pair) -> None:
+    b = pair.b
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    context.set_alpn_protocols(["baton-channel/1"])
+    tcp = await trio.open_tcp_stream("127.0.0.1", _port(b))
+    stream = _TlsStream(tcp, context, server_side=False)
+    try:
+        await stream.do_handshake()
+        body = frames.request_header(1, ECHO) + b"anonymous"
+        await stream.send_all(frames.frame_prefix(len(body)) + body)
+        assert await _closed_without_reply(stream.receive_some)
+    except (ssl.SSLError, trio.BrokenResourceError):
+        pass  # refused in the handshake itself
+    finally:
+        await stream.aclose()
+    assert pair.seen == [] and b.connections_refused == 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        frames.frame_prefix(4097),  # over max_frame_bytes (4096): refused on the prefix
+        frames.frame_prefix(6) + b"\x09\x00\x00\x00\x01x",  # unknown kind
+        frames.frame_prefix(3) + b"\x01\x00\x00",  # too short for a header
+        b"\xff" * 11,  # a length prefix that never ends
+        frames.frame_prefix(100) + b"\x01\x00\x00\x00\x01",  # truncated: the peer closes mid-frame
+    ],
+    ids=["oversize", "garbage-kind", "short", "bad-prefix", "truncated"],
+)
+async def test_bad_frames_close_that_connection_only(pair: Pair, bad: bytes) -> None:
+    a, b = pair.a, pair.b
+    async with trio.open_nursery() as nursery:
+        in_flight = {}
+
+        async def session() -> None:  # another session's exchange, in flight meanwhile
+            in_flight["reply"] = await a.request(b.peer_id, b.listen_addrs, ECHO, b"slow session", timeout_s=10)
+
+        nursery.start_soon(session)
+        with trio.fail_after(5):
+            await pair.arrived.wait()  # the handler holds the other session's request
+        key = Ed25519PrivateKey.generate()
+        _server, client = tls_contexts(key, 3600)
+        rogue = await _raw_tls(_port(b), client)
+        await rogue.send_all(bad)
+        if bad.endswith(b"\x01\x00\x00\x00\x01"):
+            await rogue.aclose()  # truncated frame: the TCP stream ends inside it
+            with trio.fail_after(5):
+                while b.frames_refused == 0:  # a condition to reach, not a delay to wait out
+                    await trio.sleep(0.01)
+        else:
+            assert await _closed_without_reply(rogue.receive_some)
+            await rogue.aclose()
+        assert b.frames_refused == 1
+        pair.release.set()
+    assert in_flight["reply"] == b"echo:slow session"
+    assert [payload for _, payload in pair.seen] == [b"slow session"]
+    assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"after", timeout_s=5) == b"echo:after"
+
+
+async def test_oversize_requests_are_refused_locally(pair: Pair) -> None:
+    with pytest.raises(TransportError, match="over max_frame_bytes"):
+        await pair.a.request(pair.b.peer_id, pair.b.listen_addrs, ECHO, bytes(5000), timeout_s=5)

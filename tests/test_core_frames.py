@@ -1,0 +1,164 @@
+"""agent.core.frames, agent.core.multiaddrs, agent.core.peer_cert: pure codecs of the channel."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agent.core import frames
+from agent.core.frames import FrameError, FrameReader, FrameTooLarge, decode_uvarint, encode_uvarint
+from agent.core.identity import peer_id_from_public_key
+from agent.core.multiaddrs import channel_multiaddr, is_circuit, parse_channel_multiaddr
+from agent.core.peer_cert import LIBP2P_TLS_OID, PeerCertError, make_peer_certificate, verify_peer_certificate
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_uvarint_round_trip() -> None:
+    for value in (0, 1, 127, 128, 300, 1 << 32, (1 << 64) - 1):
+        encoded = encode_uvarint(value)
+        assert decode_uvarint(encoded + b"rest") == (value, len(encoded))
+        assert decode_uvarint(encoded[:-1]) is None
+    assert encode_uvarint(300) == b"\xac\x02"
+    with pytest.raises(FrameError, match="longer than 10"):
+        decode_uvarint(b"\xff" * 11)
+
+
+def _frame(body: bytes) -> bytes:
+    return frames.frame_prefix(len(body)) + body
+
+
+def test_reader_splits_frames_fed_byte_by_byte() -> None:
+    wire = _frame(b"one") + _frame(b"") + _frame(b"three" * 100)
+    reader = FrameReader(1000)
+    got = []
+    for i in range(len(wire)):
+        reader.feed(wire[i : i + 1])
+        while (body := reader.next_frame()) is not None:
+            got.append(body)
+    assert got == [b"one", b"", b"three" * 100]
+    assert reader.at_frame_boundary
+
+
+def test_reader_refuses_an_oversize_prefix_before_the_body() -> None:
+    reader = FrameReader(100)
+    reader.feed(frames.frame_prefix(101))  # no body at all: refused on the prefix alone
+    with pytest.raises(FrameTooLarge, match="101 bytes is over the limit of 100"):
+        reader.next_frame()
+    with pytest.raises(FrameTooLarge):  # the stream lost framing: stays refused
+        reader.next_frame()
+
+
+def test_reader_names_truncation() -> None:
+    reader = FrameReader(100)
+    reader.feed(_frame(b"abcdef")[:-2])
+    assert reader.next_frame() is None
+    assert not reader.at_frame_boundary
+    assert "2 bytes before the end" in str(reader.truncation_error())
+    reader = FrameReader(100)
+    reader.feed(b"\x80")
+    assert "inside a length prefix" in str(reader.truncation_error())
+
+
+def test_channel_frames_round_trip() -> None:
+    body = frames.request_header(7, "/baton/step/1.0.0") + b"payload"
+    frame = frames.parse_channel_frame(body)
+    assert (frame.kind, frame.exchange_id, frame.protocol_id, frame.payload) == (
+        frames.REQUEST, 7, "/baton/step/1.0.0", b"payload"
+    )
+    reply = frames.parse_channel_frame(frames.reply_header(2**32 - 1) + b"r")
+    assert (reply.kind_name, reply.exchange_id, reply.payload) == ("REPLY", 2**32 - 1, b"r")
+    assert frames.parse_channel_frame(frames.error_header(3) + b"why").kind == frames.ERROR
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (b"\x01\x00", "at least 5 bytes"),
+        (b"\x09\x00\x00\x00\x01", "unknown channel frame kind 9"),
+        (b"\x01\x00\x00\x00\x01", "ends before its protocol id"),
+        (b"\x01\x00\x00\x00\x01\x05ab", "does not fit"),
+        (b"\x01\x00\x00\x00\x01\x00", "does not fit"),
+        (b"\x01\x00\x00\x00\x01\x01\xff", "not ASCII"),
+    ],
+)
+def test_garbage_channel_frames_are_refused(body: bytes, message: str) -> None:
+    with pytest.raises(FrameError, match=message):
+        frames.parse_channel_frame(body)
+
+
+def test_channel_multiaddrs() -> None:
+    addr = channel_multiaddr("127.0.0.1", 4001, "12D3KooWabc")
+    assert addr == "/ip4/127.0.0.1/tcp/4001/tls/p2p/12D3KooWabc"
+    assert parse_channel_multiaddr(addr) == ("127.0.0.1", 4001, "12D3KooWabc")
+    assert parse_channel_multiaddr(channel_multiaddr("::1", 5, "id")) == ("::1", 5, "id")
+    for other in (
+        "/ip4/127.0.0.1/tcp/4001/p2p/12D3KooWabc",  # libp2p
+        "/ip4/127.0.0.1/tcp/4001/p2p/R/p2p-circuit/p2p/X",
+        "/ip4/999.0.0.1/tcp/4001/tls/p2p/X",
+        "/ip4/::1/tcp/4001/tls/p2p/X",
+        "/ip4/127.0.0.1/tcp/0/tls/p2p/X",
+        "/ip4/127.0.0.1/tcp/4001/tls/p2p/",
+    ):
+        assert parse_channel_multiaddr(other) is None, other
+    assert is_circuit("/ip4/1.2.3.4/tcp/1/p2p/R/p2p-circuit/p2p/X")
+
+
+def _cert(identity: Ed25519PrivateKey, cert_key=None) -> bytes:  # noqa: ANN001
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    pem, _key = make_peer_certificate(
+        identity, cert_key or ec.generate_private_key(ec.SECP256R1()), serial_number=9,
+        not_before=now, not_after=now + datetime.timedelta(days=1),
+    )  # fmt: skip
+    return x509.load_pem_x509_certificate(pem).public_bytes(serialization.Encoding.DER)
+
+
+def _peer_id(key: Ed25519PrivateKey) -> str:
+    return peer_id_from_public_key(key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
+
+
+def test_peer_certificate_names_its_identity() -> None:
+    key = Ed25519PrivateKey.generate()
+    assert verify_peer_certificate(_cert(key)) == _peer_id(key)
+
+
+def test_a_certificate_claiming_another_identity_is_refused() -> None:
+    """The extension of one certificate moved onto a certificate for another key: the
+    signature covers the first certificate's key only, so the claim is refused."""
+    victim, attacker = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    victim_cert = x509.load_der_x509_certificate(_cert(victim))
+    stolen = victim_cert.extensions.get_extension_for_oid(LIBP2P_TLS_OID).value
+    attacker_key = ec.generate_private_key(ec.SECP256R1())
+    forged = (
+        x509.CertificateBuilder()
+        .subject_name(victim_cert.subject).issuer_name(victim_cert.issuer)
+        .public_key(attacker_key.public_key()).serial_number(1)
+        .not_valid_before(victim_cert.not_valid_before_utc).not_valid_after(victim_cert.not_valid_after_utc)
+        .add_extension(stolen, critical=False)
+        .sign(attacker_key, hashes.SHA256())
+    )  # fmt: skip
+    with pytest.raises(PeerCertError, match="does not cover this certificate's key"):
+        verify_peer_certificate(forged.public_bytes(serialization.Encoding.DER))
+
+
+def test_certificates_without_or_with_a_broken_extension_are_refused() -> None:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "x")])
+    base = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(1).not_valid_before(datetime.datetime(2026, 1, 1))
+        .not_valid_after(datetime.datetime(2027, 1, 1))
+    )  # fmt: skip
+    plain = base.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.DER)
+    with pytest.raises(PeerCertError, match="no libp2p public key extension"):
+        verify_peer_certificate(plain)
+    broken = base.add_extension(x509.UnrecognizedExtension(LIBP2P_TLS_OID, b"\x30\x03\x04\x01\x00"), critical=False)
+    with pytest.raises(PeerCertError):
+        verify_peer_certificate(broken.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.DER))
+    with pytest.raises(PeerCertError, match="not an X.509"):
+        verify_peer_certificate(b"garbage")

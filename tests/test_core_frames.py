@@ -14,7 +14,7 @@ from agent.core import frames
 from agent.core.frames import FrameError, FrameReader, FrameTooLarge, decode_uvarint, encode_uvarint
 from agent.core.identity import peer_id_from_public_key
 from agent.core.multiaddrs import channel_multiaddr, is_circuit, parse_channel_multiaddr
-from agent.core.peer_cert import LIBP2P_TLS_OID, PeerCertError, make_peer_certificate, verify_peer_certificate
+from agent.io.peer_cert import LIBP2P_TLS_OID, PeerCertError, make_peer_certificate, verify_peer_certificate
 
 pytestmark = pytest.mark.timeout(30)
 

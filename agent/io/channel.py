@@ -53,7 +53,7 @@ from agent.core.frames import (
     request_header,
 )
 from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
-from agent.core.peer_cert import ISSUER_CERT_PEM, PeerCertError, make_peer_certificate, verify_peer_certificate
+from agent.io.peer_cert import ISSUER_CERT_PEM, PeerCertError, make_peer_certificate, verify_peer_certificate
 from agent.io.keys import peer_id_of
 from agent.io.transport import Handler, Transport, TransportError
 

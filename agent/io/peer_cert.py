@@ -14,8 +14,9 @@ Owns the certificate a peer presents on ``agent.io.channel`` and what makes one 
   sign with it) and is not meant to: it only gets the leaf through OpenSSL's chain check.
   All authentication is the extension check in ``verify_peer_certificate``.
 
-Pure: the ephemeral key, serial and validity come in as arguments (no randomness or clock
-here). Uses ``cryptography`` only.
+No randomness or clock here: the ephemeral key, serial and validity come in as arguments.
+In ``agent.io`` rather than the core because building X.509 certificates needs calendar dates
+(``datetime``), which the core does not import; the acceptance rule itself is pure.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.x509.oid import NameOID
 
-from .identity import ED25519_KEY_BYTES, peer_id_from_public_key
+from agent.core.identity import ED25519_KEY_BYTES, peer_id_from_public_key
 
 __all__ = [
     "ISSUER_CERT_PEM",

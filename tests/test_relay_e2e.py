@@ -49,8 +49,15 @@ class Relay:
     n_layer: int
     chat_template: ChatTemplate
 
-    def client(self, key: str | None = None, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or self.key, max_retries=0, timeout=120.0, **kwargs)
+    clients: dict[str, openai.OpenAI] = dataclasses.field(default_factory=dict)
+
+    def client(self, key: str | None = None) -> openai.OpenAI:
+        """One client per key for the module (closed with the fixture: no socket is left to
+        the garbage collector)."""
+        key = key or self.key
+        if key not in self.clients:
+            self.clients[key] = openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120.0)
+        return self.clients[key]
 
 
 async def _start(swarm: LocalSwarm) -> None:
@@ -79,7 +86,12 @@ def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Relay]:
         trio.run(_start, swarm)
         key = swarm.add_relay_key("tests")
         path = config.model_path
-        yield Relay(swarm, swarm.relay_url, key, sha256_file(path), 30, _chat_template(path))
+        running = Relay(swarm, swarm.relay_url, key, sha256_file(path), 30, _chat_template(path))
+        try:
+            yield running
+        finally:
+            for client in running.clients.values():
+                client.close()
     finally:
         swarm.close_nowait()
 

@@ -214,6 +214,56 @@ async def test_a_lost_node_is_named_and_routed_around_before_its_heartbeat_timeo
         running.swarm.check_alive()
 
 
+@pytest.mark.timeout(400)
+def test_baton_generate_survives_its_first_hop_being_killed(tmp_path: Path) -> None:
+    """The case that used to exit 2: the first hop dies mid-generation. Tokenizing and
+    detokenizing are local now, so only the steps replan."""
+
+    async def main() -> None:
+        async with running_swarm_async(tmp_path, 4, blocks_each=15, heartbeat_timeout_ms=15000) as running:
+            argv = [
+                sys.executable, "-m", "agent.cli", "generate", "--tracker", running.addr, "--model", ALIAS,
+                # long enough that the kill lands mid-generation
+                "--max-tokens", "160", "--cache-dir", str(tmp_path / "client-cache"), PROMPTS[1],
+            ]  # fmt: skip
+            undisturbed = await trio.run_process(argv, capture_stdout=True, capture_stderr=True)
+            reference_text = undisturbed.stdout.decode().split("\nroute:")[0]
+            by_peer = {proc.peer_id: name for name, proc in running.swarm.nodes.items()}
+            async with trio.open_nursery() as nursery:
+                process = await nursery.start(
+                    lambda task_status: trio.run_process(
+                        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False, task_status=task_status
+                    )
+                )
+                output = b""
+                while len(output) < 20:  # some text streamed: it is decoding
+                    chunk = await process.stdout.receive_some(1024)
+                    assert chunk, "baton generate ended before streaming any text"
+                    output += chunk
+                async with client(running) as c:
+                    with trio.fail_after(10):
+                        victim_id = None
+                        while victim_id is None:  # the first hop that holds its session (nodes report it)
+                            for node in await c.list_nodes():
+                                for status in node.serving:
+                                    if status.assignment.begin == 0 and status.sequences_in_use:
+                                        victim_id = node.peer_id
+                            await trio.sleep(0.1)
+                running.swarm.nodes[by_peer[victim_id]].signal_group(signal.SIGKILL)
+                async for chunk in process.stdout:
+                    output += chunk
+                errors = b"".join([chunk async for chunk in process.stderr]).decode()
+                await process.wait()
+            assert process.returncode == 0, errors
+            text = output.decode()
+            assert text.split("\nroute:")[0] == reference_text
+            assert f"replanning without {victim_id}" in errors
+            assert victim_id not in text.split("\nroute:")[1]
+            await running.swarm.kill_node(by_peer[victim_id])
+
+    trio.run(main)
+
+
 # --- circuit relay through the tracker --------------------------------------------------------------
 
 

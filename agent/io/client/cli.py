@@ -47,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--replan-attempts", type=cli_args.non_negative_int, default=1,
         help="new routes one generation may move to after a hop fails (default 1)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cache-dir",
+        help="where the model's metadata-only copy for the local tokenizer lives (default $BATON_CACHE/client)",
+    )
+    parser.add_argument(
+        "--remote-tokenizer", action="store_true",
+        help="tokenize and detokenize on the route's first hop instead of locally (no worker binary needed)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument("prompt", help="the prompt text")
 
@@ -83,10 +91,14 @@ def main(args: argparse.Namespace) -> int:
         async with open_swarm_client(
             args.tracker, key=key, config=config, listen_addrs=args.listen or ("/ip4/127.0.0.1/tcp/0",)
         ) as client:
-            result = await client.generate(
-                args.model, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_text=None if args.json else show,
-            )  # fmt: skip
+            async with trio.open_nursery() as nursery:
+                vocab = None if args.remote_tokenizer else await _local_vocab(nursery, client, args)
+                result = await client.generate(
+                    args.model, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, on_text=None if args.json else show,
+                    vocab=vocab,
+                )  # fmt: skip
+                nursery.cancel_scope.cancel()  # the vocab worker
             return result
 
     try:
@@ -113,6 +125,30 @@ def main(args: argparse.Namespace) -> int:
             f"({len(result.tokens)} tokens{', stopped by end of generation' if result.stopped_by_token else ''})"
         )
     return 0
+
+
+async def _local_vocab(nursery, client, args: argparse.Namespace):  # noqa: ANN001, ANN202
+    """The model's vocabulary held here (``agent.io.vocab``), or None when it cannot be (then
+    the first hop tokenizes): tokenizing and detokenizing locally keeps every client path off
+    the hops, so a lost hop only costs a replan of the steps."""
+    from pathlib import Path
+
+    from agent.io.vocab import VocabularyError, serve_vocabularies
+    from agent.io.worker_process import WorkerBinaryNotFound, find_worker_binary
+    from agent.models import cache_dir
+
+    try:
+        find_worker_binary()
+    except WorkerBinaryNotFound as error:
+        print(f"baton generate: no local tokenizer ({error}); the first hop tokenizes", file=sys.stderr)
+        return None
+    folder = Path(args.cache_dir) if args.cache_dir else cache_dir() / "client"
+    pool = await nursery.start(lambda task_status: serve_vocabularies(client.model_metadata, folder, task_status=task_status))
+    try:
+        return await pool.get(args.model)
+    except VocabularyError as error:
+        print(f"baton generate: no local tokenizer ({error}); the first hop tokenizes", file=sys.stderr)
+        return None
 
 
 if __name__ == "__main__":

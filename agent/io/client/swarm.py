@@ -30,6 +30,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
@@ -51,8 +52,11 @@ from agent.core.swarm_wire import (
     peer_id_from_multiaddr,
     step_ack,
 )
-
+from agent.core.text_stream import TextStream
 from agent.io.transport import Transport, TransportError
+
+if TYPE_CHECKING:
+    from agent.io.vocab import ModelVocab
 
 __all__ = [
     "SwarmClientConfig",
@@ -543,15 +547,19 @@ class SwarmClient:
         seed: int | None = None,
         on_text: Callable[[str], None] | None = None,
         route: swarm_pb2.Route | None = None,
+        vocab: ModelVocab | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_tokens`` tokens from ``prompt`` through the swarm.
 
         Args:
           model: alias, name or sha256 the tracker knows.
-          prompt: the text; tokenized by the first hop (with special tokens, e.g. BOS).
+          prompt: the text. With ``vocab`` (the model's vocabulary held locally:
+            ``agent.io.vocab``), it is tokenized here and the output detokenized here, piece by
+            piece, so no token costs a round trip and no hop is asked for text; without, the
+            route's first hop tokenizes (with special tokens, e.g. BOS) and detokenizes.
           temperature, top_k, top_p: sampling (temperature 0: greedy); see ``SamplingParams``.
           seed: seeds the random generator (same seed, same route results: same tokens).
-          on_text: called with each new piece of text as it is decoded.
+          on_text: called with each new piece of text as it is decoded (whole UTF-8 characters).
           route: use this route instead of asking the tracker.
 
         Returns:
@@ -575,12 +583,14 @@ class SwarmClient:
         await self._fresh_admission()
         if route is None:
             route = await self.route(model)
+        if vocab is not None:
+            return await self._generate_with_vocab(model, prompt, vocab, max_tokens, sampling, seed, on_text, route)
         prompt_tokens, stop_tokens = await self._tokenize_prompt(route, prompt)
         generated: list[int] = []
         shown = ""
         current_route = route
 
-        async def stream(token: int, _logits: np.ndarray, on_route: swarm_pb2.Route) -> bool:
+        async def stream(token: int, _logits, on_route: swarm_pb2.Route) -> bool:  # noqa: ANN001
             # detokenize the whole output: a token may end in the middle of a UTF-8 character
             nonlocal shown, current_route
             generated.append(token)
@@ -602,6 +612,40 @@ class SwarmClient:
         if on_text is not None and text.startswith(shown) and len(text) > len(shown):
             on_text(text[len(shown) :])
         result.text = text
+        return result
+
+    async def _generate_with_vocab(
+        self,
+        model: str,
+        prompt: str,
+        vocab: ModelVocab,
+        max_tokens: int,
+        sampling: SamplingParams,
+        seed: int | None,
+        on_text: Callable[[str], None] | None,
+        route: swarm_pb2.Route,
+    ) -> GenerationResult:
+        prompt_tokens = await vocab.tokenize(prompt)
+        if not prompt_tokens:
+            raise ValueError("the prompt tokenizes to no tokens")
+        eog = vocab.eog_token_ids
+        text = TextStream()
+
+        async def stream(token: int, _logits, _route) -> bool:  # noqa: ANN001
+            if token not in eog:
+                piece = text.feed(vocab.piece(token))
+                if piece and on_text is not None:
+                    on_text(piece)
+            return False
+
+        result = await self.generate_tokens(
+            model, prompt_tokens, max_tokens=max_tokens, stop_tokens=sorted(eog), sampling=sampling, seed=seed,
+            on_token=stream, route=route,
+        )  # fmt: skip
+        tail = text.finish()
+        if tail and on_text is not None:
+            on_text(tail)
+        result.text = text.text
         return result
 
     async def generate_tokens(
@@ -908,7 +952,14 @@ async def open_swarm_client(
     from agent.io.peer_transport import open_peer_transport
 
     key = key or Ed25519PrivateKey.generate()
+    refused: SwarmError | TransportError | None = None
     async with open_peer_transport(key, listen_addrs, channel=channel) as p2p:
         client = SwarmClient(p2p, key, tracker_peer_id, tracker_addrs, config, now_ms)
-        await client.hello()
-        yield client
+        try:
+            await client.hello()
+        except (SwarmError, TransportError) as error:
+            refused = error  # raised below, as itself: not wrapped by the transport's task group
+        else:
+            yield client
+    if refused is not None:
+        raise refused

@@ -10,7 +10,7 @@ Modules:
                    ``keys add / list / revoke``, ``ledger``;
   ``metrics``      Prometheus ``/metrics``;
   ``status_page``  the status page at ``/``;
-  ``tokenizer``    the model's tokenizer held locally (vocab-only load) and its chat template.
+  (the tokenizer, held locally from the model's metadata, is ``agent.io.vocab``, shared with ``baton generate``)
 
 The decisions live in the pure core: ``agent.core.quotas`` (limits, UTC days, ledger credit)
 and ``agent.core.session`` (a generation's steps, results and stopping). Nothing is imported

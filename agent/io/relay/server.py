@@ -2,7 +2,7 @@
 
 Owns the I/O of ``baton relay serve``: a Starlette app on Hypercorn's trio worker; the swarm
 client (admitted by the tracker as a session owner: the relay is the only party that samples);
-the vocabularies (``agent.io.relay.tokenizer``); API keys, quotas, usage and the ledger
+the vocabularies (``agent.io.vocab``); API keys, quotas, usage and the ledger
 (``agent.io.relay.store``); the status page and ``/metrics``.
 
 Decisions are the core's: which bodies are valid and what responses look like
@@ -59,7 +59,7 @@ from agent.io.transport import TransportError
 from .metrics import RelayMetrics
 from .status_page import render_status_page
 from .store import RelayStore
-from .tokenizer import ModelVocab, VocabularyError, VocabularyPool
+from agent.io.vocab import ModelVocab, VocabularyError, VocabularyPool
 
 __all__ = ["RelayConfig", "RelayState", "build_app", "serve_main", "serve_relay"]
 
@@ -715,7 +715,7 @@ async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] 
     from agent.io.client import SwarmClientConfig, open_swarm_client
 
     from .store import open_relay_store
-    from .tokenizer import serve_vocabularies
+    from agent.io.vocab import serve_vocabularies
 
     key = None
     if config.key_path is not None:

@@ -1,7 +1,8 @@
-"""The relay's vocabularies: one vocab-only worker per model, from the model's metadata alone.
+"""Local vocabularies for session owners (the relay, ``baton generate``): one vocab-only worker
+per model, from the model's metadata alone.
 
 Owns: fetching a model's GGUF metadata from the tracker (``model_metadata``), writing it into
-a sparse file of the GGUF's size in the relay's cache (``agent.io.gguf_sparse``: the disk
+a sparse file of the GGUF's size in the owner's cache (``agent.io.gguf_sparse``: the disk
 holds only the metadata), starting a ``baton-worker --vocab-only`` on it, and reading once its
 token pieces (so detokenizing a streamed token is a table lookup, with no round trip), its
 end-of-generation tokens and, from the metadata, the chat template and the BOS / EOS texts.

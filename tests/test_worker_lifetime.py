@@ -129,3 +129,25 @@ def test_a_worker_whose_parent_is_already_gone_does_not_start(tmp_path: Path, qw
     assert gone.returncode == 1
     assert "exited before the worker started" in gone.stderr
     assert not (tmp_path / "w.sock").exists()
+
+
+def test_worker_dirs_of_dead_owners_are_removed_at_the_next_start(tmp_path: Path) -> None:
+    from agent.io.worker_process import OWNER_FILE, WORKDIR_PREFIX, remove_stale_workdirs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # reaped: no such process any more
+    dirs = {}
+    for name, pid in (("dead", dead_pid), ("alive", os.getpid()), ("parent", os.getppid())):
+        path = tmp_path / f"{WORKDIR_PREFIX}{name}"
+        path.mkdir()
+        (path / OWNER_FILE).write_text(f"{pid}\n")
+        (path / "worker.sock").write_text("")
+        dirs[name] = path
+    unowned = tmp_path / f"{WORKDIR_PREFIX}no-owner-file"  # being made right now, or not ours
+    unowned.mkdir()
+    other = tmp_path / "something-else"
+    other.mkdir()
+    (other / OWNER_FILE).write_text(f"{dead_pid}\n")
+    assert remove_stale_workdirs(str(tmp_path)) == [str(dirs["dead"])]
+    assert not dirs["dead"].exists()
+    assert dirs["alive"].exists() and dirs["parent"].exists() and unowned.exists() and other.exists()

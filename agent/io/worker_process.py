@@ -57,6 +57,47 @@ class WorkerStartError(RuntimeError):
         self.log_tail = log_tail
 
 
+WORKDIR_PARENT = "/tmp"  # short: the socket path must fit sun_path
+WORKDIR_PREFIX = "baton-"
+OWNER_FILE = "owner.pid"  # the pid of the process that made the dir (it removes it on exit)
+
+
+def remove_stale_workdirs(parent: str = WORKDIR_PARENT) -> list[str]:
+    """Remove this user's worker temp dirs whose owner process is gone (a node killed with
+    SIGKILL cannot remove its own). Returns the dirs removed. Never raises."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for entry in entries:
+        if not entry.name.startswith(WORKDIR_PREFIX):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            with open(os.path.join(entry.path, OWNER_FILE)) as owner:
+                pid = int(owner.read().strip())
+        except (OSError, ValueError):
+            continue  # not ours, or not a worker dir written by this version
+        if pid == os.getpid() or _process_exists(pid):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
 def find_worker_binary() -> Path:
     """The worker binary: ``$BATON_WORKER_BIN`` if set, else ``<repo>/build/native/baton-worker``.
 
@@ -247,8 +288,11 @@ async def open_worker(
       takes at most ``stop_grace_s`` plus the time a SIGKILLed process needs to exit.
     """
     binary = Path(binary) if binary is not None else find_worker_binary()
-    workdir = tempfile.mkdtemp(prefix="baton-", dir="/tmp")
+    remove_stale_workdirs()
+    workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=WORKDIR_PARENT)
     try:
+        with open(os.path.join(workdir, OWNER_FILE), "w") as owner:
+            owner.write(f"{os.getpid()}\n")
         socket_path = socket_path or os.path.join(workdir, "worker.sock")
         if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH_BYTES:
             raise ValueError(f"socket path {socket_path!r} is longer than {MAX_SOCKET_PATH_BYTES} bytes")

@@ -311,6 +311,16 @@ async def test_greedy_generation_through_three_hops(swarm: Swarm) -> None:
     assert all(not ack.error.code for n in swarm.nodes for ack in n.result_acks)
 
 
+async def test_a_prompt_longer_than_a_step_goes_in_chunks(swarm: Swarm) -> None:
+    async with swarm.client(SwarmClientConfig(prefill_chunk_tokens=4)) as client:
+        result = await client.generate("smol", "abcdefghij", max_tokens=3)
+    assert result.tokens == greedy_continuation("abcdefghij", 3)
+    positions = [list(s.positions) for s in swarm.nodes[0].steps]
+    assert positions == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [10], [11]]
+    assert [s.step for s in swarm.nodes[0].steps] == [0, 1, 2, 3, 4]
+    assert result.decode_steps == 2 and result.hop_rows[0]["rows"] == 12
+
+
 async def test_an_end_of_generation_token_stops_and_stays_out_of_the_text(swarm: Swarm) -> None:
     async with swarm.client() as client:
         result = await client.generate("smol", "mn", max_tokens=10)

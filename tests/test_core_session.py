@@ -172,6 +172,32 @@ def test_prefill_then_one_row_per_step_at_the_next_position() -> None:
         s.next_step()
 
 
+def test_a_long_prompt_goes_in_chunks_that_are_checked_not_sampled() -> None:
+    sampling = SamplingParams(temperature=1.0)
+    chunked = Session(SID, list(range(10)), max_new_tokens=2, sampling=sampling, rng=np.random.default_rng(3),
+                      max_step_rows=4)  # fmt: skip
+    whole = Session(SID, list(range(10)), max_new_tokens=2, sampling=sampling, rng=np.random.default_rng(3))
+    steps = []
+    for k in range(3):
+        step = chunked.next_step()
+        steps.append((step.step, step.positions))
+        assert chunked.in_prefill
+        token = chunked.receive(result(k, logits_row(5)))
+        assert (token is None) == (k < 2) and chunked.generated == ([] if k < 2 else [token])
+    assert steps == [(0, (0, 1, 2, 3)), (1, (4, 5, 6, 7)), (2, (8, 9))]
+    assert chunked.next_step() == StepInput(step=3, positions=(10,), token_ids=(chunked.tokens[10],))
+    assert not chunked.in_prefill
+    whole.next_step()
+    # the chunks drew nothing: the first token is the one the unchunked session draws
+    assert whole.receive(result(0, logits_row(5))) == chunked.generated[0]
+    bad = Session(SID, list(range(10)), max_new_tokens=2, max_step_rows=4)
+    bad.next_step()
+    with pytest.raises(ResultRefused, match="malformed"):  # a chunk's logits are still checked
+        bad.receive(result(0, np.full(8, np.nan, dtype=np.float32)))
+    with pytest.raises(ValueError, match="max_step_rows"):
+        Session(SID, [1], max_new_tokens=1, max_step_rows=0)
+
+
 def test_an_end_of_generation_token_stops_and_is_kept() -> None:
     s = Session(SID, [1], max_new_tokens=10, stop_tokens=[7])
     s.next_step()

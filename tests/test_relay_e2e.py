@@ -233,6 +233,22 @@ def test_seeded_sampling_is_reproducible_and_logprobs_come_back(relay: Relay) ->
         assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-9
 
 
+@pytest.mark.timeout(300)
+def test_a_prompt_over_the_workers_batch_and_one_reaching_the_context_finish_cleanly(relay: Relay) -> None:
+    client = relay.client()
+    # ~1,500 tokens: three prefill chunks of at most 512 rows (the workers' batch), not a refusal
+    long = client.completions.create(model=ALIAS, prompt="one two three four five " * 300, max_tokens=4, temperature=0)
+    assert long.usage.prompt_tokens > 1400 and long.usage.completion_tokens == 4
+    assert long.choices[0].finish_reason == "length"
+    # 1,986 tokens of counting (the model goes on counting) and 200 more asked: the workers
+    # hold 2,048 positions per sequence
+    counting = ", ".join(str(i) for i in range(1, 420)) + ","
+    full = client.completions.create(model=ALIAS, prompt=counting, max_tokens=200, temperature=0)
+    assert full.usage.prompt_tokens == 1986
+    assert full.usage.prompt_tokens + full.usage.completion_tokens == 2048 + 1  # the last token is never forwarded
+    assert full.choices[0].finish_reason == "length"
+
+
 # --- errors ------------------------------------------------------------------------------------------
 
 

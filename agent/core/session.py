@@ -116,6 +116,9 @@ class Session:
       top_k_at_least: ask the last hop for at least this many top logits (e.g. the owner's
         top_logprobs); the request's K is ``agent.core.topk.result_top_k`` (0, the full row,
         when sampling has no top-k cut).
+      max_step_rows: the most rows one step carries (a worker's batch): a longer prompt goes
+        in chunks of this many rows, each a step of its own, so it pipelines down the route
+        and is never refused for its length. None: the whole prompt in step 0.
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class Session:
         n_vocab: int | None = None,
         route_peer_ids: Sequence[str] = (),
         top_k_at_least: int = 0,
+        max_step_rows: int | None = None,
     ) -> None:
         if len(session_id) != SESSION_ID_BYTES:
             raise ValueError(f"a session id has {SESSION_ID_BYTES} bytes, got {len(session_id)}")
@@ -141,6 +145,8 @@ class Session:
             raise ValueError(f"sampling at temperature {sampling.temperature} needs a random generator")
         if n_vocab is not None and n_vocab < 1:
             raise ValueError(f"n_vocab must be >= 1, got {n_vocab}")
+        if max_step_rows is not None and max_step_rows < 1:
+            raise ValueError(f"max_step_rows must be >= 1, got {max_step_rows}")
         self.session_id = bytes(session_id)
         self.prompt_len = len(prompt)
         self.max_new_tokens = max_new_tokens
@@ -157,6 +163,8 @@ class Session:
         self.result_top_k = result_top_k(sampling.temperature, sampling.top_k, at_least=top_k_at_least)
         self.failure: str | None = None
         self.route_peer_ids = tuple(route_peer_ids)
+        self.max_step_rows = max_step_rows
+        self._in_flight_end = 0  # tokens[:_in_flight_end] are cached once the step in flight is
         self._rng = rng
         self._n_cached = 0  # tokens[:_n_cached] are in the route's caches
 
@@ -209,11 +217,20 @@ class Session:
         if self.finished:
             raise ValueError(f"session {self.session_hex}: the session has ended ({self.state})")
         self.state = AWAITING
+        end = len(self.tokens)
+        if self.max_step_rows is not None:
+            end = min(end, self._n_cached + self.max_step_rows)
+        self._in_flight_end = end
         return StepInput(
             step=self.step,
-            positions=tuple(range(self._n_cached, len(self.tokens))),
-            token_ids=tuple(self.tokens[self._n_cached :]),
+            positions=tuple(range(self._n_cached, end)),
+            token_ids=tuple(self.tokens[self._n_cached : end]),
         )
+
+    @property
+    def in_prefill(self) -> bool:
+        """The step in flight (or the next) still carries prompt rows."""
+        return self._n_cached < self.prompt_len
 
     def step_request(
         self,
@@ -311,14 +328,15 @@ class Session:
             fatal=False,
         )
 
-    def receive(self, result: swarm_pb2.StepResult, sender_peer_id: str | None = None) -> int:
+    def receive(self, result: swarm_pb2.StepResult, sender_peer_id: str | None = None) -> int | None:
         """Take the result of the step in flight: check it, choose the next token, advance.
 
         ``sender_peer_id``: the (authenticated) peer that pushed ``result``; checked against
         the route when the session knows it (``check_sender``).
 
         Returns:
-          The chosen token (also appended to ``tokens``).
+          The chosen token (also appended to ``tokens``), or None for a prefill chunk that
+          more of the prompt follows (its logits are checked, not sampled).
 
         Raises:
           ResultRefused: not ours (``fatal`` False, session unchanged; see ``check_result``) or
@@ -331,14 +349,21 @@ class Session:
             error = HopFailed(result.error.code, result.error.message, result.failed_peer_id)
             self.fail(str(error))
             raise error
+        chunk = self._in_flight_end < len(self.tokens)  # a prefill chunk: more prompt follows
         try:
             logits = self._logits(result)
-            token = sample_token(logits, self.sampling, self._rng)
+            # a chunk's logits are checked, never sampled: no draw, so chunking changes no seed's tokens
+            token = None if chunk else sample_token(logits, self.sampling, self._rng)
         except ValueError as bad:
             message = f"malformed result for step {result.step} of session {self.session_hex}: {bad}"
             self.fail(message)
             raise ResultRefused(_error("INVALID_ARGUMENT"), message, fatal=True) from None
         self.n_vocab = int(result.n_vocab)
+        if token is None:
+            self._n_cached = self._in_flight_end
+            self.step += 1
+            self.state = READY
+            return None
         self.last_logits = logits
         self._n_cached = len(self.tokens)
         self.tokens.append(token)

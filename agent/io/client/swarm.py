@@ -87,6 +87,8 @@ class SwarmClientConfig:
     ``route_poll_interval_s``: pause between two route requests while waiting for a route
     (and the first pause while waiting for a free sequence).
     ``queue_timeout_s``: how long a new generation waits for a free sequence on its route.
+    ``prefill_chunk_tokens``: a prompt (or a re-prefill) longer than this goes in chunks of
+    this many rows, one step each (at most the workers' batch: 512 by default).
     ``step_deadline_factor`` / ``min_step_deadline_s``: a decode step that takes longer than
     this multiple of the measured decode step time (and at least the minimum) makes the owner
     probe the route's hops, each within ``probe_timeout_s``; one that does not answer is named
@@ -99,6 +101,7 @@ class SwarmClientConfig:
     replan_wait_s: float = 20.0
     route_poll_interval_s: float = 0.25
     queue_timeout_s: float = 60.0
+    prefill_chunk_tokens: int = 512
     step_deadline_factor: float = 10.0
     min_step_deadline_s: float = 1.0
     probe_timeout_s: float = 0.5
@@ -110,6 +113,8 @@ class SwarmClientConfig:
         ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         if self.replan_attempts < 0:
             raise ValueError(f"replan_attempts must be >= 0, got {self.replan_attempts}")
 
@@ -713,6 +718,7 @@ class SwarmClient:
                 sampling=sampling,
                 rng=rng,
                 route_peer_ids=[hop.peer_id for hop in route.hops],
+                max_step_rows=self.config.prefill_chunk_tokens,
             )
             try:
                 await self._run_session(session, route, progress, take)
@@ -794,18 +800,22 @@ class SwarmClient:
                     step_input, route, owner_peer_id=self.peer_id, owner_addrs=self.transport.listen_addrs,
                     admission=self.admission,
                 )  # fmt: skip
+                prefill = session.in_prefill
                 started = time.perf_counter()
                 sent_at = trio.current_time()
                 await self._send_step(first, request)
-                await self._await_result(live, route, step_input.step, sent_at)
+                await self._await_result(live, route, step_input.step, sent_at, prefill=prefill)
                 elapsed = time.perf_counter() - started
                 if isinstance(live.outcome, BaseException):
                     raise live.outcome
-                token = int(live.outcome)
-                if step_input.step > 0:
-                    self._note_decode_step(elapsed)
-                progress.add(token, elapsed, prefill=step_input.step == 0)
                 progress.add_rows(route, len(step_input.token_ids))
+                if live.outcome is None:  # a prefill chunk: more of the prompt follows
+                    progress.prefill_s += elapsed
+                    continue
+                token = int(live.outcome)
+                if not prefill:
+                    self._note_decode_step(elapsed)
+                progress.add(token, elapsed, prefill=prefill)
                 if await take(token, session.last_logits) and not session.finished:
                     session.stop()
         except GenerationError as error:
@@ -825,23 +835,25 @@ class SwarmClient:
         average = self._decode_step_s
         self._decode_step_s = elapsed_s if average is None else 0.8 * average + 0.2 * elapsed_s
 
-    def _step_deadline_s(self, step: int) -> float:
+    def _step_deadline_s(self, *, prefill: bool) -> float:
         """How long a step may take before the owner looks for a silent hop: a multiple of the
         measured decode step time (``step_deadline_factor``, at least ``min_step_deadline_s``);
-        a prefill, or a decode before anything was measured, gets ``step_timeout_s``."""
-        if step == 0 or self._decode_step_s is None:
+        a prefill (chunk), or a decode before anything was measured, gets ``step_timeout_s``."""
+        if prefill or self._decode_step_s is None:
             return self.config.step_timeout_s
         deadline = max(self.config.min_step_deadline_s, self.config.step_deadline_factor * self._decode_step_s)
         return min(deadline, self.config.step_timeout_s)
 
-    async def _await_result(self, live: _LiveSession, route: swarm_pb2.Route, step: int, sent_at: float) -> None:
+    async def _await_result(
+        self, live: _LiveSession, route: swarm_pb2.Route, step: int, sent_at: float, *, prefill: bool
+    ) -> None:
         """Wait for the step's result; past its deadline, probe the hops and name a silent one.
 
         Raises:
           GenerationError: a hop does not answer its probe (named, so the owner can replan
             around it), or no result within ``step_timeout_s`` although every hop answers.
         """
-        with trio.move_on_after(self._step_deadline_s(step)):
+        with trio.move_on_after(self._step_deadline_s(prefill=prefill)):
             await live.arrived.wait()
             return
         silent = await self._silent_hop(route)

@@ -1,6 +1,6 @@
 """Tiny synthetic GGUF models of real architectures, written deterministically.
 
-Owns: the shapes and the weights of ``qwen2-tiny`` and ``qwen3-tiny`` (their pinned sha256
+Owns: the shapes and the weights of ``qwen2-tiny``, ``qwen3-tiny`` and ``deepseek4-tiny`` (their pinned sha256
 lives in ``agent.models``; changing anything here changes the bytes, so update both together).
 Must not import agent.io, agent.core, trio or grpc.
 
@@ -348,7 +348,7 @@ def _deepseek4_weights(cfg: TinyDeepseek4Config, n_vocab: int) -> list[tuple[str
             tensors.append((name, np.ascontiguousarray(ids[:, : cfg.n_expert_used].astype(np.int32))))
         elif name.endswith("norm.weight"):
             tensors.append((name, np.ones(shape, dtype=np.float32)))
-        elif name.endswith("hc_scale.weight") or name.endswith("_scale.weight") and ".hc_" in name:
+        elif "hc_" in name and name.endswith("scale.weight"):  # hyper-connection mix scales
             tensors.append((name, np.ones(shape, dtype=np.float32)))
         else:
             tensors.append((name, rng.standard_normal(shape, dtype=np.float32) * np.float32(cfg.init_std)))

@@ -699,6 +699,7 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     cparams.n_threads = n_threads;
     cparams.n_threads_batch = n_threads;
     cparams.kv_unified = false;
+    cparams.n_rs_seq = config_.rollback_positions;
     // A range that is not last outputs the residual of every row through the embeddings path.
     cparams.embeddings = !gives_logits;
     if (!gives_logits) {
@@ -968,6 +969,18 @@ ShardStatus Shard::trim_sequence(uint32_t seq_id, int32_t keep_positions, int32_
     if (keep_positions < next) {
         clear_llama_errors();
         if (!llama_memory_seq_rm(llama_get_memory(ctx_.get()), static_cast<llama_seq_id>(seq_id), keep_positions, -1)) {
+            if (info_.boundary.version == kBoundaryStreamsSchemaVersion || info_.architecture == "deepseek4") {
+                // llama_kv_cache_dsv4::seq_rm: the compression windows (ratios 4 and 128) and the
+                // indexer state are running sums that the pinned code cannot cut back; it can only
+                // restore a snapshot from at most n_rs_seq positions ago, once until the next decode
+                return ShardStatus::Precondition(
+                    "cannot trim seq " + std::to_string(seq_id) + " from " + std::to_string(next) + " to " +
+                    std::to_string(keep_positions) + " positions: " + info_.architecture +
+                    " compression-window state cannot be cut back by llama.cpp; it keeps rollback snapshots for the last " +
+                    std::to_string(config_.rollback_positions) +
+                    " positions only (--rollback-positions), one rollback per sequence until it decodes again; "
+                    "remove the sequence and run its prompt again instead");
+            }
             return ShardStatus::Internal(with_llama_reason("llama.cpp cannot trim seq " + std::to_string(seq_id) +
                                                            " to " + std::to_string(keep_positions) + " positions"));
         }

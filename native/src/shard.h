@@ -73,6 +73,10 @@ struct ShardConfig {
     int32_t threads = 0;              // 0: std::thread::hardware_concurrency()
     int32_t gpu_layers = -1;          // llama.cpp n_gpu_layers; -1: all
     bool use_mmap = true;
+    // llama_context_params.n_rs_seq: rollback snapshots per sequence. A model whose cached
+    // state cannot be cut back (DeepSeek V4's compressor state) can then be trimmed by at
+    // most this many positions, once per sequence until it decodes again; 0: not at all.
+    uint32_t rollback_positions = 0;
     std::string model_sha256;         // hex; empty: computed from the file at load (not vocab-only)
     // Load only the vocabulary (llama_model_params.vocab_only): no tensor is read, so a
     // metadata-only sparse GGUF serves; the layer range and the context fields are unused,

@@ -109,7 +109,7 @@ REGISTRY: dict[str, ModelSpec] = {
         ModelSpec(
             name="deepseek4-tiny",
             filename="tiny-deepseek4.gguf",
-            sha256="9e8bc2823546cca461f732f0ae12b908398cac73eb3f09e16a87dc76bb0218fb",
+            sha256="652f4c966d8ab4a0c46fff91af01909712585962bc725070f936723840783435",
             synthetic="deepseek4-tiny",
         ),
     )

@@ -230,8 +230,8 @@ class TinyDeepseek4Config:
     compress_ratios: tuple[int, ...] = (0, 4, 128, 4, 128, 0)
     n_embd: int = 64
     n_head: int = 2
-    head_dim: int = 64           # key = value length; the latent KV row (one KV head)
-    n_rot: int = 32              # rope dims of the head
+    head_dim: int = 128          # key = value length; the latent KV row (one KV head)
+    n_rot: int = 64              # rope dims of the head (DeepSeek V4: 64 of 512)
     q_lora_rank: int = 32
     o_groups: int = 2
     o_lora_rank: int = 16
@@ -245,7 +245,7 @@ class TinyDeepseek4Config:
     n_ff: int = 128
     hash_layer_count: int = 1    # blocks [0, 1) route experts by token id (ffn_gate_tid2eid)
     indexer_n_head: int = 2
-    indexer_head_dim: int = 64
+    indexer_head_dim: int = 64   # != head_dim, as in DeepSeek V4 (128 vs 512): only the indexer cache is Hadamard-rotated
     indexer_top_k: int = 8       # < the compressed blocks of a long prompt: top-k really selects
     sliding_window: int = 16
     context_length: int = 4096

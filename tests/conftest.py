@@ -71,3 +71,10 @@ def qwen2_tiny_path() -> Path:
 def qwen3_tiny_path() -> Path:
     """Synthetic qwen3 (6 blocks, n_embd 64, per-head q/k norms, separate output head)."""
     return model_path("qwen3-tiny")
+
+
+@pytest.fixture(scope="session")
+def deepseek4_tiny_path() -> Path:
+    """Synthetic DeepSeek V4 (6 blocks, n_embd 64, 4 hyper-connection streams, compression
+    ratios 0, 4, 128, 4, 128, 0, hash-routed block 0)."""
+    return model_path("deepseek4-tiny")

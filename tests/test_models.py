@@ -18,6 +18,7 @@ LAYOUT_FILENAMES = {
     "gemma3": "gemma-3-270m-q4_k_m.gguf",
     "qwen2-tiny": "tiny-qwen2.gguf",
     "qwen3-tiny": "tiny-qwen3.gguf",
+    "deepseek4-tiny": "tiny-deepseek4.gguf",
 }
 
 
@@ -105,6 +106,45 @@ def test_synthetic_model_has_the_loader_layout(name, smollm2_tokenizer):
     # The SmolLM2 tokenizer, copied exactly.
     for key in TOKENIZER_KEYS:
         assert reader.fields[key].contents() == smollm2_tokenizer[key], key
+
+
+@pytest.mark.timeout(120)
+def test_synthetic_deepseek4_is_byte_for_byte_reproducible(smollm2_path, tmp_path):
+    fresh = tmp_path / "deepseek4-tiny.gguf"
+
+    synthetic.write_tiny_model("deepseek4-tiny", fresh, tokenizer_gguf=smollm2_path)
+
+    assert models.sha256_file(fresh) == models.REGISTRY["deepseek4-tiny"].sha256
+
+
+def test_synthetic_deepseek4_has_every_tensor_kind_the_loader_needs():
+    cfg = synthetic.DEEPSEEK4_CONFIGS["deepseek4-tiny"]
+    reader = gguf.GGUFReader(models.model_path("deepseek4-tiny"))
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
+    tensors = {t.name: t for t in reader.tensors}
+
+    assert fields["general.architecture"] == "deepseek4"
+    assert fields["deepseek4.block_count"] == cfg.n_layer == 6
+    # every compression kind, and a run of compressed blocks to cut inside
+    assert fields["deepseek4.attention.compress_ratios"] == [0, 4, 128, 4, 128, 0]
+    assert fields["deepseek4.hyper_connection.count"] == 4
+    assert {n: tuple(int(d) for d in t.shape) for n, t in tensors.items()} == {
+        name: ne for name, ne, _ in synthetic.deepseek4_tensor_shapes(cfg, 49152)
+    }
+    kinds = {(name.split(".", 2)[2] if name.startswith("blk.") else name).rsplit(".", 1)[0] for name in tensors}
+    assert {
+        "output_hc_fn", "output_hc_base", "output_hc_scale", "attn_compressor_kv", "attn_compressor_ape",
+        "indexer_compressor_kv", "indexer.proj", "indexer.attn_q_b", "ffn_gate_tid2eid", "exp_probs_b", "hc_attn_fn",
+        "hc_ffn_fn", "attn_sinks", "attn_output_a", "ffn_gate_exps", "ffn_up_shexp",
+    } <= kinds
+    # CSA blocks (ratio 4) have an indexer, HCA blocks (128) a compressor only, ratio 0 neither
+    for il, ratio in enumerate(cfg.compress_ratios):
+        assert (f"blk.{il}.attn_compressor_kv.weight" in tensors) == (ratio != 0)
+        assert (f"blk.{il}.indexer.proj.weight" in tensors) == (ratio == 4)
+    ids = tensors["blk.0.ffn_gate_tid2eid.weight"]
+    assert ids.tensor_type == gguf.GGMLQuantizationType.I32
+    assert ids.data.min() >= 0 and ids.data.max() < cfg.n_expert
+    assert all(np.isfinite(t.data).all() for t in tensors.values())
 
 
 def test_corrupt_cached_model_is_refused_and_moved_aside(tmp_path):

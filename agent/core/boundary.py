@@ -10,13 +10,18 @@ by value, which ``tests/test_worker_api.py`` checks against the stubs).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import numpy as np
 
 __all__ = [
+    "RESIDUAL",
+    "RESIDUAL_STREAMS",
     "BoundaryError",
+    "BoundarySchema",
     "WireDType",
+    "check_boundary_schema",
     "decode_rows",
     "encode_rows",
     "itemsize",
@@ -33,6 +38,58 @@ class WireDType(enum.IntEnum):
     UNSPECIFIED = 0
     F32 = 1
     F16 = 2
+
+
+#: Boundary schema versions (``BoundarySchema.version`` in protocol/worker.proto).
+RESIDUAL = 1          # "residual": n_embd values per token
+RESIDUAL_STREAMS = 2  # "residual-streams": streams x n_embd per token (hyper-connection models)
+
+_SCHEMA_NAMES = {RESIDUAL: "residual", RESIDUAL_STREAMS: "residual-streams"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundarySchema:
+    """The layout of one boundary row: ``streams`` residual streams of ``n_embd`` values,
+    stream-major, one row per token. Version 1 has one stream; version 2 (DeepSeek V4's
+    hyper-connections) has ``hc_mult``."""
+
+    version: int
+    streams: int
+    n_embd: int
+
+    @property
+    def name(self) -> str:
+        return _SCHEMA_NAMES.get(self.version, f"unknown-{self.version}")
+
+    @property
+    def row_values(self) -> int:
+        return self.streams * self.n_embd
+
+    @classmethod
+    def declared(cls, version: int, streams: int, n_embd: int) -> BoundarySchema:
+        """A schema as a sender declared it; 0 (unset: a sender older than version 2) reads as 1."""
+        return cls(version or RESIDUAL, streams or 1, n_embd)
+
+    def __str__(self) -> str:
+        plural = "stream" if self.streams == 1 else "streams"
+        return f"{self.name}/{self.version} ({self.streams} {plural} x {self.n_embd} values per token)"
+
+
+def check_boundary_schema(sent: BoundarySchema, expected: BoundarySchema) -> None:
+    """Refuse rows of one schema sent to a range that takes another.
+
+    Raises:
+      BoundaryError: the versions differ (the message names both schemas) or the stream count
+        or width differs.
+    """
+    if sent.version != expected.version:
+        raise BoundaryError(f"boundary rows of schema {sent} sent to a range that takes {expected}")
+    if sent.streams != expected.streams:
+        raise BoundaryError(
+            f"boundary_streams {sent.streams} does not match {expected}, which has {expected.streams} streams"
+        )
+    if sent.n_embd != expected.n_embd:
+        raise BoundaryError(f"boundary rows of {sent.n_embd} values per stream sent to a range that takes {expected}")
 
 
 _NUMPY_WIRE = {

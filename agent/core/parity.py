@@ -136,7 +136,13 @@ def next_hop_entries(inputs: Sequence[SeqInput], outputs: Sequence[SeqOutput]) -
         if got.boundary.shape[0] != sent.n_rows:
             raise ParityError(f"seq {sent.seq_id}: sent {sent.n_rows} rows, got {got.boundary.shape[0]} boundary rows")
         entries.append(
-            SeqInput(seq_id=sent.seq_id, positions=sent.positions, boundary=got.boundary, logit_rows=sent.logit_rows)
+            SeqInput(
+                seq_id=sent.seq_id,
+                positions=sent.positions,
+                boundary=got.boundary,
+                logit_rows=sent.logit_rows,
+                boundary_schema=got.boundary_schema,
+            )
         )
     return entries
 

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from .boundary import BoundarySchema
 from .ranges import LayerRange
 
 __all__ = [
@@ -47,6 +48,9 @@ class SeqInput:
     token_ids: Sequence[int] | None = None
     boundary: np.ndarray | None = None
     logit_rows: Sequence[int] | None = None
+    #: the schema ``boundary`` follows; None: the receiving worker's own (rows that came out
+    #: of a range of the same model). Checked against the receiver's before sending.
+    boundary_schema: BoundarySchema | None = None
 
     @property
     def n_rows(self) -> int:
@@ -66,7 +70,7 @@ class SeqInput:
 class SeqOutput:
     """One sequence's result of a Forward.
 
-    ``boundary`` (float32 ``[n_rows, n_embd]``) from a range that is not last, or
+    ``boundary`` (float32 ``[n_rows, streams * n_embd]``) from a range that is not last, or
     ``logits`` (float32 ``[n_rows, n_vocab]``) from the last range, whose rows belong to
     the entry rows listed in ``logit_rows``. ``next_position``: positions the sequence now
     holds on that worker.
@@ -77,6 +81,8 @@ class SeqOutput:
     logits: np.ndarray | None
     logit_rows: tuple[int, ...]
     next_position: int
+    #: the schema of ``boundary`` as the worker declared it (None without boundary rows)
+    boundary_schema: BoundarySchema | None = None
 
     @property
     def n_rows(self) -> int:
@@ -86,10 +92,24 @@ class SeqOutput:
 
 @dataclasses.dataclass(frozen=True)
 class BoundarySchemaInfo:
+    """``BoundarySchema`` of an InfoReply. A worker older than schema 2 leaves streams and
+    row_values 0: read them as 1 and n_embd."""
+
     version: int
     name: str
     n_embd: int
     dtype: int
+    streams: int = 1
+    row_values: int = 0
+
+    @property
+    def schema(self) -> BoundarySchema:
+        return BoundarySchema.declared(self.version, self.streams, self.n_embd)
+
+    @property
+    def width(self) -> int:
+        """Values per boundary row."""
+        return self.row_values or self.schema.row_values
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import outcome
 import trio
 
 from agent._proto import worker_pb2, worker_pb2_grpc
-from agent.core.boundary import WireDType, decode_rows, encode_rows
+from agent.core.boundary import BoundarySchema, WireDType, check_boundary_schema, decode_rows, encode_rows
 from agent.core.worker_records import (
     SCHEMA_VERSION,
     BoundarySchemaInfo,
@@ -114,7 +114,14 @@ def _info_from_reply(reply: worker_pb2.InfoReply) -> WorkerInfo:
         layer_end=reply.layer_end,
         takes_tokens=reply.takes_tokens,
         gives_logits=reply.gives_logits,
-        boundary=BoundarySchemaInfo(version=b.version, name=b.name, n_embd=b.n_embd, dtype=int(b.dtype)),
+        boundary=BoundarySchemaInfo(
+            version=b.version,
+            name=b.name,
+            n_embd=b.n_embd,
+            dtype=int(b.dtype),
+            streams=b.streams or 1,
+            row_values=b.row_values,
+        ),
         recipe_hash=reply.recipe_hash,
         model_sha256=reply.model_sha256,
         llama_cpp_commit=reply.llama_cpp_commit,
@@ -190,8 +197,12 @@ def forward_request(entries: Sequence[SeqInput], info: WorkerInfo) -> worker_pb2
         if entry.token_ids is not None:
             msg.token_ids.extend(int(t) for t in entry.token_ids)
         else:
-            msg.boundary = encode_rows(entry.boundary, info.n_embd, WireDType.F32)
+            expected = info.boundary.schema
+            check_boundary_schema(entry.boundary_schema or expected, expected)
+            msg.boundary = encode_rows(entry.boundary, info.boundary.width, WireDType.F32)
             msg.boundary_dtype = worker_pb2.DTYPE_F32
+            msg.boundary_schema_version = expected.version
+            msg.boundary_streams = expected.streams
         if entry.logit_rows:
             msg.logit_rows.extend(int(r) for r in entry.logit_rows)
     return request
@@ -207,8 +218,11 @@ def forward_outputs(reply: worker_pb2.ForwardReply, info: WorkerInfo) -> list[Se
     outputs = []
     for out in reply.entries:
         boundary = logits = None
+        schema = None
         if out.boundary:
-            boundary = decode_rows(out.boundary, out.n_rows, info.n_embd, reply.dtype)
+            schema = BoundarySchema.declared(out.boundary_schema_version, out.boundary_streams, info.n_embd)
+            check_boundary_schema(schema, info.boundary.schema)
+            boundary = decode_rows(out.boundary, out.n_rows, info.boundary.width, reply.dtype)
         if out.logits:
             logits = decode_rows(out.logits, out.n_rows, info.n_vocab, reply.dtype, check_finite=False)
         outputs.append(
@@ -218,6 +232,7 @@ def forward_outputs(reply: worker_pb2.ForwardReply, info: WorkerInfo) -> list[Se
                 logits=logits,
                 logit_rows=tuple(out.logit_rows),
                 next_position=out.next_position,
+                boundary_schema=schema,
             )
         )
     return outputs

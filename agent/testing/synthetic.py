@@ -1,6 +1,6 @@
 """Tiny synthetic GGUF models of real architectures, written deterministically.
 
-Owns: the shapes and the weights of ``qwen2-tiny`` and ``qwen3-tiny`` (their pinned sha256
+Owns: the shapes and the weights of ``qwen2-tiny``, ``qwen3-tiny`` and ``deepseek4-tiny`` (their pinned sha256
 lives in ``agent.models``; changing anything here changes the bytes, so update both together).
 Must not import agent.io, agent.core, trio or grpc.
 
@@ -143,11 +143,14 @@ def _weights(cfg: TinyConfig, n_vocab: int) -> list[tuple[str, np.ndarray]]:
 
 
 def write_tiny_model(name: str, dest: Path, tokenizer_gguf: Path) -> None:
-    """Write the synthetic model ``name`` (a key of CONFIGS) to dest.
+    """Write the synthetic model ``name`` (a key of CONFIGS or DEEPSEEK4_CONFIGS) to dest.
 
     Deterministic: the same name and tokenizer file give the same bytes. dest is written in
     place (callers that need atomicity write to a temporary name and rename).
     """
+    if name in DEEPSEEK4_CONFIGS:
+        _write_tiny_deepseek4(DEEPSEEK4_CONFIGS[name], name, dest, tokenizer_gguf)
+        return
     cfg = CONFIGS[name]
     writer = gguf.GGUFWriter(os.fspath(dest), cfg.arch)
     try:
@@ -199,6 +202,207 @@ def write_metadata_only(dest: Path, arch: str, tokenizer_gguf: Path, *, n_layer:
         writer.add_layer_norm_rms_eps(cfg.rms_eps)
         writer.add_file_type(gguf.LlamaFileType.ALL_F32)
         writer.add_vocab_size(_copy_tokenizer(writer, tokenizer_gguf))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSeek V4 (``deepseek4``): hyper-connections (hc_mult residual streams), latent MQA with a
+# sliding-window raw KV, per-layer KV compression (ratio 0: none, 4: CSA + lightning indexer,
+# 128: HCA), sqrt-softplus MoE with a shared expert and hash-routed first blocks.
+#
+# gguf 0.19.0 (the PyPI writer used here) predates deepseek4, so keys and tensor names are
+# spelled out as strings; they are the pinned tree's (src/llama-arch.cpp LLM_KV_NAMES and
+# LLM_TENSOR_NAMES, the same as its gguf-py constants), and the shapes are those
+# src/models/deepseek4.cpp load_arch_tensors asks for.
+
+
+@dataclass(frozen=True)
+class TinyDeepseek4Config:
+    """Hyperparameters of a synthetic DeepSeek V4 (all sizes in elements)."""
+
+    seed: int
+    # One ratio per block: 0 (raw sliding-window KV only), 4 (CSA: compressed KV + indexer),
+    # 128 (HCA: heavily compressed KV). The pinned loader accepts exactly these three.
+    compress_ratios: tuple[int, ...] = (0, 4, 128, 4, 128, 0)
+    n_embd: int = 64
+    n_head: int = 2
+    head_dim: int = 128          # key = value length; the latent KV row (one KV head)
+    n_rot: int = 64              # rope dims of the head (DeepSeek V4: 64 of 512)
+    q_lora_rank: int = 32
+    o_groups: int = 2
+    o_lora_rank: int = 16
+    hc_mult: int = 4             # residual streams: the boundary is hc_mult x n_embd per token
+    hc_sinkhorn_iters: int = 2
+    hc_eps: float = 1e-6
+    n_expert: int = 4
+    n_expert_used: int = 2
+    n_expert_shared: int = 1
+    n_ff_exp: int = 64
+    n_ff: int = 128
+    hash_layer_count: int = 1    # blocks [0, 1) route experts by token id (ffn_gate_tid2eid)
+    indexer_n_head: int = 2
+    indexer_head_dim: int = 64   # != head_dim, as in DeepSeek V4 (128 vs 512): only the indexer cache is Hadamard-rotated
+    indexer_top_k: int = 8       # < the compressed blocks of a long prompt: top-k really selects
+    sliding_window: int = 16
+    context_length: int = 4096
+    rope_freq_base: float = 10000.0
+    compress_rope_freq_base: float = 160000.0
+    rms_eps: float = 1e-6
+    swiglu_clamp: float = 10.0
+    expert_weights_scale: float = 1.5
+    init_std: float = 0.02
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.compress_ratios)
+
+
+DEEPSEEK4_CONFIGS: dict[str, TinyDeepseek4Config] = {
+    "deepseek4-tiny": TinyDeepseek4Config(seed=40004),
+}
+
+# llama_expert_gating_func_type: the pinned DeepSeek V4 loader accepts only SQRT_SOFTPLUS (4).
+_GATING_SQRT_SOFTPLUS = 4
+
+
+def deepseek4_tensor_shapes(cfg: TinyDeepseek4Config, n_vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """Every tensor of the model in file order: (name, ggml shape ne0..., "f32" | "i32")."""
+    E, H, D = cfg.n_embd, cfg.n_head, cfg.head_dim
+    hc_dim = cfg.hc_mult * E
+    hc_mix = (2 + cfg.hc_mult) * cfg.hc_mult
+    out: list[tuple[str, tuple[int, ...], str]] = [
+        ("token_embd.weight", (E, n_vocab), "f32"),
+        ("output_norm.weight", (E,), "f32"),
+        ("output.weight", (E, n_vocab), "f32"),
+        ("output_hc_fn.weight", (hc_dim, cfg.hc_mult), "f32"),
+        ("output_hc_base.weight", (cfg.hc_mult,), "f32"),
+        ("output_hc_scale.weight", (1,), "f32"),
+    ]
+    for il, ratio in enumerate(cfg.compress_ratios):
+        b = f"blk.{il}."
+        out += [
+            (b + "attn_norm.weight", (E,), "f32"),
+            (b + "attn_sinks.weight", (H,), "f32"),
+            (b + "attn_q_a.weight", (E, cfg.q_lora_rank), "f32"),
+            (b + "attn_q_a_norm.weight", (cfg.q_lora_rank,), "f32"),
+            (b + "attn_q_b.weight", (cfg.q_lora_rank, H * D), "f32"),
+            (b + "attn_kv.weight", (E, D), "f32"),
+            (b + "attn_kv_a_norm.weight", (D,), "f32"),
+            # the file keeps wo_a 2-D; the loader reshapes it to {H*D/groups, rank, groups}
+            (b + "attn_output_a.weight", (H * D // cfg.o_groups, cfg.o_lora_rank * cfg.o_groups), "f32"),
+            (b + "attn_output_b.weight", (cfg.o_groups * cfg.o_lora_rank, E), "f32"),
+            (b + "hc_attn_fn.weight", (hc_dim, hc_mix), "f32"),
+            (b + "hc_attn_base.weight", (hc_mix,), "f32"),
+            (b + "hc_attn_scale.weight", (3,), "f32"),
+            (b + "hc_ffn_fn.weight", (hc_dim, hc_mix), "f32"),
+            (b + "hc_ffn_base.weight", (hc_mix,), "f32"),
+            (b + "hc_ffn_scale.weight", (3,), "f32"),
+        ]
+        if ratio != 0:
+            coff = 2 if ratio == 4 else 1  # CSA windows overlap: two halves per row
+            out += [
+                (b + "attn_compressor_kv.weight", (E, coff * D), "f32"),
+                (b + "attn_compressor_gate.weight", (E, coff * D), "f32"),
+                (b + "attn_compressor_ape.weight", (coff * D, ratio), "f32"),
+                (b + "attn_compressor_norm.weight", (D,), "f32"),
+            ]
+            if ratio == 4:
+                ID = cfg.indexer_head_dim
+                out += [
+                    (b + "indexer.proj.weight", (E, cfg.indexer_n_head), "f32"),
+                    (b + "indexer.attn_q_b.weight", (cfg.q_lora_rank, cfg.indexer_n_head * ID), "f32"),
+                    (b + "indexer_compressor_kv.weight", (E, 2 * ID), "f32"),
+                    (b + "indexer_compressor_gate.weight", (E, 2 * ID), "f32"),
+                    (b + "indexer_compressor_ape.weight", (2 * ID, ratio), "f32"),
+                    (b + "indexer_compressor_norm.weight", (ID,), "f32"),
+                ]
+        out.append((b + "ffn_gate_inp.weight", (E, cfg.n_expert), "f32"))
+        if il < cfg.hash_layer_count:
+            out.append((b + "ffn_gate_tid2eid.weight", (cfg.n_expert_used, n_vocab), "i32"))
+        else:
+            out.append((b + "exp_probs_b.bias", (cfg.n_expert,), "f32"))
+        out += [
+            (b + "ffn_norm.weight", (E,), "f32"),
+            (b + "ffn_gate_exps.weight", (E, cfg.n_ff_exp, cfg.n_expert), "f32"),
+            (b + "ffn_down_exps.weight", (cfg.n_ff_exp, E, cfg.n_expert), "f32"),
+            (b + "ffn_up_exps.weight", (E, cfg.n_ff_exp, cfg.n_expert), "f32"),
+            (b + "ffn_gate_shexp.weight", (E, cfg.n_ff_exp * cfg.n_expert_shared), "f32"),
+            (b + "ffn_down_shexp.weight", (cfg.n_ff_exp * cfg.n_expert_shared, E), "f32"),
+            (b + "ffn_up_shexp.weight", (E, cfg.n_ff_exp * cfg.n_expert_shared), "f32"),
+        ]
+    return out
+
+
+def _deepseek4_weights(cfg: TinyDeepseek4Config, n_vocab: int) -> list[tuple[str, np.ndarray]]:
+    rng = np.random.Generator(np.random.PCG64(cfg.seed))
+    tensors: list[tuple[str, np.ndarray]] = []
+    for name, ne, kind in deepseek4_tensor_shapes(cfg, n_vocab):
+        shape = tuple(reversed(ne))  # numpy order is ggml's reversed
+        if kind == "i32":
+            # each token's hash-routed experts: n_expert_used distinct ids per token
+            ids = np.argsort(rng.random((n_vocab, cfg.n_expert), dtype=np.float32), axis=1)
+            tensors.append((name, np.ascontiguousarray(ids[:, : cfg.n_expert_used].astype(np.int32))))
+        elif name.endswith("norm.weight"):
+            tensors.append((name, np.ones(shape, dtype=np.float32)))
+        elif "hc_" in name and name.endswith("scale.weight"):  # hyper-connection mix scales
+            tensors.append((name, np.ones(shape, dtype=np.float32)))
+        else:
+            tensors.append((name, rng.standard_normal(shape, dtype=np.float32) * np.float32(cfg.init_std)))
+    return tensors
+
+
+def _write_tiny_deepseek4(cfg: TinyDeepseek4Config, name: str, dest: Path, tokenizer_gguf: Path) -> None:
+    arch = "deepseek4"
+    writer = gguf.GGUFWriter(os.fspath(dest), arch)
+    try:
+        writer.add_name(f"baton {name} (synthetic)")
+        writer.add_type(gguf.GGUFType.MODEL)
+        writer.add_uint32("baton.synthetic.format_version", SYNTHETIC_FORMAT_VERSION)
+        writer.add_uint32("baton.synthetic.seed", cfg.seed)
+        writer.add_context_length(cfg.context_length)
+        writer.add_embedding_length(cfg.n_embd)
+        writer.add_block_count(cfg.n_layer)
+        writer.add_feed_forward_length(cfg.n_ff)
+        writer.add_head_count(cfg.n_head)
+        writer.add_head_count_kv(1)
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_rope_dimension_count(cfg.n_rot)
+        writer.add_rope_freq_base(cfg.rope_freq_base)
+        writer.add_layer_norm_rms_eps(cfg.rms_eps)
+        a = arch + "."
+        writer.add_uint32(a + "attention.q_lora_rank", cfg.q_lora_rank)
+        writer.add_uint32(a + "attention.sliding_window", cfg.sliding_window)
+        writer.add_uint32(a + "expert_count", cfg.n_expert)
+        writer.add_uint32(a + "expert_used_count", cfg.n_expert_used)
+        writer.add_uint32(a + "expert_shared_count", cfg.n_expert_shared)
+        writer.add_uint32(a + "expert_feed_forward_length", cfg.n_ff_exp)
+        writer.add_float32(a + "expert_weights_scale", cfg.expert_weights_scale)
+        writer.add_bool(a + "expert_weights_norm", True)
+        writer.add_uint32(a + "expert_gating_func", _GATING_SQRT_SOFTPLUS)
+        writer.add_array(a + "swiglu_clamp_exp", [cfg.swiglu_clamp] * cfg.n_layer)
+        writer.add_array(a + "swiglu_clamp_shexp", [cfg.swiglu_clamp] * cfg.n_layer)
+        writer.add_uint32(a + "attention.indexer.head_count", cfg.indexer_n_head)
+        writer.add_uint32(a + "attention.indexer.key_length", cfg.indexer_head_dim)
+        writer.add_uint32(a + "attention.indexer.top_k", cfg.indexer_top_k)
+        writer.add_uint32(a + "attention.output_group_count", cfg.o_groups)
+        writer.add_uint32(a + "attention.output_lora_rank", cfg.o_lora_rank)
+        writer.add_array(a + "attention.compress_ratios", list(cfg.compress_ratios))
+        writer.add_float32(a + "attention.compress_rope_freq_base", cfg.compress_rope_freq_base)
+        writer.add_uint32(a + "hyper_connection.count", cfg.hc_mult)
+        writer.add_uint32(a + "hyper_connection.sinkhorn_iterations", cfg.hc_sinkhorn_iters)
+        writer.add_float32(a + "hyper_connection.epsilon", cfg.hc_eps)
+        writer.add_uint32(a + "hash_layer_count", cfg.hash_layer_count)
+        writer.add_uint32(a + "embedding_length_out", cfg.hc_mult * cfg.n_embd)
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+        n_vocab = _copy_tokenizer(writer, tokenizer_gguf)
+        writer.add_vocab_size(n_vocab)
+        for tensor_name, data in _deepseek4_weights(cfg, n_vocab):
+            writer.add_tensor(tensor_name, data)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()

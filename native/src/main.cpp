@@ -39,6 +39,9 @@ constexpr const char * kUsage =
     "  --gpu-layers N    blocks to offload (llama.cpp n_gpu_layers; default -1 = all)\n"
     "  --model-sha256 H  the model's sha256 (skips hashing the file at start)\n"
     "  --no-mmap         read the model into memory instead of mapping it\n"
+    "  --rollback-positions N  keep N positions of rollback snapshots per sequence (llama.cpp\n"
+    "                    n_rs_seq; models whose state cannot be cut back, e.g. DeepSeek V4's\n"
+    "                    compressor state, can then be trimmed by at most N positions; default 0)\n"
     "  --version         print the runtime this binary was built with (JSON) and exit\n"
     "  env BATON_LLAMA_LOG=1 passes llama.cpp's log through to stderr\n";
 
@@ -145,6 +148,8 @@ int main(int argc, char ** argv) {
         } else if (flag == "--max-sequences") {
             shard.max_sequences = static_cast<uint32_t>(
                 parse_integer(flag, take_value(), 1, static_cast<long long>(baton::max_sequences_limit())));
+        } else if (flag == "--rollback-positions") {
+            shard.rollback_positions = static_cast<uint32_t>(parse_integer(flag, take_value(), 0, 64));
         } else if (flag == "--batch-size") {
             shard.batch_size = static_cast<uint32_t>(parse_integer(flag, take_value(), 1, kI32Max));
         } else if (flag == "--threads") {

@@ -70,12 +70,13 @@ grpc::Status to_grpc_status(const ShardStatus & status) {
 }
 
 int max_receive_message_bytes(const ShardInfo & info) {
-    const uint64_t row = static_cast<uint64_t>(info.n_embd) * sizeof(float) + kPerRowOverheadBytes;
+    const uint64_t row = static_cast<uint64_t>(std::max(info.n_embd, info.boundary.row_values())) * sizeof(float) +
+                         kPerRowOverheadBytes;
     return clamp_to_int(static_cast<uint64_t>(info.n_batch_max) * row + kMessageSlackBytes);
 }
 
 int max_send_message_bytes(const ShardInfo & info) {
-    const uint64_t width = info.gives_logits ? info.n_vocab : info.n_embd;
+    const uint64_t width = info.gives_logits ? info.n_vocab : std::max(info.n_embd, info.boundary.row_values());
     const uint64_t row = width * sizeof(float) + kPerRowOverheadBytes;
     const uint64_t forward = static_cast<uint64_t>(info.n_batch_max) * row + kMessageSlackBytes;
     // A Tokenize reply holds at most one token (<= 5 varint bytes + tag) per request byte.
@@ -108,10 +109,12 @@ grpc::Status ShardWorkerService::Info(grpc::ServerContext *, const v1::InfoReque
         reply->set_gives_logits(info.gives_logits);
         if (!info.vocab_only) {  // a vocab-only worker has no edges, so no boundary schema
             v1::BoundarySchema * boundary = reply->mutable_boundary();
-            boundary->set_version(kBoundarySchemaVersion);
-            boundary->set_name(kBoundarySchemaName);
+            boundary->set_version(info.boundary.version);
+            boundary->set_name(info.boundary.name());
             boundary->set_n_embd(info.n_embd);
             boundary->set_dtype(v1::DTYPE_F32);
+            boundary->set_streams(info.boundary.streams);
+            boundary->set_row_values(info.boundary.row_values());
         }
         reply->set_recipe_hash(info.recipe_hash);
         reply->set_model_sha256(info.model_sha256);
@@ -166,6 +169,8 @@ grpc::Status ShardWorkerService::Forward(grpc::ServerContext *, const v1::Forwar
             e.token_ids.assign(in.token_ids().begin(), in.token_ids().end());
             e.boundary = in.boundary();  // a view into the request, which outlives the call
             e.boundary_dtype = static_cast<BoundaryDType>(in.boundary_dtype());
+            e.boundary_schema_version = in.boundary_schema_version();
+            e.boundary_streams = in.boundary_streams();
             e.logit_rows.assign(in.logit_rows().begin(), in.logit_rows().end());
         }
 
@@ -187,6 +192,8 @@ grpc::Status ShardWorkerService::Forward(grpc::ServerContext *, const v1::Forwar
             out->set_n_rows(o.n_rows);
             if (!o.boundary.empty()) {
                 out->set_boundary(std::move(o.boundary));
+                out->set_boundary_schema_version(shard_->info().boundary.version);
+                out->set_boundary_streams(shard_->info().boundary.streams);
             }
             if (!o.logits.empty()) {
                 out->set_logits(std::move(o.logits));

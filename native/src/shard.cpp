@@ -61,11 +61,62 @@ size_t boundary_dtype_size(BoundaryDType dtype) {
     }
 }
 
+const char * BoundarySchemaDesc::name() const {
+    return version == kBoundaryStreamsSchemaVersion ? kBoundaryStreamsSchemaName : kBoundarySchemaName;
+}
+
+std::string BoundarySchemaDesc::describe() const {
+    return recipe_tag() + " (" + std::to_string(streams) + (streams == 1 ? " stream" : " streams") + " x " +
+           std::to_string(n_embd) + " values per token)";
+}
+
+std::string BoundarySchemaDesc::recipe_tag() const {
+    return std::string(name()) + "/" + std::to_string(version);
+}
+
+BoundarySchemaDesc boundary_schema_for(uint32_t hc_streams, uint32_t n_embd) {
+    BoundarySchemaDesc d;
+    d.n_embd = n_embd;
+    if (hc_streams > 1) {
+        d.version = kBoundaryStreamsSchemaVersion;
+        d.streams = hc_streams;
+    }
+    return d;
+}
+
+ShardStatus check_boundary_schema(size_t entry, uint32_t seq_id, const BoundarySchemaDesc & expected,
+                                  uint32_t declared_version, uint32_t declared_streams) {
+    const uint32_t version = declared_version == 0 ? kBoundarySchemaVersion : declared_version;
+    const uint32_t streams = declared_streams == 0 ? 1 : declared_streams;
+    if (version != kBoundarySchemaVersion && version != kBoundaryStreamsSchemaVersion) {
+        return ShardStatus::Invalid("entry " + std::to_string(entry) + " (seq " + std::to_string(seq_id) +
+                                    "): boundary_schema_version " + std::to_string(version) +
+                                    " is unknown; this range takes " + expected.describe());
+    }
+    BoundarySchemaDesc sent = expected;
+    sent.version = version;
+    sent.streams = streams;
+    if (version != expected.version) {
+        return ShardStatus::Invalid("entry " + std::to_string(entry) + " (seq " + std::to_string(seq_id) +
+                                    "): boundary rows of schema " + sent.recipe_tag() + " (" +
+                                    std::to_string(streams) + (streams == 1 ? " stream" : " streams") +
+                                    ") sent to a range that takes " + expected.describe() +
+                                    (declared_version == 0 ? "; boundary_schema_version was unset (read as 1)" : ""));
+    }
+    if (streams != expected.streams) {
+        return ShardStatus::Invalid("entry " + std::to_string(entry) + " (seq " + std::to_string(seq_id) +
+                                    "): boundary_streams " + std::to_string(streams) + " does not match " +
+                                    expected.describe() + ", which has " + std::to_string(expected.streams) +
+                                    (expected.streams == 1 ? " stream" : " streams"));
+    }
+    return ShardStatus::Ok();
+}
+
 std::string compute_recipe_hash(const std::string & model_sha256, const std::string & llama_commit,
-                                const std::string & patch_series_sha256, const std::string & backend) {
+                                const std::string & patch_series_sha256, const std::string & backend,
+                                const std::string & boundary_schema_tag) {
     std::string joined;
-    for (const std::string & part : {model_sha256, llama_commit, patch_series_sha256, backend,
-                                     std::string(kBoundarySchemaName) + "/" + std::to_string(kBoundarySchemaVersion),
+    for (const std::string & part : {model_sha256, llama_commit, patch_series_sha256, backend, boundary_schema_tag,
                                      std::string(kBoundaryWireDType)}) {
         if (!joined.empty()) {
             joined.push_back('\n');
@@ -103,9 +154,9 @@ std::string preview(const std::vector<T> & values, size_t max_shown = 8) {
 }  // namespace
 
 ShardStatus check_schema_version(uint32_t schema_version) {
-    if (schema_version != kBoundarySchemaVersion) {
+    if (schema_version != kWorkerSchemaVersion) {
         return ShardStatus::Invalid("schema_version " + std::to_string(schema_version) +
-                                    " is not supported (this worker speaks 1)");
+                                    " is not supported (this worker speaks " + std::to_string(kWorkerSchemaVersion) + ")");
     }
     return ShardStatus::Ok();
 }
@@ -233,6 +284,11 @@ ShardStatus validate_forward(const ForwardLimits & limits, const std::vector<For
     }
 
     const std::string range = range_name(limits.layer_begin, limits.layer_end);
+    BoundarySchemaDesc schema = limits.boundary;
+    if (schema.n_embd == 0) {
+        schema.n_embd = limits.n_embd;
+    }
+    const size_t row_values = schema.row_values();
     for (size_t i = 0; i < entries.size(); ++i) {
         const ForwardEntry & e = entries[i];
         const std::string who = entry_name(i, e.seq_id);
@@ -265,17 +321,22 @@ ShardStatus validate_forward(const ForwardLimits & limits, const std::vector<For
                 return ShardStatus::Invalid(who + ": boundary_dtype " + std::to_string(static_cast<int>(e.boundary_dtype)) +
                                             " is not supported (send DTYPE_F32, or DTYPE_F16)");
             }
-            st = check_boundary_bytes(i, e.seq_id, e.boundary.size(), n_rows, limits.n_embd, elem);
+            // the declared schema first: rows of another schema are refused by name, not by size
+            st = check_boundary_schema(i, e.seq_id, schema, e.boundary_schema_version, e.boundary_streams);
             if (!st.ok()) {
                 return st;
             }
-            const size_t n_values = n_rows * limits.n_embd;
+            st = check_boundary_bytes(i, e.seq_id, e.boundary.size(), n_rows, row_values, elem);
+            if (!st.ok()) {
+                return st;
+            }
+            const size_t n_values = n_rows * row_values;
             const int64_t bad = e.boundary_dtype == BoundaryDType::kF32
                                     ? find_non_finite_f32(e.boundary.data(), n_values)
                                     : find_non_finite_f16(e.boundary.data(), n_values);
             if (bad >= 0) {
-                return ShardStatus::Invalid(who + ": boundary value at row " + std::to_string(bad / limits.n_embd) +
-                                            ", column " + std::to_string(bad % limits.n_embd) +
+                return ShardStatus::Invalid(who + ": boundary value at row " + std::to_string(bad / row_values) +
+                                            ", column " + std::to_string(bad % row_values) +
                                             " is not finite (NaN or Inf)");
             }
         }
@@ -611,16 +672,23 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     }
     const bool takes_tokens = begin == 0;
     const bool gives_logits = end == n_layer;
-    // The residual boundary schema carries n_embd values per row on both edges.
-    if (!takes_tokens && llama_model_n_embd_inp(model_.get()) != n_embd) {
-        throw ShardLoadError("boundary schema residual/1 needs the input width (" +
-                             std::to_string(llama_model_n_embd_inp(model_.get())) + ") to equal n_embd (" +
-                             std::to_string(n_embd) + ")");
+    const std::string arch = model_meta(model_.get(), "general.architecture");
+    // A hyper-connection model (DeepSeek V4) keeps hc_mult residual streams between blocks:
+    // its boundary is schema 2, streams x n_embd per row; every other model's is schema 1.
+    const std::string hc_text = model_meta(model_.get(), (arch + ".hyper_connection.count").c_str());
+    const uint32_t hc_streams = hc_text.empty() ? 1u : static_cast<uint32_t>(std::strtoul(hc_text.c_str(), nullptr, 10));
+    const BoundarySchemaDesc schema = boundary_schema_for(hc_streams, static_cast<uint32_t>(n_embd));
+    // The schema fixes the width of both edges; llama.cpp must agree with it.
+    const int32_t row_values = static_cast<int32_t>(schema.row_values());
+    if (!takes_tokens && llama_model_n_embd_inp(model_.get()) != row_values) {
+        throw ShardLoadError("boundary schema " + schema.describe() + " needs the input width (" +
+                             std::to_string(llama_model_n_embd_inp(model_.get())) + ") to be " +
+                             std::to_string(row_values));
     }
-    if (!gives_logits && llama_model_n_embd_out(model_.get()) != n_embd) {
-        throw ShardLoadError("boundary schema residual/1 needs the output width (" +
-                             std::to_string(llama_model_n_embd_out(model_.get())) + ") to equal n_embd (" +
-                             std::to_string(n_embd) + ")");
+    if (!gives_logits && llama_model_n_embd_out(model_.get()) != row_values) {
+        throw ShardLoadError("boundary schema " + schema.describe() + " needs the output width (" +
+                             std::to_string(llama_model_n_embd_out(model_.get())) + ") to be " +
+                             std::to_string(row_values));
     }
 
     llama_context_params cparams = llama_context_default_params();
@@ -631,6 +699,7 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     cparams.n_threads = n_threads;
     cparams.n_threads_batch = n_threads;
     cparams.kv_unified = false;
+    cparams.n_rs_seq = config_.rollback_positions;
     // A range that is not last outputs the residual of every row through the embeddings path.
     cparams.embeddings = !gives_logits;
     if (!gives_logits) {
@@ -658,7 +727,8 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
         kv_bytes += buft_mem.second.context;
     }
 
-    info_.architecture = model_meta(model_.get(), "general.architecture");
+    info_.architecture = arch;
+    info_.boundary = schema;
     info_.n_layer = static_cast<uint32_t>(n_layer);
     info_.n_embd = static_cast<uint32_t>(n_embd);
     describe_vocabulary(vocab_, &info_);
@@ -671,7 +741,7 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     info_.patch_series_sha256 = built_patch_series_sha256();
     info_.backend = backend_name_of(model_.get());
     info_.recipe_hash = compute_recipe_hash(info_.model_sha256, info_.llama_cpp_commit, info_.patch_series_sha256,
-                                            info_.backend);
+                                            info_.backend, schema.recipe_tag());
     info_.weight_bytes = llama_model_size(model_.get());
     info_.weight_buffer_bytes = weight_buffer_bytes;
     info_.kv_bytes = kv_bytes;
@@ -681,7 +751,7 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     info_.model_path = config_.model_path;
     info_.n_threads = static_cast<uint32_t>(n_threads);
 
-    batch_ = std::make_unique<Batch>(static_cast<int32_t>(info_.n_batch_max), takes_tokens ? 0 : n_embd);
+    batch_ = std::make_unique<Batch>(static_cast<int32_t>(info_.n_batch_max), takes_tokens ? 0 : row_values);
     next_positions_.assign(n_seq_max, 0);
 }
 
@@ -728,6 +798,7 @@ ForwardLimits Shard::limits() const {
     l.n_seq_max = info_.n_seq_max;
     l.n_batch_max = info_.n_batch_max;
     l.n_ctx_per_sequence = info_.n_ctx_per_sequence;
+    l.boundary = info_.boundary;
     return l;
 }
 
@@ -759,7 +830,7 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
         return st;
     }
 
-    const size_t n_embd = info_.n_embd;
+    const size_t n_embd = info_.boundary.row_values();  // values per boundary row, both edges
     llama_batch & batch = batch_->batch;
     int32_t n = 0;
     std::vector<int32_t> first_row(entries.size());  // batch index of each entry's row 0
@@ -898,6 +969,18 @@ ShardStatus Shard::trim_sequence(uint32_t seq_id, int32_t keep_positions, int32_
     if (keep_positions < next) {
         clear_llama_errors();
         if (!llama_memory_seq_rm(llama_get_memory(ctx_.get()), static_cast<llama_seq_id>(seq_id), keep_positions, -1)) {
+            if (info_.boundary.version == kBoundaryStreamsSchemaVersion || info_.architecture == "deepseek4") {
+                // llama_kv_cache_dsv4::seq_rm: the compression windows (ratios 4 and 128) and the
+                // indexer state are running sums that the pinned code cannot cut back; it can only
+                // restore a snapshot from at most n_rs_seq positions ago, once until the next decode
+                return ShardStatus::Precondition(
+                    "cannot trim seq " + std::to_string(seq_id) + " from " + std::to_string(next) + " to " +
+                    std::to_string(keep_positions) + " positions: " + info_.architecture +
+                    " compression-window state cannot be cut back by llama.cpp; it keeps rollback snapshots for the last " +
+                    std::to_string(config_.rollback_positions) +
+                    " positions only (--rollback-positions), one rollback per sequence until it decodes again; "
+                    "remove the sequence and run its prompt again instead");
+            }
             return ShardStatus::Internal(with_llama_reason("llama.cpp cannot trim seq " + std::to_string(seq_id) +
                                                            " to " + std::to_string(keep_positions) + " positions"));
         }

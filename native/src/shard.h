@@ -73,6 +73,10 @@ struct ShardConfig {
     int32_t threads = 0;              // 0: std::thread::hardware_concurrency()
     int32_t gpu_layers = -1;          // llama.cpp n_gpu_layers; -1: all
     bool use_mmap = true;
+    // llama_context_params.n_rs_seq: rollback snapshots per sequence. A model whose cached
+    // state cannot be cut back (DeepSeek V4's compressor state) can then be trimmed by at
+    // most this many positions, once per sequence until it decodes again; 0: not at all.
+    uint32_t rollback_positions = 0;
     std::string model_sha256;         // hex; empty: computed from the file at load (not vocab-only)
     // Load only the vocabulary (llama_model_params.vocab_only): no tensor is read, so a
     // metadata-only sparse GGUF serves; the layer range and the context fields are unused,
@@ -82,6 +86,29 @@ struct ShardConfig {
     // the constructor throws ShardLoadError. Not owned; must outlive the constructor call.
     const std::atomic<bool> * cancel_load = nullptr;
 };
+
+// A boundary schema (BoundarySchema in worker.proto): version 1 "residual" (n_embd per
+// row) or version 2 "residual-streams" (streams x n_embd per row, hyper-connection models).
+struct BoundarySchemaDesc {
+    uint32_t version = 1;
+    uint32_t streams = 1;
+    uint32_t n_embd = 0;
+
+    uint32_t row_values() const { return streams * n_embd; }
+    const char * name() const;
+    // "residual/1 (1 stream x 64 f32 per token)": what refusals name
+    std::string describe() const;
+    // "residual/1", "residual-streams/2": the recipe's schema part
+    std::string recipe_tag() const;
+};
+
+// The schema of a model: version 2 with `streams` streams when the GGUF says the model keeps
+// hyper-connection streams (<arch>.hyper_connection.count > 1), version 1 otherwise.
+BoundarySchemaDesc boundary_schema_for(uint32_t hc_streams, uint32_t n_embd);
+
+// What Forward checks a boundary entry's declared schema against (0 = unset = 1).
+ShardStatus check_boundary_schema(size_t entry, uint32_t seq_id, const BoundarySchemaDesc & expected,
+                                  uint32_t declared_version, uint32_t declared_streams);
 
 // What a loaded shard is; mirrors InfoReply. Immutable after load.
 struct ShardInfo {
@@ -93,6 +120,7 @@ struct ShardInfo {
     uint32_t layer_end = 0;
     bool takes_tokens = false;
     bool gives_logits = false;
+    BoundarySchemaDesc boundary;         // the model's boundary schema (both edges)
     std::string recipe_hash;
     std::string model_sha256;
     std::string llama_cpp_commit;
@@ -125,14 +153,21 @@ struct ShardVocabulary {
 // What Forward and the sequence calls of a vocab-only shard answer (FAILED_PRECONDITION).
 inline constexpr const char * kVocabOnlyRefusal = "this worker holds only the vocabulary (--vocab-only)";
 
-// The boundary schema this worker speaks (BoundarySchema.name / version, wire dtype name).
+// The worker protocol version (schema_version of every request and reply).
+inline constexpr uint32_t kWorkerSchemaVersion = 1;
+// The boundary schemas (BoundarySchema.name / version) and the wire dtype name.
 inline constexpr const char * kBoundarySchemaName = "residual";
 inline constexpr uint32_t kBoundarySchemaVersion = 1;
+inline constexpr const char * kBoundaryStreamsSchemaName = "residual-streams";
+inline constexpr uint32_t kBoundaryStreamsSchemaVersion = 2;
 inline constexpr const char * kBoundaryWireDType = "f32";
 
-// sha256 hex of "model_sha256\nllama_commit\npatch_sha256\nbackend\nresidual/1\nf32".
+// sha256 hex of "model_sha256\nllama_commit\npatch_sha256\nbackend\n<schema tag>\nf32";
+// the schema tag is "residual/1" (so version-1 recipes are what they always were) or
+// "residual-streams/2".
 std::string compute_recipe_hash(const std::string & model_sha256, const std::string & llama_commit,
-                                const std::string & patch_series_sha256, const std::string & backend);
+                                const std::string & patch_series_sha256, const std::string & backend,
+                                const std::string & boundary_schema_tag = "residual/1");
 
 // The llama.cpp commit and patch-series hash baked in at build time ("unknown" if not given).
 const char * built_llama_cpp_commit();
@@ -151,13 +186,15 @@ struct ForwardEntry {
     std::vector<int32_t> token_ids;
     std::string_view boundary;        // points into the request; must outlive forward()
     BoundaryDType boundary_dtype = BoundaryDType::kUnspecified;
+    uint32_t boundary_schema_version = 0;  // as declared by the sender; 0 = unset = 1
+    uint32_t boundary_streams = 0;         // 0 = unset = 1
     std::vector<uint32_t> logit_rows; // empty: the entry's last row
 };
 
 struct ForwardOutput {
     uint32_t seq_id = 0;
     uint32_t n_rows = 0;
-    std::string boundary;             // f32 [n_rows, n_embd], ranges that are not last
+    std::string boundary;             // f32 [n_rows, boundary.row_values()], ranges that are not last
     std::string logits;               // f32 [n_rows, n_vocab], the last range
     std::vector<uint32_t> logit_rows;
     int32_t next_position = 0;
@@ -174,12 +211,13 @@ struct ForwardLimits {
     uint32_t n_seq_max = 0;
     uint32_t n_batch_max = 0;
     uint32_t n_ctx_per_sequence = 0;
+    BoundarySchemaDesc boundary;      // rows are boundary.row_values() wide (n_embd when unset)
 };
 
 // ---------------------------------------------------------------------------------------------
 // Pure validation helpers. Each returns Ok or an error naming what was wrong.
 
-// schema_version must be the one this worker speaks (1).
+// schema_version must be the one this worker speaks (kWorkerSchemaVersion).
 ShardStatus check_schema_version(uint32_t schema_version);
 
 // positions must be next, next+1, ...; next is what the sequence already holds.

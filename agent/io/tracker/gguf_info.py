@@ -122,3 +122,43 @@ def read_registered_metadata(path: str | os.PathLike[str], sha256: str, size_byt
         return gguf_metadata_prefix(path)
     except ValueError as error:
         raise GgufError(str(error)) from None
+
+
+def read_manifest_facts(path: str | os.PathLike[str]):  # noqa: ANN201
+    """(metadata size, metadata sha256, [``agent.core.manifest.TensorFacts``] in file order) of
+    the GGUF at ``path``: every tensor's absolute data offset, size and sha256 (reads the whole
+    file once; seconds per GB).
+
+    Raises:
+      GgufError: not a readable GGUF file.
+      OSError: the file cannot be read.
+    """
+    import hashlib
+
+    from gguf import GGUFReader
+
+    from agent.core.manifest import TensorFacts
+
+    path = Path(path)
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError) as error:
+        raise GgufError(f"{path}: not a readable GGUF file ({error})") from None
+    data_offset = int(reader.data_offset)
+    layout = sorted((int(t.data_offset), int(t.n_bytes), t.name) for t in reader.tensors)
+    del reader  # its memory map
+    tensors = []
+    with open(path, "rb") as f:
+        metadata_sha256 = hashlib.sha256(f.read(data_offset)).hexdigest()
+        for offset, size, name in layout:
+            f.seek(offset)
+            digest = hashlib.sha256()
+            left = size
+            while left > 0:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    raise GgufError(f"{path}: tensor {name} runs past the end of the file")
+                digest.update(chunk)
+                left -= len(chunk)
+            tensors.append(TensorFacts(name, offset, size, digest.hexdigest()))
+    return data_offset, metadata_sha256, tensors

@@ -748,7 +748,7 @@ def test_store_refuses_another_schema_version(db_path):
     connection.execute("UPDATE schema_version SET version = 99")
     connection.commit()
     connection.close()
-    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 2"):
+    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 3"):
         TrackerStore.open(db_path)
 
 
@@ -769,8 +769,9 @@ def test_store_migrates_a_version_1_file(db_path):
     )
     connection.close()
     with open_store(db_path) as store:
-        assert store._db.execute("SELECT version FROM schema_version").fetchone()[0] == 2
+        assert store._db.execute("SELECT version FROM schema_version").fetchone()[0] == 3
         assert store.models() == [MODEL] and store.model_path(MODEL.sha256) is None
+        assert store.model_source(MODEL.sha256) == ""  # (version 3) no source recorded
         store.put_model(MODEL, 1, "/models/tiny.gguf")
         store.put_model(MODEL, 2)  # an update without a path keeps the recorded one
         assert str(store.model_path(MODEL.sha256)) == "/models/tiny.gguf"

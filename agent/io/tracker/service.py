@@ -55,7 +55,8 @@ from agent.core.swarm_wire import (
     parse_record,
     tracker_reply_error,
 )
-from agent.io.tracker.gguf_info import GgufError, read_registered_metadata
+from agent.core.manifest import ManifestError, build_manifest, sign_manifest
+from agent.io.tracker.gguf_info import GgufError, read_manifest_facts, read_registered_metadata
 from agent.io.tracker.store import NodeRecord, TrackerStore
 
 __all__ = ["Tracker", "TrackerConfig", "serve_tracker", "trio_unix_clock"]
@@ -143,7 +144,11 @@ class Tracker:
         self.recomputes = 0
         #: model sha256 -> its GGUF's metadata prefix (read once, on the first request)
         self._metadata: dict[str, bytes] = {}
+        self._manifests: dict[str, swarm_pb2.SignedManifest] = {}
         self._metadata_locks: dict[str, trio.Lock] = {}
+        #: set when this tracker serves its registered files over HTTP (``--serve-models``):
+        #: every registered model with a file then has the source ``<base>/models/<sha256>.gguf``
+        self.model_base_url = ""
         now = clock()
         self._pruned_at_ms = now - config.registration_max_age_ms  # prune at the first sweep
         for node in store.nodes():
@@ -221,7 +226,7 @@ class Tracker:
             elif kind == "route":
                 reply.route.CopyFrom(self._route(request.route))
             elif kind == "list_models":
-                reply.list_models.CopyFrom(swarm_pb2.ListModelsReply(models=self.store.models()))
+                reply.list_models.CopyFrom(swarm_pb2.ListModelsReply(models=self.models()))
             elif kind == "model_metadata":
                 reply.model_metadata.CopyFrom(await self._model_metadata(request.model_metadata))
             elif kind == "list_nodes":
@@ -237,6 +242,21 @@ class Tracker:
         except Exception as error:  # a bug: answer, log, keep serving
             log.exception("tracker request from %s failed", remote_peer_id)
             return tracker_reply_error(Code.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+
+    def source_urls(self, sha256: str) -> list[str]:
+        """Where nodes may fetch model ``sha256``'s bytes by range: its registered source, and
+        this tracker's own model server when it runs and has the file."""
+        urls = [url for url in [self.store.model_source(sha256)] if url]
+        if self.model_base_url and self.store.model_path(sha256) is not None:
+            urls.append(f"{self.model_base_url.rstrip('/')}/models/{sha256}.gguf")
+        return urls
+
+    def models(self) -> list[swarm_pb2.ModelEntry]:
+        """The registered models, ``has_source`` filled in."""
+        entries = self.store.models()
+        for entry in entries:
+            entry.has_source = bool(self.source_urls(entry.sha256))
+        return entries
 
     def _policy(self) -> admission.AdmissionPolicy:
         sizes = [m.bytes_per_block for m in self.store.models() if m.bytes_per_block > 0]
@@ -430,6 +450,7 @@ class Tracker:
         model = self.store.find_model(request.model)
         if model is None:
             raise _Refusal(Code.NOT_FOUND, f"unknown model {request.model!r}")
+        metadata = await self._metadata_prefix(model)
         return swarm_pb2.ModelMetadataReply(
             model_sha256=model.sha256,
             name=model.name,
@@ -437,9 +458,39 @@ class Tracker:
             architecture=model.architecture,
             n_layer=model.n_layer,
             size_bytes=model.size_bytes,
-            metadata=await self._metadata_prefix(model),
+            metadata=b"" if request.without_metadata else metadata,
             context_length=model.context_length,
+            manifest=await self._manifest(model),
+            source_urls=self.source_urls(model.sha256),
         )
+
+    async def _manifest(self, model: swarm_pb2.ModelEntry) -> swarm_pb2.SignedManifest:
+        """The signed manifest of ``model``'s registered file (after ``_metadata_prefix``
+        checked the file): every tensor hashed in a thread on the first request, then kept."""
+        cached = self._manifests.get(model.sha256)
+        if cached is not None:
+            return cached
+        async with self._metadata_locks.setdefault(model.sha256, trio.Lock()):
+            cached = self._manifests.get(model.sha256)
+            if cached is not None:
+                return cached
+            path = self.store.model_path(model.sha256)
+            assert path is not None  # _metadata_prefix refused a model without a file
+            try:
+                metadata_size, metadata_sha256, tensors = await trio.to_thread.run_sync(read_manifest_facts, path)
+                manifest = build_manifest(
+                    model_sha256=model.sha256, size_bytes=model.size_bytes, metadata_size=metadata_size,
+                    metadata_sha256=metadata_sha256, architecture=model.architecture, n_layer=model.n_layer,
+                    tensors=tensors, tracker_peer_id=self.peer_id, now_ms=self._now_ms(),
+                )  # fmt: skip
+            except (OSError, GgufError, ManifestError) as error:
+                log.warning("cannot build the manifest of model %s: %s", model.alias, error)
+                raise _Refusal(
+                    Code.UNAVAILABLE, f"the manifest of model {model.alias} cannot be made: {error}"
+                ) from None
+            signed = sign_manifest(self._key, manifest)
+            self._manifests[model.sha256] = signed
+            return signed
 
     async def _metadata_prefix(self, model: swarm_pb2.ModelEntry) -> bytes:
         """The metadata prefix of ``model``'s registered file: read in a thread on the first
@@ -490,12 +541,17 @@ class Tracker:
         """Recompute the assignment set from the models and the alive + pending nodes."""
         models = [ModelSpec(m.sha256, m.n_layer, m.bytes_per_block) for m in self.store.models() if m.n_layer > 0]
         live = set(self.deadline_ms)
+        fetchable = {m.sha256 for m in self.models() if m.has_source}
         nodes = [
             NodeCapacity(
                 n.peer_id,
                 n.fingerprint.usable_memory_bytes,
                 n.fingerprint.decode_s_per_block,
-                frozenset(m for m in n.fingerprint.model_sha256s if (n.peer_id, m) not in self.failed),
+                frozenset(
+                    m
+                    for m in set(n.fingerprint.model_sha256s) | (fetchable if n.fingerprint.fetches_models else set())
+                    if (n.peer_id, m) not in self.failed
+                ),
             )
             for n in self.store.nodes()
             if n.peer_id in live

@@ -228,6 +228,7 @@ def install(args: argparse.Namespace) -> int:
 
     tools = gather_tools()
     paths = service_paths(tools.system)
+    paths.config_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # holds the key: owner only
     backend = detect_backend(tools) if args.backend == "auto" else args.backend
     plan = build_plan(backend, tools)
     print(f"backend: {backend}" + (" (detected)" if args.backend == "auto" else "") + f"; CMake flags: {plan.cmake_args_text or '(none)'}")

@@ -130,6 +130,8 @@ class NodeConfig:
         only the assigned ranges' bytes, from the sources the tracker names, each tensor
         checked against the tracker-signed manifest); None: serve only ``models``.
       fetch: limits of those downloads (``agent.io.node.fetch.FetchConfig``).
+      manifest_timeout_s: how long the tracker may take to send a manifest (the first one
+        of a model hashes the whole file: minutes for tens of GB).
     """
 
     tracker: str
@@ -155,6 +157,7 @@ class NodeConfig:
     probe_config: ProbeConfig = ProbeConfig()
     models_dir: str | None = None
     fetch: FetchConfig = FetchConfig()
+    manifest_timeout_s: float = 300.0
 
 
 class NodeError(Exception):
@@ -290,14 +293,16 @@ class Node:
             assert self._keep_relay_reservation is not None
             await self._keep_relay_reservation(self.config.tracker)
 
-    async def _tracker_call(self, request: swarm_pb2.TrackerRequest) -> swarm_pb2.TrackerReply:
+    async def _tracker_call(
+        self, request: swarm_pb2.TrackerRequest, timeout_s: float | None = None
+    ) -> swarm_pb2.TrackerReply:
         """Raises TransportError or WireError (a malformed reply)."""
         data = await self.transport.request(
             self.tracker_peer_id,
             [self.config.tracker],
             TRACKER_PROTOCOL,
             request.SerializeToString(),
-            timeout_s=self.config.request_timeout_s,
+            timeout_s=self.config.request_timeout_s if timeout_s is None else timeout_s,
         )
         return parse_record(swarm_pb2.TrackerReply, data)
 
@@ -500,7 +505,7 @@ class Node:
             model_metadata=swarm_pb2.ModelMetadataRequest(model=model_sha256, without_metadata=True),
         )
         try:
-            reply = await self._tracker_call(request)
+            reply = await self._tracker_call(request, self.config.manifest_timeout_s)
         except (TransportError, WireError) as err:
             raise FetchError(f"the tracker did not send the manifest of model {model_sha256}: {err}") from None
         if reply.error.code:

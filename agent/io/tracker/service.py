@@ -523,6 +523,21 @@ class Tracker:
             self._metadata[model.sha256] = metadata
             return metadata
 
+    async def prepare_manifests(self) -> None:
+        """Read the metadata and hash the tensors of every registered model with a file, one
+        at a time, so that the first node that asks does not wait for it (failures are logged;
+        requests try again)."""
+        for model in self.store.models():
+            if self.store.model_path(model.sha256) is None:
+                continue
+            try:
+                await self._metadata_prefix(model)
+                await self._manifest(model)
+            except _Refusal as refusal:
+                log.warning("model %s: %s", model.alias, refusal.message)
+            else:
+                log.info("manifest of model %s ready", model.alias)
+
     def _load(self) -> dict[str, int]:
         """Routes handed out within route_load_window_s, per peer (the tracker does not see
         sessions end, so recent routes stand in for current sessions)."""
@@ -623,4 +638,6 @@ async def serve_tracker(
     tracker._recompute()
     transport.set_handler(TRACKER_PROTOCOL, tracker.handle)
     task_status.started(tracker)
-    await tracker.run_sweeper()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tracker.prepare_manifests)
+        await tracker.run_sweeper()

@@ -226,6 +226,8 @@ def _node_ranges(entry, aliases: dict[str, str]) -> list[tuple[str, str, str]]:
         sha, begin, end = key
         status = reported.get(key)
         state = "-" if status is None else _state_name(status.state)
+        if status is not None and status.fetch_total_bytes and status.fetched_bytes < status.fetch_total_bytes:
+            state += f" fetching {100 * status.fetched_bytes // status.fetch_total_bytes}%"
         if key not in assigned:
             state += " unassigned"
         ranges.append((f"{aliases.get(sha, sha[:12])}[{begin}, {end})", state, "" if status is None else status.error))
@@ -253,6 +255,8 @@ def _node_json(entry) -> dict:
                 "state": _state_name(s.state),
                 "error": s.error,
                 "recipe_hash": s.recipe_hash,
+                "fetched_bytes": s.fetched_bytes,
+                "fetch_total_bytes": s.fetch_total_bytes,
             }
             for s in entry.serving
         ],

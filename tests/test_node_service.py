@@ -266,3 +266,16 @@ def test_doctor_on_this_machine_and_with_no_space(home_env: dict[str, str], tmp_
     # no space: the check compares what the disk has with what the ranges need
     low = {c.name: c for c in service.doctor_checks(args, free_bytes=-1)}
     assert not low["disk space"].ok and "free" in low["disk space"].fix
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(3600)
+def test_install_auto_builds_the_gpu_worker_and_doctor_sees_the_gpu(home_env: dict[str, str]) -> None:
+    """On a GPU machine (BATON_GPU=1): the detected backend is a GPU one, the build with its
+    CMake flags succeeds, and the doctor's backend check sees the device with memory."""
+    done = baton("node", "install", "--tracker", TRACKER, "--no-start", env=home_env, timeout_s=3500)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "backend: cpu" not in done.stdout
+    doctor = baton("node", "doctor", env=home_env, timeout_s=120)
+    backend_lines = [line for line in doctor.stdout.splitlines() if "backend:" in line]
+    assert backend_lines and backend_lines[0].startswith("✓"), doctor.stdout

@@ -20,7 +20,7 @@ from agent.core.range_fetch import METADATA_PIECE, FetchRefused, range_pieces
 from agent.core.admission import public_key_bytes
 from agent.io.model_http import ModelFileServer, serve_model_files
 from agent.io.node.fetch import FetchConfig, FetchError, fetch_range
-from agent.io.tracker.gguf_info import read_manifest_facts
+from agent.io.tracker.gguf_info import read_registered_file
 from agent.models import cached_sha256
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -31,11 +31,13 @@ pytestmark = pytest.mark.timeout(120)
 def make_manifest(path: Path, key: Ed25519PrivateKey):
     from agent.io.tracker.gguf_info import read_gguf_facts
 
+    import hashlib
+
     facts = read_gguf_facts(path)
-    metadata_size, metadata_sha256, tensors = read_manifest_facts(path)
+    metadata, tensors = read_registered_file(path, cached_sha256(path), path.stat().st_size)
     manifest = build_manifest(
-        model_sha256=cached_sha256(path), size_bytes=path.stat().st_size, metadata_size=metadata_size,
-        metadata_sha256=metadata_sha256, architecture=facts.architecture, n_layer=facts.n_layer, tensors=tensors,
+        model_sha256=cached_sha256(path), size_bytes=path.stat().st_size, metadata_size=len(metadata),
+        metadata_sha256=hashlib.sha256(metadata).hexdigest(), architecture=facts.architecture, n_layer=facts.n_layer, tensors=tensors,
         tracker_peer_id=peer_id_from_public_key(public_key_bytes(key)), now_ms=1,
     )  # fmt: skip
     return verify_manifest(sign_manifest(key, manifest), public_key_bytes(key), cached_sha256(path))

@@ -41,7 +41,8 @@ MODEL = swarm_pb2.ModelEntry(
     sha256="aa" * 32, name="Tiny Model", alias="tiny", architecture="qwen2", n_layer=6, size_bytes=10**7,
     bytes_per_block=BPB,
 )  # fmt: skip
-CONFIG = TrackerConfig(llama_cpp_commit=PIN, patch_series_sha256=PATCH)
+# manifests are made on request here: the metadata tests move the file under the tracker
+CONFIG = TrackerConfig(llama_cpp_commit=PIN, patch_series_sha256=PATCH, prepare_manifests_at_start=False)
 READY, LOADING = swarm_pb2.AssignmentStatus.READY, swarm_pb2.AssignmentStatus.LOADING
 FAILED = swarm_pb2.AssignmentStatus.FAILED
 Code = swarm_pb2.Error
@@ -579,7 +580,7 @@ async def test_model_metadata_is_the_registered_files_prefix(db_path, qwen2_tiny
         def unreadable(*args):
             raise OSError("the disk is gone")
 
-        monkeypatch.setattr("agent.io.tracker.service.read_registered_metadata", unreadable)
+        monkeypatch.setattr("agent.io.tracker.service.read_registered_file", unreadable)
         reply = await client.call(model_metadata={"model": "qwen2-tiny"})
         assert reply.model_metadata.metadata == prefix
 
@@ -694,7 +695,8 @@ async def test_list_nodes_shows_assignments_reported_states_and_liveness(autojum
     assert nodes[0]["usable_memory_bytes"] == 3 * BPB and isinstance(nodes[0]["last_heartbeat_ms"], int)
     assert nodes[0]["assigned"] == []
     assert nodes[0]["serving"] == [
-        {"model_sha256": MODEL.sha256, "begin": 0, "end": 3, "state": "READY", "error": "", "recipe_hash": "recipe-1"}
+        {"model_sha256": MODEL.sha256, "begin": 0, "end": 3, "state": "READY", "error": "", "recipe_hash": "recipe-1",
+         "fetched_bytes": 0, "fetch_total_bytes": 0}
     ]
     assert nodes[1]["serving"][0]["state"] == "LOADING" and nodes[1]["assigned"] == []
 

@@ -519,18 +519,21 @@ class Node:
         def progress(update: FetchProgress) -> None:
             served.fetch_progress = update
 
-        errors = []
+        errors: list[FetchError | FetchRefused] = []
         async with self._fetch_locks.setdefault(model_sha256, trio.Lock()):
             for url in sources:
                 try:
                     log.info("fetching %s from %s into %s", _range_name(served.key), url, dest)
                     await fetch_range(manifest, [(begin, end)], url, dest, config=self.config.fetch, on_progress=progress)
                     break
-                except FetchError as err:  # this source failed: try the next one
+                except (FetchError, FetchRefused) as err:  # this source failed: try the next one
                     log.warning("%s: %s", _range_name(served.key), err)
-                    errors.append(str(err))
+                    errors.append(err)
             else:
-                raise FetchError("; ".join(errors))
+                refusals = [e for e in errors if isinstance(e, FetchRefused)]
+                if refusals:
+                    raise refusals[0]  # names the tensor and the source
+                raise FetchError("; ".join(str(e) for e in errors))
         self.heartbeat_soon()
         return LocalModel(path=str(dest), sha256=model_sha256)
 

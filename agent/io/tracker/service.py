@@ -34,6 +34,7 @@ the transport (a closed transport stops calling it).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -56,7 +57,7 @@ from agent.core.swarm_wire import (
     tracker_reply_error,
 )
 from agent.core.manifest import ManifestError, build_manifest, sign_manifest
-from agent.io.tracker.gguf_info import GgufError, read_manifest_facts, read_registered_metadata
+from agent.io.tracker.gguf_info import GgufError, read_registered_file
 from agent.io.tracker.store import NodeRecord, TrackerStore
 
 __all__ = ["Tracker", "TrackerConfig", "serve_tracker", "trio_unix_clock"]
@@ -84,6 +85,9 @@ class TrackerConfig:
     hop_latency_s: float = 0.002
     #: a route handed out counts as load on its hops for this long
     route_load_window_s: float = 60.0
+    #: read every registered file's metadata and hash its tensors when the tracker starts,
+    #: so the first node to ask for a manifest does not wait (else: on the first request)
+    prepare_manifests_at_start: bool = True
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_ms", "heartbeat_timeout_ms", "admission_ttl_ms", "registration_max_age_ms"):
@@ -450,7 +454,7 @@ class Tracker:
         model = self.store.find_model(request.model)
         if model is None:
             raise _Refusal(Code.NOT_FOUND, f"unknown model {request.model!r}")
-        metadata = await self._metadata_prefix(model)
+        metadata, manifest = await self._file_facts(model)
         return swarm_pb2.ModelMetadataReply(
             model_sha256=model.sha256,
             name=model.name,
@@ -460,49 +464,22 @@ class Tracker:
             size_bytes=model.size_bytes,
             metadata=b"" if request.without_metadata else metadata,
             context_length=model.context_length,
-            manifest=await self._manifest(model),
+            manifest=manifest,
             source_urls=self.source_urls(model.sha256),
         )
 
-    async def _manifest(self, model: swarm_pb2.ModelEntry) -> swarm_pb2.SignedManifest:
-        """The signed manifest of ``model``'s registered file (after ``_metadata_prefix``
-        checked the file): every tensor hashed in a thread on the first request, then kept."""
-        cached = self._manifests.get(model.sha256)
-        if cached is not None:
-            return cached
-        async with self._metadata_locks.setdefault(model.sha256, trio.Lock()):
-            cached = self._manifests.get(model.sha256)
-            if cached is not None:
-                return cached
-            path = self.store.model_path(model.sha256)
-            assert path is not None  # _metadata_prefix refused a model without a file
-            try:
-                metadata_size, metadata_sha256, tensors = await trio.to_thread.run_sync(read_manifest_facts, path)
-                manifest = build_manifest(
-                    model_sha256=model.sha256, size_bytes=model.size_bytes, metadata_size=metadata_size,
-                    metadata_sha256=metadata_sha256, architecture=model.architecture, n_layer=model.n_layer,
-                    tensors=tensors, tracker_peer_id=self.peer_id, now_ms=self._now_ms(),
-                )  # fmt: skip
-            except (OSError, GgufError, ManifestError) as error:
-                log.warning("cannot build the manifest of model %s: %s", model.alias, error)
-                raise _Refusal(
-                    Code.UNAVAILABLE, f"the manifest of model {model.alias} cannot be made: {error}"
-                ) from None
-            signed = sign_manifest(self._key, manifest)
-            self._manifests[model.sha256] = signed
-            return signed
-
-    async def _metadata_prefix(self, model: swarm_pb2.ModelEntry) -> bytes:
-        """The metadata prefix of ``model``'s registered file: read in a thread on the first
-        request (concurrent first requests share one read), then from memory. A failed read
-        is not remembered: the next request tries again (the file may be back)."""
+    async def _file_facts(self, model: swarm_pb2.ModelEntry) -> tuple[bytes, swarm_pb2.SignedManifest]:
+        """The metadata prefix and the signed manifest of ``model``'s registered file: read
+        (one pass: size and sha256 checked, tensors hashed) in a thread on the first request
+        (concurrent first requests share one read), then from memory. A failed read is not
+        remembered: the next request tries again (the file may be back)."""
         cached = self._metadata.get(model.sha256)
         if cached is not None:
-            return cached
+            return cached, self._manifests[model.sha256]
         async with self._metadata_locks.setdefault(model.sha256, trio.Lock()):
             cached = self._metadata.get(model.sha256)
             if cached is not None:
-                return cached
+                return cached, self._manifests[model.sha256]
             path = self.store.model_path(model.sha256)
             if path is None:
                 raise _Refusal(
@@ -511,17 +488,23 @@ class Tracker:
                     "(the database predates recorded paths): register it again with --register-model",
                 )
             try:
-                metadata = await trio.to_thread.run_sync(
-                    read_registered_metadata, path, model.sha256, model.size_bytes
+                metadata, tensors = await trio.to_thread.run_sync(
+                    read_registered_file, path, model.sha256, model.size_bytes
                 )
-            except (OSError, GgufError) as error:
-                log.warning("cannot read the metadata of model %s: %s", model.alias, error)
+                manifest = build_manifest(
+                    model_sha256=model.sha256, size_bytes=model.size_bytes, metadata_size=len(metadata),
+                    metadata_sha256=hashlib.sha256(metadata).hexdigest(), architecture=model.architecture,
+                    n_layer=model.n_layer, tensors=tensors, tracker_peer_id=self.peer_id, now_ms=self._now_ms(),
+                )  # fmt: skip
+            except (OSError, GgufError, ManifestError) as error:
+                log.warning("cannot read model %s: %s", model.alias, error)
                 reason = str(error).replace(str(path), path.name)  # the tracker's directories stay private
                 raise _Refusal(
                     Code.UNAVAILABLE, f"the registered file of model {model.alias} cannot be read any more: {reason}"
                 ) from None
+            self._manifests[model.sha256] = sign_manifest(self._key, manifest)
             self._metadata[model.sha256] = metadata
-            return metadata
+            return metadata, self._manifests[model.sha256]
 
     async def prepare_manifests(self) -> None:
         """Read the metadata and hash the tensors of every registered model with a file, one
@@ -531,8 +514,7 @@ class Tracker:
             if self.store.model_path(model.sha256) is None:
                 continue
             try:
-                await self._metadata_prefix(model)
-                await self._manifest(model)
+                await self._file_facts(model)
             except _Refusal as refusal:
                 log.warning("model %s: %s", model.alias, refusal.message)
             else:
@@ -639,5 +621,6 @@ async def serve_tracker(
     transport.set_handler(TRACKER_PROTOCOL, tracker.handle)
     task_status.started(tracker)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(tracker.prepare_manifests)
+        if config.prepare_manifests_at_start:
+            nursery.start_soon(tracker.prepare_manifests)
         await tracker.run_sweeper()

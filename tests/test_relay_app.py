@@ -24,7 +24,7 @@ from agent.io.client import GenerationError, GenerationResult, SwarmError
 from agent.io.relay.metrics import RelayMetrics
 from agent.io.relay.server import RelayConfig, RelayState, build_app
 from agent.io.relay.store import open_relay_store
-from agent.io.relay.tokenizer import ModelVocab
+from agent.io.vocab import ModelVocab
 
 SHA = "ab" * 32
 # token id -> bytes; 7 and 8 are the two halves of "é" (c3 a9); 9 is end-of-generation

@@ -41,7 +41,8 @@ MODEL = swarm_pb2.ModelEntry(
     sha256="aa" * 32, name="Tiny Model", alias="tiny", architecture="qwen2", n_layer=6, size_bytes=10**7,
     bytes_per_block=BPB,
 )  # fmt: skip
-CONFIG = TrackerConfig(llama_cpp_commit=PIN, patch_series_sha256=PATCH)
+# manifests are made on request here: the metadata tests move the file under the tracker
+CONFIG = TrackerConfig(llama_cpp_commit=PIN, patch_series_sha256=PATCH, prepare_manifests_at_start=False)
 READY, LOADING = swarm_pb2.AssignmentStatus.READY, swarm_pb2.AssignmentStatus.LOADING
 FAILED = swarm_pb2.AssignmentStatus.FAILED
 Code = swarm_pb2.Error
@@ -615,7 +616,7 @@ async def test_model_metadata_is_the_registered_files_prefix(db_path, qwen2_tiny
         def unreadable(*args):
             raise OSError("the disk is gone")
 
-        monkeypatch.setattr("agent.io.tracker.service.read_registered_metadata", unreadable)
+        monkeypatch.setattr("agent.io.tracker.service.read_registered_file", unreadable)
         reply = await client.call(model_metadata={"model": "qwen2-tiny"})
         assert reply.model_metadata.metadata == prefix
 
@@ -731,7 +732,8 @@ async def test_list_nodes_shows_assignments_reported_states_and_liveness(autojum
     assert nodes[0]["usable_memory_bytes"] == 3 * BPB and isinstance(nodes[0]["last_heartbeat_ms"], int)
     assert [(x["begin"], x["end"]) for x in nodes[0]["assigned"]] == [(0, 3)]
     assert nodes[0]["serving"] == [
-        {"model_sha256": MODEL.sha256, "begin": 0, "end": 3, "state": "READY", "error": "", "recipe_hash": "recipe-1"}
+        {"model_sha256": MODEL.sha256, "begin": 0, "end": 3, "state": "READY", "error": "", "recipe_hash": "recipe-1",
+         "fetched_bytes": 0, "fetch_total_bytes": 0}
     ]
     assert nodes[1]["serving"][0]["state"] == "LOADING" and nodes[1]["assigned"] == []
 
@@ -785,7 +787,7 @@ def test_store_refuses_another_schema_version(db_path):
     connection.execute("UPDATE schema_version SET version = 99")
     connection.commit()
     connection.close()
-    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 2"):
+    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 3"):
         TrackerStore.open(db_path)
 
 
@@ -806,8 +808,9 @@ def test_store_migrates_a_version_1_file(db_path):
     )
     connection.close()
     with open_store(db_path) as store:
-        assert store._db.execute("SELECT version FROM schema_version").fetchone()[0] == 2
+        assert store._db.execute("SELECT version FROM schema_version").fetchone()[0] == 3
         assert store.models() == [MODEL] and store.model_path(MODEL.sha256) is None
+        assert store.model_source(MODEL.sha256) == ""  # (version 3) no source recorded
         store.put_model(MODEL, 1, "/models/tiny.gguf")
         store.put_model(MODEL, 2)  # an update without a path keeps the recorded one
         assert str(store.model_path(MODEL.sha256)) == "/models/tiny.gguf"

@@ -74,6 +74,7 @@ def build_fingerprint(
     usable_memory_bytes: int,
     created_at_ms: int,
     nonce: bytes,
+    fetches_models: bool = False,
 ) -> swarm_pb2.Fingerprint:
     """The ``Fingerprint`` record of a node.
 
@@ -85,6 +86,7 @@ def build_fingerprint(
       usable_memory_bytes: what the node offers for weights + KV.
       created_at_ms: unix time in ms (the tracker refuses stale ones).
       nonce: 16 random bytes (the tracker refuses a nonce it has seen from this peer).
+      fetches_models: the node downloads the ranges it is assigned of models with a source.
 
     Raises:
       ValueError: the nonce does not have 16 bytes, or a count is negative.
@@ -94,6 +96,7 @@ def build_fingerprint(
     if usable_memory_bytes < 0 or created_at_ms < 0:
         raise ValueError("usable_memory_bytes and created_at_ms must be >= 0")
     return swarm_pb2.Fingerprint(
+        fetches_models=fetches_models,
         schema_version=FINGERPRINT_SCHEMA_VERSION,
         peer_id=peer_id,
         os=probe.os,

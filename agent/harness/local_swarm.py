@@ -198,11 +198,12 @@ class LocalSwarm:
         *,
         listen: str | None = None,
         relay: bool = False,
+        model: bool = True,
     ) -> list[str]:
         c = self.config
         return command_prefix("node") + [
             "--tracker", self.tracker_addr,
-            "--model", str(c.model_path),
+            *(["--model", str(c.model_path)] if model else []),
             "--key", str(self.key_path(name)),
             "--memory-bytes", str(memory_bytes),
             "--threads", str(c.threads),
@@ -334,18 +335,21 @@ class LocalSwarm:
         *,
         listen: str | None = None,
         relay: bool = False,
+        model: bool = True,
     ) -> SwarmProcess:
         """Start node ``name`` (its key: ``key_path(name)``) offering ``memory_bytes``.
 
         ``listen``: its ``--listen`` (None: the default, loopback; ``"none"``: no direct
         address). ``relay``: reachable through the tracker's circuit relay (``--relay``).
+        ``model=False``: without ``--model`` (pass ``--models-dir DIR`` in ``extra_args``: it
+        fetches the ranges it is assigned).
         It registers by itself; wait for its ranges through the tracker's routes.
         """
         if not self.tracker_addr:
             raise RuntimeError("start the tracker first")
         if name in self.nodes and self.nodes[name].alive:
             raise RuntimeError(f"node {name} is already running")
-        proc = self._spawn(name, self.node_argv(name, memory_bytes, extra_args, listen=listen, relay=relay))
+        proc = self._spawn(name, self.node_argv(name, memory_bytes, extra_args, listen=listen, relay=relay, model=model))
         self.nodes[name] = proc
         return proc
 

@@ -39,6 +39,7 @@ from agent.core.admission import AdmissionError, AdmissionVerifier, public_key_b
 from agent.core.boundary import BoundaryError
 from agent.core.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
 from agent.core.identity import peer_id_from_public_key
+from agent.core.manifest import ManifestError, verify_manifest
 from agent.core.node_sessions import SessionTable
 from agent.core.scheduler import StepScheduler
 from agent.core.swarm_wire import (
@@ -67,6 +68,7 @@ from agent.io.transport import Transport, TransportError
 from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
 from agent.io.worker_process import WorkerBinaryNotFound, WorkerHandle, WorkerStartError, open_worker
 
+from .fetch import FetchConfig, FetchError, FetchProgress, FetchRefused, fetch_range, model_file_path
 from .probe import ProbeConfig, probe_host
 
 __all__ = [
@@ -127,6 +129,12 @@ class NodeConfig:
       start_retry_initial_s, start_retry_max_s, start_retry_timeout_s: a tracker that cannot
         be reached at start is tried again after ``initial``, doubling up to ``max`` between
         tries, for ``timeout`` in all (None: until it answers); each wait is logged.
+      models_dir: where models this node lacks are fetched to (``<sha256>.gguf``, sparse:
+        only the assigned ranges' bytes, from the sources the tracker names, each tensor
+        checked against the tracker-signed manifest); None: serve only ``models``.
+      fetch: limits of those downloads (``agent.io.node.fetch.FetchConfig``).
+      manifest_timeout_s: how long the tracker may take to send a manifest (the first one
+        of a model hashes the whole file: minutes for tens of GB).
     """
 
     tracker: str
@@ -153,6 +161,9 @@ class NodeConfig:
     start_retry_initial_s: float = 0.5
     start_retry_max_s: float = 30.0
     start_retry_timeout_s: float | None = None
+    models_dir: str | None = None
+    fetch: FetchConfig = FetchConfig()
+    manifest_timeout_s: float = 300.0
 
 
 class NodeError(Exception):
@@ -187,6 +198,7 @@ class ServedRange:
     spec: RangeSpec | None = None
     sessions: SessionTable | None = None
     scheduler: StepScheduler[tuple[int, StepInput]] | None = None
+    fetch_progress: FetchProgress | None = None  # while its bytes are being fetched
     forward_calls: int = 0  # Forwards this node sent to the worker
     entries_forwarded: int = 0
     largest_batch: int = 0
@@ -210,6 +222,9 @@ class ServedRange:
             recipe_hash=self.info.recipe_hash if self.info is not None and state == State.READY else "",
             sequences_in_use=0 if self.sessions is None else self.sessions.n_seq_max - self.sessions.free_count,
             sequences_total=0 if self.sessions is None else self.sessions.n_seq_max,
+            fetched_bytes=0 if self.fetch_progress is None else self.fetch_progress.done_bytes,
+            fetch_total_bytes=0 if self.fetch_progress is None else self.fetch_progress.total_bytes,
+            fetch_bytes_per_s=0.0 if self.fetch_progress is None else self.fetch_progress.bytes_per_s,
         )
 
 
@@ -259,6 +274,7 @@ class Node:
         self.heartbeat_interval_ms = config.heartbeat_interval_ms or DEFAULT_HEARTBEAT_INTERVAL_MS
         self.ranges: dict[RangeKey, ServedRange] = {}
         self.models = {m.sha256: m for m in config.models}
+        self._fetch_locks: dict[str, trio.Lock] = {}  # one download at a time per model file
         self.registrations = 0
         self.heartbeats = 0
         self._heartbeat_wakeup = trio.Event()
@@ -287,14 +303,16 @@ class Node:
             assert self._keep_relay_reservation is not None
             await self._keep_relay_reservation(self.config.tracker)
 
-    async def _tracker_call(self, request: swarm_pb2.TrackerRequest) -> swarm_pb2.TrackerReply:
+    async def _tracker_call(
+        self, request: swarm_pb2.TrackerRequest, timeout_s: float | None = None
+    ) -> swarm_pb2.TrackerReply:
         """Raises TransportError or WireError (a malformed reply)."""
         data = await self.transport.request(
             self.tracker_peer_id,
             [self.config.tracker],
             TRACKER_PROTOCOL,
             request.SerializeToString(),
-            timeout_s=self.config.request_timeout_s,
+            timeout_s=self.config.request_timeout_s if timeout_s is None else timeout_s,
         )
         return parse_record(swarm_pb2.TrackerReply, data)
 
@@ -316,6 +334,7 @@ class Node:
             else probe.ram_available_bytes,
             created_at_ms=_now_ms(),
             nonce=os.urandom(16),
+            fetches_models=self.config.models_dir is not None,
         )
         request = swarm_pb2.TrackerRequest(
             schema_version=SCHEMA_VERSION,
@@ -435,7 +454,7 @@ class Node:
             model = self.models.get(a.model_sha256)
             served = ServedRange(key=key, model=model)
             self.ranges[key] = served
-            if model is None:
+            if model is None and self.config.models_dir is None:
                 served.state, served.error = State.FAILED, f"model {a.model_sha256} is not on this node"
             elif not 0 <= a.begin < a.end:
                 served.state, served.error = State.FAILED, f"bad range [{a.begin}, {a.end})"
@@ -455,9 +474,14 @@ class Node:
         until the worker dies; report FAILED with the reason when it cannot (start) serve."""
         try:
             with served.cancel_scope:
+                if served.model is None:
+                    served.model = await self._fetch_model(served)
                 failure = await self._load_and_serve(served)
                 served.state, served.error = State.FAILED, failure
                 log.warning("FAILED %s: %s", _range_name(served.key), failure)
+        except (FetchRefused, FetchError, ManifestError) as err:
+            served.state, served.error = State.FAILED, _first_line(err)
+            log.warning("FAILED %s: %s", _range_name(served.key), err)
         except (WorkerStartError, WorkerBinaryNotFound, WorkerError, OSError, ValueError) as err:
             served.state, served.error = State.FAILED, _first_line(err)
             log.warning("FAILED %s: %s", _range_name(served.key), err)
@@ -473,6 +497,55 @@ class Node:
                 )  # fmt: skip
             served.stopped.set()
             self.heartbeat_soon()
+
+    async def _fetch_model(self, served: ServedRange) -> LocalModel:
+        """Fetch the bytes ``served``'s range needs into ``config.models_dir`` (the manifest
+        from the tracker, checked against its key; the bytes from the first source that
+        delivers them); progress goes into the range's heartbeat status.
+
+        Raises:
+          ManifestError: the tracker sent no usable manifest, or names no source.
+          FetchRefused: a tensor hashed wrong on every attempt (names tensor and source).
+          FetchError: no source could deliver.
+        """
+        model_sha256, begin, end = served.key
+        assert self.config.models_dir is not None
+        request = swarm_pb2.TrackerRequest(
+            schema_version=SCHEMA_VERSION,
+            model_metadata=swarm_pb2.ModelMetadataRequest(model=model_sha256, without_metadata=True),
+        )
+        try:
+            reply = await self._tracker_call(request, self.config.manifest_timeout_s)
+        except (TransportError, WireError) as err:
+            raise FetchError(f"the tracker did not send the manifest of model {model_sha256}: {err}") from None
+        if reply.error.code:
+            raise FetchError(f"the tracker refused the manifest of model {model_sha256}: {reply.error.message}")
+        manifest = verify_manifest(reply.model_metadata.manifest, self.tracker_public_key, model_sha256)
+        sources = list(reply.model_metadata.source_urls)
+        if not sources:
+            raise ManifestError(f"the tracker names no source to fetch model {model_sha256} from")
+        dest = model_file_path(self.config.models_dir, model_sha256)
+
+        def progress(update: FetchProgress) -> None:
+            served.fetch_progress = update
+
+        errors: list[FetchError | FetchRefused] = []
+        async with self._fetch_locks.setdefault(model_sha256, trio.Lock()):
+            for url in sources:
+                try:
+                    log.info("fetching %s from %s into %s", _range_name(served.key), url, dest)
+                    await fetch_range(manifest, [(begin, end)], url, dest, config=self.config.fetch, on_progress=progress)
+                    break
+                except (FetchError, FetchRefused) as err:  # this source failed: try the next one
+                    log.warning("%s: %s", _range_name(served.key), err)
+                    errors.append(err)
+            else:
+                refusals = [e for e in errors if isinstance(e, FetchRefused)]
+                if refusals:
+                    raise refusals[0]  # names the tensor and the source
+                raise FetchError("; ".join(str(e) for e in errors))
+        self.heartbeat_soon()
+        return LocalModel(path=str(dest), sha256=model_sha256)
 
     async def _load_and_serve(self, served: ServedRange) -> str:
         """Run the worker of ``served``; returns why it stopped serving (the worker died).

@@ -1,8 +1,15 @@
 """``baton node``: run a node agent that serves layer ranges of local GGUF files to a swarm.
 
-    baton node --tracker MULTIADDR --model PATH [--model PATH ...] --key PATH
+    baton node --tracker MULTIADDR [--model PATH ...] [--models-dir DIR] --key PATH
                [--listen MULTIADDR|none] [--relay] [--memory-bytes N] [--threads N]
                [--ctx-size N] [--max-sequences N] [--heartbeat-interval-ms N]
+    baton node install | uninstall | status | doctor ...   (agent.io.node.service)
+
+``--model PATH`` serves a file the node already has. ``--models-dir DIR`` lets the node serve
+models it lacks: for each range it is assigned it fetches only that range's bytes (the
+metadata and the range's tensors) by HTTP range requests from the sources the tracker names,
+into a sparse ``DIR/<sha256>.gguf``, each tensor checked against the tracker-signed manifest
+before the range is reported READY (``agent.io.node.fetch``). At least one of the two.
 
 A node that cannot be dialled (behind NAT) runs with ``--relay``: it reserves a slot on the
 tracker's circuit relay and is reached at ``<tracker>/p2p-circuit/p2p/<node id>``;
@@ -56,11 +63,18 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``baton node`` options to ``parser``."""
-    parser.add_argument("--tracker", required=True, help="the tracker's multiaddr, ending /p2p/<peer id>")
+    from .service import add_subcommands
+
+    add_subcommands(parser)
+    parser.add_argument("--tracker", help="the tracker's multiaddr, ending /p2p/<peer id> (required)")
     parser.add_argument(
-        "--model", required=True, action="append", metavar="PATH", help="a GGUF file this node offers (repeatable)"
+        "--model", action="append", default=[], metavar="PATH", help="a GGUF file this node offers (repeatable)"
     )
-    parser.add_argument("--key", required=True, metavar="PATH", help="the node's Ed25519 key file (created if missing)")
+    parser.add_argument(
+        "--models-dir", metavar="DIR",
+        help="fetch the assigned ranges of models this node lacks into DIR (only their bytes, verified)",
+    )  # fmt: skip
+    parser.add_argument("--key", metavar="PATH", help="the node's Ed25519 key file (created if missing; required)")
     parser.add_argument(
         "--listen", default="/ip4/127.0.0.1/tcp/0", metavar="MULTIADDR",
         help="where to listen (default %(default)s); 'none': accept no direct connections (needs --relay)",
@@ -113,8 +127,15 @@ async def run(args: argparse.Namespace) -> int:
     from agent.io.keys import KeyFileError, load_or_create_key
     from agent.io.worker_process import WorkerBinaryNotFound
 
+    if not args.tracker or not args.key:
+        print("baton node: --tracker and --key are required", file=sys.stderr)
+        return EXIT_SETUP
     listen = listen_addrs(args.listen)
     relay = getattr(args, "relay", False)
+    models_dir = getattr(args, "models_dir", None)
+    if not args.model and not models_dir:
+        print("baton node: give --model PATH (a file you have) or --models-dir DIR (fetch ranges)", file=sys.stderr)
+        return EXIT_SETUP
     if not listen and not relay:
         print("baton node: --listen none needs --relay (nobody could reach this node)", file=sys.stderr)
         return EXIT_SETUP
@@ -148,6 +169,7 @@ async def run(args: argparse.Namespace) -> int:
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         relay=relay,
         probe=probe,
+        models_dir=os.path.abspath(models_dir) if models_dir else None,
     )
     code = 0
     try:
@@ -191,5 +213,9 @@ async def run_until_signal(args: argparse.Namespace) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """``baton node``: returns the exit code (0 after SIGTERM / Ctrl-C)."""
+    if getattr(args, "node_command", None):
+        from .service import main as service_main
+
+        return service_main(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     return trio.run(run_until_signal, args)

@@ -1,7 +1,8 @@
 """``baton tracker``: run the tracker, or list the models or nodes its database holds.
 
   baton tracker serve --db PATH --key PATH [--listen MULTIADDR] [--addr-file PATH] [--no-relay]
-                      [--register-model PATH[:ALIAS] ...] [--heartbeat-interval-ms N]
+                      [--register-model PATH[:ALIAS] ...] [--model-source ALIAS=URL ...]
+                      [--serve-models [HOST:]PORT] [--models-base-url URL] [--heartbeat-interval-ms N]
                       [--heartbeat-timeout-ms N] [--admission-ttl-ms N]
                       [--registration-max-age-ms N] [--expected-pin COMMIT]
                       [--expected-patch-hash HASH]
@@ -12,6 +13,14 @@
 name: general.name), opens the libp2p host, prints ``tracker listening on <multiaddr>`` as its
 first stdout line, writes that multiaddr to ``--addr-file`` (atomically: a temporary file
 renamed into place) and serves until SIGINT / SIGTERM (exit 0).
+
+Model distribution: a node without a model's file fetches only its ranges' bytes by HTTP
+range requests (every byte checked against the tracker-signed manifest that
+``model_metadata`` replies carry). ``--model-source ALIAS=URL`` registers a mirror of a model
+(any HTTP server that honours ``Range``); ``--serve-models [HOST:]PORT`` makes the tracker serve
+its registered files itself at ``http://HOST:PORT/models/<sha256>.gguf`` (HOST defaults to
+127.0.0.1; ``--models-base-url`` is the address nodes are told when that differs, e.g. behind
+NAT or a proxy).
 
 ``models`` and ``nodes`` read the database (a running tracker's too: WAL allows readers).
 ``nodes`` prints each node's peer id, whether it was alive when the tracker last decided,
@@ -79,6 +88,22 @@ def _hf_repo_arg(text: str) -> tuple[str, str]:
     return alias, repo
 
 
+def _source_arg(text: str) -> tuple[str, str]:
+    alias, sep, url = text.partition("=")
+    if not sep or not alias or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected ALIAS=http(s)://..., got {text!r}")
+    return alias, url
+
+
+def _host_port_arg(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    if not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected [HOST:]PORT, got {text!r}")
+    return (host.strip("[]") or "127.0.0.1"), int(port)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``serve``, ``models`` and ``nodes`` sub-commands to ``parser`` (the ``tracker`` parser)."""
     commands = parser.add_subparsers(dest="tracker_command", required=True, metavar="COMMAND")
@@ -99,6 +124,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hf-repo", action="append", default=[], type=_hf_repo_arg, metavar="ALIAS=ORG/NAME",
         help="the Hugging Face repo of a registered model (default: what its GGUF metadata names)",
     )  # fmt: skip
+    serve.add_argument(
+        "--model-source", action="append", default=[], type=_source_arg, metavar="ALIAS=URL",
+        help="an HTTP(S) URL serving a registered model's file with range requests (a mirror)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--serve-models", type=_host_port_arg, metavar="[HOST:]PORT",
+        help="serve the registered model files over HTTP for nodes to fetch by range (HOST default 127.0.0.1)",
+    )  # fmt: skip
+    serve.add_argument("--models-base-url", metavar="URL", help="the base URL nodes reach --serve-models at")
     serve.add_argument("--heartbeat-interval-ms", type=cli_args.positive_int, default=1000, help="default 1000")
     serve.add_argument("--heartbeat-timeout-ms", type=cli_args.positive_int, default=5000, help="default 5000")
     serve.add_argument("--admission-ttl-ms", type=cli_args.positive_int, default=600_000, help="default 600000")
@@ -192,6 +226,8 @@ def _node_ranges(entry, aliases: dict[str, str]) -> list[tuple[str, str, str]]:
         sha, begin, end = key
         status = reported.get(key)
         state = "-" if status is None else _state_name(status.state)
+        if status is not None and status.fetch_total_bytes and status.fetched_bytes < status.fetch_total_bytes:
+            state += f" fetching {100 * status.fetched_bytes // status.fetch_total_bytes}%"
         if key not in assigned:
             state += " unassigned"
         ranges.append((f"{aliases.get(sha, sha[:12])}[{begin}, {end})", state, "" if status is None else status.error))
@@ -219,6 +255,8 @@ def _node_json(entry) -> dict:
                 "state": _state_name(s.state),
                 "error": s.error,
                 "recipe_hash": s.recipe_hash,
+                "fetched_bytes": s.fetched_bytes,
+                "fetch_total_bytes": s.fetch_total_bytes,
             }
             for s in entry.serving
         ],
@@ -273,10 +311,15 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def register_models(
-    store, models: Sequence[tuple[Path, str]], now_ms: int, hf_repos: dict[str, str] | None = None
+    store,
+    models: Sequence[tuple[Path, str]],
+    now_ms: int,
+    hf_repos: dict[str, str] | None = None,
+    sources: dict[str, str] | None = None,
 ) -> list:
     """Read each GGUF and put its ``ModelEntry`` in ``store`` (synchronous; seconds per model).
-    ``hf_repos`` maps an alias to its Hugging Face repo (else the GGUF's own metadata says)."""
+    ``hf_repos`` maps an alias to its Hugging Face repo (else the GGUF's own metadata says);
+    ``sources`` an alias to the URL nodes fetch it from by range."""
     from agent.core.registry import model_entry
     from agent.io.tracker.gguf_info import read_gguf_facts
     from agent.models import cached_sha256
@@ -285,7 +328,7 @@ def register_models(
     for path, alias in models:
         facts = read_gguf_facts(path)
         entry = model_entry(facts, cached_sha256(path), alias, hf_repo=(hf_repos or {}).get(alias, ""))
-        store.put_model(entry, now_ms, path)
+        store.put_model(entry, now_ms, path, (sources or {}).get(alias))
         entries.append(entry)
     return entries
 
@@ -321,9 +364,14 @@ def _serve(args: argparse.Namespace) -> int:
         unknown = sorted(set(hf_repos) - {alias for _, alias in args.register_model})
         if unknown:
             raise ValueError(f"--hf-repo names aliases that no --register-model gives: {', '.join(unknown)}")
+        sources = dict(getattr(args, "model_source", []) or [])
+        unknown = sorted(set(sources) - {alias for _, alias in args.register_model})
+        if unknown:
+            raise ValueError(f"--model-source names aliases that no --register-model gives: {', '.join(unknown)}")
         key = load_or_create_key(args.key)
         with open_store(args.db) as store:
-            for entry in register_models(store, args.register_model, int(time.time() * 1000), hf_repos):
+            now_ms = int(time.time() * 1000)
+            for entry in register_models(store, args.register_model, now_ms, hf_repos, sources):
                 log.info(
                     "registered model %s (%s, %s, %d blocks)", entry.alias, entry.sha256[:12], entry.name, entry.n_layer
                 )
@@ -348,6 +396,16 @@ async def _serve_async(args: argparse.Namespace, store, config, key) -> int:
         trio.open_nursery() as nursery,
     ):
         tracker = await nursery.start(serve_tracker, transport, store, config, key)
+        if getattr(args, "serve_models", None) is not None:
+            from agent.io.model_http import ModelFileServer, serve_model_files
+
+            files = {f"{m.sha256}.gguf": store.model_path(m.sha256) for m in store.models()}
+            server = ModelFileServer({name: path for name, path in files.items() if path is not None})
+            host, port = args.serve_models
+            base_url = await nursery.start(serve_model_files, server, host, port)
+            tracker.model_base_url = args.models_base_url or base_url
+            log.info("serving %d model files at %s/models/ (told to nodes: %s)", len(server.files), base_url,
+                     tracker.model_base_url)  # fmt: skip
         transport.relay_policy = RelayPolicy(tracker.may_hold_relay_reservation, tracker.may_open_relay_circuit)
         addr = transport.listen_addrs[0]
         if args.addr_file:  # first, so that a reader of stdout finds the file in place

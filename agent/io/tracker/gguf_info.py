@@ -14,7 +14,7 @@ from pathlib import Path
 
 from agent.core.registry import GgufFacts
 
-__all__ = ["GgufError", "read_gguf_facts", "read_registered_metadata"]
+__all__ = ["GgufError", "read_gguf_facts", "read_registered_file", "read_registered_metadata"]
 
 
 class GgufError(Exception):
@@ -122,3 +122,55 @@ def read_registered_metadata(path: str | os.PathLike[str], sha256: str, size_byt
         return gguf_metadata_prefix(path)
     except ValueError as error:
         raise GgufError(str(error)) from None
+
+
+def read_registered_file(path: str | os.PathLike[str], sha256: str, size_bytes: int):  # noqa: ANN201
+    """(metadata prefix, [``agent.core.manifest.TensorFacts``] in file order) of the GGUF at
+    ``path``, after checking that it is still the file registered (``size_bytes`` long,
+    hashing to ``sha256``, as ``read_registered_metadata``): one parse of the header, then
+    every tensor's absolute data offset, size and sha256 (reads the whole file; seconds per GB).
+
+    Raises:
+      GgufError: another size or sha256 than registered, or not a readable GGUF.
+      OSError: the file cannot be read.
+    """
+    import hashlib
+
+    from gguf import GGUFReader
+
+    from agent.core.manifest import TensorFacts
+    from agent.io.gguf_sparse import GGUF_MAGIC
+    from agent.models import cached_sha256
+
+    path = Path(path)
+    size = path.stat().st_size
+    if size != size_bytes:
+        raise GgufError(f"{path} is {size} bytes, the registered model {size_bytes}: the file changed")
+    digest = cached_sha256(path)
+    if digest != sha256:
+        raise GgufError(f"{path} now hashes to {digest}, not the registered {sha256}: the file changed")
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise GgufError(f"{path}: not a GGUF file (no GGUF magic)")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError) as error:
+        raise GgufError(f"{path}: not a readable GGUF file ({error})") from None
+    data_offset = int(reader.data_offset)
+    layout = sorted((int(t.data_offset), int(t.n_bytes), t.name) for t in reader.tensors)
+    del reader  # its memory map
+    tensors = []
+    with open(path, "rb") as f:
+        metadata = f.read(data_offset)
+        for offset, n_bytes, name in layout:
+            f.seek(offset)
+            tensor_digest = hashlib.sha256()
+            left = n_bytes
+            while left > 0:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    raise GgufError(f"{path}: tensor {name} runs past the end of the file")
+                tensor_digest.update(chunk)
+                left -= len(chunk)
+            tensors.append(TensorFacts(name, offset, n_bytes, tensor_digest.hexdigest()))
+    return metadata, tensors

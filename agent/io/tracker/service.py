@@ -34,6 +34,7 @@ the transport (a closed transport stops calling it).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -56,7 +57,8 @@ from agent.core.swarm_wire import (
     parse_record,
     tracker_reply_error,
 )
-from agent.io.tracker.gguf_info import GgufError, read_registered_metadata
+from agent.core.manifest import ManifestError, build_manifest, sign_manifest
+from agent.io.tracker.gguf_info import GgufError, read_registered_file
 from agent.io.transport import TransportError
 from agent.io.tracker.store import NodeRecord, TrackerStore
 
@@ -87,6 +89,9 @@ class TrackerConfig:
     lost_peer_probe_timeout_s: float = 1.0
     #: a route handed out counts as load on its hops for this long
     route_load_window_s: float = 60.0
+    #: read every registered file's metadata and hash its tensors when the tracker starts,
+    #: so the first node to ask for a manifest does not wait (else: on the first request)
+    prepare_manifests_at_start: bool = True
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_ms", "heartbeat_timeout_ms", "admission_ttl_ms", "registration_max_age_ms"):
@@ -147,8 +152,12 @@ class Tracker:
         self.recomputes = 0
         #: model sha256 -> its GGUF's metadata prefix (read once, on the first request)
         self._metadata: dict[str, bytes] = {}
+        self._manifests: dict[str, swarm_pb2.SignedManifest] = {}
         self._metadata_locks: dict[str, trio.Lock] = {}
         self._probes: dict[str, _Probe] = {}
+        #: set when this tracker serves its registered files over HTTP (``--serve-models``):
+        #: every registered model with a file then has the source ``<base>/models/<sha256>.gguf``
+        self.model_base_url = ""
         now = clock()
         self._pruned_at_ms = now - config.registration_max_age_ms  # prune at the first sweep
         for node in store.nodes():
@@ -226,7 +235,7 @@ class Tracker:
             elif kind == "route":
                 reply.route.CopyFrom(self._route(request.route))
             elif kind == "list_models":
-                reply.list_models.CopyFrom(swarm_pb2.ListModelsReply(models=self.store.models()))
+                reply.list_models.CopyFrom(swarm_pb2.ListModelsReply(models=self.models()))
             elif kind == "model_metadata":
                 reply.model_metadata.CopyFrom(await self._model_metadata(request.model_metadata))
             elif kind == "list_nodes":
@@ -244,6 +253,21 @@ class Tracker:
         except Exception as error:  # a bug: answer, log, keep serving
             log.exception("tracker request from %s failed", remote_peer_id)
             return tracker_reply_error(Code.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+
+    def source_urls(self, sha256: str) -> list[str]:
+        """Where nodes may fetch model ``sha256``'s bytes by range: its registered source, and
+        this tracker's own model server when it runs and has the file."""
+        urls = [url for url in [self.store.model_source(sha256)] if url]
+        if self.model_base_url and self.store.model_path(sha256) is not None:
+            urls.append(f"{self.model_base_url.rstrip('/')}/models/{sha256}.gguf")
+        return urls
+
+    def models(self) -> list[swarm_pb2.ModelEntry]:
+        """The registered models, ``has_source`` filled in."""
+        entries = self.store.models()
+        for entry in entries:
+            entry.has_source = bool(self.source_urls(entry.sha256))
+        return entries
 
     def _policy(self) -> admission.AdmissionPolicy:
         sizes = [m.bytes_per_block for m in self.store.models() if m.bytes_per_block > 0]
@@ -476,6 +500,7 @@ class Tracker:
         model = self.store.find_model(request.model)
         if model is None:
             raise _Refusal(Code.NOT_FOUND, f"unknown model {request.model!r}")
+        metadata, manifest = await self._file_facts(model)
         return swarm_pb2.ModelMetadataReply(
             model_sha256=model.sha256,
             name=model.name,
@@ -483,21 +508,24 @@ class Tracker:
             architecture=model.architecture,
             n_layer=model.n_layer,
             size_bytes=model.size_bytes,
-            metadata=await self._metadata_prefix(model),
+            metadata=b"" if request.without_metadata else metadata,
             context_length=model.context_length,
+            manifest=manifest,
+            source_urls=self.source_urls(model.sha256),
         )
 
-    async def _metadata_prefix(self, model: swarm_pb2.ModelEntry) -> bytes:
-        """The metadata prefix of ``model``'s registered file: read in a thread on the first
-        request (concurrent first requests share one read), then from memory. A failed read
-        is not remembered: the next request tries again (the file may be back)."""
+    async def _file_facts(self, model: swarm_pb2.ModelEntry) -> tuple[bytes, swarm_pb2.SignedManifest]:
+        """The metadata prefix and the signed manifest of ``model``'s registered file: read
+        (one pass: size and sha256 checked, tensors hashed) in a thread on the first request
+        (concurrent first requests share one read), then from memory. A failed read is not
+        remembered: the next request tries again (the file may be back)."""
         cached = self._metadata.get(model.sha256)
         if cached is not None:
-            return cached
+            return cached, self._manifests[model.sha256]
         async with self._metadata_locks.setdefault(model.sha256, trio.Lock()):
             cached = self._metadata.get(model.sha256)
             if cached is not None:
-                return cached
+                return cached, self._manifests[model.sha256]
             path = self.store.model_path(model.sha256)
             if path is None:
                 raise _Refusal(
@@ -506,17 +534,37 @@ class Tracker:
                     "(the database predates recorded paths): register it again with --register-model",
                 )
             try:
-                metadata = await trio.to_thread.run_sync(
-                    read_registered_metadata, path, model.sha256, model.size_bytes
+                metadata, tensors = await trio.to_thread.run_sync(
+                    read_registered_file, path, model.sha256, model.size_bytes
                 )
-            except (OSError, GgufError) as error:
-                log.warning("cannot read the metadata of model %s: %s", model.alias, error)
+                manifest = build_manifest(
+                    model_sha256=model.sha256, size_bytes=model.size_bytes, metadata_size=len(metadata),
+                    metadata_sha256=hashlib.sha256(metadata).hexdigest(), architecture=model.architecture,
+                    n_layer=model.n_layer, tensors=tensors, tracker_peer_id=self.peer_id, now_ms=self._now_ms(),
+                )  # fmt: skip
+            except (OSError, GgufError, ManifestError) as error:
+                log.warning("cannot read model %s: %s", model.alias, error)
                 reason = str(error).replace(str(path), path.name)  # the tracker's directories stay private
                 raise _Refusal(
                     Code.UNAVAILABLE, f"the registered file of model {model.alias} cannot be read any more: {reason}"
                 ) from None
+            self._manifests[model.sha256] = sign_manifest(self._key, manifest)
             self._metadata[model.sha256] = metadata
-            return metadata
+            return metadata, self._manifests[model.sha256]
+
+    async def prepare_manifests(self) -> None:
+        """Read the metadata and hash the tensors of every registered model with a file, one
+        at a time, so that the first node that asks does not wait for it (failures are logged;
+        requests try again)."""
+        for model in self.store.models():
+            if self.store.model_path(model.sha256) is None:
+                continue
+            try:
+                await self._file_facts(model)
+            except _Refusal as refusal:
+                log.warning("model %s: %s", model.alias, refusal.message)
+            else:
+                log.info("manifest of model %s ready", model.alias)
 
     def _load(self) -> dict[str, int]:
         """Routes handed out within route_load_window_s, per peer (the tracker does not see
@@ -536,12 +584,17 @@ class Tracker:
         """Recompute the assignment set from the models and the alive + pending nodes."""
         models = [ModelSpec(m.sha256, m.n_layer, m.bytes_per_block) for m in self.store.models() if m.n_layer > 0]
         live = set(self.deadline_ms)
+        fetchable = {m.sha256 for m in self.models() if m.has_source}
         nodes = [
             NodeCapacity(
                 n.peer_id,
                 n.fingerprint.usable_memory_bytes,
                 n.fingerprint.decode_s_per_block,
-                frozenset(m for m in n.fingerprint.model_sha256s if (n.peer_id, m) not in self.failed),
+                frozenset(
+                    m
+                    for m in set(n.fingerprint.model_sha256s) | (fetchable if n.fingerprint.fetches_models else set())
+                    if (n.peer_id, m) not in self.failed
+                ),
             )
             for n in self.store.nodes()
             if n.peer_id in live
@@ -628,4 +681,7 @@ async def serve_tracker(
     tracker._recompute()
     transport.set_handler(TRACKER_PROTOCOL, tracker.handle)
     task_status.started(tracker)
-    await tracker.run_sweeper()
+    async with trio.open_nursery() as nursery:
+        if config.prepare_manifests_at_start:
+            nursery.start_soon(tracker.prepare_manifests)
+        await tracker.run_sweeper()

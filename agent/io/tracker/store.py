@@ -37,7 +37,7 @@ from agent.io import sqlite_db
 
 __all__ = ["STORE_SCHEMA_VERSION", "AssignmentRow", "NodeRecord", "StoreError", "TrackerStore", "open_store"]
 
-STORE_SCHEMA_VERSION = 2
+STORE_SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -75,7 +75,9 @@ CREATE TABLE models (
     entry BLOB NOT NULL,                 -- serialized ModelEntry
     registered_at_ms INTEGER NOT NULL,
     -- (version 2) absolute path of the registered GGUF ('' if unknown)
-    path TEXT NOT NULL DEFAULT ''
+    path TEXT NOT NULL DEFAULT '',
+    -- (version 3) an HTTP(S) URL serving the file with range requests ('' if none)
+    source_url TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE assignments (
     model_sha256 TEXT NOT NULL,
@@ -96,6 +98,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE models ADD COLUMN path TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE nodes ADD COLUMN serving BLOB NOT NULL DEFAULT x''",
     ),
+    2: ("ALTER TABLE models ADD COLUMN source_url TEXT NOT NULL DEFAULT ''",),
 }
 
 
@@ -192,10 +195,16 @@ class TrackerStore:
     # --- models -----------------------------------------------------------------------------------
 
     def put_model(
-        self, entry: swarm_pb2.ModelEntry, now_ms: int, path: str | os.PathLike[str] | None = None
+        self,
+        entry: swarm_pb2.ModelEntry,
+        now_ms: int,
+        path: str | os.PathLike[str] | None = None,
+        source_url: str | None = None,
     ) -> None:
         """Register (or update) a model; its alias must not belong to another model. ``path``:
         the GGUF it was read from (stored absolute; ``None`` keeps the one already recorded).
+        ``source_url``: where nodes fetch its bytes by range (``None`` keeps the recorded one,
+        ``""`` clears it).
 
         Raises:
           StoreError: the alias is taken by a model with another sha256.
@@ -212,6 +221,13 @@ class TrackerStore:
                 "path = CASE WHEN excluded.path != '' THEN excluded.path ELSE models.path END",
                 (entry.sha256, entry.alias, entry.name, entry.SerializeToString(deterministic=True), now_ms, path_text),
             )
+            if source_url is not None:
+                db.execute("UPDATE models SET source_url = ? WHERE sha256 = ?", (source_url, entry.sha256))
+
+    def model_source(self, sha256: str) -> str:
+        """The source URL model ``sha256`` was registered with ("" for none or unknown)."""
+        row = self._db.execute("SELECT source_url FROM models WHERE sha256 = ?", (sha256,)).fetchone()
+        return row[0] if row is not None else ""
 
     def model_path(self, sha256: str) -> Path | None:
         """The file model ``sha256`` was registered from (None: unknown model, or registered

@@ -67,8 +67,18 @@ from agent.core.worker_records import SeqInput, SeqOutput, WorkerInfo
 from agent.io.transport import Transport, TransportError
 from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
 from agent.io.worker_process import WorkerBinaryNotFound, WorkerHandle, WorkerStartError, open_worker
+from agent.models import sha256_file
 
-from .fetch import FetchConfig, FetchError, FetchProgress, FetchRefused, fetch_range, model_file_path
+from .fetch import (
+    FetchConfig,
+    FetchError,
+    FetchProgress,
+    FetchRefused,
+    ModelMismatch,
+    fetch_range,
+    model_file_path,
+    verify_local_range,
+)
 from .probe import ProbeConfig, probe_host
 
 __all__ = [
@@ -132,6 +142,8 @@ class NodeConfig:
       models_dir: where models this node lacks are fetched to (``<sha256>.gguf``, sparse:
         only the assigned ranges' bytes, from the sources the tracker names, each tensor
         checked against the tracker-signed manifest); None: serve only ``models``.
+      verify_local_models: before serving a range of a local file (``models``), check its
+        bytes for the range against the tracker's manifest, tensor by tensor.
       fetch: limits of those downloads (``agent.io.node.fetch.FetchConfig``).
       manifest_timeout_s: how long the tracker may take to send a manifest (the first one
         of a model hashes the whole file: minutes for tens of GB).
@@ -162,6 +174,7 @@ class NodeConfig:
     start_retry_max_s: float = 30.0
     start_retry_timeout_s: float | None = None
     models_dir: str | None = None
+    verify_local_models: bool = True
     fetch: FetchConfig = FetchConfig()
     manifest_timeout_s: float = 300.0
 
@@ -476,10 +489,12 @@ class Node:
             with served.cancel_scope:
                 if served.model is None:
                     served.model = await self._fetch_model(served)
+                elif self.config.verify_local_models:
+                    await self._verify_local_model(served)
                 failure = await self._load_and_serve(served)
                 served.state, served.error = State.FAILED, failure
                 log.warning("FAILED %s: %s", _range_name(served.key), failure)
-        except (FetchRefused, FetchError, ManifestError) as err:
+        except (FetchRefused, FetchError, ManifestError, ModelMismatch) as err:
             served.state, served.error = State.FAILED, _first_line(err)
             log.warning("FAILED %s: %s", _range_name(served.key), err)
         except (WorkerStartError, WorkerBinaryNotFound, WorkerError, OSError, ValueError) as err:
@@ -498,6 +513,51 @@ class Node:
             served.stopped.set()
             self.heartbeat_soon()
 
+    async def _manifest(self, model_sha256: str) -> tuple[swarm_pb2.ModelManifest, list[str]]:
+        """The model's tracker-signed manifest (checked against the tracker's key) and its
+        sources.
+
+        Raises:
+          FetchError: the tracker could not be asked or refused; ManifestError: bad manifest.
+        """
+        request = swarm_pb2.TrackerRequest(
+            schema_version=SCHEMA_VERSION,
+            model_metadata=swarm_pb2.ModelMetadataRequest(model=model_sha256, without_metadata=True),
+        )
+        try:
+            reply = await self._tracker_call(request, self.config.manifest_timeout_s)
+        except (TransportError, WireError) as err:
+            raise FetchError(f"the tracker did not send the manifest of model {model_sha256}: {err}") from None
+        if reply.error.code:
+            raise FetchError(f"the tracker refused the manifest of model {model_sha256}: {reply.error.message}")
+        manifest = verify_manifest(reply.model_metadata.manifest, self.tracker_public_key, model_sha256)
+        return manifest, list(reply.model_metadata.source_urls)
+
+    async def _verify_local_model(self, served: ServedRange) -> None:
+        """Before a local file's range is served: its bytes for the range must be the ones the
+        tracker's manifest names (per tensor), whatever the file's size and mtime say (a cached
+        whole-file hash is trusted by those alone). Without a manifest (the tracker has none
+        for this model), the whole file is hashed afresh against the registered sha256.
+
+        Raises:
+          ModelMismatch: a tensor (named) or the file differs from the registered model.
+        """
+        model = served.model
+        assert model is not None
+        _, begin, end = served.key
+        try:
+            manifest, _sources = await self._manifest(model.sha256)
+        except (FetchError, ManifestError) as err:
+            log.info("%s: no manifest to check %s against (%s): hashing the whole file", _range_name(served.key), model.path, err)
+            digest = await trio.to_thread.run_sync(sha256_file, model.path)
+            if digest != model.sha256:
+                raise ModelMismatch(
+                    f"{model.path} hashes to {digest}, not the registered {model.sha256}: the file changed"
+                ) from None
+            return
+        await trio.to_thread.run_sync(verify_local_range, model.path, manifest, begin, end)
+        log.info("%s: the tensors of %s match the tracker's manifest", _range_name(served.key), model.path)
+
     async def _fetch_model(self, served: ServedRange) -> LocalModel:
         """Fetch the bytes ``served``'s range needs into ``config.models_dir`` (the manifest
         from the tracker, checked against its key; the bytes from the first source that
@@ -510,18 +570,7 @@ class Node:
         """
         model_sha256, begin, end = served.key
         assert self.config.models_dir is not None
-        request = swarm_pb2.TrackerRequest(
-            schema_version=SCHEMA_VERSION,
-            model_metadata=swarm_pb2.ModelMetadataRequest(model=model_sha256, without_metadata=True),
-        )
-        try:
-            reply = await self._tracker_call(request, self.config.manifest_timeout_s)
-        except (TransportError, WireError) as err:
-            raise FetchError(f"the tracker did not send the manifest of model {model_sha256}: {err}") from None
-        if reply.error.code:
-            raise FetchError(f"the tracker refused the manifest of model {model_sha256}: {reply.error.message}")
-        manifest = verify_manifest(reply.model_metadata.manifest, self.tracker_public_key, model_sha256)
-        sources = list(reply.model_metadata.source_urls)
+        manifest, sources = await self._manifest(model_sha256)
         if not sources:
             raise ManifestError(f"the tracker names no source to fetch model {model_sha256} from")
         dest = model_file_path(self.config.models_dir, model_sha256)

@@ -49,7 +49,16 @@ from agent.core.range_fetch import (
     union_pieces,
 )
 
-__all__ = ["FetchConfig", "FetchError", "FetchProgress", "fetch_range", "model_file_path", "FetchRefused"]
+__all__ = [
+    "FetchConfig",
+    "FetchError",
+    "FetchProgress",
+    "FetchRefused",
+    "ModelMismatch",
+    "fetch_range",
+    "model_file_path",
+    "verify_local_range",
+]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +143,37 @@ def _save_state(path: Path, state: FetchState) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def verify_local_range(path: str | os.PathLike[str], manifest: swarm_pb2.ModelManifest, begin: int, end: int) -> None:
+    """Check that the file at ``path`` holds, byte for byte, what the manifest says blocks
+    ``[begin, end)`` read (its metadata and each of those tensors), whatever its size and mtime
+    claim. Synchronous: run it in a thread.
+
+    Raises:
+      ModelMismatch: the file's size differs, or a piece hashes wrong (named).
+      OSError: the file cannot be read.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size != manifest.size_bytes:
+        raise ModelMismatch(f"{path} holds {size} bytes; the model {manifest.model_sha256[:12]} has {manifest.size_bytes}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for piece in range_pieces(manifest, begin, end):
+            digest = _hash_piece(fd, piece)
+            if digest != piece.sha256:
+                raise ModelMismatch(
+                    f"tensor {piece.name} of {path} does not match the tracker's manifest of model "
+                    f"{manifest.model_sha256[:12]} (sha256 {digest}, expected {piece.sha256}): the file is damaged "
+                    "or another file; fetch the model again"
+                )
+    finally:
+        os.close(fd)
+
+
+class ModelMismatch(Exception):
+    """A local model file does not hold the registered model's bytes; the message names what."""
 
 
 def _hash_piece(fd: int, piece: Piece) -> str:

@@ -147,6 +147,8 @@ class Tracker:
         #: (peer id, model sha256) a node reported FAILED to load: not assigned to it again
         #: until it registers anew (in memory: a tracker restart gives it another chance)
         self.failed: set[tuple[str, str]] = set()
+        #: peer id -> what it reported FAILED since it registered (with its reason), for operators
+        self.load_failures: dict[str, list[swarm_pb2.AssignmentStatus]] = {}
         self._route_load: deque[tuple[float, tuple[str, ...]]] = deque()
         self._changed = trio.Event()
         self.recomputes = 0
@@ -240,6 +242,8 @@ class Tracker:
                 reply.model_metadata.CopyFrom(await self._model_metadata(request.model_metadata))
             elif kind == "list_nodes":
                 nodes = self.store.node_entries(alive=self.alive, pending=self.pending)
+                for entry in nodes:
+                    entry.load_failures.extend(self.load_failures.get(entry.peer_id, ()))
                 reply.list_nodes.CopyFrom(swarm_pb2.ListNodesReply(nodes=nodes))
             elif kind == "report_lost_peer":
                 reply.report_lost_peer.CopyFrom(await self._report_lost_peer(remote_peer_id, request.report_lost_peer))
@@ -323,6 +327,7 @@ class Tracker:
         )
         self.store.clear_status(remote)  # a (re-)registering node has nothing loaded yet
         self.failed = {(p, m) for p, m in self.failed if p != remote}
+        self.load_failures.pop(remote, None)
         self.deadline_ms[remote] = now + self.config.heartbeat_timeout_ms
         self.confirmed.add(remote)
         log.info("admitted node %s", remote)
@@ -386,8 +391,15 @@ class Tracker:
         newly_failed = {
             (remote, a.model_sha256) for a, status in reported.items() if status.state == State.FAILED
         } - self.failed
-        for _, model_sha256 in sorted(newly_failed):
-            log.warning("node %s failed to load model %s: not assigning it there again", remote, model_sha256)
+        for assigned, status in sorted(reported.items()):
+            if (remote, assigned.model_sha256) in newly_failed:
+                log.warning(
+                    "node %s failed to load model %s blocks [%d, %d): %s; not assigning it there again",
+                    remote, assigned.model_sha256, assigned.begin, assigned.end, status.error,
+                )  # fmt: skip
+                failure = swarm_pb2.AssignmentStatus()
+                failure.CopyFrom(status)
+                self.load_failures.setdefault(remote, []).append(failure)
         self.failed |= newly_failed
         if revived:
             log.info("node %s is back", remote)

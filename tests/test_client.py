@@ -367,6 +367,8 @@ async def test_a_first_hop_that_refuses_the_step_is_named(swarm: Swarm) -> None:
         with pytest.raises(GenerationError, match="refused the step: REFUSED: recipe_hash mismatch") as caught:
             await client.generate("smol", "abc", max_tokens=4)
     assert caught.value.failed_peer_id == swarm.nodes[0].peer_id
+    # a live peer that refused still gets the end-session (it may hold the session's sequence)
+    assert len(swarm.nodes[0].ended) == 1
 
 
 async def test_an_unreachable_first_hop_is_named(swarm: Swarm) -> None:

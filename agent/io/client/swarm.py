@@ -819,8 +819,9 @@ class SwarmClient:
                 if await take(token, session.last_logits) and not session.finished:
                     session.stop()
         except GenerationError as error:
-            if error.failed_peer_id:
-                lost.append(error.failed_peer_id)  # the end below must not wait on it
+            if error.failed_peer_id and error.code in (0, swarm_pb2.Error.UNAVAILABLE):
+                # gone or silent (not a live peer's refusal): the end below must not wait on it
+                lost.append(error.failed_peer_id)
             raise
         finally:
             del self._live[session.session_id]

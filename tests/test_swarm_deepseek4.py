@@ -33,7 +33,9 @@ NEW_TOKENS = 32
 SETUP_TIMEOUT_S = 240.0
 
 
-async def test_deepseek4_through_three_nodes_equals_one_unsplit_worker(deepseek4_tiny_path: Path, tmp_path: Path) -> None:
+async def test_deepseek4_through_three_nodes_equals_one_unsplit_worker(
+    deepseek4_tiny_path: Path, tmp_path: Path
+) -> None:
     sha256 = await trio.to_thread.run_sync(sha256_file, deepseek4_tiny_path)
     async with open_worker(deepseek4_tiny_path, 0, None, threads=1, max_sequences=1, model_sha256=sha256) as single:
         assert single.info.boundary.version == 2 and single.info.boundary.streams == 4

@@ -2,8 +2,8 @@
 
 Owns the decisions of a parity run, not its I/O: which rows each Forward batch carries
 (``ParityRun.batch``), how the boundary rows of one range become the input of the next
-(``next_hop_entries``, and ``through_wire`` for rows that crossed a hop in f16), how logits are compared and which greedy token is fed next
-(``ParityRun.record``), when a scenario removes or trims a sequence, and the report.
+(``next_hop_entries``, and ``through_wire`` for rows that crossed a hop in f16), how logits
+are compared and which greedy token is fed next (``ParityRun.record``), when a scenario removes or trims a sequence, and the report.
 The trio driver that talks to workers is ``agent.harness.parity_run``.
 
 Steps: step 0 is the prefill (every sequence's prompt, in one batch); steps 1..``steps`` are

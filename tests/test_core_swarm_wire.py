@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.boundary import BoundaryError, WireDType
+from agent.core.boundary import RESIDUAL, RESIDUAL_STREAMS, BoundaryError, BoundarySchema, WireDType
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -243,6 +243,84 @@ def test_next_hop_request_keeps_the_dtype_and_validates_downstream() -> None:
         next_hop_request(half, np.full((2, N_EMBD), 1e6, np.float32), ADMISSION)
     with pytest.raises(BoundaryError, match="3 output rows for a step of 2 rows"):
         next_hop_request(first, rows_of(3), ADMISSION)
+
+
+STREAMS = 4
+V4 = BoundarySchema(RESIDUAL_STREAMS, STREAMS, N_EMBD)  # DeepSeek V4: hc_mult streams per row
+
+
+def v4_spec(begin: int, end: int) -> RangeSpec:
+    return spec(begin, end, boundary=V4)
+
+
+def v4_rows(n: int) -> np.ndarray:
+    return np.arange(n * STREAMS * N_EMBD, dtype=np.float32).reshape(n, STREAMS * N_EMBD) / 7
+
+
+def v4_step(rows: np.ndarray, dtype: int = WireDType.F32, **fields) -> swarm_pb2.StepRequest:
+    request = boundary_step(rows, dtype, **fields)
+    request.n_embd = N_EMBD
+    if "boundary_schema_version" not in fields:
+        request.boundary_schema_version = RESIDUAL_STREAMS
+    if "boundary_streams" not in fields:
+        request.boundary_streams = STREAMS
+    return request
+
+
+def test_boundary_schema_is_checked_at_every_hop() -> None:
+    bad = Code.INVALID_ARGUMENT
+    # A v2 (residual-streams) range takes rows of streams x n_embd values that declare v2.
+    rows = v4_rows(2)
+    got = validate_step(v4_step(rows), v4_spec(2, 4))
+    assert got.rows.shape == (2, STREAMS * N_EMBD) and got.schema == V4
+    np.testing.assert_array_equal(got.rows, rows)
+    half = validate_step(v4_step(rows, WireDType.F16), v4_spec(2, 4))
+    np.testing.assert_array_equal(half.rows, rows.astype(np.float16).astype(np.float32))
+
+    # v1 rows (fields unset, as a sender older than schema 2 sends them) to a v2 range, and
+    # v2 rows to a v1 range: refused, naming both schemas.
+    v1_rows = rows_of(2)
+    for request, range_spec in (
+        (boundary_step(v1_rows), v4_spec(2, 4)),
+        (boundary_step(v1_rows, boundary_schema_version=RESIDUAL, boundary_streams=1), v4_spec(2, 4)),
+        (v4_step(rows), spec(2, 4)),
+    ):
+        with pytest.raises(WireError) as caught:
+            validate_step(request, range_spec)
+        message = caught.value.message
+        assert caught.value.code == bad
+        assert "residual/1 (1 stream x 8 values per token)" in message, message
+        assert "residual-streams/2 (4 streams x 8 values per token)" in message, message
+        assert "blocks [2, 4)" in message, message
+
+    # The right version with a wrong stream count, and v2 rows of the wrong width.
+    two_streams = v4_step(v4_rows(2)[:, : 2 * N_EMBD], boundary_streams=2)
+    expect(bad, "boundary_streams 2 does not match", two_streams, v4_spec(2, 4))
+    expect(bad, "boundary has 64 bytes, expected 2 rows x 32 x 4 bytes = 256", v4_step(v1_rows), v4_spec(2, 4))
+    # A v1 range still takes rows without the fields (0 = unset reads as v1, one stream).
+    assert validate_step(boundary_step(v1_rows), spec(2, 4)).schema == BoundarySchema(RESIDUAL, 1, N_EMBD)
+
+
+def test_next_hop_request_carries_the_boundary_schema() -> None:
+    # first range of a v2 model: token ids in, v2 rows out, declared for the next hop
+    first = validate_step(token_step([1, 2]), v4_spec(0, 2))
+    out = v4_rows(2)
+    request = next_hop_request(first, out, ADMISSION)
+    assert (request.boundary_schema_version, request.boundary_streams, request.n_embd) == (2, STREAMS, N_EMBD)
+    assert len(request.boundary) == 2 * STREAMS * N_EMBD * 4
+    middle = validate_step(request, v4_spec(2, 4))
+    np.testing.assert_array_equal(middle.rows, out)
+    # hop to hop: the schema and the dtype pass on unchanged
+    onward = validate_step(next_hop_request(middle, out * 2, ADMISSION), v4_spec(4, 6))
+    assert onward.schema == V4
+    np.testing.assert_array_equal(onward.rows, out * 2)
+    with pytest.raises(BoundaryError, match="expected width 32"):
+        next_hop_request(middle, rows_of(2), ADMISSION)
+    # v1 keeps declaring v1
+    request = next_hop_request(validate_step(token_step([1, 2]), spec(0, 2)), rows_of(2), ADMISSION)
+    assert (request.boundary_schema_version, request.boundary_streams) == (RESIDUAL, 1)
+    with pytest.raises(WireError, match="residual/1 .* sent to a range that takes residual-streams/2"):
+        validate_step(request, v4_spec(2, 4))
 
 
 def test_step_results_round_trip_and_are_checked() -> None:

@@ -2,8 +2,8 @@
 
 Owns the decisions of a parity run, not its I/O: which rows each Forward batch carries
 (``ParityRun.batch``), how the boundary rows of one range become the input of the next
-(``next_hop_entries``), how logits are compared and which greedy token is fed next
-(``ParityRun.record``), when a scenario removes or trims a sequence, and the report.
+(``next_hop_entries``, and ``through_wire`` for rows that crossed a hop in f16), how logits
+are compared and which greedy token is fed next (``ParityRun.record``), when a scenario removes or trims a sequence, and the report.
 The trio driver that talks to workers is ``agent.harness.parity_run``.
 
 Steps: step 0 is the prefill (every sequence's prompt, in one batch); steps 1..``steps`` are
@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from .boundary import WireDType, decode_rows, encode_rows
 from .ranges import LayerRange
 from .worker_records import SeqInput, SeqOutput
 
@@ -39,6 +40,7 @@ __all__ = [
     "max_abs_diff",
     "next_hop_entries",
     "prompt_lengths",
+    "through_wire",
 ]
 
 #: Mismatched steps kept in a report (the count is always exact).
@@ -116,6 +118,27 @@ def build_prompts(prefix: Sequence[int], body: Sequence[int], lengths: Sequence[
         cycled = [body[(start + k) % len(body)] for k in range(need)]
         prompts.append(head + cycled)
     return prompts
+
+
+def through_wire(entries: Sequence[SeqInput], dtype: int) -> list[SeqInput]:
+    """``entries`` with their boundary rows as the next hop decodes them after they crossed a
+    swarm hop in wire ``dtype`` (``agent.core.boundary.encode_rows`` then ``decode_rows``,
+    what ``next_hop_request`` and ``validate_step`` do): unchanged for F32, rounded to the
+    nearest float16 for F16. Token entries pass as they are.
+
+    Raises:
+      agent.core.boundary.BoundaryError: rows out of the dtype's range.
+    """
+    if int(dtype) == int(WireDType.F32):
+        return list(entries)
+    out = []
+    for entry in entries:
+        if entry.boundary is not None:
+            n_rows, width = entry.boundary.shape
+            rows = decode_rows(encode_rows(entry.boundary, width, dtype), n_rows, width, dtype)
+            entry = dataclasses.replace(entry, boundary=rows)
+        out.append(entry)
+    return out
 
 
 def next_hop_entries(inputs: Sequence[SeqInput], outputs: Sequence[SeqOutput]) -> list[SeqInput]:

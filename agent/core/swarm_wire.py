@@ -8,9 +8,10 @@ Owns:
 - parsing bytes from the network into records (``parse_record``), the schema-version rule, and
   the validation of a ``StepRequest`` against the range a node serves (``validate_step``:
   recipe, range, session id, owner, the hops after the receiver, row count and batch limit,
-  positions, checksum, payload kind, dtype, width, byte length, finite values, token ids);
+  positions, checksum, payload kind, boundary schema, dtype, width, byte length, finite values,
+  token ids);
 - building what a node sends on: the next hop's ``StepRequest`` (boundary rows in the dtype the
-  step arrived in), the owner's ``StepResult`` (f32 logits of the last row), and the error
+  step arrived in, with the schema they follow), the owner's ``StepResult`` (f32 logits of the last row), and the error
   replies (``StepAck`` / ``StepResult`` / ``NodeReply`` / ``TrackerReply`` with ``Error``).
 
 Tensors stay bytes end to end: ``np.frombuffer`` in (``agent.core.boundary.decode_rows``),
@@ -32,7 +33,16 @@ from google.protobuf.message import DecodeError, Message
 
 from agent._proto import swarm_pb2
 
-from .boundary import BoundaryError, WireDType, decode_rows, encode_rows, itemsize
+from .boundary import (
+    RESIDUAL,
+    BoundaryError,
+    BoundarySchema,
+    WireDType,
+    check_boundary_schema,
+    decode_rows,
+    encode_rows,
+    itemsize,
+)
 from .topk import TopLogits, select_top_k
 from .multiaddrs import circuit_multiaddr, peer_id_from_multiaddr  # re-exported: callers import them here
 
@@ -180,7 +190,10 @@ def tracker_reply_error(code: int, message: str) -> bytes:
 
 @dataclasses.dataclass(frozen=True)
 class RangeSpec:
-    """What one served range takes: the worker's model, blocks, widths, recipe and batch limit."""
+    """What one served range takes: the worker's model, blocks, widths, recipe and batch limit.
+
+    ``boundary``: the boundary schema of the model (both edges of every range, as the worker
+    reports it in InfoReply.boundary); None reads as schema 1, one stream of ``n_embd``."""
 
     model_sha256: str
     begin: int
@@ -190,6 +203,11 @@ class RangeSpec:
     n_vocab: int
     recipe_hash: str
     n_batch_max: int
+    boundary: BoundarySchema | None = None
+
+    @property
+    def boundary_schema(self) -> BoundarySchema:
+        return self.boundary or BoundarySchema(RESIDUAL, 1, self.n_embd)
 
     @property
     def takes_tokens(self) -> bool:
@@ -205,8 +223,10 @@ class StepInput:
     """A validated step, ready for the scheduler and the worker.
 
     Exactly one of ``token_ids`` (int32 ``[n_rows]``, first range) or ``rows`` (float32
-    ``[n_rows, n_embd]``, a zero-copy view of the received bytes when they were F32) is set.
-    ``dtype``: the wire dtype the step arrived in; the next hop gets its rows in the same one.
+    ``[n_rows, boundary_schema.row_values]``, a zero-copy view of the received bytes when they
+    were F32) is set. ``dtype``: the wire dtype the step arrived in; the next hop gets its rows
+    in the same one. ``boundary_schema``: the schema of the model's boundary rows (what
+    ``rows`` follow, and what this range's output rows follow).
     """
 
     session_id: bytes
@@ -224,6 +244,11 @@ class StepInput:
     owner_peer_id: str
     owner_addrs: tuple[str, ...]
     result_top_k: int = 0  # what the last hop returns: 0 the full row, else the top K
+    boundary_schema: BoundarySchema | None = None  # None: schema 1, one stream of n_embd
+
+    @property
+    def schema(self) -> BoundarySchema:
+        return self.boundary_schema or BoundarySchema(RESIDUAL, 1, self.n_embd)
 
     @property
     def n_rows(self) -> int:
@@ -304,6 +329,7 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
 
     token_ids = rows = None
     dtype = int(request.dtype) or int(WireDType.F32)
+    schema = spec.boundary_schema
     if spec.takes_tokens:
         if request.boundary:
             raise WireError(
@@ -323,20 +349,26 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
             )
         if request.n_embd != spec.n_embd:
             raise WireError(bad, f"n_embd {request.n_embd} does not match this model's width {spec.n_embd}")
+        sent = BoundarySchema.declared(request.boundary_schema_version, request.boundary_streams, request.n_embd)
+        try:
+            check_boundary_schema(sent, schema)
+        except BoundaryError as err:
+            raise WireError(bad, f"blocks [{spec.begin}, {spec.end}): {err}") from None
         try:
             size = itemsize(dtype)
         except BoundaryError as err:
             raise WireError(bad, f"dtype: {err}") from None
-        if len(request.boundary) != n_rows * spec.n_embd * size:
+        width = schema.row_values
+        if len(request.boundary) != n_rows * width * size:
             raise WireError(
                 bad,
-                f"boundary has {len(request.boundary)} bytes, expected {n_rows} rows x {spec.n_embd} x {size} bytes"
-                f" = {n_rows * spec.n_embd * size}",
+                f"boundary has {len(request.boundary)} bytes, expected {n_rows} rows x {width} x {size} bytes"
+                f" = {n_rows * width * size} (schema {schema})",
             )
         if request.checksum != crc32(request.boundary):
             raise WireError(bad, f"checksum {request.checksum:#010x} does not match the boundary bytes")
         try:
-            rows = decode_rows(request.boundary, n_rows, spec.n_embd, dtype)
+            rows = decode_rows(request.boundary, n_rows, width, dtype)
         except BoundaryError as err:
             raise WireError(bad, f"boundary: {err}") from None
     return StepInput(
@@ -355,6 +387,7 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
         owner_peer_id=request.owner_peer_id,
         owner_addrs=tuple(request.owner_addrs),
         result_top_k=min(int(request.result_top_k), spec.n_vocab),
+        boundary_schema=schema,
     )
 
 
@@ -404,14 +437,16 @@ def next_hop_request(
     step: StepInput, rows: np.ndarray, sender_admission: swarm_pb2.SignedAdmission
 ) -> swarm_pb2.StepRequest:
     """The ``StepRequest`` for ``step.rest[0]``: this range's output ``rows`` (float32
-    ``[n_rows, n_embd]``) in the dtype the step arrived in (F32 for token input).
+    ``[n_rows, streams * n_embd]`` of ``step.schema``) in the dtype the step arrived in (F32
+    for token input), declaring that schema.
 
     Raises:
       BoundaryError: rows of the wrong shape, non-finite, or out of float16 range.
     """
     hop = step.rest[0]
     dtype = step.dtype if step.rows is not None else int(WireDType.F32)
-    data = encode_rows(rows, step.n_embd, dtype)
+    schema = step.schema
+    data = encode_rows(rows, schema.row_values, dtype)
     if rows.shape[0] != step.n_rows:
         raise BoundaryError(f"{rows.shape[0]} output rows for a step of {step.n_rows} rows")
     return swarm_pb2.StepRequest(
@@ -432,6 +467,8 @@ def next_hop_request(
         sender_admission=sender_admission,
         model_sha256=step.model_sha256,
         result_top_k=step.result_top_k,
+        boundary_schema_version=schema.version,
+        boundary_streams=schema.streams,
     )
 
 

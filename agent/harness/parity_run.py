@@ -22,8 +22,10 @@ from agent.core.parity import (
     Scenario,
     build_prompts,
     next_hop_entries,
+    through_wire,
     prompt_lengths,
 )
+from agent.core.boundary import WireDType
 from agent.core.ranges import ranges_from_cuts
 from agent.core.worker_records import SeqInput, SeqOutput
 from agent.models import cached_sha256
@@ -101,8 +103,10 @@ async def _step(
     names: Sequence[str],
     run: ParityRun,
     entries: Sequence[SeqInput],
+    boundary_dtype: int = WireDType.F32,
 ) -> tuple[list[SeqOutput], list[SeqOutput]]:
-    """One batch on both sides, concurrently: the unsplit worker, and the chain hop by hop."""
+    """One batch on both sides, concurrently: the unsplit worker, and the chain hop by hop
+    (boundary rows between hops as they arrive after a swarm hop in ``boundary_dtype``)."""
     results: dict[str, list[SeqOutput]] = {}
 
     async def reference_step() -> None:
@@ -114,7 +118,7 @@ async def _step(
             out = await client.forward(hop)
             if i + 1 < len(chain):
                 run.check_outputs(names[i], out, logits=False)
-                hop = next_hop_entries(hop, out)
+                hop = through_wire(next_hop_entries(hop, out), boundary_dtype)
         results["chain"] = out
 
     async with trio.open_nursery() as nursery:
@@ -131,10 +135,13 @@ async def compare_workers(
     steps: int,
     scenario: Scenario | None = None,
     tolerance: float = 1e-4,
+    boundary_dtype: int = WireDType.F32,
 ) -> ParityReport:
     """Run ``prompts`` through ``reference`` (one worker for all blocks) and through
     ``chain`` (range workers in order, the first taking tokens, the last giving logits),
-    comparing logits at every step. Sequence ids are 0..len(prompts)-1 and must be empty on
+    comparing logits at every step. ``boundary_dtype``: the swarm wire dtype the boundary
+    rows cross each cut in (F16: rounded as ``agent.core.parity.through_wire`` says).
+    Sequence ids are 0..len(prompts)-1 and must be empty on
     every worker; they are removed again at the end.
 
     Cancellation:
@@ -156,7 +163,7 @@ async def compare_workers(
 
     while not run.finished:
         entries = run.batch()
-        ref_out, chain_out = await _step(reference, chain, names, run, entries)
+        ref_out, chain_out = await _step(reference, chain, names, run, entries, boundary_dtype)
         ref_rows = run.check_outputs(ref_name, ref_out, logits=True)
         cand_rows = run.check_outputs(names[-1], chain_out, logits=True)
         run.record(ref_rows, cand_rows)
@@ -186,6 +193,7 @@ async def compare_workers(
         n_layer=ref_info.n_layer,
         recipe_hashes_equal=len({ref_info.recipe_hash, *(i.recipe_hash for i in chain_infos)}) == 1,
         active_sequences_after_edit=active_after_edit,
+        boundary_dtype=WireDType(boundary_dtype).name,
     )
 
 
@@ -202,6 +210,7 @@ async def run_parity(
     prompt_text: str = DEFAULT_PROMPT_TEXT,
     ctx_size: int | None = None,
     batch_size: int | None = None,
+    boundary_dtype: int = WireDType.F32,
     **worker_options,
 ) -> ParityReport:
     """Start an unsplit worker and one worker per range of ``cuts`` (all concurrently),
@@ -217,6 +226,7 @@ async def run_parity(
       tolerance: the largest max abs logits difference that passes.
       prompt_text: text the prompts are cut from.
       ctx_size, batch_size: worker limits; by default just enough for the workload.
+      boundary_dtype: the wire dtype of boundary rows at each cut (``compare_workers``).
       worker_options: more ``open_worker`` keywords (``ready_timeout_s``, ``binary``, ...).
 
     Raises:
@@ -262,6 +272,7 @@ async def run_parity(
             steps=steps,
             scenario=scenario,
             tolerance=tolerance,
+            boundary_dtype=boundary_dtype,
         )
     report.extras["model_path"] = str(model_path)
     report.extras["threads"] = threads

@@ -624,6 +624,7 @@ class Node:
             served.spec = RangeSpec(
                 model_sha256=model.sha256, begin=begin, end=end, n_layer=info.n_layer, n_embd=info.n_embd,
                 n_vocab=info.n_vocab, recipe_hash=info.recipe_hash, n_batch_max=info.n_batch_max,
+                boundary=info.boundary.schema,
             )  # fmt: skip
             served.sessions = SessionTable(info.n_seq_max, info.n_ctx_per_sequence)
             served.scheduler = StepScheduler(info.n_batch_max, info.n_seq_max)
@@ -662,7 +663,10 @@ class Node:
             if not batch:
                 continue
             entries = [
-                SeqInput(seq_id=seq_id, positions=step.positions, token_ids=step.token_ids, boundary=step.rows)
+                SeqInput(
+                    seq_id=seq_id, positions=step.positions, token_ids=step.token_ids, boundary=step.rows,
+                    boundary_schema=step.schema if step.rows is not None else None,
+                )  # fmt: skip
                 for seq_id, step in batch
             ]
             try:

@@ -154,15 +154,7 @@ def write_tiny_model(name: str, dest: Path, tokenizer_gguf: Path) -> None:
     cfg = CONFIGS[name]
     writer = gguf.GGUFWriter(os.fspath(dest), cfg.arch)
     try:
-        writer.add_name(f"baton {name} (synthetic)")
-        writer.add_type(gguf.GGUFType.MODEL)
-        writer.add_uint32("baton.synthetic.format_version", SYNTHETIC_FORMAT_VERSION)
-        writer.add_uint32("baton.synthetic.seed", cfg.seed)
-        writer.add_context_length(cfg.context_length)
-        writer.add_embedding_length(cfg.n_embd)
-        writer.add_block_count(cfg.n_layer)
-        writer.add_feed_forward_length(cfg.n_ff)
-        writer.add_head_count(cfg.n_head)
+        _add_common_header(writer, cfg, name)
         writer.add_head_count_kv(cfg.n_head_kv)
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)
@@ -355,19 +347,24 @@ def _deepseek4_weights(cfg: TinyDeepseek4Config, n_vocab: int) -> list[tuple[str
     return tensors
 
 
+def _add_common_header(writer, cfg, name: str) -> None:  # noqa: ANN001 - a GGUFWriter and either config
+    """The keys every synthetic model starts with: name, provenance, sizes."""
+    writer.add_name(f"baton {name} (synthetic)")
+    writer.add_type(gguf.GGUFType.MODEL)
+    writer.add_uint32("baton.synthetic.format_version", SYNTHETIC_FORMAT_VERSION)
+    writer.add_uint32("baton.synthetic.seed", cfg.seed)
+    writer.add_context_length(cfg.context_length)
+    writer.add_embedding_length(cfg.n_embd)
+    writer.add_block_count(cfg.n_layer)
+    writer.add_feed_forward_length(cfg.n_ff)
+    writer.add_head_count(cfg.n_head)
+
+
 def _write_tiny_deepseek4(cfg: TinyDeepseek4Config, name: str, dest: Path, tokenizer_gguf: Path) -> None:
     arch = "deepseek4"
     writer = gguf.GGUFWriter(os.fspath(dest), arch)
     try:
-        writer.add_name(f"baton {name} (synthetic)")
-        writer.add_type(gguf.GGUFType.MODEL)
-        writer.add_uint32("baton.synthetic.format_version", SYNTHETIC_FORMAT_VERSION)
-        writer.add_uint32("baton.synthetic.seed", cfg.seed)
-        writer.add_context_length(cfg.context_length)
-        writer.add_embedding_length(cfg.n_embd)
-        writer.add_block_count(cfg.n_layer)
-        writer.add_feed_forward_length(cfg.n_ff)
-        writer.add_head_count(cfg.n_head)
+        _add_common_header(writer, cfg, name)
         writer.add_head_count_kv(1)
         writer.add_key_length(cfg.head_dim)
         writer.add_value_length(cfg.head_dim)

@@ -2,7 +2,7 @@
 
 Modules: ``store`` (``TrackerStore``, ``open_store``), ``service`` (``serve_tracker``,
 ``TrackerConfig``, ``Tracker``), ``gguf_info`` (``read_gguf_facts``,
-``read_registered_metadata``), ``cli`` (``add_arguments``, ``main``). Decisions live in
+``read_registered_file``), ``cli`` (``add_arguments``, ``main``). Decisions live in
 ``agent.core.admission``, ``assignment``, ``routing`` and ``registry``; this package only
 performs them.
 """

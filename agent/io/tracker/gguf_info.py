@@ -3,7 +3,7 @@
 Owns: opening the file with ``gguf.GGUFReader`` (memory-mapped; parsing a 100 MB model takes
 a second or two, mostly its tokenizer arrays), picking the metadata keys and summing tensor
 sizes into ``agent.core.registry.GgufFacts``, the file's sha256, and reading a registered
-file's metadata prefix back (``read_registered_metadata``: checked against what was
+file's metadata prefix and tensor hashes back (``read_registered_file``: checked against what was
 registered). Synchronous: callers in trio run it in a thread.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from agent.core.registry import GgufFacts
 
-__all__ = ["GgufError", "read_gguf_facts", "read_registered_file", "read_registered_metadata"]
+__all__ = ["GgufError", "read_gguf_facts", "read_registered_file"]
 
 
 class GgufError(Exception):
@@ -98,36 +98,27 @@ def read_gguf_facts(path: str | os.PathLike[str]) -> GgufFacts:
     )
 
 
-def read_registered_metadata(path: str | os.PathLike[str], sha256: str, size_bytes: int) -> bytes:
-    """The metadata prefix (``agent.io.gguf_sparse.gguf_metadata_prefix``) of the GGUF at
-    ``path``, after checking that the file is still the one registered: ``size_bytes`` long
-    and hashing to ``sha256`` (``agent.models.cached_sha256``: a fresh hash only when the
-    file's size or mtime changed since it was last hashed).
+def _check_registered(path: Path, sha256: str, size_bytes: int) -> None:
+    """That ``path`` is still the registered file: ``size_bytes`` long, hashing to ``sha256``
+    (hashed again when its size or mtime changed since it was last hashed).
 
     Raises:
-      GgufError: the file has another size or sha256 than registered, or is not a GGUF.
-      OSError: the file cannot be read.
+      GgufError: another size or sha256 than registered.
     """
-    from agent.io.gguf_sparse import gguf_metadata_prefix
     from agent.models import cached_sha256
 
-    path = Path(path)
     size = path.stat().st_size
     if size != size_bytes:
         raise GgufError(f"{path} is {size} bytes, the registered model {size_bytes}: the file changed")
     digest = cached_sha256(path)
     if digest != sha256:
         raise GgufError(f"{path} now hashes to {digest}, not the registered {sha256}: the file changed")
-    try:
-        return gguf_metadata_prefix(path)
-    except ValueError as error:
-        raise GgufError(str(error)) from None
 
 
 def read_registered_file(path: str | os.PathLike[str], sha256: str, size_bytes: int):  # noqa: ANN201
     """(metadata prefix, [``agent.core.manifest.TensorFacts``] in file order) of the GGUF at
     ``path``, after checking that it is still the file registered (``size_bytes`` long,
-    hashing to ``sha256``, as ``read_registered_metadata``): one parse of the header, then
+    hashing to ``sha256``): one parse of the header, then
     every tensor's absolute data offset, size and sha256 (reads the whole file; seconds per GB).
 
     Raises:
@@ -140,15 +131,9 @@ def read_registered_file(path: str | os.PathLike[str], sha256: str, size_bytes: 
 
     from agent.core.manifest import TensorFacts
     from agent.io.gguf_sparse import GGUF_MAGIC
-    from agent.models import cached_sha256
 
     path = Path(path)
-    size = path.stat().st_size
-    if size != size_bytes:
-        raise GgufError(f"{path} is {size} bytes, the registered model {size_bytes}: the file changed")
-    digest = cached_sha256(path)
-    if digest != sha256:
-        raise GgufError(f"{path} now hashes to {digest}, not the registered {sha256}: the file changed")
+    _check_registered(path, sha256, size_bytes)
     with open(path, "rb") as f:
         if f.read(4) != GGUF_MAGIC:
             raise GgufError(f"{path}: not a GGUF file (no GGUF magic)")

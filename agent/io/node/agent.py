@@ -127,7 +127,10 @@ class NodeConfig:
         lasts: after a tracker restart or a broken connection it is made again).
       request_timeout_s: control messages (tracker, node requests, end-session forwarding).
       step_push_timeout_s: pushing a step to the next hop or a result to the owner.
-      session_idle_timeout_s: a session unused this long is freed.
+      session_idle_timeout_s: a session with nothing pending and no step for this long is
+        freed (a lease its owner renews with every step): an owner that crashed, or that lost
+        the route and did not end it, holds its sequences this long at most. Owners step
+        every few ms while decoding; a prefill chunk is pending, not idle.
       session_sweep_interval_s: how often idle sessions are looked for.
       batch_window_ms: how long a serving task waits after the first pending step for others
         to join its batch (0: take what is queued; steps that arrive while the worker is busy
@@ -161,8 +164,8 @@ class NodeConfig:
     relay: bool = False
     request_timeout_s: float = 10.0
     step_push_timeout_s: float = 30.0
-    session_idle_timeout_s: float = 300.0
-    session_sweep_interval_s: float = 10.0
+    session_idle_timeout_s: float = 30.0
+    session_sweep_interval_s: float = 2.0
     batch_window_ms: float = 0.0
     worker_ready_timeout_s: float = 120.0
     worker_stop_grace_s: float = 5.0

@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ctx-size", type=cli_args.positive_int, help="positions per sequence (default: the worker's)")
     parser.add_argument("--max-sequences", type=cli_args.positive_int, help="sequences per worker (default: the worker's)")
     parser.add_argument(
+        "--session-idle-timeout-s", type=cli_args.positive_float, default=30.0,
+        help="free a session's sequences after this long without a step from its owner (default 30)",
+    )  # fmt: skip
+    parser.add_argument(
         "--heartbeat-interval-ms", type=cli_args.positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"
     )
 
@@ -166,6 +170,7 @@ async def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         ctx_size=args.ctx_size,
         max_sequences=args.max_sequences,
+        session_idle_timeout_s=args.session_idle_timeout_s,
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         relay=relay,
         probe=probe,

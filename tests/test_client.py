@@ -418,6 +418,27 @@ async def test_a_frozen_hop_is_named_by_its_step_deadline_reported_and_routed_ar
     assert [hop["node"] for hop in result.route] == [swarm.nodes[0].peer_id, spare.peer_id, swarm.nodes[2].peer_id]
 
 
+async def test_a_hop_lost_while_it_computes_the_prefill_is_named_by_a_probe(
+    swarm: Swarm, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A prefill has no measured step time: its hops are probed every ``probe_interval_s``
+    while it waits, so a hop that acknowledged the prompt and then vanished is named in about
+    that time, not after ``step_timeout_s``."""
+    spare = swarm.node(20, 30)
+    lost = swarm.nodes[2]
+    swarm.tracker.routes = [swarm.route(swarm.nodes), swarm.route([swarm.nodes[0], swarm.nodes[1], spare])]
+    lost.behaviour.silent = True  # takes the prompt, pushes nothing ...
+    lost.behaviour.freeze_after_steps = 1  # ... and answers nothing after it
+    config = SwarmClientConfig(step_timeout_s=30.0, replan_attempts=1, probe_interval_s=1.0, probe_timeout_s=0.5)
+    async with swarm.client(config) as client:
+        started = trio.current_time()
+        result = await client.generate("smol", "abc", max_tokens=4)
+        elapsed = trio.current_time() - started
+    assert result.tokens == greedy_continuation("abc", 4) and result.replans == 1
+    assert elapsed < 3.0  # one probe interval and one probe timeout
+    assert swarm.tracker.lost_reports == [lost.peer_id]
+
+
 async def test_with_the_tracker_gone_new_generations_use_the_last_route(swarm: Swarm) -> None:
     async with swarm.client() as client:
         first = await client.generate("smol", "abc", max_tokens=3)

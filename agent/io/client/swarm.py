@@ -93,6 +93,9 @@ class SwarmClientConfig:
     this multiple of the measured decode step time (and at least the minimum) makes the owner
     probe the route's hops, each within ``probe_timeout_s``; one that does not answer is named
     as the failed peer (``step_timeout_s`` still bounds the wait when every hop answers).
+    A prefill (chunk), or a decode before any was measured, has no measured time to go by: its
+    hops are probed every ``probe_interval_s`` while it waits, and so is a decode past its
+    deadline (a hop can die after answering a probe).
     """
 
     request_timeout_s: float = 10.0
@@ -105,11 +108,12 @@ class SwarmClientConfig:
     step_deadline_factor: float = 10.0
     min_step_deadline_s: float = 1.0
     probe_timeout_s: float = 0.5
+    probe_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in (
             "request_timeout_s", "step_timeout_s", "replan_wait_s", "route_poll_interval_s", "queue_timeout_s",
-            "step_deadline_factor", "min_step_deadline_s", "probe_timeout_s",
+            "step_deadline_factor", "min_step_deadline_s", "probe_timeout_s", "probe_interval_s",
         ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -838,36 +842,42 @@ class SwarmClient:
     def _step_deadline_s(self, *, prefill: bool) -> float:
         """How long a step may take before the owner looks for a silent hop: a multiple of the
         measured decode step time (``step_deadline_factor``, at least ``min_step_deadline_s``);
-        a prefill (chunk), or a decode before anything was measured, gets ``step_timeout_s``."""
+        a prefill (chunk), or a decode before anything was measured, ``probe_interval_s`` (its
+        time is unknown, so it is watched by probes rather than bounded)."""
         if prefill or self._decode_step_s is None:
-            return self.config.step_timeout_s
+            return min(self.config.probe_interval_s, self.config.step_timeout_s)
         deadline = max(self.config.min_step_deadline_s, self.config.step_deadline_factor * self._decode_step_s)
         return min(deadline, self.config.step_timeout_s)
 
     async def _await_result(
         self, live: _LiveSession, route: swarm_pb2.Route, step: int, sent_at: float, *, prefill: bool
     ) -> None:
-        """Wait for the step's result; past its deadline, probe the hops and name a silent one.
+        """Wait for the step's result; past its deadline, probe the hops (again every
+        ``probe_interval_s``) and name the first silent one.
 
         Raises:
           GenerationError: a hop does not answer its probe (named, so the owner can replan
             around it), or no result within ``step_timeout_s`` although every hop answers.
         """
-        with trio.move_on_after(self._step_deadline_s(prefill=prefill)):
-            await live.arrived.wait()
-            return
-        silent = await self._silent_hop(route)
-        if silent is not None:
-            message = (
-                f"no result for step {step} of session {live.session.session_hex} within "
-                f"{trio.current_time() - sent_at:.2f} s, and {silent} does not answer a probe"
-            )
-            live.session.fail(message)
-            raise GenerationError(message, failed_peer_id=silent, step=step)
-        remaining = self.config.step_timeout_s - (trio.current_time() - sent_at)
-        with trio.move_on_after(max(0.0, remaining)):
-            await live.arrived.wait()
-            return
+        give_up_at = sent_at + self.config.step_timeout_s
+        look_at = sent_at + self._step_deadline_s(prefill=prefill)
+        while True:
+            with trio.move_on_at(min(look_at, give_up_at)):
+                await live.arrived.wait()
+                return
+            if trio.current_time() >= give_up_at:
+                break
+            silent = await self._silent_hop(route)
+            if silent is not None:
+                message = (
+                    f"no result for step {step} of session {live.session.session_hex} within "
+                    f"{trio.current_time() - sent_at:.2f} s, and {silent} does not answer a probe"
+                )
+                live.session.fail(message)
+                raise GenerationError(message, failed_peer_id=silent, step=step)
+            if live.arrived.is_set():
+                return
+            look_at = max(look_at, trio.current_time()) + self.config.probe_interval_s
         message = (
             f"no result for step {step} of session {live.session.session_hex} within "
             f"{self.config.step_timeout_s} s (route {describe_route(route)}; every hop answers probes)"

@@ -142,8 +142,13 @@ POSITIONS = {"first": 0, "middle": 1, "last": 2}
 
 
 def _plan(rng: random.Random) -> list[Round]:
-    kills = [Round("SIGKILL", position, phase) for position in POSITIONS for phase in ("prefill", "decode")]
-    stops = [Round("SIGSTOP", position, "decode") for position in ("middle", "last")]
+    # three kills per hop position: one in prefill, one in decode, one where the seed says
+    kills = [
+        Round("SIGKILL", position, phase)
+        for position in POSITIONS
+        for phase in ("prefill", "decode", rng.choice(["prefill", "decode"]))
+    ]
+    stops = [Round("SIGSTOP", position, "decode") for position in POSITIONS]
     rounds = kills + stops
     rng.shuffle(rounds)
     return rounds

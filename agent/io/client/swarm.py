@@ -807,7 +807,7 @@ class SwarmClient:
                 prefill = session.in_prefill
                 started = time.perf_counter()
                 sent_at = trio.current_time()
-                await self._send_step(first, request)
+                await self._send_step(first, request, prefill=prefill)
                 await self._await_result(live, route, step_input.step, sent_at, prefill=prefill)
                 elapsed = time.perf_counter() - started
                 if isinstance(live.outcome, BaseException):
@@ -906,15 +906,50 @@ class SwarmClient:
                 nursery.start_soon(probe, index, hop)
         return silent[min(silent)] if silent else None
 
-    async def _send_step(self, first: swarm_pb2.Hop, request: swarm_pb2.StepRequest) -> None:
+    async def _send_step(self, first: swarm_pb2.Hop, request: swarm_pb2.StepRequest, *, prefill: bool) -> None:
+        """Send a step to the first hop and check its ack. A first hop that has not acked by the
+        step's deadline is probed (again every ``probe_interval_s``): a frozen one is named
+        then, not after ``request_timeout_s``."""
         step = request.step
-        try:
-            raw = await self.transport.request(
-                first.peer_id, list(first.addrs), STEP_PROTOCOL, request.SerializeToString(),
-                timeout_s=self.config.request_timeout_s,
+        raw = b""
+        silent: list[str] = []
+        unreachable: list[TransportError] = []
+
+        async def send(cancel_scope: trio.CancelScope) -> None:
+            nonlocal raw
+            try:
+                raw = await self.transport.request(
+                    first.peer_id, list(first.addrs), STEP_PROTOCOL, request.SerializeToString(),
+                    timeout_s=self.config.request_timeout_s,
+                )  # fmt: skip
+            except TransportError as error:
+                unreachable.append(error)
+            cancel_scope.cancel()
+
+        async def watch(cancel_scope: trio.CancelScope) -> None:
+            await trio.sleep(self._step_deadline_s(prefill=prefill))
+            while True:
+                found = await self._silent_hop(swarm_pb2.Route(hops=[first]))
+                if found is not None:
+                    silent.append(found)
+                    cancel_scope.cancel()
+                    return
+                await trio.sleep(self.config.probe_interval_s)
+
+        sent_at = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, nursery.cancel_scope)
+            nursery.start_soon(watch, nursery.cancel_scope)
+        if unreachable:
+            raise GenerationError(
+                f"step {step}: first hop unreachable: {unreachable[0]}", failed_peer_id=first.peer_id, step=step
+            )
+        if silent:
+            raise GenerationError(
+                f"step {step}: first hop {first.peer_id} did not acknowledge it within "
+                f"{trio.current_time() - sent_at:.2f} s and does not answer a probe",
+                failed_peer_id=first.peer_id, step=step,
             )  # fmt: skip
-        except TransportError as error:
-            raise GenerationError(f"step {step}: first hop unreachable: {error}", failed_peer_id=first.peer_id, step=step) from None
         ack = swarm_pb2.StepAck()
         try:
             ack.ParseFromString(raw)

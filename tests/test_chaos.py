@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.demo.swarm_demo import wait_for_coverage
+from agent.demo.swarm_demo import wait_for_copies, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.models import model_path
@@ -69,27 +69,6 @@ class Chaos:
         return name
 
 
-async def _ranges_ready(c, copies: int, timeout_s: float) -> None:  # noqa: ANN001
-    """Wait until every range has ``copies`` alive nodes with it READY."""
-    last: dict = {}
-    with trio.move_on_after(timeout_s):
-        while True:
-            counts: dict[tuple[int, int], int] = {}
-            with contextlib.suppress(Exception):
-                for node in await c.list_nodes():
-                    if not node.alive:
-                        continue
-                    for status in node.serving:
-                        if status.state == status.READY:
-                            key = (status.assignment.begin, status.assignment.end)
-                            counts[key] = counts.get(key, 0) + 1
-                last = counts
-                if len(counts) >= 3 and all(n >= copies for n in counts.values()):
-                    return
-            await trio.sleep(0.1)
-    raise TimeoutError(f"ranges not back to {copies} copies within {timeout_s} s: {last}")
-
-
 async def _start(swarm: LocalSwarm) -> Chaos:
     await swarm.start_tracker()
     async with open_swarm_client(swarm.tracker_addr, config=_client_config()) as c:
@@ -98,7 +77,7 @@ async def _start(swarm: LocalSwarm) -> Chaos:
         for i in range(NODES):
             swarm.start_node(f"node-{i + 1}", memory)
         route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
-        await _ranges_ready(c, 2, SETUP_TIMEOUT_S)
+        await wait_for_copies(c, swarm, 2, timeout_s=SETUP_TIMEOUT_S)
         prompt_tokens, stop_tokens = await c.tokenize(route, PROMPT)
         assert len(prompt_tokens) > 2 * PREFILL_CHUNK_TOKENS
         run = await c.generate_tokens(ALIAS, prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=stop_tokens)
@@ -216,7 +195,7 @@ async def _run_round(c, chaos: Chaos, plan: Round, rng: random.Random) -> None: 
     name = victim.name
     await chaos.swarm.kill_node(name)
     chaos.swarm.start_node(name, chaos.memory_bytes)
-    await _ranges_ready(c, 2, 90.0)
+    await wait_for_copies(c, chaos.swarm, 2, timeout_s=90.0)
 
 
 @pytest.mark.timeout(300)
@@ -224,7 +203,7 @@ async def test_generations_survive_hops_killed_and_frozen_at_random_points(chaos
     rng = random.Random(SEED)
     rounds = _plan(rng)
     async with open_swarm_client(chaos.swarm.tracker_addr, config=_client_config()) as c:
-        await _ranges_ready(c, 2, 90.0)
+        await wait_for_copies(c, chaos.swarm, 2, timeout_s=90.0)
         for plan in rounds:
             with trio.fail_after(120):
                 await _run_round(c, chaos, plan, rng)
@@ -245,7 +224,7 @@ async def test_a_tracker_killed_mid_generation_loses_nothing(chaos: Chaos) -> No
     the restarted tracker (same db, key, port) has every model, node and assignment back."""
     swarm = chaos.swarm
     async with open_swarm_client(swarm.tracker_addr, config=_client_config()) as c:
-        await _ranges_ready(c, 2, 90.0)
+        await wait_for_copies(c, chaos.swarm, 2, timeout_s=90.0)
         models_before = [(m.sha256, m.alias, m.n_layer) for m in await c.list_models()]
         assigned_before = {(n.peer_id, a.begin, a.end) for n in await c.list_nodes() if n.alive for a in n.assigned}
         route = await c.route(ALIAS)
@@ -272,7 +251,7 @@ async def test_a_tracker_killed_mid_generation_loses_nothing(chaos: Chaos) -> No
         await swarm.start_tracker()  # same db, key and port
         assert [(m.sha256, m.alias, m.n_layer) for m in await c.list_models()] == models_before
         await wait_for_coverage(c, swarm, ALIAS, timeout_s=60)
-        await _ranges_ready(c, 2, 60.0)  # every node heard from again, with the ranges it had
+        await wait_for_copies(c, chaos.swarm, 2, timeout_s=60.0)  # every node heard from again, with the ranges it had
         assigned_after = {(n.peer_id, a.begin, a.end) for n in await c.list_nodes() if n.alive for a in n.assigned}
         assert assigned_after == assigned_before
         again = await c.generate_tokens(ALIAS, chaos.prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=chaos.stop_tokens)

@@ -21,7 +21,6 @@ import random
 import signal
 import statistics
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import trio
@@ -103,7 +102,7 @@ class Round:
     phase: str  # prefill or decode (where the signal was meant to land)
     landed: str = ""  # where it did land: before or after the first token
     gap_s: float = 0.0  # last token (or the first step sent) before the signal -> first token after
-    out_of_routes_s: float = 0.0  # signal -> the tracker's plain routes leave the victim
+    out_of_routes_s: float = 0.0  # signal -> the tracker no longer counts the victim alive
 
 
 POSITIONS = {"first": 0, "middle": 1, "last": 2}

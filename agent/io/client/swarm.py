@@ -12,8 +12,9 @@ route (logits only from its last hop; an error from any hop), for a live session
 step in flight; anything else gets an error ``StepAck`` and changes nothing.
 
 When a hop fails (an error result, a refused or unreachable first hop, no result in time),
-the generation either fails with a ``GenerationError`` naming the failed peer (none for a
-timeout: which hop went silent is unknown), or, while ``SwarmClientConfig.replan_attempts`` allow
+the generation either fails with a ``GenerationError`` naming the failed peer (a late step,
+or an ack that does not come, makes the owner probe the hops: the first that does not answer is
+named; none when every hop answers), or, while ``SwarmClientConfig.replan_attempts`` allow
 and a peer was named, waits for a route without that peer and continues
 with a new session whose prefill is the prompt plus the tokens chosen so far. (The re-prefill
 computes the same greedy tokens in practice, but batched prefill is not promised to be

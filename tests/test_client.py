@@ -420,6 +420,44 @@ async def test_a_frozen_hop_is_named_by_its_step_deadline_reported_and_routed_ar
     assert [hop["node"] for hop in result.route] == [swarm.nodes[0].peer_id, spare.peer_id, swarm.nodes[2].peer_id]
 
 
+async def test_a_first_hop_frozen_before_it_acks_a_step_is_named_by_a_probe(
+    swarm: Swarm, autojump_clock: trio.testing.MockClock
+) -> None:
+    spare = swarm.node(0, 10)
+    frozen = swarm.nodes[0]
+    swarm.tracker.routes = [swarm.route(swarm.nodes), swarm.route([spare, swarm.nodes[1], swarm.nodes[2]])]
+    frozen.behaviour.freeze_after_steps = 4  # the fifth step is never acknowledged
+    config = SwarmClientConfig(request_timeout_s=10.0, replan_attempts=1, min_step_deadline_s=1.0, probe_timeout_s=0.5)
+    async with swarm.client(config) as client:
+        started = trio.current_time()
+        result = await client.generate_tokens("smol", [5, 6, 7], max_tokens=8)
+        elapsed = trio.current_time() - started
+    assert result.replans == 1 and len(result.tokens) == 8
+    assert elapsed < 3.0  # the step deadline and a probe, not the 10 s request timeout
+    assert swarm.tracker.lost_reports == [frozen.peer_id]
+
+
+async def test_a_hop_lost_while_it_computes_the_prefill_is_named_by_a_probe(
+    swarm: Swarm, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A prefill has no measured step time: its hops are probed every ``probe_interval_s``
+    while it waits, so a hop that acknowledged the prompt and then vanished is named in about
+    that time, not after ``step_timeout_s``."""
+    spare = swarm.node(20, 30)
+    lost = swarm.nodes[2]
+    swarm.tracker.routes = [swarm.route(swarm.nodes), swarm.route([swarm.nodes[0], swarm.nodes[1], spare])]
+    lost.behaviour.silent = True  # takes the prompt, pushes nothing ...
+    lost.behaviour.freeze_after_steps = 1  # ... and answers nothing after it
+    config = SwarmClientConfig(step_timeout_s=30.0, replan_attempts=1, probe_interval_s=1.0, probe_timeout_s=0.5)
+    async with swarm.client(config) as client:
+        started = trio.current_time()
+        result = await client.generate("smol", "abc", max_tokens=4)
+        elapsed = trio.current_time() - started
+    assert result.tokens == greedy_continuation("abc", 4) and result.replans == 1
+    assert elapsed < 3.0  # one probe interval and one probe timeout
+    assert swarm.tracker.lost_reports == [lost.peer_id]
+
+
 async def test_with_the_tracker_gone_new_generations_use_the_last_route(swarm: Swarm) -> None:
     async with swarm.client() as client:
         first = await client.generate("smol", "abc", max_tokens=3)

@@ -41,6 +41,7 @@ __all__ = [
     "run_swarm_demo",
     "serve_swarm_demo",
     "stream_completion",
+    "wait_for_copies",
     "wait_for_coverage",
 ]
 
@@ -72,6 +73,31 @@ async def wait_for_coverage(client: SwarmClient, swarm: LocalSwarm, model: str, 
                 last = str(error)
             await trio.sleep(poll_s)
     raise TimeoutError(f"no full route for {model!r} within {timeout_s} s: {last}\n{swarm.logs()}")
+
+
+async def wait_for_copies(client: SwarmClient, swarm: LocalSwarm, copies: int, *, timeout_s: float, poll_s: float = 0.1) -> None:
+    """Poll the tracker's node list until every range served has ``copies`` alive nodes with
+    it READY (a swarm that lost a node and got it back is whole again); raise ``ProcessDied``
+    as soon as a swarm process exits, ``TimeoutError`` (with the counts seen) after ``timeout_s``."""
+    last: dict[tuple[int, int], int] = {}
+    with trio.move_on_after(timeout_s):
+        while True:
+            swarm.check_alive()
+            counts: dict[tuple[int, int], int] = {}
+            try:
+                nodes = await client.list_nodes()
+            except (SwarmError, TransportError):
+                nodes = []
+            for node in nodes:
+                for status in node.serving if node.alive else ():
+                    if status.state == swarm_pb2.AssignmentStatus.READY:
+                        key = (status.assignment.begin, status.assignment.end)
+                        counts[key] = counts.get(key, 0) + 1
+            last = counts
+            if counts and all(n >= copies for n in counts.values()):
+                return
+            await trio.sleep(poll_s)
+    raise TimeoutError(f"ranges not at {copies} ready copies within {timeout_s} s: {last}")
 
 
 @dataclasses.dataclass

@@ -12,8 +12,9 @@ route (logits only from its last hop; an error from any hop), for a live session
 step in flight; anything else gets an error ``StepAck`` and changes nothing.
 
 When a hop fails (an error result, a refused or unreachable first hop, no result in time),
-the generation either fails with a ``GenerationError`` naming the failed peer (none for a
-timeout: which hop went silent is unknown), or, while ``SwarmClientConfig.replan_attempts`` allow
+the generation either fails with a ``GenerationError`` naming the failed peer (a late step,
+or an ack that does not come, makes the owner probe the hops: the first that does not answer is
+named; none when every hop answers), or, while ``SwarmClientConfig.replan_attempts`` allow
 and a peer was named, waits for a route without that peer and continues
 with a new session whose prefill is the prompt plus the tokens chosen so far. (The re-prefill
 computes the same greedy tokens in practice, but batched prefill is not promised to be
@@ -93,6 +94,9 @@ class SwarmClientConfig:
     this multiple of the measured decode step time (and at least the minimum) makes the owner
     probe the route's hops, each within ``probe_timeout_s``; one that does not answer is named
     as the failed peer (``step_timeout_s`` still bounds the wait when every hop answers).
+    A prefill (chunk), or a decode before any was measured, has no measured time to go by: its
+    hops are probed every ``probe_interval_s`` while it waits, and so is a decode past its
+    deadline (a hop can die after answering a probe).
     """
 
     request_timeout_s: float = 10.0
@@ -105,11 +109,12 @@ class SwarmClientConfig:
     step_deadline_factor: float = 10.0
     min_step_deadline_s: float = 1.0
     probe_timeout_s: float = 0.5
+    probe_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in (
             "request_timeout_s", "step_timeout_s", "replan_wait_s", "route_poll_interval_s", "queue_timeout_s",
-            "step_deadline_factor", "min_step_deadline_s", "probe_timeout_s",
+            "step_deadline_factor", "min_step_deadline_s", "probe_timeout_s", "probe_interval_s",
         ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -803,7 +808,7 @@ class SwarmClient:
                 prefill = session.in_prefill
                 started = time.perf_counter()
                 sent_at = trio.current_time()
-                await self._send_step(first, request)
+                await self._send_step(first, request, prefill=prefill)
                 await self._await_result(live, route, step_input.step, sent_at, prefill=prefill)
                 elapsed = time.perf_counter() - started
                 if isinstance(live.outcome, BaseException):
@@ -839,36 +844,42 @@ class SwarmClient:
     def _step_deadline_s(self, *, prefill: bool) -> float:
         """How long a step may take before the owner looks for a silent hop: a multiple of the
         measured decode step time (``step_deadline_factor``, at least ``min_step_deadline_s``);
-        a prefill (chunk), or a decode before anything was measured, gets ``step_timeout_s``."""
+        a prefill (chunk), or a decode before anything was measured, ``probe_interval_s`` (its
+        time is unknown, so it is watched by probes rather than bounded)."""
         if prefill or self._decode_step_s is None:
-            return self.config.step_timeout_s
+            return min(self.config.probe_interval_s, self.config.step_timeout_s)
         deadline = max(self.config.min_step_deadline_s, self.config.step_deadline_factor * self._decode_step_s)
         return min(deadline, self.config.step_timeout_s)
 
     async def _await_result(
         self, live: _LiveSession, route: swarm_pb2.Route, step: int, sent_at: float, *, prefill: bool
     ) -> None:
-        """Wait for the step's result; past its deadline, probe the hops and name a silent one.
+        """Wait for the step's result; past its deadline, probe the hops (again every
+        ``probe_interval_s``) and name the first silent one.
 
         Raises:
           GenerationError: a hop does not answer its probe (named, so the owner can replan
             around it), or no result within ``step_timeout_s`` although every hop answers.
         """
-        with trio.move_on_after(self._step_deadline_s(prefill=prefill)):
-            await live.arrived.wait()
-            return
-        silent = await self._silent_hop(route)
-        if silent is not None:
-            message = (
-                f"no result for step {step} of session {live.session.session_hex} within "
-                f"{trio.current_time() - sent_at:.2f} s, and {silent} does not answer a probe"
-            )
-            live.session.fail(message)
-            raise GenerationError(message, failed_peer_id=silent, step=step)
-        remaining = self.config.step_timeout_s - (trio.current_time() - sent_at)
-        with trio.move_on_after(max(0.0, remaining)):
-            await live.arrived.wait()
-            return
+        give_up_at = sent_at + self.config.step_timeout_s
+        look_at = sent_at + self._step_deadline_s(prefill=prefill)
+        while True:
+            with trio.move_on_at(min(look_at, give_up_at)):
+                await live.arrived.wait()
+                return
+            if trio.current_time() >= give_up_at:
+                break
+            silent = await self._silent_hop(route)
+            if silent is not None:
+                message = (
+                    f"no result for step {step} of session {live.session.session_hex} within "
+                    f"{trio.current_time() - sent_at:.2f} s, and {silent} does not answer a probe"
+                )
+                live.session.fail(message)
+                raise GenerationError(message, failed_peer_id=silent, step=step)
+            if live.arrived.is_set():
+                return
+            look_at = max(look_at, trio.current_time()) + self.config.probe_interval_s
         message = (
             f"no result for step {step} of session {live.session.session_hex} within "
             f"{self.config.step_timeout_s} s (route {describe_route(route)}; every hop answers probes)"
@@ -897,15 +908,50 @@ class SwarmClient:
                 nursery.start_soon(probe, index, hop)
         return silent[min(silent)] if silent else None
 
-    async def _send_step(self, first: swarm_pb2.Hop, request: swarm_pb2.StepRequest) -> None:
+    async def _send_step(self, first: swarm_pb2.Hop, request: swarm_pb2.StepRequest, *, prefill: bool) -> None:
+        """Send a step to the first hop and check its ack. A first hop that has not acked by the
+        step's deadline is probed (again every ``probe_interval_s``): a frozen one is named
+        then, not after ``request_timeout_s``."""
         step = request.step
-        try:
-            raw = await self.transport.request(
-                first.peer_id, list(first.addrs), STEP_PROTOCOL, request.SerializeToString(),
-                timeout_s=self.config.request_timeout_s,
+        raw = b""
+        silent: list[str] = []
+        unreachable: list[TransportError] = []
+
+        async def send(cancel_scope: trio.CancelScope) -> None:
+            nonlocal raw
+            try:
+                raw = await self.transport.request(
+                    first.peer_id, list(first.addrs), STEP_PROTOCOL, request.SerializeToString(),
+                    timeout_s=self.config.request_timeout_s,
+                )  # fmt: skip
+            except TransportError as error:
+                unreachable.append(error)
+            cancel_scope.cancel()
+
+        async def watch(cancel_scope: trio.CancelScope) -> None:
+            await trio.sleep(self._step_deadline_s(prefill=prefill))
+            while True:
+                found = await self._silent_hop(swarm_pb2.Route(hops=[first]))
+                if found is not None:
+                    silent.append(found)
+                    cancel_scope.cancel()
+                    return
+                await trio.sleep(self.config.probe_interval_s)
+
+        sent_at = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, nursery.cancel_scope)
+            nursery.start_soon(watch, nursery.cancel_scope)
+        if unreachable:
+            raise GenerationError(
+                f"step {step}: first hop unreachable: {unreachable[0]}", failed_peer_id=first.peer_id, step=step
+            )
+        if silent:
+            raise GenerationError(
+                f"step {step}: first hop {first.peer_id} did not acknowledge it within "
+                f"{trio.current_time() - sent_at:.2f} s and does not answer a probe",
+                failed_peer_id=first.peer_id, step=step,
             )  # fmt: skip
-        except TransportError as error:
-            raise GenerationError(f"step {step}: first hop unreachable: {error}", failed_peer_id=first.peer_id, step=step) from None
         ack = swarm_pb2.StepAck()
         try:
             ack.ParseFromString(raw)

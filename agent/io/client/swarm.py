@@ -94,6 +94,8 @@ class SwarmClientConfig:
     this multiple of the measured decode step time (and at least the minimum) makes the owner
     probe the route's hops, each within ``probe_timeout_s``; one that does not answer is named
     as the failed peer (``step_timeout_s`` still bounds the wait when every hop answers).
+    ``report_grace_s``: how long a replan waits for the tracker to take the lost-peer report
+    once the new route is there (the tracker finishes its probe on its own).
     A prefill (chunk), or a decode before any was measured, has no measured time to go by: its
     hops are probed every ``probe_interval_s`` while it waits, and so is a decode past its
     deadline (a hop can die after answering a probe).
@@ -109,12 +111,13 @@ class SwarmClientConfig:
     step_deadline_factor: float = 10.0
     min_step_deadline_s: float = 1.0
     probe_timeout_s: float = 0.5
+    report_grace_s: float = 0.2
     probe_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name in (
             "request_timeout_s", "step_timeout_s", "replan_wait_s", "route_poll_interval_s", "queue_timeout_s",
-            "step_deadline_factor", "min_step_deadline_s", "probe_timeout_s", "probe_interval_s",
+            "step_deadline_factor", "min_step_deadline_s", "probe_timeout_s", "report_grace_s", "probe_interval_s",
         ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -748,10 +751,8 @@ class SwarmClient:
                 replans += 1
                 failed_peers.append(error.failed_peer_id)
                 log.warning("%s; replanning without %s", error, error.failed_peer_id)
-                with trio.move_on_after(self.config.request_timeout_s):
-                    await self.report_lost_peer(error.failed_peer_id, str(error))
                 await self._fresh_admission()
-                route = await self.wait_for_route(model, timeout_s=self.config.replan_wait_s, avoid_peers=failed_peers)
+                route = await self._replan(model, error.failed_peer_id, str(error), failed_peers)
         return GenerationResult(
             text="",
             tokens=list(generated),
@@ -768,6 +769,41 @@ class SwarmClient:
             stopped_by_caller=stopped_by_caller,
             first_token_s=progress.first_token_s,
         )
+
+    async def _replan(self, model: str, lost_peer: str, reason: str, avoid: Sequence[str]) -> swarm_pb2.Route:
+        """A route around ``avoid``, while the tracker is told about ``lost_peer`` alongside:
+        the route around it comes at once (the tracker plans around avoided peers), the report
+        (the tracker probes the peer, which can take its probe timeout for a frozen one) only
+        matters to everyone else's routes, so it is not waited for beyond ``report_grace_s``
+        (the tracker carries on with a report it has received).
+
+        Raises:
+          GenerationError: no such route within ``replan_wait_s``.
+        """
+        reported = trio.Event()
+        found: swarm_pb2.Route | None = None
+        failure: GenerationError | None = None
+
+        async def report() -> None:
+            try:
+                with trio.move_on_after(self.config.request_timeout_s):
+                    await self.report_lost_peer(lost_peer, reason)
+            finally:
+                reported.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(report)
+            try:
+                found = await self.wait_for_route(model, timeout_s=self.config.replan_wait_s, avoid_peers=avoid)
+            except GenerationError as error:
+                failure = error  # raised below as itself, not inside the nursery's group
+            with trio.move_on_after(self.config.report_grace_s):
+                await reported.wait()
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        assert found is not None
+        return found
 
     async def _tokenize_prompt(self, route: swarm_pb2.Route, prompt: str) -> tuple[list[int], list[int]]:
         first = route.hops[0].peer_id

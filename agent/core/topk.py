@@ -26,9 +26,24 @@ import math
 
 import numpy as np
 
-__all__ = ["DEFAULT_RESULT_TOP_K", "TopLogits", "log_sum_exp", "result_top_k", "select_top_k", "top_k_ids"]
+__all__ = [
+    "DEFAULT_RESULT_TOP_K",
+    "WORKER_LOG_SUM_EXP_BOUND",
+    "TopLogits",
+    "log_sum_exp",
+    "result_top_k",
+    "select_top_k",
+    "top_k_ids",
+]
 
 DEFAULT_RESULT_TOP_K = 40
+
+#: The native worker selects the top-K itself (``protocol/worker.proto``, SequenceInput.top_k):
+#: its ids and logits equal ``select_top_k`` of the row bit for bit, its log-sum-exp (double,
+#: max-shifted, numpy's pairwise sum) equals ``log_sum_exp`` of the row within this absolute
+#: bound: numpy may use a SIMD exp that differs from libm's in the last bits
+#: (tests/test_worker_api.py checks it on SmolLM2's rows).
+WORKER_LOG_SUM_EXP_BOUND = 1e-9
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")

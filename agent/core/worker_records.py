@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from .ranges import LayerRange
+from .topk import TopLogits
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -39,7 +40,9 @@ class SeqInput:
     Exactly one of ``token_ids`` (the first range) or ``boundary`` (float32
     ``[n_rows, n_embd]``, any other range) is set; ``positions`` has one entry per row and
     must continue the sequence. ``logit_rows``: for the last range, the rows of this entry
-    whose logits to return (None or empty: the last row only).
+    whose logits to return (None or empty: the last row only). ``top_k``: for the last
+    range, > 0 asks for each such row's top-K and log-sum-exp (``SeqOutput.top``) instead of
+    the row (0: the full rows).
     """
 
     seq_id: int
@@ -47,6 +50,7 @@ class SeqInput:
     token_ids: Sequence[int] | None = None
     boundary: np.ndarray | None = None
     logit_rows: Sequence[int] | None = None
+    top_k: int = 0
 
     @property
     def n_rows(self) -> int:
@@ -69,7 +73,8 @@ class SeqOutput:
     ``boundary`` (float32 ``[n_rows, n_embd]``) from a range that is not last, or
     ``logits`` (float32 ``[n_rows, n_vocab]``) from the last range, whose rows belong to
     the entry rows listed in ``logit_rows``. ``next_position``: positions the sequence now
-    holds on that worker.
+    holds on that worker. ``top``: when the entry asked for ``top_k`` > 0, one
+    ``TopLogits`` per row of ``logit_rows`` (and ``logits`` is None).
     """
 
     seq_id: int
@@ -77,11 +82,14 @@ class SeqOutput:
     logits: np.ndarray | None
     logit_rows: tuple[int, ...]
     next_position: int
+    top: tuple[TopLogits, ...] = ()
 
     @property
     def n_rows(self) -> int:
         rows = self.boundary if self.boundary is not None else self.logits
-        return 0 if rows is None else int(rows.shape[0])
+        if rows is None:
+            return len(self.top)
+        return int(rows.shape[0])
 
 
 @dataclasses.dataclass(frozen=True)

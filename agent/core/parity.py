@@ -120,7 +120,7 @@ def build_prompts(prefix: Sequence[int], body: Sequence[int], lengths: Sequence[
 
 def next_hop_entries(inputs: Sequence[SeqInput], outputs: Sequence[SeqOutput]) -> list[SeqInput]:
     """The entries for the next range: each output's boundary rows with the same sequence,
-    positions and logit rows as the entry that produced them.
+    positions, logit rows and top_k as the entry that produced them.
 
     Raises:
       ParityError: the outputs do not answer the inputs entry by entry with boundary rows.
@@ -136,7 +136,13 @@ def next_hop_entries(inputs: Sequence[SeqInput], outputs: Sequence[SeqOutput]) -
         if got.boundary.shape[0] != sent.n_rows:
             raise ParityError(f"seq {sent.seq_id}: sent {sent.n_rows} rows, got {got.boundary.shape[0]} boundary rows")
         entries.append(
-            SeqInput(seq_id=sent.seq_id, positions=sent.positions, boundary=got.boundary, logit_rows=sent.logit_rows)
+            SeqInput(
+                seq_id=sent.seq_id,
+                positions=sent.positions,
+                boundary=got.boundary,
+                logit_rows=sent.logit_rows,
+                top_k=sent.top_k,
+            )
         )
     return entries
 

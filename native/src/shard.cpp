@@ -926,7 +926,7 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
                 top_ids.resize(k);
                 top_values.resize(k);
             } else {
-                o.logits.resize(o.logit_rows.size() * row_bytes);
+                o.logits.reserve(o.logit_rows.size() * row_bytes);  // appended below: no zero-fill first
             }
             for (size_t j = 0; j < o.logit_rows.size(); ++j) {
                 const float * src = llama_get_logits_ith(ctx_.get(), first_row[i] + static_cast<int32_t>(o.logit_rows[j]));
@@ -936,7 +936,7 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
                                                  std::to_string(e.seq_id));
                 }
                 if (k == 0) {
-                    std::memcpy(&o.logits[j * row_bytes], src, row_bytes);
+                    o.logits.append(reinterpret_cast<const char *>(src), row_bytes);
                     continue;
                 }
                 if (!select_top_k(src, n_vocab, k, top_ids.data(), top_values.data())) {

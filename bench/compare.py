@@ -313,6 +313,7 @@ async def bench_worker(
     model: Path, sha256: str, n_prompt: int, n_gen: int, runs: int, threads: int
 ) -> tuple[dict, str, list[int], dict]:
     """Baton's worker unsplit, driven directly: ``(figure, prompt text, prompt tokens, model info)``."""
+    from agent.core.topk import DEFAULT_RESULT_TOP_K
     from agent.demo.local_demo import generate_through
     from agent.io.worker_process import open_worker
 
@@ -320,7 +321,7 @@ async def bench_worker(
         text, tokens = await make_prompt(worker.client, n_prompt)
         results = []
         for i in range(runs + 1):
-            run = await generate_through([worker.client], tokens, n_gen + 1)
+            run = await generate_through([worker.client], tokens, n_gen + 1, top_k=DEFAULT_RESULT_TOP_K)
             if i:  # the first run is the warm-up
                 results.append(run)
         info = worker.info
@@ -338,6 +339,7 @@ async def bench_chain(
 ) -> dict:
     """``n_ranges`` range workers chained directly from this process (no tracker, no libp2p)."""
     from agent.core.ranges import ranges_from_cuts
+    from agent.core.topk import DEFAULT_RESULT_TOP_K
     from agent.demo.local_demo import even_cuts, generate_through
     from agent.harness.parity_run import open_workers
 
@@ -346,12 +348,12 @@ async def bench_chain(
         clients = [h.client for h in chain]
         results = []
         for i in range(runs + 1):
-            run = await generate_through(clients, tokens, n_gen + 1)
+            run = await generate_through(clients, tokens, n_gen + 1, top_k=DEFAULT_RESULT_TOP_K)
             if i:
                 results.append(run)
         hop_trace.install_worker_hooks()  # in this process; recording only for the next run
         hop_trace.start()
-        await generate_through(clients, tokens, n_gen + 1)
+        await generate_through(clients, tokens, n_gen + 1, top_k=DEFAULT_RESULT_TOP_K)
         forward_ms = hop_trace.forward_times(hop_trace.stop(), len(clients))
     return _chain_figure(results, {"ranges": [[r.begin, r.end] for r in ranges], "forward_ms_per_range": forward_ms})
 
@@ -535,6 +537,10 @@ def run_llama_bench(
     extra: Sequence[str] = (),
     verbose: bool = False,
 ) -> dict:
+    """Prefill at depth 0; decode after ``n_prompt`` cached positions (``-d 0,P``), as Baton's
+    decode steps follow the prompt: flash attention on the CPU skips the masked positions, so
+    a decode from position 0 does less attention work than one after the prompt (issue 8:
+    3.4 M of 107 M instructions a step for SmolLM2 at depth 64)."""
     argv = [
         str(bench_bin),
         "-m",
@@ -547,6 +553,8 @@ def run_llama_bench(
         str(threads),
         "-r",
         str(runs),
+        "-d",
+        f"0,{n_prompt}",
         "-o",
         "json",
         *extra,
@@ -556,11 +564,14 @@ def run_llama_bench(
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     entries = json.loads(proc.stdout)
-    pp = next(e for e in entries if e["n_prompt"] == n_prompt and e["n_gen"] == 0)
-    tg = next(e for e in entries if e["n_gen"] == n_gen and e["n_prompt"] == 0)
+    pp = next(e for e in entries if e["n_prompt"] == n_prompt and e["n_gen"] == 0 and e.get("n_depth", 0) == 0)
+    tg = next(e for e in entries if e["n_gen"] == n_gen and e["n_prompt"] == 0 and e.get("n_depth", 0) == n_prompt)
+    tg0 = next((e for e in entries if e["n_gen"] == n_gen and e["n_prompt"] == 0 and e.get("n_depth", 0) == 0), None)
     return {
         "prefill_tps": compare_report.summarize(pp["samples_ts"]),
         "decode_tps": compare_report.summarize(tg["samples_ts"]),
+        "decode_depth": n_prompt,
+        **({"decode_tps_at_depth_0": compare_report.summarize(tg0["samples_ts"])} if tg0 else {}),
         "argv": [os.path.relpath(a, REPO_ROOT) if a.startswith(str(REPO_ROOT)) else a for a in argv],
         "llama_bench": {
             k: tg.get(k)
@@ -987,16 +998,18 @@ def main() -> int:
             "sending the top-40 logits and the row's log-sum-exp back (greedy decode)."
         ),
         (
-            f"llama-bench: `-p {n_prompt} -n {n_gen} -t {threads} -r {runs}` (its own warm-up; random tokens; decode "
-            f"starts at position 0, Baton's after the {n_prompt}-token prompt: for a model this small the attention "
-            "over < 100 positions is a negligible part of a step)."
+            f"llama-bench: `-p {n_prompt} -n {n_gen} -t {threads} -r {runs} -d 0,{n_prompt}` (its own warm-up; "
+            f"random tokens; prefill at depth 0, decode after {n_prompt} cached positions, as Baton's decode follows "
+            "its prompt: flash attention skips masked positions on the CPU, so decoding from position 0 would do "
+            "less work)."
         ),
         (
             "RPC: `ggml-rpc-server -t THREADS` per server, `llama-bench ... -rpc 127.0.0.1:P1,... -ngl 99 -ts 1/1[/1]`: "
             "every block (and the output head) on the servers, split evenly; token embeddings stay in llama-bench."
         ),
         (
-            "Worker runs use the worker's defaults (4 sequences x 4096 positions of KV, flash attention auto), the "
+            "Baton's direct runs ask the last range for the top-40 logits (as the swarm's last hop does for greedy "
+            "decode). Worker runs use the worker's defaults (4 sequences x 2048 positions of KV, flash attention auto), the "
             "same in the unsplit worker and in every node's worker."
         ),
     ]

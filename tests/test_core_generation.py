@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from agent.core.generation import GreedyGeneration
+from agent.core.parity import greedy_token
 from agent.core.worker_records import SeqOutput
 
 
@@ -66,3 +67,15 @@ def test_bad_arguments_are_refused() -> None:
         GreedyGeneration(0, [], max_new_tokens=1)
     with pytest.raises(ValueError, match="max_new_tokens"):
         GreedyGeneration(0, [1], max_new_tokens=0)
+
+
+def test_top_k_asks_the_last_range_for_it_and_takes_its_first_entry() -> None:
+    from agent.core.topk import TopLogits
+
+    gen = GreedyGeneration(0, [1, 2], 2, top_k=40)
+    assert gen.next_input().top_k == 40
+    row = np.array([0.5, 3.0, 3.0, -1.0], np.float32)  # a tie: the lowest id wins, as greedy_token
+    top = (TopLogits.from_row(row, 3),)
+    out = SeqOutput(seq_id=0, boundary=None, logits=None, logit_rows=(1,), next_position=2, top=top)
+    assert gen.accept(out) == 1 == greedy_token(row)
+    assert GreedyGeneration(0, [1], 1).next_input().top_k == 0

@@ -26,6 +26,7 @@ import trio
 from agent._proto import worker_pb2
 from agent.core.boundary import WireDType
 from agent.core.parity import max_abs_diff
+from agent.core.topk import WORKER_LOG_SUM_EXP_BOUND, select_top_k
 from agent.core.worker_records import SeqInput
 from agent.io import worker_process
 from agent.harness.parity_run import compare_workers, make_prompts, open_workers
@@ -531,3 +532,30 @@ async def test_bad_requests_are_refused_and_the_worker_still_computes_right(smol
     assert report.tokens_equal, report.to_json()
     assert report.max_abs_diff <= TOLERANCE, report.to_json()
     assert len(report.step_max_abs_diff) == 7
+
+
+@pytest.mark.slow
+async def test_worker_top_k_equals_select_top_k_of_its_full_row(smollm2_path: Path) -> None:
+    """SequenceInput.top_k: the worker's ids and logits are ``select_top_k`` of the very row it
+    would have sent, bit for bit; its log-sum-exp is within the declared bound; K is clamped
+    to n_vocab; the reply carries no full row."""
+    prompt = [1, 504, 3458, 282, 2151, 28, 355, 1690]
+    async with open_worker(smollm2_path, 0, None, threads=1, ctx_size=64, max_sequences=2) as worker:
+        client, n_vocab = worker.client, worker.info.n_vocab
+        positions = list(range(len(prompt)))
+        rows = [2, 5, len(prompt) - 1]
+        full = await client.forward([SeqInput(0, positions, token_ids=prompt, logit_rows=rows)])
+        for k in (1, 40, n_vocab + 5):
+            top = await client.forward([SeqInput(1, positions, token_ids=prompt, logit_rows=rows, top_k=k)])
+            await client.remove_sequence(1)
+            assert top[0].logits is None and top[0].logit_rows == tuple(rows) and top[0].n_rows == len(rows)
+            assert len(top[0].top) == len(rows)
+            for r, got in enumerate(top[0].top):
+                ids, logits, lse = select_top_k(full[0].logits[r], k)
+                assert got.k == min(k, n_vocab) and got.n_vocab == n_vocab
+                assert np.array_equal(got.ids, ids)
+                assert np.array_equal(got.logits.view(np.int32), logits.view(np.int32))  # bit for bit
+                assert abs(got.log_sum_exp - lse) <= WORKER_LOG_SUM_EXP_BOUND, (got.log_sum_exp, lse)
+        # decode rows too, and top_k = 0 still gives the full row
+        step = await client.forward([SeqInput(0, [len(prompt)], token_ids=[int(full[0].logits[-1].argmax())])])
+        assert step[0].logits.shape == (1, n_vocab) and step[0].top == ()

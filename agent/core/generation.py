@@ -25,7 +25,13 @@ class GreedyGeneration:
     """
 
     def __init__(
-        self, seq_id: int, prompt: Sequence[int], max_new_tokens: int, stop_tokens: Iterable[int] = ()
+        self,
+        seq_id: int,
+        prompt: Sequence[int],
+        max_new_tokens: int,
+        stop_tokens: Iterable[int] = (),
+        *,
+        top_k: int = 0,
     ) -> None:
         if not prompt:
             raise ValueError("the prompt has no tokens")
@@ -35,6 +41,9 @@ class GreedyGeneration:
         self.prompt_len = len(prompt)
         self.max_new_tokens = max_new_tokens
         self.stop_tokens = frozenset(stop_tokens)
+        # > 0: ask the last range for the top-K only (greedy needs K >= 1: its first entry is
+        # the argmax, lowest id on ties, as greedy_token of the full row)
+        self.top_k = top_k
         self.tokens: list[int] = list(prompt)
         self.n_cached = 0  # tokens[:n_cached] are in the workers' caches
         self.stopped_by_token = False
@@ -55,15 +64,19 @@ class GreedyGeneration:
             seq_id=self.seq_id,
             positions=range(self.n_cached, len(self.tokens)),
             token_ids=self.tokens[self.n_cached :],
+            top_k=self.top_k,
         )
 
     def accept(self, output: SeqOutput) -> int:
         """Take the last range's output for ``next_input()``; return the chosen token."""
         if output.seq_id != self.seq_id:
             raise ValueError(f"output for seq {output.seq_id} given to seq {self.seq_id}")
-        if output.logits is None or output.logits.shape[0] < 1:
+        if output.top:
+            token = int(output.top[-1].ids[0])
+        elif output.logits is None or output.logits.shape[0] < 1:
             raise ValueError(f"seq {self.seq_id}: the output carries no logits")
-        token = greedy_token(output.logits[-1])
+        else:
+            token = greedy_token(output.logits[-1])
         self.n_cached = len(self.tokens)
         self.tokens.append(token)
         if token in self.stop_tokens:

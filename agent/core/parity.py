@@ -143,7 +143,7 @@ def through_wire(entries: Sequence[SeqInput], dtype: int) -> list[SeqInput]:
 
 def next_hop_entries(inputs: Sequence[SeqInput], outputs: Sequence[SeqOutput]) -> list[SeqInput]:
     """The entries for the next range: each output's boundary rows with the same sequence,
-    positions and logit rows as the entry that produced them.
+    positions, logit rows and top_k as the entry that produced them.
 
     Raises:
       ParityError: the outputs do not answer the inputs entry by entry with boundary rows.
@@ -165,6 +165,7 @@ def next_hop_entries(inputs: Sequence[SeqInput], outputs: Sequence[SeqOutput]) -
                 boundary=got.boundary,
                 logit_rows=sent.logit_rows,
                 boundary_schema=got.boundary_schema,
+                top_k=sent.top_k,
             )
         )
     return entries

@@ -70,6 +70,7 @@ __all__ = [
     "step_ack_error",
     "step_result",
     "step_result_error",
+    "step_result_top",
     "token_bytes",
     "token_checksum",
     "tracker_reply_error",
@@ -485,18 +486,7 @@ def step_result(
     row = np.ascontiguousarray(logits, dtype=_F32).reshape(-1)
     if 0 < top_k < row.shape[0]:
         ids, top, lse = select_top_k(row, top_k)
-        id_bytes, logit_bytes = ids.tobytes(), top.tobytes()
-        return swarm_pb2.StepResult(
-            schema_version=SCHEMA_VERSION,
-            session_id=session_id,
-            step=step,
-            n_vocab=row.shape[0],
-            top_token_ids=id_bytes,
-            top_logits=logit_bytes,
-            log_sum_exp=lse,
-            checksum=crc32(id_bytes + logit_bytes),
-            sender_admission=sender_admission,
-        )
+        return step_result_top(session_id, step, TopLogits(ids, top, lse, row.shape[0]), sender_admission)
     data = row.tobytes()
     return swarm_pb2.StepResult(
         schema_version=SCHEMA_VERSION,
@@ -505,6 +495,26 @@ def step_result(
         logits=data,
         n_vocab=row.shape[0],
         checksum=crc32(data),
+        sender_admission=sender_admission,
+    )
+
+
+def step_result_top(
+    session_id: bytes, step: int, top: TopLogits, sender_admission: swarm_pb2.SignedAdmission
+) -> swarm_pb2.StepResult:
+    """The owner's ``StepResult`` from a row's top-K already selected (by the worker: the
+    same ids and logits as ``select_top_k`` of the row, see ``protocol/worker.proto``)."""
+    id_bytes = np.ascontiguousarray(top.ids, dtype=_I32).tobytes()
+    logit_bytes = np.ascontiguousarray(top.logits, dtype=_F32).tobytes()
+    return swarm_pb2.StepResult(
+        schema_version=SCHEMA_VERSION,
+        session_id=session_id,
+        step=step,
+        n_vocab=top.n_vocab,
+        top_token_ids=id_bytes,
+        top_logits=logit_bytes,
+        log_sum_exp=top.log_sum_exp,
+        checksum=crc32(id_bytes + logit_bytes),
         sender_admission=sender_admission,
     )
 

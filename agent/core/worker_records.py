@@ -17,6 +17,7 @@ import numpy as np
 
 from .boundary import BoundarySchema
 from .ranges import LayerRange
+from .topk import TopLogits
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -40,7 +41,9 @@ class SeqInput:
     Exactly one of ``token_ids`` (the first range) or ``boundary`` (float32
     ``[n_rows, n_embd]``, any other range) is set; ``positions`` has one entry per row and
     must continue the sequence. ``logit_rows``: for the last range, the rows of this entry
-    whose logits to return (None or empty: the last row only).
+    whose logits to return (None or empty: the last row only). ``top_k``: for the last
+    range, > 0 asks for each such row's top-K and log-sum-exp (``SeqOutput.top``) instead of
+    the row (0: the full rows).
     """
 
     seq_id: int
@@ -51,6 +54,7 @@ class SeqInput:
     #: the schema ``boundary`` follows; None: the receiving worker's own (rows that came out
     #: of a range of the same model). Checked against the receiver's before sending.
     boundary_schema: BoundarySchema | None = None
+    top_k: int = 0
 
     @property
     def n_rows(self) -> int:
@@ -73,7 +77,8 @@ class SeqOutput:
     ``boundary`` (float32 ``[n_rows, streams * n_embd]``) from a range that is not last, or
     ``logits`` (float32 ``[n_rows, n_vocab]``) from the last range, whose rows belong to
     the entry rows listed in ``logit_rows``. ``next_position``: positions the sequence now
-    holds on that worker.
+    holds on that worker. ``top``: when the entry asked for ``top_k`` > 0, one
+    ``TopLogits`` per row of ``logit_rows`` (and ``logits`` is None).
     """
 
     seq_id: int
@@ -83,11 +88,14 @@ class SeqOutput:
     next_position: int
     #: the schema of ``boundary`` as the worker declared it (None without boundary rows)
     boundary_schema: BoundarySchema | None = None
+    top: tuple[TopLogits, ...] = ()
 
     @property
     def n_rows(self) -> int:
         rows = self.boundary if self.boundary is not None else self.logits
-        return 0 if rows is None else int(rows.shape[0])
+        if rows is None:
+            return len(self.top)
+        return int(rows.shape[0])
 
 
 @dataclasses.dataclass(frozen=True)

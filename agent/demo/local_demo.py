@@ -63,16 +63,19 @@ async def generate_through(
     stop_tokens: Sequence[int] = (),
     seq_id: int = 0,
     on_token: Callable[[int], Awaitable[None]] | None = None,
+    top_k: int = 0,
 ) -> ChainRun:
     """Greedy generation of ``prompt`` through ``chain`` (range workers in order, the first
-    taking tokens, the last giving logits): one Forward per hop per step.
+    taking tokens, the last giving logits): one Forward per hop per step. ``top_k`` > 0: the
+    last range returns only each step's top-K (the same greedy tokens; K entries a reply, not
+    n_vocab floats).
 
     The sequence is removed from every worker before returning.
 
     Cancellation:
       Safe to cancel; the sequence is then left on the workers (remove it before reuse).
     """
-    gen = GreedyGeneration(seq_id, prompt, max_new_tokens, stop_tokens)
+    gen = GreedyGeneration(seq_id, prompt, max_new_tokens, stop_tokens, top_k=top_k)
     prefill_s = decode_s = 0.0
     steps = 0
     while not gen.finished:

@@ -19,11 +19,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 import outcome
 import trio
 
 from agent._proto import worker_pb2, worker_pb2_grpc
-from agent.core.boundary import BoundarySchema, WireDType, check_boundary_schema, decode_rows, encode_rows
+from agent.core.boundary import BoundaryError, BoundarySchema, WireDType, check_boundary_schema, decode_rows, encode_rows
+from agent.core.topk import TopLogits
 from agent.core.worker_records import (
     SCHEMA_VERSION,
     BoundarySchemaInfo,
@@ -205,6 +207,8 @@ def forward_request(entries: Sequence[SeqInput], info: WorkerInfo) -> worker_pb2
             msg.boundary_streams = expected.streams
         if entry.logit_rows:
             msg.logit_rows.extend(int(r) for r in entry.logit_rows)
+        if entry.top_k:
+            msg.top_k = int(entry.top_k)
     return request
 
 
@@ -233,9 +237,38 @@ def forward_outputs(reply: worker_pb2.ForwardReply, info: WorkerInfo) -> list[Se
                 logit_rows=tuple(out.logit_rows),
                 next_position=out.next_position,
                 boundary_schema=schema,
+                top=_top_from_output(out, info.n_vocab),
             )
         )
     return outputs
+
+
+def _top_from_output(out: worker_pb2.SequenceOutput, n_vocab: int) -> tuple[TopLogits, ...]:
+    """The per-row top-K of a SequenceOutput (empty when it carries none).
+
+    Raises:
+      BoundaryError: byte lengths that do not match ``n_rows x top_k``, or a row that is not a
+        well-formed top-K (``TopLogits.check``).
+    """
+    if not out.top_k:
+        return ()
+    k, n_rows = out.top_k, out.n_rows
+    if len(out.top_token_ids) != n_rows * k * 4 or len(out.top_logits) != n_rows * k * 4 or len(
+        out.log_sum_exp
+    ) != n_rows:
+        raise BoundaryError(
+            f"top-{k} of {n_rows} rows: got {len(out.top_token_ids)} id bytes, {len(out.top_logits)} logit bytes "
+            f"and {len(out.log_sum_exp)} log-sum-exps"
+        )
+    ids = np.frombuffer(out.top_token_ids, dtype="<i4").reshape(n_rows, k)
+    values = np.frombuffer(out.top_logits, dtype="<f4").reshape(n_rows, k)
+    rows = tuple(TopLogits(ids[r], values[r], float(out.log_sum_exp[r]), n_vocab) for r in range(n_rows))
+    for row in rows:
+        try:
+            row.check()
+        except ValueError as err:
+            raise BoundaryError(f"top-{k} from the worker: {err}") from err
+    return rows
 
 
 # --- the synchronous client --------------------------------------------------------------

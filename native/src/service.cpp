@@ -172,6 +172,7 @@ grpc::Status ShardWorkerService::Forward(grpc::ServerContext *, const v1::Forwar
             e.boundary_schema_version = in.boundary_schema_version();
             e.boundary_streams = in.boundary_streams();
             e.logit_rows.assign(in.logit_rows().begin(), in.logit_rows().end());
+            e.top_k = in.top_k();
         }
 
         std::vector<ForwardOutput> outputs;
@@ -200,6 +201,12 @@ grpc::Status ShardWorkerService::Forward(grpc::ServerContext *, const v1::Forwar
             }
             out->mutable_logit_rows()->Add(o.logit_rows.begin(), o.logit_rows.end());
             out->set_next_position(o.next_position);
+            if (o.top_k > 0) {
+                out->set_top_k(o.top_k);
+                out->set_top_token_ids(std::move(o.top_token_ids));
+                out->set_top_logits(std::move(o.top_logits));
+                out->mutable_log_sum_exp()->Add(o.log_sum_exp.begin(), o.log_sum_exp.end());
+            }
         }
         return grpc::Status::OK;
     });

@@ -402,6 +402,90 @@ bool parse_layer_range(const std::string & text, int32_t * begin, int32_t * end,
     return true;
 }
 
+namespace {
+
+// numpy's pairwise summation of doubles (numpy/_core/src/umath/loops_utils.h.src,
+// DOUBLE_pairwise_sum): 8 partial sums up to 128 values, halves (multiples of 8) above.
+double pairwise_sum(const double * a, size_t n) {
+    if (n < 8) {
+        double res = 0.;
+        for (size_t i = 0; i < n; ++i) {
+            res += a[i];
+        }
+        return res;
+    }
+    if (n <= 128) {
+        double r[8];
+        for (size_t j = 0; j < 8; ++j) {
+            r[j] = a[j];
+        }
+        size_t i = 8;
+        for (; i < n - (n % 8); i += 8) {
+            for (size_t j = 0; j < 8; ++j) {
+                r[j] += a[i + j];
+            }
+        }
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; ++i) {
+            res += a[i];
+        }
+        return res;
+    }
+    size_t n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
+}
+
+}  // namespace
+
+bool select_top_k(const float * row, size_t n, size_t k, int32_t * ids, float * values) {
+    k = std::min(k, n);
+    // A heap of the k best so far, the worst on top. Ids rise during the scan, so a later
+    // value equal to the worst kept one loses the tie: only a strictly greater value enters.
+    struct Item {
+        float value;
+        int32_t id;
+    };
+    auto better = [](const Item & a, const Item & b) { return a.value > b.value || (a.value == b.value && a.id < b.id); };
+    std::vector<Item> heap;
+    heap.reserve(k);
+    for (size_t i = 0; i < n; ++i) {
+        const float v = row[i];
+        if (std::isnan(v)) {
+            return false;
+        }
+        if (heap.size() < k) {
+            heap.push_back({v, static_cast<int32_t>(i)});
+            std::push_heap(heap.begin(), heap.end(), better);
+        } else if (v > heap.front().value) {
+            std::pop_heap(heap.begin(), heap.end(), better);
+            heap.back() = {v, static_cast<int32_t>(i)};
+            std::push_heap(heap.begin(), heap.end(), better);
+        }
+    }
+    std::sort(heap.begin(), heap.end(), better);
+    for (size_t j = 0; j < k; ++j) {
+        ids[j] = heap[j].id;
+        values[j] = heap[j].value;
+    }
+    return true;
+}
+
+double log_sum_exp(const float * row, size_t n) {
+    double peak = -std::numeric_limits<double>::infinity();
+    for (size_t i = 0; i < n; ++i) {
+        peak = std::max(peak, static_cast<double>(row[i]));
+    }
+    if (!std::isfinite(peak)) {
+        return peak;
+    }
+    std::vector<double> terms(n);
+    for (size_t i = 0; i < n; ++i) {
+        terms[i] = std::exp(static_cast<double>(row[i]) - peak);
+    }
+    return peak + std::log(pairwise_sum(terms.data(), n));
+}
+
 uint32_t max_sequences_limit() { return static_cast<uint32_t>(llama_max_parallel_sequences()); }
 
 // ---------------------------------------------------------------------------------------------
@@ -891,6 +975,8 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
     }
 
     std::vector<ForwardOutput> out(entries.size());
+    std::vector<int32_t> top_ids;
+    std::vector<float> top_values;
     for (size_t i = 0; i < entries.size(); ++i) {
         const ForwardEntry & e = entries[i];
         ForwardOutput & o = out[i];
@@ -900,8 +986,19 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
         if (info_.gives_logits) {
             o.logit_rows = e.logit_rows.empty() ? std::vector<uint32_t>{n_rows - 1} : e.logit_rows;
             o.n_rows = static_cast<uint32_t>(o.logit_rows.size());
-            const size_t row_bytes = static_cast<size_t>(info_.n_vocab) * sizeof(float);
-            o.logits.resize(o.logit_rows.size() * row_bytes);
+            const size_t n_vocab = info_.n_vocab;
+            const size_t row_bytes = n_vocab * sizeof(float);
+            const size_t k = std::min<size_t>(e.top_k, n_vocab);
+            if (k > 0) {
+                o.top_k = static_cast<uint32_t>(k);
+                o.top_token_ids.resize(o.logit_rows.size() * k * sizeof(int32_t));
+                o.top_logits.resize(o.logit_rows.size() * k * sizeof(float));
+                o.log_sum_exp.resize(o.logit_rows.size());
+                top_ids.resize(k);
+                top_values.resize(k);
+            } else {
+                o.logits.reserve(o.logit_rows.size() * row_bytes);  // appended below: no zero-fill first
+            }
             for (size_t j = 0; j < o.logit_rows.size(); ++j) {
                 const float * src = llama_get_logits_ith(ctx_.get(), first_row[i] + static_cast<int32_t>(o.logit_rows[j]));
                 if (src == nullptr) {
@@ -909,7 +1006,19 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
                     return ShardStatus::Internal("no logits for row " + std::to_string(o.logit_rows[j]) + " of seq " +
                                                  std::to_string(e.seq_id));
                 }
-                std::memcpy(&o.logits[j * row_bytes], src, row_bytes);
+                if (k == 0) {
+                    o.logits.append(reinterpret_cast<const char *>(src), row_bytes);
+                    continue;
+                }
+                if (!select_top_k(src, n_vocab, k, top_ids.data(), top_values.data())) {
+                    roll_back();
+                    return ShardStatus::Internal("the logits of row " + std::to_string(o.logit_rows[j]) + " of seq " +
+                                                 std::to_string(e.seq_id) + " hold a NaN: no top-k");
+                }
+                // little-endian hosts only, as the rest of the wire
+                std::memcpy(&o.top_token_ids[j * k * sizeof(int32_t)], top_ids.data(), k * sizeof(int32_t));
+                std::memcpy(&o.top_logits[j * k * sizeof(float)], top_values.data(), k * sizeof(float));
+                o.log_sum_exp[j] = log_sum_exp(src, n_vocab);
             }
         } else {
             o.n_rows = n_rows;

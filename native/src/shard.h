@@ -189,15 +189,22 @@ struct ForwardEntry {
     uint32_t boundary_schema_version = 0;  // as declared by the sender; 0 = unset = 1
     uint32_t boundary_streams = 0;         // 0 = unset = 1
     std::vector<uint32_t> logit_rows; // empty: the entry's last row
+    uint32_t top_k = 0;               // last range: > 0 returns each logit row's top-K, not the row
 };
 
 struct ForwardOutput {
     uint32_t seq_id = 0;
     uint32_t n_rows = 0;
     std::string boundary;             // f32 [n_rows, boundary.row_values()], ranges that are not last
-    std::string logits;               // f32 [n_rows, n_vocab], the last range
+    std::string logits;               // f32 [n_rows, n_vocab], the last range (top_k == 0)
     std::vector<uint32_t> logit_rows;
     int32_t next_position = 0;
+    // The last range asked for top_k > 0: per logit row, select_top_k of the row instead of
+    // the row. top_k = min(asked, n_vocab) entries a row.
+    uint32_t top_k = 0;
+    std::string top_token_ids;        // int32 [n_rows, top_k]
+    std::string top_logits;           // f32 [n_rows, top_k]
+    std::vector<double> log_sum_exp;  // [n_rows]
 };
 
 // The limits a Forward is checked against (from ShardInfo, separate so tests need no model).
@@ -244,6 +251,18 @@ ShardStatus check_context_room(uint32_t seq_id, int32_t next, size_t n_rows, uin
 // sequence s holds now (size n_seq_max).
 ShardStatus validate_forward(const ForwardLimits & limits, const std::vector<ForwardEntry> & entries,
                              const std::vector<int32_t> & next_positions);
+
+// The k = min(k, n) largest values of row[0, n), most likely first, ties by the lowest index
+// (agent/core/topk.py's select_top_k: the same ids and values, bit for bit), into ids[0, k)
+// and values[0, k). Returns false (and writes nothing) if the row holds a NaN, which has no
+// place in that order. n >= 1, k >= 1.
+bool select_top_k(const float * row, size_t n, size_t k, int32_t * ids, float * values);
+
+// log(sum(exp(row))) in double, max-shifted, the sum pairwise as numpy's (agent/core/topk.py's
+// log_sum_exp): equal to it within the bound tests/test_worker_api.py declares (numpy's exp
+// may be a SIMD one that differs from libm's in the last bits). A non-finite max is returned
+// as it is.
+double log_sum_exp(const float * row, size_t n);
 
 // The most sequences one context can hold (llama_max_parallel_sequences()).
 uint32_t max_sequences_limit();

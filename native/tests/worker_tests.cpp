@@ -24,6 +24,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -338,12 +339,63 @@ void test_parse_layers_and_hashes() {
     CHECK(baton::to_grpc_status(ShardStatus::Internal("why")).error_message() == "why");
 }
 
+void test_top_k() {
+    // Ties (3.0 at 1, 4, 6; -0.0 == 0.0), -inf, k > n: the order is value descending, id ascending.
+    const float inf = std::numeric_limits<float>::infinity();
+    const std::vector<float> row = {1.0f, 3.0f, -inf, 2.0f, 3.0f, 0.0f, 3.0f, -0.0f, 5.0f};
+    std::vector<int32_t> ids(row.size(), -1);
+    std::vector<float> values(row.size(), 0.0f);
+    CHECK(baton::select_top_k(row.data(), row.size(), 3, ids.data(), values.data()));
+    CHECK(ids[0] == 8 && ids[1] == 1 && ids[2] == 4 && values[0] == 5.0f && values[2] == 3.0f);
+    CHECK(ids[3] == -1);  // nothing written past k
+    CHECK(baton::select_top_k(row.data(), row.size(), 100, ids.data(), values.data()));
+    const std::vector<int32_t> all = {8, 1, 4, 6, 3, 0, 5, 7, 2};
+    CHECK(ids == all);
+    CHECK(std::signbit(values[7]) && values[8] == -inf);  // the row's own bits
+    CHECK(baton::select_top_k(row.data(), 1, 1, ids.data(), values.data()) && ids[0] == 0);
+
+    // Against a full sort by (value desc, id asc) on a row with many repeats.
+    std::vector<float> big(5000);
+    uint32_t state = 12345;
+    for (float & v : big) {
+        state = state * 1664525u + 1013904223u;
+        v = static_cast<float>((state >> 8) % 97) - 40.0f;
+    }
+    std::vector<int32_t> order(big.size());
+    for (size_t i = 0; i < order.size(); ++i) {
+        order[i] = static_cast<int32_t>(i);
+    }
+    std::sort(order.begin(), order.end(),
+              [&](int32_t a, int32_t b) { return big[a] > big[b] || (big[a] == big[b] && a < b); });
+    for (size_t k : {1u, 7u, 40u, 1000u}) {
+        std::vector<int32_t> got(k);
+        std::vector<float> got_values(k);
+        CHECK(baton::select_top_k(big.data(), big.size(), k, got.data(), got_values.data()));
+        CHECK(std::equal(got.begin(), got.end(), order.begin()));
+    }
+
+    std::vector<float> with_nan = {1.0f, std::nanf(""), 2.0f};
+    CHECK(!baton::select_top_k(with_nan.data(), with_nan.size(), 1, ids.data(), values.data()));
+
+    // log-sum-exp: max-shifted (no overflow), -inf entries add nothing, a non-finite max as is.
+    const std::vector<float> lse_row = {1000.0f, 1000.0f, -inf};
+    CHECK(std::fabs(baton::log_sum_exp(lse_row.data(), lse_row.size()) - (1000.0 + std::log(2.0))) < 1e-12);
+    const std::vector<float> minus_inf = {-inf, -inf};
+    CHECK(baton::log_sum_exp(minus_inf.data(), minus_inf.size()) == -inf);
+    double sum = 0.0;
+    for (float v : big) {
+        sum += std::exp(static_cast<double>(v) - 56.0);
+    }
+    CHECK(std::fabs(baton::log_sum_exp(big.data(), big.size()) - (56.0 + std::log(sum))) < 1e-9);
+}
+
 int run_validation() {
     test_schema_and_positions();
     test_bytes_and_finite();
     test_seq_ids_and_limits();
     test_validate_forward();
     test_parse_layers_and_hashes();
+    test_top_k();
     return g_failures == 0 ? 0 : 1;
 }
 

@@ -61,6 +61,7 @@ from agent.core.swarm_wire import (
     step_ack_error,
     step_result,
     step_result_error,
+    step_result_top,
     validate_step,
 )
 from agent.core.worker_records import SeqInput, SeqOutput, WorkerInfo
@@ -259,6 +260,15 @@ def _error_code(error: Exception) -> int:
         return Code.Value(name) if name in ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "INVALID_ARGUMENT") else Code.INTERNAL
     except ValueError:
         return Code.INTERNAL
+
+
+def _worker_top_k(step: StepInput, info: WorkerInfo) -> int:
+    """K for the worker to select in C++: the step's ``result_top_k`` when this is the route's
+    last hop and K is shorter than the row (then the reply carries K entries, not n_vocab
+    floats); 0 (the full row) otherwise."""
+    if step.rest or not info.gives_logits:
+        return 0
+    return step.result_top_k if 0 < step.result_top_k < info.n_vocab else 0
 
 
 def _first_line(error: BaseException) -> str:
@@ -669,9 +679,10 @@ class Node:
                 SeqInput(
                     seq_id=seq_id, positions=step.positions, token_ids=step.token_ids, boundary=step.rows,
                     boundary_schema=step.schema if step.rows is not None else None,
+                    top_k=_worker_top_k(step, info),
                 )  # fmt: skip
                 for seq_id, step in batch
-            ]
+            ]  # fmt: skip
             try:
                 outputs = await client.forward(entries, timeout_s=timeout_s)
                 if len(outputs) != len(entries):
@@ -718,6 +729,10 @@ class Node:
     async def _push(self, step: StepInput, output: SeqOutput) -> None:
         """Send one step's output on: to the next hop, or (last range) to the owner."""
         if not step.rest:
+            if output.top:  # the worker selected the top-K (_worker_top_k)
+                result = step_result_top(step.session_id, step.step, output.top[-1], self.admission)
+                await self._send_result(step, result)
+                return
             if output.logits is None or output.logits.shape[0] < 1:
                 await self._send_error(step, Code.INTERNAL, "the last range returned no logits", self.peer_id)
                 return

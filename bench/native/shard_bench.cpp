@@ -1,0 +1,112 @@
+// baton-shard-bench: one Shard (the worker's model code, no gRPC, no Python) decoding after a
+// prompt, as llama-bench decodes: separates what the KV configuration costs from what the
+// service, the gRPC hop and the client cost (bench/README.md, "worker against llama-bench").
+//
+// usage: baton-shard-bench MODEL [--ctx-size N] [--max-sequences N] [--prompt N] [--steps N]
+//                          [--reps N] [--threads N] [--top-k K]
+// Prints one JSON line: per rep, the prompt Forward's and the mean decode Forward's wall ms
+// and the process CPU ms per decode step (getrusage), with the configuration.
+#include "shard.h"
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+double cpu_s() {
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_utime.tv_sec + ru.ru_stime.tv_sec + 1e-6 * (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
+}
+
+double now_s() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    if (argc < 2) {
+        std::fprintf(stderr, "usage: baton-shard-bench MODEL [--ctx-size N] [--max-sequences N] [--prompt N] "
+                             "[--steps N] [--reps N] [--threads N] [--top-k K]\n");
+        return 2;
+    }
+    baton::ShardConfig config;
+    config.model_path = argv[1];
+    config.layer_begin = 0;
+    config.layer_end = -1;
+    config.ctx_size_per_seq = 2048;  // the worker's defaults (native/src/main.cpp)
+    config.max_sequences = 4;
+    config.batch_size = 512;
+    config.threads = 1;
+    int prompt = 64, steps = 32, reps = 3;
+    uint32_t top_k = 0;
+    for (int i = 2; i + 1 < argc; i += 2) {
+        const std::string flag = argv[i];
+        const long v = std::strtol(argv[i + 1], nullptr, 10);
+        if (flag == "--ctx-size") config.ctx_size_per_seq = static_cast<uint32_t>(v);
+        else if (flag == "--max-sequences") config.max_sequences = static_cast<uint32_t>(v);
+        else if (flag == "--prompt") prompt = static_cast<int>(v);
+        else if (flag == "--steps") steps = static_cast<int>(v);
+        else if (flag == "--reps") reps = static_cast<int>(v);
+        else if (flag == "--threads") config.threads = static_cast<int32_t>(v);
+        else if (flag == "--top-k") top_k = static_cast<uint32_t>(v);
+        else {
+            std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
+            return 2;
+        }
+    }
+    try {
+        baton::Shard shard(config);
+        std::string runs;
+        for (int rep = 0; rep <= reps; ++rep) {  // rep 0 warms up
+            std::vector<baton::ForwardOutput> out;
+            baton::ForwardEntry e;
+            e.seq_id = 0;
+            for (int p = 0; p < prompt; ++p) {
+                e.positions.push_back(p);
+                e.token_ids.push_back(100 + p);
+            }
+            double t0 = now_s();
+            baton::ShardStatus st = shard.forward({e}, &out);
+            const double prompt_ms = 1e3 * (now_s() - t0);
+            const double c0 = cpu_s();
+            t0 = now_s();
+            for (int s = 0; s < steps && st.ok(); ++s) {
+                baton::ForwardEntry d;
+                d.seq_id = 0;
+                d.positions = {prompt + s};
+                d.token_ids = {200 + s};
+                d.top_k = top_k;
+                st = shard.forward({d}, &out);
+            }
+            const double decode_ms = 1e3 * (now_s() - t0) / steps;
+            const double cpu_ms = 1e3 * (cpu_s() - c0) / steps;
+            if (!st.ok()) {
+                std::fprintf(stderr, "forward failed: %s\n", st.message.c_str());
+                return 1;
+            }
+            int32_t next = 0;
+            shard.remove_sequence(0, &next);
+            if (rep > 0) {
+                char buf[160];
+                std::snprintf(buf, sizeof(buf), "%s{\"prompt_ms\": %.3f, \"decode_ms\": %.3f, \"decode_cpu_ms\": %.3f}",
+                              runs.empty() ? "" : ", ", prompt_ms, decode_ms, cpu_ms);
+                runs += buf;
+            }
+        }
+        std::printf("{\"ctx_size\": %u, \"max_sequences\": %u, \"prompt\": %d, \"steps\": %d, \"threads\": %d, "
+                    "\"top_k\": %u, \"runs\": [%s]}\n",
+                    config.ctx_size_per_seq, config.max_sequences, prompt, steps, config.threads, top_k, runs.c_str());
+    } catch (const std::exception & ex) {
+        std::fprintf(stderr, "baton-shard-bench: %s\n", ex.what());
+        return 1;
+    }
+    return 0;
+}

@@ -157,7 +157,7 @@ def install_client_hooks() -> None:
     """Hooks in this process (the client): sending a step, a result arriving."""
     from agent.io.client import swarm as client
 
-    _wrap(client.SwarmClient, "_send_step", "send", when=lambda _self, _first, request: int(request.step))
+    _wrap(client.SwarmClient, "_send_step", "send", when=lambda _self, _first, request, **_kwargs: int(request.step))
     _wrap(client.SwarmClient, "_on_result", "result")
     _install_transport_hooks()
 

@@ -13,7 +13,7 @@ import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["connect", "transaction"]
+__all__ = ["SqliteStore", "connect", "transaction"]
 
 
 def connect(
@@ -56,3 +56,33 @@ def transaction(connection: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         connection.execute("ROLLBACK")
         raise
     connection.execute("COMMIT")
+
+
+class SqliteStore:
+    """The part every store shares: its connection and path, closing, write transactions,
+    and adopting a fresh connection (migrated, or closed if that fails). A store adds its
+    schema (``_migrate``) and queries. Not thread-safe: use from one thread."""
+
+    def __init__(self, connection: sqlite3.Connection, path: Path) -> None:
+        self._db = connection
+        self.path = path
+
+    @classmethod
+    def _adopt(cls, connection: sqlite3.Connection, path: Path):  # noqa: ANN206 - the subclass
+        """A store over ``connection``, migrated; the connection is closed if that fails."""
+        try:
+            store = cls(connection, path)
+            store._migrate()
+        except BaseException:
+            connection.close()
+            raise
+        return store
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return transaction(self._db)
+
+    def _migrate(self) -> None:
+        raise NotImplementedError

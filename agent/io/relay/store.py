@@ -186,12 +186,8 @@ def _check_day(day: str) -> None:
         raise ValueError(f"day must be YYYY-MM-DD, got {day!r}")
 
 
-class RelayStore:
+class RelayStore(sqlite_db.SqliteStore):
     """Queries over one relay database. Not thread-safe: use from one thread."""
-
-    def __init__(self, connection: sqlite3.Connection, path: Path) -> None:
-        self._db = connection
-        self.path = path
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, busy_timeout_s: float = 5.0) -> RelayStore:
@@ -208,19 +204,7 @@ class RelayStore:
             path, busy_timeout_s=busy_timeout_s,
             not_a_database=lambda error: StoreError(f"{path}: not a Baton relay database ({error})"),
         )  # fmt: skip
-        try:
-            store = cls(connection, path)
-            store._migrate()
-        except BaseException:
-            connection.close()
-            raise
-        return store
-
-    def close(self) -> None:
-        self._db.close()
-
-    def _transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
-        return sqlite_db.transaction(self._db)
+        return cls._adopt(connection, path)
 
     def _migrate(self) -> None:
         # Inside one write transaction: two processes creating the same new file do not both

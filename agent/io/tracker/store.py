@@ -135,12 +135,8 @@ def _parse(message_type, data: bytes):
     return message
 
 
-class TrackerStore:
+class TrackerStore(sqlite_db.SqliteStore):
     """Queries over one tracker database. Not thread-safe: use from one thread."""
-
-    def __init__(self, connection: sqlite3.Connection, path: Path) -> None:
-        self._db = connection
-        self.path = path
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> TrackerStore:
@@ -152,19 +148,7 @@ class TrackerStore:
         """
         path = Path(path)
         connection = sqlite_db.connect(path)
-        try:
-            store = cls(connection, path)
-            store._migrate()
-        except BaseException:
-            connection.close()
-            raise
-        return store
-
-    def close(self) -> None:
-        self._db.close()
-
-    def _transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
-        return sqlite_db.transaction(self._db)
+        return cls._adopt(connection, path)
 
     def _migrate(self) -> None:
         tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}

@@ -9,8 +9,12 @@ peer, the tracker probes it and takes it out of routes). A killed or frozen node
 (same key) after its round, and the next round waits until every range has two ready copies
 again.
 
-What the owner does today after a loss is re-prefill the whole new route with the prompt and
-the tokens so far; the greedy tokens must still equal an undisturbed run's.
+After a loss the owner replaces the lost hop only: the surviving hops keep their caches (the
+nodes' own counters show each of them resumed the session it started, and started no other),
+and the replacement is rebuilt from the rows the hop before it kept (or from the owner's
+tokens for a first hop). A loss before the first step was answered has nothing to keep: that
+generation re-prefills a new route. Either way the greedy tokens must equal an undisturbed
+run's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Iterator
 import pytest
 import trio
 
+from agent._proto import swarm_pb2
 from agent.demo.swarm_demo import wait_for_copies, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import SwarmClientConfig, open_swarm_client
@@ -102,6 +107,7 @@ class Round:
     phase: str  # prefill or decode (where the signal was meant to land)
     landed: str = ""  # where it did land: before or after the first token
     gap_s: float = 0.0  # last token (or the first step sent) before the signal -> first token after
+    resumed: bool = False  # the surviving hops kept their caches (else: a re-prefill)
     out_of_routes_s: float = 0.0  # signal -> the tracker no longer counts the victim alive
 
 
@@ -121,7 +127,35 @@ def _plan(rng: random.Random) -> list[Round]:
     return rounds
 
 
+Counters = dict[tuple[str, int, int], tuple[int, int, int]]
+
+
+async def _counters(c) -> Counters:  # noqa: ANN001
+    """(sessions started, resumed, rebuilt) of every READY range, as the nodes report them."""
+    return {
+        (n.peer_id, s.assignment.begin, s.assignment.end): (s.sessions_started, s.sessions_resumed, s.sessions_rebuilt)
+        for n in await c.list_nodes()
+        if n.alive
+        for s in n.serving
+        if s.state == swarm_pb2.AssignmentStatus.READY
+    }
+
+
+async def _wait_counters(c, expected: Counters, timeout_s: float = 10.0) -> Counters:  # noqa: ANN001
+    """The nodes' counters once they equal ``expected`` for its keys (heartbeats carry them), or
+    as they are at ``timeout_s``."""
+    seen: Counters = {}
+    with trio.move_on_after(timeout_s):
+        while True:
+            seen = await _counters(c)
+            if all(seen.get(key) == value for key, value in expected.items()):
+                return seen
+            await trio.sleep(0.1)
+    return seen
+
+
 async def _run_round(c, chaos: Chaos, plan: Round, rng: random.Random) -> None:  # noqa: ANN001
+    before = await _counters(c)
     route = await c.route(ALIAS)
     assert len(route.hops) == 3, [(h.begin, h.end) for h in route.hops]
     victim_id = route.hops[POSITIONS[plan.position]].peer_id
@@ -187,6 +221,20 @@ async def _run_round(c, chaos: Chaos, plan: Round, rng: random.Random) -> None: 
     assert result.tokens == chaos.reference, plan
     assert result.replans == 1, plan
     assert victim_id not in [h["node"] for h in result.route], plan
+    plan.resumed = bool(result.resumes)
+    if plan.landed == "decode":  # steps were answered: there was something to keep
+        assert result.resumes == 1, plan
+    if plan.resumed:
+        # observed on the nodes: each surviving hop started this session once and resumed it;
+        # the replacement was rebuilt, and started nothing
+        survivors = [(h.peer_id, h.begin, h.end) for h in route.hops if h.peer_id != victim_id]
+        (replacement,) = [(h["node"], h["begin"], h["end"]) for h in result.route if h["node"] != victim_id and
+                          (h["node"], h["begin"], h["end"]) not in survivors]  # fmt: skip
+        expected = {key: (before[key][0] + 1, before[key][1] + 1, before[key][2]) for key in survivors}
+        old = before.get(replacement, (0, 0, 0))
+        expected[replacement] = (old[0], old[1], old[2] + 1)
+        after = await _wait_counters(c, expected)
+        assert {key: after.get(key) for key in expected} == expected, plan
     for _ in range(3):  # and plain route requests (no avoid list) leave it out
         assert victim_id not in [h.peer_id for h in (await c.route(ALIAS)).hops], plan
     plan.gap_s = first_after[0] - last_before[0]
@@ -207,6 +255,7 @@ async def test_generations_survive_hops_killed_and_frozen_at_random_points(chaos
             with trio.fail_after(120):
                 await _run_round(c, chaos, plan, rng)
             print(f"chaos round: {plan}")
+    assert sum(r.resumed for r in rounds) >= len(rounds) // 2, rounds  # most losses kept the survivors' caches
     kill_gaps = [r.gap_s for r in rounds if r.how == "SIGKILL"]
     stop_gaps = [r.gap_s for r in rounds if r.how == "SIGSTOP"]
     print(

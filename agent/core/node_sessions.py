@@ -7,6 +7,11 @@ Owns, for one range of one node:
 - the step order: step N + 1 after step N, positions continuing where the last accepted step
   ended, within the worker's context per sequence. Accepting a step reserves its positions at
   once, so a step that arrives while the previous one is still queued is checked correctly;
+- resuming after a hop elsewhere on the route was lost: a surviving session goes back to a
+  position it held (``resume``: the shell trims the worker's cache to it) and expects the
+  owner's next step number; a replacement range opens a session from *rebuild* steps
+  (``accept_rebuild``: rows from position 0, replayed by the hop before it) that then
+  continues at the same step number;
 - ending sessions (end_session, idle timeout, failures): an ended session's sequence id is
   *closing* until the shell has removed the sequence on the worker (between two Forwards),
   and only then free again, so a new session never inherits stale KV.
@@ -36,6 +41,7 @@ class NodeSession:
     next_position: int
     last_used_ms: int
     pending: int = 0  # steps accepted and not yet done (queued or in a Forward)
+    rebuilding: bool = False  # opened by rebuild steps; cleared by its first ordinary step
 
 
 class SessionTable:
@@ -54,6 +60,9 @@ class SessionTable:
         self._sessions: dict[bytes, NodeSession] = {}
         self._free: list[int] = list(range(n_seq_max - 1, -1, -1))  # pop() gives the lowest id
         self._closing: list[int] = []
+        self.started = 0  # sessions opened by a step 0
+        self.resumed = 0  # sessions that kept their cache through a resume
+        self.rebuilt = 0  # sessions opened by rebuild steps
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -84,15 +93,8 @@ class SessionTable:
                 raise WireError(Code.INVALID_ARGUMENT, f"session {session_id.hex()} already exists (step 0 sent twice)")
             if first_position != 0:
                 raise WireError(Code.INVALID_ARGUMENT, f"step 0 must start at position 0, got {first_position}")
-            self._check_context(session_id, 0, n_rows)
-            if not self._free:
-                raise WireError(
-                    Code.RESOURCE_EXHAUSTED,
-                    f"all {self.n_seq_max} sequences of this range are in use"
-                    + (f" ({len(self._closing)} being freed)" if self._closing else ""),
-                )
-            session = NodeSession(session_id, self._free.pop(), owner_peer_id, 0, 0, now_ms)
-            self._sessions[session_id] = session
+            session = self._open(session_id, n_rows, owner_peer_id, now_ms)
+            self.started += 1
         else:
             if session is None:
                 raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()} at step {step} (no step 0 here)")
@@ -112,11 +114,108 @@ class SessionTable:
                     f" expected {session.next_position}",
                 )
             self._check_context(session_id, first_position, n_rows)
+            session.rebuilding = False
         session.next_step = step + 1
         session.next_position = first_position + n_rows
         session.pending += 1
         session.last_used_ms = now_ms
         return session
+
+    def _open(self, session_id: bytes, n_rows: int, owner_peer_id: str, now_ms: int) -> NodeSession:
+        self._check_context(session_id, 0, n_rows)
+        if not self._free:
+            raise WireError(
+                Code.RESOURCE_EXHAUSTED,
+                f"all {self.n_seq_max} sequences of this range are in use"
+                + (f" ({len(self._closing)} being freed)" if self._closing else ""),
+            )
+        session = NodeSession(session_id, self._free.pop(), owner_peer_id, 0, 0, now_ms)
+        self._sessions[session_id] = session
+        return session
+
+    def accept_rebuild(
+        self, session_id: bytes, resume_step: int, first_position: int, n_rows: int, owner_peer_id: str, now_ms: int
+    ) -> NodeSession:
+        """Admit a rebuild step: ``n_rows`` rows at ``first_position ..`` of a session this range
+        replaces. Position 0 opens the session (a sequence id, as a step 0 does); later rebuild
+        steps must continue it. Its next ordinary step is ``resume_step``.
+
+        Raises:
+          WireError: INVALID_ARGUMENT (position 0 of a session that exists, rows that do not
+            continue the rebuild, a rebuild of a session that is not being rebuilt, step 0),
+            REFUSED (another owner's session), RESOURCE_EXHAUSTED (no free sequence, or the
+            context is full).
+        """
+        if resume_step < 1:
+            raise WireError(Code.INVALID_ARGUMENT, f"a rebuild resumes at step >= 1, got {resume_step}")
+        session = self._sessions.get(session_id)
+        if first_position == 0:
+            if session is not None:
+                raise WireError(Code.INVALID_ARGUMENT, f"session {session_id.hex()} already exists: it cannot be rebuilt")
+            session = self._open(session_id, n_rows, owner_peer_id, now_ms)
+            session.rebuilding = True
+            self.rebuilt += 1
+        else:
+            if session is None or not session.rebuilding:
+                what = "unknown" if session is None else "not being rebuilt"
+                raise WireError(
+                    Code.INVALID_ARGUMENT, f"session {session_id.hex()} is {what}: rebuild rows at {first_position} refused"
+                )
+            if session.owner_peer_id != owner_peer_id:
+                raise WireError(
+                    Code.REFUSED, f"session {session_id.hex()} belongs to {session.owner_peer_id}, not {owner_peer_id}"
+                )
+            if first_position != session.next_position:
+                raise WireError(
+                    Code.INVALID_ARGUMENT,
+                    f"session {session_id.hex()}: rebuild rows start at position {first_position},"
+                    f" expected {session.next_position}",
+                )
+            self._check_context(session_id, first_position, n_rows)
+        session.next_step = resume_step
+        session.next_position = first_position + n_rows
+        session.pending += 1
+        session.last_used_ms = now_ms
+        return session
+
+    def resume(
+        self, session_id: bytes, keep_positions: int, next_step: int, owner_peer_id: str, now_ms: int
+    ) -> tuple[NodeSession, bool]:
+        """Take the session back to positions ``[0, keep_positions)``, expecting ``next_step``.
+
+        Returns:
+          ``(session, trim)``: ``trim`` is True when the session held more positions, which the
+          shell must then drop from the worker's cache (and from the rows it kept).
+
+        Raises:
+          WireError: NOT_FOUND (unknown session), REFUSED (another owner's), UNAVAILABLE (a step
+            of it is still queued or in a Forward: ask again once it is done),
+            INVALID_ARGUMENT (it holds fewer positions than asked, or ``next_step`` does not
+            come after its steps so far).
+        """
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()}: nothing to resume")
+        if session.owner_peer_id != owner_peer_id:
+            raise WireError(Code.REFUSED, f"session {session_id.hex()} belongs to {session.owner_peer_id}")
+        if session.pending:
+            raise WireError(Code.UNAVAILABLE, f"session {session_id.hex()} has a step in a Forward")
+        if keep_positions > session.next_position:
+            raise WireError(
+                Code.INVALID_ARGUMENT,
+                f"session {session_id.hex()} holds {session.next_position} positions, {keep_positions} asked to keep",
+            )
+        if next_step < session.next_step:
+            raise WireError(
+                Code.INVALID_ARGUMENT,
+                f"session {session_id.hex()}: resume at step {next_step}, but step {session.next_step - 1} was taken",
+            )
+        trim = keep_positions < session.next_position
+        session.next_position = keep_positions
+        session.next_step = next_step
+        session.last_used_ms = now_ms
+        self.resumed += 1
+        return session, trim
 
     def _check_context(self, session_id: bytes, first_position: int, n_rows: int) -> None:
         if first_position + n_rows > self.n_ctx_per_sequence:

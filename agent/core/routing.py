@@ -62,8 +62,12 @@ def plan_route(
     hop_latency_s: float = 0.002,
     cost_resolution_s: float = 1e-4,
     avoid: Collection[str] = (),
+    begin: int = 0,
+    end: int | None = None,
+    recipe_hash: str = "",
 ) -> RoutePlan:
-    """The cheapest exact chain of ``ranges`` over ``[0, n_layer)``.
+    """The cheapest exact chain of ``ranges`` over ``[begin, end)`` (default: the whole
+    model, ``[0, n_layer)``).
 
     Args:
       model: the name the caller asked for (used in the error message).
@@ -71,6 +75,9 @@ def plan_route(
       avoid: peers the route must not go through (an owner lost them).
       hop_latency_s: estimated link latency added per hop.
       cost_resolution_s: costs are compared in whole units of this.
+      begin, end: plan only blocks ``[begin, end)`` (a replacement for a lost range, between
+        hops that keep their caches); the plan's hops then cover just that part.
+      recipe_hash: only ranges of this recipe (the one the rest of the route runs); "" any.
 
     Raises:
       NoRoute: "no route for model X: blocks [a, b) have no ready node" when some blocks
@@ -79,16 +86,25 @@ def plan_route(
     """
     load = load or {}
     avoid = frozenset(avoid)
-    valid = [r for r in ranges if 0 <= r.begin < r.end <= n_layer and r.peer_id not in avoid]
+    end = n_layer if end is None else end
+    if not 0 <= begin < end <= n_layer:
+        raise NoRoute(f"no route for model {model}: blocks [{begin}, {end}) are not a part of its {n_layer} blocks")
+    valid = [
+        r
+        for r in ranges
+        if begin <= r.begin < r.end <= end and r.peer_id not in avoid and (not recipe_hash or r.recipe_hash == recipe_hash)
+    ]
     best: tuple | None = None
     for recipe in sorted({r.recipe_hash for r in valid}):
         candidate = _best_chain(
-            n_layer, [r for r in valid if r.recipe_hash == recipe], load, hop_latency_s, cost_resolution_s
+            begin, end, [r for r in valid if r.recipe_hash == recipe], load, hop_latency_s, cost_resolution_s
         )
         if candidate is not None and (best is None or candidate[0] < best[0]):
             best = candidate
     if best is None:
-        why = _why_no_route(model, n_layer, valid)
+        why = _why_no_route(model, begin, end, valid)
+        if recipe_hash:
+            why += f" (of recipe {recipe_hash[:12]})"
         if avoid:
             why += f" (without {', '.join(sorted(avoid))})"
         raise NoRoute(why)
@@ -104,7 +120,8 @@ def plan_route(
 
 
 def _best_chain(
-    n_layer: int,
+    begin: int,
+    end: int,
     ranges: Sequence[ReadyRange],
     load: Mapping[str, int],
     hop_latency_s: float,
@@ -116,8 +133,8 @@ def _best_chain(
     by_begin: dict[int, list[ReadyRange]] = {}
     for r in sorted(ranges, key=lambda r: (r.begin, r.end, r.peer_id)):
         by_begin.setdefault(r.begin, []).append(r)
-    best: dict[int, tuple[tuple, list[ReadyRange]]] = {0: ((0, 0, ()), [])}
-    for boundary in range(n_layer):
+    best: dict[int, tuple[tuple, list[ReadyRange]]] = {begin: ((0, 0, ()), [])}
+    for boundary in range(begin, end):
         if boundary not in best:
             continue
         (cost, total_load, peers), chain = best[boundary]
@@ -126,18 +143,18 @@ def _best_chain(
             key = (cost + units, total_load + load.get(r.peer_id, 0), (*peers, r.peer_id))
             if r.end not in best or key < best[r.end][0]:
                 best[r.end] = (key, [*chain, r])
-    return best.get(n_layer)
+    return best.get(end)
 
 
-def _why_no_route(model: str, n_layer: int, ranges: Sequence[ReadyRange]) -> str:
-    covered = [False] * n_layer
+def _why_no_route(model: str, begin: int, end: int, ranges: Sequence[ReadyRange]) -> str:
+    covered = [False] * end
     for r in ranges:
         for block in range(r.begin, r.end):
             covered[block] = True
     gaps = []
     start = None
-    for block in range(n_layer + 1):
-        gap = block < n_layer and not covered[block]
+    for block in range(begin, end + 1):
+        gap = block < end and not covered[block]
         if gap and start is None:
             start = block
         elif not gap and start is not None:
@@ -148,5 +165,5 @@ def _why_no_route(model: str, n_layer: int, ranges: Sequence[ReadyRange]) -> str
         return f"no route for model {model}: blocks {listed} have no ready node"
     return (
         f"no route for model {model}: every block has a ready node, but no chain of ready ranges "
-        f"with one recipe hash leads from block 0 to {n_layer}"
+        f"with one recipe hash leads from block {begin} to {end}"
     )

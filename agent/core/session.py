@@ -16,7 +16,10 @@ Loop (the shell): ``while not s.finished: send(s.step_request(s.next_step(), ...
 
 States: ``ready`` (may send the next step) -> ``awaiting`` (one step in flight) -> ``ready`` ...
 -> ``finished``; ``failed`` after a hop reported an error, a malformed answer to the step in
-flight, or ``fail()`` from the shell (e.g. a timeout). Both end states refuse everything.
+flight, or ``fail()`` from the shell (e.g. a timeout). Both end states refuse everything, but
+a failed session may be *resumed* (``resume``) on a route where a lost hop was replaced: its
+cached positions are kept and the step that failed is sent again under the next step number
+(``resume_plan`` says which part of the route to replace and which hops keep their caches).
 
 Pure: numpy and protobuf records (checksums and constants from ``agent.core.swarm_wire``); the random generator comes in as an argument. Must not
 import trio, grpc, libp2p, sockets, clocks or agent.io.
@@ -40,10 +43,12 @@ __all__ = [
     "SESSION_ID_BYTES",
     "HopFailed",
     "ResultRefused",
+    "ResumePlan",
     "Session",
     "SessionError",
     "StepInput",
     "end_session_request",
+    "resume_plan",
     "surviving_hops",
 ]
 
@@ -180,6 +185,10 @@ class Session:
         return self.state in (FINISHED, FAILED)
 
     @property
+    def failed(self) -> bool:
+        return self.state == FAILED
+
+    @property
     def awaiting(self) -> bool:
         return self.state == AWAITING
 
@@ -203,6 +212,27 @@ class Session:
         if self.state != FINISHED:
             self.state = FAILED
             self.failure = reason
+
+    @property
+    def cached_positions(self) -> int:
+        """Positions every hop of the route holds for sure (the steps answered so far)."""
+        return self._n_cached
+
+    def resume(self, route_peer_ids: Sequence[str]) -> int:
+        """Go on after a failed step, on a route where the lost part was rebuilt up to
+        ``cached_positions``: the step that failed is sent again, numbered one past it (a late
+        answer to the failed one is then refused as stale). Returns that step number.
+
+        Raises:
+          ValueError: the session did not fail (a step in flight, ready, or finished).
+        """
+        if self.state != FAILED:
+            raise ValueError(f"session {self.session_hex}: only a failed session is resumed, not a {self.state} one")
+        self.step += 1
+        self.state = READY
+        self.failure = None
+        self.route_peer_ids = tuple(route_peer_ids)
+        return self.step
 
     # --- sending ---------------------------------------------------------------------------
 
@@ -389,6 +419,66 @@ class Session:
         elif not np.isfinite(scores).all():
             raise ValueError("the logits hold NaN or inf")
         return scores
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePlan:
+    """How a session goes on after losing a peer: hops ``[first_lost, last_lost]`` of the
+    route (blocks ``[begin, end)``) are replaced by a route part the tracker plans; the other
+    hops (``survivors``) keep their caches of ``keep_positions``; the replacement is rebuilt
+    from the rows the hop before it kept (``feeder``), or from the owner's tokens when the
+    first hop was lost (``feeder`` None)."""
+
+    first_lost: int
+    last_lost: int
+    begin: int
+    end: int
+    keep_positions: int
+    survivors: tuple[swarm_pb2.Hop, ...]
+    feeder: swarm_pb2.Hop | None
+
+    def route_with(self, route: swarm_pb2.Route, replacement: Sequence[swarm_pb2.Hop]) -> swarm_pb2.Route:
+        """``route`` with the lost hops replaced by ``replacement`` (which must cover
+        ``[begin, end)`` exactly).
+
+        Raises:
+          ValueError: the replacement does not cover the lost blocks.
+        """
+        at = self.begin
+        for hop in replacement:
+            if hop.begin != at or hop.end <= hop.begin:
+                raise ValueError(f"the replacement hop [{hop.begin}, {hop.end}) does not continue at block {at}")
+            at = hop.end
+        if at != self.end or not replacement:
+            raise ValueError(f"the replacement covers blocks [{self.begin}, {at}), not [{self.begin}, {self.end})")
+        hops = list(route.hops[: self.first_lost]) + list(replacement) + list(route.hops[self.last_lost + 1 :])
+        new = swarm_pb2.Route()
+        new.CopyFrom(route)
+        del new.hops[:]
+        new.hops.extend(hops)
+        return new
+
+
+def resume_plan(route: swarm_pb2.Route, lost_peer: str, keep_positions: int) -> ResumePlan | None:
+    """Whether a session that lost ``lost_peer`` can resume on ``route`` keeping
+    ``keep_positions`` (None: re-prefill a new route instead): there must be something to keep,
+    the lost peer's hops must be one contiguous part of the route, and some hop must survive."""
+    lost = [i for i, hop in enumerate(route.hops) if hop.peer_id == lost_peer]
+    if keep_positions < 1 or not lost or lost != list(range(lost[0], lost[-1] + 1)):
+        return None
+    first, last = lost[0], lost[-1]
+    survivors = tuple(hop for i, hop in enumerate(route.hops) if not first <= i <= last)
+    if not survivors:
+        return None
+    return ResumePlan(
+        first_lost=first,
+        last_lost=last,
+        begin=route.hops[first].begin,
+        end=route.hops[last].end,
+        keep_positions=keep_positions,
+        survivors=survivors,
+        feeder=route.hops[first - 1] if first > 0 else None,
+    )
 
 
 def surviving_hops(route: swarm_pb2.Route, lost_peers: Iterable[str] = ()) -> list[swarm_pb2.Hop]:

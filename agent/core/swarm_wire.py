@@ -43,6 +43,7 @@ from .boundary import (
     encode_rows,
     itemsize,
 )
+from .kept_rows import ReplayChunk
 from .topk import TopLogits, select_top_k
 from .multiaddrs import circuit_multiaddr, peer_id_from_multiaddr  # re-exported: callers import them here
 
@@ -60,16 +61,19 @@ __all__ = [
     "check_schema_version",
     "circuit_multiaddr",
     "crc32",
+    "encode_step_output",
     "error",
     "first_step_request",
     "next_hop_request",
     "node_reply_error",
     "parse_record",
     "peer_id_from_multiaddr",
+    "replay_step_request",
     "step_ack",
     "step_ack_error",
     "step_result",
     "step_result_error",
+    "step_result_rebuilt",
     "step_result_top",
     "token_bytes",
     "token_checksum",
@@ -246,6 +250,15 @@ class StepInput:
     owner_addrs: tuple[str, ...]
     result_top_k: int = 0  # what the last hop returns: 0 the full row, else the top K
     boundary_schema: BoundarySchema | None = None  # None: schema 1, one stream of n_embd
+    resume_step: int = 0  # non-zero: a rebuild step (StepRequest.resume_step)
+
+    @property
+    def rebuild(self) -> bool:
+        return self.resume_step > 0
+
+    @property
+    def end_position(self) -> int:
+        return int(self.positions[-1]) + 1
 
     @property
     def schema(self) -> BoundarySchema:
@@ -260,9 +273,12 @@ class StepInput:
         return int(self.positions[0])
 
 
-def check_hops(hops: Sequence[swarm_pb2.Hop], begin: int, n_layer: int, what: str = "rest") -> None:
+def check_hops(
+    hops: Sequence[swarm_pb2.Hop], begin: int, n_layer: int, what: str = "rest", *, partial: bool = False
+) -> None:
     """Hops must chain exactly from ``begin`` to ``n_layer``: each hop starts where the one
-    before ends, and names a peer.
+    before ends, and names a peer. ``partial``: the chain may end before ``n_layer`` (the
+    rebuilt part of a route).
 
     Raises:
       WireError: INVALID_ARGUMENT naming the first hop that breaks the chain.
@@ -277,7 +293,7 @@ def check_hops(hops: Sequence[swarm_pb2.Hop], begin: int, n_layer: int, what: st
                 f"{what}[{i}] covers blocks [{hop.begin}, {hop.end}), expected a non-empty range starting at {at}",
             )
         at = hop.end
-    if at != n_layer:
+    if at > n_layer or (at != n_layer and not partial):
         raise WireError(
             Code.INVALID_ARGUMENT,
             f"{what} ends at block {at}, but the model has {n_layer} blocks (nobody runs [{at}, {n_layer}))",
@@ -312,7 +328,10 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
         raise WireError(bad, f"session_id has {len(request.session_id)} bytes, expected {SESSION_ID_BYTES}")
     if not request.owner_peer_id:
         raise WireError(bad, "owner_peer_id is empty: nobody to send the result to")
-    check_hops(request.rest, spec.end, spec.n_layer)
+    rebuild = request.resume_step > 0
+    if rebuild and request.step != request.resume_step:
+        raise WireError(bad, f"a rebuild step is numbered resume_step ({request.resume_step}), got step {request.step}")
+    check_hops(request.rest, spec.end, spec.n_layer, partial=rebuild)
 
     n_rows = len(request.positions)
     if n_rows == 0:
@@ -389,6 +408,7 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
         owner_addrs=tuple(request.owner_addrs),
         result_top_k=min(int(request.result_top_k), spec.n_vocab),
         boundary_schema=schema,
+        resume_step=int(request.resume_step),
     )
 
 
@@ -410,9 +430,11 @@ def first_step_request(
     owner_addrs: Sequence[str],
     sender_admission: swarm_pb2.SignedAdmission,
     result_top_k: int = 0,
+    resume_step: int = 0,
 ) -> swarm_pb2.StepRequest:
     """The ``StepRequest`` a session owner sends to ``hops[0]`` (token ids at consecutive
-    positions from ``first_position``); ``result_top_k``: see ``StepRequest.result_top_k``."""
+    positions from ``first_position``); ``result_top_k``, ``resume_step`` (a rebuild step,
+    numbered ``step == resume_step``): see ``StepRequest``."""
     ids = np.asarray(token_ids, dtype=_I32)
     hop = hops[0]
     return swarm_pb2.StepRequest(
@@ -431,11 +453,69 @@ def first_step_request(
         sender_admission=sender_admission,
         model_sha256=model_sha256,
         result_top_k=result_top_k,
+        resume_step=resume_step,
     )
 
 
+def replay_step_request(
+    *,
+    session_id: bytes,
+    resume_step: int,
+    hops: Sequence[swarm_pb2.Hop],
+    chunk: ReplayChunk,
+    n_embd: int,
+    recipe_hash: str,
+    model_sha256: str,
+    owner_peer_id: str,
+    owner_addrs: Sequence[str],
+    sender_admission: swarm_pb2.SignedAdmission,
+) -> swarm_pb2.StepRequest:
+    """A rebuild ``StepRequest`` for ``hops[0]`` carrying kept rows (``chunk``) as they were
+    first sent (``agent.core.kept_rows``)."""
+    hop = hops[0]
+    return swarm_pb2.StepRequest(
+        schema_version=SCHEMA_VERSION,
+        session_id=session_id,
+        step=resume_step,
+        begin=hop.begin,
+        end=hop.end,
+        positions=range(chunk.first_position, chunk.first_position + chunk.n_rows),
+        boundary=chunk.data,
+        dtype=chunk.dtype,
+        n_embd=n_embd,
+        recipe_hash=recipe_hash,
+        rest=list(hops[1:]),
+        owner_peer_id=owner_peer_id,
+        owner_addrs=list(owner_addrs),
+        checksum=crc32(chunk.data),
+        sender_admission=sender_admission,
+        model_sha256=model_sha256,
+        boundary_schema_version=chunk.schema_version,
+        boundary_streams=chunk.streams,
+        resume_step=resume_step,
+    )
+
+
+def encode_step_output(step: StepInput, rows: np.ndarray) -> tuple[bytes, int]:
+    """``(bytes, dtype)`` of this range's output ``rows`` for ``step`` as they go on the wire:
+    in the dtype the step arrived in (F32 for token input), following ``step.schema``.
+
+    Raises:
+      BoundaryError: rows of the wrong shape, non-finite, or out of float16 range.
+    """
+    dtype = step.dtype if step.rows is not None else int(WireDType.F32)
+    data = encode_rows(rows, step.schema.row_values, dtype)
+    if rows.shape[0] != step.n_rows:
+        raise BoundaryError(f"{rows.shape[0]} output rows for a step of {step.n_rows} rows")
+    return data, dtype
+
+
 def next_hop_request(
-    step: StepInput, rows: np.ndarray, sender_admission: swarm_pb2.SignedAdmission
+    step: StepInput,
+    rows: np.ndarray,
+    sender_admission: swarm_pb2.SignedAdmission,
+    *,
+    encoded: tuple[bytes, int] | None = None,
 ) -> swarm_pb2.StepRequest:
     """The ``StepRequest`` for ``step.rest[0]``: this range's output ``rows`` (float32
     ``[n_rows, streams * n_embd]`` of ``step.schema``) in the dtype the step arrived in (F32
@@ -445,11 +525,8 @@ def next_hop_request(
       BoundaryError: rows of the wrong shape, non-finite, or out of float16 range.
     """
     hop = step.rest[0]
-    dtype = step.dtype if step.rows is not None else int(WireDType.F32)
+    data, dtype = encoded if encoded is not None else encode_step_output(step, rows)
     schema = step.schema
-    data = encode_rows(rows, schema.row_values, dtype)
-    if rows.shape[0] != step.n_rows:
-        raise BoundaryError(f"{rows.shape[0]} output rows for a step of {step.n_rows} rows")
     return swarm_pb2.StepRequest(
         schema_version=SCHEMA_VERSION,
         session_id=step.session_id,
@@ -470,6 +547,7 @@ def next_hop_request(
         result_top_k=step.result_top_k,
         boundary_schema_version=schema.version,
         boundary_streams=schema.streams,
+        resume_step=step.resume_step,
     )
 
 
@@ -534,6 +612,20 @@ def step_result_error(
         step=step,
         error=error(code, message),
         failed_peer_id=failed_peer_id,
+        sender_admission=sender_admission,
+    )
+
+
+def step_result_rebuilt(
+    session_id: bytes, resume_step: int, rebuilt_positions: int, sender_admission: swarm_pb2.SignedAdmission
+) -> swarm_pb2.StepResult:
+    """The ``StepResult`` the last hop of a rebuild sends: positions ``[0, rebuilt_positions)``
+    are rebuilt (no logits)."""
+    return swarm_pb2.StepResult(
+        schema_version=SCHEMA_VERSION,
+        session_id=session_id,
+        step=resume_step,
+        rebuilt_positions=rebuilt_positions,
         sender_admission=sender_admission,
     )
 

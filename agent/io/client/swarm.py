@@ -15,10 +15,16 @@ When a hop fails (an error result, a refused or unreachable first hop, no result
 the generation either fails with a ``GenerationError`` naming the failed peer (a late step,
 or an ack that does not come, makes the owner probe the hops: the first that does not answer is
 named; none when every hop answers), or, while ``SwarmClientConfig.replan_attempts`` allow
-and a peer was named, waits for a route without that peer and continues
-with a new session whose prefill is the prompt plus the tokens chosen so far. (The re-prefill
-computes the same greedy tokens in practice, but batched prefill is not promised to be
-bit-identical to step-by-step decode.)
+and a peer was named:
+- a peer that is gone or silent is *replaced*: the tracker plans a route part for its blocks
+  only (same recipe, around every failed peer), the surviving hops keep their caches up to the
+  positions answered so far (``resume_session``), and the replacement is rebuilt from the
+  rows the hop before it kept (``replay``; the owner's own tokens when the first hop was
+  lost); the step that failed is then sent again (``agent.core.session.resume_plan``);
+- otherwise, or when that fails (rows over a hop's budget, no replacement), the owner waits
+  for a route without that peer and continues with a new session whose prefill is the prompt
+  plus the tokens chosen so far. (Both compute the same greedy tokens in practice, but a
+  batched rebuild or prefill is not promised to be bit-identical to step-by-step decode.)
 
 Must not hold a nursery on ``self``: the transport is opened by ``open_swarm_client``.
 """
@@ -42,7 +48,7 @@ from agent._proto import swarm_pb2
 from agent.core.admission import AdmissionError, AdmissionVerifier, make_client_hello, verify_admission
 from agent.core.identity import peer_id_from_public_key
 from agent.core.sampling import SamplingParams
-from agent.core.session import HopFailed, ResultRefused, Session, end_session_request, surviving_hops
+from agent.core.session import HopFailed, ResultRefused, Session, end_session_request, resume_plan, surviving_hops
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -50,6 +56,7 @@ from agent.core.swarm_wire import (
     SESSION_ID_BYTES,
     STEP_PROTOCOL,
     TRACKER_PROTOCOL,
+    first_step_request,
     peer_id_from_multiaddr,
     step_ack,
 )
@@ -160,7 +167,10 @@ class GenerationResult:
     ``hop_rows``: rows each hop processed, over every route used, as ``{"node", "begin",
     "end", "rows"}`` (the ledger's input); ``context_full``: the route's context filled up
     before the budget was spent; ``stopped_by_caller``: ``on_token`` ended it;
-    ``first_token_s``: from the first step sent to the first token.
+    ``first_token_s``: from the first step sent to the first token; ``resumes``: how many of
+    the ``replans`` replaced a lost hop while the other hops kept their caches (the others
+    re-prefilled a new route); ``resume_s``: the time each resume took (lost hop named to
+    rebuilt), in order.
     """
 
     text: str
@@ -177,6 +187,8 @@ class GenerationResult:
     context_full: bool = False
     stopped_by_caller: bool = False
     first_token_s: float = 0.0
+    resumes: int = 0
+    resume_s: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -197,6 +209,7 @@ class GenerationResult:
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "stopped_by_token": self.stopped_by_token,
             "replans": self.replans,
+            "resumes": self.resumes,
             "hop_rows": [dict(hop) for hop in self.hop_rows],
         }
 
@@ -241,10 +254,11 @@ class _Progress:
     decode_steps: int = 0
     first_token_s: float = 0.0
     rows: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
+    started_at: float = dataclasses.field(default_factory=time.perf_counter)  # before the first step
 
     def add(self, token: int, elapsed_s: float, *, prefill: bool) -> None:
-        if not self.tokens:
-            self.first_token_s = elapsed_s
+        if not self.tokens:  # every prefill chunk (and any replan) up to the first token
+            self.first_token_s = time.perf_counter() - self.started_at
         self.tokens.append(token)
         if prefill:
             self.prefill_s += elapsed_s
@@ -261,13 +275,28 @@ class _Progress:
         return [{"node": p, "begin": b, "end": e, "rows": n} for (p, b, e), n in self.rows.items()]
 
 
-class _LiveSession:
-    """A session with a step in flight: where the result handler delivers its outcome."""
+@dataclasses.dataclass
+class _Rebuild:
+    """A rebuild in progress: the rebuilt part of the route (``peers``, answering from
+    ``last_peer``) must report ``positions`` rebuilt for step ``step``."""
 
-    def __init__(self, session: Session, route: swarm_pb2.Route) -> None:
+    step: int
+    positions: int
+    peers: frozenset[str]
+    last_peer: str
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    error: str = ""
+
+
+class _LiveSession:
+    """A live session: where the result handler delivers the outcome of its step in flight,
+    or of its rebuild."""
+
+    def __init__(self, session: Session) -> None:
         self.session = session
         self.arrived = trio.Event()
         self.outcome: int | BaseException | None = None
+        self.rebuild: _Rebuild | None = None
 
     def arm(self) -> None:
         self.arrived = trio.Event()
@@ -276,6 +305,9 @@ class _LiveSession:
     def deliver(self, remote_peer_id: str, result: swarm_pb2.StepResult) -> swarm_pb2.Error | None:
         """Hand ``result`` to the session (which decides whether to take it); the error to
         acknowledge with, or None."""
+        rebuild = self.rebuild
+        if rebuild is not None and result.step == rebuild.step:
+            return self._deliver_rebuild(rebuild, remote_peer_id, result)
         try:
             self.outcome = self.session.receive(result, remote_peer_id)
         except HopFailed as error:
@@ -290,6 +322,26 @@ class _LiveSession:
             self.arrived.set()
             return swarm_pb2.Error(code=error.code, message=error.message)
         self.arrived.set()
+        return None
+
+    @staticmethod
+    def _deliver_rebuild(rebuild: _Rebuild, remote_peer_id: str, result: swarm_pb2.StepResult) -> swarm_pb2.Error | None:
+        if rebuild.done.is_set():
+            return _err("INVALID_ARGUMENT", f"the rebuild for step {rebuild.step} is over")
+        if result.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
+            if remote_peer_id not in rebuild.peers:
+                return _err("REFUSED", f"{remote_peer_id} is not on the rebuilt part of the route")
+            who = result.failed_peer_id or remote_peer_id
+            rebuild.error = f"rebuild failed at {who}: {_code_name(result.error.code)}: {result.error.message}"
+            rebuild.done.set()
+            return None
+        if remote_peer_id != rebuild.last_peer:
+            return _err("REFUSED", f"rebuild results come from {rebuild.last_peer}, not {remote_peer_id}")
+        if result.rebuilt_positions > rebuild.positions:
+            rebuild.error = f"{remote_peer_id} rebuilt {result.rebuilt_positions} positions, {rebuild.positions} were sent"
+            rebuild.done.set()
+        elif result.rebuilt_positions == rebuild.positions:
+            rebuild.done.set()
         return None
 
 
@@ -396,11 +448,16 @@ class SwarmClient:
                     raise
                 log.warning("the tracker cannot be reached (%s): keeping the current admission", error)
 
-    async def route(self, model: str, *, avoid_peers: Sequence[str] = ()) -> swarm_pb2.Route:
+    async def route(
+        self, model: str, *, avoid_peers: Sequence[str] = (), part: tuple[int, int, str] | None = None
+    ) -> swarm_pb2.Route:
         """The tracker's route for ``model`` (alias, name or sha256), around ``avoid_peers``.
+        ``part``: ``(begin, end, recipe hash)``: hops for blocks ``[begin, end)`` only, of that
+        recipe (a replacement for a lost range).
 
-        While the tracker cannot be reached, the last route it gave for ``model`` is used (if it
-        avoids ``avoid_peers``), with a warning: running swarms do not need the tracker.
+        While the tracker cannot be reached, the last (whole) route it gave for ``model`` is
+        used (if it avoids ``avoid_peers``), with a warning: running swarms do not need the
+        tracker.
 
         Raises:
           SwarmError: e.g. UNAVAILABLE when some blocks have no ready node (or none without
@@ -408,18 +465,21 @@ class SwarmClient:
           TransportError: the tracker could not be reached and no route for ``model`` was seen.
         """
         request = swarm_pb2.RouteRequest(model=model, avoid_peers=list(avoid_peers))
+        if part is not None:
+            request.begin, request.end, request.recipe_hash = part
         try:
             reply = await self._tracker(swarm_pb2.TrackerRequest(route=request))
         except TransportError as error:
             last = self._last_routes.get(model)
-            if last is None or set(avoid_peers) & {hop.peer_id for hop in last.hops}:
+            if part is not None or last is None or set(avoid_peers) & {hop.peer_id for hop in last.hops}:
                 raise
             log.warning("the tracker cannot be reached (%s): using the last route it gave for %r", error, model)
             return last
         route = reply.route
         if reply.WhichOneof("body") != "route" or not route.hops:
             raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, f"the route reply for {model!r} has no hops")
-        self._last_routes[model] = route
+        if part is None:
+            self._last_routes[model] = route
         return route
 
     async def report_lost_peer(self, peer_id: str, reason: str) -> bool:
@@ -457,9 +517,10 @@ class SwarmClient:
         return list(reply.list_nodes.nodes)
 
     async def wait_for_route(
-        self, model: str, *, timeout_s: float, avoid_peers: Sequence[str] = ()
+        self, model: str, *, timeout_s: float, avoid_peers: Sequence[str] = (), part: tuple[int, int, str] | None = None
     ) -> swarm_pb2.Route:
-        """Poll ``route(model)`` until it succeeds without any of ``avoid_peers``.
+        """Poll ``route(model)`` (or a ``part`` of it: see ``route``) until it succeeds
+        without any of ``avoid_peers``.
 
         Raises:
           GenerationError: no such route within ``timeout_s`` (the last reason in the message).
@@ -469,7 +530,7 @@ class SwarmClient:
         with trio.move_on_after(timeout_s):
             while True:
                 try:
-                    route = await self.route(model, avoid_peers=sorted(avoid))
+                    route = await self.route(model, avoid_peers=sorted(avoid), part=part)
                 except (SwarmError, TransportError) as error:
                     last = str(error)
                 else:
@@ -714,6 +775,8 @@ class SwarmClient:
         busy_until = trio.current_time() + queue_timeout_s
         busy_wait_s = self.config.route_poll_interval_s
 
+        resume_s: list[float] = []
+
         async def take(token: int, logits: np.ndarray) -> bool:
             return bool(on_token is not None and await on_token(token, logits, route))
 
@@ -728,31 +791,70 @@ class SwarmClient:
                 route_peer_ids=[hop.peer_id for hop in route.hops],
                 max_step_rows=self.config.prefill_chunk_tokens,
             )
+            live = _LiveSession(session)
+            self._live[session.session_id] = live
+            lost: list[str] = []
+            failure: GenerationError | None = None
+            resume_failed = lost_reported = False
             try:
-                await self._run_session(session, route, progress, take)
+                while True:  # the session, and its resumes on routes with a lost hop replaced
+                    try:
+                        await self._run_session(live, route, progress, take)
+                        break
+                    except GenerationError as error:
+                        if not (error.failed_peer_id and error.code in (0, swarm_pb2.Error.UNAVAILABLE)):
+                            raise
+                        # gone or silent (not a live peer's refusal): nothing more waits on it
+                        lost.append(error.failed_peer_id)
+                        if replans >= self.config.replan_attempts:
+                            raise
+                        replans += 1
+                        failed_peers.append(error.failed_peer_id)
+                        log.warning("%s; replacing %s", error, error.failed_peer_id)
+                        began = trio.current_time()
+                        await self._fresh_admission()
+                        resumed, reported = await self._resume(model, live, route, error, failed_peers, progress)
+                        if resumed is None:
+                            resume_failed, lost_reported = True, reported
+                            raise
+                        route = resumed
+                        resume_s.append(trio.current_time() - began)
+            except GenerationError as error:
+                failure = error
+            finally:
+                del self._live[session.session_id]
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(self.config.request_timeout_s):
+                        try:
+                            await self.end_session(route, session.session_id, lost_peers=lost)
+                        except (SwarmError, TransportError) as error:
+                            log.info("could not end session %s: %s", session.session_hex, error)
+            if failure is None:
                 stopped_by_caller = session.stopped_by_caller
                 break
-            except GenerationError as error:
-                exhausted = error.code == swarm_pb2.Error.RESOURCE_EXHAUSTED
-                if exhausted and error.step == 0 and trio.current_time() < busy_until:
-                    # every sequence of some range is in use: wait for one, on any route
-                    log.info("%s; waiting %.2f s for a free sequence", error, busy_wait_s)
-                    await trio.sleep(busy_wait_s)
-                    busy_wait_s = min(busy_wait_s * 2, 1.0)
-                    await self._fresh_admission()
-                    with contextlib.suppress(SwarmError, TransportError):
-                        route = await self.route(model)
-                    continue
-                if exhausted and error.step:
-                    context_full = True  # the context of the route's sequences is full
-                    break
+            error = failure
+            exhausted = error.code == swarm_pb2.Error.RESOURCE_EXHAUSTED
+            if exhausted and error.step == 0 and trio.current_time() < busy_until:
+                # every sequence of some range is in use: wait for one, on any route
+                log.info("%s; waiting %.2f s for a free sequence", error, busy_wait_s)
+                await trio.sleep(busy_wait_s)
+                busy_wait_s = min(busy_wait_s * 2, 1.0)
+                await self._fresh_admission()
+                with contextlib.suppress(SwarmError, TransportError):
+                    route = await self.route(model)
+                continue
+            if exhausted and error.step:
+                context_full = True  # the context of the route's sequences is full
+                break
+            if not resume_failed:
                 if replans >= self.config.replan_attempts or not error.failed_peer_id:
-                    raise
+                    raise error
                 replans += 1
                 failed_peers.append(error.failed_peer_id)
-                log.warning("%s; replanning without %s", error, error.failed_peer_id)
-                await self._fresh_admission()
-                route = await self._replan(model, error.failed_peer_id, str(error), failed_peers)
+            log.warning("%s; replanning without %s", error, error.failed_peer_id)
+            await self._fresh_admission()
+            # a failed resume may have told the tracker already
+            route = await self._replan(model, error.failed_peer_id, str(error), failed_peers, report=not lost_reported)
         return GenerationResult(
             text="",
             tokens=list(generated),
@@ -768,9 +870,20 @@ class SwarmClient:
             context_full=context_full,
             stopped_by_caller=stopped_by_caller,
             first_token_s=progress.first_token_s,
+            resumes=len(resume_s),
+            resume_s=resume_s,
         )
 
-    async def _replan(self, model: str, lost_peer: str, reason: str, avoid: Sequence[str]) -> swarm_pb2.Route:
+    async def _replan(
+        self,
+        model: str,
+        lost_peer: str,
+        reason: str,
+        avoid: Sequence[str],
+        part: tuple[int, int, str] | None = None,
+        *,
+        report: bool = True,
+    ) -> swarm_pb2.Route:
         """A route around ``avoid``, while the tracker is told about ``lost_peer`` alongside:
         the route around it comes at once (the tracker plans around avoided peers), the report
         (the tracker probes the peer, which can take its probe timeout for a frozen one) only
@@ -784,17 +897,20 @@ class SwarmClient:
         found: swarm_pb2.Route | None = None
         failure: GenerationError | None = None
 
-        async def report() -> None:
+        async def tell_tracker() -> None:
             try:
-                with trio.move_on_after(self.config.request_timeout_s):
-                    await self.report_lost_peer(lost_peer, reason)
+                if report:
+                    with trio.move_on_after(self.config.request_timeout_s):
+                        await self.report_lost_peer(lost_peer, reason)
             finally:
                 reported.set()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(report)
+            nursery.start_soon(tell_tracker)
             try:
-                found = await self.wait_for_route(model, timeout_s=self.config.replan_wait_s, avoid_peers=avoid)
+                found = await self.wait_for_route(
+                    model, timeout_s=self.config.replan_wait_s, avoid_peers=avoid, part=part
+                )
             except GenerationError as error:
                 failure = error  # raised below as itself, not inside the nursery's group
             with trio.move_on_after(self.config.report_grace_s):
@@ -817,22 +933,21 @@ class SwarmClient:
 
     async def _run_session(
         self,
-        session: Session,
+        live: _LiveSession,
         route: swarm_pb2.Route,
         progress: _Progress,
         take: Callable[[int, np.ndarray], Awaitable[bool]],
     ) -> None:
-        """Drive ``session`` over ``route`` to its end, appending its tokens to ``progress``.
+        """Drive ``live.session`` over ``route`` to its end, appending its tokens to ``progress``.
 
         ``take(token, logits)`` is awaited with each token; True stops the session there.
 
         Raises:
-          GenerationError: a step failed (naming the failed peer when known).
+          GenerationError: a step failed (naming the failed peer when known); the session has
+            failed then (it may be resumed).
         """
-        live = _LiveSession(session, route)
-        self._live[session.session_id] = live
+        session = live.session
         first = route.hops[0]
-        lost: list[str] = []
         try:
             while not session.finished:
                 live.arm()
@@ -860,18 +975,122 @@ class SwarmClient:
                 if await take(token, session.last_logits) and not session.finished:
                     session.stop()
         except GenerationError as error:
-            if error.failed_peer_id and error.code in (0, swarm_pb2.Error.UNAVAILABLE):
-                # gone or silent (not a live peer's refusal): the end below must not wait on it
-                lost.append(error.failed_peer_id)
+            session.fail(str(error))
             raise
+
+    async def _resume(
+        self,
+        model: str,
+        live: _LiveSession,
+        route: swarm_pb2.Route,
+        error: GenerationError,
+        avoid: Sequence[str],
+        progress: _Progress,
+    ) -> tuple[swarm_pb2.Route | None, bool]:
+        """Replace the lost hop of ``route`` and go on with ``live.session``: a route part for
+        its blocks (same recipe, around ``avoid``), the other hops kept at the positions
+        answered so far, the replacement rebuilt from what the hop before it sent (or from the
+        owner's tokens). Returns the new route, with the session ready to send its failed step
+        again, or None when the session cannot resume (nothing to keep, no replacement, a hop
+        refuses, rows not kept): the caller re-prefills a new route then; and whether the lost
+        peer was reported to the tracker.
+        """
+        session = live.session
+        lost_peer = error.failed_peer_id
+        plan = resume_plan(route, lost_peer, session.cached_positions)
+        if plan is None or not session.failed:
+            log.info(
+                "session %s cannot resume around %s (%d positions answered, %s): re-prefilling",
+                session.session_hex, lost_peer, session.cached_positions, session.state,
+            )  # fmt: skip
+            return None, False
+        try:
+            part = await self._replan(model, lost_peer, str(error), avoid, part=(plan.begin, plan.end, route.recipe_hash))
+            new_route = plan.route_with(route, part.hops)
+        except (GenerationError, ValueError) as why:
+            log.info("no replacement for %s: %s", lost_peer, why)
+            return None, True
+        resume_step = session.step + 1
+        keep = plan.keep_positions
+        rebuild = _Rebuild(
+            step=resume_step, positions=keep, peers=frozenset(h.peer_id for h in part.hops),
+            last_peer=part.hops[-1].peer_id,
+        )  # fmt: skip
+        live.rebuild = rebuild
+        problem = ""
+        try:
+            with trio.fail_after(self.config.step_timeout_s):
+                async with trio.open_nursery() as nursery:
+                    for hop in plan.survivors:
+                        nursery.start_soon(self._resume_hop, hop, route.model_sha256, session.session_id, keep, resume_step)
+                if plan.feeder is None:
+                    await self._rebuild_first_hops(part.hops, route, session, keep, resume_step)
+                else:
+                    replay = swarm_pb2.ReplayRequest(
+                        session_id=session.session_id, model_sha256=route.model_sha256, begin=plan.feeder.begin,
+                        end=plan.feeder.end, positions=keep, resume_step=resume_step, to=list(part.hops),
+                        max_rows=self.config.prefill_chunk_tokens, owner_addrs=self.transport.listen_addrs,
+                    )  # fmt: skip
+                    await self._node(plan.feeder, swarm_pb2.NodeRequest(replay=replay))
+                await rebuild.done.wait()
+            problem = rebuild.error
+        except trio.TooSlowError:
+            problem = f"the rebuild of {keep} positions did not finish within {self.config.step_timeout_s} s"
+        except (SwarmError, TransportError, GenerationError) as why:
+            problem = str(why)
+        except BaseExceptionGroup as group:  # the survivors' resumes run together
+            matched, rest = group.split((SwarmError, TransportError))
+            if rest is not None:
+                raise
+            assert matched is not None
+            problem = "; ".join(str(e) for e in matched.exceptions)
         finally:
-            del self._live[session.session_id]
-            with trio.CancelScope(shield=True):
-                with trio.move_on_after(self.config.request_timeout_s):
-                    try:
-                        await self.end_session(route, session.session_id, lost_peers=lost)
-                    except (SwarmError, TransportError) as error:
-                        log.info("could not end session %s: %s", session.session_hex, error)
+            live.rebuild = None
+        if problem:
+            log.warning("could not resume session %s around %s: %s", session.session_hex, lost_peer, problem)
+            with trio.CancelScope(shield=True), trio.move_on_after(self.config.request_timeout_s):
+                with contextlib.suppress(SwarmError, TransportError):
+                    await self.end_session(part, session.session_id)  # what the rebuild opened
+            return None, True
+        session.resume([hop.peer_id for hop in new_route.hops])
+        progress.add_rows(part, keep)  # the rebuild's rows count for the hops that computed them
+        log.info(
+            "session %s resumed at %d positions: %s replaced by %s", session.session_hex, keep, lost_peer,
+            describe_route(part),
+        )  # fmt: skip
+        return new_route, True
+
+    async def _resume_hop(self, hop: swarm_pb2.Hop, model_sha256: str, session_id: bytes, keep: int, step: int) -> None:
+        body = swarm_pb2.ResumeSessionRequest(
+            session_id=session_id, model_sha256=model_sha256, keep_positions=keep, next_step=step, begin=hop.begin,
+            end=hop.end,
+        )  # fmt: skip
+        await self._node(hop, swarm_pb2.NodeRequest(resume_session=body))
+
+    async def _rebuild_first_hops(
+        self, hops: Sequence[swarm_pb2.Hop], route: swarm_pb2.Route, session: Session, keep: int, resume_step: int
+    ) -> None:
+        """The first hop was lost: its replacement is rebuilt from the owner's own tokens."""
+        first = hops[0]
+        chunk = self.config.prefill_chunk_tokens
+        for at in range(0, keep, chunk):
+            request = first_step_request(
+                session_id=session.session_id, step=resume_step, hops=hops, token_ids=session.tokens[at : min(keep, at + chunk)],
+                first_position=at, recipe_hash=route.recipe_hash, model_sha256=route.model_sha256,
+                owner_peer_id=self.peer_id, owner_addrs=self.transport.listen_addrs, sender_admission=self.admission,
+                resume_step=resume_step,
+            )  # fmt: skip
+            raw = await self.transport.request(
+                first.peer_id, list(first.addrs), STEP_PROTOCOL, request.SerializeToString(),
+                timeout_s=self.config.request_timeout_s,
+            )  # fmt: skip
+            ack = swarm_pb2.StepAck()
+            try:
+                ack.ParseFromString(raw)
+            except DecodeError:
+                raise SwarmError(first.peer_id, swarm_pb2.Error.INTERNAL, "malformed StepAck") from None
+            if ack.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
+                raise SwarmError(first.peer_id, ack.error.code, f"rebuild step refused: {ack.error.message}")
 
     def _note_decode_step(self, elapsed_s: float) -> None:
         average = self._decode_step_s

@@ -14,7 +14,12 @@ Owns the I/O of one node:
   from the last range); any failure after the ack goes to the owner as a ``StepResult`` error
   naming the failed peer;
 - ``/baton/node/1.0.0``: tokenize / detokenize through a worker, end_session (frees the
-  sequence, forwards the end along ``rest``); idle sessions are freed after a timeout.
+  sequence, forwards the end along ``rest``); idle sessions are freed after a timeout;
+- resuming a session whose route lost a hop: every output row a range pushes downstream is
+  kept per session (``agent.core.kept_rows``, bounded in bytes); ``resume_session`` trims a
+  surviving session back to the positions the owner keeps (its cache stays), ``replay`` sends
+  the kept rows as rebuild steps to the replacement of the lost next hop, and a range that
+  receives rebuild steps opens the session from them and answers the owner when rebuilt.
 
 Every decision is made in the pure core: ``agent.core.swarm_wire`` (codecs, validation),
 ``agent.core.scheduler`` (which steps form a batch), ``agent.core.node_sessions`` (sequence
@@ -39,6 +44,7 @@ from agent.core.admission import AdmissionError, AdmissionVerifier, public_key_b
 from agent.core.boundary import BoundaryError
 from agent.core.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
 from agent.core.identity import peer_id_from_public_key
+from agent.core.kept_rows import KeptStore, RowsNotKept
 from agent.core.manifest import ManifestError, verify_manifest
 from agent.core.node_sessions import SessionTable
 from agent.core.scheduler import StepScheduler
@@ -52,15 +58,19 @@ from agent.core.swarm_wire import (
     RangeSpec,
     StepInput,
     WireError,
+    check_hops,
     circuit_multiaddr,
+    encode_step_output,
     next_hop_request,
     node_reply_error,
     parse_record,
     peer_id_from_multiaddr,
+    replay_step_request,
     step_ack,
     step_ack_error,
     step_result,
     step_result_error,
+    step_result_rebuilt,
     step_result_top,
     validate_step,
 )
@@ -151,6 +161,10 @@ class NodeConfig:
       fetch: limits of those downloads (``agent.io.node.fetch.FetchConfig``).
       manifest_timeout_s: how long the tracker may take to send a manifest (the first one
         of a model hashes the whole file: minutes for tens of GB).
+      kept_rows_max_bytes: the most bytes of output rows one session may keep per range for
+        rebuilding a lost next hop (SmolLM2's 2,048 positions in f32: 4.7 MB; 0 keeps none:
+        a lost hop after this one then costs a re-prefill of the whole route).
+      resume_wait_s: how long a resume waits for a step of the session still in a Forward.
     """
 
     tracker: str
@@ -181,6 +195,8 @@ class NodeConfig:
     verify_local_models: bool = True
     fetch: FetchConfig = FetchConfig()
     manifest_timeout_s: float = 300.0
+    kept_rows_max_bytes: int = 64 * 1024 * 1024
+    resume_wait_s: float = 5.0
 
 
 class NodeError(Exception):
@@ -214,6 +230,7 @@ class ServedRange:
     handle: WorkerHandle | None = None
     spec: RangeSpec | None = None
     sessions: SessionTable | None = None
+    kept: KeptStore | None = None  # output rows pushed downstream, per session
     scheduler: StepScheduler[tuple[int, StepInput]] | None = None
     fetch_progress: FetchProgress | None = None  # while its bytes are being fetched
     forward_calls: int = 0  # Forwards this node sent to the worker
@@ -222,6 +239,7 @@ class ServedRange:
     cancel_scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
     wakeup: trio.Event = dataclasses.field(default_factory=trio.Event)
     stopped: trio.Event = dataclasses.field(default_factory=trio.Event)
+    forward_done: trio.Event = dataclasses.field(default_factory=trio.Event)  # set (and renewed) after each Forward
 
     @property
     def client(self) -> AsyncWorkerClient | None:
@@ -242,7 +260,24 @@ class ServedRange:
             fetched_bytes=0 if self.fetch_progress is None else self.fetch_progress.done_bytes,
             fetch_total_bytes=0 if self.fetch_progress is None else self.fetch_progress.total_bytes,
             fetch_bytes_per_s=0.0 if self.fetch_progress is None else self.fetch_progress.bytes_per_s,
+            sessions_started=0 if self.sessions is None else self.sessions.started,
+            sessions_resumed=0 if self.sessions is None else self.sessions.resumed,
+            sessions_rebuilt=0 if self.sessions is None else self.sessions.rebuilt,
         )
+
+    def end_session(self, session_id: bytes) -> bool:
+        """Forget ``session_id`` here (its sequence closes, its queued steps and kept rows
+        go); True when this range held it."""
+        if self.sessions is None or self.scheduler is None:
+            return False
+        ended = self.sessions.end(session_id)
+        if self.kept is not None:
+            self.kept.forget(session_id)
+        if ended is None:
+            return False
+        self.scheduler.drop_session(ended.seq_id)
+        self.wakeup.set()
+        return True
 
 
 def _now_ms() -> int:
@@ -640,6 +675,7 @@ class Node:
                 boundary=info.boundary.schema,
             )  # fmt: skip
             served.sessions = SessionTable(info.n_seq_max, info.n_ctx_per_sequence)
+            served.kept = KeptStore(cfg.kept_rows_max_bytes)
             served.scheduler = StepScheduler(info.n_batch_max, info.n_seq_max)
             served.state, served.error = State.READY, ""
             log.info("READY %s (recipe %s)", _range_name(served.key), info.recipe_hash[:12])
@@ -691,9 +727,10 @@ class Node:
                     )
             except (WorkerError, BoundaryError, ValueError) as err:
                 now = _now_ms()
+                self._forward_finished(served)
                 for _seq_id, step in batch:
                     sessions.done(step.session_id, now)
-                    sessions.end(step.session_id)  # its positions on the worker are unknown now
+                    served.end_session(step.session_id)  # its positions on the worker are unknown now
                     pushes.start_soon(
                         self._guarded, self._send_error, step, _error_code(err), f"worker Forward failed: {err}",
                         self.peer_id,
@@ -709,7 +746,32 @@ class Node:
                 sessions.done(step.session_id, now)
                 if step.session_id not in sessions:
                     continue  # ended while in the Forward: nobody wants the output
-                pushes.start_soon(self._guarded, self._push, step, output)
+                encoded = self._keep_rows(served, step, output)
+                pushes.start_soon(self._guarded, self._push, step, output, encoded)
+            self._forward_finished(served)
+
+    @staticmethod
+    def _forward_finished(served: ServedRange) -> None:
+        served.forward_done.set()
+        served.forward_done = trio.Event()
+
+    @staticmethod
+    def _keep_rows(served: ServedRange, step: StepInput, output: SeqOutput) -> tuple[bytes, int] | None:
+        """Keep the output rows a non-last range produced for ``step`` (before they are
+        pushed: a resume may need them whatever happens to the push); returns them encoded
+        for the wire (``(bytes, dtype)``, which the push sends as they are), or None."""
+        if served.kept is None or output.boundary is None or served.info is None or served.info.gives_logits:
+            return None
+        try:
+            data, dtype = encode_step_output(step, output.boundary)
+        except BoundaryError:
+            return None  # the push reports it
+        schema = step.schema
+        served.kept.keep(
+            step.session_id, step.first_position, step.n_rows, data,
+            dtype=dtype, schema_version=schema.version, streams=schema.streams,
+        )  # fmt: skip
+        return data, dtype
 
     @staticmethod
     def _exit_reason(handle: WorkerHandle) -> str | None:
@@ -726,8 +788,12 @@ class Node:
         except Exception:
             log.exception("push task %s failed", getattr(fn, "__name__", fn))
 
-    async def _push(self, step: StepInput, output: SeqOutput) -> None:
+    async def _push(self, step: StepInput, output: SeqOutput, encoded: tuple[bytes, int] | None = None) -> None:
         """Send one step's output on: to the next hop, or (last range) to the owner."""
+        if step.rebuild and not step.rest:  # the last rebuilt range: no logits, just "done"
+            result = step_result_rebuilt(step.session_id, step.resume_step, step.end_position, self.admission)
+            await self._send_result(step, result)
+            return
         if not step.rest:
             if output.top:  # the worker selected the top-K (_worker_top_k)
                 result = step_result_top(step.session_id, step.step, output.top[-1], self.admission)
@@ -743,7 +809,7 @@ class Node:
         try:
             if output.boundary is None:
                 raise BoundaryError("the worker returned no boundary rows")
-            request = next_hop_request(step, output.boundary, self.admission)
+            request = next_hop_request(step, output.boundary, self.admission, encoded=encoded)
         except BoundaryError as err:
             await self._send_error(step, Code.INTERNAL, f"boundary for the next hop: {err}", self.peer_id)
             return
@@ -792,16 +858,7 @@ class Node:
 
     def _end_session_here(self, session_id: bytes) -> int:
         """End ``session_id`` in every range of this node; returns how many held it."""
-        ended = 0
-        for served in self.ranges.values():
-            if served.sessions is None or served.scheduler is None:
-                continue
-            ended_session = served.sessions.end(session_id)
-            if ended_session is not None:
-                served.scheduler.drop_session(ended_session.seq_id)
-                served.wakeup.set()
-                ended += 1
-        return ended
+        return sum(served.end_session(session_id) for served in list(self.ranges.values()))
 
     async def _sweep_sessions(self) -> None:
         timeout_ms = int(self.config.session_idle_timeout_s * 1000)
@@ -813,10 +870,7 @@ class Node:
                     continue
                 for session_id in served.sessions.idle(now, timeout_ms):
                     log.info("%s: session %s idle, freed", _range_name(served.key), session_id.hex())
-                    ended_session = served.sessions.end(session_id)
-                    if ended_session is not None:
-                        served.scheduler.drop_session(ended_session.seq_id)
-                    served.wakeup.set()
+                    served.end_session(session_id)
 
     # --- handlers ----------------------------------------------------------------------
 
@@ -869,9 +923,14 @@ class Node:
             state = swarm_pb2.AssignmentStatus.State.Name(served.state)
             raise WireError(Code.UNAVAILABLE, f"{_range_name(key)} is {state} on this node, not READY")
         step = validate_step(request, served.spec)
-        session = served.sessions.accept(
-            step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, _now_ms()
-        )
+        if step.rebuild:
+            session = served.sessions.accept_rebuild(
+                step.session_id, step.resume_step, step.first_position, step.n_rows, step.owner_peer_id, _now_ms()
+            )
+        else:
+            session = served.sessions.accept(
+                step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, _now_ms()
+            )
         served.scheduler.push((session.seq_id, step), session=session.seq_id, n_rows=step.n_rows)
         served.wakeup.set()
 
@@ -887,7 +946,14 @@ class Node:
                 return await self._detokenize(request.detokenize)
             if body == "end_session":
                 return await self._end_session(request.end_session, remote_peer_id, record.role)
-            raise WireError(Code.INVALID_ARGUMENT, "the NodeRequest has no body (tokenize, detokenize or end_session)")
+            if body == "resume_session":
+                return await self._resume_session(request.resume_session, remote_peer_id, record.role)
+            if body == "replay":
+                return await self._replay(request.replay, remote_peer_id, record.role)
+            raise WireError(
+                Code.INVALID_ARGUMENT,
+                "the NodeRequest has no body (tokenize, detokenize, end_session, resume_session or replay)",
+            )
         except WireError as err:
             return node_reply_error(err.code, err.message)
         except WorkerError as err:
@@ -959,6 +1025,106 @@ class Node:
                 raise WireError(Code.UNAVAILABLE, f"ended here; next hop {hop.peer_id}: {err}") from None
             if reply.error.code:
                 return reply.SerializeToString()
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
+
+
+    # --- resume ------------------------------------------------------------------------
+
+    def _session_range(self, session_id: bytes, model_sha256: str, begin: int, end: int) -> ServedRange:
+        if len(session_id) != SESSION_ID_BYTES:
+            raise WireError(
+                Code.INVALID_ARGUMENT, f"session_id has {len(session_id)} bytes, expected {SESSION_ID_BYTES}"
+            )
+        key: RangeKey = (model_sha256, begin, end)
+        served = self.ranges.get(key)
+        if served is None or served.state != State.READY or served.sessions is None or served.client is None:
+            raise WireError(Code.NOT_FOUND, f"this node does not serve {_range_name(key)} READY")
+        return served
+
+    @staticmethod
+    def _owner_only(served: ServedRange, session_id: bytes, remote_peer_id: str, role: int) -> None:
+        """A resume or replay of a session comes from its owner (a client)."""
+        assert served.sessions is not None
+        session = served.sessions.get(session_id)
+        if session is None:
+            raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()} in {_range_name(served.key)}")
+        if role != swarm_pb2.ROLE_CLIENT or session.owner_peer_id != remote_peer_id:
+            raise WireError(Code.REFUSED, f"session {session_id.hex()} belongs to {session.owner_peer_id}")
+
+    async def _resume_session(self, body: swarm_pb2.ResumeSessionRequest, remote_peer_id: str, role: int) -> bytes:
+        """Keep positions ``[0, keep_positions)`` of the session in range ``[begin, end)``; its
+        next step is ``next_step`` (a hop elsewhere on its route was lost and is rebuilt)."""
+        session_id = bytes(body.session_id)
+        served = self._session_range(session_id, body.model_sha256, body.begin, body.end)
+        self._owner_only(served, session_id, remote_peer_id, role)
+        assert served.sessions is not None and served.client is not None
+        with trio.move_on_after(self.config.resume_wait_s):
+            while (session := served.sessions.get(session_id)) is not None and session.pending:
+                await served.forward_done.wait()  # the step of this session in a Forward finishes
+        session, trim = served.sessions.resume(
+            session_id, body.keep_positions, body.next_step, remote_peer_id, _now_ms()
+        )
+        if trim:
+            try:
+                held = await served.client.trim_sequence(
+                    session.seq_id, body.keep_positions, timeout_s=self.config.worker_call_timeout_s
+                )
+            except WorkerError as err:
+                served.end_session(session_id)  # its positions on the worker are unknown now
+                raise WireError(Code.UNAVAILABLE, f"{_range_name(served.key)}: could not trim: {err}") from None
+            if held != body.keep_positions:
+                served.end_session(session_id)
+                raise WireError(
+                    Code.INTERNAL, f"{_range_name(served.key)}: trimmed to {held} positions, not {body.keep_positions}"
+                )
+        if served.kept is not None:
+            served.kept.trim(session_id, body.keep_positions)
+        log.info(
+            "%s: session %s resumed at %d positions, next step %d",
+            _range_name(served.key), session_id.hex(), body.keep_positions, body.next_step,
+        )  # fmt: skip
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
+
+    async def _replay(self, body: swarm_pb2.ReplayRequest, remote_peer_id: str, role: int) -> bytes:
+        """Send the rows this range kept for positions ``[0, positions)`` of the session, as
+        rebuild steps, to the replacement ``to`` of the lost next hop."""
+        session_id = bytes(body.session_id)
+        served = self._session_range(session_id, body.model_sha256, body.begin, body.end)
+        self._owner_only(served, session_id, remote_peer_id, role)
+        assert served.kept is not None and served.spec is not None
+        if not body.to:
+            raise WireError(Code.INVALID_ARGUMENT, "replay.to names no hop")
+        check_hops(body.to, served.spec.end, served.spec.n_layer, "replay.to", partial=True)
+        if body.resume_step < 1:
+            raise WireError(Code.INVALID_ARGUMENT, f"replay.resume_step must be >= 1, got {body.resume_step}")
+        try:
+            chunks = served.kept.replay(session_id, body.positions, body.max_rows or served.spec.n_batch_max)
+        except (RowsNotKept, ValueError) as err:
+            raise WireError(Code.UNAVAILABLE, f"{_range_name(served.key)}: {err}") from None
+        first = body.to[0]
+        for chunk in chunks:
+            request = replay_step_request(
+                session_id=session_id, resume_step=body.resume_step, hops=body.to, chunk=chunk,
+                n_embd=served.spec.n_embd, recipe_hash=served.spec.recipe_hash, model_sha256=served.spec.model_sha256,
+                owner_peer_id=remote_peer_id, owner_addrs=list(body.owner_addrs), sender_admission=self.admission,
+            )  # fmt: skip
+            data = request.SerializeToString()
+            try:
+                if first.peer_id == self.peer_id:
+                    raw = await self.handle_step(self.peer_id, data)
+                else:
+                    raw = await self.transport.request(
+                        first.peer_id, list(first.addrs), STEP_PROTOCOL, data, timeout_s=self.config.step_push_timeout_s
+                    )
+                ack = parse_record(swarm_pb2.StepAck, raw)
+            except (TransportError, WireError) as err:
+                raise WireError(Code.UNAVAILABLE, f"replacement hop {first.peer_id}: {err}") from None
+            if ack.error.code:
+                raise WireError(ack.error.code, f"replacement hop {first.peer_id} refused a rebuild step: {ack.error.message}")
+        log.info(
+            "%s: replayed %d positions of session %s to %s in %d steps",
+            _range_name(served.key), body.positions, session_id.hex(), first.peer_id, len(chunks),
+        )  # fmt: skip
         return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
 
 

@@ -456,6 +456,9 @@ class Tracker:
                 load=self._load(),
                 hop_latency_s=self.config.hop_latency_s,
                 avoid=request.avoid_peers,
+                begin=request.begin,
+                end=request.end or None,
+                recipe_hash=request.recipe_hash,
             )
         except NoRoute as error:
             raise _Refusal(Code.UNAVAILABLE, str(error)) from None

@@ -10,13 +10,10 @@ the lost peer, the tracker probes it) explains a quick resume) and measures:
    resume time, from the last token before the signal to the first token after it; median and
    max, and whether the tokens equal an undisturbed run's;
 2. the resume time against the context length: the last hop SIGKILLed at 128, 512 and 2048
-   positions (prompt + tokens so far), next to the time to prefill that many positions on a
-   healthy route (an undisturbed run's time to its first token).
-
-Today a resume IS a re-prefill of the whole new route (the prompt and the tokens so far, by
-the owner); resuming from inputs kept upstream, with only the lost range recomputing (issue
-13, item 2), is not built. Part 2 therefore shows how the re-prefill grows with context; the
-output says so.
+   positions (prompt + tokens so far), resumed (the survivors keep their caches, only the lost
+   range is rebuilt from the rows the hop before it kept), next to the same kill with resume
+   off (``SwarmClientConfig.resume=False``: the owner re-prefills the whole new route), and to
+   a healthy run's time to its first token at that length.
 
 After each signalled run the victim is SIGKILLed, restarted with the same key, and the next
 run waits until every range has two ready copies again.
@@ -25,7 +22,8 @@ Writes ``failover.json`` and ``failover.md`` under ``--out`` (default bench/resu
 machine described as ``bench/compare.py`` describes it. Run it alone on the machine.
 
 Usage: ``.venv/bin/python bench/failover.py [--kills 20] [--quick] [--out bench/results]``
-(``--kills 20``: 120 signalled runs plus the context part; roughly 20-30 minutes on 2 cores).
+(``--kills 20``: 120 signalled runs plus 2 x 5 per context length; roughly 30-40 minutes on 2
+cores).
 """
 
 from __future__ import annotations
@@ -64,8 +62,9 @@ TEXT = (
     "closes, a home router restarts, a game takes the GPU. "
 )
 RESUME_NOTE = (
-    "resume today = the owner re-prefills the whole new route (prompt + tokens so far); "
-    "resuming from inputs kept upstream (only the lost range recomputing) is not built yet"
+    "resume = the lost hop's range is replaced and rebuilt from the rows the hop before it kept "
+    "(the owner's tokens for a first hop), the surviving hops keep their caches; a loss before any "
+    "step was answered re-prefills a new route (counted as 'resumed: no')"
 )
 
 
@@ -80,9 +79,10 @@ def _stats(values: list[float]) -> dict:
 
 
 class Bench:
-    def __init__(self, swarm, client, memory_bytes: int, rng: random.Random) -> None:  # noqa: ANN001
+    def __init__(self, swarm, client, memory_bytes: int, rng: random.Random, reprefill_client=None) -> None:  # noqa: ANN001
         self.swarm = swarm
         self.c = client
+        self.reprefill_client = reprefill_client  # resume off: a replan re-prefills the whole route
         self.memory_bytes = memory_bytes
         self.rng = rng
         self.references: dict[int, tuple[list[int], float]] = {}  # prompt length -> (tokens, first_token_s)
@@ -99,7 +99,15 @@ class Bench:
         return self.references[key]
 
     async def signalled_run(
-        self, how: str, position: str, prompt: list[int], stop: list[int], *, max_tokens: int, at_token: int
+        self,
+        how: str,
+        position: str,
+        prompt: list[int],
+        stop: list[int],
+        *,
+        max_tokens: int,
+        at_token: int,
+        resume: bool = True,
     ) -> dict:
         """One generation with the hop at ``position`` signalled after ``at_token`` tokens; the
         victim is then restarted and the swarm waited for."""
@@ -121,9 +129,13 @@ class Bench:
                 signalled_after.append(len(times))
             return False
 
-        record = {"signal": how, "position": position, "positions_at_signal": len(prompt) + at_token, "victim": victim_id}
+        record = {
+            "signal": how, "position": position, "positions_at_signal": len(prompt) + at_token, "victim": victim_id,
+            "resume_enabled": resume,
+        }  # fmt: skip
+        client = self.c if resume else self.reprefill_client
         try:
-            result = await self.c.generate_tokens(
+            result = await client.generate_tokens(
                 ALIAS, prompt, max_tokens=max_tokens, stop_tokens=stop, on_token=on_token, route=route
             )
         except Exception as error:  # a failed generation is a result of this benchmark, not its end
@@ -134,6 +146,7 @@ class Bench:
                 ok=result.tokens == expected and bool(signalled_at),
                 tokens_equal=result.tokens == expected,
                 replans=result.replans,
+                resumed=bool(result.resumes),
                 resume_s=times[n] - times[n - 1] if n and len(times) > n else None,
                 healthy_step_s=(times[n - 1] - times[n - 2]) if n >= 2 else None,
                 healthy_prefill_s=healthy_first_token_s,
@@ -155,6 +168,7 @@ async def run(args: argparse.Namespace) -> dict:
         model_path=model_path(ALIAS), model_alias=ALIAS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS, threads=args.threads
     )  # a private temp work dir, removed at the end
     client_config = SwarmClientConfig(replan_attempts=2, replan_wait_s=30.0)
+    reprefill_config = SwarmClientConfig(replan_attempts=2, replan_wait_s=30.0, resume=False)
     kills: list[dict] = []
     contexts: list[dict] = []
     async with open_local_swarm(config) as swarm:
@@ -167,32 +181,40 @@ async def run(args: argparse.Namespace) -> dict:
             route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=300.0)
             await wait_for_copies(c, swarm, 2, timeout_s=300.0)
             text_tokens, stop = await c.tokenize(route, TEXT * 40)
-            bench = Bench(swarm, c, memory, rng)
-            prompt = text_tokens[:48]
-            log(f"swarm up: {NODES} nodes x {BLOCKS_EACH} blocks; {args.kills} runs per signal and position")
-
-            plan = [(how, position) for how in SIGNALS for position in POSITIONS for _ in range(args.kills)]
-            rng.shuffle(plan)
-            for i, (how, position) in enumerate(plan):
-                record = await bench.signalled_run(
-                    how, position, prompt, stop, max_tokens=args.max_tokens, at_token=rng.randint(3, args.max_tokens - 4)
-                )
-                kills.append(record)
-                log(f"{i + 1}/{len(plan)} {how} {position}: resume {record.get('resume_s')} ok={record['ok']}")
-
-            for n_ctx in args.contexts:
-                # signalled at n_ctx - 4 positions; the run ends at n_ctx (2048: the workers' context)
-                at_token = 4
-                n_prompt = n_ctx - 2 * at_token
-                ctx_prompt = (text_tokens * (n_prompt // len(text_tokens) + 1))[:n_prompt]
-                for _ in range(args.context_kills):
-                    record = await bench.signalled_run(
-                        "SIGKILL", "last", ctx_prompt, stop, max_tokens=2 * at_token, at_token=at_token
-                    )
-                    record["context_positions"] = n_ctx
-                    contexts.append(record)
-                    log(f"context {n_ctx}: resume {record.get('resume_s')} ok={record['ok']}")
+            async with open_swarm_client(swarm.tracker_addr, config=reprefill_config) as c_reprefill:
+                bench = Bench(swarm, c, memory, rng, c_reprefill)
+                await _measure(bench, args, rng, text_tokens, stop, kills, contexts)
     return {"kills": kills, "contexts": contexts}
+
+
+async def _measure(bench, args, rng, text_tokens, stop, kills, contexts) -> None:  # noqa: ANN001
+    """Part 1 (signals at each hop position), then part 2 (context lengths), into the lists."""
+    prompt = text_tokens[:48]
+    log(f"swarm up: {NODES} nodes x {BLOCKS_EACH} blocks; {args.kills} runs per signal and position")
+
+    plan = [(how, position) for how in SIGNALS for position in POSITIONS for _ in range(args.kills)]
+    rng.shuffle(plan)
+    for i, (how, position) in enumerate(plan):
+        record = await bench.signalled_run(
+            how, position, prompt, stop, max_tokens=args.max_tokens, at_token=rng.randint(3, args.max_tokens - 4)
+        )
+        kills.append(record)
+        log(f"{i + 1}/{len(plan)} {how} {position}: resume {record.get('resume_s')} ok={record['ok']}")
+
+    for n_ctx in args.contexts:
+        # signalled at n_ctx - 4 positions; the run ends at n_ctx (2048: the workers' context)
+        at_token = 4
+        n_prompt = n_ctx - 2 * at_token
+        ctx_prompt = (text_tokens * (n_prompt // len(text_tokens) + 1))[:n_prompt]
+        for _ in range(args.context_kills):
+            for resume in (True, False):
+                record = await bench.signalled_run(
+                    "SIGKILL", "last", ctx_prompt, stop, max_tokens=2 * at_token, at_token=at_token,
+                    resume=resume,
+                )  # fmt: skip
+                record["context_positions"] = n_ctx
+                contexts.append(record)
+                log(f"context {n_ctx} resume={resume}: {record.get('resume_s')} ok={record['ok']}")
 
 
 def summarize(raw: dict, args: argparse.Namespace) -> dict:
@@ -202,7 +224,8 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
             runs = [r for r in raw["kills"] if r["signal"] == how and r["position"] == position]
             gaps = [r["resume_s"] for r in runs if r.get("ok") and r.get("resume_s") is not None]
             by_signal_position[f"{how} {position}"] = {
-                **_stats(gaps), "runs": len(runs), "failed": sum(not r.get("ok") for r in runs)
+                **_stats(gaps), "runs": len(runs), "failed": sum(not r.get("ok") for r in runs),
+                "resumed": sum(bool(r.get("resumed")) for r in runs),
             }  # fmt: skip
     by_signal = {}
     for how in SIGNALS:
@@ -211,11 +234,19 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
     by_context = {}
     for n_ctx in args.contexts:
         runs = [r for r in raw["contexts"] if r["context_positions"] == n_ctx]
-        gaps = [r["resume_s"] for r in runs if r.get("ok") and r.get("resume_s") is not None]
+
+        def gaps(resume: bool, runs=runs) -> list[float]:  # noqa: ANN001
+            return [
+                r["resume_s"] for r in runs
+                if r.get("resume_enabled", True) == resume and r.get("ok") and r.get("resume_s") is not None
+            ]  # fmt: skip
+
         prefill = [r["healthy_prefill_s"] for r in runs if r.get("healthy_prefill_s") is not None]
         by_context[str(n_ctx)] = {
-            "resume": _stats(gaps),
-            "reprefill_whole_route_s": statistics.median(prefill) if prefill else None,
+            "resume": _stats(gaps(True)),
+            "reprefill": _stats(gaps(False)),
+            "healthy_prefill_s": statistics.median(prefill) if prefill else None,
+            "resumed": sum(bool(r.get("resumed")) for r in runs if r.get("resume_enabled", True)),
             "runs": len(runs),
             "failed": sum(not r.get("ok") for r in runs),
         }
@@ -248,22 +279,30 @@ def render_markdown(report: dict) -> str:
     for how, row in s["by_signal"].items():
         target = ", ".join(f"{k} <= {v} s" for k, v in row["target_s"].items())
         lines.append(f"| {how} | {_f(row.get('median_s'))} | {_f(row.get('max_s'))} | {row['n']} | {target} |")
-    lines += ["", "| signal, hop | median s | max s | runs | failed |", "|---|---|---|---|---|"]
-    for key, row in s["by_signal_position"].items():
-        lines.append(f"| {key} | {_f(row.get('median_s'))} | {_f(row.get('max_s'))} | {row['runs']} | {row['failed']} |")
     lines += [
         "",
-        "Resume time against context length (last hop SIGKILLed at that many positions), next to "
-        "re-prefilling the whole route (a healthy run's time to its first token at that length):",
-        "",
-        "| positions | resume median s | resume max s | re-prefill whole route s | runs | failed |",
+        "| signal, hop | median s | max s | runs | failed | resumed (survivors kept their caches) |",
         "|---|---|---|---|---|---|",
     ]
-    for n_ctx, row in s["by_context"].items():
-        r = row["resume"]
+    for key, row in s["by_signal_position"].items():
         lines.append(
-            f"| {n_ctx} | {_f(r.get('median_s'))} | {_f(r.get('max_s'))} | {_f(row['reprefill_whole_route_s'])} | "
-            f"{row['runs']} | {row['failed']} |"
+            f"| {key} | {_f(row.get('median_s'))} | {_f(row.get('max_s'))} | {row['runs']} | {row['failed']} | "
+            f"{row.get('resumed', 0)} |"
+        )
+    lines += [
+        "",
+        "Resume time against context length (last hop SIGKILLed at that many positions): resumed "
+        "(only the lost range rebuilt) next to resume off (the whole new route re-prefilled), and a "
+        "healthy run's time to its first token at that length:",
+        "",
+        "| positions | resume median s | resume max s | re-prefill median s | re-prefill max s | healthy prefill s | runs | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for n_ctx, row in s["by_context"].items():
+        r, p = row["resume"], row["reprefill"]
+        lines.append(
+            f"| {n_ctx} | {_f(r.get('median_s'))} | {_f(r.get('max_s'))} | {_f(p.get('median_s'))} | "
+            f"{_f(p.get('max_s'))} | {_f(row['healthy_prefill_s'])} | {row['runs']} | {row['failed']} |"
         )
     lines += ["", f"Wall time: {report['wall_time_s']:.0f} s.", ""]
     return "\n".join(lines)

@@ -12,9 +12,11 @@ again.
 After a loss the owner replaces the lost hop only: the surviving hops keep their caches (the
 nodes' own counters show each of them resumed the session it started, and started no other),
 and the replacement is rebuilt from the rows the hop before it kept (or from the owner's
-tokens for a first hop). A loss before the first step was answered has nothing to keep: that
-generation re-prefills a new route. Either way the greedy tokens must equal an undisturbed
-run's.
+tokens for a first hop), in the shapes the lost range first computed them, so a resumed
+generation's scores are bit-identical to an undisturbed run's (asserted: every token's top
+logits and log-sum-exp). A loss before the first step was answered has nothing to keep: that
+generation re-prefills a new route, in the same shapes. Either way the greedy tokens must
+equal an undisturbed run's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import signal
 import statistics
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import trio
 
@@ -67,6 +70,7 @@ class Chaos:
     stop_tokens: list[int]
     reference: list[int]  # greedy tokens of an undisturbed run through the swarm
     reference_first_token_s: float
+    reference_scores: list[tuple]  # each token's scores in that run (_scores)
 
     def name_of(self, peer_id: str) -> str:
         (name,) = [name for name, proc in self.swarm.nodes.items() if proc.peer_id == peer_id]
@@ -84,9 +88,24 @@ async def _start(swarm: LocalSwarm) -> Chaos:
         await wait_for_copies(c, swarm, 2, timeout_s=SETUP_TIMEOUT_S)
         prompt_tokens, stop_tokens = await c.tokenize(route, PROMPT)
         assert len(prompt_tokens) > 2 * PREFILL_CHUNK_TOKENS
-        run = await c.generate_tokens(ALIAS, prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=stop_tokens)
+        scores: list[tuple] = []
+
+        async def keep(_token: int, logits, _route) -> bool:  # noqa: ANN001
+            scores.append(_scores(logits))
+            return False
+
+        run = await c.generate_tokens(
+            ALIAS, prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=stop_tokens, on_token=keep
+        )
         assert len(run.tokens) == NEW_TOKENS and not run.replans
-    return Chaos(swarm, memory, prompt_tokens, stop_tokens, run.tokens, run.first_token_s)
+    return Chaos(swarm, memory, prompt_tokens, stop_tokens, run.tokens, run.first_token_s, scores)
+
+
+def _scores(logits) -> tuple:  # noqa: ANN001
+    """A token's scores as comparable bytes: the top-K ids, logits and log-sum-exp (or the row)."""
+    if isinstance(logits, np.ndarray):
+        return (logits.tobytes(),)
+    return (logits.ids.tobytes(), logits.logits.tobytes(), float(logits.log_sum_exp))
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +183,7 @@ async def _run_round(c, chaos: Chaos, plan: Round, rng: random.Random) -> None: 
     at_token = rng.randint(2, NEW_TOKENS - 6)  # decode: after this many tokens
     prefill_delay_s = rng.uniform(0.1, 0.8) * chaos.reference_first_token_s
     tokens: list[int] = []
+    scores: list[tuple] = []
     signalled: list[float] = []
     last_before = [0.0]
     first_after: list[float] = []
@@ -188,9 +208,10 @@ async def _run_round(c, chaos: Chaos, plan: Round, rng: random.Random) -> None: 
                     return
             await trio.sleep(0.1)
 
-    async def on_token(token: int, _logits, _route) -> bool:  # noqa: ANN001
+    async def on_token(token: int, logits, _route) -> bool:  # noqa: ANN001
         now = trio.current_time()
         tokens.append(token)
+        scores.append(_scores(logits))
         if signalled and not first_after:
             first_after.append(now)
         if not signalled:
@@ -222,6 +243,8 @@ async def _run_round(c, chaos: Chaos, plan: Round, rng: random.Random) -> None: 
     assert result.replans == 1, plan
     assert victim_id not in [h["node"] for h in result.route], plan
     plan.resumed = bool(result.resumes)
+    if plan.resumed:  # the rebuilt range computed the same numbers: bit for bit
+        assert scores == chaos.reference_scores, plan
     if plan.landed == "decode":  # steps were answered: there was something to keep
         assert result.resumes == 1, plan
     if plan.resumed:

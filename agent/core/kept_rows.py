@@ -9,8 +9,14 @@ Owns, for one served range of one node:
   over it keeps none from then on (``lost``): it can no longer be resumed from here, and its
   owner falls back to re-prefilling a new route;
 - trimming (a resume keeps positions ``[0, keep)``) and forgetting (the session ended);
-- the replay: the kept rows of positions ``[0, n)`` as contiguous chunks of at most
-  ``max_rows`` rows (consecutive steps' bytes joined), which is what a rebuild sends.
+- the replay: the kept rows of positions ``[0, n)`` in the shapes that rebuild the next
+  range's cache *bit for bit*: every step of more than ``merge_rows`` rows (a prefill chunk)
+  alone and whole, as it was first computed, and runs of smaller steps (decode rows) joined
+  into chunks of at most ``merge_rows``. Why: on the pinned CPU build a batch of under ~60 rows
+  computes each row exactly as a batch of one does, while larger batches take another path
+  (measured: logits differ by ~0.5 between a 64-row batch and the same rows one by one, and
+  are identical between 150 + 150 rows and 300 at once), so joining decode rows into a prefill-
+  sized batch would change the numbers, and replaying each decode row alone would be slow.
 
 Pure: bytes in, bytes out; no clock, no I/O. Must not import trio, grpc, libp2p or agent.io.
 """
@@ -132,16 +138,22 @@ class KeptStore:
     def forget(self, session_id: bytes) -> None:
         self._sessions.pop(session_id, None)
 
-    def replay(self, session_id: bytes, n_positions: int, max_rows: int) -> list[ReplayChunk]:
-        """The kept rows of positions ``[0, n_positions)`` in chunks of at most ``max_rows``.
+    def replay(self, session_id: bytes, n_positions: int, max_rows: int, merge_rows: int = 16) -> list[ReplayChunk]:
+        """The kept rows of positions ``[0, n_positions)``: each kept step of more than
+        ``merge_rows`` rows as it was (cut at ``n_positions``), runs of smaller ones joined
+        into chunks of at most ``merge_rows``; no chunk over ``max_rows`` (a longer step is
+        cut, which only a receiver with a smaller batch than the sender's needs).
 
         Raises:
           RowsNotKept: the session keeps no rows here, they were lost (over the budget), or
             they do not reach ``n_positions``.
           ValueError: ``n_positions`` or ``max_rows`` < 1.
         """
-        if n_positions < 1 or max_rows < 1:
-            raise ValueError(f"n_positions ({n_positions}) and max_rows ({max_rows}) must be >= 1")
+        if n_positions < 1 or max_rows < 1 or merge_rows < 1:
+            raise ValueError(
+                f"n_positions ({n_positions}), max_rows ({max_rows}) and merge_rows ({merge_rows}) must be >= 1"
+            )
+        merge_rows = min(merge_rows, max_rows)
         kept = self._sessions.get(session_id)
         if kept is None:
             raise RowsNotKept(f"no rows are kept for session {session_id.hex()}")
@@ -167,16 +179,22 @@ class KeptStore:
         for chunk in kept.steps:
             at = chunk.first_position
             end = min(at + chunk.n_rows, n_positions)
+            # a big step goes alone (in pieces of max_rows); small ones join up to merge_rows
+            limit = max_rows if chunk.n_rows > merge_rows else merge_rows
+            if chunk.n_rows > merge_rows or rows + (end - at) > merge_rows:
+                flush()
             while at < end:
-                if rows == max_rows:
+                if rows == limit:
                     flush()
                 if not rows:
                     start = at
-                take = min(end - at, max_rows - rows)
+                take = min(end - at, limit - rows)
                 offset = (at - chunk.first_position) * row_bytes
                 parts.append(chunk.data[offset : offset + take * row_bytes])
                 rows += take
                 at += take
+            if chunk.n_rows > merge_rows:
+                flush()
             if end == n_positions:
                 break
         flush()

@@ -218,6 +218,25 @@ class Session:
         """Positions every hop of the route holds for sure (the steps answered so far)."""
         return self._n_cached
 
+    def rebuild_chunks(self, keep_positions: int, merge_rows: int = 16) -> list[tuple[int, int]]:
+        """``(first position, rows)`` of the steps that rebuild a lost first hop from this
+        session's tokens, in the shapes its steps had (``agent.core.kept_rows``: so the rebuilt
+        cache is bit-exact): the prompt in its chunks of ``max_step_rows``, then the decoded
+        positions joined in runs of at most ``merge_rows``.
+        """
+        chunks: list[tuple[int, int]] = []
+        step_rows = self.max_step_rows or self.prompt_len
+        at = 0
+        while at < min(keep_positions, self.prompt_len):
+            n = min(step_rows, self.prompt_len - at, keep_positions - at)
+            chunks.append((at, n))
+            at += n
+        while at < keep_positions:
+            n = min(merge_rows, keep_positions - at)
+            chunks.append((at, n))
+            at += n
+        return chunks
+
     def resume(self, route_peer_ids: Sequence[str]) -> int:
         """Go on after a failed step, on a route where the lost part was rebuilt up to
         ``cached_positions``: the step that failed is sent again, numbered one past it (a late

@@ -106,6 +106,8 @@ class SwarmClientConfig:
     A prefill (chunk), or a decode before any was measured, has no measured time to go by: its
     hops are probed every ``probe_interval_s`` while it waits, and so is a decode past its
     deadline (a hop can die after answering a probe).
+    ``resume``: a lost hop is replaced while the other hops keep their caches (False: every
+    replan re-prefills a whole new route, e.g. to compare the two).
     """
 
     request_timeout_s: float = 10.0
@@ -120,6 +122,7 @@ class SwarmClientConfig:
     probe_timeout_s: float = 0.5
     report_grace_s: float = 0.2
     probe_interval_s: float = 1.0
+    resume: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -997,7 +1000,7 @@ class SwarmClient:
         """
         session = live.session
         lost_peer = error.failed_peer_id
-        plan = resume_plan(route, lost_peer, session.cached_positions)
+        plan = resume_plan(route, lost_peer, session.cached_positions) if self.config.resume else None
         if plan is None or not session.failed:
             log.info(
                 "session %s cannot resume around %s (%d positions answered, %s): re-prefilling",
@@ -1072,10 +1075,9 @@ class SwarmClient:
     ) -> None:
         """The first hop was lost: its replacement is rebuilt from the owner's own tokens."""
         first = hops[0]
-        chunk = self.config.prefill_chunk_tokens
-        for at in range(0, keep, chunk):
+        for at, n_rows in session.rebuild_chunks(keep):
             request = first_step_request(
-                session_id=session.session_id, step=resume_step, hops=hops, token_ids=session.tokens[at : min(keep, at + chunk)],
+                session_id=session.session_id, step=resume_step, hops=hops, token_ids=session.tokens[at : at + n_rows],
                 first_position=at, recipe_hash=route.recipe_hash, model_sha256=route.model_sha256,
                 owner_peer_id=self.peer_id, owner_addrs=self.transport.listen_addrs, sender_admission=self.admission,
                 resume_step=resume_step,

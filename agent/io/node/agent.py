@@ -165,6 +165,9 @@ class NodeConfig:
         rebuilding a lost next hop (SmolLM2's 2,048 positions in f32: 4.7 MB; 0 keeps none:
         a lost hop after this one then costs a re-prefill of the whole route).
       resume_wait_s: how long a resume waits for a step of the session still in a Forward.
+      replay_merge_rows: a replay joins kept decode rows into rebuild steps of at most this
+        many rows, and sends every larger step as it was (``agent.core.kept_rows``: batches
+        this small compute each row as a batch of one does, so the rebuild is bit-exact).
     """
 
     tracker: str
@@ -197,6 +200,7 @@ class NodeConfig:
     manifest_timeout_s: float = 300.0
     kept_rows_max_bytes: int = 64 * 1024 * 1024
     resume_wait_s: float = 5.0
+    replay_merge_rows: int = 16
 
 
 class NodeError(Exception):
@@ -1098,7 +1102,9 @@ class Node:
         if body.resume_step < 1:
             raise WireError(Code.INVALID_ARGUMENT, f"replay.resume_step must be >= 1, got {body.resume_step}")
         try:
-            chunks = served.kept.replay(session_id, body.positions, body.max_rows or served.spec.n_batch_max)
+            chunks = served.kept.replay(
+                session_id, body.positions, body.max_rows or served.spec.n_batch_max, self.config.replay_merge_rows
+            )
         except (RowsNotKept, ValueError) as err:
             raise WireError(Code.UNAVAILABLE, f"{_range_name(served.key)}: {err}") from None
         first = body.to[0]

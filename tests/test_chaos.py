@@ -328,3 +328,59 @@ async def test_a_tracker_killed_mid_generation_loses_nothing(chaos: Chaos) -> No
         again = await c.generate_tokens(ALIAS, chaos.prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=chaos.stop_tokens)
         assert again.tokens == chaos.reference
     swarm.check_alive()
+
+
+@pytest.mark.timeout(120)
+async def test_only_the_owner_resumes_or_replays_its_session_and_a_bad_resume_changes_nothing(chaos: Chaos) -> None:
+    """Another admitted client cannot trim or replay someone's session; the owner's own resume
+    past what a hop holds is refused; the generation goes on unchanged."""
+    async with open_swarm_client(chaos.swarm.tracker_addr, config=_client_config()) as owner, open_swarm_client(
+        chaos.swarm.tracker_addr, config=_client_config()
+    ) as other:
+        await wait_for_copies(owner, chaos.swarm, 2, timeout_s=90.0)
+        route = await owner.route(ALIAS)
+        answers: dict[str, swarm_pb2.NodeReply] = {}
+
+        async def ask(client, name: str, hop: swarm_pb2.Hop, request: swarm_pb2.NodeRequest) -> None:  # noqa: ANN001
+            request.schema_version = 1
+            request.sender_admission.CopyFrom(client.admission)
+            raw = await client.transport.request(
+                hop.peer_id, list(hop.addrs), "/baton/node/1.0.0", request.SerializeToString(), timeout_s=10
+            )
+            answers[name] = swarm_pb2.NodeReply.FromString(raw)
+
+        async def on_token(token: int, _logits, _route) -> bool:  # noqa: ANN001
+            tokens.append(token)
+            if len(tokens) != 3:
+                return False
+            (session_id,) = list(owner._live)  # the session in flight
+            first, middle = route.hops[0], route.hops[1]
+
+            def resume(keep: int, hop: swarm_pb2.Hop) -> swarm_pb2.NodeRequest:
+                body = swarm_pb2.ResumeSessionRequest(
+                    session_id=session_id, model_sha256=route.model_sha256, keep_positions=keep, next_step=99,
+                    begin=hop.begin, end=hop.end,
+                )  # fmt: skip
+                return swarm_pb2.NodeRequest(resume_session=body)
+
+            replay = swarm_pb2.ReplayRequest(
+                session_id=session_id, model_sha256=route.model_sha256, begin=first.begin, end=first.end, positions=4,
+                resume_step=99, to=[middle], max_rows=16,
+            )  # fmt: skip
+            await ask(other, "other resumes", first, resume(4, first))
+            await ask(other, "other replays", first, swarm_pb2.NodeRequest(replay=replay))
+            await ask(owner, "owner keeps too much", middle, resume(10_000, middle))
+            return False
+
+        tokens: list[int] = []
+        result = await owner.generate_tokens(
+            ALIAS, chaos.prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=chaos.stop_tokens, on_token=on_token,
+            route=route,
+        )  # fmt: skip
+    refused, bad = swarm_pb2.Error.REFUSED, swarm_pb2.Error.INVALID_ARGUMENT
+    assert answers["other resumes"].error.code == refused, answers
+    assert "belongs to" in answers["other resumes"].error.message
+    assert answers["other replays"].error.code == refused, answers
+    assert answers["owner keeps too much"].error.code == bad, answers
+    assert "10000 asked to keep" in answers["owner keeps too much"].error.message
+    assert result.tokens == chaos.reference and not result.replans

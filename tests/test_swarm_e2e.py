@@ -257,8 +257,10 @@ def test_baton_generate_survives_its_first_hop_being_killed(tmp_path: Path) -> N
             assert process.returncode == 0, errors
             text = output.decode()
             assert text.split("\nroute:")[0] == reference_text
-            assert f"replanning without {victim_id}" in errors
+            assert f"replacing {victim_id}" in errors
             assert victim_id not in text.split("\nroute:")[1]
+            # only the lost first hop was rebuilt (from the owner's tokens); the others kept their caches
+            assert "recovered:     1 lost hop(s); 1 replaced with the other hops' caches kept" in text, text
             await running.swarm.kill_node(by_peer[victim_id])
 
     trio.run(main)

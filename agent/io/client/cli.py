@@ -124,6 +124,12 @@ def main(args: argparse.Namespace) -> int:
             f"tokens/s:      {result.tokens_per_s:.1f} decode, {result.prefill_tokens_per_s:.1f} prefill "
             f"({len(result.tokens)} tokens{', stopped by end of generation' if result.stopped_by_token else ''})"
         )
+        if result.replans:
+            resumed = ", ".join(f"{s:.2f} s" for s in result.resume_s)
+            print(
+                f"recovered:     {result.replans} lost hop(s); {result.resumes} replaced with the other hops' "
+                f"caches kept{f' ({resumed})' if resumed else ''}, {result.replans - result.resumes} by a re-prefill"
+            )
     return 0
 
 

@@ -100,6 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--heartbeat-interval-ms", type=cli_args.positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"
     )
+    parser.add_argument(
+        "--kept-rows-max-bytes", type=cli_args.non_negative_int, default=64 * 1024 * 1024, metavar="N",
+        help="per session and range, the most bytes of output rows kept to rebuild a lost next hop"
+        " (default 64 MiB; 0: keep none, a lost next hop then costs a re-prefill of the route)",
+    )  # fmt: skip
 
 
 @contextlib.asynccontextmanager
@@ -171,6 +176,7 @@ async def run(args: argparse.Namespace) -> int:
         ctx_size=args.ctx_size,
         max_sequences=args.max_sequences,
         session_idle_timeout_s=args.session_idle_timeout_s,
+        kept_rows_max_bytes=args.kept_rows_max_bytes,
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         relay=relay,
         probe=probe,

@@ -98,22 +98,13 @@ class SessionTable:
         else:
             if session is None:
                 raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()} at step {step} (no step 0 here)")
-            if session.owner_peer_id != owner_peer_id:
-                raise WireError(
-                    Code.REFUSED, f"session {session_id.hex()} belongs to {session.owner_peer_id}, not {owner_peer_id}"
-                )
+            self._check_owner(session, owner_peer_id)
             if step != session.next_step:
                 raise WireError(
                     Code.INVALID_ARGUMENT,
                     f"session {session_id.hex()}: step {step} out of order (expected {session.next_step})",
                 )
-            if first_position != session.next_position:
-                raise WireError(
-                    Code.INVALID_ARGUMENT,
-                    f"session {session_id.hex()}: step {step} starts at position {first_position},"
-                    f" expected {session.next_position}",
-                )
-            self._check_context(session_id, first_position, n_rows)
+            self._check_continues(session, first_position, n_rows, f"step {step} starts")
             session.rebuilding = False
         session.next_step = step + 1
         session.next_position = first_position + n_rows
@@ -161,17 +152,8 @@ class SessionTable:
                 raise WireError(
                     Code.INVALID_ARGUMENT, f"session {session_id.hex()} is {what}: rebuild rows at {first_position} refused"
                 )
-            if session.owner_peer_id != owner_peer_id:
-                raise WireError(
-                    Code.REFUSED, f"session {session_id.hex()} belongs to {session.owner_peer_id}, not {owner_peer_id}"
-                )
-            if first_position != session.next_position:
-                raise WireError(
-                    Code.INVALID_ARGUMENT,
-                    f"session {session_id.hex()}: rebuild rows start at position {first_position},"
-                    f" expected {session.next_position}",
-                )
-            self._check_context(session_id, first_position, n_rows)
+            self._check_owner(session, owner_peer_id)
+            self._check_continues(session, first_position, n_rows, "rebuild rows start")
         session.next_step = resume_step
         session.next_position = first_position + n_rows
         session.pending += 1
@@ -196,8 +178,7 @@ class SessionTable:
         session = self._sessions.get(session_id)
         if session is None:
             raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()}: nothing to resume")
-        if session.owner_peer_id != owner_peer_id:
-            raise WireError(Code.REFUSED, f"session {session_id.hex()} belongs to {session.owner_peer_id}")
+        self._check_owner(session, owner_peer_id)
         if session.pending:
             raise WireError(Code.UNAVAILABLE, f"session {session_id.hex()} has a step in a Forward")
         if keep_positions > session.next_position:
@@ -216,6 +197,23 @@ class SessionTable:
         session.last_used_ms = now_ms
         self.resumed += 1
         return session, trim
+
+    @staticmethod
+    def _check_owner(session: NodeSession, owner_peer_id: str) -> None:
+        if session.owner_peer_id != owner_peer_id:
+            raise WireError(
+                Code.REFUSED, f"session {session.session_id.hex()} belongs to {session.owner_peer_id}, not {owner_peer_id}"
+            )
+
+    def _check_continues(self, session: NodeSession, first_position: int, n_rows: int, what: str) -> None:
+        """Rows at ``first_position`` must continue the session, within its context."""
+        if first_position != session.next_position:
+            raise WireError(
+                Code.INVALID_ARGUMENT,
+                f"session {session.session_id.hex()}: {what} at position {first_position},"
+                f" expected {session.next_position}",
+            )
+        self._check_context(session.session_id, first_position, n_rows)
 
     def _check_context(self, session_id: bytes, first_position: int, n_rows: int) -> None:
         if first_position + n_rows > self.n_ctx_per_sequence:

@@ -819,12 +819,7 @@ class Node:
             return
         data = request.SerializeToString()
         try:
-            if hop.peer_id == self.peer_id:
-                reply = await self.handle_step(self.peer_id, data)
-            else:
-                reply = await self.transport.request(
-                    hop.peer_id, list(hop.addrs), STEP_PROTOCOL, data, timeout_s=self.config.step_push_timeout_s
-                )
+            reply = await self._send_to_hop(hop, STEP_PROTOCOL, data, self.config.step_push_timeout_s)
             ack = parse_record(swarm_pb2.StepAck, reply)
         except TransportError as err:
             await self._send_error(step, Code.UNAVAILABLE, f"next hop {hop.peer_id} unreachable: {err}", hop.peer_id)
@@ -836,6 +831,17 @@ class Node:
             await self._send_error(
                 step, ack.error.code, f"next hop {hop.peer_id} refused the step: {ack.error.message}", hop.peer_id
             )
+
+    async def _send_to_hop(self, hop: swarm_pb2.Hop, protocol: str, data: bytes, timeout_s: float) -> bytes:
+        """``data`` on ``protocol`` to ``hop``: handled here when this node runs that hop too.
+
+        Raises:
+          TransportError: the hop could not be reached.
+        """
+        if hop.peer_id == self.peer_id:
+            handler = self.handle_step if protocol == STEP_PROTOCOL else self.handle_node
+            return await handler(self.peer_id, data)
+        return await self.transport.request(hop.peer_id, list(hop.addrs), protocol, data, timeout_s=timeout_s)
 
     async def _send_error(self, step: StepInput, code: int, message: str, failed_peer_id: str) -> None:
         log.info("step %d of session %s failed at %s: %s", step.step, step.session_id.hex(), failed_peer_id, message)
@@ -939,7 +945,8 @@ class Node:
         served.wakeup.set()
 
     async def handle_node(self, remote_peer_id: str, data: bytes) -> bytes:
-        """``/baton/node/1.0.0``: tokenize, detokenize, end_session. Never raises."""
+        """``/baton/node/1.0.0``: tokenize, detokenize, end_session, resume_session, replay.
+        Never raises."""
         try:
             request = parse_record(swarm_pb2.NodeRequest, data)
             record = self._check_sender(request.sender_admission, remote_peer_id)
@@ -1018,12 +1025,7 @@ class Node:
             )
             data = forward.SerializeToString()
             try:
-                if hop.peer_id == self.peer_id:
-                    raw = await self.handle_node(self.peer_id, data)
-                else:
-                    raw = await self.transport.request(
-                        hop.peer_id, list(hop.addrs), NODE_PROTOCOL, data, timeout_s=self.config.request_timeout_s
-                    )
+                raw = await self._send_to_hop(hop, NODE_PROTOCOL, data, self.config.request_timeout_s)
                 reply = parse_record(swarm_pb2.NodeReply, raw)
             except (TransportError, WireError) as err:
                 raise WireError(Code.UNAVAILABLE, f"ended here; next hop {hop.peer_id}: {err}") from None
@@ -1116,12 +1118,7 @@ class Node:
             )  # fmt: skip
             data = request.SerializeToString()
             try:
-                if first.peer_id == self.peer_id:
-                    raw = await self.handle_step(self.peer_id, data)
-                else:
-                    raw = await self.transport.request(
-                        first.peer_id, list(first.addrs), STEP_PROTOCOL, data, timeout_s=self.config.step_push_timeout_s
-                    )
+                raw = await self._send_to_hop(first, STEP_PROTOCOL, data, self.config.step_push_timeout_s)
                 ack = parse_record(swarm_pb2.StepAck, raw)
             except (TransportError, WireError) as err:
                 raise WireError(Code.UNAVAILABLE, f"replacement hop {first.peer_id}: {err}") from None

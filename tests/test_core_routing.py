@@ -1,4 +1,5 @@
-"""agent.core.routing: exact chains of READY ranges, cheapest first, sessions spread by load."""
+"""agent.core.routing: exact chains of READY ranges, cheapest first, sessions packed onto a
+route until one of its ranges is full."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ SHA = "aa" * 32
 R1, R2 = "recipe-1", "recipe-2"
 
 
-def rr(peer: str, begin: int, end: int, decode_s: float = 0.01, recipe: str = R1) -> ReadyRange:
-    return ReadyRange(peer, (f"/memory/{peer}",), begin, end, recipe, decode_s)
+def rr(
+    peer: str, begin: int, end: int, decode_s: float = 0.01, recipe: str = R1, sessions: int = 0, capacity: int = 0
+) -> ReadyRange:
+    return ReadyRange(peer, (f"/memory/{peer}",), begin, end, recipe, decode_s, sessions, capacity)
 
 
 def hops(plan) -> list[tuple[str, int, int]]:
@@ -46,19 +49,32 @@ def test_link_latency_prefers_fewer_hops():
     assert hops(plan_route("m", SHA, 30, ranges, hop_latency_s=0.0)) == [("A", 0, 10), ("B", 10, 20), ("C", 20, 30)]
 
 
-def test_spreads_sessions_over_redundant_hops_by_load():
-    ranges = [rr("A", 0, 15), rr("B", 15, 30), rr("C", 0, 15), rr("D", 15, 30)]
-    assert hops(plan_route("m", SHA, 30, ranges)) == [("A", 0, 15), ("B", 15, 30)]
-    assert hops(plan_route("m", SHA, 30, ranges, load={"A": 1, "B": 1})) == [("C", 0, 15), ("D", 15, 30)]
-    assert hops(plan_route("m", SHA, 30, ranges, load={"A": 1, "D": 1})) == [("C", 0, 15), ("B", 15, 30)]
+def test_packs_sessions_onto_the_busiest_route_until_one_of_its_ranges_is_full():
+    def ranges(a: int, b: int, c: int = 0, d: int = 0) -> list[ReadyRange]:
+        return [rr("A", 0, 15, sessions=a, capacity=4), rr("B", 15, 30, sessions=b, capacity=4),
+                rr("C", 0, 15, sessions=c, capacity=4), rr("D", 15, 30, sessions=d, capacity=4)]  # fmt: skip
+
+    assert hops(plan_route("m", SHA, 30, ranges(0, 0))) == [("A", 0, 15), ("B", 15, 30)]
+    # the sessions C and D carry draw the next one there: it batches with them
+    assert hops(plan_route("m", SHA, 30, ranges(0, 0, 2, 2))) == [("C", 0, 15), ("D", 15, 30)]
+    assert hops(plan_route("m", SHA, 30, ranges(3, 3, 1, 1))) == [("A", 0, 15), ("B", 15, 30)]
+    # B is full: the route goes around it, keeping the busiest room it has
+    assert hops(plan_route("m", SHA, 30, ranges(3, 4, 1, 1))) == [("A", 0, 15), ("D", 15, 30)]
+    # routes handed out since the last heartbeats count too
+    assert hops(plan_route("m", SHA, 30, ranges(3, 3, 1, 1), load={"B": 1})) == [("A", 0, 15), ("D", 15, 30)]
+    # every route full: the cheapest anyway (its owner waits for a sequence)
+    assert hops(plan_route("m", SHA, 30, ranges(4, 4, 4, 4))) == [("A", 0, 15), ("B", 15, 30)]
+    # unknown capacity is never full
+    assert hops(plan_route("m", SHA, 30, [rr("A", 0, 30, sessions=50), rr("B", 0, 30)])) == [("A", 0, 30)]
 
 
 def test_nearly_equal_measurements_count_as_a_tie():
-    ranges = [rr("A", 0, 30, 0.0100001), rr("B", 0, 30, 0.0100002)]
-    assert hops(plan_route("m", SHA, 30, ranges, load={"A": 2})) == [("B", 0, 30)]
+    ranges = [rr("A", 0, 30, 0.0100001, capacity=2), rr("B", 0, 30, 0.0100002, capacity=2)]
+    assert hops(plan_route("m", SHA, 30, ranges, load={"B": 1})) == [("B", 0, 30)]
+    assert hops(plan_route("m", SHA, 30, ranges, load={"B": 2})) == [("A", 0, 30)]
     # but a clear speed difference beats load
     ranges = [rr("A", 0, 30, 0.01), rr("B", 0, 30, 0.02)]
-    assert hops(plan_route("m", SHA, 30, ranges, load={"A": 5})) == [("A", 0, 30)]
+    assert hops(plan_route("m", SHA, 30, ranges, load={"B": 5})) == [("A", 0, 30)]
 
 
 def test_hops_chain_exactly():

@@ -143,3 +143,102 @@ def test_idle_sessions_are_those_with_nothing_pending() -> None:
     table.done(S3, now_ms=2500)  # unknown: ignored
     assert table.idle(now_ms=3500, timeout_ms=1000) == [S1, S2]
     assert table.get(S2).pending == 0 and sorted(table.session_ids()) == [S1, S2]
+
+
+# --- phases, row budget, compatibility key -----------------------------------------------------
+
+
+def test_decode_steps_go_first_and_prefill_chunks_fill_the_rest_of_the_budget() -> None:
+    scheduler: StepScheduler[str] = StepScheduler(16, 8, prefill_share=0.0)
+    scheduler.push("p0", session=0, n_rows=8)
+    scheduler.next_batch()  # a prefill-first Forward: the next one is decode-first
+    scheduler.push("chunk", session=5, n_rows=10)
+    scheduler.push("big", session=6, n_rows=8)
+    for s in (1, 2, 3):
+        scheduler.push(f"d{s}", session=s, n_rows=1)
+    # every decode step, then the oldest chunk that fits the 13 rows left; "big" does not
+    assert scheduler.next_batch() == ["d1", "d2", "d3", "chunk"]
+    assert scheduler.next_batch() == ["big"]
+
+
+def test_a_prompt_waiting_gets_every_other_forward_and_its_share_of_decode_first_ones() -> None:
+    scheduler: StepScheduler[str] = StepScheduler(8, 8, prefill_share=0.5)
+    for s in range(6):
+        scheduler.push(f"d{s}", session=s, n_rows=1)
+    scheduler.push("prompt", session=9, n_rows=8)
+    # prompts wait and the previous Forward (none) served none: prefill-first, the chunk fills it
+    assert scheduler.next_batch() == ["prompt"]
+    scheduler.push("chunk2", session=9, n_rows=4)
+    # decode-first: the decode rows leave half of the budget to the waiting chunk
+    assert scheduler.next_batch() == ["d0", "d1", "d2", "d3", "chunk2"]
+    assert scheduler.next_batch() == ["d4", "d5"]
+    assert (scheduler.forwards, scheduler.prefill_first_forwards) == (3, 1)
+
+
+def test_steps_of_another_key_never_share_a_forward() -> None:
+    scheduler: StepScheduler[str] = StepScheduler(16, 8)
+    scheduler.push("f32-a", session=0, n_rows=1, key="f32")
+    scheduler.push("f16-b", session=1, n_rows=1, key="f16")
+    scheduler.push("f32-c", session=2, n_rows=3, key="f32")
+    scheduler.push("f16-d", session=3, n_rows=1, key="f16")
+    assert scheduler.next_batch() == ["f32-a", "f32-c"]  # the oldest step's key
+    assert scheduler.next_batch() == ["f16-b", "f16-d"]
+    assert scheduler.next_batch() == []
+
+
+def test_the_forward_key_is_recipe_model_blocks_schema_and_dtype_not_the_phase() -> None:
+    import numpy as np
+
+    from agent.core.batching import forward_key
+    from agent.core.boundary import WireDType
+    from agent.core.swarm_wire import StepInput
+
+    def step(**fields) -> StepInput:
+        base = dict(
+            session_id=S1, step=0, begin=10, end=20, positions=np.arange(1, dtype=np.int32), token_ids=None,
+            rows=np.zeros((1, 4), np.float32), dtype=int(WireDType.F32), n_embd=4, recipe_hash="r1",
+            model_sha256="m1", rest=(), owner_peer_id="o", owner_addrs=(),
+        )  # fmt: skip
+        base.update(fields)
+        return StepInput(**base)
+
+    key = forward_key(step())
+    assert forward_key(step(positions=np.arange(5, dtype=np.int32), session_id=S2)) == key  # a chunk of another session
+    for other in (dict(recipe_hash="r2"), dict(model_sha256="m2"), dict(dtype=int(WireDType.F16)), dict(begin=0)):
+        assert forward_key(step(**other)) != key, other
+
+
+def test_bounded_service_while_a_long_prompt_is_prefilled_in_chunks() -> None:
+    """A 512-token prompt in chunks of 128 arrives while 4 sessions decode, each sending its
+    next step as soon as its last one left the worker (what owners do). Simulated Forwards
+    cost 1 + rows/128 time units (a decode row is cheap next to weights read once)."""
+    scheduler: StepScheduler[tuple[str, int]] = StepScheduler(512, 8, row_budget=160, prefill_share=0.25)
+    now = 0.0
+    waits: list[int] = []  # Forwards each decode step waited behind
+    queued_at: dict[int, int] = {}
+    for s in range(4):
+        scheduler.push(("decode", s), session=s, n_rows=1)
+        queued_at[s] = 0
+    chunks_left = 4
+    scheduler.push(("prefill", 0), session=99, n_rows=128)
+    prompt_done_at = None
+    for forward in range(1, 41):
+        batch = scheduler.next_batch()
+        rows = 0
+        for kind, index in batch:
+            if kind == "decode":
+                waits.append(forward - 1 - queued_at[index])
+                queued_at[index] = forward
+                scheduler.push(("decode", index), session=index, n_rows=1)
+                rows += 1
+            else:
+                rows += 128
+                chunks_left -= 1
+                if chunks_left:
+                    scheduler.push(("prefill", 4 - chunks_left), session=99, n_rows=128)
+                else:
+                    prompt_done_at = forward
+        now += 1 + rows / 128
+    assert max(waits) <= 1, waits  # no decode step waited behind more than one Forward
+    assert prompt_done_at is not None and prompt_done_at <= 8  # the prompt still came through
+    assert now > 0

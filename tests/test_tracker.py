@@ -108,12 +108,16 @@ class Peer:
         signed = adm.sign_fingerprint(self.key, self.fingerprint(**overrides))
         return await self.call(register=swarm_pb2.RegisterRequest(fingerprint=signed))
 
-    async def heartbeat(self, serving=(), recipe="recipe-1", state=READY) -> swarm_pb2.TrackerReply:
+    async def heartbeat(
+        self, serving=(), recipe="recipe-1", state=READY, in_use: int = 0, total: int = 0
+    ) -> swarm_pb2.TrackerReply:
         statuses = [
             swarm_pb2.AssignmentStatus(
                 assignment=swarm_pb2.Assignment(model_sha256=MODEL.sha256, begin=b, end=e),
                 state=state,
                 recipe_hash=recipe if state == READY else "",
+                sequences_in_use=in_use,
+                sequences_total=total,
             )
             for b, e in serving
         ]
@@ -472,18 +476,44 @@ async def test_route_once_nodes_report_ready(autojump_clock, db_path):
         assert reply.error.code == Code.UNAVAILABLE
 
 
-async def test_routes_spread_over_redundant_copies(autojump_clock, db_path):
-    async with running_tracker(db_path) as h:
+async def test_routes_pack_onto_one_copy_until_it_is_full_and_follow_live_sessions(autojump_clock, db_path):
+    """Sessions share a route (they merge into one Forward at every hop) while its ranges have
+    free sequences, counted from the nodes' own heartbeats plus the routes handed out since;
+    a second copy takes sessions once the first is full; ends show in the next heartbeat, also
+    after a tracker restart."""
+    net = MemoryNetwork()
+    async with running_tracker(db_path, net=net) as h:
         nodes = [h.peer(i) for i in (1, 2)]
         for n in nodes:
             await n.register()
         assert [(r.assignment.begin, r.assignment.end) for r in h.store.assignments()] == [(0, 6), (0, 6)]
         for n in nodes:
-            await n.heartbeat(serving=[(0, 6)])
+            await n.heartbeat(serving=[(0, 6)], total=2)
         client = h.peer(3)
-        first = (await client.call(route={"model": "tiny"})).route.hops[0].peer_id
-        second = (await client.call(route={"model": "tiny"})).route.hops[0].peer_id
-        assert {first, second} == {n.peer_id for n in nodes}
+
+        async def route_to() -> str:
+            return (await client.call(route={"model": "tiny"})).route.hops[0].peer_id
+
+        first = await route_to()
+        # not yet in its heartbeat, the session handed out counts: the next goes with it
+        assert await route_to() == first
+        # its two sequences are taken now: the other copy opens
+        (busy,) = [n for n in nodes if n.peer_id == first]
+        (spare,) = [n for n in nodes if n.peer_id != first]
+        await trio.sleep(h.config.route_handout_grace_s)
+        await busy.heartbeat(serving=[(0, 6)], in_use=2, total=2)
+        assert await route_to() == spare.peer_id
+        # both sessions ended: the busy copy's heartbeat says so, and it packs again ...
+        await trio.sleep(h.config.route_handout_grace_s)
+        await busy.heartbeat(serving=[(0, 6)], in_use=1, total=2)
+        await spare.heartbeat(serving=[(0, 6)], in_use=1, total=2)
+        chosen = await route_to()
+        assert chosen in (busy.peer_id, spare.peer_id)
+    # ... and a restarted tracker routes by what the nodes report in their next heartbeats
+    async with running_tracker(db_path, net=net, models=()) as h:
+        for n in nodes:
+            await n.heartbeat(serving=[(0, 6)], in_use=2 if n is busy else 1, total=2)
+        assert (await client.call(route={"model": "tiny"})).route.hops[0].peer_id == spare.peer_id
 
 
 async def test_a_lost_peer_that_does_not_answer_a_probe_leaves_routes_at_once(autojump_clock, db_path):

@@ -3,12 +3,18 @@
 Owns the routing rule of the shared swarm semantics (docs/SWARM.md): from the ranges nodes
 report READY, all with one recipe hash, choose hops that chain exactly (hop i ends where hop
 i+1 begins) from block 0 to n_layer, minimising the estimated step time
-``sum(blocks * decode_s_per_block) + hop_latency_s`` per hop. Ties (costs are compared in
-units of ``cost_resolution_s``, so that two nodes measured a hair apart count as equally fast)
-go to the route with the least current session load (which spreads sessions over redundant
-hops), then to the smaller peer ids.
+``sum(blocks * decode_s_per_block) + hop_latency_s`` per hop, over ranges that still have
+room for a session. Sessions are *packed*, not spread: among routes of equal cost (costs are
+compared in units of ``cost_resolution_s``, so that two nodes measured a hair apart count as
+equally fast) the one already carrying the most live sessions wins, so compatible sessions
+share a route and merge into one Forward at every hop (continuous batching); a range whose
+live sessions reach its capacity (its worker's sequences, or the tracker's per-route cap)
+is full, and a route through a full range is taken only when every route has one (its
+owner then waits for a sequence). So a redundant route opens when the first is full, or for
+a session that must avoid a peer. Then the smaller peer ids.
 
-Pure: no I/O, no clock. The tracker passes the load it has counted.
+Pure: no I/O, no clock. The tracker passes the live sessions nodes report and the routes it
+handed out since.
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ class ReadyRange:
     end: int
     recipe_hash: str
     decode_s_per_block: float
+    sessions: int = 0  # live sessions on this range (the node's last heartbeat)
+    capacity: int = 0  # sessions it can hold at once (0: unknown, never full)
+
+    def full(self, extra: int = 0) -> bool:
+        return self.capacity > 0 and self.sessions + extra >= self.capacity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +82,8 @@ def plan_route(
 
     Args:
       model: the name the caller asked for (used in the error message).
-      load: sessions currently routed through each peer id (missing: 0).
+      load: sessions each peer id took on that its ranges' ``sessions`` do not count yet (routes
+        handed out since its last heartbeat; missing: 0).
       avoid: peers the route must not go through (an owner lost them).
       hop_latency_s: estimated link latency added per hop.
       cost_resolution_s: costs are compared in whole units of this.
@@ -127,20 +139,21 @@ def _best_chain(
     hop_latency_s: float,
     cost_resolution_s: float,
 ) -> tuple[tuple, list[ReadyRange]] | None:
-    """Dynamic programme over block boundaries: best[b] = the best chain from 0 ending at b,
-    keyed (cost units, total load, peer ids); ranges only go forward, so boundaries in
-    increasing order are a topological order."""
+    """Dynamic programme over block boundaries: best[b] = the best chain from ``begin`` ending
+    at b, keyed (full ranges, cost units, minus the sessions carried, peer ids); ranges only go
+    forward, so boundaries in increasing order are a topological order."""
     by_begin: dict[int, list[ReadyRange]] = {}
     for r in sorted(ranges, key=lambda r: (r.begin, r.end, r.peer_id)):
         by_begin.setdefault(r.begin, []).append(r)
-    best: dict[int, tuple[tuple, list[ReadyRange]]] = {begin: ((0, 0, ()), [])}
+    best: dict[int, tuple[tuple, list[ReadyRange]]] = {begin: ((0, 0, 0, ()), [])}
     for boundary in range(begin, end):
         if boundary not in best:
             continue
-        (cost, total_load, peers), chain = best[boundary]
+        (full, cost, minus_sessions, peers), chain = best[boundary]
         for r in by_begin.get(boundary, ()):
             units = round(((r.end - r.begin) * max(r.decode_s_per_block, 0.0) + hop_latency_s) / cost_resolution_s)
-            key = (cost + units, total_load + load.get(r.peer_id, 0), (*peers, r.peer_id))
+            extra = load.get(r.peer_id, 0)
+            key = (full + r.full(extra), cost + units, minus_sessions - (r.sessions + extra), (*peers, r.peer_id))
             if r.end not in best or key < best[r.end][0]:
                 best[r.end] = (key, [*chain, r])
     return best.get(end)

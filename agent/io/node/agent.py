@@ -41,6 +41,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
 from agent.core.admission import AdmissionError, AdmissionVerifier, public_key_bytes, verify_admission
+from agent.core.batching import forward_key
 from agent.core.boundary import BoundaryError
 from agent.core.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
 from agent.core.identity import peer_id_from_public_key
@@ -165,6 +166,9 @@ class NodeConfig:
         rebuilding a lost next hop (SmolLM2's 2,048 positions in f32: 4.7 MB; 0 keeps none:
         a lost hop after this one then costs a re-prefill of the whole route).
       resume_wait_s: how long a resume waits for a step of the session still in a Forward.
+      row_budget: rows each worker Forward is filled to (``agent.core.scheduler``); None: the
+        worker's batch (``n_batch``). Steps longer than this are refused (owners chunk).
+      prefill_share: while prompts wait, the share of a decode-first Forward left to them.
       replay_merge_rows: a replay joins kept decode rows into rebuild steps of at most this
         many rows, and sends every larger step as it was (``agent.core.kept_rows``: batches
         this small compute each row as a batch of one does, so the rebuild is bit-exact).
@@ -201,6 +205,8 @@ class NodeConfig:
     kept_rows_max_bytes: int = 64 * 1024 * 1024
     resume_wait_s: float = 5.0
     replay_merge_rows: int = 16
+    row_budget: int | None = None
+    prefill_share: float = 0.25
 
 
 class NodeError(Exception):
@@ -675,12 +681,14 @@ class Node:
             served.handle, served.info = handle, info
             served.spec = RangeSpec(
                 model_sha256=model.sha256, begin=begin, end=end, n_layer=info.n_layer, n_embd=info.n_embd,
-                n_vocab=info.n_vocab, recipe_hash=info.recipe_hash, n_batch_max=info.n_batch_max,
+                n_vocab=info.n_vocab, recipe_hash=info.recipe_hash, n_batch_max=min(info.n_batch_max, cfg.row_budget or info.n_batch_max),
                 boundary=info.boundary.schema,
             )  # fmt: skip
             served.sessions = SessionTable(info.n_seq_max, info.n_ctx_per_sequence)
             served.kept = KeptStore(cfg.kept_rows_max_bytes)
-            served.scheduler = StepScheduler(info.n_batch_max, info.n_seq_max)
+            served.scheduler = StepScheduler(
+                info.n_batch_max, info.n_seq_max, row_budget=served.spec.n_batch_max, prefill_share=cfg.prefill_share
+            )
             served.state, served.error = State.READY, ""
             log.info("READY %s (recipe %s)", _range_name(served.key), info.recipe_hash[:12])
             self.heartbeat_soon()
@@ -941,7 +949,7 @@ class Node:
             session = served.sessions.accept(
                 step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, _now_ms()
             )
-        served.scheduler.push((session.seq_id, step), session=session.seq_id, n_rows=step.n_rows)
+        served.scheduler.push((session.seq_id, step), session=session.seq_id, n_rows=step.n_rows, key=forward_key(step))
         served.wakeup.set()
 
     async def handle_node(self, remote_peer_id: str, data: bytes) -> bytes:

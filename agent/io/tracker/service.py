@@ -87,8 +87,11 @@ class TrackerConfig:
     hop_latency_s: float = 0.002
     #: how long a lost-peer probe waits for the peer to answer
     lost_peer_probe_timeout_s: float = 1.0
-    #: a route handed out counts as load on its hops for this long
-    route_load_window_s: float = 60.0
+    #: a route handed out counts as a session on its hops until a heartbeat from the hop sent
+    #: this long after it (by then the session shows in the node's own count, or never came)
+    route_handout_grace_s: float = 2.0
+    #: sessions one route's ranges take before routes go elsewhere (0: each worker's sequences)
+    route_session_cap: int = 0
     #: read every registered file's metadata and hash its tensors when the tracker starts,
     #: so the first node to ask for a manifest does not wait (else: on the first request)
     prepare_manifests_at_start: bool = True
@@ -150,6 +153,8 @@ class Tracker:
         #: peer id -> what it reported FAILED since it registered (with its reason), for operators
         self.load_failures: dict[str, list[swarm_pb2.AssignmentStatus]] = {}
         self._route_load: deque[tuple[float, tuple[str, ...]]] = deque()
+        #: peer id -> trio time of its last heartbeat (handed-out routes count until then)
+        self._heard_at: dict[str, float] = {}
         self._changed = trio.Event()
         self.recomputes = 0
         #: model sha256 -> its GGUF's metadata prefix (read once, on the first request)
@@ -382,6 +387,7 @@ class Tracker:
             reported[Assignment(a.model_sha256, a.begin, a.end, remote)] = status
 
         revived = node.alive is False or remote not in self.deadline_ms
+        self._heard_at[remote] = trio.current_time()
         self.store.record_heartbeat(remote, now, list(beat.listen_addrs) if beat.listen_addrs else None, beat.serving)
         self.deadline_ms[remote] = now + self.config.heartbeat_timeout_ms
         newly_confirmed = remote not in self.confirmed
@@ -432,15 +438,25 @@ class Tracker:
             raise _Refusal(Code.NOT_FOUND, f"unknown model {request.model!r}")
         alive = self.alive
         nodes = {n.peer_id: n for n in self.store.nodes() if n.peer_id in alive}
-        ready = [
-            ReadyRange(
-                peer_id=row.assignment.peer_id,
-                addrs=nodes[row.assignment.peer_id].listen_addrs,
-                begin=row.assignment.begin,
-                end=row.assignment.end,
+        live = self._live_sessions()
+
+        def ready_range(row) -> ReadyRange:  # noqa: ANN001
+            a = row.assignment
+            in_use, total = live.get((a.peer_id, a.model_sha256, a.begin, a.end), (0, 0))
+            cap = min(total, self.config.route_session_cap) if self.config.route_session_cap else total
+            return ReadyRange(
+                peer_id=a.peer_id,
+                addrs=nodes[a.peer_id].listen_addrs,
+                begin=a.begin,
+                end=a.end,
                 recipe_hash=row.recipe_hash,
-                decode_s_per_block=nodes[row.assignment.peer_id].fingerprint.decode_s_per_block,
+                decode_s_per_block=nodes[a.peer_id].fingerprint.decode_s_per_block,
+                sessions=in_use,
+                capacity=cap,
             )
+
+        ready = [
+            ready_range(row)
             for row in self.store.assignments()
             if row.assignment.model_sha256 == model.sha256
             and row.assignment.peer_id in nodes
@@ -582,16 +598,30 @@ class Tracker:
                 log.info("manifest of model %s ready", model.alias)
 
     def _load(self) -> dict[str, int]:
-        """Routes handed out within route_load_window_s, per peer (the tracker does not see
-        sessions end, so recent routes stand in for current sessions)."""
-        horizon = trio.current_time() - self.config.route_load_window_s
-        while self._route_load and self._route_load[0][0] < horizon:
+        """Routes handed out that the hops' own session counts may not show yet, per peer: each
+        counts until a heartbeat of the hop sent ``route_handout_grace_s`` after it."""
+        now = trio.current_time()
+        grace = self.config.route_handout_grace_s
+        while self._route_load and self._route_load[0][0] < now - max(grace, 60.0):
             self._route_load.popleft()
         load: dict[str, int] = {}
-        for _, peers in self._route_load:
+        for handed_at, peers in self._route_load:
             for peer in peers:
-                load[peer] = load.get(peer, 0) + 1
+                if self._heard_at.get(peer, float("-inf")) < handed_at + grace:
+                    load[peer] = load.get(peer, 0) + 1
         return load
+
+    def _live_sessions(self) -> dict[tuple[str, str, int, int], tuple[int, int]]:
+        """(peer, model, begin, end) -> (sequences in use, sequences) as each node last
+        reported them (kept in the store, so a restarted tracker starts from them)."""
+        live = {}
+        for entry in self.store.node_entries():
+            for status in entry.serving:
+                a = status.assignment
+                live[(entry.peer_id, a.model_sha256, a.begin, a.end)] = (
+                    status.sequences_in_use, status.sequences_total
+                )
+        return live
 
     # --- liveness and assignment ----------------------------------------------------------------
 

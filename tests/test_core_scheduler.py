@@ -242,3 +242,15 @@ def test_bounded_service_while_a_long_prompt_is_prefilled_in_chunks() -> None:
     assert max(waits) <= 1, waits  # no decode step waited behind more than one Forward
     assert prompt_done_at is not None and prompt_done_at <= 8  # the prompt still came through
     assert now > 0
+
+
+def test_one_owner_cannot_take_more_than_its_share_of_a_ranges_sequences() -> None:
+    table = SessionTable(4, 64, max_per_owner=2)
+    table.accept(S1, 0, 0, 1, "greedy", 0)
+    table.accept(S2, 0, 0, 1, "greedy", 0)
+    refused(Code.RESOURCE_EXHAUSTED, "owner greedy holds 2 of this range's 4 sequences", table.accept, S3, 0, 0, 1, "greedy", 0)
+    table.accept(S3, 0, 0, 1, "other", 0)  # everyone else still gets one
+    assert table.free_count == 1
+    table.end(S1)
+    table.release(table.take_closing()[0])
+    table.accept(bytes([9]) * 16, 0, 0, 1, "greedy", 1)  # its share again once one ended

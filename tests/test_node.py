@@ -292,6 +292,7 @@ def node_config(fake_tracker: FakeTracker, key: Ed25519PrivateKey, model: LocalM
     fields = dict(
         tracker=fake_tracker.addr, key=key, models=(model,), threads=1, ctx_size=CTX_SIZE, max_sequences=MAX_SEQUENCES,
         batch_size=BATCH_SIZE, probe=PROBE, request_timeout_s=10.0, step_push_timeout_s=10.0,
+        owner_max_share=1.0,  # these tests merge several sessions of one owner
     )  # fmt: skip
     fields.update(overrides)
     return NodeConfig(**fields)

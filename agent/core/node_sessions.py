@@ -50,11 +50,15 @@ class SessionTable:
     Args:
       n_seq_max: sequence ids ``0 .. n_seq_max - 1`` of the worker.
       n_ctx_per_sequence: positions one sequence may hold.
+      max_per_owner: the most sessions one owner may hold at once (None: all of them).
     """
 
-    def __init__(self, n_seq_max: int, n_ctx_per_sequence: int) -> None:
+    def __init__(self, n_seq_max: int, n_ctx_per_sequence: int, *, max_per_owner: int | None = None) -> None:
         if n_seq_max < 1:
             raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
+        if max_per_owner is not None and max_per_owner < 1:
+            raise ValueError(f"max_per_owner must be >= 1, got {max_per_owner}")
+        self.max_per_owner = max_per_owner or n_seq_max
         self.n_seq_max = n_seq_max
         self.n_ctx_per_sequence = n_ctx_per_sequence
         self._sessions: dict[bytes, NodeSession] = {}
@@ -119,6 +123,13 @@ class SessionTable:
                 Code.RESOURCE_EXHAUSTED,
                 f"all {self.n_seq_max} sequences of this range are in use"
                 + (f" ({len(self._closing)} being freed)" if self._closing else ""),
+            )
+        held = sum(s.owner_peer_id == owner_peer_id for s in self._sessions.values())
+        if held >= self.max_per_owner:
+            raise WireError(
+                Code.RESOURCE_EXHAUSTED,
+                f"owner {owner_peer_id} holds {held} of this range's {self.n_seq_max} sequences,"
+                f" its share (at most {self.max_per_owner})",
             )
         session = NodeSession(session_id, self._free.pop(), owner_peer_id, 0, 0, now_ms)
         self._sessions[session_id] = session

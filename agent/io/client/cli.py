@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--step-timeout-s", type=cli_args.positive_float, default=30.0, help="limit on waiting for one step's result (default 30)"
     )
     parser.add_argument(
+        "--queue-timeout-s", type=cli_args.positive_float, default=60.0,
+        help="while every sequence of the route is in use, wait this long for one (default 60)",
+    )  # fmt: skip
+    parser.add_argument(
         "--replan-attempts", type=cli_args.non_negative_int, default=1,
         help="new routes one generation may move to after a hop fails (default 1)",
     )  # fmt: skip
@@ -79,6 +83,7 @@ def main(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout_s,
             step_timeout_s=args.step_timeout_s,
             replan_attempts=args.replan_attempts,
+            queue_timeout_s=args.queue_timeout_s,
         )
     except ValueError as error:
         print(f"baton generate: {error}", file=sys.stderr)

@@ -849,6 +849,12 @@ class SwarmClient:
             if exhausted and error.step:
                 context_full = True  # the context of the route's sequences is full
                 break
+            if exhausted:  # still no free sequence when the queue time ran out: busy, not failed
+                raise GenerationError(
+                    f"no free sequence on route {describe_route(route)} within the queue timeout of "
+                    f"{queue_timeout_s} s (the swarm is busy): {error}",
+                    failed_peer_id=error.failed_peer_id, step=0, code=error.code,
+                ) from None
             if not resume_failed:
                 if replans >= self.config.replan_attempts or not error.failed_peer_id:
                     raise error

@@ -144,6 +144,8 @@ class NodeConfig:
         the route and did not end it, holds its sequences this long at most. Owners step
         every few ms while decoding; a prefill chunk is pending, not idle.
       session_sweep_interval_s: how often idle sessions are looked for.
+      owner_max_share: the share of a range's sequences one owner may hold at once (at least
+        one sequence): a peer sending step-0 frames cannot take a range from everyone else.
       batch_window_ms: how long a serving task waits after the first pending step for others
         to join its batch (0: take what is queued; steps that arrive while the worker is busy
         are merged anyway).
@@ -186,8 +188,9 @@ class NodeConfig:
     relay: bool = False
     request_timeout_s: float = 10.0
     step_push_timeout_s: float = 30.0
-    session_idle_timeout_s: float = 30.0
-    session_sweep_interval_s: float = 2.0
+    session_idle_timeout_s: float = 5.0
+    session_sweep_interval_s: float = 1.0
+    owner_max_share: float = 0.75
     batch_window_ms: float = 0.0
     worker_ready_timeout_s: float = 120.0
     worker_stop_grace_s: float = 5.0
@@ -684,7 +687,9 @@ class Node:
                 n_vocab=info.n_vocab, recipe_hash=info.recipe_hash, n_batch_max=min(info.n_batch_max, cfg.row_budget or info.n_batch_max),
                 boundary=info.boundary.schema,
             )  # fmt: skip
-            served.sessions = SessionTable(info.n_seq_max, info.n_ctx_per_sequence)
+            served.sessions = SessionTable(
+                info.n_seq_max, info.n_ctx_per_sequence, max_per_owner=max(1, int(cfg.owner_max_share * info.n_seq_max))
+            )
             served.kept = KeptStore(cfg.kept_rows_max_bytes)
             served.scheduler = StepScheduler(
                 info.n_batch_max, info.n_seq_max, row_budget=served.spec.n_batch_max, prefill_share=cfg.prefill_share

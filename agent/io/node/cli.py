@@ -94,8 +94,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ctx-size", type=cli_args.positive_int, help="positions per sequence (default: the worker's)")
     parser.add_argument("--max-sequences", type=cli_args.positive_int, help="sequences per worker (default: the worker's)")
     parser.add_argument(
-        "--session-idle-timeout-s", type=cli_args.positive_float, default=30.0,
-        help="free a session's sequences after this long without a step from its owner (default 30)",
+        "--session-idle-timeout-s", type=cli_args.positive_float, default=5.0,
+        help="free a session's sequences after this long without a step from its owner (default 5):"
+        " an owner that crashed holds them no longer",
+    )  # fmt: skip
+    parser.add_argument(
+        "--owner-max-share", type=cli_args.unit_interval, default=0.75,
+        help="the share of a range's sequences one session owner may hold (default 0.75, so a peer sending"
+        " step-0 frames cannot lock everyone out, while a relay, one owner for many users, keeps most; at least one)",
     )  # fmt: skip
     parser.add_argument(
         "--heartbeat-interval-ms", type=cli_args.positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"
@@ -177,6 +183,7 @@ async def run(args: argparse.Namespace) -> int:
         max_sequences=args.max_sequences,
         session_idle_timeout_s=args.session_idle_timeout_s,
         kept_rows_max_bytes=args.kept_rows_max_bytes,
+        owner_max_share=args.owner_max_share,
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         relay=relay,
         probe=probe,

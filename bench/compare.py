@@ -69,7 +69,7 @@ TOOLS_CMAKE_FLAGS = [
     "-DGGML_NATIVE=OFF",
     "-DBUILD_SHARED_LIBS=OFF",
 ]
-TOOLS_TARGETS = ("llama-bench", "ggml-rpc-server")
+TOOLS_TARGETS = ("llama-bench", "ggml-rpc-server", "llama-batched-bench")  # the last for bench/batching.py
 
 PROMPT_SOURCE = (
     "Volunteer computing lets many people lend the spare capacity of their own machines to a shared task. "
@@ -252,7 +252,8 @@ def ensure_llama_tools() -> tuple[Path, Path, float]:
     patched tree when missing or built from another tree state (idempotent)."""
     bench_bin, rpc_bin = TOOLS_DIR / "bin" / "llama-bench", TOOLS_DIR / "bin" / "ggml-rpc-server"
     stamp = _tools_stamp()
-    if bench_bin.exists() and rpc_bin.exists() and TOOLS_STAMP.exists() and TOOLS_STAMP.read_text() == stamp:
+    built = all((TOOLS_DIR / "bin" / target).exists() for target in TOOLS_TARGETS)
+    if built and TOOLS_STAMP.exists() and TOOLS_STAMP.read_text() == stamp:
         return bench_bin, rpc_bin, 0.0
     if not (LLAMA_SRC / "include" / "llama.h").exists():
         raise SystemExit(f"no llama.cpp tree at {LLAMA_SRC}: run `make native` first")

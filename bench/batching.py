@@ -1,0 +1,308 @@
+"""Continuous batching through a 3-way swarm (issue 12), side by side with llama.cpp's own
+``llama-batched-bench`` from the pinned tree, in one run, on loopback.
+
+Owns one command that measures:
+
+1. aggregate decode tokens/s at 1, 2, 4 and 8 concurrent sessions: Baton through a tracker and
+   three nodes (a third of SmolLM2 each, 8 sequences per worker, one thread per worker), each
+   session its own owner with a prompt of ``--prompt`` tokens and ``--tokens`` greedy tokens
+   (aggregate = tokens generated after each session's first token / the time from the first of
+   those to the last); next to ``llama-batched-bench -npp P -ntg G -npl 1,2,4,8`` unsplit on the
+   same cores (its S_TG t/s: the same quantity with every sequence stepping in lock-step);
+2. the inter-token gap of a decoding session while another session's long prompt
+   (``--long-prompt`` tokens, in the owner's chunks of ``--chunk`` rows) is prefilled: p50 and
+   p99 of the gaps that fall in that prefill, next to the same session's gaps with nothing
+   else running. A decode step waits behind at most one Forward (agent.core.scheduler), so the
+   gap grows with the chunk's compute time.
+
+Targets (issue 12): 8 sessions >= 0.8x llama-batched-bench at 8, aggregate rising with every
+doubling, p99 gap <= 2x p50 during the prefill. The output says which are met and by how much.
+
+Writes ``batching.json`` and ``batching.md`` under ``--out`` (default bench/results) with the
+machine described as ``bench/compare.py`` describes it. Run it alone on the machine.
+
+Usage: ``.venv/bin/python bench/batching.py [--prompt 64] [--tokens 48] [--out bench/results]``
+(5-10 minutes on 2 cores once ``llama-batched-bench`` is built; building it takes a few more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+for _p in (str(REPO_ROOT), str(BENCH_DIR)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import trio  # noqa: E402
+
+from compare import PROMPT_SOURCE, TOOLS_DIR, ensure_llama_tools, machine_info  # noqa: E402
+
+ALIAS = "smollm2"
+PARALLEL = (1, 2, 4, 8)
+NODES = 3
+SEQUENCES = 8
+TARGET_RATIO_AT_8 = 0.8
+TARGET_GAP_RATIO = 2.0
+
+
+def log(message: str) -> None:
+    print(f"[batching {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def run_batched_bench(model: Path, prompt: int, tokens: int, threads: int) -> dict[int, dict]:
+    """llama-batched-bench's rows, by parallel count."""
+    ensure_llama_tools()
+    binary = TOOLS_DIR / "bin" / "llama-batched-bench"
+    n_ctx = max(PARALLEL) * (prompt + tokens) + 64
+    argv = [
+        str(binary), "-m", str(model), "-c", str(n_ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt),
+        "-ntg", str(tokens), "-npl", ",".join(map(str, PARALLEL)), "-t", str(threads), "--output-format", "jsonl",
+    ]  # fmt: skip
+    log(" ".join(argv))
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True)
+    rows = {}
+    for line in (done.stdout + done.stderr).splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed_tg"' in line:
+            row = json.loads(line)
+            rows[int(row["pl"])] = row
+    if set(rows) != set(PARALLEL):
+        raise SystemExit(f"llama-batched-bench gave rows for {sorted(rows)}, expected {PARALLEL}:\n{done.stderr[-2000:]}")
+    return rows
+
+
+async def _prompt_tokens(client, route, n: int) -> list[int]:  # noqa: ANN001
+    tokens, _ = await client.tokenize(route, PROMPT_SOURCE * 20)
+    return tokens[:n]
+
+
+async def _concurrent(addr: str, prompt: list[int], tokens: int, n: int) -> dict:
+    """``n`` sessions at once, each its own owner; aggregate decode tokens/s."""
+    from agent.io.client import SwarmClientConfig, open_swarm_client
+
+    firsts: list[float] = []
+    lasts: list[float] = []
+    decoded = [0]
+
+    async def one(i: int) -> None:
+        times: list[float] = []
+
+        async def on_token(_t: int, _l, _r) -> bool:  # noqa: ANN001
+            times.append(time.perf_counter())
+            return False
+
+        async with open_swarm_client(addr, config=SwarmClientConfig(queue_timeout_s=120.0)) as c:
+            # a different last token per session: not the same sequence eight times
+            result = await c.generate_tokens(ALIAS, [*prompt[:-1], prompt[-1] + i], max_tokens=tokens, on_token=on_token)
+        assert len(result.tokens) == len(times)
+        firsts.append(times[0])
+        lasts.append(times[-1])
+        decoded[0] += len(times) - 1
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+    span = max(lasts) - min(firsts)
+    return {"sessions": n, "decode_tokens": decoded[0], "span_s": span, "tokens_per_s": decoded[0] / span}
+
+
+async def _gaps_during_prefill(addr: str, prompt: list[int], long_prompt: list[int], tokens: int, chunk: int) -> dict:
+    """A decoding session's inter-token gaps alone, then while another session prefills."""
+    from agent.io.client import SwarmClientConfig, open_swarm_client
+
+    async def decode(c, on_token) -> None:  # noqa: ANN001
+        await c.generate_tokens(ALIAS, prompt, max_tokens=tokens, on_token=on_token)
+
+    config = SwarmClientConfig(queue_timeout_s=120.0)
+    chunked = SwarmClientConfig(queue_timeout_s=120.0, prefill_chunk_tokens=chunk)
+    async with open_swarm_client(addr, config=config) as a, open_swarm_client(addr, config=chunked) as b:
+        alone: list[float] = []
+
+        async def keep_alone(_t, _l, _r) -> bool:  # noqa: ANN001
+            alone.append(time.perf_counter())
+            return False
+
+        await decode(a, keep_alone)
+        during: list[float] = []
+        window: list[float] = []  # [prefill start, its first token]
+        started = trio.Event()
+
+        async def keep(_t, _l, _r) -> bool:  # noqa: ANN001
+            during.append(time.perf_counter())
+            if len(during) == 8:
+                started.set()
+            return False
+
+        async def prefill() -> None:
+            await started.wait()
+            window.append(time.perf_counter())
+            first: list[float] = []
+
+            async def first_token(_t, _l, _r) -> bool:  # noqa: ANN001
+                first.append(time.perf_counter())
+                return True  # the prefill is what matters: stop at its first token
+
+            await b.generate_tokens(ALIAS, long_prompt, max_tokens=1, on_token=first_token)
+            window.append(first[0])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(prefill)
+            await decode(a, keep)
+    gaps_alone = [y - x for x, y in zip(alone[1:], alone[2:])]
+    lo, hi = window
+    gaps_during = [y - x for x, y in zip(during, during[1:]) if y > lo and x < hi]
+    return {
+        "alone": _percentiles(gaps_alone),
+        "during_prefill": _percentiles(gaps_during),
+        "prefill_s": hi - lo,
+        "long_prompt_tokens": len(long_prompt),
+        "chunk_rows": chunk,
+    }
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {"n": len(values), "p50_s": statistics.median(ordered), "p99_s": p99, "max_s": ordered[-1]}
+
+
+async def run_baton(args: argparse.Namespace) -> dict:
+    from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
+    from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
+    from agent.io.client import open_swarm_client
+    from agent.models import model_path
+
+    config = LocalSwarmConfig(
+        model_path=model_path(ALIAS), model_alias=ALIAS, threads=args.threads,
+        node_args=("--max-sequences", str(SEQUENCES)),
+    )  # fmt: skip
+    async with open_local_swarm(config) as swarm:
+        await swarm.start_tracker()
+        async with open_swarm_client(swarm.tracker_addr) as c:
+            (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
+            for i in range(NODES):
+                swarm.start_node(f"node-{i + 1}", node_memory_bytes(entry.n_layer, entry.bytes_per_block, NODES))
+            route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=300.0)
+            prompt = await _prompt_tokens(c, route, args.prompt)
+            long_prompt = await _prompt_tokens(c, route, args.long_prompt)
+        addr = swarm.tracker_addr
+        await _concurrent(addr, prompt, 8, 1)  # warm-up
+        rows = {}
+        for n in PARALLEL:
+            rows[n] = await _concurrent(addr, prompt, args.tokens, n)
+            log(f"baton {n} sessions: {rows[n]['tokens_per_s']:.1f} decode tokens/s")
+        gaps = await _gaps_during_prefill(addr, prompt, long_prompt, args.gap_tokens, args.chunk)
+        log(f"gaps: {gaps}")
+    return {"parallel": rows, "gaps": gaps}
+
+
+def summarize(baton: dict, llama: dict[int, dict]) -> dict:
+    rows = []
+    for n in PARALLEL:
+        ours = baton["parallel"][n]["tokens_per_s"]
+        theirs = llama[n]["speed_tg"]
+        rows.append({"sessions": n, "baton_tokens_per_s": ours, "llama_batched_bench_tokens_per_s": theirs, "ratio": ours / theirs})
+    rising = all(b["baton_tokens_per_s"] > a["baton_tokens_per_s"] for a, b in zip(rows, rows[1:]))
+    during = baton["gaps"]["during_prefill"]
+    gap_ratio = during["p99_s"] / during["p50_s"] if during.get("n") else None
+    return {
+        "rows": rows,
+        "ratio_at_8": rows[-1]["ratio"],
+        "ratio_at_8_target": TARGET_RATIO_AT_8,
+        "rising_with_every_doubling": rising,
+        "gap_p99_over_p50_during_prefill": gap_ratio,
+        "gap_ratio_target": TARGET_GAP_RATIO,
+    }
+
+
+def render_markdown(report: dict) -> str:
+    s, m, cfg = report["summary"], report["machine"], report["config"]
+    gaps = report["baton"]["gaps"]
+    lines = [
+        "# Continuous batching through a 3-way swarm",
+        "",
+        f"Machine: {m.get('cpu_model')}, {m.get('cores')} cores, {m.get('ram_gib', 0):.1f} GiB, {m.get('platform')}; "
+        f"load before: {m.get('loadavg_before')}; Baton {m.get('baton_commit', '?')}, llama.cpp {m.get('llama_cpp_commit', '?')[:12]}.",
+        f"Baton: tracker + {NODES} nodes of SmolLM2 on loopback, {SEQUENCES} sequences and {cfg['threads']} thread(s) per "
+        f"worker, each session its own owner; prompt {cfg['prompt']} tokens, {cfg['tokens']} greedy tokens. "
+        f"llama-batched-bench: unsplit, -npp {cfg['prompt']} -ntg {cfg['tokens']}, {cfg['llama_threads']} threads.",
+        "",
+        "| sessions | Baton decode tokens/s | llama-batched-bench S_TG t/s | ratio |",
+        "|---|---|---|---|",
+    ]
+    for row in s["rows"]:
+        lines.append(
+            f"| {row['sessions']} | {row['baton_tokens_per_s']:.1f} | {row['llama_batched_bench_tokens_per_s']:.1f} | "
+            f"{row['ratio']:.2f}x |"
+        )
+    shortfall = s["ratio_at_8_target"] - s["ratio_at_8"]
+    verdict = "met" if shortfall <= 0 else f"missed by {shortfall:.2f}x"
+    lines += [
+        "",
+        f"- 8 sessions: {s['ratio_at_8']:.2f}x llama-batched-bench (target >= {s['ratio_at_8_target']}x): {verdict}.",
+        f"- aggregate rising with every doubling: {'yes' if s['rising_with_every_doubling'] else 'no'}.",
+    ]
+    d, a = gaps["during_prefill"], gaps["alone"]
+    if d.get("n"):
+        ratio = s["gap_p99_over_p50_during_prefill"]
+        lines.append(
+            f"- inter-token gap of a decoding session while a {gaps['long_prompt_tokens']}-token prompt is prefilled "
+            f"in chunks of {gaps.get('chunk_rows')} "
+            f"({gaps['prefill_s']:.2f} s, {d['n']} gaps): p50 {d['p50_s'] * 1000:.1f} ms, p99 {d['p99_s'] * 1000:.1f} ms "
+            f"= {ratio:.2f}x p50 (target <= {s['gap_ratio_target']}x: {'met' if ratio <= s['gap_ratio_target'] else 'missed'}); "
+            f"alone: p50 {a['p50_s'] * 1000:.1f} ms, p99 {a['p99_s'] * 1000:.1f} ms."
+        )
+    lines += ["", f"Wall time: {report['wall_time_s']:.0f} s.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per session (default 64)")
+    parser.add_argument("--tokens", type=int, default=48, help="greedy tokens per session (default 48)")
+    parser.add_argument("--long-prompt", type=int, default=1500, help="the prompt prefilled in part 2 (default 1500)")
+    parser.add_argument("--gap-tokens", type=int, default=160, help="tokens of the decoding session of part 2")
+    parser.add_argument("--chunk", type=int, default=128, help="the long prompt's chunk rows (default 128)")
+    parser.add_argument("--threads", type=int, default=1, help="threads per Baton worker (default 1)")
+    parser.add_argument("--llama-threads", type=int, default=2, help="llama-batched-bench threads (default 2: the cores)")
+    parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="where batching.{json,md} go")
+    args = parser.parse_args(argv)
+    from agent.models import model_path
+
+    machine = machine_info()
+    started = time.perf_counter()
+    llama = run_batched_bench(model_path(ALIAS), args.prompt, args.tokens, args.llama_threads)
+    baton = trio.run(run_baton, args)
+    report = {
+        "benchmark": "batching",
+        "machine": machine,
+        "config": {
+            "prompt": args.prompt, "tokens": args.tokens, "long_prompt": args.long_prompt, "gap_tokens": args.gap_tokens,
+            "threads": args.threads, "llama_threads": args.llama_threads, "nodes": NODES, "sequences": SEQUENCES,
+            "chunk": args.chunk,
+        },  # fmt: skip
+        "llama_batched_bench": {str(k): v for k, v in llama.items()},
+        "baton": {"parallel": {str(k): v for k, v in baton["parallel"].items()}, "gaps": baton["gaps"]},
+        "summary": summarize(baton, llama),
+    }
+    report["wall_time_s"] = time.perf_counter() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    md = render_markdown(report)
+    (args.out / "batching.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "batching.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

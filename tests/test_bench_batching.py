@@ -1,0 +1,35 @@
+"""The pure parts of bench/batching.py: the summary against llama-batched-bench and its markdown."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH_DIR))
+
+import batching  # noqa: E402
+
+
+def test_the_summary_takes_ratios_checks_the_doublings_and_the_gap_target() -> None:
+    baton = {
+        "parallel": {n: {"tokens_per_s": t} for n, t in ((1, 20.0), (2, 35.0), (4, 30.0), (8, 60.0))},
+        "gaps": {
+            "alone": batching._percentiles([0.03, 0.03, 0.04]),
+            "during_prefill": batching._percentiles([0.05, 0.05, 0.05, 0.5]),
+            "prefill_s": 2.0, "long_prompt_tokens": 1500, "chunk_rows": 128,
+        },
+    }  # fmt: skip
+    llama = {n: {"speed_tg": 25.0 * n} for n in batching.PARALLEL}
+    summary = batching.summarize(baton, llama)
+    assert [round(r["ratio"], 2) for r in summary["rows"]] == [0.8, 0.7, 0.3, 0.3]
+    assert summary["rising_with_every_doubling"] is False  # 4 sessions fell below 2
+    assert summary["gap_p99_over_p50_during_prefill"] == 10.0
+    report = {
+        "summary": summary, "baton": baton, "wall_time_s": 1.0, "machine": {"cpu_model": "cpu", "cores": 2},
+        "config": {"threads": 1, "prompt": 64, "tokens": 48, "llama_threads": 2},
+    }  # fmt: skip
+    md = batching.render_markdown(report)
+    assert "| 8 | 60.0 | 200.0 | 0.30x |" in md
+    assert "missed by 0.50x" in md and "rising with every doubling: no" in md
+    assert "= 10.00x p50 (target <= 2.0x: missed)" in md

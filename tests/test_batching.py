@@ -118,3 +118,132 @@ async def test_more_generations_than_sequences_wait_finish_equal_and_killed_clie
     finally:
         with trio.CancelScope(shield=True):
             await swarm.aclose()
+
+
+# --- deterministic concurrency -------------------------------------------------------------------
+
+TEXT = (
+    "Volunteer computing works because many people lend a little of their spare time and their machines "
+    "to a common project. The machines come and go without warning: a laptop lid closes, a home router "
+    "restarts, a game takes the GPU. A good system therefore keeps every generation going, and gives the "
+    "same answer whatever happens to the machines that compute it, and whoever else is using them. "
+) * 4
+LENGTHS = (5, 40, 90, 170, 12, 60, 130, 25)  # prompt tokens of sessions 0..7
+CONCURRENT_TOKENS = 14
+CTX = 256  # positions per sequence: the context-limit session reaches it
+
+
+def _scores(logits) -> tuple:  # noqa: ANN001
+    if hasattr(logits, "ids"):
+        return (logits.ids.tobytes(), logits.logits.tobytes(), float(logits.log_sum_exp))
+    return (logits.tobytes(),)
+
+
+async def _run(addr: str, prompt: list[int], *, max_tokens: int, started=None, stop_after: int | None = None):  # noqa: ANN001, ANN202
+    """(tokens, scores, result) of one session, its own owner. ``started`` is set at its second
+    token; ``stop_after``: cancel the generation (as a dropped client) after that many tokens."""
+    from agent.io.client import SwarmClientConfig, open_swarm_client
+
+    scores: list[tuple] = []
+    tokens: list[int] = []
+    async with open_swarm_client(addr, config=SwarmClientConfig(queue_timeout_s=120.0, prefill_chunk_tokens=64)) as c:
+        with trio.CancelScope() as scope:
+
+            async def on_token(token: int, logits, _route) -> bool:  # noqa: ANN001
+                tokens.append(token)
+                scores.append(_scores(logits))
+                if started is not None and len(tokens) == 2:
+                    started.set()
+                if stop_after is not None and len(tokens) == stop_after:
+                    scope.cancel()
+                return False
+
+            result = await c.generate_tokens(ALIAS, prompt, max_tokens=max_tokens, on_token=on_token)
+            return tokens, scores, result
+    return tokens, scores, None
+
+
+@pytest.mark.timeout(600)
+async def test_concurrent_sessions_give_their_solo_runs_numbers_bit_for_bit(tmp_path: Path) -> None:
+    """1, 2, 4 and 8 sessions with prompts of different lengths, each starting once the one
+    before it decodes, so prefill chunks and decode steps share Forwards: every session's
+    scores (top-K logits and log-sum-exp of every token) equal its solo run's bit for bit.
+    The declared bound is 0 on CPU: a Forward computes each sequence's attention in its own KV
+    stream and the weight products row by row, and the scheduler merges only rows llama.cpp then
+    computes in the shapes they would have alone (decode rows with decode rows, chunks with
+    chunks of their length: it splits a mixed batch into equal rows per sequence). What does
+    change numbers is how a session's own rows are cut into steps, which its owner fixes
+    (chunks of 64 here) whoever else is served. (Before that phase rule, this test caught a
+    40-token prompt's chunk, merged with decode rows, giving other tokens.) A session cancelled mid-generation and
+    one that runs into the context limit change nothing for the others; each hop's row count
+    for a session is what it sent."""
+    swarm = LocalSwarm(
+        LocalSwarmConfig(
+            model_path=model_path(ALIAS), model_alias=ALIAS, node_args=("--max-sequences", "8", "--ctx-size", str(CTX))
+        ),
+        tmp_path / "swarm",
+    )
+    try:
+        await swarm.start_tracker()
+        async with open_swarm_client(swarm.tracker_addr) as c:
+            (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
+            for i in range(3):
+                swarm.start_node(f"node-{i + 1}", node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3))
+            route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=240.0)
+            text_tokens, _ = await c.tokenize(route, TEXT)
+        addr = swarm.tracker_addr
+        prompts = [text_tokens[: n - 1] + [text_tokens[n + 7]] for n in LENGTHS]  # distinct ends
+        solo = [await _run(addr, p, max_tokens=CONCURRENT_TOKENS) for p in prompts]
+        for (tokens, _, result), prompt in zip(solo, prompts):
+            assert len(tokens) == CONCURRENT_TOKENS or result.stopped_by_token
+            # each hop computed the prompt and every generated token but the last
+            assert {h["rows"] for h in result.hop_rows} == {len(prompt) + len(tokens) - 1}
+
+        async def scenario(n: int) -> list[tuple]:
+            outcomes: dict[int, tuple] = {}
+            async with trio.open_nursery() as nursery:
+                before = None
+                for i in range(n):
+                    if before is not None:
+                        await before.wait()  # staggered: the previous one is decoding
+                    before = trio.Event()
+
+                    async def one(i: int = i, started: trio.Event = before) -> None:
+                        outcomes[i] = await _run(addr, prompts[i], max_tokens=CONCURRENT_TOKENS, started=started)
+
+                    nursery.start_soon(one)
+            return [outcomes[i] for i in range(n)]
+
+        for n in (1, 2, 4, 8):
+            runs = await scenario(n)
+            for i, (tokens, scores, _) in enumerate(runs):
+                assert tokens == solo[i][0], (n, i)
+                assert scores == solo[i][1], (n, i)  # bit for bit
+        again = await scenario(8)
+        assert [r[1] for r in again] == [s[1] for s in solo[:8]]  # the same scenario twice: the same bits
+
+        # one session cancelled after 4 tokens and one running into the context limit, among others
+        long_prompt = text_tokens[: CTX - 6]
+        outcomes: dict[str, tuple] = {}
+        async with trio.open_nursery() as nursery:
+
+            async def keep(name: str, **kwargs) -> None:  # noqa: ANN003
+                outcomes[name] = await _run(addr, **kwargs)
+
+            nursery.start_soon(lambda: keep("cancelled", prompt=prompts[3], max_tokens=CONCURRENT_TOKENS, stop_after=4))
+            nursery.start_soon(lambda: keep("context", prompt=long_prompt, max_tokens=50))
+            for i in (0, 1, 2):
+                nursery.start_soon(lambda i=i: keep(f"s{i}", prompt=prompts[i], max_tokens=CONCURRENT_TOKENS))
+        assert outcomes["cancelled"][2] is None and len(outcomes["cancelled"][0]) == 4
+        tokens, _, context_run = outcomes["context"]
+        assert context_run.context_full and len(long_prompt) + len(tokens) <= CTX + 1
+        for i in (0, 1, 2):
+            assert outcomes[f"s{i}"][1] == solo[i][1], i
+        with trio.fail_after(15):  # the cancelled session was ended on every hop
+            async with open_swarm_client(addr) as c:
+                while sum(s.sequences_in_use for n in await c.list_nodes() for s in n.serving):
+                    await trio.sleep(0.2)
+        swarm.check_alive()
+    finally:
+        with trio.CancelScope(shield=True):
+            await swarm.aclose()

@@ -39,10 +39,12 @@ def test_a_sessions_next_step_is_never_merged_with_its_previous_one() -> None:
 
 
 def test_row_limit_and_entry_limit() -> None:
-    scheduler = queue(8, 4, ("big", 0, 6), ("mid", 1, 3), ("small", 2, 2), ("tiny", 3, 1))
-    # The oldest always goes; "mid" does not fit next to it, the smaller later ones do.
-    assert scheduler.next_batch() == ["big", "small"]
-    assert scheduler.next_batch() == ["mid", "tiny"]
+    scheduler = queue(8, 4, ("big", 0, 6), ("six", 1, 6), ("three", 2, 3), ("three2", 3, 3), ("tiny", 4, 1))
+    # The oldest chunk goes, with the chunks of its row count that fit; then the decode step
+    assert scheduler.next_batch() == ["big"]
+    assert scheduler.next_batch() == ["tiny"]
+    assert scheduler.next_batch() == ["six"]
+    assert scheduler.next_batch() == ["three", "three2"]
     scheduler = queue(100, 2, ("a", 0, 1), ("b", 1, 1), ("c", 2, 1))
     assert scheduler.next_batch() == ["a", "b"] and scheduler.next_batch() == ["c"]
 
@@ -148,38 +150,42 @@ def test_idle_sessions_are_those_with_nothing_pending() -> None:
 # --- phases, row budget, compatibility key -----------------------------------------------------
 
 
-def test_decode_steps_go_first_and_prefill_chunks_fill_the_rest_of_the_budget() -> None:
-    scheduler: StepScheduler[str] = StepScheduler(16, 8, prefill_share=0.0)
-    scheduler.push("p0", session=0, n_rows=8)
-    scheduler.next_batch()  # a prefill-first Forward: the next one is decode-first
-    scheduler.push("chunk", session=5, n_rows=10)
-    scheduler.push("big", session=6, n_rows=8)
+def test_decode_steps_and_prefill_chunks_never_share_a_forward_and_take_turns() -> None:
+    """llama.cpp would recompute a chunk next to rows of another length in other shapes (equal
+    rows per sequence per micro-batch): so a Forward is all decode rows, or chunks of one length."""
+    scheduler: StepScheduler[str] = StepScheduler(64, 8)
+    scheduler.push("p0", session=0, n_rows=16)
     for s in (1, 2, 3):
         scheduler.push(f"d{s}", session=s, n_rows=1)
-    # every decode step, then the oldest chunk that fits the 13 rows left; "big" does not
-    assert scheduler.next_batch() == ["d1", "d2", "d3", "chunk"]
-    assert scheduler.next_batch() == ["big"]
+    scheduler.push("p4", session=4, n_rows=16)
+    scheduler.push("p5", session=5, n_rows=10)
+    assert scheduler.next_batch() == ["p0", "p4"]  # prefill first: the oldest chunk and its equals
+    assert scheduler.next_batch() == ["d1", "d2", "d3"]  # then every decode step
+    for s in (1, 2, 3):
+        scheduler.push(f"d{s}'", session=s, n_rows=1)
+    assert scheduler.next_batch() == ["p5"]  # prompts get every other Forward while both wait
+    assert scheduler.next_batch() == ["d1'", "d2'", "d3'"]
+    assert scheduler.next_batch() == []
+    assert (scheduler.forwards, scheduler.prefill_forwards) == (4, 2)
 
 
-def test_a_prompt_waiting_gets_every_other_forward_and_its_share_of_decode_first_ones() -> None:
-    scheduler: StepScheduler[str] = StepScheduler(8, 8, prefill_share=0.5)
-    for s in range(6):
-        scheduler.push(f"d{s}", session=s, n_rows=1)
-    scheduler.push("prompt", session=9, n_rows=8)
-    # prompts wait and the previous Forward (none) served none: prefill-first, the chunk fills it
-    assert scheduler.next_batch() == ["prompt"]
-    scheduler.push("chunk2", session=9, n_rows=4)
-    # decode-first: the decode rows leave half of the budget to the waiting chunk
-    assert scheduler.next_batch() == ["d0", "d1", "d2", "d3", "chunk2"]
-    assert scheduler.next_batch() == ["d4", "d5"]
-    assert (scheduler.forwards, scheduler.prefill_first_forwards) == (3, 1)
+def test_a_decode_step_waits_behind_one_forward_at_most() -> None:
+    scheduler: StepScheduler[str] = StepScheduler(8, 8)
+    for s in range(4):
+        scheduler.push(f"p{s}", session=10 + s, n_rows=8)
+    scheduler.push("d", session=0, n_rows=1)
+    assert scheduler.next_batch() == ["p0"]
+    assert scheduler.next_batch() == ["d"]
+    scheduler.push("d'", session=0, n_rows=1)
+    assert scheduler.next_batch() == ["p1"]
+    assert scheduler.next_batch() == ["d'"]
 
 
 def test_steps_of_another_key_never_share_a_forward() -> None:
     scheduler: StepScheduler[str] = StepScheduler(16, 8)
     scheduler.push("f32-a", session=0, n_rows=1, key="f32")
     scheduler.push("f16-b", session=1, n_rows=1, key="f16")
-    scheduler.push("f32-c", session=2, n_rows=3, key="f32")
+    scheduler.push("f32-c", session=2, n_rows=1, key="f32")
     scheduler.push("f16-d", session=3, n_rows=1, key="f16")
     assert scheduler.next_batch() == ["f32-a", "f32-c"]  # the oldest step's key
     assert scheduler.next_batch() == ["f16-b", "f16-d"]
@@ -212,7 +218,7 @@ def test_bounded_service_while_a_long_prompt_is_prefilled_in_chunks() -> None:
     """A 512-token prompt in chunks of 128 arrives while 4 sessions decode, each sending its
     next step as soon as its last one left the worker (what owners do). Simulated Forwards
     cost 1 + rows/128 time units (a decode row is cheap next to weights read once)."""
-    scheduler: StepScheduler[tuple[str, int]] = StepScheduler(512, 8, row_budget=160, prefill_share=0.25)
+    scheduler: StepScheduler[tuple[str, int]] = StepScheduler(512, 8, row_budget=160)
     now = 0.0
     waits: list[int] = []  # Forwards each decode step waited behind
     queued_at: dict[int, int] = {}
@@ -240,7 +246,7 @@ def test_bounded_service_while_a_long_prompt_is_prefilled_in_chunks() -> None:
                     prompt_done_at = forward
         now += 1 + rows / 128
     assert max(waits) <= 1, waits  # no decode step waited behind more than one Forward
-    assert prompt_done_at is not None and prompt_done_at <= 8  # the prompt still came through
+    assert prompt_done_at == 7  # the prompt's 4 chunks in every other Forward: its share
     assert now > 0
 
 

@@ -9,13 +9,11 @@ context per sequence) belongs to the worker a range runs on, so steps of one sch
 it by construction; a node with two workers (two models, or two dtypes of one) has a scheduler
 per worker, and their steps never meet.
 
-The phase (prefill chunk or decode) is not part of the key: it decides *where* in a Forward a
-step goes (``agent.core.scheduler``: decode rows first, prefill chunks in the rest of the
-budget, every other Forward prefill-first while prompts wait), not whether it may share one.
-Separating the phases would buy no numbers (each sequence's attention is its own KV stream and
-the weight products are row by row: a decode row next to a 300-row prefill chunk gives the
-same logits bit for bit as alone, measured on the pinned CPU build) and would cost the decode
-steps a Forward each time a prompt arrives.
+The phase (prefill chunk or decode) is the other half of the rule, applied by the scheduler
+(``agent.core.scheduler``): a Forward holds decode steps only, or prefill chunks of one row
+count only, because llama.cpp cuts a batch of several sequences into micro-batches of equal
+rows per sequence, which would recompute a chunk in other shapes next to rows of another length
+and change its numbers.
 
 Pure: no I/O. Must not import trio, grpc, libp2p or agent.io.
 """

@@ -170,7 +170,6 @@ class NodeConfig:
       resume_wait_s: how long a resume waits for a step of the session still in a Forward.
       row_budget: rows each worker Forward is filled to (``agent.core.scheduler``); None: the
         worker's batch (``n_batch``). Steps longer than this are refused (owners chunk).
-      prefill_share: while prompts wait, the share of a decode-first Forward left to them.
       replay_merge_rows: a replay joins kept decode rows into rebuild steps of at most this
         many rows, and sends every larger step as it was (``agent.core.kept_rows``: batches
         this small compute each row as a batch of one does, so the rebuild is bit-exact).
@@ -209,7 +208,6 @@ class NodeConfig:
     resume_wait_s: float = 5.0
     replay_merge_rows: int = 16
     row_budget: int | None = None
-    prefill_share: float = 0.25
 
 
 class NodeError(Exception):
@@ -691,9 +689,7 @@ class Node:
                 info.n_seq_max, info.n_ctx_per_sequence, max_per_owner=max(1, int(cfg.owner_max_share * info.n_seq_max))
             )
             served.kept = KeptStore(cfg.kept_rows_max_bytes)
-            served.scheduler = StepScheduler(
-                info.n_batch_max, info.n_seq_max, row_budget=served.spec.n_batch_max, prefill_share=cfg.prefill_share
-            )
+            served.scheduler = StepScheduler(info.n_batch_max, info.n_seq_max, row_budget=served.spec.n_batch_max)
             served.state, served.error = State.READY, ""
             log.info("READY %s (recipe %s)", _range_name(served.key), info.recipe_hash[:12])
             self.heartbeat_soon()

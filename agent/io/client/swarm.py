@@ -311,6 +311,8 @@ class _LiveSession:
         rebuild = self.rebuild
         if rebuild is not None and result.step == rebuild.step:
             return self._deliver_rebuild(rebuild, remote_peer_id, result)
+        if result.rebuilt_positions:  # a late answer to a rebuild that is over: not a step's result
+            return _err("INVALID_ARGUMENT", f"no rebuild of step {result.step} is in progress")
         try:
             self.outcome = self.session.receive(result, remote_peer_id)
         except HopFailed as error:

@@ -5,7 +5,7 @@ tracker and six nodes of ten blocks of SmolLM2, so every range has two copies an
 first, a middle and a last hop; heartbeat timeout 15 s, so only the fast path (the owner names
 the lost peer, the tracker probes it) explains a quick resume) and measures:
 
-1. for each hop position (first, middle, last) and each of SIGKILL and SIGSTOP, ``--kills``
+1. for each hop position (first, middle, last) ``--kills`` SIGKILLed and ``--stops`` SIGSTOPped
    generations (greedy) with that hop signalled after a seeded number of decode tokens: the
    resume time, from the last token before the signal to the first token after it; median and
    max, and whether the tokens equal an undisturbed run's;
@@ -22,8 +22,8 @@ Writes ``failover.json`` and ``failover.md`` under ``--out`` (default bench/resu
 machine described as ``bench/compare.py`` describes it. Run it alone on the machine.
 
 Usage: ``.venv/bin/python bench/failover.py [--kills 20] [--quick] [--out bench/results]``
-(``--kills 20``: 120 signalled runs plus 2 x 5 per context length; roughly 30-40 minutes on 2
-cores).
+(``--kills 20 --stops 7``: 81 signalled runs plus 2 x ``--context-kills`` per context length;
+roughly 45 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -192,7 +192,8 @@ async def _measure(bench, args, rng, text_tokens, stop, kills, contexts) -> None
     prompt = text_tokens[:48]
     log(f"swarm up: {NODES} nodes x {BLOCKS_EACH} blocks; {args.kills} runs per signal and position")
 
-    plan = [(how, position) for how in SIGNALS for position in POSITIONS for _ in range(args.kills)]
+    runs = {"SIGKILL": args.kills, "SIGSTOP": args.stops}
+    plan = [(how, position) for how in SIGNALS for position in POSITIONS for _ in range(runs[how])]
     rng.shuffle(plan)
     for i, (how, position) in enumerate(plan):
         record = await bench.signalled_run(
@@ -267,7 +268,8 @@ def render_markdown(report: dict) -> str:
         f"load before: {m.get('loadavg_before')}; Baton {m.get('baton_commit', '?')}, llama.cpp {m.get('llama_cpp_commit', '?')[:12]}.",
         f"Swarm: {NODES} nodes x {BLOCKS_EACH} blocks of SmolLM2 on loopback (two copies of each range), "
         f"heartbeat timeout {HEARTBEAT_TIMEOUT_MS} ms, {report['config']['threads']} thread(s) per worker; "
-        f"{report['config']['kills']} runs per signal and hop position, seed {report['config']['seed']}.",
+        f"{report['config']['kills']} SIGKILL and {report['config'].get('stops', report['config']['kills'])} SIGSTOP runs "
+        f"per hop position, seed {report['config']['seed']}.",
         "",
         f"Note: {RESUME_NOTE}.",
         "",
@@ -310,7 +312,8 @@ def render_markdown(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kills", type=int, default=20, help="signalled runs per signal and hop position (default 20)")
+    parser.add_argument("--kills", type=int, default=20, help="SIGKILLed runs per hop position (default 20)")
+    parser.add_argument("--stops", type=int, default=7, help="SIGSTOPped runs per hop position (default 7)")
     parser.add_argument("--context-kills", type=int, default=5, help="SIGKILLed runs per context length (default 5)")
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="context lengths (positions)")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens per generation of part 1")
@@ -320,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke pass: 1 run each, contexts 128 and 512")
     args = parser.parse_args(argv)
     if args.quick:
-        args.kills, args.context_kills, args.contexts, args.max_tokens = 1, 1, [128, 512], 12
+        args.kills, args.stops, args.context_kills, args.contexts, args.max_tokens = 1, 1, 1, [128, 512], 12
     if args.kills < 1 or args.context_kills < 0 or args.max_tokens < 8:
         parser.error("--kills must be >= 1, --context-kills >= 0 and --max-tokens >= 8")
     machine = machine_info()
@@ -330,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "failover",
         "machine": machine,
         "config": {
-            "kills": args.kills, "context_kills": args.context_kills, "contexts": args.contexts,
+            "kills": args.kills, "stops": args.stops, "context_kills": args.context_kills, "contexts": args.contexts,
             "max_tokens": args.max_tokens, "threads": args.threads, "seed": args.seed, "quick": args.quick,
             "nodes": NODES, "blocks_each": BLOCKS_EACH, "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
             "resume_definition": "last token before the signal -> first token after it",

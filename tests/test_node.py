@@ -369,9 +369,14 @@ async def run_step(swarm: Swarm, reference: AsyncWorkerClient, seqs: list[Seq], 
             nursery.start_soon(send, seq)
     for seq in seqs:
         assert acks[seq.session_id].error.code == 0, acks[seq.session_id].error.message
-    # Nodes lay out a batch by sequence id (agent.core.scheduler); so does the reference.
+    # Nodes lay out a batch by sequence id and merge decode rows together and prefill chunks of
+    # one length together (agent.core.scheduler); so does the reference.
     seqs = sorted(seqs, key=lambda seq: seq.ref_seq_id)
-    expected = await reference.forward([seq.reference_entry() for seq in seqs])
+    expected_by_seq = {}
+    for group in forward_groups(seqs):
+        for seq, ref in zip(group, await reference.forward([seq.reference_entry() for seq in group]), strict=True):
+            expected_by_seq[seq.ref_seq_id] = ref
+    expected = [expected_by_seq[seq.ref_seq_id] for seq in seqs]
     worst = 0.0
     for seq, ref in zip(seqs, expected, strict=True):
         result = await swarm.owner.result(seq.session_id)
@@ -380,6 +385,16 @@ async def run_step(swarm: Swarm, reference: AsyncWorkerClient, seqs: list[Seq], 
         worst = max(worst, max_abs_diff(logits, ref.logits[-1]))
         seq.advance(ref.logits[-1])
     return worst
+
+
+def forward_groups(seqs: list[Seq]) -> list[list[Seq]]:
+    """The Forwards the node's scheduler makes of these steps: every decode row together, and
+    prefill chunks of one length together (in sequence id order within each)."""
+    groups: dict[int, list[Seq]] = {}
+    for seq in seqs:
+        rows = seq.reference_entry().n_rows
+        groups.setdefault(1 if rows == 1 else rows, []).append(seq)
+    return list(groups.values())
 
 
 @contextlib.asynccontextmanager
@@ -428,12 +443,16 @@ async def test_split_route_equals_unsplit_and_merges_sessions(qwen2_tiny_path: P
         first = Seq(os.urandom(16), await tokenize(swarm, "Hello world, how are"), ref_seq_id=1)
         second = Seq(os.urandom(16), await tokenize(swarm, "Once upon a time"), ref_seq_id=2)
         health_a = await served_a.client.health()
+        forwards_a = served_a.forward_calls
         for step in range(4):
             calls = (served_a.forward_calls, served_b.forward_calls)
+            forwards = len(forward_groups([first, second]))  # prompts of two lengths: two prefill Forwards
             assert await run_step(swarm, reference, [first, second], hops) == 0.0
-            assert (served_a.forward_calls, served_b.forward_calls) == (calls[0] + 1, calls[1] + 1), f"step {step}"
+            assert (served_a.forward_calls, served_b.forward_calls) == (calls[0] + forwards, calls[1] + forwards), step
+            assert step == 0 or forwards == 1  # decode steps share one Forward
         assert served_a.largest_batch == 2 and served_b.largest_batch == 2
-        assert (await served_a.client.health()).forward_calls == health_a.forward_calls + 4
+        # the worker counts the same Forwards the node sent
+        assert (await served_a.client.health()).forward_calls == health_a.forward_calls + served_a.forward_calls - forwards_a
 
         # Detokenize through the node.
         reply = await swarm.owner.node_request(

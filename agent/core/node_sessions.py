@@ -234,6 +234,15 @@ class SessionTable:
                 f" {self.n_ctx_per_sequence} positions per sequence",
             )
 
+    def touch(self, session_id: bytes, owner_peer_id: str, now_ms: int) -> bool:
+        """Renew the lease of ``session_id`` for its owner; False when it is not held here
+        for that owner."""
+        session = self._sessions.get(session_id)
+        if session is None or session.owner_peer_id != owner_peer_id:
+            return False
+        session.last_used_ms = now_ms
+        return True
+
     def done(self, session_id: bytes, now_ms: int) -> None:
         """A step of ``session_id`` left the worker (whatever its outcome)."""
         session = self._sessions.get(session_id)

@@ -1043,7 +1043,9 @@ class SwarmClient:
                         max_rows=self.config.prefill_chunk_tokens, owner_addrs=self.transport.listen_addrs,
                     )  # fmt: skip
                     await self._node(plan.feeder, swarm_pb2.NodeRequest(replay=replay))
-                await rebuild.done.wait()
+                async with trio.open_nursery() as nursery:  # the survivors' leases, while it rebuilds
+                    nursery.start_soon(self._touch_while, rebuild.done, plan.survivors, session.session_id)
+                    await rebuild.done.wait()
             problem = rebuild.error
         except trio.TooSlowError:
             problem = f"the rebuild of {keep} positions did not finish within {self.config.step_timeout_s} s"
@@ -1070,6 +1072,14 @@ class SwarmClient:
             describe_route(part),
         )  # fmt: skip
         return new_route, True
+
+    async def _touch_while(self, done: trio.Event, hops: Sequence[swarm_pb2.Hop], session_id: bytes) -> None:
+        """Renew ``session_id``'s lease on ``hops`` every ``probe_interval_s`` until ``done``."""
+        while not done.is_set():
+            with trio.move_on_after(self.config.probe_interval_s):
+                await done.wait()
+                return
+            await self._silent_hop(swarm_pb2.Route(hops=list(hops)), session_id)
 
     async def _resume_hop(self, hop: swarm_pb2.Hop, model_sha256: str, session_id: bytes, keep: int, step: int) -> None:
         body = swarm_pb2.ResumeSessionRequest(
@@ -1134,7 +1144,7 @@ class SwarmClient:
                 return
             if trio.current_time() >= give_up_at:
                 break
-            silent = await self._silent_hop(route)
+            silent = await self._silent_hop(route, live.session.session_id)
             if silent is not None:
                 message = (
                     f"no result for step {step} of session {live.session.session_hex} within "
@@ -1152,14 +1162,17 @@ class SwarmClient:
         live.session.fail(message)
         raise GenerationError(message, step=step)
 
-    async def _silent_hop(self, route: swarm_pb2.Route) -> str | None:
+    async def _silent_hop(self, route: swarm_pb2.Route, session_id: bytes = b"") -> str | None:
         """The first hop of ``route`` that does not answer a probe within ``probe_timeout_s``
-        (None when all do). A probe is a NodeRequest without a body: a live node answers it
-        with INVALID_ARGUMENT at once."""
+        (None when all do). A probe is a NodeRequest that a live node answers at once: a
+        ``touch`` of ``session_id``, which renews the session's lease on the hop while the owner
+        waits (a slow prefill, a rebuild), or without a body (INVALID_ARGUMENT) when none."""
         silent: dict[int, str] = {}
 
         async def probe(index: int, hop: swarm_pb2.Hop) -> None:
             request = swarm_pb2.NodeRequest(schema_version=SCHEMA_VERSION, sender_admission=self.admission)
+            if session_id:
+                request.touch.session_id = session_id
             try:
                 await self.transport.request(
                     hop.peer_id, list(hop.addrs), NODE_PROTOCOL, request.SerializeToString(),
@@ -1196,7 +1209,7 @@ class SwarmClient:
         async def watch(cancel_scope: trio.CancelScope) -> None:
             await trio.sleep(self._step_deadline_s(prefill=prefill))
             while True:
-                found = await self._silent_hop(swarm_pb2.Route(hops=[first]))
+                found = await self._silent_hop(swarm_pb2.Route(hops=[first]), request.session_id)
                 if found is not None:
                     silent.append(found)
                     cancel_scope.cancel()

@@ -140,9 +140,9 @@ class NodeConfig:
       request_timeout_s: control messages (tracker, node requests, end-session forwarding).
       step_push_timeout_s: pushing a step to the next hop or a result to the owner.
       session_idle_timeout_s: a session with nothing pending and no step for this long is
-        freed (a lease its owner renews with every step): an owner that crashed, or that lost
-        the route and did not end it, holds its sequences this long at most. Owners step
-        every few ms while decoding; a prefill chunk is pending, not idle.
+        freed (a lease its owner renews with every step, and with a ``touch`` while it waits
+        longer: a prefill chunk upstream, a rebuild): an owner that crashed, or that lost the
+        route and did not end it, holds its sequences this long at most.
       session_sweep_interval_s: how often idle sessions are looked for.
       owner_max_share: the share of a range's sequences one owner may hold at once (at least
         one sequence): a peer sending step-0 frames cannot take a range from everyone else.
@@ -954,8 +954,8 @@ class Node:
         served.wakeup.set()
 
     async def handle_node(self, remote_peer_id: str, data: bytes) -> bytes:
-        """``/baton/node/1.0.0``: tokenize, detokenize, end_session, resume_session, replay.
-        Never raises."""
+        """``/baton/node/1.0.0``: tokenize, detokenize, end_session, resume_session, replay,
+        touch. Never raises."""
         try:
             request = parse_record(swarm_pb2.NodeRequest, data)
             record = self._check_sender(request.sender_admission, remote_peer_id)
@@ -970,6 +970,8 @@ class Node:
                 return await self._resume_session(request.resume_session, remote_peer_id, record.role)
             if body == "replay":
                 return await self._replay(request.replay, remote_peer_id, record.role)
+            if body == "touch":
+                return self._touch(request.touch, remote_peer_id)
             raise WireError(
                 Code.INVALID_ARGUMENT,
                 "the NodeRequest has no body (tokenize, detokenize, end_session, resume_session or replay)",
@@ -1042,6 +1044,15 @@ class Node:
                 return reply.SerializeToString()
         return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
 
+
+    def _touch(self, body: swarm_pb2.TouchRequest, remote_peer_id: str) -> bytes:
+        """Renew the owner's lease of its session in every range here that holds it."""
+        session_id = bytes(body.session_id)
+        now = _now_ms()
+        held = [s.sessions.touch(session_id, remote_peer_id, now) for s in self.ranges.values() if s.sessions is not None]
+        if not any(held):
+            raise WireError(Code.NOT_FOUND, f"no session {session_id.hex()} of {remote_peer_id} here")
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
 
     # --- resume ------------------------------------------------------------------------
 

@@ -196,8 +196,9 @@ async def test_concurrent_sessions_give_their_solo_runs_numbers_bit_for_bit(tmp_
         solo = [await _run(addr, p, max_tokens=CONCURRENT_TOKENS) for p in prompts]
         for (tokens, _, result), prompt in zip(solo, prompts):
             assert len(tokens) == CONCURRENT_TOKENS or result.stopped_by_token
-            # each hop computed the prompt and every generated token but the last
+            # each hop computed the prompt and every generated token but the last, by its own count too
             assert {h["rows"] for h in result.hop_rows} == {len(prompt) + len(tokens) - 1}
+            assert sorted(result.node_rows, key=lambda h: h["begin"]) == sorted(result.hop_rows, key=lambda h: h["begin"])
 
         async def scenario(n: int) -> list[tuple]:
             outcomes: dict[int, tuple] = {}
@@ -216,9 +217,11 @@ async def test_concurrent_sessions_give_their_solo_runs_numbers_bit_for_bit(tmp_
 
         for n in (1, 2, 4, 8):
             runs = await scenario(n)
-            for i, (tokens, scores, _) in enumerate(runs):
+            for i, (tokens, scores, result) in enumerate(runs):
                 assert tokens == solo[i][0], (n, i)
                 assert scores == solo[i][1], (n, i)  # bit for bit
+                # per-session accounting at every hop: what this session sent, nobody else's rows
+                assert {h["rows"] for h in result.node_rows} == {len(prompts[i]) + len(tokens) - 1}, (n, i)
         again = await scenario(8)
         assert [r[1] for r in again] == [s[1] for s in solo[:8]]  # the same scenario twice: the same bits
 

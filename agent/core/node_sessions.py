@@ -42,6 +42,7 @@ class NodeSession:
     last_used_ms: int
     pending: int = 0  # steps accepted and not yet done (queued or in a Forward)
     rebuilding: bool = False  # opened by rebuild steps; cleared by its first ordinary step
+    rows: int = 0  # rows accepted for it here (prompt, generated, rebuild): the ledger's count
 
 
 class SessionTable:
@@ -112,6 +113,7 @@ class SessionTable:
             session.rebuilding = False
         session.next_step = step + 1
         session.next_position = first_position + n_rows
+        session.rows += n_rows
         session.pending += 1
         session.last_used_ms = now_ms
         return session
@@ -167,6 +169,7 @@ class SessionTable:
             self._check_continues(session, first_position, n_rows, "rebuild rows start")
         session.next_step = resume_step
         session.next_position = first_position + n_rows
+        session.rows += n_rows
         session.pending += 1
         session.last_used_ms = now_ms
         return session

@@ -170,6 +170,8 @@ class GenerationResult:
     ``hop_rows``: rows each hop processed, over every route used, as ``{"node", "begin",
     "end", "rows"}`` (the ledger's input); ``context_full``: the route's context filled up
     before the budget was spent; ``stopped_by_caller``: ``on_token`` ended it;
+    ``node_rows``: the rows each hop says it computed (its own count, returned when the
+    session is ended: a lost hop reports none), as ``hop_rows``;
     ``first_token_s``: from the first step sent to the first token; ``resumes``: how many of
     the ``replans`` replaced a lost hop while the other hops kept their caches (the others
     re-prefilled a new route); ``resume_s``: the time each resume took (lost hop named to
@@ -192,6 +194,7 @@ class GenerationResult:
     first_token_s: float = 0.0
     resumes: int = 0
     resume_s: list[float] = dataclasses.field(default_factory=list)
+    node_rows: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -214,6 +217,7 @@ class GenerationResult:
             "replans": self.replans,
             "resumes": self.resumes,
             "hop_rows": [dict(hop) for hop in self.hop_rows],
+            "node_rows": [dict(hop) for hop in self.node_rows],
         }
 
 
@@ -257,6 +261,7 @@ class _Progress:
     decode_steps: int = 0
     first_token_s: float = 0.0
     rows: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
+    node_rows: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
     started_at: float = dataclasses.field(default_factory=time.perf_counter)  # before the first step
 
     def add(self, token: int, elapsed_s: float, *, prefill: bool) -> None:
@@ -274,8 +279,14 @@ class _Progress:
             key = (hop.peer_id, hop.begin, hop.end)
             self.rows[key] = self.rows.get(key, 0) + n_rows
 
-    def hop_rows_list(self) -> list[dict]:
-        return [{"node": p, "begin": b, "end": e, "rows": n} for (p, b, e), n in self.rows.items()]
+    def add_node_rows(self, counted: Sequence[swarm_pb2.SessionRows]) -> None:
+        for hop in counted:
+            key = (hop.peer_id, hop.begin, hop.end)
+            self.node_rows[key] = self.node_rows.get(key, 0) + hop.rows
+
+    def hop_rows_list(self, *, nodes: bool = False) -> list[dict]:
+        rows = self.node_rows if nodes else self.rows
+        return [{"node": p, "begin": b, "end": e, "rows": n} for (p, b, e), n in rows.items()]
 
 
 @dataclasses.dataclass
@@ -571,12 +582,16 @@ class SwarmClient:
         )
         return reply.text
 
-    async def end_session(self, route: swarm_pb2.Route, session_id: bytes, *, lost_peers: Sequence[str] = ()) -> None:
+    async def end_session(
+        self, route: swarm_pb2.Route, session_id: bytes, *, lost_peers: Sequence[str] = ()
+    ) -> list[swarm_pb2.SessionRows]:
         """Free ``session_id`` on every hop of ``route`` but the ``lost_peers`` (through the
-        first of the others, which passes it on)."""
+        first of the others, which passes it on); the rows each hop says it computed for it."""
         hops = surviving_hops(route, lost_peers)
-        if hops:
-            await self._node(hops[0], end_session_request(session_id, route, self.admission, lost_peers))
+        if not hops:
+            return []
+        reply = await self._node(hops[0], end_session_request(session_id, route, self.admission, lost_peers))
+        return list(reply.session_rows)
 
     # --- results -----------------------------------------------------------------------------
 
@@ -831,7 +846,7 @@ class SwarmClient:
                 with trio.CancelScope(shield=True):
                     with trio.move_on_after(self.config.request_timeout_s):
                         try:
-                            await self.end_session(route, session.session_id, lost_peers=lost)
+                            progress.add_node_rows(await self.end_session(route, session.session_id, lost_peers=lost))
                         except (SwarmError, TransportError) as error:
                             log.info("could not end session %s: %s", session.session_hex, error)
             if failure is None:
@@ -883,6 +898,7 @@ class SwarmClient:
             first_token_s=progress.first_token_s,
             resumes=len(resume_s),
             resume_s=resume_s,
+            node_rows=progress.hop_rows_list(nodes=True),
         )
 
     async def _replan(

@@ -47,7 +47,7 @@ from agent.core.fingerprint import HostProbe, build_fingerprint, signed_fingerpr
 from agent.core.identity import peer_id_from_public_key
 from agent.core.kept_rows import KeptStore, RowsNotKept
 from agent.core.manifest import ManifestError, verify_manifest
-from agent.core.node_sessions import SessionTable
+from agent.core.node_sessions import NodeSession, SessionTable
 from agent.core.scheduler import StepScheduler
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
@@ -276,19 +276,19 @@ class ServedRange:
             sessions_rebuilt=0 if self.sessions is None else self.sessions.rebuilt,
         )
 
-    def end_session(self, session_id: bytes) -> bool:
+    def end_session(self, session_id: bytes) -> NodeSession | None:
         """Forget ``session_id`` here (its sequence closes, its queued steps and kept rows
-        go); True when this range held it."""
+        go); the ended session, or None when this range did not hold it."""
         if self.sessions is None or self.scheduler is None:
-            return False
+            return None
         ended = self.sessions.end(session_id)
         if self.kept is not None:
             self.kept.forget(session_id)
         if ended is None:
-            return False
+            return None
         self.scheduler.drop_session(ended.seq_id)
         self.wakeup.set()
-        return True
+        return ended
 
 
 def _now_ms() -> int:
@@ -875,9 +875,16 @@ class Node:
 
     # --- sessions ----------------------------------------------------------------------
 
-    def _end_session_here(self, session_id: bytes) -> int:
-        """End ``session_id`` in every range of this node; returns how many held it."""
-        return sum(served.end_session(session_id) for served in list(self.ranges.values()))
+    def _end_session_here(self, session_id: bytes) -> list[swarm_pb2.SessionRows]:
+        """End ``session_id`` in every range of this node; the rows each range that held it
+        computed for it, in block order."""
+        counted = []
+        for served in sorted(self.ranges.values(), key=lambda s: s.key[1]):
+            ended = served.end_session(session_id)
+            if ended is not None:
+                _, begin, end = served.key
+                counted.append(swarm_pb2.SessionRows(peer_id=self.peer_id, begin=begin, end=end, rows=ended.rows))
+        return counted
 
     async def _sweep_sessions(self) -> None:
         timeout_ms = int(self.config.session_idle_timeout_s * 1000)
@@ -1026,7 +1033,7 @@ class Node:
         for i, hop in enumerate(body.rest):
             if not hop.peer_id:
                 raise WireError(Code.INVALID_ARGUMENT, f"rest[{i}] names no peer")
-        self._end_session_here(session_id)
+        counted = self._end_session_here(session_id)
         if body.rest:
             hop = body.rest[0]
             forward = swarm_pb2.NodeRequest(
@@ -1042,7 +1049,11 @@ class Node:
                 raise WireError(Code.UNAVAILABLE, f"ended here; next hop {hop.peer_id}: {err}") from None
             if reply.error.code:
                 return reply.SerializeToString()
-        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
+            onward = list(reply.session_rows)
+            del reply.session_rows[:]
+            reply.session_rows.extend([*counted, *onward])
+            return reply.SerializeToString()
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION, session_rows=counted).SerializeToString()
 
 
     def _touch(self, body: swarm_pb2.TouchRequest, remote_peer_id: str) -> bytes:

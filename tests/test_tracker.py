@@ -787,7 +787,7 @@ def test_store_refuses_another_schema_version(db_path):
     connection.execute("UPDATE schema_version SET version = 99")
     connection.commit()
     connection.close()
-    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 3"):
+    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 4"):
         TrackerStore.open(db_path)
 
 
@@ -804,11 +804,12 @@ def test_store_migrates_a_version_1_file(db_path):
         "admission BLOB NOT NULL, admitted_at_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, "
         "last_heartbeat_ms INTEGER NOT NULL, alive INTEGER NOT NULL, listen_addrs TEXT NOT NULL); "
         "DROP TABLE nodes; ALTER TABLE nodes_v1 RENAME TO nodes; "
+        "DROP TABLE integrity_failures; DROP TABLE node_integrity; "
         "UPDATE schema_version SET version = 1;"
     )
     connection.close()
     with open_store(db_path) as store:
-        assert store._db.execute("SELECT version FROM schema_version").fetchone()[0] == 3
+        assert store._db.execute("SELECT version FROM schema_version").fetchone()[0] == 4
         assert store.models() == [MODEL] and store.model_path(MODEL.sha256) is None
         assert store.model_source(MODEL.sha256) == ""  # (version 3) no source recorded
         store.put_model(MODEL, 1, "/models/tiny.gguf")
@@ -824,6 +825,14 @@ def test_store_migrates_a_version_1_file(db_path):
         assert [(n.peer_id, list(n.listen_addrs), list(n.serving)) for n in store.node_entries()] == [
             ("A", ["/memory/A"], [])
         ]
+        # (version 4) integrity records, kept apart from the node's row
+        store.add_check_passed("A")
+        assert store.add_integrity_failure("A", swarm_pb2.IntegrityFailure(check_id="c1", at_ms=5)) == 1
+        store.refuse_node("A", "failed 1 check")
+        (entry,) = store.node_entries()
+        assert (entry.checks_passed, entry.refused, [f.check_id for f in entry.integrity_failures]) == (
+            1, "failed 1 check", ["c1"],
+        )  # fmt: skip
 
 
 def test_store_uses_wal_and_keeps_assignment_status(db_path):

@@ -56,6 +56,7 @@ __all__ = [
     "RangeSpec",
     "StepInput",
     "WireError",
+    "boundary_step_request",
     "check_hops",
     "check_schema_version",
     "circuit_multiaddr",
@@ -444,30 +445,70 @@ def next_hop_request(
     Raises:
       BoundaryError: rows of the wrong shape, non-finite, or out of float16 range.
     """
-    hop = step.rest[0]
-    dtype = step.dtype if step.rows is not None else int(WireDType.F32)
-    schema = step.schema
-    data = encode_rows(rows, schema.row_values, dtype)
-    if rows.shape[0] != step.n_rows:
-        raise BoundaryError(f"{rows.shape[0]} output rows for a step of {step.n_rows} rows")
-    return swarm_pb2.StepRequest(
-        schema_version=SCHEMA_VERSION,
+    request = boundary_step_request(
         session_id=step.session_id,
         step=step.step,
+        hops=step.rest,
+        rows=rows,
+        positions=step.positions,
+        dtype=step.dtype if step.rows is not None else int(WireDType.F32),
+        schema=step.schema,
+        recipe_hash=step.recipe_hash,
+        model_sha256=step.model_sha256,
+        owner_peer_id=step.owner_peer_id,
+        owner_addrs=step.owner_addrs,
+        sender_admission=sender_admission,
+        result_top_k=step.result_top_k,
+    )
+    if rows.shape[0] != step.n_rows:
+        raise BoundaryError(f"{rows.shape[0]} output rows for a step of {step.n_rows} rows")
+    return request
+
+
+def boundary_step_request(
+    *,
+    session_id: bytes,
+    step: int,
+    hops: Sequence[swarm_pb2.Hop],
+    rows: np.ndarray,
+    positions: Sequence[int] | np.ndarray,
+    dtype: int,
+    schema: BoundarySchema,
+    recipe_hash: str,
+    model_sha256: str,
+    owner_peer_id: str,
+    owner_addrs: Sequence[str],
+    sender_admission: swarm_pb2.SignedAdmission,
+    result_top_k: int = 0,
+) -> swarm_pb2.StepRequest:
+    """The ``StepRequest`` that hands boundary ``rows`` (float32 ``[n_rows,
+    schema.row_values]``) to ``hops[0]``, in ``dtype``, declaring ``schema``: what a hop
+    pushes to the next (``next_hop_request``) and the tracker's verifier sends to a range it
+    checks (``agent.io.tracker.verifier``).
+
+    Raises:
+      BoundaryError: rows of the wrong shape, non-finite, or out of float16 range.
+    """
+    hop = hops[0]
+    data = encode_rows(rows, schema.row_values, dtype)
+    return swarm_pb2.StepRequest(
+        schema_version=SCHEMA_VERSION,
+        session_id=session_id,
+        step=step,
         begin=hop.begin,
         end=hop.end,
-        positions=step.positions.tolist(),
+        positions=np.asarray(positions, dtype=np.int32).tolist(),
         boundary=data,
         dtype=dtype,
-        n_embd=step.n_embd,
-        recipe_hash=step.recipe_hash,
-        rest=list(step.rest[1:]),
-        owner_peer_id=step.owner_peer_id,
-        owner_addrs=list(step.owner_addrs),
+        n_embd=schema.n_embd,
+        recipe_hash=recipe_hash,
+        rest=list(hops[1:]),
+        owner_peer_id=owner_peer_id,
+        owner_addrs=list(owner_addrs),
         checksum=crc32(data),
         sender_admission=sender_admission,
-        model_sha256=step.model_sha256,
-        result_top_k=step.result_top_k,
+        model_sha256=model_sha256,
+        result_top_k=result_top_k,
         boundary_schema_version=schema.version,
         boundary_streams=schema.streams,
     )

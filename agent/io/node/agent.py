@@ -69,6 +69,7 @@ from agent.io.transport import Transport, TransportError
 from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
 from agent.io.worker_process import WorkerBinaryNotFound, WorkerHandle, WorkerStartError, open_worker
 from agent.models import sha256_file
+from agent.testing.faulty import CorruptOutputs, OutputCorrupter
 
 from .fetch import (
     FetchConfig,
@@ -151,6 +152,8 @@ class NodeConfig:
       fetch: limits of those downloads (``agent.io.node.fetch.FetchConfig``).
       manifest_timeout_s: how long the tracker may take to send a manifest (the first one
         of a model hashes the whole file: minutes for tens of GB).
+      test_corrupt_outputs: TEST ONLY, never in production: corrupt outputs as
+        ``agent.testing.faulty.OutputCorrupter`` does (None: an honest node).
     """
 
     tracker: str
@@ -181,6 +184,9 @@ class NodeConfig:
     verify_local_models: bool = True
     fetch: FetchConfig = FetchConfig()
     manifest_timeout_s: float = 300.0
+    #: TEST ONLY (``agent.testing.faulty``): add noise to the outputs of steps this node has
+    #: not seen before, to show that canary checks catch a node computing wrong numbers
+    test_corrupt_outputs: CorruptOutputs | None = None
 
 
 class NodeError(Exception):
@@ -304,6 +310,9 @@ class Node:
         self.registrations = 0
         self.heartbeats = 0
         self._heartbeat_wakeup = trio.Event()
+        self._corrupter = OutputCorrupter(config.test_corrupt_outputs) if config.test_corrupt_outputs else None
+        if self._corrupter is not None:
+            log.warning("TEST ONLY: this node corrupts the outputs of steps it has not seen before")
 
     # --- tracker -----------------------------------------------------------------------
 
@@ -675,11 +684,13 @@ class Node:
             batch = scheduler.next_batch()
             if not batch:
                 continue
+            corrupting = self._corrupter is not None and self._corrupter.active
             entries = [
                 SeqInput(
                     seq_id=seq_id, positions=step.positions, token_ids=step.token_ids, boundary=step.rows,
                     boundary_schema=step.schema if step.rows is not None else None,
-                    top_k=_worker_top_k(step, info),
+                    # (test only) a corrupted last range selects its top-K from the noisy row
+                    top_k=0 if corrupting else _worker_top_k(step, info),
                 )  # fmt: skip
                 for seq_id, step in batch
             ]  # fmt: skip
@@ -709,6 +720,8 @@ class Node:
                 sessions.done(step.session_id, now)
                 if step.session_id not in sessions:
                     continue  # ended while in the Forward: nobody wants the output
+                if self._corrupter is not None:
+                    output = self._corrupter.apply(step, output, active=corrupting)
                 pushes.start_soon(self._guarded, self._push, step, output)
 
     @staticmethod

@@ -66,9 +66,10 @@ from agent.core.manifest import ManifestError, build_manifest, sign_manifest
 from agent.io.tracker.gguf_info import GgufError, read_registered_file
 from agent.io.transport import TransportError
 from agent.io.tracker.store import NodeRecord, TrackerStore
+from agent.io.tracker.verifier import CheckOutcome, VerifierStats
 
 if TYPE_CHECKING:
-    from agent.io.tracker.verifier import CheckOutcome, OpenPersona, VerifierConfig
+    from agent.io.tracker.verifier import OpenPersona, VerifierConfig
 
 __all__ = ["Tracker", "TrackerConfig", "serve_tracker", "trio_unix_clock"]
 
@@ -169,7 +170,8 @@ class Tracker:
         #: (peer id, model sha256) whose output failed a check: not assigned to it again until
         #: it registers anew (and then checked before it is routed)
         self.withdrawn: set[tuple[str, str]] = set()
-        self.verifier_stats = None  # the verifier's VerifierStats once it runs
+        #: the verifier's totals (checks passed, failed, inconclusive; rows; time)
+        self.verifier_stats = VerifierStats()
         self._route_load: deque[tuple[float, tuple[str, ...]]] = deque()
         self._changed = trio.Event()
         self.recomputes = 0
@@ -615,6 +617,7 @@ class Tracker:
         failure records the evidence and withdraws the range at once, or refuses the node
         (``CanaryPolicy.refuse_after_failures``); inconclusive tries again later."""
         assert self.canaries is not None and self.canary_policy is not None
+        self.verifier_stats.add(outcome)
         key = outcome.key
         peer_id, model_sha256, begin, end = key
         now_s = trio.current_time()
@@ -889,8 +892,7 @@ async def serve_tracker(
       verifier: with ``config.canary``: the verifier's workers and deadlines (default
         ``VerifierConfig()``); it runs in this call's nursery (``serve_verifier``).
       open_persona: how the verifier's fresh identities get a transport (default: libp2p).
-      task_status: started with the ``Tracker`` (for tests and the CLI); its
-        ``verifier_stats`` are the verifier's totals once it runs.
+      task_status: started with the ``Tracker`` (for tests and the CLI).
 
     Raises:
       ValueError: ``key`` is not the transport's identity.
@@ -908,7 +910,7 @@ async def serve_tracker(
         if config.canary is not None:
             from agent.io.tracker.verifier import VerifierConfig, serve_verifier
 
-            tracker.verifier_stats = await nursery.start(
+            await nursery.start(
                 functools.partial(serve_verifier, tracker, verifier or VerifierConfig(), open_persona=open_persona)
             )
         await tracker.run_sweeper()

@@ -592,7 +592,7 @@ async def serve_verifier(
         ``config.persona_listen``).
       rng: draws the canaries' lengths and tokens (default: seeded from the OS).
 
-    Started value: the ``VerifierStats`` it keeps up to date.
+    Started value: the tracker's ``VerifierStats`` (the totals of its checks).
     """
     policy = tracker.canary_policy
     schedule = tracker.canaries
@@ -600,11 +600,10 @@ async def serve_verifier(
         raise ValueError("the tracker has no canary policy")
     open_persona = open_persona or libp2p_personas(config.persona_listen)
     rng = rng or np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
-    stats = VerifierStats()
     ctx_size = max(256, -(-policy.max_positions // 256) * 256)
     async with trio.open_nursery() as nursery:
         pool = ReferencePool(nursery, config, ctx_size=ctx_size, batch_size=max(policy.max_prompt_rows, 1))
-        task_status.started(stats)
+        task_status.started(tracker.verifier_stats)
         while True:
             key = schedule.next_due(trio.current_time())
             if key is None:
@@ -613,6 +612,4 @@ async def serve_verifier(
                     await tracker.changed()
                 continue
             schedule.started(key)
-            outcome = await run_check(tracker, key, pool, config, open_persona, rng)
-            stats.add(outcome)
-            tracker.record_check(outcome)
+            tracker.record_check(await run_check(tracker, key, pool, config, open_persona, rng))

@@ -121,22 +121,12 @@ async def _load(client, phase: Phase, prompt: list[int], args: argparse.Namespac
 async def _restart_tracker(swarm, client, interval_s: float, timeout_s: float) -> None:  # noqa: ANN001
     """The tracker again with ``--canary-interval-s interval_s``; back once every range has two
     READY copies that passed their first check (when checks are on)."""
-    from agent._proto import swarm_pb2
     from agent.demo.swarm_demo import wait_for_copies
 
     await swarm.stop_tracker()
     swarm.config = dataclasses.replace(swarm.config, canary_interval_s=interval_s)
     await swarm.start_tracker()
-    await wait_for_copies(client, swarm, 2, timeout_s=timeout_s)
-    with trio.fail_after(timeout_s):
-        while True:
-            serving = [
-                s for n in await client.list_nodes() if n.alive for s in n.serving
-                if s.state == swarm_pb2.AssignmentStatus.READY
-            ]  # fmt: skip
-            if len(serving) == NODES and not any(s.awaiting_check for s in serving):
-                return
-            await trio.sleep(0.2)
+    await wait_for_copies(client, swarm, 2, timeout_s=timeout_s, checked=True)
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -204,7 +194,8 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
             "loss_checking_every_generation": loss("spot all"),
             "extrapolated_loss_at_default": DEFAULT_SPOT_RATE * loss("spot all"),
             "work_share_every_generation": spot_all["shadow_rows"] / spot_all["rows"] if spot_all["rows"] else 0.0,
-            "work_share_at_default": DEFAULT_SPOT_RATE * (spot_all["shadow_rows"] / spot_all["rows"] if spot_all["rows"] else 0.0),
+            "work_share_at_default": DEFAULT_SPOT_RATE
+            * (spot_all["shadow_rows"] / spot_all["rows"] if spot_all["rows"] else 0.0),
             "mismatches": sum(p["spot_mismatches"] for p in raw["phases"]),
         },
         "canaries": {

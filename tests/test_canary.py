@@ -26,7 +26,6 @@ from agent.core.admission import public_key_bytes
 from agent.core.canary import CanaryPolicy
 from agent.core.fingerprint import DeviceInfo, HostProbe
 from agent.core.identity import peer_id_from_public_key
-from agent.core.swarm_wire import SCHEMA_VERSION
 from agent.io.node.agent import LocalModel, Node, NodeConfig, NodeRefused, serve_node
 from agent.io.tracker.cli import register_models
 from agent.io.tracker.service import Tracker, TrackerConfig, serve_tracker
@@ -79,7 +78,9 @@ class Swarm:
     def tracker_addr(self) -> str:
         return self.tracker.transport.listen_addrs[0]
 
-    async def start_node(self, key: Ed25519PrivateKey, blocks: int, **overrides) -> tuple[Node, trio.CancelScope, trio.Event]:
+    async def start_node(
+        self, key: Ed25519PrivateKey, blocks: int, **overrides
+    ) -> tuple[Node, trio.CancelScope, trio.Event]:
         """A node offering memory for ``blocks`` blocks; cancel the scope to stop it (the
         event is set once it stopped)."""
         peer_id = peer_id_from_public_key(public_key_bytes(key))

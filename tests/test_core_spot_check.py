@@ -23,7 +23,9 @@ pytestmark = pytest.mark.timeout(30)
 
 def route(*peers: str, recipe: str = "r1") -> swarm_pb2.Route:
     """Hops of 10 blocks each, the last to block 30."""
-    hops = [swarm_pb2.Hop(peer_id=p, addrs=[f"/memory/{p}"], begin=10 * i, end=10 * (i + 1)) for i, p in enumerate(peers)]
+    hops = [
+        swarm_pb2.Hop(peer_id=p, addrs=[f"/memory/{p}"], begin=10 * i, end=10 * (i + 1)) for i, p in enumerate(peers)
+    ]
     hops[-1].end = 30
     return swarm_pb2.Route(model_sha256="m" * 64, n_layer=30, recipe_hash=recipe, hops=hops)
 

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent._proto import swarm_pb2
 from agent.demo.local_demo import generate_through
 from agent.demo.swarm_demo import wait_for_copies
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
@@ -103,19 +102,6 @@ async def _unsplit(path: Path, prompt: str, new_tokens: int) -> tuple[list[int],
         return tokens, run.tokens
 
 
-async def _checked_copies(client, swarm: LocalSwarm, copies: int, timeout_s: float) -> list[swarm_pb2.NodeEntry]:  # noqa: ANN001
-    """Wait until every range has ``copies`` READY copies that passed their first check."""
-    await wait_for_copies(client, swarm, copies, timeout_s=timeout_s)
-    with trio.fail_after(timeout_s):
-        while True:
-            swarm.check_alive()
-            nodes = await client.list_nodes()
-            serving = [s for n in nodes if n.alive for s in n.serving if s.state == swarm_pb2.AssignmentStatus.READY]
-            if len(serving) >= 2 * copies and not any(s.awaiting_check for s in serving):
-                return nodes
-            await trio.sleep(0.1)
-
-
 @pytest.mark.timeout(420)
 async def test_a_node_turning_bad_is_caught_withdrawn_and_its_generation_finishes_as_one_unsplit_worker(
     tmp_path: Path,
@@ -140,7 +126,8 @@ async def test_a_node_turning_bad_is_caught_withdrawn_and_its_generation_finishe
             cheater = swarm.start_node(
                 "cheater", memory, ["--test-corrupt-outputs", "1.0", "--test-corrupt-while-file", str(flag)]
             )
-            nodes = await _checked_copies(client, swarm, 2, SETUP_TIMEOUT_S)  # every range passed its first check
+            # every range has two copies that passed their first check
+            nodes = await wait_for_copies(client, swarm, 2, timeout_s=SETUP_TIMEOUT_S, checked=True)
             (bad_range,) = [(s.assignment.begin, s.assignment.end) for n in nodes if n.peer_id == cheater.peer_id for s in n.serving]
             twins = [n.peer_id for n in nodes for s in n.serving if n.peer_id != cheater.peer_id and (s.assignment.begin, s.assignment.end) == bad_range]
             route = await client.route(ALIAS, avoid_peers=twins)  # a route through the cheater
@@ -211,7 +198,7 @@ async def test_honest_nodes_of_one_recipe_pass_a_thousand_canaries_and_spot_chec
             memory = 15 * entry.bytes_per_block + entry.bytes_per_block // 2
             for i in range(4):
                 swarm.start_node(f"node-{i + 1}", memory)
-            await _checked_copies(client, swarm, 2, SETUP_TIMEOUT_S)
+            await wait_for_copies(client, swarm, 2, timeout_s=SETUP_TIMEOUT_S, checked=True)
             generations = 0
             with trio.fail_after(800):
                 while True:

@@ -324,7 +324,9 @@ def _max_abs(expected: np.ndarray, returned: np.ndarray) -> float:
 
 
 def _differing_rows(expected: np.ndarray, returned: np.ndarray) -> str:
-    rows = np.flatnonzero(np.any(expected.reshape(expected.shape[0], -1) != returned.reshape(expected.shape[0], -1), axis=1))
+    rows = np.flatnonzero(
+        np.any(expected.reshape(expected.shape[0], -1) != returned.reshape(expected.shape[0], -1), axis=1)
+    )
     shown = ", ".join(str(int(r)) for r in rows[:8])
     return f"rows {shown}{', ...' if rows.size > 8 else ''} of {expected.shape[0]} differ"
 

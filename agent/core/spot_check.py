@@ -30,7 +30,15 @@ from agent._proto import swarm_pb2
 from .canary import OutputMismatch, compare_scores, scores_bytes
 from .swarm_wire import result_scores
 
-__all__ = ["RouteSegment", "compare_results", "hop_to_avoid", "result_digest", "rollback_point", "sample", "shadow_request"]
+__all__ = [
+    "RouteSegment",
+    "compare_results",
+    "hop_to_avoid",
+    "result_digest",
+    "rollback_point",
+    "sample",
+    "shadow_request",
+]
 
 
 def sample(rate: float, rng: np.random.Generator) -> bool:
@@ -47,9 +55,7 @@ def hop_to_avoid(route: swarm_pb2.Route, rng: np.random.Generator) -> str:
     return route.hops[int(rng.integers(0, len(route.hops)))].peer_id
 
 
-def shadow_request(
-    original: swarm_pb2.StepRequest, session_id: bytes, route: swarm_pb2.Route
-) -> swarm_pb2.StepRequest:
+def shadow_request(original: swarm_pb2.StepRequest, session_id: bytes, route: swarm_pb2.Route) -> swarm_pb2.StepRequest:
     """The shadow session's copy of ``original`` (a step to the first hop): the same rows,
     positions, step number and K, sent as session ``session_id`` along ``route``.
 

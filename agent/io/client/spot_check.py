@@ -79,7 +79,9 @@ class _ShadowLive:
     def deliver(self, remote_peer_id: str, result: swarm_pb2.StepResult) -> swarm_pb2.Error | None:
         failed = result.error.code != swarm_pb2.Error.CODE_UNSPECIFIED
         if remote_peer_id not in self.peers or (not failed and remote_peer_id != self.peers[-1]):
-            return swarm_pb2.Error(code=swarm_pb2.Error.REFUSED, message=f"{remote_peer_id} is not the shadow's last hop")
+            return swarm_pb2.Error(
+                code=swarm_pb2.Error.REFUSED, message=f"{remote_peer_id} is not the shadow's last hop"
+            )
         if result.step != self.step or self.arrived.is_set():
             return swarm_pb2.Error(code=swarm_pb2.Error.INVALID_ARGUMENT, message=f"unexpected step {result.step}")
         self.result = result
@@ -94,9 +96,7 @@ class _Shadow:
         self.checks = checks
         self.model = model
         self.route = route
-        self.send, self.receive = trio.open_memory_channel[tuple[swarm_pb2.StepRequest, swarm_pb2.StepResult]](
-            math.inf
-        )
+        self.send, self.receive = trio.open_memory_channel[tuple[swarm_pb2.StepRequest, swarm_pb2.StepResult]](math.inf)
         self.done = trio.Event()
 
     def feed(self, request: swarm_pb2.StepRequest, result: swarm_pb2.StepResult) -> None:
@@ -194,7 +194,9 @@ class _Shadow:
 class SpotChecks:
     """The spot checks of one ``SwarmClient`` (its ``spot_checks``)."""
 
-    def __init__(self, client: SwarmClient, rate: float, grace_s: float, rng: np.random.Generator | None = None) -> None:
+    def __init__(
+        self, client: SwarmClient, rate: float, grace_s: float, rng: np.random.Generator | None = None
+    ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"spot_check_rate must be in [0, 1], got {rate}")
         self.client = client

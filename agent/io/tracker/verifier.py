@@ -201,7 +201,8 @@ class ReferencePool:
         else:
             handle = held[0]
         self._used[key] = trio.current_time()
-        for old in sorted(self._workers, key=lambda k: self._used.get(k, 0.0))[: max(0, len(self._workers) - self._config.max_reference_workers)]:
+        excess = len(self._workers) - self._config.max_reference_workers
+        for old in sorted(self._workers, key=lambda k: self._used.get(k, 0.0))[: max(0, excess)]:
             if old != key:
                 self._workers.pop(old)[1].set()
         return handle
@@ -220,7 +221,9 @@ class ReferencePool:
                 client_config=ClientConfig(timeout_s=cfg.worker_call_timeout_s), binary=cfg.worker_binary,
             ) as handle:  # fmt: skip
                 if handle.info.model_sha256 and handle.info.model_sha256 != model_sha256:
-                    raise ValueError(f"the reference worker loaded model {handle.info.model_sha256}, not {model_sha256}")
+                    raise ValueError(
+                        f"the reference worker loaded model {handle.info.model_sha256}, not {model_sha256}"
+                    )
                 self._workers[key] = (handle, stop)
                 log.info("reference worker for model %s blocks [%d, %d) ready", model_sha256[:12], begin, end)
                 task_status.started(handle)
@@ -272,7 +275,9 @@ class _Inbox:
             request = parse_record(swarm_pb2.StepRequest, data)
             mine = remote_peer_id == self.node_peer_id and bytes(request.session_id) == self.session_id
             if not mine or self.downstream is None or request.step != self.step or self.arrived.is_set():
-                raise WireError(Code.NOT_FOUND, f"unknown session {bytes(request.session_id).hex()} at step {request.step}")
+                raise WireError(
+                    Code.NOT_FOUND, f"unknown session {bytes(request.session_id).hex()} at step {request.step}"
+                )
             try:
                 step = validate_step(request, self.downstream)
             except WireError as err:
@@ -291,7 +296,11 @@ class _Inbox:
             result = parse_record(swarm_pb2.StepResult, data)
         except WireError as err:
             return step_ack(err)
-        if remote_peer_id != self.node_peer_id or bytes(result.session_id) != self.session_id or result.step != self.step:
+        if (
+            remote_peer_id != self.node_peer_id
+            or bytes(result.session_id) != self.session_id
+            or result.step != self.step
+        ):
             return step_ack_error(Code.NOT_FOUND, f"unknown session {bytes(result.session_id).hex()}")
         if not self.arrived.is_set():
             self.result = result

@@ -121,16 +121,17 @@ async def _load(client, phase: Phase, prompt: list[int], args: argparse.Namespac
 async def _restart_tracker(swarm, client, interval_s: float, timeout_s: float) -> None:  # noqa: ANN001
     """The tracker again with ``--canary-interval-s interval_s``; back once every range has two
     READY copies that passed their first check (when checks are on)."""
-    from agent.demo.swarm_demo import wait_for_copies
+    from agent.demo.swarm_demo import wait_for_copies, wait_for_coverage
 
     await swarm.stop_tracker()
     swarm.config = dataclasses.replace(swarm.config, canary_interval_s=interval_s)
     await swarm.start_tracker()
+    await wait_for_coverage(client, swarm, ALIAS, timeout_s=timeout_s)  # every range READY (and checked)
     await wait_for_copies(client, swarm, 2, timeout_s=timeout_s, checked=True)
 
 
 async def run(args: argparse.Namespace) -> dict:
-    from agent.demo.swarm_demo import wait_for_copies
+    from agent.demo.swarm_demo import wait_for_copies, wait_for_coverage
     from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
     from agent.io.client import SwarmClientConfig, open_swarm_client
     from agent.models import model_path
@@ -147,10 +148,10 @@ async def run(args: argparse.Namespace) -> dict:
             memory = BLOCKS_EACH * entry.bytes_per_block + entry.bytes_per_block // 2
             for i in range(NODES):
                 swarm.start_node(f"node-{i + 1}", memory)
+            route = await wait_for_coverage(client, swarm, ALIAS, timeout_s=args.setup_timeout_s)
             await wait_for_copies(client, swarm, 2, timeout_s=args.setup_timeout_s)
-            route = await client.route(ALIAS)
             prompt, _ = await client.tokenize(route, PROMPT)
-            await _load(client, Phase("warm-up"), prompt, dataclasses.replace(args, duration_s=3.0))
+            await _load(client, Phase("warm-up"), prompt, argparse.Namespace(**{**vars(args), "duration_s": 3.0}))
 
             for name, rate in (("baseline", 0.0), ("spot default", DEFAULT_SPOT_RATE), ("spot all", 1.0)):
                 client.spot_checks.rate = rate

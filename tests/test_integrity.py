@@ -24,7 +24,7 @@ import pytest
 import trio
 
 from agent.demo.local_demo import generate_through
-from agent.demo.swarm_demo import wait_for_copies
+from agent.demo.swarm_demo import wait_for_copies, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.worker_process import open_worker
@@ -127,6 +127,7 @@ async def test_a_node_turning_bad_is_caught_withdrawn_and_its_generation_finishe
                 "cheater", memory, ["--test-corrupt-outputs", "1.0", "--test-corrupt-while-file", str(flag)]
             )
             # every range has two copies that passed their first check
+            await wait_for_coverage(client, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
             nodes = await wait_for_copies(client, swarm, 2, timeout_s=SETUP_TIMEOUT_S, checked=True)
             (bad_range,) = [(s.assignment.begin, s.assignment.end) for n in nodes if n.peer_id == cheater.peer_id for s in n.serving]
             twins = [n.peer_id for n in nodes for s in n.serving if n.peer_id != cheater.peer_id and (s.assignment.begin, s.assignment.end) == bad_range]
@@ -198,6 +199,7 @@ async def test_honest_nodes_of_one_recipe_pass_a_thousand_canaries_and_spot_chec
             memory = 15 * entry.bytes_per_block + entry.bytes_per_block // 2
             for i in range(4):
                 swarm.start_node(f"node-{i + 1}", memory)
+            await wait_for_coverage(client, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
             await wait_for_copies(client, swarm, 2, timeout_s=SETUP_TIMEOUT_S, checked=True)
             generations = 0
             with trio.fail_after(800):

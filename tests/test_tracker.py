@@ -513,7 +513,13 @@ async def test_check_outcomes_gate_withdraw_and_refuse_nodes(autojump_clock, db_
         stranger = await h.peer(4).call(report_mismatch=report)
         assert stranger.error.code == Code.REFUSED and "only an admitted session owner" in stranger.error.message
 
-        # registering anew, b is assigned again and gated; a second failure refuses it
+        # registering anew, b is assigned again and gated; passing its check clears it for owners
+        await b.register(usable_memory_bytes=3 * BPB)
+        await b.heartbeat(serving=[(3, 6)])
+        await trio.sleep(0.01)
+        h.tracker.record_check(_outcome(b, 3, 6, "passed"))
+        assert list((await client.call(integrity={"peer_ids": [b.peer_id]})).integrity.withdrawn) == []
+        # and it turns bad again: a second failure refuses it
         await b.register(usable_memory_bytes=3 * BPB)
         assert any(row.assignment.peer_id == b.peer_id for row in h.store.assignments())
         await b.heartbeat(serving=[(3, 6)])

@@ -170,6 +170,10 @@ class Tracker:
         #: (peer id, model sha256) whose output failed a check: not assigned to it again until
         #: it registers anew (and then checked before it is routed)
         self.withdrawn: set[tuple[str, str]] = set()
+        #: (peer id, model sha256) -> when (tracker clock) a range of it last passed a check: a
+        #: failure of that model before then is no longer named to owners (the node registered
+        #: anew and was checked since; a pass of another model clears nothing)
+        self._last_pass_ms: dict[tuple[str, str], int] = {}
         #: the verifier's totals (checks passed, failed, inconclusive; rows; time)
         self.verifier_stats = VerifierStats()
         self._route_load: deque[tuple[float, tuple[str, ...]]] = deque()
@@ -623,6 +627,7 @@ class Tracker:
         now_s = trio.current_time()
         if outcome.status == "passed":
             self.store.add_check_passed(peer_id)
+            self._last_pass_ms[(peer_id, model_sha256)] = self._now_ms()
             self.canaries.passed(key, now_s, self._canary_rng)
             self._notify()
             return None
@@ -664,9 +669,15 @@ class Tracker:
         return action
 
     def _withdrawn_reason(self, peer_id: str) -> swarm_pb2.WithdrawnPeer | None:
+        """Why owners should not trust what ``peer_id`` computed lately: it is refused, or it
+        failed a check (within ``integrity_memory_ms``) and passed none of that model since;
+        else None."""
         refused = self.store.refused(peer_id)
-        recent = self.store.integrity_failures(peer_id, since_ms=self._now_ms() - self.config.integrity_memory_ms)
-        if not refused and not recent and not any(p == peer_id for p, _ in self.withdrawn):
+        recent = [
+            f for f in self.store.integrity_failures(peer_id, since_ms=self._now_ms() - self.config.integrity_memory_ms)
+            if f.at_ms >= self._last_pass_ms.get((peer_id, f.assignment.model_sha256), -1)
+        ]  # fmt: skip
+        if not refused and not recent:
             return None
         last = recent[-1] if recent else None
         reason = refused or (

@@ -404,6 +404,9 @@ async def run_check(
         reason = f"the reference could not run: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
         log.warning("%s of %s [%d, %d) on %s: %s", check_id, model_sha256[:12], begin, end, peer_id, reason)
         return CheckOutcome(key, check_id, "inconclusive", reason=reason, **stats)
+    except Exception as err:  # a bug here must not take the tracker down: logged, tried again later
+        log.exception("%s of %s [%d, %d) on %s failed", check_id, model_sha256[:12], begin, end, peer_id)
+        return CheckOutcome(key, check_id, "inconclusive", reason=f"{type(err).__name__}: {err}", **stats)
     if mismatch is not None:
         return CheckOutcome(key, check_id, "failed", mismatch=mismatch, **stats)
     return CheckOutcome(key, check_id, "passed", **stats)

@@ -768,3 +768,28 @@ async def test_a_spot_check_that_cannot_conclude_leaves_the_generation_alone(swa
         assert (stats.sessions, stats.inconclusive) == (0, 1) and "another recipe" in stats.last_inconclusive
     with pytest.raises(ValueError, match="spot_check_rate"):
         SwarmClientConfig(spot_check_rate=1.5)
+
+
+async def test_a_failing_session_drops_its_spot_check_and_replans_as_without(swarm: Swarm) -> None:
+    last = swarm.nodes[2]
+    spare = swarm.node(20, 30)
+    healed = swarm.route([swarm.nodes[0], swarm.nodes[1], spare])
+    swarm.tracker.alternate = healed  # the spot check's route around a hop
+    original_work = last.work
+
+    async def work_then_vanish(request: swarm_pb2.StepRequest) -> None:
+        await original_work(request)
+        if request.step == 1 and bytes(request.session_id) == bytes(swarm.nodes[0].steps[0].session_id):
+            swarm.network.down.add(last.peer_id)
+            swarm.tracker.routes = [healed]
+
+    last.work = work_then_vanish
+    config = SwarmClientConfig(
+        replan_attempts=1, replan_wait_s=5.0, route_poll_interval_s=0.01, spot_check_rate=1.0,
+        check_route_integrity=False,
+    )  # fmt: skip
+    async with swarm.client(config) as client:
+        result = await client.generate_tokens("smol", [0, 1, 2], max_tokens=5)
+        stats = client.spot_checks.stats
+    assert result.tokens == greedy_continuation("abc", 5) and result.replans == 1
+    assert stats.mismatches == 0 and stats.sessions >= 1  # the second session was checked too

@@ -225,6 +225,9 @@ class ServedRange:
     forward_calls: int = 0  # Forwards this node sent to the worker
     entries_forwarded: int = 0
     largest_batch: int = 0
+    #: the batch in the worker's Forward right now: its steps are owed an error if the range
+    #: stops (UNLOAD, the worker dies) before their outputs are pushed
+    in_forward: list[tuple[int, StepInput]] = dataclasses.field(default_factory=list)
     cancel_scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
     wakeup: trio.Event = dataclasses.field(default_factory=trio.Event)
     stopped: trio.Event = dataclasses.field(default_factory=trio.Event)
@@ -513,7 +516,7 @@ class Node:
                     served.model = await self._fetch_model(served)
                 elif self.config.verify_local_models:
                     await self._verify_local_model(served)
-                failure = await self._load_and_serve(served)
+                failure = await self._load_and_serve(served, nursery)
                 served.state, served.error = State.FAILED, failure
                 log.warning("FAILED %s: %s", _range_name(served.key), failure)
         except (FetchRefused, FetchError, ManifestError, ModelMismatch) as err:
@@ -524,7 +527,8 @@ class Node:
             log.warning("FAILED %s: %s", _range_name(served.key), err)
         finally:
             served.handle = None
-            leftover = served.scheduler.drain() if served.scheduler is not None else []
+            leftover = served.in_forward + (served.scheduler.drain() if served.scheduler is not None else [])
+            served.in_forward = []
             if served.state == State.READY:  # unloaded
                 served.state, served.error = State.FAILED, "unloaded"
             for _seq_id, step in leftover:
@@ -618,8 +622,10 @@ class Node:
         self.heartbeat_soon()
         return LocalModel(path=str(dest), sha256=model_sha256)
 
-    async def _load_and_serve(self, served: ServedRange) -> str:
+    async def _load_and_serve(self, served: ServedRange, pushes: trio.Nursery) -> str:
         """Run the worker of ``served``; returns why it stopped serving (the worker died).
+        Outputs are pushed in ``pushes`` (the node's nursery: a push under way when the range
+        stops, e.g. UNLOAD, still reaches its next hop or owner).
 
         Raises:
           WorkerStartError, WorkerBinaryNotFound, OSError, ValueError: it could not start.
@@ -653,9 +659,7 @@ class Node:
             served.state, served.error = State.READY, ""
             log.info("READY %s (recipe %s)", _range_name(served.key), info.recipe_hash[:12])
             self.heartbeat_soon()
-            async with trio.open_nursery() as pushes:
-                failure = await self._serve_batches(served, handle, pushes)
-            return failure
+            return await self._serve_batches(served, handle, pushes)
 
     # --- batches -----------------------------------------------------------------------
 
@@ -694,6 +698,7 @@ class Node:
                 )  # fmt: skip
                 for seq_id, step in batch
             ]  # fmt: skip
+            served.in_forward = batch
             try:
                 outputs = await client.forward(entries, timeout_s=timeout_s)
                 if len(outputs) != len(entries):
@@ -701,6 +706,7 @@ class Node:
                         "INTERNAL", f"{len(entries)} entries sent, {len(outputs)} returned", method="Forward"
                     )
             except (WorkerError, BoundaryError, ValueError) as err:
+                served.in_forward = []
                 now = _now_ms()
                 for _seq_id, step in batch:
                     sessions.done(step.session_id, now)
@@ -712,6 +718,7 @@ class Node:
                 if (reason := self._exit_reason(handle)) is not None:
                     return reason
                 continue
+            served.in_forward = []
             served.forward_calls += 1
             served.entries_forwarded += len(batch)
             served.largest_batch = max(served.largest_batch, len(batch))

@@ -5,8 +5,17 @@ Owns the tracker's behaviour on the wire (docs/SWARM.md, shared semantics): regi
 UNLOAD directives, admission refresh), routes, the model list, model metadata (a GGUF's
 bytes before its tensor data, read from the registered file once and kept in memory), the
 node list; and when assignments are recomputed (a node registers, dies, or comes back).
-Decisions are the pure core's (``agent.core.admission``, ``assignment``, ``routing``); state
-is the SQLite store's.
+Decisions are the pure core's (``agent.core.admission``, ``assignment``, ``routing``,
+``canary``); state is the SQLite store's.
+
+Output integrity (docs/INTEGRITY.md): with ``TrackerConfig.canary`` the tracker runs its
+verifier (``agent.io.tracker.verifier``) and keeps the ``CanarySchedule`` it follows, synced
+with the READY ranges of every heartbeat; a READY range is routed once it passed a check (the
+gate); ``record_check`` acts on each outcome: a failure withdraws the range at once (not
+assigned to that node again until it registers anew), the ``refuse_after_failures``-th refuses
+the node (marked dead, its registrations refused: kept in the store). ``integrity`` tells owners
+which peers failed lately; ``report_mismatch`` (an owner's spot check) makes the peers in which
+two routes differ the next to be checked.
 
 Liveness: a node is alive while heartbeats (or its registration) arrive at most
 ``heartbeat_timeout_ms`` apart; the sweeper marks it dead at exactly that deadline, clears its

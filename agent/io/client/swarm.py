@@ -764,19 +764,6 @@ class SwarmClient:
             try:
                 async with self.spot_checks.watch(model, route) as spot:
                     await self._run_session(session, route, progress, take, spot)
-                stopped_by_caller = session.stopped_by_caller
-                redo = await self._take_back(segments, generated, failed_peers)
-                if not redo:
-                    break
-                taken_back += redo
-                if replans >= self.config.replan_attempts:
-                    raise GenerationError(
-                        f"{redo} tokens were computed through {', '.join(failed_peers)}, which failed integrity "
-                        "checks, and no replan is left", failed_peer_id=failed_peers[-1],
-                    )  # fmt: skip
-                replans += 1
-                stopped_by_caller = False
-                route = await self._replan(model, failed_peers[-1], "it failed an integrity check", failed_peers)
             except GenerationError as error:
                 exhausted = error.code == swarm_pb2.Error.RESOURCE_EXHAUSTED
                 if exhausted and error.step == 0 and trio.current_time() < busy_until:
@@ -799,6 +786,21 @@ class SwarmClient:
                 log.warning("%s; replanning without %s", error, error.failed_peer_id)
                 await self._fresh_admission()
                 route = await self._replan(model, error.failed_peer_id, str(error), failed_peers)
+            else:
+                stopped_by_caller = session.stopped_by_caller
+                redo = await self._take_back(segments, generated, failed_peers)
+                if not redo:
+                    break
+                taken_back += redo  # computed through a peer that failed a check: generated again
+                if replans >= self.config.replan_attempts:
+                    raise GenerationError(
+                        f"{redo} tokens were computed through {', '.join(failed_peers)}, which failed integrity "
+                        "checks, and no replan is left", failed_peer_id=failed_peers[-1],
+                    )  # fmt: skip
+                replans += 1
+                stopped_by_caller = False
+                await self._fresh_admission()
+                route = await self._replan(model, failed_peers[-1], "it failed an integrity check", failed_peers)
         return GenerationResult(
             text="",
             tokens=list(generated),

@@ -18,6 +18,7 @@ __all__ = [
     "non_negative_int",
     "positive_float",
     "positive_int",
+    "probability",
     "unit_interval",
 ]
 
@@ -47,6 +48,14 @@ def positive_float(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A number in [0, 1], e.g. a sampling rate."""
+    value = float(text)
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
 
 

@@ -89,6 +89,10 @@ class FakeTracker:
         self.route_requests = 0
         self.lost_reports: list[str] = []
         self.avoided: list[list[str]] = []  # avoid_peers of each route request
+        self.withdrawn: dict[str, str] = {}  # peers that failed integrity checks -> why
+        self.integrity_asked: list[list[str]] = []
+        self.mismatches: list[swarm_pb2.ReportMismatchRequest] = []
+        self.alternate: swarm_pb2.Route | None = None  # served to route requests that avoid peers
 
     @property
     def addr(self) -> str:
@@ -120,11 +124,21 @@ class FakeTracker:
         elif kind == "report_lost_peer":
             self.lost_reports.append(request.report_lost_peer.peer_id)
             reply.report_lost_peer.confirmed = True
+        elif kind == "integrity":
+            self.integrity_asked.append(list(request.integrity.peer_ids))
+            for peer in request.integrity.peer_ids:
+                if peer in self.withdrawn:
+                    reply.integrity.withdrawn.add(peer_id=peer, reason=self.withdrawn[peer])
+        elif kind == "report_mismatch":
+            self.mismatches.append(request.report_mismatch)
+            reply.report_mismatch.checks_scheduled = 1
         elif kind == "route":
             self.route_requests += 1
             self.avoided.append(list(request.route.avoid_peers))
             if self.route_error is not None:
                 reply.error.CopyFrom(self.route_error)
+            elif request.route.avoid_peers and self.alternate is not None:
+                reply.route.CopyFrom(self.alternate)
             else:
                 route = self.routes[0] if len(self.routes) == 1 else self.routes.pop(0)
                 reply.route.CopyFrom(route)
@@ -137,6 +151,7 @@ class Behaviour:
     silent: bool = False  # ack, then never push anything
     duplicate_result: bool = False  # push every result twice
     freeze_after_steps: int | None = None  # then answer nothing at all (SIGSTOP)
+    corrupt: bool = False  # (last hop) wrong logits: the next token is 2 ahead, not 1
 
 
 class FakeNode:
@@ -216,7 +231,7 @@ class FakeNode:
                                       f"next hop unreachable: {error}", nxt.peer_id, self.admission),
                 )  # fmt: skip
             return
-        logits = fake_logits(int(rows[-1, 0]), int(rows[-1, 1]))
+        logits = fake_logits(int(rows[-1, 0]) + self.behaviour.corrupt, int(rows[-1, 1]))
         result = step_result(request.session_id, request.step, logits, self.admission)
         await self.push_result(request, result)
         if self.behaviour.duplicate_result:
@@ -655,3 +670,126 @@ async def test_the_client_over_libp2p(nursery: trio.Nursery) -> None:
         assert result.tokens == greedy_continuation("abc", 5)
         assert {s.owner_peer_id for s in nodes[0].steps} == {transports[4].peer_id}
         assert all(not ack.error.code for ack in nodes[2].result_acks)
+
+
+# --- integrity: tokens computed through a withdrawn peer are taken back; spot checks -------------
+
+
+async def test_tokens_computed_through_a_withdrawn_hop_are_taken_back_when_it_fails(swarm: Swarm) -> None:
+    bad = swarm.nodes[2]
+    bad.behaviour.corrupt = True
+    spare = swarm.node(20, 30)
+    healed = swarm.route([swarm.nodes[0], swarm.nodes[1], spare])
+    original_work = bad.work
+
+    async def work_then_withdrawn(request: swarm_pb2.StepRequest) -> None:
+        await original_work(request)
+        if request.step == 2:  # a canary caught it: withdrawn (it unloads, routes avoid it)
+            swarm.tracker.withdrawn[bad.peer_id] = "failed canary-1"
+            swarm.network.down.add(bad.peer_id)
+            swarm.tracker.routes = [healed]
+
+    bad.work = work_then_withdrawn
+    config = SwarmClientConfig(replan_attempts=1, replan_wait_s=5.0, route_poll_interval_s=0.01)
+    seen: list[int] = []
+
+    async def on_token(token: int, _logits, _route) -> bool:  # noqa: ANN001
+        seen.append(token)
+        return False
+
+    async with swarm.client(config) as client:
+        result = await client.generate_tokens("smol", [0, 1, 2], max_tokens=6, on_token=on_token)
+    # the three tokens the bad hop computed were taken back and generated again: the output
+    # is what honest hops give
+    assert result.tokens == greedy_continuation("abc", 6) and result.tokens_taken_back == 3
+    assert seen[:3] == [4, 6, 8] and seen[3:] == result.tokens  # the caller saw the bad ones first
+    sessions = list(dict.fromkeys(bytes(s.session_id) for s in swarm.nodes[0].steps))
+    resumed = [s for s in swarm.nodes[0].steps if bytes(s.session_id) == sessions[1]]
+    assert list(resumed[0].token_ids) == [0, 1, 2]  # redone from the prompt, not prompt + bad tokens
+    assert bad.peer_id in swarm.tracker.integrity_asked[0]
+
+
+async def test_a_generation_that_ended_through_a_withdrawn_hop_is_generated_again(swarm: Swarm) -> None:
+    """A cheater that keeps serving after it was withdrawn: the owner asks the tracker about
+    its route's peers when the generation ends, and redoes it around them."""
+    bad = swarm.nodes[2]
+    bad.behaviour.corrupt = True
+    spare = swarm.node(20, 30)
+    swarm.tracker.withdrawn[bad.peer_id] = "refused: failed 2 integrity checks"
+    swarm.tracker.routes = [swarm.route(swarm.nodes), swarm.route([swarm.nodes[0], swarm.nodes[1], spare])]
+    config = SwarmClientConfig(replan_attempts=1, replan_wait_s=5.0, route_poll_interval_s=0.01)
+    async with swarm.client(config) as client:
+        result = await client.generate_tokens("smol", [0, 1, 2], max_tokens=4)
+        assert result.tokens == greedy_continuation("abc", 4) and result.tokens_taken_back == 4
+        assert result.route[-1]["node"] == spare.peer_id and result.replans == 1
+    # no replan left: the owner says so rather than return what the withdrawn hop computed
+    async with swarm.client(dataclasses.replace(config, replan_attempts=0)) as client:
+        with pytest.raises(GenerationError, match="failed integrity checks, and no replan is left"):
+            await client.generate_tokens("smol", [0, 1, 2], max_tokens=2, route=swarm.route(swarm.nodes))
+    async with swarm.client(dataclasses.replace(config, check_route_integrity=False)) as client:
+        unchecked = await client.generate_tokens("smol", [0, 1, 2], max_tokens=2, route=swarm.route(swarm.nodes))
+    assert unchecked.tokens == [4, 6]  # without asking, the bad tokens stay
+
+
+async def test_a_spot_check_replays_a_session_on_other_hops_and_reports_a_mismatch(swarm: Swarm) -> None:
+    others = [swarm.node(b, e) for b, e in LAYOUT]
+    swarm.tracker.alternate = swarm.route(others)
+    config = SwarmClientConfig(replan_attempts=0, spot_check_rate=1.0, check_route_integrity=False)
+    async with swarm.client(config) as client:
+        honest = await client.generate_tokens("smol", [0, 1, 2], max_tokens=4)
+        stats = client.spot_checks.stats
+        # every step was replayed on the other route (the same rows, another session) and agreed
+        assert honest.tokens == greedy_continuation("abc", 4)
+        assert (stats.sessions, stats.steps, stats.agreed, stats.mismatches) == (1, 4, 4, 0)
+        assert stats.rows == 3 + 3  # the prompt, then one row a step
+        shadow = list(dict.fromkeys(bytes(s.session_id) for s in others[0].steps))
+        assert len(shadow) == 1 and others[0].ended == shadow
+        assert [list(s.token_ids) for s in others[0].steps] == [[0, 1, 2], [3], [4], [5]]
+        assert swarm.tracker.avoided[-1][0] in {n.peer_id for n in swarm.nodes}
+
+        swarm.nodes[2].behaviour.corrupt = True  # the generation's last hop goes bad
+        await client.generate_tokens("smol", [0, 1, 2], max_tokens=4)
+    assert (stats.sessions, stats.mismatches) == (2, 1)
+    (report,) = swarm.tracker.mismatches
+    assert report.step == 0 and report.route_sha256 != report.shadow_sha256
+    assert [h.peer_id for h in report.route] == [n.peer_id for n in swarm.nodes]
+    assert [h.peer_id for h in report.shadow] == [n.peer_id for n in others]
+
+
+async def test_a_spot_check_that_cannot_conclude_leaves_the_generation_alone(swarm: Swarm) -> None:
+    config = SwarmClientConfig(replan_attempts=0, spot_check_rate=1.0, check_route_integrity=False)
+    swarm.tracker.route_error = None
+    async with swarm.client(config) as client:
+        swarm.tracker.alternate = swarm.route([swarm.node(b, e) for b, e in LAYOUT])
+        swarm.tracker.alternate.recipe_hash = "another-recipe"  # not comparable bit for bit
+        result = await client.generate_tokens("smol", [0, 1, 2], max_tokens=3)
+        assert result.tokens == greedy_continuation("abc", 3)
+        stats = client.spot_checks.stats
+        assert (stats.sessions, stats.inconclusive) == (0, 1) and "another recipe" in stats.last_inconclusive
+    with pytest.raises(ValueError, match="spot_check_rate"):
+        SwarmClientConfig(spot_check_rate=1.5)
+
+
+async def test_a_failing_session_drops_its_spot_check_and_replans_as_without(swarm: Swarm) -> None:
+    last = swarm.nodes[2]
+    spare = swarm.node(20, 30)
+    healed = swarm.route([swarm.nodes[0], swarm.nodes[1], spare])
+    swarm.tracker.alternate = healed  # the spot check's route around a hop
+    original_work = last.work
+
+    async def work_then_vanish(request: swarm_pb2.StepRequest) -> None:
+        await original_work(request)
+        if request.step == 1 and bytes(request.session_id) == bytes(swarm.nodes[0].steps[0].session_id):
+            swarm.network.down.add(last.peer_id)
+            swarm.tracker.routes = [healed]
+
+    last.work = work_then_vanish
+    config = SwarmClientConfig(
+        replan_attempts=1, replan_wait_s=5.0, route_poll_interval_s=0.01, spot_check_rate=1.0,
+        check_route_integrity=False,
+    )  # fmt: skip
+    async with swarm.client(config) as client:
+        result = await client.generate_tokens("smol", [0, 1, 2], max_tokens=5)
+        stats = client.spot_checks.stats
+    assert result.tokens == greedy_continuation("abc", 5) and result.replans == 1
+    assert stats.mismatches == 0 and stats.sessions >= 1  # the second session was checked too

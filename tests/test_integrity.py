@@ -1,19 +1,34 @@
-"""Model bytes are verified where they are used (issue 11, item 1), with real processes: a
-node whose GGUF was changed in place (same size, same mtime, so a cached whole-file hash still
-says it is the registered model) is refused before it serves, with the tensor named."""
+"""Output integrity in an open swarm (issue 11), with real processes (tracker, nodes, workers
+through ``agent.harness.local_swarm``; the client over libp2p):
+
+- model bytes are verified where they are used: a node whose GGUF was changed in place (same
+  size, same mtime, so a cached whole-file hash still says it is the registered model) is
+  refused before it serves, with the tensor named;
+- a node that turns bad mid-generation (TEST ONLY ``--test-corrupt-outputs``: noise on the
+  outputs of steps it has not seen before) is caught by a canary within 1.5 canary intervals
+  plus one check, withdrawn, and the generation routed through it moves and finishes with one
+  unsplit worker's tokens;
+- honest nodes of one recipe pass 1,000 canaries (merged into Forwards with live traffic whose
+  every session is spot-checked through the other copy) without one false positive.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import trio
 
+from agent.demo.local_demo import generate_through
+from agent.demo.swarm_demo import wait_for_copies, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
-from agent.io.client import open_swarm_client
-from agent.models import cached_sha256, model_path
+from agent.io.client import SwarmClientConfig, open_swarm_client
+from agent.io.worker_process import open_worker
+from agent.models import cached_sha256, model_path, sha256_file
 
 pytestmark = pytest.mark.slow
 
@@ -68,5 +83,138 @@ async def test_a_file_changed_in_place_is_refused_before_serving_naming_the_tens
             with pytest.raises(Exception, match="no ready node"):
                 await client.route(ALIAS)
             assert " READY " not in node.log_tail()  # its worker never served
+    finally:
+        await swarm.aclose()
+
+
+# --- canaries and spot checks ----------------------------------------------------------------------
+
+PROMPT = "The capital of France is"
+NEW_TOKENS = 40
+SETUP_TIMEOUT_S = 240.0
+
+
+async def _unsplit(path: Path, prompt: str, new_tokens: int) -> tuple[list[int], list[int]]:
+    """(prompt tokens, greedy tokens) of one unsplit worker."""
+    async with open_worker(path, 0, None, threads=1, max_sequences=1, model_sha256=sha256_file(path)) as single:
+        tokens = await single.client.tokenize(prompt, add_special=True)
+        run = await generate_through([single.client], tokens, new_tokens, stop_tokens=single.info.eog_token_ids)
+        return tokens, run.tokens
+
+
+@pytest.mark.timeout(420)
+async def test_a_node_turning_bad_is_caught_withdrawn_and_its_generation_finishes_as_one_unsplit_worker(
+    tmp_path: Path,
+) -> None:
+    interval_s = 1.0
+    flag = tmp_path / "turn-bad"
+    path = model_path(ALIAS)
+    config = LocalSwarmConfig(
+        model_path=path, model_alias=ALIAS, canary_interval_s=interval_s,
+        tracker_args=("--canary-max-prompt-rows", "8", "--canary-max-decode-steps", "2"),
+    )  # fmt: skip
+    swarm = LocalSwarm(config, tmp_path / "swarm")
+    try:
+        prompt_tokens, expected = await _unsplit(path, PROMPT, NEW_TOKENS)
+        await swarm.start_tracker()
+        client_config = SwarmClientConfig(replan_attempts=2, replan_wait_s=60.0)
+        async with open_swarm_client(swarm.tracker_addr, config=client_config) as client:
+            (entry,) = [m for m in await client.list_models() if m.alias == ALIAS]
+            memory = 15 * entry.bytes_per_block + entry.bytes_per_block // 2  # two copies of [0, 15) [15, 30)
+            for name in ("honest-1", "honest-2", "honest-3"):
+                swarm.start_node(name, memory)
+            cheater = swarm.start_node(
+                "cheater", memory, ["--test-corrupt-outputs", "1.0", "--test-corrupt-while-file", str(flag)]
+            )
+            # every range has two copies that passed their first check
+            await wait_for_coverage(client, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
+            nodes = await wait_for_copies(client, swarm, 2, timeout_s=SETUP_TIMEOUT_S, checked=True)
+            (bad_range,) = [(s.assignment.begin, s.assignment.end) for n in nodes if n.peer_id == cheater.peer_id for s in n.serving]
+            twins = [n.peer_id for n in nodes for s in n.serving if n.peer_id != cheater.peer_id and (s.assignment.begin, s.assignment.end) == bad_range]
+            route = await client.route(ALIAS, avoid_peers=twins)  # a route through the cheater
+            assert cheater.peer_id in [hop.peer_id for hop in route.hops]
+            caught_after: list[float] = []
+
+            async def turn_bad_after_five(token: int, _logits, _route) -> bool:  # noqa: ANN001
+                if len(caught_after) == 0 and not flag.exists() and token is not None and turn_bad_after_five.n == 5:
+                    flag.touch()  # the cheater's outputs go bad from here on, for checks and this generation
+                    started = trio.current_time()
+                    with trio.fail_after(60):
+                        while not [n for n in await client.list_nodes() if n.peer_id == cheater.peer_id][0].integrity_failures:
+                            swarm.check_alive()
+                            await trio.sleep(0.05)
+                    caught_after.append(trio.current_time() - started)
+                turn_bad_after_five.n += 1
+                return False
+
+            turn_bad_after_five.n = 0
+            result = await client.generate_tokens(
+                ALIAS, prompt_tokens, max_tokens=NEW_TOKENS, on_token=turn_bad_after_five, route=route,
+                stop_tokens=[],
+            )  # fmt: skip
+            # caught by a canary within 1.5 intervals and one check (a few seconds on a busy machine)
+            (caught_s,) = caught_after
+            assert caught_s < 1.5 * interval_s + 20.0, caught_s
+            # moved: the tokens it computed were taken back and the generation redone elsewhere
+            assert result.tokens == expected[: len(result.tokens)] and len(result.tokens) == NEW_TOKENS
+            assert result.tokens_taken_back >= 5 and result.replans >= 1
+            assert cheater.peer_id not in [hop["node"] for hop in result.route]
+            nodes = {n.peer_id: n for n in await client.list_nodes()}
+            failure = nodes[cheater.peer_id].integrity_failures[0]
+            assert failure.check_id.startswith("canary-") and failure.expected_sha256 != failure.returned_sha256
+            assert failure.output in ("boundary rows", "top-40 logits") and failure.max_abs_diff > 0
+            assert not [a for a in nodes[cheater.peer_id].assigned], "withdrawn: assigned nothing"
+            for name in ("honest-1", "honest-2", "honest-3"):
+                honest = nodes[swarm.nodes[name].peer_id]
+                assert not honest.integrity_failures and honest.checks_passed >= 1, honest
+            # with the cheater out, a new generation goes around it and is right
+            again = await client.generate_tokens(ALIAS, prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=[])
+            assert again.tokens == expected and again.tokens_taken_back == 0
+        # an operator sees it, with the evidence
+        listing = subprocess.run(
+            [sys.executable, "-m", "agent.cli", "tracker", "nodes", "--db", str(swarm.db_path)],
+            capture_output=True, text=True, check=True, timeout=60,
+        )  # fmt: skip
+        evidence = [line for line in listing.stdout.splitlines() if f"{cheater.peer_id} INTEGRITY" in line]
+        assert evidence and failure.check_id in evidence[0] and failure.expected_sha256 in evidence[0], listing.stdout
+    finally:
+        await swarm.aclose()
+
+
+@pytest.mark.timeout(900)
+async def test_honest_nodes_of_one_recipe_pass_a_thousand_canaries_and_spot_checks(tmp_path: Path) -> None:
+    path = model_path(ALIAS)
+    config = LocalSwarmConfig(
+        model_path=path, model_alias=ALIAS, canary_interval_s=0.001,  # back to back
+        tracker_args=("--canary-max-prompt-rows", "12", "--canary-max-decode-steps", "2"),
+    )  # fmt: skip
+    swarm = LocalSwarm(config, tmp_path / "swarm")
+    try:
+        prompt_tokens, expected = await _unsplit(path, PROMPT, 16)
+        await swarm.start_tracker()
+        # every session is replayed through the other copy and compared bit for bit
+        client_config = SwarmClientConfig(spot_check_rate=1.0, replan_attempts=0)
+        async with open_swarm_client(swarm.tracker_addr, config=client_config) as client:
+            (entry,) = [m for m in await client.list_models() if m.alias == ALIAS]
+            memory = 15 * entry.bytes_per_block + entry.bytes_per_block // 2
+            for i in range(4):
+                swarm.start_node(f"node-{i + 1}", memory)
+            await wait_for_coverage(client, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
+            await wait_for_copies(client, swarm, 2, timeout_s=SETUP_TIMEOUT_S, checked=True)
+            generations = 0
+            with trio.fail_after(800):
+                while True:
+                    # live traffic, merged into the nodes' Forwards with the canaries
+                    result = await client.generate_tokens(ALIAS, prompt_tokens, max_tokens=16, stop_tokens=[])
+                    assert result.tokens == expected and result.tokens_taken_back == 0
+                    generations += 1
+                    nodes = await client.list_nodes()
+                    swarm.check_alive()
+                    assert not [f for n in nodes for f in n.integrity_failures], nodes
+                    if sum(n.checks_passed for n in nodes) >= 1000:
+                        break
+            stats = client.spot_checks.stats
+        assert stats.mismatches == 0 and stats.sessions == generations, stats
+        assert stats.agreed >= generations * 16 - stats.inconclusive * 16, stats
     finally:
         await swarm.aclose()

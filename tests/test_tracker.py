@@ -440,6 +440,116 @@ async def test_a_range_that_failed_to_load_is_moved_elsewhere(autojump_clock, db
         assert sorted(r.assignment.peer_id for r in h.store.assignments()) == sorted([a.peer_id, b.peer_id])
 
 
+# --- output integrity ---------------------------------------------------------------------------
+
+
+def _outcome(node: Peer, begin: int, end: int, status: str, step: int = 1):  # noqa: ANN202
+    from agent.core.canary import OutputMismatch
+    from agent.io.tracker.verifier import CheckOutcome
+
+    mismatch = OutputMismatch(step, "boundary rows", "e" * 64, "f" * 64, 0.5, "rows 0 of 4 differ")
+    return CheckOutcome(
+        (node.peer_id, MODEL.sha256, begin, end), f"canary-{begin}{end}", status,
+        mismatch=mismatch if status == "failed" else None,
+    )  # fmt: skip
+
+
+async def test_check_outcomes_gate_withdraw_and_refuse_nodes(autojump_clock, db_path, capsys):
+    """What the tracker does with its verifier's outcomes (the verifier itself is
+    tests/test_canary.py): a READY range is routed only once it passed; a failed check
+    withdraws it at once (unassigned, unloaded, shown with its evidence, named to owners);
+    the second failure refuses the node, also after a restart."""
+    from agent.cli import main as baton
+    from agent.core.canary import CanaryPolicy
+
+    # the verifier finds no file for MODEL: its own checks are inconclusive, retried never
+    config = dataclasses.replace(CONFIG, canary=CanaryPolicy(interval_s=1000.0, retry_s=1e6, refuse_after_failures=2))
+    async with running_tracker(db_path, config=config) as h:
+        a, b = h.peer(1), h.peer(2)
+        await a.register(usable_memory_bytes=3 * BPB)
+        await b.register(usable_memory_bytes=3 * BPB)
+        first = {row.assignment.begin: row.assignment.peer_id for row in h.store.assignments()}[0]
+        a, b = (a, b) if first == a.peer_id else (b, a)  # a serves [0, 3), b [3, 6)
+        await a.heartbeat(serving=[(0, 3)])
+        await b.heartbeat(serving=[(3, 6)])
+        client = h.peer(3)
+        assert (await client.call(client_hello=adm.make_client_hello(client.key, now_ms(), b"\x01" * 16))).client_hello
+        with trio.fail_after(5):
+            await h.tracker.wait_until(lambda: h.tracker.verifier_stats.inconclusive == 2)
+        gated = await client.call(route={"model": "tiny"})
+        assert gated.error.code == Code.UNAVAILABLE  # READY, not yet checked
+        listed = {n.peer_id: n for n in (await client.call(list_nodes={})).list_nodes.nodes}
+        assert listed[a.peer_id].serving[0].awaiting_check and listed[b.peer_id].serving[0].awaiting_check
+
+        h.tracker.record_check(_outcome(a, 0, 3, "passed"))
+        h.tracker.record_check(_outcome(b, 3, 6, "passed"))
+        route = await client.call(route={"model": "tiny"})
+        assert [hop.peer_id for hop in route.route.hops] == [a.peer_id, b.peer_id]
+        listed = {n.peer_id: n for n in (await client.call(list_nodes={})).list_nodes.nodes}
+        assert not listed[a.peer_id].serving[0].awaiting_check and listed[a.peer_id].checks_passed == 1
+        nobody = await client.call(integrity={"peer_ids": [a.peer_id, b.peer_id]})
+        assert list(nobody.integrity.withdrawn) == []
+
+        # b's output fails a check: out of routes and assignments at once, told to unload
+        h.tracker.record_check(_outcome(b, 3, 6, "failed", step=2))
+        assert (await client.call(route={"model": "tiny"})).error.code == Code.UNAVAILABLE
+        assert all(row.assignment.peer_id != b.peer_id for row in h.store.assignments())
+        beat = await b.heartbeat(serving=[(3, 6)])
+        assert ranges_of(beat.heartbeat.directives, swarm_pb2.Directive.UNLOAD) == [(3, 6)]
+        (failure,) = {n.peer_id: n for n in (await client.call(list_nodes={})).list_nodes.nodes}[
+            b.peer_id
+        ].integrity_failures
+        assert (failure.check_id, failure.step, failure.expected_sha256, failure.returned_sha256) == (
+            "canary-36", 2, "e" * 64, "f" * 64,
+        )  # fmt: skip
+        told = await client.call(integrity={"peer_ids": [a.peer_id, b.peer_id, b.peer_id]})
+        assert [(w.peer_id, w.reason) for w in told.integrity.withdrawn] == [
+            (b.peer_id, "failed canary-36 (blocks [3, 6), step 2)")
+        ]
+        too_many = await client.call(integrity={"peer_ids": [str(i) for i in range(65)]})
+        assert too_many.error.code == Code.INVALID_ARGUMENT
+
+        # an owner's spot check disagreed on a route through a and another: a is checked next
+        report = swarm_pb2.ReportMismatchRequest(
+            model_sha256=MODEL.sha256, route=[swarm_pb2.Hop(peer_id=a.peer_id)], shadow=[swarm_pb2.Hop(peer_id="x")]
+        )
+        assert (await client.call(report_mismatch=report)).report_mismatch.checks_scheduled == 1
+        stranger = await h.peer(4).call(report_mismatch=report)
+        assert stranger.error.code == Code.REFUSED and "only an admitted session owner" in stranger.error.message
+
+        # registering anew, b is assigned again and gated; passing its check clears it for owners
+        await b.register(usable_memory_bytes=3 * BPB)
+        await b.heartbeat(serving=[(3, 6)])
+        await trio.sleep(0.01)
+        h.tracker.record_check(_outcome(b, 3, 6, "passed"))
+        assert list((await client.call(integrity={"peer_ids": [b.peer_id]})).integrity.withdrawn) == []
+        # and it turns bad again: a second failure refuses it
+        await b.register(usable_memory_bytes=3 * BPB)
+        assert any(row.assignment.peer_id == b.peer_id for row in h.store.assignments())
+        await b.heartbeat(serving=[(3, 6)])
+        assert (await client.call(route={"model": "tiny"})).error.code == Code.UNAVAILABLE  # gated again
+        h.tracker.record_check(_outcome(b, 3, 6, "failed"))
+        assert b.peer_id not in h.tracker.alive
+        assert (await b.heartbeat(serving=[(3, 6)])).error.code == Code.NOT_FOUND  # -> it registers again
+        refused = await b.register(usable_memory_bytes=3 * BPB)
+        assert refused.error.code == Code.REFUSED and "failed 2 integrity checks" in refused.error.message
+    async with running_tracker(db_path, net=h.net, config=config) as h:  # restarted: b stays refused
+        assert (await b.register(usable_memory_bytes=3 * BPB)).error.code == Code.REFUSED
+    assert baton(["tracker", "nodes", "--db", str(db_path)]) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith(b.peer_id)][0]
+    assert "REFUSED (2 failed)" in row
+    evidence = [line for line in out.splitlines() if line.startswith(f"  {b.peer_id} INTEGRITY")]
+    assert len(evidence) == 2 and f"expected sha256 {'e' * 64}, returned {'f' * 64}" in evidence[0]
+    assert "tiny[3, 6) step 2" in evidence[0] and "(rows 0 of 4 differ)" in evidence[0]
+    assert f"  {b.peer_id} REFUSED: refused: the output of this node failed 2 integrity checks" in out
+    assert baton(["tracker", "nodes", "--db", str(db_path), "--json"]) == 0
+    nodes = {n["peer_id"]: n for n in json.loads(capsys.readouterr().out)["nodes"]}
+    assert nodes[a.peer_id]["checks_passed"] == 1 and nodes[a.peer_id]["integrity_failures"] == []
+    assert [f["check_id"] for f in nodes[b.peer_id]["integrity_failures"]] == ["canary-36", "canary-36"]
+    assert nodes[b.peer_id]["refused"].startswith("refused: the output of this node failed 2")
+
+
 # --- routes ---------------------------------------------------------------------------------------
 
 
@@ -748,7 +858,7 @@ async def test_list_nodes_shows_assignments_reported_states_and_liveness(autojum
 
     assert baton(["tracker", "nodes", "--db", str(db_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["PEER", "ID", "ALIVE", "LAST", "HEARTBEAT", "(UTC)", "MEMORY", "ADDRS", "RANGES"]
+    assert lines[0].split() == ["PEER", "ID", "ALIVE", "LAST", "HEARTBEAT", "(UTC)", "MEMORY", "ADDRS", "CHECKS", "RANGES"]
     assert lines[1].startswith(a.peer_id) and lines[1].split()[1] == "yes"
     assert f"/memory/{a.peer_id}" in lines[1] and "2.9 MiB" in lines[1]
     assert lines[1].endswith("tiny[0, 3) READY")  # still assigned: kept while the model waits for a node
@@ -795,8 +905,8 @@ def test_nodes_listing_shows_failures_and_refuses_a_missing_database(tmp_path, c
     assert baton(["tracker", "nodes", "--db", str(db)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[:2] == [peer(k), "no"] and "2027-01-15 08:00:00" in lines[1]
-    # no addresses; [0, 3) assigned but not reported
-    assert " ".join(lines[1].split()).endswith("976.6 KiB - tiny[0, 3) -, tiny[0, 6) FAILED")
+    # no addresses, no checks; [0, 3) assigned but not reported
+    assert " ".join(lines[1].split()).endswith("976.6 KiB - - tiny[0, 3) -, tiny[0, 6) FAILED")
     assert lines[2] == f"  {peer(k)} tiny[0, 6): boom" and len(lines) == 3
     assert baton(["tracker", "nodes", "--db", str(db), "--json"]) == 0
     [node] = json.loads(capsys.readouterr().out)["nodes"]
@@ -817,7 +927,7 @@ def test_store_refuses_another_schema_version(db_path):
     connection.execute("UPDATE schema_version SET version = 99")
     connection.commit()
     connection.close()
-    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 3"):
+    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 4"):
         TrackerStore.open(db_path)
 
 
@@ -834,11 +944,12 @@ def test_store_migrates_a_version_1_file(db_path):
         "admission BLOB NOT NULL, admitted_at_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, "
         "last_heartbeat_ms INTEGER NOT NULL, alive INTEGER NOT NULL, listen_addrs TEXT NOT NULL); "
         "DROP TABLE nodes; ALTER TABLE nodes_v1 RENAME TO nodes; "
+        "DROP TABLE integrity_failures; DROP TABLE node_integrity; "
         "UPDATE schema_version SET version = 1;"
     )
     connection.close()
     with open_store(db_path) as store:
-        assert store._db.execute("SELECT version FROM schema_version").fetchone()[0] == 3
+        assert store._db.execute("SELECT version FROM schema_version").fetchone()[0] == 4
         assert store.models() == [MODEL] and store.model_path(MODEL.sha256) is None
         assert store.model_source(MODEL.sha256) == ""  # (version 3) no source recorded
         store.put_model(MODEL, 1, "/models/tiny.gguf")
@@ -854,6 +965,14 @@ def test_store_migrates_a_version_1_file(db_path):
         assert [(n.peer_id, list(n.listen_addrs), list(n.serving)) for n in store.node_entries()] == [
             ("A", ["/memory/A"], [])
         ]
+        # (version 4) integrity records, kept apart from the node's row
+        store.add_check_passed("A")
+        assert store.add_integrity_failure("A", swarm_pb2.IntegrityFailure(check_id="c1", at_ms=5)) == 1
+        store.refuse_node("A", "failed 1 check")
+        (entry,) = store.node_entries()
+        assert (entry.checks_passed, entry.refused, [f.check_id for f in entry.integrity_failures]) == (
+            1, "failed 1 check", ["c1"],
+        )  # fmt: skip
 
 
 def test_store_uses_wal_and_keeps_assignment_status(db_path):

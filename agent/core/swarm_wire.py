@@ -57,6 +57,7 @@ __all__ = [
     "RangeSpec",
     "StepInput",
     "WireError",
+    "boundary_step_request",
     "check_hops",
     "check_schema_version",
     "circuit_multiaddr",
@@ -519,35 +520,83 @@ def next_hop_request(
 ) -> swarm_pb2.StepRequest:
     """The ``StepRequest`` for ``step.rest[0]``: this range's output ``rows`` (float32
     ``[n_rows, streams * n_embd]`` of ``step.schema``) in the dtype the step arrived in (F32
-    for token input), declaring that schema.
+    for token input), declaring that schema; ``encoded``: those rows already encoded
+    (``encode_step_output``), sent as they are.
 
     Raises:
       BoundaryError: rows of the wrong shape, non-finite, or out of float16 range.
     """
-    hop = step.rest[0]
     data, dtype = encoded if encoded is not None else encode_step_output(step, rows)
-    schema = step.schema
-    return swarm_pb2.StepRequest(
-        schema_version=SCHEMA_VERSION,
+    return boundary_step_request(
         session_id=step.session_id,
         step=step.step,
+        hops=step.rest,
+        data=data,
+        positions=step.positions,
+        dtype=dtype,
+        schema=step.schema,
+        recipe_hash=step.recipe_hash,
+        model_sha256=step.model_sha256,
+        owner_peer_id=step.owner_peer_id,
+        owner_addrs=step.owner_addrs,
+        sender_admission=sender_admission,
+        result_top_k=step.result_top_k,
+        resume_step=step.resume_step,
+    )
+
+
+def boundary_step_request(
+    *,
+    session_id: bytes,
+    step: int,
+    hops: Sequence[swarm_pb2.Hop],
+    positions: Sequence[int] | np.ndarray,
+    dtype: int,
+    schema: BoundarySchema,
+    recipe_hash: str,
+    model_sha256: str,
+    owner_peer_id: str,
+    owner_addrs: Sequence[str],
+    sender_admission: swarm_pb2.SignedAdmission,
+    rows: np.ndarray | None = None,
+    data: bytes | None = None,
+    result_top_k: int = 0,
+    resume_step: int = 0,
+) -> swarm_pb2.StepRequest:
+    """The ``StepRequest`` that hands boundary ``rows`` (float32 ``[n_rows,
+    schema.row_values]``, or ``data``: those rows already encoded in ``dtype``) to
+    ``hops[0]``, in ``dtype``, declaring ``schema``: what a hop pushes to the next
+    (``next_hop_request``) and the tracker's verifier sends to a range it checks
+    (``agent.io.tracker.verifier``).
+
+    Raises:
+      BoundaryError: rows of the wrong shape, non-finite, or out of float16 range.
+    """
+    hop = hops[0]
+    if data is None:
+        assert rows is not None, "boundary_step_request needs rows or data"
+        data = encode_rows(rows, schema.row_values, dtype)
+    return swarm_pb2.StepRequest(
+        schema_version=SCHEMA_VERSION,
+        session_id=session_id,
+        step=step,
         begin=hop.begin,
         end=hop.end,
-        positions=step.positions.tolist(),
+        positions=np.asarray(positions, dtype=np.int32).tolist(),
         boundary=data,
         dtype=dtype,
-        n_embd=step.n_embd,
-        recipe_hash=step.recipe_hash,
-        rest=list(step.rest[1:]),
-        owner_peer_id=step.owner_peer_id,
-        owner_addrs=list(step.owner_addrs),
+        n_embd=schema.n_embd,
+        recipe_hash=recipe_hash,
+        rest=list(hops[1:]),
+        owner_peer_id=owner_peer_id,
+        owner_addrs=list(owner_addrs),
         checksum=crc32(data),
         sender_admission=sender_admission,
-        model_sha256=step.model_sha256,
-        result_top_k=step.result_top_k,
+        model_sha256=model_sha256,
+        result_top_k=result_top_k,
         boundary_schema_version=schema.version,
         boundary_streams=schema.streams,
-        resume_step=step.resume_step,
+        resume_step=resume_step,
     )
 
 

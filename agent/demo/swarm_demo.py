@@ -75,10 +75,13 @@ async def wait_for_coverage(client: SwarmClient, swarm: LocalSwarm, model: str, 
     raise TimeoutError(f"no full route for {model!r} within {timeout_s} s: {last}\n{swarm.logs()}")
 
 
-async def wait_for_copies(client: SwarmClient, swarm: LocalSwarm, copies: int, *, timeout_s: float, poll_s: float = 0.1) -> None:
+async def wait_for_copies(
+    client: SwarmClient, swarm: LocalSwarm, copies: int, *, timeout_s: float, poll_s: float = 0.1, checked: bool = False
+) -> list[swarm_pb2.NodeEntry]:
     """Poll the tracker's node list until every range served has ``copies`` alive nodes with
-    it READY (a swarm that lost a node and got it back is whole again); raise ``ProcessDied``
-    as soon as a swarm process exits, ``TimeoutError`` (with the counts seen) after ``timeout_s``."""
+    it READY and assigned (a swarm that lost a node and got it back is whole again), and
+    (``checked``) past its first canary check; return that node list. Raise ``ProcessDied`` as
+    soon as a swarm process exits, ``TimeoutError`` (with the counts seen) after ``timeout_s``."""
     last: dict[tuple[int, int], int] = {}
     with trio.move_on_after(timeout_s):
         while True:
@@ -89,13 +92,17 @@ async def wait_for_copies(client: SwarmClient, swarm: LocalSwarm, copies: int, *
             except (SwarmError, TransportError):
                 nodes = []
             for node in nodes:
+                assigned = {(a.model_sha256, a.begin, a.end) for a in node.assigned}
                 for status in node.serving if node.alive else ():
-                    if status.state == swarm_pb2.AssignmentStatus.READY:
-                        key = (status.assignment.begin, status.assignment.end)
-                        counts[key] = counts.get(key, 0) + 1
+                    a = status.assignment
+                    # a READY range the tracker no longer assigns it is being unloaded: not a copy
+                    ready = status.state == swarm_pb2.AssignmentStatus.READY
+                    if ready and (a.model_sha256, a.begin, a.end) in assigned:
+                        key = (a.begin, a.end)
+                        counts[key] = counts.get(key, 0) + (not (checked and status.awaiting_check))
             last = counts
             if counts and all(n >= copies for n in counts.values()):
-                return
+                return nodes
             await trio.sleep(poll_s)
     raise TimeoutError(f"ranges not at {copies} ready copies within {timeout_s} s: {last}")
 

@@ -108,6 +108,9 @@ class LocalSwarmConfig:
     ``workdir``: keys, db and logs (default: a fresh temp dir, removed on close).
     ``tracker_args`` / ``node_args`` / ``relay_args``: appended to every tracker / node / relay
     command line.
+    ``canary_interval_s``: the tracker's ``--canary-interval-s``; 0 (the default here, not the
+    CLI's): no canary checks, so that a READY range is routed at once and the tracker starts no
+    workers of its own (tests that check integrity set it, or pass it in ``tracker_args``).
     """
 
     model_path: Path
@@ -120,6 +123,7 @@ class LocalSwarmConfig:
     tracker_args: tuple[str, ...] = ()
     node_args: tuple[str, ...] = ()
     relay_args: tuple[str, ...] = ()
+    canary_interval_s: float = 0.0
 
 
 class LocalSwarm:
@@ -187,6 +191,7 @@ class LocalSwarm:
             "--addr-file", str(self.addr_file),
             "--register-model", f"{c.model_path}:{c.model_alias}",
             "--heartbeat-timeout-ms", str(c.heartbeat_timeout_ms),
+            "--canary-interval-s", str(c.canary_interval_s),
             *c.tracker_args,
         ]  # fmt: skip
 

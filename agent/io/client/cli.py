@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="new routes one generation may move to after a hop fails (default 1)",
     )  # fmt: skip
     parser.add_argument(
+        "--spot-check-rate", type=cli_args.probability, default=0.01, metavar="P",
+        help="chance that the generation is replayed through a second route and compared (default 0.01)",
+    )  # fmt: skip
+    parser.add_argument(
         "--cache-dir",
         help="where the model's metadata-only copy for the local tokenizer lives (default $BATON_CACHE/client)",
     )
@@ -84,6 +88,7 @@ def main(args: argparse.Namespace) -> int:
             step_timeout_s=args.step_timeout_s,
             replan_attempts=args.replan_attempts,
             queue_timeout_s=args.queue_timeout_s,
+            spot_check_rate=args.spot_check_rate,
         )
     except ValueError as error:
         print(f"baton generate: {error}", file=sys.stderr)

@@ -61,6 +61,8 @@ from agent.core.swarm_wire import (
     step_ack,
 )
 from agent.core.text_stream import TextStream
+from agent.core.spot_check import RouteSegment, rollback_point
+from agent.io.client.spot_check import SpotChecks, withdrawn_peers
 from agent.io.transport import Transport, TransportError
 
 if TYPE_CHECKING:
@@ -123,11 +125,21 @@ class SwarmClientConfig:
     report_grace_s: float = 0.2
     probe_interval_s: float = 1.0
     resume: bool = True
+    # Integrity (issue 11, agent/io/client/spot_check.py): the share of sessions replayed
+    # through a route of the same recipe around one of their hops and compared bit for bit,
+    # how long a session that ended waits for its replay, and how long the tracker may take to
+    # say whether a peer of the generation's routes failed a check (tokens computed through one
+    # are taken back and generated again; False: never ask).
+    spot_check_rate: float = 0.0
+    spot_check_grace_s: float = 5.0
+    integrity_timeout_s: float = 1.0
+    check_route_integrity: bool = True
 
     def __post_init__(self) -> None:
         for name in (
             "request_timeout_s", "step_timeout_s", "replan_wait_s", "route_poll_interval_s", "queue_timeout_s",
             "step_deadline_factor", "min_step_deadline_s", "probe_timeout_s", "report_grace_s", "probe_interval_s",
+            "spot_check_grace_s", "integrity_timeout_s",
         ):  # fmt: skip
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -135,6 +147,8 @@ class SwarmClientConfig:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         if self.replan_attempts < 0:
             raise ValueError(f"replan_attempts must be >= 0, got {self.replan_attempts}")
+        if not 0.0 <= self.spot_check_rate <= 1.0:
+            raise ValueError(f"spot_check_rate must be in [0, 1], got {self.spot_check_rate}")
 
 
 class SwarmError(Exception):
@@ -195,6 +209,9 @@ class GenerationResult:
     resumes: int = 0
     resume_s: list[float] = dataclasses.field(default_factory=list)
     node_rows: list[dict] = dataclasses.field(default_factory=list)
+    #: tokens taken back (and generated again) because a peer that computed them failed an
+    #: integrity check; ``on_token`` had seen them
+    tokens_taken_back: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -311,6 +328,7 @@ class _LiveSession:
         self.arrived = trio.Event()
         self.outcome: int | BaseException | None = None
         self.rebuild: _Rebuild | None = None
+        self.result: swarm_pb2.StepResult | None = None  # the last result the session took
 
     def arm(self) -> None:
         self.arrived = trio.Event()
@@ -326,6 +344,7 @@ class _LiveSession:
             return _err("INVALID_ARGUMENT", f"no rebuild of step {result.step} is in progress")
         try:
             self.outcome = self.session.receive(result, remote_peer_id)
+            self.result = result
         except HopFailed as error:
             self.outcome = GenerationError(
                 f"step {result.step}: {error}", failed_peer_id=error.failed_peer_id or remote_peer_id,
@@ -390,6 +409,7 @@ class SwarmClient:
         self._live: dict[bytes, _LiveSession] = {}
         self._last_routes: dict[str, swarm_pb2.Route] = {}  # model -> the tracker's last route
         self._decode_step_s: float | None = None  # moving average of decode step time
+        self.spot_checks = SpotChecks(self, config.spot_check_rate, config.spot_check_grace_s)
         transport.set_handler(RESULT_PROTOCOL, self._on_result)
 
     @property
@@ -509,6 +529,16 @@ class SwarmClient:
             log.info("could not report the lost peer %s to the tracker: %s", peer_id, error)
             return False
         return reply.report_lost_peer.confirmed
+
+    async def integrity(self, peer_ids: Sequence[str]) -> swarm_pb2.IntegrityReply:
+        """Which of ``peer_ids`` the tracker says failed an integrity check lately."""
+        reply = await self._tracker(swarm_pb2.TrackerRequest(integrity=swarm_pb2.IntegrityRequest(peer_ids=peer_ids)))
+        return reply.integrity
+
+    async def report_mismatch(self, report: swarm_pb2.ReportMismatchRequest) -> swarm_pb2.ReportMismatchReply:
+        """Tell the tracker a spot check disagreed (it checks the peers the routes differ in)."""
+        reply = await self._tracker(swarm_pb2.TrackerRequest(report_mismatch=report))
+        return reply.report_mismatch
 
     async def list_models(self) -> list[swarm_pb2.ModelEntry]:
         reply = await self._tracker(swarm_pb2.TrackerRequest(list_models=swarm_pb2.ListModelsRequest()))
@@ -800,7 +830,10 @@ class SwarmClient:
         async def take(token: int, logits: np.ndarray) -> bool:
             return bool(on_token is not None and await on_token(token, logits, route))
 
+        segments: list[RouteSegment] = []  # each session's route, for taking tokens back
+        taken_back = 0
         while True:
+            segments.append(RouteSegment(len(generated), frozenset(hop.peer_id for hop in route.hops)))
             session = Session(
                 os.urandom(SESSION_ID_BYTES),
                 prompt + generated,
@@ -817,28 +850,31 @@ class SwarmClient:
             failure: GenerationError | None = None
             resume_failed = lost_reported = False
             try:
-                while True:  # the session, and its resumes on routes with a lost hop replaced
-                    try:
-                        await self._run_session(live, route, progress, take)
-                        break
-                    except GenerationError as error:
-                        if not (error.failed_peer_id and error.code in (0, swarm_pb2.Error.UNAVAILABLE)):
-                            raise
-                        # gone or silent (not a live peer's refusal): nothing more waits on it
-                        lost.append(error.failed_peer_id)
-                        if replans >= self.config.replan_attempts:
-                            raise
-                        replans += 1
-                        failed_peers.append(error.failed_peer_id)
-                        log.warning("%s; replacing %s", error, error.failed_peer_id)
-                        began = trio.current_time()
-                        await self._fresh_admission()
-                        resumed, reported = await self._resume(model, live, route, error, failed_peers, progress)
-                        if resumed is None:
-                            resume_failed, lost_reported = True, reported
-                            raise
-                        route = resumed
-                        resume_s.append(trio.current_time() - began)
+                async with self.spot_checks.watch(model, route) as spot:
+                    while True:  # the session, and its resumes on routes with a lost hop replaced
+                        try:
+                            await self._run_session(live, route, progress, take, spot)
+                            break
+                        except GenerationError as error:
+                            if not (error.failed_peer_id and error.code in (0, swarm_pb2.Error.UNAVAILABLE)):
+                                raise
+                            # gone or silent (not a live peer's refusal): nothing more waits on it
+                            lost.append(error.failed_peer_id)
+                            if replans >= self.config.replan_attempts:
+                                raise
+                            replans += 1
+                            failed_peers.append(error.failed_peer_id)
+                            log.warning("%s; replacing %s", error, error.failed_peer_id)
+                            began = trio.current_time()
+                            await self._fresh_admission()
+                            resumed, reported = await self._resume(model, live, route, error, failed_peers, progress)
+                            if resumed is None:
+                                resume_failed, lost_reported = True, reported
+                                raise
+                            route = resumed
+                            resume_s.append(trio.current_time() - began)
+                            spot = None  # a spot check follows one route: it ends at a resume
+                            segments.append(RouteSegment(len(generated), frozenset(hop.peer_id for hop in route.hops)))
             except GenerationError as error:
                 failure = error
             finally:
@@ -851,7 +887,20 @@ class SwarmClient:
                             log.info("could not end session %s: %s", session.session_hex, error)
             if failure is None:
                 stopped_by_caller = session.stopped_by_caller
-                break
+                redo = await self._take_back(segments, generated, failed_peers)
+                if not redo:
+                    break
+                taken_back += redo  # computed through a peer that failed a check: generated again
+                if replans >= self.config.replan_attempts:
+                    raise GenerationError(
+                        f"{redo} tokens were computed through {', '.join(failed_peers)}, which failed integrity "
+                        "checks, and no replan is left", failed_peer_id=failed_peers[-1],
+                    )  # fmt: skip
+                replans += 1
+                stopped_by_caller = False
+                await self._fresh_admission()
+                route = await self._replan(model, failed_peers[-1], "it failed an integrity check", failed_peers)
+                continue
             error = failure
             exhausted = error.code == swarm_pb2.Error.RESOURCE_EXHAUSTED
             if exhausted and error.step == 0 and trio.current_time() < busy_until:
@@ -877,6 +926,7 @@ class SwarmClient:
                     raise error
                 replans += 1
                 failed_peers.append(error.failed_peer_id)
+            taken_back += await self._take_back(segments, generated, failed_peers)
             log.warning("%s; replanning without %s", error, error.failed_peer_id)
             await self._fresh_admission()
             # a failed resume may have told the tracker already
@@ -899,7 +949,30 @@ class SwarmClient:
             resumes=len(resume_s),
             resume_s=resume_s,
             node_rows=progress.hop_rows_list(nodes=True),
+            tokens_taken_back=taken_back,
         )
+
+    async def _take_back(self, segments: list[RouteSegment], generated: list[int], avoid: list[str]) -> int:
+        """Ask the tracker whether a peer of the generation's routes failed an integrity check
+        (``check_route_integrity``); if one did, drop the tokens from the first session that went
+        through it (and that session's record), add the peers to ``avoid``, and return how many
+        tokens were dropped (0: none to redo)."""
+        if not self.config.check_route_integrity:
+            return 0
+        withdrawn = await withdrawn_peers(self, set().union(*(segment.peers for segment in segments)))
+        if not withdrawn:
+            return 0
+        avoid.extend(peer for peer in sorted(withdrawn) if peer not in avoid)
+        cut = rollback_point(segments, withdrawn)
+        assert cut is not None
+        dropped = len(generated) - cut
+        log.warning(
+            "%s failed integrity checks (%s): taking back the %d tokens computed through them",
+            ", ".join(sorted(withdrawn)), "; ".join(withdrawn.values()), dropped,
+        )  # fmt: skip
+        del generated[cut:]
+        del segments[[segment.first_token for segment in segments].index(cut) :]
+        return dropped
 
     async def _replan(
         self,
@@ -964,6 +1037,7 @@ class SwarmClient:
         route: swarm_pb2.Route,
         progress: _Progress,
         take: Callable[[int, np.ndarray], Awaitable[bool]],
+        spot=None,  # noqa: ANN001 (a spot check's shadow: fed each completed step)
     ) -> None:
         """Drive ``live.session`` over ``route`` to its end, appending its tokens to ``progress``.
 
@@ -991,6 +1065,8 @@ class SwarmClient:
                 elapsed = time.perf_counter() - started
                 if isinstance(live.outcome, BaseException):
                     raise live.outcome
+                if spot is not None and live.result is not None:
+                    spot.feed(request, live.result)
                 progress.add_rows(route, len(step_input.token_ids))
                 if live.outcome is None:  # a prefill chunk: more of the prompt follows
                     progress.prefill_s += elapsed

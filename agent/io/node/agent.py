@@ -80,6 +80,7 @@ from agent.io.transport import Transport, TransportError
 from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
 from agent.io.worker_process import WorkerBinaryNotFound, WorkerHandle, WorkerStartError, open_worker
 from agent.models import sha256_file
+from agent.testing.faulty import CorruptOutputs, OutputCorrupter
 
 from .fetch import (
     FetchConfig,
@@ -173,6 +174,8 @@ class NodeConfig:
       replay_merge_rows: a replay joins kept decode rows into rebuild steps of at most this
         many rows, and sends every larger step as it was (``agent.core.kept_rows``: batches
         this small compute each row as a batch of one does, so the rebuild is bit-exact).
+      test_corrupt_outputs: TEST ONLY, never in production: corrupt outputs as
+        ``agent.testing.faulty.OutputCorrupter`` does (None: an honest node).
     """
 
     tracker: str
@@ -208,6 +211,9 @@ class NodeConfig:
     resume_wait_s: float = 5.0
     replay_merge_rows: int = 16
     row_budget: int | None = None
+    #: TEST ONLY (``agent.testing.faulty``): add noise to the outputs of steps this node has
+    #: not seen before, to show that canary checks catch a node computing wrong numbers
+    test_corrupt_outputs: CorruptOutputs | None = None
 
 
 class NodeError(Exception):
@@ -247,6 +253,9 @@ class ServedRange:
     forward_calls: int = 0  # Forwards this node sent to the worker
     entries_forwarded: int = 0
     largest_batch: int = 0
+    #: the batch in the worker's Forward right now: its steps are owed an error if the range
+    #: stops (UNLOAD, the worker dies) before their outputs are pushed
+    in_forward: list[tuple[int, StepInput]] = dataclasses.field(default_factory=list)
     cancel_scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
     wakeup: trio.Event = dataclasses.field(default_factory=trio.Event)
     stopped: trio.Event = dataclasses.field(default_factory=trio.Event)
@@ -350,6 +359,9 @@ class Node:
         self.registrations = 0
         self.heartbeats = 0
         self._heartbeat_wakeup = trio.Event()
+        self._corrupter = OutputCorrupter(config.test_corrupt_outputs) if config.test_corrupt_outputs else None
+        if self._corrupter is not None:
+            log.warning("TEST ONLY: this node corrupts the outputs of steps it has not seen before")
 
     # --- tracker -----------------------------------------------------------------------
 
@@ -550,7 +562,7 @@ class Node:
                     served.model = await self._fetch_model(served)
                 elif self.config.verify_local_models:
                     await self._verify_local_model(served)
-                failure = await self._load_and_serve(served)
+                failure = await self._load_and_serve(served, nursery)
                 served.state, served.error = State.FAILED, failure
                 log.warning("FAILED %s: %s", _range_name(served.key), failure)
         except (FetchRefused, FetchError, ManifestError, ModelMismatch) as err:
@@ -561,7 +573,8 @@ class Node:
             log.warning("FAILED %s: %s", _range_name(served.key), err)
         finally:
             served.handle = None
-            leftover = served.scheduler.drain() if served.scheduler is not None else []
+            leftover = served.in_forward + (served.scheduler.drain() if served.scheduler is not None else [])
+            served.in_forward = []
             if served.state == State.READY:  # unloaded
                 served.state, served.error = State.FAILED, "unloaded"
             for _seq_id, step in leftover:
@@ -655,8 +668,10 @@ class Node:
         self.heartbeat_soon()
         return LocalModel(path=str(dest), sha256=model_sha256)
 
-    async def _load_and_serve(self, served: ServedRange) -> str:
+    async def _load_and_serve(self, served: ServedRange, pushes: trio.Nursery) -> str:
         """Run the worker of ``served``; returns why it stopped serving (the worker died).
+        Outputs are pushed in ``pushes`` (the node's nursery: a push under way when the range
+        stops, e.g. UNLOAD, still reaches its next hop or owner).
 
         Raises:
           WorkerStartError, WorkerBinaryNotFound, OSError, ValueError: it could not start.
@@ -693,9 +708,7 @@ class Node:
             served.state, served.error = State.READY, ""
             log.info("READY %s (recipe %s)", _range_name(served.key), info.recipe_hash[:12])
             self.heartbeat_soon()
-            async with trio.open_nursery() as pushes:
-                failure = await self._serve_batches(served, handle, pushes)
-            return failure
+            return await self._serve_batches(served, handle, pushes)
 
     # --- batches -----------------------------------------------------------------------
 
@@ -724,14 +737,17 @@ class Node:
             batch = scheduler.next_batch()
             if not batch:
                 continue
+            corrupting = self._corrupter is not None and self._corrupter.active
             entries = [
                 SeqInput(
                     seq_id=seq_id, positions=step.positions, token_ids=step.token_ids, boundary=step.rows,
                     boundary_schema=step.schema if step.rows is not None else None,
-                    top_k=_worker_top_k(step, info),
+                    # (test only) a corrupted last range selects its top-K from the noisy row
+                    top_k=0 if corrupting else _worker_top_k(step, info),
                 )  # fmt: skip
                 for seq_id, step in batch
             ]  # fmt: skip
+            served.in_forward = batch
             try:
                 outputs = await client.forward(entries, timeout_s=timeout_s)
                 if len(outputs) != len(entries):
@@ -739,6 +755,7 @@ class Node:
                         "INTERNAL", f"{len(entries)} entries sent, {len(outputs)} returned", method="Forward"
                     )
             except (WorkerError, BoundaryError, ValueError) as err:
+                served.in_forward = []
                 now = _now_ms()
                 self._forward_finished(served)
                 for _seq_id, step in batch:
@@ -751,6 +768,7 @@ class Node:
                 if (reason := self._exit_reason(handle)) is not None:
                     return reason
                 continue
+            served.in_forward = []
             served.forward_calls += 1
             served.entries_forwarded += len(batch)
             served.largest_batch = max(served.largest_batch, len(batch))
@@ -759,6 +777,8 @@ class Node:
                 sessions.done(step.session_id, now)
                 if step.session_id not in sessions:
                     continue  # ended while in the Forward: nobody wants the output
+                if self._corrupter is not None:
+                    output = self._corrupter.apply(step, output, active=corrupting)
                 encoded = self._keep_rows(served, step, output)
                 pushes.start_soon(self._guarded, self._push, step, output, encoded)
             self._forward_finished(served)

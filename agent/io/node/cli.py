@@ -111,6 +111,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="per session and range, the most bytes of output rows kept to rebuild a lost next hop"
         " (default 64 MiB; 0: keep none, a lost next hop then costs a re-prefill of the route)",
     )  # fmt: skip
+    parser.add_argument(
+        "--test-corrupt-outputs", type=cli_args.positive_float, metavar="SCALE",
+        help="TEST ONLY, never in production: add noise of SCALE x their RMS to the outputs of steps this node has "
+        "not seen before (agent.testing.faulty), to show that the tracker's canary checks catch it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--test-corrupt-while-file", metavar="PATH",
+        help="TEST ONLY: with --test-corrupt-outputs, corrupt only while PATH exists",
+    )  # fmt: skip
 
 
 @contextlib.asynccontextmanager
@@ -129,6 +138,17 @@ def _first_leaf(group: BaseException) -> BaseException:
     while isinstance(group, BaseExceptionGroup):
         group = group.exceptions[0]
     return group
+
+
+def _test_corruption(args: argparse.Namespace):  # noqa: ANN202
+    """(TEST ONLY) ``--test-corrupt-outputs`` as a ``CorruptOutputs``, or None."""
+    scale = getattr(args, "test_corrupt_outputs", None)
+    if scale is None:
+        return None
+    from agent.testing.faulty import CorruptOutputs
+
+    while_file = getattr(args, "test_corrupt_while_file", None)
+    return CorruptOutputs(scale=scale, while_file=os.path.abspath(while_file) if while_file else None)
 
 
 def listen_addrs(listen: str) -> list[str]:
@@ -188,6 +208,7 @@ async def run(args: argparse.Namespace) -> int:
         relay=relay,
         probe=probe,
         models_dir=os.path.abspath(models_dir) if models_dir else None,
+        test_corrupt_outputs=_test_corruption(args),
     )
     code = 0
     try:

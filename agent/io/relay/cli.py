@@ -111,6 +111,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache-dir", type=Path, default=None, metavar="DIR",
         help="tokenizer and model metadata cache (default $BATON_CACHE/relay or ~/.cache/baton/relay)",
     )  # fmt: skip
+    serve.add_argument(
+        "--spot-check-rate", type=cli_args.probability, default=0.01, metavar="P",
+        help="share of generations replayed through a second route and compared bit for bit (default 0.01)",
+    )  # fmt: skip
     serve.add_argument("--addr-file", help='write "http://HOST:PORT" here once listening')
     serve.add_argument(
         "--p2p-listen", default="/ip4/127.0.0.1/tcp/0", metavar="MADDR",

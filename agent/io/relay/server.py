@@ -79,6 +79,8 @@ class RelayConfig:
     (and never past the model's context).
     ``models_cache_s``: how long the tracker's model list is reused.
     ``preload_timeout_s``: how long start-up waits for the registered models' vocabularies.
+    ``spot_check_rate``: the share of generations replayed through a second route and
+    compared (``SwarmClientConfig.spot_check_rate``, docs/INTEGRITY.md).
     """
 
     tracker_addr: str
@@ -98,6 +100,7 @@ class RelayConfig:
     cache_dir: Path = Path(os.environ.get("BATON_CACHE", Path.home() / ".cache" / "baton")) / "relay"
     p2p_listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     addr_file: Path | None = None
+    spot_check_rate: float = 0.01
 
 
 @dataclasses.dataclass
@@ -724,7 +727,7 @@ async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] 
         key = load_or_create_key(config.key_path)
     client_config = SwarmClientConfig(
         request_timeout_s=config.request_timeout_s, step_timeout_s=config.step_timeout_s,
-        queue_timeout_s=config.queue_timeout_s,
+        queue_timeout_s=config.queue_timeout_s, spot_check_rate=config.spot_check_rate,
     )  # fmt: skip
     with open_relay_store(config.db_path) as store:
         async with open_swarm_client(
@@ -818,6 +821,7 @@ def serve_main(args) -> int:  # noqa: ANN001 - argparse.Namespace from agent.io.
             cache_dir=Path(args.cache_dir) if args.cache_dir else RelayConfig.cache_dir,
             p2p_listen=tuple(args.p2p_listen) if isinstance(args.p2p_listen, (list, tuple)) else (args.p2p_listen,),
             addr_file=Path(args.addr_file) if args.addr_file else None,
+            spot_check_rate=getattr(args, "spot_check_rate", RelayConfig.spot_check_rate),
         )
     except ValueError as error:
         print(f"baton relay serve: {error}", file=sys.stderr)

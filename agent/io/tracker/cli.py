@@ -5,7 +5,7 @@
                       [--serve-models [HOST:]PORT] [--models-base-url URL] [--heartbeat-interval-ms N]
                       [--heartbeat-timeout-ms N] [--admission-ttl-ms N]
                       [--registration-max-age-ms N] [--expected-pin COMMIT]
-                      [--expected-patch-hash HASH]
+                      [--expected-patch-hash HASH] [--canary-interval-s S] [--canary-* ...]
   baton tracker models --db PATH
   baton tracker nodes --db PATH [--json]
 
@@ -22,12 +22,21 @@ its registered files itself at ``http://HOST:PORT/models/<sha256>.gguf`` (HOST d
 127.0.0.1; ``--models-base-url`` is the address nodes are told when that differs, e.g. behind
 NAT or a proxy).
 
+Canary checks (``agent.core.canary``, docs/INTEGRITY.md): unless ``--canary-interval-s 0``, the
+tracker's verifier checks every range a node reports READY at once (it is routed only once it
+passed: ``--no-canary-gate`` routes it before) and then every ``--canary-interval-s`` on average
+(each gap drawn from [0.5, 1.5] x that), with its own reference workers of the registered files
+(``--canary-threads``; the worker binary must be there). A failed check withdraws the range;
+``--canary-refuse-after`` failed checks refuse the node.
+
 ``models`` and ``nodes`` read the database (a running tracker's too: WAL allows readers).
 ``nodes`` prints each node's peer id, whether it was alive when the tracker last decided,
 its last heartbeat, usable memory, addresses and ranges: every range it is assigned or its
 last heartbeat reported, with the reported state (``-``: assigned, not reported loading),
 ``unassigned`` for a reported range the tracker did not give it, and the errors of FAILED
-ranges below the table. ``--json`` prints one JSON object ``{"nodes": [...]}`` with the
+ranges below the table, the checks each node passed (CHECKS) and, below the table, every check it
+failed with its evidence (the check, the range and step, what was compared, the expected and
+returned sha256) and why it is refused. ``--json`` prints one JSON object ``{"nodes": [...]}`` with the
 ``NodeEntry`` fields (states by name).
 
 The tracker is also a circuit relay v2 (unless ``--no-relay``): a node that cannot be dialled
@@ -46,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -142,6 +152,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     serve.add_argument("--expected-pin", help="llama.cpp commit nodes must run (default: this checkout's)")
     serve.add_argument("--expected-patch-hash", help="patch series sha256 nodes must have (default: this checkout's)")
+    serve.add_argument(
+        "--canary-interval-s", type=cli_args.non_negative_float, default=300.0, metavar="S",
+        help="mean seconds between two canary checks of one served range (default 300; 0: no checks)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--canary-max-prompt-rows", type=cli_args.positive_int, default=32, metavar="N",
+        help="a canary's prompt has 1..N rows (default 32)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--canary-max-decode-steps", type=cli_args.non_negative_int, default=4, metavar="N",
+        help="a canary has 1..N decode steps after its prompt (default 4)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--canary-refuse-after", type=cli_args.positive_int, default=2, metavar="N",
+        help="refuse a node once its output failed N checks (default 2; fewer withdraw the range)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--canary-cross-recipe-rel-error", type=cli_args.non_negative_float, default=0.02, metavar="X",
+        help="for a node of another recipe (backend): the relative RMS error allowed (default 0.02)",
+    )  # fmt: skip
+    serve.add_argument("--canary-threads", type=cli_args.positive_int, default=1, help="threads per reference worker")
+    serve.add_argument(
+        "--no-canary-gate", dest="canary_gate", action="store_false",
+        help="route a newly READY range before it passed its first check (default: only after)",
+    )  # fmt: skip
     serve.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
 
     models = commands.add_parser("models", help="list the registered models")
@@ -240,6 +275,33 @@ def _utc(ms: int) -> str:
     return datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _failure_json(failure) -> dict:
+    return {
+        "check_id": failure.check_id,
+        "model_sha256": failure.assignment.model_sha256,
+        "begin": failure.assignment.begin,
+        "end": failure.assignment.end,
+        "step": failure.step,
+        "output": failure.output,
+        "expected_sha256": failure.expected_sha256,
+        "returned_sha256": failure.returned_sha256,
+        "max_abs_diff": failure.max_abs_diff,
+        "at_ms": failure.at_ms,
+        "detail": failure.detail,
+    }
+
+
+def _failure_line(failure, aliases: dict[str, str]) -> str:
+    """One failed check as an operator reads it."""
+    a = failure.assignment
+    return (
+        f"INTEGRITY {failure.check_id} {aliases.get(a.model_sha256, a.model_sha256[:12])}[{a.begin}, {a.end}) "
+        f"step {failure.step} at {_utc(failure.at_ms)}: {failure.output} differ: expected sha256 "
+        f"{failure.expected_sha256 or '-'}, returned {failure.returned_sha256 or '-'}, largest difference "
+        f"{failure.max_abs_diff:.3g} ({failure.detail})"
+    )
+
+
 def _node_json(entry) -> dict:
     return {
         "peer_id": entry.peer_id,
@@ -261,6 +323,9 @@ def _node_json(entry) -> dict:
             for s in entry.serving
         ],
         "assigned": [{"model_sha256": a.model_sha256, "begin": a.begin, "end": a.end} for a in entry.assigned],
+        "checks_passed": entry.checks_passed,
+        "integrity_failures": [_failure_json(f) for f in entry.integrity_failures],
+        "refused": entry.refused,
     }
 
 
@@ -276,7 +341,7 @@ def _nodes(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"nodes": [_node_json(entry) for entry in entries]}, indent=2))
         return 0
-    rows = [("PEER ID", "ALIVE", "LAST HEARTBEAT (UTC)", "MEMORY", "ADDRS", "RANGES")]
+    rows = [("PEER ID", "ALIVE", "LAST HEARTBEAT (UTC)", "MEMORY", "ADDRS", "CHECKS", "RANGES")]
     failures = []
     for entry in entries:
         ranges = _node_ranges(entry, aliases)
@@ -286,13 +351,26 @@ def _nodes(args: argparse.Namespace) -> int:
             _utc(entry.last_heartbeat_ms),
             _human_bytes(entry.usable_memory_bytes),
             ",".join(entry.listen_addrs) or "-",
+            _checks(entry),
             ", ".join(f"{name} {state}" for name, state, _ in ranges) or "-",
         ))  # fmt: skip
         failures += [(entry.peer_id, name, error) for name, _, error in ranges if error]
+        failures += [(entry.peer_id, _failure_line(f, aliases), "") for f in entry.integrity_failures]
+        if entry.refused:
+            failures.append((entry.peer_id, "REFUSED", entry.refused))
     _print_table(rows)
     for peer_id, name, error in failures:
-        print(f"  {peer_id} {name}: {error}")
+        print(f"  {peer_id} {name}: {error}" if error else f"  {peer_id} {name}")
     return 0
+
+
+def _checks(entry) -> str:
+    """The CHECKS column: passed and failed checks, refused."""
+    if entry.refused:
+        return f"REFUSED ({len(entry.integrity_failures)} failed)"
+    if entry.integrity_failures:
+        return f"{entry.checks_passed} ok, {len(entry.integrity_failures)} FAILED"
+    return f"{entry.checks_passed} ok" if entry.checks_passed else "-"
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -333,6 +411,36 @@ def register_models(
     return entries
 
 
+def _canary_policy(args: argparse.Namespace):  # noqa: ANN202
+    """The ``CanaryPolicy`` of ``serve``'s flags (None: ``--canary-interval-s 0``).
+
+    Raises:
+      ValueError: inconsistent values (the policy says which).
+    """
+    from agent.core.canary import CanaryPolicy
+
+    interval_s = getattr(args, "canary_interval_s", 0.0)
+    if not interval_s:
+        return None
+    return CanaryPolicy(
+        interval_s=interval_s,
+        max_prompt_rows=args.canary_max_prompt_rows,
+        min_decode_steps=min(1, args.canary_max_decode_steps),
+        max_decode_steps=args.canary_max_decode_steps,
+        refuse_after_failures=args.canary_refuse_after,
+        cross_recipe_rel_error=args.canary_cross_recipe_rel_error,
+        gate_new_ranges=args.canary_gate,
+    )
+
+
+def _persona_listen(listen: str) -> str:
+    """Where the verifier's fresh identities listen: the tracker's host, any port."""
+    parts = listen.strip("/").split("/")
+    if len(parts) >= 4 and parts[0] in ("ip4", "ip6") and parts[2] == "tcp":
+        return f"/{parts[0]}/{parts[1]}/tcp/0"
+    return "/ip4/127.0.0.1/tcp/0"
+
+
 def _serve(args: argparse.Namespace) -> int:
     import trio
 
@@ -359,6 +467,7 @@ def _serve(args: argparse.Namespace) -> int:
             admission_ttl_ms=args.admission_ttl_ms,
             registration_max_age_ms=args.registration_max_age_ms,
             nonce_retention_ms=max(600_000, 2 * args.registration_max_age_ms),
+            canary=_canary_policy(args),
         )
         hf_repos = dict(args.hf_repo)
         unknown = sorted(set(hf_repos) - {alias for _, alias in args.register_model})
@@ -368,6 +477,16 @@ def _serve(args: argparse.Namespace) -> int:
         unknown = sorted(set(sources) - {alias for _, alias in args.register_model})
         if unknown:
             raise ValueError(f"--model-source names aliases that no --register-model gives: {', '.join(unknown)}")
+        if config.canary is not None:
+            from agent.io.worker_process import find_worker_binary
+
+            try:
+                find_worker_binary()
+            except FileNotFoundError as error:
+                raise ValueError(
+                    f"canary checks run the tracker's own workers ({error}); to run without output checks, "
+                    "pass --canary-interval-s 0"
+                ) from None
         key = load_or_create_key(args.key)
         with open_store(args.db) as store:
             now_ms = int(time.time() * 1000)
@@ -395,7 +514,10 @@ async def _serve_async(args: argparse.Namespace, store, config, key) -> int:
         ) as transport,
         trio.open_nursery() as nursery,
     ):
-        tracker = await nursery.start(serve_tracker, transport, store, config, key)
+        from agent.io.tracker.verifier import VerifierConfig
+
+        verifier = VerifierConfig(threads=getattr(args, "canary_threads", 1), persona_listen=_persona_listen(args.listen))
+        tracker = await nursery.start(functools.partial(serve_tracker, transport, store, config, key, verifier=verifier))
         if getattr(args, "serve_models", None) is not None:
             from agent.io.model_http import ModelFileServer, serve_model_files
 

@@ -5,8 +5,17 @@ Owns the tracker's behaviour on the wire (docs/SWARM.md, shared semantics): regi
 UNLOAD directives, admission refresh), routes, the model list, model metadata (a GGUF's
 bytes before its tensor data, read from the registered file once and kept in memory), the
 node list; and when assignments are recomputed (a node registers, dies, or comes back).
-Decisions are the pure core's (``agent.core.admission``, ``assignment``, ``routing``); state
-is the SQLite store's.
+Decisions are the pure core's (``agent.core.admission``, ``assignment``, ``routing``,
+``canary``); state is the SQLite store's.
+
+Output integrity (docs/INTEGRITY.md): with ``TrackerConfig.canary`` the tracker runs its
+verifier (``agent.io.tracker.verifier``) and keeps the ``CanarySchedule`` it follows, synced
+with the READY ranges of every heartbeat; a READY range is routed once it passed a check (the
+gate); ``record_check`` acts on each outcome: a failure withdraws the range at once (not
+assigned to that node again until it registers anew), the ``refuse_after_failures``-th refuses
+the node (marked dead, its registrations refused: kept in the store). ``integrity`` tells owners
+which peers failed lately; ``report_mismatch`` (an owner's spot check) makes the peers in which
+two routes differ the next to be checked.
 
 Liveness: a node is alive while heartbeats (or its registration) arrive at most
 ``heartbeat_timeout_ms`` apart; the sweeper marks it dead at exactly that deadline, clears its
@@ -34,19 +43,24 @@ the transport (a closed transport stops calling it).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+import numpy as np
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
 from agent.core import admission
 from agent.core.assignment import Assignment, ModelSpec, NodeCapacity, assign
+from agent.core.canary import CanaryPolicy, CanarySchedule, FailureAction, RangeKey, after_failure
 from agent.core.identity import peer_id_from_public_key
 from agent.core.routing import NoRoute, ReadyRange, plan_route
 from agent.core.swarm_wire import (
@@ -61,6 +75,10 @@ from agent.core.manifest import ManifestError, build_manifest, sign_manifest
 from agent.io.tracker.gguf_info import GgufError, read_registered_file
 from agent.io.transport import TransportError
 from agent.io.tracker.store import NodeRecord, TrackerStore
+from agent.io.tracker.verifier import CheckOutcome, VerifierStats
+
+if TYPE_CHECKING:
+    from agent.io.tracker.verifier import OpenPersona, VerifierConfig
 
 __all__ = ["Tracker", "TrackerConfig", "serve_tracker", "trio_unix_clock"]
 
@@ -95,6 +113,11 @@ class TrackerConfig:
     #: read every registered file's metadata and hash its tensors when the tracker starts,
     #: so the first node to ask for a manifest does not wait (else: on the first request)
     prepare_manifests_at_start: bool = True
+    #: canary checks of what nodes compute (``agent.core.canary``; run by
+    #: ``agent.io.tracker.verifier``); None: no checks, every READY range is routed
+    canary: CanaryPolicy | None = None
+    #: an owner asking about a peer (``integrity``) hears of its failed checks this recent
+    integrity_memory_ms: int = 3_600_000
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_ms", "heartbeat_timeout_ms", "admission_ttl_ms", "registration_max_age_ms"):
@@ -152,6 +175,19 @@ class Tracker:
         self.failed: set[tuple[str, str]] = set()
         #: peer id -> what it reported FAILED since it registered (with its reason), for operators
         self.load_failures: dict[str, list[swarm_pb2.AssignmentStatus]] = {}
+        #: canary checks (None when off): which READY range is checked when, which passed
+        self.canary_policy = config.canary
+        self.canaries = CanarySchedule(config.canary) if config.canary is not None else None
+        self._canary_rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
+        #: (peer id, model sha256) whose output failed a check: not assigned to it again until
+        #: it registers anew (and then checked before it is routed)
+        self.withdrawn: set[tuple[str, str]] = set()
+        #: (peer id, model sha256) -> when (tracker clock) a range of it last passed a check: a
+        #: failure of that model before then is no longer named to owners (the node registered
+        #: anew and was checked since; a pass of another model clears nothing)
+        self._last_pass_ms: dict[tuple[str, str], int] = {}
+        #: the verifier's totals (checks passed, failed, inconclusive; rows; time)
+        self.verifier_stats = VerifierStats()
         self._route_load: deque[tuple[float, tuple[str, ...]]] = deque()
         #: peer id -> trio time of its last heartbeat (handed-out routes count until then)
         self._heard_at: dict[str, float] = {}
@@ -188,6 +224,10 @@ class Tracker:
         """Return once ``predicate()`` is true (checked after every state change)."""
         while not predicate():
             await self._changed.wait()
+
+    async def changed(self) -> None:
+        """Return at the next state change (a heartbeat, a registration, a check's outcome)."""
+        await self._changed.wait()
 
     # --- relay admission ------------------------------------------------------------------------
 
@@ -232,7 +272,7 @@ class Tracker:
                 raise _Refusal(
                     Code.INVALID_ARGUMENT,
                     "TrackerRequest has no body (expected one of register, heartbeat, route, list_models, "
-                    "client_hello, model_metadata, list_nodes, report_lost_peer)",
+                    "client_hello, model_metadata, list_nodes, report_lost_peer, integrity, report_mismatch)",
                 )
             reply = swarm_pb2.TrackerReply(schema_version=SCHEMA_VERSION)
             if kind == "register":
@@ -246,12 +286,13 @@ class Tracker:
             elif kind == "model_metadata":
                 reply.model_metadata.CopyFrom(await self._model_metadata(request.model_metadata))
             elif kind == "list_nodes":
-                nodes = self.store.node_entries(alive=self.alive, pending=self.pending)
-                for entry in nodes:
-                    entry.load_failures.extend(self.load_failures.get(entry.peer_id, ()))
-                reply.list_nodes.CopyFrom(swarm_pb2.ListNodesReply(nodes=nodes))
+                reply.list_nodes.CopyFrom(swarm_pb2.ListNodesReply(nodes=self.node_entries()))
             elif kind == "report_lost_peer":
                 reply.report_lost_peer.CopyFrom(await self._report_lost_peer(remote_peer_id, request.report_lost_peer))
+            elif kind == "integrity":
+                reply.integrity.CopyFrom(self._integrity(request.integrity))
+            elif kind == "report_mismatch":
+                reply.report_mismatch.CopyFrom(self._report_mismatch(remote_peer_id, request.report_mismatch))
             else:
                 reply.client_hello.CopyFrom(self._client_hello(remote_peer_id, request.client_hello))
             return reply.SerializeToString()
@@ -307,6 +348,10 @@ class Tracker:
             fingerprint = admission.verify_signed_fingerprint(signed, remote)
         except admission.AdmissionError as error:
             raise _Refusal(Code.REFUSED, error.reason) from None
+        refused = self.store.refused(remote)
+        if refused:
+            log.info("refused node %s again: %s", remote, refused)
+            raise _Refusal(Code.REFUSED, refused)
         now = self._now_ms()
         seen = self.store.nonce_seen(remote, fingerprint.nonce)
         decision = admission.decide_admission(fingerprint, self._policy(), now, seen)
@@ -332,6 +377,9 @@ class Tracker:
         )
         self.store.clear_status(remote)  # a (re-)registering node has nothing loaded yet
         self.failed = {(p, m) for p, m in self.failed if p != remote}
+        self.withdrawn = {(p, m) for p, m in self.withdrawn if p != remote}
+        if self.canaries is not None:
+            self.canaries.forget_node(remote)
         self.load_failures.pop(remote, None)
         self.deadline_ms[remote] = now + self.config.heartbeat_timeout_ms
         self.confirmed.add(remote)
@@ -369,6 +417,9 @@ class Tracker:
         node = self.store.node(remote)
         if node is None:
             raise _Refusal(Code.NOT_FOUND, "unknown node: register first")
+        if self.store.refused(remote):
+            # it registers again and is refused with the reason (and stops)
+            raise _Refusal(Code.NOT_FOUND, "unknown node: register first (this node was refused)")
         now = self._now_ms()
         if now >= node.expires_at_ms:
             raise _Refusal(Code.NOT_FOUND, "unknown node: register first (its admission expired)")
@@ -417,6 +468,14 @@ class Tracker:
                 self.store.set_status(row.assignment, State.STATE_UNSPECIFIED, "", "", now)
 
         should = {row.assignment for row in rows}
+        if self.canaries is not None:
+            ready = [
+                (a.model_sha256, a.begin, a.end)
+                for a, status in reported.items()
+                if a in should and status.state == State.READY and status.recipe_hash
+            ]
+            if self.canaries.sync_node(remote, ready, trio.current_time()):
+                self._notify()  # the verifier checks them now
         reply = swarm_pb2.HeartbeatReply()
         for a in sorted(should - set(reported)):
             reply.directives.add(kind=swarm_pb2.Directive.LOAD, assignment=_wire_assignment(a))
@@ -462,6 +521,7 @@ class Tracker:
             and row.assignment.peer_id in nodes
             and row.state == State.READY
             and row.recipe_hash
+            and self._routable(row.assignment)
         ]
         try:
             plan = plan_route(
@@ -524,6 +584,167 @@ class Tracker:
 
     def _known_dead(self) -> set[str]:
         return {n.peer_id for n in self.store.nodes() if not n.alive}
+
+    # --- output integrity (agent.core.canary; docs/INTEGRITY.md) --------------------------------
+
+    def node_entries(self) -> list[swarm_pb2.NodeEntry]:
+        """The node list as ``list_nodes`` answers it: the store's view with the running
+        service's liveness, load failures and, per READY range, whether it awaits its first
+        check (set here, whatever a node put in that field of its heartbeat)."""
+        entries = self.store.node_entries(alive=self.alive, pending=self.pending)
+        for entry in entries:
+            entry.load_failures.extend(self.load_failures.get(entry.peer_id, ()))
+            for status in entry.serving:
+                a = status.assignment
+                status.awaiting_check = status.state == State.READY and not self._cleared(
+                    (entry.peer_id, a.model_sha256, a.begin, a.end)
+                )
+        return entries
+
+    def _cleared(self, key: RangeKey) -> bool:
+        """Whether the range may be routed as far as checks go: checks off or not gating, or
+        it passed one since it became READY."""
+        if self.canaries is None or self.canary_policy is None or not self.canary_policy.gate_new_ranges:
+            return True
+        return self.canaries.cleared(key)
+
+    def _routable(self, a: Assignment) -> bool:
+        return (a.peer_id, a.model_sha256) not in self.withdrawn and self._cleared(
+            (a.peer_id, a.model_sha256, a.begin, a.end)
+        )
+
+    def issue_persona_admission(self, peer_id: str, role: int) -> swarm_pb2.SignedAdmission:
+        """An admission for one of the verifier's fresh identities, as nodes and clients get
+        theirs (a node's names a fingerprint digest: a random one, as a real one looks)."""
+        digest = hashlib.sha256(os.urandom(32)).hexdigest() if role == swarm_pb2.ROLE_NODE else ""
+        return self._issue(peer_id, role, self._now_ms(), digest)
+
+    async def canary_target(self, key: RangeKey) -> tuple[tuple[str, ...], str, int, str]:
+        """What a check of ``key`` needs: the node's addresses, the range's recipe hash as it
+        reported it, the model's block count and the registered file (its size and sha256
+        checked once: ``_file_facts``).
+
+        Raises:
+          LookupError: the range is no longer READY on a live node, or the file is unusable.
+        """
+        peer_id, model_sha256, begin, end = key
+        node = self.store.node(peer_id)
+        model = self.store.find_model(model_sha256)
+        rows = [
+            row for row in self.store.assignments()
+            if row.assignment == Assignment(model_sha256, begin, end, peer_id) and row.state == State.READY
+        ]  # fmt: skip
+        if node is None or model is None or not rows or peer_id not in self.alive:
+            raise LookupError("the range is no longer served")
+        try:
+            await self._file_facts(model)
+        except _Refusal as refusal:
+            raise LookupError(refusal.message) from None
+        path = self.store.model_path(model_sha256)
+        assert path is not None  # _file_facts refuses a model without a file
+        return node.listen_addrs, rows[0].recipe_hash, model.n_layer, str(path)
+
+    def record_check(self, outcome: CheckOutcome) -> FailureAction | None:
+        """Act on a check's outcome: a pass counts (and may open the range to routes); a
+        failure records the evidence and withdraws the range at once, or refuses the node
+        (``CanaryPolicy.refuse_after_failures``); inconclusive tries again later."""
+        assert self.canaries is not None and self.canary_policy is not None
+        self.verifier_stats.add(outcome)
+        key = outcome.key
+        peer_id, model_sha256, begin, end = key
+        now_s = trio.current_time()
+        if outcome.status == "passed":
+            self.store.add_check_passed(peer_id)
+            self._last_pass_ms[(peer_id, model_sha256)] = self._now_ms()
+            self.canaries.passed(key, now_s, self._canary_rng)
+            self._notify()
+            return None
+        if outcome.status != "failed":
+            self.canaries.inconclusive(key, now_s)
+            self._notify()
+            return None
+        mismatch = outcome.mismatch
+        assert mismatch is not None
+        failure = swarm_pb2.IntegrityFailure(
+            check_id=outcome.check_id, assignment=swarm_pb2.Assignment(model_sha256=model_sha256, begin=begin, end=end),
+            step=mismatch.step, output=mismatch.output, expected_sha256=mismatch.expected_sha256,
+            returned_sha256=mismatch.returned_sha256, max_abs_diff=mismatch.max_abs_diff, at_ms=self._now_ms(),
+            detail=mismatch.detail,
+        )  # fmt: skip
+        failures = self.store.add_integrity_failure(peer_id, failure)
+        self.canaries.failed(key)
+        action = after_failure(self.canary_policy, failures)
+        log.warning(
+            "node %s FAILED %s of model %s blocks [%d, %d) at step %d: %s differ (expected sha256 %s, returned %s; %s): %s",
+            peer_id, outcome.check_id, model_sha256[:12], begin, end, mismatch.step, mismatch.output,
+            mismatch.expected_sha256[:16], mismatch.returned_sha256[:16], mismatch.detail,
+            "refused" if action is FailureAction.REFUSE else "range withdrawn",
+        )  # fmt: skip
+        if action is FailureAction.REFUSE:
+            self.store.refuse_node(
+                peer_id,
+                f"refused: the output of this node failed {failures} integrity checks (the last: {outcome.check_id}, "
+                f"model {model_sha256[:12]} blocks [{begin}, {end}), step {mismatch.step}: {mismatch.output} differ)",
+            )
+            if peer_id in self.deadline_ms:
+                self._mark_dead([peer_id], f"node failed {failures} integrity checks")
+            else:
+                self._notify()
+        else:
+            self.withdrawn.add((peer_id, model_sha256))
+            self.canaries.prioritise(peer_id, None, now_s)  # whatever else it serves is checked next
+            self._recompute()
+        return action
+
+    def _withdrawn_reason(self, peer_id: str) -> swarm_pb2.WithdrawnPeer | None:
+        """Why owners should not trust what ``peer_id`` computed lately: it is refused, or it
+        failed a check (within ``integrity_memory_ms``) and passed none of that model since;
+        else None."""
+        refused = self.store.refused(peer_id)
+        recent = [
+            f for f in self.store.integrity_failures(peer_id, since_ms=self._now_ms() - self.config.integrity_memory_ms)
+            if f.at_ms >= self._last_pass_ms.get((peer_id, f.assignment.model_sha256), -1)
+        ]  # fmt: skip
+        if not refused and not recent:
+            return None
+        last = recent[-1] if recent else None
+        reason = refused or (
+            f"failed {last.check_id} (blocks [{last.assignment.begin}, {last.assignment.end}), step {last.step})"
+            if last is not None else "failed an integrity check"
+        )  # fmt: skip
+        return swarm_pb2.WithdrawnPeer(peer_id=peer_id, failed_at_ms=last.at_ms if last else 0, reason=reason)
+
+    def _integrity(self, request: swarm_pb2.IntegrityRequest) -> swarm_pb2.IntegrityReply:
+        if len(request.peer_ids) > _MAX_INTEGRITY_PEERS:
+            raise _Refusal(
+                Code.INVALID_ARGUMENT, f"{len(request.peer_ids)} peer ids asked about, at most {_MAX_INTEGRITY_PEERS}"
+            )
+        withdrawn = [w for w in map(self._withdrawn_reason, dict.fromkeys(request.peer_ids)) if w is not None]
+        return swarm_pb2.IntegrityReply(withdrawn=withdrawn)
+
+    def _report_mismatch(self, remote: str, report: swarm_pb2.ReportMismatchRequest) -> swarm_pb2.ReportMismatchReply:
+        """An owner's spot check disagreed: check the peers in which the two routes differ
+        next (a report withdraws nobody). Only admitted clients may report."""
+        signed = self.store.client_admission(remote)
+        if signed is None or swarm_pb2.AdmissionRecord.FromString(signed.record).expires_at_ms <= self._now_ms():
+            raise _Refusal(Code.REFUSED, "only an admitted session owner may report a mismatch")
+        if len(report.route) + len(report.shadow) > 2 * _MAX_INTEGRITY_PEERS:
+            raise _Refusal(Code.INVALID_ARGUMENT, "the routes of the report have too many hops")
+        if self.canaries is None:
+            return swarm_pb2.ReportMismatchReply()
+        route = {hop.peer_id for hop in report.route}
+        shadow = {hop.peer_id for hop in report.shadow}
+        suspects = sorted(route ^ shadow)
+        log.warning(
+            "owner %s: a spot check of model %s disagreed at step %d (route %s, shadow %s): checking %s",
+            remote, report.model_sha256[:12], report.step, report.route_sha256[:16], report.shadow_sha256[:16],
+            ", ".join(suspects) or "nobody (the routes do not differ)",
+        )  # fmt: skip
+        now_s = trio.current_time()
+        scheduled = sum(len(self.canaries.prioritise(peer, report.model_sha256 or None, now_s)) for peer in suspects)
+        if scheduled:
+            self._notify()
+        return swarm_pb2.ReportMismatchReply(checks_scheduled=scheduled)
 
     async def _model_metadata(self, request: swarm_pb2.ModelMetadataRequest) -> swarm_pb2.ModelMetadataReply:
         if not request.model:
@@ -638,7 +859,7 @@ class Tracker:
                 frozenset(
                     m
                     for m in set(n.fingerprint.model_sha256s) | (fetchable if n.fingerprint.fetches_models else set())
-                    if (n.peer_id, m) not in self.failed
+                    if (n.peer_id, m) not in self.failed and (n.peer_id, m) not in self.withdrawn
                 ),
             )
             for n in self.store.nodes()
@@ -655,6 +876,8 @@ class Tracker:
             del self.deadline_ms[peer]
             self.confirmed.discard(peer)
             self.store.clear_status(peer)
+            if self.canaries is not None:
+                self.canaries.forget_node(peer)
         self.store.mark_dead(dead)
         log.info("%s, marked dead: %s", why, ", ".join(dead))
         self._recompute()
@@ -688,6 +911,9 @@ class _Probe:
     error: str = ""
 
 
+#: the most peers one integrity request may ask about (a route has a few hops)
+_MAX_INTEGRITY_PEERS = 64
+
 # Any answer proves the peer's node handler runs: a NodeRequest with no body is answered with
 # INVALID_ARGUMENT at once by a live node (no admission needed to be refused).
 _PROBE = swarm_pb2.NodeRequest(schema_version=SCHEMA_VERSION).SerializeToString()
@@ -704,6 +930,8 @@ async def serve_tracker(
     key: Ed25519PrivateKey,
     *,
     clock: Callable[[], int] | None = None,
+    verifier: VerifierConfig | None = None,
+    open_persona: OpenPersona | None = None,
     task_status: trio.TaskStatus[Tracker] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the TRACKER protocol on ``transport`` until cancelled.
@@ -714,6 +942,9 @@ async def serve_tracker(
       config: tracker settings.
       key: the tracker's Ed25519 key (signs admissions; its public key goes to peers).
       clock: unix time in ms; default ``trio_unix_clock()`` (follows trio's clock).
+      verifier: with ``config.canary``: the verifier's workers and deadlines (default
+        ``VerifierConfig()``); it runs in this call's nursery (``serve_verifier``).
+      open_persona: how the verifier's fresh identities get a transport (default: libp2p).
       task_status: started with the ``Tracker`` (for tests and the CLI).
 
     Raises:
@@ -729,4 +960,10 @@ async def serve_tracker(
     async with trio.open_nursery() as nursery:
         if config.prepare_manifests_at_start:
             nursery.start_soon(tracker.prepare_manifests)
+        if config.canary is not None:
+            from agent.io.tracker.verifier import VerifierConfig, serve_verifier
+
+            await nursery.start(
+                functools.partial(serve_verifier, tracker, verifier or VerifierConfig(), open_persona=open_persona)
+            )
         await tracker.run_sweeper()

@@ -3,8 +3,9 @@
 Owns the tables and every query on them: nodes (key, signed fingerprint, admission, liveness,
 the ranges their last heartbeat reported), clients (admissions), seen registration / hello
 nonces, models (``ModelEntry`` and the file it was registered from), assignments and the
-status nodes report for them, the ``NodeEntry`` view of all that (``node_entries``), and the
-schema version of the file (an older version is migrated on open, see ``_MIGRATIONS``; a
+status nodes report for them, output integrity (checks failed with their evidence, checks
+passed, refusals: they outlive registrations), the ``NodeEntry`` view of all that
+(``node_entries``), and the schema version of the file (an older version is migrated on open, see ``_MIGRATIONS``; a
 newer one is refused). A tracker restart reopens the file and loses nothing; liveness is
 *not* trusted across a restart (the service confirms a node only once it heartbeats again,
 see ``service.py``).
@@ -37,7 +38,23 @@ from agent.io import sqlite_db
 
 __all__ = ["STORE_SCHEMA_VERSION", "AssignmentRow", "NodeRecord", "StoreError", "TrackerStore", "open_store"]
 
-STORE_SCHEMA_VERSION = 3
+STORE_SCHEMA_VERSION = 4
+
+# (version 4) output integrity: checks failed (the evidence) and passed, and refusals. Kept
+# apart from ``nodes``, whose row a registration replaces: these outlive registrations.
+_INTEGRITY_TABLES = """
+CREATE TABLE integrity_failures (
+    peer_id TEXT NOT NULL,
+    at_ms INTEGER NOT NULL,
+    failure BLOB NOT NULL                -- serialized IntegrityFailure
+);
+CREATE INDEX integrity_failures_by_peer ON integrity_failures (peer_id, at_ms);
+CREATE TABLE node_integrity (
+    peer_id TEXT PRIMARY KEY,
+    checks_passed INTEGER NOT NULL DEFAULT 0,
+    refused TEXT NOT NULL DEFAULT ''     -- why the tracker refuses the node ('' while admitted)
+);
+"""
 
 _SCHEMA = """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
@@ -90,7 +107,7 @@ CREATE TABLE assignments (
     updated_at_ms INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (model_sha256, begin_block, end_block, peer_id)
 );
-"""
+""" + _INTEGRITY_TABLES
 
 #: version -> statements that bring a file of that version to the next one
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -99,6 +116,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "ALTER TABLE nodes ADD COLUMN serving BLOB NOT NULL DEFAULT x''",
     ),
     2: ("ALTER TABLE models ADD COLUMN source_url TEXT NOT NULL DEFAULT ''",),
+    3: tuple(statement for statement in _INTEGRITY_TABLES.split(";") if statement.strip()),
 }
 
 
@@ -382,6 +400,47 @@ class TrackerStore(sqlite_db.SqliteStore):
             db.execute("UPDATE assignments SET state = 0, recipe_hash = '', error = '' WHERE peer_id = ?", (peer_id,))
             db.execute("UPDATE nodes SET serving = x'' WHERE peer_id = ?", (peer_id,))
 
+    # --- output integrity --------------------------------------------------------------------------
+
+    def add_integrity_failure(self, peer_id: str, failure: swarm_pb2.IntegrityFailure) -> int:
+        """Record a check ``peer_id`` failed (its evidence); returns how many it has failed."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO integrity_failures (peer_id, at_ms, failure) VALUES (?, ?, ?)",
+                (peer_id, failure.at_ms, failure.SerializeToString(deterministic=True)),
+            )
+        return len(self.integrity_failures(peer_id))
+
+    def integrity_failures(self, peer_id: str, since_ms: int = 0) -> list[swarm_pb2.IntegrityFailure]:
+        """The checks ``peer_id`` failed at or after ``since_ms``, oldest first."""
+        rows = self._db.execute(
+            "SELECT failure FROM integrity_failures WHERE peer_id = ? AND at_ms >= ? ORDER BY at_ms, rowid",
+            (peer_id, since_ms),
+        ).fetchall()
+        return [_parse(swarm_pb2.IntegrityFailure, row[0]) for row in rows]
+
+    def add_check_passed(self, peer_id: str) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO node_integrity (peer_id, checks_passed) VALUES (?, 1) "
+                "ON CONFLICT (peer_id) DO UPDATE SET checks_passed = checks_passed + 1",
+                (peer_id,),
+            )
+
+    def refuse_node(self, peer_id: str, reason: str) -> None:
+        """From now on the tracker refuses ``peer_id`` (``reason`` is what it is told)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO node_integrity (peer_id, refused) VALUES (?, ?) "
+                "ON CONFLICT (peer_id) DO UPDATE SET refused = excluded.refused",
+                (peer_id, reason),
+            )
+
+    def refused(self, peer_id: str) -> str:
+        """Why ``peer_id`` is refused ("" when it is not)."""
+        row = self._db.execute("SELECT refused FROM node_integrity WHERE peer_id = ?", (peer_id,)).fetchone()
+        return row[0] if row is not None else ""
+
     # --- views ----------------------------------------------------------------------------------------
 
     def node_entries(
@@ -394,6 +453,7 @@ class TrackerStore(sqlite_db.SqliteStore):
         for row in self.assignments():
             assigned.setdefault(row.assignment.peer_id, []).append(row.assignment)
         reported = dict(self._db.execute("SELECT peer_id, serving FROM nodes").fetchall())
+        integrity = {row[0]: row[1:] for row in self._db.execute("SELECT peer_id, checks_passed, refused FROM node_integrity")}
         entries = []
         for node in self.nodes():
             entry = _parse(swarm_pb2.NodeEntry, reported.get(node.peer_id) or b"")
@@ -407,6 +467,8 @@ class TrackerStore(sqlite_db.SqliteStore):
                 swarm_pb2.Assignment(model_sha256=a.model_sha256, begin=a.begin, end=a.end)
                 for a in assigned.get(node.peer_id, ())
             )
+            entry.integrity_failures.extend(self.integrity_failures(node.peer_id))
+            entry.checks_passed, entry.refused = integrity.get(node.peer_id, (0, ""))
             entries.append(entry)
         return entries
 

@@ -17,7 +17,13 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def _phase(name: str, tokens_per_s: float, **fields) -> dict:
-    base = {"name": name, "tokens": int(tokens_per_s * 10), "elapsed_s": 10.0, "tokens_per_s": tokens_per_s, "rows": 1000}
+    base = {
+        "name": name,
+        "tokens": int(tokens_per_s * 10),
+        "elapsed_s": 10.0,
+        "tokens_per_s": tokens_per_s,
+        "rows": 1000,
+    }
     base.update({"generations": 5, "shadow_rows": 0, "spot_sessions": 0, "spot_mismatches": 0, "canaries": 0})
     return {**base, "canary_failures": 0, **fields}
 

@@ -317,7 +317,7 @@ async def test_a_tracker_killed_mid_generation_loses_nothing(chaos: Chaos) -> No
         # a new generation while the tracker is down: the last route, the current admission
         fresh = await c.generate_tokens(ALIAS, chaos.prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=chaos.stop_tokens)
         assert fresh.tokens == chaos.reference
-        assert [h["node"] for h in fresh.route] == [h.peer_id for h in route.hops]
+        assert fresh.route == running.route  # the last route the tracker gave
 
         await swarm.start_tracker()  # same db, key and port
         assert [(m.sha256, m.alias, m.n_layer) for m in await c.list_models()] == models_before

@@ -121,7 +121,13 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import signal
+
     import trio
+
+    # Ctrl-C ends the demo even when it was started with SIGINT ignored (a job a
+    # non-interactive shell put in the background inherits that, and Python then keeps it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     from agent.demo.swarm_demo import serve_swarm_demo
 

@@ -473,26 +473,19 @@ def replay_step_request(
 ) -> swarm_pb2.StepRequest:
     """A rebuild ``StepRequest`` for ``hops[0]`` carrying kept rows (``chunk``) as they were
     first sent (``agent.core.kept_rows``)."""
-    hop = hops[0]
-    return swarm_pb2.StepRequest(
-        schema_version=SCHEMA_VERSION,
+    return boundary_step_request(
         session_id=session_id,
         step=resume_step,
-        begin=hop.begin,
-        end=hop.end,
+        hops=hops,
+        data=chunk.data,
         positions=range(chunk.first_position, chunk.first_position + chunk.n_rows),
-        boundary=chunk.data,
         dtype=chunk.dtype,
-        n_embd=n_embd,
+        schema=BoundarySchema.declared(chunk.schema_version, chunk.streams, n_embd),
         recipe_hash=recipe_hash,
-        rest=list(hops[1:]),
-        owner_peer_id=owner_peer_id,
-        owner_addrs=list(owner_addrs),
-        checksum=crc32(chunk.data),
-        sender_admission=sender_admission,
         model_sha256=model_sha256,
-        boundary_schema_version=chunk.schema_version,
-        boundary_streams=chunk.streams,
+        owner_peer_id=owner_peer_id,
+        owner_addrs=owner_addrs,
+        sender_admission=sender_admission,
         resume_step=resume_step,
     )
 

@@ -191,6 +191,9 @@ class Tracker:
         self._route_load: deque[tuple[float, tuple[str, ...]]] = deque()
         #: peer id -> trio time of its last heartbeat (handed-out routes count until then)
         self._heard_at: dict[str, float] = {}
+        #: peer id -> what its last heartbeat reported serving (live session counts for routes;
+        #: only peers heard from since this tracker started are routed, so memory suffices)
+        self._serving: dict[str, list[swarm_pb2.AssignmentStatus]] = {}
         self._changed = trio.Event()
         self.recomputes = 0
         #: model sha256 -> its GGUF's metadata prefix (read once, on the first request)
@@ -439,6 +442,7 @@ class Tracker:
 
         revived = node.alive is False or remote not in self.deadline_ms
         self._heard_at[remote] = trio.current_time()
+        self._serving[remote] = list(beat.serving)
         self.store.record_heartbeat(remote, now, list(beat.listen_addrs) if beat.listen_addrs else None, beat.serving)
         self.deadline_ms[remote] = now + self.config.heartbeat_timeout_ms
         newly_confirmed = remote not in self.confirmed
@@ -834,15 +838,14 @@ class Tracker:
 
     def _live_sessions(self) -> dict[tuple[str, str, int, int], tuple[int, int]]:
         """(peer, model, begin, end) -> (sequences in use, sequences) as each node last
-        reported them (kept in the store, so a restarted tracker starts from them)."""
-        live = {}
-        for entry in self.store.node_entries():
-            for status in entry.serving:
-                a = status.assignment
-                live[(entry.peer_id, a.model_sha256, a.begin, a.end)] = (
-                    status.sequences_in_use, status.sequences_total
-                )
-        return live
+        reported them in a heartbeat to this tracker."""
+        return {
+            (peer_id, s.assignment.model_sha256, s.assignment.begin, s.assignment.end): (
+                s.sequences_in_use, s.sequences_total
+            )
+            for peer_id, serving in self._serving.items()
+            for s in serving
+        }
 
     # --- liveness and assignment ----------------------------------------------------------------
 

@@ -683,9 +683,12 @@ async def test_unload_reload_failed_load_and_reregistration(qwen2_tiny_path: Pat
         assert a.registrations == 2
 
 
-async def test_idle_sessions_are_freed(qwen2_tiny_path: Path) -> None:
+async def test_idle_sessions_are_freed_on_the_nodes_clock(qwen2_tiny_path: Path, mock_clock: trio.testing.MockClock) -> None:
+    # The node's leases run on trio's clock: this MockClock runs at wall speed (the workers are
+    # real processes) and is jumped past the 60 s lease, so the test takes a second, not a minute.
+    mock_clock.rate = 1.0
     async with open_swarm(
-        qwen2_tiny_path, {"A": [(0, 6)]}, session_idle_timeout_s=0.2, session_sweep_interval_s=0.05
+        qwen2_tiny_path, {"A": [(0, 6)]}, session_idle_timeout_s=60.0, session_sweep_interval_s=1.0
     ) as swarm:
         a = swarm.nodes["A"]
         served = swarm.served("A", 0, 6)
@@ -694,11 +697,47 @@ async def test_idle_sessions_are_freed(qwen2_tiny_path: Path) -> None:
         assert (await swarm.owner.send(a.peer_id, seq.request(swarm, hops))).error.code == 0
         result = await swarm.owner.result(seq.session_id)
         assert result.error.code == 0 and result.n_vocab == served.info.n_vocab
+
+        async def sweep_after_jump(seconds: float) -> None:
+            sweeps = a.sweeps
+            mock_clock.jump(seconds)
+            with trio.fail_after(10):
+                while a.sweeps == sweeps:
+                    await trio.sleep(0.01)  # the sweep task wakes on the jumped clock
+
+        await sweep_after_jump(58.0)  # 58 s unused (+ under 1 s of real time): still leased
+        assert seq.session_id in served.sessions
+        assert (await served.client.health()).active_sequences == 1
+        await sweep_after_jump(3.0)  # past 60 s: freed, also on the worker
+        assert seq.session_id not in served.sessions
         with trio.fail_after(10):
             while (await served.client.health()).active_sequences:
-                await trio.sleep(0.05)  # waiting out the idle timeout itself
-        assert seq.session_id not in served.sessions
+                await trio.sleep(0.01)  # the serving task removes the sequence between Forwards
         assert served.sessions.free_count == MAX_SEQUENCES
+
+
+async def test_the_batch_window_runs_on_the_nodes_clock(qwen2_tiny_path: Path, mock_clock: trio.testing.MockClock) -> None:
+    # A one-hour batch window: the two steps wait for it together and share one Forward the
+    # moment the (mock) clock passes it; on the wall clock this would take an hour.
+    mock_clock.rate = 1.0
+    async with open_swarm(qwen2_tiny_path, {"A": [(0, 6)]}, batch_window_ms=3_600_000.0) as swarm:
+        a = swarm.nodes["A"]
+        served = swarm.served("A", 0, 6)
+        hops = swarm.hops(("A", 0, 6))
+        seqs = [Seq(os.urandom(16), [1, 2, 3], ref_seq_id=0), Seq(os.urandom(16), [4, 5, 6], ref_seq_id=1)]
+        for seq in seqs:
+            assert (await swarm.owner.send(a.peer_id, seq.request(swarm, hops))).error.code == 0
+        assert served.forward_calls == 0
+        for _ in range(100):  # (a bounded loop: a fail_after would expire on the jumps)
+            if served.in_forward or served.forward_calls:
+                break  # no more jumps: the Forward's own deadline runs on this clock too
+            mock_clock.jump(3600.0)  # again if the window began after the last jump
+            await trio.sleep(0.01)
+        assert served.in_forward or served.forward_calls, "the window never ended"
+        for seq in seqs:
+            with trio.fail_after(10):
+                assert (await swarm.owner.result(seq.session_id)).error.code == 0
+        assert served.forward_calls == 1 and served.largest_batch == 2
 
 
 async def test_refused_registration_raises_with_the_reason() -> None:

@@ -21,9 +21,17 @@ Owns the I/O of one node:
   the kept rows as rebuild steps to the replacement of the lost next hop, and a range that
   receives rebuild steps opens the session from them and answers the owner when rebuilt.
 
-Every decision is made in the pure core: ``agent.core.swarm_wire`` (codecs, validation),
-``agent.core.scheduler`` (which steps form a batch), ``agent.core.node_sessions`` (sequence
-ids, step order), ``agent.core.fingerprint`` and ``agent.core.admission``.
+The shell only awaits and sends; every decision is made in the pure core:
+``agent.core.node_ranges`` (the range lifecycle: directives, LOADING/READY/FAILED, what a
+stopped range owes), ``agent.core.node_link`` (registration and heartbeat replies,
+re-registration, retry backoff), ``agent.core.node_policy`` (sender and owner rules, the
+failure policy), ``agent.core.swarm_wire`` (codecs, validation), ``agent.core.scheduler``
+(which steps form a batch), ``agent.core.node_sessions`` (sequence ids, step order, leases),
+``agent.core.kept_rows``, ``agent.core.fingerprint`` and ``agent.core.admission``.
+
+Clocks: session leases, sweeps, batch windows and heartbeat intervals run on trio's clock
+(``trio.current_time``), so a test's ``MockClock`` drives them; admissions and fingerprints
+carry unix times (the tracker signs them) and are checked against the wall clock.
 
 Hot path: protobuf bytes -> ``np.frombuffer`` view -> worker client; worker output ->
 ``tobytes``; no per-element Python, one Forward per batch.
@@ -40,13 +48,42 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.admission import AdmissionError, AdmissionVerifier, public_key_bytes, verify_admission
+from agent.core.admission import AdmissionError, AdmissionVerifier, public_key_bytes
 from agent.core.batching import forward_key
 from agent.core.boundary import BoundaryError
 from agent.core.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
 from agent.core.identity import peer_id_from_public_key
 from agent.core.kept_rows import KeptStore, RowsNotKept
 from agent.core.manifest import ManifestError, verify_manifest
+from agent.core.node_link import (
+    RegistrationInvalid,
+    RegistrationRefused,
+    next_retry_delay_s,
+    read_heartbeat_reply,
+    read_registration_reply,
+)
+from agent.core.node_policy import (
+    StepFailure,
+    check_end_session_sender,
+    check_session_owner,
+    check_step_sender,
+    forward_failure,
+    push_answered_badly,
+    push_refused,
+    push_unreachable,
+    range_not_ready,
+)
+from agent.core.node_ranges import (
+    FailPending,
+    HeartbeatNow,
+    Ignored,
+    RangeBook,
+    RangeEntry,
+    RangeKey,
+    StartRange,
+    StopRange,
+    range_name,
+)
 from agent.core.node_sessions import NodeSession, SessionTable
 from agent.core.scheduler import StepScheduler
 from agent.core.swarm_wire import (
@@ -108,7 +145,6 @@ log = logging.getLogger(__name__)
 
 Code = swarm_pb2.Error.Code
 State = swarm_pb2.AssignmentStatus.State
-RangeKey = tuple[str, int, int]  # (model sha256, begin, end)
 
 #: Default heartbeat interval when the tracker names none.
 DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
@@ -234,15 +270,14 @@ class NodeRefused(NodeError):
 
 @dataclasses.dataclass(eq=False)
 class ServedRange:
-    """One assignment on this node and, once READY, its worker, sessions and queue.
+    """One range instance on this node (its lifecycle: ``entry``, kept by the node's
+    ``agent.core.node_ranges.RangeBook``) and, once READY, its worker, sessions and queue.
 
     Read-only for anyone but the node (tests observe ``state``, ``forward_calls``, ...).
     """
 
-    key: RangeKey
+    entry: RangeEntry
     model: LocalModel | None
-    state: int = State.LOADING
-    error: str = ""
     info: WorkerInfo | None = None
     handle: WorkerHandle | None = None
     spec: RangeSpec | None = None
@@ -262,19 +297,29 @@ class ServedRange:
     forward_done: trio.Event = dataclasses.field(default_factory=trio.Event)  # set (and renewed) after each Forward
 
     @property
+    def key(self) -> RangeKey:
+        return self.entry.key
+
+    @property
+    def state(self) -> int:
+        return self.entry.state
+
+    @property
+    def error(self) -> str:
+        return self.entry.error
+
+    @property
     def client(self) -> AsyncWorkerClient | None:
         return None if self.handle is None else self.handle.client
 
     def status(self) -> swarm_pb2.AssignmentStatus:
         state, error = self.state, self.error
-        if state == State.READY and self.handle is not None and self.handle.process.returncode is not None:
-            state, error = State.FAILED, f"worker exited with code {self.handle.process.returncode}"
         model_sha256, begin, end = self.key
         return swarm_pb2.AssignmentStatus(
             assignment=swarm_pb2.Assignment(model_sha256=model_sha256, begin=begin, end=end),
             state=state,
             error=error,
-            recipe_hash=self.info.recipe_hash if self.info is not None and state == State.READY else "",
+            recipe_hash=self.entry.recipe_hash if state == State.READY else "",
             sequences_in_use=0 if self.sessions is None else self.sessions.n_seq_max - self.sessions.free_count,
             sequences_total=0 if self.sessions is None else self.sessions.n_seq_max,
             fetched_bytes=0 if self.fetch_progress is None else self.fetch_progress.done_bytes,
@@ -300,21 +345,15 @@ class ServedRange:
         return ended
 
 
-def _now_ms() -> int:
+def _unix_ms() -> int:
+    """Wall-clock ms: admissions and fingerprints carry the tracker's and node's unix times.
+    Everything else of the node (session leases, sweeps, batch windows, heartbeat intervals)
+    runs on trio's clock, so a test's MockClock drives it."""
     return time.time_ns() // 1_000_000
 
 
-def _range_name(key: RangeKey) -> str:
-    return f"model {key[0][:12]} blocks [{key[1]}, {key[2]})"
-
-
-def _error_code(error: Exception) -> int:
-    """The swarm error code for a failed worker call (gRPC status names that exist in both)."""
-    name = getattr(error, "code_name", "")
-    try:
-        return Code.Value(name) if name in ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "INVALID_ARGUMENT") else Code.INTERNAL
-    except ValueError:
-        return Code.INTERNAL
+def _clock_ms() -> int:
+    return int(trio.current_time() * 1000)
 
 
 def _worker_top_k(step: StepInput, info: WorkerInfo) -> int:
@@ -353,8 +392,15 @@ class Node:
         self._sender_admissions = AdmissionVerifier(b"")  # replaced once the tracker key is known
         self.admission = swarm_pb2.SignedAdmission()
         self.heartbeat_interval_ms = config.heartbeat_interval_ms or DEFAULT_HEARTBEAT_INTERVAL_MS
-        self.ranges: dict[RangeKey, ServedRange] = {}
         self.models = {m.sha256: m for m in config.models}
+        #: the ranges' lifecycle (the decisions); ``_instances`` holds each instance's worker,
+        #: sessions and queue, by (range, epoch), until its task has ended
+        self.book = RangeBook(
+            self.models, fetches_models=config.models_dir is not None,
+            verify_local_models=config.verify_local_models, peer_id=self.peer_id,
+        )  # fmt: skip
+        self._instances: dict[tuple[RangeKey, int], ServedRange] = {}
+        self.sweeps = 0  # idle-session sweeps done (tests wait on it)
         self._fetch_locks: dict[str, trio.Lock] = {}  # one download at a time per model file
         self.registrations = 0
         self.heartbeats = 0
@@ -362,6 +408,16 @@ class Node:
         self._corrupter = OutputCorrupter(config.test_corrupt_outputs) if config.test_corrupt_outputs else None
         if self._corrupter is not None:
             log.warning("TEST ONLY: this node corrupts the outputs of steps it has not seen before")
+
+    @property
+    def ranges(self) -> dict[RangeKey, ServedRange]:
+        """The ranges this node holds now (loading, serving or failed), by range."""
+        held = {}
+        for entry in self.book:
+            served = self._instances.get((entry.key, entry.epoch))
+            if served is not None:
+                held[entry.key] = served
+        return held
 
     # --- tracker -----------------------------------------------------------------------
 
@@ -416,7 +472,7 @@ class Node:
             usable_memory_bytes=self.config.memory_bytes
             if self.config.memory_bytes is not None
             else probe.ram_available_bytes,
-            created_at_ms=_now_ms(),
+            created_at_ms=_unix_ms(),
             nonce=os.urandom(16),
             fetches_models=self.config.models_dir is not None,
         )
@@ -430,29 +486,18 @@ class Node:
             raise TrackerUnreachable(f"tracker {self.tracker_peer_id} unreachable: {err}") from err
         except WireError as err:
             raise NodeError(f"tracker answered a malformed reply: {err}") from err
-        if reply.error.code == Code.REFUSED:
-            raise NodeRefused(reply.error.message)
-        if reply.error.code:
-            raise NodeError(f"tracker refused registration: {WireError(reply.error.code, reply.error.message)}")
-        if reply.WhichOneof("body") != "register":
-            raise NodeError(f"tracker answered registration with {reply.WhichOneof('body')!r}")
-        registered = reply.register
-        tracker_key = bytes(registered.tracker_public_key)
         try:
-            key_peer_id = peer_id_from_public_key(tracker_key)
-        except ValueError as err:
-            raise NodeError(f"tracker public key: {err}") from None
-        if key_peer_id != self.tracker_peer_id:
-            raise NodeError(
-                f"the tracker's key belongs to {key_peer_id}, not to the tracker {self.tracker_peer_id} dialled"
-            )
-        try:
-            verify_admission(registered.admission, tracker_key, self.peer_id, _now_ms(), roles=[swarm_pb2.ROLE_NODE])
-        except AdmissionError as err:
-            raise NodeError(f"tracker issued an unusable admission: {err.reason}") from None
-        self.tracker_public_key = tracker_key
+            registered = read_registration_reply(
+                reply, tracker_peer_id=self.tracker_peer_id, peer_id=self.peer_id, now_ms=_unix_ms(),
+                own_heartbeat_interval=self.config.heartbeat_interval_ms is not None,
+            )  # fmt: skip
+        except RegistrationRefused as err:
+            raise NodeRefused(err.reason) from None
+        except RegistrationInvalid as err:
+            raise NodeError(str(err)) from None
+        self.tracker_public_key = registered.tracker_public_key
         self.admission = registered.admission
-        if self.config.heartbeat_interval_ms is None and registered.heartbeat_interval_ms:
+        if registered.heartbeat_interval_ms is not None:
             self.heartbeat_interval_ms = registered.heartbeat_interval_ms
         self.registrations += 1
         log.info("node %s admitted by tracker %s", self.peer_id, self.tracker_peer_id)
@@ -476,11 +521,12 @@ class Node:
             await self.keep_relay_reservation()
         except TransportError as err:
             log.debug("relay reservation before the heartbeat: %s", err)
+        self._notice_worker_exits(nursery)
         request = swarm_pb2.TrackerRequest(
             schema_version=SCHEMA_VERSION,
             heartbeat=swarm_pb2.HeartbeatRequest(
                 peer_id=self.peer_id,
-                sent_at_ms=_now_ms(),
+                sent_at_ms=_unix_ms(),
                 serving=[served.status() for served in self.ranges.values()],
                 listen_addrs=self.advertised_addrs(),
             ),
@@ -491,8 +537,12 @@ class Node:
             log.warning("heartbeat failed: %s", err)
             return
         self.heartbeats += 1
-        if reply.error.code == Code.NOT_FOUND:
-            log.warning("tracker does not know this node (%s): registering again", reply.error.message)
+        outcome = read_heartbeat_reply(
+            reply, tracker_public_key=self.tracker_public_key, peer_id=self.peer_id, now_ms=_unix_ms()
+        )
+        if outcome.warning:
+            log.warning("%s", outcome.warning)
+        if outcome.register_again:
             try:
                 await self.register(probe)
             except NodeRefused:
@@ -502,20 +552,9 @@ class Node:
                 return
             self.heartbeat_soon()
             return
-        if reply.error.code:
-            log.warning("heartbeat refused: %s", WireError(reply.error.code, reply.error.message))
-            return
-        beat = reply.heartbeat
-        if beat.HasField("admission") and beat.admission.record:
-            try:
-                verify_admission(
-                    beat.admission, self.tracker_public_key, self.peer_id, _now_ms(), roles=[swarm_pb2.ROLE_NODE]
-                )
-            except AdmissionError as err:
-                log.warning("ignoring a refreshed admission: %s", err.reason)
-            else:
-                self.admission = beat.admission
-        for directive in beat.directives:
+        if outcome.admission is not None:
+            self.admission = outcome.admission
+        for directive in outcome.directives:
             self._apply_directive(directive, nursery)
         try:
             await self.keep_relay_reservation()
@@ -528,62 +567,65 @@ class Node:
         a = directive.assignment
         key: RangeKey = (a.model_sha256, a.begin, a.end)
         kind = swarm_pb2.Directive.Kind.Name(directive.kind) if directive.kind in (1, 2) else str(directive.kind)
-        log.info("directive %s %s", kind, _range_name(key))
-        if directive.kind == swarm_pb2.Directive.LOAD:
-            current = self.ranges.get(key)
-            if current is not None and current.state != State.FAILED:
-                return  # already loading or serving it
-            if current is not None:
-                current.cancel_scope.cancel()
-            model = self.models.get(a.model_sha256)
-            served = ServedRange(key=key, model=model)
-            self.ranges[key] = served
-            if model is None and self.config.models_dir is None:
-                served.state, served.error = State.FAILED, f"model {a.model_sha256} is not on this node"
-            elif not 0 <= a.begin < a.end:
-                served.state, served.error = State.FAILED, f"bad range [{a.begin}, {a.end})"
-            else:
-                nursery.start_soon(self._run_range, served, nursery)
-            self.heartbeat_soon()
-        elif directive.kind == swarm_pb2.Directive.UNLOAD:
-            served = self.ranges.pop(key, None)
-            if served is not None:
-                served.cancel_scope.cancel()
-                self.heartbeat_soon()
-        else:
-            log.warning("ignoring directive of unknown kind %s", directive.kind)
+        log.info("directive %s %s", kind, range_name(key))
+        actions = self.book.directive(directive.kind, key)
+        entry = self.book.entry(key)
+        if entry is not None and (key, entry.epoch) not in self._instances:
+            self._instances[(key, entry.epoch)] = ServedRange(entry=entry, model=self.models.get(a.model_sha256))
+        self._perform(actions, nursery)
 
-    async def _run_range(self, served: ServedRange, nursery: trio.Nursery) -> None:
-        """Start the worker of ``served`` and serve its batches until cancelled (UNLOAD) or
-        until the worker dies; report FAILED with the reason when it cannot (start) serve."""
+    def _notice_worker_exits(self, nursery: trio.Nursery) -> None:
+        """A READY range whose worker died while idle (a Forward notices it at once)."""
+        for served in list(self._instances.values()):
+            if served.state == State.READY and served.handle is not None and (reason := self._exit_reason(served.handle)):
+                self._perform(self.book.worker_exited(served.key, served.entry.epoch, reason), nursery)
+
+    def _perform(self, actions: list, nursery: trio.Nursery) -> None:  # noqa: ANN001 (node_ranges.Action)
+        """Do what the range book decided."""
+        for action in actions:
+            if isinstance(action, StartRange):
+                served = self._instances[(action.key, action.epoch)]
+                nursery.start_soon(self._run_range, served, action, nursery)
+            elif isinstance(action, StopRange):
+                if (served := self._instances.get((action.key, action.epoch))) is not None:
+                    served.cancel_scope.cancel()
+            elif isinstance(action, FailPending):
+                if (served := self._instances.get((action.key, action.epoch))) is not None:
+                    leftover = served.in_forward + (served.scheduler.drain() if served.scheduler is not None else [])
+                    served.in_forward = []
+                    for _seq_id, step in leftover:
+                        nursery.start_soon(self._guarded, self._send_error, step, Code.UNAVAILABLE, action.message, self.peer_id)
+            elif isinstance(action, HeartbeatNow):
+                self.heartbeat_soon()
+            elif isinstance(action, Ignored):
+                log.warning("%s", action.warning)
+        for key, epoch in list(self._instances):  # instances the book no longer knows are gone
+            if self.book.instance(key, epoch) is None:
+                del self._instances[(key, epoch)]
+
+    async def _run_range(self, served: ServedRange, start: StartRange, nursery: trio.Nursery) -> None:
+        """Fetch or check the model of ``served``, start its worker and serve its batches until
+        cancelled (UNLOAD) or until the worker dies; the range book hears why it stopped."""
+        error = ""
         try:
             with served.cancel_scope:
-                if served.model is None:
+                if start.fetch:
                     served.model = await self._fetch_model(served)
-                elif self.config.verify_local_models:
+                    self._perform(self.book.fetched(start.key, start.epoch), nursery)
+                elif start.verify_local:
                     await self._verify_local_model(served)
-                failure = await self._load_and_serve(served, nursery)
-                served.state, served.error = State.FAILED, failure
-                log.warning("FAILED %s: %s", _range_name(served.key), failure)
+                error = await self._load_and_serve(served, nursery)
+                log.warning("FAILED %s: %s", range_name(served.key), error)
         except (FetchRefused, FetchError, ManifestError, ModelMismatch) as err:
-            served.state, served.error = State.FAILED, _first_line(err)
-            log.warning("FAILED %s: %s", _range_name(served.key), err)
+            error = _first_line(err)
+            log.warning("FAILED %s: %s", range_name(served.key), err)
         except (WorkerStartError, WorkerBinaryNotFound, WorkerError, OSError, ValueError) as err:
-            served.state, served.error = State.FAILED, _first_line(err)
-            log.warning("FAILED %s: %s", _range_name(served.key), err)
+            error = _first_line(err)
+            log.warning("FAILED %s: %s", range_name(served.key), err)
         finally:
             served.handle = None
-            leftover = served.in_forward + (served.scheduler.drain() if served.scheduler is not None else [])
-            served.in_forward = []
-            if served.state == State.READY:  # unloaded
-                served.state, served.error = State.FAILED, "unloaded"
-            for _seq_id, step in leftover:
-                nursery.start_soon(
-                    self._guarded, self._send_error, step, Code.UNAVAILABLE,
-                    f"{_range_name(served.key)} stopped on {self.peer_id}: {served.error}", self.peer_id,
-                )  # fmt: skip
+            self._perform(self.book.stopped(start.key, start.epoch, error), nursery)
             served.stopped.set()
-            self.heartbeat_soon()
 
     async def _manifest(self, model_sha256: str) -> tuple[swarm_pb2.ModelManifest, list[str]]:
         """The model's tracker-signed manifest (checked against the tracker's key) and its
@@ -620,7 +662,7 @@ class Node:
         try:
             manifest, _sources = await self._manifest(model.sha256)
         except (FetchError, ManifestError) as err:
-            log.info("%s: no manifest to check %s against (%s): hashing the whole file", _range_name(served.key), model.path, err)
+            log.info("%s: no manifest to check %s against (%s): hashing the whole file", range_name(served.key), model.path, err)
             digest = await trio.to_thread.run_sync(sha256_file, model.path)
             if digest != model.sha256:
                 raise ModelMismatch(
@@ -628,7 +670,7 @@ class Node:
                 ) from None
             return
         await trio.to_thread.run_sync(verify_local_range, model.path, manifest, begin, end)
-        log.info("%s: the tensors of %s match the tracker's manifest", _range_name(served.key), model.path)
+        log.info("%s: the tensors of %s match the tracker's manifest", range_name(served.key), model.path)
 
     async def _fetch_model(self, served: ServedRange) -> LocalModel:
         """Fetch the bytes ``served``'s range needs into ``config.models_dir`` (the manifest
@@ -654,18 +696,17 @@ class Node:
         async with self._fetch_locks.setdefault(model_sha256, trio.Lock()):
             for url in sources:
                 try:
-                    log.info("fetching %s from %s into %s", _range_name(served.key), url, dest)
+                    log.info("fetching %s from %s into %s", range_name(served.key), url, dest)
                     await fetch_range(manifest, [(begin, end)], url, dest, config=self.config.fetch, on_progress=progress)
                     break
                 except (FetchError, FetchRefused) as err:  # this source failed: try the next one
-                    log.warning("%s: %s", _range_name(served.key), err)
+                    log.warning("%s: %s", range_name(served.key), err)
                     errors.append(err)
             else:
                 refusals = [e for e in errors if isinstance(e, FetchRefused)]
                 if refusals:
                     raise refusals[0]  # names the tensor and the source
                 raise FetchError("; ".join(str(e) for e in errors))
-        self.heartbeat_soon()
         return LocalModel(path=str(dest), sha256=model_sha256)
 
     async def _load_and_serve(self, served: ServedRange, pushes: trio.Nursery) -> str:
@@ -705,9 +746,8 @@ class Node:
             )
             served.kept = KeptStore(cfg.kept_rows_max_bytes)
             served.scheduler = StepScheduler(info.n_batch_max, info.n_seq_max, row_budget=served.spec.n_batch_max)
-            served.state, served.error = State.READY, ""
-            log.info("READY %s (recipe %s)", _range_name(served.key), info.recipe_hash[:12])
-            self.heartbeat_soon()
+            self._perform(self.book.ready(served.key, served.entry.epoch, info.recipe_hash), pushes)
+            log.info("READY %s (recipe %s)", range_name(served.key), info.recipe_hash[:12])
             return await self._serve_batches(served, handle, pushes)
 
     # --- batches -----------------------------------------------------------------------
@@ -731,7 +771,7 @@ class Node:
                     if (reason := self._exit_reason(handle)) is not None:
                         return reason
                     if err.code_name != "INVALID_ARGUMENT":  # "unknown sequence": it holds nothing
-                        log.warning("%s: could not free sequence %d: %s", _range_name(served.key), seq_id, err)
+                        log.warning("%s: could not free sequence %d: %s", range_name(served.key), seq_id, err)
                         continue  # not reused: it may still hold positions
                 sessions.release(seq_id)
             batch = scheduler.next_batch()
@@ -756,15 +796,14 @@ class Node:
                     )
             except (WorkerError, BoundaryError, ValueError) as err:
                 served.in_forward = []
-                now = _now_ms()
+                now = _clock_ms()
                 self._forward_finished(served)
+                failure = forward_failure(getattr(err, "code_name", ""), str(err), self.peer_id)
                 for _seq_id, step in batch:
                     sessions.done(step.session_id, now)
-                    served.end_session(step.session_id)  # its positions on the worker are unknown now
-                    pushes.start_soon(
-                        self._guarded, self._send_error, step, _error_code(err), f"worker Forward failed: {err}",
-                        self.peer_id,
-                    )  # fmt: skip
+                    if failure.end_session:
+                        served.end_session(step.session_id)
+                    pushes.start_soon(self._guarded, self._fail, step, failure)
                 if (reason := self._exit_reason(handle)) is not None:
                     return reason
                 continue
@@ -772,7 +811,7 @@ class Node:
             served.forward_calls += 1
             served.entries_forwarded += len(batch)
             served.largest_batch = max(served.largest_batch, len(batch))
-            now = _now_ms()
+            now = _clock_ms()
             for (_seq_id, step), output in zip(batch, outputs, strict=True):
                 sessions.done(step.session_id, now)
                 if step.session_id not in sessions:
@@ -851,15 +890,13 @@ class Node:
             reply = await self._send_to_hop(hop, STEP_PROTOCOL, data, self.config.step_push_timeout_s)
             ack = parse_record(swarm_pb2.StepAck, reply)
         except TransportError as err:
-            await self._send_error(step, Code.UNAVAILABLE, f"next hop {hop.peer_id} unreachable: {err}", hop.peer_id)
+            await self._fail(step, push_unreachable(hop.peer_id, str(err)))
             return
         except WireError as err:
-            await self._send_error(step, Code.UNAVAILABLE, f"next hop {hop.peer_id} answered badly: {err}", hop.peer_id)
+            await self._fail(step, push_answered_badly(hop.peer_id, str(err)))
             return
         if ack.error.code:
-            await self._send_error(
-                step, ack.error.code, f"next hop {hop.peer_id} refused the step: {ack.error.message}", hop.peer_id
-            )
+            await self._fail(step, push_refused(hop.peer_id, ack.error.code, ack.error.message))
 
     async def _send_to_hop(self, hop: swarm_pb2.Hop, protocol: str, data: bytes, timeout_s: float) -> bytes:
         """``data`` on ``protocol`` to ``hop``: handled here when this node runs that hop too.
@@ -871,6 +908,9 @@ class Node:
             handler = self.handle_step if protocol == STEP_PROTOCOL else self.handle_node
             return await handler(self.peer_id, data)
         return await self.transport.request(hop.peer_id, list(hop.addrs), protocol, data, timeout_s=timeout_s)
+
+    async def _fail(self, step: StepInput, failure: StepFailure) -> None:
+        await self._send_error(step, failure.code, failure.message, failure.failed_peer_id)
 
     async def _send_error(self, step: StepInput, code: int, message: str, failed_peer_id: str) -> None:
         log.info("step %d of session %s failed at %s: %s", step.step, step.session_id.hex(), failed_peer_id, message)
@@ -910,13 +950,14 @@ class Node:
         timeout_ms = int(self.config.session_idle_timeout_s * 1000)
         while True:
             await trio.sleep(self.config.session_sweep_interval_s)
-            now = _now_ms()
+            now = _clock_ms()
             for served in list(self.ranges.values()):
                 if served.sessions is None or served.scheduler is None:
                     continue
                 for session_id in served.sessions.idle(now, timeout_ms):
-                    log.info("%s: session %s idle, freed", _range_name(served.key), session_id.hex())
+                    log.info("%s: session %s idle, freed", range_name(served.key), session_id.hex())
                     served.end_session(session_id)
+            self.sweeps += 1
 
     # --- handlers ----------------------------------------------------------------------
 
@@ -926,7 +967,7 @@ class Node:
         try:
             # the same admission arrives with every step: its signature is checked once
             return self._sender_admissions.verify(
-                signed, remote_peer_id, _now_ms(), roles=[swarm_pb2.ROLE_NODE, swarm_pb2.ROLE_CLIENT]
+                signed, remote_peer_id, _unix_ms(), roles=[swarm_pb2.ROLE_NODE, swarm_pb2.ROLE_CLIENT]
             )
         except AdmissionError as err:
             raise WireError(Code.REFUSED, f"sender admission: {err.reason}") from None
@@ -949,33 +990,19 @@ class Node:
     def _accept_step(self, remote_peer_id: str, data: bytes) -> None:
         request = parse_record(swarm_pb2.StepRequest, data)
         record = self._check_sender(request.sender_admission, remote_peer_id)
-        if record.role == swarm_pb2.ROLE_CLIENT:
-            if request.begin != 0:
-                raise WireError(
-                    Code.REFUSED,
-                    "a client may only send steps to the first hop (begin 0),"
-                    f" not to blocks [{request.begin}, {request.end})",
-                )
-            if request.owner_peer_id != remote_peer_id:
-                raise WireError(
-                    Code.REFUSED,
-                    f"a client may only send steps of its own sessions (owner is {request.owner_peer_id!r})",
-                )
+        check_step_sender(record.role, remote_peer_id, request.begin, request.end, request.owner_peer_id)
         key: RangeKey = (request.model_sha256, request.begin, request.end)
         served = self.ranges.get(key)
-        if served is None:
-            raise WireError(Code.NOT_FOUND, f"this node does not serve {_range_name(key)}")
-        if served.state != State.READY or served.spec is None or served.sessions is None or served.scheduler is None:
-            state = swarm_pb2.AssignmentStatus.State.Name(served.state)
-            raise WireError(Code.UNAVAILABLE, f"{_range_name(key)} is {state} on this node, not READY")
+        if served is None or served.state != State.READY or served.spec is None or served.sessions is None or served.scheduler is None:
+            raise range_not_ready(key, None if served is None else served.state)
         step = validate_step(request, served.spec)
         if step.rebuild:
             session = served.sessions.accept_rebuild(
-                step.session_id, step.resume_step, step.first_position, step.n_rows, step.owner_peer_id, _now_ms()
+                step.session_id, step.resume_step, step.first_position, step.n_rows, step.owner_peer_id, _clock_ms()
             )
         else:
             session = served.sessions.accept(
-                step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, _now_ms()
+                step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, _clock_ms()
             )
         served.scheduler.push((session.seq_id, step), session=session.seq_id, n_rows=step.n_rows, key=forward_key(step))
         served.wakeup.set()
@@ -1045,11 +1072,12 @@ class Node:
             raise WireError(
                 Code.INVALID_ARGUMENT, f"session_id has {len(session_id)} bytes, expected {SESSION_ID_BYTES}"
             )
-        if role == swarm_pb2.ROLE_CLIENT:
-            for served in self.ranges.values():
-                session = served.sessions.get(session_id) if served.sessions is not None else None
-                if session is not None and session.owner_peer_id != remote_peer_id:
-                    raise WireError(Code.REFUSED, f"session {session_id.hex()} belongs to {session.owner_peer_id}")
+        owners = [
+            session.owner_peer_id
+            for served in self.ranges.values()
+            if served.sessions is not None and (session := served.sessions.get(session_id)) is not None
+        ]
+        check_end_session_sender(role, remote_peer_id, session_id, owners)
         for i, hop in enumerate(body.rest):
             if not hop.peer_id:
                 raise WireError(Code.INVALID_ARGUMENT, f"rest[{i}] names no peer")
@@ -1079,7 +1107,7 @@ class Node:
     def _touch(self, body: swarm_pb2.TouchRequest, remote_peer_id: str) -> bytes:
         """Renew the owner's lease of its session in every range here that holds it."""
         session_id = bytes(body.session_id)
-        now = _now_ms()
+        now = _clock_ms()
         held = [s.sessions.touch(session_id, remote_peer_id, now) for s in self.ranges.values() if s.sessions is not None]
         if not any(held):
             raise WireError(Code.NOT_FOUND, f"no session {session_id.hex()} of {remote_peer_id} here")
@@ -1095,18 +1123,14 @@ class Node:
         key: RangeKey = (model_sha256, begin, end)
         served = self.ranges.get(key)
         if served is None or served.state != State.READY or served.sessions is None or served.client is None:
-            raise WireError(Code.NOT_FOUND, f"this node does not serve {_range_name(key)} READY")
+            raise WireError(Code.NOT_FOUND, f"this node does not serve {range_name(key)} READY")
         return served
 
     @staticmethod
     def _owner_only(served: ServedRange, session_id: bytes, remote_peer_id: str, role: int) -> None:
-        """A resume or replay of a session comes from its owner (a client)."""
         assert served.sessions is not None
         session = served.sessions.get(session_id)
-        if session is None:
-            raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()} in {_range_name(served.key)}")
-        if role != swarm_pb2.ROLE_CLIENT or session.owner_peer_id != remote_peer_id:
-            raise WireError(Code.REFUSED, f"session {session_id.hex()} belongs to {session.owner_peer_id}")
+        check_session_owner(role, remote_peer_id, session_id, None if session is None else session.owner_peer_id, served.key)
 
     async def _resume_session(self, body: swarm_pb2.ResumeSessionRequest, remote_peer_id: str, role: int) -> bytes:
         """Keep positions ``[0, keep_positions)`` of the session in range ``[begin, end)``; its
@@ -1119,7 +1143,7 @@ class Node:
             while (session := served.sessions.get(session_id)) is not None and session.pending:
                 await served.forward_done.wait()  # the step of this session in a Forward finishes
         session, trim = served.sessions.resume(
-            session_id, body.keep_positions, body.next_step, remote_peer_id, _now_ms()
+            session_id, body.keep_positions, body.next_step, remote_peer_id, _clock_ms()
         )
         if trim:
             try:
@@ -1128,17 +1152,17 @@ class Node:
                 )
             except WorkerError as err:
                 served.end_session(session_id)  # its positions on the worker are unknown now
-                raise WireError(Code.UNAVAILABLE, f"{_range_name(served.key)}: could not trim: {err}") from None
+                raise WireError(Code.UNAVAILABLE, f"{range_name(served.key)}: could not trim: {err}") from None
             if held != body.keep_positions:
                 served.end_session(session_id)
                 raise WireError(
-                    Code.INTERNAL, f"{_range_name(served.key)}: trimmed to {held} positions, not {body.keep_positions}"
+                    Code.INTERNAL, f"{range_name(served.key)}: trimmed to {held} positions, not {body.keep_positions}"
                 )
         if served.kept is not None:
             served.kept.trim(session_id, body.keep_positions)
         log.info(
             "%s: session %s resumed at %d positions, next step %d",
-            _range_name(served.key), session_id.hex(), body.keep_positions, body.next_step,
+            range_name(served.key), session_id.hex(), body.keep_positions, body.next_step,
         )  # fmt: skip
         return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
 
@@ -1159,7 +1183,7 @@ class Node:
                 session_id, body.positions, body.max_rows or served.spec.n_batch_max, self.config.replay_merge_rows
             )
         except (RowsNotKept, ValueError) as err:
-            raise WireError(Code.UNAVAILABLE, f"{_range_name(served.key)}: {err}") from None
+            raise WireError(Code.UNAVAILABLE, f"{range_name(served.key)}: {err}") from None
         first = body.to[0]
         for chunk in chunks:
             request = replay_step_request(
@@ -1177,7 +1201,7 @@ class Node:
                 raise WireError(ack.error.code, f"replacement hop {first.peer_id} refused a rebuild step: {ack.error.message}")
         log.info(
             "%s: replayed %d positions of session %s to %s in %d steps",
-            _range_name(served.key), body.positions, session_id.hex(), first.peer_id, len(chunks),
+            range_name(served.key), body.positions, session_id.hex(), first.peer_id, len(chunks),
         )  # fmt: skip
         return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
 
@@ -1208,7 +1232,7 @@ async def _first_registration(node: Node, probe: HostProbe, config: NodeConfig) 
                 raise
             log.warning("%s; trying again in %.1f s", err, delay_s)
         await trio.sleep(delay_s)
-        delay_s = min(delay_s * 2, config.start_retry_max_s)
+        delay_s = next_retry_delay_s(delay_s, config.start_retry_max_s)
 
 
 async def serve_node(

@@ -6,7 +6,9 @@ UNLOAD directives, admission refresh), routes, the model list, model metadata (a
 bytes before its tensor data, read from the registered file once and kept in memory), the
 node list; and when assignments are recomputed (a node registers, dies, or comes back).
 Decisions are the pure core's (``agent.core.admission``, ``assignment``, ``routing``,
-``canary``); state is the SQLite store's.
+``canary``, ``liveness`` (alive, pending, dead, when to sweep) and ``heartbeat`` (a report
+checked, newly failed models, the LOAD/UNLOAD diff, admission refresh)); state is the SQLite
+store's.
 
 Output integrity (docs/INTEGRITY.md): with ``TrackerConfig.canary`` the tracker runs its
 verifier (``agent.io.tracker.verifier``) and keeps the ``CanarySchedule`` it follows, synced
@@ -46,7 +48,6 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import math
 import os
 import time
 from collections import deque
@@ -61,7 +62,9 @@ from agent._proto import swarm_pb2
 from agent.core import admission
 from agent.core.assignment import Assignment, ModelSpec, NodeCapacity, assign
 from agent.core.canary import CanaryPolicy, CanarySchedule, FailureAction, RangeKey, after_failure
+from agent.core.heartbeat import admission_due, diff_assignment, read_report
 from agent.core.identity import peer_id_from_public_key
+from agent.core.liveness import Liveness
 from agent.core.routing import NoRoute, ReadyRange, plan_route
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
@@ -166,10 +169,8 @@ class Tracker:
         self.public_key = admission.public_key_bytes(key)
         self.peer_id = peer_id_from_public_key(self.public_key)
         self._now_ms = clock
-        #: peer id -> unix ms by which the next heartbeat must arrive (alive or pending nodes)
-        self.deadline_ms: dict[str, int] = {}
-        #: peers heard from since this tracker started (only these are routed through)
-        self.confirmed: set[str] = set()
+        #: which nodes are alive, pending (alive before a restart, not heard since) or dead
+        self.liveness = Liveness(config.heartbeat_timeout_ms)
         #: (peer id, model sha256) a node reported FAILED to load: not assigned to it again
         #: until it registers anew (in memory: a tracker restart gives it another chance)
         self.failed: set[tuple[str, str]] = set()
@@ -206,18 +207,16 @@ class Tracker:
         self.model_base_url = ""
         now = clock()
         self._pruned_at_ms = now - config.registration_max_age_ms  # prune at the first sweep
-        for node in store.nodes():
-            if node.alive:
-                self.deadline_ms[node.peer_id] = now + config.heartbeat_timeout_ms
+        self.liveness.restore((node.peer_id for node in store.nodes() if node.alive), now)
 
     @property
     def pending(self) -> set[str]:
         """Nodes alive before a restart that have not heartbeat since."""
-        return set(self.deadline_ms) - self.confirmed
+        return self.liveness.pending
 
     @property
     def alive(self) -> set[str]:
-        return set(self.deadline_ms) & self.confirmed
+        return self.liveness.alive
 
     def _notify(self) -> None:
         self._changed.set()
@@ -240,7 +239,7 @@ class Tracker:
         the relay's stream handler); asked on every reservation and refresh, and for the
         destination of every circuit."""
         try:
-            if peer_id not in self.deadline_ms:
+            if peer_id not in self.liveness:
                 return False
             node = self.store.node(peer_id)
             return node is not None and self._now_ms() < node.expires_at_ms
@@ -384,8 +383,7 @@ class Tracker:
         if self.canaries is not None:
             self.canaries.forget_node(remote)
         self.load_failures.pop(remote, None)
-        self.deadline_ms[remote] = now + self.config.heartbeat_timeout_ms
-        self.confirmed.add(remote)
+        self.liveness.heard(remote, now)
         log.info("admitted node %s", remote)
         self._recompute()
         return swarm_pb2.RegisterReply(
@@ -426,34 +424,18 @@ class Tracker:
         now = self._now_ms()
         if now >= node.expires_at_ms:
             raise _Refusal(Code.NOT_FOUND, "unknown node: register first (its admission expired)")
-        reported: dict[Assignment, swarm_pb2.AssignmentStatus] = {}
-        for i, status in enumerate(beat.serving):
-            a = status.assignment
-            if not a.model_sha256 or a.end <= a.begin:
-                raise _Refusal(
-                    Code.INVALID_ARGUMENT,
-                    f"serving[{i}]: assignment {a.model_sha256!r} [{a.begin}, {a.end}) is not a model range",
-                )
-            if status.state not in (State.LOADING, State.READY, State.FAILED):
-                raise _Refusal(
-                    Code.INVALID_ARGUMENT, f"serving[{i}]: state {status.state} is not LOADING, READY or FAILED"
-                )
-            reported[Assignment(a.model_sha256, a.begin, a.end, remote)] = status
-
-        revived = node.alive is False or remote not in self.deadline_ms
+        try:
+            reading = read_report(remote, beat.serving, [m for p, m in self.failed if p == remote])
+        except WireError as err:
+            raise _Refusal(err.code, err.message) from None
+        heard = self.liveness.heard(remote, now, stored_alive=node.alive)
         self._heard_at[remote] = trio.current_time()
         self._serving[remote] = list(beat.serving)
         self.store.record_heartbeat(remote, now, list(beat.listen_addrs) if beat.listen_addrs else None, beat.serving)
-        self.deadline_ms[remote] = now + self.config.heartbeat_timeout_ms
-        newly_confirmed = remote not in self.confirmed
-        self.confirmed.add(remote)
-        for assigned, status in reported.items():
+        for assigned, status in reading.reported.items():
             self.store.set_status(assigned, status.state, status.recipe_hash, status.error, now)
-        newly_failed = {
-            (remote, a.model_sha256) for a, status in reported.items() if status.state == State.FAILED
-        } - self.failed
-        for assigned, status in sorted(reported.items()):
-            if (remote, assigned.model_sha256) in newly_failed:
+        for assigned, status in sorted(reading.reported.items()):
+            if status.state == State.FAILED and assigned.model_sha256 in reading.newly_failed:
                 log.warning(
                     "node %s failed to load model %s blocks [%d, %d): %s; not assigning it there again",
                     remote, assigned.model_sha256, assigned.begin, assigned.end, status.error,
@@ -461,35 +443,27 @@ class Tracker:
                 failure = swarm_pb2.AssignmentStatus()
                 failure.CopyFrom(status)
                 self.load_failures.setdefault(remote, []).append(failure)
-        self.failed |= newly_failed
-        if revived:
+        self.failed |= {(remote, m) for m in reading.newly_failed}
+        if heard.revived:
             log.info("node %s is back", remote)
-        if revived or newly_failed:
+        if heard.revived or reading.newly_failed:
             self._recompute()
-        rows = [row for row in self.store.assignments() if row.assignment.peer_id == remote]
-        for row in rows:  # assigned but not reported: not loaded (e.g. the node restarted)
-            if row.assignment not in reported and (row.state or row.recipe_hash):
-                self.store.set_status(row.assignment, State.STATE_UNSPECIFIED, "", "", now)
-
-        should = {row.assignment for row in rows}
-        if self.canaries is not None:
-            ready = [
-                (a.model_sha256, a.begin, a.end)
-                for a, status in reported.items()
-                if a in should and status.state == State.READY and status.recipe_hash
-            ]
-            if self.canaries.sync_node(remote, ready, trio.current_time()):
-                self._notify()  # the verifier checks them now
+        rows = [row for row in self.store.assignments() if row.assignment.peer_id == remote]  # after a recompute
+        diff = diff_assignment(reading.reported, [(row.assignment, bool(row.state or row.recipe_hash)) for row in rows])
+        for assigned in diff.unreported:  # not loaded (e.g. the node restarted)
+            self.store.set_status(assigned, State.STATE_UNSPECIFIED, "", "", now)
+        if self.canaries is not None and self.canaries.sync_node(remote, list(diff.ready), trio.current_time()):
+            self._notify()  # the verifier checks them now
         reply = swarm_pb2.HeartbeatReply()
-        for a in sorted(should - set(reported)):
+        for a in diff.load:
             reply.directives.add(kind=swarm_pb2.Directive.LOAD, assignment=_wire_assignment(a))
-        for a in sorted(set(reported) - should):
+        for a in diff.unload:
             reply.directives.add(kind=swarm_pb2.Directive.UNLOAD, assignment=_wire_assignment(a))
-        if node.expires_at_ms - now < self.config.admission_ttl_ms // 2:
+        if admission_due(node.expires_at_ms, now, self.config.admission_ttl_ms):
             fresh = self._issue(remote, swarm_pb2.ROLE_NODE, now, admission.fingerprint_sha256(node.signed_fingerprint))
             self.store.update_admission(remote, fresh, now + self.config.admission_ttl_ms)
             reply.admission.CopyFrom(fresh)
-        if newly_confirmed or reported:
+        if heard.newly_confirmed or reading.reported:
             self._notify()
         return reply
 
@@ -561,7 +535,7 @@ class Tracker:
         peer = report.peer_id
         if not peer:
             raise _Refusal(Code.INVALID_ARGUMENT, "ReportLostPeerRequest.peer_id is empty")
-        if peer not in self.deadline_ms:
+        if peer not in self.liveness:
             return swarm_pb2.ReportLostPeerReply(confirmed=peer in self._known_dead(), detail="not a live node")
         probe = self._probes.get(peer)
         if probe is None:
@@ -578,7 +552,7 @@ class Tracker:
             finally:
                 del self._probes[peer]
                 probe.done.set()
-            if not probe.answered and peer in self.deadline_ms:
+            if not probe.answered and peer in self.liveness:
                 self._mark_dead([peer], f"{remote_peer_id} lost it ({report.reason[:200]}) and it does not answer a probe")
         else:
             await probe.done.wait()
@@ -690,7 +664,7 @@ class Tracker:
                 f"refused: the output of this node failed {failures} integrity checks (the last: {outcome.check_id}, "
                 f"model {model_sha256[:12]} blocks [{begin}, {end}), step {mismatch.step}: {mismatch.output} differ)",
             )
-            if peer_id in self.deadline_ms:
+            if peer_id in self.liveness:
                 self._mark_dead([peer_id], f"node failed {failures} integrity checks")
             else:
                 self._notify()
@@ -852,7 +826,7 @@ class Tracker:
     def _recompute(self) -> None:
         """Recompute the assignment set from the models and the alive + pending nodes."""
         models = [ModelSpec(m.sha256, m.n_layer, m.bytes_per_block) for m in self.store.models() if m.n_layer > 0]
-        live = set(self.deadline_ms)
+        live = self.liveness.live
         fetchable = {m.sha256 for m in self.models() if m.has_source}
         nodes = [
             NodeCapacity(
@@ -876,8 +850,7 @@ class Tracker:
 
     def _mark_dead(self, dead: list[str], why: str) -> None:
         for peer in dead:
-            del self.deadline_ms[peer]
-            self.confirmed.discard(peer)
+            self.liveness.forget(peer)
             self.store.clear_status(peer)
             if self.canaries is not None:
                 self.canaries.forget_node(peer)
@@ -889,15 +862,13 @@ class Tracker:
         """Mark nodes past their deadline dead (recomputing if any) and prune old nonces.
         Returns the ms until the next deadline (inf when none)."""
         now = self._now_ms()
-        dead = sorted(peer for peer, deadline in self.deadline_ms.items() if now >= deadline)
+        dead = self.liveness.sweep(now)
         if dead:
             self._mark_dead(dead, "nodes missed heartbeats")
         if now - self._pruned_at_ms >= self.config.registration_max_age_ms:
             self.store.prune_nonces(now - self.config.nonce_retention_ms)
             self._pruned_at_ms = now
-        if not self.deadline_ms:
-            return math.inf
-        return max(0, min(self.deadline_ms.values()) - now)
+        return self.liveness.next_sweep_in_ms(now)
 
     async def run_sweeper(self) -> None:
         while True:

@@ -1,0 +1,116 @@
+"""A node's rules about who may send what, and what a failure makes of a step.
+
+Owns, for ``agent.io.node.agent``:
+- the sender rules of ``/baton/step``: a client (ROLE_CLIENT admission) may send only steps of
+  its own sessions (owner = the sender), and only to a route's first hop (begin 0; the later
+  hops take boundary rows from admitted nodes); nodes forward steps of any owner;
+- the owner rules of ``/baton/node``: a client may end only sessions it owns (nodes forward
+  ends along a route); only the owner, as a client, may resume or replay its session;
+- the failure policy: who a failed step names as the failed peer and with which code. A worker
+  Forward that fails names this node and ends the batch's sessions here (their positions on
+  the worker are unknown now: a later step could not continue them correctly); a push the next
+  hop did not take names the next hop (unreachable or a bad answer: UNAVAILABLE; a refusal:
+  the code it refused with, so "busy" stays RESOURCE_EXHAUSTED and is not a dead hop).
+
+Pure: no I/O, no clock. Must not import trio, grpc, libp2p or agent.io.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from agent._proto import swarm_pb2
+
+from .node_ranges import RangeKey, range_name
+from .swarm_wire import WireError
+
+__all__ = [
+    "StepFailure",
+    "check_end_session_sender",
+    "check_session_owner",
+    "check_step_sender",
+    "forward_failure",
+    "push_answered_badly",
+    "push_refused",
+    "push_unreachable",
+    "range_not_ready",
+    "worker_error_code",
+]
+
+Code = swarm_pb2.Error.Code
+State = swarm_pb2.AssignmentStatus.State
+
+#: worker (gRPC) status names passed on as the swarm code of the same name; others are INTERNAL
+_PASSED_ON_CODES = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "INVALID_ARGUMENT")
+
+
+def check_step_sender(role: int, remote_peer_id: str, begin: int, end: int, owner_peer_id: str) -> None:
+    """Raises WireError(REFUSED) when the sender may not send this step."""
+    if role != swarm_pb2.ROLE_CLIENT:
+        return
+    if begin != 0:
+        raise WireError(
+            Code.REFUSED, f"a client may only send steps to the first hop (begin 0), not to blocks [{begin}, {end})"
+        )
+    if owner_peer_id != remote_peer_id:
+        raise WireError(Code.REFUSED, f"a client may only send steps of its own sessions (owner is {owner_peer_id!r})")
+
+
+def check_end_session_sender(role: int, remote_peer_id: str, session_id: bytes, owners: list[str]) -> None:
+    """``owners``: the owner of the session in each range here that holds it. Raises
+    WireError(REFUSED) when a client ends a session it does not own."""
+    if role != swarm_pb2.ROLE_CLIENT:
+        return
+    for owner in owners:
+        if owner != remote_peer_id:
+            raise WireError(Code.REFUSED, f"session {session_id.hex()} belongs to {owner}")
+
+
+def check_session_owner(role: int, remote_peer_id: str, session_id: bytes, owner_peer_id: str | None, key: RangeKey) -> None:
+    """A resume or replay of a session comes from its owner, as a client. Raises WireError:
+    NOT_FOUND (``owner_peer_id`` None: the range does not hold it) or REFUSED."""
+    if owner_peer_id is None:
+        raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()} in {range_name(key)}")
+    if role != swarm_pb2.ROLE_CLIENT or owner_peer_id != remote_peer_id:
+        raise WireError(Code.REFUSED, f"session {session_id.hex()} belongs to {owner_peer_id}")
+
+
+def range_not_ready(key: RangeKey, state: int | None) -> WireError:
+    """The error for a step to a range this node does not serve READY (``state`` None: not
+    held at all)."""
+    if state is None:
+        return WireError(Code.NOT_FOUND, f"this node does not serve {range_name(key)}")
+    return WireError(Code.UNAVAILABLE, f"{range_name(key)} is {State.Name(state)} on this node, not READY")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFailure:
+    """What the owner is told about a step that failed after its ack, and whether the
+    session ends on this range."""
+
+    code: int
+    message: str
+    failed_peer_id: str
+    end_session: bool = False
+
+
+def worker_error_code(code_name: str) -> int:
+    """The swarm error code for a failed worker call (gRPC status names that exist in both)."""
+    return Code.Value(code_name) if code_name in _PASSED_ON_CODES else Code.INTERNAL
+
+
+def forward_failure(code_name: str, detail: str, peer_id: str) -> StepFailure:
+    """A worker Forward failed (``code_name``: the worker's status name, "" when unknown)."""
+    return StepFailure(worker_error_code(code_name), f"worker Forward failed: {detail}", peer_id, end_session=True)
+
+
+def push_unreachable(hop_peer_id: str, detail: str) -> StepFailure:
+    return StepFailure(Code.UNAVAILABLE, f"next hop {hop_peer_id} unreachable: {detail}", hop_peer_id)
+
+
+def push_answered_badly(hop_peer_id: str, detail: str) -> StepFailure:
+    return StepFailure(Code.UNAVAILABLE, f"next hop {hop_peer_id} answered badly: {detail}", hop_peer_id)
+
+
+def push_refused(hop_peer_id: str, code: int, message: str) -> StepFailure:
+    return StepFailure(code, f"next hop {hop_peer_id} refused the step: {message}", hop_peer_id)

@@ -8,7 +8,11 @@ Owns one command that measures:
    session its own owner with a prompt of ``--prompt`` tokens and ``--tokens`` greedy tokens
    (aggregate = tokens generated after each session's first token / the time from the first of
    those to the last); next to ``llama-batched-bench -npp P -ntg G -npl 1,2,4,8`` unsplit on the
-   same cores (its S_TG t/s: the same quantity with every sequence stepping in lock-step);
+   same cores (its S_TG t/s: the same quantity with every sequence stepping in lock-step).
+   Twice, on a fresh swarm each: with the nodes' decode groups auto (the default: the first
+   hop splits the sessions into hops + 1 groups, so that they are at different hops at once;
+   agent.core.scheduler) and off (``--decode-groups 0``: every waiting decode step in the next
+   Forward, so sessions that start together travel the route as one convoy), side by side;
 2. the inter-token gap of a decoding session while another session's long prompt
    (``--long-prompt`` tokens, in the owner's chunks of ``--chunk`` rows) is prefilled: p50 and
    p99 of the gaps that fall in that prefill, next to the same session's gaps with nothing
@@ -16,18 +20,21 @@ Owns one command that measures:
    gap grows with the chunk's compute time.
 
 Targets (issue 12): 8 sessions >= 0.8x llama-batched-bench at 8, aggregate rising with every
-doubling, p99 gap <= 2x p50 during the prefill. The output says which are met and by how much.
+doubling (both for the default mode, groups auto), p99 gap <= 2x p50 during the prefill (auto).
+The output says which are met and by how much, and the auto / off ratio at each count.
 
 Writes ``batching.json`` and ``batching.md`` under ``--out`` (default bench/results) with the
 machine described as ``bench/compare.py`` describes it. Run it alone on the machine.
 
 Usage: ``.venv/bin/python bench/batching.py [--prompt 64] [--tokens 48] [--out bench/results]``
-(5-10 minutes on 2 cores once ``llama-batched-bench`` is built; building it takes a few more).
+(5-10 minutes on 2 cores, and part 1 again on the second swarm, once ``llama-batched-bench`` is built;
+building it takes a few more).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -51,6 +58,8 @@ NODES = 3
 SEQUENCES = 8
 TARGET_RATIO_AT_8 = 0.8
 TARGET_GAP_RATIO = 2.0
+#: the nodes' ``--decode-groups`` of each mode measured (None: the flag absent, auto)
+DECODE_GROUPS = {"auto": None, "off": 0}
 
 
 def log(message: str) -> None:
@@ -176,15 +185,18 @@ def _percentiles(values: list[float]) -> dict:
     return {"n": len(values), "p50_s": statistics.median(ordered), "p99_s": p99, "max_s": ordered[-1]}
 
 
-async def run_baton(args: argparse.Namespace) -> dict:
+async def run_baton(args: argparse.Namespace, decode_groups: int | None, *, gaps: bool = True) -> dict:
+    """Part 1 (and part 2 when ``gaps``) on a fresh swarm whose nodes run with
+    ``--decode-groups decode_groups`` (None: without the flag)."""
     from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
     from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
     from agent.io.client import open_swarm_client
     from agent.models import model_path
 
+    groups_args = () if decode_groups is None else ("--decode-groups", str(decode_groups))
     config = LocalSwarmConfig(
         model_path=model_path(ALIAS), model_alias=ALIAS, threads=args.threads,
-        node_args=("--max-sequences", str(SEQUENCES)),
+        node_args=("--max-sequences", str(SEQUENCES), *groups_args),
     )  # fmt: skip
     async with open_local_swarm(config) as swarm:
         await swarm.start_tracker()
@@ -198,20 +210,30 @@ async def run_baton(args: argparse.Namespace) -> dict:
         addr = swarm.tracker_addr
         await _concurrent(addr, prompt, 8, 1)  # warm-up
         rows = {}
+        mode = "auto" if decode_groups is None else f"decode groups {decode_groups}"
         for n in PARALLEL:
             rows[n] = await _concurrent(addr, prompt, args.tokens, n)
-            log(f"baton {n} sessions: {rows[n]['tokens_per_s']:.1f} decode tokens/s")
-        gaps = await _gaps_during_prefill(addr, prompt, long_prompt, args.gap_tokens, args.chunk)
-        log(f"gaps: {gaps}")
-    return {"parallel": rows, "gaps": gaps}
+            log(f"baton ({mode}) {n} sessions: {rows[n]['tokens_per_s']:.1f} decode tokens/s")
+        result: dict = {"parallel": rows}
+        if gaps:
+            result["gaps"] = await _gaps_during_prefill(addr, prompt, long_prompt, args.gap_tokens, args.chunk)
+            log(f"gaps: {result['gaps']}")
+    return result
 
 
-def summarize(baton: dict, llama: dict[int, dict]) -> dict:
+def summarize(baton: dict, llama: dict[int, dict], baton_off: dict) -> dict:
+    """``baton``: the default mode (decode groups auto), whose numbers the targets are checked
+    on; ``baton_off``: decode groups off, next to it."""
     rows = []
     for n in PARALLEL:
         ours = baton["parallel"][n]["tokens_per_s"]
+        off = baton_off["parallel"][n]["tokens_per_s"]
         theirs = llama[n]["speed_tg"]
-        rows.append({"sessions": n, "baton_tokens_per_s": ours, "llama_batched_bench_tokens_per_s": theirs, "ratio": ours / theirs})
+        rows.append({
+            "sessions": n, "llama_batched_bench_tokens_per_s": theirs,
+            "baton_tokens_per_s": ours, "ratio": ours / theirs,  # decode groups auto
+            "groups_off_tokens_per_s": off, "groups_off_ratio": off / theirs, "auto_over_off": ours / off,
+        })  # fmt: skip
     rising = all(b["baton_tokens_per_s"] > a["baton_tokens_per_s"] for a, b in zip(rows, rows[1:]))
     during = baton["gaps"]["during_prefill"]
     gap_ratio = during["p99_s"] / during["p50_s"] if during.get("n") else None
@@ -219,6 +241,8 @@ def summarize(baton: dict, llama: dict[int, dict]) -> dict:
         "rows": rows,
         "ratio_at_8": rows[-1]["ratio"],
         "ratio_at_8_target": TARGET_RATIO_AT_8,
+        "groups_off_ratio_at_8": rows[-1]["groups_off_ratio"],
+        "auto_over_off_at_8": rows[-1]["auto_over_off"],
         "rising_with_every_doubling": rising,
         "gap_p99_over_p50_during_prefill": gap_ratio,
         "gap_ratio_target": TARGET_GAP_RATIO,
@@ -236,21 +260,27 @@ def render_markdown(report: dict) -> str:
         f"Baton: tracker + {NODES} nodes of SmolLM2 on loopback, {SEQUENCES} sequences and {cfg['threads']} thread(s) per "
         f"worker, each session its own owner; prompt {cfg['prompt']} tokens, {cfg['tokens']} greedy tokens. "
         f"llama-batched-bench: unsplit, -npp {cfg['prompt']} -ntg {cfg['tokens']}, {cfg['llama_threads']} threads.",
+        "Decode groups auto (the default): the first hop caps each decode Forward at ceil(sessions / (hops + 1)) "
+        "steps, so the groups are at different hops at once; off (`--decode-groups 0`): every waiting decode step "
+        "in the next Forward. A fresh swarm for each; ratios are to llama-batched-bench.",
         "",
-        "| sessions | Baton decode tokens/s | llama-batched-bench S_TG t/s | ratio |",
-        "|---|---|---|---|",
+        "| sessions | llama-batched-bench S_TG t/s | Baton, groups auto: decode t/s | ratio "
+        "| Baton, groups off: decode t/s | ratio | auto / off |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in s["rows"]:
         lines.append(
-            f"| {row['sessions']} | {row['baton_tokens_per_s']:.1f} | {row['llama_batched_bench_tokens_per_s']:.1f} | "
-            f"{row['ratio']:.2f}x |"
+            f"| {row['sessions']} | {row['llama_batched_bench_tokens_per_s']:.1f} | {row['baton_tokens_per_s']:.1f} | "
+            f"{row['ratio']:.2f}x | {row['groups_off_tokens_per_s']:.1f} | {row['groups_off_ratio']:.2f}x | "
+            f"{row['auto_over_off']:.2f}x |"
         )
     shortfall = s["ratio_at_8_target"] - s["ratio_at_8"]
     verdict = "met" if shortfall <= 0 else f"missed by {shortfall:.2f}x"
     lines += [
         "",
-        f"- 8 sessions: {s['ratio_at_8']:.2f}x llama-batched-bench (target >= {s['ratio_at_8_target']}x): {verdict}.",
-        f"- aggregate rising with every doubling: {'yes' if s['rising_with_every_doubling'] else 'no'}.",
+        f"- 8 sessions, groups auto: {s['ratio_at_8']:.2f}x llama-batched-bench (target >= {s['ratio_at_8_target']}x): "
+        f"{verdict}; groups off: {s['groups_off_ratio_at_8']:.2f}x; auto / off: {s['auto_over_off_at_8']:.2f}x.",
+        f"- aggregate rising with every doubling (groups auto): {'yes' if s['rising_with_every_doubling'] else 'no'}.",
     ]
     d, a = gaps["during_prefill"], gaps["alone"]
     if d.get("n"):
@@ -282,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     started = time.perf_counter()
     llama = run_batched_bench(model_path(ALIAS), args.prompt, args.tokens, args.llama_threads)
-    baton = trio.run(run_baton, args)
+    baton = trio.run(run_baton, args, DECODE_GROUPS["auto"])
+    baton_off = trio.run(functools.partial(run_baton, args, DECODE_GROUPS["off"], gaps=False))
     report = {
         "benchmark": "batching",
         "machine": machine,
@@ -292,8 +323,16 @@ def main(argv: list[str] | None = None) -> int:
             "chunk": args.chunk,
         },  # fmt: skip
         "llama_batched_bench": {str(k): v for k, v in llama.items()},
-        "baton": {"parallel": {str(k): v for k, v in baton["parallel"].items()}, "gaps": baton["gaps"]},
-        "summary": summarize(baton, llama),
+        "baton": {
+            "decode_groups": "auto",
+            "parallel": {str(k): v for k, v in baton["parallel"].items()},
+            "gaps": baton["gaps"],
+        },
+        "baton_decode_groups_off": {
+            "decode_groups": DECODE_GROUPS["off"],
+            "parallel": {str(k): v for k, v in baton_off["parallel"].items()},
+        },
+        "summary": summarize(baton, llama, baton_off),
     }
     report["wall_time_s"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""The pure parts of bench/batching.py: the summary against llama-batched-bench and its markdown."""
+"""The pure parts of bench/batching.py: the summary against llama-batched-bench (decode groups
+auto, the default, and off, side by side) and its markdown."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ sys.path.insert(0, str(BENCH_DIR))
 import batching  # noqa: E402
 
 
-def test_the_summary_takes_ratios_checks_the_doublings_and_the_gap_target() -> None:
+def test_the_summary_takes_ratios_of_both_modes_checks_the_doublings_and_the_gap_target() -> None:
     baton = {
         "parallel": {n: {"tokens_per_s": t} for n, t in ((1, 20.0), (2, 35.0), (4, 30.0), (8, 60.0))},
         "gaps": {
@@ -20,9 +21,14 @@ def test_the_summary_takes_ratios_checks_the_doublings_and_the_gap_target() -> N
             "prefill_s": 2.0, "long_prompt_tokens": 1500, "chunk_rows": 128,
         },
     }  # fmt: skip
+    # groups off rises with every doubling: the targets are the default mode's (auto) all the same
+    off = {"parallel": {n: {"tokens_per_s": t} for n, t in ((1, 20.0), (2, 25.0), (4, 28.0), (8, 40.0))}}
     llama = {n: {"speed_tg": 25.0 * n} for n in batching.PARALLEL}
-    summary = batching.summarize(baton, llama)
+    summary = batching.summarize(baton, llama, off)
     assert [round(r["ratio"], 2) for r in summary["rows"]] == [0.8, 0.7, 0.3, 0.3]
+    assert [round(r["groups_off_ratio"], 2) for r in summary["rows"]] == [0.8, 0.5, 0.28, 0.2]
+    assert [round(r["auto_over_off"], 2) for r in summary["rows"]] == [1.0, 1.4, 1.07, 1.5]
+    assert (summary["ratio_at_8"], summary["groups_off_ratio_at_8"], summary["auto_over_off_at_8"]) == (0.3, 0.2, 1.5)
     assert summary["rising_with_every_doubling"] is False  # 4 sessions fell below 2
     assert summary["gap_p99_over_p50_during_prefill"] == 10.0
     report = {
@@ -30,6 +36,8 @@ def test_the_summary_takes_ratios_checks_the_doublings_and_the_gap_target() -> N
         "config": {"threads": 1, "prompt": 64, "tokens": 48, "llama_threads": 2},
     }  # fmt: skip
     md = batching.render_markdown(report)
-    assert "| 8 | 60.0 | 200.0 | 0.30x |" in md
-    assert "missed by 0.50x" in md and "rising with every doubling: no" in md
+    assert "| 8 | 200.0 | 60.0 | 0.30x | 40.0 | 0.20x | 1.50x |" in md
+    assert "groups auto: 0.30x llama-batched-bench (target >= 0.8x): missed by 0.50x;" in md
+    assert "groups off: 0.20x; auto / off: 1.50x." in md
+    assert "rising with every doubling (groups auto): no" in md
     assert "= 10.00x p50 (target <= 2.0x: missed)" in md

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import heapq
+
 import pytest
 
 from agent._proto import swarm_pb2
 from agent.core.node_sessions import SessionTable
-from agent.core.scheduler import StepScheduler
+from agent.core.scheduler import StepScheduler, decode_group_cap
 from agent.core.swarm_wire import WireError
 
 Code = swarm_pb2.Error.Code
@@ -81,6 +83,106 @@ def test_a_step_that_can_never_run_is_refused() -> None:
             scheduler.push("x", session=0, n_rows=rows)
     with pytest.raises(ValueError):
         StepScheduler(0, 1)
+
+
+# --- decode groups ---------------------------------------------------------------------------
+
+
+def test_the_decode_group_cap_is_sessions_over_hops_plus_one_unless_told() -> None:
+    # auto: S + 1 groups on a route of S > 1 hops
+    assert [decode_group_cap(n, 3, None) for n in (1, 2, 4, 7, 8, 9)] == [1, 1, 1, 2, 2, 3]
+    assert decode_group_cap(8, 2, None) == 3
+    assert decode_group_cap(8, 1, None) is None, "one hop: no pipeline to fill"
+    assert decode_group_cap(0, 3, None) == 1, "never below one step"
+    # off, or a number of groups given
+    assert decode_group_cap(8, 3, 0) is None
+    assert [decode_group_cap(n, 3, 2) for n in (1, 5, 8)] == [1, 3, 4]
+    assert decode_group_cap(8, 1, 4) == 2, "groups given: applied on one hop too"
+    assert decode_group_cap(8, 3, 1) == 8
+    with pytest.raises(ValueError, match="groups must be >= 0"):
+        decode_group_cap(8, 3, -1)
+
+
+def test_a_capped_decode_forward_takes_the_oldest_steps_laid_out_by_key() -> None:
+    scheduler = queue(64, 8, *((f"d{s}", s, 1) for s in (5, 2, 7, 0, 3, 6, 1, 4)))
+    assert scheduler.oldest_decode() == "d5" and len(scheduler) == 8, "peeking pops nothing"
+    assert scheduler.next_batch(max_decode_entries=3) == ["d2", "d5", "d7"]  # the first three to arrive
+    assert scheduler.next_batch(max_decode_entries=3) == ["d0", "d3", "d6"]
+    assert scheduler.next_batch(max_decode_entries=3) == ["d1", "d4"]
+    assert scheduler.next_batch(max_decode_entries=3) == [] and scheduler.oldest_decode() is None
+    # the worker's sequence count still bounds an uncapped or larger cap
+    scheduler = queue(64, 2, ("a", 0, 1), ("b", 1, 1), ("c", 2, 1))
+    assert scheduler.next_batch(max_decode_entries=5) == ["a", "b"]
+    with pytest.raises(ValueError, match="max_decode_entries must be >= 1"):
+        scheduler.next_batch(max_decode_entries=0)
+
+
+def test_the_decode_cap_leaves_prefill_forwards_alone() -> None:
+    scheduler: StepScheduler[str] = StepScheduler(64, 8)
+    for s in (0, 1, 2):
+        scheduler.push(f"p{s}", session=s, n_rows=16)
+    for s in (3, 4, 5):
+        scheduler.push(f"d{s}", session=s, n_rows=1)
+    assert scheduler.oldest_decode() == "d3", "the oldest decode step, behind the chunks"
+    assert scheduler.next_batch(max_decode_entries=1) == ["p0", "p1", "p2"]  # every chunk of its length
+    assert scheduler.next_batch(max_decode_entries=1) == ["d3"]
+    scheduler.push("p0'", session=0, n_rows=16)
+    assert scheduler.next_batch(max_decode_entries=1) == ["p0'"]  # still every other Forward
+    assert scheduler.next_batch(max_decode_entries=1) == ["d4"]
+
+
+def _decode_through_a_route(groups: int | None, sessions: int = 8, hops: int = 3, tokens: int = 12):  # noqa: ANN202
+    """``sessions`` decode ``tokens`` tokens each through ``hops`` schedulers with a core each,
+    the first capped by ``decode_group_cap``. A Forward costs 1 + rows time units (nearly linear
+    in rows on CPU), sampling at the owner 1. Returns the time the last token took and each
+    hop's Forwards (as sets of sessions)."""
+    queues: list[StepScheduler[int]] = [StepScheduler(64, sessions) for _ in range(hops)]
+    free_at = [0.0] * hops
+    forwards: list[list[frozenset[int]]] = [[] for _ in range(hops)]
+    events = [(0.0, s, 0, s) for s in range(sessions)]  # (time, tie-break, hop or hops: sampled, session)
+    order = sessions
+    made = dict.fromkeys(range(sessions), 0)
+    done_at = 0.0
+    while events:
+        now = events[0][0]
+        while events and events[0][0] == now:  # steps that arrive together are queued together
+            _, _, hop, session = heapq.heappop(events)
+            if hop == hops:
+                made[session] += 1
+                if made[session] == tokens:
+                    done_at = max(done_at, now)
+                    continue
+                hop = 0
+            if hop >= 0:
+                queues[hop].push(session, session=session, n_rows=1)
+        for h, hop_queue in enumerate(queues):
+            if free_at[h] > now or not len(hop_queue):
+                continue
+            cap = decode_group_cap(sessions, hops, groups) if h == 0 else None
+            batch = hop_queue.next_batch(max_decode_entries=cap)
+            forwards[h].append(frozenset(batch))
+            free_at[h] = now + 1 + len(batch)
+            for s in [*batch, None]:  # None: this hop looks at its queue again once it is free
+                order += 1
+                if s is None:
+                    heapq.heappush(events, (free_at[h], order, -1, -1))
+                else:
+                    heapq.heappush(events, (free_at[h] + (h == hops - 1), order, h + 1, s))
+    assert all(n == tokens for n in made.values())
+    return done_at, forwards
+
+
+def test_decode_groups_keep_every_hop_of_a_route_busy() -> None:
+    """Sessions that start together would travel as one convoy (each hop idle while the others
+    compute); capped at the first hop, S + 1 groups are at different hops at once, and keep
+    their shape downstream, where nothing caps."""
+    convoy_s, convoy = _decode_through_a_route(groups=0)
+    assert {len(f) for hop in convoy for f in hop} == {8}
+    grouped_s, grouped = _decode_through_a_route(groups=None)
+    assert {len(f) for hop in grouped for f in hop} == {2}, "ceil(8 / (3 + 1)) steps per Forward"
+    first_hop_groups = set(grouped[0])
+    assert len(first_hop_groups) == 4 and all(set(hop) == first_hop_groups for hop in grouped[1:])
+    assert convoy_s / grouped_s > 2.0, (convoy_s, grouped_s)  # 28 vs 12 time units per 8 tokens
 
 
 # --- session table -------------------------------------------------------------------------

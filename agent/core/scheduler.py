@@ -9,20 +9,21 @@ dozen (the weights are read once). Rules:
   (``agent.core.batching.forward_key``: recipe, model, blocks, boundary schema, wire dtype) and
   one *phase*. The oldest pending step's key is the next Forward's; a step of another key waits
   for a Forward of its own;
-- **phases**: a step of one row is a *decode* step, a longer one a *prefill* chunk (a prompt
-  cut by its owner, or a rebuild). A decode Forward takes every waiting decode step (within
-  ``max_entries`` and the row budget); a prefill Forward takes the oldest chunk and the other
-  waiting chunks of exactly its row count. Why: llama.cpp splits a batch of several sequences
-  into micro-batches that give each sequence the same number of rows (``split_equal``, with one
-  KV stream per sequence), so a 64-row chunk next to a decode row is computed as 1 + 63 rows,
-  and a batch of 60 rows or more takes another kernel path than a smaller one (logits ~0.5
-  apart, measured on the pinned CPU build): a chunk that shares a Forward with rows of another
-  length comes out different from the same chunk alone. Within these rules a session's numbers
-  do not depend on who else is served: concurrent sessions give their solo runs' bits;
+- **phases**: a step of one row is a *decode* step, a longer one a *prefill* chunk (a prompt cut
+  by its owner, or a rebuild). A decode Forward takes every waiting decode step (within
+  ``max_entries``, the row budget and the decode group cap below); a prefill Forward takes the
+  oldest chunk and the other waiting chunks of exactly its row count. Why: llama.cpp splits a
+  batch of several sequences into micro-batches that give each sequence the same number of rows
+  (``split_equal``, with one KV stream per sequence), so a 64-row chunk next to a decode row is
+  computed as 1 + 63 rows, and a batch of 60 rows or more takes another kernel path than a
+  smaller one (logits ~0.5 apart, measured on the pinned CPU build): a chunk that shares a
+  Forward with rows of another length comes out different from the same chunk alone. Within these
+  rules a session's numbers do not depend on who else is served: concurrent sessions give their
+  solo runs' bits;
 - **bounded decode service**: while prompts and decode steps both wait, Forwards alternate
   (prefill-first after a Forward without prefill), so no decode step waits behind more than one
-  Forward and prompts get every other Forward; the row budget (``row_budget``, default
-  ``n_batch_max``) bounds how long that Forward takes;
+  Forward (decode groups at a first hop aside: below) and prompts get every other Forward; the
+  row budget (``row_budget``, default ``n_batch_max``) bounds how long that Forward takes;
 - at most one entry per session: a session's next step is never merged with its previous one
   (the worker takes one entry per sequence, and a step must see the previous step's KV), nor
   overtakes it;
@@ -31,7 +32,23 @@ dozen (the weights are read once). Rules:
   the order in which llama.cpp's per-sequence KV streams take rows, and measured on the pinned
   CPU build, a batch given in any other order comes out different in the last bits, while
   batches in ascending order give the same numbers whichever session holds which id. So every
-  hop lays out the same sessions the same way, whatever order the network delivered them in.
+  hop lays out the same sessions the same way, whatever order the network delivered them in;
+- **decode groups** (``decode_group_cap``; vLLM keeps pipeline stages + 1 batches in flight): on
+  a route of S hops, sessions that start together would travel as one convoy, every decode step
+  in one Forward at hop 1, then at hop 2, ..., so each hop idles while the others compute. A
+  first hop (blocks from 0) therefore caps a decode Forward at ceil(live sessions / (S + 1))
+  steps, the oldest by arrival: the sessions fall into S + 1 groups, one sampling at its owners
+  while the S others are each at a hop, so with spare cores every hop computes at once (on CPU a
+  decode Forward's cost grows nearly linearly with its rows: SmolLM2 unsplit, 1 row ~10.8 ms, 8
+  rows ~52.7 ms; so S + 1 small Forwards cost not much more than one large one, while the hops
+  work at once). Only the first hop caps: downstream hops take whatever arrives, so groups keep
+  their shape along the route. The price: a decode step at the first hop may now wait behind the
+  Forwards of other groups, each small, and while prompts wait too each group's Forward takes
+  turns with a chunk (the rule above), so there it may wait behind up to groups - 1 decode
+  Forwards and as many chunks, and prompts get a larger share of the first hop. Numbers do not
+  change: the cap only makes decode Forwards smaller, a decode Forward of fewer than 60 rows
+  computes each row as a batch of one does (the kernel path above), and the rows are still laid
+  out in canonical order, so greedy tokens and logits stay those of solo runs.
 
 Generic over the queued item (the node queues ``agent.core.swarm_wire.StepInput``).
 
@@ -47,9 +64,35 @@ from typing import Any, Generic, TypeVar
 
 from .batching import is_prefill
 
-__all__ = ["StepScheduler"]
+__all__ = ["StepScheduler", "decode_group_cap"]
 
 T = TypeVar("T")
+
+
+def decode_group_cap(live_sessions: int, route_hops: int, groups: int | None) -> int | None:
+    """The most decode steps a first hop puts in one Forward (None: no cap).
+
+    Args:
+      live_sessions: sessions the range holds now.
+      route_hops: hops of the route the next decode step travels (S).
+      groups: decode groups wanted; None: S + 1 when S > 1 (one hop has no pipeline to fill);
+        0: off.
+
+    Returns:
+      ceil(live_sessions / groups), at least 1; None when off.
+
+    Raises:
+      ValueError: ``groups`` is negative.
+    """
+    if groups is not None and groups < 0:
+        raise ValueError(f"groups must be >= 0 or None, got {groups}")
+    if groups is None:
+        if route_hops <= 1:
+            return None
+        groups = route_hops + 1
+    if groups == 0:
+        return None
+    return max(1, -(-live_sessions // groups))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,23 +166,41 @@ class StepScheduler(Generic[T]):
                 eligible.append(pending)
         return eligible
 
-    def next_batch(self) -> list[T]:
+    def oldest_decode(self) -> T | None:
+        """The oldest decode step a decode Forward would take now (it is not popped), or None:
+        the shell reads its route to compute ``max_decode_entries``."""
+        return next((p.item for p in self._eligible() if not p.prefill), None)
+
+    def next_batch(self, max_decode_entries: int | None = None) -> list[T]:
         """Pop the steps of the next Forward (empty when nothing is pending), chosen by the
-        rules above and ordered by session key."""
+        rules above and ordered by session key.
+
+        Args:
+          max_decode_entries: most steps a decode Forward takes (the oldest by arrival;
+            ``decode_group_cap``); None: ``max_entries``. Prefill Forwards ignore it.
+
+        Raises:
+          ValueError: ``max_decode_entries`` is below 1.
+        """
+        if max_decode_entries is not None and max_decode_entries < 1:
+            raise ValueError(f"max_decode_entries must be >= 1, got {max_decode_entries}")
         eligible = self._eligible()
         if not eligible:
             return []
         decode = [p for p in eligible if not p.prefill]
         prefill = [p for p in eligible if p.prefill]
+        max_entries = self.max_entries
         if prefill and (not decode or not self._last_was_prefill):
             rows_each = prefill[0].n_rows
             candidates = [p for p in prefill if p.n_rows == rows_each]
         else:
             candidates = decode
+            if max_decode_entries is not None:
+                max_entries = min(max_entries, max_decode_entries)
         taken: list[_Pending[T]] = []
         rows = 0
         for pending in candidates:
-            if len(taken) < self.max_entries and rows + pending.n_rows <= self.row_budget:
+            if len(taken) < max_entries and rows + pending.n_rows <= self.row_budget:
                 taken.append(pending)
                 rows += pending.n_rows
         chosen = {id(p) for p in taken}

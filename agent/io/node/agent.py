@@ -85,7 +85,7 @@ from agent.core.node_ranges import (
     range_name,
 )
 from agent.core.node_sessions import NodeSession, SessionTable
-from agent.core.scheduler import StepScheduler
+from agent.core.scheduler import StepScheduler, decode_group_cap
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -207,6 +207,10 @@ class NodeConfig:
       resume_wait_s: how long a resume waits for a step of the session still in a Forward.
       row_budget: rows each worker Forward is filled to (``agent.core.scheduler``); None: the
         worker's batch (``n_batch``). Steps longer than this are refused (owners chunk).
+      decode_groups: a range that begins at block 0 splits its live sessions into this many
+        decode groups, capping each decode Forward at ceil(sessions / groups) steps, so the
+        groups are at different hops at once (``agent.core.scheduler.decode_group_cap``);
+        None: the route's hops + 1 (no cap on a one-hop route); 0: off.
       replay_merge_rows: a replay joins kept decode rows into rebuild steps of at most this
         many rows, and sends every larger step as it was (``agent.core.kept_rows``: batches
         this small compute each row as a batch of one does, so the rebuild is bit-exact).
@@ -247,6 +251,7 @@ class NodeConfig:
     resume_wait_s: float = 5.0
     replay_merge_rows: int = 16
     row_budget: int | None = None
+    decode_groups: int | None = None
     #: TEST ONLY (``agent.testing.faulty``): add noise to the outputs of steps this node has
     #: not seen before, to show that canary checks catch a node computing wrong numbers
     test_corrupt_outputs: CorruptOutputs | None = None
@@ -774,7 +779,11 @@ class Node:
                         log.warning("%s: could not free sequence %d: %s", range_name(served.key), seq_id, err)
                         continue  # not reused: it may still hold positions
                 sessions.release(seq_id)
-            batch = scheduler.next_batch()
+            max_decode = None
+            if served.key[1] == 0 and (oldest := scheduler.oldest_decode()) is not None:
+                route_hops = len(oldest[1].rest) + 1
+                max_decode = decode_group_cap(len(sessions), route_hops, self.config.decode_groups)
+            batch = scheduler.next_batch(max_decode_entries=max_decode)
             if not batch:
                 continue
             corrupting = self._corrupter is not None and self._corrupter.active

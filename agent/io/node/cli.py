@@ -2,7 +2,7 @@
 
     baton node --tracker MULTIADDR [--model PATH ...] [--models-dir DIR] --key PATH
                [--listen MULTIADDR|none] [--relay] [--memory-bytes N] [--threads N]
-               [--ctx-size N] [--max-sequences N] [--heartbeat-interval-ms N]
+               [--ctx-size N] [--max-sequences N] [--decode-groups N] [--heartbeat-interval-ms N]
     baton node install | uninstall | status | doctor ...   (agent.io.node.service)
 
 ``--model PATH`` serves a file the node already has. ``--models-dir DIR`` lets the node serve
@@ -102,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--owner-max-share", type=cli_args.unit_interval, default=0.75,
         help="the share of a range's sequences one session owner may hold (default 0.75, so a peer sending"
         " step-0 frames cannot lock everyone out, while a relay, one owner for many users, keeps most; at least one)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--decode-groups", type=cli_args.non_negative_int, metavar="N",
+        help="a first hop splits its sessions' decode steps into N groups, so that they are at different hops at"
+        " once (default: the route's hops + 1; 0: off, every waiting decode step in the next Forward)",
     )  # fmt: skip
     parser.add_argument(
         "--heartbeat-interval-ms", type=cli_args.positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"
@@ -204,6 +209,7 @@ async def run(args: argparse.Namespace) -> int:
         session_idle_timeout_s=args.session_idle_timeout_s,
         kept_rows_max_bytes=args.kept_rows_max_bytes,
         owner_max_share=args.owner_max_share,
+        decode_groups=getattr(args, "decode_groups", None),
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         relay=relay,
         probe=probe,

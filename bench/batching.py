@@ -177,6 +177,43 @@ async def _gaps_during_prefill(addr: str, prompt: list[int], long_prompt: list[i
     }
 
 
+def _role(cmdline: list[str]) -> str:
+    """What a process of the benchmark is, for the CPU table."""
+    text = " ".join(cmdline)
+    if "baton-worker" in text and "--layers" in cmdline:
+        return f"worker [{cmdline[cmdline.index('--layers') + 1]}]"
+    if "agent.cli node" in text:
+        return "node agents (Python)"
+    if "agent.cli tracker" in text:
+        return "tracker"
+    return "other"
+
+
+def _cpu_seconds() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of this process (the owners: every session's client
+    runs here) and of everything it started (tracker, nodes, their workers)."""
+    import psutil
+
+    me = psutil.Process()
+    out: dict[int, tuple[str, float]] = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            role = "owners (this process, Python)" if proc.pid == me.pid else _role(proc.cmdline())
+            out[proc.pid] = (role, times.user + times.system)
+        except psutil.Error:
+            continue  # gone meanwhile
+    return out
+
+
+def _cpu_during(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    spent: dict[str, float] = {}
+    for pid, (role, seconds) in after.items():
+        if pid in before:
+            spent[role] = spent.get(role, 0.0) + seconds - before[pid][1]
+    return dict(sorted(spent.items()))
+
+
 def _percentiles(values: list[float]) -> dict:
     if not values:
         return {"n": 0}
@@ -212,7 +249,10 @@ async def run_baton(args: argparse.Namespace, decode_groups: int | None, *, gaps
         rows = {}
         mode = "auto" if decode_groups is None else f"decode groups {decode_groups}"
         for n in PARALLEL:
+            before, started = _cpu_seconds(), time.perf_counter()
             rows[n] = await _concurrent(addr, prompt, args.tokens, n)
+            rows[n]["cpu_s"] = _cpu_during(before, _cpu_seconds())  # where the time goes
+            rows[n]["wall_s"] = time.perf_counter() - started
             log(f"baton ({mode}) {n} sessions: {rows[n]['tokens_per_s']:.1f} decode tokens/s")
         result: dict = {"parallel": rows}
         if gaps:
@@ -292,8 +332,36 @@ def render_markdown(report: dict) -> str:
             f"= {ratio:.2f}x p50 (target <= {s['gap_ratio_target']}x: {'met' if ratio <= s['gap_ratio_target'] else 'missed'}); "
             f"alone: p50 {a['p50_s'] * 1000:.1f} ms, p99 {a['p99_s'] * 1000:.1f} ms."
         )
+    lines += _cpu_table(report)
     lines += ["", f"Wall time: {report['wall_time_s']:.0f} s.", ""]
     return "\n".join(lines)
+
+
+def _cpu_table(report: dict) -> list[str]:
+    """Where the CPU of the 8-session runs went, per token generated (prompt included), next
+    to llama-batched-bench's (its threads busy for its whole run, an upper bound)."""
+    runs = [report.get("baton", {}).get("parallel", {}).get("8"), report.get("baton_decode_groups_off", {}).get("parallel", {}).get("8")]
+    if not all(run is not None and "cpu_s" in run for run in runs):
+        return []  # (a report of an older run)
+    llama_ms = report["config"]["llama_threads"] * 1000 / report["llama_batched_bench"]["8"]["speed_tg"]
+    lines = [
+        "",
+        "Where the CPU goes at 8 sessions (CPU ms per generated token, whole run incl. prefill; "
+        f"llama-batched-bench: {llama_ms:.1f} ms with its {report['config']['llama_threads']} threads busy):",
+        "",
+        "| process | groups auto | groups off |",
+        "|---|---|---|",
+    ]
+    roles = sorted(set(runs[0]["cpu_s"]) | set(runs[1]["cpu_s"]))
+    tokens = [run["decode_tokens"] + run["sessions"] for run in runs]
+    for role in roles:
+        cells = [f"{run['cpu_s'].get(role, 0.0) * 1000 / n:.1f}" for run, n in zip(runs, tokens)]
+        lines.append(f"| {role} | {cells[0]} | {cells[1]} |")
+    totals = [sum(run["cpu_s"].values()) for run in runs]
+    lines.append(f"| all | {totals[0] * 1000 / tokens[0]:.1f} | {totals[1] * 1000 / tokens[1]:.1f} |")
+    cores = [t / run["wall_s"] for t, run in zip(totals, runs)]
+    lines.append(f"| cores busy on average | {cores[0]:.2f} | {cores[1]:.2f} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,3 +41,22 @@ def test_the_summary_takes_ratios_of_both_modes_checks_the_doublings_and_the_gap
     assert "groups off: 0.20x; auto / off: 1.50x." in md
     assert "rising with every doubling (groups auto): no" in md
     assert "= 10.00x p50 (target <= 2.0x: missed)" in md
+
+
+def test_the_cpu_table_is_per_generated_token_and_sums_every_process() -> None:
+    run = {
+        "sessions": 8, "decode_tokens": 792, "wall_s": 10.0,  # 800 tokens generated, prompt's first included
+        "cpu_s": {"worker [0-10]": 4.0, "worker [20-30]": 8.0, "node agents (Python)": 2.0, "owners (this process, Python)": 1.0},
+    }  # fmt: skip
+    off = {**run, "cpu_s": {**run["cpu_s"], "worker [20-30]": 10.0}}
+    report = {
+        "llama_batched_bench": {"8": {"speed_tg": 100.0}}, "config": {"llama_threads": 2},
+        "baton": {"parallel": {"8": run}}, "baton_decode_groups_off": {"parallel": {"8": off}},
+    }  # fmt: skip
+    lines = batching._cpu_table(report)
+    assert "llama-batched-bench: 20.0 ms with its 2 threads busy" in lines[1]
+    assert "| worker [20-30] | 10.0 | 12.5 |" in lines
+    assert "| all | 18.8 | 21.2 |" in lines
+    assert "| cores busy on average | 1.50 | 1.70 |" in lines
+    assert batching._cpu_table({"baton": {"parallel": {"8": {"tokens_per_s": 1.0}}}}) == []
+    assert batching._role(["/x/baton-worker", "--model", "m", "--layers", "10-20"]) == "worker [10-20]"

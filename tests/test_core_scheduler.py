@@ -9,7 +9,7 @@ import pytest
 
 from agent._proto import swarm_pb2
 from agent.core.node_sessions import SessionTable
-from agent.core.scheduler import StepScheduler, decode_group_cap
+from agent.core.scheduler import StepScheduler, decode_group_cap, gather_wait_ms
 from agent.core.swarm_wire import WireError
 
 Code = swarm_pb2.Error.Code
@@ -362,3 +362,24 @@ def test_one_owner_cannot_take_more_than_its_share_of_a_ranges_sequences() -> No
     table.end(S1)
     table.release(table.take_closing()[0])
     table.accept(bytes([9]) * 16, 0, 0, 1, "greedy", 1)  # its share again once one ended
+
+
+def test_a_first_hop_gathers_a_decode_group_for_at_most_its_window() -> None:
+    assert gather_wait_ms(waiting_decode=1, group_size=4, waited_ms=0.0, window_ms=20.0) == 20.0
+    assert gather_wait_ms(waiting_decode=3, group_size=4, waited_ms=15.0, window_ms=20.0) == 5.0
+    assert gather_wait_ms(waiting_decode=3, group_size=4, waited_ms=25.0, window_ms=20.0) == 0.0, "window over"
+    assert gather_wait_ms(waiting_decode=4, group_size=4, waited_ms=0.0, window_ms=20.0) == 0.0, "group full"
+    assert gather_wait_ms(waiting_decode=1, group_size=4, waited_ms=0.0, window_ms=0.0) == 0.0, "off"
+
+
+def test_decode_next_counts_the_decode_steps_of_the_next_forward_only() -> None:
+    s: StepScheduler[str] = StepScheduler(n_batch_max=64, max_entries=8)
+    assert s.decode_next() == 0
+    s.push("d1", session=1, n_rows=1)
+    s.push("d2", session=2, n_rows=1)
+    s.push("d2'", session=2, n_rows=1)  # behind its session's previous step
+    assert s.decode_next() == 2
+    s.push("p3", session=3, n_rows=16)
+    assert s.decode_next() == 0, "after a decode Forward (none yet counts as one), the prompt goes first"
+    assert s.next_batch() == ["p3"]
+    assert s.decode_next() == 2

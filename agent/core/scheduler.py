@@ -64,7 +64,7 @@ from typing import Any, Generic, TypeVar
 
 from .batching import is_prefill
 
-__all__ = ["StepScheduler", "decode_group_cap"]
+__all__ = ["StepScheduler", "decode_group_cap", "gather_wait_ms"]
 
 T = TypeVar("T")
 
@@ -93,6 +93,17 @@ def decode_group_cap(live_sessions: int, route_hops: int, groups: int | None) ->
     if groups == 0:
         return None
     return max(1, -(-live_sessions // groups))
+
+
+def gather_wait_ms(waiting_decode: int, group_size: int, waited_ms: float, window_ms: float) -> float:
+    """How much longer a first hop holds a decode Forward for its group to gather (0: run it
+    now): until ``group_size`` decode steps wait, for at most ``window_ms`` after it began
+    holding (``waited_ms`` ago). Sessions drift apart (results reach owners at different
+    times, owners send at different times), and a Forward of a drifted step alone costs
+    nearly what a group's costs; so the first hop gathers a group before it runs one."""
+    if window_ms <= 0 or waiting_decode >= group_size:
+        return 0.0
+    return max(0.0, window_ms - waited_ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +176,15 @@ class StepScheduler(Generic[T]):
             if pending.key == key:
                 eligible.append(pending)
         return eligible
+
+    def decode_next(self) -> int:
+        """The decode steps the next Forward would choose from (0: it is a prefill Forward,
+        or nothing waits)."""
+        eligible = self._eligible()
+        decode = [p for p in eligible if not p.prefill]
+        if any(p.prefill for p in eligible) and (not decode or not self._last_was_prefill):
+            return 0
+        return len(decode)
 
     def oldest_decode(self) -> T | None:
         """The oldest decode step a decode Forward would take now (it is not popped), or None:

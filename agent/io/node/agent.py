@@ -85,7 +85,7 @@ from agent.core.node_ranges import (
     range_name,
 )
 from agent.core.node_sessions import NodeSession, SessionTable
-from agent.core.scheduler import StepScheduler, decode_group_cap
+from agent.core.scheduler import StepScheduler, decode_group_cap, gather_wait_ms
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -184,7 +184,7 @@ class NodeConfig:
       owner_max_share: the share of a range's sequences one owner may hold at once (at least
         one sequence): a peer sending step-0 frames cannot take a range from everyone else.
       batch_window_ms: how long a serving task waits after the first pending step for others
-        to join its batch (0: take what is queued; steps that arrive while the worker is busy
+        to join its batch (the other outputs of the upstream Forward arrive as separate pushes) (0: take what is queued; steps that arrive while the worker is busy
         are merged anyway).
       worker_ready_timeout_s, worker_stop_grace_s, worker_call_timeout_s: worker process start,
         SIGTERM grace, and the deadline of each worker call.
@@ -211,6 +211,11 @@ class NodeConfig:
         decode groups, capping each decode Forward at ceil(sessions / groups) steps, so the
         groups are at different hops at once (``agent.core.scheduler.decode_group_cap``);
         None: the route's hops + 1 (no cap on a one-hop route); 0: off.
+      decode_gather_ms: how long such a first hop holds a decode Forward until a full group
+        waits (``agent.core.scheduler.gather_wait_ms``: sessions drift apart, and a drifted
+        step alone costs a Forward); 0 (the default): never held. Measured on the 2-core
+        benchmark machine, neither groups nor gathering changed throughput (it is CPU-bound:
+        bench/results/batching.md), so holding steps, which costs latency, is opt-in.
       replay_merge_rows: a replay joins kept decode rows into rebuild steps of at most this
         many rows, and sends every larger step as it was (``agent.core.kept_rows``: batches
         this small compute each row as a batch of one does, so the rebuild is bit-exact).
@@ -252,6 +257,7 @@ class NodeConfig:
     replay_merge_rows: int = 16
     row_budget: int | None = None
     decode_groups: int | None = None
+    decode_gather_ms: float = 0.0
     #: TEST ONLY (``agent.testing.faulty``): add noise to the outputs of steps this node has
     #: not seen before, to show that canary checks catch a node computing wrong numbers
     test_corrupt_outputs: CorruptOutputs | None = None
@@ -763,6 +769,7 @@ class Node:
         scheduler, sessions, info = served.scheduler, served.sessions, served.info
         client = handle.client
         timeout_s = self.config.worker_call_timeout_s
+        gather_since_s: float | None = None  # when a first hop began holding a decode group
         while True:
             while not len(scheduler) and not sessions.has_closing():
                 served.wakeup = trio.Event()
@@ -783,6 +790,16 @@ class Node:
             if served.key[1] == 0 and (oldest := scheduler.oldest_decode()) is not None:
                 route_hops = len(oldest[1].rest) + 1
                 max_decode = decode_group_cap(len(sessions), route_hops, self.config.decode_groups)
+                if max_decode is not None and (waiting := scheduler.decode_next()):
+                    now_s = trio.current_time()
+                    gather_since_s = now_s if gather_since_s is None else gather_since_s
+                    wait_ms = gather_wait_ms(waiting, max_decode, (now_s - gather_since_s) * 1000, self.config.decode_gather_ms)
+                    if wait_ms > 0:
+                        served.wakeup = trio.Event()
+                        with trio.move_on_after(wait_ms / 1000):
+                            await served.wakeup.wait()  # another step arrived: count again
+                        continue
+            gather_since_s = None
             batch = scheduler.next_batch(max_decode_entries=max_decode)
             if not batch:
                 continue

@@ -2,7 +2,8 @@
 
     baton node --tracker MULTIADDR [--model PATH ...] [--models-dir DIR] --key PATH
                [--listen MULTIADDR|none] [--relay] [--memory-bytes N] [--threads N]
-               [--ctx-size N] [--max-sequences N] [--decode-groups N] [--heartbeat-interval-ms N]
+               [--ctx-size N] [--max-sequences N] [--decode-groups N] [--decode-gather-ms MS]
+               [--batch-window-ms MS] [--heartbeat-interval-ms N]
     baton node install | uninstall | status | doctor ...   (agent.io.node.service)
 
 ``--model PATH`` serves a file the node already has. ``--models-dir DIR`` lets the node serve
@@ -109,6 +110,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " once (default: the route's hops + 1; 0: off, every waiting decode step in the next Forward)",
     )  # fmt: skip
     parser.add_argument(
+        "--batch-window-ms", type=cli_args.non_negative_float, default=0.0, metavar="MS",
+        help="how long a range waits after a step arrives for the other steps of the upstream Forward to join it"
+        " (default 0)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--decode-gather-ms", type=cli_args.non_negative_float, default=0.0, metavar="MS",
+        help="how long a first hop holds a decode Forward until a full decode group waits (default 0: never)",
+    )  # fmt: skip
+    parser.add_argument(
         "--heartbeat-interval-ms", type=cli_args.positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"
     )
     parser.add_argument(
@@ -210,6 +220,8 @@ async def run(args: argparse.Namespace) -> int:
         kept_rows_max_bytes=args.kept_rows_max_bytes,
         owner_max_share=args.owner_max_share,
         decode_groups=getattr(args, "decode_groups", None),
+        decode_gather_ms=getattr(args, "decode_gather_ms", 0.0),
+        batch_window_ms=getattr(args, "batch_window_ms", 0.0),
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         relay=relay,
         probe=probe,

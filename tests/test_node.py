@@ -421,7 +421,9 @@ ROUTE = (("A", 0, 3), ("B", 3, 6))
 
 
 async def test_split_route_equals_unsplit_and_merges_sessions(qwen2_tiny_path: Path) -> None:
-    async with open_swarm(qwen2_tiny_path, LAYOUT) as swarm, open_reference(qwen2_tiny_path) as reference:
+    # decode groups off: this test merges two sessions into one Forward at every hop (the first
+    # hop would otherwise run their decode steps in groups of one: three live sessions, two hops)
+    async with open_swarm(qwen2_tiny_path, LAYOUT, decode_groups=0) as swarm, open_reference(qwen2_tiny_path) as reference:
         tracker, a = swarm.tracker, swarm.nodes["A"]
         # Registration carried a signed fingerprint with the node's model and peer id.
         fingerprint = tracker.fingerprints[a.peer_id]

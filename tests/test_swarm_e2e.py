@@ -229,6 +229,15 @@ def test_baton_generate_survives_its_first_hop_being_killed(tmp_path: Path) -> N
             undisturbed = await trio.run_process(argv, capture_stdout=True, capture_stderr=True)
             reference_text = undisturbed.stdout.decode().split("\nroute:")[0]
             by_peer = {proc.peer_id: name for name, proc in running.swarm.nodes.items()}
+
+            def first_hop_starts(nodes) -> dict[str, int]:  # noqa: ANN001
+                return {
+                    node.peer_id: status.sessions_started
+                    for node in nodes for status in node.serving if status.assignment.begin == 0
+                }  # fmt: skip
+
+            async with client(running) as c:  # (the undisturbed run's start is in these: it ran for seconds)
+                started_before = first_hop_starts(await c.list_nodes())
             async with trio.open_nursery() as nursery:
                 process = await nursery.start(
                     lambda task_status: trio.run_process(
@@ -243,11 +252,13 @@ def test_baton_generate_survives_its_first_hop_being_killed(tmp_path: Path) -> N
                 async with client(running) as c:
                     with trio.fail_after(10):
                         victim_id = None
-                        while victim_id is None:  # the first hop that holds its session (nodes report it)
-                            for node in await c.list_nodes():
-                                for status in node.serving:
-                                    if status.assignment.begin == 0 and status.sequences_in_use:
-                                        victim_id = node.peer_id
+                        while victim_id is None:  # the first hop that started its session (nodes report it)
+                            nodes = await c.list_nodes()
+                            for peer_id, started in first_hop_starts(nodes).items():
+                                in_use = [s.sequences_in_use for n in nodes if n.peer_id == peer_id for s in n.serving]
+                                # another copy's report may still show the undisturbed run's session
+                                if started > started_before.get(peer_id, 0) and any(in_use):
+                                    victim_id = peer_id
                             await trio.sleep(0.1)
                 running.swarm.nodes[by_peer[victim_id]].signal_group(signal.SIGKILL)
                 async for chunk in process.stdout:

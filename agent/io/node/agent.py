@@ -420,6 +420,11 @@ class Node:
         if self._corrupter is not None:
             log.warning("TEST ONLY: this node corrupts the outputs of steps it has not seen before")
 
+    def _held(self, key: RangeKey) -> ServedRange | None:
+        """The instance of ``key`` this node holds now (the hot path's ``ranges.get``)."""
+        entry = self.book.entry(key)
+        return None if entry is None else self._instances.get((key, entry.epoch))
+
     @property
     def ranges(self) -> dict[RangeKey, ServedRange]:
         """The ranges this node holds now (loading, serving or failed), by range."""
@@ -1018,7 +1023,7 @@ class Node:
         record = self._check_sender(request.sender_admission, remote_peer_id)
         check_step_sender(record.role, remote_peer_id, request.begin, request.end, request.owner_peer_id)
         key: RangeKey = (request.model_sha256, request.begin, request.end)
-        served = self.ranges.get(key)
+        served = self._held(key)
         if served is None or served.state != State.READY or served.spec is None or served.sessions is None or served.scheduler is None:
             raise range_not_ready(key, None if served is None else served.state)
         step = validate_step(request, served.spec)
@@ -1147,7 +1152,7 @@ class Node:
                 Code.INVALID_ARGUMENT, f"session_id has {len(session_id)} bytes, expected {SESSION_ID_BYTES}"
             )
         key: RangeKey = (model_sha256, begin, end)
-        served = self.ranges.get(key)
+        served = self._held(key)
         if served is None or served.state != State.READY or served.sessions is None or served.client is None:
             raise WireError(Code.NOT_FOUND, f"this node does not serve {range_name(key)} READY")
         return served

@@ -87,6 +87,7 @@ class FakeTracker:
         self.refuse_hello: str | None = None
         self.public_key_override: bytes | None = None
         self.route_requests = 0
+        self.handouts_ended: list[list[int]] = []  # session_ended reports, in order
         self.lost_reports: list[str] = []
         self.avoided: list[list[str]] = []  # avoid_peers of each route request
         self.withdrawn: dict[str, str] = {}  # peers that failed integrity checks -> why
@@ -142,6 +143,9 @@ class FakeTracker:
             else:
                 route = self.routes[0] if len(self.routes) == 1 else self.routes.pop(0)
                 reply.route.CopyFrom(route)
+                reply.route.handout_id = self.route_requests  # a new one for every route handed out
+        elif kind == "session_ended":
+            self.handouts_ended.append(list(request.session_ended.handout_ids))
         return reply.SerializeToString()
 
 
@@ -324,6 +328,7 @@ async def test_greedy_generation_through_three_hops(swarm: Swarm) -> None:
     assert len({bytes(s.session_id) for s in first.steps}) == 1
     assert first.ended == [bytes(first.steps[0].session_id)]  # freed along the route
     assert all(not ack.error.code for n in swarm.nodes for ack in n.result_acks)
+    assert swarm.tracker.handouts_ended == [[swarm.tracker.route_requests]]  # its route counts no more
 
 
 async def test_a_prompt_longer_than_a_step_goes_in_chunks(swarm: Swarm) -> None:
@@ -540,6 +545,7 @@ async def test_replanning_moves_to_a_route_without_the_failed_peer(swarm: Swarm,
     assert list(resumed[0].token_ids) == [0, 1, 2, 3, 4] and list(resumed[0].positions) == [0, 1, 2, 3, 4]
     assert [list(s.positions) for s in resumed[1:]] == [[5], [6]]
     assert swarm.nodes[0].ended == sessions  # both sessions were ended
+    assert swarm.tracker.handouts_ended == [list(range(1, swarm.tracker.route_requests + 1))]  # every route it got
 
 
 # --- results that are not the client's to take ----------------------------------------------------

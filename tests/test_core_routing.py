@@ -116,3 +116,19 @@ def test_no_route_names_the_uncovered_blocks():
 def test_out_of_bounds_ranges_are_ignored():
     with pytest.raises(NoRoute, match=r"blocks \[0, 30\)"):
         plan_route("m", SHA, 30, [rr("A", 0, 31), rr("B", 5, 5)])
+
+
+def test_handouts_count_until_the_hops_report_them_or_their_owner_ends_them():
+    from agent.core.handouts import RouteHandouts
+
+    handouts = RouteHandouts(grace_s=2.0, horizon_s=60.0)
+    a = handouts.hand_out(10.0, ["p1", "p2"], requester="owner")
+    b = handouts.hand_out(11.0, ["p1"], requester="owner")
+    assert a != b
+    assert handouts.load(11.0, {}) == {"p1": 2, "p2": 1}
+    # p1's heartbeat sent 2 s after the first handout counts that session itself; not the second
+    assert handouts.load(12.5, {"p1": 12.5}) == {"p1": 1, "p2": 1}
+    assert handouts.end([a], requester="someone else") == 0  # only its owner may end it
+    assert handouts.end([a, 999], requester="owner") == 1
+    assert handouts.load(12.5, {}) == {"p1": 1}
+    assert handouts.load(71.5, {}) == {} and len(handouts) == 0  # past the horizon

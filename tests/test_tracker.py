@@ -626,6 +626,27 @@ async def test_routes_pack_onto_one_copy_until_it_is_full_and_follow_live_sessio
         assert (await client.call(route={"model": "tiny"})).route.hops[0].peer_id == spare.peer_id
 
 
+async def test_an_owner_ending_its_session_frees_its_route_at_once(autojump_clock, db_path):
+    """A route handed out counts on its hops until they report it, unless its owner reports
+    the session ended first (only its owner may): a short generation between two heartbeats
+    does not keep its route looking full."""
+    async with running_tracker(db_path) as h:
+        nodes = [h.peer(i) for i in (1, 2)]
+        for n in nodes:
+            await n.register()
+            await n.heartbeat(serving=[(0, 6)], total=1)  # one sequence each
+        owner, other = h.peer(3), h.peer(4)
+        first = (await owner.call(route={"model": "tiny"})).route
+        assert first.handout_id and first.hops[0].peer_id == min(n.peer_id for n in nodes)
+        assert (await other.call(session_ended={"handout_ids": [first.handout_id]})).session_ended.counted == 0
+        assert (await owner.call(session_ended={"handout_ids": [first.handout_id]})).session_ended.counted == 1
+        assert (await owner.call(session_ended={"handout_ids": [first.handout_id]})).session_ended.counted == 0
+        again = (await owner.call(route={"model": "tiny"})).route  # its copy is free again: no heartbeat needed
+        assert again.hops[0].peer_id == first.hops[0].peer_id and again.handout_id != first.handout_id
+        busy = (await owner.call(route={"model": "tiny"})).route  # not ended: that copy is full now
+        assert busy.hops[0].peer_id != first.hops[0].peer_id
+
+
 async def test_a_lost_peer_that_does_not_answer_a_probe_leaves_routes_at_once(autojump_clock, db_path):
     async with running_tracker(db_path) as h:
         nodes = [h.peer(i) for i in (1, 2)]

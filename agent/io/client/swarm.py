@@ -32,6 +32,7 @@ Must not hold a nursery on ``self``: the transport is opened by ``open_swarm_cli
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import os
@@ -82,6 +83,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: the route handouts of the generation running in this task (``generate_tokens``), reported
+#: to the tracker when it ends (``agent.core.handouts``)
+_GENERATION_HANDOUTS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("handouts", default=None)
+
 _NONCE_BYTES = 16
 
 
@@ -97,6 +102,8 @@ class SwarmClientConfig:
     ``route_poll_interval_s``: pause between two route requests while waiting for a route
     (and the first pause while waiting for a free sequence).
     ``queue_timeout_s``: how long a new generation waits for a free sequence on its route.
+    ``session_ended_timeout_s``: how long a finished generation spends telling the tracker its
+    routes carry it no more (best effort: the hops' next heartbeats say it anyway).
     ``prefill_chunk_tokens``: a prompt (or a re-prefill) longer than this goes in chunks of
     this many rows, one step each (at most the workers' batch: 512 by default).
     ``step_deadline_factor`` / ``min_step_deadline_s``: a decode step that takes longer than
@@ -113,6 +120,7 @@ class SwarmClientConfig:
     """
 
     request_timeout_s: float = 10.0
+    session_ended_timeout_s: float = 2.0
     step_timeout_s: float = 30.0
     replan_attempts: int = 1
     replan_wait_s: float = 20.0
@@ -514,6 +522,8 @@ class SwarmClient:
         route = reply.route
         if reply.WhichOneof("body") != "route" or not route.hops:
             raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, f"the route reply for {model!r} has no hops")
+        if route.handout_id and (handouts := _GENERATION_HANDOUTS.get()) is not None:
+            handouts.append(route.handout_id)
         if part is None:
             self._last_routes[model] = route
         return route
@@ -806,6 +816,44 @@ class SwarmClient:
 
         Resource handling / Cancellation: as ``generate``.
         """
+        handouts = [route.handout_id] if route is not None and route.handout_id else []
+        collecting = _GENERATION_HANDOUTS.set(handouts)  # route() adds the handouts it gets
+        try:
+            return await self._generate_tokens(
+                model, prompt_tokens, max_tokens=max_tokens, stop_tokens=stop_tokens, sampling=sampling,
+                seed=seed, on_token=on_token, route=route, queue_timeout_s=queue_timeout_s,
+            )  # fmt: skip
+        finally:
+            _GENERATION_HANDOUTS.reset(collecting)
+            with trio.CancelScope(shield=True):
+                await self._sessions_ended(handouts)
+
+    async def _sessions_ended(self, handout_ids: list[int]) -> None:
+        """Tell the tracker the routes handed out for a generation carry its session no more
+        (so it stops counting them at once, not at the hops' next heartbeats); best effort."""
+        if not handout_ids:
+            return
+        request = swarm_pb2.TrackerRequest(session_ended=swarm_pb2.SessionEndedRequest(handout_ids=handout_ids))
+        with trio.move_on_after(self.config.session_ended_timeout_s):
+            try:
+                await self._tracker(request)
+            except (SwarmError, TransportError) as error:
+                log.info("could not tell the tracker the session ended: %s", error)
+
+    async def _generate_tokens(
+        self,
+        model: str,
+        prompt_tokens: Sequence[int],
+        *,
+        max_tokens: int,
+        stop_tokens: Sequence[int] = (),
+        sampling: SamplingParams = SamplingParams(),
+        seed: int | None = None,
+        on_token: Callable[[int, np.ndarray, swarm_pb2.Route], Awaitable[bool]] | None = None,
+        route: swarm_pb2.Route | None = None,
+        queue_timeout_s: float | None = None,
+    ) -> GenerationResult:
+        """What ``generate_tokens`` does, with its route handouts collected by the caller."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if not prompt_tokens:

@@ -50,7 +50,6 @@ import hashlib
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -62,6 +61,7 @@ from agent._proto import swarm_pb2
 from agent.core import admission
 from agent.core.assignment import Assignment, ModelSpec, NodeCapacity, assign
 from agent.core.canary import CanaryPolicy, CanarySchedule, FailureAction, RangeKey, after_failure
+from agent.core.handouts import RouteHandouts
 from agent.core.heartbeat import admission_due, diff_assignment, read_report
 from agent.core.identity import peer_id_from_public_key
 from agent.core.liveness import Liveness
@@ -189,7 +189,8 @@ class Tracker:
         self._last_pass_ms: dict[tuple[str, str], int] = {}
         #: the verifier's totals (checks passed, failed, inconclusive; rows; time)
         self.verifier_stats = VerifierStats()
-        self._route_load: deque[tuple[float, tuple[str, ...]]] = deque()
+        #: routes handed out, counted on their hops until heartbeats show them or they end
+        self.handouts = RouteHandouts(config.route_handout_grace_s)
         #: peer id -> trio time of its last heartbeat (handed-out routes count until then)
         self._heard_at: dict[str, float] = {}
         #: peer id -> what its last heartbeat reported serving (live session counts for routes;
@@ -274,7 +275,7 @@ class Tracker:
                 raise _Refusal(
                     Code.INVALID_ARGUMENT,
                     "TrackerRequest has no body (expected one of register, heartbeat, route, list_models, "
-                    "client_hello, model_metadata, list_nodes, report_lost_peer, integrity, report_mismatch)",
+                    "client_hello, model_metadata, list_nodes, report_lost_peer, integrity, report_mismatch, session_ended)",
                 )
             reply = swarm_pb2.TrackerReply(schema_version=SCHEMA_VERSION)
             if kind == "register":
@@ -282,7 +283,10 @@ class Tracker:
             elif kind == "heartbeat":
                 reply.heartbeat.CopyFrom(self._heartbeat(remote_peer_id, request.heartbeat))
             elif kind == "route":
-                reply.route.CopyFrom(self._route(request.route))
+                reply.route.CopyFrom(self._route(remote_peer_id, request.route))
+            elif kind == "session_ended":
+                counted = self.handouts.end(request.session_ended.handout_ids, remote_peer_id)
+                reply.session_ended.CopyFrom(swarm_pb2.SessionEndedReply(counted=counted))
             elif kind == "list_models":
                 reply.list_models.CopyFrom(swarm_pb2.ListModelsReply(models=self.models()))
             elif kind == "model_metadata":
@@ -467,7 +471,7 @@ class Tracker:
             self._notify()
         return reply
 
-    def _route(self, request: swarm_pb2.RouteRequest) -> swarm_pb2.Route:
+    def _route(self, remote: str, request: swarm_pb2.RouteRequest) -> swarm_pb2.Route:
         if not request.model:
             raise _Refusal(Code.INVALID_ARGUMENT, "RouteRequest.model is empty (give an alias, name or sha256)")
         model = self.store.find_model(request.model)
@@ -507,7 +511,7 @@ class Tracker:
                 model.sha256,
                 model.n_layer,
                 ready,
-                load=self._load(),
+                load=self.handouts.load(trio.current_time(), self._heard_at),
                 hop_latency_s=self.config.hop_latency_s,
                 avoid=request.avoid_peers,
                 begin=request.begin,
@@ -516,13 +520,14 @@ class Tracker:
             )
         except NoRoute as error:
             raise _Refusal(Code.UNAVAILABLE, str(error)) from None
-        self._route_load.append((trio.current_time(), tuple(h.peer_id for h in plan.hops)))
+        handout_id = self.handouts.hand_out(trio.current_time(), [h.peer_id for h in plan.hops], remote)
         return swarm_pb2.Route(
             model_sha256=plan.model_sha256,
             n_layer=plan.n_layer,
             hops=[swarm_pb2.Hop(peer_id=h.peer_id, addrs=list(h.addrs), begin=h.begin, end=h.end) for h in plan.hops],
             recipe_hash=plan.recipe_hash,
             estimated_step_s=plan.estimated_step_s,
+            handout_id=handout_id,
         )
 
     async def _report_lost_peer(
@@ -795,20 +800,6 @@ class Tracker:
                 log.warning("model %s: %s", model.alias, refusal.message)
             else:
                 log.info("manifest of model %s ready", model.alias)
-
-    def _load(self) -> dict[str, int]:
-        """Routes handed out that the hops' own session counts may not show yet, per peer: each
-        counts until a heartbeat of the hop sent ``route_handout_grace_s`` after it."""
-        now = trio.current_time()
-        grace = self.config.route_handout_grace_s
-        while self._route_load and self._route_load[0][0] < now - max(grace, 60.0):
-            self._route_load.popleft()
-        load: dict[str, int] = {}
-        for handed_at, peers in self._route_load:
-            for peer in peers:
-                if self._heard_at.get(peer, float("-inf")) < handed_at + grace:
-                    load[peer] = load.get(peer, 0) + 1
-        return load
 
     def _live_sessions(self) -> dict[tuple[str, str, int, int], tuple[int, int]]:
         """(peer, model, begin, end) -> (sequences in use, sequences) as each node last

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -86,6 +87,25 @@ log = logging.getLogger(__name__)
 #: the route handouts of the generation running in this task (``generate_tokens``), reported
 #: to the tracker when it ends (``agent.core.handouts``)
 _GENERATION_HANDOUTS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("handouts", default=None)
+
+
+def _reporting_handouts(method):  # noqa: ANN001, ANN202 (SwarmClient.generate_tokens)
+    """Collect the route handouts a generation gets (``route()`` adds them) and report them
+    ended to the tracker when it ends, however it ends."""
+
+    @functools.wraps(method)
+    async def generate(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        route = kwargs.get("route")
+        handouts = [route.handout_id] if route is not None and route.handout_id else []
+        collecting = _GENERATION_HANDOUTS.set(handouts)
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            _GENERATION_HANDOUTS.reset(collecting)
+            with trio.CancelScope(shield=True):
+                await self._sessions_ended(handouts)
+
+    return generate
 
 _NONCE_BYTES = 16
 
@@ -782,6 +802,19 @@ class SwarmClient:
         result.text = text.text
         return result
 
+    async def _sessions_ended(self, handout_ids: list[int]) -> None:
+        """Tell the tracker the routes handed out for a generation carry its session no more
+        (so it stops counting them at once, not at the hops' next heartbeats); best effort."""
+        if not handout_ids:
+            return
+        request = swarm_pb2.TrackerRequest(session_ended=swarm_pb2.SessionEndedRequest(handout_ids=handout_ids))
+        with trio.move_on_after(self.config.session_ended_timeout_s):
+            try:
+                await self._tracker(request)
+            except (SwarmError, TransportError) as error:
+                log.info("could not tell the tracker the session ended: %s", error)
+
+    @_reporting_handouts
     async def generate_tokens(
         self,
         model: str,
@@ -814,46 +847,10 @@ class SwarmClient:
           ValueError: an empty prompt or ``max_tokens`` < 1.
           SwarmError / GenerationError: as ``generate``.
 
-        Resource handling / Cancellation: as ``generate``.
+        Resource handling / Cancellation: as ``generate``; however it ends, the tracker is
+        told which route handouts it got (``session_ended``), shielded, for at most
+        ``config.session_ended_timeout_s``.
         """
-        handouts = [route.handout_id] if route is not None and route.handout_id else []
-        collecting = _GENERATION_HANDOUTS.set(handouts)  # route() adds the handouts it gets
-        try:
-            return await self._generate_tokens(
-                model, prompt_tokens, max_tokens=max_tokens, stop_tokens=stop_tokens, sampling=sampling,
-                seed=seed, on_token=on_token, route=route, queue_timeout_s=queue_timeout_s,
-            )  # fmt: skip
-        finally:
-            _GENERATION_HANDOUTS.reset(collecting)
-            with trio.CancelScope(shield=True):
-                await self._sessions_ended(handouts)
-
-    async def _sessions_ended(self, handout_ids: list[int]) -> None:
-        """Tell the tracker the routes handed out for a generation carry its session no more
-        (so it stops counting them at once, not at the hops' next heartbeats); best effort."""
-        if not handout_ids:
-            return
-        request = swarm_pb2.TrackerRequest(session_ended=swarm_pb2.SessionEndedRequest(handout_ids=handout_ids))
-        with trio.move_on_after(self.config.session_ended_timeout_s):
-            try:
-                await self._tracker(request)
-            except (SwarmError, TransportError) as error:
-                log.info("could not tell the tracker the session ended: %s", error)
-
-    async def _generate_tokens(
-        self,
-        model: str,
-        prompt_tokens: Sequence[int],
-        *,
-        max_tokens: int,
-        stop_tokens: Sequence[int] = (),
-        sampling: SamplingParams = SamplingParams(),
-        seed: int | None = None,
-        on_token: Callable[[int, np.ndarray, swarm_pb2.Route], Awaitable[bool]] | None = None,
-        route: swarm_pb2.Route | None = None,
-        queue_timeout_s: float | None = None,
-    ) -> GenerationResult:
-        """What ``generate_tokens`` does, with its route handouts collected by the caller."""
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if not prompt_tokens:

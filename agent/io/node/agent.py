@@ -184,8 +184,8 @@ class NodeConfig:
       owner_max_share: the share of a range's sequences one owner may hold at once (at least
         one sequence): a peer sending step-0 frames cannot take a range from everyone else.
       batch_window_ms: how long a serving task waits after the first pending step for others
-        to join its batch (the other outputs of the upstream Forward arrive as separate pushes) (0: take what is queued; steps that arrive while the worker is busy
-        are merged anyway).
+        to join its batch: the other outputs of the upstream Forward arrive as separate pushes
+        (0: take what is queued; steps that arrive while the worker is busy are merged anyway).
       worker_ready_timeout_s, worker_stop_grace_s, worker_call_timeout_s: worker process start,
         SIGTERM grace, and the deadline of each worker call.
       worker_binary: the baton-worker binary (None: ``find_worker_binary()``).

@@ -9,7 +9,7 @@ import pytest
 
 from agent._proto import swarm_pb2
 from agent.core.node_sessions import SessionTable
-from agent.core.scheduler import StepScheduler, decode_group_cap, gather_wait_ms
+from agent.core.scheduler import StepScheduler, decode_group_cap, first_hop_decode, gather_wait_ms
 from agent.core.swarm_wire import WireError
 
 Code = swarm_pb2.Error.Code
@@ -105,11 +105,11 @@ def test_the_decode_group_cap_is_sessions_over_hops_plus_one_unless_told() -> No
 
 def test_a_capped_decode_forward_takes_the_oldest_steps_laid_out_by_key() -> None:
     scheduler = queue(64, 8, *((f"d{s}", s, 1) for s in (5, 2, 7, 0, 3, 6, 1, 4)))
-    assert scheduler.oldest_decode() == "d5" and len(scheduler) == 8, "peeking pops nothing"
+    assert scheduler.decode_waiting() == ("d5", 8) and len(scheduler) == 8, "peeking pops nothing"
     assert scheduler.next_batch(max_decode_entries=3) == ["d2", "d5", "d7"]  # the first three to arrive
     assert scheduler.next_batch(max_decode_entries=3) == ["d0", "d3", "d6"]
     assert scheduler.next_batch(max_decode_entries=3) == ["d1", "d4"]
-    assert scheduler.next_batch(max_decode_entries=3) == [] and scheduler.oldest_decode() is None
+    assert scheduler.next_batch(max_decode_entries=3) == [] and scheduler.decode_waiting() == (None, 0)
     # the worker's sequence count still bounds an uncapped or larger cap
     scheduler = queue(64, 2, ("a", 0, 1), ("b", 1, 1), ("c", 2, 1))
     assert scheduler.next_batch(max_decode_entries=5) == ["a", "b"]
@@ -123,8 +123,9 @@ def test_the_decode_cap_leaves_prefill_forwards_alone() -> None:
         scheduler.push(f"p{s}", session=s, n_rows=16)
     for s in (3, 4, 5):
         scheduler.push(f"d{s}", session=s, n_rows=1)
-    assert scheduler.oldest_decode() == "d3", "the oldest decode step, behind the chunks"
+    assert scheduler.decode_waiting() == (None, 0), "the chunks go first: no decode Forward next"
     assert scheduler.next_batch(max_decode_entries=1) == ["p0", "p1", "p2"]  # every chunk of its length
+    assert scheduler.decode_waiting() == ("d3", 3)
     assert scheduler.next_batch(max_decode_entries=1) == ["d3"]
     scheduler.push("p0'", session=0, n_rows=16)
     assert scheduler.next_batch(max_decode_entries=1) == ["p0'"]  # still every other Forward
@@ -372,14 +373,24 @@ def test_a_first_hop_gathers_a_decode_group_for_at_most_its_window() -> None:
     assert gather_wait_ms(waiting_decode=1, group_size=4, waited_ms=0.0, window_ms=0.0) == 0.0, "off"
 
 
-def test_decode_next_counts_the_decode_steps_of_the_next_forward_only() -> None:
+def test_decode_waiting_counts_the_decode_steps_of_the_next_forward_only() -> None:
     s: StepScheduler[str] = StepScheduler(n_batch_max=64, max_entries=8)
-    assert s.decode_next() == 0
+    assert s.decode_waiting() == (None, 0)
     s.push("d1", session=1, n_rows=1)
     s.push("d2", session=2, n_rows=1)
     s.push("d2'", session=2, n_rows=1)  # behind its session's previous step
-    assert s.decode_next() == 2
+    assert s.decode_waiting() == ("d1", 2)
     s.push("p3", session=3, n_rows=16)
-    assert s.decode_next() == 0, "after a decode Forward (none yet counts as one), the prompt goes first"
+    assert s.decode_waiting() == (None, 0), "after a decode Forward (none yet counts as one), the prompt goes first"
     assert s.next_batch() == ["p3"]
-    assert s.decode_next() == 2
+    assert s.decode_waiting() == ("d1", 2)
+
+
+def test_only_a_first_hop_caps_and_holds_its_decode_forwards() -> None:
+    plan = dict(live_sessions=8, route_hops=3, groups=None, waiting=1, waited_ms=5.0, window_ms=20.0)
+    assert first_hop_decode(begin=0, **plan) == (2, 15.0)  # 4 groups of 2; one waits: hold the rest of 20 ms
+    assert first_hop_decode(begin=0, **{**plan, "waiting": 2}) == (2, 0.0)  # its group is there
+    assert first_hop_decode(begin=0, **{**plan, "window_ms": 0.0}) == (2, 0.0)  # gathering off
+    assert first_hop_decode(begin=10, **plan) == (None, 0.0)  # a later hop takes what arrives
+    assert first_hop_decode(begin=0, **{**plan, "waiting": 0}) == (None, 0.0)  # no decode Forward next
+    assert first_hop_decode(begin=0, **{**plan, "groups": 0}) == (None, 0.0)  # groups off

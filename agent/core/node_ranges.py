@@ -31,6 +31,7 @@ from collections.abc import Iterable, Iterator
 from agent._proto import swarm_pb2
 
 __all__ = [
+    "Action",
     "FailPending",
     "HeartbeatNow",
     "Ignored",
@@ -145,10 +146,6 @@ class RangeBook:
         if entry is not None and entry.epoch == epoch:
             return entry
         return self._stopping.get((key, epoch))
-
-    def serving(self, key: RangeKey) -> bool:
-        entry = self._entries.get(key)
-        return entry is not None and entry.state == State.READY
 
     # --- directives -------------------------------------------------------------------
 

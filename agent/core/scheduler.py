@@ -67,7 +67,7 @@ from typing import Any, Generic, TypeVar
 
 from .batching import is_prefill
 
-__all__ = ["StepScheduler", "decode_group_cap", "gather_wait_ms"]
+__all__ = ["StepScheduler", "decode_group_cap", "first_hop_decode", "gather_wait_ms"]
 
 T = TypeVar("T")
 
@@ -107,6 +107,21 @@ def gather_wait_ms(waiting_decode: int, group_size: int, waited_ms: float, windo
     if window_ms <= 0 or waiting_decode >= group_size:
         return 0.0
     return max(0.0, window_ms - waited_ms)
+
+
+def first_hop_decode(
+    *, begin: int, live_sessions: int, route_hops: int, groups: int | None, waiting: int, waited_ms: float, window_ms: float
+) -> tuple[int | None, float]:
+    """``(cap, hold_ms)`` for a range's next decode Forward: only a first hop (``begin`` 0)
+    caps it (``decode_group_cap``; None: no cap) and may hold it ``hold_ms`` longer for its
+    group to gather (``gather_wait_ms``; 0: run it now). ``waiting``: the decode steps it
+    would choose from (0: the next Forward is no decode one)."""
+    if begin != 0 or not waiting:
+        return None, 0.0
+    cap = decode_group_cap(live_sessions, route_hops, groups)
+    if cap is None:
+        return None, 0.0
+    return cap, gather_wait_ms(waiting, cap, waited_ms, window_ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,19 +195,16 @@ class StepScheduler(Generic[T]):
                 eligible.append(pending)
         return eligible
 
-    def decode_next(self) -> int:
-        """The decode steps the next Forward would choose from (0: it is a prefill Forward,
-        or nothing waits)."""
+    def decode_waiting(self) -> tuple[T | None, int]:
+        """``(oldest, count)``: the oldest decode step the next Forward would take (not
+        popped) and how many decode steps it would choose from; ``(None, 0)`` when the next
+        Forward is a prefill one or nothing waits. The node reads the oldest step's route
+        for ``first_hop_decode``."""
         eligible = self._eligible()
         decode = [p for p in eligible if not p.prefill]
-        if any(p.prefill for p in eligible) and (not decode or not self._last_was_prefill):
-            return 0
-        return len(decode)
-
-    def oldest_decode(self) -> T | None:
-        """The oldest decode step a decode Forward would take now (it is not popped), or None:
-        the shell reads its route to compute ``max_decode_entries``."""
-        return next((p.item for p in self._eligible() if not p.prefill), None)
+        if not decode or (len(decode) < len(eligible) and not self._last_was_prefill):
+            return None, 0
+        return decode[0].item, len(decode)
 
     def next_batch(self, max_decode_entries: int | None = None) -> list[T]:
         """Pop the steps of the next Forward (empty when nothing is pending), chosen by the

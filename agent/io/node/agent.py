@@ -74,6 +74,7 @@ from agent.core.node_policy import (
     range_not_ready,
 )
 from agent.core.node_ranges import (
+    Action,
     FailPending,
     HeartbeatNow,
     Ignored,
@@ -85,7 +86,7 @@ from agent.core.node_ranges import (
     range_name,
 )
 from agent.core.node_sessions import NodeSession, SessionTable
-from agent.core.scheduler import StepScheduler, decode_group_cap, gather_wait_ms
+from agent.core.scheduler import StepScheduler, first_hop_decode
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -596,7 +597,7 @@ class Node:
             if served.state == State.READY and served.handle is not None and (reason := self._exit_reason(served.handle)):
                 self._perform(self.book.worker_exited(served.key, served.entry.epoch, reason), nursery)
 
-    def _perform(self, actions: list, nursery: trio.Nursery) -> None:  # noqa: ANN001 (node_ranges.Action)
+    def _perform(self, actions: list[Action], nursery: trio.Nursery) -> None:
         """Do what the range book decided."""
         for action in actions:
             if isinstance(action, StartRange):
@@ -791,19 +792,19 @@ class Node:
                         log.warning("%s: could not free sequence %d: %s", range_name(served.key), seq_id, err)
                         continue  # not reused: it may still hold positions
                 sessions.release(seq_id)
-            max_decode = None
-            if served.key[1] == 0 and (oldest := scheduler.oldest_decode()) is not None:
-                route_hops = len(oldest[1].rest) + 1
-                max_decode = decode_group_cap(len(sessions), route_hops, self.config.decode_groups)
-                if max_decode is not None and (waiting := scheduler.decode_next()):
-                    now_s = trio.current_time()
-                    gather_since_s = now_s if gather_since_s is None else gather_since_s
-                    wait_ms = gather_wait_ms(waiting, max_decode, (now_s - gather_since_s) * 1000, self.config.decode_gather_ms)
-                    if wait_ms > 0:
-                        served.wakeup = trio.Event()
-                        with trio.move_on_after(wait_ms / 1000):
-                            await served.wakeup.wait()  # another step arrived: count again
-                        continue
+            oldest, waiting = scheduler.decode_waiting()
+            now_s = trio.current_time()
+            gather_since_s = now_s if gather_since_s is None else gather_since_s
+            max_decode, hold_ms = first_hop_decode(
+                begin=served.key[1], live_sessions=len(sessions), route_hops=len(oldest[1].rest) + 1 if oldest else 0,
+                groups=self.config.decode_groups, waiting=waiting, waited_ms=(now_s - gather_since_s) * 1000,
+                window_ms=self.config.decode_gather_ms,
+            )  # fmt: skip
+            if hold_ms > 0:
+                served.wakeup = trio.Event()
+                with trio.move_on_after(hold_ms / 1000):
+                    await served.wakeup.wait()  # another step arrived: count again
+                continue
             gather_since_s = None
             batch = scheduler.next_batch(max_decode_entries=max_decode)
             if not batch:

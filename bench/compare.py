@@ -657,6 +657,12 @@ def bench_rpc(
 
 
 FORWARD_ALL = "Forward call, all of it (encode to decode)"
+HANDOFF = "hand-off to a call thread"
+HANDBACK = "hand-back to the trio task"
+HANDLER = "step handler: parse, admission check, validate, queue"
+WAKE = "wake the serving task"
+BUILD = "build + serialize the next message"
+START_PUSH = "start the push task"
 NODE_ALL = "in the node, all of it (step handler to the next request)"
 LINK_ALL = "one way, all of it"
 
@@ -679,16 +685,16 @@ def profile_markdown(report: dict) -> str:
         (
             f"Traced: {prof['generations']} more generations on the 3-split swarm after the measured runs "
             f"({prof['steps']} decode steps; medians below, ms), with `bench/hop_trace.py`: monotonic timestamps "
-            "(one clock for all processes) around the node's step handler, the worker Forward (encode, grpc "
-            "`future()`, thread hand-off, wait, decode), the push, `P2PTransport.request` and the frame reads and "
-            "writes, installed at run time into the node processes (nothing in `agent/` is changed; a hook costs "
+            "(one clock for all processes) around the node's step handler, the worker Forward (encode, call-thread "
+            "hand-off, the blocking gRPC call, decode), the push, the channel's `request()`, frame writes and "
+            "frame reads (libp2p's too, for a message that falls back to it), installed at run time into the node processes (nothing in `agent/` is changed; a hook costs "
             f"a few µs). Client-seen decode step: **{prof['total_ms']:.2f} ms**; the links and nodes below add "
             f"up to {prof['sum_of_stages_ms']:.2f} ms of it."
         ),
         "",
         (
-            "In each node (the worker computes from the moment grpc starts the call, so compute overlaps the rows "
-            "from `future()` to the wait; the last-but-two row is the whole Forward call):"
+            "In each node (the worker computes inside the blocking gRPC call; the last-but-three row is the whole "
+            "Forward call):"
         ),
         "",
     ]
@@ -705,7 +711,7 @@ def profile_markdown(report: dict) -> str:
         )
     lines += compare_report.table(header, rows)
     names = ["client -> hop 1"] + [f"hop {i} -> hop {i + 1}" for i in range(1, n)] + [f"hop {n} -> client (logits)"]
-    lines += ["", "Each libp2p message (sender's `request()` to the receiver's handler):", ""]
+    lines += ["", "Each message (sender's `request()` to the receiver's handler; the direct channel unless it fell back to libp2p):", ""]
     rows = [
         [stage] + [f"{link[stage]:.3f}" if stage in link else "—" for link in links]
         for stage, _a, _b in hop_trace.LINK_STAGES
@@ -714,8 +720,10 @@ def profile_markdown(report: dict) -> str:
 
     node_ms = [h.get(NODE_ALL, 0.0) for h in hops]
     forward_ms = [h.get(FORWARD_ALL, 0.0) for h in hops]
-    start_ms = [h.get("grpc future(): start the call (on the event loop)", 0.0) for h in hops]
-    handler_ms = [h.get("step handler: parse, admission check (Ed25519), validate, queue", 0.0) for h in hops]
+    handoff_ms = [h.get(HANDOFF, 0.0) + h.get(HANDBACK, 0.0) for h in hops]
+    handler_ms = [h.get(HANDLER, 0.0) for h in hops]
+    wake_ms = [h.get(WAKE, 0.0) for h in hops]
+    build_ms = [h.get(BUILD, 0.0) + h.get(START_PUSH, 0.0) for h in hops]
     link_ms = [link.get(LINK_ALL, 0.0) for link in links]
     one_block = report.get("extra", {}).get("one_block", {})
     transport = report.get("transport", {}).get("results", {})
@@ -729,7 +737,7 @@ def profile_markdown(report: dict) -> str:
                 "cutting the model: more Forward calls (3 range workers chained directly, no swarm, vs unsplit)",
                 (chain_ms - unsplit_ms) / n,
             ),
-            ("libp2p: the messages of a step (client -> hop 1 -> ... -> client)", sum(link_ms) / n),
+            ("the messages of a step, one way each (client -> hop 1 -> ... -> client)", sum(link_ms) / n),
             ("node agent outside the Forward call (handler, wake-up, push)", (sum(node_ms) - sum(forward_ms)) / n),
             ("Forward call inside a node vs the same call made directly", (sum(forward_ms) - sum(forward_direct)) / n),
         ]
@@ -747,57 +755,45 @@ def profile_markdown(report: dict) -> str:
         ]
         lines += compare_report.table(["part", "ms per hop"], [[k, f"{v:.2f}"] for k, v in parts])
 
+    def listed(values: list[float]) -> str:
+        return ", ".join(f"{v:.2f}" for v in values)
+
     lines += ["", "Reading it (numbers from this run):"]
     if one_block:
         fixed = one_block["forward_ms"]["median"]
         lines.append(
             f"- A Forward has a fixed cost: a worker holding one block answers a decode Forward in {fixed:.2f} ms "
-            "(Python encode/decode, grpc over the Unix socket, the thread hand-offs, the worker's own per-call work, "
-            "plus one block). Every extra range pays it again; a llama.cpp RPC hop costs "
+            "(Python encode/decode, gRPC over the Unix socket, the call-thread hand-offs, the worker's own per-call "
+            "work, plus one block). Every extra range pays it again"
             + (
-                f"{compare_report.derive(systems)['rpc_3']['per_hop_overhead_ms']['median']:.2f} ms in all."
+                f"; a llama.cpp RPC hop costs {compare_report.derive(systems)['rpc_3']['per_hop_overhead_ms']['median']:.2f} ms in all."
                 if "rpc_3" in systems and "llama_bench" in systems
-                else "less."
+                else "."
             )
         )
     if len(forward_direct) == n:
         extra_fwd = sum(forward_ms) - sum(forward_direct)
         lines.append(
-            f"- The three Forward calls take {sum(forward_ms):.2f} ms in the nodes against {sum(forward_direct):.2f} ms "
-            f"when the same workers are called directly from one process ({extra_fwd / n:+.2f} ms per hop): the "
-            "worker call itself is not where a node loses time."
+            f"- The {n} Forward calls take {sum(forward_ms):.2f} ms in the nodes against {sum(forward_direct):.2f} ms "
+            f"when the same workers are called directly from one process ({extra_fwd / n:+.2f} ms per hop); of a "
+            f"node's call, the hand-off to the call thread and back is {listed(handoff_ms)} ms."
         )
     lines.append(
-        f"- libp2p, one way: {', '.join(f'{v:.2f}' for v in link_ms)} ms ({sum(link_ms):.2f} ms per step). Most of "
-        "a small message's time is py-libp2p's Python on both sides (write: yamux + Noise; then the receiver's "
-        "read loop until the frame is readable)"
+        f"- The messages, one way (request() to the receiver's handler): {listed(link_ms)} ms "
+        f"({sum(link_ms):.2f} ms per step)"
         + (
-            f"; plain TCP with the same framing does an 8 KiB round trip in {transport['8KiB']['tcp']['median_ms']:.3f} ms, "
-            f"libp2p in {transport['8KiB']['libp2p']['median_ms']:.3f} ms."
-            if transport
+            f"; a whole 8 KiB round trip on the channel alone takes {transport['8KiB']['channel']['median_ms']:.3f} ms "
+            f"and on plain TCP {transport['8KiB']['tcp']['median_ms']:.3f} ms, so most of a message's time in the "
+            "swarm is the receiving process waking up and getting to it while it (or the other processes on these "
+            "2 cores) is busy, not the wire."
+            if transport.get("8KiB", {}).get("channel")
             else "."
         )
     )
-    if len(link_ms) >= 3:
-        inner = sorted(link_ms[1:-1])[len(link_ms[1:-1]) // 2]
-        lines.append(
-            f"- The last message carries the whole f32 logits row ({report['model'].get('n_vocab', 0) * 4 / 1024:.0f} KiB) "
-            f"to the client: {link_ms[-1]:.2f} ms against {inner:.2f} ms for a boundary row between hops. Sending "
-            f"top-k (DESIGN.md allows it) would save about {link_ms[-1] - inner:.2f} ms per step "
-            f"({(link_ms[-1] - inner) / n:.2f} ms per hop at {n} hops)."
-        )
     lines.append(
-        f"- Step handler: {', '.join(f'{v:.2f}' for v in handler_ms)} ms per hop; about half is checking the "
-        "sender's admission (an Ed25519 verify of the same admission bytes on every step"
-        + (f", {one_block['ed25519_verify_us']:.0f} µs each" if one_block.get("ed25519_verify_us") else "")
-        + "; the client verifies every result too), most of the rest `validate_step` (numpy finite/min/max checks)."
-    )
-    lines.append(
-        f"- grpc's `future()` (`WorkerClient.start_call`, run on the trio thread by `AsyncWorkerClient.call`) "
-        f"takes {', '.join(f'{v:.2f}' for v in start_ms)} ms per hop with the node's event loop blocked: grpcio "
-        "starts a new channel-polling thread for every call made while no other call is in flight, and waits "
-        "for it to start. For one session this hides behind the worker's compute (the request is sent first), "
-        "but meanwhile the node acks, reads and queues nothing."
+        f"- In the node, outside the Forward: the step handler {listed(handler_ms)} ms (protobuf parse, the "
+        "sender's admission, already verified once, `validate_step`'s row checks, queueing), waking the serving "
+        f"task {listed(wake_ms)} ms, and starting the push and building the next message {listed(build_ms)} ms."
     )
     if prof.get("missing_hooks"):
         lines.append(f"- Hooks not installed (renamed methods?): {', '.join(prof['missing_hooks'])}.")

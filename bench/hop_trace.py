@@ -1,8 +1,9 @@
 """Timestamps inside the swarm's hot path, for ``bench/compare.py``'s "Where the time goes".
 
 Owns: wrapping (at run time, without editing ``agent``) the calls one step goes through —
-the node's step handler, the worker Forward (encode, thread hand-off, gRPC + compute, decode),
-the push to the next hop and the libp2p request — so that each records a monotonic timestamp
+the node's step handler, the worker Forward (encode, call-thread hand-off, gRPC + compute,
+decode), the push to the next hop and the message itself (the direct channel's request, frame
+write and frame read; libp2p's when a message falls back to it) — so that each records a monotonic timestamp
 (``time.perf_counter_ns``: CLOCK_MONOTONIC, one clock for every process on the machine);
 switching recording on (SIGUSR1) and dumping it to ``$BATON_BENCH_TRACE_DIR/trace-<pid>.json``
 (SIGUSR2); and ``step_breakdown``, which joins the client's and the nodes' events into
@@ -109,8 +110,14 @@ def _is_step_or_result(_self, _peer_id, _addrs, protocol_id, payload, *a, **k): 
 
 
 def _install_transport_hooks() -> None:
-    from agent.io import p2p
+    """The step and result messages on both paths: the direct channel (its ``request``, the
+    frame write, and the frame reader taking in what TLS decrypted) and libp2p (the fallback)."""
+    from agent.core import frames
+    from agent.io import channel, p2p
 
+    _wrap(channel.ChannelTransport, "request", "req", when=_is_step_or_result)
+    _wrap(channel._Connection, "send_frame", "wr", when=lambda _self, _header, payload: len(payload))
+    _wrap(frames.FrameReader, "feed", "rd")
     _wrap(p2p.P2PTransport, "request", "req", when=_is_step_or_result)
     framed = getattr(p2p, "_FramedStream", None)
     if framed is None:
@@ -121,6 +128,9 @@ def _install_transport_hooks() -> None:
 
 
 def install_worker_hooks() -> None:
+    """The worker Forward: the async call (encode, the exchange, decode), the exchange itself
+    (the Forward stream's, or the gRPC call's), and with gRPC the blocking call on the client's
+    call thread (``WorkerClient.blocking_call``: gRPC + the worker's compute)."""
     from agent.io import worker_client
 
     _wrap(worker_client.AsyncWorkerClient, "forward", "fwd")
@@ -130,17 +140,12 @@ def install_worker_hooks() -> None:
         "call",
         when=lambda _s, method, *a, **k: 1 if method == "Forward" else None,
     )
+    _wrap(worker_client._ForwardStream, "exchange", "call")
     _wrap(
         worker_client.WorkerClient,
-        "start_call",
-        "start",
-        when=lambda _s, method, *a, **k: 1 if method == "Forward" else None,
-    )
-    _wrap(
-        worker_client.WorkerClient,
-        "finish_call",
+        "blocking_call",
         "thr",
-        when=lambda method, *a, **k: 1 if method == "Forward" else None,
+        when=lambda _s, method, *a, **k: 1 if method == "Forward" else None,
     )
 
 
@@ -213,13 +218,13 @@ def load_dumps(directory: Path) -> list[dict]:
 #: the moment the gRPC call is started, so compute overlaps the stages from "start the call"
 #: to "wait for the reply"; "Forward call, all of it" is their sum.
 NODE_STAGES = (
-    ("step handler: parse, admission check (Ed25519), validate, queue", "accept_in", "accept_out"),
+    ("step handler: parse, admission check, validate, queue", "accept_in", "accept_out"),
     ("wake the serving task", "accept_out", "fwd_in"),
     ("encode the Forward request", "fwd_in", "call_in"),
-    ("grpc future(): start the call (on the event loop)", "start_in", "start_out"),
-    ("hand-off to a thread (trio.to_thread)", "start_out", "thr_in"),
-    ("wait for the reply in the thread", "thr_in", "thr_out"),
-    ("hand-back from the thread", "thr_out", "call_out"),
+    ("the worker exchange: send, worker compute, reply (Forward stream or gRPC)", "call_in", "call_out"),
+    ("hand-off to a call thread", "call_in", "thr_in"),
+    ("blocking gRPC call on that thread (worker compute + gRPC)", "thr_in", "thr_out"),
+    ("hand-back to the trio task", "thr_out", "call_out"),
     ("decode the Forward reply", "call_out", "fwd_out"),
     ("Forward call, all of it (encode to decode)", "fwd_in", "fwd_out"),
     ("start the push task", "fwd_out", "push_in"),
@@ -227,12 +232,13 @@ NODE_STAGES = (
     ("in the node, all of it (step handler to the next request)", "step_in", "req_in"),
 )
 
-#: (stage, from event, to event) of one libp2p message: sender's events, then receiver's
+#: (stage, from event, to event) of one message (channel or libp2p): sender's events, then
+#: the receiver's
 LINK_STAGES = (
     ("sender: request() until the frame write", "req_in", "wr_in"),
-    ("sender: write the frame (yamux, Noise, socket)", "wr_in", "wr_out"),
-    ("kernel + receiver's libp2p until the frame is read", "wr_out", "rd_in"),
-    ("receiver: read the frame", "rd_in", "rd_out"),
+    ("sender: write the frame (encrypt, socket)", "wr_in", "wr_out"),
+    ("kernel, wake-up and decrypt until the frame reader has it", "wr_out", "rd_in"),
+    ("receiver: take the frame in", "rd_in", "rd_out"),
     ("receiver: hand it to the handler", "rd_out", "handler_in"),
     ("one way, all of it", "req_in", "handler_in"),
 )

@@ -180,8 +180,6 @@ def test_step_breakdown_joins_client_and_node_events():
             "accept_out",
             "fwd_in",
             "call_in",
-            "start_in",
-            "start_out",
             "thr_in",
             "thr_out",
             "call_out",
@@ -196,29 +194,29 @@ def test_step_breakdown_joins_client_and_node_events():
             for i, name in enumerate(names)
         ]
         # an ack (2 bytes) written between the Forward and the push must not count as the request
-        events.insert(13, ((start_ms * 2 + 12) * ms // 2, "wr_in", 2))
+        events.insert(11, ((start_ms * 2 + 10) * ms // 2, "wr_in", 2))
         return {"pid": start_ms, "events": sorted(events, key=lambda e: e[0])}
 
-    # events every 0.5 ms: hop 1 reads at 102 ms, handles at 103, requests at 109 (write ends 110);
-    # hop 2 reads at 111, handles at 112, requests at 118 (write ends 119)
+    # events every 0.5 ms: hop 1 reads at 102 ms, handles at 103, requests at 108 (write ends 109);
+    # hop 2 reads at 111, handles at 112, requests at 117 (write ends 118)
     dumps = [node(111, 196_000), node(102, 3000)]  # in no particular order
     out = hop_trace.step_breakdown(client, dumps)
     assert out["steps"] == 1
     assert len(out["hops"]) == 2 and len(out["links"]) == 3
     link0, link1, back = out["links"]
-    assert link0["sender: write the frame (yamux, Noise, socket)"] == pytest.approx(1.0)
-    assert link0["kernel + receiver's libp2p until the frame is read"] == pytest.approx(1.0)
+    assert link0["sender: write the frame (encrypt, socket)"] == pytest.approx(1.0)
+    assert link0["kernel, wake-up and decrypt until the frame reader has it"] == pytest.approx(1.0)
     assert link0["one way, all of it"] == pytest.approx(3.0)  # 100 -> step_in at 103
-    assert link1["one way, all of it"] == pytest.approx(112 - 109)
-    assert link1["sender: request() until the frame write"] == pytest.approx(0.5)  # not the ack's write at 108
-    assert back["receiver: read the frame"] == pytest.approx(1.0)
-    assert back["one way, all of it"] == pytest.approx(122 - 118)
+    assert link1["one way, all of it"] == pytest.approx(112 - 108)
+    assert link1["sender: request() until the frame write"] == pytest.approx(0.5)  # not the ack's write at 107
+    assert back["receiver: take the frame in"] == pytest.approx(1.0)
+    assert back["one way, all of it"] == pytest.approx(122 - 117)
     hop = out["hops"][0]
-    assert hop["grpc future(): start the call (on the event loop)"] == pytest.approx(0.5)
-    assert hop["Forward call, all of it (encode to decode)"] == pytest.approx(3.5)
-    assert hop["in the node, all of it (step handler to the next request)"] == pytest.approx(6.0)
+    assert hop["blocking gRPC call on that thread (worker compute + gRPC)"] == pytest.approx(0.5)
+    assert hop["Forward call, all of it (encode to decode)"] == pytest.approx(2.5)
+    assert hop["in the node, all of it (step handler to the next request)"] == pytest.approx(5.0)
     assert out["total_ms"] == pytest.approx(22.0)
-    assert out["sum_of_stages_ms"] == pytest.approx(3 + 6 + 3 + 6 + 4)
+    assert out["sum_of_stages_ms"] == pytest.approx(3 + 5 + 4 + 5 + 5)
 
 
 def test_forward_times_per_range_skip_the_prefill():

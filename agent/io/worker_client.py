@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 import outcome
 import trio
 
@@ -474,6 +475,79 @@ class _CallThreads:
             self._jobs.put(None)
 
 
+_STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+_PREFIX_BYTES = 4  # the Forward stream's frame prefix: a little-endian u32 length
+
+
+class _ForwardStream:
+    """Forward over the worker's Forward stream (``--forward-socket``; protocol/worker.proto,
+    ``ForwardStreamReply``): one Unix-socket connection that a trio task awaits directly.
+
+    Why: the gRPC call hands each Forward to a call thread and back (two wake-ups, ~0.35 ms
+    a step in bench/results/compare.md's trace) and pays gRPC's per-call work on both sides;
+    here the task writes a frame and sleeps in the event loop until the reply frame is read.
+
+    One Forward at a time (a lock; the worker runs one at a time anyway), replies in order.
+    A call that times out, is cancelled or sees the connection break closes the connection
+    (a late reply must not be read as the next call's), and the next call connects again.
+    """
+
+    def __init__(self, path: str, max_reply_bytes: int) -> None:
+        self.path = path
+        self.max_reply_bytes = max_reply_bytes
+        self._lock = trio.Lock()
+        self._stream: trio.SocketStream | None = None
+        self._buffer = bytearray()
+
+    async def _read_exactly(self, stream: trio.SocketStream, n: int) -> bytes:
+        while len(self._buffer) < n:
+            data = await stream.receive_some(max(65536, n - len(self._buffer)))
+            if not data:
+                raise trio.BrokenResourceError("the worker closed the Forward stream")
+            self._buffer += data
+        out = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return out
+
+    async def exchange(self, request: worker_pb2.ForwardRequest, timeout_s: float) -> worker_pb2.ForwardReply:
+        data = request.SerializeToString()
+        async with self._lock:
+            ok = False
+            try:
+                with trio.fail_after(timeout_s):
+                    if self._stream is None:
+                        self._stream = await trio.open_unix_socket(self.path)
+                        self._buffer.clear()
+                    stream = self._stream
+                    await stream.send_all(len(data).to_bytes(_PREFIX_BYTES, "little") + data)
+                    size = int.from_bytes(await self._read_exactly(stream, _PREFIX_BYTES), "little")
+                    if size > self.max_reply_bytes:
+                        raise WorkerError(
+                            "RESOURCE_EXHAUSTED",
+                            f"a Forward stream reply of {size} bytes is over {self.max_reply_bytes}",
+                            method="Forward",
+                        )
+                    frame = worker_pb2.ForwardStreamReply.FromString(await self._read_exactly(stream, size))
+                ok = True
+            except trio.TooSlowError:
+                raise WorkerError("DEADLINE_EXCEEDED", f"no Forward reply within {timeout_s} s", method="Forward") from None
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+                raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
+            except DecodeError:
+                raise WorkerError("INTERNAL", "the Forward stream reply does not parse", method="Forward") from None
+            finally:
+                if not ok:
+                    await self.close()
+        if frame.code:
+            raise WorkerError(_STATUS_NAMES.get(frame.code, "UNKNOWN"), frame.message, method="Forward")
+        return frame.reply
+
+    async def close(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            await trio.aclose_forcefully(stream)
+
+
 def _outcome(result: tuple[bool, Any]) -> Any:
     ok, value = result
     return outcome.Value(value) if ok else outcome.Error(value)
@@ -498,9 +572,19 @@ class AsyncWorkerClient:
       a later reply, or remove the sequences).
     """
 
-    def __init__(self, socket_path: str, config: ClientConfig | None = None, *, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        config: ClientConfig | None = None,
+        *,
+        timeout_s: float | None = None,
+        forward_socket_path: str | None = None,
+    ) -> None:
         self.sync = WorkerClient(socket_path, config, timeout_s=timeout_s)
         self._threads = _CallThreads(self.sync.config.call_threads)
+        self._stream = (
+            _ForwardStream(forward_socket_path, self.sync.config.max_message_bytes) if forward_socket_path else None
+        )
 
     @property
     def socket_path(self) -> str:
@@ -513,6 +597,8 @@ class AsyncWorkerClient:
     async def aclose(self) -> None:
         self._threads.close()
         self.sync.close()
+        if self._stream is not None:
+            await self._stream.close()
         await trio.lowlevel.checkpoint()
 
     async def __aenter__(self) -> AsyncWorkerClient:
@@ -540,8 +626,14 @@ class AsyncWorkerClient:
         )
 
     async def forward(self, entries: Sequence[SeqInput], *, timeout_s: float | None = None) -> list[SeqOutput]:
+        """One Forward: over the Forward stream when the worker has one, else the gRPC call
+        (the same request, reply and errors either way)."""
         info = self.cached_info or await self.info(timeout_s=timeout_s)
-        reply = await self.call("Forward", forward_request(entries, info), timeout_s)
+        request = forward_request(entries, info)
+        if self._stream is not None:
+            reply = await self._stream.exchange(request, self.sync.config.timeout_s if timeout_s is None else timeout_s)
+        else:
+            reply = await self.call("Forward", request, timeout_s)
         return forward_outputs(reply, info)
 
     async def remove_sequence(self, seq_id: int, *, timeout_s: float | None = None) -> int:

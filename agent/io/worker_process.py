@@ -245,6 +245,7 @@ async def open_worker(
     poll_s: float = 0.1,
     client_config: ClientConfig | None = None,
     binary: str | os.PathLike | None = None,
+    forward_stream: bool = True,
 ) -> AsyncIterator[WorkerHandle]:
     """Start a worker for blocks ``[begin, end)`` of ``model_path`` and wait until it is ready.
 
@@ -266,6 +267,8 @@ async def open_worker(
       poll_s: the longest pause between two readiness probes.
       client_config: deadlines and limits of the gRPC client.
       binary: the worker binary; default ``find_worker_binary()``.
+      forward_stream: also start the worker's Forward stream (``forward.sock`` in the temp
+        dir) and send Forward over it (``AsyncWorkerClient``); False: Forward over gRPC.
 
     Yields:
       A ``WorkerHandle`` with ``.client`` (``AsyncWorkerClient``), ``.info`` (its Info),
@@ -297,6 +300,9 @@ async def open_worker(
         if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH_BYTES:
             raise ValueError(f"socket path {socket_path!r} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
         log_path = os.path.join(workdir, "worker.log")
+        forward_socket_path = os.path.join(workdir, "forward.sock") if forward_stream else None
+        if forward_socket_path is not None:
+            extra_args = ["--forward-socket", forward_socket_path, *extra_args]
         argv = worker_argv(
             binary, model_path, begin, end, socket_path,
             ctx_size=ctx_size, max_sequences=max_sequences, batch_size=batch_size, threads=threads,
@@ -309,14 +315,15 @@ async def open_worker(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
             )
         try:
-            client = AsyncWorkerClient(socket_path, client_config)
+            client = AsyncWorkerClient(socket_path, client_config, forward_socket_path=forward_socket_path)
             try:
                 info = await _wait_ready(process, client, socket_path, log_path, ready_timeout_s, poll_s)
                 yield WorkerHandle(
                     client=client, info=info, process=process, socket_path=socket_path, log_path=log_path
                 )
             finally:
-                client.sync.close()
+                with trio.CancelScope(shield=True):
+                    await client.aclose()
         finally:
             with trio.CancelScope(shield=True):
                 await _stop(process, stop_grace_s)

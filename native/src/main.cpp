@@ -23,7 +23,8 @@
 namespace {
 
 constexpr const char * kUsage =
-    "usage: baton-worker --model PATH --layers BEGIN:END --socket PATH [--ctx-size N] [--max-sequences N]\n"
+    "usage: baton-worker --model PATH --layers BEGIN:END --socket PATH [--forward-socket PATH]\n"
+    "                    [--ctx-size N] [--max-sequences N]\n"
     "                    [--batch-size N] [--threads N] [--gpu-layers N] [--model-sha256 HEX] [--no-mmap]\n"
     "       baton-worker --vocab-only --model PATH --socket PATH [--model-sha256 HEX] [--no-mmap]\n"
     "  --layers B:E      blocks [B, E) in global numbering; E empty or -1: to the last block\n"
@@ -32,6 +33,8 @@ constexpr const char * kUsage =
     "                    context flags have no effect; the file is not hashed (Info reports the\n"
     "                    --model-sha256 given, else no sha256)\n"
     "  --socket PATH     listen on unix:PATH only (mode 0600; a stale socket file is replaced)\n"
+    "  --forward-socket PATH  also serve Forward as a stream of length-prefixed frames on the Unix\n"
+    "                    socket PATH (protocol/worker.proto, ForwardStreamReply; mode 0600)\n"
     "  --ctx-size N      positions per sequence (default 2048)\n"
     "  --max-sequences N sequence ids 0..N-1 (default 4)\n"
     "  --batch-size N    most rows one Forward may carry (default 512)\n"
@@ -143,6 +146,8 @@ int main(int argc, char ** argv) {
             have_layers = true;
         } else if (flag == "--socket") {
             options.socket_path = take_value();
+        } else if (flag == "--forward-socket") {
+            options.forward_socket_path = take_value();
         } else if (flag == "--ctx-size") {
             shard.ctx_size_per_seq = static_cast<uint32_t>(parse_integer(flag, take_value(), 1, kI32Max));
         } else if (flag == "--max-sequences") {

@@ -1,6 +1,8 @@
 // ShardWorkerService and serve_worker(): see service.h.
 #include "service.h"
 
+#include "forward_stream.h"
+
 #include <algorithm>
 #include <csignal>
 #include <cerrno>
@@ -418,8 +420,18 @@ private:
     grpc::Server * server_ = nullptr;
 };
 
-// Makes path free for bind(): removes a stale socket file, refuses to remove anything else or
-// a socket a live process still accepts on. Returns "" or a one-line reason.
+
+std::string one_line(std::string text) {
+    for (char & c : text) {
+        if (c == '\n' || c == '\r') {
+            c = ' ';
+        }
+    }
+    return text;
+}
+
+}  // namespace
+
 std::string free_socket_path(const std::string & path) {
     sockaddr_un addr{};
     if (path.empty() || path.size() >= sizeof(addr.sun_path)) {
@@ -451,17 +463,6 @@ std::string free_socket_path(const std::string & path) {
     }
     return "";
 }
-
-std::string one_line(std::string text) {
-    for (char & c : text) {
-        if (c == '\n' || c == '\r') {
-            c = ' ';
-        }
-    }
-    return text;
-}
-
-}  // namespace
 
 int serve_worker(const WorkerOptions & options) {
     SignalWatcher signals(options.socket_path, options.parent_pid);
@@ -523,9 +524,21 @@ int serve_worker(const WorkerOptions & options) {
                      options.socket_path.c_str(), info.backend.c_str());
     }
 
+    ForwardStreamServer stream(&service, static_cast<size_t>(max_receive_message_bytes(info)));
+    if (!options.forward_socket_path.empty()) {
+        const std::string failed = stream.start(options.forward_socket_path);
+        if (!failed.empty()) {
+            std::fprintf(stderr, "baton-worker: forward stream: %s\n", one_line(failed).c_str());
+            server->Shutdown();
+            ::unlink(options.socket_path.c_str());
+            return 1;
+        }
+    }
+
     signals.attach(server.get());
     server->Wait();
     signals.detach();
+    stream.stop();  // a Forward in progress on it finishes first
     server.reset();
     ::unlink(options.socket_path.c_str());
     return 0;

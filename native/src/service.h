@@ -66,15 +66,22 @@ int max_send_message_bytes(const ShardInfo & info);
 // An upper bound of the Vocabulary reply's size (every piece, attr and EOG id, and framing).
 uint64_t vocabulary_reply_bytes(const ShardInfo & info);
 
+// Makes path free for bind(): removes a stale socket file, refuses to remove anything else or
+// a socket a live process still accepts on. Returns "" or a one-line reason.
+std::string free_socket_path(const std::string & path);
+
 struct WorkerOptions {
     ShardConfig shard;
     std::string socket_path;  // listened on as unix:socket_path
+    // Not empty: the Forward stream (forward_stream.h) also listens here.
+    std::string forward_socket_path;
     // > 0: SIGHUP (the parent-death signal main() arms on Linux) stops the worker as SIGTERM
     // does, but only once getppid() differs from parent_pid; otherwise it is ignored.
     int parent_pid = 0;
 };
 
-// Loads the shard, serves it on unix:socket_path until SIGTERM/SIGINT (or the parent's death,
+// Loads the shard, serves it on unix:socket_path (and the Forward stream on
+// forward_socket_path, when given) until SIGTERM/SIGINT (or the parent's death,
 // see parent_pid), then shuts down,
 // removes the socket file and returns 0. Returns 1 (after one line on stderr) if the shard
 // cannot be loaded or the socket cannot be bound.

@@ -1,0 +1,233 @@
+// ForwardStreamServer: see forward_stream.h.
+#include "forward_stream.h"
+
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <utility>
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+namespace baton {
+
+namespace v1 = baton::worker::v1;
+
+namespace {
+
+constexpr size_t kPrefixBytes = 4;  // little-endian u32 length
+
+bool read_full(int fd, char * data, size_t n) {
+    while (n > 0) {
+        const ssize_t got = ::read(fd, data, n);
+        if (got > 0) {
+            data += got;
+            n -= static_cast<size_t>(got);
+        } else if (got < 0 && errno == EINTR) {
+            continue;
+        } else {
+            return false;  // EOF or an error: the connection is over
+        }
+    }
+    return true;
+}
+
+bool write_full(int fd, const char * data, size_t n) {
+    while (n > 0) {
+        const ssize_t put = ::send(fd, data, n, MSG_NOSIGNAL);
+        if (put > 0) {
+            data += put;
+            n -= static_cast<size_t>(put);
+        } else if (put < 0 && errno == EINTR) {
+            continue;
+        } else {
+            return false;
+        }
+    }
+    return true;
+}
+
+uint32_t read_le32(const unsigned char * p) {
+    return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 | static_cast<uint32_t>(p[2]) << 16 |
+           static_cast<uint32_t>(p[3]) << 24;
+}
+
+// The reply frame: prefix + the serialized reply, in one buffer so that it is one send().
+bool send_reply(int fd, const v1::ForwardStreamReply & reply) {
+    const size_t size = reply.ByteSizeLong();
+    std::string frame(kPrefixBytes + size, '\0');
+    for (size_t i = 0; i < kPrefixBytes; ++i) {
+        frame[i] = static_cast<char>((size >> (8 * i)) & 0xff);
+    }
+    if (!reply.SerializeToArray(frame.data() + kPrefixBytes, static_cast<int>(size))) {
+        return false;
+    }
+    return write_full(fd, frame.data(), frame.size());
+}
+
+v1::ForwardStreamReply error_reply(grpc::StatusCode code, std::string message) {
+    v1::ForwardStreamReply reply;
+    reply.set_schema_version(v1::SCHEMA_VERSION_CURRENT);
+    reply.set_code(static_cast<uint32_t>(code));
+    reply.set_message(std::move(message));
+    return reply;
+}
+
+}  // namespace
+
+ForwardStreamServer::ForwardStreamServer(ShardWorkerService * service, size_t max_request_bytes)
+    : service_(service), max_request_bytes_(max_request_bytes) {}
+
+ForwardStreamServer::~ForwardStreamServer() { stop(); }
+
+std::string ForwardStreamServer::start(const std::string & path) {
+    const std::string reason = free_socket_path(path);
+    if (!reason.empty()) {
+        return reason;
+    }
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);  // length checked by free_socket_path
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        return std::string("cannot make a Unix socket: ") + std::strerror(errno);
+    }
+    const mode_t old_umask = ::umask(0177);  // created 0600, chmod-ed again below
+    const int bound = ::bind(fd, reinterpret_cast<const sockaddr *>(&addr), sizeof(addr));
+    ::umask(old_umask);
+    if (bound != 0 || ::chmod(path.c_str(), 0600) != 0 || ::listen(fd, 16) != 0) {
+        const std::string error = std::strerror(errno);
+        ::close(fd);
+        ::unlink(path.c_str());
+        return "cannot listen on " + path + ": " + error;
+    }
+    path_ = path;
+    listen_fd_ = fd;
+    accept_thread_ = std::thread([this] { accept_loop(); });
+    return "";
+}
+
+void ForwardStreamServer::stop() {
+    std::list<Connection> connections;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stopping_ || listen_fd_ < 0) {
+            return;
+        }
+        stopping_ = true;
+        ::shutdown(listen_fd_, SHUT_RDWR);  // wakes accept() (Linux)
+        for (Connection & c : connections_) {
+            ::shutdown(c.fd, SHUT_RDWR);  // wakes a blocked read; a Forward in progress finishes
+        }
+    }
+    if (accept_thread_.joinable()) {
+        accept_thread_.join();
+    }
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        connections.swap(connections_);
+    }
+    for (Connection & c : connections) {
+        if (c.thread.joinable()) {
+            c.thread.join();
+        }
+        ::close(c.fd);
+    }
+    ::close(listen_fd_);
+    listen_fd_ = -1;
+    ::unlink(path_.c_str());
+}
+
+void ForwardStreamServer::accept_loop() {
+    for (;;) {
+        const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stopping_) {
+            if (fd >= 0) {
+                ::close(fd);
+            }
+            return;
+        }
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE) {
+                continue;
+            }
+            std::fprintf(stderr, "baton-worker: forward stream: accept failed: %s\n", std::strerror(errno));
+            return;
+        }
+        // reap the connections that ended (their threads have returned)
+        for (auto it = connections_.begin(); it != connections_.end();) {
+            if (it->fd < 0) {
+                it->thread.join();
+                it = connections_.erase(it);
+            } else {
+                ++it;
+            }
+        }
+        Connection & c = connections_.emplace_back();
+        c.fd = fd;
+        c.thread = std::thread([this, fd, &c] {
+            serve(fd);
+            std::lock_guard<std::mutex> done_lock(mu_);
+            if (!stopping_) {  // else stop() shuts down, joins and closes it
+                ::close(fd);
+                c.fd = -1;  // reaped by the accept loop
+            }
+        });
+    }
+}
+
+void ForwardStreamServer::serve(int fd) {
+    try {
+        std::string payload;
+        v1::ForwardRequest request;
+        v1::ForwardStreamReply reply;
+        for (;;) {
+            unsigned char prefix[kPrefixBytes];
+            if (!read_full(fd, reinterpret_cast<char *>(prefix), kPrefixBytes)) {
+                return;
+            }
+            const uint32_t size = read_le32(prefix);
+            if (size > max_request_bytes_) {
+                send_reply(fd, error_reply(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                           "forward stream: a frame of " + std::to_string(size) +
+                                               " bytes is over the limit of " + std::to_string(max_request_bytes_) +
+                                               "; closing the connection"));
+                return;  // what follows is not at a frame boundary any more
+            }
+            payload.resize(size);
+            if (!read_full(fd, payload.data(), size)) {
+                return;  // truncated: the peer went away inside a frame
+            }
+            request.Clear();
+            if (!request.ParseFromString(payload)) {
+                if (!send_reply(fd, error_reply(grpc::StatusCode::INVALID_ARGUMENT,
+                                                "forward stream: the frame is not a ForwardRequest"))) {
+                    return;
+                }
+                continue;
+            }
+            reply.Clear();
+            reply.set_schema_version(v1::SCHEMA_VERSION_CURRENT);
+            const grpc::Status status = service_->Forward(nullptr, &request, reply.mutable_reply());
+            if (!status.ok()) {
+                reply.clear_reply();
+                reply.set_code(static_cast<uint32_t>(status.error_code()));
+                reply.set_message(status.error_message());
+            }
+            if (!send_reply(fd, reply)) {
+                return;
+            }
+        }
+    } catch (const std::exception & e) {  // e.g. bad_alloc: this connection ends, the worker serves on
+        std::fprintf(stderr, "baton-worker: forward stream: %s; closing the connection\n", e.what());
+    } catch (...) {
+        std::fprintf(stderr, "baton-worker: forward stream: unknown exception; closing the connection\n");
+    }
+}
+
+}  // namespace baton

@@ -1,0 +1,135 @@
+"""The worker's Forward stream (``--forward-socket``; protocol/worker.proto, ForwardStreamReply)
+against the real binary: the same numbers and the same refusals as the gRPC Forward, and bad
+frames (garbage, over the limit, truncated) answered or dropped without disturbing anyone else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+
+import numpy as np
+import pytest
+import trio
+
+from agent._proto import worker_pb2
+from agent.core.worker_records import SeqInput
+from agent.io.worker_client import WorkerError
+from agent.io.worker_process import open_worker
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = [1, 17, 42, 99, 7, 3]
+
+
+def prompt_request(seq_id: int, tokens: list[int]) -> worker_pb2.ForwardRequest:
+    entry = worker_pb2.SequenceInput(
+        seq_id=seq_id, positions=list(range(len(tokens))), token_ids=tokens, logit_rows=[len(tokens) - 1]
+    )
+    return worker_pb2.ForwardRequest(schema_version=1, entries=[entry])
+
+
+async def raw_exchange(stream: trio.SocketStream, frame: bytes) -> worker_pb2.ForwardStreamReply | None:
+    """Send ``frame`` as it is; the reply frame, or None when the worker closed the connection."""
+    await stream.send_all(frame)
+    data = b""
+    while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "little"):
+        more = await stream.receive_some(65536)
+        if not more:
+            return None
+        data += more
+    size = int.from_bytes(data[:4], "little")
+    assert len(data) == 4 + size, "one reply per frame"
+    return worker_pb2.ForwardStreamReply.FromString(data[4:])
+
+
+def framed(payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "little") + payload
+
+
+async def test_forward_stream_equals_grpc_and_survives_bad_frames(qwen2_tiny_path) -> None:
+    async with open_worker(qwen2_tiny_path, 0, None, threads=1, ctx_size=64, max_sequences=3) as worker:
+        client = worker.client
+        path = os.path.join(os.path.dirname(worker.socket_path), "forward.sock")
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, "the stream socket is owner-only"
+
+        # The same Forward both ways: the same logits, bit for bit.
+        over_stream = await client.forward(
+            [SeqInput(seq_id=0, positions=list(range(len(PROMPT))), token_ids=PROMPT)]
+        )
+        over_grpc = await client.call("Forward", prompt_request(1, PROMPT))
+        grpc_logits = np.frombuffer(over_grpc.entries[0].logits, dtype="<f4")
+        assert over_stream[0].logits is not None
+        assert np.array_equal(over_stream[0].logits[-1], grpc_logits)
+
+        # A refusal comes back with the gRPC status name and the worker's message.
+        with pytest.raises(WorkerError) as caught:
+            await client.forward([SeqInput(seq_id=9, positions=[0], token_ids=[5])])
+        assert caught.value.code_name == "INVALID_ARGUMENT" and "seq_id 9" in caught.value.message, caught.value
+
+        async with await trio.open_unix_socket(path) as raw:
+            # Garbage in a well-formed frame: INVALID_ARGUMENT, and the connection goes on.
+            reply = await raw_exchange(raw, framed(b"\xff\xff\xff\xff\xff\xff"))
+            assert reply is not None and reply.code == 3 and "not a ForwardRequest" in reply.message
+            reply = await raw_exchange(raw, framed(prompt_request(2, PROMPT).SerializeToString()))
+            assert reply is not None and reply.code == 0
+            assert np.array_equal(np.frombuffer(reply.reply.entries[0].logits, dtype="<f4"), grpc_logits)
+            # A frame over the limit: RESOURCE_EXHAUSTED, then the worker closes this connection.
+            reply = await raw_exchange(raw, (0xFFFFFFF0).to_bytes(4, "little"))
+            assert reply is not None and reply.code == 8 and "over the limit" in reply.message, reply
+            assert await raw.receive_some(16) == b""
+        # A truncated frame: the peer goes away inside it.
+        async with await trio.open_unix_socket(path) as raw:
+            await raw.send_all((1000).to_bytes(4, "little") + b"\x08\x01")
+
+        # The client's own connection was never disturbed, and sequence 0 continues exactly as
+        # over gRPC (sequence 1 took the same prompt there).
+        step = [SeqInput(seq_id=0, positions=[len(PROMPT)], token_ids=[11])]
+        after_stream = await client.forward(step)
+        after_grpc = await client.call(
+            "Forward",
+            worker_pb2.ForwardRequest(
+                schema_version=1,
+                entries=[worker_pb2.SequenceInput(seq_id=1, positions=[len(PROMPT)], token_ids=[11])],
+            ),
+        )
+        assert np.array_equal(after_stream[0].logits[-1], np.frombuffer(after_grpc.entries[0].logits, dtype="<f4"))
+
+        # A deadline that passes: DEADLINE_EXCEEDED; a cancelled call: Cancelled. Either way the
+        # client drops that connection (a late reply must not answer the next call), and the
+        # next call connects again and computes right (on sequence 1: what became of sequence
+        # 2 is unknown after an abandoned call).
+        await client.remove_sequence(2)
+        with pytest.raises(WorkerError) as caught:
+            await client.forward([SeqInput(seq_id=2, positions=list(range(40)), token_ids=[5] * 40)], timeout_s=1e-6)
+        assert caught.value.code_name == "DEADLINE_EXCEEDED", caught.value
+        with trio.move_on_after(1e-6) as scope:
+            await client.forward([SeqInput(seq_id=2, positions=list(range(40)), token_ids=[5] * 40)])
+        assert scope.cancelled_caught
+        await client.remove_sequence(1)
+        again = await client.forward([SeqInput(seq_id=1, positions=list(range(len(PROMPT))), token_ids=PROMPT)])
+        assert np.array_equal(again[0].logits[-1], grpc_logits)
+
+        # The worker gone: UNAVAILABLE at once, not a hang.
+        worker.process.send_signal(signal.SIGKILL)
+        await worker.process.wait()
+        with trio.fail_after(10), pytest.raises(WorkerError) as caught:
+            await client.forward(step)
+        assert caught.value.code_name == "UNAVAILABLE", caught.value
+
+
+async def test_a_cancelled_forward_never_answers_the_next_call(smollm2_path) -> None:
+    """The abandoned call is surely on the wire (cancelled 50 ms into a ~1 s prefill), so its
+    reply would come first on a reused connection; the next call must get its own."""
+    async with open_worker(smollm2_path, 0, None, threads=1, ctx_size=512, max_sequences=2) as worker:
+        client = worker.client
+        expected = await client.forward([SeqInput(seq_id=1, positions=list(range(len(PROMPT))), token_ids=PROMPT)])
+        await client.remove_sequence(1)
+        long_prompt = [(7 * i) % 1000 + 5 for i in range(400)]
+        with trio.move_on_after(0.05) as scope:
+            await client.forward([SeqInput(seq_id=0, positions=list(range(400)), token_ids=long_prompt)])
+        assert scope.cancelled_caught, "the prefill finished within 50 ms: make it longer"
+        again = await client.forward([SeqInput(seq_id=1, positions=list(range(len(PROMPT))), token_ids=PROMPT)])
+        assert again[0].n_rows == 1 and again[0].seq_id == 1
+        assert np.array_equal(again[0].logits[-1], expected[0].logits[-1])

@@ -14,13 +14,15 @@ Owns: one command that measures, on the same model, prompt and thread count,
 plus, to locate the per-hop cost, 3 range workers chained directly from Python (no tracker,
 no libp2p) and a traced pass over the 3-split swarm (``bench/hop_trace.py``).
 
-Every figure: median, min and max over ``--runs`` runs after one warm-up (llama-bench's own
-warm-up and ``-r``). Writes ``compare.json``, ``compare.md`` and ``compare.png`` under
+Every figure: median, min and max over ``--runs`` runs, spread over ``--rounds`` rounds (each
+system measured once per round, in turn, one warm-up each time; llama-bench's own warm-up and
+``-r``), pooled: the machine's speed drifts over minutes, and rounds put every system in every
+stretch of it. Writes ``compare.json``, ``compare.md`` and ``compare.png`` under
 ``--out``. Builds ``llama-bench`` and ``ggml-rpc-server`` from the pinned tree into
 ``build/llama-tools`` first when they are missing or older than the tree.
 
-Usage: ``.venv/bin/python bench/compare.py [--model PATH] [--runs 5] [--threads 1] [--out bench/results]``
-(about 3-5 minutes on 2 cores once the tools are built; building them takes 3-4 more).
+Usage: ``.venv/bin/python bench/compare.py [--model PATH] [--runs 6] [--rounds 3] [--threads 1] [--out bench/results]``
+(about 6-8 minutes on 2 cores once the tools are built; building them takes 3-4 more).
 """
 
 from __future__ import annotations
@@ -828,12 +830,32 @@ def chart(report: dict) -> bytes:
 # --- main ------------------------------------------------------------------------------------
 
 
+def pool_rounds(figures: Sequence[dict]) -> dict:
+    """One figure from the same measurement made in several rounds: every per-run summary (a
+    dict with ``"samples"``) pooled over the rounds, the rest from the first round (a
+    ``"profile"`` from the round that traced one), and ``"rounds"``."""
+    out = dict(figures[0])
+    for key, value in figures[0].items():
+        if isinstance(value, dict) and "samples" in value:
+            out[key] = compare_report.summarize([v for figure in figures for v in figure[key]["samples"]])
+    for figure in figures:
+        if "profile" in figure:
+            out["profile"] = figure["profile"]
+    out["rounds"] = len(figures)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model", type=Path, help="GGUF file (default: SmolLM2-135M, agent.models.model_path('smollm2'))"
     )
-    parser.add_argument("--runs", type=int, default=5, help="measured runs per figure, after a warm-up (>= 5)")
+    parser.add_argument(
+        "--runs", type=int, default=6, help="measured runs per figure over all rounds, after each round's warm-up (>= 5)"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="every system is measured once per round, runs pooled (default 3)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="threads of every process (default 1)")
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="where compare.{json,md,png} go")
     parser.add_argument("--prompt-tokens", type=int, default=64)
@@ -855,6 +877,8 @@ def main() -> int:
         parser.error("--runs must be at least 5")
     if args.threads < 1:
         parser.error("--threads must be at least 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     started = time.perf_counter()
     from agent.models import cached_sha256, model_path
@@ -877,7 +901,9 @@ def main() -> int:
 
     def measure(name: str, what: str, fn, *fn_args):  # noqa: ANN001, ANN202
         """Run one measurement; run it again (at most ``--retries`` times) while other
-        processes took more than ``--busy-threshold`` cores meanwhile; keep the quietest."""
+        processes took more than ``--busy-threshold`` cores meanwhile; keep the quietest. Its
+        phase record is the most disturbed over the rounds."""
+        before = cpu.phases.get(name)
         best = None
         for attempt in range(args.retries + 1):
             log(what + (f" (again: others used {cpu.phases[name]['others_cores']:.2f} cores)" if attempt else ""))
@@ -890,6 +916,8 @@ def main() -> int:
                 break
         result, phase = best
         phase["attempts"] = attempt + 1
+        if before is not None and before["others_cores"] > phase["others_cores"]:
+            phase = before
         cpu.phases[name] = phase
         return result
 
@@ -897,91 +925,64 @@ def main() -> int:
         "transport", "transport: 8 KiB / 1 MiB round trips, channel and libp2p vs TCP", transport_rtt.run_benchmark, max(runs, 5)
     )
 
-    worker, prompt_text, prompt_tokens, model_info = measure(
-        "worker_unsplit",
-        "Baton worker, unsplit, direct",
-        trio.run,
-        bench_worker,
-        model,
-        sha256,
-        n_prompt,
-        n_gen,
-        runs,
-        threads,
-    )
-    systems["worker_unsplit"] = worker
-    log(f"  decode {worker['decode_tps']['median']:.1f} t/s, prefill {worker['prefill_tps']['median']:.1f} t/s")
+    # Rounds: every system is measured once per round, in the same order, and its runs are
+    # pooled over the rounds. This machine's speed drifts by up to ~30 % over minutes (shared
+    # host), so a system measured only in one stretch of time can look 2x off another measured
+    # in the next (the unsplit worker's prefill at 0.54x llama-bench in one run, equal when
+    # measured side by side); spreading every system over the whole run compares like with like.
+    rounds = args.rounds
+    per_round = max(2, -(-runs // rounds))
+    collected: dict[str, list] = {}
 
-    systems["llama_bench"] = measure(
-        "llama_bench", "llama-bench, unsplit", run_llama_bench, bench_bin, model, n_prompt, n_gen, threads, runs
-    )
-    log(f"  decode {systems['llama_bench']['decode_tps']['median']:.1f} t/s")
-
-    extra["chain_3"] = measure(
-        "chain_3",
-        "Baton, 3 range workers chained directly (no swarm)",
-        trio.run,
-        bench_chain,
-        model,
-        sha256,
-        prompt_tokens,
-        3,
-        model_info["n_layer"],
-        n_gen,
-        runs,
-        threads,
-    )
-    log(f"  decode {extra['chain_3']['decode_tps']['median']:.1f} t/s")
-
-    extra["one_block"] = measure(
-        "one_block",
-        "Baton worker holding one block: the fixed cost of a Forward",
-        trio.run,
-        bench_one_block,
-        model,
-        sha256,
-        n_gen,
-        runs,
-        threads,
-    )
-    extra["one_block"]["ed25519_verify_us"] = ed25519_verify_us()
-    log(f"  {extra['one_block']['forward_ms']['median']:.2f} ms per Forward")
+    def keep(name: str, figure: dict) -> None:
+        collected.setdefault(name, []).append(figure)
 
     hop_trace.install_client_hooks()  # off until the traced pass; must precede the client's creation
     with tempfile.TemporaryDirectory(prefix="baton-trace-") as trace_tmp:
-        for n in (2, 3):
-            trace_dir = Path(tempfile.mkdtemp(dir=trace_tmp)) if (n == 3 and not args.no_profile) else None
-            systems[f"baton_{n}"] = measure(
-                f"baton_{n}",
-                f"Baton {n}-split through the swarm",
-                trio.run,
-                bench_swarm,
-                model,
-                "smollm2",
-                n,
-                prompt_text,
-                n_gen,
-                runs,
-                threads,
-                trace_dir,
-            )
-            log(f"  decode {systems[f'baton_{n}']['decode_tps']['median']:.1f} t/s")
-
-    for n in (2, 3):
-        systems[f"rpc_{n}"] = measure(
-            f"rpc_{n}",
-            f"llama.cpp RPC {n}-split",
-            bench_rpc,
-            rpc_bin,
-            bench_bin,
-            model,
-            n,
-            n_prompt,
-            n_gen,
-            threads,
-            runs,
-        )
-        log(f"  decode {systems[f'rpc_{n}']['decode_tps']['median']:.1f} t/s")
+        for round_index in range(rounds):
+            last_round = round_index == rounds - 1
+            log(f"round {round_index + 1} of {rounds}: {per_round} measured runs per system")
+            worker, prompt_text, prompt_tokens, model_info = measure(
+                "worker_unsplit", "Baton worker, unsplit, direct", trio.run, bench_worker,
+                model, sha256, n_prompt, n_gen, per_round, threads,
+            )  # fmt: skip
+            keep("worker_unsplit", worker)
+            log(f"  decode {worker['decode_tps']['median']:.1f} t/s, prefill {worker['prefill_tps']['median']:.1f} t/s")
+            keep("llama_bench", measure(
+                "llama_bench", "llama-bench, unsplit", run_llama_bench, bench_bin, model, n_prompt, n_gen, threads,
+                per_round,
+            ))  # fmt: skip
+            log(f"  decode {collected['llama_bench'][-1]['decode_tps']['median']:.1f} t/s")
+            keep("chain_3", measure(
+                "chain_3", "Baton, 3 range workers chained directly (no swarm)", trio.run, bench_chain,
+                model, sha256, prompt_tokens, 3, model_info["n_layer"], n_gen, per_round, threads,
+            ))  # fmt: skip
+            log(f"  decode {collected['chain_3'][-1]['decode_tps']['median']:.1f} t/s")
+            keep("one_block", measure(
+                "one_block", "Baton worker holding one block: the fixed cost of a Forward", trio.run,
+                bench_one_block, model, sha256, n_gen, per_round, threads,
+            ))  # fmt: skip
+            log(f"  {collected['one_block'][-1]['forward_ms']['median']:.2f} ms per Forward")
+            for n in (2, 3):
+                traced = n == 3 and last_round and not args.no_profile
+                trace_dir = Path(tempfile.mkdtemp(dir=trace_tmp)) if traced else None
+                keep(f"baton_{n}", measure(
+                    f"baton_{n}", f"Baton {n}-split through the swarm", trio.run, bench_swarm,
+                    model, "smollm2", n, prompt_text, n_gen, per_round, threads, trace_dir,
+                ))  # fmt: skip
+                log(f"  decode {collected[f'baton_{n}'][-1]['decode_tps']['median']:.1f} t/s")
+            for n in (2, 3):
+                keep(f"rpc_{n}", measure(
+                    f"rpc_{n}", f"llama.cpp RPC {n}-split", bench_rpc, rpc_bin, bench_bin, model, n,
+                    n_prompt, n_gen, threads, per_round,
+                ))  # fmt: skip
+                log(f"  decode {collected[f'rpc_{n}'][-1]['decode_tps']['median']:.1f} t/s")
+    for name in ("worker_unsplit", "llama_bench", "baton_2", "baton_3", "rpc_2", "rpc_3"):
+        systems[name] = pool_rounds(collected[name])
+    for name in ("chain_3", "one_block"):
+        extra[name] = pool_rounds(collected[name])
+    extra["one_block"]["ed25519_verify_us"] = ed25519_verify_us()
+    worker = systems["worker_unsplit"]
 
     cpu.close()
     machine["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -1026,13 +1027,15 @@ def main() -> int:
         "model": {"name": model.name, "sha256": sha256, **model_info},
         "machine": machine,
         "method": {
-            "runs": runs,
-            "warmup_runs": 1,
+            "runs": per_round * rounds,
+            "rounds": rounds,
+            "runs_per_round": per_round,
+            "warmup_runs": 1,  # per round and system
             "threads": threads,
             "prompt_tokens": n_prompt,
             "decode_steps": n_gen,
             "prompt_text": prompt_text,
-            "statistic": "per run: tokens/s of that run; reported: median/min/max over runs",
+            "statistic": "per run: tokens/s of that run; reported: median/min/max over the runs of all rounds",
             "wait_quiet_s": args.wait_quiet_s,
             "busy_threshold": args.busy_threshold,
             "retries": args.retries,

@@ -245,8 +245,14 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
         "",
         (
             f"Model: `{report['model']['name']}` ({report['model']['n_layer']} blocks). Prompt {method['prompt_tokens']} "
-            f"tokens, then {method['decode_steps']} greedy decode steps; {method['runs']} runs after a warm-up; "
-            f"{method['threads']} thread(s) in every process (workers, llama-bench `-t`, rpc-server `-t`). "
+            f"tokens, then {method['decode_steps']} greedy decode steps; "
+            + (
+                f"{method['rounds']} rounds (every system measured once per round, in turn: the machine's speed "
+                f"drifts), {method['runs_per_round']} runs each after a warm-up, pooled: {method['runs']} runs; "
+                if method.get("rounds", 1) > 1
+                else f"{method['runs']} runs after a warm-up; "
+            )
+            + f"{method['threads']} thread(s) in every process (workers, llama-bench `-t`, rpc-server `-t`). "
             "Cells: median (min–max) over runs."
         ),
         "",

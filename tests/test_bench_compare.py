@@ -13,6 +13,7 @@ import pytest
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH_DIR))
 
+import compare  # noqa: E402
 import compare_report  # noqa: E402
 import hop_trace  # noqa: E402
 import png_chart  # noqa: E402
@@ -227,3 +228,22 @@ def test_forward_times_per_range_skip_the_prefill():
             events += [(t, "fwd_in", 0), (t + dur * ms * (10 if step == 0 else 1), "fwd_out", 0)]
             t += 100 * ms
     assert hop_trace.forward_times(events, 2) == pytest.approx([5.0, 7.0])
+
+
+def test_pool_rounds_pools_every_per_run_summary():
+    first = {
+        "decode_tps": compare_report.summarize([10.0, 12.0]),
+        "prefill_tps": compare_report.summarize([100.0, 90.0]),
+        "tokens": [1, 2, 3],
+    }
+    second = {
+        "decode_tps": compare_report.summarize([20.0, 22.0]),
+        "prefill_tps": compare_report.summarize([140.0, 150.0]),
+        "tokens": [9],
+        "profile": {"steps": 4},
+    }
+    pooled = compare.pool_rounds([first, second])
+    assert pooled["decode_tps"]["samples"] == [10.0, 12.0, 20.0, 22.0]
+    assert pooled["decode_tps"]["median"] == 16.0 and pooled["decode_tps"]["runs"] == 4
+    assert pooled["prefill_tps"]["min"] == 90.0 and pooled["prefill_tps"]["max"] == 150.0
+    assert pooled["tokens"] == [1, 2, 3] and pooled["profile"] == {"steps": 4} and pooled["rounds"] == 2

@@ -3,12 +3,15 @@
 // service, the gRPC hop and the client cost (bench/README.md, "worker against llama-bench").
 //
 // usage: baton-shard-bench MODEL [--ctx-size N] [--max-sequences N] [--prompt N] [--steps N]
-//                          [--reps N] [--threads N] [--top-k K]
+//                          [--reps N] [--threads N] [--top-k K] [--gap-us N]
+// --gap-us N: sleep N us before each decode step (not timed): the idle gap a served worker
+// has between two requests.
 // Prints one JSON line: per rep, the prompt Forward's and the mean decode Forward's wall ms
 // and the process CPU ms per decode step (getrusage), with the configuration.
 #include "shard.h"
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -46,6 +49,7 @@ int main(int argc, char ** argv) {
     config.batch_size = 512;
     config.threads = 1;
     int prompt = 64, steps = 32, reps = 3;
+    long gap_us = 0;  // idle time between decode steps (not timed), as a served worker has
     uint32_t top_k = 0;
     for (int i = 2; i + 1 < argc; i += 2) {
         const std::string flag = argv[i];
@@ -57,6 +61,7 @@ int main(int argc, char ** argv) {
         else if (flag == "--reps") reps = static_cast<int>(v);
         else if (flag == "--threads") config.threads = static_cast<int32_t>(v);
         else if (flag == "--top-k") top_k = static_cast<uint32_t>(v);
+        else if (flag == "--gap-us") gap_us = v;
         else {
             std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
             return 2;
@@ -76,18 +81,24 @@ int main(int argc, char ** argv) {
             double t0 = now_s();
             baton::ShardStatus st = shard.forward({e}, &out);
             const double prompt_ms = 1e3 * (now_s() - t0);
-            const double c0 = cpu_s();
-            t0 = now_s();
+            double decode_s = 0, decode_cpu_s = 0;
             for (int s = 0; s < steps && st.ok(); ++s) {
                 baton::ForwardEntry d;
                 d.seq_id = 0;
                 d.positions = {prompt + s};
                 d.token_ids = {200 + s};
                 d.top_k = top_k;
+                if (gap_us > 0) {
+                    usleep(static_cast<useconds_t>(gap_us));
+                }
+                const double c0 = cpu_s();
+                t0 = now_s();
                 st = shard.forward({d}, &out);
+                decode_s += now_s() - t0;
+                decode_cpu_s += cpu_s() - c0;
             }
-            const double decode_ms = 1e3 * (now_s() - t0) / steps;
-            const double cpu_ms = 1e3 * (cpu_s() - c0) / steps;
+            const double decode_ms = 1e3 * decode_s / steps;
+            const double cpu_ms = 1e3 * decode_cpu_s / steps;
             if (!st.ok()) {
                 std::fprintf(stderr, "forward failed: %s\n", st.message.c_str());
                 return 1;

@@ -123,6 +123,36 @@ async def _concurrent(addr: str, prompt: list[int], tokens: int, n: int) -> dict
     return {"sessions": n, "decode_tokens": decoded[0], "span_s": span, "tokens_per_s": decoded[0] / span}
 
 
+async def _forward_counts(addr: str, after_unix_ms: int) -> dict[str, tuple[int, int]]:
+    """``{"[begin:end]": (Forwards, steps)}`` of every READY range, from the nodes' heartbeats
+    (AssignmentStatus.forward_calls/forward_steps) sent after ``after_unix_ms``."""
+    from agent.io.client import open_swarm_client
+
+    async with open_swarm_client(addr) as c:
+        with trio.fail_after(30):
+            while True:
+                nodes = await c.list_nodes()
+                if all(n.last_heartbeat_ms > after_unix_ms for n in nodes if n.alive):
+                    break
+                await trio.sleep(0.2)
+    return {
+        f"[{s.assignment.begin}:{s.assignment.end}]": (s.forward_calls, s.forward_steps)
+        for n in nodes
+        if n.alive
+        for s in n.serving
+        if s.state == 2  # READY
+    }
+
+
+def _steps_per_forward(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, float]:
+    out = {}
+    for key, (calls, steps) in sorted(after.items()):
+        calls0, steps0 = before.get(key, (0, 0))
+        if calls > calls0:
+            out[key] = (steps - steps0) / (calls - calls0)
+    return out
+
+
 async def _gaps_during_prefill(addr: str, prompt: list[int], long_prompt: list[int], tokens: int, chunk: int) -> dict:
     """A decoding session's inter-token gaps alone, then while another session prefills."""
     from agent.io.client import SwarmClientConfig, open_swarm_client
@@ -248,11 +278,14 @@ async def run_baton(args: argparse.Namespace, decode_groups: int | None, *, gaps
         await _concurrent(addr, prompt, 8, 1)  # warm-up
         rows = {}
         mode = "auto" if decode_groups is None else f"decode groups {decode_groups}"
+        counts = await _forward_counts(addr, int(time.time() * 1000))
         for n in PARALLEL:
             before, started = _cpu_seconds(), time.perf_counter()
             rows[n] = await _concurrent(addr, prompt, args.tokens, n)
             rows[n]["cpu_s"] = _cpu_during(before, _cpu_seconds())  # where the time goes
             rows[n]["wall_s"] = time.perf_counter() - started
+            counts, counted = await _forward_counts(addr, int(time.time() * 1000)), counts
+            rows[n]["steps_per_forward"] = _steps_per_forward(counted, counts)  # prefill included
             log(f"baton ({mode}) {n} sessions: {rows[n]['tokens_per_s']:.1f} decode tokens/s")
         result: dict = {"parallel": rows}
         if gaps:
@@ -333,8 +366,31 @@ def render_markdown(report: dict) -> str:
             f"alone: p50 {a['p50_s'] * 1000:.1f} ms, p99 {a['p99_s'] * 1000:.1f} ms."
         )
     lines += _cpu_table(report)
+    lines += _steps_table(report)
     lines += ["", f"Wall time: {report['wall_time_s']:.0f} s.", ""]
     return "\n".join(lines)
+
+
+def _steps_table(report: dict) -> list[str]:
+    """Steps per worker Forward at each hop (from the nodes' heartbeats), by sessions."""
+    modes = [("groups auto", report.get("baton", {})), ("groups off", report.get("baton_decode_groups_off", {}))]
+    keys = sorted({k for _m, r in modes for run in r.get("parallel", {}).values() for k in run.get("steps_per_forward", {})})
+    if not keys:
+        return []  # (a report of an older run)
+    lines = [
+        "",
+        "Steps per worker Forward at each hop (the nodes' own counts; prefill chunks included):",
+        "",
+        "| sessions | " + " | ".join(f"{m}: {k}" for m, _r in modes for k in keys) + " |",
+        "|---|" + "---|" * (len(keys) * len(modes)),
+    ]
+    for n in PARALLEL:
+        cells = []
+        for _m, r in modes:
+            got = r.get("parallel", {}).get(str(n), r.get("parallel", {}).get(n, {})).get("steps_per_forward", {})
+            cells += [f"{got[k]:.2f}" if k in got else "—" for k in keys]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _cpu_table(report: dict) -> list[str]:

@@ -217,3 +217,42 @@ def test_failures_name_who_failed_and_busy_stays_busy() -> None:
     assert range_not_ready(KEY, None).code == Code.NOT_FOUND
     assert range_not_ready(KEY, State.LOADING).code == Code.UNAVAILABLE
     assert "is LOADING on this node" in range_not_ready(KEY, State.LOADING).message
+
+
+def test_push_groups_keep_a_next_hop_s_steps_together_in_order():
+    from agent.core.node_policy import push_groups
+
+    assert push_groups([]) == []
+    assert push_groups(["b", None, "c", "b", None, "b", "c"]) == [[0, 3, 5], [1], [2, 6], [4]]
+    assert push_groups([None, None]) == [[0], [1]]  # results: one message per owner and step
+
+
+def test_step_batches_round_trip_and_refuse_what_they_cannot_carry():
+    import pytest
+
+    from agent._proto import swarm_pb2
+    from agent.core.swarm_wire import (
+        MAX_BATCH_STEPS,
+        WireError,
+        read_step_batch,
+        read_step_batch_ack,
+        step_ack,
+        step_ack_error,
+        step_batch,
+        step_batch_ack,
+    )
+
+    assert read_step_batch(step_batch([b"a", b"", b"c"])) == [b"a", b"", b"c"]
+    for bad, fragment in ((step_batch([]), "got 0"), (step_batch([b"x"] * (MAX_BATCH_STEPS + 1)), "1..4096")):
+        with pytest.raises(WireError, match=fragment):
+            read_step_batch(bad)
+    with pytest.raises(WireError, match="malformed StepBatch"):
+        read_step_batch(b"\xff\xff")
+    acks = read_step_batch_ack(step_batch_ack([step_ack(), step_ack_error(5, "busy")]), 2)
+    assert [a.error.code for a in acks] == [0, 5] and acks[1].error.message == "busy"
+    # one error ack refuses the whole batch; any other count is a bad answer
+    whole = read_step_batch_ack(step_batch_ack([step_ack_error(4, "shutting down")]), 3)
+    assert [a.error.message for a in whole] == ["shutting down"] * 3
+    with pytest.raises(WireError, match="1 acks for 3 steps"):
+        read_step_batch_ack(step_batch_ack([step_ack()]), 3)
+    assert swarm_pb2.StepBatchAck.FromString(step_batch_ack([step_ack()])).schema_version == 1

@@ -44,12 +44,14 @@ from agent.core.swarm_wire import (
     RESULT_PROTOCOL,
     SCHEMA_VERSION,
     STEP_PROTOCOL,
+    STEPS_PROTOCOL,
     TRACKER_PROTOCOL,
     crc32,
     first_step_request,
     parse_record,
     step_ack,
     step_ack_error,
+    step_batch,
     tracker_reply_error,
     validate_step_result,
 )
@@ -603,6 +605,25 @@ async def test_bad_steps_are_refused_and_do_not_disturb_a_session(qwen2_tiny_pat
             assert reply.error.code == code, f"{name}: {reply.error}"
             assert fragment in reply.error.message, f"{name}: {fragment!r} not in {reply.error.message!r}"
         assert good.session_id in served_a.sessions and good.session_id in served_b.sessions
+
+        # A StepBatch (what a hop pushes when one Forward gave several steps for the same next
+        # hop): every step is checked on its own and answered in order; a batch that does not
+        # parse, or holds no steps, gets one error ack; nothing refused reaches the worker.
+        async def relay_batch(data: bytes) -> list[swarm_pb2.StepAck]:
+            reply = await relay.request(b.peer_id, [], STEPS_PROTOCOL, data, timeout_s=10)
+            return list(parse_record(swarm_pb2.StepBatchAck, reply).acks)
+
+        batched_ok = boundary_step(rows)
+        acks = await relay_batch(step_batch([
+            b"\xff\xff\xff garbage", boundary_step(nan_rows).SerializeToString(), batched_ok.SerializeToString(),
+        ]))  # fmt: skip
+        assert [ack.error.code for ack in acks] == [Code.INVALID_ARGUMENT, Code.INVALID_ARGUMENT, 0], acks
+        assert "malformed StepRequest" in acks[0].error.message and "non-finite" in acks[1].error.message
+        assert validate_step_result(await owner.result(batched_ok.session_id)).shape == (served_b.info.n_vocab,)
+        for data, fragment in ((b"\xff\xff", "malformed StepBatch"), (step_batch([]), "holds 1..4096 steps, got 0")):
+            (ack,) = await relay_batch(data)
+            assert ack.error.code == Code.INVALID_ARGUMENT and fragment in ack.error.message, ack
+        assert owner.pending_results(good.session_id) == 0
 
         # The good session carries on, unharmed.
         for _ in range(3):

@@ -6,6 +6,8 @@ Owns, for ``agent.io.node.agent``:
   hops take boundary rows from admitted nodes); nodes forward steps of any owner;
 - the owner rules of ``/baton/node``: a client may end only sessions it owns (nodes forward
   ends along a route); only the owner, as a client, may resume or replay its session;
+- which of a Forward's outputs travel together: the steps going on to the same next hop, in
+  one ``StepBatch`` (``push_groups``);
 - the failure policy: who a failed step names as the failed peer and with which code. A worker
   Forward that fails names this node and ends the batch's sessions here (their positions on
   the worker are unknown now: a later step could not continue them correctly); a push the next
@@ -18,6 +20,7 @@ Pure: no I/O, no clock. Must not import trio, grpc, libp2p or agent.io.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from agent._proto import swarm_pb2
 
@@ -30,6 +33,7 @@ __all__ = [
     "check_session_owner",
     "check_step_sender",
     "forward_failure",
+    "push_groups",
     "push_answered_badly",
     "push_refused",
     "push_unreachable",
@@ -114,3 +118,23 @@ def push_answered_badly(hop_peer_id: str, detail: str) -> StepFailure:
 
 def push_refused(hop_peer_id: str, code: int, message: str) -> StepFailure:
     return StepFailure(code, f"next hop {hop_peer_id} refused the step: {message}", hop_peer_id)
+
+
+def push_groups(next_hops: Sequence[str | None]) -> list[list[int]]:
+    """The pushes of one Forward's outputs, as index groups in order of first appearance:
+    ``next_hops[i]`` is the peer id output ``i`` goes on to, or None when it goes back to its
+    owner (a last range's result, one message per owner and step). Outputs for the same next
+    hop form one group, sent as one ``StepBatch`` when it has more than one step, so that they
+    reach that hop together and share its next Forward; every other output is a group of one.
+    """
+    groups: list[list[int]] = []
+    by_hop: dict[str, list[int]] = {}
+    for i, hop in enumerate(next_hops):
+        if hop is None:
+            groups.append([i])
+        elif hop in by_hop:
+            by_hop[hop].append(i)
+        else:
+            by_hop[hop] = [i]
+            groups.append(by_hop[hop])
+    return groups

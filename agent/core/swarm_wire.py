@@ -53,6 +53,12 @@ __all__ = [
     "SCHEMA_VERSION",
     "SESSION_ID_BYTES",
     "STEP_PROTOCOL",
+    "STEPS_PROTOCOL",
+    "MAX_BATCH_STEPS",
+    "read_step_batch",
+    "read_step_batch_ack",
+    "step_batch",
+    "step_batch_ack",
     "TRACKER_PROTOCOL",
     "RangeSpec",
     "StepInput",
@@ -86,6 +92,8 @@ __all__ = [
 
 TRACKER_PROTOCOL = "/baton/tracker/1.0.0"  # TrackerRequest -> TrackerReply
 STEP_PROTOCOL = "/baton/step/1.0.0"  # StepRequest -> StepAck
+STEPS_PROTOCOL = "/baton/steps/1.0.0"  # StepBatch -> StepBatchAck (a Forward's steps for one next hop)
+MAX_BATCH_STEPS = 4096  # entries one StepBatch may carry (a Forward has at most n_batch_max rows)
 RESULT_PROTOCOL = "/baton/result/1.0.0"  # StepResult -> StepAck
 NODE_PROTOCOL = "/baton/node/1.0.0"  # NodeRequest -> NodeReply
 
@@ -181,6 +189,46 @@ def step_ack(err: swarm_pb2.Error | WireError | None = None) -> bytes:
 
 def step_ack_error(code: int, message: str) -> bytes:
     return step_ack(error(code, message))
+
+
+def step_batch(steps: Sequence[bytes]) -> bytes:
+    """A serialized ``StepBatch`` of serialized ``StepRequest``s (one next hop's, in order)."""
+    return swarm_pb2.StepBatch(schema_version=SCHEMA_VERSION, steps=list(steps)).SerializeToString()
+
+
+def read_step_batch(data: bytes) -> list[bytes]:
+    """The serialized steps of a ``StepBatch``.
+
+    Raises:
+      WireError: INVALID_ARGUMENT: malformed, another schema_version, no steps or more than
+        ``MAX_BATCH_STEPS``.
+    """
+    batch = parse_record(swarm_pb2.StepBatch, data)
+    if not 0 < len(batch.steps) <= MAX_BATCH_STEPS:
+        raise WireError(Code.INVALID_ARGUMENT, f"a StepBatch holds 1..{MAX_BATCH_STEPS} steps, got {len(batch.steps)}")
+    return list(batch.steps)
+
+
+def step_batch_ack(acks: Sequence[bytes]) -> bytes:
+    """A serialized ``StepBatchAck`` of serialized ``StepAck``s (``step_ack``), one per step."""
+    return swarm_pb2.StepBatchAck(
+        schema_version=SCHEMA_VERSION, acks=[swarm_pb2.StepAck.FromString(a) for a in acks]
+    ).SerializeToString()
+
+
+def read_step_batch_ack(data: bytes, n_steps: int) -> list[swarm_pb2.StepAck]:
+    """The ``n_steps`` acks of a ``StepBatchAck``; a single error ack refuses the whole batch
+    (the hop could not read it, or is shutting down): each step gets that error.
+
+    Raises:
+      WireError: INVALID_ARGUMENT: malformed, another schema_version, or not one ack per step.
+    """
+    reply = parse_record(swarm_pb2.StepBatchAck, data)
+    if len(reply.acks) == 1 and reply.acks[0].error.code:
+        return [reply.acks[0]] * n_steps
+    if len(reply.acks) != n_steps:
+        raise WireError(Code.INVALID_ARGUMENT, f"{len(reply.acks)} acks for {n_steps} steps")
+    return list(reply.acks)
 
 
 def node_reply_error(code: int, message: str) -> bytes:

@@ -68,6 +68,7 @@ from agent.core.node_policy import (
     check_session_owner,
     check_step_sender,
     forward_failure,
+    push_groups,
     push_answered_badly,
     push_refused,
     push_unreachable,
@@ -93,6 +94,7 @@ from agent.core.swarm_wire import (
     SCHEMA_VERSION,
     SESSION_ID_BYTES,
     STEP_PROTOCOL,
+    STEPS_PROTOCOL,
     TRACKER_PROTOCOL,
     RangeSpec,
     StepInput,
@@ -105,8 +107,12 @@ from agent.core.swarm_wire import (
     parse_record,
     peer_id_from_multiaddr,
     replay_step_request,
+    read_step_batch,
+    read_step_batch_ack,
     step_ack,
     step_ack_error,
+    step_batch,
+    step_batch_ack,
     step_result,
     step_result_error,
     step_result_rebuilt,
@@ -338,6 +344,8 @@ class ServedRange:
             fetch_total_bytes=0 if self.fetch_progress is None else self.fetch_progress.total_bytes,
             fetch_bytes_per_s=0.0 if self.fetch_progress is None else self.fetch_progress.bytes_per_s,
             sessions_started=0 if self.sessions is None else self.sessions.started,
+            forward_calls=self.forward_calls,
+            forward_steps=self.entries_forwarded,
             sessions_resumed=0 if self.sessions is None else self.sessions.resumed,
             sessions_rebuilt=0 if self.sessions is None else self.sessions.rebuilt,
         )
@@ -844,14 +852,19 @@ class Node:
             served.entries_forwarded += len(batch)
             served.largest_batch = max(served.largest_batch, len(batch))
             now = _clock_ms()
+            done: list[tuple[StepInput, SeqOutput, tuple[bytes, int] | None]] = []
             for (_seq_id, step), output in zip(batch, outputs, strict=True):
                 sessions.done(step.session_id, now)
                 if step.session_id not in sessions:
                     continue  # ended while in the Forward: nobody wants the output
                 if self._corrupter is not None:
                     output = self._corrupter.apply(step, output, active=corrupting)
-                encoded = self._keep_rows(served, step, output)
-                pushes.start_soon(self._guarded, self._push, step, output, encoded)
+                done.append((step, output, self._keep_rows(served, step, output)))
+            for group in push_groups([step.rest[0].peer_id if step.rest else None for step, _o, _e in done]):
+                if len(group) == 1:
+                    pushes.start_soon(self._guarded, self._push, *done[group[0]])
+                else:
+                    pushes.start_soon(self._guarded, self._push_batch, [done[i] for i in group])
             self._forward_finished(served)
 
     @staticmethod
@@ -909,26 +922,72 @@ class Node:
             result = step_result(step.session_id, step.step, output.logits[-1], self.admission, step.result_top_k)
             await self._send_result(step, result)
             return
-        hop = step.rest[0]
+        data = await self._next_hop_data(step, output, encoded)
+        if data is not None:
+            await self._push_steps(step.rest[0], [(step, data)])
+
+    async def _push_batch(self, items: list[tuple[StepInput, SeqOutput, tuple[bytes, int] | None]]) -> None:
+        """Send several steps' outputs on to their one next hop (``push_groups``) together."""
+        steps = []
+        for step, output, encoded in items:
+            data = await self._next_hop_data(step, output, encoded)
+            if data is not None:
+                steps.append((step, data))
+        if steps:
+            await self._push_steps(items[0][0].rest[0], steps)
+
+    async def _next_hop_data(
+        self, step: StepInput, output: SeqOutput, encoded: tuple[bytes, int] | None
+    ) -> bytes | None:
+        """The serialized ``StepRequest`` for ``step``'s next hop; None once a failure was
+        reported to the owner instead."""
         try:
             if output.boundary is None:
                 raise BoundaryError("the worker returned no boundary rows")
             request = next_hop_request(step, output.boundary, self.admission, encoded=encoded)
         except BoundaryError as err:
             await self._send_error(step, Code.INTERNAL, f"boundary for the next hop: {err}", self.peer_id)
-            return
-        data = request.SerializeToString()
+            return None
+        return request.SerializeToString()
+
+    async def _push_steps(self, hop: swarm_pb2.Hop, steps: list[tuple[StepInput, bytes]]) -> None:
+        """Push serialized steps to ``hop``: one alone on ``/baton/step``, several in one
+        ``StepBatch``; each step the hop did not take is reported to its owner."""
+        timeout_s = self.config.step_push_timeout_s
         try:
-            reply = await self._send_to_hop(hop, STEP_PROTOCOL, data, self.config.step_push_timeout_s)
-            ack = parse_record(swarm_pb2.StepAck, reply)
+            if len(steps) == 1:
+                reply = await self._send_to_hop(hop, STEP_PROTOCOL, steps[0][1], timeout_s)
+                acks = [parse_record(swarm_pb2.StepAck, reply)]
+            else:
+                reply = await self._send_to_hop(hop, STEPS_PROTOCOL, step_batch([d for _s, d in steps]), timeout_s)
+                acks = read_step_batch_ack(reply, len(steps))
         except TransportError as err:
-            await self._fail(step, push_unreachable(hop.peer_id, str(err)))
+            if len(steps) > 1 and "not supported" in str(err):  # a peer from before /baton/steps
+                async with trio.open_nursery() as each:
+                    for step, data in steps:
+                        each.start_soon(self._push_steps, hop, [(step, data)])
+                return
+            failure = push_unreachable(hop.peer_id, str(err))
+            await self._fail_all([step for step, _d in steps], [failure] * len(steps))
             return
         except WireError as err:
-            await self._fail(step, push_answered_badly(hop.peer_id, str(err)))
+            failure = push_answered_badly(hop.peer_id, str(err))
+            await self._fail_all([step for step, _d in steps], [failure] * len(steps))
             return
-        if ack.error.code:
-            await self._fail(step, push_refused(hop.peer_id, ack.error.code, ack.error.message))
+        refused = [(step, ack) for (step, _d), ack in zip(steps, acks, strict=True) if ack.error.code]
+        await self._fail_all(
+            [step for step, _a in refused],
+            [push_refused(hop.peer_id, ack.error.code, ack.error.message) for _s, ack in refused],
+        )
+
+    async def _fail_all(self, steps: list[StepInput], failures: list[StepFailure]) -> None:
+        """Report each failure to its step's owner, concurrently."""
+        if len(steps) == 1:
+            await self._fail(steps[0], failures[0])
+            return
+        async with trio.open_nursery() as each:
+            for step, failure in zip(steps, failures, strict=True):
+                each.start_soon(self._fail, step, failure)
 
     async def _send_to_hop(self, hop: swarm_pb2.Hop, protocol: str, data: bytes, timeout_s: float) -> bytes:
         """``data`` on ``protocol`` to ``hop``: handled here when this node runs that hop too.
@@ -937,8 +996,8 @@ class Node:
           TransportError: the hop could not be reached.
         """
         if hop.peer_id == self.peer_id:
-            handler = self.handle_step if protocol == STEP_PROTOCOL else self.handle_node
-            return await handler(self.peer_id, data)
+            handlers = {STEP_PROTOCOL: self.handle_step, STEPS_PROTOCOL: self.handle_steps}
+            return await handlers.get(protocol, self.handle_node)(self.peer_id, data)
         return await self.transport.request(hop.peer_id, list(hop.addrs), protocol, data, timeout_s=timeout_s)
 
     async def _fail(self, step: StepInput, failure: StepFailure) -> None:
@@ -1009,6 +1068,24 @@ class Node:
 
         Never raises; never awaits before the step is queued (so steps that arrive together
         are queued before the serving task looks)."""
+        ack = self._queue_step(remote_peer_id, data)
+        await trio.lowlevel.checkpoint()
+        return ack
+
+    async def handle_steps(self, remote_peer_id: str, data: bytes) -> bytes:
+        """``/baton/steps/1.0.0``: ``handle_step`` for each step of a ``StepBatch``, all of
+        them queued before the serving task looks; one ack per step, in order (a batch that
+        does not parse gets one ack with the error). Never raises."""
+        try:
+            steps = read_step_batch(data)
+        except WireError as err:
+            return step_batch_ack([step_ack(err)])
+        acks = [self._queue_step(remote_peer_id, step) for step in steps]
+        await trio.lowlevel.checkpoint()
+        return step_batch_ack(acks)
+
+    def _queue_step(self, remote_peer_id: str, data: bytes) -> bytes:
+        """Validate and queue one serialized step; its serialized ``StepAck``."""
         try:
             self._accept_step(remote_peer_id, data)
         except WireError as err:
@@ -1016,7 +1093,6 @@ class Node:
         except Exception as err:
             log.exception("step handler failed")
             return step_ack_error(Code.INTERNAL, f"internal error: {type(err).__name__}")
-        await trio.lowlevel.checkpoint()
         return step_ack()
 
     def _accept_step(self, remote_peer_id: str, data: bytes) -> None:
@@ -1242,6 +1318,10 @@ async def _stopped_step(remote_peer_id: str, data: bytes) -> bytes:
     return step_ack_error(Code.UNAVAILABLE, "this node is shutting down")
 
 
+async def _stopped_steps(remote_peer_id: str, data: bytes) -> bytes:
+    return step_batch_ack([step_ack_error(Code.UNAVAILABLE, "this node is shutting down")])
+
+
 async def _stopped_node(remote_peer_id: str, data: bytes) -> bytes:
     return node_reply_error(Code.UNAVAILABLE, "this node is shutting down")
 
@@ -1311,6 +1391,7 @@ async def serve_node(
     except TransportError as err:
         raise NodeError(f"could not reserve a slot on the tracker's relay: {err}") from err
     transport.set_handler(STEP_PROTOCOL, node.handle_step)
+    transport.set_handler(STEPS_PROTOCOL, node.handle_steps)
     transport.set_handler(NODE_PROTOCOL, node.handle_node)
     try:
         async with trio.open_nursery() as nursery:
@@ -1319,4 +1400,5 @@ async def serve_node(
             task_status.started(node)
     finally:
         transport.set_handler(STEP_PROTOCOL, _stopped_step)
+        transport.set_handler(STEPS_PROTOCOL, _stopped_steps)
         transport.set_handler(NODE_PROTOCOL, _stopped_node)

@@ -55,15 +55,18 @@ from agent.core.swarm_wire import (
     RESULT_PROTOCOL,
     SCHEMA_VERSION,
     STEP_PROTOCOL,
+    STEPS_PROTOCOL,
     RangeSpec,
     WireError,
     boundary_step_request,
     first_step_request,
     node_reply_error,
     parse_record,
+    read_step_batch,
     result_scores,
     step_ack,
     step_ack_error,
+    step_batch_ack,
     validate_step,
 )
 from agent.core.admission import public_key_bytes
@@ -290,6 +293,14 @@ class _Inbox:
         except WireError as err:
             return step_ack(err)
 
+    async def on_steps(self, remote_peer_id: str, data: bytes) -> bytes:
+        """``/baton/steps`` as a node answers it (a persona that did not would be a tell)."""
+        try:
+            steps = read_step_batch(data)
+        except WireError as err:
+            return step_batch_ack([step_ack(err)])
+        return step_batch_ack([await self.on_step(remote_peer_id, step) for step in steps])
+
     async def on_result(self, remote_peer_id: str, data: bytes) -> bytes:
         """The "owner": take the last range's result."""
         try:
@@ -348,6 +359,7 @@ async def _personas(open_persona: OpenPersona, count: int, inbox: _Inbox) -> Asy
             if transport.peer_id != peer_id_from_public_key(public_key_bytes(key)):
                 raise ValueError("open_persona returned a transport of another identity")
             transport.set_handler(STEP_PROTOCOL, inbox.on_step)
+            transport.set_handler(STEPS_PROTOCOL, inbox.on_steps)
             transport.set_handler(RESULT_PROTOCOL, inbox.on_result)
             transport.set_handler(NODE_PROTOCOL, _on_node_request)
             personas.append(_Persona(key, transport))

@@ -688,14 +688,15 @@ def profile_markdown(report: dict) -> str:
             f"Traced: {prof['generations']} more generations on the 3-split swarm after the measured runs "
             f"({prof['steps']} decode steps; medians below, ms), with `bench/hop_trace.py`: monotonic timestamps "
             "(one clock for all processes) around the node's step handler, the worker Forward (encode, call-thread "
-            "hand-off, the blocking gRPC call, decode), the push, the channel's `request()`, frame writes and "
+            "hand-off or Forward stream exchange, the blocking gRPC call when there is one, decode), the push, the channel's `request()`, frame writes and "
             "frame reads (libp2p's too, for a message that falls back to it), installed at run time into the node processes (nothing in `agent/` is changed; a hook costs "
             f"a few µs). Client-seen decode step: **{prof['total_ms']:.2f} ms**; the links and nodes below add "
             f"up to {prof['sum_of_stages_ms']:.2f} ms of it."
         ),
         "",
         (
-            "In each node (the worker computes inside the blocking gRPC call; the last-but-three row is the whole "
+            "In each node (the worker computes inside the exchange: the Forward stream's, or the blocking gRPC call; "
+            "the thread rows are empty over the Forward stream; the last-but-three row is the whole "
             "Forward call):"
         ),
         "",
@@ -765,7 +766,7 @@ def profile_markdown(report: dict) -> str:
         fixed = one_block["forward_ms"]["median"]
         lines.append(
             f"- A Forward has a fixed cost: a worker holding one block answers a decode Forward in {fixed:.2f} ms "
-            "(Python encode/decode, gRPC over the Unix socket, the call-thread hand-offs, the worker's own per-call "
+            "(Python encode/decode, the Forward stream over the Unix socket, the worker's own per-call "
             "work, plus one block). Every extra range pays it again"
             + (
                 f"; a llama.cpp RPC hop costs {compare_report.derive(systems)['rpc_3']['per_hop_overhead_ms']['median']:.2f} ms in all."
@@ -777,8 +778,12 @@ def profile_markdown(report: dict) -> str:
         extra_fwd = sum(forward_ms) - sum(forward_direct)
         lines.append(
             f"- The {n} Forward calls take {sum(forward_ms):.2f} ms in the nodes against {sum(forward_direct):.2f} ms "
-            f"when the same workers are called directly from one process ({extra_fwd / n:+.2f} ms per hop); of a "
-            f"node's call, the hand-off to the call thread and back is {listed(handoff_ms)} ms."
+            f"when the same workers are called directly from one process ({extra_fwd / n:+.2f} ms per hop)"
+            + (
+                f"; of a node's call, the hand-off to the call thread and back is {listed(handoff_ms)} ms."
+                if any(handoff_ms)
+                else " (over the Forward stream: no call thread)."
+            )
         )
     lines.append(
         f"- The messages, one way (request() to the receiver's handler): {listed(link_ms)} ms "

@@ -306,7 +306,7 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
         "",
         (
             "Ratio and per-hop overhead compare each split with the unsplit run of the same harness: Baton rows with "
-            "Baton's worker driven directly over its Unix socket (one gRPC Forward per step, from Python), RPC rows "
+            "Baton's worker driven directly over its Unix socket (one Forward per step on its Forward stream, from Python), RPC rows "
             "with `llama-bench` unsplit. Per-hop overhead = (split decode step − unsplit decode step) / hops, where "
             "hops = route hops (N for an N-way split); its interval pairs the extreme runs."
         ),
@@ -345,7 +345,7 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
             line = (
                 f"- For scale (no target): Baton's unsplit worker, driven directly, decodes at "
                 f"{bench_ms / worker_ms:.2f}x llama-bench's speed ({worker_ms:.2f} vs {bench_ms:.2f} ms a step: Python, "
-                "gRPC and the logits row of the direct harness)"
+                "the Forward stream and the direct harness's own work)"
             )
             for n in (3, 2):
                 if f"baton_{n}" in systems:

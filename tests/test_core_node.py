@@ -21,12 +21,23 @@ from agent.core.node_policy import (
     check_session_owner,
     check_step_sender,
     forward_failure,
+    push_groups,
     push_refused,
     push_unreachable,
     range_not_ready,
 )
 from agent.core.node_ranges import FailPending, HeartbeatNow, Ignored, RangeBook, StartRange, StopRange
-from agent.core.swarm_wire import SCHEMA_VERSION, WireError
+from agent.core.swarm_wire import (
+    MAX_BATCH_STEPS,
+    SCHEMA_VERSION,
+    WireError,
+    read_step_batch,
+    read_step_batch_ack,
+    step_ack,
+    step_ack_error,
+    step_batch,
+    step_batch_ack,
+)
 
 State = swarm_pb2.AssignmentStatus.State
 Code = swarm_pb2.Error.Code
@@ -220,28 +231,12 @@ def test_failures_name_who_failed_and_busy_stays_busy() -> None:
 
 
 def test_push_groups_keep_a_next_hop_s_steps_together_in_order():
-    from agent.core.node_policy import push_groups
-
     assert push_groups([]) == []
     assert push_groups(["b", None, "c", "b", None, "b", "c"]) == [[0, 3, 5], [1], [2, 6], [4]]
     assert push_groups([None, None]) == [[0], [1]]  # results: one message per owner and step
 
 
 def test_step_batches_round_trip_and_refuse_what_they_cannot_carry():
-    import pytest
-
-    from agent._proto import swarm_pb2
-    from agent.core.swarm_wire import (
-        MAX_BATCH_STEPS,
-        WireError,
-        read_step_batch,
-        read_step_batch_ack,
-        step_ack,
-        step_ack_error,
-        step_batch,
-        step_batch_ack,
-    )
-
     assert read_step_batch(step_batch([b"a", b"", b"c"])) == [b"a", b"", b"c"]
     for bad, fragment in ((step_batch([]), "got 0"), (step_batch([b"x"] * (MAX_BATCH_STEPS + 1)), "1..4096")):
         with pytest.raises(WireError, match=fragment):

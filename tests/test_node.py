@@ -448,6 +448,7 @@ async def test_split_route_equals_unsplit_and_merges_sessions(qwen2_tiny_path: P
         second = Seq(os.urandom(16), await tokenize(swarm, "Once upon a time"), ref_seq_id=2)
         health_a = await served_a.client.health()
         forwards_a = served_a.forward_calls
+        batches = swarm.network.requests[STEPS_PROTOCOL]
         for step in range(4):
             calls = (served_a.forward_calls, served_b.forward_calls)
             forwards = len(forward_groups([first, second]))  # prompts of two lengths: two prefill Forwards
@@ -455,6 +456,13 @@ async def test_split_route_equals_unsplit_and_merges_sessions(qwen2_tiny_path: P
             assert (served_a.forward_calls, served_b.forward_calls) == (calls[0] + forwards, calls[1] + forwards), step
             assert step == 0 or forwards == 1  # decode steps share one Forward
         assert served_a.largest_batch == 2 and served_b.largest_batch == 2
+        # A pushed each shared decode Forward's two outputs to B in one StepBatch
+        assert swarm.network.requests[STEPS_PROTOCOL] - batches == 3
+        # A next hop from before /baton/steps: A falls back to pushing the steps one by one.
+        swarm.nodes["B"].transport.set_handler(STEPS_PROTOCOL, None)
+        singles = swarm.network.requests[STEP_PROTOCOL]
+        assert await run_step(swarm, reference, [first, second], hops) == 0.0
+        assert swarm.network.requests[STEP_PROTOCOL] - singles == 2 + 2  # the owner's two, A's two
         # the worker counts the same Forwards the node sent
         assert (await served_a.client.health()).forward_calls == health_a.forward_calls + served_a.forward_calls - forwards_a
 

@@ -14,6 +14,7 @@ serving.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
@@ -60,6 +61,7 @@ class MemoryNetwork:
     def __init__(self) -> None:
         self.peers: dict[str, MemoryTransport] = {}
         self.down: set[str] = set()  # peers that are unreachable (a vanished node)
+        self.requests: collections.Counter[str] = collections.Counter()  # sent, by protocol id
 
     def add(self, peer_id: str) -> MemoryTransport:
         transport = MemoryTransport(self, peer_id)
@@ -89,6 +91,7 @@ class MemoryTransport:
     async def request(
         self, peer_id: str, addrs: Sequence[str], protocol_id: str, payload: bytes, *, timeout_s: float
     ) -> bytes:
+        self._network.requests[protocol_id] += 1
         remote = self._network.peers.get(peer_id)
         if remote is None or peer_id in self._network.down or self._peer_id in self._network.down:
             raise TransportError(peer_id, "unreachable")

@@ -843,6 +843,12 @@ def pool_rounds(figures: Sequence[dict]) -> dict:
     for key, value in figures[0].items():
         if isinstance(value, dict) and "samples" in value:
             out[key] = compare_report.summarize([v for figure in figures for v in figure[key]["samples"]])
+    if "replans" in out:
+        out["replans"] = sum(figure["replans"] for figure in figures)
+    if isinstance(out.get("decode_steps"), list):
+        out["decode_steps"] = [n for figure in figures for n in figure["decode_steps"]]
+    if "tokens" in out:  # greedy: every round must give the same tokens
+        out["tokens_same_every_round"] = all(figure["tokens"] == out["tokens"] for figure in figures)
     for figure in figures:
         if "profile" in figure:
             out["profile"] = figure["profile"]
@@ -856,7 +862,11 @@ def main() -> int:
         "--model", type=Path, help="GGUF file (default: SmolLM2-135M, agent.models.model_path('smollm2'))"
     )
     parser.add_argument(
-        "--runs", type=int, default=6, help="measured runs per figure over all rounds, after each round's warm-up (>= 5)"
+        "--runs",
+        type=int,
+        default=6,
+        help="measured runs per figure over all rounds, after each round's warm-up (>= 5; rounded up to a "
+        "multiple of --rounds, at least 2 a round)",
     )
     parser.add_argument(
         "--rounds", type=int, default=3, help="every system is measured once per round, runs pooled (default 3)"
@@ -1025,8 +1035,12 @@ def main() -> int:
                 f"{n}-split placement: Baton route {route} (the head with the last range); RPC {rpc_text} "
                 "(llama.cpp counts the output head as one more layer and puts it on the last server)."
             )
-    tokens_match = {k: systems[k]["tokens"] == worker["tokens"] for k in ("baton_2", "baton_3") if k in systems}
-    tokens_match["chain_3"] = extra["chain_3"]["tokens"] == worker["tokens"]
+    def same_tokens(figure: dict) -> bool:
+        return figure["tokens"] == worker["tokens"] and figure.get("tokens_same_every_round", True)
+
+    tokens_match = {k: same_tokens(systems[k]) for k in ("baton_2", "baton_3") if k in systems}
+    tokens_match["chain_3"] = same_tokens(extra["chain_3"])
+    tokens_match = {k: v and worker.get("tokens_same_every_round", True) for k, v in tokens_match.items()}
     report = {
         "benchmark": "compare",
         "model": {"name": model.name, "sha256": sha256, **model_info},

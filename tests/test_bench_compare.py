@@ -235,11 +235,15 @@ def test_pool_rounds_pools_every_per_run_summary():
         "decode_tps": compare_report.summarize([10.0, 12.0]),
         "prefill_tps": compare_report.summarize([100.0, 90.0]),
         "tokens": [1, 2, 3],
+        "replans": 1,
+        "decode_steps": [32, 32],
     }
     second = {
         "decode_tps": compare_report.summarize([20.0, 22.0]),
         "prefill_tps": compare_report.summarize([140.0, 150.0]),
         "tokens": [9],
+        "replans": 2,
+        "decode_steps": [31, 32],
         "profile": {"steps": 4},
     }
     pooled = compare.pool_rounds([first, second])
@@ -247,3 +251,6 @@ def test_pool_rounds_pools_every_per_run_summary():
     assert pooled["decode_tps"]["median"] == 16.0 and pooled["decode_tps"]["runs"] == 4
     assert pooled["prefill_tps"]["min"] == 90.0 and pooled["prefill_tps"]["max"] == 150.0
     assert pooled["tokens"] == [1, 2, 3] and pooled["profile"] == {"steps": 4} and pooled["rounds"] == 2
+    assert pooled["replans"] == 3 and pooled["decode_steps"] == [32, 32, 31, 32]
+    assert pooled["tokens_same_every_round"] is False  # round 2's tokens differ
+    assert compare.pool_rounds([first, first])["tokens_same_every_round"] is True

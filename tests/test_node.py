@@ -628,7 +628,12 @@ async def test_bad_steps_are_refused_and_do_not_disturb_a_session(qwen2_tiny_pat
         assert [ack.error.code for ack in acks] == [Code.INVALID_ARGUMENT, Code.INVALID_ARGUMENT, 0], acks
         assert "malformed StepRequest" in acks[0].error.message and "non-finite" in acks[1].error.message
         assert validate_step_result(await owner.result(batched_ok.session_id)).shape == (served_b.info.n_vocab,)
-        for data, fragment in ((b"\xff\xff", "malformed StepBatch"), (step_batch([]), "holds 1..4096 steps, got 0")):
+        mixed = [boundary_step(rows), boundary_step(rows, sender_admission=tracker.admission(other_id, swarm_pb2.ROLE_NODE))]
+        for data, fragment in (
+            (b"\xff\xff", "malformed StepBatch"),
+            (step_batch([]), "holds 1..4096 steps, got 0"),
+            (step_batch([m.SerializeToString() for m in mixed]), "different sender admissions"),
+        ):
             (ack,) = await relay_batch(data)
             assert ack.error.code == Code.INVALID_ARGUMENT and fragment in ack.error.message, ack
         assert owner.pending_results(good.session_id) == 0

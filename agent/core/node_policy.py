@@ -20,7 +20,7 @@ Pure: no I/O, no clock. Must not import trio, grpc, libp2p or agent.io.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from agent._proto import swarm_pb2
 
@@ -120,15 +120,16 @@ def push_refused(hop_peer_id: str, code: int, message: str) -> StepFailure:
     return StepFailure(code, f"next hop {hop_peer_id} refused the step: {message}", hop_peer_id)
 
 
-def push_groups(next_hops: Sequence[str | None]) -> list[list[int]]:
+def push_groups(next_hops: Sequence[Hashable | None]) -> list[list[int]]:
     """The pushes of one Forward's outputs, as index groups in order of first appearance:
-    ``next_hops[i]`` is the peer id output ``i`` goes on to, or None when it goes back to its
-    owner (a last range's result, one message per owner and step). Outputs for the same next
+    ``next_hops[i]`` names where output ``i`` goes on to (the node passes the next hop's peer id
+    and addresses: steps of different owners may name one peer at different addresses, and a
+    batch is sent to one of them), or None when it goes back to its owner (a last range's result, one message per owner and step). Outputs for the same next
     hop form one group, sent as one ``StepBatch`` when it has more than one step, so that they
     reach that hop together and share its next Forward; every other output is a group of one.
     """
     groups: list[list[int]] = []
-    by_hop: dict[str, list[int]] = {}
+    by_hop: dict[Hashable, list[int]] = {}
     for i, hop in enumerate(next_hops):
         if hop is None:
             groups.append([i])

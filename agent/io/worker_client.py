@@ -477,6 +477,7 @@ class _CallThreads:
 
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _PREFIX_BYTES = 4  # the Forward stream's frame prefix: a little-endian u32 length
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
 class _ForwardStream:
@@ -510,27 +511,50 @@ class _ForwardStream:
         return out
 
     async def exchange(self, request: worker_pb2.ForwardRequest, timeout_s: float) -> worker_pb2.ForwardReply:
-        data = request.SerializeToString()
-        async with self._lock:
+        data = len(payload := request.SerializeToString()).to_bytes(_PREFIX_BYTES, "little") + payload
+        try:
+            with trio.fail_after(timeout_s):  # the wait for the lock counts too
+                async with self._lock:
+                    frame = await self._exchange_locked(data)
+        except trio.TooSlowError:
+            raise WorkerError("DEADLINE_EXCEEDED", f"no Forward reply within {timeout_s} s", method="Forward") from None
+        if frame.code:
+            if frame.code == _RESOURCE_EXHAUSTED:  # a frame over the worker's limit: it closed the connection
+                await self.close()
+            raise WorkerError(_STATUS_NAMES.get(frame.code, "UNKNOWN"), frame.message, method="Forward")
+        return frame.reply
+
+    async def _exchange_locked(self, data: bytes) -> worker_pb2.ForwardStreamReply:
+        """One request and its reply. A connection that was already open and turns out broken
+        before any reply byte (the worker closed it meanwhile) is replaced once: the request
+        is sent again on a fresh one (a Forward the worker did run would be refused there,
+        its positions no longer continuing the sequence; never applied twice)."""
+        for attempt in (0, 1):
+            reused = self._stream is not None
             ok = False
             try:
-                with trio.fail_after(timeout_s):
-                    if self._stream is None:
-                        self._stream = await trio.open_unix_socket(self.path)
-                        self._buffer.clear()
-                    stream = self._stream
-                    await stream.send_all(len(data).to_bytes(_PREFIX_BYTES, "little") + data)
-                    size = int.from_bytes(await self._read_exactly(stream, _PREFIX_BYTES), "little")
-                    if size > self.max_reply_bytes:
-                        raise WorkerError(
-                            "RESOURCE_EXHAUSTED",
-                            f"a Forward stream reply of {size} bytes is over {self.max_reply_bytes}",
-                            method="Forward",
-                        )
-                    frame = worker_pb2.ForwardStreamReply.FromString(await self._read_exactly(stream, size))
+                if self._stream is None:
+                    self._stream = await trio.open_unix_socket(self.path)
+                    self._buffer.clear()
+                stream = self._stream
+                try:
+                    await stream.send_all(data)
+                    prefix = await self._read_exactly(stream, _PREFIX_BYTES)
+                except (OSError, trio.BrokenResourceError) as error:
+                    if reused and attempt == 0 and not self._buffer:
+                        await self.close()
+                        continue
+                    raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
+                size = int.from_bytes(prefix, "little")
+                if size > self.max_reply_bytes:
+                    raise WorkerError(
+                        "RESOURCE_EXHAUSTED",
+                        f"a Forward stream reply of {size} bytes is over {self.max_reply_bytes}",
+                        method="Forward",
+                    )
+                frame = worker_pb2.ForwardStreamReply.FromString(await self._read_exactly(stream, size))
                 ok = True
-            except trio.TooSlowError:
-                raise WorkerError("DEADLINE_EXCEEDED", f"no Forward reply within {timeout_s} s", method="Forward") from None
+                return frame
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
                 raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
             except DecodeError:
@@ -538,9 +562,7 @@ class _ForwardStream:
             finally:
                 if not ok:
                     await self.close()
-        if frame.code:
-            raise WorkerError(_STATUS_NAMES.get(frame.code, "UNKNOWN"), frame.message, method="Forward")
-        return frame.reply
+        raise AssertionError("unreachable")  # the second attempt returns or raises
 
     async def close(self) -> None:
         stream, self._stream = self._stream, None

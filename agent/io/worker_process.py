@@ -301,6 +301,8 @@ async def open_worker(
             raise ValueError(f"socket path {socket_path!r} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
         log_path = os.path.join(workdir, "worker.log")
         forward_socket_path = os.path.join(workdir, "forward.sock") if forward_stream else None
+        if forward_socket_path is not None and len(os.fsencode(forward_socket_path)) > MAX_SOCKET_PATH_BYTES:
+            raise ValueError(f"socket path {forward_socket_path!r} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
         if forward_socket_path is not None:
             extra_args = ["--forward-socket", forward_socket_path, *extra_args]
         argv = worker_argv(

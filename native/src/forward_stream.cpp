@@ -145,7 +145,7 @@ void ForwardStreamServer::stop() {
 void ForwardStreamServer::accept_loop() {
     for (;;) {
         const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-        std::lock_guard<std::mutex> lock(mu_);
+        std::unique_lock<std::mutex> lock(mu_);
         if (stopping_) {
             if (fd >= 0) {
                 ::close(fd);
@@ -153,11 +153,16 @@ void ForwardStreamServer::accept_loop() {
             return;
         }
         if (fd < 0) {
-            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE) {
+            const int error = errno;
+            if (error == EINTR || error == ECONNABORTED) {
                 continue;
             }
-            std::fprintf(stderr, "baton-worker: forward stream: accept failed: %s\n", std::strerror(errno));
-            return;
+            // Out of descriptors (or anything else): the connection waits in the backlog, so
+            // retrying at once would spin; try again shortly, and keep serving the open ones.
+            std::fprintf(stderr, "baton-worker: forward stream: accept failed: %s; retrying\n", std::strerror(error));
+            lock.unlock();
+            ::usleep(50 * 1000);
+            continue;
         }
         // reap the connections that ended (their threads have returned)
         for (auto it = connections_.begin(); it != connections_.end();) {
@@ -168,16 +173,24 @@ void ForwardStreamServer::accept_loop() {
                 ++it;
             }
         }
-        Connection & c = connections_.emplace_back();
-        c.fd = fd;
-        c.thread = std::thread([this, fd, &c] {
-            serve(fd);
-            std::lock_guard<std::mutex> done_lock(mu_);
-            if (!stopping_) {  // else stop() shuts down, joins and closes it
-                ::close(fd);
-                c.fd = -1;  // reaped by the accept loop
+        try {
+            Connection & c = connections_.emplace_back();
+            c.fd = fd;
+            c.thread = std::thread([this, fd, &c] {
+                serve(fd);
+                std::lock_guard<std::mutex> done_lock(mu_);
+                if (!stopping_) {  // else stop() shuts down, joins and closes it
+                    ::close(fd);
+                    c.fd = -1;  // reaped by the accept loop
+                }
+            });
+        } catch (const std::exception & e) {  // no thread (or no memory) for it: refuse this one
+            std::fprintf(stderr, "baton-worker: forward stream: cannot serve a connection: %s\n", e.what());
+            if (!connections_.empty() && connections_.back().fd == fd && !connections_.back().thread.joinable()) {
+                connections_.pop_back();
             }
-        });
+            ::close(fd);
+        }
     }
 }
 

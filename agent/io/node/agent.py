@@ -365,6 +365,11 @@ class ServedRange:
         return ended
 
 
+#: how long a next hop that failed a StepBatch but took the same steps one by one (a peer from
+#: before /baton/steps) gets single pushes before a batch is tried again
+NO_BATCHES_MS = 60_000
+
+
 def _unix_ms() -> int:
     """Wall-clock ms: admissions and fingerprints carry the tracker's and node's unix times.
     Everything else of the node (session leases, sweeps, batch windows, heartbeat intervals)
@@ -410,6 +415,7 @@ class Node:
             raise ValueError("relay=True needs a transport that can hold relay reservations (libp2p)")
         self.tracker_public_key = b""
         self._sender_admissions = AdmissionVerifier(b"")  # replaced once the tracker key is known
+        self._no_batches_until_ms: dict[str, int] = {}  # next hops that get single pushes (NO_BATCHES_MS)
         self.admission = swarm_pb2.SignedAdmission()
         self.heartbeat_interval_ms = config.heartbeat_interval_ms or DEFAULT_HEARTBEAT_INTERVAL_MS
         self.models = {m.sha256: m for m in config.models}
@@ -860,7 +866,9 @@ class Node:
                 if self._corrupter is not None:
                     output = self._corrupter.apply(step, output, active=corrupting)
                 done.append((step, output, self._keep_rows(served, step, output)))
-            for group in push_groups([step.rest[0].peer_id if step.rest else None for step, _o, _e in done]):
+            # the same peer at the same addresses: a step's addresses come from its owner's route
+            next_hops = [(step.rest[0].peer_id, tuple(step.rest[0].addrs)) if step.rest else None for step, _o, _e in done]
+            for group in push_groups(next_hops):
                 if len(group) == 1:
                     pushes.start_soon(self._guarded, self._push, *done[group[0]])
                 else:
@@ -928,13 +936,19 @@ class Node:
 
     async def _push_batch(self, items: list[tuple[StepInput, SeqOutput, tuple[bytes, int] | None]]) -> None:
         """Send several steps' outputs on to their one next hop (``push_groups``) together."""
-        steps = []
+        steps, failed = [], []
         for step, output, encoded in items:
-            data = await self._next_hop_data(step, output, encoded)
-            if data is not None:
-                steps.append((step, data))
-        if steps:
-            await self._push_steps(items[0][0].rest[0], steps)
+            try:
+                steps.append((step, self._next_hop_bytes(step, output, encoded)))
+            except BoundaryError as err:
+                failed.append((step, err))
+        async with trio.open_nursery() as each:
+            for step, err in failed:
+                each.start_soon(
+                    self._guarded, self._send_error, step, Code.INTERNAL, f"boundary for the next hop: {err}", self.peer_id
+                )
+            if steps:
+                each.start_soon(self._guarded, self._push_steps, items[0][0].rest[0], steps)
 
     async def _next_hop_data(
         self, step: StepInput, output: SeqOutput, encoded: tuple[bytes, int] | None
@@ -942,18 +956,24 @@ class Node:
         """The serialized ``StepRequest`` for ``step``'s next hop; None once a failure was
         reported to the owner instead."""
         try:
-            if output.boundary is None:
-                raise BoundaryError("the worker returned no boundary rows")
-            request = next_hop_request(step, output.boundary, self.admission, encoded=encoded)
+            return self._next_hop_bytes(step, output, encoded)
         except BoundaryError as err:
             await self._send_error(step, Code.INTERNAL, f"boundary for the next hop: {err}", self.peer_id)
             return None
-        return request.SerializeToString()
 
-    async def _push_steps(self, hop: swarm_pb2.Hop, steps: list[tuple[StepInput, bytes]]) -> None:
+    def _next_hop_bytes(self, step: StepInput, output: SeqOutput, encoded: tuple[bytes, int] | None) -> bytes:
+        """Raises BoundaryError."""
+        if output.boundary is None:
+            raise BoundaryError("the worker returned no boundary rows")
+        return next_hop_request(step, output.boundary, self.admission, encoded=encoded).SerializeToString()
+
+    async def _push_steps(self, hop: swarm_pb2.Hop, steps: list[tuple[StepInput, bytes]]) -> bool:
         """Push serialized steps to ``hop``: one alone on ``/baton/step``, several in one
-        ``StepBatch``; each step the hop did not take is reported to its owner."""
+        ``StepBatch``; each step the hop did not take is reported to its owner. True when the
+        hop took them all."""
         timeout_s = self.config.step_push_timeout_s
+        if len(steps) > 1 and self._no_batches_until_ms.get(hop.peer_id, 0) > _clock_ms():
+            return await self._push_each(hop, steps)
         try:
             if len(steps) == 1:
                 reply = await self._send_to_hop(hop, STEP_PROTOCOL, steps[0][1], timeout_s)
@@ -962,23 +982,40 @@ class Node:
                 reply = await self._send_to_hop(hop, STEPS_PROTOCOL, step_batch([d for _s, d in steps]), timeout_s)
                 acks = read_step_batch_ack(reply, len(steps))
         except TransportError as err:
-            if len(steps) > 1 and "not supported" in str(err):  # a peer from before /baton/steps
-                async with trio.open_nursery() as each:
-                    for step, data in steps:
-                        each.start_soon(self._push_steps, hop, [(step, data)])
-                return
+            if len(steps) > 1:
+                # Not knowing /baton/steps (a peer from before it) reads differently on each
+                # transport, so any failed batch is sent again step by step: each step then
+                # gets the verdict a single push gets. If they all got through, the peer does
+                # not take batches: it gets single pushes for a while.
+                taken = await self._push_each(hop, steps)
+                if taken:
+                    self._no_batches_until_ms[hop.peer_id] = _clock_ms() + NO_BATCHES_MS
+                return taken
             failure = push_unreachable(hop.peer_id, str(err))
             await self._fail_all([step for step, _d in steps], [failure] * len(steps))
-            return
+            return False
         except WireError as err:
             failure = push_answered_badly(hop.peer_id, str(err))
             await self._fail_all([step for step, _d in steps], [failure] * len(steps))
-            return
+            return False
         refused = [(step, ack) for (step, _d), ack in zip(steps, acks, strict=True) if ack.error.code]
         await self._fail_all(
             [step for step, _a in refused],
             [push_refused(hop.peer_id, ack.error.code, ack.error.message) for _s, ack in refused],
         )
+        return not refused
+
+    async def _push_each(self, hop: swarm_pb2.Hop, steps: list[tuple[StepInput, bytes]]) -> bool:
+        """Push ``steps`` one by one, concurrently; True when the hop took every one."""
+        taken = []
+
+        async def one(step: StepInput, data: bytes) -> None:
+            taken.append(await self._push_steps(hop, [(step, data)]))
+
+        async with trio.open_nursery() as each:
+            for step, data in steps:
+                each.start_soon(self._guarded, one, step, data)
+        return len(taken) == len(steps) and all(taken)
 
     async def _fail_all(self, steps: list[StepInput], failures: list[StepFailure]) -> None:
         """Report each failure to its step's owner, concurrently."""
@@ -987,7 +1024,7 @@ class Node:
             return
         async with trio.open_nursery() as each:
             for step, failure in zip(steps, failures, strict=True):
-                each.start_soon(self._fail, step, failure)
+                each.start_soon(self._guarded, self._fail, step, failure)
 
     async def _send_to_hop(self, hop: swarm_pb2.Hop, protocol: str, data: bytes, timeout_s: float) -> bytes:
         """``data`` on ``protocol`` to ``hop``: handled here when this node runs that hop too.
@@ -1078,14 +1115,24 @@ class Node:
         does not parse gets one ack with the error). Never raises."""
         try:
             steps = read_step_batch(data)
+            requests = []
+            for step in steps:
+                try:
+                    requests.append(parse_record(swarm_pb2.StepRequest, step))
+                except WireError as err:
+                    requests.append(err)
+            admissions = {r.sender_admission.SerializeToString() for r in requests if not isinstance(r, WireError)}
+            if len(admissions) > 1:
+                # a batch comes from one sender: one admission to verify, not one per entry
+                raise WireError(Code.INVALID_ARGUMENT, "the steps of a StepBatch carry different sender admissions")
         except WireError as err:
             return step_batch_ack([step_ack(err)])
-        acks = [self._queue_step(remote_peer_id, step) for step in steps]
+        acks = [step_ack(r) if isinstance(r, WireError) else self._queue_step(remote_peer_id, r) for r in requests]
         await trio.lowlevel.checkpoint()
         return step_batch_ack(acks)
 
-    def _queue_step(self, remote_peer_id: str, data: bytes) -> bytes:
-        """Validate and queue one serialized step; its serialized ``StepAck``."""
+    def _queue_step(self, remote_peer_id: str, data: bytes | swarm_pb2.StepRequest) -> bytes:
+        """Validate and queue one step (serialized or parsed); its serialized ``StepAck``."""
         try:
             self._accept_step(remote_peer_id, data)
         except WireError as err:
@@ -1095,8 +1142,8 @@ class Node:
             return step_ack_error(Code.INTERNAL, f"internal error: {type(err).__name__}")
         return step_ack()
 
-    def _accept_step(self, remote_peer_id: str, data: bytes) -> None:
-        request = parse_record(swarm_pb2.StepRequest, data)
+    def _accept_step(self, remote_peer_id: str, data: bytes | swarm_pb2.StepRequest) -> None:
+        request = data if isinstance(data, swarm_pb2.StepRequest) else parse_record(swarm_pb2.StepRequest, data)
         record = self._check_sender(request.sender_admission, remote_peer_id)
         check_step_sender(record.role, remote_peer_id, request.begin, request.end, request.owner_peer_id)
         key: RangeKey = (request.model_sha256, request.begin, request.end)

@@ -237,7 +237,14 @@ def test_push_groups_keep_a_next_hop_s_steps_together_in_order():
 
 
 def test_step_batches_round_trip_and_refuse_what_they_cannot_carry():
-    assert read_step_batch(step_batch([b"a", b"", b"c"])) == [b"a", b"", b"c"]
+    admission = swarm_pb2.SignedAdmission(record=b"r", signature=b"s")
+    entries = [swarm_pb2.StepRequest(schema_version=1, step=i, sender_admission=admission) for i in range(2)]
+    got = read_step_batch(step_batch([entries[0].SerializeToString(), b"\xff\xff", entries[1].SerializeToString()]))
+    assert [s.step for s in (got[0], got[2])] == [0, 1]
+    assert isinstance(got[1], WireError) and "malformed StepRequest" in got[1].message
+    mixed = [entries[0], swarm_pb2.StepRequest(schema_version=1, sender_admission=swarm_pb2.SignedAdmission(record=b"x"))]
+    with pytest.raises(WireError, match="different sender admissions"):
+        read_step_batch(step_batch([m.SerializeToString() for m in mixed]))
     for bad, fragment in ((step_batch([]), "got 0"), (step_batch([b"x"] * (MAX_BATCH_STEPS + 1)), "1..4096")):
         with pytest.raises(WireError, match=fragment):
             read_step_batch(bad)

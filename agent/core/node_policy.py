@@ -124,9 +124,10 @@ def push_groups(next_hops: Sequence[Hashable | None]) -> list[list[int]]:
     """The pushes of one Forward's outputs, as index groups in order of first appearance:
     ``next_hops[i]`` names where output ``i`` goes on to (the node passes the next hop's peer id
     and addresses: steps of different owners may name one peer at different addresses, and a
-    batch is sent to one of them), or None when it goes back to its owner (a last range's result, one message per owner and step). Outputs for the same next
-    hop form one group, sent as one ``StepBatch`` when it has more than one step, so that they
-    reach that hop together and share its next Forward; every other output is a group of one.
+    batch is sent to one of them), or None when it goes back to its owner (a last range's
+    result, one message per owner and step). Outputs for the same next hop form one group,
+    sent as one ``StepBatch`` when it has more than one step, so that they reach that hop
+    together and share its next Forward; every other output is a group of one.
     """
     groups: list[list[int]] = []
     by_hop: dict[Hashable, list[int]] = {}

@@ -196,17 +196,29 @@ def step_batch(steps: Sequence[bytes]) -> bytes:
     return swarm_pb2.StepBatch(schema_version=SCHEMA_VERSION, steps=list(steps)).SerializeToString()
 
 
-def read_step_batch(data: bytes) -> list[bytes]:
-    """The serialized steps of a ``StepBatch``.
+def read_step_batch(data: bytes) -> list[swarm_pb2.StepRequest | WireError]:
+    """The steps of a ``StepBatch``, each parsed (``parse_record``) or the error that entry
+    gets on its own (the others are still answered).
 
     Raises:
-      WireError: INVALID_ARGUMENT: malformed, another schema_version, no steps or more than
-        ``MAX_BATCH_STEPS``.
+      WireError: INVALID_ARGUMENT, refusing the whole batch: malformed, another
+        schema_version, no steps or more than ``MAX_BATCH_STEPS``, or entries carrying
+        different sender admissions (a batch comes from one sender: one admission to verify,
+        not one per entry).
     """
     batch = parse_record(swarm_pb2.StepBatch, data)
     if not 0 < len(batch.steps) <= MAX_BATCH_STEPS:
         raise WireError(Code.INVALID_ARGUMENT, f"a StepBatch holds 1..{MAX_BATCH_STEPS} steps, got {len(batch.steps)}")
-    return list(batch.steps)
+    steps: list[swarm_pb2.StepRequest | WireError] = []
+    for entry in batch.steps:
+        try:
+            steps.append(parse_record(swarm_pb2.StepRequest, entry))
+        except WireError as err:
+            steps.append(err)
+    admissions = {s.sender_admission.SerializeToString() for s in steps if not isinstance(s, WireError)}
+    if len(admissions) > 1:
+        raise WireError(Code.INVALID_ARGUMENT, "the steps of a StepBatch carry different sender admissions")
+    return steps
 
 
 def step_batch_ack(acks: Sequence[bytes]) -> bytes:

@@ -126,6 +126,7 @@ def worker_argv(
     end: int | None,
     socket_path: str,
     *,
+    forward_socket_path: str | None = None,
     ctx_size: int | None = None,
     max_sequences: int | None = None,
     batch_size: int | None = None,
@@ -152,6 +153,7 @@ def worker_argv(
         argv += ["--layers", format_layers(begin, end)]
     argv += ["--socket", socket_path]
     for flag, value in (
+        ("--forward-socket", forward_socket_path),
         ("--ctx-size", ctx_size),
         ("--max-sequences", max_sequences),
         ("--batch-size", batch_size),
@@ -297,16 +299,13 @@ async def open_worker(
         with open(os.path.join(workdir, OWNER_FILE), "w") as owner:
             owner.write(f"{os.getpid()}\n")
         socket_path = socket_path or os.path.join(workdir, "worker.sock")
-        if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH_BYTES:
-            raise ValueError(f"socket path {socket_path!r} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
-        log_path = os.path.join(workdir, "worker.log")
         forward_socket_path = os.path.join(workdir, "forward.sock") if forward_stream else None
-        if forward_socket_path is not None and len(os.fsencode(forward_socket_path)) > MAX_SOCKET_PATH_BYTES:
-            raise ValueError(f"socket path {forward_socket_path!r} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
-        if forward_socket_path is not None:
-            extra_args = ["--forward-socket", forward_socket_path, *extra_args]
+        for path in (socket_path, forward_socket_path):
+            if path is not None and len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+                raise ValueError(f"socket path {path!r} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
+        log_path = os.path.join(workdir, "worker.log")
         argv = worker_argv(
-            binary, model_path, begin, end, socket_path,
+            binary, model_path, begin, end, socket_path, forward_socket_path=forward_socket_path,
             ctx_size=ctx_size, max_sequences=max_sequences, batch_size=batch_size, threads=threads,
             gpu_layers=gpu_layers, model_sha256=model_sha256, vocab_only=vocab_only, extra_args=extra_args,
         )  # fmt: skip

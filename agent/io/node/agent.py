@@ -191,8 +191,8 @@ class NodeConfig:
       owner_max_share: the share of a range's sequences one owner may hold at once (at least
         one sequence): a peer sending step-0 frames cannot take a range from everyone else.
       batch_window_ms: how long a serving task waits after the first pending step for others
-        to join its batch: the other outputs of the upstream Forward arrive as separate pushes
-        (0: take what is queued; steps that arrive while the worker is busy are merged anyway).
+        to join its batch (0: take what is queued; steps that arrive while the worker is busy
+        are merged anyway, and an upstream Forward's steps arrive together in one StepBatch).
       worker_ready_timeout_s, worker_stop_grace_s, worker_call_timeout_s: worker process start,
         SIGTERM grace, and the deadline of each worker call.
       worker_binary: the baton-worker binary (None: ``find_worker_binary()``).
@@ -220,9 +220,9 @@ class NodeConfig:
         None: the route's hops + 1 (no cap on a one-hop route); 0: off.
       decode_gather_ms: how long such a first hop holds a decode Forward until a full group
         waits (``agent.core.scheduler.gather_wait_ms``: sessions drift apart, and a drifted
-        step alone costs a Forward); 0 (the default): never held. Measured on the 2-core
-        benchmark machine, neither groups nor gathering changed throughput (it is CPU-bound:
-        bench/results/batching.md), so holding steps, which costs latency, is opt-in.
+        step alone costs a Forward); 0 (the default): never held. On the 2-core benchmark
+        machine gathering did not raise throughput (it is CPU-bound: bench/results/batching.md),
+        so holding steps, which costs latency, is opt-in.
       replay_merge_rows: a replay joins kept decode rows into rebuild steps of at most this
         many rows, and sends every larger step as it was (``agent.core.kept_rows``: batches
         this small compute each row as a batch of one does, so the rebuild is bit-exact).
@@ -944,9 +944,7 @@ class Node:
                 failed.append((step, err))
         async with trio.open_nursery() as each:
             for step, err in failed:
-                each.start_soon(
-                    self._guarded, self._send_error, step, Code.INTERNAL, f"boundary for the next hop: {err}", self.peer_id
-                )
+                each.start_soon(self._guarded, self._boundary_failed, step, err)
             if steps:
                 each.start_soon(self._guarded, self._push_steps, items[0][0].rest[0], steps)
 
@@ -958,8 +956,11 @@ class Node:
         try:
             return self._next_hop_bytes(step, output, encoded)
         except BoundaryError as err:
-            await self._send_error(step, Code.INTERNAL, f"boundary for the next hop: {err}", self.peer_id)
+            await self._boundary_failed(step, err)
             return None
+
+    async def _boundary_failed(self, step: StepInput, err: BoundaryError) -> None:
+        await self._send_error(step, Code.INTERNAL, f"boundary for the next hop: {err}", self.peer_id)
 
     def _next_hop_bytes(self, step: StepInput, output: SeqOutput, encoded: tuple[bytes, int] | None) -> bytes:
         """Raises BoundaryError."""
@@ -1114,17 +1115,7 @@ class Node:
         them queued before the serving task looks; one ack per step, in order (a batch that
         does not parse gets one ack with the error). Never raises."""
         try:
-            steps = read_step_batch(data)
-            requests = []
-            for step in steps:
-                try:
-                    requests.append(parse_record(swarm_pb2.StepRequest, step))
-                except WireError as err:
-                    requests.append(err)
-            admissions = {r.sender_admission.SerializeToString() for r in requests if not isinstance(r, WireError)}
-            if len(admissions) > 1:
-                # a batch comes from one sender: one admission to verify, not one per entry
-                raise WireError(Code.INVALID_ARGUMENT, "the steps of a StepBatch carry different sender admissions")
+            requests = read_step_batch(data)
         except WireError as err:
             return step_batch_ack([step_ack(err)])
         acks = [step_ack(r) if isinstance(r, WireError) else self._queue_step(remote_peer_id, r) for r in requests]

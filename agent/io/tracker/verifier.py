@@ -272,10 +272,11 @@ class _Inbox:
         self.rows = self.result = None
         self.malformed = ""
 
-    async def on_step(self, remote_peer_id: str, data: bytes) -> bytes:
-        """The "next hop": validate the pushed step as a node would, take its rows, ack."""
+    async def on_step(self, remote_peer_id: str, data: bytes | swarm_pb2.StepRequest) -> bytes:
+        """The "next hop": validate the pushed step (serialized, or parsed from a StepBatch)
+        as a node would, take its rows, ack."""
         try:
-            request = parse_record(swarm_pb2.StepRequest, data)
+            request = data if isinstance(data, swarm_pb2.StepRequest) else parse_record(swarm_pb2.StepRequest, data)
             mine = remote_peer_id == self.node_peer_id and bytes(request.session_id) == self.session_id
             if not mine or self.downstream is None or request.step != self.step or self.arrived.is_set():
                 raise WireError(
@@ -299,7 +300,9 @@ class _Inbox:
             steps = read_step_batch(data)
         except WireError as err:
             return step_batch_ack([step_ack(err)])
-        return step_batch_ack([await self.on_step(remote_peer_id, step) for step in steps])
+        return step_batch_ack(
+            [step_ack(s) if isinstance(s, WireError) else await self.on_step(remote_peer_id, s) for s in steps]
+        )
 
     async def on_result(self, remote_peer_id: str, data: bytes) -> bytes:
         """The "owner": take the last range's result."""

@@ -131,6 +131,15 @@ def tls_contexts(key: Ed25519PrivateKey, cert_lifetime_s: float) -> tuple[ssl.SS
     return contexts[0], contexts[1]
 
 
+async def _acquire(lock: trio.Lock) -> None:
+    """Take ``lock``; when it is free, without the scheduler round trip of ``acquire`` (the
+    socket send that follows is the checkpoint). A frame's send is on every hop's path."""
+    try:
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        await lock.acquire()
+
+
 class _TlsStream:
     """TLS over a trio TCP stream through ``ssl.SSLObject`` and memory BIOs.
 
@@ -148,9 +157,12 @@ class _TlsStream:
         self._eof = False
 
     async def _flush(self) -> None:
-        async with self._send_lock:
+        await _acquire(self._send_lock)
+        try:
             if self._outgoing.pending:
                 await self.tcp.send_all(self._outgoing.read())
+        finally:
+            self._send_lock.release()
 
     async def _fill(self) -> bool:
         data = await self.tcp.receive_some(_RECEIVE_BYTES)
@@ -171,10 +183,15 @@ class _TlsStream:
                     raise trio.BrokenResourceError("the peer closed the connection during the TLS handshake") from None
         await self._flush()
 
-    async def send_all(self, data: bytes) -> None:
-        async with self._send_lock:
-            self._ssl.write(data)
+    async def send_all(self, *parts: bytes) -> None:
+        """Encrypt ``parts`` and send them, as one unit: no other send comes between them."""
+        await _acquire(self._send_lock)
+        try:
+            for part in parts:
+                self._ssl.write(part)
             await self.tcp.send_all(self._outgoing.read())
+        finally:
+            self._send_lock.release()
 
     async def receive_some(self, max_bytes: int) -> bytes:
         """Decrypted bytes (possibly more than one record's); b"" at a clean end."""
@@ -237,7 +254,6 @@ class _Connection:
         self.outbound = outbound
         self.max_frame_bytes = max_frame_bytes
         self.reader = FrameReader(max_frame_bytes)
-        self.send_lock = trio.Lock()
         self.pending: dict[int, _Pending] = {}
         # odd ids from the dialler, even from the listener: never the same id both ways
         self._next_id = 1 if outbound else 2
@@ -245,12 +261,10 @@ class _Connection:
 
     async def send_frame(self, header: bytes, payload: bytes) -> None:
         prefix = frame_prefix(len(header) + len(payload))
-        async with self.send_lock:
-            if len(payload) <= _SINGLE_WRITE_BYTES:
-                await self.stream.send_all(prefix + header + payload)
-            else:
-                await self.stream.send_all(prefix + header)
-                await self.stream.send_all(payload)
+        if len(payload) <= _SINGLE_WRITE_BYTES:
+            await self.stream.send_all(prefix + header + payload)
+        else:  # not copied into one buffer; still one unit on the stream
+            await self.stream.send_all(prefix + header, payload)
 
     async def request(self, protocol_id: str, payload: bytes) -> bytes:
         if self.closed is not None:

@@ -6,9 +6,13 @@ Owns one command that measures:
 1. aggregate decode tokens/s at 1, 2, 4 and 8 concurrent sessions: Baton through a tracker and
    three nodes (a third of SmolLM2 each, 8 sequences per worker, one thread per worker), each
    session its own owner with a prompt of ``--prompt`` tokens and ``--tokens`` greedy tokens
-   (aggregate = tokens generated after each session's first token / the time from the first of
-   those to the last); next to ``llama-batched-bench -npp P -ntg G -npl 1,2,4,8`` unsplit on the
-   same cores (its S_TG t/s: the same quantity with every sequence stepping in lock-step).
+   in two measures: over the window in which every session is decoding (from the last
+   session's first token to the first session's last: no prompt is being prefilled then), the
+   quantity llama-batched-bench's S_TG is, the targets' measure; and over the whole span (the
+   tokens generated after each session's first token / the time from the first of those to
+   the last, which also holds the later sessions' prefills: what earlier runs reported); next
+   to ``llama-batched-bench -npp P -ntg G -npl 1,2,4,8`` unsplit on the same cores (its S_TG
+   t/s: every sequence decoding in lock-step, after all prompts were processed).
    Twice, on a fresh swarm each: with the nodes' decode groups auto (the default: the first
    hop splits the sessions into hops + 1 groups, so that they are at different hops at once;
    agent.core.scheduler) and off (``--decode-groups 0``: every waiting decode step in the next
@@ -100,6 +104,7 @@ async def _concurrent(addr: str, prompt: list[int], tokens: int, n: int) -> dict
     firsts: list[float] = []
     lasts: list[float] = []
     decoded = [0]
+    every: list[list[float]] = []
 
     async def one(i: int) -> None:
         times: list[float] = []
@@ -115,12 +120,32 @@ async def _concurrent(addr: str, prompt: list[int], tokens: int, n: int) -> dict
         firsts.append(times[0])
         lasts.append(times[-1])
         decoded[0] += len(times) - 1
+        every.append(times)
 
     async with trio.open_nursery() as nursery:
         for i in range(n):
             nursery.start_soon(one, i)
     span = max(lasts) - min(firsts)
-    return {"sessions": n, "decode_tokens": decoded[0], "span_s": span, "tokens_per_s": decoded[0] / span}
+    window = all_decoding(every)
+    return {
+        "sessions": n, "decode_tokens": decoded[0], "span_s": span, "span_tokens_per_s": decoded[0] / span,
+        "all_decoding_tokens": window[0], "all_decoding_s": window[1], "tokens_per_s": window[0] / window[1],
+    }  # fmt: skip
+
+
+def all_decoding(token_times: list[list[float]]) -> tuple[int, float]:
+    """Tokens generated, and seconds, in the window in which every session is decoding: from
+    the last session's first token (every prompt processed) to the first session's last token
+    (nobody done yet); the tokens counted are those that end a step inside it.
+
+    Raises ValueError when the window is empty (a session finished before another's first
+    token): then the sessions never all decoded at once, and no such figure exists."""
+    start = max(times[0] for times in token_times)
+    end = min(times[-1] for times in token_times)
+    if end <= start:
+        raise ValueError(f"the sessions never all decoded at once (window {end - start:.3f} s)")
+    tokens = sum(1 for times in token_times for t in times if start < t <= end)
+    return tokens, end - start
 
 
 async def _forward_counts(addr: str, after_unix_ms: int) -> dict[str, tuple[int, int]]:
@@ -286,7 +311,10 @@ async def run_baton(args: argparse.Namespace, decode_groups: int | None, *, gaps
             rows[n]["wall_s"] = time.perf_counter() - started
             counts, counted = await _forward_counts(addr, int(time.time() * 1000)), counts
             rows[n]["steps_per_forward"] = _steps_per_forward(counted, counts)  # prefill included
-            log(f"baton ({mode}) {n} sessions: {rows[n]['tokens_per_s']:.1f} decode tokens/s")
+            log(
+                f"baton ({mode}) {n} sessions: {rows[n]['tokens_per_s']:.1f} decode tokens/s with every session "
+                f"decoding ({rows[n]['all_decoding_s']:.1f} s), {rows[n]['span_tokens_per_s']:.1f} over the whole span"
+            )
         result: dict = {"parallel": rows}
         if gaps:
             result["gaps"] = await _gaps_during_prefill(addr, prompt, long_prompt, args.gap_tokens, args.chunk)
@@ -302,12 +330,16 @@ def summarize(baton: dict, llama: dict[int, dict], baton_off: dict) -> dict:
         ours = baton["parallel"][n]["tokens_per_s"]
         off = baton_off["parallel"][n]["tokens_per_s"]
         theirs = llama[n]["speed_tg"]
+        span = baton["parallel"][n].get("span_tokens_per_s")
         rows.append({
             "sessions": n, "llama_batched_bench_tokens_per_s": theirs,
-            "baton_tokens_per_s": ours, "ratio": ours / theirs,  # decode groups auto
+            "baton_tokens_per_s": ours, "ratio": ours / theirs,  # decode groups auto, every session decoding
             "groups_off_tokens_per_s": off, "groups_off_ratio": off / theirs, "auto_over_off": ours / off,
+            "span_tokens_per_s": span, "span_ratio": None if span is None else span / theirs,
         })  # fmt: skip
     rising = all(b["baton_tokens_per_s"] > a["baton_tokens_per_s"] for a, b in zip(rows, rows[1:]))
+    spans = [r["span_tokens_per_s"] for r in rows]
+    span_rising = None if None in spans else all(b > a for a, b in zip(spans, spans[1:]))
     during = baton["gaps"]["during_prefill"]
     gap_ratio = during["p99_s"] / during["p50_s"] if during.get("n") else None
     return {
@@ -317,6 +349,8 @@ def summarize(baton: dict, llama: dict[int, dict], baton_off: dict) -> dict:
         "groups_off_ratio_at_8": rows[-1]["groups_off_ratio"],
         "auto_over_off_at_8": rows[-1]["auto_over_off"],
         "rising_with_every_doubling": rising,
+        "span_ratio_at_8": rows[-1]["span_ratio"],
+        "span_rising_with_every_doubling": span_rising,
         "gap_p99_over_p50_during_prefill": gap_ratio,
         "gap_ratio_target": TARGET_GAP_RATIO,
     }
@@ -336,16 +370,21 @@ def render_markdown(report: dict) -> str:
         "Decode groups auto (the default): the first hop caps each decode Forward at ceil(sessions / (hops + 1)) "
         "steps, so the groups are at different hops at once; off (`--decode-groups 0`): every waiting decode step "
         "in the next Forward. A fresh swarm for each; ratios are to llama-batched-bench.",
+        "Decode t/s: the aggregate while every session decodes (from the last session's first token to the "
+        "first session's last: no prompt is prefilled then), as llama-batched-bench's S_TG counts; the last "
+        "column is the same runs over the whole span, which also holds the later sessions' prefills.",
         "",
         "| sessions | llama-batched-bench S_TG t/s | Baton, groups auto: decode t/s | ratio "
-        "| Baton, groups off: decode t/s | ratio | auto / off |",
-        "|---|---|---|---|---|---|---|",
+        "| Baton, groups off: decode t/s | ratio | auto / off | groups auto, whole span: t/s (ratio) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in s["rows"]:
+        span = row.get("span_tokens_per_s")
+        span_cell = "—" if span is None else f"{span:.1f} ({row['span_ratio']:.2f}x)"
         lines.append(
             f"| {row['sessions']} | {row['llama_batched_bench_tokens_per_s']:.1f} | {row['baton_tokens_per_s']:.1f} | "
             f"{row['ratio']:.2f}x | {row['groups_off_tokens_per_s']:.1f} | {row['groups_off_ratio']:.2f}x | "
-            f"{row['auto_over_off']:.2f}x |"
+            f"{row['auto_over_off']:.2f}x | {span_cell} |"
         )
     shortfall = s["ratio_at_8_target"] - s["ratio_at_8"]
     verdict = "met" if shortfall <= 0 else f"missed by {shortfall:.2f}x"
@@ -355,6 +394,11 @@ def render_markdown(report: dict) -> str:
         f"{verdict}; groups off: {s['groups_off_ratio_at_8']:.2f}x; auto / off: {s['auto_over_off_at_8']:.2f}x.",
         f"- aggregate rising with every doubling (groups auto): {'yes' if s['rising_with_every_doubling'] else 'no'}.",
     ]
+    if s.get("span_ratio_at_8") is not None:
+        lines.append(
+            f"- over the whole span instead: {s['span_ratio_at_8']:.2f}x at 8 sessions, rising with every doubling: "
+            f"{'yes' if s['span_rising_with_every_doubling'] else 'no'}."
+        )
     d, a = gaps["during_prefill"], gaps["alone"]
     if d.get("n"):
         ratio = s["gap_p99_over_p50_during_prefill"]

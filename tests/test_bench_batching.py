@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH_DIR))
 
@@ -41,6 +43,25 @@ def test_the_summary_takes_ratios_of_both_modes_checks_the_doublings_and_the_gap
     assert "groups off: 0.20x; auto / off: 1.50x." in md
     assert "rising with every doubling (groups auto): no" in md
     assert "= 10.00x p50 (target <= 2.0x: missed)" in md
+    assert "over the whole span instead" not in md  # (a report from before the span column)
+    for n, row in baton["parallel"].items():
+        row["span_tokens_per_s"] = 10.0 * n
+    summary = batching.summarize(baton, llama, off)
+    assert (summary["span_ratio_at_8"], summary["span_rising_with_every_doubling"]) == (0.4, True)
+    md = batching.render_markdown({**report, "summary": summary})
+    assert "| 8 | 200.0 | 60.0 | 0.30x | 40.0 | 0.20x | 1.50x | 80.0 (0.40x) |" in md
+    assert "over the whole span instead: 0.40x at 8 sessions, rising with every doubling: yes." in md
+
+
+def test_the_all_decoding_window_runs_from_the_last_first_token_to_the_first_last_token() -> None:
+    # session a decodes from t=0 to t=10, one token a second; b's prompt ends at 4, b is done at 8
+    a = [float(t) for t in range(11)]
+    b = [4.0, 5.0, 6.0, 7.0, 8.0]
+    # window (4, 8]: a's tokens at 5, 6, 7, 8 and b's at 5, 6, 7, 8
+    assert batching.all_decoding([a, b]) == (8, 4.0)
+    assert batching.all_decoding([a]) == (10, 10.0)  # one session: its whole decode
+    with pytest.raises(ValueError, match="never all decoded at once"):
+        batching.all_decoding([[0.0, 1.0, 2.0], [3.0, 4.0]])
 
 
 def test_the_cpu_table_is_per_generated_token_and_sums_every_process() -> None:

@@ -17,6 +17,7 @@ from agent.core.node_link import (
     read_registration_reply,
 )
 from agent.core.node_policy import (
+    BatchPeers,
     check_end_session_sender,
     check_session_owner,
     check_step_sender,
@@ -234,6 +235,21 @@ def test_push_groups_keep_a_next_hop_s_steps_together_in_order():
     assert push_groups([]) == []
     assert push_groups(["b", None, "c", "b", None, "b", "c"]) == [[0, 3, 5], [1], [2, 6], [4]]
     assert push_groups([None, None]) == [[0], [1]]  # results: one message per owner and step
+
+
+def test_a_hop_that_takes_single_steps_but_not_batches_gets_single_pushes_for_a_while():
+    peers = BatchPeers(hold_ms=60_000)
+    assert peers.batches_to("b", now_ms=0)
+    # a failed batch whose steps the hop then refused singly too says nothing about batches
+    peers.batch_failed("b", took_every_step_singly=False, now_ms=0)
+    assert peers.batches_to("b", now_ms=1)
+    peers.batch_failed("b", took_every_step_singly=True, now_ms=1_000)
+    assert not peers.batches_to("b", now_ms=1_000) and not peers.batches_to("b", now_ms=60_999)
+    assert peers.batches_to("c", now_ms=2_000)  # per peer
+    assert peers.batches_to("b", now_ms=61_000)  # tried again: it may have been upgraded
+    assert peers.batches_to("b", now_ms=61_001)
+    with pytest.raises(ValueError, match="hold_ms"):
+        BatchPeers(hold_ms=-1)
 
 
 def test_step_batches_round_trip_and_refuse_what_they_cannot_carry():

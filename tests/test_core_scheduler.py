@@ -9,7 +9,7 @@ import pytest
 
 from agent._proto import swarm_pb2
 from agent.core.node_sessions import SessionTable
-from agent.core.scheduler import StepScheduler, decode_group_cap, first_hop_decode, gather_wait_ms
+from agent.core.scheduler import StepScheduler, batch_window_wait_ms, decode_group_cap, first_hop_decode, gather_wait_ms
 from agent.core.swarm_wire import WireError
 
 Code = swarm_pb2.Error.Code
@@ -394,3 +394,10 @@ def test_only_a_first_hop_caps_and_holds_its_decode_forwards() -> None:
     assert first_hop_decode(begin=10, **plan) == (None, 0.0)  # a later hop takes what arrives
     assert first_hop_decode(begin=0, **{**plan, "waiting": 0}) == (None, 0.0)  # no decode Forward next
     assert first_hop_decode(begin=0, **{**plan, "groups": 0}) == (None, 0.0)  # groups off
+
+
+def test_a_range_waits_its_batch_window_only_while_its_forward_has_room():
+    assert batch_window_wait_ms(2.0, pending_rows=1, row_budget=512) == 2.0
+    assert batch_window_wait_ms(2.0, pending_rows=512, row_budget=512) == 0.0  # full: run it now
+    assert batch_window_wait_ms(2.0, pending_rows=0, row_budget=512) == 0.0  # nothing queued
+    assert batch_window_wait_ms(0.0, pending_rows=1, row_budget=512) == 0.0  # off (the default)

@@ -7,7 +7,8 @@ Owns, for ``agent.io.node.agent``:
 - the owner rules of ``/baton/node``: a client may end only sessions it owns (nodes forward
   ends along a route); only the owner, as a client, may resume or replay its session;
 - which of a Forward's outputs travel together: the steps going on to the same next hop, in
-  one ``StepBatch`` (``push_groups``);
+  one ``StepBatch`` (``push_groups``), and which next hops get single pushes instead
+  (``BatchPeers``: a peer from before ``/baton/steps``);
 - the failure policy: who a failed step names as the failed peer and with which code. A worker
   Forward that fails names this node and ends the batch's sessions here (their positions on
   the worker are unknown now: a later step could not continue them correctly); a push the next
@@ -28,6 +29,8 @@ from .node_ranges import RangeKey, range_name
 from .swarm_wire import WireError
 
 __all__ = [
+    "NO_BATCHES_MS",
+    "BatchPeers",
     "StepFailure",
     "check_end_session_sender",
     "check_session_owner",
@@ -140,3 +143,37 @@ def push_groups(next_hops: Sequence[Hashable | None]) -> list[list[int]]:
             by_hop[hop] = [i]
             groups.append(by_hop[hop])
     return groups
+
+
+#: how long a next hop that failed a StepBatch but took the same steps one by one (a peer from
+#: before /baton/steps) gets single pushes before a batch is tried again (it may have upgraded)
+NO_BATCHES_MS = 60_000
+
+
+class BatchPeers:
+    """Which next hops are sent a ``StepBatch``. A failed batch is sent again step by step (not
+    knowing ``/baton/steps`` reads differently on each transport); a hop that then takes every
+    step does not take batches, and gets single pushes for ``hold_ms``. Times are the caller's
+    clock in ms."""
+
+    def __init__(self, hold_ms: int = NO_BATCHES_MS) -> None:
+        if hold_ms < 0:
+            raise ValueError(f"hold_ms must be >= 0, got {hold_ms}")
+        self.hold_ms = hold_ms
+        self._single_until_ms: dict[str, int] = {}
+
+    def batches_to(self, peer_id: str, now_ms: int) -> bool:
+        """True when several steps for ``peer_id`` go out as one ``StepBatch``."""
+        until = self._single_until_ms.get(peer_id)
+        if until is None:
+            return True
+        if now_ms >= until:
+            del self._single_until_ms[peer_id]  # try a batch again
+            return True
+        return False
+
+    def batch_failed(self, peer_id: str, *, took_every_step_singly: bool, now_ms: int) -> None:
+        """A batch to ``peer_id`` failed and its steps were sent one by one; when the hop took
+        them all, it is a peer without batches."""
+        if took_every_step_singly:
+            self._single_until_ms[peer_id] = now_ms + self.hold_ms

@@ -67,7 +67,7 @@ from typing import Any, Generic, TypeVar
 
 from .batching import is_prefill
 
-__all__ = ["StepScheduler", "decode_group_cap", "first_hop_decode", "gather_wait_ms"]
+__all__ = ["StepScheduler", "batch_window_wait_ms", "decode_group_cap", "first_hop_decode", "gather_wait_ms"]
 
 T = TypeVar("T")
 
@@ -107,6 +107,15 @@ def gather_wait_ms(waiting_decode: int, group_size: int, waited_ms: float, windo
     if window_ms <= 0 or waiting_decode >= group_size:
         return 0.0
     return max(0.0, window_ms - waited_ms)
+
+
+def batch_window_wait_ms(window_ms: float, pending_rows: int, row_budget: int) -> float:
+    """How long a range waits, once a step is queued, for more to share its Forward (0: run
+    now): ``window_ms`` while the queued rows (``pending_rows``) leave room in the Forward's
+    ``row_budget``; a full Forward, or nothing queued, does not wait."""
+    if window_ms <= 0 or not 0 < pending_rows < row_budget:
+        return 0.0
+    return window_ms
 
 
 def first_hop_decode(

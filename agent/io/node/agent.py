@@ -63,6 +63,7 @@ from agent.core.node_link import (
     read_registration_reply,
 )
 from agent.core.node_policy import (
+    BatchPeers,
     StepFailure,
     check_end_session_sender,
     check_session_owner,
@@ -87,7 +88,7 @@ from agent.core.node_ranges import (
     range_name,
 )
 from agent.core.node_sessions import NodeSession, SessionTable
-from agent.core.scheduler import StepScheduler, first_hop_decode
+from agent.core.scheduler import StepScheduler, batch_window_wait_ms, first_hop_decode
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -365,10 +366,6 @@ class ServedRange:
         return ended
 
 
-#: how long a next hop that failed a StepBatch but took the same steps one by one (a peer from
-#: before /baton/steps) gets single pushes before a batch is tried again
-NO_BATCHES_MS = 60_000
-
 
 def _unix_ms() -> int:
     """Wall-clock ms: admissions and fingerprints carry the tracker's and node's unix times.
@@ -415,7 +412,7 @@ class Node:
             raise ValueError("relay=True needs a transport that can hold relay reservations (libp2p)")
         self.tracker_public_key = b""
         self._sender_admissions = AdmissionVerifier(b"")  # replaced once the tracker key is known
-        self._no_batches_until_ms: dict[str, int] = {}  # next hops that get single pushes (NO_BATCHES_MS)
+        self._batch_peers = BatchPeers()  # next hops that get single pushes
         self.admission = swarm_pb2.SignedAdmission()
         self.heartbeat_interval_ms = config.heartbeat_interval_ms or DEFAULT_HEARTBEAT_INTERVAL_MS
         self.models = {m.sha256: m for m in config.models}
@@ -794,8 +791,8 @@ class Node:
             while not len(scheduler) and not sessions.has_closing():
                 served.wakeup = trio.Event()
                 await served.wakeup.wait()
-            if self.config.batch_window_ms > 0 and 0 < scheduler.pending_rows < info.n_batch_max:
-                await trio.sleep(self.config.batch_window_ms / 1000)
+            if window_ms := batch_window_wait_ms(self.config.batch_window_ms, scheduler.pending_rows, info.n_batch_max):
+                await trio.sleep(window_ms / 1000)
             for seq_id in sessions.take_closing():
                 try:
                     await client.remove_sequence(seq_id, timeout_s=timeout_s)
@@ -973,7 +970,7 @@ class Node:
         ``StepBatch``; each step the hop did not take is reported to its owner. True when the
         hop took them all."""
         timeout_s = self.config.step_push_timeout_s
-        if len(steps) > 1 and self._no_batches_until_ms.get(hop.peer_id, 0) > _clock_ms():
+        if len(steps) > 1 and not self._batch_peers.batches_to(hop.peer_id, _clock_ms()):
             return await self._push_each(hop, steps)
         try:
             if len(steps) == 1:
@@ -989,8 +986,7 @@ class Node:
                 # gets the verdict a single push gets. If they all got through, the peer does
                 # not take batches: it gets single pushes for a while.
                 taken = await self._push_each(hop, steps)
-                if taken:
-                    self._no_batches_until_ms[hop.peer_id] = _clock_ms() + NO_BATCHES_MS
+                self._batch_peers.batch_failed(hop.peer_id, took_every_step_singly=taken, now_ms=_clock_ms())
                 return taken
             failure = push_unreachable(hop.peer_id, str(err))
             await self._fail_all([step for step, _d in steps], [failure] * len(steps))

@@ -366,7 +366,6 @@ class ServedRange:
         return ended
 
 
-
 def _unix_ms() -> int:
     """Wall-clock ms: admissions and fingerprints carry the tracker's and node's unix times.
     Everything else of the node (session leases, sweeps, batch windows, heartbeat intervals)

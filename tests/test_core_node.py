@@ -32,6 +32,7 @@ from agent.core.swarm_wire import (
     MAX_BATCH_STEPS,
     SCHEMA_VERSION,
     WireError,
+    answer_step_batch,
     read_step_batch,
     read_step_batch_ack,
     step_ack,
@@ -274,3 +275,16 @@ def test_step_batches_round_trip_and_refuse_what_they_cannot_carry():
     with pytest.raises(WireError, match="1 acks for 3 steps"):
         read_step_batch_ack(step_batch_ack([step_ack()]), 3)
     assert swarm_pb2.StepBatchAck.FromString(step_batch_ack([step_ack()])).schema_version == 1
+    # answering a batch: each entry that parses gets its answer, in order; a bad entry its
+    # own error; a batch refused as a whole one error ack
+    seen = []
+
+    def answer(request: swarm_pb2.StepRequest) -> bytes:
+        seen.append(request.step)
+        return step_ack_error(5, "busy") if request.step else step_ack()
+
+    batch = step_batch([entries[0].SerializeToString(), b"\xff\xff", entries[1].SerializeToString()])
+    acks = swarm_pb2.StepBatchAck.FromString(answer_step_batch(batch, answer)).acks
+    assert seen == [0, 1] and [a.error.code for a in acks] == [0, Code.INVALID_ARGUMENT, 5]
+    whole = swarm_pb2.StepBatchAck.FromString(answer_step_batch(step_batch([]), answer)).acks
+    assert len(whole) == 1 and whole[0].error.code == Code.INVALID_ARGUMENT and seen == [0, 1]

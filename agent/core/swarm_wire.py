@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -55,6 +55,7 @@ __all__ = [
     "STEP_PROTOCOL",
     "STEPS_PROTOCOL",
     "MAX_BATCH_STEPS",
+    "answer_step_batch",
     "read_step_batch",
     "read_step_batch_ack",
     "step_batch",
@@ -219,6 +220,18 @@ def read_step_batch(data: bytes) -> list[swarm_pb2.StepRequest | WireError]:
     if len(admissions) > 1:
         raise WireError(Code.INVALID_ARGUMENT, "the steps of a StepBatch carry different sender admissions")
     return steps
+
+
+def answer_step_batch(data: bytes, answer: Callable[[swarm_pb2.StepRequest], bytes]) -> bytes:
+    """The serialized ``StepBatchAck`` for a serialized ``StepBatch``: ``answer(step)`` (its
+    serialized ``StepAck``) for each entry that parses, in order, and the entry's own error
+    ack for one that does not; one error ack when the batch as a whole is refused
+    (``read_step_batch``). How a node answers ``/baton/steps``, and so a canary persona too."""
+    try:
+        steps = read_step_batch(data)
+    except WireError as err:
+        return step_batch_ack([step_ack(err)])
+    return step_batch_ack([step_ack(s) if isinstance(s, WireError) else answer(s) for s in steps])
 
 
 def step_batch_ack(acks: Sequence[bytes]) -> bytes:

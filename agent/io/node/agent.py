@@ -100,6 +100,7 @@ from agent.core.swarm_wire import (
     RangeSpec,
     StepInput,
     WireError,
+    answer_step_batch,
     check_hops,
     circuit_multiaddr,
     encode_step_output,
@@ -108,7 +109,6 @@ from agent.core.swarm_wire import (
     parse_record,
     peer_id_from_multiaddr,
     replay_step_request,
-    read_step_batch,
     read_step_batch_ack,
     step_ack,
     step_ack_error,
@@ -1109,13 +1109,9 @@ class Node:
         """``/baton/steps/1.0.0``: ``handle_step`` for each step of a ``StepBatch``, all of
         them queued before the serving task looks; one ack per step, in order (a batch that
         does not parse gets one ack with the error). Never raises."""
-        try:
-            requests = read_step_batch(data)
-        except WireError as err:
-            return step_batch_ack([step_ack(err)])
-        acks = [step_ack(r) if isinstance(r, WireError) else self._queue_step(remote_peer_id, r) for r in requests]
+        reply = answer_step_batch(data, lambda request: self._queue_step(remote_peer_id, request))
         await trio.lowlevel.checkpoint()
-        return step_batch_ack(acks)
+        return reply
 
     def _queue_step(self, remote_peer_id: str, data: bytes | swarm_pb2.StepRequest) -> bytes:
         """Validate and queue one step (serialized or parsed); its serialized ``StepAck``."""

@@ -58,15 +58,14 @@ from agent.core.swarm_wire import (
     STEPS_PROTOCOL,
     RangeSpec,
     WireError,
+    answer_step_batch,
     boundary_step_request,
     first_step_request,
     node_reply_error,
     parse_record,
-    read_step_batch,
     result_scores,
     step_ack,
     step_ack_error,
-    step_batch_ack,
     validate_step,
 )
 from agent.core.admission import public_key_bytes
@@ -272,11 +271,21 @@ class _Inbox:
         self.rows = self.result = None
         self.malformed = ""
 
-    async def on_step(self, remote_peer_id: str, data: bytes | swarm_pb2.StepRequest) -> bytes:
-        """The "next hop": validate the pushed step (serialized, or parsed from a StepBatch)
-        as a node would, take its rows, ack."""
+    async def on_step(self, remote_peer_id: str, data: bytes) -> bytes:
+        """The "next hop": validate the pushed step as a node would, take its rows, ack."""
         try:
-            request = data if isinstance(data, swarm_pb2.StepRequest) else parse_record(swarm_pb2.StepRequest, data)
+            request = parse_record(swarm_pb2.StepRequest, data)
+        except WireError as err:
+            return step_ack(err)
+        return self._take_step(remote_peer_id, request)
+
+    async def on_steps(self, remote_peer_id: str, data: bytes) -> bytes:
+        """``/baton/steps`` as a node answers it (a persona that did not would be a tell)."""
+        return answer_step_batch(data, lambda request: self._take_step(remote_peer_id, request))
+
+    def _take_step(self, remote_peer_id: str, request: swarm_pb2.StepRequest) -> bytes:
+        """Check one pushed step, take its rows; its serialized ``StepAck``."""
+        try:
             mine = remote_peer_id == self.node_peer_id and bytes(request.session_id) == self.session_id
             if not mine or self.downstream is None or request.step != self.step or self.arrived.is_set():
                 raise WireError(
@@ -293,16 +302,6 @@ class _Inbox:
             return step_ack()
         except WireError as err:
             return step_ack(err)
-
-    async def on_steps(self, remote_peer_id: str, data: bytes) -> bytes:
-        """``/baton/steps`` as a node answers it (a persona that did not would be a tell)."""
-        try:
-            steps = read_step_batch(data)
-        except WireError as err:
-            return step_batch_ack([step_ack(err)])
-        return step_batch_ack(
-            [step_ack(s) if isinstance(s, WireError) else await self.on_step(remote_peer_id, s) for s in steps]
-        )
 
     async def on_result(self, remote_peer_id: str, data: bytes) -> bytes:
         """The "owner": take the last range's result."""

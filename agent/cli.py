@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from agent import cli_args
+from agent.io.process_memory import keep_freed_memory
 
 __all__ = ["build_parser", "main"]
 
@@ -159,6 +160,7 @@ def _run_parity(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    keep_freed_memory()  # every role moves megabyte buffers per step; see process_memory
     if args.command == "worker":
         return _run_worker(args)
     if args.command in _DELEGATED:

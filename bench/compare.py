@@ -888,6 +888,9 @@ def main() -> int:
     parser.add_argument("--retries", type=int, default=2, help="at most this many re-runs of a disturbed measurement")
     parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # fewer runs, for smoke tests
     args = parser.parse_args()
+    from agent.io.process_memory import keep_freed_memory
+
+    keep_freed_memory()  # the direct harnesses are Baton processes too (agent.cli does it for the rest)
     if args.runs < 5 and not args.quick:
         parser.error("--runs must be at least 5")
     if args.threads < 1:

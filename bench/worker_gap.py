@@ -112,6 +112,9 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     args = parser.parse_args()
+    from agent.io.process_memory import keep_freed_memory
+
+    keep_freed_memory()  # the direct harnesses are Baton processes too (agent.cli does it for the rest)
     print(json.dumps(trio.run(run, args), indent=1))
     return 0
 

@@ -4,6 +4,8 @@ Fallback peers are a ``MemoryNetwork`` (the channel must not need libp2p to be t
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import ssl
 
 import pytest
@@ -11,7 +13,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.core import frames
-from agent.core.multiaddrs import parse_channel_multiaddr
+from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
 from agent.io.channel import ChannelConfig, _TlsStream, open_channel_transport, tls_contexts
 from agent.io.keys import peer_id_of
 from agent.io.transport import MemoryNetwork, TransportError
@@ -214,3 +216,64 @@ async def test_big_and_small_frames_sent_at_once_stay_whole() -> None:
                     nursery.start_soon(one, i)
             assert b.frames_refused == 0 and a.connections_dialled == 1
     assert replies == dict(enumerate(payloads))
+
+
+async def test_a_send_cut_short_ends_that_connection_and_the_next_request_dials_anew() -> None:
+    # A request cancelled (its timeout) while its big frame is half on the wire: the rest of
+    # that connection's byte stream can no longer be framed, so it is shut at once (the peer
+    # sees a truncated frame, never a corrupt one) and the next request dials a new one,
+    # even before the old connection's reader has noticed. The peer is a bare TLS server
+    # that reads nothing on its first connection until the sender has given up.
+    net = MemoryNetwork()
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    b_id = peer_id_of(kb)
+    server_context, _client = tls_contexts(kb, 3600)
+    big = bytes(32 << 20)  # far more than loopback's socket buffers take unread
+    gave_up = trio.Event()
+    first_done = trio.Event()
+    first: dict[str, object] = {}
+    accepted = 0
+
+    async def serve(tcp: trio.SocketStream) -> None:
+        nonlocal accepted
+        accepted += 1
+        stream = _TlsStream(tcp, server_context, server_side=True)
+        try:
+            await stream.do_handshake()
+            reader = frames.FrameReader(64 << 20)
+            if accepted == 1:
+                await gave_up.wait()
+                try:
+                    while parts := await stream.receive_parts():
+                        for part in parts:
+                            reader.feed(part)
+                except trio.BrokenResourceError:
+                    pass  # no close_notify: the sender shut its socket
+                first["whole_frames"] = reader.next_frame() is not None
+                first["cut_inside_a_frame"] = not reader.at_frame_boundary and reader.needed() > 0
+                first_done.set()
+                return
+            while (frame := reader.take_frame(frames.parse_channel_frame)) is None:
+                for part in await stream.receive_parts():
+                    reader.feed(part)
+            body = frames.reply_header(frame.exchange_id) + b"echo:" + frame.payload
+            await stream.send_all(frames.frame_prefix(len(body)) + body)
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.receive_parts()  # until the client goes
+        finally:
+            await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+        addr = channel_multiaddr("127.0.0.1", listeners[0].socket.getsockname()[1], b_id)
+        config = ChannelConfig(max_frame_bytes=64 << 20, listen_host=None)
+        async with open_channel_transport(ka, net.add(peer_id_of(ka)), config) as a:
+            with pytest.raises(TransportError, match="no reply"):
+                await a.request(b_id, [addr], ECHO, big, timeout_s=1.0)
+            gave_up.set()
+            assert await a.request(b_id, [addr], ECHO, b"after", timeout_s=10) == b"echo:after"
+            assert a.connections_dialled == 2
+        with trio.fail_after(10):
+            await first_done.wait()
+        nursery.cancel_scope.cancel()
+    assert first == {"whole_frames": False, "cut_inside_a_frame": True}

@@ -65,6 +65,33 @@ def test_reader_names_truncation() -> None:
     assert "inside a length prefix" in str(reader.truncation_error())
 
 
+def test_take_frame_parses_in_place_and_takes_the_frame_even_when_the_parse_fails() -> None:
+    # A channel frame's payload is copied once, out of a view of the reader's buffer; the
+    # view is released after the call (or the buffer could not be compacted or grown), and a
+    # frame the parse refuses is still taken, so the next one comes out right.
+    body = frames.request_header(9, "/baton/step/1.0.0") + b"x" * 3000
+    reader = FrameReader(10_000)
+    reader.feed(_frame(b"\x09bad!") + _frame(body) + _frame(b"tail")[:3])
+    kept: list[memoryview] = []
+
+    def keep(view: memoryview) -> memoryview:
+        kept.append(view)
+        return view
+
+    with pytest.raises(FrameError, match="unknown channel frame kind 9"):
+        reader.take_frame(frames.parse_channel_frame)
+    frame = reader.take_frame(frames.parse_channel_frame)
+    assert (frame.exchange_id, frame.protocol_id, frame.payload) == (9, "/baton/step/1.0.0", b"x" * 3000)
+    assert type(frame.payload) is bytes
+    reader.feed(_frame(b"tail")[3:] + _frame(b"z" * 50))
+    assert reader.next_frame() == b"tail"
+    reader.take_frame(keep)
+    with pytest.raises(ValueError, match="released"):
+        bytes(kept[0])  # the view a parse kept is dead: the buffer is free to change
+    reader.feed(_frame(b"after"))  # and it still can
+    assert reader.next_frame() == b"after" and reader.at_frame_boundary
+
+
 def test_channel_frames_round_trip() -> None:
     body = frames.request_header(7, "/baton/step/1.0.0") + b"payload"
     frame = frames.parse_channel_frame(body)

@@ -29,6 +29,8 @@ Pure: no sockets, trio, clocks or randomness. Must not import agent.io.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import TypeVar
 
 __all__ = [
     "ERROR",
@@ -47,6 +49,8 @@ __all__ = [
     "reply_header",
     "request_header",
 ]
+
+_T = TypeVar("_T")
 
 MAX_VARINT_BYTES = 10  # a 64-bit unsigned varint
 MAX_PROTOCOL_ID_BYTES = 255
@@ -146,6 +150,17 @@ class FrameReader:
           FrameTooLarge: the next frame announces more than ``max_frame_bytes``.
           FrameError: the length prefix is malformed.
         """
+        return self.take_frame(bytes)
+
+    def take_frame(self, parse: Callable[[memoryview], _T]) -> _T | None:
+        """``parse`` of the next whole frame body, or None until more bytes are fed.
+
+        ``parse`` gets a view into the reader's buffer, valid during the call only: what it
+        keeps it copies (so a frame's payload is copied once, not once for the body and again
+        for the payload). The frame is taken even when ``parse`` raises.
+
+        Raises what ``next_frame`` raises, and what ``parse`` raises.
+        """
         if self._broken is not None:
             raise self._broken
         try:
@@ -165,16 +180,17 @@ class FrameReader:
         end = begin + length
         if end > len(self._buffer):
             return None
-        with memoryview(self._buffer) as view:  # one copy, and no export left behind
-            body = bytes(view[begin:end])
-        self._start = end
-        if self._start == len(self._buffer):
-            self._buffer.clear()
-            self._start = 0
-        elif self._start > (1 << 20):
-            del self._buffer[: self._start]
-            self._start = 0
-        return body
+        try:
+            with memoryview(self._buffer) as view, view[begin:end] as body:  # no export left behind
+                return parse(body)
+        finally:
+            self._start = end
+            if self._start == len(self._buffer):
+                self._buffer.clear()
+                self._start = 0
+            elif self._start > (1 << 20):
+                del self._buffer[: self._start]
+                self._start = 0
 
     def truncation_error(self) -> FrameError:
         """What to raise when the stream ends with a partial frame buffered."""
@@ -229,8 +245,8 @@ def error_header(exchange_id: int) -> bytes:
     return _header(ERROR, exchange_id)
 
 
-def parse_channel_frame(body: bytes) -> ChannelFrame:
-    """Split a channel frame body into its parts.
+def parse_channel_frame(body: bytes | memoryview) -> ChannelFrame:
+    """Split a channel frame body into its parts (the payload is copied out of a view).
 
     Raises:
       FrameError: too short, an unknown kind, or a malformed protocol id.
@@ -247,10 +263,10 @@ def parse_channel_frame(body: bytes) -> ChannelFrame:
         if n == 0 or start + n > len(body):
             raise FrameError(f"a REQUEST frame's protocol id of {n} bytes does not fit in the frame")
         try:
-            protocol_id = body[start : start + n].decode("ascii")
+            protocol_id = bytes(body[start : start + n]).decode("ascii")
         except UnicodeDecodeError:
             raise FrameError("a REQUEST frame's protocol id is not ASCII") from None
-        return ChannelFrame(REQUEST, exchange_id, protocol_id, body[start + n :])
+        return ChannelFrame(REQUEST, exchange_id, protocol_id, bytes(body[start + n :]))
     if kind in (REPLY, ERROR):
-        return ChannelFrame(kind, exchange_id, "", body[_HEADER_BYTES:])
+        return ChannelFrame(kind, exchange_id, "", bytes(body[_HEADER_BYTES:]))
     raise FrameError(f"unknown channel frame kind {kind}")

@@ -14,6 +14,7 @@ Pure. Must not import agent.io.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 
 __all__ = [
@@ -64,6 +65,7 @@ def is_channel_multiaddr(addr: str) -> bool:
     return parse_channel_multiaddr(addr) is not None
 
 
+@functools.lru_cache(maxsize=4096)  # on every request's path; a pure function of the string
 def parse_channel_multiaddr(addr: str) -> tuple[str, int, str] | None:
     """``(host, port, peer id)`` of a channel address, or None for any other address
     (libp2p TCP, circuit, malformed)."""

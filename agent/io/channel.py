@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import secrets
+import socket
 import ssl
 import tempfile
 from collections.abc import AsyncIterator, Sequence
@@ -66,6 +67,7 @@ ALPN = "baton-channel/1"
 _RECEIVE_BYTES = 256 * 1024
 _TLS_RECORD_BYTES = 16 * 1024  # TLS 1.3's largest record plaintext
 _SINGLE_WRITE_BYTES = 64 * 1024  # below this, prefix + header + payload go out as one write
+_READS_PER_CHECKPOINT = 16  # receives that did not wait, at most, between two scheduler checkpoints
 
 
 @dataclass(frozen=True)
@@ -141,31 +143,93 @@ async def _acquire(lock: trio.Lock) -> None:
 
 
 class _TlsStream:
-    """TLS over a trio TCP stream through ``ssl.SSLObject`` and memory BIOs.
+    """TLS over a TCP socket through ``ssl.SSLObject`` and memory BIOs.
 
     Why not ``trio.SSLStream``: it moves one TLS record (16 KiB) per trip through its retry
     loop, which costs ~20 ms per MiB here; this pump reads the socket in big chunks and drains
     every record they hold in one go, and encrypts a whole frame with one ``write``.
+
+    Why a raw non-blocking socket under trio's low-level waits rather than ``trio.SocketStream``:
+    every message of a decode step crosses this stream twice. ``SocketStream`` yields to the
+    scheduler after every send and receive that did not have to wait, so each costs a whole
+    scheduler pass (an ``epoll_wait`` and the run loop), and it checks for conflicting
+    callers; here a send or receive that the kernel can take at once is one system call and
+    waits (``wait_writable`` / ``wait_readable``) only when it must. The reader checkpoints at
+    least every ``_READS_PER_CHECKPOINT`` receives, so a peer that never lets it block still
+    cannot starve the other tasks or hide a cancellation.
     """
 
     def __init__(self, tcp: trio.SocketStream, context: ssl.SSLContext, *, server_side: bool) -> None:
-        self.tcp = tcp
+        # the TCP socket leaves trio's stream (TCP_NODELAY stays set on it); this object owns it
+        self._sock = socket.socket(fileno=tcp.socket.detach())
+        self._sock.setblocking(False)
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
         self._ssl = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side)
         self._send_lock = trio.Lock()
+        self._reads_since_checkpoint = 0
+        # one receive buffer for the connection's life: a fresh 256 KiB object per receive
+        # is a fresh mapping, page-faulted in each time
+        self._receive_buffer = memoryview(bytearray(_RECEIVE_BYTES))
         self._eof = False
+        self.broken: str | None = None  # why the byte stream can no longer be trusted
+
+    async def _send_raw(self, data: bytes) -> None:
+        """All of ``data`` (TLS records) to the socket; the send lock is held.
+
+        A send cut short (cancelled, or a socket error) loses records the TLS session has
+        already counted, and may leave half a frame on the wire: the stream is marked broken
+        and the socket shut, so the peer sees a truncated stream, never a corrupt frame."""
+        view = memoryview(data)
+        try:
+            while view:
+                try:
+                    sent = self._sock.send(view)
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(self._sock)
+                    continue
+                view = view[sent:]
+        except BaseException as error:
+            self._break(f"a send was cut short ({type(error).__name__})")
+            if isinstance(error, OSError):
+                raise trio.BrokenResourceError(f"send failed: {error}") from error
+            raise
+
+    def _break(self, reason: str) -> None:
+        if self.broken is None:
+            self.broken = reason
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    async def _receive_raw(self) -> memoryview:
+        """The next bytes from the socket, in the receive buffer (valid until the next call)."""
+        if self._reads_since_checkpoint >= _READS_PER_CHECKPOINT:
+            self._reads_since_checkpoint = 0
+            await trio.lowlevel.checkpoint()
+        while True:
+            try:
+                received = self._sock.recv_into(self._receive_buffer)
+            except BlockingIOError:
+                self._reads_since_checkpoint = 0
+                await trio.lowlevel.wait_readable(self._sock)
+                continue
+            except OSError as error:
+                raise trio.BrokenResourceError(f"receive failed: {error}") from error
+            self._reads_since_checkpoint += 1
+            return self._receive_buffer[:received]
 
     async def _flush(self) -> None:
         await _acquire(self._send_lock)
         try:
             if self._outgoing.pending:
-                await self.tcp.send_all(self._outgoing.read())
+                await self._send_raw(self._outgoing.read())
         finally:
             self._send_lock.release()
 
     async def _fill(self) -> bool:
-        data = await self.tcp.receive_some(_RECEIVE_BYTES)
+        data = await self._receive_raw()
         if not data:
             self._incoming.write_eof()
             return False
@@ -187,36 +251,47 @@ class _TlsStream:
         """Encrypt ``parts`` and send them, as one unit: no other send comes between them."""
         await _acquire(self._send_lock)
         try:
+            if self.broken is not None:
+                raise trio.BrokenResourceError(self.broken)
             for part in parts:
                 self._ssl.write(part)
-            await self.tcp.send_all(self._outgoing.read())
+            await self._send_raw(self._outgoing.read())
         finally:
             self._send_lock.release()
 
-    async def receive_some(self, max_bytes: int) -> bytes:
-        """Decrypted bytes (possibly more than one record's); b"" at a clean end."""
+    async def receive_parts(self) -> list[bytes]:
+        """Decrypted bytes, one part per TLS record (not joined: the frame reader copies them
+        once anyway); [] at a clean end. Raises BrokenResourceError on an unclean end."""
         while True:
-            parts = []
-            try:
-                while True:
-                    # one record at most per read: asking for more only makes (and page-faults)
-                    # a bigger buffer each time
-                    parts.append(self._ssl.read(_TLS_RECORD_BYTES))
-            except ssl.SSLWantReadError:
-                pass
-            except ssl.SSLZeroReturnError:
-                self._eof = True
-            if self._outgoing.pending:
-                await self._flush()  # post-handshake messages (e.g. key updates)
-            if parts or self._eof:
-                return b"".join(parts)
-            if not await self._fill():
+            # decrypt only when something is buffered: with nothing there, a read can only fail
+            if self._incoming.pending or self._ssl.pending() or self._eof:
+                parts = []
+                closed = False
                 try:
-                    return self._ssl.read(max_bytes)
+                    while True:
+                        # one record at most per read: asking for more only makes (and
+                        # page-faults) a bigger buffer each time
+                        parts.append(self._ssl.read(_TLS_RECORD_BYTES))
+                except ssl.SSLWantReadError:
+                    pass
                 except ssl.SSLZeroReturnError:
-                    return b""
-                except ssl.SSLError as error:  # truncated: EOF without close_notify
+                    closed = True
+                except ssl.SSLError as error:  # truncated: EOF without close_notify, or garbage
+                    if parts:
+                        return parts  # what came before it first; the error comes next time
                     raise trio.BrokenResourceError(f"TLS stream ended uncleanly ({error})") from None
+                if self._outgoing.pending:
+                    await self._flush()  # post-handshake messages (e.g. key updates)
+                if parts or closed:
+                    return parts
+                if self._eof:
+                    raise trio.BrokenResourceError("TLS stream ended uncleanly (EOF inside a record)")
+            if not await self._fill():
+                self._eof = True
+
+    async def receive_some(self, max_bytes: int = _RECEIVE_BYTES) -> bytes:
+        """``receive_parts`` joined (tests, the handshake's callers); b"" at a clean end."""
+        return b"".join(await self.receive_parts())
 
     def getpeercert(self, binary_form: bool = True) -> bytes | None:
         return self._ssl.getpeercert(binary_form=True)
@@ -225,7 +300,11 @@ class _TlsStream:
         return self._ssl.selected_alpn_protocol()
 
     async def aclose(self) -> None:
-        await trio.aclose_forcefully(self.tcp)
+        """Close the socket (no close_notify: every frame is length-prefixed, so a cut is seen)."""
+        if self._sock.fileno() != -1:
+            trio.lowlevel.notify_closing(self._sock)
+            self._sock.close()
+        await trio.lowlevel.checkpoint()
 
 
 def _peer_of(stream: _TlsStream) -> str:
@@ -261,10 +340,14 @@ class _Connection:
 
     async def send_frame(self, header: bytes, payload: bytes) -> None:
         prefix = frame_prefix(len(header) + len(payload))
-        if len(payload) <= _SINGLE_WRITE_BYTES:
-            await self.stream.send_all(prefix + header + payload)
-        else:  # not copied into one buffer; still one unit on the stream
-            await self.stream.send_all(prefix + header, payload)
+        try:
+            if len(payload) <= _SINGLE_WRITE_BYTES:
+                await self.stream.send_all(prefix + header + payload)
+            else:  # not copied into one buffer; still one unit on the stream
+                await self.stream.send_all(prefix + header, payload)
+        finally:
+            if self.stream.broken is not None:  # e.g. cancelled half-way: nothing more goes on it
+                self.fail(self.stream.broken)
 
     async def request(self, protocol_id: str, payload: bytes) -> bytes:
         if self.closed is not None:
@@ -381,6 +464,8 @@ class ChannelTransport:
                 channel_targets.append(parsed)
         with trio.move_on_after(timeout_s) as scope:
             connection = self._connections.get(peer_id)
+            if connection is not None and connection.closed is not None:
+                connection = None  # failed, its reader not yet done with it: dial anew
             if connection is None and channel_targets:
                 connection = await self._connect(peer_id, channel_targets)
             if connection is not None:
@@ -398,7 +483,7 @@ class ChannelTransport:
         lock = self._dial_locks.setdefault(peer_id, trio.Lock())
         async with lock:  # concurrent requests share one dial
             connection = self._connections.get(peer_id)
-            if connection is not None:
+            if connection is not None and connection.closed is None:
                 return connection
             for host, port, _ in targets:
                 try:
@@ -412,13 +497,13 @@ class ChannelTransport:
         return None
 
     async def _dial(self, peer_id: str, host: str, port: int) -> _Connection:
-        tcp = await trio.open_tcp_stream(host, port)
+        stream = _TlsStream(await trio.open_tcp_stream(host, port), self._client_context, server_side=False)
         try:
-            stream = _TlsStream(tcp, self._client_context, server_side=False)
             await stream.do_handshake()
             remote = _peer_of(stream)
         except BaseException:
-            await trio.aclose_forcefully(tcp)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
             raise
         if remote != peer_id:
             await stream.aclose()
@@ -461,22 +546,25 @@ class ChannelTransport:
         stream = connection.stream
         while True:
             try:
-                data = await stream.receive_some(_RECEIVE_BYTES)
+                parts = await stream.receive_parts()
             except trio.BrokenResourceError:
                 if not reader.at_frame_boundary:  # the peer went away inside a frame
                     raise reader.truncation_error() from None
                 raise
-            if not data:
+            if not parts:
                 if not reader.at_frame_boundary:
                     raise reader.truncation_error()
                 connection.fail("the peer closed the connection")
                 return
-            reader.feed(data)
-            while (body := reader.next_frame()) is not None:
-                frame = parse_channel_frame(body)
+            for part in parts:
+                reader.feed(part)
+            while (frame := reader.take_frame(parse_channel_frame)) is not None:
                 if frame.kind == REQUEST:
                     handler = self._handlers.get(frame.protocol_id)
-                    handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
+                    if os.environ.get("CHAN_INLINE"):
+                        await self._answer(connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
+                    else:
+                        handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
                 else:
                     waiter = connection.pending.get(frame.exchange_id)
                     if waiter is None:

@@ -3,7 +3,9 @@
 // service, the gRPC hop and the client cost (bench/README.md, "worker against llama-bench").
 //
 // usage: baton-shard-bench MODEL [--ctx-size N] [--max-sequences N] [--prompt N] [--steps N]
-//                          [--reps N] [--threads N] [--top-k K] [--gap-us N]
+//                          [--reps N] [--threads N] [--top-k K] [--gap-us N] [--begin B] [--end E]
+// --begin/--end: the block range [B, E) (default the whole model); a range that does not take
+// tokens gets boundary rows in (small deterministic values, f32), as a served range does.
 // --gap-us N: sleep N us before each decode step (not timed): the idle gap a served worker
 // has between two requests.
 // Prints one JSON line: per rep, the prompt Forward's and the mean decode Forward's wall ms
@@ -62,6 +64,8 @@ int main(int argc, char ** argv) {
         else if (flag == "--threads") config.threads = static_cast<int32_t>(v);
         else if (flag == "--top-k") top_k = static_cast<uint32_t>(v);
         else if (flag == "--gap-us") gap_us = v;
+        else if (flag == "--begin") config.layer_begin = static_cast<int32_t>(v);
+        else if (flag == "--end") config.layer_end = static_cast<int32_t>(v);
         else {
             std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
             return 2;
@@ -69,6 +73,14 @@ int main(int argc, char ** argv) {
     }
     try {
         baton::Shard shard(config);
+        const bool takes_tokens = shard.info().takes_tokens;
+        const size_t row_values = shard.info().boundary.row_values();
+        std::vector<float> rows(static_cast<size_t>(prompt) * row_values);
+        for (size_t i = 0; i < rows.size(); ++i) {
+            rows[i] = 0.01f * static_cast<float>((i * 2654435761u) % 200) - 1.0f;
+        }
+        const std::string_view prompt_rows(reinterpret_cast<const char *>(rows.data()), rows.size() * sizeof(float));
+        const std::string_view step_rows(reinterpret_cast<const char *>(rows.data()), row_values * sizeof(float));
         std::string runs;
         for (int rep = 0; rep <= reps; ++rep) {  // rep 0 warms up
             std::vector<baton::ForwardOutput> out;
@@ -76,7 +88,11 @@ int main(int argc, char ** argv) {
             e.seq_id = 0;
             for (int p = 0; p < prompt; ++p) {
                 e.positions.push_back(p);
-                e.token_ids.push_back(100 + p);
+                if (takes_tokens) e.token_ids.push_back(100 + p);
+            }
+            if (!takes_tokens) {
+                e.boundary = prompt_rows;
+                e.boundary_dtype = baton::BoundaryDType::kF32;
             }
             double t0 = now_s();
             baton::ShardStatus st = shard.forward({e}, &out);
@@ -86,7 +102,12 @@ int main(int argc, char ** argv) {
                 baton::ForwardEntry d;
                 d.seq_id = 0;
                 d.positions = {prompt + s};
-                d.token_ids = {200 + s};
+                if (takes_tokens) {
+                    d.token_ids = {200 + s};
+                } else {
+                    d.boundary = step_rows;
+                    d.boundary_dtype = baton::BoundaryDType::kF32;
+                }
                 d.top_k = top_k;
                 if (gap_us > 0) {
                     usleep(static_cast<useconds_t>(gap_us));

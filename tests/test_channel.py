@@ -277,3 +277,55 @@ async def test_a_send_cut_short_ends_that_connection_and_the_next_request_dials_
             await first_done.wait()
         nursery.cancel_scope.cancel()
     assert first == {"whole_frames": False, "cut_inside_a_frame": True}
+
+
+async def _tls_pair() -> tuple[_TlsStream, _TlsStream]:
+    """A TLS client and server over a socket pair, handshake done (peer certificates both ways)."""
+    server_context, _ = tls_contexts(Ed25519PrivateKey.generate(), 3600)
+    _, client_context = tls_contexts(Ed25519PrivateKey.generate(), 3600)
+    left, right = trio.socket.socketpair()
+    client = _TlsStream(trio.SocketStream(left), client_context, server_side=False)
+    server = _TlsStream(trio.SocketStream(right), server_context, server_side=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.do_handshake)
+        nursery.start_soon(server.do_handshake)
+    return client, server
+
+
+async def test_tls_garbage_after_good_records_gives_the_records_then_an_error_every_time() -> None:
+    # Bytes that are no TLS record, from the network behind the peer's back: what came before
+    # them is delivered, then every receive raises at once (none waits for more bytes that
+    # cannot help).
+    client, server = await _tls_pair()
+    try:
+        await server.send_all(b"before the garbage")
+        server._sock.send(b"\x17\x03\x03\x00\x05junk!")  # an application-data record header, 5 bytes of junk
+        with trio.fail_after(5):
+            received = b""
+            while received != b"before the garbage":
+                received += b"".join(await client.receive_parts())
+            for _ in range(3):
+                with pytest.raises(trio.BrokenResourceError, match="uncleanly"):
+                    await client.receive_parts()
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_a_tls_close_notify_is_a_clean_end_on_every_receive() -> None:
+    client, server = await _tls_pair()
+    try:
+        await server.send_all(b"last words")
+        with contextlib.suppress(ssl.SSLWantReadError):
+            server._ssl.unwrap()  # queues close_notify (then would wait for ours)
+        await server._flush()
+        with trio.fail_after(5):
+            received = b""
+            while (parts := await client.receive_parts()) != []:
+                received += b"".join(parts)
+            assert received == b"last words"
+            assert await client.receive_parts() == []  # and again: no wait for the TCP end
+            assert await client.receive_parts() == []
+    finally:
+        await client.aclose()
+        await server.aclose()

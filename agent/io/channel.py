@@ -171,8 +171,10 @@ class _TlsStream:
         # one receive buffer for the connection's life: a fresh 256 KiB object per receive
         # is a fresh mapping, page-faulted in each time
         self._receive_buffer = memoryview(bytearray(_RECEIVE_BYTES))
-        self._eof = False
-        self.broken: str | None = None  # why the byte stream can no longer be trusted
+        self._eof = False  # the TCP stream ended
+        self._tls_closed = False  # the peer's close_notify came
+        self._failed: str | None = None  # why the incoming stream ended badly
+        self.broken: str | None = None  # why the outgoing byte stream can no longer be trusted
 
     async def _send_raw(self, data: bytes) -> None:
         """All of ``data`` (TLS records) to the socket; the send lock is held.
@@ -261,31 +263,42 @@ class _TlsStream:
 
     async def receive_parts(self) -> list[bytes]:
         """Decrypted bytes, one part per TLS record (not joined: the frame reader copies them
-        once anyway); [] at a clean end. Raises BrokenResourceError on an unclean end."""
+        once anyway); [] at a clean end (close_notify), then again on every call. Raises
+        BrokenResourceError on an unclean end or a TLS error (after the records before it
+        were returned), and again on every later call."""
         while True:
+            if self._failed is not None:
+                raise trio.BrokenResourceError(self._failed)
+            if self._tls_closed:
+                return []
             # decrypt only when something is buffered: with nothing there, a read can only fail
             if self._incoming.pending or self._ssl.pending() or self._eof:
                 parts = []
-                closed = False
                 try:
                     while True:
                         # one record at most per read: asking for more only makes (and
                         # page-faults) a bigger buffer each time
-                        parts.append(self._ssl.read(_TLS_RECORD_BYTES))
+                        if not (data := self._ssl.read(_TLS_RECORD_BYTES)):
+                            # the peer's close_notify: ssl answers b"" (on every read), not
+                            # SSLZeroReturnError, once it has seen one
+                            self._tls_closed = True
+                            break
+                        parts.append(data)
                 except ssl.SSLWantReadError:
                     pass
                 except ssl.SSLZeroReturnError:
-                    closed = True
+                    self._tls_closed = True
                 except ssl.SSLError as error:  # truncated: EOF without close_notify, or garbage
-                    if parts:
-                        return parts  # what came before it first; the error comes next time
-                    raise trio.BrokenResourceError(f"TLS stream ended uncleanly ({error})") from None
+                    self._failed = f"TLS stream ended uncleanly ({error})"
+                    if not parts:
+                        continue
                 if self._outgoing.pending:
                     await self._flush()  # post-handshake messages (e.g. key updates)
-                if parts or closed:
+                if parts or self._tls_closed or self._failed is not None:
                     return parts
                 if self._eof:
-                    raise trio.BrokenResourceError("TLS stream ended uncleanly (EOF inside a record)")
+                    self._failed = "TLS stream ended uncleanly (EOF inside a record)"
+                    continue
             if not await self._fill():
                 self._eof = True
 

@@ -234,6 +234,7 @@ class _TlsStream:
         data = await self._receive_raw()
         if not data:
             self._incoming.write_eof()
+            self._eof = True
             return False
         self._incoming.write(data)
         return True
@@ -299,11 +300,11 @@ class _TlsStream:
                 if self._eof:
                     self._failed = "TLS stream ended uncleanly (EOF inside a record)"
                     continue
-            if not await self._fill():
-                self._eof = True
+            await self._fill()
 
     async def receive_some(self, max_bytes: int = _RECEIVE_BYTES) -> bytes:
-        """``receive_parts`` joined (tests, the handshake's callers); b"" at a clean end."""
+        """``receive_parts`` joined; b"" at a clean end. ``max_bytes`` is not used: it is
+        there so that tests can call this as they call trio's ``receive_some``."""
         return b"".join(await self.receive_parts())
 
     def getpeercert(self, binary_form: bool = True) -> bytes | None:
@@ -574,10 +575,7 @@ class ChannelTransport:
             while (frame := reader.take_frame(parse_channel_frame)) is not None:
                 if frame.kind == REQUEST:
                     handler = self._handlers.get(frame.protocol_id)
-                    if os.environ.get("CHAN_INLINE"):
-                        await self._answer(connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
-                    else:
-                        handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
+                    handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
                 else:
                     waiter = connection.pending.get(frame.exchange_id)
                     if waiter is None:

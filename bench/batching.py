@@ -16,7 +16,10 @@ Owns one command that measures:
    Twice, on a fresh swarm each: with the nodes' decode groups auto (the default: the first
    hop splits the sessions into hops + 1 groups, so that they are at different hops at once;
    agent.core.scheduler) and off (``--decode-groups 0``: every waiting decode step in the next
-   Forward, so sessions that start together travel the route as one convoy), side by side;
+   Forward, so sessions that start together travel the route as one convoy), and lock-step
+   (``--decode-groups 1 --decode-gather-ms 40``, workers of ``--lock-step-threads``: the first
+   hop holds each decode Forward until every decoding session's step waits, so the convoy is
+   kept on purpose and one hop computes at a time, with every core), side by side;
 2. the inter-token gap of a decoding session while another session's long prompt
    (``--long-prompt`` tokens, in the owner's chunks of ``--chunk`` rows) is prefilled: p50 and
    p99 of the gaps that fall in that prefill, next to the same session's gaps with nothing
@@ -62,8 +65,17 @@ NODES = 3
 SEQUENCES = 8
 TARGET_RATIO_AT_8 = 0.8
 TARGET_GAP_RATIO = 2.0
-#: the nodes' ``--decode-groups`` of each mode measured (None: the flag absent, auto)
-DECODE_GROUPS = {"auto": None, "off": 0}
+#: lock-step's gather window: the first hop holds a decode Forward until every decoding
+#: session's step waits, for at most this long. Longer than two drifted groups can be apart (half
+#: a step cycle: ~40 ms at 8 sessions here), so a convoy that split merges again at once.
+LOCK_STEP_GATHER_MS = 40
+#: the nodes' flags of each mode measured (agent.core.scheduler): decode groups auto (the
+#: default), off, and lock-step (one group, gathered)
+MODES = {
+    "auto": (),
+    "off": ("--decode-groups", "0"),
+    "lock-step": ("--decode-groups", "1", "--decode-gather-ms", str(LOCK_STEP_GATHER_MS)),
+}
 
 
 def log(message: str) -> None:
@@ -277,18 +289,18 @@ def _percentiles(values: list[float]) -> dict:
     return {"n": len(values), "p50_s": statistics.median(ordered), "p99_s": p99, "max_s": ordered[-1]}
 
 
-async def run_baton(args: argparse.Namespace, decode_groups: int | None, *, gaps: bool = True) -> dict:
-    """Part 1 (and part 2 when ``gaps``) on a fresh swarm whose nodes run with
-    ``--decode-groups decode_groups`` (None: without the flag)."""
+async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True) -> dict:
+    """Part 1 (and part 2 when ``gaps``) on a fresh swarm whose nodes run ``mode`` (``MODES``);
+    its workers take ``--lock-step-threads`` threads in lock-step, ``--threads`` otherwise."""
     from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
     from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
     from agent.io.client import open_swarm_client
     from agent.models import model_path
 
-    groups_args = () if decode_groups is None else ("--decode-groups", str(decode_groups))
+    threads = args.lock_step_threads if mode == "lock-step" else args.threads
     config = LocalSwarmConfig(
-        model_path=model_path(ALIAS), model_alias=ALIAS, threads=args.threads,
-        node_args=("--max-sequences", str(SEQUENCES), *groups_args),
+        model_path=model_path(ALIAS), model_alias=ALIAS, threads=threads,
+        node_args=("--max-sequences", str(SEQUENCES), *MODES[mode]),
     )  # fmt: skip
     async with open_local_swarm(config) as swarm:
         await swarm.start_tracker()
@@ -302,7 +314,6 @@ async def run_baton(args: argparse.Namespace, decode_groups: int | None, *, gaps
         addr = swarm.tracker_addr
         await _concurrent(addr, prompt, 8, 1)  # warm-up
         rows = {}
-        mode = "auto" if decode_groups is None else f"decode groups {decode_groups}"
         counts = await _forward_counts(addr, int(time.time() * 1000))
         for n in PARALLEL:
             before, started = _cpu_seconds(), time.perf_counter()
@@ -322,9 +333,10 @@ async def run_baton(args: argparse.Namespace, decode_groups: int | None, *, gaps
     return result
 
 
-def summarize(baton: dict, llama: dict[int, dict], baton_off: dict) -> dict:
+def summarize(baton: dict, llama: dict[int, dict], baton_off: dict, lock_step: dict | None = None) -> dict:
     """``baton``: the default mode (decode groups auto), whose numbers the targets are checked
-    on; ``baton_off``: decode groups off, next to it."""
+    on; ``baton_off``: decode groups off, next to it; ``lock_step``: lock-step (None: not run),
+    whose ratio and doublings are given beside the default's."""
     rows = []
     for n in PARALLEL:
         ours = baton["parallel"][n]["tokens_per_s"]
@@ -337,13 +349,19 @@ def summarize(baton: dict, llama: dict[int, dict], baton_off: dict) -> dict:
             "groups_off_tokens_per_s": off, "groups_off_ratio": off / theirs, "auto_over_off": ours / off,
             "span_tokens_per_s": span, "span_ratio": None if span is None else span / theirs,
         })  # fmt: skip
+        if lock_step is not None:
+            locked = lock_step["parallel"][n]["tokens_per_s"]
+            rows[-1].update(lock_step_tokens_per_s=locked, lock_step_ratio=locked / theirs)
     rising = all(b["baton_tokens_per_s"] > a["baton_tokens_per_s"] for a, b in zip(rows, rows[1:]))
     spans = [r["span_tokens_per_s"] for r in rows]
     span_rising = None if None in spans else all(b > a for a, b in zip(spans, spans[1:]))
     during = baton["gaps"]["during_prefill"]
     gap_ratio = during["p99_s"] / during["p50_s"] if during.get("n") else None
+    locked = [r["lock_step_tokens_per_s"] for r in rows] if lock_step is not None else None
     return {
         "rows": rows,
+        "lock_step_ratio_at_8": None if locked is None else rows[-1]["lock_step_ratio"],
+        "lock_step_rising_with_every_doubling": None if locked is None else all(b > a for a, b in zip(locked, locked[1:])),
         "ratio_at_8": rows[-1]["ratio"],
         "ratio_at_8_target": TARGET_RATIO_AT_8,
         "groups_off_ratio_at_8": rows[-1]["groups_off_ratio"],
@@ -369,7 +387,11 @@ def render_markdown(report: dict) -> str:
         f"llama-batched-bench: unsplit, -npp {cfg['prompt']} -ntg {cfg['tokens']}, {cfg['llama_threads']} threads.",
         "Decode groups auto (the default): the first hop caps each decode Forward at ceil(sessions / (hops + 1)) "
         "steps, so the groups are at different hops at once; off (`--decode-groups 0`): every waiting decode step "
-        "in the next Forward. A fresh swarm for each; ratios are to llama-batched-bench.",
+        "in the next Forward; lock-step (`--decode-groups 1 --decode-gather-ms "
+        f"{LOCK_STEP_GATHER_MS}`, workers of {cfg.get('lock_step_threads', '?')} threads): one decode group, held at "
+        "the first hop until every decoding session's step waits, so the sessions travel as one convoy and one hop "
+        "computes at a time (the mode for hops that share a machine's cores). A fresh swarm for each; ratios are "
+        "to llama-batched-bench.",
         "Decode t/s: the aggregate while every session decodes (from the last session's first token to the "
         "first session's last: no prompt is prefilled then), as llama-batched-bench's S_TG counts; the last "
         "column is the same runs over the whole span, which also holds the later sessions' prefills.",
@@ -378,6 +400,10 @@ def render_markdown(report: dict) -> str:
         "| Baton, groups off: decode t/s | ratio | auto / off | groups auto, whole span: t/s (ratio) |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    locked = s.get("lock_step_ratio_at_8") is not None
+    if locked:
+        lines[-2] += " Baton, lock-step: decode t/s | ratio |"
+        lines[-1] += "---|---|"
     for row in s["rows"]:
         span = row.get("span_tokens_per_s")
         span_cell = "—" if span is None else f"{span:.1f} ({row['span_ratio']:.2f}x)"
@@ -385,6 +411,7 @@ def render_markdown(report: dict) -> str:
             f"| {row['sessions']} | {row['llama_batched_bench_tokens_per_s']:.1f} | {row['baton_tokens_per_s']:.1f} | "
             f"{row['ratio']:.2f}x | {row['groups_off_tokens_per_s']:.1f} | {row['groups_off_ratio']:.2f}x | "
             f"{row['auto_over_off']:.2f}x | {span_cell} |"
+            + (f" {row['lock_step_tokens_per_s']:.1f} | {row['lock_step_ratio']:.2f}x |" if locked else "")
         )
     shortfall = s["ratio_at_8_target"] - s["ratio_at_8"]
     verdict = "met" if shortfall <= 0 else f"missed by {shortfall:.2f}x"
@@ -394,6 +421,13 @@ def render_markdown(report: dict) -> str:
         f"{verdict}; groups off: {s['groups_off_ratio_at_8']:.2f}x; auto / off: {s['auto_over_off_at_8']:.2f}x.",
         f"- aggregate rising with every doubling (groups auto): {'yes' if s['rising_with_every_doubling'] else 'no'}.",
     ]
+    if locked:
+        short = s["ratio_at_8_target"] - s["lock_step_ratio_at_8"]
+        lines.append(
+            f"- lock-step: {s['lock_step_ratio_at_8']:.2f}x at 8 sessions ("
+            + ("met" if short <= 0 else f"missed by {short:.2f}x")
+            + f"), rising with every doubling: {'yes' if s['lock_step_rising_with_every_doubling'] else 'no'}."
+        )
     if s.get("span_ratio_at_8") is not None:
         lines.append(
             f"- over the whole span instead: {s['span_ratio_at_8']:.2f}x at 8 sessions, rising with every doubling: "
@@ -415,9 +449,13 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+#: (label, report key) of each mode measured, in the tables' order
+_REPORT_MODES = (("groups auto", "baton"), ("groups off", "baton_decode_groups_off"), ("lock-step", "baton_lock_step"))
+
+
 def _steps_table(report: dict) -> list[str]:
     """Steps per worker Forward at each hop (from the nodes' heartbeats), by sessions."""
-    modes = [("groups auto", report.get("baton", {})), ("groups off", report.get("baton_decode_groups_off", {}))]
+    modes = [(label, report[key]) for label, key in _REPORT_MODES if key in report]
     keys = sorted({k for _m, r in modes for run in r.get("parallel", {}).values() for k in run.get("steps_per_forward", {})})
     if not keys:
         return []  # (a report of an older run)
@@ -440,8 +478,9 @@ def _steps_table(report: dict) -> list[str]:
 def _cpu_table(report: dict) -> list[str]:
     """Where the CPU of the 8-session runs went, per token generated (prompt included), next
     to llama-batched-bench's (its threads busy for its whole run, an upper bound)."""
-    runs = [report.get("baton", {}).get("parallel", {}).get("8"), report.get("baton_decode_groups_off", {}).get("parallel", {}).get("8")]
-    if not all(run is not None and "cpu_s" in run for run in runs):
+    modes = [(label, report[key]["parallel"].get("8")) for label, key in _REPORT_MODES if key in report]
+    labels, runs = [label for label, _r in modes], [run for _l, run in modes]
+    if len(runs) < 2 or not all(run is not None and "cpu_s" in run for run in runs):
         return []  # (a report of an older run)
     llama_ms = report["config"]["llama_threads"] * 1000 / report["llama_batched_bench"]["8"]["speed_tg"]
     lines = [
@@ -449,18 +488,18 @@ def _cpu_table(report: dict) -> list[str]:
         "Where the CPU goes at 8 sessions (CPU ms per generated token, whole run incl. prefill; "
         f"llama-batched-bench: {llama_ms:.1f} ms with its {report['config']['llama_threads']} threads busy):",
         "",
-        "| process | groups auto | groups off |",
-        "|---|---|---|",
+        "| process | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(labels),
     ]
-    roles = sorted(set(runs[0]["cpu_s"]) | set(runs[1]["cpu_s"]))
+    roles = sorted(set().union(*(run["cpu_s"] for run in runs)))
     tokens = [run["decode_tokens"] + run["sessions"] for run in runs]
     for role in roles:
         cells = [f"{run['cpu_s'].get(role, 0.0) * 1000 / n:.1f}" for run, n in zip(runs, tokens)]
-        lines.append(f"| {role} | {cells[0]} | {cells[1]} |")
+        lines.append(f"| {role} | " + " | ".join(cells) + " |")
     totals = [sum(run["cpu_s"].values()) for run in runs]
-    lines.append(f"| all | {totals[0] * 1000 / tokens[0]:.1f} | {totals[1] * 1000 / tokens[1]:.1f} |")
+    lines.append("| all | " + " | ".join(f"{t * 1000 / n:.1f}" for t, n in zip(totals, tokens)) + " |")
     cores = [t / run["wall_s"] for t, run in zip(totals, runs)]
-    lines.append(f"| cores busy on average | {cores[0]:.2f} | {cores[1]:.2f} |")
+    lines.append("| cores busy on average | " + " | ".join(f"{c:.2f}" for c in cores) + " |")
     return lines
 
 
@@ -473,6 +512,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=128, help="the long prompt's chunk rows (default 128)")
     parser.add_argument("--threads", type=int, default=1, help="threads per Baton worker (default 1)")
     parser.add_argument("--llama-threads", type=int, default=2, help="llama-batched-bench threads (default 2: the cores)")
+    parser.add_argument(
+        "--lock-step-threads", type=int, default=2,
+        help="threads per worker in lock-step, where one hop computes at a time (default 2: the cores)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="where batching.{json,md} go")
     args = parser.parse_args(argv)
     from agent.models import model_path
@@ -480,15 +523,16 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_info()
     started = time.perf_counter()
     llama = run_batched_bench(model_path(ALIAS), args.prompt, args.tokens, args.llama_threads)
-    baton = trio.run(run_baton, args, DECODE_GROUPS["auto"])
-    baton_off = trio.run(functools.partial(run_baton, args, DECODE_GROUPS["off"], gaps=False))
+    baton = trio.run(run_baton, args, "auto")
+    baton_off = trio.run(functools.partial(run_baton, args, "off", gaps=False))
+    lock_step = trio.run(functools.partial(run_baton, args, "lock-step", gaps=False))
     report = {
         "benchmark": "batching",
         "machine": machine,
         "config": {
             "prompt": args.prompt, "tokens": args.tokens, "long_prompt": args.long_prompt, "gap_tokens": args.gap_tokens,
             "threads": args.threads, "llama_threads": args.llama_threads, "nodes": NODES, "sequences": SEQUENCES,
-            "chunk": args.chunk,
+            "chunk": args.chunk, "lock_step_threads": args.lock_step_threads,
         },  # fmt: skip
         "llama_batched_bench": {str(k): v for k, v in llama.items()},
         "baton": {
@@ -497,10 +541,14 @@ def main(argv: list[str] | None = None) -> int:
             "gaps": baton["gaps"],
         },
         "baton_decode_groups_off": {
-            "decode_groups": DECODE_GROUPS["off"],
+            "decode_groups": 0,
             "parallel": {str(k): v for k, v in baton_off["parallel"].items()},
         },
-        "summary": summarize(baton, llama, baton_off),
+        "baton_lock_step": {
+            "node_args": list(MODES["lock-step"]), "threads": args.lock_step_threads,
+            "parallel": {str(k): v for k, v in lock_step["parallel"].items()},
+        },
+        "summary": summarize(baton, llama, baton_off, lock_step),
     }
     report["wall_time_s"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,5 @@
 """The pure parts of bench/batching.py: the summary against llama-batched-bench (decode groups
-auto, the default, and off, side by side) and its markdown."""
+auto, the default, off and lock-step, side by side) and its markdown."""
 
 from __future__ import annotations
 
@@ -53,6 +53,26 @@ def test_the_summary_takes_ratios_of_both_modes_checks_the_doublings_and_the_gap
     assert "over the whole span instead: 0.40x at 8 sessions, rising with every doubling: yes." in md
 
 
+
+def test_lock_step_gets_its_own_columns_ratio_and_doublings_beside_the_default() -> None:
+    tps = lambda *ts: {"parallel": {n: {"tokens_per_s": t} for n, t in zip(batching.PARALLEL, ts)}}  # noqa: E731
+    baton = {**tps(20.0, 35.0, 40.0, 60.0), "gaps": {"alone": {"n": 0}, "during_prefill": {"n": 0}}}
+    llama = {n: {"speed_tg": 25.0 * n} for n in batching.PARALLEL}
+    summary = batching.summarize(baton, llama, tps(20.0, 25.0, 28.0, 40.0), tps(20.0, 40.0, 70.0, 170.0))
+    assert (round(summary["lock_step_ratio_at_8"], 2), summary["lock_step_rising_with_every_doubling"]) == (0.85, True)
+    assert summary["ratio_at_8"] == 0.3, "the targets stay the default mode's"
+    report = {
+        "summary": summary, "baton": baton, "wall_time_s": 1.0, "machine": {"cpu_model": "cpu", "cores": 2},
+        "config": {"threads": 1, "prompt": 64, "tokens": 48, "llama_threads": 2, "lock_step_threads": 2},
+    }  # fmt: skip
+    md = batching.render_markdown(report)
+    assert "| Baton, lock-step: decode t/s | ratio |" in md
+    assert "| 8 | 200.0 | 60.0 | 0.30x | 40.0 | 0.20x | 1.50x | — | 170.0 | 0.85x |" in md
+    assert "- lock-step: 0.85x at 8 sessions (met), rising with every doubling: yes." in md
+    summary = batching.summarize(baton, llama, tps(20.0, 25.0, 28.0, 40.0), tps(20.0, 40.0, 30.0, 100.0))
+    md = batching.render_markdown({**report, "summary": summary})
+    assert "- lock-step: 0.50x at 8 sessions (missed by 0.30x), rising with every doubling: no." in md
+
 def test_the_all_decoding_window_runs_from_the_last_first_token_to_the_first_last_token() -> None:
     # session a decodes from t=0 to t=10, one token a second; b's prompt ends at 4, b is done at 8
     a = [float(t) for t in range(11)]
@@ -79,5 +99,9 @@ def test_the_cpu_table_is_per_generated_token_and_sums_every_process() -> None:
     assert "| worker [20-30] | 10.0 | 12.5 |" in lines
     assert "| all | 18.8 | 21.2 |" in lines
     assert "| cores busy on average | 1.50 | 1.70 |" in lines
+    locked = {**run, "cpu_s": {**run["cpu_s"], "worker [0-10]": 2.0}}
+    lines = batching._cpu_table({**report, "baton_lock_step": {"parallel": {"8": locked}}})
+    assert "| process | groups auto | groups off | lock-step |" in lines
+    assert "| worker [0-10] | 5.0 | 5.0 | 2.5 |" in lines
     assert batching._cpu_table({"baton": {"parallel": {"8": {"tokens_per_s": 1.0}}}}) == []
     assert batching._role(["/x/baton-worker", "--model", "m", "--layers", "10-20"]) == "worker [10-20]"

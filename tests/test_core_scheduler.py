@@ -387,7 +387,7 @@ def test_decode_waiting_counts_the_decode_steps_of_the_next_forward_only() -> No
 
 
 def test_only_a_first_hop_caps_and_holds_its_decode_forwards() -> None:
-    plan = dict(live_sessions=8, route_hops=3, groups=None, waiting=1, waited_ms=5.0, window_ms=20.0)
+    plan = dict(decoding_sessions=8, route_hops=3, groups=None, waiting=1, waited_ms=5.0, window_ms=20.0)
     assert first_hop_decode(begin=0, **plan) == (2, 15.0)  # 4 groups of 2; one waits: hold the rest of 20 ms
     assert first_hop_decode(begin=0, **{**plan, "waiting": 2}) == (2, 0.0)  # its group is there
     assert first_hop_decode(begin=0, **{**plan, "window_ms": 0.0}) == (2, 0.0)  # gathering off
@@ -395,6 +395,28 @@ def test_only_a_first_hop_caps_and_holds_its_decode_forwards() -> None:
     assert first_hop_decode(begin=0, **{**plan, "waiting": 0}) == (None, 0.0)  # no decode Forward next
     assert first_hop_decode(begin=0, **{**plan, "groups": 0}) == (None, 0.0)  # groups off
 
+
+
+def test_lock_step_holds_each_decode_forward_until_every_decoding_session_waits() -> None:
+    plan = dict(decoding_sessions=8, route_hops=3, groups=1, waited_ms=10.0, window_ms=40.0)
+    assert first_hop_decode(begin=0, waiting=7, **plan) == (8, 30.0), "one of the 8 is late: hold the rest of 40 ms"
+    assert first_hop_decode(begin=0, waiting=8, **plan) == (8, 0.0), "all 8 there: one Forward of 8 now"
+    assert first_hop_decode(begin=0, waiting=7, **{**plan, "waited_ms": 40.0}) == (8, 0.0), "window over: the 7 go"
+
+
+def test_only_sessions_whose_last_step_was_a_decode_step_count_as_decoding() -> None:
+    table = SessionTable(n_seq_max=4, n_ctx_per_sequence=256)
+    table.accept(S1, 0, 0, 32, "o", 0)  # a prompt chunk
+    table.accept(S2, 0, 0, 1, "o", 0)  # a one-token prompt: a decode step
+    assert table.decoding_count == 1, "S1 is still taking its prompt: a decode group must not wait for it"
+    table.accept(S1, 1, 32, 16, "o", 1)  # its next chunk
+    assert table.decoding_count == 1
+    table.accept(S1, 2, 48, 1, "o", 2)  # its first decode step
+    assert table.decoding_count == 2
+    table.accept_rebuild(S3, 5, 0, 40, "o", 3)  # a rebuild is a prefill
+    assert table.decoding_count == 2
+    table.end(S2)
+    assert table.decoding_count == 1
 
 def test_a_range_waits_its_batch_window_only_while_its_forward_has_room():
     assert batch_window_wait_ms(2.0, pending_rows=1, row_budget=512) == 2.0

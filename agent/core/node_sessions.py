@@ -25,6 +25,7 @@ import dataclasses
 
 from agent._proto import swarm_pb2
 
+from .batching import is_prefill
 from .swarm_wire import WireError
 
 __all__ = ["NodeSession", "SessionTable"]
@@ -43,6 +44,7 @@ class NodeSession:
     pending: int = 0  # steps accepted and not yet done (queued or in a Forward)
     rebuilding: bool = False  # opened by rebuild steps; cleared by its first ordinary step
     rows: int = 0  # rows accepted for it here (prompt, generated, rebuild): the ledger's count
+    decoding: bool = False  # its last step was a decode step (one row), not a prompt chunk or rebuild
 
 
 class SessionTable:
@@ -82,6 +84,12 @@ class SessionTable:
     def free_count(self) -> int:
         return len(self._free)
 
+    @property
+    def decoding_count(self) -> int:
+        """Sessions whose last step was a decode step: those a decode group is made of (a
+        session still taking its prompt in chunks sends no decode step to wait for)."""
+        return sum(session.decoding for session in self._sessions.values())
+
     def accept(
         self, session_id: bytes, step: int, first_position: int, n_rows: int, owner_peer_id: str, now_ms: int
     ) -> NodeSession:
@@ -111,6 +119,7 @@ class SessionTable:
                 )
             self._check_continues(session, first_position, n_rows, f"step {step} starts")
             session.rebuilding = False
+        session.decoding = not is_prefill(n_rows)
         session.next_step = step + 1
         session.next_position = first_position + n_rows
         session.rows += n_rows
@@ -167,6 +176,7 @@ class SessionTable:
                 )
             self._check_owner(session, owner_peer_id)
             self._check_continues(session, first_position, n_rows, "rebuild rows start")
+        session.decoding = False
         session.next_step = resume_step
         session.next_position = first_position + n_rows
         session.rows += n_rows

@@ -36,9 +36,10 @@ dozen (the weights are read once). Rules:
 - **decode groups** (``decode_group_cap``; vLLM keeps pipeline stages + 1 batches in flight): on
   a route of S hops, sessions that start together would travel as one convoy, every decode step
   in one Forward at hop 1, then at hop 2, ..., so each hop idles while the others compute. A
-  first hop (blocks from 0) therefore caps a decode Forward at ceil(live sessions / (S + 1))
-  steps, the oldest by arrival: the sessions fall into S + 1 groups, one sampling at its owners
-  while the S others are each at a hop, so with spare cores every hop computes at once (on CPU a
+  first hop (blocks from 0) therefore caps a decode Forward at ceil(decoding sessions / (S + 1))
+  steps (the sessions whose last step was a decode step: one taking its prompt in chunks sends
+  no decode step to wait for), the oldest by arrival: the sessions fall into S + 1 groups, one
+  sampling at its owners while the S others are each at a hop, so with spare cores every hop computes at once (on CPU a
   decode Forward's cost grows nearly linearly with its rows: SmolLM2 unsplit, 1 row ~10.8 ms, 8
   rows ~52.7 ms; so S + 1 small Forwards cost not much more than one large one, while the hops
   work at once). Only the first hop caps: downstream hops take whatever arrives, so groups keep
@@ -51,7 +52,14 @@ dozen (the weights are read once). Rules:
   rows computes each row as a batch of one does, so greedy tokens and logits stay those of solo
   runs (tests/test_batching.py, groups on). That is the model's and build's property, not a
   law: the 6-block test qwen2 of tests/test_node.py gives a 2-row Forward's logits 1.5e-7 apart
-  from two 1-row Forwards', so a test that compares with a merged reference turns groups off.
+  from two 1-row Forwards', so a test that compares with a merged reference turns groups off;
+- **lock-step** (one group, ``groups`` 1, with a gather window): the first hop holds each decode
+  Forward until every decoding session's step waits (``gather_wait_ms``, at most the window), so
+  all of them travel the route as one convoy, as llama-batched-bench steps its sequences. That
+  is the opposite of decode groups, and it is what pays when the route's hops share one
+  machine's cores (several nodes on one box): only one hop computes at a time, so each worker
+  may use every core without its threads fighting another worker's for them, and each Forward
+  holds every session's row. bench/results/batching.md measures both on its 2-core machine.
 
 Generic over the queued item (the node queues ``agent.core.swarm_wire.StepInput``).
 
@@ -72,17 +80,18 @@ __all__ = ["StepScheduler", "batch_window_wait_ms", "decode_group_cap", "first_h
 T = TypeVar("T")
 
 
-def decode_group_cap(live_sessions: int, route_hops: int, groups: int | None) -> int | None:
+def decode_group_cap(decoding_sessions: int, route_hops: int, groups: int | None) -> int | None:
     """The most decode steps a first hop puts in one Forward (None: no cap).
 
     Args:
-      live_sessions: sessions the range holds now.
+      decoding_sessions: sessions of the range whose last step was a decode step
+        (``SessionTable.decoding_count``).
       route_hops: hops of the route the next decode step travels (S).
       groups: decode groups wanted; None: S + 1 when S > 1 (one hop has no pipeline to fill);
         0: off.
 
     Returns:
-      ceil(live_sessions / groups), at least 1; None when off.
+      ceil(decoding_sessions / groups), at least 1; None when off.
 
     Raises:
       ValueError: ``groups`` is negative.
@@ -95,7 +104,7 @@ def decode_group_cap(live_sessions: int, route_hops: int, groups: int | None) ->
         groups = route_hops + 1
     if groups == 0:
         return None
-    return max(1, -(-live_sessions // groups))
+    return max(1, -(-decoding_sessions // groups))
 
 
 def gather_wait_ms(waiting_decode: int, group_size: int, waited_ms: float, window_ms: float) -> float:
@@ -119,7 +128,7 @@ def batch_window_wait_ms(window_ms: float, pending_rows: int, row_budget: int) -
 
 
 def first_hop_decode(
-    *, begin: int, live_sessions: int, route_hops: int, groups: int | None, waiting: int, waited_ms: float, window_ms: float
+    *, begin: int, decoding_sessions: int, route_hops: int, groups: int | None, waiting: int, waited_ms: float, window_ms: float
 ) -> tuple[int | None, float]:
     """``(cap, hold_ms)`` for a range's next decode Forward: only a first hop (``begin`` 0)
     caps it (``decode_group_cap``; None: no cap) and may hold it ``hold_ms`` longer for its
@@ -127,7 +136,7 @@ def first_hop_decode(
     would choose from (0: the next Forward is no decode one)."""
     if begin != 0 or not waiting:
         return None, 0.0
-    cap = decode_group_cap(live_sessions, route_hops, groups)
+    cap = decode_group_cap(decoding_sessions, route_hops, groups)
     if cap is None:
         return None, 0.0
     return cap, gather_wait_ms(waiting, cap, waited_ms, window_ms)

@@ -55,6 +55,7 @@ from agent.core.frames import (
 )
 from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
 from agent.io.peer_cert import ISSUER_CERT_PEM, PeerCertError, make_peer_certificate, verify_peer_certificate
+from agent.io import raw_socket
 from agent.io.keys import peer_id_of
 from agent.io.transport import Handler, Transport, TransportError
 
@@ -149,20 +150,16 @@ class _TlsStream:
     loop, which costs ~20 ms per MiB here; this pump reads the socket in big chunks and drains
     every record they hold in one go, and encrypts a whole frame with one ``write``.
 
-    Why a raw non-blocking socket under trio's low-level waits rather than ``trio.SocketStream``:
-    every message of a decode step crosses this stream twice. ``SocketStream`` yields to the
-    scheduler after every send and receive that did not have to wait, so each costs a whole
-    scheduler pass (an ``epoll_wait`` and the run loop), and it checks for conflicting
-    callers; here a send or receive that the kernel can take at once is one system call and
-    waits (``wait_writable`` / ``wait_readable``) only when it must. The reader checkpoints at
-    least every ``_READS_PER_CHECKPOINT`` receives, so a peer that never lets it block still
-    cannot starve the other tasks or hide a cancellation.
+    Why a raw non-blocking socket (``agent.io.raw_socket``) rather than ``trio.SocketStream``:
+    every message of a decode step crosses this stream twice, and a send or receive that the
+    kernel can take at once is then one system call, not a scheduler pass as well. The reader
+    checkpoints at least every ``_READS_PER_CHECKPOINT`` receives, so a peer that never lets it
+    block still cannot starve the other tasks or hide a cancellation.
     """
 
     def __init__(self, tcp: trio.SocketStream, context: ssl.SSLContext, *, server_side: bool) -> None:
         # the TCP socket leaves trio's stream (TCP_NODELAY stays set on it); this object owns it
-        self._sock = socket.socket(fileno=tcp.socket.detach())
-        self._sock.setblocking(False)
+        self._sock = raw_socket.adopt(tcp)
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
         self._ssl = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side)
@@ -182,15 +179,8 @@ class _TlsStream:
         A send cut short (cancelled, or a socket error) loses records the TLS session has
         already counted, and may leave half a frame on the wire: the stream is marked broken
         and the socket shut, so the peer sees a truncated stream, never a corrupt frame."""
-        view = memoryview(data)
         try:
-            while view:
-                try:
-                    sent = self._sock.send(view)
-                except BlockingIOError:
-                    await trio.lowlevel.wait_writable(self._sock)
-                    continue
-                view = view[sent:]
+            await raw_socket.send_all(self._sock, data)
         except BaseException as error:
             self._break(f"a send was cut short ({type(error).__name__})")
             if isinstance(error, OSError):
@@ -210,17 +200,12 @@ class _TlsStream:
         if self._reads_since_checkpoint >= _READS_PER_CHECKPOINT:
             self._reads_since_checkpoint = 0
             await trio.lowlevel.checkpoint()
-        while True:
-            try:
-                received = self._sock.recv_into(self._receive_buffer)
-            except BlockingIOError:
-                self._reads_since_checkpoint = 0
-                await trio.lowlevel.wait_readable(self._sock)
-                continue
-            except OSError as error:
-                raise trio.BrokenResourceError(f"receive failed: {error}") from error
-            self._reads_since_checkpoint += 1
-            return self._receive_buffer[:received]
+        try:
+            received, waited = await raw_socket.receive_into(self._sock, self._receive_buffer)
+        except OSError as error:
+            raise trio.BrokenResourceError(f"receive failed: {error}") from error
+        self._reads_since_checkpoint = 0 if waited else self._reads_since_checkpoint + 1
+        return self._receive_buffer[:received]
 
     async def _flush(self) -> None:
         await _acquire(self._send_lock)

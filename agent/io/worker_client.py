@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -25,6 +26,7 @@ import outcome
 import trio
 
 from agent._proto import worker_pb2, worker_pb2_grpc
+from agent.io import raw_socket
 from agent.core.boundary import BoundaryError, BoundarySchema, WireDType, check_boundary_schema, decode_rows, encode_rows
 from agent.core.topk import TopLogits
 from agent.core.worker_records import (
@@ -477,6 +479,8 @@ class _CallThreads:
 
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 _PREFIX_BYTES = 4  # the Forward stream's frame prefix: a little-endian u32 length
+_REPLY_BUFFER_BYTES = 1 << 20  # holds a decode step's full logits row (SmolLM2: 197 KB) and more
+_REPLY_BUFFER_MAX_KEPT_BYTES = 16 << 20  # a bigger buffer (a long prefill's reply) is let go after use
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
@@ -486,7 +490,9 @@ class _ForwardStream:
 
     Why: the gRPC call hands each Forward to a call thread and back (two wake-ups, ~0.35 ms
     a step in bench/results/compare.md's trace) and pays gRPC's per-call work on both sides;
-    here the task writes a frame and sleeps in the event loop until the reply frame is read.
+    here the task writes a frame and sleeps in the event loop until the reply frame is read, on
+    a raw non-blocking socket (``agent.io.raw_socket``: no scheduler pass per send or receive
+    that need not wait), into one reused buffer that the reply is parsed from in place.
 
     One Forward at a time (a lock; the worker runs one at a time anyway), replies in order.
     A call that times out, is cancelled or sees the connection break closes the connection
@@ -497,18 +503,27 @@ class _ForwardStream:
         self.path = path
         self.max_reply_bytes = max_reply_bytes
         self._lock = trio.Lock()
-        self._stream: trio.SocketStream | None = None
-        self._buffer = bytearray()
+        self._sock: socket.socket | None = None
+        # replies are read into one buffer, grown to the largest reply (and shrunk back after
+        # an outsized one) and parsed in place: no copy per receive, no fresh object per reply
+        self._buffer = bytearray(_REPLY_BUFFER_BYTES)
+        self._filled = 0  # bytes of the buffer that hold received data
 
-    async def _read_exactly(self, stream: trio.SocketStream, n: int) -> bytes:
-        while len(self._buffer) < n:
-            data = await stream.receive_some(max(65536, n - len(self._buffer)))
-            if not data:
-                raise trio.BrokenResourceError("the worker closed the Forward stream")
-            self._buffer += data
-        out = bytes(self._buffer[:n])
-        del self._buffer[:n]
-        return out
+    async def _fill(self, sock: socket.socket) -> bool:
+        """Receive more of the reply; whether it had to wait. Raises BrokenResourceError
+        when the worker closed the connection."""
+        with memoryview(self._buffer) as view:
+            received, waited = await raw_socket.receive_into(sock, view[self._filled :])
+        if not received:
+            raise trio.BrokenResourceError("the worker closed the Forward stream")
+        self._filled += received
+        return waited
+
+    def _room_for(self, n: int) -> None:
+        if len(self._buffer) < n:
+            grown = bytearray(max(n, 2 * len(self._buffer)))
+            grown[: self._filled] = self._buffer[: self._filled]
+            self._buffer = grown
 
     async def exchange(self, request: worker_pb2.ForwardRequest, timeout_s: float) -> worker_pb2.ForwardReply:
         data = len(payload := request.SerializeToString()).to_bytes(_PREFIX_BYTES, "little") + payload
@@ -530,29 +545,43 @@ class _ForwardStream:
         is sent again on a fresh one (a Forward the worker did run would be refused there,
         its positions no longer continuing the sequence; never applied twice)."""
         for attempt in (0, 1):
-            reused = self._stream is not None
+            reused = self._sock is not None
             ok = False
             try:
-                if self._stream is None:
-                    self._stream = await trio.open_unix_socket(self.path)
-                    self._buffer.clear()
-                stream = self._stream
+                if self._sock is None:
+                    self._sock = raw_socket.adopt(await trio.open_unix_socket(self.path))
+                    self._filled = 0
+                sock = self._sock
+                waited = False
                 try:
-                    await stream.send_all(data)
-                    prefix = await self._read_exactly(stream, _PREFIX_BYTES)
+                    await raw_socket.send_all(sock, data)
+                    while self._filled < _PREFIX_BYTES:
+                        waited = await self._fill(sock) or waited
                 except (OSError, trio.BrokenResourceError) as error:
-                    if reused and attempt == 0 and not self._buffer:
+                    if reused and attempt == 0 and not self._filled:
                         await self.close()
                         continue
                     raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
-                size = int.from_bytes(prefix, "little")
+                size = int.from_bytes(self._buffer[:_PREFIX_BYTES], "little")
                 if size > self.max_reply_bytes:
                     raise WorkerError(
                         "RESOURCE_EXHAUSTED",
                         f"a Forward stream reply of {size} bytes is over {self.max_reply_bytes}",
                         method="Forward",
                     )
-                frame = worker_pb2.ForwardStreamReply.FromString(await self._read_exactly(stream, size))
+                end = _PREFIX_BYTES + size
+                self._room_for(end)
+                while self._filled < end:
+                    waited = await self._fill(sock) or waited
+                with memoryview(self._buffer) as view:
+                    frame = worker_pb2.ForwardStreamReply.FromString(view[_PREFIX_BYTES:end])
+                if self._filled > end:  # (the worker sends one reply per request: never more)
+                    raise WorkerError("INTERNAL", "the worker sent bytes after its reply", method="Forward")
+                self._filled = 0
+                if len(self._buffer) > _REPLY_BUFFER_MAX_KEPT_BYTES:
+                    self._buffer = bytearray(_REPLY_BUFFER_BYTES)
+                if not waited:  # the reply was there at once: still a checkpoint, as trio expects
+                    await trio.lowlevel.checkpoint()
                 ok = True
                 return frame
             except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
@@ -565,9 +594,11 @@ class _ForwardStream:
         raise AssertionError("unreachable")  # the second attempt returns or raises
 
     async def close(self) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
-            await trio.aclose_forcefully(stream)
+        sock, self._sock = self._sock, None
+        self._filled = 0
+        if sock is not None:
+            sock.close()
+        await trio.lowlevel.cancel_shielded_checkpoint()  # (also called while a cancellation unwinds)
 
 
 def _outcome(result: tuple[bool, Any]) -> Any:

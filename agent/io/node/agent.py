@@ -215,15 +215,16 @@ class NodeConfig:
       resume_wait_s: how long a resume waits for a step of the session still in a Forward.
       row_budget: rows each worker Forward is filled to (``agent.core.scheduler``); None: the
         worker's batch (``n_batch``). Steps longer than this are refused (owners chunk).
-      decode_groups: a range that begins at block 0 splits its live sessions into this many
+      decode_groups: a range that begins at block 0 splits its decoding sessions into this many
         decode groups, capping each decode Forward at ceil(sessions / groups) steps, so the
         groups are at different hops at once (``agent.core.scheduler.decode_group_cap``);
         None: the route's hops + 1 (no cap on a one-hop route); 0: off.
       decode_gather_ms: how long such a first hop holds a decode Forward until a full group
         waits (``agent.core.scheduler.gather_wait_ms``: sessions drift apart, and a drifted
-        step alone costs a Forward); 0 (the default): never held. On the 2-core benchmark
-        machine gathering did not raise throughput (it is CPU-bound: bench/results/batching.md),
-        so holding steps, which costs latency, is opt-in.
+        step alone costs a Forward); 0 (the default): never held. Holding steps costs
+        latency, so it is opt-in; with ``decode_groups`` 1 it makes the route lock-step, the
+        mode for hops that share one machine's cores (``agent.core.scheduler``;
+        bench/results/batching.md measures it).
       replay_merge_rows: a replay joins kept decode rows into rebuild steps of at most this
         many rows, and sends every larger step as it was (``agent.core.kept_rows``: batches
         this small compute each row as a batch of one does, so the rebuild is bit-exact).
@@ -806,7 +807,7 @@ class Node:
             now_s = trio.current_time()
             gather_since_s = now_s if gather_since_s is None else gather_since_s
             max_decode, hold_ms = first_hop_decode(
-                begin=served.key[1], live_sessions=len(sessions), route_hops=len(oldest[1].rest) + 1 if oldest else 0,
+                begin=served.key[1], decoding_sessions=sessions.decoding_count, route_hops=len(oldest[1].rest) + 1 if oldest else 0,
                 groups=self.config.decode_groups, waiting=waiting, waited_ms=(now_s - gather_since_s) * 1000,
                 window_ms=self.config.decode_gather_ms,
             )  # fmt: skip

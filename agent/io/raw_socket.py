@@ -1,0 +1,56 @@
+"""Sends and receives on a raw non-blocking socket, awaited through trio's low-level waits.
+
+Why not ``trio.SocketStream``: it yields to the scheduler after every send and receive that did
+not have to wait, so each costs a whole scheduler pass (an ``epoll_wait`` and the run loop),
+and it checks for conflicting callers. The messages of a decode step cross a node's sockets
+several times (the previous hop's push, the worker's Forward, the next hop's push), so here a
+send or receive that the kernel can take at once is one system call, and it waits
+(``wait_writable`` / ``wait_readable``) only when it must.
+
+A caller that may not wait at all (the kernel took or gave everything at once) must still
+checkpoint where trio expects one; ``receive_into`` says whether it waited.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import trio
+
+__all__ = ["adopt", "receive_into", "send_all"]
+
+
+def adopt(stream: trio.SocketStream) -> socket.socket:
+    """The socket of ``stream``, taken out of it (the stream is unusable after) and set
+    non-blocking; its options (TCP_NODELAY) stay as they were."""
+    sock = socket.socket(fileno=stream.socket.detach())
+    sock.setblocking(False)
+    return sock
+
+
+async def send_all(sock: socket.socket, data: bytes | bytearray | memoryview) -> None:
+    """All of ``data`` to ``sock``, waiting only while the kernel's buffer is full.
+
+    Raises OSError as the socket does. Cut short (cancelled or failed), part of ``data`` may be
+    on the wire: the caller must then stop trusting the byte stream."""
+    view = memoryview(data)
+    while view:
+        try:
+            sent = sock.send(view)
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(sock)
+            continue
+        view = view[sent:]
+
+
+async def receive_into(sock: socket.socket, buffer: memoryview) -> tuple[int, bool]:
+    """``(bytes received into buffer, whether it waited)``; 0 bytes: the peer closed.
+
+    Raises OSError as the socket does."""
+    waited = False
+    while True:
+        try:
+            return sock.recv_into(buffer), waited
+        except BlockingIOError:
+            waited = True
+            await trio.lowlevel.wait_readable(sock)

@@ -1094,14 +1094,16 @@ class SwarmClient:
         """
         session = live.session
         first = route.hops[0]
+        # where results come back: asked once per run, not per step (libp2p lists its
+        # listeners' addresses afresh on each ask: ~20 us, measured, on every step's path)
+        owner_addrs = self.transport.listen_addrs
         try:
             while not session.finished:
                 live.arm()
                 step_input = session.next_step()
                 request = session.step_request(
-                    step_input, route, owner_peer_id=self.peer_id, owner_addrs=self.transport.listen_addrs,
-                    admission=self.admission,
-                )  # fmt: skip
+                    step_input, route, owner_peer_id=self.peer_id, owner_addrs=owner_addrs, admission=self.admission
+                )
                 prefill = session.in_prefill
                 started = time.perf_counter()
                 sent_at = trio.current_time()

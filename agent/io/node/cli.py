@@ -116,7 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--decode-gather-ms", type=cli_args.non_negative_float, default=0.0, metavar="MS",
-        help="how long a first hop holds a decode Forward until a full decode group waits (default 0: never)",
+        help="how long a first hop holds a decode Forward until a full decode group waits (default 0: never);"
+        " with --decode-groups 1, lock-step: every decoding session in one Forward, for nodes that share one"
+        " machine's cores",
     )  # fmt: skip
     parser.add_argument(
         "--heartbeat-interval-ms", type=cli_args.positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"

@@ -133,3 +133,33 @@ async def test_a_cancelled_forward_never_answers_the_next_call(smollm2_path) -> 
         again = await client.forward([SeqInput(seq_id=1, positions=list(range(len(PROMPT))), token_ids=PROMPT)])
         assert again[0].n_rows == 1 and again[0].seq_id == 1
         assert np.array_equal(again[0].logits[-1], expected[0].logits[-1])
+
+
+async def test_replies_bigger_than_the_stream_buffer_come_whole_and_the_next_ones_too(smollm2_path) -> None:
+    """A prompt's logits for every row (100 rows x 49,152 values: 19.7 MB) is more than the
+    client's reply buffer holds (1 MiB, grown for it, then let go past 16 MiB): it must come
+    whole and equal to the gRPC reply, and the small replies after it must be right too."""
+    rows = 100
+    tokens = [(11 * i) % 1000 + 5 for i in range(rows)]
+    async with open_worker(smollm2_path, 0, None, threads=1, ctx_size=256, max_sequences=2) as worker:
+        client = worker.client
+        entry = SeqInput(seq_id=0, positions=list(range(rows)), token_ids=tokens, logit_rows=list(range(rows)))
+        over_stream = await client.forward([entry])
+        request = prompt_request(1, tokens)
+        request.entries[0].logit_rows[:] = list(range(rows))
+        over_grpc = await client.call("Forward", request)
+        n_vocab = len(over_grpc.entries[0].logits) // 4 // rows
+        assert over_stream[0].logits is not None and over_stream[0].logits.shape == (rows, n_vocab)
+        assert over_stream[0].logits.nbytes > 16 << 20, "the reply must outgrow the buffer that is kept"
+        want_rows = np.frombuffer(over_grpc.entries[0].logits, dtype="<f4").reshape(rows, n_vocab)
+        assert np.array_equal(over_stream[0].logits, want_rows)
+        for step in range(3):  # decode steps after it, on the buffer it was let go for
+            got = await client.forward([SeqInput(seq_id=0, positions=[rows + step], token_ids=[42 + step])])
+            want = await client.call(
+                "Forward",
+                worker_pb2.ForwardRequest(
+                    schema_version=1,
+                    entries=[worker_pb2.SequenceInput(seq_id=1, positions=[rows + step], token_ids=[42 + step])],
+                ),
+            )
+            assert np.array_equal(got[0].logits[-1], np.frombuffer(want.entries[0].logits, dtype="<f4"))

@@ -2,8 +2,9 @@
 run it: more concurrent generations than sequences wait and all finish, each equal to its solo
 run; the wait is bounded and says so; killed clients hold nothing for long.
 
-One swarm of real processes: a tracker and three nodes, each a third of SmolLM2, each worker
-with 4 sequences (the worker's default), so one route holds 4 sessions at a time."""
+Each test starts its own swarm of real processes: a tracker and three nodes, each a third of
+SmolLM2 (the first test's workers hold 4 sequences, the worker's default, so one route holds
+4 sessions at a time); the last one runs its nodes lock-step."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -246,6 +248,76 @@ async def test_concurrent_sessions_give_their_solo_runs_numbers_bit_for_bit(tmp_
             async with open_swarm_client(addr) as c:
                 while sum(s.sequences_in_use for n in await c.list_nodes() for s in n.serving):
                     await trio.sleep(0.2)
+        swarm.check_alive()
+    finally:
+        with trio.CancelScope(shield=True):
+            await swarm.aclose()
+
+
+async def _forward_counts(addr: str, after_unix_ms: int) -> dict[int, tuple[int, int]]:
+    """``{begin: (Forwards, steps)}`` of every READY range, from heartbeats sent after
+    ``after_unix_ms`` (the nodes' AssignmentStatus.forward_calls / forward_steps)."""
+    async with open_swarm_client(addr) as c:
+        with trio.fail_after(30):
+            while True:
+                nodes = await c.list_nodes()
+                if all(n.last_heartbeat_ms > after_unix_ms for n in nodes if n.alive):
+                    break
+                await trio.sleep(0.2)  # polling the tracker's view, not synchronising on time
+    return {
+        s.assignment.begin: (s.forward_calls, s.forward_steps)
+        for n in nodes
+        if n.alive
+        for s in n.serving
+        if s.state == 2  # READY
+    }
+
+
+@pytest.mark.timeout(600)
+async def test_lock_step_runs_every_decoding_session_in_one_forward_with_solo_numbers(tmp_path: Path) -> None:
+    """Lock-step (``--decode-groups 1 --decode-gather-ms``): the first hop holds each decode
+    Forward until every decoding session's step waits, so sessions that start together share
+    their decode Forwards at every hop, and still give their solo runs' scores bit for bit (decode
+    rows only with decode rows, as in any mode). A session still taking its 170-token prompt in
+    chunks is not waited for (only decoding sessions count), so the others decode meanwhile.
+    With the default groups (route hops + 1 = 4 here), 3 sessions would get 1 step per
+    decode Forward at the first hop; lock-step must merge them."""
+    swarm = LocalSwarm(
+        LocalSwarmConfig(
+            model_path=model_path(ALIAS), model_alias=ALIAS,
+            node_args=("--max-sequences", "4", "--ctx-size", str(CTX), "--decode-groups", "1", "--decode-gather-ms", "40"),
+        ),
+        tmp_path / "swarm",
+    )  # fmt: skip
+    try:
+        await swarm.start_tracker()
+        async with open_swarm_client(swarm.tracker_addr) as c:
+            (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
+            for i in range(3):
+                swarm.start_node(f"node-{i + 1}", node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3))
+            route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=240.0)
+            text_tokens, _ = await c.tokenize(route, TEXT)
+        addr = swarm.tracker_addr
+        prompts = [text_tokens[: n - 1] + [text_tokens[n + 7]] for n in (5, 40, 170)]
+        solo = [await _run(addr, p, max_tokens=CONCURRENT_TOKENS) for p in prompts]
+        before = await _forward_counts(addr, int(time.time() * 1000))
+        runs: dict[int, tuple] = {}
+        async with trio.open_nursery() as nursery:
+            for i, prompt in enumerate(prompts):
+
+                async def one(i: int = i, prompt: list[int] = prompt) -> None:
+                    runs[i] = await _run(addr, prompt, max_tokens=CONCURRENT_TOKENS)
+
+                nursery.start_soon(one)
+        after = await _forward_counts(addr, int(time.time() * 1000))
+        for i in range(len(prompts)):
+            assert runs[i][0] == solo[i][0], i
+            assert runs[i][1] == solo[i][1], i  # bit for bit
+        calls, steps = (after[0][k] - before[0][k] for k in (0, 1))
+        # 3 x 13 decode steps and 1 + 1 + 3 prompt chunks at the first hop: 44 steps; one
+        # Forward per step would be 44 Forwards (1.0 a Forward)
+        assert steps == 3 * (CONCURRENT_TOKENS - 1) + 5, (calls, steps)
+        assert steps / calls >= 1.6, f"{steps} steps in {calls} Forwards at the first hop: no convoy"
         swarm.check_alive()
     finally:
         with trio.CancelScope(shield=True):

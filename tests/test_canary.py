@@ -218,3 +218,39 @@ async def test_a_replayed_canary_would_pass_a_memorising_cheater_a_fresh_one_doe
             nursery.cancel_scope.cancel()
         assert replayed.status == "passed", replayed  # it knew that one's answers
         assert fresh.status == "failed" and fresh.mismatch is not None and fresh.mismatch.step == 0, fresh
+
+
+async def test_a_persona_answers_a_step_batch_as_a_node_does_and_takes_only_its_own_step() -> None:
+    """The persona's ``/baton/steps``: one ack per step, in order; the expected step's rows are
+    taken, another session's step and a step from another peer are NOT_FOUND, and a batch that
+    does not parse gets one INVALID_ARGUMENT ack (a persona that answered otherwise would be a
+    tell to a node that cheats only when it is not watched)."""
+    from agent.core.swarm_wire import RangeSpec, crc32, step_batch
+    from agent.io.tracker.verifier import _Inbox
+
+    session = bytes(range(16))
+    downstream = RangeSpec(
+        model_sha256="ab" * 32, begin=2, end=4, n_layer=6, n_embd=8, n_vocab=100, recipe_hash="cd" * 32, n_batch_max=4
+    )
+
+    def pushed(session_id: bytes, rows: np.ndarray) -> bytes:
+        data = rows.astype("<f4").tobytes()
+        return swarm_pb2.StepRequest(
+            schema_version=1, session_id=session_id, step=3, begin=2, end=4, positions=[7], boundary=data, dtype=1,
+            n_embd=8, recipe_hash="cd" * 32, owner_peer_id="owner", checksum=crc32(data), model_sha256="ab" * 32,
+            rest=[swarm_pb2.Hop(peer_id="last", addrs=["/memory/last"], begin=4, end=6)],
+            sender_admission=swarm_pb2.SignedAdmission(record=b"r", signature=b"s"),
+        ).SerializeToString()  # fmt: skip
+
+    rows = np.arange(8, dtype=np.float32).reshape(1, 8) / 3
+    inbox = _Inbox("node", session, downstream)
+    inbox.expect(3)
+    batch = step_batch([pushed(bytes(16), rows + 1), pushed(session, rows)])
+    acks = swarm_pb2.StepBatchAck.FromString(await inbox.on_steps("stranger", batch)).acks
+    Code = swarm_pb2.Error.Code
+    assert [a.error.code for a in acks] == [Code.NOT_FOUND, Code.NOT_FOUND] and not inbox.arrived.is_set()
+    acks = swarm_pb2.StepBatchAck.FromString(await inbox.on_steps("node", batch)).acks
+    assert [a.error.code for a in acks] == [Code.NOT_FOUND, 0], acks
+    assert inbox.arrived.is_set() and np.array_equal(inbox.rows, rows) and not inbox.malformed
+    acks = swarm_pb2.StepBatchAck.FromString(await inbox.on_steps("node", b"\xff\xff")).acks
+    assert len(acks) == 1 and acks[0].error.code == Code.INVALID_ARGUMENT

@@ -163,3 +163,53 @@ async def test_replies_bigger_than_the_stream_buffer_come_whole_and_the_next_one
                 ),
             )
             assert np.array_equal(got[0].logits[-1], np.frombuffer(want.entries[0].logits, dtype="<f4"))
+
+
+async def test_a_connection_found_closed_is_replaced_once_then_the_call_fails(tmp_path) -> None:
+    """The client's open connection closed by the worker before any reply byte: the request
+    goes again on one fresh connection (and is answered there); a fresh one that closes too
+    is UNAVAILABLE, not a third try. A bare peer speaking the stream's framing stands in for
+    the worker here: the real one closes a connection only on a frame it refuses."""
+    from agent.io.worker_client import _ForwardStream
+
+    path = str(tmp_path / "forward.sock")
+    ok = worker_pb2.ForwardStreamReply(schema_version=1, reply=worker_pb2.ForwardReply(schema_version=1))
+    # what each accepted connection does: answer this many requests, then close unanswered
+    plan = [1, 1, 0]
+    connections: list[int] = []
+
+    async def read_frame(stream: trio.SocketStream) -> bytes | None:
+        data = b""
+        while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "little"):
+            if not (more := await stream.receive_some(65536)):
+                return None
+            data += more
+        return data
+
+    async def serve(stream: trio.SocketStream) -> None:
+        answers = plan[len(connections)]
+        connections.append(answers)
+        async with stream:
+            for _ in range(answers):
+                if await read_frame(stream) is None:
+                    return
+                await stream.send_all(framed(ok.SerializeToString()))
+            await read_frame(stream)  # the next request: closed unanswered
+
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    await sock.bind(path)
+    sock.listen(8)
+    listener = trio.SocketListener(sock)
+    client = _ForwardStream(path, 1 << 20)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.serve_listeners, serve, [listener])
+        request = prompt_request(0, PROMPT)
+        with trio.fail_after(10):
+            assert (await client.exchange(request, 5.0)).schema_version == 1  # connection 1
+            assert (await client.exchange(request, 5.0)).schema_version == 1  # 1 closed: again on 2
+            assert connections == [1, 1]
+            with pytest.raises(WorkerError) as caught:
+                await client.exchange(request, 5.0)  # 2 closed: again on 3, which closes too
+        assert caught.value.code_name == "UNAVAILABLE" and connections == [1, 1, 0], (caught.value, connections)
+        await client.close()
+        nursery.cancel_scope.cancel()

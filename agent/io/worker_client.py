@@ -484,6 +484,10 @@ _REPLY_BUFFER_MAX_KEPT_BYTES = 16 << 20  # a bigger buffer (a long prefill's rep
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
+class _StaleConnection(Exception):
+    """The Forward stream's open connection broke before any reply byte: try a fresh one."""
+
+
 class _ForwardStream:
     """Forward over the worker's Forward stream (``--forward-socket``; protocol/worker.proto,
     ``ForwardStreamReply``): one Unix-socket connection that a trio task awaits directly.
@@ -544,54 +548,58 @@ class _ForwardStream:
         before any reply byte (the worker closed it meanwhile) is replaced once: the request
         is sent again on a fresh one (a Forward the worker did run would be refused there,
         its positions no longer continuing the sequence; never applied twice)."""
-        for attempt in (0, 1):
-            reused = self._sock is not None
-            ok = False
-            try:
-                if self._sock is None:
-                    self._sock = raw_socket.adopt(await trio.open_unix_socket(self.path))
-                    self._filled = 0
-                sock = self._sock
-                waited = False
-                try:
-                    await raw_socket.send_all(sock, data)
-                    while self._filled < _PREFIX_BYTES:
-                        waited = await self._fill(sock) or waited
-                except (OSError, trio.BrokenResourceError) as error:
-                    if reused and attempt == 0 and not self._filled:
-                        await self.close()
-                        continue
-                    raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
-                size = int.from_bytes(self._buffer[:_PREFIX_BYTES], "little")
-                if size > self.max_reply_bytes:
-                    raise WorkerError(
-                        "RESOURCE_EXHAUSTED",
-                        f"a Forward stream reply of {size} bytes is over {self.max_reply_bytes}",
-                        method="Forward",
-                    )
-                end = _PREFIX_BYTES + size
-                self._room_for(end)
-                while self._filled < end:
-                    waited = await self._fill(sock) or waited
-                with memoryview(self._buffer) as view:
-                    frame = worker_pb2.ForwardStreamReply.FromString(view[_PREFIX_BYTES:end])
-                if self._filled > end:  # (the worker sends one reply per request: never more)
-                    raise WorkerError("INTERNAL", "the worker sent bytes after its reply", method="Forward")
+        try:
+            return await self._exchange_once(data, may_retry=self._sock is not None)
+        except _StaleConnection:
+            return await self._exchange_once(data, may_retry=False)
+
+    async def _exchange_once(self, data: bytes, *, may_retry: bool) -> worker_pb2.ForwardStreamReply:
+        """``_exchange_locked`` on the open connection (or a new one). Raises _StaleConnection
+        (``may_retry`` only) when it broke before any reply byte; any other failure closes it."""
+        ok = False
+        try:
+            if self._sock is None:
+                self._sock = raw_socket.adopt(await trio.open_unix_socket(self.path))
                 self._filled = 0
-                if len(self._buffer) > _REPLY_BUFFER_MAX_KEPT_BYTES:
-                    self._buffer = bytearray(_REPLY_BUFFER_BYTES)
-                if not waited:  # the reply was there at once: still a checkpoint, as trio expects
-                    await trio.lowlevel.checkpoint()
-                ok = True
-                return frame
-            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            sock = self._sock
+            waited = False
+            try:
+                await raw_socket.send_all(sock, data)
+                while self._filled < _PREFIX_BYTES:
+                    waited = await self._fill(sock) or waited
+            except (OSError, trio.BrokenResourceError) as error:
+                if may_retry and not self._filled:
+                    raise _StaleConnection from None
                 raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
-            except DecodeError:
-                raise WorkerError("INTERNAL", "the Forward stream reply does not parse", method="Forward") from None
-            finally:
-                if not ok:
-                    await self.close()
-        raise AssertionError("unreachable")  # the second attempt returns or raises
+            size = int.from_bytes(self._buffer[:_PREFIX_BYTES], "little")
+            if size > self.max_reply_bytes:
+                raise WorkerError(
+                    "RESOURCE_EXHAUSTED",
+                    f"a Forward stream reply of {size} bytes is over {self.max_reply_bytes}",
+                    method="Forward",
+                )
+            end = _PREFIX_BYTES + size
+            self._room_for(end)
+            while self._filled < end:
+                waited = await self._fill(sock) or waited
+            with memoryview(self._buffer) as view:
+                frame = worker_pb2.ForwardStreamReply.FromString(view[_PREFIX_BYTES:end])
+            if self._filled > end:  # (the worker sends one reply per request: never more)
+                raise WorkerError("INTERNAL", "the worker sent bytes after its reply", method="Forward")
+            self._filled = 0
+            if len(self._buffer) > _REPLY_BUFFER_MAX_KEPT_BYTES:
+                self._buffer = bytearray(_REPLY_BUFFER_BYTES)
+            if not waited:  # the reply was there at once: still a checkpoint, as trio expects
+                await trio.lowlevel.checkpoint()
+            ok = True
+            return frame
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
+        except DecodeError:
+            raise WorkerError("INTERNAL", "the Forward stream reply does not parse", method="Forward") from None
+        finally:
+            if not ok:
+                await self.close()
 
     async def close(self) -> None:
         sock, self._sock = self._sock, None

@@ -161,24 +161,10 @@ def all_decoding(token_times: list[list[float]]) -> tuple[int, float]:
 
 
 async def _forward_counts(addr: str, after_unix_ms: int) -> dict[str, tuple[int, int]]:
-    """``{"[begin:end]": (Forwards, steps)}`` of every READY range, from the nodes' heartbeats
-    (AssignmentStatus.forward_calls/forward_steps) sent after ``after_unix_ms``."""
-    from agent.io.client import open_swarm_client
+    """``{"[begin:end]": (Forwards, steps)}`` of every READY range (``forward_counts``)."""
+    from agent.demo.swarm_demo import forward_counts
 
-    async with open_swarm_client(addr) as c:
-        with trio.fail_after(30):
-            while True:
-                nodes = await c.list_nodes()
-                if all(n.last_heartbeat_ms > after_unix_ms for n in nodes if n.alive):
-                    break
-                await trio.sleep(0.2)
-    return {
-        f"[{s.assignment.begin}:{s.assignment.end}]": (s.forward_calls, s.forward_steps)
-        for n in nodes
-        if n.alive
-        for s in n.serving
-        if s.state == 2  # READY
-    }
+    return {f"[{b}:{e}]": counts for (b, e), counts in (await forward_counts(addr, after_unix_ms)).items()}
 
 
 def _steps_per_forward(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, float]:

@@ -8,17 +8,20 @@ SmolLM2 (the first test's workers hold 4 sequences, the worker's default, so one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import trio
 
-from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
+from agent._proto import swarm_pb2
+from agent.demo.swarm_demo import forward_counts, node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import open_swarm_client
 from agent.models import model_path
@@ -51,75 +54,89 @@ async def _sequences_in_use(c) -> int:  # noqa: ANN001
     return sum(s.sequences_in_use for n in await c.list_nodes() for s in n.serving)
 
 
-@pytest.mark.timeout(600)
-async def test_more_generations_than_sequences_wait_finish_equal_and_killed_clients_free_theirs(tmp_path: Path) -> None:
-    swarm = LocalSwarm(LocalSwarmConfig(model_path=model_path(ALIAS), model_alias=ALIAS), tmp_path / "swarm")
-    cache = tmp_path / "client-cache"
+@contextlib.asynccontextmanager
+async def _three_nodes(tmp_path: Path, *node_args: str) -> AsyncIterator[tuple[LocalSwarm, swarm_pb2.Route]]:
+    """A tracker and three nodes (a third of SmolLM2 each, ``node_args``) and their full route;
+    every process stopped on exit."""
+    config = LocalSwarmConfig(model_path=model_path(ALIAS), model_alias=ALIAS, node_args=node_args)
+    swarm = LocalSwarm(config, tmp_path / "swarm")
     try:
         await swarm.start_tracker()
         async with open_swarm_client(swarm.tracker_addr) as c:
             (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
             for i in range(3):
                 swarm.start_node(f"node-{i + 1}", node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3))
-            await wait_for_coverage(c, swarm, ALIAS, timeout_s=240.0)
-            addr = swarm.tracker_addr
-
-            solo = {}
-            for prompt in PROMPTS:  # each prompt alone (this also fills the tokenizer cache)
-                done = await _generate(_argv(addr, cache, prompt))
-                assert done.returncode == 0, done.stderr.decode()
-                solo[prompt] = json.loads(done.stdout)["tokens"]
-
-            # 16 at once, 4 sequences per range: 12 wait for a free sequence, none fails
-            runs: dict[int, subprocess.CompletedProcess] = {}
-
-            async def one(i: int) -> None:
-                runs[i] = await _generate(_argv(addr, cache, PROMPTS[i % len(PROMPTS)]))
-
-            with trio.fail_after(400):
-                async with trio.open_nursery() as nursery:
-                    for i in range(16):
-                        nursery.start_soon(one, i)
-            for i, done in sorted(runs.items()):
-                assert done.returncode == 0, (i, done.stderr.decode()[-2000:])
-                assert json.loads(done.stdout)["tokens"] == solo[PROMPTS[i % len(PROMPTS)]], i
-            with trio.fail_after(15):  # every session was ended: nothing held
-                while await _sequences_in_use(c):
-                    await trio.sleep(0.2)
-
-            # four long generations hold every sequence; a fifth told to wait 1 s says why it gives up
-            long_argv = [*_argv(addr, cache, PROMPTS[0])]
-            long_argv[long_argv.index("--max-tokens") + 1] = "1500"
-            async with trio.open_nursery() as nursery:
-                holders = [
-                    await nursery.start(
-                        lambda task_status: trio.run_process(
-                            long_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
-                            task_status=task_status,
-                        )
-                    )
-                    for _ in range(SEQUENCES)
-                ]
-                with trio.fail_after(120):
-                    while await _sequences_in_use(c) < 3 * SEQUENCES:  # 4 sessions on each of 3 ranges
-                        await trio.sleep(0.2)
-                refused = await _generate(_argv(addr, cache, PROMPTS[1], "--queue-timeout-s", "1"))
-                assert refused.returncode != 0
-                assert "within the queue timeout of 1.0 s (the swarm is busy)" in refused.stderr.decode()
-                # the four clients die without a word: their leases lapse within seconds, not minutes
-                for holder in holders:
-                    holder.send_signal(signal.SIGKILL)
-                killed_at = trio.current_time()
-                fresh = await _generate(_argv(addr, cache, PROMPTS[2], "--queue-timeout-s", "30"))
-                took_s = trio.current_time() - killed_at
-                assert fresh.returncode == 0, fresh.stderr.decode()
-                assert json.loads(fresh.stdout)["tokens"] == solo[PROMPTS[2]]
-                assert took_s < 15.0, took_s  # the nodes' 5 s lease, a sweep, the run itself
-                print(f"a new generation finished {took_s:.1f} s after four clients were killed")
-        swarm.check_alive()
+            route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=240.0)
+        yield swarm, route
     finally:
         with trio.CancelScope(shield=True):
             await swarm.aclose()
+
+
+async def _text_tokens(swarm: LocalSwarm, route: swarm_pb2.Route) -> list[int]:
+    async with open_swarm_client(swarm.tracker_addr) as c:
+        return (await c.tokenize(route, TEXT))[0]
+
+
+@pytest.mark.timeout(600)
+async def test_more_generations_than_sequences_wait_finish_equal_and_killed_clients_free_theirs(tmp_path: Path) -> None:
+    cache = tmp_path / "client-cache"
+    async with _three_nodes(tmp_path) as (swarm, _route), open_swarm_client(swarm.tracker_addr) as c:
+        addr = swarm.tracker_addr
+
+        solo = {}
+        for prompt in PROMPTS:  # each prompt alone (this also fills the tokenizer cache)
+            done = await _generate(_argv(addr, cache, prompt))
+            assert done.returncode == 0, done.stderr.decode()
+            solo[prompt] = json.loads(done.stdout)["tokens"]
+
+        # 16 at once, 4 sequences per range: 12 wait for a free sequence, none fails
+        runs: dict[int, subprocess.CompletedProcess] = {}
+
+        async def one(i: int) -> None:
+            runs[i] = await _generate(_argv(addr, cache, PROMPTS[i % len(PROMPTS)]))
+
+        with trio.fail_after(400):
+            async with trio.open_nursery() as nursery:
+                for i in range(16):
+                    nursery.start_soon(one, i)
+        for i, done in sorted(runs.items()):
+            assert done.returncode == 0, (i, done.stderr.decode()[-2000:])
+            assert json.loads(done.stdout)["tokens"] == solo[PROMPTS[i % len(PROMPTS)]], i
+        with trio.fail_after(15):  # every session was ended: nothing held
+            while await _sequences_in_use(c):
+                await trio.sleep(0.2)
+
+        # four long generations hold every sequence; a fifth told to wait 1 s says why it gives up
+        long_argv = [*_argv(addr, cache, PROMPTS[0])]
+        long_argv[long_argv.index("--max-tokens") + 1] = "1500"
+        async with trio.open_nursery() as nursery:
+            holders = [
+                await nursery.start(
+                    lambda task_status: trio.run_process(
+                        long_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
+                        task_status=task_status,
+                    )
+                )
+                for _ in range(SEQUENCES)
+            ]
+            with trio.fail_after(120):
+                while await _sequences_in_use(c) < 3 * SEQUENCES:  # 4 sessions on each of 3 ranges
+                    await trio.sleep(0.2)
+            refused = await _generate(_argv(addr, cache, PROMPTS[1], "--queue-timeout-s", "1"))
+            assert refused.returncode != 0
+            assert "within the queue timeout of 1.0 s (the swarm is busy)" in refused.stderr.decode()
+            # the four clients die without a word: their leases lapse within seconds, not minutes
+            for holder in holders:
+                holder.send_signal(signal.SIGKILL)
+            killed_at = trio.current_time()
+            fresh = await _generate(_argv(addr, cache, PROMPTS[2], "--queue-timeout-s", "30"))
+            took_s = trio.current_time() - killed_at
+            assert fresh.returncode == 0, fresh.stderr.decode()
+            assert json.loads(fresh.stdout)["tokens"] == solo[PROMPTS[2]]
+            assert took_s < 15.0, took_s  # the nodes' 5 s lease, a sweep, the run itself
+            print(f"a new generation finished {took_s:.1f} s after four clients were killed")
+        swarm.check_alive()
 
 
 # --- deterministic concurrency -------------------------------------------------------------------
@@ -165,6 +182,7 @@ async def _run(addr: str, prompt: list[int], *, max_tokens: int, started=None, s
     return tokens, scores, None
 
 
+
 @pytest.mark.timeout(600)
 async def test_concurrent_sessions_give_their_solo_runs_numbers_bit_for_bit(tmp_path: Path) -> None:
     """1, 2, 4 and 8 sessions with prompts of different lengths, each starting once the one
@@ -179,20 +197,8 @@ async def test_concurrent_sessions_give_their_solo_runs_numbers_bit_for_bit(tmp_
     40-token prompt's chunk, merged with decode rows, giving other tokens.) A session cancelled mid-generation and
     one that runs into the context limit change nothing for the others; each hop's row count
     for a session is what it sent."""
-    swarm = LocalSwarm(
-        LocalSwarmConfig(
-            model_path=model_path(ALIAS), model_alias=ALIAS, node_args=("--max-sequences", "8", "--ctx-size", str(CTX))
-        ),
-        tmp_path / "swarm",
-    )
-    try:
-        await swarm.start_tracker()
-        async with open_swarm_client(swarm.tracker_addr) as c:
-            (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
-            for i in range(3):
-                swarm.start_node(f"node-{i + 1}", node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3))
-            route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=240.0)
-            text_tokens, _ = await c.tokenize(route, TEXT)
+    async with _three_nodes(tmp_path, "--max-sequences", "8", "--ctx-size", str(CTX)) as (swarm, route):
+        text_tokens = await _text_tokens(swarm, route)
         addr = swarm.tracker_addr
         prompts = [text_tokens[: n - 1] + [text_tokens[n + 7]] for n in LENGTHS]  # distinct ends
         solo = [await _run(addr, p, max_tokens=CONCURRENT_TOKENS) for p in prompts]
@@ -249,28 +255,6 @@ async def test_concurrent_sessions_give_their_solo_runs_numbers_bit_for_bit(tmp_
                 while sum(s.sequences_in_use for n in await c.list_nodes() for s in n.serving):
                     await trio.sleep(0.2)
         swarm.check_alive()
-    finally:
-        with trio.CancelScope(shield=True):
-            await swarm.aclose()
-
-
-async def _forward_counts(addr: str, after_unix_ms: int) -> dict[int, tuple[int, int]]:
-    """``{begin: (Forwards, steps)}`` of every READY range, from heartbeats sent after
-    ``after_unix_ms`` (the nodes' AssignmentStatus.forward_calls / forward_steps)."""
-    async with open_swarm_client(addr) as c:
-        with trio.fail_after(30):
-            while True:
-                nodes = await c.list_nodes()
-                if all(n.last_heartbeat_ms > after_unix_ms for n in nodes if n.alive):
-                    break
-                await trio.sleep(0.2)  # polling the tracker's view, not synchronising on time
-    return {
-        s.assignment.begin: (s.forward_calls, s.forward_steps)
-        for n in nodes
-        if n.alive
-        for s in n.serving
-        if s.state == 2  # READY
-    }
 
 
 @pytest.mark.timeout(600)
@@ -282,25 +266,13 @@ async def test_lock_step_runs_every_decoding_session_in_one_forward_with_solo_nu
     chunks is not waited for (only decoding sessions count), so the others decode meanwhile.
     With the default groups (route hops + 1 = 4 here), 3 sessions would get 1 step per
     decode Forward at the first hop; lock-step must merge them."""
-    swarm = LocalSwarm(
-        LocalSwarmConfig(
-            model_path=model_path(ALIAS), model_alias=ALIAS,
-            node_args=("--max-sequences", "4", "--ctx-size", str(CTX), "--decode-groups", "1", "--decode-gather-ms", "40"),
-        ),
-        tmp_path / "swarm",
-    )  # fmt: skip
-    try:
-        await swarm.start_tracker()
-        async with open_swarm_client(swarm.tracker_addr) as c:
-            (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
-            for i in range(3):
-                swarm.start_node(f"node-{i + 1}", node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3))
-            route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=240.0)
-            text_tokens, _ = await c.tokenize(route, TEXT)
+    lock_step = ("--decode-groups", "1", "--decode-gather-ms", "40")
+    async with _three_nodes(tmp_path, "--max-sequences", "4", "--ctx-size", str(CTX), *lock_step) as (swarm, route):
+        text_tokens = await _text_tokens(swarm, route)
         addr = swarm.tracker_addr
         prompts = [text_tokens[: n - 1] + [text_tokens[n + 7]] for n in (5, 40, 170)]
         solo = [await _run(addr, p, max_tokens=CONCURRENT_TOKENS) for p in prompts]
-        before = await _forward_counts(addr, int(time.time() * 1000))
+        before = await forward_counts(addr, int(time.time() * 1000))
         runs: dict[int, tuple] = {}
         async with trio.open_nursery() as nursery:
             for i, prompt in enumerate(prompts):
@@ -309,16 +281,14 @@ async def test_lock_step_runs_every_decoding_session_in_one_forward_with_solo_nu
                     runs[i] = await _run(addr, prompt, max_tokens=CONCURRENT_TOKENS)
 
                 nursery.start_soon(one)
-        after = await _forward_counts(addr, int(time.time() * 1000))
+        after = await forward_counts(addr, int(time.time() * 1000))
         for i in range(len(prompts)):
             assert runs[i][0] == solo[i][0], i
             assert runs[i][1] == solo[i][1], i  # bit for bit
-        calls, steps = (after[0][k] - before[0][k] for k in (0, 1))
+        first = next(key for key in after if key[0] == 0)
+        calls, steps = (after[first][k] - before[first][k] for k in (0, 1))
         # 3 x 13 decode steps and 1 + 1 + 3 prompt chunks at the first hop: 44 steps; one
         # Forward per step would be 44 Forwards (1.0 a Forward)
         assert steps == 3 * (CONCURRENT_TOKENS - 1) + 5, (calls, steps)
         assert steps / calls >= 1.6, f"{steps} steps in {calls} Forwards at the first hop: no convoy"
         swarm.check_alive()
-    finally:
-        with trio.CancelScope(shield=True):
-            await swarm.aclose()

@@ -75,6 +75,27 @@ async def wait_for_coverage(client: SwarmClient, swarm: LocalSwarm, model: str, 
     raise TimeoutError(f"no full route for {model!r} within {timeout_s} s: {last}\n{swarm.logs()}")
 
 
+
+async def forward_counts(addr: str, after_unix_ms: int, *, timeout_s: float = 30.0) -> dict[tuple[int, int], tuple[int, int]]:
+    """``{(begin, end): (Forwards, steps)}`` of every READY range of the tracker at ``addr``, from
+    heartbeats sent after ``after_unix_ms`` (AssignmentStatus.forward_calls / forward_steps):
+    how many steps the nodes' worker Forwards carried. Raises TooSlowError when some alive
+    node sends no heartbeat within ``timeout_s``."""
+    async with open_swarm_client(addr) as c:
+        with trio.fail_after(timeout_s):
+            while True:
+                nodes = await c.list_nodes()
+                if all(n.last_heartbeat_ms > after_unix_ms for n in nodes if n.alive):
+                    break
+                await trio.sleep(0.2)  # polling the tracker's view
+    return {
+        (s.assignment.begin, s.assignment.end): (s.forward_calls, s.forward_steps)
+        for n in nodes
+        if n.alive
+        for s in n.serving
+        if s.state == swarm_pb2.AssignmentStatus.State.READY
+    }
+
 async def wait_for_copies(
     client: SwarmClient, swarm: LocalSwarm, copies: int, *, timeout_s: float, poll_s: float = 0.1, checked: bool = False
 ) -> list[swarm_pb2.NodeEntry]:

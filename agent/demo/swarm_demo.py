@@ -75,8 +75,9 @@ async def wait_for_coverage(client: SwarmClient, swarm: LocalSwarm, model: str, 
     raise TimeoutError(f"no full route for {model!r} within {timeout_s} s: {last}\n{swarm.logs()}")
 
 
-
-async def forward_counts(addr: str, after_unix_ms: int, *, timeout_s: float = 30.0) -> dict[tuple[int, int], tuple[int, int]]:
+async def forward_counts(
+    addr: str, after_unix_ms: int, *, timeout_s: float = 30.0
+) -> dict[tuple[int, int], tuple[int, int]]:
     """``{(begin, end): (Forwards, steps)}`` of every READY range of the tracker at ``addr``, from
     heartbeats sent after ``after_unix_ms`` (AssignmentStatus.forward_calls / forward_steps):
     how many steps the nodes' worker Forwards carried. Raises TooSlowError when some alive
@@ -95,6 +96,7 @@ async def forward_counts(addr: str, after_unix_ms: int, *, timeout_s: float = 30
         for s in n.serving
         if s.state == swarm_pb2.AssignmentStatus.State.READY
     }
+
 
 async def wait_for_copies(
     client: SwarmClient, swarm: LocalSwarm, copies: int, *, timeout_s: float, poll_s: float = 0.1, checked: bool = False

@@ -54,9 +54,9 @@ from agent.core.frames import (
     request_header,
 )
 from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
-from agent.io.peer_cert import ISSUER_CERT_PEM, PeerCertError, make_peer_certificate, verify_peer_certificate
 from agent.io import raw_socket
 from agent.io.keys import peer_id_of
+from agent.io.peer_cert import ISSUER_CERT_PEM, PeerCertError, make_peer_certificate, verify_peer_certificate
 from agent.io.transport import Handler, Transport, TransportError
 
 __all__ = ["ALPN", "ChannelConfig", "ChannelTransport", "open_channel_transport", "tls_contexts"]

@@ -26,7 +26,6 @@ import outcome
 import trio
 
 from agent._proto import worker_pb2, worker_pb2_grpc
-from agent.io import raw_socket
 from agent.core.boundary import BoundaryError, BoundarySchema, WireDType, check_boundary_schema, decode_rows, encode_rows
 from agent.core.topk import TopLogits
 from agent.core.worker_records import (
@@ -38,6 +37,7 @@ from agent.core.worker_records import (
     WorkerHealth,
     WorkerInfo,
 )
+from agent.io import raw_socket
 
 __all__ = [
     "AsyncWorkerClient",

@@ -807,7 +807,8 @@ class Node:
             now_s = trio.current_time()
             gather_since_s = now_s if gather_since_s is None else gather_since_s
             max_decode, hold_ms = first_hop_decode(
-                begin=served.key[1], decoding_sessions=sessions.decoding_count, route_hops=len(oldest[1].rest) + 1 if oldest else 0,
+                begin=served.key[1], decoding_sessions=sessions.decoding_count,
+                route_hops=len(oldest[1].rest) + 1 if oldest else 0,
                 groups=self.config.decode_groups, waiting=waiting, waited_ms=(now_s - gather_since_s) * 1000,
                 window_ms=self.config.decode_gather_ms,
             )  # fmt: skip

@@ -53,7 +53,6 @@ def test_the_summary_takes_ratios_of_both_modes_checks_the_doublings_and_the_gap
     assert "over the whole span instead: 0.40x at 8 sessions, rising with every doubling: yes." in md
 
 
-
 def test_lock_step_gets_its_own_columns_ratio_and_doublings_beside_the_default() -> None:
     tps = lambda *ts: {"parallel": {n: {"tokens_per_s": t} for n, t in zip(batching.PARALLEL, ts)}}  # noqa: E731
     baton = {**tps(20.0, 35.0, 40.0, 60.0), "gaps": {"alone": {"n": 0}, "during_prefill": {"n": 0}}}
@@ -72,6 +71,7 @@ def test_lock_step_gets_its_own_columns_ratio_and_doublings_beside_the_default()
     summary = batching.summarize(baton, llama, tps(20.0, 25.0, 28.0, 40.0), tps(20.0, 40.0, 30.0, 100.0))
     md = batching.render_markdown({**report, "summary": summary})
     assert "- lock-step: 0.50x at 8 sessions (missed by 0.30x), rising with every doubling: no." in md
+
 
 def test_the_all_decoding_window_runs_from_the_last_first_token_to_the_first_last_token() -> None:
     # session a decodes from t=0 to t=10, one token a second; b's prompt ends at 4, b is done at 8

@@ -228,6 +228,7 @@ async def test_a_persona_answers_a_step_batch_as_a_node_does_and_takes_only_its_
     from agent.core.swarm_wire import RangeSpec, crc32, step_batch
     from agent.io.tracker.verifier import _Inbox
 
+    Code = swarm_pb2.Error.Code
     session = bytes(range(16))
     downstream = RangeSpec(
         model_sha256="ab" * 32, begin=2, end=4, n_layer=6, n_embd=8, n_vocab=100, recipe_hash="cd" * 32, n_batch_max=4
@@ -247,7 +248,6 @@ async def test_a_persona_answers_a_step_batch_as_a_node_does_and_takes_only_its_
     inbox.expect(3)
     batch = step_batch([pushed(bytes(16), rows + 1), pushed(session, rows)])
     acks = swarm_pb2.StepBatchAck.FromString(await inbox.on_steps("stranger", batch)).acks
-    Code = swarm_pb2.Error.Code
     assert [a.error.code for a in acks] == [Code.NOT_FOUND, Code.NOT_FOUND] and not inbox.arrived.is_set()
     acks = swarm_pb2.StepBatchAck.FromString(await inbox.on_steps("node", batch)).acks
     assert [a.error.code for a in acks] == [Code.NOT_FOUND, 0], acks

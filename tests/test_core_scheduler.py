@@ -396,7 +396,6 @@ def test_only_a_first_hop_caps_and_holds_its_decode_forwards() -> None:
     assert first_hop_decode(begin=0, **{**plan, "groups": 0}) == (None, 0.0)  # groups off
 
 
-
 def test_lock_step_holds_each_decode_forward_until_every_decoding_session_waits() -> None:
     plan = dict(decoding_sessions=8, route_hops=3, groups=1, waited_ms=10.0, window_ms=40.0)
     assert first_hop_decode(begin=0, waiting=7, **plan) == (8, 30.0), "one of the 8 is late: hold the rest of 40 ms"
@@ -417,6 +416,7 @@ def test_only_sessions_whose_last_step_was_a_decode_step_count_as_decoding() -> 
     assert table.decoding_count == 2
     table.end(S2)
     assert table.decoding_count == 1
+
 
 def test_a_range_waits_its_batch_window_only_while_its_forward_has_room():
     assert batch_window_wait_ms(2.0, pending_rows=1, row_budget=512) == 2.0

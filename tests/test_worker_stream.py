@@ -30,18 +30,22 @@ def prompt_request(seq_id: int, tokens: list[int]) -> worker_pb2.ForwardRequest:
     return worker_pb2.ForwardRequest(schema_version=1, entries=[entry])
 
 
+async def read_frame(stream: trio.SocketStream) -> bytes | None:
+    """One length-prefixed frame, prefix included (None: the peer closed first); no more."""
+    data = b""
+    while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "little"):
+        if not (more := await stream.receive_some(65536)):
+            return None
+        data += more
+    assert len(data) == 4 + int.from_bytes(data[:4], "little"), "one frame at a time"
+    return data
+
+
 async def raw_exchange(stream: trio.SocketStream, frame: bytes) -> worker_pb2.ForwardStreamReply | None:
     """Send ``frame`` as it is; the reply frame, or None when the worker closed the connection."""
     await stream.send_all(frame)
-    data = b""
-    while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "little"):
-        more = await stream.receive_some(65536)
-        if not more:
-            return None
-        data += more
-    size = int.from_bytes(data[:4], "little")
-    assert len(data) == 4 + size, "one reply per frame"
-    return worker_pb2.ForwardStreamReply.FromString(data[4:])
+    data = await read_frame(stream)
+    return None if data is None else worker_pb2.ForwardStreamReply.FromString(data[4:])
 
 
 def framed(payload: bytes) -> bytes:
@@ -177,14 +181,6 @@ async def test_a_connection_found_closed_is_replaced_once_then_the_call_fails(tm
     # what each accepted connection does: answer this many requests, then close unanswered
     plan = [1, 1, 0]
     connections: list[int] = []
-
-    async def read_frame(stream: trio.SocketStream) -> bytes | None:
-        data = b""
-        while len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "little"):
-            if not (more := await stream.receive_some(65536)):
-                return None
-            data += more
-        return data
 
     async def serve(stream: trio.SocketStream) -> None:
         answers = plan[len(connections)]

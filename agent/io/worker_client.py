@@ -526,7 +526,7 @@ class _ForwardStream:
     def _room_for(self, n: int) -> None:
         if len(self._buffer) < n:
             grown = bytearray(max(n, 2 * len(self._buffer)))
-            grown[: self._filled] = self._buffer[: self._filled]
+            grown[: self._filled] = memoryview(self._buffer)[: self._filled]  # (no interim copy)
             self._buffer = grown
 
     async def exchange(self, request: worker_pb2.ForwardRequest, timeout_s: float) -> worker_pb2.ForwardReply:

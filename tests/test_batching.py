@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import psutil
 import pytest
 import trio
 
@@ -291,4 +292,9 @@ async def test_lock_step_runs_every_decoding_session_in_one_forward_with_solo_nu
         # Forward per step would be 44 Forwards (1.0 a Forward)
         assert steps == 3 * (CONCURRENT_TOKENS - 1) + 5, (calls, steps)
         assert steps / calls >= 1.6, f"{steps} steps in {calls} Forwards at the first hop: no convoy"
+        # nodes on one machine: their workers' idle threads sleep (the local swarm's --worker-wait)
+        for node in swarm.nodes.values():
+            workers = [p for p in psutil.Process(node.process.pid).children() if "baton-worker" in p.name()]
+            assert [p.environ().get("OMP_WAIT_POLICY") for p in workers] == ["PASSIVE"], node.name
+            assert "the worker's idle threads sleep (--worker-wait sleep)" in node.log_path.read_text()
         swarm.check_alive()

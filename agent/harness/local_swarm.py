@@ -26,6 +26,7 @@ from pathlib import Path
 
 import trio
 
+from agent.core.worker_wait import SLEEP
 from agent.io.keys import load_or_create_key, peer_id_of
 from agent.io.log_tail import LOG_TAIL_BYTES, log_tail as read_log_tail
 
@@ -105,6 +106,9 @@ class LocalSwarmConfig:
     ``heartbeat_timeout_ms``: after this long without heartbeats the tracker drops a node.
     ``start_timeout_s``: how long the tracker may take to write its address.
     ``stop_grace_s``: SIGTERM -> SIGKILL delay. ``threads``: per node's worker.
+    ``worker_wait``: every node's ``--worker-wait``; ``sleep`` by default here, because every
+    node of a local swarm shares this machine's cores (``agent.core.worker_wait``; ``auto``
+    would find the other workers only once they run, and nodes start their workers at once).
     ``workdir``: keys, db and logs (default: a fresh temp dir, removed on close).
     ``tracker_args`` / ``node_args`` / ``relay_args``: appended to every tracker / node / relay
     command line.
@@ -117,6 +121,7 @@ class LocalSwarmConfig:
     model_alias: str = "smollm2"
     heartbeat_timeout_ms: int = 5000
     threads: int = 1
+    worker_wait: str = SLEEP
     start_timeout_s: float = 60.0
     stop_grace_s: float = 5.0
     workdir: Path | None = None
@@ -212,6 +217,7 @@ class LocalSwarm:
             "--key", str(self.key_path(name)),
             "--memory-bytes", str(memory_bytes),
             "--threads", str(c.threads),
+            "--worker-wait", c.worker_wait,
             *(["--listen", listen] if listen is not None else []),
             *(["--relay"] if relay else []),
             *c.node_args,

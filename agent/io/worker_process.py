@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 import trio
@@ -28,6 +28,7 @@ __all__ = [
     "WorkerBinaryNotFound",
     "WorkerHandle",
     "WorkerStartError",
+    "count_computing_workers",
     "find_worker_binary",
     "open_worker",
     "worker_argv",
@@ -60,17 +61,17 @@ class WorkerStartError(RuntimeError):
 WORKDIR_PARENT = "/tmp"  # short: the socket path must fit sun_path
 WORKDIR_PREFIX = "baton-"
 OWNER_FILE = "owner.pid"  # the pid of the process that made the dir (it removes it on exit)
+VOCAB_ONLY_FILE = "vocab-only"  # present in the dir of a --vocab-only worker (it computes nothing)
 
 
-def remove_stale_workdirs(parent: str = WORKDIR_PARENT) -> list[str]:
-    """Remove this user's worker temp dirs whose owner process is gone (a node killed with
-    SIGKILL cannot remove its own). Returns the dirs removed. Never raises."""
-    removed = []
+def _worker_dirs(parent: str) -> list[tuple[str, int]]:
+    """This user's worker temp dirs under ``parent`` and the pid that made each. Never raises."""
     try:
         entries = list(os.scandir(parent))
     except OSError:
-        return removed
+        return []
     uid = os.getuid()
+    found = []
     for entry in entries:
         if not entry.name.startswith(WORKDIR_PREFIX):
             continue
@@ -78,14 +79,32 @@ def remove_stale_workdirs(parent: str = WORKDIR_PARENT) -> list[str]:
             if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != uid:
                 continue
             with open(os.path.join(entry.path, OWNER_FILE)) as owner:
-                pid = int(owner.read().strip())
+                found.append((entry.path, int(owner.read().strip())))
         except (OSError, ValueError):
             continue  # not ours, or not a worker dir written by this version
+    return found
+
+
+def remove_stale_workdirs(parent: str = WORKDIR_PARENT) -> list[str]:
+    """Remove this user's worker temp dirs whose owner process is gone (a node killed with
+    SIGKILL cannot remove its own). Returns the dirs removed. Never raises."""
+    removed = []
+    for path, pid in _worker_dirs(parent):
         if pid == os.getpid() or _process_exists(pid):
             continue
-        shutil.rmtree(entry.path, ignore_errors=True)
-        removed.append(entry.path)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
     return removed
+
+
+def count_computing_workers(parent: str = WORKDIR_PARENT) -> int:
+    """How many workers that compute (not ``--vocab-only``) this user runs on this host now,
+    by their temp dirs whose owner is alive (this process's own included). Never raises."""
+    return sum(
+        1
+        for path, pid in _worker_dirs(parent)
+        if (pid == os.getpid() or _process_exists(pid)) and not os.path.exists(os.path.join(path, VOCAB_ONLY_FILE))
+    )
 
 
 def _process_exists(pid: int) -> bool:
@@ -248,6 +267,7 @@ async def open_worker(
     client_config: ClientConfig | None = None,
     binary: str | os.PathLike | None = None,
     forward_stream: bool = True,
+    environment: Mapping[str, str] | None = None,
 ) -> AsyncIterator[WorkerHandle]:
     """Start a worker for blocks ``[begin, end)`` of ``model_path`` and wait until it is ready.
 
@@ -271,6 +291,8 @@ async def open_worker(
       binary: the worker binary; default ``find_worker_binary()``.
       forward_stream: also start the worker's Forward stream (``forward.sock`` in the temp
         dir) and send Forward over it (``AsyncWorkerClient``); False: Forward over gRPC.
+      environment: the worker's environment (None: this process's), for instance with the
+        OpenMP wait policy of ``agent.core.worker_wait``.
 
     Yields:
       A ``WorkerHandle`` with ``.client`` (``AsyncWorkerClient``), ``.info`` (its Info),
@@ -298,6 +320,8 @@ async def open_worker(
     try:
         with open(os.path.join(workdir, OWNER_FILE), "w") as owner:
             owner.write(f"{os.getpid()}\n")
+        if vocab_only:
+            open(os.path.join(workdir, VOCAB_ONLY_FILE), "w").close()
         socket_path = socket_path or os.path.join(workdir, "worker.sock")
         forward_socket_path = os.path.join(workdir, "forward.sock") if forward_stream else None
         for path in (socket_path, forward_socket_path):
@@ -311,7 +335,7 @@ async def open_worker(
         )  # fmt: skip
         with open(log_path, "wb") as log:
             # the worker stops when this process exits, even by SIGKILL (Linux; native/src/main.cpp)
-            env = {**os.environ, "BATON_WORKER_PARENT_PID": str(os.getpid())}
+            env = {**(os.environ if environment is None else environment), "BATON_WORKER_PARENT_PID": str(os.getpid())}
             process = await trio.lowlevel.open_process(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
             )

@@ -121,9 +121,16 @@ from agent.core.swarm_wire import (
     validate_step,
 )
 from agent.core.worker_records import SeqInput, SeqOutput, WorkerInfo
+from agent.core.worker_wait import AUTO, worker_environment
 from agent.io.transport import Transport, TransportError
 from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
-from agent.io.worker_process import WorkerBinaryNotFound, WorkerHandle, WorkerStartError, open_worker
+from agent.io.worker_process import (
+    WorkerBinaryNotFound,
+    WorkerHandle,
+    WorkerStartError,
+    count_computing_workers,
+    open_worker,
+)
 from agent.models import sha256_file
 from agent.testing.faulty import CorruptOutputs, OutputCorrupter
 
@@ -197,6 +204,9 @@ class NodeConfig:
       worker_ready_timeout_s, worker_stop_grace_s, worker_call_timeout_s: worker process start,
         SIGTERM grace, and the deadline of each worker call.
       worker_binary: the baton-worker binary (None: ``find_worker_binary()``).
+      worker_wait: how a worker's idle threads wait for work (``agent.core.worker_wait``):
+        ``auto`` (sleep when another Baton worker runs on this host, else spin), ``spin`` or
+        ``sleep``.
       probe: measured host values; None: ``probe_host(probe_config)`` at start.
       start_retry_initial_s, start_retry_max_s, start_retry_timeout_s: a tracker that cannot
         be reached at start is tried again after ``initial``, doubling up to ``max`` between
@@ -252,6 +262,7 @@ class NodeConfig:
     worker_stop_grace_s: float = 5.0
     worker_call_timeout_s: float = 60.0
     worker_binary: str | None = None
+    worker_wait: str = AUTO
     probe: HostProbe | None = None
     probe_config: ProbeConfig = ProbeConfig()
     start_retry_initial_s: float = 0.5
@@ -749,12 +760,16 @@ class Node:
         assert model is not None
         _, begin, end = served.key
         cfg = self.config
+        environment, wait = worker_environment(
+            cfg.worker_wait, other_workers=count_computing_workers(), environment=os.environ
+        )
+        log.info("%s: the worker's idle threads %s", range_name(served.key), wait)
         async with open_worker(
             model.path, begin, end,
             ctx_size=cfg.ctx_size, max_sequences=cfg.max_sequences, batch_size=cfg.batch_size,
             threads=cfg.threads, model_sha256=model.sha256, ready_timeout_s=cfg.worker_ready_timeout_s,
             stop_grace_s=cfg.worker_stop_grace_s, client_config=ClientConfig(timeout_s=cfg.worker_call_timeout_s),
-            binary=cfg.worker_binary,
+            binary=cfg.worker_binary, environment=environment,
         ) as handle:  # fmt: skip
             info = handle.info
             if info.model_sha256 and info.model_sha256 != model.sha256:

@@ -2,7 +2,7 @@
 
     baton node --tracker MULTIADDR [--model PATH ...] [--models-dir DIR] --key PATH
                [--listen MULTIADDR|none] [--relay] [--memory-bytes N] [--threads N]
-               [--ctx-size N] [--max-sequences N] [--decode-groups N] [--decode-gather-ms MS]
+               [--worker-wait auto|spin|sleep] [--ctx-size N] [--max-sequences N] [--decode-groups N] [--decode-gather-ms MS]
                [--batch-window-ms MS] [--heartbeat-interval-ms N]
     baton node install | uninstall | status | doctor ...   (agent.io.node.service)
 
@@ -40,6 +40,7 @@ from collections.abc import AsyncIterator, Sequence
 import trio
 
 from agent import cli_args
+from agent.core.worker_wait import AUTO, WAIT_CHOICES
 from agent.models import cached_sha256
 
 from .agent import LocalModel, NodeConfig, NodeError, NodeRefused, serve_node
@@ -92,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-bytes", type=cli_args.positive_int, metavar="N", help="usable memory offered (default: available RAM)"
     )
     parser.add_argument("--threads", type=cli_args.positive_int, help="threads per worker (default: the worker's)")
+    parser.add_argument(
+        "--worker-wait", choices=WAIT_CHOICES, default=AUTO,
+        help="how a worker's idle threads wait for work: spin (quickest for a worker alone on its machine), sleep"
+        " (for nodes that share one machine's cores: a spinning worker holds the cores the next hop needs) or auto"
+        " (the default: sleep when another Baton worker already runs on this host, else spin; OMP_WAIT_POLICY or"
+        " GOMP_SPINCOUNT in the environment are kept)",
+    )  # fmt: skip
     parser.add_argument("--ctx-size", type=cli_args.positive_int, help="positions per sequence (default: the worker's)")
     parser.add_argument("--max-sequences", type=cli_args.positive_int, help="sequences per worker (default: the worker's)")
     parser.add_argument(
@@ -216,6 +224,7 @@ async def run(args: argparse.Namespace) -> int:
         models=tuple(models),
         memory_bytes=args.memory_bytes,
         threads=args.threads,
+        worker_wait=args.worker_wait,
         ctx_size=args.ctx_size,
         max_sequences=args.max_sequences,
         session_idle_timeout_s=args.session_idle_timeout_s,

@@ -1,0 +1,73 @@
+"""How a CPU worker's idle threads wait for work: spin, or sleep in the kernel.
+
+Owns the choice of the worker's OpenMP wait policy, for ``agent.io.node.agent`` (which counts
+the Baton workers already running on the host and starts the worker with the environment
+chosen here).
+
+Why it matters: llama.cpp's CPU backend runs each graph on an OpenMP team; between two
+graphs, and at each barrier inside one, a waiting thread of libgomp spins (300,000 rounds by
+default, some milliseconds) before it sleeps. A worker alone on its machine gains by that: its
+next Forward starts on threads that are already awake. Several workers on one machine's cores
+lose by it: a worker that just finished spins on the cores the next hop now needs, and two
+workers computing at once spin at every barrier for a thread the other holds off its core.
+Measured on the 2-core benchmark machine (``bench/worker_wait.py``, results in
+bench/results/worker_wait.md): three 2-thread workers in series decode one session 1.5-1.9x
+faster asleep than spinning, and two groups of sessions in flight 3x faster; one worker alone
+decodes one session ~1.4x faster spinning. So the default (``auto``) sleeps when another Baton
+worker already runs on the host, and spins otherwise; ``OMP_WAIT_POLICY`` or
+``GOMP_SPINCOUNT`` set by the user are left as they are.
+
+A worker of one thread starts no OpenMP team: the choice does not change it.
+
+Pure: no I/O (the environment and the count of other workers are passed in). Must not import
+trio, grpc, libp2p or agent.io.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+__all__ = ["AUTO", "SLEEP", "SPIN", "WAIT_CHOICES", "worker_environment"]
+
+AUTO = "auto"
+SPIN = "spin"
+SLEEP = "sleep"
+WAIT_CHOICES = (AUTO, SPIN, SLEEP)
+
+#: the variables libgomp reads for its wait policy (once, when the worker loads it)
+_OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def worker_environment(
+    requested: str, *, other_workers: int, environment: Mapping[str, str]
+) -> tuple[dict[str, str], str]:
+    """The environment to start a worker with, and why (for the log).
+
+    Args:
+      requested: ``auto``, ``spin`` or ``sleep`` (the node's ``--worker-wait``). ``spin`` and
+        ``sleep`` override the environment's wait variables; ``auto`` keeps them when set.
+      other_workers: Baton workers already running on this host (any node's).
+      environment: the node's own environment, which the worker inherits.
+
+    Raises:
+      ValueError: ``requested`` is not one of ``WAIT_CHOICES``, or ``other_workers`` < 0.
+    """
+    if requested not in WAIT_CHOICES:
+        raise ValueError(f"worker wait must be one of {', '.join(WAIT_CHOICES)}, got {requested!r}")
+    if other_workers < 0:
+        raise ValueError(f"other_workers must be >= 0, got {other_workers}")
+    env = dict(environment)
+    if requested == AUTO:
+        preset = [f"{name}={env[name]}" for name in _OMP_WAIT_VARIABLES if name in env]
+        if preset:
+            return env, f"as the environment says ({', '.join(preset)})"
+        if other_workers == 0:
+            return env, "spin (the only Baton worker on this host)"
+        requested, why = SLEEP, f"{other_workers} other Baton worker(s) on this host"
+    else:
+        why = f"--worker-wait {requested}"
+    for name in _OMP_WAIT_VARIABLES:
+        env.pop(name, None)
+    if requested == SLEEP:
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env, f"{requested} ({why})"

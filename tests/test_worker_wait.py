@@ -1,0 +1,72 @@
+"""A worker starts with the wait policy its node chose, and a node can count the Baton workers
+already computing on its host (``agent.io.worker_process``; the choice is
+``agent.core.worker_wait``'s).
+
+Real workers on the tiny qwen2 model; the count reads the same temp dirs the workers run in.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from agent.core.worker_wait import SLEEP, worker_environment
+from agent.io.worker_process import (
+    OWNER_FILE,
+    VOCAB_ONLY_FILE,
+    WORKDIR_PREFIX,
+    count_computing_workers,
+    open_worker,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.decode().split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def test_workers_are_counted_by_their_live_dirs_and_vocab_only_ones_are_not(tmp_path: Path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # reaped: no such process any more
+    for name, pid, vocab_only in (
+        ("mine", os.getpid(), False),
+        ("parent", os.getppid(), False),
+        ("dead", dead_pid, False),
+        ("vocab", os.getpid(), True),
+    ):
+        path = tmp_path / f"{WORKDIR_PREFIX}{name}"
+        path.mkdir()
+        (path / OWNER_FILE).write_text(f"{pid}\n")
+        if vocab_only:
+            (path / VOCAB_ONLY_FILE).write_text("")
+    (tmp_path / f"{WORKDIR_PREFIX}no-owner-file").mkdir()
+    other = tmp_path / "something-else"
+    other.mkdir()
+    (other / OWNER_FILE).write_text(f"{os.getpid()}\n")
+    assert count_computing_workers(str(tmp_path)) == 2  # mine and parent
+    assert count_computing_workers(str(tmp_path / "missing")) == 0
+
+
+def test_a_worker_runs_with_the_environment_it_is_given_and_counts_while_it_runs(qwen2_tiny_path: Path) -> None:
+    async def main() -> None:
+        before = count_computing_workers()
+        environment, _ = worker_environment(SLEEP, other_workers=before, environment=os.environ)
+        async with open_worker(qwen2_tiny_path, 0, None, threads=2, environment=environment) as handle:
+            env = _environ(handle.process.pid)
+            assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+            assert env["BATON_WORKER_PARENT_PID"] == str(os.getpid())
+            assert count_computing_workers() == before + 1
+        assert count_computing_workers() == before
+        async with open_worker(qwen2_tiny_path, 0, None, threads=1) as handle:
+            assert "OMP_WAIT_POLICY" not in _environ(handle.process.pid) or "OMP_WAIT_POLICY" in os.environ
+        async with open_worker(qwen2_tiny_path, 0, None, vocab_only=True):
+            assert count_computing_workers() == before  # loads no weights, computes nothing
+
+    trio.run(main)

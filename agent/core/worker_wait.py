@@ -10,12 +10,14 @@ default, some milliseconds) before it sleeps. A worker alone on its machine gain
 next Forward starts on threads that are already awake. Several workers on one machine's cores
 lose by it: a worker that just finished spins on the cores the next hop now needs, and two
 workers computing at once spin at every barrier for a thread the other holds off its core.
-Measured on the 2-core benchmark machine (``bench/worker_wait.py``, results in
-bench/results/worker_wait.md): three 2-thread workers in series decode one session 1.5-1.9x
-faster asleep than spinning, and two groups of sessions in flight 3x faster; one worker alone
-decodes one session ~1.4x faster spinning. So the default (``auto``) sleeps when another Baton
-worker already runs on the host, and spins otherwise; ``OMP_WAIT_POLICY`` or
-``GOMP_SPINCOUNT`` set by the user are left as they are.
+Measured on the 2-core benchmark machine (``bench/worker_wait.py``, bench/results/worker_wait.md,
+bare 2-thread workers, medians of 3 interleaved rounds): three workers in series decode one
+session 1.57x faster asleep than spinning, 8 sessions in lock-step 1.32x, and 8 sessions in two
+groups in flight 4.5x; one worker alone decodes one session 1.56x faster spinning (8 sessions:
+1.13x). So the default (``auto``) sleeps when another Baton worker already computes on the
+host, and spins otherwise; ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the user are left
+as they are. A worker started alone keeps spinning when others start later (libgomp reads its
+policy once): nodes meant to share a machine say ``sleep``.
 
 A worker of one thread starts no OpenMP team: the choice does not change it.
 

@@ -465,16 +465,19 @@ def _steps_table(report: dict) -> list[str]:
 
 def _cpu_table(report: dict) -> list[str]:
     """Where the CPU of the 8-session runs went, per token generated (prompt included), next
-    to llama-batched-bench's (its threads busy for its whole run, an upper bound)."""
+    to llama-batched-bench's over its whole 8-sequence run, prompt included as well (its
+    threads busy for all of it: an upper bound)."""
     modes = [(label, report[key]["parallel"].get("8")) for label, key in _REPORT_MODES if key in report]
     labels, runs = [label for label, _r in modes], [run for _l, run in modes]
     if len(runs) < 2 or not all(run is not None and "cpu_s" in run for run in runs):
         return []  # (a report of an older run)
-    llama_ms = report["config"]["llama_threads"] * 1000 / report["llama_batched_bench"]["8"]["speed_tg"]
+    llama = report["llama_batched_bench"]["8"]
+    llama_ms = report["config"]["llama_threads"] * 1000 * (llama["t_pp"] + llama["t_tg"]) / (llama["pl"] * llama["tg"])
     lines = [
         "",
         "Where the CPU goes at 8 sessions (CPU ms per generated token, whole run incl. prefill; "
-        f"llama-batched-bench: {llama_ms:.1f} ms with its {report['config']['llama_threads']} threads busy):",
+        f"llama-batched-bench: {llama_ms:.1f} ms with its {report['config']['llama_threads']} threads busy for its"
+        " prefill and decode):",
         "",
         "| process | " + " | ".join(labels) + " |",
         "|---|" + "---|" * len(labels),

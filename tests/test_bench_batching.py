@@ -91,11 +91,13 @@ def test_the_cpu_table_is_per_generated_token_and_sums_every_process() -> None:
     }  # fmt: skip
     off = {**run, "cpu_s": {**run["cpu_s"], "worker [20-30]": 10.0}}
     report = {
-        "llama_batched_bench": {"8": {"speed_tg": 100.0}}, "config": {"llama_threads": 2},
+        # 8 x 50 tokens in 1 + 3 s with 2 threads: 20 ms of CPU a generated token, prompt included
+        "llama_batched_bench": {"8": {"speed_tg": 133.3, "t_pp": 1.0, "t_tg": 3.0, "pl": 8, "tg": 50}},
+        "config": {"llama_threads": 2},
         "baton": {"parallel": {"8": run}}, "baton_decode_groups_off": {"parallel": {"8": off}},
     }  # fmt: skip
     lines = batching._cpu_table(report)
-    assert "llama-batched-bench: 20.0 ms with its 2 threads busy" in lines[1]
+    assert "llama-batched-bench: 20.0 ms with its 2 threads busy for its prefill and decode" in lines[1]
     assert "| worker [20-30] | 10.0 | 12.5 |" in lines
     assert "| all | 18.8 | 21.2 |" in lines
     assert "| cores busy on average | 1.50 | 1.70 |" in lines

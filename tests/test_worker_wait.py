@@ -22,6 +22,7 @@ from agent.io.worker_process import (
     WORKDIR_PREFIX,
     count_computing_workers,
     open_worker,
+    wait_environment,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,5 +69,11 @@ def test_a_worker_runs_with_the_environment_it_is_given_and_counts_while_it_runs
             assert "OMP_WAIT_POLICY" not in _environ(handle.process.pid) or "OMP_WAIT_POLICY" in os.environ
         async with open_worker(qwen2_tiny_path, 0, None, vocab_only=True):
             assert count_computing_workers() == before  # loads no weights, computes nothing
+        async with open_worker(qwen2_tiny_path, 0, None, threads=1):
+            # auto, with a worker computing: sleep, unless the user's environment says otherwise
+            environment, why = wait_environment()
+            if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+                assert environment["OMP_WAIT_POLICY"] == "PASSIVE", why
+                assert why == f"sleep ({before + 1} other Baton worker(s) on this host)"
 
     trio.run(main)

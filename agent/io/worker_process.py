@@ -19,6 +19,7 @@ from pathlib import Path
 import trio
 
 from agent.core.ranges import format_layers
+from agent.core.worker_wait import AUTO, worker_environment
 from agent.core.worker_records import WorkerInfo
 
 from .worker_client import AsyncWorkerClient, ClientConfig, WorkerError
@@ -31,6 +32,7 @@ __all__ = [
     "count_computing_workers",
     "find_worker_binary",
     "open_worker",
+    "wait_environment",
     "worker_argv",
 ]
 
@@ -105,6 +107,12 @@ def count_computing_workers(parent: str = WORKDIR_PARENT) -> int:
         for path, pid in _worker_dirs(parent)
         if (pid == os.getpid() or _process_exists(pid)) and not os.path.exists(os.path.join(path, VOCAB_ONLY_FILE))
     )
+
+
+def wait_environment(requested: str = AUTO) -> tuple[dict[str, str], str]:
+    """This process's environment with the OpenMP wait policy ``agent.core.worker_wait`` picks
+    for a worker started now (``requested``: auto, spin or sleep), and why, for the log."""
+    return worker_environment(requested, other_workers=count_computing_workers(), environment=os.environ)
 
 
 def _process_exists(pid: int) -> bool:

@@ -121,15 +121,15 @@ from agent.core.swarm_wire import (
     validate_step,
 )
 from agent.core.worker_records import SeqInput, SeqOutput, WorkerInfo
-from agent.core.worker_wait import AUTO, worker_environment
+from agent.core.worker_wait import AUTO
 from agent.io.transport import Transport, TransportError
 from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
 from agent.io.worker_process import (
     WorkerBinaryNotFound,
     WorkerHandle,
     WorkerStartError,
-    count_computing_workers,
     open_worker,
+    wait_environment,
 )
 from agent.models import sha256_file
 from agent.testing.faulty import CorruptOutputs, OutputCorrupter
@@ -760,9 +760,7 @@ class Node:
         assert model is not None
         _, begin, end = served.key
         cfg = self.config
-        environment, wait = worker_environment(
-            cfg.worker_wait, other_workers=count_computing_workers(), environment=os.environ
-        )
+        environment, wait = wait_environment(cfg.worker_wait)
         log.info("%s: the worker's idle threads %s", range_name(served.key), wait)
         async with open_worker(
             model.path, begin, end,

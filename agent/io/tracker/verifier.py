@@ -74,7 +74,7 @@ from agent.core.topk import TopLogits
 from agent.core.worker_records import SeqInput, SeqOutput
 from agent.io.transport import Transport, TransportError
 from agent.io.worker_client import ClientConfig, WorkerError
-from agent.io.worker_process import WorkerBinaryNotFound, WorkerHandle, WorkerStartError, open_worker
+from agent.io.worker_process import WorkerBinaryNotFound, WorkerHandle, WorkerStartError, open_worker, wait_environment
 
 if TYPE_CHECKING:
     from agent.io.tracker.service import Tracker
@@ -217,10 +217,14 @@ class ReferencePool:
         stop = trio.Event()
         started = False
         try:
+            # a reference worker on a host that runs nodes too must not spin on their cores
+            environment, wait = wait_environment()
+            log.info("reference worker for model %s blocks [%d, %d): idle threads %s", model_sha256[:12], begin, end, wait)
             async with open_worker(
                 path, begin, end, ctx_size=self._ctx_size, max_sequences=1, batch_size=self._batch_size,
                 threads=cfg.threads, model_sha256=model_sha256, ready_timeout_s=cfg.worker_ready_timeout_s,
                 client_config=ClientConfig(timeout_s=cfg.worker_call_timeout_s), binary=cfg.worker_binary,
+                environment=environment,
             ) as handle:  # fmt: skip
                 if handle.info.model_sha256 and handle.info.model_sha256 != model_sha256:
                     raise ValueError(

@@ -259,10 +259,16 @@ ShardStatus validate_forward(const ForwardLimits & limits, const std::vector<For
 bool select_top_k(const float * row, size_t n, size_t k, int32_t * ids, float * values);
 
 // log(sum(exp(row))) in double, max-shifted, the sum pairwise as numpy's (agent/core/topk.py's
-// log_sum_exp): equal to it within the bound tests/test_worker_api.py declares (numpy's exp
-// may be a SIMD one that differs from libm's in the last bits). A non-finite max is returned
-// as it is.
+// log_sum_exp), the terms by exp_shifted: equal to it within the bound tests/test_worker_api.py
+// declares (the terms differ from numpy's exp in the last bit at most). A non-finite max is
+// returned as it is.
 double log_sum_exp(const float * row, size_t n);
+
+// out[i] = exp(x[i] - shift) in double, for x[i] - shift <= 0: within 1 ulp of libm's exp
+// (native/tests), exactly 1 at 0, and 0 below -708 (under 2^-1021: nothing next to the 1 of a
+// max-shifted sum; libm gives subnormals down to -745). NaN gives NaN. The same bits on every
+// x86-64 machine (a vectorized AVX2 variant and a baseline one, no FMA).
+void exp_shifted(const float * x, size_t n, double shift, double * out);
 
 // The most sequences one context can hold (llama_max_parallel_sequences()).
 uint32_t max_sequences_limit();

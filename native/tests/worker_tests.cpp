@@ -387,6 +387,36 @@ void test_top_k() {
         sum += std::exp(static_cast<double>(v) - 56.0);
     }
     CHECK(std::fabs(baton::log_sum_exp(big.data(), big.size()) - (56.0 + std::log(sum))) < 1e-9);
+
+    // exp_shifted: within 1 ulp of libm over [-708, 0], 1 at 0, 0 below -708 and at -inf, NaN as NaN.
+    std::vector<float> xs;
+    for (int i = 0; i <= 200000; ++i) {
+        xs.push_back(static_cast<float>(-708.0 * i / 200000.0));
+    }
+    for (double shift : {0.0, 0.37, -3.5, 11.25}) {
+        std::vector<double> got(xs.size());
+        baton::exp_shifted(xs.data(), xs.size(), shift, got.data());
+        int64_t worst_ulp = 0;
+        for (size_t i = 0; i < xs.size(); ++i) {
+            const double v = static_cast<double>(xs[i]) - shift;
+            if (v > 0.0 || v < -708.0) {
+                continue;
+            }
+            const double want = std::exp(v);
+            int64_t a = 0;
+            int64_t b = 0;
+            std::memcpy(&a, &got[i], sizeof a);
+            std::memcpy(&b, &want, sizeof b);
+            worst_ulp = std::max<int64_t>(worst_ulp, a > b ? a - b : b - a);
+        }
+        CHECK(worst_ulp <= 1);
+    }
+    const std::vector<float> edges = {0.0f, -0.0f, -708.5f, -745.0f, -1e30f, -inf, std::nanf("")};
+    std::vector<double> edge_out(edges.size());
+    baton::exp_shifted(edges.data(), edges.size(), 0.0, edge_out.data());
+    CHECK(edge_out[0] == 1.0 && edge_out[1] == 1.0);
+    CHECK(edge_out[2] == 0.0 && edge_out[3] == 0.0 && edge_out[4] == 0.0 && edge_out[5] == 0.0);
+    CHECK(std::isnan(edge_out[6]));
 }
 
 int run_validation() {

@@ -499,10 +499,15 @@ double pairwise_exp_sum(const float * a, size_t n, double peak) {
 }  // namespace
 
 // Straight-line code, so that the compiler vectorizes it (libm's exp is one call per value:
-// a 49,152-entry row took ~0.4 ms, once per row and step at the last hop). The AVX2 clone and
-// the baseline compute the same operations in the same order, without FMA (the worker core is
-// built with -ffp-contract=off), so every machine gets the same bits.
-__attribute__((target_clones("avx2", "default"))) void exp_shifted(const float * x, size_t n, double shift, double * out) {
+// a 49,152-entry row took ~0.4 ms, once per row and step at the last hop). On x86-64 the AVX2
+// clone and the baseline compute the same operations in the same order, without FMA (the
+// worker core is built with -ffp-contract=off), so every machine gets the same bits.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define BATON_EXP_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define BATON_EXP_CLONES  // other targets: one variant, vectorized for the build's own ISA
+#endif
+BATON_EXP_CLONES void exp_shifted(const float * x, size_t n, double shift, double * out) {
     for (size_t i = 0; i < n; ++i) {
         const double v = static_cast<double>(x[i]) - shift;
         const double clamped = std::max(v, kExpUnderflow);  // 2^k stays a normal number

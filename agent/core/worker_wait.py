@@ -48,7 +48,9 @@ def worker_environment(
     Args:
       requested: ``auto``, ``spin`` or ``sleep`` (the node's ``--worker-wait``). ``spin`` and
         ``sleep`` override the environment's wait variables; ``auto`` keeps them when set.
-      other_workers: Baton workers already running on this host (any node's).
+      other_workers: Baton workers already computing on this host, any node's or tracker's
+        (``agent.io.worker_process.count_computing_workers`` sees its own user's: another
+        user's worker dirs are private).
       environment: the node's own environment, which the worker inherits.
 
     Raises:

@@ -2,8 +2,9 @@
 
     baton node --tracker MULTIADDR [--model PATH ...] [--models-dir DIR] --key PATH
                [--listen MULTIADDR|none] [--relay] [--memory-bytes N] [--threads N]
-               [--worker-wait auto|spin|sleep] [--ctx-size N] [--max-sequences N] [--decode-groups N] [--decode-gather-ms MS]
-               [--batch-window-ms MS] [--heartbeat-interval-ms N]
+               [--worker-wait auto|spin|sleep] [--ctx-size N] [--max-sequences N]
+               [--decode-groups N] [--decode-gather-ms MS] [--batch-window-ms MS]
+               [--heartbeat-interval-ms N]
     baton node install | uninstall | status | doctor ...   (agent.io.node.service)
 
 ``--model PATH`` serves a file the node already has. ``--models-dir DIR`` lets the node serve

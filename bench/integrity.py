@@ -38,11 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-for _p in (str(REPO_ROOT), str(BENCH_DIR)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from _bootstrap import BENCH_DIR, REPO_ROOT  # noqa: E402  (first: it makes the project importable)
 
 import trio  # noqa: E402
 

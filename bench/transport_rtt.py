@@ -27,9 +27,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from _bootstrap import REPO_ROOT  # noqa: E402  (first: it makes the project importable)
 
 import trio  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402

@@ -43,7 +43,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from _bootstrap import BENCH_DIR, REPO_ROOT  # noqa: E402  (first: it makes the project importable)
+from _bootstrap import BENCH_DIR, REPO_ROOT  # first: it makes the project importable
 
 import compare_report  # noqa: E402
 import hop_trace  # noqa: E402

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from _bootstrap import BENCH_DIR, REPO_ROOT  # noqa: E402  (first: it makes the project importable)
+from _bootstrap import BENCH_DIR  # first: it makes the project importable
 
 import trio  # noqa: E402
 

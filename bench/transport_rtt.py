@@ -27,7 +27,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from _bootstrap import REPO_ROOT  # noqa: E402  (first: it makes the project importable)
+from _bootstrap import REPO_ROOT  # first: it makes the project importable
 
 import trio  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402

@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from _bootstrap import BENCH_DIR, REPO_ROOT  # noqa: E402  (first: it makes the project importable)
+from _bootstrap import REPO_ROOT  # first: it makes the project importable
 
 import compare  # noqa: E402
 import trio  # noqa: E402

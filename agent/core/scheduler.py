@@ -40,9 +40,9 @@ dozen (the weights are read once). Rules:
   steps (the sessions whose last step was a decode step: one taking its prompt in chunks sends
   no decode step to wait for), the oldest by arrival: the sessions fall into S + 1 groups, one
   sampling at its owners while the S others are each at a hop, so with spare cores every hop
-  computes at once (on CPU a decode Forward's cost grows nearly linearly with its rows: SmolLM2 unsplit, 1 row ~10.8 ms, 8
-  rows ~52.7 ms; so S + 1 small Forwards cost not much more than one large one, while the hops
-  work at once). Only the first hop caps: downstream hops take whatever arrives, so groups keep
+  computes at once (on CPU a decode Forward's cost grows nearly linearly with its rows:
+  SmolLM2 unsplit, 1 row ~10.8 ms, 8 rows ~52.7 ms; so S + 1 small Forwards cost not much more
+  than one large one, while the hops work at once). Only the first hop caps: downstream hops take whatever arrives, so groups keep
   their shape along the route. The price: a decode step at the first hop may now wait behind the
   Forwards of other groups, each small, and while prompts wait too each group's Forward takes
   turns with a chunk (the rule above), so there it may wait behind up to groups - 1 decode

@@ -92,7 +92,7 @@ def remove_stale_workdirs(parent: str = WORKDIR_PARENT) -> list[str]:
     SIGKILL cannot remove its own). Returns the dirs removed. Never raises."""
     removed = []
     for path, pid in _worker_dirs(parent):
-        if pid == os.getpid() or _process_exists(pid):
+        if _owner_alive(pid):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
@@ -105,7 +105,7 @@ def count_computing_workers(parent: str = WORKDIR_PARENT) -> int:
     return sum(
         1
         for path, pid in _worker_dirs(parent)
-        if (pid == os.getpid() or _process_exists(pid)) and not os.path.exists(os.path.join(path, VOCAB_ONLY_FILE))
+        if _owner_alive(pid) and not os.path.exists(os.path.join(path, VOCAB_ONLY_FILE))
     )
 
 
@@ -113,6 +113,11 @@ def wait_environment(requested: str = AUTO) -> tuple[dict[str, str], str]:
     """This process's environment with the OpenMP wait policy ``agent.core.worker_wait`` picks
     for a worker started now (``requested``: auto, spin or sleep), and why, for the log."""
     return worker_environment(requested, other_workers=count_computing_workers(), environment=os.environ)
+
+
+def _owner_alive(pid: int) -> bool:
+    """Whether the process that made a worker dir still runs (this one included)."""
+    return pid == os.getpid() or _process_exists(pid)
 
 
 def _process_exists(pid: int) -> bool:

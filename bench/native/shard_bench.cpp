@@ -4,10 +4,14 @@
 //
 // usage: baton-shard-bench MODEL [--ctx-size N] [--max-sequences N] [--prompt N] [--steps N]
 //                          [--reps N] [--threads N] [--top-k K] [--gap-us N] [--begin B] [--end E]
+//                          [--parallel N]
 // --begin/--end: the block range [B, E) (default the whole model); a range that does not take
 // tokens gets boundary rows in (small deterministic values, f32), as a served range does.
 // --gap-us N: sleep N us before each decode step (not timed): the idle gap a served worker
 // has between two requests.
+// --parallel N: N sequences (N <= --max-sequences, which it raises when lower), each with its own
+// prompt Forward, then every decode Forward carries one row of each: llama-batched-bench's
+// -npl N, with the worker's per-row work (top-K, log-sum-exp) included.
 // Prints one JSON line: per rep, the prompt Forward's and the mean decode Forward's wall ms
 // and the process CPU ms per decode step (getrusage), with the configuration.
 #include "shard.h"
@@ -39,7 +43,8 @@ double now_s() {
 int main(int argc, char ** argv) {
     if (argc < 2) {
         std::fprintf(stderr, "usage: baton-shard-bench MODEL [--ctx-size N] [--max-sequences N] [--prompt N] "
-                             "[--steps N] [--reps N] [--threads N] [--top-k K]\n");
+                             "[--steps N] [--reps N] [--threads N] [--top-k K] [--gap-us N] [--begin B] [--end E] "
+                             "[--parallel N]\n");
         return 2;
     }
     baton::ShardConfig config;
@@ -50,7 +55,7 @@ int main(int argc, char ** argv) {
     config.max_sequences = 4;
     config.batch_size = 512;
     config.threads = 1;
-    int prompt = 64, steps = 32, reps = 3;
+    int prompt = 64, steps = 32, reps = 3, parallel = 1;
     long gap_us = 0;  // idle time between decode steps (not timed), as a served worker has
     uint32_t top_k = 0;
     for (int i = 2; i + 1 < argc; i += 2) {
@@ -66,10 +71,18 @@ int main(int argc, char ** argv) {
         else if (flag == "--gap-us") gap_us = v;
         else if (flag == "--begin") config.layer_begin = static_cast<int32_t>(v);
         else if (flag == "--end") config.layer_end = static_cast<int32_t>(v);
+        else if (flag == "--parallel") parallel = static_cast<int>(v);
         else {
             std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
             return 2;
         }
+    }
+    if (parallel < 1) {
+        std::fprintf(stderr, "--parallel must be at least 1\n");
+        return 2;
+    }
+    if (config.max_sequences < static_cast<uint32_t>(parallel)) {
+        config.max_sequences = static_cast<uint32_t>(parallel);
     }
     try {
         baton::Shard shard(config);
@@ -84,37 +97,43 @@ int main(int argc, char ** argv) {
         std::string runs;
         for (int rep = 0; rep <= reps; ++rep) {  // rep 0 warms up
             std::vector<baton::ForwardOutput> out;
-            baton::ForwardEntry e;
-            e.seq_id = 0;
-            for (int p = 0; p < prompt; ++p) {
-                e.positions.push_back(p);
-                if (takes_tokens) e.token_ids.push_back(100 + p);
-            }
-            if (!takes_tokens) {
-                e.boundary = prompt_rows;
-                e.boundary_dtype = baton::BoundaryDType::kF32;
-            }
+            baton::ShardStatus st;
             double t0 = now_s();
-            baton::ShardStatus st = shard.forward({e}, &out);
+            for (int q = 0; q < parallel && st.ok(); ++q) {  // one prompt Forward per sequence
+                baton::ForwardEntry e;
+                e.seq_id = static_cast<uint32_t>(q);
+                for (int p = 0; p < prompt; ++p) {
+                    e.positions.push_back(p);
+                    if (takes_tokens) e.token_ids.push_back(100 + p + q);
+                }
+                if (!takes_tokens) {
+                    e.boundary = prompt_rows;
+                    e.boundary_dtype = baton::BoundaryDType::kF32;
+                }
+                st = shard.forward({e}, &out);
+            }
             const double prompt_ms = 1e3 * (now_s() - t0);
             double decode_s = 0, decode_cpu_s = 0;
             for (int s = 0; s < steps && st.ok(); ++s) {
-                baton::ForwardEntry d;
-                d.seq_id = 0;
-                d.positions = {prompt + s};
-                if (takes_tokens) {
-                    d.token_ids = {200 + s};
-                } else {
-                    d.boundary = step_rows;
-                    d.boundary_dtype = baton::BoundaryDType::kF32;
+                std::vector<baton::ForwardEntry> batch(static_cast<size_t>(parallel));
+                for (int q = 0; q < parallel; ++q) {
+                    baton::ForwardEntry & d = batch[static_cast<size_t>(q)];
+                    d.seq_id = static_cast<uint32_t>(q);
+                    d.positions = {prompt + s};
+                    if (takes_tokens) {
+                        d.token_ids = {200 + s + q};
+                    } else {
+                        d.boundary = step_rows;
+                        d.boundary_dtype = baton::BoundaryDType::kF32;
+                    }
+                    d.top_k = top_k;
                 }
-                d.top_k = top_k;
                 if (gap_us > 0) {
                     usleep(static_cast<useconds_t>(gap_us));
                 }
                 const double c0 = cpu_s();
                 t0 = now_s();
-                st = shard.forward({d}, &out);
+                st = shard.forward(batch, &out);
                 decode_s += now_s() - t0;
                 decode_cpu_s += cpu_s() - c0;
             }
@@ -124,8 +143,10 @@ int main(int argc, char ** argv) {
                 std::fprintf(stderr, "forward failed: %s\n", st.message.c_str());
                 return 1;
             }
-            int32_t next = 0;
-            shard.remove_sequence(0, &next);
+            for (int q = 0; q < parallel; ++q) {
+                int32_t next = 0;
+                shard.remove_sequence(static_cast<uint32_t>(q), &next);
+            }
             if (rep > 0) {
                 char buf[160];
                 std::snprintf(buf, sizeof(buf), "%s{\"prompt_ms\": %.3f, \"decode_ms\": %.3f, \"decode_cpu_ms\": %.3f}",
@@ -134,8 +155,9 @@ int main(int argc, char ** argv) {
             }
         }
         std::printf("{\"ctx_size\": %u, \"max_sequences\": %u, \"prompt\": %d, \"steps\": %d, \"threads\": %d, "
-                    "\"top_k\": %u, \"runs\": [%s]}\n",
-                    config.ctx_size_per_seq, config.max_sequences, prompt, steps, config.threads, top_k, runs.c_str());
+                    "\"top_k\": %u, \"parallel\": %d, \"runs\": [%s]}\n",
+                    config.ctx_size_per_seq, config.max_sequences, prompt, steps, config.threads, top_k, parallel,
+                    runs.c_str());
     } catch (const std::exception & ex) {
         std::fprintf(stderr, "baton-shard-bench: %s\n", ex.what());
         return 1;

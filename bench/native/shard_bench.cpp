@@ -9,10 +9,10 @@
 // tokens gets boundary rows in (small deterministic values, f32), as a served range does.
 // --gap-us N: sleep N us before each decode step (not timed): the idle gap a served worker
 // has between two requests.
-// --parallel N: N sequences (N <= --max-sequences, which it raises when lower), each with its own
+// --parallel N: N sequences (--max-sequences is raised to N when lower), each with its own
 // prompt Forward, then every decode Forward carries one row of each: llama-batched-bench's
 // -npl N, with the worker's per-row work (top-K, log-sum-exp) included.
-// Prints one JSON line: per rep, the prompt Forward's and the mean decode Forward's wall ms
+// Prints one JSON line: per rep, the prompt Forwards' and the mean decode Forward's wall ms
 // and the process CPU ms per decode step (getrusage), with the configuration.
 #include "shard.h"
 

@@ -151,7 +151,7 @@ def install_worker_hooks() -> None:
 
 def install_node_hooks(agent_module) -> None:  # noqa: ANN001
     node = agent_module.Node
-    _wrap(node, "handle_step", "step", when=lambda _self, _remote, data: len(data))
+    _wrap(node, "answer_step", "step", when=lambda _self, _remote, data: len(data))
     _wrap(node, "_accept_step", "accept")
     _wrap(node, "_push", "push")
     install_worker_hooks()

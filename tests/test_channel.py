@@ -16,7 +16,7 @@ from agent.core import frames
 from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
 from agent.io.channel import ChannelConfig, _TlsStream, open_channel_transport, tls_contexts
 from agent.io.keys import peer_id_of
-from agent.io.transport import MemoryNetwork, TransportError
+from agent.io.transport import ImmediateHandler, MemoryNetwork, TransportError
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.trio]
 
@@ -329,3 +329,43 @@ async def test_a_tls_close_notify_is_a_clean_end_on_every_receive() -> None:
     finally:
         await client.aclose()
         await server.aclose()
+
+
+async def test_immediate_answers_stay_whole_when_the_reader_cannot_send_them_at_once() -> None:
+    # An ImmediateHandler is answered in the frame reader, which never waits on a write: a big
+    # reply goes out partly at once and the rest from a task that holds the stream until it is
+    # done, and replies that find the stream held are sent by a task too. Big and small
+    # replies at once, all on one connection, each whole and in its own exchange.
+    net = MemoryNetwork()
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    config = ChannelConfig(max_frame_bytes=1 << 23)
+    payloads = [(b"%03d" % i) * (1_000_000 if i % 3 == 0 else 10) for i in range(24)]  # 3 MB and 30 bytes
+    replies: dict[int, bytes] = {}
+    async with open_channel_transport(ka, net.add(peer_id_of(ka)), config) as a:
+        async with open_channel_transport(kb, net.add(peer_id_of(kb)), config) as b:
+            b.set_handler(ECHO, ImmediateHandler(lambda _remote, payload: b"echo:" + payload))
+
+            async def one(i: int) -> None:
+                replies[i] = await a.request(b.peer_id, b.listen_addrs, ECHO, payloads[i], timeout_s=30)
+
+            with trio.fail_after(30):
+                async with trio.open_nursery() as nursery:
+                    for i in range(len(payloads)):
+                        nursery.start_soon(one, i)
+            assert b.frames_refused == 0 and a.frames_refused == 0 and a.connections_dialled == 1
+    assert replies == {i: b"echo:" + p for i, p in enumerate(payloads)}
+
+
+async def test_an_immediate_handler_that_raises_answers_an_error_and_the_connection_serves_on(pair: Pair) -> None:
+    a, b = pair.a, pair.b
+
+    def answer(_remote: str, payload: bytes) -> bytes:
+        if payload == b"bad":
+            raise ValueError("a bug")
+        return b"ok:" + payload
+
+    b.set_handler("/test/now/1.0.0", ImmediateHandler(answer))
+    with pytest.raises(TransportError, match=r"handler failed \(ValueError\)"):
+        await a.request(b.peer_id, b.listen_addrs, "/test/now/1.0.0", b"bad", timeout_s=10)
+    assert await a.request(b.peer_id, b.listen_addrs, "/test/now/1.0.0", b"good", timeout_s=10) == b"ok:good"
+    assert a.connections_dialled == 1 and b.frames_refused == 0

@@ -33,7 +33,7 @@ import secrets
 import socket
 import ssl
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -57,7 +57,7 @@ from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
 from agent.io import raw_socket
 from agent.io.keys import peer_id_of
 from agent.io.peer_cert import ISSUER_CERT_PEM, PeerCertError, make_peer_certificate, verify_peer_certificate
-from agent.io.transport import Handler, Transport, TransportError
+from agent.io.transport import Handler, ImmediateHandler, Transport, TransportError
 
 __all__ = ["ALPN", "ChannelConfig", "ChannelTransport", "open_channel_transport", "tls_contexts"]
 
@@ -134,7 +134,7 @@ def tls_contexts(key: Ed25519PrivateKey, cert_lifetime_s: float) -> tuple[ssl.SS
     return contexts[0], contexts[1]
 
 
-async def _acquire(lock: trio.Lock) -> None:
+async def _acquire(lock: trio.Semaphore) -> None:
     """Take ``lock``; when it is free, without the scheduler round trip of ``acquire`` (the
     socket send that follows is the checkpoint). A frame's send is on every hop's path."""
     try:
@@ -163,7 +163,9 @@ class _TlsStream:
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
         self._ssl = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side)
-        self._send_lock = trio.Lock()
+        # a semaphore, not a Lock: a send started in the frame reader (send_nowait) may be
+        # finished, and the stream released, by another task (finish_send)
+        self._send_lock = trio.Semaphore(1)
         self._reads_since_checkpoint = 0
         # one receive buffer for the connection's life: a fresh 256 KiB object per receive
         # is a fresh mapping, page-faulted in each time
@@ -247,6 +249,47 @@ class _TlsStream:
         finally:
             self._send_lock.release()
 
+    def send_nowait(self, *parts: bytes) -> memoryview | None:
+        """Encrypt ``parts`` and give the socket what it takes now, without waiting.
+
+        Returns None when all of it went out. Otherwise returns the encrypted bytes still to
+        send: the stream stays held for them (no other send may come between), and the
+        caller must hand them to ``finish_send``.
+
+        Raises:
+          trio.WouldBlock: another send holds the stream (nothing was done).
+          trio.BrokenResourceError: the stream is broken (it was, or this send broke it).
+        """
+        self._send_lock.acquire_nowait()
+        rest: memoryview | None = None
+        try:
+            if self.broken is not None:
+                raise trio.BrokenResourceError(self.broken)
+            for part in parts:
+                self._ssl.write(part)
+            view = memoryview(self._outgoing.read())
+            while view:
+                try:
+                    sent = self._sock.send(view)
+                except BlockingIOError:
+                    rest = view
+                    return rest
+                except OSError as error:
+                    self._break(f"a send was cut short ({type(error).__name__})")
+                    raise trio.BrokenResourceError(f"send failed: {error}") from error
+                view = view[sent:]
+            return None
+        finally:
+            if rest is None:
+                self._send_lock.release()
+
+    async def finish_send(self, rest: memoryview) -> None:
+        """Send what ``send_nowait`` left, and release the stream."""
+        try:
+            await self._send_raw(rest)
+        finally:
+            self._send_lock.release()
+
     async def receive_parts(self) -> list[bytes]:
         """Decrypted bytes, one part per TLS record (not joined: the frame reader copies them
         once anyway); [] at a clean end (close_notify), then again on every call. Raises
@@ -316,6 +359,15 @@ def _peer_of(stream: _TlsStream) -> str:
     return verify_peer_certificate(der)
 
 
+def _frame_parts(header: bytes, payload: bytes) -> tuple[bytes, ...]:
+    """A frame as the parts of one stream write: one buffer when small, else the payload
+    apart (not copied into one buffer; still one unit on the stream)."""
+    prefix = frame_prefix(len(header) + len(payload))
+    if len(payload) <= _SINGLE_WRITE_BYTES:
+        return (prefix + header + payload,)
+    return (prefix + header, payload)
+
+
 @dataclass(eq=False)
 class _Pending:
     done: trio.Event = field(default_factory=trio.Event)
@@ -338,14 +390,42 @@ class _Connection:
         self.closed: str | None = None
 
     async def send_frame(self, header: bytes, payload: bytes) -> None:
-        prefix = frame_prefix(len(header) + len(payload))
         try:
-            if len(payload) <= _SINGLE_WRITE_BYTES:
-                await self.stream.send_all(prefix + header + payload)
-            else:  # not copied into one buffer; still one unit on the stream
-                await self.stream.send_all(prefix + header, payload)
+            await self.stream.send_all(*_frame_parts(header, payload))
         finally:
             if self.stream.broken is not None:  # e.g. cancelled half-way: nothing more goes on it
+                self.fail(self.stream.broken)
+
+    async def send_frame_quietly(self, header: bytes, payload: bytes) -> None:
+        """``send_frame``; a failure marks the connection failed instead of raising."""
+        try:
+            await self.send_frame(header, payload)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            self.fail(f"send failed: {type(error).__name__}: {error}")
+
+    def send_frame_soon(self, header: bytes, payload: bytes, tasks: trio.Nursery) -> None:
+        """Send a frame without waiting: at once when the stream can take it, else (another
+        send holds the stream, or the kernel's buffer is full) the rest from a task in
+        ``tasks``. For the frame reader, which must never wait on a write: two peers whose
+        readers each waited to write to the other, neither reading, would never move again."""
+        try:
+            rest = self.stream.send_nowait(*_frame_parts(header, payload))
+        except trio.WouldBlock:
+            tasks.start_soon(self.send_frame_quietly, header, payload)
+            return
+        except trio.BrokenResourceError as error:
+            self.fail(f"send failed: {error}")
+            return
+        if rest is not None:
+            tasks.start_soon(self._finish_quietly, rest)
+
+    async def _finish_quietly(self, rest: memoryview) -> None:
+        try:
+            await self.stream.finish_send(rest)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
+            self.fail(f"send failed: {type(error).__name__}: {error}")
+        finally:
+            if self.stream.broken is not None:
                 self.fail(self.stream.broken)
 
     async def request(self, protocol_id: str, payload: bytes) -> bytes:
@@ -560,7 +640,11 @@ class ChannelTransport:
             while (frame := reader.take_frame(parse_channel_frame)) is not None:
                 if frame.kind == REQUEST:
                     handler = self._handlers.get(frame.protocol_id)
-                    handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
+                    if isinstance(handler, ImmediateHandler):  # answered here, no task
+                        answer = _answered(connection, frame.protocol_id, handler.answer, frame.payload)
+                        connection.send_frame_soon(*_reply_frame(connection, frame.exchange_id, frame.protocol_id, answer), handlers)
+                    else:
+                        handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
                 else:
                     waiter = connection.pending.get(frame.exchange_id)
                     if waiter is None:
@@ -572,21 +656,14 @@ class ChannelTransport:
         self, connection: _Connection, handler: Handler | None, exchange_id: int, protocol_id: str, payload: bytes
     ) -> None:
         if handler is None:
-            header, reply = error_header(exchange_id), f"protocol {protocol_id} not supported".encode()
+            answer: bytes | Exception | None = None
         else:
             try:
-                reply = bytes(await handler(connection.peer_id, payload))
-                header = reply_header(exchange_id)
+                answer = bytes(await handler(connection.peer_id, payload))
             except Exception as error:
                 log.exception("handler for %s failed on a request from %s", protocol_id, connection.peer_id)
-                header, reply = error_header(exchange_id), f"handler failed ({type(error).__name__})".encode()
-            if len(reply) > connection.max_frame_bytes:
-                log.error("handler for %s returned %d bytes, over max_frame_bytes", protocol_id, len(reply))
-                header, reply = error_header(exchange_id), b"reply over max_frame_bytes"
-        try:
-            await connection.send_frame(header, reply)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
-            connection.fail(f"send failed: {type(error).__name__}: {error}")
+                answer = error
+        await connection.send_frame_quietly(*_reply_frame(connection, exchange_id, protocol_id, answer))
 
     async def serve_inbound(self, server_context: ssl.SSLContext, tcp: trio.SocketStream) -> None:
         """One accepted TCP connection: handshake, check the peer's certificate, serve it."""
@@ -602,6 +679,32 @@ class ChannelTransport:
             return
         self.connections_accepted += 1
         await self.run_connection(_Connection(stream, remote, self.config.max_frame_bytes, outbound=False))
+
+
+def _answered(
+    connection: _Connection, protocol_id: str, answer: Callable[[str, bytes], bytes], payload: bytes
+) -> bytes | Exception:
+    """What an ``ImmediateHandler``'s ``answer`` returned, or the exception it raised (logged)."""
+    try:
+        return bytes(answer(connection.peer_id, payload))
+    except Exception as error:
+        log.exception("handler for %s failed on a request from %s", protocol_id, connection.peer_id)
+        return error
+
+
+def _reply_frame(
+    connection: _Connection, exchange_id: int, protocol_id: str, answer: bytes | Exception | None
+) -> tuple[bytes, bytes]:
+    """``(header, payload)`` answering a request: the handler's reply, or an ERROR frame when
+    there was no handler (None), it failed (its exception), or its reply is too big."""
+    if answer is None:
+        return error_header(exchange_id), f"protocol {protocol_id} not supported".encode()
+    if isinstance(answer, Exception):
+        return error_header(exchange_id), f"handler failed ({type(answer).__name__})".encode()
+    if len(answer) > connection.max_frame_bytes:
+        log.error("handler for %s returned %d bytes, over max_frame_bytes", protocol_id, len(answer))
+        return error_header(exchange_id), b"reply over max_frame_bytes"
+    return reply_header(exchange_id), answer
 
 
 @asynccontextmanager

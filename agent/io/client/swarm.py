@@ -65,7 +65,7 @@ from agent.core.swarm_wire import (
 from agent.core.text_stream import TextStream
 from agent.core.spot_check import RouteSegment, rollback_point
 from agent.io.client.spot_check import SpotChecks, withdrawn_peers
-from agent.io.transport import Transport, TransportError
+from agent.io.transport import ImmediateHandler, Transport, TransportError
 
 if TYPE_CHECKING:
     from agent.io.vocab import ModelVocab
@@ -438,7 +438,7 @@ class SwarmClient:
         self._last_routes: dict[str, swarm_pb2.Route] = {}  # model -> the tracker's last route
         self._decode_step_s: float | None = None  # moving average of decode step time
         self.spot_checks = SpotChecks(self, config.spot_check_rate, config.spot_check_grace_s)
-        transport.set_handler(RESULT_PROTOCOL, self._on_result)
+        transport.set_handler(RESULT_PROTOCOL, ImmediateHandler(self._on_result))
 
     @property
     def peer_id(self) -> str:
@@ -655,7 +655,8 @@ class SwarmClient:
 
     # --- results -----------------------------------------------------------------------------
 
-    async def _on_result(self, remote_peer_id: str, payload: bytes) -> bytes:
+    def _on_result(self, remote_peer_id: str, payload: bytes) -> bytes:
+        """``/baton/result``: take a step's result (answered inline by the direct channel)."""
         try:
             return step_ack(self._take_result(remote_peer_id, payload))
         except Exception as error:  # a handler answers; it never tears the host down

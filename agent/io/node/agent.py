@@ -122,7 +122,7 @@ from agent.core.swarm_wire import (
 )
 from agent.core.worker_records import SeqInput, SeqOutput, WorkerInfo
 from agent.core.worker_wait import AUTO
-from agent.io.transport import Transport, TransportError
+from agent.io.transport import ImmediateHandler, Transport, TransportError
 from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
 from agent.io.worker_process import (
     WorkerBinaryNotFound,
@@ -424,6 +424,9 @@ class Node:
         self.tracker_public_key = b""
         self._sender_admissions = AdmissionVerifier(b"")  # replaced once the tracker key is known
         self._batch_peers = BatchPeers()  # next hops that get single pushes
+        #: the step handlers, answered inline by the direct channel (``ImmediateHandler``)
+        self.handle_step = ImmediateHandler(self.answer_step)
+        self.handle_steps = ImmediateHandler(self.answer_steps)
         self.admission = swarm_pb2.SignedAdmission()
         self.heartbeat_interval_ms = config.heartbeat_interval_ms or DEFAULT_HEARTBEAT_INTERVAL_MS
         self.models = {m.sha256: m for m in config.models}
@@ -1111,22 +1114,18 @@ class Node:
         except AdmissionError as err:
             raise WireError(Code.REFUSED, f"sender admission: {err.reason}") from None
 
-    async def handle_step(self, remote_peer_id: str, data: bytes) -> bytes:
-        """``/baton/step/1.0.0``: validate and queue a step; the ack says accepted or why not.
+    def answer_step(self, remote_peer_id: str, data: bytes) -> bytes:
+        """``/baton/step/1.0.0`` (``handle_step``): validate and queue a step; the ack says
+        accepted or why not. Never raises; awaits nothing, so the direct channel answers it
+        in its frame reader, and steps that arrive together are all queued before the serving
+        task looks."""
+        return self._queue_step(remote_peer_id, data)
 
-        Never raises; never awaits before the step is queued (so steps that arrive together
-        are queued before the serving task looks)."""
-        ack = self._queue_step(remote_peer_id, data)
-        await trio.lowlevel.checkpoint()
-        return ack
-
-    async def handle_steps(self, remote_peer_id: str, data: bytes) -> bytes:
-        """``/baton/steps/1.0.0``: ``handle_step`` for each step of a ``StepBatch``, all of
-        them queued before the serving task looks; one ack per step, in order (a batch that
-        does not parse gets one ack with the error). Never raises."""
-        reply = answer_step_batch(data, lambda request: self._queue_step(remote_peer_id, request))
-        await trio.lowlevel.checkpoint()
-        return reply
+    def answer_steps(self, remote_peer_id: str, data: bytes) -> bytes:
+        """``/baton/steps/1.0.0`` (``handle_steps``): ``answer_step`` for each step of a
+        ``StepBatch``; one ack per step, in order (a batch that does not parse gets one ack
+        with the error). Never raises."""
+        return answer_step_batch(data, lambda request: self._queue_step(remote_peer_id, request))
 
     def _queue_step(self, remote_peer_id: str, data: bytes | swarm_pb2.StepRequest) -> bytes:
         """Validate and queue one step (serialized or parsed); its serialized ``StepAck``."""

@@ -660,7 +660,7 @@ HANDBACK = "hand-back to the trio task"
 HANDLER = "step handler: parse, admission check, validate, queue"
 WAKE = "wake the serving task"
 BUILD = "build + serialize the next message"
-START_PUSH = "start the push task"
+START_PUSH = "start the push (from the serving task, or a task)"
 NODE_ALL = "in the node, all of it (step handler to the next request)"
 LINK_ALL = "one way, all of it"
 

@@ -109,6 +109,10 @@ def _is_step_or_result(_self, _peer_id, _addrs, protocol_id, payload, *a, **k): 
     return len(payload) if protocol_id in (STEP_PROTOCOL, RESULT_PROTOCOL) else None
 
 
+def _is_step_or_result_soon(_self, _peer_id, protocol_id, payload, *a, **k):  # noqa: ANN001, ANN202
+    return len(payload) if protocol_id in (STEP_PROTOCOL, RESULT_PROTOCOL) else None
+
+
 def _install_transport_hooks() -> None:
     """The step and result messages on both paths: the direct channel (its ``request``, the
     frame write, and the frame reader taking in what TLS decrypted) and libp2p (the fallback)."""
@@ -116,7 +120,10 @@ def _install_transport_hooks() -> None:
     from agent.io import channel, p2p
 
     _wrap(channel.ChannelTransport, "request", "req", when=_is_step_or_result)
+    # a push sent from the serving task (request_soon): the request and its frame write in one call
+    _wrap(channel.ChannelTransport, "request_soon", "req", when=_is_step_or_result_soon)
     _wrap(channel._Connection, "send_frame", "wr", when=lambda _self, _header, payload: len(payload))
+    _wrap(channel._Connection, "request_soon", "wr", when=lambda _self, _protocol_id, payload, **_k: len(payload))
     _wrap(frames.FrameReader, "feed", "rd")
     _wrap(p2p.P2PTransport, "request", "req", when=_is_step_or_result)
     framed = getattr(p2p, "_FramedStream", None)
@@ -154,6 +161,7 @@ def install_node_hooks(agent_module) -> None:  # noqa: ANN001
     _wrap(node, "answer_step", "step", when=lambda _self, _remote, data: len(data))
     _wrap(node, "_accept_step", "accept")
     _wrap(node, "_push", "push")
+    _wrap(node, "_push_now", "push")
     install_worker_hooks()
     _install_transport_hooks()
 
@@ -227,7 +235,7 @@ NODE_STAGES = (
     ("hand-back to the trio task", "thr_out", "call_out"),
     ("decode the Forward reply", "call_out", "fwd_out"),
     ("Forward call, all of it (encode to decode)", "fwd_in", "fwd_out"),
-    ("start the push task", "fwd_out", "push_in"),
+    ("start the push (from the serving task, or a task)", "fwd_out", "push_in"),
     ("build + serialize the next message", "push_in", "req_in"),
     ("in the node, all of it (step handler to the next request)", "step_in", "req_in"),
 )

@@ -369,3 +369,52 @@ async def test_an_immediate_handler_that_raises_answers_an_error_and_the_connect
         await a.request(b.peer_id, b.listen_addrs, "/test/now/1.0.0", b"bad", timeout_s=10)
     assert await a.request(b.peer_id, b.listen_addrs, "/test/now/1.0.0", b"good", timeout_s=10) == b"ok:good"
     assert a.connections_dialled == 1 and b.frames_refused == 0
+
+
+async def test_request_soon_answers_through_its_callback_or_says_it_sent_nothing() -> None:
+    net = MemoryNetwork()
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    release = trio.Event()
+
+    async def echo(_remote: str, payload: bytes) -> bytes:
+        if payload == b"never":
+            await release.wait()
+        return b"echo:" + payload
+
+    config = ChannelConfig(deadline_check_interval_s=0.05)
+    async with open_channel_transport(ka, net.add(peer_id_of(ka)), config) as a:
+        async with open_channel_transport(kb, net.add(peer_id_of(kb)), config) as b, trio.open_nursery() as tasks:
+            b.set_handler(ECHO, echo)
+            outcomes: dict[str, bytes | TransportError] = {}
+            arrived = {name: trio.Event() for name in ("reply", "late", "cut")}
+
+            def outcome(name: str):  # noqa: ANN202
+                def take(reply: bytes | TransportError) -> None:
+                    outcomes[name] = reply
+                    arrived[name].set()
+
+                return take
+
+            def soon(name: str, payload: bytes, timeout_s: float = 10) -> bool:
+                return a.request_soon(b.peer_id, ECHO, payload, timeout_s=timeout_s, on_reply=outcome(name), tasks=tasks)
+
+            # no connection open yet: nothing sent, no callback to come
+            assert not soon("none", b"x") and a.requests_sent_soon == 0
+            assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"dial", timeout_s=10) == b"echo:dial"
+            with trio.fail_after(10):
+                assert soon("reply", b"now")
+                await arrived["reply"].wait()
+                assert outcomes["reply"] == b"echo:now"
+                # no reply by the deadline: a TransportError, checked at the next interval
+                assert soon("late", b"never", timeout_s=0.1)
+                await arrived["late"].wait()
+                assert isinstance(outcomes["late"], TransportError) and "no reply" in str(outcomes["late"])
+                # the connection fails with the exchange in flight: a TransportError at once
+                assert soon("cut", b"never")
+                (connection,) = a._connections.values()
+                await connection.stream.aclose()
+                await arrived["cut"].wait()
+                assert isinstance(outcomes["cut"], TransportError) and "channel closed" in str(outcomes["cut"])
+            assert "none" not in outcomes and a.requests_sent_soon == 3
+            release.set()
+            tasks.cancel_scope.cancel()

@@ -59,6 +59,7 @@ from agent.core.worker_records import SeqInput
 from agent.io.node import cli as node_cli
 from agent.io.node.agent import LocalModel, Node, NodeConfig, NodeError, NodeRefused, serve_node
 from agent.io.node.probe import ProbeConfig, probe_host
+from agent.io.channel import open_channel_transport
 from agent.io.transport import MemoryNetwork, Transport
 from agent.io.worker_client import AsyncWorkerClient
 from agent.io.worker_process import open_worker
@@ -302,27 +303,34 @@ def node_config(fake_tracker: FakeTracker, key: Ed25519PrivateKey, model: LocalM
 
 @contextlib.asynccontextmanager
 async def open_swarm(
-    model_path: Path, layout: dict[str, list[tuple[int, int]]], **config_overrides
+    model_path: Path, layout: dict[str, list[tuple[int, int]]], *, channel: bool = False, **config_overrides
 ) -> AsyncIterator[Swarm]:
-    """A fake tracker, one node per ``layout`` entry (its ranges assigned), all READY."""
+    """A fake tracker, one node per ``layout`` entry (its ranges assigned), all READY; with
+    ``channel``, each node has the direct channel (real TLS on loopback) in front of its
+    in-memory transport, so that the nodes' pushes to each other take it."""
     network = MemoryNetwork()
     tracker = FakeTracker(network)
     model = tiny_model(model_path)
-    async with trio.open_nursery() as nursery:
-        nodes = {}
+    async with contextlib.AsyncExitStack() as transports:
+        peers = {}
         for name, ranges in layout.items():
             key, peer_id = new_peer()
             tracker.assignments[peer_id] = {(model.sha256, b, e) for b, e in ranges}
-            nodes[name] = await nursery.start(
-                serve_node, node_config(tracker, key, model, **config_overrides), network.add(peer_id)
-            )
-        for node in nodes.values():
-            for key in tracker.assignments[node.peer_id]:
-                await tracker.wait_for(lambda: tracker.state(node.peer_id, key) == State.READY)  # noqa: B023
-        recipes = {served.info.recipe_hash for node in nodes.values() for served in node.ranges.values()}
-        assert len(recipes) == 1, recipes
-        yield Swarm(network, tracker, model, nodes, FakeOwner(network, tracker), recipes)
-        nursery.cancel_scope.cancel()
+            transport = network.add(peer_id)
+            if channel:  # opened before the nodes' nursery, closed after it
+                transport = await transports.enter_async_context(open_channel_transport(key, transport))
+            peers[name] = key, transport
+        async with trio.open_nursery() as nursery:
+            nodes = {}
+            for name, (key, transport) in peers.items():
+                nodes[name] = await nursery.start(serve_node, node_config(tracker, key, model, **config_overrides), transport)
+            for node in nodes.values():
+                for key in tracker.assignments[node.peer_id]:
+                    await tracker.wait_for(lambda: tracker.state(node.peer_id, key) == State.READY)  # noqa: B023
+            recipes = {served.info.recipe_hash for node in nodes.values() for served in node.ranges.values()}
+            assert len(recipes) == 1, recipes
+            yield Swarm(network, tracker, model, nodes, FakeOwner(network, tracker), recipes)
+            nursery.cancel_scope.cancel()
 
 
 @dataclasses.dataclass
@@ -487,6 +495,32 @@ async def test_split_route_equals_unsplit_and_merges_sessions(qwen2_tiny_path: P
         # A step of the ended session is now unknown.
         ack = await swarm.owner.send(a.peer_id, solo.request(swarm, hops))
         assert ack.error.code == Code.NOT_FOUND and "unknown session" in ack.error.message
+
+
+async def test_over_the_channel_pushes_leave_from_the_serving_task_and_refusals_reach_the_owner(
+    qwen2_tiny_path: Path,
+) -> None:
+    # With the direct channel, a node sends a push from its serving task once a connection to
+    # the next hop is open (request_soon), and reads the ack in a callback: the outputs stay
+    # exact, and a step the next hop refuses is still reported to its owner, naming that hop.
+    async with open_swarm(qwen2_tiny_path, LAYOUT, channel=True) as swarm, open_reference(qwen2_tiny_path) as reference:
+        a, b, owner = swarm.nodes["A"], swarm.nodes["B"], swarm.owner
+        hops = swarm.hops(*ROUTE)
+        solo = Seq(os.urandom(16), await tokenize(swarm, "The quick brown fox jumps over"), ref_seq_id=0)
+        for _ in range(4):
+            assert await run_step(swarm, reference, [solo], hops) == 0.0
+        # the first push dialled B (from a task); the three after it left from the serving task
+        assert a.transport.connections_dialled == 1 and a.transport.requests_sent_soon == 3
+        assert a.transport.channel_requests == 4
+
+        # B no longer knows the session: it refuses A's push of the next step
+        swarm.served("B", 3, 6).end_session(solo.session_id)
+        ack = await owner.send(a.peer_id, solo.request(swarm, hops))
+        assert ack.error.code == 0, ack.error.message
+        result = await owner.result(solo.session_id)
+        assert a.transport.requests_sent_soon == 4
+        assert result.error.code == Code.NOT_FOUND and result.failed_peer_id == b.peer_id, result
+        assert "refused the step" in result.error.message and "unknown session" in result.error.message
 
 
 def admission_forged_by(key: Ed25519PrivateKey, tracker: FakeTracker, peer_id: str, role: int):

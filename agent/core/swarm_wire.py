@@ -58,6 +58,9 @@ __all__ = [
     "answer_step_batch",
     "read_step_batch",
     "read_step_batch_ack",
+    "push_message",
+    "read_push_acks",
+    "all_steps_taken",
     "step_batch",
     "step_batch_ack",
     "TRACKER_PROTOCOL",
@@ -254,6 +257,33 @@ def read_step_batch_ack(data: bytes, n_steps: int) -> list[swarm_pb2.StepAck]:
     if len(reply.acks) != n_steps:
         raise WireError(Code.INVALID_ARGUMENT, f"{len(reply.acks)} acks for {n_steps} steps")
     return list(reply.acks)
+
+
+def push_message(steps: Sequence[bytes]) -> tuple[str, bytes]:
+    """``(protocol id, payload)`` carrying serialized ``StepRequest``s to their one next hop:
+    one alone on ``/baton/step``, several in one ``StepBatch`` on ``/baton/steps``."""
+    if len(steps) == 1:
+        return STEP_PROTOCOL, steps[0]
+    return STEPS_PROTOCOL, step_batch(steps)
+
+
+def read_push_acks(reply: bytes, n_steps: int) -> list[swarm_pb2.StepAck]:
+    """The acks of the reply to a ``push_message`` of ``n_steps`` steps, one per step.
+
+    Raises:
+      WireError: INVALID_ARGUMENT: the reply does not read (``read_step_batch_ack``).
+    """
+    if n_steps == 1:
+        return [parse_record(swarm_pb2.StepAck, reply)]
+    return read_step_batch_ack(reply, n_steps)
+
+
+def all_steps_taken(reply: bytes, n_steps: int) -> bool:
+    """Whether the reply to a ``push_message`` of ``n_steps`` steps reads and takes them all."""
+    try:
+        return not any(ack.error.code for ack in read_push_acks(reply, n_steps))
+    except WireError:
+        return False
 
 
 def node_reply_error(code: int, message: str) -> bytes:

@@ -80,6 +80,8 @@ class ChannelConfig:
     ``advertise_host``: the host put in the advertised address (default ``listen_host``).
     ``max_frame_bytes``: the largest frame read or written. ``connect_timeout_s``: TCP connect
     + TLS handshake. ``cert_lifetime_s``: validity of the ephemeral certificate.
+    ``deadline_check_interval_s``: how often the deadlines of ``request_soon`` exchanges are
+    checked (one ends at most this much after its deadline).
     """
 
     listen_host: str | None = "127.0.0.1"
@@ -88,11 +90,12 @@ class ChannelConfig:
     max_frame_bytes: int = 64 << 20
     connect_timeout_s: float = 5.0
     cert_lifetime_s: float = 30 * 24 * 3600.0
+    deadline_check_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_frame_bytes < 1:
             raise ValueError(f"max_frame_bytes must be positive, got {self.max_frame_bytes}")
-        for name in ("connect_timeout_s", "cert_lifetime_s"):
+        for name in ("connect_timeout_s", "cert_lifetime_s", "deadline_check_interval_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
@@ -368,11 +371,21 @@ def _frame_parts(header: bytes, payload: bytes) -> tuple[bytes, ...]:
     return (prefix + header, payload)
 
 
+#: Called with a request's reply, or the TransportError that ended it (``request_soon``).
+OnReply = Callable[[bytes | TransportError], None]
+
+
 @dataclass(eq=False)
 class _Pending:
-    done: trio.Event = field(default_factory=trio.Event)
+    """An exchange in flight: awaited by its requester (``done``), or answered through a
+    callback (``on_reply``) by whichever task learns its outcome."""
+
+    done: trio.Event | None = field(default_factory=trio.Event)
     kind: int = 0
     payload: bytes = b""
+    on_reply: OnReply | None = None
+    deadline: float = math.inf  # trio time; callbacks only (an awaiting requester has its own)
+    protocol_id: str = ""
 
 
 class _Connection:
@@ -428,12 +441,17 @@ class _Connection:
             if self.stream.broken is not None:
                 self.fail(self.stream.broken)
 
+    def _take_exchange_id(self) -> int:
+        exchange_id = self._next_id
+        self._next_id = (self._next_id + 2) % (1 << 32) or (1 if self.outbound else 2)
+        return exchange_id
+
     async def request(self, protocol_id: str, payload: bytes) -> bytes:
         if self.closed is not None:
             raise TransportError(self.peer_id, f"channel closed ({self.closed})")
-        exchange_id = self._next_id
-        self._next_id = (self._next_id + 2) % (1 << 32) or (1 if self.outbound else 2)
+        exchange_id = self._take_exchange_id()
         waiter = _Pending()
+        assert waiter.done is not None
         self.pending[exchange_id] = waiter
         try:
             try:
@@ -443,25 +461,86 @@ class _Connection:
             await waiter.done.wait()
         finally:
             self.pending.pop(exchange_id, None)
+        outcome = self._outcome(waiter)
+        if isinstance(outcome, TransportError):
+            raise outcome
+        return outcome
+
+    def request_soon(
+        self, protocol_id: str, payload: bytes, *, deadline: float, on_reply: OnReply, tasks: trio.Nursery
+    ) -> bool:
+        """``ChannelTransport.request_soon`` on this connection."""
+        if self.closed is not None:
+            return False
+        exchange_id = self._take_exchange_id()
+        self.pending[exchange_id] = _Pending(None, on_reply=on_reply, deadline=deadline, protocol_id=protocol_id)
+        try:
+            rest = self.stream.send_nowait(*_frame_parts(request_header(exchange_id, protocol_id), payload))
+        except trio.WouldBlock:  # another send holds the stream: nothing was sent
+            del self.pending[exchange_id]
+            return False
+        except trio.BrokenResourceError as error:
+            del self.pending[exchange_id]
+            self.fail(f"send failed: {error}")
+            return False
+        if rest is not None:
+            tasks.start_soon(self._finish_quietly, rest)
+        return True
+
+    def _outcome(self, waiter: _Pending) -> bytes | TransportError:
         if waiter.kind == REPLY:
             return waiter.payload
         if waiter.kind == ERROR:
-            raise TransportError(self.peer_id, f"stream reset ({waiter.payload.decode('utf-8', 'replace')})")
-        raise TransportError(self.peer_id, f"channel closed ({self.closed})")
+            return TransportError(self.peer_id, f"stream reset ({waiter.payload.decode('utf-8', 'replace')})")
+        return TransportError(self.peer_id, f"channel closed ({self.closed})")
+
+    def settle(self, exchange_id: int, kind: int, payload: bytes) -> None:
+        """A REPLY or ERROR frame for ``exchange_id`` came: hand it to its requester (nothing
+        when it gave up: cancelled, or its deadline passed)."""
+        waiter = self.pending.get(exchange_id)
+        if waiter is None:
+            return
+        waiter.kind, waiter.payload = kind, payload
+        if waiter.on_reply is None:
+            assert waiter.done is not None
+            waiter.done.set()
+            return
+        del self.pending[exchange_id]
+        _call_back(waiter.on_reply, self._outcome(waiter))
+
+    def expire(self, now: float) -> None:
+        """End the callback exchanges whose deadline has passed, with a TransportError."""
+        for exchange_id, waiter in list(self.pending.items()):
+            if waiter.on_reply is not None and waiter.deadline <= now:
+                del self.pending[exchange_id]
+                _call_back(waiter.on_reply, TransportError(self.peer_id, f"no reply on {waiter.protocol_id} in time"))
 
     def fail(self, reason: str) -> None:
-        """Mark the connection dead and wake every requester waiting on it."""
+        """Mark the connection dead and end every exchange in flight on it."""
         if self.closed is None:
             self.closed = reason
-        for waiter in self.pending.values():
-            waiter.done.set()
+        for exchange_id, waiter in list(self.pending.items()):
+            if waiter.on_reply is None:
+                assert waiter.done is not None
+                waiter.done.set()
+            elif self.pending.pop(exchange_id, None) is not None:
+                _call_back(waiter.on_reply, self._outcome(waiter))
+
+
+def _call_back(on_reply: OnReply, outcome: bytes | TransportError) -> None:
+    """``on_reply(outcome)``; a bug in it is logged, never raised into the channel."""
+    try:
+        on_reply(outcome)
+    except Exception:
+        log.exception("a reply callback failed")
 
 
 class ChannelTransport:
     """``Transport``: the direct channel where the peer has one, else ``fallback`` (libp2p).
 
     Made by ``open_channel_transport`` only. Counters (tests, benchmarks): ``channel_requests``
-    (requests sent over the channel), ``fallback_requests`` (sent through ``fallback``),
+    (requests sent over the channel), ``requests_sent_soon`` (those of them sent by
+    ``request_soon``), ``fallback_requests`` (sent through ``fallback``),
     ``connections_dialled``, ``connections_accepted``, ``connections_refused`` (inbound
     handshakes or peer certificates that failed), ``frames_refused`` (connections closed for
     a bad frame).
@@ -488,6 +567,7 @@ class ChannelTransport:
         self._dial_locks: dict[str, trio.Lock] = {}
         self.channel_addrs: list[str] = []
         self.channel_requests = 0
+        self.requests_sent_soon = 0
         self.fallback_requests = 0
         self.connections_dialled = 0
         self.connections_accepted = 0
@@ -554,6 +634,44 @@ class ChannelTransport:
             raise TransportError(peer_id, f"no reply on {protocol_id} within {timeout_s} s")
         self.fallback_requests += 1
         return await self.fallback.request(peer_id, others, protocol_id, payload, timeout_s=timeout_s)
+
+    def request_soon(
+        self, peer_id: str, protocol_id: str, payload: bytes, *, timeout_s: float, on_reply: OnReply, tasks: trio.Nursery
+    ) -> bool:
+        """Send ``payload`` to ``peer_id`` without waiting, over the channel connection already
+        open to it, and have ``on_reply`` called with the reply, or with a TransportError when
+        the connection fails or ``timeout_s`` passes (deadlines are checked every
+        ``deadline_check_interval_s``).
+
+        Why: a node pushes a step's output on and goes back to its worker; a task per push,
+        there only to wait for the next hop's ack, cost a scheduler pass and a task start on
+        every hop of every step. The reply is taken in the frame reader, with no task woken.
+
+        ``on_reply`` runs in the frame reader or whichever task ends the exchange: it must
+        neither await nor raise (start a task in a nursery of its own for anything more).
+        Returns False, with nothing sent and no callback to come, when no connection is open
+        to the peer, the payload is over ``max_frame_bytes``, or another send holds the stream:
+        use ``request`` then. ``tasks`` runs the rest of a send the kernel did not take at once.
+        """
+        connection = self._connections.get(peer_id)
+        if connection is None or len(payload) > self.config.max_frame_bytes:
+            return False
+        deadline = trio.current_time() + timeout_s
+        if not connection.request_soon(protocol_id, payload, deadline=deadline, on_reply=on_reply, tasks=tasks):
+            return False
+        self.channel_requests += 1
+        self.requests_sent_soon += 1
+        return True
+
+    async def serve_deadlines(self) -> None:
+        """End the ``request_soon`` exchanges that are past their deadline, every
+        ``deadline_check_interval_s`` (a backstop: a peer that fails is noticed by its
+        connection failing, at once)."""
+        while True:
+            await trio.sleep(self.config.deadline_check_interval_s)
+            now = trio.current_time()
+            for connection in list(self._connections.values()):
+                connection.expire(now)
 
     # -- dialling ----------------------------------------------------------------------------
 
@@ -646,11 +764,7 @@ class ChannelTransport:
                     else:
                         handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
                 else:
-                    waiter = connection.pending.get(frame.exchange_id)
-                    if waiter is None:
-                        continue  # its requester gave up (cancelled or timed out)
-                    waiter.kind, waiter.payload = frame.kind, frame.payload
-                    waiter.done.set()
+                    connection.settle(frame.exchange_id, frame.kind, frame.payload)
 
     async def _answer(
         self, connection: _Connection, handler: Handler | None, exchange_id: int, protocol_id: str, payload: bytes
@@ -729,6 +843,7 @@ async def open_channel_transport(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_dialled)
+        nursery.start_soon(transport.serve_deadlines)
         if config.listen_host is not None:
             listeners = await trio.open_tcp_listeners(config.listen_port, host=config.listen_host)
             nursery.start_soon(trio.serve_listeners, lambda tcp: transport.serve_inbound(server_context, tcp), listeners)

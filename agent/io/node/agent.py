@@ -40,6 +40,7 @@ Hot path: protobuf bytes -> ``np.frombuffer`` view -> worker client; worker outp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -100,6 +101,7 @@ from agent.core.swarm_wire import (
     RangeSpec,
     StepInput,
     WireError,
+    all_steps_taken,
     answer_step_batch,
     check_hops,
     circuit_multiaddr,
@@ -108,11 +110,11 @@ from agent.core.swarm_wire import (
     node_reply_error,
     parse_record,
     peer_id_from_multiaddr,
+    push_message,
+    read_push_acks,
     replay_step_request,
-    read_step_batch_ack,
     step_ack,
     step_ack_error,
-    step_batch,
     step_batch_ack,
     step_result,
     step_result_error,
@@ -424,6 +426,8 @@ class Node:
         self.tracker_public_key = b""
         self._sender_admissions = AdmissionVerifier(b"")  # replaced once the tracker key is known
         self._batch_peers = BatchPeers()  # next hops that get single pushes
+        #: pushes sent from the serving task when the transport can (``_push_now``)
+        self._request_soon = getattr(transport, "request_soon", _cannot_request_soon)
         #: the step handlers, answered inline by the direct channel (``ImmediateHandler``)
         self.handle_step = ImmediateHandler(self.answer_step)
         self.handle_steps = ImmediateHandler(self.answer_steps)
@@ -883,6 +887,8 @@ class Node:
             # the same peer at the same addresses: a step's addresses come from its owner's route
             next_hops = [(step.rest[0].peer_id, tuple(step.rest[0].addrs)) if step.rest else None for step, _o, _e in done]
             for group in push_groups(next_hops):
+                if self._push_now([done[i] for i in group], pushes):
+                    continue
                 if len(group) == 1:
                     pushes.start_soon(self._guarded, self._push, *done[group[0]])
                 else:
@@ -926,6 +932,55 @@ class Node:
             await fn(*args)
         except Exception:
             log.exception("push task %s failed", getattr(fn, "__name__", fn))
+
+    def _push_now(self, items: list[tuple[StepInput, SeqOutput, tuple[bytes, int] | None]], pushes: trio.Nursery) -> bool:
+        """Send one push group (``push_groups``) from the serving task itself: the next hop's
+        steps, or a last range's top-K result to its owner. Over an open channel connection
+        the message goes out at once and its ack is checked in a callback
+        (``ChannelTransport.request_soon``); only a refusal or a failure starts a task, to
+        report it. Otherwise the message, already built, is sent from a task. False, with
+        nothing done: the group takes the task path whole (a rebuild, a boundary that does
+        not encode, a full logits row, a hop run by this node)."""
+        step, output, _encoded = items[0]
+        timeout_s = self.config.step_push_timeout_s
+        if step.rest:
+            hop = step.rest[0]
+            if hop.peer_id == self.peer_id or (len(items) > 1 and not self._batch_peers.batches_to(hop.peer_id, _clock_ms())):
+                return False
+            try:
+                steps = [(s, self._next_hop_bytes(s, o, e)) for s, o, e in items]
+            except BoundaryError:
+                return False
+            protocol, data = push_message([serialized for _s, serialized in steps])
+            taken = functools.partial(self._pushed, hop, steps, pushes)
+            if not self._request_soon(hop.peer_id, protocol, data, timeout_s=timeout_s, on_reply=taken, tasks=pushes):
+                pushes.start_soon(self._guarded, self._push_steps, hop, steps)
+            return True
+        if step.rebuild or not output.top:
+            return False
+        result = step_result_top(step.session_id, step.step, output.top[-1], self.admission).SerializeToString()
+        taken = functools.partial(self._result_taken, step)
+        if not self._request_soon(step.owner_peer_id, RESULT_PROTOCOL, result, timeout_s=timeout_s, on_reply=taken, tasks=pushes):
+            pushes.start_soon(self._guarded, self._send_result, step, result)
+        return True
+
+    def _pushed(
+        self, hop: swarm_pb2.Hop, steps: list[tuple[StepInput, bytes]], pushes: trio.Nursery, reply: bytes | TransportError
+    ) -> None:
+        """The next hop's answer to steps sent by ``_push_now``: nothing to do when it took
+        them all; a task reports anything else, as ``_push_steps`` does."""
+        if isinstance(reply, TransportError):
+            pushes.start_soon(self._guarded, self._push_failed, hop, steps, reply)
+        elif not all_steps_taken(reply, len(steps)):
+            pushes.start_soon(self._guarded, self._push_answered, hop, steps, reply)
+
+    @staticmethod
+    def _result_taken(step: StepInput, reply: bytes | TransportError) -> None:
+        """The owner's answer to a result sent by ``_push_now``; logged as ``_send_result`` does."""
+        if isinstance(reply, TransportError):
+            log.warning("result of step %d could not reach owner %s: %s", step.step, step.owner_peer_id, reply)
+            return
+        _log_result_ack(step, reply)
 
     async def _push(self, step: StepInput, output: SeqOutput, encoded: tuple[bytes, int] | None = None) -> None:
         """Send one step's output on: to the next hop, or (last range) to the owner."""
@@ -986,28 +1041,34 @@ class Node:
         """Push serialized steps to ``hop``: one alone on ``/baton/step``, several in one
         ``StepBatch``; each step the hop did not take is reported to its owner. True when the
         hop took them all."""
-        timeout_s = self.config.step_push_timeout_s
         if len(steps) > 1 and not self._batch_peers.batches_to(hop.peer_id, _clock_ms()):
             return await self._push_each(hop, steps)
         try:
-            if len(steps) == 1:
-                reply = await self._send_to_hop(hop, STEP_PROTOCOL, steps[0][1], timeout_s)
-                acks = [parse_record(swarm_pb2.StepAck, reply)]
-            else:
-                reply = await self._send_to_hop(hop, STEPS_PROTOCOL, step_batch([d for _s, d in steps]), timeout_s)
-                acks = read_step_batch_ack(reply, len(steps))
+            reply = await self._send_to_hop(hop, *push_message([data for _step, data in steps]), self.config.step_push_timeout_s)
         except TransportError as err:
-            if len(steps) > 1:
-                # Not knowing /baton/steps (a peer from before it) reads differently on each
-                # transport, so any failed batch is sent again step by step: each step then
-                # gets the verdict a single push gets. If they all got through, the peer does
-                # not take batches: it gets single pushes for a while.
-                taken = await self._push_each(hop, steps)
-                self._batch_peers.batch_failed(hop.peer_id, took_every_step_singly=taken, now_ms=_clock_ms())
-                return taken
-            failure = push_unreachable(hop.peer_id, str(err))
-            await self._fail_all([step for step, _d in steps], [failure] * len(steps))
-            return False
+            return await self._push_failed(hop, steps, err)
+        return await self._push_answered(hop, steps, reply)
+
+    async def _push_failed(self, hop: swarm_pb2.Hop, steps: list[tuple[StepInput, bytes]], err: TransportError) -> bool:
+        """``steps`` did not reach ``hop``: tried again one by one when they were a batch,
+        else reported to their owners. True when the hop took them all after all."""
+        if len(steps) > 1:
+            # Not knowing /baton/steps (a peer from before it) reads differently on each
+            # transport, so any failed batch is sent again step by step: each step then
+            # gets the verdict a single push gets. If they all got through, the peer does
+            # not take batches: it gets single pushes for a while.
+            taken = await self._push_each(hop, steps)
+            self._batch_peers.batch_failed(hop.peer_id, took_every_step_singly=taken, now_ms=_clock_ms())
+            return taken
+        failure = push_unreachable(hop.peer_id, str(err))
+        await self._fail_all([step for step, _d in steps], [failure] * len(steps))
+        return False
+
+    async def _push_answered(self, hop: swarm_pb2.Hop, steps: list[tuple[StepInput, bytes]], reply: bytes) -> bool:
+        """Report to their owners the steps that ``hop``'s ``reply`` refused (or all of them,
+        when the reply does not read). True when it took them all."""
+        try:
+            acks = read_push_acks(reply, len(steps))
         except WireError as err:
             failure = push_answered_badly(hop.peer_id, str(err))
             await self._fail_all([step for step, _d in steps], [failure] * len(steps))
@@ -1059,21 +1120,17 @@ class Node:
         result = step_result_error(step.session_id, step.step, code, message, failed_peer_id, self.admission)
         await self._send_result(step, result)
 
-    async def _send_result(self, step: StepInput, result: swarm_pb2.StepResult) -> None:
+    async def _send_result(self, step: StepInput, result: swarm_pb2.StepResult | bytes) -> None:
+        data = result if isinstance(result, bytes) else result.SerializeToString()
         try:
             reply = await self.transport.request(
-                step.owner_peer_id,
-                list(step.owner_addrs),
-                RESULT_PROTOCOL,
-                result.SerializeToString(),
+                step.owner_peer_id, list(step.owner_addrs), RESULT_PROTOCOL, data,
                 timeout_s=self.config.step_push_timeout_s,
-            )
-            ack = parse_record(swarm_pb2.StepAck, reply)
-        except (TransportError, WireError) as err:
+            )  # fmt: skip
+        except TransportError as err:
             log.warning("result of step %d could not reach owner %s: %s", step.step, step.owner_peer_id, err)
             return
-        if ack.error.code:
-            log.warning("owner %s refused the result of step %d: %s", step.owner_peer_id, step.step, ack.error.message)
+        _log_result_ack(step, reply)
 
     # --- sessions ----------------------------------------------------------------------
 
@@ -1355,6 +1412,22 @@ class Node:
             range_name(served.key), body.positions, session_id.hex(), first.peer_id, len(chunks),
         )  # fmt: skip
         return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
+
+
+def _cannot_request_soon(*_args: object, **_kwargs: object) -> bool:
+    """``request_soon`` of a transport that has none (libp2p alone, in-memory tests)."""
+    return False
+
+
+def _log_result_ack(step: StepInput, reply: bytes) -> None:
+    """Log an owner's ack that refuses a result, or does not read."""
+    try:
+        ack = parse_record(swarm_pb2.StepAck, reply)
+    except WireError as err:
+        log.warning("result of step %d: owner %s answered badly: %s", step.step, step.owner_peer_id, err)
+        return
+    if ack.error.code:
+        log.warning("owner %s refused the result of step %d: %s", step.owner_peer_id, step.step, ack.error.message)
 
 
 async def _stopped_step(remote_peer_id: str, data: bytes) -> bytes:

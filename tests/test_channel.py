@@ -333,9 +333,11 @@ async def test_a_tls_close_notify_is_a_clean_end_on_every_receive() -> None:
 
 async def test_immediate_answers_stay_whole_when_the_reader_cannot_send_them_at_once() -> None:
     # An ImmediateHandler is answered in the frame reader, which never waits on a write: a big
-    # reply goes out partly at once and the rest from a task that holds the stream until it is
-    # done, and replies that find the stream held are sent by a task too. Big and small
-    # replies at once, all on one connection, each whole and in its own exchange.
+    # reply goes out partly at once and the rest from the connection's writer, which holds the
+    # stream until it is done; replies that find the stream held, or the writer with work,
+    # queue behind it. Big and small replies at once, all on one connection, each whole and in
+    # its own exchange (a reply sent ahead of the queue, leaving a rest behind it, would
+    # deadlock the writer: this test hung so).
     net = MemoryNetwork()
     ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     config = ChannelConfig(max_frame_bytes=1 << 23)
@@ -383,7 +385,7 @@ async def test_request_soon_answers_through_its_callback_or_says_it_sent_nothing
 
     config = ChannelConfig(deadline_check_interval_s=0.05)
     async with open_channel_transport(ka, net.add(peer_id_of(ka)), config) as a:
-        async with open_channel_transport(kb, net.add(peer_id_of(kb)), config) as b, trio.open_nursery() as tasks:
+        async with open_channel_transport(kb, net.add(peer_id_of(kb)), config) as b:
             b.set_handler(ECHO, echo)
             outcomes: dict[str, bytes | TransportError] = {}
             arrived = {name: trio.Event() for name in ("reply", "late", "cut")}
@@ -396,7 +398,7 @@ async def test_request_soon_answers_through_its_callback_or_says_it_sent_nothing
                 return take
 
             def soon(name: str, payload: bytes, timeout_s: float = 10) -> bool:
-                return a.request_soon(b.peer_id, ECHO, payload, timeout_s=timeout_s, on_reply=outcome(name), tasks=tasks)
+                return a.request_soon(b.peer_id, ECHO, payload, timeout_s=timeout_s, on_reply=outcome(name))
 
             # no connection open yet: nothing sent, no callback to come
             assert not soon("none", b"x") and a.requests_sent_soon == 0
@@ -417,4 +419,3 @@ async def test_request_soon_answers_through_its_callback_or_says_it_sent_nothing
                 assert isinstance(outcomes["cut"], TransportError) and "channel closed" in str(outcomes["cut"])
             assert "none" not in outcomes and a.requests_sent_soon == 3
             release.set()
-            tasks.cancel_scope.cancel()

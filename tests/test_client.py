@@ -35,6 +35,7 @@ from agent.core.swarm_wire import (
     step_result_error,
 )
 from agent.io.client import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
+from agent.io.channel import open_channel_transport
 from agent.io.transport import MemoryNetwork, TransportError
 
 ALPHABET = "abcdefghijklmnop"  # the fake model's vocabulary: token i is ALPHABET[i]
@@ -271,9 +272,12 @@ LAYOUT = ((0, 10), (10, 20), (20, 30))
 
 
 class Swarm:
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self.network = MemoryNetwork()
+    def __init__(self, nursery: trio.Nursery, network: MemoryNetwork | None = None, peers: list | None = None) -> None:
+        """``peers``: the (transport, key) of each peer, in the order they are made (tracker,
+        the nodes, the client), when they are not the network's plain memory transports."""
+        self.network = network or MemoryNetwork()
         self.nursery = nursery
+        self._peers = peers
         self.tracker = FakeTracker(*self.peer())
         self.nodes = [self.node(b, e) for b, e in LAYOUT]
         self.tracker.routes = [self.route(self.nodes)]
@@ -281,6 +285,8 @@ class Swarm:
         self.client_peer_id = self.client_transport.peer_id
 
     def peer(self):
+        if self._peers is not None:
+            return self._peers.pop(0)
         key, peer_id = new_key()
         return self.network.add(peer_id), key
 
@@ -304,6 +310,21 @@ async def swarm():
     async with trio.open_nursery() as nursery:
         yield Swarm(nursery)
         nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+async def channel_swarm():
+    """``swarm`` with the direct channel (real TLS on loopback) in front of every peer's
+    memory transport: the client's steps reach the first hop over it."""
+    network = MemoryNetwork()
+    async with contextlib.AsyncExitStack() as transports:
+        peers = []
+        for _ in range(2 + len(LAYOUT)):  # the tracker, the nodes, the client
+            key, peer_id = new_key()
+            peers.append((await transports.enter_async_context(open_channel_transport(key, network.add(peer_id))), key))
+        async with trio.open_nursery() as nursery:
+            yield Swarm(nursery, network, peers)
+            nursery.cancel_scope.cancel()
 
 
 # --- the happy path ----------------------------------------------------------------------------
@@ -389,6 +410,30 @@ async def test_a_first_hop_that_refuses_the_step_is_named(swarm: Swarm) -> None:
     assert caught.value.failed_peer_id == swarm.nodes[0].peer_id
     # a live peer that refused still gets the end-session (it may hold the session's sequence)
     assert len(swarm.nodes[0].ended) == 1
+
+
+async def test_over_the_channel_steps_leave_without_a_task_and_a_refusal_still_names_the_first_hop(
+    channel_swarm: Swarm,
+) -> None:
+    # Once a channel connection to the first hop is open, the client sends each step with
+    # request_soon and reads its ack in a callback; a step the hop refuses still ends the
+    # generation with the hop named, as when the ack was awaited.
+    swarm, first = channel_swarm, channel_swarm.nodes[0]
+    async with swarm.client() as client:
+        result = await client.generate("smol", "abc", max_tokens=6)
+        assert result.tokens == greedy_continuation("abc", 6)
+        sent_soon = swarm.client_transport.requests_sent_soon
+        assert sent_soon == 6  # every step: tokenizing the prompt on the first hop dialled it
+        steps_before = len(first.steps)
+
+        def refuse_after_two(_text: str) -> None:
+            if len(first.steps) - steps_before == 2:
+                first.behaviour.refuse_step = "recipe_hash mismatch"
+
+        with pytest.raises(GenerationError, match="refused the step: REFUSED: recipe_hash mismatch") as caught:
+            await client.generate("smol", "abc", max_tokens=6, on_text=refuse_after_two)
+    assert caught.value.failed_peer_id == first.peer_id and caught.value.step == 2
+    assert swarm.client_transport.requests_sent_soon == sent_soon + 3  # the refused step too
 
 
 async def test_an_unreachable_first_hop_is_named(swarm: Swarm) -> None:

@@ -401,6 +401,13 @@ class _Connection:
         # odd ids from the dialler, even from the listener: never the same id both ways
         self._next_id = 1 if outbound else 2
         self.closed: str | None = None
+        # what the sends that may not wait (send_frame_soon, request_soon) left to the
+        # connection's writer (serve_backlog), in order: a frame that found the stream held,
+        # or the rest of one the kernel did not take at once (the stream stays held for it).
+        # While anything is left there, those sends queue behind it: a send that went ahead
+        # and left a rest would hold the stream that the writer waits for, rest behind it.
+        self._backlog_in, self._backlog = trio.open_memory_channel[tuple[bytes, bytes] | memoryview](math.inf)
+        self._backlog_items = 0  # queued, or being sent by the writer
 
     async def send_frame(self, header: bytes, payload: bytes) -> None:
         try:
@@ -416,21 +423,41 @@ class _Connection:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
             self.fail(f"send failed: {type(error).__name__}: {error}")
 
-    def send_frame_soon(self, header: bytes, payload: bytes, tasks: trio.Nursery) -> None:
+    def send_frame_soon(self, header: bytes, payload: bytes) -> None:
         """Send a frame without waiting: at once when the stream can take it, else (another
-        send holds the stream, or the kernel's buffer is full) the rest from a task in
-        ``tasks``. For the frame reader, which must never wait on a write: two peers whose
-        readers each waited to write to the other, neither reading, would never move again."""
+        send holds the stream, or the kernel's buffer is full) the rest from the connection's
+        writer (``serve_backlog``). For the frame reader, which must never wait on a write:
+        two peers whose readers each waited to write to the other, neither reading, would
+        never move again."""
+        if self._backlog_items:
+            self._to_backlog((header, payload))
+            return
         try:
             rest = self.stream.send_nowait(*_frame_parts(header, payload))
         except trio.WouldBlock:
-            tasks.start_soon(self.send_frame_quietly, header, payload)
+            self._to_backlog((header, payload))
             return
         except trio.BrokenResourceError as error:
             self.fail(f"send failed: {error}")
             return
         if rest is not None:
-            tasks.start_soon(self._finish_quietly, rest)
+            self._to_backlog(rest)
+
+    def _to_backlog(self, item: tuple[bytes, bytes] | memoryview) -> None:
+        self._backlog_items += 1
+        self._backlog_in.send_nowait(item)
+
+    async def serve_backlog(self) -> None:
+        """The connection's writer: sends what ``send_frame_soon`` and ``request_soon`` could
+        not, in order, until cancelled (with the connection)."""
+        async for item in self._backlog:
+            try:
+                if isinstance(item, memoryview):
+                    await self._finish_quietly(item)
+                else:
+                    await self.send_frame_quietly(*item)
+            finally:
+                self._backlog_items -= 1
 
     async def _finish_quietly(self, rest: memoryview) -> None:
         try:
@@ -466,11 +493,11 @@ class _Connection:
             raise outcome
         return outcome
 
-    def request_soon(
-        self, protocol_id: str, payload: bytes, *, deadline: float, on_reply: OnReply, tasks: trio.Nursery
-    ) -> bool:
+    def request_soon(self, protocol_id: str, payload: bytes, *, deadline: float, on_reply: OnReply) -> bool:
         """``ChannelTransport.request_soon`` on this connection."""
         if self.closed is not None:
+            return False
+        if self._backlog_items:  # the writer has frames to send first (send_frame_soon)
             return False
         exchange_id = self._take_exchange_id()
         self.pending[exchange_id] = _Pending(None, on_reply=on_reply, deadline=deadline, protocol_id=protocol_id)
@@ -484,7 +511,7 @@ class _Connection:
             self.fail(f"send failed: {error}")
             return False
         if rest is not None:
-            tasks.start_soon(self._finish_quietly, rest)
+            self._to_backlog(rest)
         return True
 
     def _outcome(self, waiter: _Pending) -> bytes | TransportError:
@@ -635,9 +662,7 @@ class ChannelTransport:
         self.fallback_requests += 1
         return await self.fallback.request(peer_id, others, protocol_id, payload, timeout_s=timeout_s)
 
-    def request_soon(
-        self, peer_id: str, protocol_id: str, payload: bytes, *, timeout_s: float, on_reply: OnReply, tasks: trio.Nursery
-    ) -> bool:
+    def request_soon(self, peer_id: str, protocol_id: str, payload: bytes, *, timeout_s: float, on_reply: OnReply) -> bool:
         """Send ``payload`` to ``peer_id`` without waiting, over the channel connection already
         open to it, and have ``on_reply`` called with the reply, or with a TransportError when
         the connection fails or ``timeout_s`` passes (deadlines are checked every
@@ -651,13 +676,14 @@ class ChannelTransport:
         neither await nor raise (start a task in a nursery of its own for anything more).
         Returns False, with nothing sent and no callback to come, when no connection is open
         to the peer, the payload is over ``max_frame_bytes``, or another send holds the stream:
-        use ``request`` then. ``tasks`` runs the rest of a send the kernel did not take at once.
+        use ``request`` then. The rest of a send the kernel did not take at once goes out from
+        the connection's writer.
         """
         connection = self._connections.get(peer_id)
         if connection is None or len(payload) > self.config.max_frame_bytes:
             return False
         deadline = trio.current_time() + timeout_s
-        if not connection.request_soon(protocol_id, payload, deadline=deadline, on_reply=on_reply, tasks=tasks):
+        if not connection.request_soon(protocol_id, payload, deadline=deadline, on_reply=on_reply):
             return False
         self.channel_requests += 1
         self.requests_sent_soon += 1
@@ -722,6 +748,7 @@ class ChannelTransport:
         Never raises (but Cancelled): a bad frame closes this connection only."""
         try:
             async with trio.open_nursery() as handlers:
+                handlers.start_soon(connection.serve_backlog)
                 try:
                     await self._read_frames(connection, handlers)
                 except FrameError as error:
@@ -760,7 +787,7 @@ class ChannelTransport:
                     handler = self._handlers.get(frame.protocol_id)
                     if isinstance(handler, ImmediateHandler):  # answered here, no task
                         answer = _answered(connection, frame.protocol_id, handler.answer, frame.payload)
-                        connection.send_frame_soon(*_reply_frame(connection, frame.exchange_id, frame.protocol_id, answer), handlers)
+                        connection.send_frame_soon(*_reply_frame(connection, frame.exchange_id, frame.protocol_id, answer))
                     else:
                         handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
                 else:

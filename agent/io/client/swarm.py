@@ -439,6 +439,8 @@ class SwarmClient:
         self._decode_step_s: float | None = None  # moving average of decode step time
         self.spot_checks = SpotChecks(self, config.spot_check_rate, config.spot_check_grace_s)
         transport.set_handler(RESULT_PROTOCOL, ImmediateHandler(self._on_result))
+        #: steps sent without a task when the transport can (``_send_step_soon``)
+        self._request_soon = getattr(transport, "request_soon", None)
 
     @property
     def peer_id(self) -> str:
@@ -1108,7 +1110,8 @@ class SwarmClient:
                 prefill = session.in_prefill
                 started = time.perf_counter()
                 sent_at = trio.current_time()
-                await self._send_step(first, request, prefill=prefill)
+                if not self._send_step_soon(live, first, request):
+                    await self._send_step(first, request, prefill=prefill)
                 await self._await_result(live, route, step_input.step, sent_at, prefill=prefill)
                 elapsed = time.perf_counter() - started
                 if isinstance(live.outcome, BaseException):
@@ -1326,6 +1329,31 @@ class SwarmClient:
                 nursery.start_soon(probe, index, hop)
         return silent[min(silent)] if silent else None
 
+    def _send_step_soon(self, live: _LiveSession, first: swarm_pb2.Hop, request: swarm_pb2.StepRequest) -> bool:
+        """Send a step to the first hop without a task, over a channel connection already
+        open to it (``ChannelTransport.request_soon``); its ack is read in a callback, and a
+        refusal (or no ack: the connection failed, or ``request_timeout_s`` passed) becomes
+        the step's outcome, which ``_await_result`` then returns with. A first hop that goes
+        silent is named by ``_await_result``'s probes, which try the hops in route order.
+        False, with nothing sent: use ``_send_step``."""
+        if self._request_soon is None:
+            return False
+        step = request.step
+        arrived = live.arrived  # this attempt's: a step sent again after a failure gets another
+
+        def acked(reply: bytes | TransportError) -> None:
+            if live.arrived is not arrived or arrived.is_set():
+                return  # the step's result came first (the hop took it), or this attempt is over
+            error = _step_ack_error(first.peer_id, step, reply)
+            if error is not None:
+                live.outcome = error
+                live.arrived.set()
+
+        return self._request_soon(
+            first.peer_id, STEP_PROTOCOL, request.SerializeToString(),
+            timeout_s=self.config.request_timeout_s, on_reply=acked,
+        )  # fmt: skip
+
     async def _send_step(self, first: swarm_pb2.Hop, request: swarm_pb2.StepRequest, *, prefill: bool) -> None:
         """Send a step to the first hop and check its ack. A first hop that has not acked by the
         step's deadline is probed (again every ``probe_interval_s``): a frozen one is named
@@ -1360,28 +1388,35 @@ class SwarmClient:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send, nursery.cancel_scope)
             nursery.start_soon(watch, nursery.cancel_scope)
-        if unreachable:
-            raise GenerationError(
-                f"step {step}: first hop unreachable: {unreachable[0]}", failed_peer_id=first.peer_id, step=step
-            )
         if silent:
             raise GenerationError(
                 f"step {step}: first hop {first.peer_id} did not acknowledge it within "
                 f"{trio.current_time() - sent_at:.2f} s and does not answer a probe",
                 failed_peer_id=first.peer_id, step=step,
             )  # fmt: skip
-        ack = swarm_pb2.StepAck()
-        try:
-            ack.ParseFromString(raw)
-        except DecodeError:
-            raise GenerationError(f"step {step}: malformed StepAck from {first.peer_id}", failed_peer_id=first.peer_id, step=step) from None
-        if ack.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
-            raise GenerationError(
-                f"step {step}: first hop {first.peer_id} refused the step: {_code_name(ack.error.code)}: {ack.error.message}",
-                failed_peer_id=first.peer_id,
-                step=step,
-                code=ack.error.code,
-            )
+        error = _step_ack_error(first.peer_id, step, unreachable[0] if unreachable else raw)
+        if error is not None:
+            raise error
+
+
+def _step_ack_error(first_peer_id: str, step: int, reply: bytes | TransportError) -> GenerationError | None:
+    """What the first hop's answer to ``step`` (its ``StepAck``, or the TransportError that
+    ended the exchange) means for the session: None when the hop took the step."""
+    if isinstance(reply, TransportError):
+        return GenerationError(f"step {step}: first hop unreachable: {reply}", failed_peer_id=first_peer_id, step=step)
+    ack = swarm_pb2.StepAck()
+    try:
+        ack.ParseFromString(reply)
+    except DecodeError:
+        return GenerationError(f"step {step}: malformed StepAck from {first_peer_id}", failed_peer_id=first_peer_id, step=step)
+    if ack.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
+        return GenerationError(
+            f"step {step}: first hop {first_peer_id} refused the step: {_code_name(ack.error.code)}: {ack.error.message}",
+            failed_peer_id=first_peer_id,
+            step=step,
+            code=ack.error.code,
+        )
+    return None
 
 
 @contextlib.asynccontextmanager

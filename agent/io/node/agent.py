@@ -953,14 +953,14 @@ class Node:
                 return False
             protocol, data = push_message([serialized for _s, serialized in steps])
             taken = functools.partial(self._pushed, hop, steps, pushes)
-            if not self._request_soon(hop.peer_id, protocol, data, timeout_s=timeout_s, on_reply=taken, tasks=pushes):
+            if not self._request_soon(hop.peer_id, protocol, data, timeout_s=timeout_s, on_reply=taken):
                 pushes.start_soon(self._guarded, self._push_steps, hop, steps)
             return True
         if step.rebuild or not output.top:
             return False
         result = step_result_top(step.session_id, step.step, output.top[-1], self.admission).SerializeToString()
         taken = functools.partial(self._result_taken, step)
-        if not self._request_soon(step.owner_peer_id, RESULT_PROTOCOL, result, timeout_s=timeout_s, on_reply=taken, tasks=pushes):
+        if not self._request_soon(step.owner_peer_id, RESULT_PROTOCOL, result, timeout_s=timeout_s, on_reply=taken):
             pushes.start_soon(self._guarded, self._send_result, step, result)
         return True
 

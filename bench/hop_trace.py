@@ -171,6 +171,7 @@ def install_client_hooks() -> None:
     from agent.io.client import swarm as client
 
     _wrap(client.SwarmClient, "_send_step", "send", when=lambda _self, _first, request, **_kwargs: int(request.step))
+    _wrap(client.SwarmClient, "_send_step_soon", "send", when=lambda _self, _live, _first, request: int(request.step))
     _wrap(client.SwarmClient, "_on_result", "result")
     _install_transport_hooks()
 

@@ -4,6 +4,8 @@ Owns: one benchmark. For each message size (8 KiB, 1 MiB) and each path, a serve
 echoes every frame back; this process sends a frame and waits for the echo (one round trip
 carries the message both ways). Both paths use the same framing (uvarint length + payload):
 - ``libp2p``: ``agent.io.p2p.open_p2p_transport`` (TCP + Noise + yamux, one reused stream);
+- ``channel``: the direct channel (``agent.io.channel``: TCP + TLS 1.3), its echo an
+  ``ImmediateHandler`` answered in the frame reader, as a hop's step and result handlers are;
 - ``tcp``: trio TCP sockets (TCP_NODELAY, trio's default), no encryption.
 
 After a warm-up, each of ``--runs`` runs times ``exchanges`` round trips and records their mean;
@@ -36,6 +38,7 @@ from agent.core.frames import decode_uvarint, encode_uvarint  # noqa: E402
 from agent.io.channel import ChannelConfig, open_channel_transport  # noqa: E402
 from agent.io.keys import peer_id_of  # noqa: E402
 from agent.io.p2p import open_p2p_transport  # noqa: E402
+from agent.io.transport import ImmediateHandler  # noqa: E402
 from agent.io.process_memory import keep_freed_memory  # noqa: E402
 from agent.io.transport import MemoryNetwork  # noqa: E402
 
@@ -104,9 +107,8 @@ async def _serve_libp2p() -> None:
 
 
 async def _serve_channel() -> None:
-    async def echo(remote_peer_id: str, payload: bytes) -> bytes:
-        return payload
-
+    # answered in the frame reader, as a hop answers the steps and results it receives
+    echo = ImmediateHandler(lambda _remote_peer_id, payload: payload)
     key = Ed25519PrivateKey.generate()
     fallback = MemoryNetwork().add(peer_id_of(key))  # never used: the client dials the channel
     async with open_channel_transport(key, fallback, ChannelConfig(max_frame_bytes=MAX_FRAME_BYTES)) as transport:

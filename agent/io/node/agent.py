@@ -983,16 +983,13 @@ class Node:
         _log_result_ack(step, reply)
 
     async def _push(self, step: StepInput, output: SeqOutput, encoded: tuple[bytes, int] | None = None) -> None:
-        """Send one step's output on: to the next hop, or (last range) to the owner."""
+        """Send one step's output on: to the next hop, or (last range) to the owner; what
+        ``_push_now`` does not send (a top-K result always goes through it)."""
         if step.rebuild and not step.rest:  # the last rebuilt range: no logits, just "done"
             result = step_result_rebuilt(step.session_id, step.resume_step, step.end_position, self.admission)
             await self._send_result(step, result)
             return
         if not step.rest:
-            if output.top:  # the worker selected the top-K (_worker_top_k)
-                result = step_result_top(step.session_id, step.step, output.top[-1], self.admission)
-                await self._send_result(step, result)
-                return
             if output.logits is None or output.logits.shape[0] < 1:
                 await self._send_error(step, Code.INTERNAL, "the last range returned no logits", self.peer_id)
                 return

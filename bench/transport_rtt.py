@@ -5,11 +5,14 @@ echoes every frame back; this process sends a frame and waits for the echo (one 
 carries the message both ways). Both paths use the same framing (uvarint length + payload):
 - ``libp2p``: ``agent.io.p2p.open_p2p_transport`` (TCP + Noise + yamux, one reused stream);
 - ``channel``: the direct channel (``agent.io.channel``: TCP + TLS 1.3), its echo an
-  ``ImmediateHandler`` answered in the frame reader, as a hop's step and result handlers are;
+  ``ImmediateHandler`` answered in the frame reader, as a hop's step and result handlers are,
+  each message sent with ``request_soon`` (no task; the reply taken in the frame reader),
+  as a hop's pushes and the owner's steps are;
 - ``tcp``: trio TCP sockets (TCP_NODELAY, trio's default), no encryption.
 
-After a warm-up, each of ``--runs`` runs times ``exchanges`` round trips and records their mean;
-the report gives median/min/max over runs and libp2p/tcp ratios of the medians. Writes
+After a warm-up, each of ``--runs`` runs times ``exchanges`` round trips on every path in turn
+(all servers are up at once; the order rotates from run to run, so that the machine's drift
+falls on every path alike) and records their mean; the report gives median/min/max over runs and libp2p/tcp ratios of the medians. Writes
 ``bench/results/transport_rtt.json`` (with platform, CPU count, Python and library versions).
 ``run_benchmark(runs)`` returns that report without writing it (``bench/compare.py`` calls it).
 
@@ -26,6 +29,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextmanager
 from importlib.metadata import version
 from pathlib import Path
 
@@ -38,17 +43,20 @@ from agent.core.frames import decode_uvarint, encode_uvarint  # noqa: E402
 from agent.io.channel import ChannelConfig, open_channel_transport  # noqa: E402
 from agent.io.keys import peer_id_of  # noqa: E402
 from agent.io.p2p import open_p2p_transport  # noqa: E402
-from agent.io.transport import ImmediateHandler  # noqa: E402
+from agent.io.transport import ImmediateHandler, TransportError  # noqa: E402
 from agent.io.process_memory import keep_freed_memory  # noqa: E402
 from agent.io.transport import MemoryNetwork  # noqa: E402
 
 PROTOCOL = "/baton/bench-echo/1.0.0"
+PATHS = ["tcp", "libp2p", "channel"]
 SIZES = {"8KiB": 8 * 1024, "1MiB": 1024 * 1024}
 EXCHANGES = {"8KiB": 200, "1MiB": 20}  # per run
 WARMUP = {"8KiB": 100, "1MiB": 10}
 MAX_FRAME_BYTES = 64 << 20
 SERVER_READY_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
+
+RoundTrip = Callable[[bytes], Awaitable[bytes]]
 
 
 # -- plain TCP with the same framing ---------------------------------------------------------
@@ -128,21 +136,18 @@ async def _wait_for_stdin_eof() -> None:
 # -- client ----------------------------------------------------------------------------------
 
 
-async def _measure(round_trip, size: int, warmup: int, exchanges: int, runs: int) -> list[float]:  # noqa: ANN001
-    payload = os.urandom(size)
-    for _ in range(warmup):
-        await round_trip(payload)
-    means = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        for _ in range(exchanges):
-            reply = await round_trip(payload)
-        means.append((time.perf_counter() - started) / exchanges)
-        assert reply == payload
-    return means
+async def _time_round_trips(round_trip, payload: bytes, exchanges: int) -> float:  # noqa: ANN001
+    """The mean seconds of ``exchanges`` round trips of ``payload``."""
+    started = time.perf_counter()
+    for _ in range(exchanges):
+        reply = await round_trip(payload)
+    mean = (time.perf_counter() - started) / exchanges
+    assert reply == payload
+    return mean
 
 
-async def _client_tcp(address: str, runs: int) -> dict[str, list[float]]:
+@asynccontextmanager
+async def _open_tcp_client(address: str) -> AsyncIterator[RoundTrip]:
     host, port = address.rsplit(":", 1)
     stream = await trio.open_tcp_stream(host, int(port))
     async with stream:
@@ -154,32 +159,82 @@ async def _client_tcp(address: str, runs: int) -> dict[str, list[float]]:
             assert reply is not None
             return reply
 
-        return {name: await _measure(round_trip, size, WARMUP[name], EXCHANGES[name], runs) for name, size in SIZES.items()}
+        yield round_trip
 
 
-async def _client_libp2p(address: str, runs: int) -> tuple[dict[str, list[float]], int]:
+@asynccontextmanager
+async def _open_libp2p_client(address: str, counters: dict[str, int]) -> AsyncIterator[RoundTrip]:
     peer_id = address.rsplit("/p2p/", 1)[1]
     async with open_p2p_transport(Ed25519PrivateKey.generate(), max_frame_bytes=MAX_FRAME_BYTES) as transport:
 
         async def round_trip(payload: bytes) -> bytes:
             return await transport.request(peer_id, [address], PROTOCOL, payload, timeout_s=REQUEST_TIMEOUT_S)
 
-        results = {name: await _measure(round_trip, size, WARMUP[name], EXCHANGES[name], runs) for name, size in SIZES.items()}
-        return results, transport.streams_opened
+        yield round_trip
+        counters["libp2p_streams_opened"] = transport.streams_opened
 
 
-async def _client_channel(address: str, runs: int) -> tuple[dict[str, list[float]], int]:
+@asynccontextmanager
+async def _open_channel_client(address: str, counters: dict[str, int]) -> AsyncIterator[RoundTrip]:
     peer_id = address.rsplit("/p2p/", 1)[1]
     key = Ed25519PrivateKey.generate()
     fallback = MemoryNetwork().add(peer_id_of(key))
     async with open_channel_transport(key, fallback, ChannelConfig(max_frame_bytes=MAX_FRAME_BYTES, listen_host=None)) as transport:
+        await transport.request(peer_id, [address], PROTOCOL, b"dial", timeout_s=REQUEST_TIMEOUT_S)
 
         async def round_trip(payload: bytes) -> bytes:
-            return await transport.request(peer_id, [address], PROTOCOL, payload, timeout_s=REQUEST_TIMEOUT_S)
+            # as a hop's steps and results travel: sent without a task, the reply taken in
+            # the frame reader (request_soon), which wakes this task
+            arrived = trio.Event()
+            replies: list[bytes | TransportError] = []
 
-        results = {name: await _measure(round_trip, size, WARMUP[name], EXCHANGES[name], runs) for name, size in SIZES.items()}
+            def on_reply(reply: bytes | TransportError) -> None:
+                replies.append(reply)
+                arrived.set()
+
+            if not transport.request_soon(peer_id, PROTOCOL, payload, timeout_s=REQUEST_TIMEOUT_S, on_reply=on_reply):
+                return await transport.request(peer_id, [address], PROTOCOL, payload, timeout_s=REQUEST_TIMEOUT_S)
+            await arrived.wait()
+            if isinstance(replies[0], TransportError):
+                raise replies[0]
+            return replies[0]
+
+        yield round_trip
         assert transport.fallback_requests == 0
-        return results, transport.connections_dialled
+        counters["channel_connections_dialled"] = transport.connections_dialled
+
+
+async def _measure_interleaved(
+    addresses: dict[str, str], runs: int, counters: dict[str, int]
+) -> dict[str, dict[str, list[float]]]:
+    """``{path: {size name: [mean round trip of each run]}}``. The paths take turns: each
+    run measures every path once, in an order that rotates from run to run, so a drift in
+    the machine's speed (a shared VM's) lands on all of them alike."""
+    async with AsyncExitStack() as stack:
+        clients = {
+            "tcp": await stack.enter_async_context(_open_tcp_client(addresses["tcp"])),
+            "libp2p": await stack.enter_async_context(_open_libp2p_client(addresses["libp2p"], counters)),
+            "channel": await stack.enter_async_context(_open_channel_client(addresses["channel"], counters)),
+        }
+        means: dict[str, dict[str, list[float]]] = {path: {name: [] for name in SIZES} for path in PATHS}
+        for name, size in SIZES.items():
+            payload = os.urandom(size)
+            for path in PATHS:
+                await _time_round_trips(clients[path], payload, WARMUP[name])
+            for run in range(runs):
+                for path in PATHS[run % len(PATHS) :] + PATHS[: run % len(PATHS)]:
+                    means[path][name].append(await _time_round_trips(clients[path], payload, EXCHANGES[name]))
+        return means
+
+
+@contextmanager
+def _running_server(kind: str) -> Iterator[str]:
+    """A ``kind`` echo server process for the block; its address."""
+    process, address = _start_server(kind)
+    try:
+        yield address
+    finally:
+        _stop_server(process)
 
 
 def _start_server(kind: str) -> tuple[subprocess.Popen[str], str]:
@@ -224,21 +279,12 @@ def run_benchmark(runs: int) -> dict[str, object]:
     """Measure both paths (``runs`` runs each after a warm-up) and return the report that
     ``main`` writes (also called by ``bench/compare.py``)."""
     started = time.perf_counter()
-    process, address = _start_server("tcp")
-    try:
-        tcp = trio.run(_client_tcp, address, runs)
-    finally:
-        _stop_server(process)
-    process, address = _start_server("libp2p")
-    try:
-        libp2p, streams_opened = trio.run(_client_libp2p, address, runs)
-    finally:
-        _stop_server(process)
-    process, address = _start_server("channel")
-    try:
-        channel, channel_connections = trio.run(_client_channel, address, runs)
-    finally:
-        _stop_server(process)
+    counters: dict[str, int] = {}
+    with ExitStack() as servers:
+        addresses = {path: servers.enter_context(_running_server(path)) for path in PATHS}
+        means = trio.run(_measure_interleaved, addresses, runs, counters)
+    tcp, libp2p, channel = means["tcp"], means["libp2p"], means["channel"]
+    streams_opened, channel_connections = counters["libp2p_streams_opened"], counters["channel_connections_dialled"]
 
     report: dict[str, object] = {
         "benchmark": "transport_rtt",
@@ -248,10 +294,11 @@ def run_benchmark(runs: int) -> dict[str, object]:
             "exchanges_per_run": EXCHANGES,
             "warmup_exchanges": WARMUP,
             "statistic": "per run: mean round trip over its exchanges; reported: median/min/max over runs",
+            "order": "the paths take turns within each run (rotating order), all servers up at once",
             "framing": "uvarint length prefix + payload on both paths",
             "libp2p": "agent.io.p2p (TCP + Noise + yamux, one reused stream)",
             "tcp": "trio TCP sockets, TCP_NODELAY, no encryption",
-            "channel": "agent.io.channel (TCP + TLS 1.3 with libp2p-TLS certificates, exchange frames, one connection)",
+            "channel": "agent.io.channel (TCP + TLS 1.3 with libp2p-TLS certificates, exchange frames, one connection; request_soon, an ImmediateHandler echo)",
         },
         "machine": {
             "platform": platform.platform(),

@@ -33,6 +33,37 @@ def _frame(body: bytes) -> bytes:
     return frames.frame_prefix(len(body)) + body
 
 
+def test_a_stream_writes_into_the_readers_space_and_frames_come_out_whole() -> None:
+    # How the channel receives: decrypted straight into the reader's free space, any split
+    # of the wire, a partial frame moved to the front when more room is needed, the buffer
+    # kept between frames and given back after a frame bigger than keep_bytes.
+    bodies = [b"a" * 10, b"b" * 5000, b"", b"c" * 70_000, b"d"]
+    wire = b"".join(_frame(body) for body in bodies)
+    for chunk in (1, 7, 4096, 100_000):
+        reader = FrameReader(1 << 20, keep_bytes=64 * 1024)
+        got, offset = [], 0
+        while offset < len(wire):
+            piece = wire[offset : offset + chunk]
+            with reader.space(len(piece)) as free:
+                assert len(free) >= len(piece)
+                free[: len(piece)] = piece
+            reader.commit(len(piece))
+            offset += len(piece)
+            while (body := reader.next_frame()) is not None:
+                got.append(body)
+        assert got == bodies and reader.at_frame_boundary
+        with reader.space(16) as free:  # after a 70 KB frame, back to keep_bytes
+            assert len(free) == 64 * 1024
+    reader = FrameReader(100)
+    with reader.space(10) as free:
+        free[:4] = _frame(b"abc")
+        free_bytes = len(free)
+    with pytest.raises(ValueError, match="cannot commit"):
+        reader.commit(free_bytes + 1)
+    reader.commit(4)
+    assert reader.next_frame() == b"abc"
+
+
 def test_reader_splits_frames_fed_byte_by_byte() -> None:
     wire = _frame(b"one") + _frame(b"") + _frame(b"three" * 100)
     reader = FrameReader(1000)

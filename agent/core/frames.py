@@ -81,20 +81,23 @@ def encode_uvarint(value: int) -> bytes:
     return bytes(out)
 
 
-def decode_uvarint(data: bytes | bytearray | memoryview, start: int = 0) -> tuple[int, int] | None:
-    """``(value, bytes used)`` of the uvarint at ``data[start:]``; None if incomplete.
+def decode_uvarint(
+    data: bytes | bytearray | memoryview, start: int = 0, stop: int | None = None
+) -> tuple[int, int] | None:
+    """``(value, bytes used)`` of the uvarint at ``data[start:stop]``; None if incomplete.
 
     Raises:
       FrameError: a varint longer than 10 bytes.
     """
     value = 0
-    end = min(len(data), start + MAX_VARINT_BYTES)
+    available = len(data) if stop is None else stop
+    end = min(available, start + MAX_VARINT_BYTES)
     for index in range(start, end):
         byte = data[index]
         value |= (byte & 0x7F) << (7 * (index - start))
         if not byte & 0x80:
             return value, index - start + 1
-    if len(data) - start >= MAX_VARINT_BYTES:
+    if available - start >= MAX_VARINT_BYTES:
         raise FrameError(f"length prefix longer than {MAX_VARINT_BYTES} bytes")
     return None
 
@@ -105,39 +108,70 @@ def frame_prefix(body_bytes: int) -> bytes:
 
 
 class FrameReader:
-    """Sans-I/O frame reader: ``feed`` what the stream gave, take whole frames with ``next_frame``.
+    """Sans-I/O frame reader: ``feed`` what the stream gave (or let the stream write into
+    ``space`` and ``commit`` it), take whole frames with ``next_frame`` / ``take_frame``.
 
     A prefix over ``max_frame_bytes`` raises ``FrameTooLarge`` as soon as the prefix is
     complete; the reader is then unusable (the stream has lost framing) and raises again.
+
+    The buffer keeps its size between frames (up to ``keep_bytes``): a stream that decrypts
+    into ``space`` writes a big frame where it is parsed, with no copy in between and no
+    fresh allocation (page faults) per frame.
     """
 
-    def __init__(self, max_frame_bytes: int) -> None:
+    def __init__(self, max_frame_bytes: int, *, keep_bytes: int = 8 << 20) -> None:
         if max_frame_bytes < 1:
             raise ValueError(f"max_frame_bytes must be positive, got {max_frame_bytes}")
         self.max_frame_bytes = max_frame_bytes
+        self._keep_bytes = keep_bytes
         self._buffer = bytearray()
-        self._start = 0  # frames before this offset were taken (compacted lazily)
+        self._start = 0  # frames before this offset were taken
+        self._end = 0  # bytes fed end here; the buffer after it is free space
         self._broken: FrameError | None = None
 
     @property
     def buffered(self) -> int:
         """Bytes fed and not yet returned in a frame."""
-        return len(self._buffer) - self._start
+        return self._end - self._start
 
     @property
     def at_frame_boundary(self) -> bool:
         """True when no partial frame is buffered (a clean place for the stream to end)."""
-        return self.buffered == 0
+        return self._end == self._start
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        if self._start and self._start == len(self._buffer):
-            self._buffer.clear()
-            self._start = 0
-        self._buffer += data
+        size = len(data)
+        with self.space(size) as free:
+            free[:size] = data
+        self.commit(size)
+
+    def space(self, at_least: int) -> memoryview:
+        """A writable view of the free space after what was fed, ``at_least`` bytes or more:
+        a stream receives into it, then ``commit`` counts what it wrote as fed. The caller
+        releases the view before it calls ``feed``, ``space`` or ``commit``."""
+        if self._start == self._end:
+            self._start = self._end = 0
+            if len(self._buffer) > self._keep_bytes >= at_least:
+                self._buffer = bytearray(self._keep_bytes)  # let a rare huge frame's memory go
+        free = len(self._buffer) - self._end
+        if free < at_least and self._start:  # move the partial frame to the front
+            size = self._end - self._start
+            self._buffer[:size] = self._buffer[self._start : self._end]
+            self._start, self._end = 0, size
+            free = len(self._buffer) - size
+        if free < at_least:
+            self._buffer.extend(bytes(max(at_least - free, len(self._buffer))))
+        return memoryview(self._buffer)[self._end :]
+
+    def commit(self, size: int) -> None:
+        """Count the first ``size`` bytes of the last ``space`` as fed."""
+        if not 0 <= size <= len(self._buffer) - self._end:
+            raise ValueError(f"cannot commit {size} bytes: {len(self._buffer) - self._end} are free")
+        self._end += size
 
     def needed(self) -> int:
         """At least how many more bytes the next frame needs (1 while the prefix is incomplete)."""
-        decoded = decode_uvarint(self._buffer, self._start)
+        decoded = decode_uvarint(self._buffer, self._start, self._end)
         if decoded is None:
             return 1
         length, used = decoded
@@ -163,8 +197,10 @@ class FrameReader:
         """
         if self._broken is not None:
             raise self._broken
+        if self._start == self._end:
+            return None
         try:
-            decoded = decode_uvarint(self._buffer, self._start)
+            decoded = decode_uvarint(self._buffer, self._start, self._end)
         except FrameError as error:
             self._broken = error
             raise
@@ -178,25 +214,21 @@ class FrameReader:
             raise self._broken
         begin = self._start + used
         end = begin + length
-        if end > len(self._buffer):
+        if end > self._end:
             return None
         try:
             with memoryview(self._buffer) as view, view[begin:end] as body:  # no export left behind
                 return parse(body)
         finally:
             self._start = end
-            if self._start == len(self._buffer):
-                self._buffer.clear()
-                self._start = 0
-            elif self._start > (1 << 20):
-                del self._buffer[: self._start]
-                self._start = 0
+            if self._start == self._end:
+                self._start = self._end = 0
 
     def truncation_error(self) -> FrameError:
         """What to raise when the stream ends with a partial frame buffered."""
         decoded = None
         try:
-            decoded = decode_uvarint(self._buffer, self._start)
+            decoded = decode_uvarint(self._buffer, self._start, self._end)
         except FrameError as error:
             return error
         if decoded is None:

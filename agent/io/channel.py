@@ -66,7 +66,6 @@ log = logging.getLogger(__name__)
 #: Negotiated by ALPN: a peer that does not speak this channel version fails the handshake.
 ALPN = "baton-channel/1"
 _RECEIVE_BYTES = 256 * 1024
-_TLS_RECORD_BYTES = 16 * 1024  # TLS 1.3's largest record plaintext
 _SINGLE_WRITE_BYTES = 64 * 1024  # below this, prefix + header + payload go out as one write
 _READS_PER_CHECKPOINT = 16  # receives that did not wait, at most, between two scheduler checkpoints
 
@@ -147,98 +146,89 @@ async def _acquire(lock: trio.Semaphore) -> None:
 
 
 class _TlsStream:
-    """TLS over a TCP socket through ``ssl.SSLObject`` and memory BIOs.
+    """TLS over a TCP socket: an ``ssl.SSLSocket`` on the non-blocking socket, awaited through
+    trio's low-level waits.
 
-    Why not ``trio.SSLStream``: it moves one TLS record (16 KiB) per trip through its retry
-    loop, which costs ~20 ms per MiB here; this pump reads the socket in big chunks and drains
-    every record they hold in one go, and encrypts a whole frame with one ``write``.
+    Why not ``trio.SSLStream`` (or ``ssl.SSLObject`` and memory BIOs, which this stream used
+    before): every byte then crosses two memory BIOs, a copy each way, and each decrypted
+    record becomes a fresh bytes object, copied again into the frame reader: ~0.6 ms of a
+    1 MiB round trip here. OpenSSL reads and writes the socket itself here: a frame is
+    encrypted straight to the socket and decrypted straight into the frame reader's buffer
+    (``receive_into``). One SSL object is read by the frame reader while a writer may be
+    part-way through a send: TLS 1.3 keeps the two directions apart (no renegotiation), and
+    a post-handshake message met while reading (a key update) is answered by OpenSSL.
 
-    Why a raw non-blocking socket (``agent.io.raw_socket``) rather than ``trio.SocketStream``:
-    every message of a decode step crosses this stream twice, and a send or receive that the
-    kernel can take at once is then one system call, not a scheduler pass as well. The reader
-    checkpoints at least every ``_READS_PER_CHECKPOINT`` receives, so a peer that never lets it
-    block still cannot starve the other tasks or hide a cancellation.
+    Why a raw non-blocking socket rather than ``trio.SocketStream``: every message of a
+    decode step crosses this stream twice, and a send or receive that the kernel can take at
+    once is then one system call, not a scheduler pass as well. The reader checkpoints at
+    least every ``_READS_PER_CHECKPOINT`` receives, so a peer that never lets it block still
+    cannot starve the other tasks or hide a cancellation.
     """
 
     def __init__(self, tcp: trio.SocketStream, context: ssl.SSLContext, *, server_side: bool) -> None:
-        # the TCP socket leaves trio's stream (TCP_NODELAY stays set on it); this object owns it
-        self._sock = raw_socket.adopt(tcp)
-        self._incoming = ssl.MemoryBIO()
-        self._outgoing = ssl.MemoryBIO()
-        self._ssl = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side)
+        # the TCP socket leaves trio's stream (TCP_NODELAY stays set on it); this object owns
+        # it. suppress_ragged_eofs=False: a stream cut without close_notify is an error, not
+        # an end (a frame may be missing its end)
+        self._sock = context.wrap_socket(
+            raw_socket.adopt(tcp), server_side=server_side, do_handshake_on_connect=False, suppress_ragged_eofs=False
+        )
         # a semaphore, not a Lock: a send started in the frame reader (send_nowait) may be
         # finished, and the stream released, by another task (finish_send)
         self._send_lock = trio.Semaphore(1)
         self._reads_since_checkpoint = 0
-        # one receive buffer for the connection's life: a fresh 256 KiB object per receive
-        # is a fresh mapping, page-faulted in each time
-        self._receive_buffer = memoryview(bytearray(_RECEIVE_BYTES))
-        self._eof = False  # the TCP stream ended
         self._tls_closed = False  # the peer's close_notify came
         self._failed: str | None = None  # why the incoming stream ended badly
         self.broken: str | None = None  # why the outgoing byte stream can no longer be trusted
-
-    async def _send_raw(self, data: bytes) -> None:
-        """All of ``data`` (TLS records) to the socket; the send lock is held.
-
-        A send cut short (cancelled, or a socket error) loses records the TLS session has
-        already counted, and may leave half a frame on the wire: the stream is marked broken
-        and the socket shut, so the peer sees a truncated stream, never a corrupt frame."""
-        try:
-            await raw_socket.send_all(self._sock, data)
-        except BaseException as error:
-            self._break(f"a send was cut short ({type(error).__name__})")
-            if isinstance(error, OSError):
-                raise trio.BrokenResourceError(f"send failed: {error}") from error
-            raise
 
     def _break(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
             try:
-                self._sock.shutdown(socket.SHUT_RDWR)
+                # the plain socket's shutdown: SSLSocket.shutdown would also drop the TLS
+                # state that the reader still uses to report the end
+                socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
             except OSError:
                 pass
-
-    async def _receive_raw(self) -> memoryview:
-        """The next bytes from the socket, in the receive buffer (valid until the next call)."""
-        if self._reads_since_checkpoint >= _READS_PER_CHECKPOINT:
-            self._reads_since_checkpoint = 0
-            await trio.lowlevel.checkpoint()
-        try:
-            received, waited = await raw_socket.receive_into(self._sock, self._receive_buffer)
-        except OSError as error:
-            raise trio.BrokenResourceError(f"receive failed: {error}") from error
-        self._reads_since_checkpoint = 0 if waited else self._reads_since_checkpoint + 1
-        return self._receive_buffer[:received]
-
-    async def _flush(self) -> None:
-        await _acquire(self._send_lock)
-        try:
-            if self._outgoing.pending:
-                await self._send_raw(self._outgoing.read())
-        finally:
-            self._send_lock.release()
-
-    async def _fill(self) -> bool:
-        data = await self._receive_raw()
-        if not data:
-            self._incoming.write_eof()
-            self._eof = True
-            return False
-        self._incoming.write(data)
-        return True
 
     async def do_handshake(self) -> None:
         while True:
             try:
-                self._ssl.do_handshake()
-                break
+                self._sock.do_handshake()
+                return
             except ssl.SSLWantReadError:
-                await self._flush()
-                if not await self._fill():
-                    raise trio.BrokenResourceError("the peer closed the connection during the TLS handshake") from None
-        await self._flush()
+                await trio.lowlevel.wait_readable(self._sock)
+            except ssl.SSLWantWriteError:
+                await trio.lowlevel.wait_writable(self._sock)
+            except ssl.SSLEOFError:
+                raise trio.BrokenResourceError("the peer closed the connection during the TLS handshake") from None
+
+    def _write(self, view: memoryview) -> memoryview:
+        """Encrypt and send what the socket takes now; what is left of ``view`` (empty: all
+        of it went). A part left over must be written again, from its first byte, before
+        anything else (OpenSSL has taken its first records already and expects the rest)."""
+        while view:
+            try:
+                view = view[self._sock.send(view) :]
+            except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
+                return view
+            except OSError as error:  # ssl.SSLError too
+                self._break(f"a send was cut short ({type(error).__name__})")
+                raise trio.BrokenResourceError(f"send failed: {error}") from error
+        return view
+
+    async def _send_parts(self, parts: Sequence[memoryview]) -> None:
+        """All of ``parts`` to the socket, waiting while it is full; the send lock is held.
+
+        A send cut short (cancelled, or a socket error) may leave half a frame on the wire:
+        the stream is marked broken and the socket shut, so the peer sees a truncated stream,
+        never a corrupt frame."""
+        try:
+            for part in parts:
+                while part := self._write(part):
+                    await trio.lowlevel.wait_writable(self._sock)
+        except BaseException as error:
+            self._break(f"a send was cut short ({type(error).__name__})")
+            raise
 
     async def send_all(self, *parts: bytes) -> None:
         """Encrypt ``parts`` and send them, as one unit: no other send comes between them."""
@@ -246,103 +236,99 @@ class _TlsStream:
         try:
             if self.broken is not None:
                 raise trio.BrokenResourceError(self.broken)
-            for part in parts:
-                self._ssl.write(part)
-            await self._send_raw(self._outgoing.read())
+            await self._send_parts([memoryview(part) for part in parts])
         finally:
             self._send_lock.release()
 
-    def send_nowait(self, *parts: bytes) -> memoryview | None:
+    def send_nowait(self, *parts: bytes) -> list[memoryview] | None:
         """Encrypt ``parts`` and give the socket what it takes now, without waiting.
 
-        Returns None when all of it went out. Otherwise returns the encrypted bytes still to
-        send: the stream stays held for them (no other send may come between), and the
-        caller must hand them to ``finish_send``.
+        Returns None when all of it went out. Otherwise returns what is still to send: the
+        stream stays held for it (no other send may come between), and the caller must hand
+        it to ``finish_send``.
 
         Raises:
           trio.WouldBlock: another send holds the stream (nothing was done).
           trio.BrokenResourceError: the stream is broken (it was, or this send broke it).
         """
         self._send_lock.acquire_nowait()
-        rest: memoryview | None = None
+        rest: list[memoryview] | None = None
         try:
             if self.broken is not None:
                 raise trio.BrokenResourceError(self.broken)
-            for part in parts:
-                self._ssl.write(part)
-            view = memoryview(self._outgoing.read())
-            while view:
-                try:
-                    sent = self._sock.send(view)
-                except BlockingIOError:
-                    rest = view
+            for index, part in enumerate(parts):
+                if left := self._write(memoryview(part)):
+                    rest = [left, *(memoryview(later) for later in parts[index + 1 :])]
                     return rest
-                except OSError as error:
-                    self._break(f"a send was cut short ({type(error).__name__})")
-                    raise trio.BrokenResourceError(f"send failed: {error}") from error
-                view = view[sent:]
             return None
         finally:
             if rest is None:
                 self._send_lock.release()
 
-    async def finish_send(self, rest: memoryview) -> None:
+    async def finish_send(self, rest: list[memoryview]) -> None:
         """Send what ``send_nowait`` left, and release the stream."""
         try:
-            await self._send_raw(rest)
+            await self._send_parts(rest)
         finally:
             self._send_lock.release()
 
-    async def receive_parts(self) -> list[bytes]:
-        """Decrypted bytes, one part per TLS record (not joined: the frame reader copies them
-        once anyway); [] at a clean end (close_notify), then again on every call. Raises
-        BrokenResourceError on an unclean end or a TLS error (after the records before it
-        were returned), and again on every later call."""
-        while True:
+    async def receive_into(self, buffer: memoryview) -> int:
+        """Decrypt into ``buffer`` what has come, waiting for at least one byte: how many
+        bytes; 0 at a clean end (the peer's close_notify), then again on every call. Raises
+        BrokenResourceError on an unclean end or a TLS error (after the bytes before it were
+        returned), and again on every later call."""
+        if self._reads_since_checkpoint >= _READS_PER_CHECKPOINT:
+            self._reads_since_checkpoint = 0
+            await trio.lowlevel.checkpoint()
+        filled = 0
+        waited = False
+        while filled < len(buffer):
             if self._failed is not None:
+                if filled:
+                    break
                 raise trio.BrokenResourceError(self._failed)
             if self._tls_closed:
-                return []
-            # decrypt only when something is buffered: with nothing there, a read can only fail
-            if self._incoming.pending or self._ssl.pending() or self._eof:
-                parts = []
-                try:
-                    while True:
-                        # one record at most per read: asking for more only makes (and
-                        # page-faults) a bigger buffer each time
-                        if not (data := self._ssl.read(_TLS_RECORD_BYTES)):
-                            # the peer's close_notify: ssl answers b"" (on every read), not
-                            # SSLZeroReturnError, once it has seen one
-                            self._tls_closed = True
-                            break
-                        parts.append(data)
-                except ssl.SSLWantReadError:
-                    pass
-                except ssl.SSLZeroReturnError:
-                    self._tls_closed = True
-                except ssl.SSLError as error:  # truncated: EOF without close_notify, or garbage
-                    self._failed = f"TLS stream ended uncleanly ({error})"
-                    if not parts:
-                        continue
-                if self._outgoing.pending:
-                    await self._flush()  # post-handshake messages (e.g. key updates)
-                if parts or self._tls_closed or self._failed is not None:
-                    return parts
-                if self._eof:
-                    self._failed = "TLS stream ended uncleanly (EOF inside a record)"
-                    continue
-            await self._fill()
+                break
+            try:
+                # one record at most per call (OpenSSL's read); the rest of a big frame's
+                # records follow in the same loop, into the same buffer
+                received = self._sock.read(len(buffer) - filled, buffer[filled:])
+            except ssl.SSLWantReadError:
+                if filled:
+                    break
+                waited = True
+                await trio.lowlevel.wait_readable(self._sock)
+                continue
+            except ssl.SSLWantWriteError:  # a post-handshake reply (key update) waits to go out
+                if filled:
+                    break
+                waited = True
+                await trio.lowlevel.wait_writable(self._sock)
+                continue
+            except ssl.SSLZeroReturnError:
+                self._tls_closed = True
+                break
+            except (ssl.SSLError, OSError) as error:  # EOF without close_notify, garbage, a reset
+                self._failed = f"TLS stream ended uncleanly ({error})"
+                continue
+            if not received:  # the peer's close_notify
+                self._tls_closed = True
+                break
+            filled += received
+        self._reads_since_checkpoint = 0 if waited else self._reads_since_checkpoint + 1
+        return filled
 
     async def receive_some(self, max_bytes: int = _RECEIVE_BYTES) -> bytes:
-        """``receive_parts`` joined; b"" at a clean end. ``max_bytes`` is not used: it is
-        there so that tests can call this as they call trio's ``receive_some``."""
-        return b"".join(await self.receive_parts())
+        """Decrypted bytes, at most ``max_bytes``; b"" at a clean end (trio's
+        ``receive_some``, for tests)."""
+        buffer = bytearray(max_bytes)
+        return bytes(buffer[: await self.receive_into(memoryview(buffer))])
 
     def getpeercert(self, binary_form: bool = True) -> bytes | None:
-        return self._ssl.getpeercert(binary_form=True)
+        return self._sock.getpeercert(binary_form=True)
 
     def selected_alpn_protocol(self) -> str | None:
-        return self._ssl.selected_alpn_protocol()
+        return self._sock.selected_alpn_protocol()
 
     async def aclose(self) -> None:
         """Close the socket (no close_notify: every frame is length-prefixed, so a cut is seen)."""
@@ -406,7 +392,7 @@ class _Connection:
         # or the rest of one the kernel did not take at once (the stream stays held for it).
         # While anything is left there, those sends queue behind it: a send that went ahead
         # and left a rest would hold the stream that the writer waits for, rest behind it.
-        self._backlog_in, self._backlog = trio.open_memory_channel[tuple[bytes, bytes] | memoryview](math.inf)
+        self._backlog_in, self._backlog = trio.open_memory_channel[tuple[bytes, bytes] | list[memoryview]](math.inf)
         self._backlog_items = 0  # queued, or being sent by the writer
 
     async def send_frame(self, header: bytes, payload: bytes) -> None:
@@ -443,7 +429,7 @@ class _Connection:
         if rest is not None:
             self._to_backlog(rest)
 
-    def _to_backlog(self, item: tuple[bytes, bytes] | memoryview) -> None:
+    def _to_backlog(self, item: tuple[bytes, bytes] | list[memoryview]) -> None:
         self._backlog_items += 1
         self._backlog_in.send_nowait(item)
 
@@ -452,14 +438,14 @@ class _Connection:
         not, in order, until cancelled (with the connection)."""
         async for item in self._backlog:
             try:
-                if isinstance(item, memoryview):
+                if isinstance(item, list):
                     await self._finish_quietly(item)
                 else:
                     await self.send_frame_quietly(*item)
             finally:
                 self._backlog_items -= 1
 
-    async def _finish_quietly(self, rest: memoryview) -> None:
+    async def _finish_quietly(self, rest: list[memoryview]) -> None:
         try:
             await self.stream.finish_send(rest)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as error:
@@ -770,18 +756,20 @@ class ChannelTransport:
         stream = connection.stream
         while True:
             try:
-                parts = await stream.receive_parts()
+                # straight into the reader's buffer: all of a frame whose length is known,
+                # else whatever has come
+                with reader.space(max(reader.needed(), _RECEIVE_BYTES)) as free:
+                    received = await stream.receive_into(free)
             except trio.BrokenResourceError:
                 if not reader.at_frame_boundary:  # the peer went away inside a frame
                     raise reader.truncation_error() from None
                 raise
-            if not parts:
+            if not received:
                 if not reader.at_frame_boundary:
                     raise reader.truncation_error()
                 connection.fail("the peer closed the connection")
                 return
-            for part in parts:
-                reader.feed(part)
+            reader.commit(received)
             while (frame := reader.take_frame(parse_channel_frame)) is not None:
                 if frame.kind == REQUEST:
                     handler = self._handlers.get(frame.protocol_id)

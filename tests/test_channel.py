@@ -357,6 +357,46 @@ async def test_immediate_answers_stay_whole_when_the_reader_cannot_send_them_at_
     assert replies == {i: b"echo:" + p for i, p in enumerate(payloads)}
 
 
+@pytest.mark.parametrize("reply_later", [True, False])
+async def test_a_reply_later_goes_out_after_the_task_its_request_woke(pair: Pair, reply_later: bool) -> None:
+    # A step's ack (reply_later) leaves after the serving task it woke has run, so that the
+    # Forward starts first; a plain immediate reply leaves at once, from the frame reader.
+    # Seen from the requester's socket: has the reply reached it when the woken task runs?
+    a, b = pair.a, pair.b
+    woken = trio.Event()
+    seen: list[bool] = []
+
+    def answer(_remote: str, payload: bytes) -> bytes:
+        woken.set()
+        return b"ack:" + payload
+
+    b.set_handler("/test/later/1.0.0", ImmediateHandler(answer, reply_later=reply_later))
+    assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"dial", timeout_s=10) == b"echo:dial"
+    (connection,) = a._connections.values()
+
+    async def woken_task() -> None:
+        await woken.wait()
+        # has b sent the reply? Then a's frame reader has taken it, or its bytes wait on a's
+        # socket (loopback delivers them within b's send)
+        if any(waiter.done is not None and waiter.done.is_set() for waiter in connection.pending.values()):
+            seen.append(True)
+            return
+        try:
+            socket.socket.recv(connection.stream._sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            seen.append(True)
+        except BlockingIOError:
+            seen.append(False)
+
+    for round_ in range(5):
+        woken = trio.Event()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(woken_task)
+                reply = await a.request(b.peer_id, b.listen_addrs, "/test/later/1.0.0", b"%d" % round_, timeout_s=10)
+        assert reply == b"ack:%d" % round_
+    assert seen == [not reply_later] * 5
+
+
 async def test_an_immediate_handler_that_raises_answers_an_error_and_the_connection_serves_on(pair: Pair) -> None:
     a, b = pair.a, pair.b
 

@@ -136,15 +136,6 @@ def tls_contexts(key: Ed25519PrivateKey, cert_lifetime_s: float) -> tuple[ssl.SS
     return contexts[0], contexts[1]
 
 
-async def _acquire(lock: trio.Semaphore) -> None:
-    """Take ``lock``; when it is free, without the scheduler round trip of ``acquire`` (the
-    socket send that follows is the checkpoint). A frame's send is on every hop's path."""
-    try:
-        lock.acquire_nowait()
-    except trio.WouldBlock:
-        await lock.acquire()
-
-
 class _TlsStream:
     """TLS over a TCP socket: an ``ssl.SSLSocket`` on the non-blocking socket, awaited through
     trio's low-level waits.
@@ -232,7 +223,7 @@ class _TlsStream:
 
     async def send_all(self, *parts: bytes) -> None:
         """Encrypt ``parts`` and send them, as one unit: no other send comes between them."""
-        await _acquire(self._send_lock)
+        await raw_socket.acquire(self._send_lock)
         try:
             if self.broken is not None:
                 raise trio.BrokenResourceError(self.broken)
@@ -374,6 +365,19 @@ class _Pending:
     protocol_id: str = ""
 
 
+@dataclass(frozen=True)
+class _LaterFrame:
+    """A frame for the writer to send after one scheduler pass (``send_frame_later``)."""
+
+    header: bytes
+    payload: bytes
+
+
+#: What the connection's writer sends: a frame, the rest of a send already begun (the stream
+#: is held for it), or a frame to send after one scheduler pass.
+_BacklogItem = tuple[bytes, bytes] | list[memoryview] | _LaterFrame
+
+
 class _Connection:
     """One authenticated channel connection and the exchanges in flight on it (either way)."""
 
@@ -392,7 +396,7 @@ class _Connection:
         # or the rest of one the kernel did not take at once (the stream stays held for it).
         # While anything is left there, those sends queue behind it: a send that went ahead
         # and left a rest would hold the stream that the writer waits for, rest behind it.
-        self._backlog_in, self._backlog = trio.open_memory_channel[tuple[bytes, bytes] | list[memoryview]](math.inf)
+        self._backlog_in, self._backlog = trio.open_memory_channel[_BacklogItem](math.inf)
         self._backlog_items = 0  # queued, or being sent by the writer
 
     async def send_frame(self, header: bytes, payload: bytes) -> None:
@@ -429,7 +433,14 @@ class _Connection:
         if rest is not None:
             self._to_backlog(rest)
 
-    def _to_backlog(self, item: tuple[bytes, bytes] | list[memoryview]) -> None:
+    def send_frame_later(self, header: bytes, payload: bytes) -> None:
+        """Send a frame from the connection's writer (``serve_backlog``) after one scheduler
+        pass: the tasks that the frame reader woke meanwhile (a serving task starting a
+        Forward) run first (``ImmediateHandler.reply_later``). Frames sent after it on this
+        connection keep their order (they queue behind it)."""
+        self._to_backlog(_LaterFrame(header, payload))
+
+    def _to_backlog(self, item: _BacklogItem) -> None:
         self._backlog_items += 1
         self._backlog_in.send_nowait(item)
 
@@ -440,6 +451,9 @@ class _Connection:
             try:
                 if isinstance(item, list):
                     await self._finish_quietly(item)
+                elif isinstance(item, _LaterFrame):
+                    await trio.lowlevel.checkpoint()  # after the tasks its request woke
+                    await self.send_frame_quietly(item.header, item.payload)
                 else:
                     await self.send_frame_quietly(*item)
             finally:
@@ -775,7 +789,11 @@ class ChannelTransport:
                     handler = self._handlers.get(frame.protocol_id)
                     if isinstance(handler, ImmediateHandler):  # answered here, no task
                         answer = _answered(connection, frame.protocol_id, handler.answer, frame.payload)
-                        connection.send_frame_soon(*_reply_frame(connection, frame.exchange_id, frame.protocol_id, answer))
+                        reply = _reply_frame(connection, frame.exchange_id, frame.protocol_id, answer)
+                        if handler.reply_later:
+                            connection.send_frame_later(*reply)
+                        else:
+                            connection.send_frame_soon(*reply)
                     else:
                         handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
                 else:

@@ -17,7 +17,17 @@ import socket
 
 import trio
 
-__all__ = ["adopt", "receive_into", "send_all"]
+__all__ = ["acquire", "adopt", "receive_into", "send_all"]
+
+
+async def acquire(lock: trio.Lock | trio.Semaphore) -> None:
+    """Take ``lock`` (for the socket send that follows); when it is free, without the
+    scheduler pass that ``acquire`` makes even then: the send is the checkpoint, or the wait
+    that follows it. A channel frame's send and a worker's Forward are on every hop's path."""
+    try:
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        await lock.acquire()
 
 
 def adopt(stream: trio.SocketStream) -> socket.socket:

@@ -533,8 +533,11 @@ class _ForwardStream:
         data = len(payload := request.SerializeToString()).to_bytes(_PREFIX_BYTES, "little") + payload
         try:
             with trio.fail_after(timeout_s):  # the wait for the lock counts too
-                async with self._lock:
+                await raw_socket.acquire(self._lock)  # free: no scheduler pass before the send
+                try:
                     frame = await self._exchange_locked(data)
+                finally:
+                    self._lock.release()
         except trio.TooSlowError:
             raise WorkerError("DEADLINE_EXCEEDED", f"no Forward reply within {timeout_s} s", method="Forward") from None
         if frame.code:

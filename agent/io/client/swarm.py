@@ -438,7 +438,8 @@ class SwarmClient:
         self._last_routes: dict[str, swarm_pb2.Route] = {}  # model -> the tracker's last route
         self._decode_step_s: float | None = None  # moving average of decode step time
         self.spot_checks = SpotChecks(self, config.spot_check_rate, config.spot_check_grace_s)
-        transport.set_handler(RESULT_PROTOCOL, ImmediateHandler(self._on_result))
+        # the ack goes out after the generation has sent its next step
+        transport.set_handler(RESULT_PROTOCOL, ImmediateHandler(self._on_result, reply_later=True))
         #: steps sent without a task when the transport can (``_send_step_soon``)
         self._request_soon = getattr(transport, "request_soon", None)
 

@@ -429,8 +429,9 @@ class Node:
         #: pushes sent from the serving task when the transport can (``_push_now``)
         self._request_soon = getattr(transport, "request_soon", _cannot_request_soon)
         #: the step handlers, answered inline by the direct channel (``ImmediateHandler``)
-        self.handle_step = ImmediateHandler(self.answer_step)
-        self.handle_steps = ImmediateHandler(self.answer_steps)
+        # the ack goes out after the serving task has started the step's Forward
+        self.handle_step = ImmediateHandler(self.answer_step, reply_later=True)
+        self.handle_steps = ImmediateHandler(self.answer_steps, reply_later=True)
         self.admission = swarm_pb2.SignedAdmission()
         self.heartbeat_interval_ms = config.heartbeat_interval_ms or DEFAULT_HEARTBEAT_INTERVAL_MS
         self.models = {m.sha256: m for m in config.models}

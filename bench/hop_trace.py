@@ -124,7 +124,8 @@ def _install_transport_hooks() -> None:
     _wrap(channel.ChannelTransport, "request_soon", "req", when=_is_step_or_result_soon)
     _wrap(channel._Connection, "send_frame", "wr", when=lambda _self, _header, payload: len(payload))
     _wrap(channel._Connection, "request_soon", "wr", when=lambda _self, _protocol_id, payload, **_k: len(payload))
-    _wrap(frames.FrameReader, "feed", "rd")
+    # the channel decrypts straight into the reader's buffer, then commits what came
+    _wrap(frames.FrameReader, "commit", "rd")
     _wrap(p2p.P2PTransport, "request", "req", when=_is_step_or_result)
     framed = getattr(p2p, "_FramedStream", None)
     if framed is None:

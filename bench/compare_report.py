@@ -91,15 +91,27 @@ def derive(systems: Mapping[str, Mapping]) -> dict[str, dict]:
     return out
 
 
+def _places(value: float, target: float) -> int:
+    """Decimal places that show ``value`` on the right side of ``target``: 2, or 3 (then 4)
+    when 2 would round a miss (or a bare pass) onto the target itself."""
+    for places in (2, 3):
+        if round(value, places) != round(target, places):
+            return places
+    return 4
+
+
 def _check(name: str, value: float, target: float, higher_is_better: bool, unit: str, target_text: str) -> dict:
     met = value >= target if higher_is_better else value <= target
+    places = _places(value, target)
+    gap = abs(value - target)
     if met:
         miss = ""
     elif higher_is_better:
-        miss = f"missed by {target - value:.2f}{unit} ({(1 - value / target) * 100:.0f}% short of {target_text})"
+        short = (1 - value / target) * 100
+        miss = f"missed by {gap:.{places}f}{unit} ({short:.{0 if short >= 1 else 1}f}% short of {target_text})"
     else:
-        miss = f"missed by {value - target:.2f}{unit} ({value / target:.1f}x the {target_text} target)"
-    return {"name": name, "value": value, "target": target_text, "met": met, "miss": miss}
+        miss = f"missed by {gap:.{places}f}{unit} ({value / target:.1f}x the {target_text} target)"
+    return {"name": name, "value": value, "target": target_text, "met": met, "miss": miss, "shown": f"{value:.{places}f}"}
 
 
 def headline(
@@ -338,7 +350,7 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
         lines += ["", "## Headline (computed in this run)", ""]
         for c in checks:
             verdict = "met" if c["met"] else f"**MISSED**: {c['miss']}"
-            lines.append(f"- {c['name']}: **{c['value']:.2f}** (target {c['target']}): {verdict}")
+            lines.append(f"- {c['name']}: **{c.get('shown', format(c['value'], '.2f'))}** (target {c['target']}): {verdict}")
         if "worker_unsplit" in systems and "llama_bench" in systems:
             worker_ms = step_ms(systems["worker_unsplit"]["decode_tps"])["median"]
             bench_ms = step_ms(systems["llama_bench"]["decode_tps"])["median"]

@@ -71,6 +71,17 @@ def test_headline_checks_say_by_how_much_a_target_is_missed():
     assert checks["Baton 2-split decode / unsplit decode"]["met"]  # 0.8 exactly
 
 
+def test_a_miss_smaller_than_the_shown_places_is_shown_with_more():
+    # 0.946 against 0.95 printed at 2 places read "0.95 ... missed by 0.00x (0% short)"
+    close = compare_report._check("prefill", 0.9459, 0.95, True, "x", ">= 0.95x")
+    assert not close["met"] and close["shown"] == "0.946"
+    assert "missed by 0.004x" in close["miss"] and "0.4% short" in close["miss"]
+    far = compare_report._check("decode", 0.5, 0.8, True, "x", ">= 0.8x")
+    assert far["shown"] == "0.50" and "missed by 0.30x (38% short" in far["miss"]
+    bare = compare_report._check("decode", 0.9742, 0.97, True, "x", ">= 0.97x")
+    assert bare["met"] and bare["shown"] == "0.974"
+
+
 def test_markdown_has_every_row_and_the_headline():
     derived = compare_report.derive(SYSTEMS)
     report = {

@@ -11,6 +11,7 @@ import ssl
 
 import pytest
 import trio
+import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.core import frames
@@ -307,6 +308,31 @@ async def test_tls_garbage_after_good_records_gives_the_records_then_an_error_ev
             for _ in range(3):
                 with pytest.raises(trio.BrokenResourceError, match="uncleanly"):
                     await client.receive_some()
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_a_big_frame_is_received_in_bounded_pieces() -> None:
+    # However much has come, one receive decrypts at most max_bytes (256 KiB by default): the
+    # frame reader checkpoints between receives, so a huge frame cannot hold the event loop.
+    client, server = await _tls_pair()
+    try:
+        data = bytes(range(256)) * 4096  # 1 MiB
+        buffer = memoryview(bytearray(len(data)))
+        received = 0
+        # as much as the kernel lets the sender queue (more than 256 KiB) waits in the socket
+        server._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.send_all, data)
+            await trio.testing.wait_all_tasks_blocked()  # the sender waits on a full socket
+            with trio.fail_after(10):
+                while received < len(data):
+                    got = await client.receive_into(buffer[received:])
+                    assert 0 < got <= 256 * 1024
+                    received += got
+        assert bytes(buffer) == data
+        buffer.release()
     finally:
         await client.aclose()
         await server.aclose()

@@ -268,18 +268,23 @@ class _TlsStream:
         finally:
             self._send_lock.release()
 
-    async def receive_into(self, buffer: memoryview) -> int:
-        """Decrypt into ``buffer`` what has come, waiting for at least one byte: how many
-        bytes; 0 at a clean end (the peer's close_notify), then again on every call. Raises
-        BrokenResourceError on an unclean end or a TLS error (after the bytes before it were
-        returned), and again on every later call."""
+    async def receive_into(self, buffer: memoryview, max_bytes: int = _RECEIVE_BYTES) -> int:
+        """Decrypt into ``buffer`` what has come, ``max_bytes`` at most, waiting for at least
+        one byte: how many bytes; 0 at a clean end (the peer's close_notify), then again on
+        every call. Raises BrokenResourceError on an unclean end or a TLS error (after the
+        bytes before it were returned), and again on every later call.
+
+        ``max_bytes`` bounds the work between two of the reader's checkpoints (at most
+        ``_READS_PER_CHECKPOINT`` receives): a 64 MiB frame arriving as fast as it decrypts
+        must not hold the event loop (another session's decode step) for all of it."""
         if self._reads_since_checkpoint >= _READS_PER_CHECKPOINT:
             self._reads_since_checkpoint = 0
             await trio.lowlevel.checkpoint()
         filled = 0
+        limit = min(len(buffer), max_bytes)
         waited = False
         woken = False  # wait_readable just returned: the socket has something
-        while filled < len(buffer):
+        while filled < limit:
             if self._failed is not None:
                 if filled:
                     break
@@ -298,7 +303,7 @@ class _TlsStream:
             try:
                 # one record at most per call (OpenSSL's read); the rest of a big frame's
                 # records follow in the same loop, into the same buffer
-                received = self._sock.read(len(buffer) - filled, buffer[filled:])
+                received = self._sock.read(limit - filled, buffer[filled:])
             except ssl.SSLWantReadError:
                 if filled:
                     break
@@ -328,7 +333,7 @@ class _TlsStream:
         """Decrypted bytes, at most ``max_bytes``; b"" at a clean end (trio's
         ``receive_some``, for tests)."""
         buffer = bytearray(max_bytes)
-        return bytes(buffer[: await self.receive_into(memoryview(buffer))])
+        return bytes(buffer[: await self.receive_into(memoryview(buffer), max_bytes)])
 
     def getpeercert(self, binary_form: bool = True) -> bytes | None:
         return self._sock.getpeercert(binary_form=True)
@@ -785,8 +790,8 @@ class ChannelTransport:
         stream = connection.stream
         while True:
             try:
-                # straight into the reader's buffer: all of a frame whose length is known,
-                # else whatever has come
+                # straight into the reader's buffer (room for all of a frame whose length is
+                # known), _RECEIVE_BYTES at most a call
                 with reader.space(max(reader.needed(), _RECEIVE_BYTES)) as free:
                     received = await stream.receive_into(free)
             except trio.BrokenResourceError:

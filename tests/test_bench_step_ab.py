@@ -1,0 +1,51 @@
+"""The pure parts of ``bench/step_ab.py``: per-side medians, each round's pair, the ratio and
+the markdown. No processes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH_DIR))
+
+import step_ab  # noqa: E402
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _run(step_ms: float, tokens_per_s: float, nodes_ms: float) -> dict:
+    return {"step_ms": step_ms, "tokens_per_s": tokens_per_s, "cpu_ms_per_token": {"node agents (Python)": nodes_ms}}
+
+
+def test_summary_takes_medians_per_side_and_counts_the_rounds_head_was_ahead() -> None:
+    runs = {
+        "base": [[_run(20, 50, 6), _run(22, 45, 6.4)], [_run(30, 33, 8), _run(31, 32, 8.2)]],
+        # ahead in round 1 on both figures; in round 2 a shorter step but fewer tokens/s
+        "head": [[_run(19, 52, 5), _run(20, 50, 5.2)], [_run(29, 30, 7), _run(29, 31, 7.2)]],
+    }
+    summary = step_ab.summarize(runs)
+    assert summary["sides"]["base"]["step_ms"] == pytest.approx(26.0)  # median of 20, 22, 30, 31
+    assert summary["sides"]["head"]["step_ms"] == pytest.approx(24.5)  # median of 19, 20, 29, 29
+    assert summary["ratio_head_over_base"]["step_ms"] == pytest.approx(24.5 / 26.0)
+    assert summary["sides"]["head"]["cpu_ms_per_token"]["node agents (Python)"] == pytest.approx(6.1)
+    assert summary["rounds"][0]["base"]["step_ms"] == pytest.approx(21.0)
+    assert summary["rounds_head_ahead"] == 1
+
+
+def test_markdown_shows_both_sides_and_every_round() -> None:
+    runs = {"base": [[_run(20, 50, 6)], [_run(22, 48, 6)]], "head": [[_run(18, 55, 5)], [_run(19, 53, 5)]]}
+    report = {
+        "machine": {"cpu_model": "AMD EPYC", "cores": 2},
+        "base": {"ref": "v1", "commit": "a" * 40},
+        "head": {"commit": "b" * 40, "dirty": False},
+        "method": {"sessions": 8, "tokens": 64, "rounds": 2, "runs_per_swarm": 1, "threads": 2, "node_args": ""},
+        "summary": step_ab.summarize(runs),
+    }
+    text = step_ab.markdown(report)
+    assert "AMD EPYC, 2 cores" in text and "`aaaaaaaaaaaa` (v1)" in text
+    assert "| decode step ms (median gap) | 21.00 | 18.50 | 0.881 |" in text
+    assert "| 2 | 22.00 | 19.00 | 48.0 | 53.0 |" in text
+    assert "head was ahead on both step and tokens/s: 2 of 2" in text

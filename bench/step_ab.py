@@ -59,21 +59,15 @@ FIGURES = ("step_ms", "tokens_per_s")
 
 
 def log(message: str) -> None:
-    print(
-        f"[step_ab {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True
-    )
+    print(f"[step_ab {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 # -- one side: a swarm from the current directory's checkout (child process) -----------------
 
 
-async def _measure(
-    sessions: int, tokens: int, runs: int, threads: int, node_args: Sequence[str]
-) -> None:
+async def _measure(sessions: int, tokens: int, runs: int, threads: int, node_args: Sequence[str]) -> None:
     """Start a swarm from the checkout in the current directory; print one JSON line a run."""
-    sys.path.insert(
-        0, os.getcwd()
-    )  # that checkout's agent, not this script's (_bootstrap's)
+    sys.path.insert(0, os.getcwd())  # that checkout's agent, not this script's (_bootstrap's)
     import trio
 
     from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
@@ -96,14 +90,8 @@ async def _measure(
                     node_memory_bytes(entry.n_layer, entry.bytes_per_block, NODES),
                 )
             route = await wait_for_coverage(client, swarm, ALIAS, timeout_s=300.0)
-            prompt = (
-                await client.tokenize(
-                    route, "The quick brown fox jumps over the lazy dog. " * 10
-                )
-            )[0][:32]
-        async with open_swarm_client(
-            swarm.tracker_addr, config=client_config
-        ) as client:
+            prompt = (await client.tokenize(route, "The quick brown fox jumps over the lazy dog. " * 10))[0][:32]
+        async with open_swarm_client(swarm.tracker_addr, config=client_config) as client:
             await client.generate_tokens(ALIAS, prompt, max_tokens=8)  # warm-up
 
         async def one(index: int, arrivals: list[float]) -> None:
@@ -112,9 +100,7 @@ async def _measure(
                 return False
 
             # prompts differ in their last token: no two sessions share a cache prefix
-            async with open_swarm_client(
-                swarm.tracker_addr, config=client_config
-            ) as owner:
+            async with open_swarm_client(swarm.tracker_addr, config=client_config) as owner:
                 await owner.generate_tokens(
                     ALIAS,
                     [*prompt[:-1], prompt[-1] + index],
@@ -131,18 +117,14 @@ async def _measure(
             gaps = [b - a for times in arrivals for a, b in itertools.pairwise(times)]
             decode_tokens = sum(max(0, len(times) - 1) for times in arrivals)
             # the decode span: from the first session's first token to the last one's last
-            decode_s = max(times[-1] for times in arrivals) - min(
-                times[0] for times in arrivals
-            )
+            decode_s = max(times[-1] for times in arrivals) - min(times[0] for times in arrivals)
             spent = _cpu_during(before, _cpu_seconds())
             print(
                 json.dumps(
                     {
                         "step_ms": statistics.median(gaps) * 1e3,
                         "tokens_per_s": decode_tokens / decode_s,
-                        "cpu_ms_per_token": {
-                            role: s * 1e3 / decode_tokens for role, s in spent.items()
-                        },
+                        "cpu_ms_per_token": {role: s * 1e3 / decode_tokens for role, s in spent.items()},
                     }
                 ),
                 flush=True,
@@ -153,9 +135,7 @@ async def _measure(
 
 
 def _git(*args: str, cwd: Path = REPO_ROOT) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
-    ).stdout.strip()
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
 
 
 def prepare_base(ref: str, folder: Path) -> str:
@@ -166,9 +146,7 @@ def prepare_base(ref: str, folder: Path) -> str:
     try:
         commit = _git("rev-parse", "--verify", f"{ref}^{{commit}}")
     except subprocess.CalledProcessError:
-        raise SystemExit(
-            f"step_ab: {ref!r} is not a commit of this repository"
-        ) from None
+        raise SystemExit(f"step_ab: {ref!r} is not a commit of this repository") from None
     changed = _git("diff", "--name-only", commit, "--", "native", "patches")
     if changed:
         raise SystemExit(
@@ -208,12 +186,8 @@ def run_side(checkout: Path, args: argparse.Namespace) -> list[dict]:
         check=False,
     )
     if done.returncode != 0:
-        raise RuntimeError(
-            f"the swarm from {checkout} failed (rc={done.returncode}): {done.stderr[-2000:]}"
-        )
-    return [
-        json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")
-    ]
+        raise RuntimeError(f"the swarm from {checkout} failed (rc={done.returncode}): {done.stderr[-2000:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
 def summarize(runs: dict[str, list[list[dict]]]) -> dict:
@@ -228,21 +202,13 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict:
             "runs": len(flat),
             **{name: statistics.median(run[name] for run in flat) for name in FIGURES},
             "cpu_ms_per_token": {
-                role: statistics.median(
-                    run["cpu_ms_per_token"].get(role, 0.0) for run in flat
-                )
-                for role in roles
+                role: statistics.median(run["cpu_ms_per_token"].get(role, 0.0) for run in flat) for role in roles
             },
         }
     for round_index in range(len(runs["base"])):
         out["rounds"].append(
             {
-                side: {
-                    name: statistics.median(
-                        run[name] for run in runs[side][round_index]
-                    )
-                    for name in FIGURES
-                }
+                side: {name: statistics.median(run[name] for run in runs[side][round_index]) for name in FIGURES}
                 for side in SIDES
             }
         )
@@ -333,19 +299,10 @@ def main() -> int:
         type=Path,
         help="where step_ab.{json,md} go (default: a temporary folder)",
     )
-    parser.add_argument(
-        "--measure", action="store_true", help=argparse.SUPPRESS
-    )  # child: one side's swarm
+    parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # child: one side's swarm
     args = parser.parse_args()
-    if (
-        args.sessions < 1
-        or args.tokens < 2
-        or args.rounds < 1
-        or args.runs_per_swarm < 1
-    ):
-        parser.error(
-            "--sessions, --rounds and --runs-per-swarm must be at least 1, --tokens at least 2"
-        )
+    if args.sessions < 1 or args.tokens < 2 or args.rounds < 1 or args.runs_per_swarm < 1:
+        parser.error("--sessions, --rounds and --runs-per-swarm must be at least 1, --tokens at least 2")
     if args.measure:
         import trio
 
@@ -377,10 +334,7 @@ def main() -> int:
                     log(f"round {round_index + 1} of {args.rounds}: {side}")
                     runs[side].append(run_side(checkouts[side], args))
                     last = runs[side][-1]
-                    log(
-                        "  step ms "
-                        + ", ".join(f"{run['step_ms']:.2f}" for run in last)
-                    )
+                    log("  step ms " + ", ".join(f"{run['step_ms']:.2f}" for run in last))
         finally:
             _git("worktree", "remove", "--force", str(base_dir))
     report = {
@@ -389,9 +343,7 @@ def main() -> int:
         "base": {"ref": args.base, "commit": base_commit},
         "head": {
             "commit": _git("rev-parse", "HEAD"),
-            "dirty": bool(
-                _git("status", "--porcelain", "--", "agent", "bench", "protocol")
-            ),
+            "dirty": bool(_git("status", "--porcelain", "--", "agent", "bench", "protocol")),
         },
         "method": {
             "sessions": args.sessions,

@@ -4,6 +4,8 @@ Fallback peers are a ``MemoryNetwork`` (the channel must not need libp2p to be t
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import contextlib
 import functools
 import socket
@@ -279,25 +281,30 @@ async def test_a_send_cut_short_ends_that_connection_and_the_next_request_dials_
     assert first == {"whole_frames": False, "cut_inside_a_frame": True}
 
 
-async def _tls_pair() -> tuple[_TlsStream, _TlsStream]:
-    """A TLS client and server over a socket pair, handshake done (peer certificates both ways)."""
+@contextlib.asynccontextmanager
+async def _open_tls_pair() -> AsyncIterator[tuple[_TlsStream, _TlsStream]]:
+    """A TLS client and server over a socket pair, handshake done (peer certificates both
+    ways); both closed on exit."""
     server_context, _ = tls_contexts(Ed25519PrivateKey.generate(), 3600)
     _, client_context = tls_contexts(Ed25519PrivateKey.generate(), 3600)
     left, right = trio.socket.socketpair()
     client = _TlsStream(trio.SocketStream(left), client_context, server_side=False)
     server = _TlsStream(trio.SocketStream(right), server_context, server_side=True)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(client.do_handshake)
-        nursery.start_soon(server.do_handshake)
-    return client, server
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.do_handshake)
+            nursery.start_soon(server.do_handshake)
+        yield client, server
+    finally:
+        await client.aclose()
+        await server.aclose()
 
 
 async def test_tls_garbage_after_good_records_gives_the_records_then_an_error_every_time() -> None:
     # Bytes that are no TLS record, from the network behind the peer's back: what came before
     # them is delivered, then every receive raises at once (none waits for more bytes that
     # cannot help).
-    client, server = await _tls_pair()
-    try:
+    async with _open_tls_pair() as (client, server):
         await server.send_all(b"before the garbage")
         # an application-data record header and 5 bytes of junk, past TLS onto the socket
         socket.socket.send(server._sock, b"\x17\x03\x03\x00\x05junk!")
@@ -308,16 +315,12 @@ async def test_tls_garbage_after_good_records_gives_the_records_then_an_error_ev
             for _ in range(3):
                 with pytest.raises(trio.BrokenResourceError, match="uncleanly"):
                     await client.receive_some()
-    finally:
-        await client.aclose()
-        await server.aclose()
 
 
 async def test_a_big_frame_is_received_in_bounded_pieces() -> None:
     # However much has come, one receive decrypts at most max_bytes (256 KiB by default): the
     # frame reader checkpoints between receives, so a huge frame cannot hold the event loop.
-    client, server = await _tls_pair()
-    try:
+    async with _open_tls_pair() as (client, server):
         data = bytes(range(256)) * 4096  # 1 MiB
         buffer = memoryview(bytearray(len(data)))
         received = 0
@@ -333,14 +336,10 @@ async def test_a_big_frame_is_received_in_bounded_pieces() -> None:
                     received += got
         assert bytes(buffer) == data
         buffer.release()
-    finally:
-        await client.aclose()
-        await server.aclose()
 
 
 async def test_a_tls_close_notify_is_a_clean_end_on_every_receive() -> None:
-    client, server = await _tls_pair()
-    try:
+    async with _open_tls_pair() as (client, server):
         await server.send_all(b"last words")
         with contextlib.suppress(ssl.SSLWantReadError):
             server._sock.unwrap()  # sends close_notify (then would wait for ours)
@@ -351,9 +350,6 @@ async def test_a_tls_close_notify_is_a_clean_end_on_every_receive() -> None:
             assert received == b"last words"
             assert await client.receive_some() == b""  # and again: no wait for the TCP end
             assert await client.receive_some() == b""
-    finally:
-        await client.aclose()
-        await server.aclose()
 
 
 async def test_immediate_answers_stay_whole_when_the_reader_cannot_send_them_at_once() -> None:

@@ -85,6 +85,17 @@ def test_reader_refuses_an_oversize_prefix_before_the_body() -> None:
         reader.next_frame()
 
 
+def test_needed_refuses_an_oversize_prefix_too() -> None:
+    # the channel sizes its next receive by needed(): a prefix over the limit must raise
+    # there as well, never ask for a buffer of that size
+    reader = FrameReader(100)
+    reader.feed(frames.frame_prefix(1 << 60))
+    with pytest.raises(FrameTooLarge, match="over the limit"):
+        reader.needed()
+    with pytest.raises(FrameTooLarge):
+        reader.next_frame()  # and the reader stays broken
+
+
 def test_reader_names_truncation() -> None:
     reader = FrameReader(100)
     reader.feed(_frame(b"abcdef")[:-2])

@@ -170,12 +170,32 @@ class FrameReader:
         self._end += size
 
     def needed(self) -> int:
-        """At least how many more bytes the next frame needs (1 while the prefix is incomplete)."""
-        decoded = decode_uvarint(self._buffer, self._start, self._end)
-        if decoded is None:
+        """At least how many more bytes the next frame needs (1 while the prefix is incomplete).
+
+        Raises what ``next_frame`` raises (a stream sizes its next receive by this: a prefix
+        announcing more than ``max_frame_bytes`` must never size a buffer)."""
+        prefix = self._next_prefix()
+        if prefix is None:
             return 1
-        length, used = decoded
+        length, used = prefix
         return max(1, used + length - self.buffered)
+
+    def _next_prefix(self) -> tuple[int, int] | None:
+        """``(body length, prefix bytes)`` of the next frame; None while its prefix is
+        incomplete. Raises FrameTooLarge / FrameError (and the reader stays broken)."""
+        if self._broken is not None:
+            raise self._broken
+        try:
+            decoded = decode_uvarint(self._buffer, self._start, self._end)
+        except FrameError as error:
+            self._broken = error
+            raise
+        if decoded is not None and decoded[0] > self.max_frame_bytes:
+            self._broken = FrameTooLarge(
+                f"frame of {decoded[0]} bytes is over the limit of {self.max_frame_bytes} bytes"
+            )
+            raise self._broken
+        return decoded
 
     def next_frame(self) -> bytes | None:
         """The next whole frame body, or None until more bytes are fed.
@@ -195,23 +215,12 @@ class FrameReader:
 
         Raises what ``next_frame`` raises, and what ``parse`` raises.
         """
-        if self._broken is not None:
-            raise self._broken
-        if self._start == self._end:
+        if self._broken is None and self._start == self._end:
             return None
-        try:
-            decoded = decode_uvarint(self._buffer, self._start, self._end)
-        except FrameError as error:
-            self._broken = error
-            raise
-        if decoded is None:
+        prefix = self._next_prefix()
+        if prefix is None:
             return None
-        length, used = decoded
-        if length > self.max_frame_bytes:
-            self._broken = FrameTooLarge(
-                f"frame of {length} bytes is over the limit of {self.max_frame_bytes} bytes"
-            )
-            raise self._broken
+        length, used = prefix
         begin = self._start + used
         end = begin + length
         if end > self._end:

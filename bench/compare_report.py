@@ -229,6 +229,9 @@ def transport_rows(transport: Mapping) -> list[list[str]]:
                 continue
             s = entry[path]
             ratio = "1 (reference)" if path == "tcp" else f"{entry[f'ratio_{path}_over_tcp']:.2f}x"
+            if (per_run := entry.get(f"ratio_{path}_over_tcp_per_run")) is not None:
+                # each run's own ratio (both paths measured in it, in turn): free of the drift
+                ratio += f"; per run {per_run['median']:.2f}x ({per_run['min']:.2f}–{per_run['max']:.2f})"
             rows.append(
                 [
                     f"transport {name} round trip, {labels[path]}",

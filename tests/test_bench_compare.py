@@ -17,6 +17,7 @@ import compare  # noqa: E402
 import compare_report  # noqa: E402
 import hop_trace  # noqa: E402
 import png_chart  # noqa: E402
+import transport_rtt  # noqa: E402
 
 
 def _fig(prefill: list[float], decode: list[float]) -> dict:
@@ -82,6 +83,12 @@ def test_a_miss_smaller_than_the_shown_places_is_shown_with_more():
     assert bare["met"] and bare["shown"] == "0.974"
 
 
+def test_transport_ratios_per_run_pair_each_run_with_its_own_reference():
+    # a drift between runs moves both paths of a run alike: run 2 is twice as slow for both
+    per_run = transport_rtt.paired_ratios([0.3, 0.6, 0.33], [0.2, 0.4, 0.2])
+    assert per_run == {"median": pytest.approx(1.5), "min": pytest.approx(1.5), "max": pytest.approx(1.65)}
+
+
 def test_markdown_has_every_row_and_the_headline():
     derived = compare_report.derive(SYSTEMS)
     report = {
@@ -110,6 +117,7 @@ def test_markdown_has_every_row_and_the_headline():
                     "libp2p_throughput_MB_per_s": 33.0,
                     "channel": {"median_ms": 0.06, "min_ms": 0.05, "max_ms": 0.07},
                     "ratio_channel_over_tcp": 1.2,
+                    "ratio_channel_over_tcp_per_run": {"median": 1.15, "min": 1.05, "max": 1.4},
                     "channel_throughput_MB_per_s": 270.0,
                     "tcp_throughput_MB_per_s": 330.0,
                 }
@@ -123,7 +131,7 @@ def test_markdown_has_every_row_and_the_headline():
     assert "| 50.0 (49.0–51.0) |" in md  # unsplit decode t/s
     assert "0.50x" in md and "6.67 (" in md  # 3-split ratio and per-hop overhead
     assert "transport 8KiB round trip, libp2p" in md and "10.00x" in md
-    assert "transport 8KiB round trip, Baton channel" in md and "1.20x" in md
+    assert "transport 8KiB round trip, Baton channel" in md and "1.20x; per run 1.15x (1.05–1.40)" in md
     assert "**MISSED**" in md and md.rstrip().endswith("here")
 
 

@@ -240,7 +240,7 @@ def _role(cmdline: list[str]) -> str:
     return "other"
 
 
-def _cpu_seconds() -> dict[int, tuple[str, float]]:
+def cpu_seconds() -> dict[int, tuple[str, float]]:
     """CPU seconds (user + system) so far of this process (the owners: every session's client
     runs here) and of everything it started (tracker, nodes, their workers)."""
     import psutil
@@ -257,7 +257,9 @@ def _cpu_seconds() -> dict[int, tuple[str, float]]:
     return out
 
 
-def _cpu_during(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+def cpu_during(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds spent by role between two ``cpu_seconds`` readings (processes in both;
+    also used by bench/step_ab.py)."""
     spent: dict[str, float] = {}
     for pid, (role, seconds) in after.items():
         if pid in before:
@@ -300,9 +302,9 @@ async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True) -
         rows = {}
         counts = await _forward_counts(addr, int(time.time() * 1000))
         for n in PARALLEL:
-            before, started = _cpu_seconds(), time.perf_counter()
+            before, started = cpu_seconds(), time.perf_counter()
             rows[n] = await _concurrent(addr, prompt, args.tokens, n)
-            rows[n]["cpu_s"] = _cpu_during(before, _cpu_seconds())  # where the time goes
+            rows[n]["cpu_s"] = cpu_during(before, cpu_seconds())  # where the time goes
             rows[n]["wall_s"] = time.perf_counter() - started
             counts, counted = await _forward_counts(addr, int(time.time() * 1000)), counts
             rows[n]["steps_per_forward"] = _steps_per_forward(counted, counts)  # prefill included

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from _bootstrap import REPO_ROOT  # first: it makes the project importable
 
-from batching import _cpu_during, _cpu_seconds  # noqa: E402
+from batching import cpu_during, cpu_seconds  # noqa: E402
 from compare import machine_info  # noqa: E402
 
 ALIAS = "smollm2"
@@ -110,7 +110,7 @@ async def _measure(sessions: int, tokens: int, runs: int, threads: int, node_arg
 
         for _ in range(runs):
             arrivals: list[list[float]] = [[] for _ in range(sessions)]
-            before = _cpu_seconds()
+            before = cpu_seconds()
             async with trio.open_nursery() as nursery:
                 for index in range(sessions):
                     nursery.start_soon(one, index, arrivals[index])
@@ -118,7 +118,7 @@ async def _measure(sessions: int, tokens: int, runs: int, threads: int, node_arg
             decode_tokens = sum(max(0, len(times) - 1) for times in arrivals)
             # the decode span: from the first session's first token to the last one's last
             decode_s = max(times[-1] for times in arrivals) - min(times[0] for times in arrivals)
-            spent = _cpu_during(before, _cpu_seconds())
+            spent = cpu_during(before, cpu_seconds())
             print(
                 json.dumps(
                     {

@@ -20,8 +20,8 @@ Owns one command that measures:
    (``--decode-groups 1 --decode-gather-ms 40``, workers of ``--lock-step-threads``: the first
    hop holds each decode Forward until every decoding session's step waits, so the convoy is
    kept on purpose and one hop computes at a time, with every core), side by side; in every
-   mode the workers' idle threads sleep (the local swarm's ``--worker-wait sleep``: every node
-   shares this machine);
+   mode the workers' idle threads sleep after a short spin (the local swarm's ``--worker-wait
+   sleep``: every node shares this machine);
 2. the inter-token gap of a decoding session while another session's long prompt
    (``--long-prompt`` tokens, in the owner's chunks of ``--chunk`` rows) is prefilled: p50 and
    p99 of the gaps that fall in that prefill, next to the same session's gaps with nothing
@@ -377,7 +377,7 @@ def render_markdown(report: dict) -> str:
         f"{LOCK_STEP_GATHER_MS}`, workers of {cfg.get('lock_step_threads', '?')} threads): one decode group, held at "
         "the first hop until every decoding session's step waits, so the sessions travel as one convoy and one hop "
         "computes at a time (the mode for hops that share a machine's cores). Every worker's idle threads sleep "
-        "(`--worker-wait sleep`, as in every local swarm). A fresh swarm for each; ratios are to llama-batched-bench.",
+        "after a short spin (`--worker-wait sleep`, as in every local swarm). A fresh swarm for each; ratios are to llama-batched-bench.",
         "Decode t/s: the aggregate while every session decodes (from the last session's first token to the "
         "first session's last: no prompt is prefilled then), as llama-batched-bench's S_TG counts; the last "
         "column is the same runs over the whole span, which also holds the later sessions' prefills.",

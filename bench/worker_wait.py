@@ -2,21 +2,24 @@
 
 Owns one benchmark: the same decode through bare workers (no nodes, no network: the Python
 driver hands each hop's output to the next worker, as a node would), with the workers' OpenMP
-threads spinning while idle (libgomp's default, ``--worker-wait spin``) or sleeping
-(``OMP_WAIT_POLICY=PASSIVE``, ``--worker-wait sleep``), in the situations a node can be in:
+threads waiting in one of three ways: spinning for milliseconds before they sleep (libgomp's
+default, ``--worker-wait spin``), spinning ``SLEEP_SPIN_COUNT`` rounds (microseconds) before they
+sleep (``GOMP_SPINCOUNT``, ``--worker-wait sleep``), or never spinning (``OMP_WAIT_POLICY=PASSIVE``,
+what ``sleep`` was until the short spin measured faster here); in the situations a node can be in:
 - one worker alone on the machine (SmolLM2 [0:30)), one session and 8 sessions in one Forward;
 - three workers sharing the machine's cores (a third of the layers each, in series), one
   session, 8 sessions travelling as one group (lock-step: one worker computes at a time), and
   8 sessions in two groups in flight (two workers compute at once).
 Each run starts fresh workers of ``--threads`` threads (default 2, the machine's cores here:
 1 would start no OpenMP team and measure nothing), prefills each session's 64-token prompt,
-then times ``--tokens`` greedy decode steps of every session. Rounds interleave the two
-policies in every situation, so a busy machine disturbs both alike. Reported per situation:
-the median decode tokens/s of each policy, sleep / spin, and the workers' CPU ms a token.
+then times ``--tokens`` greedy decode steps of every session. Rounds interleave the three
+policies in every situation, so a busy machine disturbs them alike. Reported per situation:
+the median decode tokens/s of each policy, sleep / spin, sleep / passive, and the workers' CPU
+ms a token.
 
 Writes ``bench/results/worker_wait.{json,md}``.
 Usage: ``.venv/bin/python bench/worker_wait.py [--rounds 3] [--threads 2] [--tokens 32]``
-(about 4 minutes on 2 cores; needs ``make native`` and the SmolLM2 model, ``make models``).
+(about 8 minutes on 2 cores; needs ``make native`` and the SmolLM2 model, ``make models``).
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from _bootstrap import BENCH_DIR  # first: it makes the project importable
 
 import trio  # noqa: E402
 
-from agent.core.worker_wait import SLEEP, SPIN, worker_environment  # noqa: E402
+from agent.core.worker_wait import SLEEP, SLEEP_SPIN_COUNT, SPIN, worker_environment  # noqa: E402
 
 ALIAS = "smollm2"
 PROMPT_TOKENS = 64
-POLICIES = (SPIN, SLEEP)
+PASSIVE = "passive"  # not a node choice: OMP_WAIT_POLICY=PASSIVE, set here, for comparison
+POLICIES = (SPIN, SLEEP, PASSIVE)
 ALONE = ((0, None),)
 SERIES = ((0, 10), (10, 20), (20, None))
 #: name -> (worker ranges, sessions, groups in flight)
@@ -55,6 +59,16 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def policy_environment(policy: str, environment: dict[str, str]) -> dict[str, str]:
+    """A worker's environment under ``policy``: a node's choice (``spin``, ``sleep``), or
+    ``passive``, libgomp never spinning (the user's own wait variables replaced)."""
+    if policy != PASSIVE:
+        return worker_environment(policy, other_workers=0, environment=environment)[0]
+    env = {k: v for k, v in environment.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
+
+
 async def run_once(model: Path, ranges, sessions: int, groups: int, policy: str, threads: int, tokens: int) -> dict:  # noqa: ANN001
     """One fresh set of workers: decode tokens/s of ``sessions`` sessions and the workers' CPU ms
     a token."""
@@ -63,7 +77,7 @@ async def run_once(model: Path, ranges, sessions: int, groups: int, policy: str,
     from agent.demo.local_demo import next_hop_entries
     from agent.harness.parity_run import open_workers
 
-    environment, _ = worker_environment(policy, other_workers=0, environment=os.environ)
+    environment = policy_environment(policy, os.environ)
     async with open_workers(
         model, list(ranges), threads=threads, max_sequences=max(sessions, 1), environment=environment
     ) as chain:
@@ -107,7 +121,8 @@ async def run_once(model: Path, ranges, sessions: int, groups: int, policy: str,
 
 
 def summarize(runs: dict[str, dict[str, list[dict]]]) -> dict[str, dict]:
-    """Per situation: each policy's median tokens/s and CPU ms a token, and sleep / spin."""
+    """Per situation: each policy's median tokens/s and CPU ms a token, sleep / spin and sleep /
+    passive."""
     out = {}
     for name, by_policy in runs.items():
         row = {}
@@ -118,6 +133,7 @@ def summarize(runs: dict[str, dict[str, list[dict]]]) -> dict[str, dict]:
                 "runs_tokens_per_s": [round(r["tokens_per_s"], 1) for r in results],
             }
         row["sleep_over_spin"] = row[SLEEP]["tokens_per_s"] / row[SPIN]["tokens_per_s"]
+        row["sleep_over_passive"] = row[SLEEP]["tokens_per_s"] / row[PASSIVE]["tokens_per_s"]
         out[name] = row
     return out
 
@@ -131,19 +147,22 @@ def markdown(report: dict) -> str:
         f" load before: {m.get('loadavg_before')}; Baton {m.get('baton_commit')}.",
         f"Bare workers of SmolLM2 ({report['threads']} threads each), no nodes; {PROMPT_TOKENS}-token prompts,"
         f" {report['tokens']} greedy decode steps per session; {report['rounds']} rounds, the policies interleaved;"
-        " medians. spin: libgomp's default (`--worker-wait spin`); sleep: `OMP_WAIT_POLICY=PASSIVE`"
-        " (`--worker-wait sleep`). `auto`, the node's default, sleeps when another Baton worker runs on the host.",
+        " medians. spin: libgomp's default, ~300,000 spin rounds before sleeping (`--worker-wait spin`); sleep:"
+        f" `GOMP_SPINCOUNT={SLEEP_SPIN_COUNT}`, a short spin, then sleep (`--worker-wait sleep`); passive:"
+        " `OMP_WAIT_POLICY=PASSIVE`, never spin (what `sleep` set before). `auto`, the node's default, sleeps when"
+        " another Baton worker runs on the host.",
         "",
-        "| situation | spin: decode t/s | sleep: decode t/s | sleep / spin | spin: worker CPU ms/token"
-        " | sleep: worker CPU ms/token | runs (spin; sleep) |",
-        "|---|---|---|---|---|---|---|",
+        "| situation | spin: decode t/s | sleep: decode t/s | passive: decode t/s | sleep / spin | sleep / passive"
+        " | worker CPU ms/token (spin; sleep; passive) | runs (spin; sleep; passive) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, row in report["situations"].items():
-        spin, sleep = row[SPIN], row[SLEEP]
+        cells = [row[p] for p in POLICIES]
         lines.append(
-            f"| {name} | {spin['tokens_per_s']:.1f} | {sleep['tokens_per_s']:.1f} | {row['sleep_over_spin']:.2f}x"
-            f" | {spin['cpu_ms_per_token']:.1f} | {sleep['cpu_ms_per_token']:.1f}"
-            f" | {', '.join(map(str, spin['runs_tokens_per_s']))}; {', '.join(map(str, sleep['runs_tokens_per_s']))} |"
+            f"| {name} | " + " | ".join(f"{c['tokens_per_s']:.1f}" for c in cells)
+            + f" | {row['sleep_over_spin']:.2f}x | {row['sleep_over_passive']:.2f}x"
+            + " | " + "; ".join(f"{c['cpu_ms_per_token']:.1f}" for c in cells)
+            + " | " + "; ".join(", ".join(map(str, c["runs_tokens_per_s"])) for c in cells) + " |"
         )
     lines += ["", f"Wall time: {report['wall_s']:.0f} s.", ""]
     return "\n".join(lines)

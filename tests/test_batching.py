@@ -22,6 +22,7 @@ import pytest
 import trio
 
 from agent._proto import swarm_pb2
+from agent.core.worker_wait import SLEEP_SPIN_COUNT
 from agent.demo.swarm_demo import forward_counts, node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import open_swarm_client
@@ -295,6 +296,6 @@ async def test_lock_step_runs_every_decoding_session_in_one_forward_with_solo_nu
         # nodes on one machine: their workers' idle threads sleep (the local swarm's --worker-wait)
         for node in swarm.nodes.values():
             workers = [p for p in psutil.Process(node.process.pid).children() if "baton-worker" in p.name()]
-            assert [p.environ().get("OMP_WAIT_POLICY") for p in workers] == ["PASSIVE"], node.name
+            assert [p.environ().get("GOMP_SPINCOUNT") for p in workers] == [str(SLEEP_SPIN_COUNT)], node.name
             assert "the worker's idle threads sleep (--worker-wait sleep)" in node.log_path.read_text()
         swarm.check_alive()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.core.worker_wait import AUTO, SLEEP, SPIN, worker_environment
+from agent.core.worker_wait import AUTO, SLEEP, SLEEP_SPIN_COUNT, SPIN, worker_environment
 
 BASE = {"PATH": "/usr/bin", "HOME": "/root"}
 
@@ -18,7 +18,10 @@ def test_auto_spins_for_a_worker_alone_on_its_host_and_passes_the_environment_on
 
 def test_auto_sleeps_when_other_baton_workers_share_the_host() -> None:
     env, why = worker_environment(AUTO, other_workers=2, environment=BASE)
-    assert env == {**BASE, "OMP_WAIT_POLICY": "PASSIVE"}
+    # a short spin, then sleep: not PASSIVE, whose futex at every barrier of a Forward costs
+    # more than the wait (agent.core.worker_wait)
+    assert env == {**BASE, "GOMP_SPINCOUNT": "1000"}
+    assert "OMP_WAIT_POLICY" not in env
     assert why == "sleep (2 other Baton worker(s) on this host)"
 
 
@@ -33,11 +36,17 @@ def test_auto_keeps_what_the_user_set_in_the_environment(preset: dict[str, str])
 def test_an_explicit_choice_overrides_the_environment() -> None:
     preset = {**BASE, "OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "30000"}
     slept, why = worker_environment(SLEEP, other_workers=0, environment=preset)
-    assert slept == {**BASE, "OMP_WAIT_POLICY": "PASSIVE"}
+    assert slept == {**BASE, "GOMP_SPINCOUNT": str(SLEEP_SPIN_COUNT)}  # the user's ACTIVE is dropped
     assert why == "sleep (--worker-wait sleep)"
     spun, why = worker_environment(SPIN, other_workers=5, environment=preset)
     assert spun == BASE  # libgomp's own default: spin a while, then sleep
     assert why == "spin (--worker-wait spin)"
+
+
+def test_sleep_spins_for_microseconds_not_milliseconds() -> None:
+    # libgomp's default is 300,000 rounds (milliseconds); 0 would be PASSIVE's futex at every
+    # barrier. Between the two, and far nearer the short end.
+    assert 100 <= SLEEP_SPIN_COUNT <= 10_000
 
 
 def test_the_callers_environment_is_not_changed() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.core.worker_wait import SLEEP, worker_environment
+from agent.core.worker_wait import SLEEP, SLEEP_SPIN_COUNT, worker_environment
 from agent.io.worker_process import (
     OWNER_FILE,
     VOCAB_ONLY_FILE,
@@ -61,7 +61,7 @@ def test_a_worker_runs_with_the_environment_it_is_given_and_counts_while_it_runs
         environment, _ = worker_environment(SLEEP, other_workers=before, environment=os.environ)
         async with open_worker(qwen2_tiny_path, 0, None, threads=2, environment=environment) as handle:
             env = _environ(handle.process.pid)
-            assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+            assert env["GOMP_SPINCOUNT"] == str(SLEEP_SPIN_COUNT) and "OMP_WAIT_POLICY" not in env
             assert env["BATON_WORKER_PARENT_PID"] == str(os.getpid())
             assert count_computing_workers() == before + 1
         assert count_computing_workers() == before
@@ -73,7 +73,7 @@ def test_a_worker_runs_with_the_environment_it_is_given_and_counts_while_it_runs
             # auto, with a worker computing: sleep, unless the user's environment says otherwise
             environment, why = wait_environment()
             if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
-                assert environment["OMP_WAIT_POLICY"] == "PASSIVE", why
+                assert environment["GOMP_SPINCOUNT"] == str(SLEEP_SPIN_COUNT), why
                 assert why == f"sleep ({before + 1} other Baton worker(s) on this host)"
 
     trio.run(main)

@@ -10,14 +10,20 @@ default, some milliseconds) before it sleeps. A worker alone on its machine gain
 next Forward starts on threads that are already awake. Several workers on one machine's cores
 lose by it: a worker that just finished spins on the cores the next hop now needs, and two
 workers computing at once spin at every barrier for a thread the other holds off its core.
+But never spinning (``OMP_WAIT_POLICY=PASSIVE``) loses too: every barrier inside a graph (a
+few hundred a Forward, each some microseconds apart) then costs a futex sleep and wake-up, which
+on a virtual machine takes longer than the wait itself. So ``sleep`` spins briefly first
+(``GOMP_SPINCOUNT=SLEEP_SPIN_COUNT``, 1,000 rounds: ~25 us on the benchmark machine), enough
+for the barriers inside a Forward, and sleeps through the gap between Forwards.
+
 Measured on the 2-core benchmark machine (``bench/worker_wait.py``, bench/results/worker_wait.md,
-bare 2-thread workers, medians of 3 interleaved rounds): three workers in series decode one
-session 1.57x faster asleep than spinning, 8 sessions in lock-step 1.32x, and 8 sessions in two
-groups in flight 4.5x; one worker alone decodes one session 1.56x faster spinning (8 sessions:
-1.13x). So the default (``auto``) sleeps when another Baton worker already computes on the
-host, and spins otherwise; ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the user are left
-as they are. A worker started alone keeps spinning when others start later (libgomp reads its
-policy once): nodes meant to share a machine say ``sleep``.
+bare 2-thread workers, medians of interleaved rounds): three workers in series decoding 8
+sessions in lock-step ran 1.7x faster with the short spin than with PASSIVE and 1.4x faster
+than spinning; one session through them 2.1x faster than PASSIVE; one worker alone decodes one
+session fastest spinning. So the default (``auto``) sleeps when another Baton worker already
+computes on the host, and spins otherwise; ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the
+user are left as they are. A worker started alone keeps spinning when others start later
+(libgomp reads its policy once): nodes meant to share a machine say ``sleep``.
 
 A worker of one thread starts no OpenMP team: the choice does not change it.
 
@@ -29,12 +35,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["AUTO", "SLEEP", "SPIN", "WAIT_CHOICES", "worker_environment"]
+__all__ = ["AUTO", "SLEEP", "SLEEP_SPIN_COUNT", "SPIN", "WAIT_CHOICES", "worker_environment"]
 
 AUTO = "auto"
 SPIN = "spin"
 SLEEP = "sleep"
 WAIT_CHOICES = (AUTO, SPIN, SLEEP)
+
+#: libgomp's spin rounds before a waiting thread sleeps, under ``sleep``: long enough to span
+#: a barrier inside a Forward, short against the gap between two Forwards (one round is a
+#: PAUSE and a load: ~25 ns on the benchmark machine's AMD EPYC, some 50 ns on Intel cores)
+SLEEP_SPIN_COUNT = 1000
 
 #: the variables libgomp reads for its wait policy (once, when the worker loads it)
 _OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -73,5 +84,5 @@ def worker_environment(
     for name in _OMP_WAIT_VARIABLES:
         env.pop(name, None)
     if requested == SLEEP:
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
+        env["GOMP_SPINCOUNT"] = str(SLEEP_SPIN_COUNT)
     return env, f"{requested} ({why})"

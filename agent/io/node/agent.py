@@ -208,7 +208,7 @@ class NodeConfig:
       worker_binary: the baton-worker binary (None: ``find_worker_binary()``).
       worker_wait: how a worker's idle threads wait for work (``agent.core.worker_wait``):
         ``auto`` (sleep when another Baton worker runs on this host, else spin), ``spin`` or
-        ``sleep``.
+        ``sleep`` (a short spin, then sleep).
       probe: measured host values; None: ``probe_host(probe_config)`` at start.
       start_retry_initial_s, start_retry_max_s, start_retry_timeout_s: a tracker that cannot
         be reached at start is tried again after ``initial``, doubling up to ``max`` between

@@ -97,7 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worker-wait", choices=WAIT_CHOICES, default=AUTO,
         help="how a worker's idle threads wait for work: spin (quickest for a worker alone on its machine), sleep"
-        " (for nodes that share one machine's cores: a spinning worker holds the cores the next hop needs) or auto"
+        " (a microseconds' spin, then sleep: for nodes that share one machine's cores, where a spinning worker holds"
+        " the cores the next hop needs) or auto"
         " (the default: sleep when another Baton worker already runs on this host, else spin; OMP_WAIT_POLICY or"
         " GOMP_SPINCOUNT in the environment are kept)",
     )  # fmt: skip

@@ -17,12 +17,14 @@ on a virtual machine takes longer than the wait itself. So ``sleep`` spins brief
 for the barriers inside a Forward, and sleeps through the gap between Forwards.
 
 Measured on the 2-core benchmark machine (``bench/worker_wait.py``, bench/results/worker_wait.md,
-bare 2-thread workers, medians of interleaved rounds): three workers in series decoding 8
-sessions in lock-step ran 1.7x faster with the short spin than with PASSIVE and 1.4x faster
-than spinning; one session through them 2.1x faster than PASSIVE; one worker alone decodes one
-session fastest spinning. So the default (``auto``) sleeps when another Baton worker already
-computes on the host, and spins otherwise; ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the
-user are left as they are. A worker started alone keeps spinning when others start later
+bare 2-thread workers, medians of 3 interleaved rounds): one session through three workers in
+series decodes 2.2x faster with the short spin than with PASSIVE and 2.3x faster than spinning;
+8 sessions through them in lock-step 1.17x and 1.24x. One worker alone decodes fastest spinning
+(1.1x the short spin). Two 2-thread workers computing at once on 2 cores (8 sessions in two
+groups in flight) is the one case where PASSIVE was ahead (1.10x): each spin there waits for a
+thread that the other worker holds off its core, but 1,000 rounds bound what it wastes.
+So the default (``auto``) sleeps when another Baton worker already computes on the host, and
+spins otherwise; ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the user are left as they are. A worker started alone keeps spinning when others start later
 (libgomp reads its policy once): nodes meant to share a machine say ``sleep``.
 
 A worker of one thread starts no OpenMP team: the choice does not change it.

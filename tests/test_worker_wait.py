@@ -77,3 +77,37 @@ def test_a_worker_runs_with_the_environment_it_is_given_and_counts_while_it_runs
                 assert why == f"sleep ({before + 1} other Baton worker(s) on this host)"
 
     trio.run(main)
+
+
+def test_the_trackers_reference_workers_wait_as_canary_worker_wait_says(tmp_path: Path, qwen2_tiny_path: Path) -> None:
+    """``baton tracker serve --canary-worker-wait`` reaches the verifier's reference workers
+    (a tracker on a host with nodes must be able to keep its workers off their cores)."""
+    import hashlib
+
+    from agent.io.tracker.cli import build_parser, verifier_config
+    from agent.io.tracker.verifier import ReferencePool, VerifierConfig
+
+    serve = ["serve", "--db", str(tmp_path / "t.db"), "--key", str(tmp_path / "t.key")]
+    assert verifier_config(build_parser().parse_args(serve)).worker_wait == "auto"
+    config = verifier_config(build_parser().parse_args([*serve, "--canary-worker-wait", "sleep", "--canary-threads", "2"]))
+    assert (config.worker_wait, config.threads) == ("sleep", 2)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*serve, "--canary-worker-wait", "busy"])
+    with pytest.raises(ValueError, match="worker_wait must be one of auto, spin, sleep, got 'busy'"):
+        VerifierConfig(worker_wait="busy")
+
+    sha256 = hashlib.sha256(qwen2_tiny_path.read_bytes()).hexdigest()
+
+    async def main() -> None:
+        for wait, expected in (("sleep", str(SLEEP_SPIN_COUNT)), ("spin", None)):
+            async with trio.open_nursery() as nursery:
+                pool = ReferencePool(nursery, VerifierConfig(threads=2, worker_wait=wait), ctx_size=64, batch_size=8)
+                handle = await pool.get(str(qwen2_tiny_path), sha256, 0, None)
+                env = _environ(handle.process.pid)
+                assert env.get("GOMP_SPINCOUNT") == expected, (wait, env.get("GOMP_SPINCOUNT"))
+                assert "OMP_WAIT_POLICY" not in env, wait
+                nursery.cancel_scope.cancel()
+
+    if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+        pytest.skip("the environment sets the wait policy: spin would keep it")
+    trio.run(main)

@@ -26,8 +26,9 @@ Canary checks (``agent.core.canary``, docs/INTEGRITY.md): unless ``--canary-inte
 tracker's verifier checks every range a node reports READY at once (it is routed only once it
 passed: ``--no-canary-gate`` routes it before) and then every ``--canary-interval-s`` on average
 (each gap drawn from [0.5, 1.5] x that), with its own reference workers of the registered files
-(``--canary-threads``; the worker binary must be there). A failed check withdraws the range;
-``--canary-refuse-after`` failed checks refuse the node.
+(``--canary-threads``, whose idle threads wait as ``--canary-worker-wait`` says; the worker binary
+must be there). A failed check withdraws the range; ``--canary-refuse-after`` failed checks
+refuse the node.
 
 ``models`` and ``nodes`` read the database (a running tracker's too: WAL allows readers).
 ``nodes`` prints each node's peer id, whether it was alive when the tracker last decided,
@@ -66,6 +67,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent import cli_args
+from agent.core.worker_wait import AUTO, WAIT_CHOICES
 
 __all__ = ["add_arguments", "build_parser", "main", "parse_model_arg"]
 
@@ -173,6 +175,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="for a node of another recipe (backend): the relative RMS error allowed (default 0.02)",
     )  # fmt: skip
     serve.add_argument("--canary-threads", type=cli_args.positive_int, default=1, help="threads per reference worker")
+    serve.add_argument(
+        "--canary-worker-wait", choices=WAIT_CHOICES, default=AUTO,
+        help="how a reference worker's idle threads wait for work, as a node's --worker-wait: spin, sleep (a"
+        " microseconds' spin, then sleep) or auto (the default: sleep when a Baton worker already computes on this"
+        " host, else spin; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment are kept)",
+    )  # fmt: skip
     serve.add_argument(
         "--no-canary-gate", dest="canary_gate", action="store_false",
         help="route a newly READY range before it passed its first check (default: only after)",
@@ -433,6 +441,16 @@ def _canary_policy(args: argparse.Namespace):  # noqa: ANN202
     )
 
 
+def verifier_config(args: argparse.Namespace):  # noqa: ANN201
+    """The canary verifier's settings from ``serve``'s arguments (a ``VerifierConfig``)."""
+    from agent.io.tracker.verifier import VerifierConfig
+
+    return VerifierConfig(
+        threads=getattr(args, "canary_threads", 1), worker_wait=getattr(args, "canary_worker_wait", AUTO),
+        persona_listen=_persona_listen(args.listen),
+    )  # fmt: skip
+
+
 def _persona_listen(listen: str) -> str:
     """Where the verifier's fresh identities listen: the tracker's host, any port."""
     parts = listen.strip("/").split("/")
@@ -514,9 +532,7 @@ async def _serve_async(args: argparse.Namespace, store, config, key) -> int:
         ) as transport,
         trio.open_nursery() as nursery,
     ):
-        from agent.io.tracker.verifier import VerifierConfig
-
-        verifier = VerifierConfig(threads=getattr(args, "canary_threads", 1), persona_listen=_persona_listen(args.listen))
+        verifier = verifier_config(args)
         tracker = await nursery.start(functools.partial(serve_tracker, transport, store, config, key, verifier=verifier))
         if getattr(args, "serve_models", None) is not None:
             from agent.io.model_http import ModelFileServer, serve_model_files

@@ -72,6 +72,7 @@ from agent.core.admission import public_key_bytes
 from agent.core.boundary import WireDType
 from agent.core.topk import TopLogits
 from agent.core.worker_records import SeqInput, SeqOutput
+from agent.core.worker_wait import AUTO, WAIT_CHOICES
 from agent.io.transport import Transport, TransportError
 from agent.io.worker_client import ClientConfig, WorkerError
 from agent.io.worker_process import WorkerBinaryNotFound, WorkerHandle, WorkerStartError, open_worker, wait_environment
@@ -96,6 +97,8 @@ class VerifierConfig:
 
     Fields:
       threads: threads of each reference worker.
+      worker_wait: how a reference worker's idle threads wait (``agent.core.worker_wait``:
+        auto, spin or sleep); auto sleeps after a short spin when nodes compute on this host.
       worker_binary: the baton-worker binary (None: ``find_worker_binary()``).
       worker_ready_timeout_s, worker_call_timeout_s: a reference worker's start and calls.
       max_reference_workers: reference workers kept at once (least recently used stopped
@@ -106,6 +109,7 @@ class VerifierConfig:
     """
 
     threads: int = 1
+    worker_wait: str = AUTO
     worker_binary: str | None = None
     worker_ready_timeout_s: float = 120.0
     worker_call_timeout_s: float = 60.0
@@ -116,6 +120,8 @@ class VerifierConfig:
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.worker_wait not in WAIT_CHOICES:
+            raise ValueError(f"worker_wait must be one of {', '.join(WAIT_CHOICES)}, got {self.worker_wait!r}")
         if self.max_reference_workers < 3:  # one check's chain: [0, b), [b, e), [e, L)
             raise ValueError(f"max_reference_workers must be >= 3, got {self.max_reference_workers}")
         for name in ("worker_ready_timeout_s", "worker_call_timeout_s", "step_timeout_s"):
@@ -218,7 +224,7 @@ class ReferencePool:
         started = False
         try:
             # a reference worker on a host that runs nodes too must not spin on their cores
-            environment, wait = wait_environment()
+            environment, wait = wait_environment(cfg.worker_wait)
             log.info("reference worker for model %s blocks [%d, %d): idle threads %s", model_sha256[:12], begin, end, wait)
             async with open_worker(
                 path, begin, end, ctx_size=self._ctx_size, max_sequences=1, batch_size=self._batch_size,

@@ -40,12 +40,16 @@ def test_the_summary_takes_medians_per_policy_and_the_ratio_of_sleep_to_spin() -
         "| alone, 1 session | 80.0 | 55.0 | 40.0 | 0.69x | 1.38x | 20.0; 25.0; 30.0"
         " | 80.0, 100.0, 60.0; 50.0, 70.0, 55.0; 40.0, 44.0, 30.0 |"
     ) in md
-    assert "| 3 in series, 1 session | 35.0 | 70.0 | 35.0 | 2.00x | 2.00x | 47.5; 22.0; 24.0 | 30.0, 40.0; 60.0, 80.0; 35.0, 35.0 |" in md
+    assert (
+        "| 3 in series, 1 session | 35.0 | 70.0 | 35.0 | 2.00x | 2.00x | 47.5; 22.0; 24.0"
+        " | 30.0, 40.0; 60.0, 80.0; 35.0, 35.0 |"
+    ) in md
     assert "`GOMP_SPINCOUNT=1000`" in md and "`OMP_WAIT_POLICY=PASSIVE`" in md
     assert "Test CPU, 2 cores" in md and "Baton abc1234" in md
 
 
 def test_passive_never_spins_and_replaces_the_users_wait_variables() -> None:
-    env = worker_wait.policy_environment("passive", {"PATH": "/bin", "GOMP_SPINCOUNT": "5", "OMP_WAIT_POLICY": "ACTIVE"})
+    user = {"PATH": "/bin", "GOMP_SPINCOUNT": "5", "OMP_WAIT_POLICY": "ACTIVE"}
+    env = worker_wait.policy_environment("passive", user)
     assert env == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
     assert worker_wait.policy_environment("sleep", {"PATH": "/bin"}) == {"PATH": "/bin", "GOMP_SPINCOUNT": "1000"}

@@ -89,7 +89,8 @@ def test_the_trackers_reference_workers_wait_as_canary_worker_wait_says(tmp_path
 
     serve = ["serve", "--db", str(tmp_path / "t.db"), "--key", str(tmp_path / "t.key")]
     assert verifier_config(build_parser().parse_args(serve)).worker_wait == "auto"
-    config = verifier_config(build_parser().parse_args([*serve, "--canary-worker-wait", "sleep", "--canary-threads", "2"]))
+    args = build_parser().parse_args([*serve, "--canary-worker-wait", "sleep", "--canary-threads", "2"])
+    config = verifier_config(args)
     assert (config.worker_wait, config.threads) == ("sleep", 2)
     with pytest.raises(SystemExit):
         build_parser().parse_args([*serve, "--canary-worker-wait", "busy"])

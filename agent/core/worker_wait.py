@@ -24,8 +24,9 @@ series decodes 2.2x faster with the short spin than with PASSIVE and 2.3x faster
 groups in flight) is the one case where PASSIVE was ahead (1.10x): each spin there waits for a
 thread that the other worker holds off its core, but 1,000 rounds bound what it wastes.
 So the default (``auto``) sleeps when another Baton worker already computes on the host, and
-spins otherwise; ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the user are left as they are. A worker started alone keeps spinning when others start later
-(libgomp reads its policy once): nodes meant to share a machine say ``sleep``.
+spins otherwise; ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the user are left as they are.
+A worker started alone keeps spinning when others start later (libgomp reads its policy once):
+nodes meant to share a machine say ``sleep``.
 
 A worker of one thread starts no OpenMP team: the choice does not change it.
 

@@ -25,6 +25,15 @@ def test_auto_sleeps_when_other_baton_workers_share_the_host() -> None:
     assert why == "sleep (2 other Baton worker(s) on this host)"
 
 
+def test_auto_sleeps_when_another_baton_node_runs_here_before_its_worker_does() -> None:
+    # nodes started together load their workers one after another: the first must not spin
+    env, why = worker_environment(AUTO, other_workers=0, other_nodes=2, environment=BASE)
+    assert env == {**BASE, "GOMP_SPINCOUNT": str(SLEEP_SPIN_COUNT)}
+    assert why == "sleep (2 other Baton node(s) on this host)"
+    env, why = worker_environment(AUTO, other_workers=1, other_nodes=2, environment=BASE)
+    assert why == "sleep (1 other Baton worker(s) on this host)"
+
+
 @pytest.mark.parametrize("preset", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}])
 def test_auto_keeps_what_the_user_set_in_the_environment(preset: dict[str, str]) -> None:
     env, why = worker_environment(AUTO, other_workers=3, environment={**BASE, **preset})
@@ -60,3 +69,5 @@ def test_bad_values_are_refused_with_what_was_wrong() -> None:
         worker_environment("busy", other_workers=0, environment=BASE)
     with pytest.raises(ValueError, match="other_workers must be >= 0, got -1"):
         worker_environment(AUTO, other_workers=-1, environment=BASE)
+    with pytest.raises(ValueError, match="other_nodes must be >= 0, got -2"):
+        worker_environment(AUTO, other_workers=0, other_nodes=-2, environment=BASE)

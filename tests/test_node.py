@@ -62,7 +62,7 @@ from agent.io.node.probe import ProbeConfig, probe_host
 from agent.io.channel import open_channel_transport
 from agent.io.transport import MemoryNetwork, Transport
 from agent.io.worker_client import AsyncWorkerClient
-from agent.io.worker_process import open_worker
+from agent.io.worker_process import count_other_nodes, open_worker
 from agent.models import REGISTRY, cached_sha256
 from agent.runtime import expected_pin
 
@@ -435,6 +435,11 @@ async def test_split_route_equals_unsplit_and_merges_sessions(qwen2_tiny_path: P
     # hop would otherwise run their decode steps in groups of one: three live sessions, two hops)
     async with open_swarm(qwen2_tiny_path, LAYOUT, decode_groups=0) as swarm, open_reference(qwen2_tiny_path) as reference:
         tracker, a = swarm.tracker, swarm.nodes["A"]
+        # Each node marks the host while it runs, so that the other nodes' workers (auto wait)
+        # know they share its cores before this node's worker computes (agent.core.worker_wait).
+        markers = [node.host_marker for node in swarm.nodes.values()]
+        assert all(marker is not None and os.path.isdir(marker) for marker in markers)
+        assert count_other_nodes(a.host_marker) >= len(markers) - 1
         # Registration carried a signed fingerprint with the node's model and peer id.
         fingerprint = tracker.fingerprints[a.peer_id]
         assert fingerprint.peer_id == a.peer_id and list(fingerprint.model_sha256s) == [swarm.model.sha256]
@@ -495,6 +500,7 @@ async def test_split_route_equals_unsplit_and_merges_sessions(qwen2_tiny_path: P
         # A step of the ended session is now unknown.
         ack = await swarm.owner.send(a.peer_id, solo.request(swarm, hops))
         assert ack.error.code == Code.NOT_FOUND and "unknown session" in ack.error.message
+    assert not any(os.path.exists(marker) for marker in markers)  # the nodes removed theirs
 
 
 async def test_over_the_channel_pushes_leave_from_the_serving_task_and_refusals_reach_the_owner(

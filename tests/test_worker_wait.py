@@ -21,7 +21,10 @@ from agent.io.worker_process import (
     VOCAB_ONLY_FILE,
     WORKDIR_PREFIX,
     count_computing_workers,
+    count_other_nodes,
+    open_node_marker,
     open_worker,
+    remove_stale_workdirs,
     wait_environment,
 )
 
@@ -112,3 +115,29 @@ def test_the_trackers_reference_workers_wait_as_canary_worker_wait_says(tmp_path
     if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
         pytest.skip("the environment sets the wait policy: spin would keep it")
     trio.run(main)
+
+
+def test_a_node_marks_the_host_for_the_other_nodes_not_for_itself_and_not_as_a_worker(tmp_path: Path) -> None:
+    parent = str(tmp_path)
+    with open_node_marker(parent) as first, open_node_marker(parent) as second:
+        assert os.path.isdir(first) and os.stat(first).st_mode & 0o777 == 0o700
+        assert count_other_nodes(first, parent) == 1  # the second, even in this one process
+        assert count_other_nodes(second, parent) == 1
+        assert count_other_nodes(None, parent) == 2  # a tracker or a test: every node counts
+        assert count_computing_workers(parent) == 0  # a marker is not a worker
+    assert not os.path.exists(first) and not os.path.exists(second)  # removed on exit
+    # a node killed with SIGKILL leaves its marker: it no longer counts, and is cleaned up
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    with open_node_marker(parent) as stale:
+        Path(stale, OWNER_FILE).write_text(f"{int(dead.stdout)}\n")
+        assert count_other_nodes(None, parent) == 0
+        assert remove_stale_workdirs(parent) == [stale]
+
+
+def test_auto_sleeps_for_a_worker_started_while_another_node_runs_on_the_host() -> None:
+    if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+        pytest.skip("the environment sets the wait policy: auto keeps it")
+    with open_node_marker() as other, open_node_marker() as mine:
+        environment, why = wait_environment(node_marker=mine)  # the default /tmp, as nodes use
+        assert environment["GOMP_SPINCOUNT"] == str(SLEEP_SPIN_COUNT), why
+        assert count_other_nodes(mine) >= 1 and other != mine

@@ -23,10 +23,11 @@ series decodes 2.2x faster with the short spin than with PASSIVE and 2.3x faster
 (1.1x the short spin). Two 2-thread workers computing at once on 2 cores (8 sessions in two
 groups in flight) is the one case where PASSIVE was ahead (1.10x): each spin there waits for a
 thread that the other worker holds off its core, but 1,000 rounds bound what it wastes.
-So the default (``auto``) sleeps when another Baton worker already computes on the host, and
-spins otherwise; ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the user are left as they are.
-A worker started alone keeps spinning when others start later (libgomp reads its policy once):
-nodes meant to share a machine say ``sleep``.
+So the default (``auto``) sleeps when another Baton worker already computes on the host, or
+another Baton node runs there (its worker may not have started yet), and spins otherwise;
+``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` set by the user are left as they are. A worker
+started alone keeps spinning when other nodes start later (libgomp reads its policy once):
+nodes meant to share a machine, started at different times, say ``sleep``.
 
 A worker of one thread starts no OpenMP team: the choice does not change it.
 
@@ -55,7 +56,7 @@ _OMP_WAIT_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def worker_environment(
-    requested: str, *, other_workers: int, environment: Mapping[str, str]
+    requested: str, *, other_workers: int, environment: Mapping[str, str], other_nodes: int = 0
 ) -> tuple[dict[str, str], str]:
     """The environment to start a worker with, and why (for the log).
 
@@ -66,22 +67,31 @@ def worker_environment(
         (``agent.io.worker_process.count_computing_workers`` sees its own user's: another
         user's worker dirs are private).
       environment: the node's own environment, which the worker inherits.
+      other_nodes: other Baton node agents running on this host, whether or not their workers
+        compute yet (``agent.io.worker_process.count_other_nodes``): nodes started together
+        load their workers one after another, and the first, finding no worker, would spin
+        for good (libgomp reads its policy once) on the cores its siblings are about to use.
 
     Raises:
-      ValueError: ``requested`` is not one of ``WAIT_CHOICES``, or ``other_workers`` < 0.
+      ValueError: ``requested`` is not one of ``WAIT_CHOICES``, or ``other_workers`` or
+        ``other_nodes`` < 0.
     """
     if requested not in WAIT_CHOICES:
         raise ValueError(f"worker wait must be one of {', '.join(WAIT_CHOICES)}, got {requested!r}")
-    if other_workers < 0:
-        raise ValueError(f"other_workers must be >= 0, got {other_workers}")
+    for name, count in (("other_workers", other_workers), ("other_nodes", other_nodes)):
+        if count < 0:
+            raise ValueError(f"{name} must be >= 0, got {count}")
     env = dict(environment)
     if requested == AUTO:
         preset = [f"{name}={env[name]}" for name in _OMP_WAIT_VARIABLES if name in env]
         if preset:
             return env, f"as the environment says ({', '.join(preset)})"
-        if other_workers == 0:
+        if other_workers == 0 and other_nodes == 0:
             return env, "spin (the only Baton worker on this host)"
-        requested, why = SLEEP, f"{other_workers} other Baton worker(s) on this host"
+        if other_workers:
+            requested, why = SLEEP, f"{other_workers} other Baton worker(s) on this host"
+        else:
+            requested, why = SLEEP, f"{other_nodes} other Baton node(s) on this host"
     else:
         why = f"--worker-wait {requested}"
     for name in _OMP_WAIT_VARIABLES:

@@ -13,7 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import trio
@@ -30,7 +30,9 @@ __all__ = [
     "WorkerHandle",
     "WorkerStartError",
     "count_computing_workers",
+    "count_other_nodes",
     "find_worker_binary",
+    "open_node_marker",
     "open_worker",
     "wait_environment",
     "worker_argv",
@@ -64,6 +66,7 @@ WORKDIR_PARENT = "/tmp"  # short: the socket path must fit sun_path
 WORKDIR_PREFIX = "baton-"
 OWNER_FILE = "owner.pid"  # the pid of the process that made the dir (it removes it on exit)
 VOCAB_ONLY_FILE = "vocab-only"  # present in the dir of a --vocab-only worker (it computes nothing)
+NODE_FILE = "node"  # present in a node agent's marker dir (``open_node_marker``): no worker in it
 
 
 def _worker_dirs(parent: str) -> list[tuple[str, int]]:
@@ -105,14 +108,48 @@ def count_computing_workers(parent: str = WORKDIR_PARENT) -> int:
     return sum(
         1
         for path, pid in _worker_dirs(parent)
-        if _owner_alive(pid) and not os.path.exists(os.path.join(path, VOCAB_ONLY_FILE))
+        if _owner_alive(pid)
+        and not os.path.exists(os.path.join(path, VOCAB_ONLY_FILE))
+        and not os.path.exists(os.path.join(path, NODE_FILE))
     )
 
 
-def wait_environment(requested: str = AUTO) -> tuple[dict[str, str], str]:
+def count_other_nodes(own_marker: str | None = None, parent: str = WORKDIR_PARENT) -> int:
+    """How many Baton node agents of this user run on this host now, other than the one whose
+    marker dir is ``own_marker`` (``open_node_marker``; nodes in one process count each other).
+    Never raises."""
+    return sum(
+        1
+        for path, pid in _worker_dirs(parent)
+        if path != own_marker and _owner_alive(pid) and os.path.exists(os.path.join(path, NODE_FILE))
+    )
+
+
+@contextlib.contextmanager
+def open_node_marker(parent: str = WORKDIR_PARENT) -> Iterator[str]:
+    """Mark this host as running a Baton node agent while the block runs (a 0700 temp dir
+    beside the workers', with ``owner.pid`` and ``NODE_FILE``); yields its path. Other nodes'
+    ``auto`` wait policy sees it before this node's worker starts (``count_other_nodes``).
+    Removed on exit; a SIGKILLed node's is removed by the next ``remove_stale_workdirs``."""
+    remove_stale_workdirs(parent)
+    marker = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}node-", dir=parent)
+    try:
+        open(os.path.join(marker, NODE_FILE), "w").close()  # first: an owned dir without it is a worker's
+        with open(os.path.join(marker, OWNER_FILE), "w") as owner:
+            owner.write(f"{os.getpid()}\n")
+        yield marker
+    finally:
+        shutil.rmtree(marker, ignore_errors=True)
+
+
+def wait_environment(requested: str = AUTO, *, node_marker: str | None = None) -> tuple[dict[str, str], str]:
     """This process's environment with the OpenMP wait policy ``agent.core.worker_wait`` picks
-    for a worker started now (``requested``: auto, spin or sleep), and why, for the log."""
-    return worker_environment(requested, other_workers=count_computing_workers(), environment=os.environ)
+    for a worker started now (``requested``: auto, spin or sleep), and why, for the log.
+    ``node_marker``: the starting node's own marker (``open_node_marker``), not counted."""
+    return worker_environment(
+        requested, other_workers=count_computing_workers(), other_nodes=count_other_nodes(node_marker),
+        environment=os.environ,
+    )  # fmt: skip
 
 
 def _owner_alive(pid: int) -> bool:

@@ -130,6 +130,7 @@ from agent.io.worker_process import (
     WorkerBinaryNotFound,
     WorkerHandle,
     WorkerStartError,
+    open_node_marker,
     open_worker,
     wait_environment,
 )
@@ -207,7 +208,7 @@ class NodeConfig:
         SIGTERM grace, and the deadline of each worker call.
       worker_binary: the baton-worker binary (None: ``find_worker_binary()``).
       worker_wait: how a worker's idle threads wait for work (``agent.core.worker_wait``):
-        ``auto`` (sleep when another Baton worker runs on this host, else spin), ``spin`` or
+        ``auto`` (sleep when another Baton node or worker runs on this host, else spin), ``spin`` or
         ``sleep`` (a short spin, then sleep).
       probe: measured host values; None: ``probe_host(probe_config)`` at start.
       start_retry_initial_s, start_retry_max_s, start_retry_timeout_s: a tracker that cannot
@@ -443,6 +444,9 @@ class Node:
         )  # fmt: skip
         self._instances: dict[tuple[RangeKey, int], ServedRange] = {}
         self.sweeps = 0  # idle-session sweeps done (tests wait on it)
+        #: this node's marker on the host (``open_node_marker``, set by ``serve_node``): other
+        #: nodes' ``auto`` wait policy counts it, this node's own does not
+        self.host_marker: str | None = None
         self._fetch_locks: dict[str, trio.Lock] = {}  # one download at a time per model file
         self.registrations = 0
         self.heartbeats = 0
@@ -768,7 +772,7 @@ class Node:
         assert model is not None
         _, begin, end = served.key
         cfg = self.config
-        environment, wait = wait_environment(cfg.worker_wait)
+        environment, wait = wait_environment(cfg.worker_wait, node_marker=self.host_marker)
         log.info("%s: the worker's idle threads %s", range_name(served.key), wait)
         async with open_worker(
             model.path, begin, end,
@@ -1494,6 +1498,13 @@ async def serve_node(
       Cancel the enclosing scope to stop the node; workers are stopped shielded.
     """
     node = Node(config, transport)
+    with open_node_marker() as marker:
+        node.host_marker = marker
+        await _serve_node(node, config, transport, task_status)
+
+
+async def _serve_node(node: Node, config: NodeConfig, transport: Transport, task_status: trio.TaskStatus[Node]) -> None:
+    """``serve_node``'s body, inside the node's host marker."""
     probe = config.probe
     if probe is None:
         probe = await trio.to_thread.run_sync(

@@ -98,9 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-wait", choices=WAIT_CHOICES, default=AUTO,
         help="how a worker's idle threads wait for work: spin (quickest for a worker alone on its machine), sleep"
         " (a microseconds' spin, then sleep: for nodes that share one machine's cores, where a spinning worker holds"
-        " the cores the next hop needs) or auto"
-        " (the default: sleep when another Baton worker already runs on this host, else spin; OMP_WAIT_POLICY or"
-        " GOMP_SPINCOUNT in the environment are kept)",
+        " the cores the next hop needs) or auto (the default: sleep when another Baton node or worker already runs on"
+        " this host, else spin; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment are kept)",
     )  # fmt: skip
     parser.add_argument("--ctx-size", type=cli_args.positive_int, help="positions per sequence (default: the worker's)")
     parser.add_argument("--max-sequences", type=cli_args.positive_int, help="sequences per worker (default: the worker's)")

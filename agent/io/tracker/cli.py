@@ -178,7 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--canary-worker-wait", choices=WAIT_CHOICES, default=AUTO,
         help="how a reference worker's idle threads wait for work, as a node's --worker-wait: spin, sleep (a"
-        " microseconds' spin, then sleep) or auto (the default: sleep when a Baton worker already computes on this"
+        " microseconds' spin, then sleep) or auto (the default: sleep when a Baton node or worker already runs on this"
         " host, else spin; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment are kept)",
     )  # fmt: skip
     serve.add_argument(

@@ -102,27 +102,48 @@ def remove_stale_workdirs(parent: str = WORKDIR_PARENT) -> list[str]:
     return removed
 
 
+def _census(parent: str, own_marker: str | None = None) -> tuple[int, int]:
+    """``(computing workers, node agents other than own_marker's)`` of this user on this host
+    now, from one scan of the live owned dirs under ``parent``. Never raises."""
+    workers = nodes = 0
+    for path, pid in _worker_dirs(parent):
+        if not _owner_alive(pid):
+            continue
+        if os.path.exists(os.path.join(path, NODE_FILE)):
+            nodes += path != own_marker
+        elif not os.path.exists(os.path.join(path, VOCAB_ONLY_FILE)):
+            workers += 1
+    return workers, nodes
+
+
 def count_computing_workers(parent: str = WORKDIR_PARENT) -> int:
     """How many workers that compute (not ``--vocab-only``) this user runs on this host now,
     by their temp dirs whose owner is alive (this process's own included). Never raises."""
-    return sum(
-        1
-        for path, pid in _worker_dirs(parent)
-        if _owner_alive(pid)
-        and not os.path.exists(os.path.join(path, VOCAB_ONLY_FILE))
-        and not os.path.exists(os.path.join(path, NODE_FILE))
-    )
+    return _census(parent)[0]
 
 
 def count_other_nodes(own_marker: str | None = None, parent: str = WORKDIR_PARENT) -> int:
     """How many Baton node agents of this user run on this host now, other than the one whose
     marker dir is ``own_marker`` (``open_node_marker``; nodes in one process count each other).
     Never raises."""
-    return sum(
-        1
-        for path, pid in _worker_dirs(parent)
-        if path != own_marker and _owner_alive(pid) and os.path.exists(os.path.join(path, NODE_FILE))
-    )
+    return _census(parent, own_marker)[1]
+
+
+def _new_owned_dir(parent: str, prefix: str, kind_file: str | None = None) -> str:
+    """A fresh 0700 temp dir under ``parent`` owned by this process (``OWNER_FILE``), with the
+    empty ``kind_file`` (``VOCAB_ONLY_FILE``, ``NODE_FILE``) written first, so that no scan
+    ever takes it for a computing worker; stale dirs of dead owners are removed first."""
+    remove_stale_workdirs(parent)
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    try:
+        if kind_file is not None:
+            open(os.path.join(path, kind_file), "w").close()
+        with open(os.path.join(path, OWNER_FILE), "w") as owner:
+            owner.write(f"{os.getpid()}\n")
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path
 
 
 @contextlib.contextmanager
@@ -131,12 +152,8 @@ def open_node_marker(parent: str = WORKDIR_PARENT) -> Iterator[str]:
     beside the workers', with ``owner.pid`` and ``NODE_FILE``); yields its path. Other nodes'
     ``auto`` wait policy sees it before this node's worker starts (``count_other_nodes``).
     Removed on exit; a SIGKILLed node's is removed by the next ``remove_stale_workdirs``."""
-    remove_stale_workdirs(parent)
-    marker = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}node-", dir=parent)
+    marker = _new_owned_dir(parent, f"{WORKDIR_PREFIX}node-", NODE_FILE)
     try:
-        open(os.path.join(marker, NODE_FILE), "w").close()  # first: an owned dir without it is a worker's
-        with open(os.path.join(marker, OWNER_FILE), "w") as owner:
-            owner.write(f"{os.getpid()}\n")
         yield marker
     finally:
         shutil.rmtree(marker, ignore_errors=True)
@@ -146,10 +163,8 @@ def wait_environment(requested: str = AUTO, *, node_marker: str | None = None) -
     """This process's environment with the OpenMP wait policy ``agent.core.worker_wait`` picks
     for a worker started now (``requested``: auto, spin or sleep), and why, for the log.
     ``node_marker``: the starting node's own marker (``open_node_marker``), not counted."""
-    return worker_environment(
-        requested, other_workers=count_computing_workers(), other_nodes=count_other_nodes(node_marker),
-        environment=os.environ,
-    )  # fmt: skip
+    workers, nodes = _census(WORKDIR_PARENT, node_marker)
+    return worker_environment(requested, other_workers=workers, other_nodes=nodes, environment=os.environ)
 
 
 def _owner_alive(pid: int) -> bool:
@@ -365,13 +380,8 @@ async def open_worker(
       takes at most ``stop_grace_s`` plus the time a SIGKILLed process needs to exit.
     """
     binary = Path(binary) if binary is not None else find_worker_binary()
-    remove_stale_workdirs()
-    workdir = tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=WORKDIR_PARENT)
+    workdir = _new_owned_dir(WORKDIR_PARENT, WORKDIR_PREFIX, VOCAB_ONLY_FILE if vocab_only else None)
     try:
-        with open(os.path.join(workdir, OWNER_FILE), "w") as owner:
-            owner.write(f"{os.getpid()}\n")
-        if vocab_only:
-            open(os.path.join(workdir, VOCAB_ONLY_FILE), "w").close()
         socket_path = socket_path or os.path.join(workdir, "worker.sock")
         forward_socket_path = os.path.join(workdir, "forward.sock") if forward_stream else None
         for path in (socket_path, forward_socket_path):

@@ -43,11 +43,15 @@ building it takes a few more).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,7 +59,9 @@ from _bootstrap import BENCH_DIR  # first: it makes the project importable
 
 import trio  # noqa: E402
 
+import hop_trace  # noqa: E402
 from compare import PROMPT_SOURCE, TOOLS_DIR, ensure_llama_tools, machine_info  # noqa: E402
+from worker_wait import chain_step  # noqa: E402
 
 ALIAS = "smollm2"
 PARALLEL = (1, 2, 4, 8)
@@ -74,6 +80,12 @@ MODES = {
     "off": ("--decode-groups", "0"),
     "lock-step": ("--decode-groups", "1", "--decode-gather-ms", str(LOCK_STEP_GATHER_MS)),
 }
+#: the lock-step swarm's traced pass (``bench/hop_trace.py``): this many sessions, this many
+#: greedy tokens each; its rounds are those in which every session's decode step is in a Forward
+TRACE_SESSIONS = 8
+TRACE_TOKENS = 96
+#: how long the nodes get to write their trace dumps after SIGUSR2
+TRACE_DUMP_TIMEOUT_S = 10.0
 
 
 def log(message: str) -> None:
@@ -275,9 +287,11 @@ def _percentiles(values: list[float]) -> dict:
     return {"n": len(values), "p50_s": statistics.median(ordered), "p99_s": p99, "max_s": ordered[-1]}
 
 
-async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True) -> dict:
+async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, trace_dir: Path | None = None) -> dict:
     """Part 1 (and part 2 when ``gaps``) on a fresh swarm whose nodes run ``mode`` (``MODES``);
-    its workers take ``--lock-step-threads`` threads in lock-step, ``--threads`` otherwise."""
+    its workers take ``--lock-step-threads`` threads in lock-step, ``--threads`` otherwise.
+    With ``trace_dir``: then a traced pass (``traced_rounds``), and the same Forwards by bare
+    workers in series (``bare_series_exchanges``), under ``"rounds"``."""
     from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
     from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
     from agent.io.client import open_swarm_client
@@ -288,7 +302,10 @@ async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True) -
         model_path=model_path(ALIAS), model_alias=ALIAS, threads=threads,
         node_args=("--max-sequences", str(SEQUENCES), *MODES[mode]),
     )  # fmt: skip
-    async with open_local_swarm(config) as swarm:
+    async with contextlib.AsyncExitStack() as stack:
+        if trace_dir is not None:
+            stack.enter_context(_trace_environment(trace_dir))
+        swarm = await stack.enter_async_context(open_local_swarm(config))
         await swarm.start_tracker()
         async with open_swarm_client(swarm.tracker_addr) as c:
             (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
@@ -316,7 +333,83 @@ async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True) -
         if gaps:
             result["gaps"] = await _gaps_during_prefill(addr, prompt, long_prompt, args.gap_tokens, args.chunk)
             log(f"gaps: {result['gaps']}")
+        if trace_dir is not None:
+            result["rounds"] = await traced_rounds(swarm, route, prompt, trace_dir)
+    if trace_dir is not None:  # the swarm is gone: the bare workers have the machine to themselves
+        ranges = [(hop.begin, hop.end) for hop in route.hops]
+        result["rounds"]["ranges"] = ranges
+        result["rounds"]["bare_exchange_ms"] = await bare_series_exchanges(model_path(ALIAS), ranges, prompt, threads)
+        log(f"lock-step rounds: {result['rounds']}")
     return result
+
+
+@contextlib.contextmanager
+def _trace_environment(trace_dir: Path):  # noqa: ANN202
+    """Node processes started meanwhile carry ``bench/hop_trace.py``'s hooks (off until SIGUSR1)."""
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    for old in trace_dir.glob("trace-*.json"):
+        old.unlink()
+    values = {
+        hop_trace.ENV_DIR: str(trace_dir),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(BENCH_DIR / "_trace"), str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p),
+    }
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+async def traced_rounds(swarm, route, prompt: list[int], trace_dir: Path) -> dict:  # noqa: ANN001
+    """``TRACE_SESSIONS`` sessions of ``TRACE_TOKENS`` tokens with the nodes recording
+    (``hop_trace``): where a round of every session's decode step goes
+    (``hop_trace.round_breakdown``, the nodes in route order)."""
+    by_peer = {node.peer_id: node.process.pid for node in swarm.nodes.values()}
+    pids = [by_peer[hop.peer_id] for hop in route.hops]
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)  # the node's Python process only, never its worker
+    await _concurrent(swarm.tracker_addr, prompt, TRACE_TOKENS, TRACE_SESSIONS)
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR2)
+    with trio.move_on_after(TRACE_DUMP_TIMEOUT_S):
+        while len(list(trace_dir.glob("trace-*.json"))) < len(pids):
+            await trio.sleep(0.05)  # a benchmark polling files, not a test synchronising
+    await trio.sleep(0.2)  # the last file written out completely
+    dumps = {d["pid"]: d["events"] for d in hop_trace.load_dumps(trace_dir)}
+    if any(pid not in dumps for pid in pids):
+        return {"rounds": 0, "error": f"{len(dumps)} of {len(pids)} node traces came back"}
+    return hop_trace.round_breakdown([dumps[pid] for pid in pids], TRACE_SESSIONS)
+
+
+async def bare_series_exchanges(model: Path, ranges: list[tuple[int, int]], prompt: list[int], threads: int) -> list[float]:
+    """The traced pass's Forwards by bare workers in series, driven from this process (no
+    node, no message; their idle threads sleep after a short spin, as the swarm's): each
+    range's median exchange ms over the lock-step decode steps of ``TRACE_SESSIONS``."""
+    from agent.core.generation import GreedyGeneration
+    from agent.core.topk import DEFAULT_RESULT_TOP_K
+    from agent.core.worker_wait import SLEEP, worker_environment
+    from agent.harness.parity_run import open_workers
+
+    environment = worker_environment(SLEEP, other_workers=0, environment=os.environ)[0]
+    async with open_workers(
+        model, ranges, threads=threads, max_sequences=SEQUENCES, environment=environment
+    ) as chain:  # fmt: skip
+        clients = [handle.client for handle in chain]
+        gens = [
+            GreedyGeneration(i, prompt, TRACE_TOKENS + 1, top_k=DEFAULT_RESULT_TOP_K) for i in range(TRACE_SESSIONS)
+        ]  # fmt: skip
+        for g in gens:
+            await chain_step(clients, [g])  # prefill: the first token
+        hop_trace.install_worker_hooks()  # in this process; recording only from here
+        hop_trace.start()
+        while live := [g for g in gens if not g.finished]:
+            await chain_step(clients, live)
+        return hop_trace.exchange_times(hop_trace.stop(), len(clients))
 
 
 def summarize(baton: dict, llama: dict[int, dict], baton_off: dict, lock_step: dict | None = None) -> dict:
@@ -431,8 +524,54 @@ def render_markdown(report: dict) -> str:
         )
     lines += _cpu_table(report)
     lines += _steps_table(report)
+    lines += _rounds_table(report)
     lines += ["", f"Wall time: {report['wall_time_s']:.0f} s.", ""]
     return "\n".join(lines)
+
+
+def _rounds_table(report: dict) -> list[str]:
+    """Where a lock-step round goes: the traced pass's medians beside bare workers in series."""
+    rounds = (report.get("baton_lock_step") or {}).get("rounds") or {}
+    if not rounds.get("rounds"):
+        return [] if not rounds else ["", f"Lock-step rounds: not traced ({rounds.get('error', 'no round found')})."]
+    ranges = [f"[{b}:{e}]" for b, e in rounds.get("ranges", [])] or [f"hop {k + 1}" for k in range(len(rounds["exchange_ms"]))]
+    bare = rounds.get("bare_exchange_ms") or [None] * len(ranges)
+
+    def cell(value: float | None) -> str:
+        return "—" if value is None else f"{value:.2f}"
+
+    lines = [
+        "",
+        f"Where a lock-step round goes ({rounds['entries']} sessions, {rounds['rounds']} rounds traced with "
+        "`bench/hop_trace.py` in the nodes, medians in ms): a round is the first hop's Forward of every "
+        "session's decode step, then the same steps' Forward at each later hop; beside it, the same Forwards by "
+        "bare workers in series (the same ranges, threads and wait policy, driven from this process: no node, "
+        "no message, nothing else running).",
+        "",
+        "| part of the round | swarm | bare workers in series |",
+        "|---|---|---|",
+    ]
+    for k, name in enumerate(ranges):
+        lines.append(f"| worker exchange at {name} (send, compute, reply) | {cell(rounds['exchange_ms'][k])} | {cell(bare[k])} |")
+    for k, handoff in enumerate(rounds["handoff_ms"]):
+        lines.append(
+            f"| {ranges[k]} -> {ranges[k + 1]}: reply decoded, push, message, step handlers, next Forward started "
+            f"| {cell(handoff)} | — |"
+        )
+    lines.append(
+        f"| {ranges[-1]} -> owners -> {ranges[0]}: results, sampling, next steps, the first hop's gather "
+        f"| {cell(rounds['loop_ms'])} | — |"
+    )
+    lines.append(f"| the round, first hop to first hop | {cell(rounds['round_ms'])} | {cell(sum(b for b in bare if b is not None) if None not in bare else None)} |")
+    exchanges, between = sum(rounds["exchange_ms"]), rounds["round_ms"] - sum(rounds["exchange_ms"]) if rounds["round_ms"] else None
+    if None not in bare and rounds["round_ms"]:
+        lines += [
+            "",
+            f"- The workers' exchanges take {exchanges:.1f} of the round's {rounds['round_ms']:.1f} ms; the same "
+            f"Forwards by bare workers take {sum(bare):.1f} ms ({exchanges / sum(bare):.2f}x in the swarm). The "
+            f"swarm's own steps between them (messages, Python in nodes and owners) take {between:.1f} ms.",
+        ]
+    return lines
 
 
 #: (label, report key) of each mode measured, in the tables' order
@@ -514,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
     llama = run_batched_bench(model_path(ALIAS), args.prompt, args.tokens, args.llama_threads)
     baton = trio.run(run_baton, args, "auto")
     baton_off = trio.run(functools.partial(run_baton, args, "off", gaps=False))
-    lock_step = trio.run(functools.partial(run_baton, args, "lock-step", gaps=False))
+    with tempfile.TemporaryDirectory(prefix="baton-batching-trace-") as trace_dir:
+        lock_step = trio.run(functools.partial(run_baton, args, "lock-step", gaps=False, trace_dir=Path(trace_dir)))
     report = {
         "benchmark": "batching",
         "machine": machine,
@@ -536,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
         "baton_lock_step": {
             "node_args": list(MODES["lock-step"]), "threads": args.lock_step_threads,
             "parallel": {str(k): v for k, v in lock_step["parallel"].items()},
+            "rounds": lock_step.get("rounds"),
         },
         "summary": summarize(baton, llama, baton_off, lock_step),
     }

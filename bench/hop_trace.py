@@ -31,11 +31,14 @@ from pathlib import Path
 __all__ = [
     "ENV_DIR",
     "TraceFinder",
+    "exchange_times",
     "forward_times",
     "install_client_hooks",
     "install_from_env",
     "install_worker_hooks",
     "load_dumps",
+    "node_forwards",
+    "round_breakdown",
     "step_breakdown",
 ]
 
@@ -141,7 +144,8 @@ def install_worker_hooks() -> None:
     call thread (``WorkerClient.blocking_call``: gRPC + the worker's compute)."""
     from agent.io import worker_client
 
-    _wrap(worker_client.AsyncWorkerClient, "forward", "fwd")
+    # extra: the Forward's entries (sequences), which tells a lock-step round's Forwards apart
+    _wrap(worker_client.AsyncWorkerClient, "forward", "fwd", when=lambda _s, entries, *a, **k: len(entries))
     _wrap(
         worker_client.AsyncWorkerClient,
         "call",
@@ -404,3 +408,78 @@ def forward_times(events: Sequence[Sequence], n_ranges: int) -> list[float]:
             start = None
     decode = calls[n_ranges:]
     return [statistics.median(decode[i::n_ranges]) for i in range(n_ranges)] if decode else []
+
+
+def node_forwards(events: Sequence[Sequence]) -> list[dict[str, int]]:
+    """A node's worker Forwards, in order: ``fwd_in`` (with ``entries``, the sequences in it),
+    ``call_in``/``call_out`` (the exchange with the worker: its compute) and ``fwd_out``."""
+    forwards: list[dict[str, int]] = []
+    for t, name, extra in events:
+        if name == "fwd_in":
+            forwards.append({"fwd_in": t, "entries": int(extra)})
+        elif forwards and name in ("call_in", "call_out", "fwd_out"):
+            forwards[-1].setdefault(name, t)
+    return [f for f in forwards if {"call_in", "call_out", "fwd_out"} <= f.keys()]
+
+
+def _next_after(forwards: list[dict[str, int]], t: int) -> dict[str, int] | None:
+    return next((f for f in forwards if f["call_in"] > t), None)
+
+
+def round_breakdown(hops: Sequence[Sequence[Sequence]], entries: int) -> dict:
+    """Where a lock-step round goes: ``hops`` are the nodes' events in route order; a round is
+    a first-hop Forward of ``entries`` sequences (every session's decode step), followed by the
+    next such Forward at each later hop. Medians over rounds, ms:
+
+    - ``exchange_ms``: per hop, the exchange with its worker (send, compute, reply);
+    - ``handoff_ms``: hop k's reply to hop k+1's exchange (decode the reply, push, the message,
+      the step handlers, the next Forward's start);
+    - ``loop_ms``: the last hop's reply to the first hop's next round (the results to every
+      owner, their next steps, the first hop's wait for all of them);
+    - ``round_ms``: one first-hop exchange to the next round's.
+
+    Rounds whose next round is not in the trace (the last) count in all but ``round_ms`` and
+    ``loop_ms``."""
+    per_hop = [[f for f in node_forwards(events) if f["entries"] == entries] for events in hops]
+    rounds = []
+    for first in per_hop[0]:
+        chain = [first]
+        for later in per_hop[1:]:
+            following = _next_after(later, chain[-1]["call_out"])
+            if following is None:
+                break
+            chain.append(following)
+        if len(chain) == len(per_hop):
+            rounds.append(chain)
+    if not rounds:
+        return {"rounds": 0}
+    closed = [(chain, _next_after(per_hop[0], chain[-1]["call_out"])) for chain in rounds]
+    closed = [(chain, after) for chain, after in closed if after is not None]
+    ms = 1e-6
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    return {
+        "rounds": len(rounds),
+        "entries": entries,
+        "exchange_ms": [median([(c[k]["call_out"] - c[k]["call_in"]) * ms for c in rounds]) for k in range(len(hops))],
+        "handoff_ms": [
+            median([(c[k + 1]["call_in"] - c[k]["call_out"]) * ms for c in rounds]) for k in range(len(hops) - 1)
+        ],
+        "loop_ms": median([(after["call_in"] - chain[-1]["call_out"]) * ms for chain, after in closed]),
+        "round_ms": median([(after["call_in"] - chain[0]["call_in"]) * ms for chain, after in closed]),
+    }
+
+
+def exchange_times(events: Sequence[Sequence], n_ranges: int) -> list[float]:
+    """Median ms of each range's worker exchange (``call_in`` to ``call_out``) in a chain
+    driven from one process, every call in the trace (start it after the prefill)."""
+    calls, start = [], None
+    for t, name, _extra in events:
+        if name == "call_in":
+            start = t
+        elif name == "call_out" and start is not None:
+            calls.append((t - start) / 1e6)
+            start = None
+    return [statistics.median(calls[i::n_ranges]) for i in range(n_ranges)] if calls else []

@@ -69,12 +69,26 @@ def policy_environment(policy: str, environment: dict[str, str]) -> dict[str, st
     return env
 
 
+async def chain_step(clients, gens) -> None:  # noqa: ANN001
+    """One step of every generation in ``gens`` through the workers ``clients`` in series: one
+    Forward per worker, all of them in it, as a lock-step convoy crosses the route."""
+    from agent.demo.local_demo import next_hop_entries
+
+    hop = [g.next_input() for g in gens]
+    out = []
+    for i, client in enumerate(clients):
+        out = await client.forward(hop)
+        if i + 1 < len(clients):
+            hop = next_hop_entries(hop, out)
+    for g, o in zip(gens, out, strict=True):
+        g.accept(o)
+
+
 async def run_once(model: Path, ranges, sessions: int, groups: int, policy: str, threads: int, tokens: int) -> dict:  # noqa: ANN001
     """One fresh set of workers: decode tokens/s of ``sessions`` sessions and the workers' CPU ms
     a token."""
     from agent.core.generation import GreedyGeneration
     from agent.core.topk import DEFAULT_RESULT_TOP_K
-    from agent.demo.local_demo import next_hop_entries
     from agent.harness.parity_run import open_workers
 
     environment = policy_environment(policy, os.environ)
@@ -84,14 +98,7 @@ async def run_once(model: Path, ranges, sessions: int, groups: int, policy: str,
         clients = [handle.client for handle in chain]
 
         async def step(gens: list[GreedyGeneration]) -> None:
-            hop = [g.next_input() for g in gens]
-            out = []
-            for i, client in enumerate(clients):
-                out = await client.forward(hop)
-                if i + 1 < len(clients):
-                    hop = next_hop_entries(hop, out)
-            for g, o in zip(gens, out, strict=True):
-                g.accept(o)
+            await chain_step(clients, gens)
 
         async def decode(gens: list[GreedyGeneration]) -> None:
             while live := [g for g in gens if not g.finished]:

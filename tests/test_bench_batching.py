@@ -12,6 +12,7 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH_DIR))
 
 import batching  # noqa: E402
+import hop_trace  # noqa: E402
 
 
 def test_the_summary_takes_ratios_of_both_modes_checks_the_doublings_and_the_gap_target() -> None:
@@ -107,3 +108,57 @@ def test_the_cpu_table_is_per_generated_token_and_sums_every_process() -> None:
     assert "| worker [0-10] | 5.0 | 5.0 | 2.5 |" in lines
     assert batching._cpu_table({"baton": {"parallel": {"8": {"tokens_per_s": 1.0}}}}) == []
     assert batching._role(["/x/baton-worker", "--model", "m", "--layers", "10-20"]) == "worker [10-20]"
+
+
+def _forward(t_in: int, compute: int, entries: int) -> list[tuple[int, str, int]]:
+    """A node's events of one Forward: ``fwd_in`` (entries), the exchange, ``fwd_out`` (ms)."""
+    ms = 1_000_000
+    return [
+        (t_in * ms, "fwd_in", entries), ((t_in + 1) * ms, "call_in", 0),
+        ((t_in + 1 + compute) * ms, "call_out", 0), ((t_in + 2 + compute) * ms, "fwd_out", 0),
+    ]  # fmt: skip
+
+
+def test_a_lock_step_round_is_split_into_exchanges_handoffs_and_the_loop_back() -> None:
+    # two rounds of 8 through 3 hops; prefill Forwards of 1 entry in between are not rounds.
+    # round 1: hop 1 exchange 1..11, hop 2 13..25, hop 3 28..48; round 2 starts at 51
+    hop1 = _forward(0, 10, 8) + _forward(40, 3, 1) + _forward(50, 10, 8)
+    hop2 = _forward(12, 12, 8) + _forward(62, 12, 8)
+    hop3 = _forward(27, 20, 8) + _forward(77, 20, 8)
+    out = hop_trace.round_breakdown([hop1, hop2, hop3], 8)
+    assert out["rounds"] == 2 and out["entries"] == 8
+    assert out["exchange_ms"] == pytest.approx([10.0, 12.0, 20.0])
+    assert out["handoff_ms"] == pytest.approx([2.0, 3.0])
+    # only round 1 has a next round in the trace: the last hop's reply at 48, the next at 51
+    assert out["loop_ms"] == pytest.approx(3.0)
+    assert out["round_ms"] == pytest.approx(50.0)
+    # the prefill Forward (1 entry) is seen as a Forward, not as a round's
+    assert [f["entries"] for f in hop_trace.node_forwards(hop1)] == [8, 1, 8]
+    assert hop_trace.round_breakdown([hop1, [], hop3], 8) == {"rounds": 0}
+
+
+def test_bare_exchanges_are_per_range_medians_of_every_call() -> None:
+    ms = 1_000_000
+    events, t = [], 0
+    for compute in (5, 7, 6, 9, 4, 8):  # ranges 0, 1, 0, 1, 0, 1
+        events += [(t, "call_in", 0), (t + compute * ms, "call_out", 0)]
+        t += 20 * ms
+    assert hop_trace.exchange_times(events, 2) == pytest.approx([5.0, 8.0])
+    assert hop_trace.exchange_times([], 2) == []
+
+
+def test_the_rounds_table_puts_the_swarm_beside_bare_workers_and_sums_the_rest() -> None:
+    rounds = {
+        "rounds": 12, "entries": 8, "exchange_ms": [10.0, 12.0, 20.0], "handoff_ms": [2.0, 3.0],
+        "loop_ms": 4.0, "round_ms": 51.0, "ranges": [[0, 10], [10, 20], [20, 30]], "bare_exchange_ms": [8.0, 9.0, 16.0],
+    }  # fmt: skip
+    lines = batching._rounds_table({"baton_lock_step": {"rounds": rounds}})
+    assert "| worker exchange at [0:10] (send, compute, reply) | 10.00 | 8.00 |" in lines
+    assert any(line.startswith("| [20:30] -> owners -> [0:10]") and "| 4.00 |" in line for line in lines)
+    assert "| the round, first hop to first hop | 51.00 | 33.00 |" in lines
+    # 42 ms of exchanges against 33 bare (1.27x); 51 - 42 = 9 ms between them
+    assert "take 42.0 of the round's 51.0 ms" in lines[-1] and "(1.27x in the swarm)" in lines[-1]
+    assert "take 9.0 ms" in lines[-1]
+    assert batching._rounds_table({"baton_lock_step": {"rounds": None}}) == []
+    failed = batching._rounds_table({"baton_lock_step": {"rounds": {"rounds": 0, "error": "2 of 3 node traces came back"}}})
+    assert "not traced (2 of 3 node traces came back)" in failed[-1]

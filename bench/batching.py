@@ -60,7 +60,7 @@ from _bootstrap import BENCH_DIR  # first: it makes the project importable
 import trio  # noqa: E402
 
 import hop_trace  # noqa: E402
-from compare import PROMPT_SOURCE, TOOLS_DIR, ensure_llama_tools, machine_info  # noqa: E402
+from compare import PROMPT_SOURCE, TOOLS_DIR, ensure_llama_tools, machine_info, scoped_environ  # noqa: E402
 from worker_wait import chain_step  # noqa: E402
 
 ALIAS = "smollm2"
@@ -349,20 +349,9 @@ def _trace_environment(trace_dir: Path):  # noqa: ANN202
     trace_dir.mkdir(parents=True, exist_ok=True)
     for old in trace_dir.glob("trace-*.json"):
         old.unlink()
-    values = {
-        hop_trace.ENV_DIR: str(trace_dir),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(BENCH_DIR / "_trace"), str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p),
-    }
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
+    path = os.pathsep.join(p for p in (str(BENCH_DIR / "_trace"), str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)
+    with scoped_environ(**{hop_trace.ENV_DIR: str(trace_dir), "PYTHONPATH": path}):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 async def traced_rounds(swarm, route, prompt: list[int], trace_dir: Path) -> dict:  # noqa: ANN001

@@ -399,7 +399,9 @@ def ed25519_verify_us() -> float:
 
 
 @contextlib.contextmanager
-def _env(**values: str | None):  # noqa: ANN202
+def scoped_environ(**values: str | None):  # noqa: ANN202
+    """Set (a value) or remove (None) these variables of ``os.environ`` for the block: the
+    processes started in it inherit them; the old values come back after."""
     saved = {k: os.environ.get(k) for k in values}
     for k, v in values.items():
         if v is None:
@@ -441,7 +443,7 @@ async def bench_swarm(
         trace_env = {hop_trace.ENV_DIR: str(trace_dir), "PYTHONPATH": path.rstrip(os.pathsep)}
     config = LocalSwarmConfig(model_path=model, model_alias=alias, threads=threads)
     started = time.perf_counter()
-    with _env(**trace_env):
+    with scoped_environ(**trace_env):
         async with open_local_swarm(config) as swarm:
             await swarm.start_tracker()
             async with open_swarm_client(swarm.tracker_addr) as client:

@@ -398,15 +398,7 @@ def forward_times(events: Sequence[Sequence], n_ranges: int) -> list[float]:
     """Median ms of each range's Forward call (``fwd_in`` to ``fwd_out``) in a chain driven
     from one process, decode steps only (the first ``n_ranges`` calls of a generation are
     its prefill; one generation per trace)."""
-    calls = []
-    start = None
-    for t, name, _extra in events:
-        if name == "fwd_in":
-            start = t
-        elif name == "fwd_out" and start is not None:
-            calls.append((t - start) / 1e6)
-            start = None
-    decode = calls[n_ranges:]
+    decode = _durations_ms(events, "fwd_in", "fwd_out")[n_ranges:]
     return [statistics.median(decode[i::n_ranges]) for i in range(n_ranges)] if decode else []
 
 
@@ -475,11 +467,18 @@ def round_breakdown(hops: Sequence[Sequence[Sequence]], entries: int) -> dict:
 def exchange_times(events: Sequence[Sequence], n_ranges: int) -> list[float]:
     """Median ms of each range's worker exchange (``call_in`` to ``call_out``) in a chain
     driven from one process, every call in the trace (start it after the prefill)."""
-    calls, start = [], None
-    for t, name, _extra in events:
-        if name == "call_in":
-            start = t
-        elif name == "call_out" and start is not None:
-            calls.append((t - start) / 1e6)
-            start = None
+    calls = _durations_ms(events, "call_in", "call_out")
     return [statistics.median(calls[i::n_ranges]) for i in range(n_ranges)] if calls else []
+
+
+def _durations_ms(events: Sequence[Sequence], opening: str, closing: str) -> list[float]:
+    """Each ``opening`` event to the ``closing`` one after it, ms, in order (one process's
+    calls, one at a time)."""
+    durations, start = [], None
+    for t, name, _extra in events:
+        if name == opening:
+            start = t
+        elif name == closing and start is not None:
+            durations.append((t - start) / 1e6)
+            start = None
+    return durations

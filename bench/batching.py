@@ -396,9 +396,12 @@ async def bare_series_exchanges(model: Path, ranges: list[tuple[int, int]], prom
             await chain_step(clients, [g])  # prefill: the first token
         hop_trace.install_worker_hooks()  # in this process; recording only from here
         hop_trace.start()
-        while live := [g for g in gens if not g.finished]:
-            await chain_step(clients, live)
-        return hop_trace.exchange_times(hop_trace.stop(), len(clients))
+        try:
+            while live := [g for g in gens if not g.finished]:
+                await chain_step(clients, live)
+        finally:
+            events = hop_trace.stop()
+        return hop_trace.exchange_times(events, len(clients))
 
 
 def summarize(baton: dict, llama: dict[int, dict], baton_off: dict, lock_step: dict | None = None) -> dict:

@@ -554,13 +554,15 @@ def _rounds_table(report: dict) -> list[str]:
         f"| {ranges[-1]} -> owners -> {ranges[0]}: results, sampling, next steps, the first hop's gather "
         f"| {cell(rounds['loop_ms'])} | — |"
     )
-    lines.append(f"| the round, first hop to first hop | {cell(rounds['round_ms'])} | {cell(sum(b for b in bare if b is not None) if None not in bare else None)} |")
-    exchanges, between = sum(rounds["exchange_ms"]), rounds["round_ms"] - sum(rounds["exchange_ms"]) if rounds["round_ms"] else None
-    if None not in bare and rounds["round_ms"]:
+    bare_round = None if None in bare else sum(bare)
+    lines.append(f"| the round, first hop to first hop | {cell(rounds['round_ms'])} | {cell(bare_round)} |")
+    if bare_round is not None and rounds["round_ms"]:
+        exchanges = sum(rounds["exchange_ms"])
+        between = rounds["round_ms"] - exchanges
         lines += [
             "",
             f"- The workers' exchanges take {exchanges:.1f} of the round's {rounds['round_ms']:.1f} ms; the same "
-            f"Forwards by bare workers take {sum(bare):.1f} ms ({exchanges / sum(bare):.2f}x in the swarm). The "
+            f"Forwards by bare workers take {bare_round:.1f} ms ({exchanges / bare_round:.2f}x in the swarm). The "
             f"swarm's own steps between them (messages, Python in nodes and owners) take {between:.1f} ms.",
         ]
     return lines

@@ -97,12 +97,9 @@ async def run_once(model: Path, ranges, sessions: int, groups: int, policy: str,
     ) as chain:
         clients = [handle.client for handle in chain]
 
-        async def step(gens: list[GreedyGeneration]) -> None:
-            await chain_step(clients, gens)
-
         async def decode(gens: list[GreedyGeneration]) -> None:
             while live := [g for g in gens if not g.finished]:
-                await step(live)
+                await chain_step(clients, live)
 
         results = []
         for _ in range(2):  # a warm-up generation, then the timed one
@@ -111,7 +108,7 @@ async def run_once(model: Path, ranges, sessions: int, groups: int, policy: str,
                 for i in range(sessions)
             ]
             for g in gens:
-                await step([g])  # prefill: the first token
+                await chain_step(clients, [g])  # prefill: the first token
             cpu_before = [_cpu_s(h.process.pid) for h in chain]
             started = time.perf_counter()
             async with trio.open_nursery() as nursery:

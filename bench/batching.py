@@ -565,6 +565,34 @@ def _rounds_table(report: dict) -> list[str]:
             f"Forwards by bare workers take {bare_round:.1f} ms ({exchanges / bare_round:.2f}x in the swarm). The "
             f"swarm's own steps between them (messages, Python in nodes and owners) take {between:.1f} ms.",
         ]
+    return lines + _stages_tables(rounds, ranges)
+
+
+def _stages_tables(rounds: dict, ranges: list[str]) -> list[str]:
+    """The hand-offs and the loop of ``_rounds_table``, cut at the events in between
+    (``hop_trace.HANDOFF_STAGES``, ``LOOP_STAGES``); nothing for a trace from before them."""
+    handoffs, loop = rounds.get("handoff_stages_ms"), rounds.get("loop_stages_ms")
+    if not handoffs or not loop:
+        return []
+
+    def cell(row: list) -> str:
+        what, value, found = row
+        return "—" if value is None else f"{value:.2f}" + ("" if found == rounds["rounds"] else f" ({found} rounds)")
+
+    names = [f"{ranges[k]} -> {ranges[k + 1]}" for k in range(len(handoffs))]
+    lines = [
+        "",
+        "The hand-offs and the loop, stage by stage (the same rounds; each stage runs from the event that ends the "
+        "one before; medians, so a column need not add up to the row above; a stage not seen in every round says "
+        "in how many it was):",
+        "",
+        "| stage of a hand-off | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+    ]
+    for i, (what, *_rest) in enumerate(handoffs[0]):
+        lines.append(f"| {what} | " + " | ".join(cell(stages[i]) for stages in handoffs) + " |")
+    lines += ["", f"| stage of the loop {ranges[-1]} -> owners -> {ranges[0]} | ms |", "|---|---|"]
+    lines += [f"| {row[0]} | {cell(row)} |" for row in loop]
     return lines
 
 

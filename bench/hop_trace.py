@@ -39,6 +39,7 @@ __all__ = [
     "load_dumps",
     "node_forwards",
     "round_breakdown",
+    "span_stages",
     "step_breakdown",
 ]
 
@@ -428,7 +429,11 @@ def round_breakdown(hops: Sequence[Sequence[Sequence]], entries: int) -> dict:
       the step handlers, the next Forward's start);
     - ``loop_ms``: the last hop's reply to the first hop's next round (the results to every
       owner, their next steps, the first hop's wait for all of them);
-    - ``round_ms``: one first-hop exchange to the next round's.
+    - ``round_ms``: one first-hop exchange to the next round's;
+    - ``handoff_stages_ms`` (per hand-off) and ``loop_stages_ms``: the same spans cut at the
+      events in between (``HANDOFF_STAGES``, ``LOOP_STAGES``, ``span_stages``), each stage's
+      ``[what, median ms, rounds it was found in]``; medians, so they need not add up to the
+      span's.
 
     Rounds whose next round is not in the trace (the last) count in all but ``round_ms`` and
     ``loop_ms``."""
@@ -452,6 +457,17 @@ def round_breakdown(hops: Sequence[Sequence[Sequence]], entries: int) -> dict:
     def median(values: list[float]) -> float | None:
         return statistics.median(values) if values else None
 
+    handoff_stages = [
+        _median_stages(
+            [span_stages(hops[k], hops[k + 1], c[k]["call_out"], c[k + 1]["call_in"], HANDOFF_STAGES) for c in rounds],
+            HANDOFF_STAGES,
+        )
+        for k in range(len(hops) - 1)
+    ]  # fmt: skip
+    loop_stages = _median_stages(
+        [span_stages(hops[-1], hops[0], c[-1]["call_out"], after["call_in"], LOOP_STAGES) for c, after in closed],
+        LOOP_STAGES,
+    )  # fmt: skip
     return {
         "rounds": len(rounds),
         "entries": entries,
@@ -461,7 +477,67 @@ def round_breakdown(hops: Sequence[Sequence[Sequence]], entries: int) -> dict:
         ],
         "loop_ms": median([(after["call_in"] - chain[-1]["call_out"]) * ms for chain, after in closed]),
         "round_ms": median([(after["call_in"] - chain[0]["call_in"]) * ms for chain, after in closed]),
+        "handoff_stages_ms": handoff_stages,
+        "loop_stages_ms": loop_stages,
     }
+
+
+#: A stage of a span between two processes: (what it is, whose events end it: "from" or "to",
+#: the event that ends it, "first" such event after the stage before ends, or the "last" one
+#: before the span ends).
+Stage = tuple[str, str, str, str]
+
+#: hop k's worker reply to hop k+1's next exchange, stage by stage
+HANDOFF_STAGES: tuple[Stage, ...] = (
+    ("sender: the worker's reply decoded", "from", "fwd_out", "first"),
+    ("sender: outputs taken (rows kept, push groups)", "from", "push_in", "first"),
+    ("sender: the next hop's steps built and serialized", "from", "wr_in", "first"),
+    ("sender: the frame written (TLS, socket)", "from", "wr_out", "first"),
+    ("kernel, wake-up, decrypt until the receiver's frame reader has it", "to", "rd_in", "first"),
+    ("receiver: the step handlers, every step of the batch", "to", "accept_out", "last"),
+    ("receiver: the serving task wakes and takes the batch", "to", "fwd_in", "first"),
+    ("receiver: the Forward request encoded and sent", "to", "call_in", "first"),
+)
+
+#: the last hop's worker reply to the first hop's next round, stage by stage
+LOOP_STAGES: tuple[Stage, ...] = (
+    ("last hop: the worker's reply decoded", "from", "fwd_out", "first"),
+    ("last hop: every owner's result built and written", "from", "wr_out", "last"),
+    ("owners: results taken, tokens chosen, until the first next step is accepted", "to", "accept_in", "first"),
+    ("first hop: the other owners' steps, until the last is accepted", "to", "accept_out", "last"),
+    ("first hop: the gather ends, the serving task takes the batch", "to", "fwd_in", "first"),
+    ("first hop: the Forward request encoded and sent", "to", "call_in", "first"),
+)
+
+
+def span_stages(
+    from_events: Sequence[Sequence], to_events: Sequence[Sequence], start: int, end: int, stages: Sequence[Stage]
+) -> list[float | None]:
+    """ms of each of ``stages`` in the span ``[start, end]`` (ns) from one process
+    (``from_events``) to another (``to_events``): each stage runs from where the one before
+    ended to its event. A stage whose event is not in the span is None, and the next stage
+    counts from where the last one found ended (so the found stages always add up to the span)."""
+    events = {"from": from_events, "to": to_events}
+    out: list[float | None] = []
+    at = start
+    for _what, whose, name, which in stages:
+        times = [t for t, n, _x in events[whose] if n == name and at <= t <= end]
+        if not times:
+            out.append(None)
+            continue
+        t = times[0] if which == "first" else times[-1]
+        out.append((t - at) / 1e6)
+        at = t
+    return out
+
+
+def _median_stages(per_span: Sequence[Sequence[float | None]], stages: Sequence[Stage]) -> list[list]:
+    """``[what, median ms or None, spans it was found in]`` of each stage."""
+    rows = []
+    for i, (what, *_rest) in enumerate(stages):
+        found = [span[i] for span in per_span if span[i] is not None]
+        rows.append([what, statistics.median(found) if found else None, len(found)])
+    return rows
 
 
 def exchange_times(events: Sequence[Sequence], n_ranges: int) -> list[float]:

@@ -137,6 +137,50 @@ def test_a_lock_step_round_is_split_into_exchanges_handoffs_and_the_loop_back() 
     assert hop_trace.round_breakdown([hop1, [], hop3], 8) == {"rounds": 0}
 
 
+def test_a_span_is_cut_at_the_first_or_last_event_of_each_stage_and_a_missing_one_merges_forward() -> None:
+    ms = 1_000_000
+    stages = (("a", "from", "x", "first"), ("b", "to", "y", "last"), ("c", "to", "z", "first"))
+    sender = [(1 * ms, "x", 0), (3 * ms, "x", 0), (50 * ms, "x", 0)]  # 50: after the span
+    receiver = [(0, "y", 0), (4 * ms, "y", 0), (6 * ms, "y", 0), (7 * ms, "z", 0), (9 * ms, "z", 0)]
+    # a ends at the first x (1), b at the last y in the span (6), c at the first z after it (7)
+    assert hop_trace.span_stages(sender, receiver, 0, 10 * ms, stages) == pytest.approx([1.0, 5.0, 1.0])
+    # no y in the span: b is None and c counts from where a ended
+    assert hop_trace.span_stages(sender, [(7 * ms, "z", 0)], 0, 10 * ms, stages) == [pytest.approx(1.0), None, pytest.approx(6.0)]
+    # an event before the span's start is not the stage's end
+    assert hop_trace.span_stages(sender, receiver, 2 * ms, 10 * ms, stages) == pytest.approx([1.0, 3.0, 1.0])
+
+
+def test_the_round_breakdown_cuts_handoffs_and_the_loop_into_stages() -> None:
+    ms = 1_000_000
+    hop1 = _forward(0, 10, 8) + _forward(50, 10, 8)
+    hop2 = _forward(13, 12, 8) + _forward(63, 12, 8)
+    hop3 = _forward(28, 20, 8) + _forward(78, 20, 8)
+    # round 1's hand-off hop 1 -> hop 2 (call_out 11 .. call_in 14): reply decoded by 12, push
+    # at 12.2, frame written 12.4-12.5, read at 12.6, two steps accepted by 12.9, fwd_in 13;
+    # round 2's hand-off has no push, frame or step events
+    hop1 += [(int(12.2 * ms), "push_in", 0), (int(12.4 * ms), "wr_in", 0), (int(12.5 * ms), "wr_out", 0)]
+    hop2 += [(int(12.6 * ms), "rd_in", 0), (int(12.7 * ms), "accept_out", 0), (int(12.9 * ms), "accept_out", 0)]
+    hop1, hop2 = sorted(hop1), sorted(hop2)
+    out = hop_trace.round_breakdown([hop1, hop2, hop3], 8)
+    first, _second = out["handoff_stages_ms"]
+    assert [row[0] for row in first] == [stage[0] for stage in hop_trace.HANDOFF_STAGES]
+    got = {what: (value, found) for what, value, found in first}
+    assert got["sender: the worker's reply decoded"] == (pytest.approx(1.0), 2)
+    assert got["sender: outputs taken (rows kept, push groups)"] == (pytest.approx(0.2), 1)
+    assert got["sender: the frame written (TLS, socket)"] == (pytest.approx(0.1), 1)
+    assert got["receiver: the step handlers, every step of the batch"] == (pytest.approx(0.3), 1)
+    # round 1: 12.9 -> 13; round 2, with nothing seen in between: fwd_out 62 -> fwd_in 63
+    assert got["receiver: the serving task wakes and takes the batch"] == (pytest.approx(0.55), 2)
+    assert got["receiver: the Forward request encoded and sent"] == (pytest.approx(1.0), 2)
+    # the loop of round 1 (hop 3's reply at 49 to hop 1's next exchange at 51): decoded at 50,
+    # then nothing but the first hop's fwd_in (50) and call_in (51)
+    loop = {what: (value, found) for what, value, found in out["loop_stages_ms"]}
+    assert [what for what, *_ in out["loop_stages_ms"]] == [stage[0] for stage in hop_trace.LOOP_STAGES]
+    assert loop["last hop: the worker's reply decoded"] == (pytest.approx(1.0), 1)
+    assert loop["owners: results taken, tokens chosen, until the first next step is accepted"] == (None, 0)
+    assert loop["first hop: the Forward request encoded and sent"] == (pytest.approx(1.0), 1)
+
+
 def test_bare_exchanges_are_per_range_medians_of_every_call() -> None:
     ms = 1_000_000
     events, t = [], 0
@@ -159,6 +203,18 @@ def test_the_rounds_table_puts_the_swarm_beside_bare_workers_and_sums_the_rest()
     # 42 ms of exchanges against 33 bare (1.27x); 51 - 42 = 9 ms between them
     assert "take 42.0 of the round's 51.0 ms" in lines[-1] and "(1.27x in the swarm)" in lines[-1]
     assert "take 9.0 ms" in lines[-1]
+    assert not any("stage by stage" in line for line in lines)  # a trace from before the stages
+    staged = {
+        **rounds,
+        "handoff_stages_ms": [[["sender: a", 0.5, 12], ["receiver: b", 1.25, 12]], [["sender: a", 0.75, 11], ["receiver: b", None, 0]]],
+        "loop_stages_ms": [["owners: c", 2.5, 12]],
+    }  # fmt: skip
+    lines = batching._rounds_table({"baton_lock_step": {"rounds": staged}})
+    assert "| stage of a hand-off | [0:10] -> [10:20] | [10:20] -> [20:30] |" in lines
+    assert "| sender: a | 0.50 | 0.75 (11 rounds) |" in lines
+    assert "| receiver: b | 1.25 | — |" in lines
+    assert "| stage of the loop [20:30] -> owners -> [0:10] | ms |" in lines
+    assert lines[-1] == "| owners: c | 2.50 |"
     assert batching._rounds_table({"baton_lock_step": {"rounds": None}}) == []
     failed = batching._rounds_table({"baton_lock_step": {"rounds": {"rounds": 0, "error": "2 of 3 node traces came back"}}})
     assert "not traced (2 of 3 node traces came back)" in failed[-1]

@@ -170,19 +170,35 @@ def all_decoding(token_times: list[list[float]]) -> tuple[int, float]:
     return tokens, end - start
 
 
-async def _forward_counts(addr: str, after_unix_ms: int) -> dict[str, tuple[int, int]]:
-    """``{"[begin:end]": (Forwards, steps)}`` of every READY range (``forward_counts``)."""
+async def _forward_counts(addr: str, after_unix_ms: int) -> dict[str, tuple[int, int, int, int]]:
+    """``{"[begin:end]": (Forwards, steps, compute µs, call µs)}`` of every READY range
+    (``forward_counts``)."""
     from agent.demo.swarm_demo import forward_counts
 
-    return {f"[{b}:{e}]": counts for (b, e), counts in (await forward_counts(addr, after_unix_ms)).items()}
+    return {f"[{b}:{e}]": tuple(counts) for (b, e), counts in (await forward_counts(addr, after_unix_ms)).items()}
 
 
-def _steps_per_forward(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, float]:
+def _steps_per_forward(before: dict[str, tuple[int, ...]], after: dict[str, tuple[int, ...]]) -> dict[str, float]:
     out = {}
-    for key, (calls, steps) in sorted(after.items()):
-        calls0, steps0 = before.get(key, (0, 0))
+    for key, (calls, steps, *_times) in sorted(after.items()):
+        calls0, steps0, *_ = before.get(key, (0, 0))
         if calls > calls0:
             out[key] = (steps - steps0) / (calls - calls0)
+    return out
+
+
+def _forward_time(before: dict[str, tuple[int, ...]], after: dict[str, tuple[int, ...]]) -> dict[str, dict]:
+    """Per range, between two ``_forward_counts``: the worker's own time in its Forwards and
+    the node's calls, ms in all, and the calls' own cost beyond the worker's time, ms a Forward."""
+    out = {}
+    for key, (calls, _steps, compute_us, call_us) in sorted(after.items()):
+        calls0, _steps0, compute0, call0 = before.get(key, (0, 0, 0, 0))
+        if calls > calls0:
+            compute_ms, call_ms = (compute_us - compute0) / 1000, (call_us - call0) / 1000
+            out[key] = {
+                "forwards": calls - calls0, "compute_ms": compute_ms, "call_ms": call_ms,
+                "call_beyond_compute_ms_per_forward": (call_ms - compute_ms) / (calls - calls0),
+            }  # fmt: skip
     return out
 
 
@@ -325,6 +341,7 @@ async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, t
             rows[n]["wall_s"] = time.perf_counter() - started
             counts, counted = await _forward_counts(addr, int(time.time() * 1000)), counts
             rows[n]["steps_per_forward"] = _steps_per_forward(counted, counts)  # prefill included
+            rows[n]["forward_time"] = _forward_time(counted, counts)
             log(
                 f"baton ({mode}) {n} sessions: {rows[n]['tokens_per_s']:.1f} decode tokens/s with every session "
                 f"decoding ({rows[n]['all_decoding_s']:.1f} s), {rows[n]['span_tokens_per_s']:.1f} over the whole span"
@@ -338,7 +355,8 @@ async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, t
     if trace_dir is not None:  # the swarm is gone: the bare workers have the machine to themselves
         ranges = [(hop.begin, hop.end) for hop in route.hops]
         result["rounds"]["ranges"] = ranges
-        result["rounds"]["bare_exchange_ms"] = await bare_series_exchanges(model_path(ALIAS), ranges, prompt, threads)
+        bare = await bare_series_exchanges(model_path(ALIAS), ranges, prompt, threads)
+        result["rounds"]["bare_exchange_ms"], result["rounds"]["bare_compute_ms"] = bare
         log(f"lock-step rounds: {result['rounds']}")
     return result
 
@@ -375,10 +393,13 @@ async def traced_rounds(swarm, route, prompt: list[int], trace_dir: Path) -> dic
     return hop_trace.round_breakdown([dumps[pid] for pid in pids], TRACE_SESSIONS)
 
 
-async def bare_series_exchanges(model: Path, ranges: list[tuple[int, int]], prompt: list[int], threads: int) -> list[float]:
+async def bare_series_exchanges(
+    model: Path, ranges: list[tuple[int, int]], prompt: list[int], threads: int
+) -> tuple[list[float], list[float]]:
     """The traced pass's Forwards by bare workers in series, driven from this process (no
     node, no message; their idle threads sleep after a short spin, as the swarm's): each
-    range's median exchange ms over the lock-step decode steps of ``TRACE_SESSIONS``."""
+    range's median exchange ms, and the workers' own time in it (``compute_us``), over the
+    lock-step decode steps of ``TRACE_SESSIONS``."""
     from agent.core.generation import GreedyGeneration
     from agent.core.topk import DEFAULT_RESULT_TOP_K
     from agent.core.worker_wait import SLEEP, worker_environment
@@ -401,7 +422,7 @@ async def bare_series_exchanges(model: Path, ranges: list[tuple[int, int]], prom
                 await chain_step(clients, live)
         finally:
             events = hop_trace.stop()
-        return hop_trace.exchange_times(events, len(clients))
+        return hop_trace.exchange_times(events, len(clients)), hop_trace.compute_times(events, len(clients))
 
 
 def summarize(baton: dict, llama: dict[int, dict], baton_off: dict, lock_step: dict | None = None) -> dict:
@@ -515,6 +536,7 @@ def render_markdown(report: dict) -> str:
             f"alone: p50 {a['p50_s'] * 1000:.1f} ms, p99 {a['p99_s'] * 1000:.1f} ms."
         )
     lines += _cpu_table(report)
+    lines += _forward_time_table(report)
     lines += _steps_table(report)
     lines += _rounds_table(report)
     lines += ["", f"Wall time: {report['wall_time_s']:.0f} s.", ""]
@@ -528,6 +550,8 @@ def _rounds_table(report: dict) -> list[str]:
         return [] if not rounds else ["", f"Lock-step rounds: not traced ({rounds.get('error', 'no round found')})."]
     ranges = [f"[{b}:{e}]" for b, e in rounds.get("ranges", [])] or [f"hop {k + 1}" for k in range(len(rounds["exchange_ms"]))]
     bare = rounds.get("bare_exchange_ms") or [None] * len(ranges)
+    computed = rounds.get("compute_ms") or [None] * len(ranges)
+    bare_computed = rounds.get("bare_compute_ms") or [None] * len(ranges)
 
     def cell(value: float | None) -> str:
         return "—" if value is None else f"{value:.2f}"
@@ -545,6 +569,9 @@ def _rounds_table(report: dict) -> list[str]:
     ]
     for k, name in enumerate(ranges):
         lines.append(f"| worker exchange at {name} (send, compute, reply) | {cell(rounds['exchange_ms'][k])} | {cell(bare[k])} |")
+        if computed[k] or bare_computed[k]:  # (a trace from before ForwardReply.compute_us has none)
+            own = f"{cell(computed[k])} | {cell(bare_computed[k])}"
+            lines.append(f"| of which the worker's own time (compute_us) | {own} |")
     for k, handoff in enumerate(rounds["handoff_ms"]):
         lines.append(
             f"| {ranges[k]} -> {ranges[k + 1]}: reply decoded, push, message, step handlers, next Forward started "
@@ -565,6 +592,13 @@ def _rounds_table(report: dict) -> list[str]:
             f"Forwards by bare workers take {bare_round:.1f} ms ({exchanges / bare_round:.2f}x in the swarm). The "
             f"swarm's own steps between them (messages, Python in nodes and owners) take {between:.1f} ms.",
         ]
+        if None not in computed and None not in bare_computed and all(bare_computed):
+            ours, theirs = sum(computed), sum(bare_computed)
+            lines[-1] += (
+                f" Inside the exchanges, the workers' own time is {ours:.1f} ms in the swarm against {theirs:.1f} "
+                f"bare ({ours / theirs:.2f}x); the rest of an exchange (the socket, waking both sides, encoding, a node "
+                f"busy when its reply comes) is {exchanges - ours:.1f} ms against {bare_round - theirs:.1f}."
+            )
     return lines + _stages_tables(rounds, ranges)
 
 
@@ -650,6 +684,39 @@ def _cpu_table(report: dict) -> list[str]:
     lines.append("| all | " + " | ".join(f"{t * 1000 / n:.1f}" for t, n in zip(totals, tokens)) + " |")
     cores = [t / run["wall_s"] for t, run in zip(totals, runs)]
     lines.append("| cores busy on average | " + " | ".join(f"{c:.2f}" for c in cores) + " |")
+    return lines
+
+
+def _forward_time_table(report: dict) -> list[str]:
+    """The 8-session runs' worker Forwards at each hop, from the nodes' heartbeats: the
+    workers' own time (``ForwardReply.compute_us``) per generated token, and what a call cost
+    the node beyond it (the socket, waking both sides, encoding, a node busy when the reply
+    came), per Forward."""
+    modes = [(label, report[key]["parallel"].get("8")) for label, key in _REPORT_MODES if key in report]
+    modes = [(label, run) for label, run in modes if run is not None and run.get("forward_time")]
+    if not modes:
+        return []  # (a report of an older run)
+    keys = sorted({k for _l, run in modes for k in run["forward_time"]})
+    lines = [
+        "",
+        "The workers' Forwards at 8 sessions, as the nodes timed them (whole run incl. prefill): the worker's own "
+        "time (`ForwardReply.compute_us`, wall clock) in ms per generated token, and a call's cost beyond it "
+        "(the socket, waking both sides, encoding, the node busy when the reply came) in ms per Forward:",
+        "",
+        "| hop | "
+        + " | ".join(f"{label}: worker ms / token | {label}: call beyond it, ms / Forward" for label, _r in modes)
+        + " |",
+        "|---|" + "---|---|" * len(modes),
+    ]
+    for key in keys:
+        cells = []
+        for _label, run in modes:
+            got = run["forward_time"].get(key)
+            tokens = run["decode_tokens"] + run["sessions"]
+            cells += ["—", "—"] if got is None else [
+                f"{got['compute_ms'] / tokens:.2f}", f"{got['call_beyond_compute_ms_per_forward']:.2f}"
+            ]  # fmt: skip
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return lines
 
 

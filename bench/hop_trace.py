@@ -31,6 +31,7 @@ from pathlib import Path
 __all__ = [
     "ENV_DIR",
     "TraceFinder",
+    "compute_times",
     "exchange_times",
     "forward_times",
     "install_client_hooks",
@@ -66,10 +67,19 @@ def stop() -> list[tuple[int, str, object]]:
     return list(_events)
 
 
-def _wrap(cls: type, name: str, tag: str, *, when: Callable[..., object] | None = None, static: bool = False) -> None:
+def _wrap(
+    cls: type,
+    name: str,
+    tag: str,
+    *,
+    when: Callable[..., object] | None = None,
+    static: bool = False,
+    out: Callable[[object], object] | None = None,
+) -> None:
     """Record ``<tag>_in`` / ``<tag>_out`` around ``cls.name`` (async or not) while on.
 
-    ``when(*args)`` returns None to skip recording a call, else an extra value to record."""
+    ``when(*args)`` returns None to skip recording a call, else an extra value to record.
+    ``out(self)``: the ``_out`` event's extra instead, read after a call that returned."""
     original = cls.__dict__.get(name)
     if original is None:
         _missing.append(f"{cls.__name__}.{name}")
@@ -88,9 +98,12 @@ def _wrap(cls: type, name: str, tag: str, *, when: Callable[..., object] | None 
                 return await fn(*args, **kwargs)
             _ev(tag + "_in", extra)
             try:
-                return await fn(*args, **kwargs)
-            finally:
+                result = await fn(*args, **kwargs)
+            except BaseException:
                 _ev(tag + "_out", extra)
+                raise
+            _ev(tag + "_out", extra if out is None else out(args[0]))
+            return result
 
     else:
 
@@ -101,9 +114,12 @@ def _wrap(cls: type, name: str, tag: str, *, when: Callable[..., object] | None 
                 return fn(*args, **kwargs)
             _ev(tag + "_in", extra)
             try:
-                return fn(*args, **kwargs)
-            finally:
+                result = fn(*args, **kwargs)
+            except BaseException:
                 _ev(tag + "_out", extra)
+                raise
+            _ev(tag + "_out", extra if out is None else out(args[0]))
+            return result
 
     wrapper.__hop_trace__ = True
     setattr(cls, name, staticmethod(wrapper) if static or isinstance(original, staticmethod) else wrapper)
@@ -145,8 +161,12 @@ def install_worker_hooks() -> None:
     call thread (``WorkerClient.blocking_call``: gRPC + the worker's compute)."""
     from agent.io import worker_client
 
-    # extra: the Forward's entries (sequences), which tells a lock-step round's Forwards apart
-    _wrap(worker_client.AsyncWorkerClient, "forward", "fwd", when=lambda _s, entries, *a, **k: len(entries))
+    # extra: the Forward's entries (sequences), which tells a lock-step round's Forwards apart;
+    # at fwd_out, the worker's own time in it (µs, ForwardReply.compute_us)
+    _wrap(
+        worker_client.AsyncWorkerClient, "forward", "fwd",
+        when=lambda _s, entries, *a, **k: len(entries), out=_forward_compute_us,
+    )  # fmt: skip
     _wrap(
         worker_client.AsyncWorkerClient,
         "call",
@@ -160,6 +180,11 @@ def install_worker_hooks() -> None:
         "thr",
         when=lambda _s, method, *a, **k: 1 if method == "Forward" else None,
     )
+
+
+def _forward_compute_us(client) -> int:  # noqa: ANN001
+    timing = getattr(client, "last_forward", None)
+    return 0 if timing is None else int(timing.compute_us)
 
 
 def install_node_hooks(agent_module) -> None:  # noqa: ANN001
@@ -405,13 +430,16 @@ def forward_times(events: Sequence[Sequence], n_ranges: int) -> list[float]:
 
 def node_forwards(events: Sequence[Sequence]) -> list[dict[str, int]]:
     """A node's worker Forwards, in order: ``fwd_in`` (with ``entries``, the sequences in it),
-    ``call_in``/``call_out`` (the exchange with the worker: its compute) and ``fwd_out``."""
+    ``call_in``/``call_out`` (the exchange with the worker: its compute) and ``fwd_out`` (with
+    ``compute_us``, the worker's own time in it: 0 when it did not say)."""
     forwards: list[dict[str, int]] = []
     for t, name, extra in events:
         if name == "fwd_in":
             forwards.append({"fwd_in": t, "entries": int(extra)})
-        elif forwards and name in ("call_in", "call_out", "fwd_out"):
-            forwards[-1].setdefault(name, t)
+        elif forwards and name in ("call_in", "call_out", "fwd_out") and name not in forwards[-1]:
+            forwards[-1][name] = t
+            if name == "fwd_out":
+                forwards[-1]["compute_us"] = int(extra or 0)
     return [f for f in forwards if {"call_in", "call_out", "fwd_out"} <= f.keys()]
 
 
@@ -425,6 +453,7 @@ def round_breakdown(hops: Sequence[Sequence[Sequence]], entries: int) -> dict:
     next such Forward at each later hop. Medians over rounds, ms:
 
     - ``exchange_ms``: per hop, the exchange with its worker (send, compute, reply);
+    - ``compute_ms``: per hop, the worker's own time in that Forward (``ForwardReply.compute_us``);
     - ``handoff_ms``: hop k's reply to hop k+1's exchange (decode the reply, push, the message,
       the step handlers, the next Forward's start);
     - ``loop_ms``: the last hop's reply to the first hop's next round (the results to every
@@ -472,6 +501,7 @@ def round_breakdown(hops: Sequence[Sequence[Sequence]], entries: int) -> dict:
         "rounds": len(rounds),
         "entries": entries,
         "exchange_ms": [median([(c[k]["call_out"] - c[k]["call_in"]) * ms for c in rounds]) for k in range(len(hops))],
+        "compute_ms": [median([c[k]["compute_us"] / 1000 for c in rounds]) for k in range(len(hops))],
         "handoff_ms": [
             median([(c[k + 1]["call_in"] - c[k]["call_out"]) * ms for c in rounds]) for k in range(len(hops) - 1)
         ],
@@ -538,6 +568,13 @@ def _median_stages(per_span: Sequence[Sequence[float | None]], stages: Sequence[
         found = [span[i] for span in per_span if span[i] is not None]
         rows.append([what, statistics.median(found) if found else None, len(found)])
     return rows
+
+
+def compute_times(events: Sequence[Sequence], n_ranges: int) -> list[float]:
+    """Median ms of each range's own time in its Forwards (the worker's ``compute_us``, at
+    ``fwd_out``) in a chain driven from one process, every call in the trace."""
+    computed = [int(extra or 0) / 1000 for _t, name, extra in events if name == "fwd_out"]
+    return [statistics.median(computed[i::n_ranges]) for i in range(n_ranges)] if computed else []
 
 
 def exchange_times(events: Sequence[Sequence], n_ranges: int) -> list[float]:

@@ -293,6 +293,10 @@ async def test_lock_step_runs_every_decoding_session_in_one_forward_with_solo_nu
         # Forward per step would be 44 Forwards (1.0 a Forward)
         assert steps == 3 * (CONCURRENT_TOKENS - 1) + 5, (calls, steps)
         assert steps / calls >= 1.6, f"{steps} steps in {calls} Forwards at the first hop: no convoy"
+        # every hop's Forwards were timed by its worker, and the node's calls took at least that
+        for key, counts in after.items():
+            compute_us, call_us = counts.compute_us - before[key].compute_us, counts.call_us - before[key].call_us
+            assert 0 < compute_us <= call_us, (key, counts, before[key])
         # nodes on one machine: their workers' idle threads sleep (the local swarm's --worker-wait)
         for node in swarm.nodes.values():
             workers = [p for p in psutil.Process(node.process.pid).children() if "baton-worker" in p.name()]

@@ -181,6 +181,36 @@ def test_the_round_breakdown_cuts_handoffs_and_the_loop_into_stages() -> None:
     assert loop["first hop: the Forward request encoded and sent"] == (pytest.approx(1.0), 1)
 
 
+def test_forward_time_is_taken_between_two_counts_and_tabled_per_token_and_per_forward() -> None:
+    before = {"[0:10]": (10, 40, 50_000, 60_000), "[10:20]": (10, 40, 40_000, 41_000)}
+    after = {
+        "[0:10]": (30, 200, 250_000, 290_000), "[10:20]": (10, 40, 40_000, 41_000), "[20:30]": (4, 8, 8_000, 10_000),
+    }  # fmt: skip
+    got = batching._forward_time(before, after)
+    # [0:10]: 20 Forwards, 200 ms of worker time, 230 ms of calls: 1.5 ms a Forward beyond it
+    assert got["[0:10]"] == {
+        "forwards": 20, "compute_ms": 200.0, "call_ms": 230.0, "call_beyond_compute_ms_per_forward": 1.5,
+    }  # fmt: skip
+    assert "[10:20]" not in got  # no Forward in between
+    assert got["[20:30]"]["call_beyond_compute_ms_per_forward"] == pytest.approx(0.5)  # new since: from 0
+    run = {"decode_tokens": 92, "sessions": 8, "forward_time": got}  # 100 tokens
+    lines = batching._forward_time_table({"baton": {"parallel": {"8": run}}})
+    assert "| [0:10] | 2.00 | 1.50 |" in lines
+    assert "| [20:30] | 0.08 | 0.50 |" in lines
+    assert batching._forward_time_table({"baton": {"parallel": {"8": {"tokens_per_s": 1.0}}}}) == []
+    assert batching._steps_per_forward(before, after) == {"[0:10]": 8.0, "[20:30]": 2.0}
+
+
+def test_the_workers_own_time_in_the_trace_is_read_at_fwd_out() -> None:
+    ms = 1_000_000
+    events = _forward(0, 10, 8)
+    events[-1] = (events[-1][0], "fwd_out", 9_500)  # the worker said 9.5 ms
+    (forward,) = hop_trace.node_forwards(events)
+    assert forward["compute_us"] == 9_500 and forward["entries"] == 8
+    chain = [(0, "fwd_in", 1), (ms, "fwd_out", 4_000), (2 * ms, "fwd_in", 1), (3 * ms, "fwd_out", 6_000)]
+    assert hop_trace.compute_times(chain, 2) == pytest.approx([4.0, 6.0])
+
+
 def test_bare_exchanges_are_per_range_medians_of_every_call() -> None:
     ms = 1_000_000
     events, t = [], 0
@@ -204,6 +234,13 @@ def test_the_rounds_table_puts_the_swarm_beside_bare_workers_and_sums_the_rest()
     assert "take 42.0 of the round's 51.0 ms" in lines[-1] and "(1.27x in the swarm)" in lines[-1]
     assert "take 9.0 ms" in lines[-1]
     assert not any("stage by stage" in line for line in lines)  # a trace from before the stages
+    assert not any("own time" in line for line in lines)  # and before compute_us
+    timed = {**rounds, "compute_ms": [9.0, 10.0, 16.0], "bare_compute_ms": [7.5, 8.5, 14.0]}
+    lines = batching._rounds_table({"baton_lock_step": {"rounds": timed}})
+    assert "| of which the worker's own time (compute_us) | 9.00 | 7.50 |" in lines
+    # 35 ms of the workers' own time against 30 bare; 42 - 35 = 7 ms of the rest against 33 - 30
+    summary = next(line for line in lines if line.startswith("- The workers' exchanges"))
+    assert "35.0 ms in the swarm against 30.0 bare (1.17x)" in summary and "is 7.0 ms against 3.0" in summary
     staged = {
         **rounds,
         "handoff_stages_ms": [[["sender: a", 0.5, 12], ["receiver: b", 1.25, 12]], [["sender: a", 0.75, 11], ["receiver: b", None, 0]]],

@@ -66,11 +66,16 @@ async def test_forward_stream_equals_grpc_and_survives_bad_frames(qwen2_tiny_pat
         grpc_logits = np.frombuffer(over_grpc.entries[0].logits, dtype="<f4")
         assert over_stream[0].logits is not None
         assert np.array_equal(over_stream[0].logits[-1], grpc_logits)
+        # Both ways the worker says how long it computed; the client's call took at least that.
+        timing = client.last_forward
+        assert timing is not None and 0 < timing.compute_us <= timing.call_us, timing
+        assert over_grpc.compute_us > 0
 
         # A refusal comes back with the gRPC status name and the worker's message.
         with pytest.raises(WorkerError) as caught:
             await client.forward([SeqInput(seq_id=9, positions=[0], token_ids=[5])])
         assert caught.value.code_name == "INVALID_ARGUMENT" and "seq_id 9" in caught.value.message, caught.value
+        assert client.last_forward is timing, "a refused Forward leaves the last one's time"
 
         async with await trio.open_unix_socket(path) as raw:
             # Garbage in a well-formed frame: INVALID_ARGUMENT, and the connection goes on.

@@ -22,6 +22,7 @@ from .topk import TopLogits
 __all__ = [
     "SCHEMA_VERSION",
     "BoundarySchemaInfo",
+    "ForwardTiming",
     "SeqInput",
     "SeqOutput",
     "TokenAttr",
@@ -96,6 +97,18 @@ class SeqOutput:
         if rows is None:
             return len(self.top)
         return int(rows.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardTiming:
+    """One Forward's time, microseconds: ``compute_us`` as the worker measured it
+    (``ForwardReply.compute_us``: the ranged graph and the outputs; 0 from a worker that does
+    not measure it) and ``call_us`` as the caller measured the whole call (request encoded,
+    sent, the worker's time, the reply read and decoded). ``call_us - compute_us`` is what
+    the call itself cost: the socket, waking both sides, encoding and decoding."""
+
+    compute_us: int
+    call_us: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import trio
 
@@ -34,9 +35,11 @@ from agent.io.worker_process import open_worker
 from agent.models import cached_sha256
 
 __all__ = [
+    "ForwardCounts",
     "RelayGeneration",
     "RelayError",
     "SwarmDemoReport",
+    "forward_counts",
     "node_memory_bytes",
     "run_swarm_demo",
     "serve_swarm_demo",
@@ -75,13 +78,24 @@ async def wait_for_coverage(client: SwarmClient, swarm: LocalSwarm, model: str, 
     raise TimeoutError(f"no full route for {model!r} within {timeout_s} s: {last}\n{swarm.logs()}")
 
 
+class ForwardCounts(NamedTuple):
+    """A READY range's worker Forwards since it went READY (``AssignmentStatus``): how many,
+    the steps they carried, their time as the worker measured it and as the node measured
+    its calls (µs)."""
+
+    calls: int
+    steps: int
+    compute_us: int
+    call_us: int
+
+
 async def forward_counts(
     addr: str, after_unix_ms: int, *, timeout_s: float = 30.0
-) -> dict[tuple[int, int], tuple[int, int]]:
-    """``{(begin, end): (Forwards, steps)}`` of every READY range of the tracker at ``addr``, from
-    heartbeats sent after ``after_unix_ms`` (AssignmentStatus.forward_calls / forward_steps):
-    how many steps the nodes' worker Forwards carried. Raises TooSlowError when some alive
-    node sends no heartbeat within ``timeout_s``."""
+) -> dict[tuple[int, int], ForwardCounts]:
+    """``{(begin, end): ForwardCounts}`` of every READY range of the tracker at ``addr``, from
+    heartbeats sent after ``after_unix_ms``: how many steps the nodes' worker Forwards
+    carried, and their time. Raises TooSlowError when some alive node sends no heartbeat
+    within ``timeout_s``."""
     async with open_swarm_client(addr) as c:
         with trio.fail_after(timeout_s):
             while True:
@@ -90,7 +104,9 @@ async def forward_counts(
                     break
                 await trio.sleep(0.2)  # polling the tracker's view
     return {
-        (s.assignment.begin, s.assignment.end): (s.forward_calls, s.forward_steps)
+        (s.assignment.begin, s.assignment.end): ForwardCounts(
+            s.forward_calls, s.forward_steps, s.forward_compute_us, s.forward_call_us
+        )
         for n in nodes
         if n.alive
         for s in n.serving

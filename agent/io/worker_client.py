@@ -16,6 +16,7 @@ import dataclasses
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -31,6 +32,7 @@ from agent.core.topk import TopLogits
 from agent.core.worker_records import (
     SCHEMA_VERSION,
     BoundarySchemaInfo,
+    ForwardTiming,
     SeqInput,
     SeqOutput,
     Vocabulary,
@@ -649,6 +651,8 @@ class AsyncWorkerClient:
         self._stream = (
             _ForwardStream(forward_socket_path, self.sync.config.max_message_bytes) if forward_socket_path else None
         )
+        #: the time of the last Forward that returned outputs (None before the first)
+        self.last_forward: ForwardTiming | None = None
 
     @property
     def socket_path(self) -> str:
@@ -693,12 +697,16 @@ class AsyncWorkerClient:
         """One Forward: over the Forward stream when the worker has one, else the gRPC call
         (the same request, reply and errors either way)."""
         info = self.cached_info or await self.info(timeout_s=timeout_s)
+        started_ns = time.monotonic_ns()  # a duration for the caller's figures, not a deadline
         request = forward_request(entries, info)
         if self._stream is not None:
             reply = await self._stream.exchange(request, self.sync.config.timeout_s if timeout_s is None else timeout_s)
         else:
             reply = await self.call("Forward", request, timeout_s)
-        return forward_outputs(reply, info)
+        outputs = forward_outputs(reply, info)
+        call_us = (time.monotonic_ns() - started_ns) // 1000
+        self.last_forward = ForwardTiming(compute_us=reply.compute_us, call_us=call_us)
+        return outputs
 
     async def remove_sequence(self, seq_id: int, *, timeout_s: float | None = None) -> int:
         request = worker_pb2.RemoveSequenceRequest(schema_version=SCHEMA_VERSION, seq_id=seq_id)

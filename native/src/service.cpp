@@ -178,9 +178,12 @@ grpc::Status ShardWorkerService::Forward(grpc::ServerContext *, const v1::Forwar
         }
 
         std::vector<ForwardOutput> outputs;
+        std::chrono::steady_clock::duration compute{};
         {
             std::lock_guard<std::mutex> lock(shard_mu_);
+            const auto started = std::chrono::steady_clock::now();  // after the lock: no wait counted
             st = shard_->forward(entries, &outputs);
+            compute = std::chrono::steady_clock::now() - started;
         }
         if (!st.ok()) {
             return to_grpc_status(st);
@@ -189,6 +192,8 @@ grpc::Status ShardWorkerService::Forward(grpc::ServerContext *, const v1::Forwar
 
         reply->set_schema_version(kSchemaVersion);
         reply->set_dtype(v1::DTYPE_F32);
+        const auto compute_us = std::chrono::duration_cast<std::chrono::microseconds>(compute).count();
+        reply->set_compute_us(static_cast<uint64_t>(compute_us));
         for (ForwardOutput & o : outputs) {
             v1::SequenceOutput * out = reply->add_entries();
             out->set_seq_id(o.seq_id);

@@ -321,6 +321,8 @@ class ServedRange:
     fetch_progress: FetchProgress | None = None  # while its bytes are being fetched
     forward_calls: int = 0  # Forwards this node sent to the worker
     entries_forwarded: int = 0
+    forward_compute_us: int = 0  # their time as the worker measured it (ForwardTiming)
+    forward_call_us: int = 0  # and as this node measured the calls
     largest_batch: int = 0
     #: the batch in the worker's Forward right now: its steps are owed an error if the range
     #: stops (UNLOAD, the worker dies) before their outputs are pushed
@@ -362,6 +364,8 @@ class ServedRange:
             sessions_started=0 if self.sessions is None else self.sessions.started,
             forward_calls=self.forward_calls,
             forward_steps=self.entries_forwarded,
+            forward_compute_us=self.forward_compute_us,
+            forward_call_us=self.forward_call_us,
             sessions_resumed=0 if self.sessions is None else self.sessions.resumed,
             sessions_rebuilt=0 if self.sessions is None else self.sessions.rebuilt,
         )
@@ -879,6 +883,9 @@ class Node:
             served.in_forward = []
             served.forward_calls += 1
             served.entries_forwarded += len(batch)
+            if (timing := client.last_forward) is not None:
+                served.forward_compute_us += timing.compute_us
+                served.forward_call_us += timing.call_us
             served.largest_batch = max(served.largest_batch, len(batch))
             now = _clock_ms()
             done: list[tuple[StepInput, SeqOutput, tuple[bytes, int] | None]] = []

@@ -84,6 +84,8 @@ MODES = {
 #: greedy tokens each; its rounds are those in which every session's decode step is in a Forward
 TRACE_SESSIONS = 8
 TRACE_TOKENS = 96
+#: traced passes, each followed by the same Forwards through bare workers (``traced_rounds``)
+TRACE_PASSES = 3
 #: how long the nodes get to write their trace dumps after SIGUSR2
 TRACE_DUMP_TIMEOUT_S = 10.0
 
@@ -306,8 +308,8 @@ def _percentiles(values: list[float]) -> dict:
 async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, trace_dir: Path | None = None) -> dict:
     """Part 1 (and part 2 when ``gaps``) on a fresh swarm whose nodes run ``mode`` (``MODES``);
     its workers take ``--lock-step-threads`` threads in lock-step, ``--threads`` otherwise.
-    With ``trace_dir``: then a traced pass (``traced_rounds``), and the same Forwards by bare
-    workers in series (``bare_series_exchanges``), under ``"rounds"``."""
+    With ``trace_dir``: then traced passes, each followed by the same Forwards through bare
+    workers in series (``traced_rounds``), under ``"rounds"``."""
     from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
     from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
     from agent.io.client import open_swarm_client
@@ -351,13 +353,8 @@ async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, t
             result["gaps"] = await _gaps_during_prefill(addr, prompt, long_prompt, args.gap_tokens, args.chunk)
             log(f"gaps: {result['gaps']}")
         if trace_dir is not None:
-            result["rounds"] = await traced_rounds(swarm, route, prompt, trace_dir)
-    if trace_dir is not None:  # the swarm is gone: the bare workers have the machine to themselves
-        ranges = [(hop.begin, hop.end) for hop in route.hops]
-        result["rounds"]["ranges"] = ranges
-        bare = await bare_series_exchanges(model_path(ALIAS), ranges, prompt, threads)
-        result["rounds"]["bare_exchange_ms"], result["rounds"]["bare_compute_ms"] = bare
-        log(f"lock-step rounds: {result['rounds']}")
+            result["rounds"] = await traced_rounds(swarm, route, prompt, trace_dir, threads)
+            log(f"lock-step rounds: {result['rounds']}")
     return result
 
 
@@ -372,17 +369,36 @@ def _trace_environment(trace_dir: Path):  # noqa: ANN202
         yield
 
 
-async def traced_rounds(swarm, route, prompt: list[int], trace_dir: Path) -> dict:  # noqa: ANN001
-    """``TRACE_SESSIONS`` sessions of ``TRACE_TOKENS`` tokens with the nodes recording
-    (``hop_trace``): where a round of every session's decode step goes
-    (``hop_trace.round_breakdown``, the nodes in route order)."""
+async def traced_rounds(swarm, route, prompt: list[int], trace_dir: Path, threads: int) -> dict:  # noqa: ANN001
+    """Where a round of every session's decode step goes: ``TRACE_PASSES`` passes of
+    ``TRACE_SESSIONS`` sessions of ``TRACE_TOKENS`` tokens with the nodes recording
+    (``hop_trace.round_breakdown``, the nodes in route order), each followed by the same
+    Forwards by bare workers in series (``_bare_pass``) while the swarm idles, so that the
+    machine's drift in speed falls on both alike. Bare workers: the same ranges, threads and
+    short-spin wait, driven from this process (no node, no message); their ``bare_exchange_ms``
+    and ``bare_compute_ms`` are each range's medians over every pass. (The first round of each
+    later pass follows a bare pass: 2 of some 280 rounds, whose loop and round the medians
+    leave out in practice.)"""
+    from agent.core.worker_wait import SLEEP, worker_environment
+    from agent.harness.parity_run import open_workers
+    from agent.models import model_path
+
     by_peer = {node.peer_id: node.process.pid for node in swarm.nodes.values()}
     pids = [by_peer[hop.peer_id] for hop in route.hops]
-    for pid in pids:
-        os.kill(pid, signal.SIGUSR1)  # the node's Python process only, never its worker
-    await _concurrent(swarm.tracker_addr, prompt, TRACE_TOKENS, TRACE_SESSIONS)
-    for pid in pids:
-        os.kill(pid, signal.SIGUSR2)
+    ranges = [(hop.begin, hop.end) for hop in route.hops]
+    environment = worker_environment(SLEEP, other_workers=0, environment=os.environ)[0]
+    bare_events: list = []
+    async with open_workers(
+        model_path(ALIAS), ranges, threads=threads, max_sequences=SEQUENCES, environment=environment
+    ) as chain:  # fmt: skip
+        clients = [handle.client for handle in chain]
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)  # the node's Python process only, never its worker
+        for _ in range(TRACE_PASSES):
+            await _concurrent(swarm.tracker_addr, prompt, TRACE_TOKENS, TRACE_SESSIONS)
+            bare_events += await _bare_pass(clients, prompt)
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR2)
     with trio.move_on_after(TRACE_DUMP_TIMEOUT_S):
         while len(list(trace_dir.glob("trace-*.json"))) < len(pids):
             await trio.sleep(0.05)  # a benchmark polling files, not a test synchronising
@@ -390,39 +406,36 @@ async def traced_rounds(swarm, route, prompt: list[int], trace_dir: Path) -> dic
     dumps = {d["pid"]: d["events"] for d in hop_trace.load_dumps(trace_dir)}
     if any(pid not in dumps for pid in pids):
         return {"rounds": 0, "error": f"{len(dumps)} of {len(pids)} node traces came back"}
-    return hop_trace.round_breakdown([dumps[pid] for pid in pids], TRACE_SESSIONS)
+    return {
+        **hop_trace.round_breakdown([dumps[pid] for pid in pids], TRACE_SESSIONS),
+        "passes": TRACE_PASSES,
+        "ranges": ranges,
+        "bare_exchange_ms": hop_trace.exchange_times(bare_events, len(clients)),
+        "bare_compute_ms": hop_trace.compute_times(bare_events, len(clients)),
+    }
 
 
-async def bare_series_exchanges(
-    model: Path, ranges: list[tuple[int, int]], prompt: list[int], threads: int
-) -> tuple[list[float], list[float]]:
-    """The traced pass's Forwards by bare workers in series, driven from this process (no
-    node, no message; their idle threads sleep after a short spin, as the swarm's): each
-    range's median exchange ms, and the workers' own time in it (``compute_us``), over the
-    lock-step decode steps of ``TRACE_SESSIONS``."""
+async def _bare_pass(clients, prompt: list[int]) -> list:  # noqa: ANN001
+    """One traced pass's Forwards through the bare workers ``clients`` in series: every
+    session's prefill (not recorded), then its decode steps in lock-step (recorded, in this
+    process: ``hop_trace``); the sequences are freed after. Returns the recorded events."""
     from agent.core.generation import GreedyGeneration
     from agent.core.topk import DEFAULT_RESULT_TOP_K
-    from agent.core.worker_wait import SLEEP, worker_environment
-    from agent.harness.parity_run import open_workers
 
-    environment = worker_environment(SLEEP, other_workers=0, environment=os.environ)[0]
-    async with open_workers(
-        model, ranges, threads=threads, max_sequences=SEQUENCES, environment=environment
-    ) as chain:  # fmt: skip
-        clients = [handle.client for handle in chain]
-        gens = [
-            GreedyGeneration(i, prompt, TRACE_TOKENS + 1, top_k=DEFAULT_RESULT_TOP_K) for i in range(TRACE_SESSIONS)
-        ]  # fmt: skip
+    gens = [GreedyGeneration(i, prompt, TRACE_TOKENS + 1, top_k=DEFAULT_RESULT_TOP_K) for i in range(TRACE_SESSIONS)]
+    for g in gens:
+        await chain_step(clients, [g])  # prefill: the first token
+    hop_trace.install_worker_hooks()  # in this process; recording only from here
+    hop_trace.start()
+    try:
+        while live := [g for g in gens if not g.finished]:
+            await chain_step(clients, live)
+    finally:
+        events = hop_trace.stop()
+    for client in clients:
         for g in gens:
-            await chain_step(clients, [g])  # prefill: the first token
-        hop_trace.install_worker_hooks()  # in this process; recording only from here
-        hop_trace.start()
-        try:
-            while live := [g for g in gens if not g.finished]:
-                await chain_step(clients, live)
-        finally:
-            events = hop_trace.stop()
-        return hop_trace.exchange_times(events, len(clients)), hop_trace.compute_times(events, len(clients))
+            await client.remove_sequence(g.seq_id)
+    return events
 
 
 def summarize(baton: dict, llama: dict[int, dict], baton_off: dict, lock_step: dict | None = None) -> dict:
@@ -562,7 +575,13 @@ def _rounds_table(report: dict) -> list[str]:
         "`bench/hop_trace.py` in the nodes, medians in ms): a round is the first hop's Forward of every "
         "session's decode step, then the same steps' Forward at each later hop; beside it, the same Forwards by "
         "bare workers in series (the same ranges, threads and wait policy, driven from this process: no node, "
-        "no message, nothing else running).",
+        "no message)"
+        + (
+            f", run after each of the {rounds['passes']} traced passes while the swarm idles, so that the "
+            "machine's drift in speed falls on both alike."
+            if rounds.get("passes")
+            else ", run after the swarm was gone."
+        ),
         "",
         "| part of the round | swarm | bare workers in series |",
         "|---|---|---|",

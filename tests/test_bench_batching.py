@@ -238,6 +238,9 @@ def test_the_rounds_table_puts_the_swarm_beside_bare_workers_and_sums_the_rest()
     timed = {**rounds, "compute_ms": [9.0, 10.0, 16.0], "bare_compute_ms": [7.5, 8.5, 14.0]}
     lines = batching._rounds_table({"baton_lock_step": {"rounds": timed}})
     assert "| of which the worker's own time (compute_us) | 9.00 | 7.50 |" in lines
+    assert "run after the swarm was gone." in lines[1]
+    lines = batching._rounds_table({"baton_lock_step": {"rounds": {**timed, "passes": 3}}})
+    assert "run after each of the 3 traced passes while the swarm idles" in lines[1]
     # 35 ms of the workers' own time against 30 bare; 42 - 35 = 7 ms of the rest against 33 - 30
     summary = next(line for line in lines if line.startswith("- The workers' exchanges"))
     assert "35.0 ms in the swarm against 30.0 bare (1.17x)" in summary and "is 7.0 ms against 3.0" in summary

@@ -26,7 +26,15 @@ Owns one command that measures:
    (``--long-prompt`` tokens, in the owner's chunks of ``--chunk`` rows) is prefilled: p50 and
    p99 of the gaps that fall in that prefill, next to the same session's gaps with nothing
    else running. A decode step waits behind at most one Forward (agent.core.scheduler), so the
-   gap grows with the chunk's compute time.
+   gap grows with the chunk's compute time;
+3. where a lock-step round of 8 sessions goes (``traced_rounds``): each hop's worker
+   exchange and the worker's own time in it (``ForwardReply.compute_us``), the hand-offs and
+   the loop back through the owners, stage by stage, beside the same Forwards by bare workers
+   in series, run between the traced passes.
+
+Part 1 runs ``--rounds`` times (llama-batched-bench and every mode in turn each round: the
+machine's speed drifts from minute to minute); each figure is its median round's, and every
+round's figure at 8 sessions is listed. Parts 2 and 3 run once, in the last round.
 
 Targets (issue 12): 8 sessions >= 0.8x llama-batched-bench at 8, aggregate rising with every
 doubling (both for the default mode, groups auto), p99 gap <= 2x p50 during the prefill (auto).
@@ -35,9 +43,8 @@ The output says which are met and by how much, and the auto / off ratio at each 
 Writes ``batching.json`` and ``batching.md`` under ``--out`` (default bench/results) with the
 machine described as ``bench/compare.py`` describes it. Run it alone on the machine.
 
-Usage: ``.venv/bin/python bench/batching.py [--prompt 64] [--tokens 48] [--out bench/results]``
-(5-10 minutes on 2 cores, and part 1 again on the second swarm, once ``llama-batched-bench`` is built;
-building it takes a few more).
+Usage: ``.venv/bin/python bench/batching.py [--prompt 64] [--tokens 48] [--rounds 3] [--out bench/results]``
+(about 3 minutes a round on 2 cores once ``llama-batched-bench`` is built; building it takes a few more).
 """
 
 from __future__ import annotations
@@ -438,6 +445,23 @@ async def _bare_pass(clients, prompt: list[int]) -> list:  # noqa: ANN001
     return events
 
 
+def median_round(rows: list[dict], key: str) -> dict:
+    """One figure's rows of several rounds as one: the row whose ``key`` is the median (the
+    lower middle of an even count), with every round's ``key`` under ``rounds_<key>`` in
+    round order."""
+    chosen = sorted(rows, key=lambda row: row[key])[(len(rows) - 1) // 2]
+    return {**chosen, f"rounds_{key}": [row[key] for row in rows]}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Several rounds' ``run_baton`` results of one mode as one: per session count, the median
+    round's row (``median_round`` on decode t/s); what only one round measured (the gaps,
+    the traced rounds) as that round gave it."""
+    merged = {key: value for run in runs for key, value in run.items() if key != "parallel"}
+    merged["parallel"] = {n: median_round([run["parallel"][n] for run in runs], "tokens_per_s") for n in runs[0]["parallel"]}
+    return merged
+
+
 def summarize(baton: dict, llama: dict[int, dict], baton_off: dict, lock_step: dict | None = None) -> dict:
     """``baton``: the default mode (decode groups auto), whose numbers the targets are checked
     on; ``baton_off``: decode groups off, next to it; ``lock_step``: lock-step (None: not run),
@@ -496,7 +520,9 @@ def render_markdown(report: dict) -> str:
         f"{LOCK_STEP_GATHER_MS}`, workers of {cfg.get('lock_step_threads', '?')} threads): one decode group, held at "
         "the first hop until every decoding session's step waits, so the sessions travel as one convoy and one hop "
         "computes at a time (the mode for hops that share a machine's cores). Every worker's idle threads sleep "
-        "after a short spin (`--worker-wait sleep`, as in every local swarm). A fresh swarm for each; ratios are to llama-batched-bench.",
+        "after a short spin (`--worker-wait sleep`, as in every local swarm). A fresh swarm for each; ratios are to "
+        f"llama-batched-bench. {cfg.get('rounds', 1)} round(s), each running llama-batched-bench and every mode in turn "
+        "(the machine's speed drifts); each cell is its median round's.",
         "Decode t/s: the aggregate while every session decodes (from the last session's first token to the "
         "first session's last: no prompt is prefilled then), as llama-batched-bench's S_TG counts; the last "
         "column is the same runs over the whole span, which also holds the later sessions' prefills.",
@@ -518,6 +544,7 @@ def render_markdown(report: dict) -> str:
             f"{row['auto_over_off']:.2f}x | {span_cell} |"
             + (f" {row['lock_step_tokens_per_s']:.1f} | {row['lock_step_ratio']:.2f}x |" if locked else "")
         )
+    lines += _rounds_line(report)
     shortfall = s["ratio_at_8_target"] - s["ratio_at_8"]
     verdict = "met" if shortfall <= 0 else f"missed by {shortfall:.2f}x"
     lines += [
@@ -554,6 +581,20 @@ def render_markdown(report: dict) -> str:
     lines += _rounds_table(report)
     lines += ["", f"Wall time: {report['wall_time_s']:.0f} s.", ""]
     return "\n".join(lines)
+
+
+def _rounds_line(report: dict) -> list[str]:
+    """Every round's t/s at 8 sessions, when there were several (``median_round``)."""
+    series = [("llama-batched-bench", report.get("llama_batched_bench", {}).get("8", {}).get("rounds_speed_tg"))]
+    series += [
+        (label, report[key]["parallel"].get("8", {}).get("rounds_tokens_per_s"))
+        for label, key in _REPORT_MODES
+        if key in report
+    ]  # fmt: skip
+    if not all(values and len(values) > 1 for _label, values in series):
+        return []  # one round (or a report of an older run)
+    shown = "; ".join(f"{label} " + ", ".join(f"{v:.1f}" for v in values) for label, values in series)
+    return ["", f"- each round at 8 sessions, t/s in round order: {shown}."]
 
 
 def _rounds_table(report: dict) -> list[str]:
@@ -752,24 +793,38 @@ def main(argv: list[str] | None = None) -> int:
         "--lock-step-threads", type=int, default=2,
         help="threads per worker in lock-step, where one hop computes at a time (default 2: the cores)",
     )  # fmt: skip
+    parser.add_argument(
+        "--rounds", type=int, default=3,
+        help="rounds, each running llama-batched-bench and every mode in turn; each figure is its median round's"
+        " (default 3: the machine's speed drifts from minute to minute)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="where batching.{json,md} go")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     from agent.models import model_path
 
     machine = machine_info()
     started = time.perf_counter()
-    llama = run_batched_bench(model_path(ALIAS), args.prompt, args.tokens, args.llama_threads)
-    baton = trio.run(run_baton, args, "auto")
-    baton_off = trio.run(functools.partial(run_baton, args, "off", gaps=False))
-    with tempfile.TemporaryDirectory(prefix="baton-batching-trace-") as trace_dir:
-        lock_step = trio.run(functools.partial(run_baton, args, "lock-step", gaps=False, trace_dir=Path(trace_dir)))
+    llamas, autos, offs, locks = [], [], [], []
+    for r in range(args.rounds):
+        last = r == args.rounds - 1  # the gaps and the trace: once, in the last round
+        log(f"round {r + 1} of {args.rounds}")
+        llamas.append(run_batched_bench(model_path(ALIAS), args.prompt, args.tokens, args.llama_threads))
+        autos.append(trio.run(functools.partial(run_baton, args, "auto", gaps=last)))
+        offs.append(trio.run(functools.partial(run_baton, args, "off", gaps=False)))
+        with tempfile.TemporaryDirectory(prefix="baton-batching-trace-") as trace_dir:
+            traced = Path(trace_dir) if last else None
+            locks.append(trio.run(functools.partial(run_baton, args, "lock-step", gaps=False, trace_dir=traced)))
+    llama = {n: median_round([rounds[n] for rounds in llamas], "speed_tg") for n in PARALLEL}
+    baton, baton_off, lock_step = median_run(autos), median_run(offs), median_run(locks)
     report = {
         "benchmark": "batching",
         "machine": machine,
         "config": {
             "prompt": args.prompt, "tokens": args.tokens, "long_prompt": args.long_prompt, "gap_tokens": args.gap_tokens,
             "threads": args.threads, "llama_threads": args.llama_threads, "nodes": NODES, "sequences": SEQUENCES,
-            "chunk": args.chunk, "lock_step_threads": args.lock_step_threads,
+            "chunk": args.chunk, "lock_step_threads": args.lock_step_threads, "rounds": args.rounds,
         },  # fmt: skip
         "llama_batched_bench": {str(k): v for k, v in llama.items()},
         "baton": {

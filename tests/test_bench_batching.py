@@ -211,6 +211,33 @@ def test_the_workers_own_time_in_the_trace_is_read_at_fwd_out() -> None:
     assert hop_trace.compute_times(chain, 2) == pytest.approx([4.0, 6.0])
 
 
+def test_rounds_merge_into_each_figures_median_round_and_list_every_round() -> None:
+    rows = [{"tokens_per_s": 90.0, "cpu_s": {"a": 1.0}}, {"tokens_per_s": 70.0, "cpu_s": {"a": 2.0}},
+            {"tokens_per_s": 80.0, "cpu_s": {"a": 3.0}}]  # fmt: skip
+    # the median round's whole row (its CPU too), every round's t/s in round order
+    assert batching.median_round(rows, "tokens_per_s") == {"tokens_per_s": 80.0, "cpu_s": {"a": 3.0},
+                                                           "rounds_tokens_per_s": [90.0, 70.0, 80.0]}  # fmt: skip
+    assert batching.median_round(rows[:2], "tokens_per_s")["tokens_per_s"] == 70.0  # even: the lower middle
+    runs = [
+        {"parallel": {8: rows[0], 1: {"tokens_per_s": 5.0}}},
+        {"parallel": {8: rows[1], 1: {"tokens_per_s": 6.0}}, "gaps": {"n": 3}},
+        {"parallel": {8: rows[2], 1: {"tokens_per_s": 4.0}}},
+    ]
+    merged = batching.median_run(runs)
+    assert merged["gaps"] == {"n": 3}  # measured in one round only
+    assert merged["parallel"][8]["tokens_per_s"] == 80.0 and merged["parallel"][1]["tokens_per_s"] == 5.0
+    report = {
+        "llama_batched_bench": {"8": {"rounds_speed_tg": [150.0, 160.0, 170.0]}},
+        "baton": {"parallel": {"8": {"rounds_tokens_per_s": [90.0, 70.0, 80.0]}}},
+    }
+    assert batching._rounds_line(report) == [
+        "", "- each round at 8 sessions, t/s in round order: llama-batched-bench 150.0, 160.0, 170.0; "
+        "groups auto 90.0, 70.0, 80.0.",
+    ]  # fmt: skip
+    report["baton"]["parallel"]["8"]["rounds_tokens_per_s"] = [80.0]
+    assert batching._rounds_line(report) == []
+
+
 def test_bare_exchanges_are_per_range_medians_of_every_call() -> None:
     ms = 1_000_000
     events, t = [], 0

@@ -101,14 +101,16 @@ def log(message: str) -> None:
     print(f"[batching {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def run_batched_bench(model: Path, prompt: int, tokens: int, threads: int) -> dict[int, dict]:
-    """llama-batched-bench's rows, by parallel count."""
+def run_batched_bench(
+    model: Path, prompt: int, tokens: int, threads: int, parallel: tuple[int, ...] = PARALLEL
+) -> dict[int, dict]:
+    """llama-batched-bench's rows, by parallel count (``parallel``)."""
     ensure_llama_tools()
     binary = TOOLS_DIR / "bin" / "llama-batched-bench"
-    n_ctx = max(PARALLEL) * (prompt + tokens) + 64
+    n_ctx = max(parallel) * (prompt + tokens) + 64
     argv = [
         str(binary), "-m", str(model), "-c", str(n_ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt),
-        "-ntg", str(tokens), "-npl", ",".join(map(str, PARALLEL)), "-t", str(threads), "--output-format", "jsonl",
+        "-ntg", str(tokens), "-npl", ",".join(map(str, parallel)), "-t", str(threads), "--output-format", "jsonl",
     ]  # fmt: skip
     log(" ".join(argv))
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True)
@@ -118,8 +120,8 @@ def run_batched_bench(model: Path, prompt: int, tokens: int, threads: int) -> di
         if line.startswith("{") and '"speed_tg"' in line:
             row = json.loads(line)
             rows[int(row["pl"])] = row
-    if set(rows) != set(PARALLEL):
-        raise SystemExit(f"llama-batched-bench gave rows for {sorted(rows)}, expected {PARALLEL}:\n{done.stderr[-2000:]}")
+    if set(rows) != set(parallel):
+        raise SystemExit(f"llama-batched-bench gave rows for {sorted(rows)}, expected {parallel}:\n{done.stderr[-2000:]}")
     return rows
 
 
@@ -360,7 +362,7 @@ async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, t
             result["gaps"] = await _gaps_during_prefill(addr, prompt, long_prompt, args.gap_tokens, args.chunk)
             log(f"gaps: {result['gaps']}")
         if trace_dir is not None:
-            result["rounds"] = await traced_rounds(swarm, route, prompt, trace_dir, threads)
+            result["rounds"] = await traced_rounds(swarm, route, prompt, trace_dir, threads, args.llama_threads)
             log(f"lock-step rounds: {result['rounds']}")
     return result
 
@@ -376,16 +378,20 @@ def _trace_environment(trace_dir: Path):  # noqa: ANN202
         yield
 
 
-async def traced_rounds(swarm, route, prompt: list[int], trace_dir: Path, threads: int) -> dict:  # noqa: ANN001
+async def traced_rounds(
+    swarm, route, prompt: list[int], trace_dir: Path, threads: int, llama_threads: int  # noqa: ANN001
+) -> dict:
     """Where a round of every session's decode step goes: ``TRACE_PASSES`` passes of
     ``TRACE_SESSIONS`` sessions of ``TRACE_TOKENS`` tokens with the nodes recording
     (``hop_trace.round_breakdown``, the nodes in route order), each followed by the same
-    Forwards by bare workers in series (``_bare_pass``) while the swarm idles, so that the
-    machine's drift in speed falls on both alike. Bare workers: the same ranges, threads and
-    short-spin wait, driven from this process (no node, no message); their ``bare_exchange_ms``
-    and ``bare_compute_ms`` are each range's medians over every pass. (The first round of each
-    later pass follows a bare pass: 2 of some 280 rounds, whose loop and round the medians
-    leave out in practice.)"""
+    Forwards by bare workers in series (``_bare_pass``) while the swarm idles, and by
+    llama-batched-bench decoding as many sequences as far (unsplit, ``llama_threads``), so
+    that the machine's drift in speed falls on all three alike. Bare workers: the same
+    ranges, threads and short-spin wait, driven from this process (no node, no message); their
+    ``bare_exchange_ms`` and ``bare_compute_ms`` are each range's medians over every pass, and
+    ``llama_step_ms`` llama-batched-bench's median ms a step of all its sequences. (The first
+    round of each later pass follows a bare pass: 2 of some 280 rounds, whose loop and round
+    the medians leave out in practice.)"""
     from agent.core.worker_wait import SLEEP, worker_environment
     from agent.harness.parity_run import open_workers
     from agent.models import model_path
@@ -395,6 +401,7 @@ async def traced_rounds(swarm, route, prompt: list[int], trace_dir: Path, thread
     ranges = [(hop.begin, hop.end) for hop in route.hops]
     environment = worker_environment(SLEEP, other_workers=0, environment=os.environ)[0]
     bare_events: list = []
+    llama_step_ms: list[float] = []
     async with open_workers(
         model_path(ALIAS), ranges, threads=threads, max_sequences=SEQUENCES, environment=environment
     ) as chain:  # fmt: skip
@@ -404,6 +411,12 @@ async def traced_rounds(swarm, route, prompt: list[int], trace_dir: Path, thread
         for _ in range(TRACE_PASSES):
             await _concurrent(swarm.tracker_addr, prompt, TRACE_TOKENS, TRACE_SESSIONS)
             bare_events += await _bare_pass(clients, prompt)
+            llama = await trio.to_thread.run_sync(  # a subprocess run: off the event loop
+                functools.partial(
+                    run_batched_bench, model_path(ALIAS), len(prompt), TRACE_TOKENS, llama_threads, (TRACE_SESSIONS,)
+                )
+            )
+            llama_step_ms.append(1000 * TRACE_SESSIONS / llama[TRACE_SESSIONS]["speed_tg"])
         for pid in pids:
             os.kill(pid, signal.SIGUSR2)
     with trio.move_on_after(TRACE_DUMP_TIMEOUT_S):
@@ -419,6 +432,7 @@ async def traced_rounds(swarm, route, prompt: list[int], trace_dir: Path, thread
         "ranges": ranges,
         "bare_exchange_ms": hop_trace.exchange_times(bare_events, len(clients)),
         "bare_compute_ms": hop_trace.compute_times(bare_events, len(clients)),
+        "llama_step_ms": statistics.median(llama_step_ms),
     }
 
 
@@ -618,8 +632,9 @@ def _rounds_table(report: dict) -> list[str]:
         "bare workers in series (the same ranges, threads and wait policy, driven from this process: no node, "
         "no message)"
         + (
-            f", run after each of the {rounds['passes']} traced passes while the swarm idles, so that the "
-            "machine's drift in speed falls on both alike."
+            f", run after each of the {rounds['passes']} traced passes while the swarm idles"
+            + (", then llama-batched-bench (unsplit) as many sequences as far" if rounds.get("llama_step_ms") else "")
+            + ", so that the machine's drift in speed falls on all alike."
             if rounds.get("passes")
             else ", run after the swarm was gone."
         ),
@@ -643,6 +658,12 @@ def _rounds_table(report: dict) -> list[str]:
     )
     bare_round = None if None in bare else sum(bare)
     lines.append(f"| the round, first hop to first hop | {cell(rounds['round_ms'])} | {cell(bare_round)} |")
+    llama_ms = rounds.get("llama_step_ms")
+    if llama_ms:
+        lines.append(
+            f"| llama-batched-bench unsplit: a step of {rounds['entries']} sequences as far (interleaved) | — | "
+            f"{cell(llama_ms)} |"
+        )
     if bare_round is not None and rounds["round_ms"]:
         exchanges = sum(rounds["exchange_ms"])
         between = rounds["round_ms"] - exchanges
@@ -652,6 +673,11 @@ def _rounds_table(report: dict) -> list[str]:
             f"Forwards by bare workers take {bare_round:.1f} ms ({exchanges / bare_round:.2f}x in the swarm). The "
             f"swarm's own steps between them (messages, Python in nodes and owners) take {between:.1f} ms.",
         ]
+        if llama_ms:
+            lines[-1] += (
+                f" The bare workers' round is {llama_ms / bare_round:.2f}x llama-batched-bench's speed, the swarm's "
+                f"{llama_ms / rounds['round_ms']:.2f}x (measured side by side, pass by pass)."
+            )
         if None not in computed and None not in bare_computed and all(bare_computed):
             ours, theirs = sum(computed), sum(bare_computed)
             lines[-1] += (

@@ -267,7 +267,13 @@ def test_the_rounds_table_puts_the_swarm_beside_bare_workers_and_sums_the_rest()
     assert "| of which the worker's own time (compute_us) | 9.00 | 7.50 |" in lines
     assert "run after the swarm was gone." in lines[1]
     lines = batching._rounds_table({"baton_lock_step": {"rounds": {**timed, "passes": 3}}})
-    assert "run after each of the 3 traced passes while the swarm idles" in lines[1]
+    assert "run after each of the 3 traced passes while the swarm idles, so that" in lines[1]
+    assert not any("llama-batched-bench" in line for line in lines)
+    lines = batching._rounds_table({"baton_lock_step": {"rounds": {**timed, "llama_step_ms": 30.0}}})
+    assert "| llama-batched-bench unsplit: a step of 8 sequences as far (interleaved) | — | 30.00 |" in lines
+    # bare round 33 ms against llama-batched-bench's 30 (0.91x); the swarm's 51 ms (0.59x)
+    summary = next(line for line in lines if line.startswith("- The workers' exchanges"))
+    assert "round is 0.91x llama-batched-bench's speed, the swarm's 0.59x" in summary
     # 35 ms of the workers' own time against 30 bare; 42 - 35 = 7 ms of the rest against 33 - 30
     summary = next(line for line in lines if line.startswith("- The workers' exchanges"))
     assert "35.0 ms in the swarm against 30.0 bare (1.17x)" in summary and "is 7.0 ms against 3.0" in summary

@@ -17,6 +17,7 @@ an error. While recording is off a hook costs one flag test; while on, two list 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import importlib.abc
 import json
@@ -425,7 +426,7 @@ def forward_times(events: Sequence[Sequence], n_ranges: int) -> list[float]:
     from one process, decode steps only (the first ``n_ranges`` calls of a generation are
     its prefill; one generation per trace)."""
     decode = _durations_ms(events, "fwd_in", "fwd_out")[n_ranges:]
-    return [statistics.median(decode[i::n_ranges]) for i in range(n_ranges)] if decode else []
+    return _per_range_medians(decode, n_ranges)
 
 
 def node_forwards(events: Sequence[Sequence]) -> list[dict[str, int]]:
@@ -547,11 +548,11 @@ def span_stages(
     (``from_events``) to another (``to_events``): each stage runs from where the one before
     ended to its event. A stage whose event is not in the span is None, and the next stage
     counts from where the last one found ended (so the found stages always add up to the span)."""
-    events = {"from": from_events, "to": to_events}
+    events = {"from": _window(from_events, start, end), "to": _window(to_events, start, end)}
     out: list[float | None] = []
     at = start
     for _what, whose, name, which in stages:
-        times = [t for t, n, _x in events[whose] if n == name and at <= t <= end]
+        times = [t for t, n, _x in events[whose] if n == name and t >= at]
         if not times:
             out.append(None)
             continue
@@ -559,6 +560,12 @@ def span_stages(
         out.append((t - at) / 1e6)
         at = t
     return out
+
+
+def _window(events: Sequence[Sequence], start: int, end: int) -> Sequence[Sequence]:
+    """The events of one process (in time order) from ``start`` to ``end``, both included."""
+    first = bisect.bisect_left(events, start, key=lambda e: e[0])
+    return events[first : bisect.bisect_right(events, end, lo=first, key=lambda e: e[0])]
 
 
 def _median_stages(per_span: Sequence[Sequence[float | None]], stages: Sequence[Stage]) -> list[list]:
@@ -574,14 +581,20 @@ def compute_times(events: Sequence[Sequence], n_ranges: int) -> list[float]:
     """Median ms of each range's own time in its Forwards (the worker's ``compute_us``, at
     ``fwd_out``) in a chain driven from one process, every call in the trace."""
     computed = [int(extra or 0) / 1000 for _t, name, extra in events if name == "fwd_out"]
-    return [statistics.median(computed[i::n_ranges]) for i in range(n_ranges)] if computed else []
+    return _per_range_medians(computed, n_ranges)
 
 
 def exchange_times(events: Sequence[Sequence], n_ranges: int) -> list[float]:
     """Median ms of each range's worker exchange (``call_in`` to ``call_out``) in a chain
     driven from one process, every call in the trace (start it after the prefill)."""
     calls = _durations_ms(events, "call_in", "call_out")
-    return [statistics.median(calls[i::n_ranges]) for i in range(n_ranges)] if calls else []
+    return _per_range_medians(calls, n_ranges)
+
+
+def _per_range_medians(values: Sequence[float], n_ranges: int) -> list[float]:
+    """Each range's median of ``values``, taken from a chain's calls in turn (range 0, 1, ...,
+    0, 1, ...); [] when there are none."""
+    return [statistics.median(values[i::n_ranges]) for i in range(n_ranges)] if values else []
 
 
 def _durations_ms(events: Sequence[Sequence], opening: str, closing: str) -> list[float]:

@@ -21,6 +21,7 @@ from agent.core.swarm_wire import (
     WireError,
     check_hops,
     crc32,
+    encode_step_output,
     first_step_request,
     next_hop_request,
     node_reply_error,
@@ -243,6 +244,37 @@ def test_next_hop_request_keeps_the_dtype_and_validates_downstream() -> None:
         next_hop_request(half, np.full((2, N_EMBD), 1e6, np.float32), ADMISSION)
     with pytest.raises(BoundaryError, match="3 output rows for a step of 2 rows"):
         next_hop_request(first, rows_of(3), ADMISSION)
+
+
+def test_f32_rows_pass_through_as_the_bytes_they_arrived_in() -> None:
+    """A hop's F32 rows go on as bytes: validate_step keeps the received bytes (``wire_rows``,
+    which ``rows`` views), and encode_step_output sends the worker's bytes as they are. Any
+    other case (F16, bytes that do not match the rows) is encoded and checked as before."""
+    out = rows_of(2)
+    request = boundary_step(out)
+    step = validate_step(request, spec(2, 4))
+    assert step.wire_rows == request.boundary and step.wire_rows == out.tobytes()
+    np.testing.assert_array_equal(np.frombuffer(step.wire_rows, "<f4").reshape(2, N_EMBD), step.rows)
+    assert validate_step(boundary_step(out, WireDType.F16), spec(2, 4)).wire_rows is None
+    assert validate_step(token_step([1, 2]), spec(0, 2)).wire_rows is None
+
+    worker_bytes = (out * 3).tobytes()
+    rows = np.frombuffer(worker_bytes, "<f4").reshape(2, N_EMBD)
+    data, dtype = encode_step_output(step, rows, worker_bytes)
+    assert data is worker_bytes and dtype == WireDType.F32  # not encoded again
+    assert encode_step_output(step, rows) == (worker_bytes, WireDType.F32)  # the same bytes, encoded
+    # bytes that are not these rows (a rows count off) are not trusted: the rows are encoded
+    with pytest.raises(BoundaryError, match="3 output rows for a step of 2 rows"):
+        encode_step_output(step, rows_of(3), rows_of(3).tobytes())
+    # an F16 step's output is converted whatever bytes come with it
+    half = validate_step(boundary_step(out, WireDType.F16), spec(2, 4))
+    data, dtype = encode_step_output(half, rows, worker_bytes)
+    assert dtype == WireDType.F16 and data == rows.astype("<f2").tobytes()
+    # without the bytes, non-finite rows are still refused
+    bad = rows.copy()
+    bad[1, 3] = np.nan
+    with pytest.raises(BoundaryError, match="non-finite"):
+        encode_step_output(step, bad)
 
 
 STREAMS = 4

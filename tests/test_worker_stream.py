@@ -15,7 +15,9 @@ import trio
 
 from agent._proto import worker_pb2
 from agent.core.worker_records import SeqInput
-from agent.io.worker_client import WorkerError
+from agent.core.boundary import BoundaryError
+from agent.io import worker_client
+from agent.io.worker_client import WorkerError, forward_request
 from agent.io.worker_process import open_worker
 
 pytestmark = pytest.mark.timeout(120)
@@ -214,3 +216,34 @@ async def test_a_connection_found_closed_is_replaced_once_then_the_call_fails(tm
         assert caught.value.code_name == "UNAVAILABLE" and connections == [1, 1, 0], (caught.value, connections)
         await client.close()
         nursery.cancel_scope.cancel()
+
+
+async def test_boundary_rows_pass_between_workers_as_the_bytes_the_worker_sent(qwen2_tiny_path, monkeypatch) -> None:
+    """A range's F32 output rows come with the reply's bytes (``SeqOutput.boundary_bytes``),
+    and the next range's Forward sends such bytes as they are (``SeqInput.boundary_bytes``):
+    the same logits as rows encoded afresh. Bytes that are not the entry's rows are not
+    used: the rows are encoded (and checked) instead."""
+    async with (
+        open_worker(qwen2_tiny_path, 0, 1, threads=1, ctx_size=64, max_sequences=2) as first,
+        open_worker(qwen2_tiny_path, 1, None, threads=1, ctx_size=64, max_sequences=2) as rest,
+    ):
+        (out,) = await first.client.forward([SeqInput(0, list(range(len(PROMPT))), token_ids=PROMPT)])
+        assert out.boundary_bytes is not None and out.boundary_bytes == out.boundary.tobytes()
+        info = await rest.client.info()
+        positions = list(range(len(PROMPT)))
+        passed = SeqInput(0, positions, boundary=out.boundary, boundary_bytes=out.boundary_bytes)
+        with monkeypatch.context() as patched:
+            encoded_rows = []
+            patched.setattr(worker_client, "encode_rows", lambda *args: encoded_rows.append(args) or b"")
+            assert forward_request([passed], info).entries[0].boundary == out.boundary_bytes
+            assert not encoded_rows, "bytes that match the rows are sent as they are, not encoded again"
+        (via_bytes,) = await rest.client.forward([passed])
+        (encoded,) = await rest.client.forward([SeqInput(1, positions, boundary=out.boundary)])
+        np.testing.assert_array_equal(via_bytes.logits, encoded.logits)
+        # bytes of another shape than the rows: the rows are encoded instead
+        wrong = SeqInput(0, positions, boundary=out.boundary, boundary_bytes=out.boundary_bytes[:-4])
+        assert forward_request([wrong], info).entries[0].boundary == out.boundary.tobytes()
+        poisoned = out.boundary.copy()
+        poisoned[0, 0] = np.inf
+        with pytest.raises(BoundaryError, match="non-finite"):
+            forward_request([SeqInput(0, positions, boundary=poisoned, boundary_bytes=b"\0" * 3)], info)

@@ -98,10 +98,15 @@ _NUMPY_WIRE = {
 }
 
 
+#: bytes per element of each wire dtype, by its number (the hot path's lookup)
+WIRE_ITEMSIZE = {int(wire): numpy_dtype.itemsize for wire, numpy_dtype in _NUMPY_WIRE.items()}
+_NUMPY_WIRE_BY_NUMBER = {int(wire): numpy_dtype for wire, numpy_dtype in _NUMPY_WIRE.items()}
+
+
 def _wire_numpy_dtype(dtype: int) -> np.dtype:
     try:
-        return _NUMPY_WIRE[WireDType(dtype)]
-    except (ValueError, KeyError):
+        return _NUMPY_WIRE_BY_NUMBER[dtype]
+    except (KeyError, TypeError):
         names = ", ".join(f"{d.name} ({d.value})" for d in _NUMPY_WIRE)
         raise BoundaryError(f"unsupported wire dtype {int(dtype)}: expected one of {names}") from None
 

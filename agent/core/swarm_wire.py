@@ -24,6 +24,7 @@ agent.io.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -35,6 +36,7 @@ from agent._proto import swarm_pb2
 
 from .boundary import (
     RESIDUAL,
+    WIRE_ITEMSIZE,
     BoundaryError,
     BoundarySchema,
     WireDType,
@@ -111,6 +113,10 @@ _F32 = np.dtype("<f4")
 
 Code = swarm_pb2.Error.Code
 M = TypeVar("M", bound=Message)
+# the hot path's constants, read once (an enum wrapper's attribute costs a lookup per read)
+_INVALID_ARGUMENT = Code.INVALID_ARGUMENT
+_RESOURCE_EXHAUSTED = Code.RESOURCE_EXHAUSTED
+_F32_CODE = int(WireDType.F32)
 
 
 class WireError(Exception):
@@ -314,7 +320,7 @@ class RangeSpec:
     n_batch_max: int
     boundary: BoundarySchema | None = None
 
-    @property
+    @functools.cached_property
     def boundary_schema(self) -> BoundarySchema:
         return self.boundary or BoundarySchema(RESIDUAL, 1, self.n_embd)
 
@@ -355,6 +361,9 @@ class StepInput:
     result_top_k: int = 0  # what the last hop returns: 0 the full row, else the top K
     boundary_schema: BoundarySchema | None = None  # None: schema 1, one stream of n_embd
     resume_step: int = 0  # non-zero: a rebuild step (StepRequest.resume_step)
+    #: the received F32 bytes ``rows`` views (checked: checksum, length, finite), which go to
+    #: the worker as they are; None for token ids or rows converted from F16
+    wire_rows: bytes | None = None
 
     @property
     def rebuild(self) -> bool:
@@ -411,51 +420,59 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
     Does not check the sender's admission, whether the session is known, or whether its
     positions continue it: those need the node's state (``agent.core.node_sessions``).
 
+    Every step of every hop passes here, so each field is read once and the common case
+    takes no detour (``bench/results`` has its cost); the rules and messages are those of
+    the fields' comments in protocol/swarm.proto.
+
     Raises:
       WireError: INVALID_ARGUMENT for a rule the request breaks, RESOURCE_EXHAUSTED for more
         rows than the worker takes in one batch; the message says what was wrong.
     """
-    bad = Code.INVALID_ARGUMENT
+    bad = _INVALID_ARGUMENT
     if request.model_sha256 != spec.model_sha256:
         raise WireError(
             bad, f"model_sha256 {request.model_sha256!r} is not the model of this range ({spec.model_sha256})"
         )
-    if (request.begin, request.end) != (spec.begin, spec.end):
-        raise WireError(
-            bad, f"the step is for blocks [{request.begin}, {request.end}), this range is [{spec.begin}, {spec.end})"
-        )
+    begin, end = request.begin, request.end
+    if begin != spec.begin or end != spec.end:
+        raise WireError(bad, f"the step is for blocks [{begin}, {end}), this range is [{spec.begin}, {spec.end})")
     if request.recipe_hash != spec.recipe_hash:
         raise WireError(
             bad, f"recipe_hash {request.recipe_hash!r} does not match this node's recipe {spec.recipe_hash!r}"
         )
-    if len(request.session_id) != SESSION_ID_BYTES:
-        raise WireError(bad, f"session_id has {len(request.session_id)} bytes, expected {SESSION_ID_BYTES}")
-    if not request.owner_peer_id:
+    session_id = request.session_id
+    if len(session_id) != SESSION_ID_BYTES:
+        raise WireError(bad, f"session_id has {len(session_id)} bytes, expected {SESSION_ID_BYTES}")
+    owner_peer_id = request.owner_peer_id
+    if not owner_peer_id:
         raise WireError(bad, "owner_peer_id is empty: nobody to send the result to")
-    rebuild = request.resume_step > 0
-    if rebuild and request.step != request.resume_step:
-        raise WireError(bad, f"a rebuild step is numbered resume_step ({request.resume_step}), got step {request.step}")
-    check_hops(request.rest, spec.end, spec.n_layer, partial=rebuild)
+    step_number, resume_step = request.step, request.resume_step
+    rebuild = resume_step > 0
+    if rebuild and step_number != resume_step:
+        raise WireError(bad, f"a rebuild step is numbered resume_step ({resume_step}), got step {step_number}")
+    rest = tuple(request.rest)
+    check_hops(rest, spec.end, spec.n_layer, partial=rebuild)
 
     n_rows = len(request.positions)
     if n_rows == 0:
         raise WireError(bad, "the step has no rows (positions is empty)")
     if n_rows > spec.n_batch_max:
         raise WireError(
-            Code.RESOURCE_EXHAUSTED, f"{n_rows} rows exceed this range's batch limit of {spec.n_batch_max} rows"
+            _RESOURCE_EXHAUSTED, f"{n_rows} rows exceed this range's batch limit of {spec.n_batch_max} rows"
         )
-    positions = np.array(request.positions, dtype=np.int32)
+    positions = np.array(request.positions, dtype=_I32)
     first = int(positions[0])
-    if first < 0 or (n_rows > 1 and not np.array_equal(positions, np.arange(first, first + n_rows, dtype=np.int32))):
+    if first < 0 or (n_rows > 1 and not np.array_equal(positions, np.arange(first, first + n_rows, dtype=_I32))):
         raise WireError(bad, f"positions must be consecutive and >= 0, got {_preview(positions)}")
-    if request.step == 0 and first != 0:
+    if step_number == 0 and first != 0:
         raise WireError(bad, f"step 0 (prefill) must start at position 0, got {first}")
 
-    token_ids = rows = None
-    dtype = int(request.dtype) or int(WireDType.F32)
+    token_ids = rows = wire_rows = None
+    dtype = request.dtype or _F32_CODE
     schema = spec.boundary_schema
-    if spec.takes_tokens:
-        if request.boundary:
+    boundary = request.boundary
+    if spec.begin == 0:  # the first range takes token ids
+        if boundary:
             raise WireError(
                 bad, f"blocks [{spec.begin}, {spec.end}) take token ids, but the step carries boundary bytes"
             )
@@ -471,33 +488,39 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
             raise WireError(
                 bad, f"blocks [{spec.begin}, {spec.end}) take boundary rows, but the step carries token ids"
             )
-        if request.n_embd != spec.n_embd:
-            raise WireError(bad, f"n_embd {request.n_embd} does not match this model's width {spec.n_embd}")
-        sent = BoundarySchema.declared(request.boundary_schema_version, request.boundary_streams, request.n_embd)
-        try:
-            check_boundary_schema(sent, schema)
-        except BoundaryError as err:
-            raise WireError(bad, f"blocks [{spec.begin}, {spec.end}): {err}") from None
-        try:
-            size = itemsize(dtype)
-        except BoundaryError as err:
-            raise WireError(bad, f"dtype: {err}") from None
+        n_embd = request.n_embd
+        if n_embd != spec.n_embd:
+            raise WireError(bad, f"n_embd {n_embd} does not match this model's width {spec.n_embd}")
+        version, streams = request.boundary_schema_version, request.boundary_streams
+        if (version or RESIDUAL, streams or 1, n_embd) != (schema.version, schema.streams, schema.n_embd):
+            try:
+                check_boundary_schema(BoundarySchema.declared(version, streams, n_embd), schema)
+            except BoundaryError as err:
+                raise WireError(bad, f"blocks [{spec.begin}, {spec.end}): {err}") from None
+        size = WIRE_ITEMSIZE.get(dtype)
+        if size is None:
+            try:
+                itemsize(dtype)  # raises, naming the dtypes there are
+            except BoundaryError as err:
+                raise WireError(bad, f"dtype: {err}") from None
         width = schema.row_values
-        if len(request.boundary) != n_rows * width * size:
+        if len(boundary) != n_rows * width * size:
             raise WireError(
                 bad,
-                f"boundary has {len(request.boundary)} bytes, expected {n_rows} rows x {width} x {size} bytes"
+                f"boundary has {len(boundary)} bytes, expected {n_rows} rows x {width} x {size} bytes"
                 f" = {n_rows * width * size} (schema {schema})",
             )
-        if request.checksum != crc32(request.boundary):
+        if request.checksum != crc32(boundary):
             raise WireError(bad, f"checksum {request.checksum:#010x} does not match the boundary bytes")
         try:
-            rows = decode_rows(request.boundary, n_rows, width, dtype)
+            rows = decode_rows(boundary, n_rows, width, dtype)
         except BoundaryError as err:
             raise WireError(bad, f"boundary: {err}") from None
+        if dtype == _F32_CODE:
+            wire_rows = boundary
     return StepInput(
-        session_id=bytes(request.session_id),
-        step=int(request.step),
+        session_id=session_id,
+        step=step_number,
         begin=spec.begin,
         end=spec.end,
         positions=positions,
@@ -507,12 +530,13 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
         n_embd=spec.n_embd,
         recipe_hash=spec.recipe_hash,
         model_sha256=spec.model_sha256,
-        rest=tuple(request.rest),
-        owner_peer_id=request.owner_peer_id,
+        rest=rest,
+        owner_peer_id=owner_peer_id,
         owner_addrs=tuple(request.owner_addrs),
-        result_top_k=min(int(request.result_top_k), spec.n_vocab),
+        result_top_k=min(request.result_top_k, spec.n_vocab),
         boundary_schema=schema,
-        resume_step=int(request.resume_step),
+        resume_step=resume_step,
+        wire_rows=wire_rows,
     )
 
 
@@ -593,15 +617,20 @@ def replay_step_request(
     )
 
 
-def encode_step_output(step: StepInput, rows: np.ndarray) -> tuple[bytes, int]:
+def encode_step_output(step: StepInput, rows: np.ndarray, wire_bytes: bytes | None = None) -> tuple[bytes, int]:
     """``(bytes, dtype)`` of this range's output ``rows`` for ``step`` as they go on the wire:
     in the dtype the step arrived in (F32 for token input), following ``step.schema``.
+    ``wire_bytes``: the F32 bytes ``rows`` view, already checked finite (as the worker sent
+    them, ``SeqOutput.boundary_bytes``): an F32 step sends them as they are.
 
     Raises:
       BoundaryError: rows of the wrong shape, non-finite, or out of float16 range.
     """
-    dtype = step.dtype if step.rows is not None else int(WireDType.F32)
-    data = encode_rows(rows, step.schema.row_values, dtype)
+    dtype = step.dtype if step.rows is not None else _F32_CODE
+    width = step.schema.row_values
+    if wire_bytes is not None and dtype == _F32_CODE and rows.shape == (step.n_rows, width) and len(wire_bytes) == rows.nbytes:
+        return wire_bytes, dtype
+    data = encode_rows(rows, width, dtype)
     if rows.shape[0] != step.n_rows:
         raise BoundaryError(f"{rows.shape[0]} output rows for a step of {step.n_rows} rows")
     return data, dtype

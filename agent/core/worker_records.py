@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -56,6 +57,9 @@ class SeqInput:
     #: of a range of the same model). Checked against the receiver's before sending.
     boundary_schema: BoundarySchema | None = None
     top_k: int = 0
+    #: ``boundary`` as float32 wire bytes, already checked (finite, whole rows) where they
+    #: came from: sent as they are, not encoded again (a hop's rows pass through as bytes)
+    boundary_bytes: bytes | None = None
 
     @property
     def n_rows(self) -> int:
@@ -90,6 +94,9 @@ class SeqOutput:
     #: the schema of ``boundary`` as the worker declared it (None without boundary rows)
     boundary_schema: BoundarySchema | None = None
     top: tuple[TopLogits, ...] = ()
+    #: the float32 bytes ``boundary`` views, as the worker sent them (checked finite); None
+    #: when the rows were converted from another dtype
+    boundary_bytes: bytes | None = None
 
     @property
     def n_rows(self) -> int:
@@ -123,11 +130,11 @@ class BoundarySchemaInfo:
     streams: int = 1
     row_values: int = 0
 
-    @property
+    @functools.cached_property  # read for every entry of every Forward
     def schema(self) -> BoundarySchema:
         return BoundarySchema.declared(self.version, self.streams, self.n_embd)
 
-    @property
+    @functools.cached_property
     def width(self) -> int:
         """Values per boundary row."""
         return self.row_values or self.schema.row_values

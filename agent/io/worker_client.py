@@ -27,7 +27,15 @@ import outcome
 import trio
 
 from agent._proto import worker_pb2, worker_pb2_grpc
-from agent.core.boundary import BoundaryError, BoundarySchema, WireDType, check_boundary_schema, decode_rows, encode_rows
+from agent.core.boundary import (
+    RESIDUAL,
+    BoundaryError,
+    BoundarySchema,
+    WireDType,
+    check_boundary_schema,
+    decode_rows,
+    encode_rows,
+)
 from agent.core.topk import TopLogits
 from agent.core.worker_records import (
     SCHEMA_VERSION,
@@ -187,7 +195,8 @@ def detokenize_request(
 
 
 def forward_request(entries: Sequence[SeqInput], info: WorkerInfo) -> worker_pb2.ForwardRequest:
-    """Encode ``entries`` for a worker described by ``info``.
+    """Encode ``entries`` for a worker described by ``info``. An entry's ``boundary_bytes``
+    (rows already checked) go as they are; other boundary rows are checked and encoded.
 
     Raises:
       ValueError: an entry is inconsistent in itself (``SeqInput.check``).
@@ -196,17 +205,19 @@ def forward_request(entries: Sequence[SeqInput], info: WorkerInfo) -> worker_pb2
         ``WorkerClient.call``.)
     """
     request = worker_pb2.ForwardRequest(schema_version=SCHEMA_VERSION)
+    expected = info.boundary.schema
+    width = info.boundary.width
     for entry in entries:
         entry.check()
         msg = request.entries.add()
         msg.seq_id = entry.seq_id
-        msg.positions.extend(int(p) for p in entry.positions)
+        msg.positions.extend(_ints(entry.positions))
         if entry.token_ids is not None:
-            msg.token_ids.extend(int(t) for t in entry.token_ids)
+            msg.token_ids.extend(_ints(entry.token_ids))
         else:
-            expected = info.boundary.schema
-            check_boundary_schema(entry.boundary_schema or expected, expected)
-            msg.boundary = encode_rows(entry.boundary, info.boundary.width, WireDType.F32)
+            if entry.boundary_schema is not None and entry.boundary_schema != expected:
+                check_boundary_schema(entry.boundary_schema, expected)
+            msg.boundary = _boundary_bytes(entry, width)
             msg.boundary_dtype = worker_pb2.DTYPE_F32
             msg.boundary_schema_version = expected.version
             msg.boundary_streams = expected.streams
@@ -217,23 +228,53 @@ def forward_request(entries: Sequence[SeqInput], info: WorkerInfo) -> worker_pb2
     return request
 
 
+def _ints(values: Sequence[int]) -> list[int]:
+    """``values`` as Python ints (numpy's in one call, not one by one)."""
+    return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]
+
+
+def _boundary_bytes(entry: SeqInput, width: int) -> bytes:
+    """The F32 wire bytes of ``entry``'s boundary rows: its ``boundary_bytes`` when they are
+    whole rows of ``width``, else the rows checked and encoded.
+
+    Raises:
+      BoundaryError: as ``encode_rows``.
+    """
+    data, rows = entry.boundary_bytes, entry.boundary
+    if data is not None and isinstance(rows, np.ndarray) and rows.shape[1:] == (width,) and len(data) == rows.nbytes:
+        return data
+    return encode_rows(entry.boundary, width, WireDType.F32)
+
+
 def forward_outputs(reply: worker_pb2.ForwardReply, info: WorkerInfo) -> list[SeqOutput]:
     """Decode a ForwardReply (boundary rows of width n_embd or logits of width n_vocab).
+    F32 boundary rows stay a view of the reply's bytes, which the outputs carry too
+    (``SeqOutput.boundary_bytes``) for the next hop.
 
     Raises:
       agent.core.boundary.BoundaryError: a byte length that does not match ``n_rows``, an
         unspecified reply dtype, or non-finite boundary rows.
     """
     outputs = []
+    expected = info.boundary.schema
+    width = info.boundary.width
+    dtype = reply.dtype
     for out in reply.entries:
-        boundary = logits = None
+        boundary = logits = boundary_bytes = None
         schema = None
-        if out.boundary:
-            schema = BoundarySchema.declared(out.boundary_schema_version, out.boundary_streams, info.n_embd)
-            check_boundary_schema(schema, info.boundary.schema)
-            boundary = decode_rows(out.boundary, out.n_rows, info.boundary.width, reply.dtype)
+        data = out.boundary
+        if data:
+            version, streams = out.boundary_schema_version, out.boundary_streams
+            if (version or RESIDUAL, streams or 1, info.n_embd) == (expected.version, expected.streams, expected.n_embd):
+                schema = expected
+            else:
+                schema = BoundarySchema.declared(version, streams, info.n_embd)
+                check_boundary_schema(schema, expected)
+            boundary = decode_rows(data, out.n_rows, width, dtype)
+            if dtype == worker_pb2.DTYPE_F32:
+                boundary_bytes = data
         if out.logits:
-            logits = decode_rows(out.logits, out.n_rows, info.n_vocab, reply.dtype, check_finite=False)
+            logits = decode_rows(out.logits, out.n_rows, info.n_vocab, dtype, check_finite=False)
         outputs.append(
             SeqOutput(
                 seq_id=out.seq_id,
@@ -243,6 +284,7 @@ def forward_outputs(reply: worker_pb2.ForwardReply, info: WorkerInfo) -> list[Se
                 next_position=out.next_position,
                 boundary_schema=schema,
                 top=_top_from_output(out, info.n_vocab),
+                boundary_bytes=boundary_bytes,
             )
         )
     return outputs

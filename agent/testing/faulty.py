@@ -84,7 +84,7 @@ class OutputCorrupter:
             return output
         self.corrupted += 1
         if output.boundary is not None:
-            return dataclasses.replace(output, boundary=self._noisy(output.boundary))
+            return dataclasses.replace(output, boundary=self._noisy(output.boundary), boundary_bytes=None)
         if output.logits is not None:
             return dataclasses.replace(output, logits=self._noisy(output.logits))
         return output

@@ -163,6 +163,7 @@ log = logging.getLogger(__name__)
 
 Code = swarm_pb2.Error.Code
 State = swarm_pb2.AssignmentStatus.State
+_READY = State.READY  # read on every step (an enum wrapper's attribute is a lookup)
 
 #: Default heartbeat interval when the tracker names none.
 DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
@@ -856,7 +857,7 @@ class Node:
                     seq_id=seq_id, positions=step.positions, token_ids=step.token_ids, boundary=step.rows,
                     boundary_schema=step.schema if step.rows is not None else None,
                     # (test only) a corrupted last range selects its top-K from the noisy row
-                    top_k=0 if corrupting else _worker_top_k(step, info),
+                    top_k=0 if corrupting else _worker_top_k(step, info), boundary_bytes=step.wire_rows,
                 )  # fmt: skip
                 for seq_id, step in batch
             ]  # fmt: skip
@@ -920,7 +921,7 @@ class Node:
         if served.kept is None or output.boundary is None or served.info is None or served.info.gives_logits:
             return None
         try:
-            data, dtype = encode_step_output(step, output.boundary)
+            data, dtype = encode_step_output(step, output.boundary, output.boundary_bytes)
         except BoundaryError:
             return None  # the push reports it
         schema = step.schema
@@ -1044,6 +1045,8 @@ class Node:
         """Raises BoundaryError."""
         if output.boundary is None:
             raise BoundaryError("the worker returned no boundary rows")
+        if encoded is None:
+            encoded = encode_step_output(step, output.boundary, output.boundary_bytes)
         return next_hop_request(step, output.boundary, self.admission, encoded=encoded).SerializeToString()
 
     async def _push_steps(self, hop: swarm_pb2.Hop, steps: list[tuple[StepInput, bytes]]) -> bool:
@@ -1210,7 +1213,7 @@ class Node:
         check_step_sender(record.role, remote_peer_id, request.begin, request.end, request.owner_peer_id)
         key: RangeKey = (request.model_sha256, request.begin, request.end)
         served = self._held(key)
-        if served is None or served.state != State.READY or served.spec is None or served.sessions is None or served.scheduler is None:
+        if served is None or served.state != _READY or served.spec is None or served.sessions is None or served.scheduler is None:
             raise range_not_ready(key, None if served is None else served.state)
         step = validate_step(request, served.spec)
         if step.rebuild:

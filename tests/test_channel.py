@@ -419,6 +419,44 @@ async def test_a_reply_later_goes_out_after_the_task_its_request_woke(pair: Pair
     assert seen == [not reply_later] * 5
 
 
+async def test_the_later_replies_of_one_read_go_out_in_one_write_in_order(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Requests that arrive together (one read) are answered by reply_later handlers: their
+    # replies leave in one write (one system call for all), each to its own exchange.
+    a, b = pair.a, pair.b
+    b.set_handler("/test/later/1.0.0", ImmediateHandler(lambda _remote, payload: b"ack:" + payload, reply_later=True))
+    assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"dial", timeout_s=10) == b"echo:dial"
+    (requester,) = a._connections.values()
+    writes: list[int] = []  # b's: parts per write
+    send_nowait = type(requester.stream).send_nowait
+
+    def counted(stream, *parts: bytes) -> list[memoryview] | None:  # noqa: ANN001
+        if stream is not requester.stream:
+            writes.append(len(parts))
+        return send_nowait(stream, *parts)
+
+    monkeypatch.setattr(type(requester.stream), "send_nowait", counted)
+    replies: dict[int, bytes | TransportError] = {}
+    done = trio.Event()
+
+    def take(index: int):  # noqa: ANN202
+        def on_reply(reply: bytes | TransportError) -> None:
+            replies[index] = reply
+            if len(replies) == 3:
+                done.set()
+
+        return on_reply
+
+    # sent before b's reader runs (one process): b reads all three at once
+    for index in range(3):
+        assert a.request_soon(b.peer_id, "/test/later/1.0.0", b"%d" % index, timeout_s=10, on_reply=take(index))
+    with trio.fail_after(10):
+        await done.wait()
+    assert replies == {i: b"ack:%d" % i for i in range(3)}
+    assert writes == [1], "three replies, one write of one buffer"
+
+
 async def test_an_immediate_handler_that_raises_answers_an_error_and_the_connection_serves_on(pair: Pair) -> None:
     a, b = pair.a, pair.b
 

@@ -9,7 +9,14 @@ import pytest
 
 from agent._proto import swarm_pb2
 from agent.core.node_sessions import SessionTable
-from agent.core.scheduler import StepScheduler, batch_window_wait_ms, decode_group_cap, first_hop_decode, gather_wait_ms
+from agent.core.scheduler import (
+    StepScheduler,
+    batch_window_wait_ms,
+    decode_group_cap,
+    first_hop_decode,
+    gather_arrivals_needed,
+    gather_wait_ms,
+)
 from agent.core.swarm_wire import WireError
 
 Code = swarm_pb2.Error.Code
@@ -371,6 +378,15 @@ def test_a_first_hop_gathers_a_decode_group_for_at_most_its_window() -> None:
     assert gather_wait_ms(waiting_decode=3, group_size=4, waited_ms=25.0, window_ms=20.0) == 0.0, "window over"
     assert gather_wait_ms(waiting_decode=4, group_size=4, waited_ms=0.0, window_ms=20.0) == 0.0, "group full"
     assert gather_wait_ms(waiting_decode=1, group_size=4, waited_ms=0.0, window_ms=0.0) == 0.0, "off"
+
+
+def test_a_gathering_first_hop_is_woken_only_by_the_step_that_can_complete_its_group() -> None:
+    # 3 of a group of 8 wait: the next 4 decode steps cannot end the hold, the 5th may
+    assert gather_arrivals_needed(waiting_decode=3, group_size=8) == 5
+    assert gather_arrivals_needed(waiting_decode=7, group_size=8) == 1
+    # a count that does not add up (the group shrank meanwhile): the next arrival re-counts
+    assert gather_arrivals_needed(waiting_decode=8, group_size=8) == 1
+    assert gather_arrivals_needed(waiting_decode=9, group_size=4) == 1
 
 
 def test_decode_waiting_counts_the_decode_steps_of_the_next_forward_only() -> None:

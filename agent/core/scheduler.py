@@ -75,7 +75,14 @@ from typing import Any, Generic, TypeVar
 
 from .batching import is_prefill
 
-__all__ = ["StepScheduler", "batch_window_wait_ms", "decode_group_cap", "first_hop_decode", "gather_wait_ms"]
+__all__ = [
+    "StepScheduler",
+    "batch_window_wait_ms",
+    "decode_group_cap",
+    "first_hop_decode",
+    "gather_arrivals_needed",
+    "gather_wait_ms",
+]
 
 T = TypeVar("T")
 
@@ -116,6 +123,15 @@ def gather_wait_ms(waiting_decode: int, group_size: int, waited_ms: float, windo
     if window_ms <= 0 or waiting_decode >= group_size:
         return 0.0
     return max(0.0, window_ms - waited_ms)
+
+
+def gather_arrivals_needed(waiting_decode: int, group_size: int) -> int:
+    """How many more decode steps must arrive before a first hop holding its group
+    (``gather_wait_ms`` > 0) could run it: the steps that arrive before that cannot end the
+    hold, so they need not wake the serving task (each wake-up re-counts every session's
+    steps, on the first hop's share of the route's critical path). At least 1: the next
+    arrival is re-counted when in doubt."""
+    return max(1, group_size - waiting_decode)
 
 
 def batch_window_wait_ms(window_ms: float, pending_rows: int, row_budget: int) -> float:

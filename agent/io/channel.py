@@ -385,17 +385,9 @@ class _Pending:
     protocol_id: str = ""
 
 
-@dataclass(frozen=True)
-class _LaterFrame:
-    """A frame for the writer to send after one scheduler pass (``send_frame_later``)."""
-
-    header: bytes
-    payload: bytes
-
-
-#: What the connection's writer sends: a frame, the rest of a send already begun (the stream
-#: is held for it), or a frame to send after one scheduler pass.
-_BacklogItem = tuple[bytes, bytes] | list[memoryview] | _LaterFrame
+#: What the connection's writer sends: a frame, or the rest of a send already begun (the
+#: stream is held for it).
+_BacklogItem = tuple[bytes, bytes] | list[memoryview]
 
 
 class _Connection:
@@ -439,26 +431,30 @@ class _Connection:
         writer (``serve_backlog``). For the frame reader, which must never wait on a write:
         two peers whose readers each waited to write to the other, neither reading, would
         never move again."""
+        self.send_frames_soon(((header, payload),))
+
+    def send_frames_soon(self, frames: Sequence[tuple[bytes, bytes]]) -> None:
+        """``send_frame_soon`` for several frames, in order, as one write when the stream
+        takes them at once (the replies of one read: one system call, not one each)."""
         if self._backlog_items:
-            self._to_backlog((header, payload))
+            for frame in frames:
+                self._to_backlog(frame)
             return
+        if len(frames) == 1:
+            parts = _frame_parts(*frames[0])
+        else:
+            parts = (b"".join(part for frame in frames for part in _frame_parts(*frame)),)
         try:
-            rest = self.stream.send_nowait(*_frame_parts(header, payload))
+            rest = self.stream.send_nowait(*parts)
         except trio.WouldBlock:
-            self._to_backlog((header, payload))
+            for frame in frames:
+                self._to_backlog(frame)
             return
         except trio.BrokenResourceError as error:
             self.fail(f"send failed: {error}")
             return
         if rest is not None:
             self._to_backlog(rest)
-
-    def send_frame_later(self, header: bytes, payload: bytes) -> None:
-        """Send a frame from the connection's writer (``serve_backlog``) after one scheduler
-        pass: the tasks that the frame reader woke meanwhile (a serving task starting a
-        Forward) run first (``ImmediateHandler.reply_later``). Frames sent after it on this
-        connection keep their order (they queue behind it)."""
-        self._to_backlog(_LaterFrame(header, payload))
 
     def _to_backlog(self, item: _BacklogItem) -> None:
         self._backlog_items += 1
@@ -471,9 +467,6 @@ class _Connection:
             try:
                 if isinstance(item, list):
                     await self._finish_quietly(item)
-                elif isinstance(item, _LaterFrame):
-                    await trio.lowlevel.checkpoint()  # after the tasks its request woke
-                    await self.send_frame_quietly(item.header, item.payload)
                 else:
                     await self.send_frame_quietly(*item)
             finally:
@@ -804,6 +797,7 @@ class ChannelTransport:
                 connection.fail("the peer closed the connection")
                 return
             reader.commit(received)
+            later: list[tuple[bytes, bytes]] = []  # replies sent once the tasks they woke ran
             while (frame := reader.take_frame(parse_channel_frame)) is not None:
                 if frame.kind == REQUEST:
                     handler = self._handlers.get(frame.protocol_id)
@@ -811,13 +805,21 @@ class ChannelTransport:
                         answer = _answered(connection, frame.protocol_id, handler.answer, frame.payload)
                         reply = _reply_frame(connection, frame.exchange_id, frame.protocol_id, answer)
                         if handler.reply_later:
-                            connection.send_frame_later(*reply)
+                            later.append(reply)
                         else:
                             connection.send_frame_soon(*reply)
                     else:
                         handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
                 else:
                     connection.settle(frame.exchange_id, frame.kind, frame.payload)
+            if later:
+                # the tasks these frames woke (a serving task starting a Forward) run before
+                # the replies' system call, then every reply of this read goes in one write
+                # (``ImmediateHandler.reply_later``). Two passes: trio runs the tasks of one
+                # pass in any order, and the woken ones are in the next pass with this one.
+                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.checkpoint()
+                connection.send_frames_soon(later)
 
     async def _answer(
         self, connection: _Connection, handler: Handler | None, exchange_id: int, protocol_id: str, payload: bytes

@@ -89,7 +89,7 @@ from agent.core.node_ranges import (
     range_name,
 )
 from agent.core.node_sessions import NodeSession, SessionTable
-from agent.core.scheduler import StepScheduler, batch_window_wait_ms, first_hop_decode
+from agent.core.scheduler import StepScheduler, batch_window_wait_ms, first_hop_decode, gather_arrivals_needed
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -330,6 +330,9 @@ class ServedRange:
     in_forward: list[tuple[int, StepInput]] = dataclasses.field(default_factory=list)
     cancel_scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
     wakeup: trio.Event = dataclasses.field(default_factory=trio.Event)
+    #: while a first hop gathers a decode group: decode steps still to arrive before the group
+    #: can be whole (``gather_arrivals_needed``), which are queued without waking the task
+    quiet_decode_arrivals: int = 0
     stopped: trio.Event = dataclasses.field(default_factory=trio.Event)
     forward_done: trio.Event = dataclasses.field(default_factory=trio.Event)  # set (and renewed) after each Forward
 
@@ -844,8 +847,11 @@ class Node:
             )  # fmt: skip
             if hold_ms > 0:
                 served.wakeup = trio.Event()
+                # decode steps that cannot complete the group do not wake this task
+                served.quiet_decode_arrivals = gather_arrivals_needed(waiting, max_decode or 1) - 1
                 with trio.move_on_after(hold_ms / 1000):
-                    await served.wakeup.wait()  # another step arrived: count again
+                    await served.wakeup.wait()  # the group may be whole, or something else came: count again
+                served.quiet_decode_arrivals = 0
                 continue
             gather_since_s = None
             batch = scheduler.next_batch(max_decode_entries=max_decode)
@@ -1225,6 +1231,9 @@ class Node:
                 step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, _clock_ms()
             )
         served.scheduler.push((session.seq_id, step), session=session.seq_id, n_rows=step.n_rows, key=forward_key(step))
+        if served.quiet_decode_arrivals > 0 and session.decoding and not step.rebuild:
+            served.quiet_decode_arrivals -= 1  # a group being gathered, not whole yet
+            return
         served.wakeup.set()
 
     async def handle_node(self, remote_peer_id: str, data: bytes) -> bytes:

@@ -206,3 +206,18 @@ def test_core_sources_import_no_clock_randomness_or_sockets() -> None:
                 continue
             offenders += [f"{source.name}: {n}" for n in names if n.split(".")[0] in forbidden]
     assert offenders == []
+
+
+def test_checked_bytes_pass_as_they_are_only_for_f32_rows_of_their_length() -> None:
+    rows = _rows(2, 8)
+    data = rows.tobytes()
+    assert encode_rows(rows, 8, WireDType.F32, checked_bytes=data) is data  # not copied
+    # to F16 the rows are converted whatever bytes come with them
+    assert encode_rows(rows, 8, WireDType.F16, checked_bytes=data) == rows.astype("<f2").tobytes()
+    # bytes of another length than the rows are not theirs: the rows are encoded
+    assert encode_rows(rows, 8, WireDType.F32, checked_bytes=data[:-4]) == data
+    # the rows' own shape and dtype are still checked first
+    with pytest.raises(BoundaryError, match="expected width 4"):
+        encode_rows(rows, 4, WireDType.F32, checked_bytes=data)
+    with pytest.raises(BoundaryError, match="expected float32"):
+        encode_rows(rows.astype(np.float64), 8, WireDType.F32, checked_bytes=data)

@@ -14,9 +14,9 @@ import pytest
 import trio
 
 from agent._proto import worker_pb2
-from agent.core.worker_records import SeqInput
+from agent.core import boundary
 from agent.core.boundary import BoundaryError
-from agent.io import worker_client
+from agent.core.worker_records import SeqInput
 from agent.io.worker_client import WorkerError, forward_request
 from agent.io.worker_process import open_worker
 
@@ -233,10 +233,10 @@ async def test_boundary_rows_pass_between_workers_as_the_bytes_the_worker_sent(q
         positions = list(range(len(PROMPT)))
         passed = SeqInput(0, positions, boundary=out.boundary, boundary_bytes=out.boundary_bytes)
         with monkeypatch.context() as patched:
-            encoded_rows = []
-            patched.setattr(worker_client, "encode_rows", lambda *args: encoded_rows.append(args) or b"")
+            checked = []
+            patched.setattr(boundary, "_first_non_finite", lambda rows: checked.append(rows))
             assert forward_request([passed], info).entries[0].boundary == out.boundary_bytes
-            assert not encoded_rows, "bytes that match the rows are sent as they are, not encoded again"
+            assert not checked, "bytes that match the rows are sent as they are, not checked and encoded again"
         (via_bytes,) = await rest.client.forward([passed])
         (encoded,) = await rest.client.forward([SeqInput(1, positions, boundary=out.boundary)])
         np.testing.assert_array_equal(via_bytes.logits, encoded.logits)

@@ -98,6 +98,7 @@ _NUMPY_WIRE = {
 }
 
 
+_F32_WIRE = _NUMPY_WIRE[WireDType.F32]
 #: bytes per element of each wire dtype, by its number (the hot path's lookup)
 WIRE_ITEMSIZE = {int(wire): numpy_dtype.itemsize for wire, numpy_dtype in _NUMPY_WIRE.items()}
 _NUMPY_WIRE_BY_NUMBER = {int(wire): numpy_dtype for wire, numpy_dtype in _NUMPY_WIRE.items()}
@@ -124,13 +125,19 @@ def _first_non_finite(rows: np.ndarray) -> tuple[int, int] | None:
     return int(row), int(col)
 
 
-def encode_rows(rows: np.ndarray, width: int, dtype: int = WireDType.F32) -> bytes:
+def encode_rows(
+    rows: np.ndarray, width: int, dtype: int = WireDType.F32, *, checked_bytes: bytes | None = None
+) -> bytes:
     """Encode ``rows`` (float32 ``[n_rows, width]``) into wire bytes of ``dtype``.
 
     Args:
       rows: a 2-D float32 array (float16 is also accepted when encoding to F16).
       width: the row width the receiver expects (``n_embd`` of the boundary schema).
       dtype: ``WireDType.F32`` or ``WireDType.F16``.
+      checked_bytes: the little-endian float32 bytes that ``rows`` views, already checked
+        finite where they came in (a worker's reply, a received step): returned as they are
+        for F32 when their length is the rows', so a hop's rows pass on as bytes, not checked
+        and copied again. Anything else is encoded and checked as without them.
 
     Returns:
       ``n_rows * width * itemsize(dtype)`` bytes, row-major, little-endian.
@@ -150,6 +157,8 @@ def encode_rows(rows: np.ndarray, width: int, dtype: int = WireDType.F32) -> byt
         raise BoundaryError(f"rows have dtype {rows.dtype.name}, expected {expected}")
     if rows.shape[1] != width:
         raise BoundaryError(f"rows are {rows.shape[1]} wide, expected width {width}")
+    if checked_bytes is not None and rows.dtype == wire == _F32_WIRE and len(checked_bytes) == rows.nbytes:
+        return checked_bytes
     where = _first_non_finite(rows)
     if where is not None:
         raise BoundaryError(f"rows hold a non-finite value {rows[where]} at row {where[0]}, column {where[1]}")

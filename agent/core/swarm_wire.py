@@ -420,9 +420,8 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
     Does not check the sender's admission, whether the session is known, or whether its
     positions continue it: those need the node's state (``agent.core.node_sessions``).
 
-    Every step of every hop passes here, so each field is read once and the common case
-    takes no detour (``bench/results`` has its cost); the rules and messages are those of
-    the fields' comments in protocol/swarm.proto.
+    Every step of every hop passes here: each field is read once, and the common case
+    builds nothing it does not return.
 
     Raises:
       WireError: INVALID_ARGUMENT for a rule the request breaks, RESOURCE_EXHAUSTED for more
@@ -471,7 +470,7 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
     dtype = request.dtype or _F32_CODE
     schema = spec.boundary_schema
     boundary = request.boundary
-    if spec.begin == 0:  # the first range takes token ids
+    if spec.takes_tokens:
         if boundary:
             raise WireError(
                 bad, f"blocks [{spec.begin}, {spec.end}) take token ids, but the step carries boundary bytes"
@@ -627,10 +626,7 @@ def encode_step_output(step: StepInput, rows: np.ndarray, wire_bytes: bytes | No
       BoundaryError: rows of the wrong shape, non-finite, or out of float16 range.
     """
     dtype = step.dtype if step.rows is not None else _F32_CODE
-    width = step.schema.row_values
-    if wire_bytes is not None and dtype == _F32_CODE and rows.shape == (step.n_rows, width) and len(wire_bytes) == rows.nbytes:
-        return wire_bytes, dtype
-    data = encode_rows(rows, width, dtype)
+    data = encode_rows(rows, step.schema.row_values, dtype, checked_bytes=wire_bytes)
     if rows.shape[0] != step.n_rows:
         raise BoundaryError(f"{rows.shape[0]} output rows for a step of {step.n_rows} rows")
     return data, dtype

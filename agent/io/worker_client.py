@@ -217,7 +217,7 @@ def forward_request(entries: Sequence[SeqInput], info: WorkerInfo) -> worker_pb2
         else:
             if entry.boundary_schema is not None and entry.boundary_schema != expected:
                 check_boundary_schema(entry.boundary_schema, expected)
-            msg.boundary = _boundary_bytes(entry, width)
+            msg.boundary = encode_rows(entry.boundary, width, WireDType.F32, checked_bytes=entry.boundary_bytes)
             msg.boundary_dtype = worker_pb2.DTYPE_F32
             msg.boundary_schema_version = expected.version
             msg.boundary_streams = expected.streams
@@ -231,19 +231,6 @@ def forward_request(entries: Sequence[SeqInput], info: WorkerInfo) -> worker_pb2
 def _ints(values: Sequence[int]) -> list[int]:
     """``values`` as Python ints (numpy's in one call, not one by one)."""
     return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]
-
-
-def _boundary_bytes(entry: SeqInput, width: int) -> bytes:
-    """The F32 wire bytes of ``entry``'s boundary rows: its ``boundary_bytes`` when they are
-    whole rows of ``width``, else the rows checked and encoded.
-
-    Raises:
-      BoundaryError: as ``encode_rows``.
-    """
-    data, rows = entry.boundary_bytes, entry.boundary
-    if data is not None and isinstance(rows, np.ndarray) and rows.shape[1:] == (width,) and len(data) == rows.nbytes:
-        return data
-    return encode_rows(entry.boundary, width, WireDType.F32)
 
 
 def forward_outputs(reply: worker_pb2.ForwardReply, info: WorkerInfo) -> list[SeqOutput]:
@@ -265,7 +252,8 @@ def forward_outputs(reply: worker_pb2.ForwardReply, info: WorkerInfo) -> list[Se
         data = out.boundary
         if data:
             version, streams = out.boundary_schema_version, out.boundary_streams
-            if (version or RESIDUAL, streams or 1, info.n_embd) == (expected.version, expected.streams, expected.n_embd):
+            declared = (version or RESIDUAL, streams or 1, info.n_embd)
+            if declared == (expected.version, expected.streams, expected.n_embd):
                 schema = expected
             else:
                 schema = BoundarySchema.declared(version, streams, info.n_embd)

@@ -11,6 +11,7 @@ from agent._proto import swarm_pb2
 from agent.core.node_sessions import SessionTable
 from agent.core.scheduler import (
     StepScheduler,
+    arrival_wakes_gatherer,
     batch_window_wait_ms,
     decode_group_cap,
     first_hop_decode,
@@ -387,6 +388,10 @@ def test_a_gathering_first_hop_is_woken_only_by_the_step_that_can_complete_its_g
     # a count that does not add up (the group shrank meanwhile): the next arrival re-counts
     assert gather_arrivals_needed(waiting_decode=8, group_size=8) == 1
     assert gather_arrivals_needed(waiting_decode=9, group_size=4) == 1
+    # while such arrivals are left, a decode step is queued quietly; anything else wakes
+    assert not arrival_wakes_gatherer(4, decode=True)
+    assert arrival_wakes_gatherer(4, decode=False), "a prefill chunk or a rebuild changes what runs next"
+    assert arrival_wakes_gatherer(0, decode=True), "the step that may complete the group, or no gather"
 
 
 def test_decode_waiting_counts_the_decode_steps_of_the_next_forward_only() -> None:

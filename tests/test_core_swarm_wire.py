@@ -263,7 +263,7 @@ def test_f32_rows_pass_through_as_the_bytes_they_arrived_in() -> None:
     data, dtype = encode_step_output(step, rows, worker_bytes)
     assert data is worker_bytes and dtype == WireDType.F32  # not encoded again
     assert encode_step_output(step, rows) == (worker_bytes, WireDType.F32)  # the same bytes, encoded
-    # bytes that are not these rows (a rows count off) are not trusted: the rows are encoded
+    # rows that are not the step's count are refused, with their bytes or without
     with pytest.raises(BoundaryError, match="3 output rows for a step of 2 rows"):
         encode_step_output(step, rows_of(3), rows_of(3).tobytes())
     # an F16 step's output is converted whatever bytes come with it

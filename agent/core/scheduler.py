@@ -77,6 +77,7 @@ from .batching import is_prefill
 
 __all__ = [
     "StepScheduler",
+    "arrival_wakes_gatherer",
     "batch_window_wait_ms",
     "decode_group_cap",
     "first_hop_decode",
@@ -132,6 +133,15 @@ def gather_arrivals_needed(waiting_decode: int, group_size: int) -> int:
     steps, on the first hop's share of the route's critical path). At least 1: the next
     arrival is re-counted when in doubt."""
     return max(1, group_size - waiting_decode)
+
+
+def arrival_wakes_gatherer(quiet_left: int, *, decode: bool) -> bool:
+    """Whether a step arriving at a first hop that gathers a decode group must wake its
+    serving task. ``quiet_left``: decode arrivals that still cannot complete the group
+    (``gather_arrivals_needed`` - 1 when the hold began, less those that came since; 0 when
+    no group is being gathered). Any other step (a prefill chunk, a rebuild) wakes it: it
+    changes what runs next."""
+    return quiet_left <= 0 or not decode
 
 
 def batch_window_wait_ms(window_ms: float, pending_rows: int, row_budget: int) -> float:

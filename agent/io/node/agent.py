@@ -89,7 +89,13 @@ from agent.core.node_ranges import (
     range_name,
 )
 from agent.core.node_sessions import NodeSession, SessionTable
-from agent.core.scheduler import StepScheduler, batch_window_wait_ms, first_hop_decode, gather_arrivals_needed
+from agent.core.scheduler import (
+    StepScheduler,
+    arrival_wakes_gatherer,
+    batch_window_wait_ms,
+    first_hop_decode,
+    gather_arrivals_needed,
+)
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -1231,7 +1237,7 @@ class Node:
                 step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, _clock_ms()
             )
         served.scheduler.push((session.seq_id, step), session=session.seq_id, n_rows=step.n_rows, key=forward_key(step))
-        if served.quiet_decode_arrivals > 0 and session.decoding and not step.rebuild:
+        if not arrival_wakes_gatherer(served.quiet_decode_arrivals, decode=session.decoding and not step.rebuild):
             served.quiet_decode_arrivals -= 1  # a group being gathered, not whole yet
             return
         served.wakeup.set()

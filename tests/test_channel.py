@@ -156,9 +156,10 @@ async def test_a_client_without_a_peer_certificate_is_refused(pair: Pair) -> Non
         frames.frame_prefix(6) + b"\x09\x00\x00\x00\x01x",  # unknown kind
         frames.frame_prefix(3) + b"\x01\x00\x00",  # too short for a header
         b"\xff" * 11,  # a length prefix that never ends
+        frames.frame_prefix(7) + b"\x05\x00\x00\x00\x00ab",  # a TAKEN frame with half an exchange id
         frames.frame_prefix(100) + b"\x01\x00\x00\x00\x01",  # truncated: the peer closes mid-frame
     ],
-    ids=["oversize", "garbage-kind", "short", "bad-prefix", "truncated"],
+    ids=["oversize", "garbage-kind", "short", "bad-prefix", "bad-taken", "truncated"],
 )
 async def test_bad_frames_close_that_connection_only(pair: Pair, bad: bytes) -> None:
     a, b = pair.a, pair.b
@@ -518,3 +519,166 @@ async def test_request_soon_answers_through_its_callback_or_says_it_sent_nothing
                 assert isinstance(outcomes["cut"], TransportError) and "channel closed" in str(outcomes["cut"])
             assert "none" not in outcomes and a.requests_sent_soon == 3
             release.set()
+
+
+# -- quiet requests (channel version 2): only refusals are answered one by one ----------------
+
+QUIET = "/test/quiet/1.0.0"
+
+
+def _taking_handler(seen: list[bytes]) -> ImmediateHandler:
+    """Takes every request but those starting with ``refuse``; b"ok" is its acceptance."""
+
+    def answer(_remote: str, payload: bytes) -> bytes:
+        seen.append(payload)
+        return b"no" if payload.startswith(b"refuse") else b"ok"
+
+    return ImmediateHandler(answer, reply_later=True, is_acceptance=lambda reply: reply == b"ok")
+
+
+async def _until(condition, timeout_s: float = 10) -> None:  # noqa: ANN001
+    with trio.fail_after(timeout_s):
+        while not condition():  # a condition to reach, not a delay to wait out
+            await trio.sleep(0.01)
+
+
+class _Outcomes:
+    """``on_reply`` callbacks by name, and an event per name set when its callback ran."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, bytes | TransportError] = {}
+        self.events: dict[str, trio.Event] = {}
+
+    def __call__(self, name: str):  # noqa: ANN204
+        self.events[name] = trio.Event()
+
+        def take(reply: bytes | TransportError) -> None:
+            self.got[name] = reply
+            self.events[name].set()
+
+        return take
+
+    async def wait(self, *names: str) -> None:
+        with trio.fail_after(10):
+            for name in names:
+                await self.events[name].wait()
+
+
+@contextlib.asynccontextmanager
+async def _open_two(config: ChannelConfig) -> AsyncIterator[tuple]:
+    net = MemoryNetwork()
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    async with open_channel_transport(ka, net.add(peer_id_of(ka)), config) as a:
+        async with open_channel_transport(kb, net.add(peer_id_of(kb)), config) as b:
+            yield a, b
+
+
+async def test_quiet_requests_hear_only_refusals_and_acceptances_are_confirmed_in_bulk() -> None:
+    async with _open_two(ChannelConfig(ack_delay_s=1.0)) as (a, b):
+        seen: list[bytes] = []
+        b.set_handler(QUIET, _taking_handler(seen))
+        # a plain request gets every reply, acceptances included (and dials the connection)
+        assert await a.request(b.peer_id, b.listen_addrs, QUIET, b"dial", timeout_s=10) == b"ok"
+        (requester,) = a._connections.values()
+        assert requester.quiet_requests  # both speak version 2
+        outcomes = _Outcomes()
+        for name in ("take 1", "take 2", "refuse 3", "take 4"):
+            assert a.request_soon(b.peer_id, QUIET, name.encode(), timeout_s=10, on_reply=outcomes(name), quiet=True)
+        # not quiet: its acceptance is a reply of its own, as always
+        assert a.request_soon(b.peer_id, QUIET, b"take loud", timeout_s=10, on_reply=outcomes("loud"))
+        await outcomes.wait("refuse 3", "loud")
+        assert outcomes.got == {"refuse 3": b"no", "loud": b"ok"}  # the refusal at once
+        assert requester.acceptances_confirmed == 0  # the acceptances: a second later, together
+        await _until(lambda: requester.acceptances_confirmed == 3)
+        assert list(outcomes.got) == ["refuse 3", "loud"], "an acceptance calls nothing"
+        assert requester.pending == {}
+        assert requester.taken_frames_received == 1  # the three in one frame
+        assert seen == [b"dial", b"take 1", b"take 2", b"refuse 3", b"take 4", b"take loud"]
+
+
+async def test_an_unconfirmed_quiet_request_still_ends_with_its_deadline_or_its_connection() -> None:
+    config = ChannelConfig(ack_delay_s=60.0, deadline_check_interval_s=0.05)
+    async with _open_two(config) as (a, b):
+        seen: list[bytes] = []
+        b.set_handler(QUIET, _taking_handler(seen))
+        assert await a.request(b.peer_id, b.listen_addrs, QUIET, b"dial", timeout_s=10) == b"ok"
+        (requester,) = a._connections.values()
+        outcomes = _Outcomes()
+        # b takes it but confirms only after a minute: past the deadline, a TransportError
+        assert a.request_soon(b.peer_id, QUIET, b"take late", timeout_s=0.2, on_reply=outcomes("late"), quiet=True)
+        await outcomes.wait("late")
+        assert isinstance(outcomes.got["late"], TransportError) and "no reply" in str(outcomes.got["late"])
+        # the connection breaks before b confirmed it: a TransportError at once
+        assert a.request_soon(b.peer_id, QUIET, b"take cut", timeout_s=30, on_reply=outcomes("cut"), quiet=True)
+        await _until(lambda: seen[-1:] == [b"take cut"])
+        await requester.stream.aclose()
+        await outcomes.wait("cut")
+        assert isinstance(outcomes.got["cut"], TransportError) and "channel closed" in str(outcomes.got["cut"])
+        assert requester.acceptances_confirmed == 0
+
+
+async def _read_channel_frame(stream: _TlsStream, reader: frames.FrameReader) -> frames.ChannelFrame:
+    with trio.fail_after(10):
+        while (frame := reader.take_frame(frames.parse_channel_frame)) is None:
+            data = await stream.receive_some(1 << 16)
+            assert data, "the peer closed the connection"
+            reader.feed(data)
+    return frame
+
+
+async def test_a_version_1_peer_is_sent_plain_requests_and_gets_every_reply() -> None:
+    # A peer from before quiet requests negotiates baton-channel/1: a quiet request_soon
+    # goes to it as a plain REQUEST, and its requests to us get their acceptances as replies.
+    async with _open_two(ChannelConfig()) as (a, b):
+        old_key = Ed25519PrivateKey.generate()
+        old_id = peer_id_of(old_key)
+        server_context, _client = tls_contexts(old_key, 3600)
+        server_context.set_alpn_protocols(["baton-channel/1"])
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        accepted: list[_TlsStream] = []
+        ready = trio.Event()
+
+        async def serve(tcp: trio.SocketStream) -> None:
+            stream = _TlsStream(tcp, server_context, server_side=True)
+            try:
+                await stream.do_handshake()
+                accepted.append(stream)
+                ready.set()
+                await trio.sleep_forever()
+            finally:
+                with trio.CancelScope(shield=True):
+                    await stream.aclose()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.serve_listeners, serve, listeners)
+            seen: list[bytes] = []
+            a.set_handler(QUIET, _taking_handler(seen))
+            outcomes = _Outcomes()
+            address = channel_multiaddr("127.0.0.1", port, old_id)
+            async with trio.open_nursery() as dial:  # a dials the old peer with a plain request
+                dial.start_soon(functools.partial(a.request, old_id, [address], QUIET, b"dial", timeout_s=10))
+                with trio.fail_after(10):
+                    await ready.wait()
+                (old,) = accepted
+                assert old.selected_alpn_protocol() == "baton-channel/1"
+                reader = frames.FrameReader(1 << 20)
+                frame = await _read_channel_frame(old, reader)
+                assert (frame.kind, frame.payload) == (frames.REQUEST, b"dial")
+                reply = frames.reply_header(frame.exchange_id) + b"ok"
+                await old.send_all(frames.frame_prefix(len(reply)) + reply)
+            (connection,) = a._connections.values()
+            assert not connection.quiet_requests
+            assert a.request_soon(old_id, QUIET, b"asked quietly", timeout_s=10, on_reply=outcomes("q"), quiet=True)
+            frame = await _read_channel_frame(old, reader)
+            assert (frame.kind, frame.payload) == (frames.REQUEST, b"asked quietly")
+            reply = frames.reply_header(frame.exchange_id) + b"ok"
+            await old.send_all(frames.frame_prefix(len(reply)) + reply)
+            await outcomes.wait("q")
+            assert outcomes.got == {"q": b"ok"}
+            # the old peer's request to a: an acceptance is still its reply
+            request = frames.request_header(1, QUIET) + b"take"
+            await old.send_all(frames.frame_prefix(len(request)) + request)
+            frame = await _read_channel_frame(old, reader)
+            assert (frame.kind, frame.exchange_id, frame.payload) == (frames.REPLY, 1, b"ok")
+            nursery.cancel_scope.cancel()

@@ -143,6 +143,30 @@ def test_channel_frames_round_trip() -> None:
     reply = frames.parse_channel_frame(frames.reply_header(2**32 - 1) + b"r")
     assert (reply.kind_name, reply.exchange_id, reply.payload) == ("REPLY", 2**32 - 1, b"r")
     assert frames.parse_channel_frame(frames.error_header(3) + b"why").kind == frames.ERROR
+    quiet = frames.parse_channel_frame(frames.request_header(9, "/baton/steps/1.0.0", quiet=True) + b"p")
+    assert (quiet.kind_name, quiet.exchange_id, quiet.protocol_id, quiet.payload) == (
+        "QUIET_REQUEST", 9, "/baton/steps/1.0.0", b"p"
+    )
+    ids = [1, 2**32 - 1, 8, 8]  # in any order; a repeat is the peer's business
+    taken = frames.parse_channel_frame(frames.taken_frame_body(ids))
+    assert (taken.kind_name, taken.exchange_id) == ("TAKEN", 0)
+    assert frames.read_taken_ids(taken.payload) == ids
+    most = list(range(frames.MAX_TAKEN_IDS))
+    assert frames.read_taken_ids(frames.parse_channel_frame(frames.taken_frame_body(most)).payload) == most
+    for wrong in ([], [0] * (frames.MAX_TAKEN_IDS + 1), [2**32]):
+        with pytest.raises(ValueError):
+            frames.taken_frame_body(wrong)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", b"\x00\x00\x01", b"\x00" * 4 * (frames.MAX_TAKEN_IDS + 1)],
+    ids=["no ids", "a partial id", "too many ids"],
+)
+def test_a_taken_frame_that_does_not_list_whole_ids_is_refused(payload: bytes) -> None:
+    frame = frames.parse_channel_frame(b"\x05\x00\x00\x00\x00" + payload)
+    with pytest.raises(FrameError, match="a TAKEN frame lists"):
+        frames.read_taken_ids(frame.payload)
 
 
 @pytest.mark.parametrize(
@@ -154,6 +178,8 @@ def test_channel_frames_round_trip() -> None:
         (b"\x01\x00\x00\x00\x01\x05ab", "does not fit"),
         (b"\x01\x00\x00\x00\x01\x00", "does not fit"),
         (b"\x01\x00\x00\x00\x01\x01\xff", "not ASCII"),
+        (b"\x04\x00\x00\x00\x01", "a QUIET_REQUEST frame ends before its protocol id"),
+        (b"\x05\x00\x00\x00\x01\x00\x00\x00\x02", "a TAKEN frame names exchange id 0"),
     ],
 )
 def test_garbage_channel_frames_are_refused(body: bytes, message: str) -> None:

@@ -19,6 +19,7 @@ from agent.core.swarm_wire import (
     TRACKER_PROTOCOL,
     RangeSpec,
     WireError,
+    batch_ack_accepts,
     check_hops,
     crc32,
     encode_step_output,
@@ -28,7 +29,9 @@ from agent.core.swarm_wire import (
     parse_record,
     peer_id_from_multiaddr,
     step_ack,
+    step_ack_accepts,
     step_ack_error,
+    step_batch_ack,
     step_result,
     step_result_error,
     token_checksum,
@@ -393,3 +396,19 @@ def test_peer_id_from_multiaddr() -> None:
     for bad in ("/ip4/127.0.0.1/tcp/4001", "/p2p/", "12D3KooWabc"):
         with pytest.raises(ValueError, match="does not end with /p2p/<peer id>"):
             peer_id_from_multiaddr(bad)
+
+
+def test_only_a_plain_acceptance_is_an_acceptance() -> None:
+    # What a quiet request's receiver leaves unsent (confirmed in bulk): anything that says
+    # more than "taken" (an error, a refused step of a batch, bytes that do not read) is sent.
+    assert step_ack_accepts(step_ack())
+    assert not step_ack_accepts(step_ack_error(Code.RESOURCE_EXHAUSTED, "busy"))
+    assert not step_ack_accepts(b"") and not step_ack_accepts(b"garbage")
+    taken, refused = step_ack(), step_ack_error(Code.NOT_FOUND, "unknown session")
+    assert batch_ack_accepts(step_batch_ack([taken, taken, taken]))
+    assert not batch_ack_accepts(step_batch_ack([taken, refused, taken]))
+    assert not batch_ack_accepts(step_batch_ack([refused]))  # one error ack refuses the whole batch
+    assert not batch_ack_accepts(step_batch_ack([]))
+    assert not batch_ack_accepts(b"\xff\xff") and not batch_ack_accepts(step_ack())
+    other_version = swarm_pb2.StepBatchAck(schema_version=SCHEMA_VERSION + 1, acks=[swarm_pb2.StepAck()])
+    assert not batch_ack_accepts(other_version.SerializeToString())

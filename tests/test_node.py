@@ -507,8 +507,9 @@ async def test_over_the_channel_pushes_leave_from_the_serving_task_and_refusals_
     qwen2_tiny_path: Path,
 ) -> None:
     # With the direct channel, a node sends a push from its serving task once a connection to
-    # the next hop is open (request_soon), and reads the ack in a callback: the outputs stay
-    # exact, and a step the next hop refuses is still reported to its owner, naming that hop.
+    # the next hop is open (request_soon, quiet: the next hop answers only a refusal, and
+    # confirms what it took in bulk): the outputs stay exact, and a step the next hop
+    # refuses is still reported to its owner, naming that hop.
     async with open_swarm(qwen2_tiny_path, LAYOUT, channel=True) as swarm, open_reference(qwen2_tiny_path) as reference:
         a, b, owner = swarm.nodes["A"], swarm.nodes["B"], swarm.owner
         hops = swarm.hops(*ROUTE)
@@ -518,6 +519,12 @@ async def test_over_the_channel_pushes_leave_from_the_serving_task_and_refusals_
         # the first push dialled B (from a task); the three after it left from the serving task
         assert a.transport.connections_dialled == 1 and a.transport.requests_sent_soon == 3
         assert a.transport.channel_requests == 4
+        # B took those three without an ack each: it confirmed them in bulk (a TAKEN frame)
+        connection = a.transport._connections[b.peer_id]
+        with trio.fail_after(10):
+            while connection.acceptances_confirmed < 3:  # a condition to reach, not a delay
+                await trio.sleep(0.01)
+        assert connection.acceptances_confirmed == 3 and not connection.pending
 
         # B no longer knows the session: it refuses A's push of the next step
         swarm.served("B", 3, 6).end_session(solo.session_id)

@@ -12,12 +12,19 @@ Owns:
   exchange id. A channel frame body is::
 
       kind (1 byte) || exchange id (4 bytes, big-endian) || rest
-      REQUEST: len(protocol id) (1 byte, 1..255) || protocol id (ASCII) || payload
-      REPLY:   payload
-      ERROR:   UTF-8 text (the handler failed; the requester raises it)
+      REQUEST:       len(protocol id) (1 byte, 1..255) || protocol id (ASCII) || payload
+      QUIET_REQUEST: as REQUEST (channel version 2)
+      REPLY:         payload
+      ERROR:         UTF-8 text (the handler failed; the requester raises it)
+      TAKEN:         exchange id 0 || the exchange ids of QUIET_REQUESTs taken, 4 bytes each
+                     (big-endian; 1..MAX_TAKEN_IDS of them) (channel version 2)
 
   Requests are pipelined: a requester writes request after request without waiting; replies
-  come back in any order.
+  come back in any order. A QUIET_REQUEST is one whose requester needs to hear back only
+  when the handler did not simply take it (a refusal, an error): that answer comes as a REPLY
+  or ERROR at once, while the plain acceptances are confirmed in bulk, in TAKEN frames a
+  little later (a step's ack cost each of the two peers a wake-up and a frame on every hop
+  of every decode step, for a message that said nothing but "taken").
 
 Errors say who is at fault: ``FrameError`` (and ``FrameTooLarge``) are the remote peer's
 (``RemoteProtocolError`` in h11's terms): the connection that produced them is closed, and
@@ -29,14 +36,18 @@ Pure: no sockets, trio, clocks or randomness. Must not import agent.io.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 __all__ = [
     "ERROR",
     "MAX_PROTOCOL_ID_BYTES",
+    "MAX_TAKEN_IDS",
+    "QUIET_REQUEST",
     "REPLY",
     "REQUEST",
+    "TAKEN",
     "ChannelFrame",
     "FrameError",
     "FrameReader",
@@ -46,8 +57,10 @@ __all__ = [
     "error_header",
     "frame_prefix",
     "parse_channel_frame",
+    "read_taken_ids",
     "reply_header",
     "request_header",
+    "taken_frame_body",
 ]
 
 _T = TypeVar("_T")
@@ -58,8 +71,13 @@ MAX_PROTOCOL_ID_BYTES = 255
 REQUEST = 1
 REPLY = 2
 ERROR = 3
-_KINDS = {REQUEST: "REQUEST", REPLY: "REPLY", ERROR: "ERROR"}
+QUIET_REQUEST = 4
+TAKEN = 5
+_KINDS = {REQUEST: "REQUEST", REPLY: "REPLY", ERROR: "ERROR", QUIET_REQUEST: "QUIET_REQUEST", TAKEN: "TAKEN"}
 _HEADER_BYTES = 5  # kind + exchange id
+_EXCHANGE_ID_BYTES = 4
+#: the most exchange ids one TAKEN frame lists (16 KiB of ids: a sender with more sends more frames)
+MAX_TAKEN_IDS = 4096
 
 
 class FrameError(Exception):
@@ -251,8 +269,9 @@ class FrameReader:
 
 @dataclasses.dataclass(frozen=True)
 class ChannelFrame:
-    """One parsed channel frame. ``protocol_id`` is set for REQUEST only; ``payload`` is the
-    request or reply bytes, or the error text's UTF-8 bytes."""
+    """One parsed channel frame. ``protocol_id`` is set for (QUIET_)REQUEST only; ``payload``
+    is the request or reply bytes, the error text's UTF-8 bytes, or a TAKEN frame's ids
+    (``read_taken_ids``)."""
 
     kind: int
     exchange_id: int
@@ -265,17 +284,22 @@ class ChannelFrame:
 
 
 def _header(kind: int, exchange_id: int) -> bytes:
+    return bytes((kind,)) + _exchange_id_bytes(exchange_id)
+
+
+def _exchange_id_bytes(exchange_id: int) -> bytes:
     if not 0 <= exchange_id < 1 << 32:
         raise ValueError(f"exchange id {exchange_id} does not fit in 32 bits")
-    return bytes((kind,)) + exchange_id.to_bytes(4, "big")
+    return exchange_id.to_bytes(_EXCHANGE_ID_BYTES, "big")
 
 
-def request_header(exchange_id: int, protocol_id: str) -> bytes:
-    """The body's head of a REQUEST (the payload follows it in the same frame)."""
+def request_header(exchange_id: int, protocol_id: str, *, quiet: bool = False) -> bytes:
+    """The body's head of a REQUEST, or of a QUIET_REQUEST when ``quiet`` (the payload
+    follows it in the same frame)."""
     name = protocol_id.encode("ascii")
     if not 1 <= len(name) <= MAX_PROTOCOL_ID_BYTES:
         raise ValueError(f"a protocol id has 1..{MAX_PROTOCOL_ID_BYTES} bytes, got {len(name)}")
-    return _header(REQUEST, exchange_id) + bytes((len(name),)) + name
+    return _header(QUIET_REQUEST if quiet else REQUEST, exchange_id) + bytes((len(name),)) + name
 
 
 def reply_header(exchange_id: int) -> bytes:
@@ -286,28 +310,54 @@ def error_header(exchange_id: int) -> bytes:
     return _header(ERROR, exchange_id)
 
 
+def taken_frame_body(exchange_ids: Sequence[int]) -> bytes:
+    """A whole TAKEN frame body confirming ``exchange_ids`` (1..MAX_TAKEN_IDS of them)."""
+    if not 0 < len(exchange_ids) <= MAX_TAKEN_IDS:
+        raise ValueError(f"a TAKEN frame lists 1..{MAX_TAKEN_IDS} exchange ids, got {len(exchange_ids)}")
+    return _header(TAKEN, 0) + b"".join(_exchange_id_bytes(exchange_id) for exchange_id in exchange_ids)
+
+
+def read_taken_ids(payload: bytes) -> list[int]:
+    """The exchange ids a TAKEN frame's payload lists.
+
+    Raises:
+      FrameError: not a whole number of ids, none, or more than MAX_TAKEN_IDS.
+    """
+    count, rest = divmod(len(payload), _EXCHANGE_ID_BYTES)
+    if rest or not 0 < count <= MAX_TAKEN_IDS:
+        raise FrameError(
+            f"a TAKEN frame lists 1..{MAX_TAKEN_IDS} exchange ids of {_EXCHANGE_ID_BYTES} bytes, "
+            f"got {len(payload)} bytes"
+        )
+    return list(struct.unpack(f">{count}I", payload))
+
+
 def parse_channel_frame(body: bytes | memoryview) -> ChannelFrame:
     """Split a channel frame body into its parts (the payload is copied out of a view).
 
     Raises:
-      FrameError: too short, an unknown kind, or a malformed protocol id.
+      FrameError: too short, an unknown kind, a malformed protocol id, or a TAKEN frame
+        with an exchange id.
     """
     if len(body) < _HEADER_BYTES:
         raise FrameError(f"a channel frame has at least {_HEADER_BYTES} bytes, got {len(body)}")
     kind = body[0]
     exchange_id = int.from_bytes(body[1:5], "big")
-    if kind == REQUEST:
+    if kind == REQUEST or kind == QUIET_REQUEST:
+        name = _KINDS[kind]
         if len(body) < _HEADER_BYTES + 1:
-            raise FrameError("a REQUEST frame ends before its protocol id")
+            raise FrameError(f"a {name} frame ends before its protocol id")
         n = body[_HEADER_BYTES]
         start = _HEADER_BYTES + 1
         if n == 0 or start + n > len(body):
-            raise FrameError(f"a REQUEST frame's protocol id of {n} bytes does not fit in the frame")
+            raise FrameError(f"a {name} frame's protocol id of {n} bytes does not fit in the frame")
         try:
             protocol_id = bytes(body[start : start + n]).decode("ascii")
         except UnicodeDecodeError:
-            raise FrameError("a REQUEST frame's protocol id is not ASCII") from None
-        return ChannelFrame(REQUEST, exchange_id, protocol_id, bytes(body[start + n :]))
-    if kind in (REPLY, ERROR):
+            raise FrameError(f"a {name} frame's protocol id is not ASCII") from None
+        return ChannelFrame(kind, exchange_id, protocol_id, bytes(body[start + n :]))
+    if kind == TAKEN and exchange_id:
+        raise FrameError(f"a TAKEN frame names exchange id 0, got {exchange_id}")
+    if kind in (REPLY, ERROR, TAKEN):
         return ChannelFrame(kind, exchange_id, "", bytes(body[_HEADER_BYTES:]))
     raise FrameError(f"unknown channel frame kind {kind}")

@@ -63,6 +63,7 @@ __all__ = [
     "push_message",
     "read_push_acks",
     "all_steps_taken",
+    "batch_ack_accepts",
     "step_batch",
     "step_batch_ack",
     "TRACKER_PROTOCOL",
@@ -83,6 +84,7 @@ __all__ = [
     "peer_id_from_multiaddr",
     "replay_step_request",
     "step_ack",
+    "step_ack_accepts",
     "step_ack_error",
     "step_result",
     "step_result_error",
@@ -199,6 +201,25 @@ def step_ack(err: swarm_pb2.Error | WireError | None = None) -> bytes:
 
 def step_ack_error(code: int, message: str) -> bytes:
     return step_ack(error(code, message))
+
+
+#: ``step_ack()``, byte for byte (protobuf's serialization of it is deterministic)
+_STEP_TAKEN = step_ack()
+
+
+def step_ack_accepts(reply: bytes) -> bool:
+    """Whether ``reply`` is the plain accepting ``StepAck`` (``step_ack()``): all it says is
+    "taken" (``ImmediateHandler.is_acceptance`` of the step and result handlers)."""
+    return reply == _STEP_TAKEN
+
+
+def batch_ack_accepts(reply: bytes) -> bool:
+    """Whether ``reply`` is a ``StepBatchAck`` that takes every step of its batch."""
+    try:
+        batch = parse_record(swarm_pb2.StepBatchAck, reply)
+    except WireError:
+        return False
+    return len(batch.acks) > 0 and not any(ack.error.code for ack in batch.acks)
 
 
 def step_batch(steps: Sequence[bytes]) -> bytes:

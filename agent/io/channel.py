@@ -44,15 +44,20 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.core.frames import (
     ERROR,
+    MAX_TAKEN_IDS,
+    QUIET_REQUEST,
     REPLY,
     REQUEST,
+    TAKEN,
     FrameError,
     FrameReader,
     error_header,
     frame_prefix,
     parse_channel_frame,
+    read_taken_ids,
     reply_header,
     request_header,
+    taken_frame_body,
 )
 from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
 from agent.io import raw_socket
@@ -60,12 +65,15 @@ from agent.io.keys import peer_id_of
 from agent.io.peer_cert import ISSUER_CERT_PEM, PeerCertError, make_peer_certificate, verify_peer_certificate
 from agent.io.transport import Handler, ImmediateHandler, Transport, TransportError
 
-__all__ = ["ALPN", "ChannelConfig", "ChannelTransport", "open_channel_transport", "tls_contexts"]
+__all__ = ["ALPN", "ALPN_VERSIONS", "ChannelConfig", "ChannelTransport", "open_channel_transport", "tls_contexts"]
 
 log = logging.getLogger(__name__)
 
-#: Negotiated by ALPN: a peer that does not speak this channel version fails the handshake.
-ALPN = "baton-channel/1"
+#: Negotiated by ALPN, newest first: a peer that speaks none of these fails the handshake.
+#: Version 2 adds QUIET_REQUEST and TAKEN frames (``agent.core.frames``); a connection to a
+#: version 1 peer sends every request as a plain REQUEST, answered one by one.
+ALPN_VERSIONS = ("baton-channel/2", "baton-channel/1")
+ALPN = ALPN_VERSIONS[0]
 _RECEIVE_BYTES = 256 * 1024
 _SINGLE_WRITE_BYTES = 64 * 1024  # below this, prefix + header + payload go out as one write
 _READS_PER_CHECKPOINT = 16  # receives that did not wait, at most, between two scheduler checkpoints
@@ -81,7 +89,12 @@ class ChannelConfig:
     ``max_frame_bytes``: the largest frame read or written. ``connect_timeout_s``: TCP connect
     + TLS handshake. ``cert_lifetime_s``: validity of the ephemeral certificate.
     ``deadline_check_interval_s``: how often the deadlines of ``request_soon`` exchanges are
-    checked (one ends at most this much after its deadline).
+    checked (one ends at most this much after its deadline). ``ack_delay_s``: how long this
+    peer holds the confirmations of the quiet requests it took before it sends them, in one
+    TAKEN frame: a requester hears of an acceptance at most this late, so its deadlines must
+    be longer; a connection that breaks fails the exchanges not yet confirmed, some of which
+    the peer may have taken (steps of the last ``ack_delay_s``: their owners are told of a
+    failure they may already have moved past, and ignore it).
     """
 
     listen_host: str | None = "127.0.0.1"
@@ -91,11 +104,14 @@ class ChannelConfig:
     connect_timeout_s: float = 5.0
     cert_lifetime_s: float = 30 * 24 * 3600.0
     deadline_check_interval_s: float = 1.0
+    # a decode step every ~20 ms: one TAKEN frame stands for ~10 acks; a broken connection
+    # fails at most a quarter second of steps that were in fact taken
+    ack_delay_s: float = 0.25
 
     def __post_init__(self) -> None:
         if self.max_frame_bytes < 1:
             raise ValueError(f"max_frame_bytes must be positive, got {self.max_frame_bytes}")
-        for name in ("connect_timeout_s", "cert_lifetime_s", "deadline_check_interval_s"):
+        for name in ("connect_timeout_s", "cert_lifetime_s", "deadline_check_interval_s", "ack_delay_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
@@ -122,7 +138,7 @@ def tls_contexts(key: Ed25519PrivateKey, cert_lifetime_s: float) -> tuple[ssl.SS
         context.check_hostname = False  # peers are named by peer id, checked after the handshake
         context.verify_mode = ssl.CERT_REQUIRED
         context.load_verify_locations(cadata=ISSUER_CERT_PEM.decode("ascii"))
-        context.set_alpn_protocols([ALPN])
+        context.set_alpn_protocols(list(ALPN_VERSIONS))
         if purpose == ssl.PROTOCOL_TLS_SERVER:
             context.num_tickets = 0  # no resumption: one long-lived connection per peer pair
         # load_cert_chain reads files only: a private 0600 file that lives for this call
@@ -351,8 +367,8 @@ class _TlsStream:
 
 def _peer_of(stream: _TlsStream) -> str:
     """The authenticated peer id of a finished handshake. Raises PeerCertError."""
-    if stream.selected_alpn_protocol() != ALPN:
-        raise PeerCertError(f"the peer did not negotiate {ALPN}")
+    if stream.selected_alpn_protocol() not in ALPN_VERSIONS:
+        raise PeerCertError(f"the peer did not negotiate any of {', '.join(ALPN_VERSIONS)}")
     der = stream.getpeercert(binary_form=True)
     if not der:
         raise PeerCertError("the peer presented no certificate")
@@ -383,6 +399,7 @@ class _Pending:
     on_reply: OnReply | None = None
     deadline: float = math.inf  # trio time; callbacks only (an awaiting requester has its own)
     protocol_id: str = ""
+    quiet: bool = False  # a QUIET_REQUEST: a TAKEN frame may end it, with no callback
 
 
 #: What the connection's writer sends: a frame, or the rest of a send already begun (the
@@ -397,6 +414,8 @@ class _Connection:
         self.stream = stream
         self.peer_id = peer_id
         self.outbound = outbound
+        # the peer speaks channel version 2: quiet requests and TAKEN frames
+        self.quiet_requests = stream.selected_alpn_protocol() == ALPN
         self.max_frame_bytes = max_frame_bytes
         self.reader = FrameReader(max_frame_bytes)
         self.pending: dict[int, _Pending] = {}
@@ -410,6 +429,11 @@ class _Connection:
         # and left a rest would hold the stream that the writer waits for, rest behind it.
         self._backlog_in, self._backlog = trio.open_memory_channel[_BacklogItem](math.inf)
         self._backlog_items = 0  # queued, or being sent by the writer
+        # quiet requests this side took, not yet confirmed (serve_acceptances sends them)
+        self._taken: list[int] = []
+        self._taken_waiting = trio.Event()
+        self.taken_frames_received = 0
+        self.acceptances_confirmed = 0  # this side's quiet requests that TAKEN frames ended
 
     async def send_frame(self, header: bytes, payload: bytes) -> None:
         try:
@@ -455,6 +479,40 @@ class _Connection:
             return
         if rest is not None:
             self._to_backlog(rest)
+
+    def note_taken(self, exchange_id: int) -> None:
+        """The handler took the quiet request ``exchange_id``: confirm it with the others in
+        the next TAKEN frame (at once when a frame's worth is waiting)."""
+        self._taken.append(exchange_id)
+        if len(self._taken) >= MAX_TAKEN_IDS:
+            self._send_taken()
+        else:
+            self._taken_waiting.set()
+
+    def _send_taken(self) -> None:
+        ids, self._taken = self._taken, []
+        self._taken_waiting = trio.Event()
+        if ids:
+            self.send_frame_soon(taken_frame_body(ids), b"")
+
+    async def serve_acceptances(self, delay_s: float) -> None:
+        """Send the confirmations of taken quiet requests, ``delay_s`` after the first of each
+        lot was taken, until cancelled (with the connection)."""
+        while True:
+            await self._taken_waiting.wait()
+            await trio.sleep(delay_s)
+            self._send_taken()
+
+    def settle_taken(self, exchange_ids: list[int]) -> None:
+        """A TAKEN frame came: end those quiet exchanges, with no callback (an id that is not
+        a quiet exchange in flight, e.g. one past its deadline, is passed over)."""
+        self.taken_frames_received += 1
+        pending = self.pending
+        for exchange_id in exchange_ids:
+            waiter = pending.get(exchange_id)
+            if waiter is not None and waiter.quiet:
+                del pending[exchange_id]
+                self.acceptances_confirmed += 1
 
     def _to_backlog(self, item: _BacklogItem) -> None:
         self._backlog_items += 1
@@ -506,16 +564,22 @@ class _Connection:
             raise outcome
         return outcome
 
-    def request_soon(self, protocol_id: str, payload: bytes, *, deadline: float, on_reply: OnReply) -> bool:
+    def request_soon(
+        self, protocol_id: str, payload: bytes, *, deadline: float, on_reply: OnReply, quiet: bool = False
+    ) -> bool:
         """``ChannelTransport.request_soon`` on this connection."""
         if self.closed is not None:
             return False
         if self._backlog_items:  # the writer has frames to send first (send_frame_soon)
             return False
         exchange_id = self._take_exchange_id()
-        self.pending[exchange_id] = _Pending(None, on_reply=on_reply, deadline=deadline, protocol_id=protocol_id)
+        quiet = quiet and self.quiet_requests
+        self.pending[exchange_id] = _Pending(
+            None, on_reply=on_reply, deadline=deadline, protocol_id=protocol_id, quiet=quiet
+        )
         try:
-            rest = self.stream.send_nowait(*_frame_parts(request_header(exchange_id, protocol_id), payload))
+            header = request_header(exchange_id, protocol_id, quiet=quiet)
+            rest = self.stream.send_nowait(*_frame_parts(header, payload))
         except trio.WouldBlock:  # another send holds the stream: nothing was sent
             del self.pending[exchange_id]
             return False
@@ -675,7 +739,9 @@ class ChannelTransport:
         self.fallback_requests += 1
         return await self.fallback.request(peer_id, others, protocol_id, payload, timeout_s=timeout_s)
 
-    def request_soon(self, peer_id: str, protocol_id: str, payload: bytes, *, timeout_s: float, on_reply: OnReply) -> bool:
+    def request_soon(
+        self, peer_id: str, protocol_id: str, payload: bytes, *, timeout_s: float, on_reply: OnReply, quiet: bool = False
+    ) -> bool:
         """Send ``payload`` to ``peer_id`` without waiting, over the channel connection already
         open to it, and have ``on_reply`` called with the reply, or with a TransportError when
         the connection fails or ``timeout_s`` passes (deadlines are checked every
@@ -687,6 +753,15 @@ class ChannelTransport:
 
         ``on_reply`` runs in the frame reader or whichever task ends the exchange: it must
         neither await nor raise (start a task in a nursery of its own for anything more).
+
+        ``quiet``: the requester needs to hear only what is not a plain acceptance. To a peer
+        of channel version 2 the request goes as a QUIET_REQUEST: when the peer's handler
+        counts its reply as an acceptance (``ImmediateHandler.is_acceptance``), no reply is
+        sent and ``on_reply`` is never called; the peer confirms it in a TAKEN frame within
+        its ``ack_delay_s``, which ends the exchange (so ``timeout_s`` must be longer). A
+        refusal still comes at once, and a failed connection or a passed deadline still
+        calls ``on_reply`` with a TransportError.
+
         Returns False, with nothing sent and no callback to come, when no connection is open
         to the peer, the payload is over ``max_frame_bytes``, or another send holds the stream:
         use ``request`` then. The rest of a send the kernel did not take at once goes out from
@@ -696,7 +771,7 @@ class ChannelTransport:
         if connection is None or len(payload) > self.config.max_frame_bytes:
             return False
         deadline = trio.current_time() + timeout_s
-        if not connection.request_soon(protocol_id, payload, deadline=deadline, on_reply=on_reply):
+        if not connection.request_soon(protocol_id, payload, deadline=deadline, on_reply=on_reply, quiet=quiet):
             return False
         self.channel_requests += 1
         self.requests_sent_soon += 1
@@ -762,6 +837,7 @@ class ChannelTransport:
         try:
             async with trio.open_nursery() as handlers:
                 handlers.start_soon(connection.serve_backlog)
+                handlers.start_soon(connection.serve_acceptances, self.config.ack_delay_s)
                 try:
                     await self._read_frames(connection, handlers)
                 except FrameError as error:
@@ -799,10 +875,19 @@ class ChannelTransport:
             reader.commit(received)
             later: list[tuple[bytes, bytes]] = []  # replies sent once the tasks they woke ran
             while (frame := reader.take_frame(parse_channel_frame)) is not None:
-                if frame.kind == REQUEST:
+                kind = frame.kind
+                if kind == REQUEST or kind == QUIET_REQUEST:
                     handler = self._handlers.get(frame.protocol_id)
                     if isinstance(handler, ImmediateHandler):  # answered here, no task
                         answer = _answered(connection, frame.protocol_id, handler.answer, frame.payload)
+                        if (
+                            kind == QUIET_REQUEST
+                            and handler.is_acceptance is not None
+                            and isinstance(answer, bytes)
+                            and handler.is_acceptance(answer)
+                        ):
+                            connection.note_taken(frame.exchange_id)  # confirmed in bulk, later
+                            continue
                         reply = _reply_frame(connection, frame.exchange_id, frame.protocol_id, answer)
                         if handler.reply_later:
                             later.append(reply)
@@ -810,8 +895,10 @@ class ChannelTransport:
                             connection.send_frame_soon(*reply)
                     else:
                         handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
+                elif kind == TAKEN:
+                    connection.settle_taken(read_taken_ids(frame.payload))
                 else:
-                    connection.settle(frame.exchange_id, frame.kind, frame.payload)
+                    connection.settle(frame.exchange_id, kind, frame.payload)
             if later:
                 # the tasks these frames woke (a serving task starting a Forward) run before
                 # the replies' system call, then every reply of this read goes in one write

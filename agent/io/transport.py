@@ -41,17 +41,30 @@ class ImmediateHandler:
 
     ``reply_later``: the reply is not what the sender waits on next, the work that ``answer``
     woke is (a step's ack, while the step's Forward is what the route waits for): the
-    channel's frame reader then sends the reply after one scheduler pass, once the tasks
+    channel's frame reader then sends the reply after two scheduler passes, once the tasks
     woken meanwhile have run, not before them (a send costs a system call and the kernel's
     loopback delivery, ~0.04 ms here, on every hop of every step), and the replies to the
     frames of one read go out in one write.
+
+    ``is_acceptance(reply)``: whether ``reply`` says no more than "taken" (a step's ack with
+    no error). A requester that asked to hear only the rest (the channel's ``request_soon``
+    with ``quiet``) is then not sent the reply: the acceptance is confirmed in bulk, a little
+    later (``agent.core.frames``, TAKEN). None: every reply is sent. Like ``answer``, it
+    raises nothing.
     """
 
-    __slots__ = ("answer", "reply_later")
+    __slots__ = ("answer", "is_acceptance", "reply_later")
 
-    def __init__(self, answer: Callable[[str, bytes], bytes], *, reply_later: bool = False) -> None:
+    def __init__(
+        self,
+        answer: Callable[[str, bytes], bytes],
+        *,
+        reply_later: bool = False,
+        is_acceptance: Callable[[bytes], bool] | None = None,
+    ) -> None:
         self.answer = answer
         self.reply_later = reply_later
+        self.is_acceptance = is_acceptance
 
     async def __call__(self, remote_peer_id: str, payload: bytes) -> bytes:
         # no checkpoint: answered as the channel answers it, before any other task runs

@@ -61,6 +61,7 @@ from agent.core.swarm_wire import (
     first_step_request,
     peer_id_from_multiaddr,
     step_ack,
+    step_ack_accepts,
 )
 from agent.core.text_stream import TextStream
 from agent.core.spot_check import RouteSegment, rollback_point
@@ -439,7 +440,7 @@ class SwarmClient:
         self._decode_step_s: float | None = None  # moving average of decode step time
         self.spot_checks = SpotChecks(self, config.spot_check_rate, config.spot_check_grace_s)
         # the ack goes out after the generation has sent its next step
-        transport.set_handler(RESULT_PROTOCOL, ImmediateHandler(self._on_result, reply_later=True))
+        transport.set_handler(RESULT_PROTOCOL, ImmediateHandler(self._on_result, reply_later=True, is_acceptance=step_ack_accepts))
         #: steps sent without a task when the transport can (``_send_step_soon``)
         self._request_soon = getattr(transport, "request_soon", None)
 
@@ -1332,9 +1333,9 @@ class SwarmClient:
 
     def _send_step_soon(self, live: _LiveSession, first: swarm_pb2.Hop, request: swarm_pb2.StepRequest) -> bool:
         """Send a step to the first hop without a task, over a channel connection already
-        open to it (``ChannelTransport.request_soon``); its ack is read in a callback, and a
-        refusal (or no ack: the connection failed, or ``request_timeout_s`` passed) becomes
-        the step's outcome, which ``_await_result`` then returns with. A first hop that goes
+        open to it (``ChannelTransport.request_soon``, quiet: the hop answers only a refusal,
+        and confirms its acceptances in bulk); a refusal (or no confirmation: the connection
+        failed, or ``request_timeout_s`` passed) becomes the step's outcome, which ``_await_result`` then returns with. A first hop that goes
         silent is named by ``_await_result``'s probes, which try the hops in route order.
         False, with nothing sent: use ``_send_step``."""
         if self._request_soon is None:
@@ -1352,7 +1353,7 @@ class SwarmClient:
 
         return self._request_soon(
             first.peer_id, STEP_PROTOCOL, request.SerializeToString(),
-            timeout_s=self.config.request_timeout_s, on_reply=acked,
+            timeout_s=self.config.request_timeout_s, on_reply=acked, quiet=True,
         )  # fmt: skip
 
     async def _send_step(self, first: swarm_pb2.Hop, request: swarm_pb2.StepRequest, *, prefill: bool) -> None:

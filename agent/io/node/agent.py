@@ -119,7 +119,9 @@ from agent.core.swarm_wire import (
     push_message,
     read_push_acks,
     replay_step_request,
+    batch_ack_accepts,
     step_ack,
+    step_ack_accepts,
     step_ack_error,
     step_batch_ack,
     step_result,
@@ -445,8 +447,9 @@ class Node:
         self._request_soon = getattr(transport, "request_soon", _cannot_request_soon)
         #: the step handlers, answered inline by the direct channel (``ImmediateHandler``)
         # the ack goes out after the serving task has started the step's Forward
-        self.handle_step = ImmediateHandler(self.answer_step, reply_later=True)
-        self.handle_steps = ImmediateHandler(self.answer_steps, reply_later=True)
+        # an accepting ack is not sent to a sender that asked for quiet (the channel confirms it in bulk)
+        self.handle_step = ImmediateHandler(self.answer_step, reply_later=True, is_acceptance=step_ack_accepts)
+        self.handle_steps = ImmediateHandler(self.answer_steps, reply_later=True, is_acceptance=batch_ack_accepts)
         self.admission = swarm_pb2.SignedAdmission()
         self.heartbeat_interval_ms = config.heartbeat_interval_ms or DEFAULT_HEARTBEAT_INTERVAL_MS
         self.models = {m.sha256: m for m in config.models}
@@ -961,8 +964,9 @@ class Node:
     def _push_now(self, items: list[tuple[StepInput, SeqOutput, tuple[bytes, int] | None]], pushes: trio.Nursery) -> bool:
         """Send one push group (``push_groups``) from the serving task itself: the next hop's
         steps, or a last range's top-K result to its owner. Over an open channel connection
-        the message goes out at once and its ack is checked in a callback
-        (``ChannelTransport.request_soon``); only a refusal or a failure starts a task, to
+        the message goes out at once, quiet (``ChannelTransport.request_soon``): the receiver
+        answers only a refusal, and confirms what it took in bulk, so no ack wakes this
+        process per step; only a refusal or a failure calls back, and starts a task to
         report it. Otherwise the message, already built, is sent from a task. False, with
         nothing done: the group takes the task path whole (a rebuild, a boundary that does
         not encode, a full logits row, a hop run by this node)."""
@@ -978,14 +982,16 @@ class Node:
                 return False
             protocol, data = push_message([serialized for _s, serialized in steps])
             taken = functools.partial(self._pushed, hop, steps, pushes)
-            if not self._request_soon(hop.peer_id, protocol, data, timeout_s=timeout_s, on_reply=taken):
+            if not self._request_soon(hop.peer_id, protocol, data, timeout_s=timeout_s, on_reply=taken, quiet=True):
                 pushes.start_soon(self._guarded, self._push_steps, hop, steps)
             return True
         if step.rebuild or not output.top:
             return False
         result = step_result_top(step.session_id, step.step, output.top[-1], self.admission).SerializeToString()
         taken = functools.partial(self._result_taken, step)
-        if not self._request_soon(step.owner_peer_id, RESULT_PROTOCOL, result, timeout_s=timeout_s, on_reply=taken):
+        if not self._request_soon(
+            step.owner_peer_id, RESULT_PROTOCOL, result, timeout_s=timeout_s, on_reply=taken, quiet=True
+        ):
             pushes.start_soon(self._guarded, self._send_result, step, result)
         return True
 

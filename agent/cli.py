@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 
 from agent import cli_args
+from agent.io.cpu_policy import apply_cpu_policy
 from agent.io.process_memory import keep_freed_memory
 
 __all__ = ["build_parser", "main"]
@@ -161,6 +162,11 @@ def _run_parity(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     keep_freed_memory()  # every role moves megabyte buffers per step; see process_memory
+    try:
+        apply_cpu_policy()  # every role wakes the next one per step; see cpu_policy
+    except ValueError as error:
+        print(f"baton: {error}", file=sys.stderr)
+        return 2
     if args.command == "worker":
         return _run_worker(args)
     if args.command in _DELEGATED:

@@ -70,6 +70,8 @@ import hop_trace  # noqa: E402
 from compare import PROMPT_SOURCE, TOOLS_DIR, ensure_llama_tools, machine_info, scoped_environ  # noqa: E402
 from worker_wait import chain_step  # noqa: E402
 
+from agent.io.cpu_policy import apply_cpu_policy, kernel_default  # noqa: E402
+
 ALIAS = "smollm2"
 PARALLEL = (1, 2, 4, 8)
 NODES = 3
@@ -113,7 +115,7 @@ def run_batched_bench(
         "-ntg", str(tokens), "-npl", ",".join(map(str, parallel)), "-t", str(threads), "--output-format", "jsonl",
     ]  # fmt: skip
     log(" ".join(argv))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True, preexec_fn=kernel_default)
     rows = {}
     for line in (done.stdout + done.stderr).splitlines():
         line = line.strip()
@@ -830,6 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be >= 1")
     from agent.models import model_path
 
+    apply_cpu_policy()  # this process holds the sessions' owners, as `baton generate` would (agent.cli)
     machine = machine_info()
     started = time.perf_counter()
     llamas, autos, offs, locks = [], [], [], []

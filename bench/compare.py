@@ -50,6 +50,8 @@ import hop_trace  # noqa: E402
 import png_chart  # noqa: E402
 import trio  # noqa: E402
 
+from agent.io.cpu_policy import kernel_default  # noqa: E402
+
 TOOLS_DIR = REPO_ROOT / "build" / "llama-tools"
 LLAMA_SRC = REPO_ROOT / "build" / "llama.cpp"
 LLAMA_STAMP = REPO_ROOT / "build" / "llama.cpp.stamp"
@@ -561,7 +563,9 @@ def run_llama_bench(
         *extra,
         *(["-v"] if verbose else []),
     ]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=LLAMA_BENCH_TIMEOUT_S, check=False)
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=LLAMA_BENCH_TIMEOUT_S, check=False, preexec_fn=kernel_default
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     entries = json.loads(proc.stdout)
@@ -627,6 +631,7 @@ def bench_rpc(
                         stdout=out,
                         stderr=out,
                         env={**os.environ, "GGML_RPC_NO_RDMA": "1"},
+                        preexec_fn=kernel_default,  # as its users run it, not in Baton's batch class
                     )
                 procs.append(proc)
                 _wait_listening(port, proc, log_path)
@@ -886,9 +891,11 @@ def main() -> int:
     parser.add_argument("--retries", type=int, default=2, help="at most this many re-runs of a disturbed measurement")
     parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # fewer runs, for smoke tests
     args = parser.parse_args()
+    from agent.io.cpu_policy import apply_cpu_policy
     from agent.io.process_memory import keep_freed_memory
 
     keep_freed_memory()  # the direct harnesses are Baton processes too (agent.cli does it for the rest)
+    apply_cpu_policy()  # and so is the swarm's owner here; llama.cpp's tools start in the default class
     if args.runs < 5 and not args.quick:
         parser.error("--runs must be at least 5")
     if args.threads < 1:

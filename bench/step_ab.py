@@ -75,6 +75,13 @@ async def _measure(sessions: int, tokens: int, runs: int, threads: int, node_arg
     from agent.io.client import SwarmClientConfig, open_swarm_client
     from agent.models import model_path
 
+    try:  # the owners here stand in for `baton generate`, which sets its CPU policy (agent.cli)
+        from agent.io.cpu_policy import apply_cpu_policy
+    except ImportError:  # a checkout from before agent.io.cpu_policy: its owners as its own ran
+        pass
+    else:
+        apply_cpu_policy()
+
     config = LocalSwarmConfig(
         model_path=model_path(ALIAS), model_alias=ALIAS, threads=threads,
         node_args=("--max-sequences", str(SEQUENCES), *node_args),

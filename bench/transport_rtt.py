@@ -44,6 +44,7 @@ from agent.io.channel import ChannelConfig, open_channel_transport  # noqa: E402
 from agent.io.keys import peer_id_of  # noqa: E402
 from agent.io.p2p import open_p2p_transport  # noqa: E402
 from agent.io.transport import ImmediateHandler, TransportError  # noqa: E402
+from agent.io.cpu_policy import apply_cpu_policy  # noqa: E402
 from agent.io.process_memory import keep_freed_memory  # noqa: E402
 from agent.io.transport import MemoryNetwork  # noqa: E402
 
@@ -351,6 +352,7 @@ def main() -> int:
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results" / "transport_rtt.json")
     args = parser.parse_args()
     keep_freed_memory()  # as every Baton process does (agent.cli); the TCP and libp2p paths too
+    apply_cpu_policy()  # the same: its server processes inherit it, on every path alike
     if args.serve == "tcp":
         trio.run(_serve_tcp)
         return 0

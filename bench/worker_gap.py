@@ -33,6 +33,8 @@ from _bootstrap import REPO_ROOT  # first: it makes the project importable
 import compare  # noqa: E402
 import trio  # noqa: E402
 
+from agent.io.cpu_policy import kernel_default  # noqa: E402
+
 SHARD_BENCH = REPO_ROOT / "build" / "native" / "baton-shard-bench"
 TOP_K = 40
 
@@ -40,7 +42,7 @@ TOP_K = 40
 def llama_bench_ms(bench_bin: Path, model: Path, prompt: int, steps: int) -> list[float]:
     argv = [str(bench_bin), "-m", str(model), "-p", "0", "-n", str(steps), "-d", str(prompt), "-t", "1", "-r", "2",
             "-o", "json"]  # fmt: skip
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300).stdout
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300, preexec_fn=kernel_default).stdout
     entry = next(e for e in json.loads(out) if e["n_gen"] == steps)
     return [1000.0 / s for s in entry["samples_ts"]]
 
@@ -108,9 +110,11 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
     args = parser.parse_args()
+    from agent.io.cpu_policy import apply_cpu_policy
     from agent.io.process_memory import keep_freed_memory
 
     keep_freed_memory()  # the direct harnesses are Baton processes too (agent.cli does it for the rest)
+    apply_cpu_policy()
     print(json.dumps(trio.run(run, args), indent=1))
     return 0
 

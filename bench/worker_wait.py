@@ -195,9 +195,11 @@ def main() -> None:
     args = parser.parse_args()
     from compare import machine_info
 
+    from agent.io.cpu_policy import apply_cpu_policy
     from agent.io.process_memory import keep_freed_memory
 
     keep_freed_memory()
+    apply_cpu_policy()
     machine = machine_info()
     started = time.monotonic()
     runs = trio.run(main_async, args)

@@ -21,6 +21,7 @@ import trio
 from agent.core.ranges import format_layers
 from agent.core.worker_wait import AUTO, worker_environment
 from agent.core.worker_records import WorkerInfo
+from agent.io.cpu_policy import apply_cpu_policy, cpu_policy_from_env
 
 from .worker_client import AsyncWorkerClient, ClientConfig, WorkerError
 from agent.io.log_tail import LOG_TAIL_BYTES, log_tail as read_log_tail
@@ -367,8 +368,9 @@ async def open_worker(
       WorkerBinaryNotFound: no binary.
       WorkerStartError: the worker exited while starting (exit code + log tail), refused
         Health, or was not ready within ``ready_timeout_s``.
-      ValueError: ``socket_path`` is too long for a Unix socket, or ``vocab_only`` with a
-        layer range.
+      ValueError: ``socket_path`` is too long for a Unix socket, ``vocab_only`` with a
+        layer range, or the environment's ``BATON_CPU_POLICY`` is not one Baton knows
+        (``agent.io.cpu_policy``).
 
     Resource handling:
       Owns the process, its temp dir (log, default socket) and the client's channel. On
@@ -396,9 +398,12 @@ async def open_worker(
         with open(log_path, "wb") as log:
             # the worker stops when this process exits, even by SIGKILL (Linux; native/src/main.cpp)
             env = {**(os.environ if environment is None else environment), "BATON_WORKER_PARENT_PID": str(os.getpid())}
+            cpu_policy = cpu_policy_from_env(env)  # (a bad value is refused before anything starts)
             process = await trio.lowlevel.open_process(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
             )
+        # the worker is Baton's whoever starts it (a node agent, a test, a benchmark's harness)
+        apply_cpu_policy(process.pid, cpu_policy)
         try:
             client = AsyncWorkerClient(socket_path, client_config, forward_socket_path=forward_socket_path)
             try:

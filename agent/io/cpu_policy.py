@@ -14,8 +14,10 @@ again later on colder caches. A ``SCHED_BATCH`` process never preempts on wake-u
 scheduler's wake-up check leaves batch tasks to the tick): the waker finishes its few
 microseconds of work and blocks, and the woken process runs then, or at once on an idle core.
 Measured with ``bench/step_ab.py`` (the two checkouts' swarms in turn; the nodes, their
-workers, the tracker and the owners all batch on one side): 8 sessions lock-step 1.095x
-tokens/s (ahead in 3 of 4 rounds), one session 1.05x (ahead in 5 of 6). It is also the
+workers, the tracker and the owners all batch on one side; ``bench/results/step_ab_cpu_policy*``):
+one session 1.076x tokens/s (ahead in 5 of 6 rounds; 1.05x, 5 of 6, in a first trial), 8
+sessions lock-step 1.095x (ahead in 3 of 4). llama.cpp's RPC split gained nothing from the
+class (3 alternating runs: 41.8, 42.5, 47.3 t/s default, 43.9, 34.9, 42.8 batch). It is also the
 polite class on a volunteer's machine: Baton's compute never preempts the person's own
 programs when it wakes (they still share the CPU by the usual fair weights).
 

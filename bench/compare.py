@@ -50,7 +50,7 @@ import hop_trace  # noqa: E402
 import png_chart  # noqa: E402
 import trio  # noqa: E402
 
-from agent.io.cpu_policy import kernel_default  # noqa: E402
+from agent.io.cpu_policy import apply_cpu_policy, kernel_default  # noqa: E402
 
 TOOLS_DIR = REPO_ROOT / "build" / "llama-tools"
 LLAMA_SRC = REPO_ROOT / "build" / "llama.cpp"
@@ -891,7 +891,6 @@ def main() -> int:
     parser.add_argument("--retries", type=int, default=2, help="at most this many re-runs of a disturbed measurement")
     parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # fewer runs, for smoke tests
     args = parser.parse_args()
-    from agent.io.cpu_policy import apply_cpu_policy
     from agent.io.process_memory import keep_freed_memory
 
     keep_freed_memory()  # the direct harnesses are Baton processes too (agent.cli does it for the rest)

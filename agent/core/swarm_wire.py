@@ -213,13 +213,23 @@ def step_ack_accepts(reply: bytes) -> bool:
     return reply == _STEP_TAKEN
 
 
+@functools.lru_cache(maxsize=64)
+def _batch_taken(n_steps: int) -> bytes:
+    """``step_batch_ack`` of ``n_steps`` accepting acks, byte for byte."""
+    taken = swarm_pb2.StepAck.FromString(_STEP_TAKEN)
+    return swarm_pb2.StepBatchAck(schema_version=SCHEMA_VERSION, acks=[taken] * n_steps).SerializeToString()
+
+
+_BATCH_HEAD_BYTES = len(_batch_taken(0))  # the schema_version field
+_BATCH_ACK_BYTES = len(_batch_taken(1)) - _BATCH_HEAD_BYTES  # each accepting ack
+
+
 def batch_ack_accepts(reply: bytes) -> bool:
-    """Whether ``reply`` is a ``StepBatchAck`` that takes every step of its batch."""
-    try:
-        batch = parse_record(swarm_pb2.StepBatchAck, reply)
-    except WireError:
-        return False
-    return len(batch.acks) > 0 and not any(ack.error.code for ack in batch.acks)
+    """Whether ``reply`` is the ``StepBatchAck`` that ``step_batch_ack`` makes when it takes
+    every step of a batch (1..MAX_BATCH_STEPS), byte for byte: nothing to parse on a hop's
+    path (any other reply, even one that reads as taking them all, is just sent)."""
+    n_steps, rest = divmod(len(reply) - _BATCH_HEAD_BYTES, _BATCH_ACK_BYTES)
+    return not rest and 0 < n_steps <= MAX_BATCH_STEPS and reply == _batch_taken(n_steps)
 
 
 def step_batch(steps: Sequence[bytes]) -> bytes:
@@ -266,6 +276,8 @@ def answer_step_batch(data: bytes, answer: Callable[[swarm_pb2.StepRequest], byt
 
 def step_batch_ack(acks: Sequence[bytes]) -> bytes:
     """A serialized ``StepBatchAck`` of serialized ``StepAck``s (``step_ack``), one per step."""
+    if all(ack == _STEP_TAKEN for ack in acks):  # every step taken: the common case, made once
+        return _batch_taken(len(acks))
     return swarm_pb2.StepBatchAck(
         schema_version=SCHEMA_VERSION, acks=[swarm_pb2.StepAck.FromString(a) for a in acks]
     ).SerializeToString()

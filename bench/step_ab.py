@@ -1,4 +1,5 @@
-"""Interleaved A/B of two checkouts of Baton: the same 3-node swarm started from each in turn.
+"""Interleaved A/B of two checkouts of Baton, or of two settings of one: the same 3-node swarm
+started from each side in turn.
 
 Owns one command. A change to the data path moves a decode step by a few percent, and this
 machine's speed moves by a fifth from hour to hour (a shared VM): a benchmark run before the
@@ -10,6 +11,11 @@ so a reader can see whether one side was ahead in every round or only on average
 - ``--base REF``: the other side (a git ref); checked out into a temporary git worktree, its
   gRPC stubs generated there from its own ``protocol/``. The other side is this checkout, as
   it is on disk (uncommitted changes included).
+- ``--base-env``/``--head-env NAME=VALUE`` (repeatable), ``--base-node-args``/``--head-node-args``
+  and ``--base-threads``/``--head-threads``: one side's environment, node flags or worker threads
+  (default: ``--node-args``, ``--threads``, the environment as it is). Without ``--base`` both
+  sides run this checkout, and these settings are the A/B (a scheduling class, an OpenMP spin
+  count, a node flag); they must differ.
 - Both sides run the worker binary built here (``build/native/baton-worker``): the A/B is of
   the Python side (nodes, owners, transport). Refs whose ``native/`` or ``patches/`` differ
   from this checkout's are refused.
@@ -26,7 +32,8 @@ Writes ``step_ab.json`` and ``step_ab.md`` under ``--out`` (default: a temporary
 printed; pass ``--out bench/results`` to keep them). Run it alone on the machine.
 
 Usage: ``.venv/bin/python bench/step_ab.py --base REF [--sessions 1] [--tokens 200]
-[--rounds 5] [--runs-per-swarm 2] [--threads 1] [--node-args "--decode-groups 1 ..."]``
+[--rounds 5] [--runs-per-swarm 2] [--threads 1] [--node-args "--decode-groups 1 ..."]``, or
+``bench/step_ab.py --head-env GOMP_SPINCOUNT=20000 [...]`` (settings of this checkout)
 (about 40 s a swarm on 2 cores: 7 minutes with the defaults).
 """
 
@@ -170,16 +177,57 @@ def prepare_base(ref: str, folder: Path) -> str:
     return commit
 
 
-def run_side(checkout: Path, args: argparse.Namespace) -> list[dict]:
-    """One swarm from ``checkout``: its runs' figures."""
+def parse_env(assignments: Sequence[str]) -> dict[str, str]:
+    """``NAME=VALUE`` strings as a dict (a later one wins).
+
+    Raises:
+      ValueError: one is not ``NAME=VALUE`` with NAME a shell variable name (the message names it).
+    """
+    env: dict[str, str] = {}
+    for assignment in assignments:
+        name, sep, value = assignment.partition("=")
+        if not sep or not name or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "").isalnum():
+            raise ValueError(f"{assignment!r} is not NAME=VALUE (NAME: letters, digits and _, not first a digit)")
+        env[name] = value
+    return env
+
+
+def side_settings(
+    *, ref: str | None, threads: int, node_args: str, base: dict[str, object], head: dict[str, object]
+) -> dict[str, dict]:
+    """Each side's ``{"env", "node_args", "threads"}``: ``base``/``head`` hold the side's own
+    (``env`` a dict; ``node_args``, ``threads`` None for the shared ``node_args``/``threads``).
+
+    Raises:
+      ValueError: no ``ref`` and both sides alike: there would be nothing to compare.
+    """
+    sides = {
+        side: {
+            "env": dict(own.get("env") or {}),
+            "node_args": node_args if own.get("node_args") is None else own["node_args"],
+            "threads": threads if own.get("threads") is None else own["threads"],
+        }
+        for side, own in (("base", base), ("head", head))
+    }
+    if ref is None and sides["base"] == sides["head"]:
+        raise ValueError(
+            "nothing to compare: give --base REF, or settings that differ between the sides "
+            "(--base-env/--head-env, --base-node-args/--head-node-args, --base-threads/--head-threads)"
+        )
+    return sides
+
+
+def run_side(checkout: Path, settings: dict, args: argparse.Namespace) -> list[dict]:
+    """One swarm from ``checkout`` with one side's ``settings`` (``side_settings``): its runs' figures."""
     command = [
         sys.executable, str(Path(__file__).resolve()), "--measure",
         "--sessions", str(args.sessions), "--tokens", str(args.tokens),
-        "--runs-per-swarm", str(args.runs_per_swarm), "--threads", str(args.threads),
-        "--node-args", args.node_args,
+        "--runs-per-swarm", str(args.runs_per_swarm), "--threads", str(settings["threads"]),
+        "--node-args", settings["node_args"],
     ]  # fmt: skip
     env = {
         **os.environ,
+        **settings["env"],  # the owners (this measuring child) and every process it starts inherit it
         "PYTHONPATH": str(checkout),
         "BATON_WORKER_BIN": str(args.worker_bin),
     }
@@ -231,23 +279,44 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict:
     return out
 
 
+def _describe_settings(settings: dict) -> str:
+    env = " ".join(f"{name}={value}" for name, value in sorted(settings["env"].items()))
+    return (
+        f"workers of {settings['threads']} thread(s); node args: `{settings['node_args'] or '(none)'}`"
+        + (f"; environment: `{env}`" if env else "")
+    )
+
+
 def markdown(report: dict) -> str:
     summary, method = report["summary"], report["method"]
     base, head = summary["sides"]["base"], summary["sides"]["head"]
     machine = report["machine"]
+    dirty = " with uncommitted changes" if report["head"]["dirty"] else ""
+    if report["base"]["ref"] is None:
+        what, checkouts = "two settings of one checkout", f"both sides: `{report['head']['commit'][:12]}`{dirty}."
+    else:
+        what = "two checkouts"
+        checkouts = (
+            f"base `{report['base']['commit'][:12]}` ({report['base']['ref']}), "
+            f"head `{report['head']['commit'][:12]}`{dirty}."
+        )
+    shared = {"env": {}, "node_args": method.get("node_args", ""), "threads": method.get("threads", "?")}
+    sides = method.get("sides") or {"base": shared, "head": shared}
+    if sides["base"] == sides["head"]:
+        settings = _describe_settings(sides["base"]) + "."
+    else:
+        settings = (
+            f"base: {_describe_settings(sides['base'])}. head: {_describe_settings(sides['head'])}."
+        )
     lines = [
-        "# Interleaved A/B of two checkouts (`bench/step_ab.py`)",
+        f"# Interleaved A/B of {what} (`bench/step_ab.py`)",
         "",
-        (
-            f"Machine: {machine.get('cpu_model', '?')}, {machine.get('cores', '?')} cores; "
-            f"base `{report['base']['commit'][:12]}` ({report['base']['ref']}), head `{report['head']['commit'][:12]}`"
-            f"{' with uncommitted changes' if report['head']['dirty'] else ''}."
-        ),
+        f"Machine: {machine.get('cpu_model', '?')}, {machine.get('cores', '?')} cores; {checkouts}",
         (
             f"{method['sessions']} concurrent session(s), {method['tokens']} greedy tokens each, "
-            f"{method['rounds']} rounds x {method['runs_per_swarm']} runs a swarm per side, sides alternating; "
-            f"workers of {method['threads']} thread(s); node args: `{method['node_args'] or '(none)'}`."
+            f"{method['rounds']} rounds x {method['runs_per_swarm']} runs a swarm per side, sides alternating."
         ),
+        settings,
         "",
         "| figure | base | head | head / base |",
         "|---|---|---|---|",
@@ -295,6 +364,13 @@ def main() -> int:
         default="",
         help="extra node flags, one string (e.g. lock-step's)",
     )
+    for side in SIDES:
+        parser.add_argument(
+            f"--{side}-env", action="append", default=[], metavar="NAME=VALUE",
+            help=f"an environment variable of the {side} side's processes (repeatable)",
+        )  # fmt: skip
+        parser.add_argument(f"--{side}-node-args", help=f"the {side} side's node flags (default: --node-args)")
+        parser.add_argument(f"--{side}-threads", type=int, help=f"the {side} side's threads per worker")
     parser.add_argument(
         "--worker-bin",
         type=Path,
@@ -322,8 +398,22 @@ def main() -> int:
             shlex.split(args.node_args),
         )
         return 0
-    if not args.base:
-        parser.error("--base is required")
+    try:
+        sides = side_settings(
+            ref=args.base, threads=args.threads, node_args=args.node_args,
+            **{
+                side: {
+                    "env": parse_env(getattr(args, f"{side}_env")),
+                    "node_args": getattr(args, f"{side}_node_args"),
+                    "threads": getattr(args, f"{side}_threads"),
+                }
+                for side in SIDES
+            },
+        )  # fmt: skip
+    except ValueError as err:
+        parser.error(str(err))
+    if any(settings["threads"] < 1 for settings in sides.values()):
+        parser.error("threads per worker must be at least 1")
     if not args.worker_bin.exists():
         parser.error(f"no worker binary at {args.worker_bin}: run `make native` first")
 
@@ -331,19 +421,20 @@ def main() -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="baton-step-ab-base-") as scratch:
         base_dir = Path(scratch) / "checkout"
-        base_commit = prepare_base(args.base, base_dir)
+        base_commit = prepare_base(args.base, base_dir) if args.base else _git("rev-parse", "HEAD")
         try:
-            checkouts = {"base": base_dir, "head": REPO_ROOT}
+            checkouts = {"base": base_dir if args.base else REPO_ROOT, "head": REPO_ROOT}
             runs: dict[str, list[list[dict]]] = {side: [] for side in SIDES}
             for round_index in range(args.rounds):
                 order = SIDES if round_index % 2 == 0 else tuple(reversed(SIDES))
                 for side in order:
                     log(f"round {round_index + 1} of {args.rounds}: {side}")
-                    runs[side].append(run_side(checkouts[side], args))
+                    runs[side].append(run_side(checkouts[side], sides[side], args))
                     last = runs[side][-1]
                     log("  step ms " + ", ".join(f"{run['step_ms']:.2f}" for run in last))
         finally:
-            _git("worktree", "remove", "--force", str(base_dir))
+            if args.base:
+                _git("worktree", "remove", "--force", str(base_dir))
     report = {
         "benchmark": "step_ab",
         "machine": machine_info(),
@@ -359,6 +450,7 @@ def main() -> int:
             "runs_per_swarm": args.runs_per_swarm,
             "threads": args.threads,
             "node_args": args.node_args,
+            "sides": sides,
             "worker_bin": str(args.worker_bin),
             "statistic": (
                 "per run: the median inter-token gap over every session's decode steps, decode tokens / the "

@@ -49,3 +49,56 @@ def test_markdown_shows_both_sides_and_every_round() -> None:
     assert "| decode step ms (median gap) | 21.00 | 18.50 | 0.881 |" in text
     assert "| 2 | 22.00 | 19.00 | 48.0 | 53.0 |" in text
     assert "head was ahead on both step and tokens/s: 2 of 2" in text
+
+
+def test_env_assignments_parse_and_a_bad_one_is_named() -> None:
+    assert step_ab.parse_env(["GOMP_SPINCOUNT=20000", "BATON_CPU_POLICY=normal", "EMPTY=", "X_1=a=b"]) == {
+        "GOMP_SPINCOUNT": "20000",
+        "BATON_CPU_POLICY": "normal",
+        "EMPTY": "",
+        "X_1": "a=b",
+    }
+    for bad in ("NOVALUE", "=1", "1X=2", "A-B=3", "A B=4"):
+        with pytest.raises(ValueError, match="is not NAME=VALUE") as caught:
+            step_ab.parse_env(["OK=1", bad])
+        assert repr(bad) in str(caught.value)
+
+
+def test_side_settings_default_to_the_shared_ones_and_must_differ_without_a_ref() -> None:
+    sides = step_ab.side_settings(
+        ref=None, threads=1, node_args="--decode-groups 1",
+        base={"env": {}, "node_args": None, "threads": None},
+        head={"env": {"GOMP_SPINCOUNT": "20000"}, "node_args": None, "threads": 2},
+    )  # fmt: skip
+    assert sides["base"] == {"env": {}, "node_args": "--decode-groups 1", "threads": 1}
+    assert sides["head"] == {"env": {"GOMP_SPINCOUNT": "20000"}, "node_args": "--decode-groups 1", "threads": 2}
+    alike = {"env": {}, "node_args": None, "threads": None}
+    with pytest.raises(ValueError, match="nothing to compare"):
+        step_ab.side_settings(ref=None, threads=1, node_args="", base=alike, head=dict(alike))
+    # an explicit side setting equal to the shared one is no difference either
+    with pytest.raises(ValueError, match="nothing to compare"):
+        step_ab.side_settings(ref=None, threads=1, node_args="", base=alike, head={**alike, "threads": 1})
+    # two checkouts may share every setting
+    assert step_ab.side_settings(ref="HEAD~1", threads=1, node_args="", base=alike, head=alike)["head"]["threads"] == 1
+
+
+def test_markdown_of_two_settings_names_each_sides_settings() -> None:
+    runs = {"base": [[_run(20, 50, 6)]], "head": [[_run(21, 47, 6)]]}
+    sides = {
+        "base": {"env": {}, "node_args": "", "threads": 1},
+        "head": {"env": {"GOMP_SPINCOUNT": "20000"}, "node_args": "--decode-groups 2", "threads": 1},
+    }
+    report = {
+        "machine": {"cpu_model": "AMD EPYC", "cores": 2},
+        "base": {"ref": None, "commit": "c" * 40},
+        "head": {"commit": "c" * 40, "dirty": True},
+        "method": {"sessions": 8, "tokens": 64, "rounds": 1, "runs_per_swarm": 1, "threads": 1, "node_args": "",
+                   "sides": sides},
+    }  # fmt: skip
+    report["summary"] = step_ab.summarize(runs)
+    text = step_ab.markdown(report)
+    assert text.startswith("# Interleaved A/B of two settings of one checkout")
+    assert "both sides: `cccccccccccc` with uncommitted changes." in text
+    assert "base: workers of 1 thread(s); node args: `(none)`." in text
+    assert "head: workers of 1 thread(s); node args: `--decode-groups 2`; environment: `GOMP_SPINCOUNT=20000`." in text
+    assert "| tokens/s (aggregate) | 50.0 | 47.0 | 0.940 |" in text

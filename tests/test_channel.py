@@ -18,7 +18,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.core import frames
 from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
-from agent.io import channel as channel_module
 from agent.io.channel import ChannelConfig, _TlsStream, open_channel_transport, tls_contexts
 from agent.io.keys import peer_id_of
 from agent.io.transport import ImmediateHandler, MemoryNetwork, TransportError
@@ -683,32 +682,3 @@ async def test_a_version_1_peer_is_sent_plain_requests_and_gets_every_reply() ->
             frame = await _read_channel_frame(old, reader)
             assert (frame.kind, frame.exchange_id, frame.payload) == (frames.REPLY, 1, b"ok")
             nursery.cancel_scope.cancel()
-
-
-async def test_the_core_is_handed_over_once_a_whole_message_went_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    # agent.io.cpu_policy.hand_over_core: once per message, after its last byte, never between
-    # its parts (the woken receiver would find half a message)
-    handed: list[int] = []
-    monkeypatch.setattr(channel_module, "hand_over_core", lambda: handed.append(1))
-    async with _open_tls_pair() as (client, server):
-        assert server.send_nowait(b"one small message") is None
-        assert len(handed) == 1
-        await server.send_all(b"two ", b"parts")
-        assert len(handed) == 2
-        big = b"x" * (8 << 20)  # more than the socket buffers take at once
-        rest = server.send_nowait(b"a head, then ", big)
-        assert rest is not None and len(handed) == 2  # part of it still to send: not yet
-        received = 0
-        expected = len(b"one small message" + b"two parts" + b"a head, then ") + len(big)
-
-        async def read_all() -> None:
-            nonlocal received
-            while received < expected:
-                received += len(await client.receive_some())
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(read_all)
-                await server.finish_send(rest)
-                assert len(handed) == 3
-    assert received == expected

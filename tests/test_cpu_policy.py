@@ -96,30 +96,3 @@ async def test_a_worker_runs_in_the_policy_whoever_starts_it(
     with trio.fail_after(60):
         async with open_worker(qwen2_tiny_path, 0, None, threads=1, max_sequences=1, socket_path=socket_path) as handle:
             assert os.sched_getscheduler(handle.process.pid) == getattr(os, expected)
-
-
-@pytest.mark.parametrize(("setting", "hands_over"), [(None, True), ("normal", False)])
-def test_a_batch_process_hands_its_core_over_after_a_waking_send(setting: str | None, hands_over: bool) -> None:
-    # in a subprocess: the test process keeps its own class
-    script = (
-        "import os, subprocess, sys\n"
-        "from agent.io import cpu_policy\n"
-        "yields = []\n"
-        "os.sched_yield = lambda: yields.append(1)\n"
-        "cpu_policy.hand_over_core()\n"
-        "before = (cpu_policy.hands_over_core(), len(yields))\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()'], stdin=subprocess.PIPE)\n"
-        "cpu_policy.apply_cpu_policy(child.pid, 'batch')  # another process's class: not this one's hand-over\n"
-        "child.communicate(timeout=30)\n"
-        "other = cpu_policy.hands_over_core()\n"
-        "cpu_policy.apply_cpu_policy()\n"
-        "cpu_policy.hand_over_core()\n"
-        "print(before, other, cpu_policy.hands_over_core(), len(yields))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("BATON_CPU_POLICY", None)
-    if setting is not None:
-        env["BATON_CPU_POLICY"] = setting
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == f"(False, 0) False {hands_over} {1 if hands_over else 0}"

@@ -61,7 +61,6 @@ from agent.core.frames import (
 )
 from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
 from agent.io import raw_socket
-from agent.io.cpu_policy import hand_over_core
 from agent.io.keys import peer_id_of
 from agent.io.peer_cert import ISSUER_CERT_PEM, PeerCertError, make_peer_certificate, verify_peer_certificate
 from agent.io.transport import Handler, ImmediateHandler, Transport, TransportError
@@ -252,7 +251,6 @@ class _TlsStream:
             await self._send_parts([memoryview(part) for part in parts])
         finally:
             self._send_lock.release()
-        hand_over_core()
 
     def send_nowait(self, *parts: bytes) -> list[memoryview] | None:
         """Encrypt ``parts`` and give the socket what it takes now, without waiting.
@@ -274,11 +272,10 @@ class _TlsStream:
                 if left := self._write(memoryview(part)):
                     rest = [left, *(memoryview(later) for later in parts[index + 1 :])]
                     return rest
+            return None
         finally:
             if rest is None:
                 self._send_lock.release()
-        hand_over_core()
-        return None
 
     async def finish_send(self, rest: list[memoryview]) -> None:
         """Send what ``send_nowait`` left, and release the stream."""
@@ -286,7 +283,6 @@ class _TlsStream:
             await self._send_parts(rest)
         finally:
             self._send_lock.release()
-        hand_over_core()
 
     async def receive_into(self, buffer: memoryview, max_bytes: int = _RECEIVE_BYTES) -> int:
         """Decrypt into ``buffer`` what has come, ``max_bytes`` at most, waiting for at least

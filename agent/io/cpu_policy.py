@@ -21,17 +21,6 @@ class (3 alternating runs: 41.8, 42.5, 47.3 t/s default, 43.9, 34.9, 42.8 batch)
 polite class on a volunteer's machine: Baton's compute never preempts the person's own
 programs when it wakes (they still share the CPU by the usual fair weights).
 
-The hand-over (``hand_over_core``): a batch process that has just sent what wakes the next
-process of the chain (a frame to a peer, a Forward to its worker) yields its core at once, so
-that the woken process, if the kernel put it on this core, runs now rather than after the
-rest of the sender's event-loop pass (its own wake-up waits, as a batch task, for the sender to
-block or the tick). The sender has nothing urgent left by then: it goes back to waiting. On an
-idle core the woken process runs anyway and the yield returns at once. Measured with
-``bench/step_ab.py --head-env`` (the same checkout with the yields on one side, the two
-swarms in turn; ``bench/results/step_ab_hand_over*``): one session 1.073x tokens/s, ahead in 6
-of 6 rounds; 8 sessions lock-step 1.045x, ahead in 3 of 4. In the ``normal`` class a woken
-process preempts its waker by itself, so no process of that class yields.
-
 ``BATON_CPU_POLICY``: ``batch`` (the default) or ``normal`` (the kernel's default class). A
 no-op (False) where the platform has no ``SCHED_BATCH`` (not Linux) or the kernel refuses it.
 """
@@ -42,15 +31,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-__all__ = [
-    "ENV_VAR",
-    "POLICIES",
-    "apply_cpu_policy",
-    "cpu_policy_from_env",
-    "hand_over_core",
-    "hands_over_core",
-    "kernel_default",
-]
+__all__ = ["ENV_VAR", "POLICIES", "apply_cpu_policy", "cpu_policy_from_env", "kernel_default"]
 
 log = logging.getLogger(__name__)
 
@@ -89,29 +70,7 @@ def apply_cpu_policy(pid: int = 0, policy: str | None = None) -> bool:
     except OSError as error:  # a sandbox that forbids it, a process already gone
         log.info("could not set the %s CPU policy on pid %d: %s", policy, pid or os.getpid(), error)
         return False
-    if pid in (0, os.getpid()):
-        global _hand_over
-        _hand_over = target == batch and hasattr(os, "sched_yield")
     return True
-
-
-#: whether this process hands its core over after a waking send (``hand_over_core``): set by
-#: ``apply_cpu_policy`` for this process, on for the batch class only
-_hand_over = False
-
-
-def hands_over_core() -> bool:
-    """Whether ``hand_over_core`` yields in this process (it was put in the batch class)."""
-    return _hand_over
-
-
-def hand_over_core() -> None:
-    """Call right after a whole message went out that wakes another process of a step's chain
-    (never between the parts of one message: the receiver would wake to half of it). In a
-    batch process, yield this core to the process it woke (see the module's docstring);
-    elsewhere, nothing."""
-    if _hand_over:
-        os.sched_yield()
 
 
 def kernel_default() -> None:

@@ -48,7 +48,6 @@ from agent.core.worker_records import (
     WorkerInfo,
 )
 from agent.io import raw_socket
-from agent.io.cpu_policy import hand_over_core
 
 __all__ = [
     "AsyncWorkerClient",
@@ -601,7 +600,6 @@ class _ForwardStream:
             waited = False
             try:
                 await raw_socket.send_all(sock, data)
-                hand_over_core()  # the worker computes now; this task only waits for the reply
                 while self._filled < _PREFIX_BYTES:
                     waited = await self._fill(sock) or waited
             except (OSError, trio.BrokenResourceError) as error:

@@ -21,6 +21,13 @@ class (3 alternating runs: 41.8, 42.5, 47.3 t/s default, 43.9, 34.9, 42.8 batch)
 polite class on a volunteer's machine: Baton's compute never preempts the person's own
 programs when it wakes (they still share the CPU by the usual fair weights).
 
+Not replicated: on a later kernel build of the same VM (6.18.44-fc-v1252; the runs above were
+on fc-v1098), the same A/B as two settings of one checkout (``step_ab --base-env
+BATON_CPU_POLICY=normal``, ``bench/results/step_ab_cpu_policy_replication_*``) read batch
+against normal 0.969x tokens/s at one session (10 rounds, batch ahead in 2) and 0.910x
+lock-step at 8 sessions (6 rounds, behind in 6 on the decode step). The default is to be
+decided again on a longer A/B; ``BATON_CPU_POLICY=normal`` is the kernel's own behaviour.
+
 ``BATON_CPU_POLICY``: ``batch`` (the default) or ``normal`` (the kernel's default class). A
 no-op (False) where the platform has no ``SCHED_BATCH`` (not Linux) or the kernel refuses it.
 """

@@ -43,6 +43,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -186,7 +187,7 @@ def parse_env(assignments: Sequence[str]) -> dict[str, str]:
     env: dict[str, str] = {}
     for assignment in assignments:
         name, sep, value = assignment.partition("=")
-        if not sep or not name or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "").isalnum():
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ValueError(f"{assignment!r} is not NAME=VALUE (NAME: letters, digits and _, not first a digit)")
         env[name] = value
     return env

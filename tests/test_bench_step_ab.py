@@ -58,7 +58,7 @@ def test_env_assignments_parse_and_a_bad_one_is_named() -> None:
         "EMPTY": "",
         "X_1": "a=b",
     }
-    for bad in ("NOVALUE", "=1", "1X=2", "A-B=3", "A B=4"):
+    for bad in ("NOVALUE", "=1", "1X=2", "A-B=3", "A B=4", "\u00c9=5"):
         with pytest.raises(ValueError, match="is not NAME=VALUE") as caught:
             step_ab.parse_env(["OK=1", bad])
         assert repr(bad) in str(caught.value)

@@ -24,9 +24,10 @@ programs when it wakes (they still share the CPU by the usual fair weights).
 Not replicated: on a later kernel build of the same VM (6.18.44-fc-v1252; the runs above were
 on fc-v1098), the same A/B as two settings of one checkout (``step_ab --base-env
 BATON_CPU_POLICY=normal``, ``bench/results/step_ab_cpu_policy_replication_*``) read batch
-against normal 0.969x tokens/s at one session (10 rounds, batch ahead in 2) and 0.910x
-lock-step at 8 sessions (6 rounds, behind in 6 on the decode step). The default is to be
-decided again on a longer A/B; ``BATON_CPU_POLICY=normal`` is the kernel's own behaviour.
+against normal 0.969x tokens/s at one session (10 rounds, batch ahead in 2) and, lock-step at
+8 sessions, 0.910x (6 rounds, behind in 6 on the decode step), then 1.003x (8 rounds, ahead in
+5): within this VM's noise either way. The default is to be decided again on a longer A/B;
+``BATON_CPU_POLICY=normal`` is the kernel's own behaviour.
 
 ``BATON_CPU_POLICY``: ``batch`` (the default) or ``normal`` (the kernel's default class). A
 no-op (False) where the platform has no ``SCHED_BATCH`` (not Linux) or the kernel refuses it.

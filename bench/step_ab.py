@@ -193,6 +193,10 @@ def parse_env(assignments: Sequence[str]) -> dict[str, str]:
     return env
 
 
+#: what ``run_side`` sets in each side's environment itself: a side's ``--*-env`` may not
+_RESERVED_ENV = frozenset({"PYTHONPATH", "BATON_WORKER_BIN"})
+
+
 def side_settings(
     *, ref: str | None, threads: int, node_args: str, base: dict[str, object], head: dict[str, object]
 ) -> dict[str, dict]:
@@ -200,7 +204,8 @@ def side_settings(
     (``env`` a dict; ``node_args``, ``threads`` None for the shared ``node_args``/``threads``).
 
     Raises:
-      ValueError: no ``ref`` and both sides alike: there would be nothing to compare.
+      ValueError: a side's environment sets what each side's run sets itself (``PYTHONPATH``,
+        ``BATON_WORKER_BIN``), or no ``ref`` and both sides alike: nothing to compare.
     """
     sides = {
         side: {
@@ -210,6 +215,12 @@ def side_settings(
         }
         for side, own in (("base", base), ("head", head))
     }
+    for side, settings in sides.items():
+        if reserved := sorted(_RESERVED_ENV & set(settings["env"])):
+            raise ValueError(
+                f"--{side}-env cannot set {', '.join(reserved)}: step_ab sets it for each side "
+                "(the side's checkout; --worker-bin)"
+            )
     if ref is None and sides["base"] == sides["head"]:
         raise ValueError(
             "nothing to compare: give --base REF, or settings that differ between the sides "

@@ -102,3 +102,12 @@ def test_markdown_of_two_settings_names_each_sides_settings() -> None:
     assert "base: workers of 1 thread(s); node args: `(none)`." in text
     assert "head: workers of 1 thread(s); node args: `--decode-groups 2`; environment: `GOMP_SPINCOUNT=20000`." in text
     assert "| tokens/s (aggregate) | 50.0 | 47.0 | 0.940 |" in text
+
+
+def test_a_side_may_not_set_what_each_run_sets_itself() -> None:
+    alike = {"env": {}, "node_args": None, "threads": None}
+    for name in ("PYTHONPATH", "BATON_WORKER_BIN"):
+        with pytest.raises(ValueError, match=f"--head-env cannot set {name}"):
+            step_ab.side_settings(
+                ref="HEAD~1", threads=1, node_args="", base=alike, head={**alike, "env": {name: "/elsewhere"}}
+            )

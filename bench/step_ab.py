@@ -6,7 +6,9 @@ machine's speed moves by a fifth from hour to hour (a shared VM): a benchmark ru
 change and another after it compare the hours, not the code. Here the two checkouts' swarms
 take turns, round after round (the order alternating), on the same model, worker binary and
 settings, and each side's figures are medians over all its runs; every round's pair is kept,
-so a reader can see whether one side was ahead in every round or only on average.
+so a reader can see whether one side was ahead in every round or only on average; taken as
+pairs (one per round), the rounds give a median ratio with a 95 % interval and a sign test
+(``paired``): a split as even as chance would make it is not a difference.
 
 - ``--base REF``: the other side (a git ref); checked out into a temporary git worktree, its
   gRPC stubs generated there from its own ``protocol/``. The other side is this checkout, as
@@ -42,6 +44,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import re
 import shlex
@@ -288,7 +291,56 @@ def summarize(runs: dict[str, list[list[dict]]]) -> dict:
         if pair["head"]["step_ms"] < pair["base"]["step_ms"]
         and pair["head"]["tokens_per_s"] > pair["base"]["tokens_per_s"]
     )
+    out["paired"] = paired(out["rounds"])
     return out
+
+
+def sign_test_p(ahead: int, behind: int) -> float:
+    """Two-sided exact sign test: how likely a split at least this uneven is when neither side
+    is faster (each round a coin toss; tied rounds left out)."""
+    n = ahead + behind
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(ahead, behind) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of ``values`` (order statistics, binomial
+    coverage at least ``confidence``); None when there are too few values for one (fewer than 6
+    at 95 %)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    # the largest j with P(Binomial(n, 1/2) < j) <= (1 - confidence) / 2: [x_(j), x_(n+1-j)]
+    alpha_half, below, j = (1 - confidence) / 2, 0.0, 0
+    while j < n // 2:
+        below_next = below + math.comb(n, j) / 2**n
+        if below_next > alpha_half:
+            break
+        below, j = below_next, j + 1
+    if j == 0:
+        return None
+    return ordered[j - 1], ordered[n - j]
+
+
+def paired(rounds: Sequence[dict]) -> dict:
+    """The rounds as pairs: the per-round ratio head/base of tokens/s (its median and a 95 %
+    interval for that median), and a sign test on the rounds in which head had more tokens/s.
+
+    Why: the machine's speed drifts by more than the effects measured, so one side's median
+    over all runs can lead by chance; pairs taken in the same round cancel the drift, and the
+    sign test says how often a split as uneven would come from sides that are alike."""
+    ratios = [pair["head"]["tokens_per_s"] / pair["base"]["tokens_per_s"] for pair in rounds]
+    ahead = sum(1 for ratio in ratios if ratio > 1)
+    behind = sum(1 for ratio in ratios if ratio < 1)
+    interval = median_interval(ratios)
+    return {
+        "tokens_per_s_ratio_median": statistics.median(ratios) if ratios else None,
+        "tokens_per_s_ratio_interval_95": list(interval) if interval else None,
+        "rounds_more_tokens_per_s": ahead,
+        "rounds_fewer_tokens_per_s": behind,
+        "sign_test_p": sign_test_p(ahead, behind),
+    }
 
 
 def _describe_settings(settings: dict) -> str:
@@ -297,6 +349,26 @@ def _describe_settings(settings: dict) -> str:
         f"workers of {settings['threads']} thread(s); node args: `{settings['node_args'] or '(none)'}`"
         + (f"; environment: `{env}`" if env else "")
     )
+
+
+def _paired_lines(pairs: dict | None) -> list[str]:
+    if not pairs or pairs["tokens_per_s_ratio_median"] is None:
+        return []
+    interval = pairs["tokens_per_s_ratio_interval_95"]
+    spread = (
+        f"95 % interval of that median {interval[0]:.3f}-{interval[1]:.3f}"
+        if interval
+        else "too few rounds for a 95 % interval of that median (6 at least)"
+    )
+    return [
+        "",
+        (
+            f"Paired by round: head/base tokens/s, median of the per-round ratios "
+            f"{pairs['tokens_per_s_ratio_median']:.3f} ({spread}); head had more tokens/s in "
+            f"{pairs['rounds_more_tokens_per_s']} rounds and fewer in {pairs['rounds_fewer_tokens_per_s']}: "
+            f"sign test p = {pairs['sign_test_p']:.3f} (two-sided; below 0.05, the sides differ)."
+        ),
+    ]
 
 
 def markdown(report: dict) -> str:
@@ -351,6 +423,7 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         f"Rounds in which head was ahead on both step and tokens/s: {summary['rounds_head_ahead']} of {len(summary['rounds'])}.",
+        *_paired_lines(summary.get("paired")),
         "",
         "| round | base step ms | head step ms | base t/s | head t/s |",
         "|---|---|---|---|---|",

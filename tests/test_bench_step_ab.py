@@ -111,3 +111,46 @@ def test_a_side_may_not_set_what_each_run_sets_itself() -> None:
             step_ab.side_settings(
                 ref="HEAD~1", threads=1, node_args="", base=alike, head={**alike, "env": {name: "/elsewhere"}}
             )
+
+
+def test_sign_test_p_values_are_the_exact_binomial_tails() -> None:
+    assert step_ab.sign_test_p(0, 0) == 1.0
+    assert step_ab.sign_test_p(3, 3) == 1.0
+    assert step_ab.sign_test_p(6, 0) == pytest.approx(2 / 64)  # 6 of 6: 0.031
+    assert step_ab.sign_test_p(0, 6) == pytest.approx(2 / 64)
+    assert step_ab.sign_test_p(5, 1) == pytest.approx(2 * 7 / 64)  # 0.219: not a difference
+    assert step_ab.sign_test_p(15, 5) == pytest.approx(0.04139, abs=1e-5)
+    assert step_ab.sign_test_p(14, 6) > 0.05
+
+
+def test_median_interval_uses_order_statistics_with_at_least_the_coverage() -> None:
+    assert step_ab.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # 5 values: no 95 % interval
+    assert step_ab.median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (1.0, 6.0)  # coverage 1 - 2/64
+    twenty = [float(value) for value in range(1, 21)]
+    assert step_ab.median_interval(twenty) == (6.0, 15.0)  # P(Binomial(20, 1/2) <= 5) = 0.0207
+
+
+def test_summary_pairs_the_rounds_and_the_markdown_says_whether_the_sides_differ() -> None:
+    # head had more tokens/s in 6 of 7 rounds, by ratios 1.02 .. 1.10, and fewer in one
+    base_tps = [50.0, 40.0, 60.0, 45.0, 55.0, 35.0, 50.0]
+    head_tps = [51.0, 41.2, 63.0, 47.7, 59.4, 38.5, 49.0]
+    runs = {
+        "base": [[_run(1000 / tps, tps, 6)] for tps in base_tps],
+        "head": [[_run(1000 / tps, tps, 6)] for tps in head_tps],
+    }
+    summary = step_ab.summarize(runs)
+    pairs = summary["paired"]
+    assert pairs["rounds_more_tokens_per_s"] == 6 and pairs["rounds_fewer_tokens_per_s"] == 1
+    assert pairs["tokens_per_s_ratio_median"] == pytest.approx(1.05)  # 1.02 1.03 1.05 1.06 1.08 1.10, 0.98
+    assert pairs["tokens_per_s_ratio_interval_95"] == pytest.approx([0.98, 1.10])
+    assert pairs["sign_test_p"] == pytest.approx(2 * 8 / 128)
+    report = {
+        "machine": {"cpu_model": "AMD EPYC", "cores": 2},
+        "base": {"ref": "v1", "commit": "a" * 40},
+        "head": {"commit": "b" * 40, "dirty": False},
+        "method": {"sessions": 1, "tokens": 64, "rounds": 7, "runs_per_swarm": 1, "threads": 1, "node_args": ""},
+        "summary": summary,
+    }
+    text = step_ab.markdown(report)
+    assert "median of the per-round ratios 1.050 (95 % interval of that median 0.980-1.100)" in text
+    assert "more tokens/s in 6 rounds and fewer in 1: sign test p = 0.125" in text

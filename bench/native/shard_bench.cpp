@@ -4,7 +4,7 @@
 //
 // usage: baton-shard-bench MODEL [--ctx-size N] [--max-sequences N] [--prompt N] [--steps N]
 //                          [--reps N] [--threads N] [--top-k K] [--gap-us N] [--begin B] [--end E]
-//                          [--parallel N]
+//                          [--parallel N] [--split K]
 // --begin/--end: the block range [B, E) (default the whole model); a range that does not take
 // tokens gets boundary rows in (small deterministic values, f32), as a served range does.
 // --gap-us N: sleep N us before each decode step (not timed): the idle gap a served worker
@@ -12,6 +12,12 @@
 // --parallel N: N sequences (--max-sequences is raised to N when lower), each with its own
 // prompt Forward, then every decode Forward carries one row of each: llama-batched-bench's
 // -npl N, with the worker's per-row work (top-K, log-sum-exp) included.
+// --split K: the whole model and K ranges of an even split (cut at round(i * n_layer / K)), in
+// this one process, decoding the same tokens step by step in turn: each step the whole model's
+// Forward, then the ranges' Forwards in series, each range given the one before's boundary
+// rows (the last range's top-K compared with the whole model's). Timing the two step by step
+// cancels the machine's drift, which between two runs is larger than the difference: what
+// cutting the model costs with no process, socket or Python between the ranges.
 // Prints one JSON line: per rep, the prompt Forwards' and the mean decode Forward's wall ms
 // and the process CPU ms per decode step (getrusage), with the configuration.
 #include "shard.h"
@@ -19,10 +25,13 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -38,13 +47,112 @@ double now_s() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// --split: see the header. Returns the process exit code.
+int run_split(baton::ShardConfig config, int parts, int prompt, int steps, int reps, uint32_t top_k) {
+    baton::Shard whole(config);
+    const int32_t n_layer = static_cast<int32_t>(whole.info().n_layer);
+    if (parts < 2 || parts > n_layer) {
+        std::fprintf(stderr, "--split must be in [2, %d]\n", n_layer);
+        return 2;
+    }
+    std::vector<std::unique_ptr<baton::Shard>> ranges;
+    for (int i = 0; i < parts; ++i) {
+        baton::ShardConfig part = config;
+        part.layer_begin = static_cast<int32_t>(std::lround(static_cast<double>(i) * n_layer / parts));
+        part.layer_end = static_cast<int32_t>(std::lround(static_cast<double>(i + 1) * n_layer / parts));
+        ranges.push_back(std::make_unique<baton::Shard>(part));
+    }
+    // One step through the ranges in series: tokens into the first, each range's boundary rows
+    // into the next; the last range's output in *last.
+    auto chain = [&](const std::vector<int32_t> & positions, const std::vector<int32_t> & tokens,
+                     baton::ForwardOutput * last) -> baton::ShardStatus {
+        std::string carried;
+        for (size_t r = 0; r < ranges.size(); ++r) {
+            baton::ForwardEntry e;
+            e.positions = positions;
+            if (r == 0) {
+                e.token_ids = tokens;
+            } else {
+                e.boundary = carried;
+                e.boundary_dtype = baton::BoundaryDType::kF32;
+            }
+            e.top_k = top_k;
+            std::vector<baton::ForwardOutput> out;
+            const baton::ShardStatus st = ranges[r]->forward({e}, &out);
+            if (!st.ok()) {
+                return st;
+            }
+            carried = std::move(out[0].boundary);
+            *last = std::move(out[0]);
+        }
+        return {};
+    };
+    std::string runs;
+    bool equal = true;
+    for (int rep = 0; rep <= reps; ++rep) {  // rep 0 warms up
+        std::vector<int32_t> positions, tokens;
+        for (int p = 0; p < prompt; ++p) {
+            positions.push_back(p);
+            tokens.push_back(100 + p);
+        }
+        baton::ForwardEntry e;
+        e.positions = positions;
+        e.token_ids = tokens;
+        e.top_k = top_k;
+        std::vector<baton::ForwardOutput> out;
+        baton::ForwardOutput last;
+        baton::ShardStatus st = whole.forward({e}, &out);
+        if (st.ok()) st = chain(positions, tokens, &last);
+        double whole_s = 0, split_s = 0;
+        std::vector<double> differences_ms;
+        for (int s = 0; s < steps && st.ok(); ++s) {
+            const std::vector<int32_t> step_positions = {prompt + s}, step_tokens = {200 + s};
+            baton::ForwardEntry d;
+            d.positions = step_positions;
+            d.token_ids = step_tokens;
+            d.top_k = top_k;
+            double t0 = now_s();
+            st = whole.forward({d}, &out);
+            const double w = now_s() - t0;
+            if (!st.ok()) break;
+            t0 = now_s();
+            st = chain(step_positions, step_tokens, &last);
+            const double c = now_s() - t0;
+            whole_s += w;
+            split_s += c;
+            differences_ms.push_back(1e3 * (c - w));
+            equal = equal && last.top_token_ids == out[0].top_token_ids && last.top_logits == out[0].top_logits;
+        }
+        if (!st.ok()) {
+            std::fprintf(stderr, "forward failed: %s\n", st.message.c_str());
+            return 1;
+        }
+        int32_t next = 0;
+        whole.remove_sequence(0, &next);
+        for (auto & range : ranges) range->remove_sequence(0, &next);
+        if (rep > 0) {
+            std::sort(differences_ms.begin(), differences_ms.end());
+            char buf[200];
+            std::snprintf(buf, sizeof(buf),
+                          "%s{\"whole_decode_ms\": %.3f, \"split_decode_ms\": %.3f, \"difference_ms_median\": %.3f}",
+                          runs.empty() ? "" : ", ", 1e3 * whole_s / steps, 1e3 * split_s / steps,
+                          differences_ms[differences_ms.size() / 2]);
+            runs += buf;
+        }
+    }
+    std::printf("{\"split\": %d, \"n_layer\": %d, \"prompt\": %d, \"steps\": %d, \"threads\": %d, \"top_k\": %u, "
+                "\"top_k_equal\": %s, \"runs\": [%s]}\n",
+                parts, n_layer, prompt, steps, config.threads, top_k, equal ? "true" : "false", runs.c_str());
+    return 0;
+}
+
 }  // namespace
 
 int main(int argc, char ** argv) {
     if (argc < 2) {
         std::fprintf(stderr, "usage: baton-shard-bench MODEL [--ctx-size N] [--max-sequences N] [--prompt N] "
                              "[--steps N] [--reps N] [--threads N] [--top-k K] [--gap-us N] [--begin B] [--end E] "
-                             "[--parallel N]\n");
+                             "[--parallel N] [--split K]\n");
         return 2;
     }
     baton::ShardConfig config;
@@ -55,7 +163,7 @@ int main(int argc, char ** argv) {
     config.max_sequences = 4;
     config.batch_size = 512;
     config.threads = 1;
-    int prompt = 64, steps = 32, reps = 3, parallel = 1;
+    int prompt = 64, steps = 32, reps = 3, parallel = 1, split = 0;
     long gap_us = 0;  // idle time between decode steps (not timed), as a served worker has
     uint32_t top_k = 0;
     for (int i = 2; i + 1 < argc; i += 2) {
@@ -72,6 +180,7 @@ int main(int argc, char ** argv) {
         else if (flag == "--begin") config.layer_begin = static_cast<int32_t>(v);
         else if (flag == "--end") config.layer_end = static_cast<int32_t>(v);
         else if (flag == "--parallel") parallel = static_cast<int>(v);
+        else if (flag == "--split") split = static_cast<int>(v);
         else {
             std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
             return 2;
@@ -85,6 +194,13 @@ int main(int argc, char ** argv) {
         config.max_sequences = static_cast<uint32_t>(parallel);
     }
     try {
+        if (split != 0) {
+            if (top_k == 0 || parallel != 1 || gap_us != 0 || config.layer_begin != 0 || config.layer_end != -1) {
+                std::fprintf(stderr, "--split takes --top-k K > 0 and none of --parallel, --gap-us, --begin, --end\n");
+                return 2;
+            }
+            return run_split(config, split, prompt, steps, reps, top_k);
+        }
         baton::Shard shard(config);
         const bool takes_tokens = shard.info().takes_tokens;
         const size_t row_values = shard.info().boundary.row_values();

@@ -144,8 +144,6 @@ def main() -> int:
         if not tool.exists():
             parser.error(f"{tool} is missing: run `make native` first")
 
-    from agent.core.ranges import ranges_from_cuts
-    from agent.demo.local_demo import even_cuts
     from agent.io.tracker.gguf_info import read_gguf_facts
     from agent.models import model_path
 
@@ -166,8 +164,7 @@ def main() -> int:
         "machine": machine_info(),
         "method": {
             "model": model.name, "n_layer": facts.n_layer,
-            # the cuts baton-shard-bench makes (round(i * n_layer / 3)), as the swarm's even placement
-            "ranges": [(r.begin, r.end) for r in ranges_from_cuts(facts.n_layer, even_cuts(facts.n_layer, HOPS))],
+            "ranges": [tuple(r) for r in split["ranges"]],  # as baton-shard-bench cut them
             "reps": args.reps, "steps": args.steps, "boundary_bytes": boundary_bytes, "threads": 1,
             "top_k_equal": split["top_k_equal"],
         },  # fmt: skip

@@ -56,11 +56,13 @@ int run_split(baton::ShardConfig config, int parts, int prompt, int steps, int r
         return 2;
     }
     std::vector<std::unique_ptr<baton::Shard>> ranges;
+    std::string ranges_json;  // [[begin, end], ...]: reported, so a caller need not cut again
     for (int i = 0; i < parts; ++i) {
         baton::ShardConfig part = config;
         part.layer_begin = static_cast<int32_t>(std::lround(static_cast<double>(i) * n_layer / parts));
         part.layer_end = static_cast<int32_t>(std::lround(static_cast<double>(i + 1) * n_layer / parts));
         ranges.push_back(std::make_unique<baton::Shard>(part));
+        ranges_json += (i ? ", [" : "[") + std::to_string(part.layer_begin) + ", " + std::to_string(part.layer_end) + "]";
     }
     // One step through the ranges in series: tokens into the first, each range's boundary rows
     // into the next; the last range's output in *last.
@@ -140,9 +142,10 @@ int run_split(baton::ShardConfig config, int parts, int prompt, int steps, int r
             runs += buf;
         }
     }
-    std::printf("{\"split\": %d, \"n_layer\": %d, \"prompt\": %d, \"steps\": %d, \"threads\": %d, \"top_k\": %u, "
-                "\"top_k_equal\": %s, \"runs\": [%s]}\n",
-                parts, n_layer, prompt, steps, config.threads, top_k, equal ? "true" : "false", runs.c_str());
+    std::printf("{\"split\": %d, \"n_layer\": %d, \"ranges\": [%s], \"prompt\": %d, \"steps\": %d, \"threads\": %d, "
+                "\"top_k\": %u, \"top_k_equal\": %s, \"runs\": [%s]}\n",
+                parts, n_layer, ranges_json.c_str(), prompt, steps, config.threads, top_k, equal ? "true" : "false",
+                runs.c_str());
     return 0;
 }
 

@@ -174,6 +174,7 @@ class WorkerInfo:
     n_threads: int
     eog_token_ids: tuple[int, ...] = ()
     vocab_only: bool = False
+    data_port: int = 0  # the data plane's TCP port (--data-listen); 0: none
 
     @property
     def layers(self) -> LayerRange:

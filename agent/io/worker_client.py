@@ -152,6 +152,7 @@ def _info_from_reply(reply: worker_pb2.InfoReply) -> WorkerInfo:
         n_threads=reply.n_threads,
         eog_token_ids=tuple(reply.eog_token_ids),
         vocab_only=reply.vocab_only,
+        data_port=reply.data_port,
     )
 
 

@@ -212,6 +212,7 @@ def worker_argv(
     socket_path: str,
     *,
     forward_socket_path: str | None = None,
+    data_listen: str | None = None,
     ctx_size: int | None = None,
     max_sequences: int | None = None,
     batch_size: int | None = None,
@@ -239,6 +240,7 @@ def worker_argv(
     argv += ["--socket", socket_path]
     for flag, value in (
         ("--forward-socket", forward_socket_path),
+        ("--data-listen", data_listen),
         ("--ctx-size", ctx_size),
         ("--max-sequences", max_sequences),
         ("--batch-size", batch_size),
@@ -333,6 +335,7 @@ async def open_worker(
     client_config: ClientConfig | None = None,
     binary: str | os.PathLike | None = None,
     forward_stream: bool = True,
+    data_listen: str | None = None,
     environment: Mapping[str, str] | None = None,
 ) -> AsyncIterator[WorkerHandle]:
     """Start a worker for blocks ``[begin, end)`` of ``model_path`` and wait until it is ready.
@@ -357,6 +360,8 @@ async def open_worker(
       binary: the worker binary; default ``find_worker_binary()``.
       forward_stream: also start the worker's Forward stream (``forward.sock`` in the temp
         dir) and send Forward over it (``AsyncWorkerClient``); False: Forward over gRPC.
+      data_listen: ``HOST:PORT`` for the worker's data plane (``--data-listen``; port 0: any
+        free one, which ``.info.data_port`` reports); None: no data plane.
       environment: the worker's environment (None: this process's), for instance with the
         OpenMP wait policy of ``agent.core.worker_wait``.
 
@@ -392,7 +397,7 @@ async def open_worker(
         log_path = os.path.join(workdir, "worker.log")
         argv = worker_argv(
             binary, model_path, begin, end, socket_path, forward_socket_path=forward_socket_path,
-            ctx_size=ctx_size, max_sequences=max_sequences, batch_size=batch_size, threads=threads,
+            data_listen=data_listen, ctx_size=ctx_size, max_sequences=max_sequences, batch_size=batch_size, threads=threads,
             gpu_layers=gpu_layers, model_sha256=model_sha256, vocab_only=vocab_only, extra_args=extra_args,
         )  # fmt: skip
         with open(log_path, "wb") as log:

@@ -3,6 +3,7 @@
 // the socket cannot be bound (or, on Linux, the parent had already exited), 2 on bad
 // arguments. Errors are one line on stderr. On Linux it stops (as on SIGTERM) when the
 // process that started it exits.
+#include "data_plane.h"
 #include "service.h"
 #include "sha256.h"
 #include "shard.h"
@@ -24,6 +25,7 @@ namespace {
 
 constexpr const char * kUsage =
     "usage: baton-worker --model PATH --layers BEGIN:END --socket PATH [--forward-socket PATH]\n"
+    "                    [--data-listen HOST:PORT]\n"
     "                    [--ctx-size N] [--max-sequences N]\n"
     "                    [--batch-size N] [--threads N] [--gpu-layers N] [--model-sha256 HEX] [--no-mmap]\n"
     "       baton-worker --vocab-only --model PATH --socket PATH [--model-sha256 HEX] [--no-mmap]\n"
@@ -35,6 +37,9 @@ constexpr const char * kUsage =
     "  --socket PATH     listen on unix:PATH only (mode 0600; a stale socket file is replaced)\n"
     "  --forward-socket PATH  also serve Forward as a stream of length-prefixed frames on the Unix\n"
     "                    socket PATH (protocol/worker.proto, ForwardStreamReply; mode 0600)\n"
+    "  --data-listen HOST:PORT  serve the data plane on TCP HOST:PORT (port 0: any free one; Info\n"
+    "                    reports it): sessions bound by the node take sealed steps straight from\n"
+    "                    the hop before (protocol/worker.proto, DataFrame); off unless given\n"
     "  --ctx-size N      positions per sequence (default 2048)\n"
     "  --max-sequences N sequence ids 0..N-1 (default 4)\n"
     "  --batch-size N    most rows one Forward may carry (default 512)\n"
@@ -148,6 +153,11 @@ int main(int argc, char ** argv) {
             options.socket_path = take_value();
         } else if (flag == "--forward-socket") {
             options.forward_socket_path = take_value();
+        } else if (flag == "--data-listen") {
+            std::string error;
+            if (!baton::parse_host_port(take_value(), &options.data_host, &options.data_port, &error)) {
+                bad_arguments("--data-listen: " + error);
+            }
         } else if (flag == "--ctx-size") {
             shard.ctx_size_per_seq = static_cast<uint32_t>(parse_integer(flag, take_value(), 1, kI32Max));
         } else if (flag == "--max-sequences") {

@@ -1,7 +1,9 @@
 // ShardWorkerService and serve_worker(): see service.h.
 #include "service.h"
 
+#include "data_plane.h"
 #include "forward_stream.h"
+#include "sealed.h"
 
 #include <algorithm>
 #include <csignal>
@@ -135,6 +137,7 @@ grpc::Status ShardWorkerService::Info(grpc::ServerContext *, const v1::InfoReque
             reply->add_eog_token_ids(t);
         }
         reply->set_vocab_only(info.vocab_only);
+        reply->set_data_port(data_plane_ != nullptr ? data_plane_->port() : 0);
         return grpc::Status::OK;
     });
 }
@@ -236,6 +239,85 @@ grpc::Status ShardWorkerService::sequence_op(const char * method, uint32_t schem
         reply->set_schema_version(kSchemaVersion);
         reply->set_seq_id(reply_seq_id);
         reply->set_next_position(next);
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::BindSessionRequest * request,
+                                            v1::BindSessionReply * reply) {
+    return guarded("BindSession", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        if (data_plane_ == nullptr) {
+            return to_grpc_status(ShardStatus::Precondition("this worker has no data plane (--data-listen)"));
+        }
+        const ShardInfo & info = shard_->info();
+        if (info.vocab_only) {
+            return to_grpc_status(ShardStatus::Precondition(kVocabOnlyRefusal));
+        }
+        if (request->session_id().size() != kDataSessionIdBytes) {
+            return to_grpc_status(ShardStatus::Invalid("session_id must be 16 bytes, got " +
+                                                       std::to_string(request->session_id().size())));
+        }
+        if (request->seq_id() >= info.n_seq_max) {
+            return to_grpc_status(ShardStatus::Invalid("seq_id " + std::to_string(request->seq_id()) +
+                                                       " is not below n_seq_max " + std::to_string(info.n_seq_max)));
+        }
+        if (request->step_key().size() != kDataKeyBytes) {
+            return to_grpc_status(ShardStatus::Invalid("step_key must be 32 bytes"));
+        }
+        const bool has_next = request->next_port() != 0 || !request->next_host().empty();
+        if (info.gives_logits == has_next) {
+            return to_grpc_status(ShardStatus::Invalid(
+                info.gives_logits ? "the last range sends results to the owner: no next_host/next_port"
+                                  : "a range that is not the last needs next_host and next_port"));
+        }
+        if (has_next && (request->next_host().empty() || request->next_port() == 0 || request->next_port() > 65535 ||
+                         request->next_step_key().size() != kDataKeyBytes)) {
+            return to_grpc_status(ShardStatus::Invalid("next_host, a next_port of 1-65535 and a 32-byte "
+                                                       "next_step_key go together"));
+        }
+        if (info.gives_logits != (request->return_key().size() == kDataKeyBytes) ||
+            (!info.gives_logits && !request->return_key().empty())) {
+            return to_grpc_status(ShardStatus::Invalid(info.gives_logits ? "the last range needs a 32-byte return_key"
+                                                                         : "only the last range takes a return_key"));
+        }
+        DataBinding binding;
+        binding.session_id = request->session_id();
+        binding.seq_id = request->seq_id();
+        binding.step_key = request->step_key();
+        binding.next_step = request->next_step();
+        binding.next_host = request->next_host();
+        binding.next_port = static_cast<uint16_t>(request->next_port());
+        binding.next_step_key = request->next_step_key();
+        binding.return_key = request->return_key();
+        const std::string refused = data_plane_->bind(binding);
+        if (!refused.empty()) {
+            return grpc::Status(grpc::StatusCode::UNAVAILABLE, refused);
+        }
+        reply->set_schema_version(kSchemaVersion);
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::UnbindSession(grpc::ServerContext *, const v1::UnbindSessionRequest * request,
+                                              v1::UnbindSessionReply * reply) {
+    return guarded("UnbindSession", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        if (data_plane_ == nullptr) {
+            return to_grpc_status(ShardStatus::Precondition("this worker has no data plane (--data-listen)"));
+        }
+        const DataSessionTotals totals = data_plane_->unbind(request->session_id());
+        reply->set_schema_version(kSchemaVersion);
+        reply->set_was_bound(totals.was_bound);
+        reply->set_rows(totals.rows);
+        reply->set_steps(totals.steps);
+        reply->set_next_step(totals.next_step);
         return grpc::Status::OK;
     });
 }
@@ -540,9 +622,26 @@ int serve_worker(const WorkerOptions & options) {
         }
     }
 
+    DataPlaneServer data_plane(&service, static_cast<size_t>(max_receive_message_bytes(info)) + 4096);
+    if (!options.data_host.empty()) {
+        const std::string failed = info.vocab_only ? "a vocab-only worker has no data plane"
+                                                   : data_plane.start(options.data_host, options.data_port);
+        if (!failed.empty()) {
+            std::fprintf(stderr, "baton-worker: data plane: %s\n", one_line(failed).c_str());
+            stream.stop();
+            server->Shutdown();
+            ::unlink(options.socket_path.c_str());
+            return 1;
+        }
+        service.set_data_plane(&data_plane);
+        std::fprintf(stderr, "baton-worker: data plane on %s port %u\n", options.data_host.c_str(),
+                     static_cast<unsigned>(data_plane.port()));
+    }
+
     signals.attach(server.get());
     server->Wait();
     signals.detach();
+    data_plane.stop();  // a step being computed finishes first
     stream.stop();  // a Forward in progress on it finishes first
     server.reset();
     ::unlink(options.socket_path.c_str());

@@ -19,6 +19,8 @@
 
 namespace baton {
 
+class DataPlaneServer;
+
 class ShardWorkerService final : public baton::worker::v1::ShardWorker::Service {
 public:
     // shard must outlive the service.
@@ -43,7 +45,29 @@ public:
     grpc::Status Vocabulary(grpc::ServerContext * context, const worker::v1::VocabularyRequest * request,
                             worker::v1::VocabularyReply * reply) override;
 
+    grpc::Status BindSession(grpc::ServerContext * context, const worker::v1::BindSessionRequest * request,
+                             worker::v1::BindSessionReply * reply) override;
+    grpc::Status UnbindSession(grpc::ServerContext * context, const worker::v1::UnbindSessionRequest * request,
+                               worker::v1::UnbindSessionReply * reply) override;
+
     uint64_t forward_calls() const { return forward_calls_.load(std::memory_order_relaxed); }
+
+    // For the data plane (data_plane.h): f(shard) under the lock every Forward takes, a
+    // Forward it made counted, and the shard's immutable facts.
+    template <typename F>
+    void with_shard(F && f) {
+        std::lock_guard<std::mutex> lock(shard_mu_);
+        f(*shard_);
+    }
+    void count_forward() { forward_calls_.fetch_add(1, std::memory_order_relaxed); }
+    uint32_t layer_begin() const { return shard_->info().layer_begin; }
+    bool gives_logits() const { return shard_->info().gives_logits; }
+    uint32_t n_vocab() const { return shard_->info().n_vocab; }
+    uint32_t n_batch_max() const { return shard_->info().n_batch_max; }
+    const BoundarySchemaDesc & boundary_schema() const { return shard_->info().boundary; }
+    // The data plane BindSession/UnbindSession act on (none: they answer FAILED_PRECONDITION)
+    // and whose port Info reports. Set before serving; it must outlive the service's use.
+    void set_data_plane(DataPlaneServer * data_plane) { data_plane_ = data_plane; }
 
 private:
     // Runs op(&next_position) under the lock and fills a SequenceReply for reply_seq_id.
@@ -54,6 +78,7 @@ private:
     Shard * shard_;
     std::mutex shard_mu_;                 // held around every call that touches the llama_context
     std::atomic<uint64_t> forward_calls_{0};  // successful Forward calls
+    DataPlaneServer * data_plane_ = nullptr;
 };
 
 // Converts a Shard error into a gRPC status with the same message.
@@ -75,6 +100,9 @@ struct WorkerOptions {
     std::string socket_path;  // listened on as unix:socket_path
     // Not empty: the Forward stream (forward_stream.h) also listens here.
     std::string forward_socket_path;
+    // Not empty: the data plane (data_plane.h) listens on this host, at data_port (0: any).
+    std::string data_host;
+    uint16_t data_port = 0;
     // > 0: SIGHUP (the parent-death signal main() arms on Linux) stops the worker as SIGTERM
     // does, but only once getppid() differs from parent_pid; otherwise it is ignored.
     int parent_pid = 0;

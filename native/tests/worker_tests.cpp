@@ -11,6 +11,8 @@
 //             like the whole model, refuses Forward and the sequence calls, and refuses a copy
 //             cut at data_offset (llama.cpp checks every tensor against the file size).
 // A model test exits 77 (CTest SKIP_RETURN_CODE) when BATON_TEST_MODEL is unset.
+#include "data_plane.h"
+#include "sealed.h"
 #include "service.h"
 #include "sha256.h"
 #include "shard.h"
@@ -419,6 +421,41 @@ void test_top_k() {
     CHECK(std::isnan(edge_out[6]));
 }
 
+void test_sealed_frames_and_addresses() {
+    using namespace baton;
+    const std::string key(32, '\x07');
+    const std::string sid(16, '\x01');
+    std::string sealed;
+    std::string plain;
+    REQUIRE(seal_data_frame(key, 1, sid, 5, "boundary rows", &sealed));
+    CHECK(sealed.size() == std::string("boundary rows").size() + kDataTagBytes);
+    CHECK(open_data_frame(key, 1, sid, 5, sealed, &plain) && plain == "boundary rows");
+    // anything that differs: no plaintext
+    CHECK(!open_data_frame(std::string(32, '\x08'), 1, sid, 5, sealed, &plain));  // another key
+    CHECK(!open_data_frame(key, 2, sid, 5, sealed, &plain));                       // another kind
+    CHECK(!open_data_frame(key, 1, std::string(16, '\x02'), 5, sealed, &plain));  // another session
+    CHECK(!open_data_frame(key, 1, sid, 6, sealed, &plain));                       // another counter
+    std::string changed = sealed;
+    changed[0] ^= 1;
+    CHECK(!open_data_frame(key, 1, sid, 5, changed, &plain));
+    CHECK(!open_data_frame(key, 1, sid, 5, sealed.substr(0, 8), &plain));          // shorter than a tag
+    CHECK(!seal_data_frame("short", 1, sid, 5, "x", &sealed));
+    // an empty body seals to a tag alone, and opens to nothing
+    REQUIRE(seal_data_frame(key, 3, sid, 1, "", &sealed));
+    CHECK(sealed.size() == kDataTagBytes && open_data_frame(key, 3, sid, 1, sealed, &plain) && plain.empty());
+    CHECK(data_frame_aad(1, sid, 2).size() == std::string("baton-data/1").size() + 4 + 16 + 8);
+
+    std::string host;
+    uint16_t port = 0;
+    std::string error;
+    CHECK(parse_host_port("127.0.0.1:0", &host, &port, &error) && host == "127.0.0.1" && port == 0);
+    CHECK(parse_host_port("[::1]:7001", &host, &port, &error) && host == "::1" && port == 7001);
+    CHECK(!parse_host_port("127.0.0.1", &host, &port, &error) && contains(error, "HOST:PORT"));
+    CHECK(!parse_host_port("h:65536", &host, &port, &error) && contains(error, "0 to 65535"));
+    CHECK(!parse_host_port("h:-1", &host, &port, &error));
+    CHECK(!parse_host_port("h:12x", &host, &port, &error));
+}
+
 int run_validation() {
     test_schema_and_positions();
     test_bytes_and_finite();
@@ -426,6 +463,7 @@ int run_validation() {
     test_validate_forward();
     test_parse_layers_and_hashes();
     test_top_k();
+    test_sealed_frames_and_addresses();
     return g_failures == 0 ? 0 : 1;
 }
 

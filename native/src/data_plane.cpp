@@ -1,0 +1,754 @@
+// DataPlaneServer: see data_plane.h.
+#include "data_plane.h"
+
+#include "sealed.h"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+namespace baton {
+
+namespace v1 = baton::worker::v1;
+
+namespace {
+
+constexpr size_t kPrefixBytes = 4;            // little-endian u32 length
+constexpr size_t kMaxConnections = 256;       // beyond this, a new connection is closed at once
+constexpr int kDialTimeoutMs = 3000;
+constexpr int kSendTimeoutS = 10;             // a peer that stops reading loses its connection
+constexpr size_t kNoticeMaxLogBytes = 200;
+
+bool write_full(int fd, const char * data, size_t n) {
+    while (n > 0) {
+        const ssize_t put = ::send(fd, data, n, MSG_NOSIGNAL);
+        if (put > 0) {
+            data += put;
+            n -= static_cast<size_t>(put);
+        } else if (put < 0 && errno == EINTR) {
+            continue;
+        } else {
+            return false;
+        }
+    }
+    return true;
+}
+
+std::string hex_of(const std::string & bytes) {
+    static const char * digits = "0123456789abcdef";
+    std::string out;
+    for (unsigned char c : bytes) {
+        out.push_back(digits[c >> 4]);
+        out.push_back(digits[c & 15]);
+    }
+    return out;
+}
+
+// prefix + DataFrame, one buffer so that it is one send()
+std::string framed(const v1::DataFrame & frame) {
+    const size_t size = frame.ByteSizeLong();
+    std::string out(kPrefixBytes + size, '\0');
+    for (size_t i = 0; i < kPrefixBytes; ++i) {
+        out[i] = static_cast<char>((size >> (8 * i)) & 0xff);
+    }
+    frame.SerializeToArray(out.data() + kPrefixBytes, static_cast<int>(size));
+    return out;
+}
+
+std::string notice_frame(const std::string & session_id, const std::string & text) {
+    v1::DataFrame frame;
+    frame.set_schema_version(v1::SCHEMA_VERSION_CURRENT);
+    frame.set_kind(v1::DATA_FRAME_KIND_NOTICE);
+    frame.set_session_id(session_id);
+    frame.set_notice(text);
+    return framed(frame);
+}
+
+uint32_t grpc_code(ErrorCode code) { return static_cast<uint32_t>(to_grpc_status({code, ""}).error_code()); }
+
+void set_socket_options(int fd) {
+    const int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // a step is one small write
+    timeval timeout{};
+    timeout.tv_sec = kSendTimeoutS;
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+}
+
+// A connected TCP socket to host:port, or -1 and *error.
+int dial(const std::string & host, uint16_t port, std::string * error) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo * found = nullptr;
+    const std::string service = std::to_string(port);
+    const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found);
+    if (rc != 0) {
+        *error = "cannot resolve " + host + ": " + ::gai_strerror(rc);
+        return -1;
+    }
+    int fd = -1;
+    *error = "no address for " + host;
+    for (addrinfo * a = found; a != nullptr && fd < 0; a = a->ai_next) {
+        fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+        if (fd < 0) {
+            *error = std::string("socket: ") + std::strerror(errno);
+            continue;
+        }
+        int result = ::connect(fd, a->ai_addr, a->ai_addrlen);
+        if (result != 0 && errno == EINPROGRESS) {
+            pollfd p{fd, POLLOUT, 0};
+            result = ::poll(&p, 1, kDialTimeoutMs) == 1 ? 0 : -1;
+            int so_error = result == 0 ? 0 : ETIMEDOUT;
+            socklen_t len = sizeof(so_error);
+            if (result == 0) {
+                ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &so_error, &len);
+            }
+            errno = so_error;
+            result = so_error == 0 ? 0 : -1;
+        }
+        if (result != 0) {
+            *error = "cannot connect to " + host + ":" + service + ": " + std::strerror(errno);
+            ::close(fd);
+            fd = -1;
+            continue;
+        }
+        ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+        set_socket_options(fd);
+    }
+    ::freeaddrinfo(found);
+    return fd;
+}
+
+}  // namespace
+
+bool parse_host_port(const std::string & text, std::string * host, uint16_t * port, std::string * error) {
+    const size_t colon = text.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == text.size()) {
+        *error = "'" + text + "' is not HOST:PORT";
+        return false;
+    }
+    std::string h = text.substr(0, colon);
+    if (h.size() >= 2 && h.front() == '[' && h.back() == ']') {
+        h = h.substr(1, h.size() - 2);
+    }
+    const std::string p = text.substr(colon + 1);
+    char * end = nullptr;
+    errno = 0;
+    const unsigned long value = std::strtoul(p.c_str(), &end, 10);
+    if (errno != 0 || end == p.c_str() || *end != '\0' || value > 65535 || p[0] == '-' || p[0] == '+') {
+        *error = "the port in '" + text + "' is not a number from 0 to 65535";
+        return false;
+    }
+    *host = h;
+    *port = static_cast<uint16_t>(value);
+    return true;
+}
+
+DataPlaneServer::DataPlaneServer(ShardWorkerService * service, size_t max_frame_bytes)
+    : service_(service), max_frame_bytes_(max_frame_bytes) {}
+
+DataPlaneServer::~DataPlaneServer() { stop(); }
+
+std::string DataPlaneServer::start(const std::string & host, uint16_t port) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    addrinfo * found = nullptr;
+    const std::string service = std::to_string(port);
+    const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &found);
+    if (rc != 0) {
+        return "cannot resolve " + host + ": " + ::gai_strerror(rc);
+    }
+    std::string reason = "no address for " + host;
+    int fd = -1;
+    for (addrinfo * a = found; a != nullptr && fd < 0; a = a->ai_next) {
+        fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        const int one = 1;
+        if (fd < 0 || ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
+            ::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, 64) != 0) {
+            reason = "cannot listen on " + host + ":" + service + ": " + std::strerror(errno);
+            if (fd >= 0) {
+                ::close(fd);
+            }
+            fd = -1;
+        }
+    }
+    ::freeaddrinfo(found);
+    if (fd < 0) {
+        return reason;
+    }
+    sockaddr_storage bound{};
+    socklen_t len = sizeof(bound);
+    ::getsockname(fd, reinterpret_cast<sockaddr *>(&bound), &len);
+    const uint16_t bound_port = bound.ss_family == AF_INET6
+                                    ? ntohs(reinterpret_cast<sockaddr_in6 *>(&bound)->sin6_port)
+                                    : ntohs(reinterpret_cast<sockaddr_in *>(&bound)->sin_port);
+    port_.store(bound_port, std::memory_order_relaxed);
+    listen_fd_ = fd;
+    accept_thread_ = std::thread([this] { accept_loop(); });
+    return "";
+}
+
+void DataPlaneServer::stop() {
+    std::list<std::shared_ptr<Connection>> connections;
+    {
+        std::lock_guard<std::mutex> lock(conn_mu_);
+        if (stopping_) {
+            return;
+        }
+        stopping_ = true;
+        if (listen_fd_ >= 0) {
+            ::shutdown(listen_fd_, SHUT_RDWR);  // wakes accept() (Linux)
+        }
+        for (const auto & c : connections_) {
+            ::shutdown(c->fd, SHUT_RDWR);  // wakes its reader; a step being computed finishes
+        }
+        outbound_.clear();
+    }
+    if (accept_thread_.joinable()) {
+        accept_thread_.join();
+    }
+    {
+        std::lock_guard<std::mutex> lock(conn_mu_);
+        connections.swap(connections_);
+    }
+    for (const auto & c : connections) {
+        if (c->thread.joinable()) {
+            c->thread.join();
+        }
+    }
+    if (listen_fd_ >= 0) {
+        ::close(listen_fd_);
+        listen_fd_ = -1;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    sessions_.clear();  // drops the weak sinks; the connections close with their last owner
+    queue_.clear();
+}
+
+std::shared_ptr<DataPlaneServer::Connection> DataPlaneServer::add_connection(int fd,
+                                                                             const std::string & outbound_address) {
+    std::lock_guard<std::mutex> lock(conn_mu_);
+    for (auto it = connections_.begin(); it != connections_.end();) {  // reap the ended ones
+        if ((*it)->finished.load()) {
+            (*it)->thread.join();
+            it = connections_.erase(it);
+        } else {
+            ++it;
+        }
+    }
+    if (stopping_ || connections_.size() >= kMaxConnections) {
+        if (!stopping_) {
+            std::fprintf(stderr, "baton-worker: data plane: %zu connections open; refusing another\n",
+                         connections_.size());
+        }
+        ::close(fd);
+        return nullptr;
+    }
+    auto conn = std::shared_ptr<Connection>(new Connection, [](Connection * c) {
+        if (c->fd >= 0) {
+            ::close(c->fd);  // only once nobody can send on it any more
+        }
+        delete c;
+    });
+    conn->fd = fd;
+    conn->outbound_address = outbound_address;
+    try {
+        conn->thread = std::thread([this, conn] {
+            serve(conn);
+            conn->open.store(false);
+            ::shutdown(conn->fd, SHUT_RDWR);
+            {
+                std::lock_guard<std::mutex> done(conn_mu_);
+                auto found = outbound_.find(conn->outbound_address);
+                if (found != outbound_.end() && found->second == conn) {
+                    outbound_.erase(found);
+                }
+            }
+            conn->finished.store(true);
+        });
+    } catch (const std::exception & e) {
+        std::fprintf(stderr, "baton-worker: data plane: cannot serve a connection: %s\n", e.what());
+        return nullptr;  // conn's deleter closes fd
+    }
+    connections_.push_back(conn);
+    return conn;
+}
+
+void DataPlaneServer::accept_loop() {
+    for (;;) {
+        const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd < 0) {
+            const int error = errno;
+            {
+                std::lock_guard<std::mutex> lock(conn_mu_);
+                if (stopping_) {
+                    return;
+                }
+            }
+            if (error == EINTR || error == ECONNABORTED) {
+                continue;
+            }
+            std::fprintf(stderr, "baton-worker: data plane: accept failed: %s; retrying\n", std::strerror(error));
+            ::usleep(50 * 1000);  // out of descriptors: the connection waits in the backlog
+            continue;
+        }
+        set_socket_options(fd);
+        add_connection(fd, "");
+    }
+}
+
+std::shared_ptr<DataPlaneServer::Connection> DataPlaneServer::outbound(const std::string & host, uint16_t port,
+                                                                       std::string * error) {
+    const std::string address = host + ":" + std::to_string(port);
+    {
+        std::lock_guard<std::mutex> lock(conn_mu_);
+        auto found = outbound_.find(address);
+        if (found != outbound_.end() && found->second->open.load()) {
+            return found->second;
+        }
+    }
+    const int fd = dial(host, port, error);
+    if (fd < 0) {
+        return nullptr;
+    }
+    std::shared_ptr<Connection> conn = add_connection(fd, address);
+    if (!conn) {
+        *error = "no room for another connection";
+        return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(conn_mu_);
+    auto & slot = outbound_[address];
+    if (slot && slot->open.load()) {
+        // another thread dialled the same address meanwhile: keep one (this one ends unused)
+        ::shutdown(conn->fd, SHUT_RDWR);
+        return slot;
+    }
+    slot = conn;
+    return conn;
+}
+
+std::string DataPlaneServer::bind(const DataBinding & b) {
+    if (b.next_port != 0) {
+        std::string error;
+        if (!outbound(b.next_host, b.next_port, &error)) {
+            return "the next hop's data plane: " + error;
+        }
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    Session & s = sessions_[b.session_id];
+    const uint64_t generation = s.generation + 1;
+    s = Session{};
+    s.generation = generation;
+    s.seq_id = b.seq_id;
+    s.step_key = b.step_key;
+    s.next_step = b.next_step;
+    s.next_host = b.next_host;
+    s.next_port = b.next_port;
+    s.next_step_key = b.next_step_key;
+    s.return_key = b.return_key;
+    return "";
+}
+
+DataSessionTotals DataPlaneServer::unbind(const std::string & session_id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    DataSessionTotals totals;
+    auto found = sessions_.find(session_id);
+    if (found == sessions_.end()) {
+        return totals;
+    }
+    totals.was_bound = true;
+    totals.rows = found->second.rows;
+    totals.steps = found->second.steps;
+    totals.next_step = found->second.next_step;
+    sessions_.erase(found);  // its queued steps are dropped when a combiner meets them
+    return totals;
+}
+
+void DataPlaneServer::serve(const std::shared_ptr<Connection> & conn) {
+    try {
+        // Every whole frame one read() brings is taken before computing, so that steps that
+        // arrive together (several sessions' outputs of one Forward upstream) share a Forward.
+        std::string buffer;
+        size_t start = 0;
+        char chunk[1 << 16];
+        for (;;) {
+            bool queued_step = false;
+            while (buffer.size() - start >= kPrefixBytes) {
+                const auto * p = reinterpret_cast<const unsigned char *>(buffer.data() + start);
+                const uint32_t size = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
+                                      static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
+                if (size > max_frame_bytes_) {
+                    const std::string notice = notice_frame(
+                        "", "data plane: a frame of " + std::to_string(size) + " bytes is over the limit of " +
+                                std::to_string(max_frame_bytes_) + "; closing the connection");
+                    std::lock_guard<std::mutex> lock(conn->send_mu);
+                    write_full(conn->fd, notice.data(), notice.size());
+                    return;  // what follows is not at a frame boundary any more
+                }
+                if (buffer.size() - start - kPrefixBytes < size) {
+                    break;
+                }
+                const bool keep = handle_frame(conn, buffer.data() + start + kPrefixBytes, size, &queued_step);
+                start += kPrefixBytes + size;
+                if (!keep) {
+                    return;
+                }
+            }
+            if (queued_step) {
+                combine();
+            }
+            buffer.erase(0, start);
+            start = 0;
+            const ssize_t got = ::read(conn->fd, chunk, sizeof(chunk));
+            if (got < 0 && errno == EINTR) {
+                continue;
+            }
+            if (got <= 0) {
+                return;  // the peer closed (inside a frame: truncated) or the socket failed
+            }
+            buffer.append(chunk, static_cast<size_t>(got));
+        }
+    } catch (const std::exception & e) {  // e.g. bad_alloc: this connection ends, the worker serves on
+        std::fprintf(stderr, "baton-worker: data plane: %s; closing the connection\n", e.what());
+    } catch (...) {
+        std::fprintf(stderr, "baton-worker: data plane: unknown exception; closing the connection\n");
+    }
+}
+
+bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, const char * data, size_t size,
+                                   bool * queued_step) {
+    auto refuse = [&](const std::string & session_id, const std::string & why, bool close) {
+        const std::string notice = notice_frame(session_id, "data plane: " + why);
+        std::lock_guard<std::mutex> lock(conn->send_mu);
+        return write_full(conn->fd, notice.data(), notice.size()) && !close;
+    };
+    v1::DataFrame frame;
+    if (!frame.ParseFromArray(data, static_cast<int>(size))) {
+        return refuse("", "the frame is not a DataFrame; closing the connection", true);
+    }
+    if (frame.schema_version() != v1::SCHEMA_VERSION_CURRENT) {
+        return refuse("", "DataFrame schema_version " + std::to_string(frame.schema_version()) +
+                              " is not the one this worker speaks (1); closing the connection", true);
+    }
+    const std::string & sid = frame.session_id();
+    const uint32_t kind = static_cast<uint32_t>(frame.kind());
+    switch (frame.kind()) {
+    case v1::DATA_FRAME_KIND_NOTICE:
+        std::fprintf(stderr, "baton-worker: data plane: the peer says: %s\n",
+                     frame.notice().substr(0, kNoticeMaxLogBytes).c_str());
+        return true;
+    case v1::DATA_FRAME_KIND_RESULT:
+        return refuse(sid, "a worker takes no RESULT frames", false);
+    case v1::DATA_FRAME_KIND_STEP:
+    case v1::DATA_FRAME_KIND_ATTACH:
+        break;
+    default:
+        return refuse(sid, "unknown frame kind " + std::to_string(kind) + "; closing the connection", true);
+    }
+
+    std::string plain;
+    std::string undelivered;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto found = sessions_.find(sid);
+        if (found == sessions_.end()) {
+            return refuse(sid, "no session " + hex_of(sid) + " is bound here", false);
+        }
+        Session & s = found->second;
+        const bool step = frame.kind() == v1::DATA_FRAME_KIND_STEP;
+        const std::string & key = step ? s.step_key : s.return_key;
+        uint64_t & last = step ? s.last_step_counter : s.last_attach_counter;
+        if (key.empty()) {
+            return refuse(sid, std::string(step ? "STEP" : "ATTACH") + " frames are not taken for session " +
+                                   hex_of(sid) + " here", false);
+        }
+        if (frame.counter() <= last) {
+            return refuse(sid, "counter " + std::to_string(frame.counter()) + " is not above the last one taken (" +
+                                   std::to_string(last) + "): a replayed or stale frame", false);
+        }
+        if (!open_data_frame(key, kind, sid, frame.counter(), frame.sealed(), &plain)) {
+            return refuse(sid, "the frame does not open under session " + hex_of(sid) +
+                                   "'s key (a peer without the key, or changed bytes)", false);
+        }
+        last = frame.counter();
+        if (!step) {
+            v1::DataAttach attach;
+            if (!attach.ParseFromString(plain)) {
+                return refuse(sid, "the ATTACH body is not a DataAttach", false);
+            }
+            s.sink = conn;
+            undelivered.swap(s.undelivered);
+        } else {
+            Pending pending;
+            pending.session_id = sid;
+            pending.generation = s.generation;
+            v1::DataStep & st = pending.step;
+            if (!st.ParseFromString(plain)) {
+                st.Clear();
+                st.set_error_code(grpc_code(ErrorCode::kInvalidArgument));
+                st.set_error_message("the STEP body is not a DataStep");
+                st.set_error_layer_begin(service_->layer_begin());
+            } else if (st.error_code() == 0 && st.step() != s.next_step) {
+                const uint32_t got = st.step();
+                st.Clear();
+                st.set_step(got);
+                st.set_error_code(grpc_code(ErrorCode::kFailedPrecondition));
+                st.set_error_message("step " + std::to_string(got) + " arrived where step " +
+                                     std::to_string(s.next_step) + " was expected");
+                st.set_error_layer_begin(service_->layer_begin());
+            }
+            if (st.step() == s.next_step) {
+                ++s.next_step;  // refused or not, the next one follows it
+            }
+            queue_.push_back(std::move(pending));
+        }
+    }
+    if (!undelivered.empty()) {
+        std::lock_guard<std::mutex> lock(conn->send_mu);
+        write_full(conn->fd, undelivered.data(), undelivered.size());
+        return true;
+    }
+    if (frame.kind() == v1::DATA_FRAME_KIND_STEP) {
+        *queued_step = true;
+    }
+    return true;
+}
+
+void DataPlaneServer::combine() {
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (combining_) {
+            return;  // the computing thread takes this step too before it stops
+        }
+        combining_ = true;
+    }
+    const uint32_t row_budget = service_->n_batch_max();
+    for (;;) {
+        std::vector<Pending> batch;
+        std::vector<uint32_t> seq_ids;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            // Only steps of one shape share a Forward (decode rows with decode rows, chunks
+            // with chunks of their length), the rule agent/core/scheduler.py follows: llama.cpp
+            // then computes each sequence's rows as it would alone, so a session's numbers do
+            // not depend on who else is served (a mixed batch is split into ubatches of equal
+            // rows per sequence, which cuts a longer step into other pieces).
+            uint32_t rows = 0;
+            uint32_t shape_rows = 0;
+            std::unordered_set<std::string> held;  // sessions with an earlier step in or left out
+            for (auto it = queue_.begin(); it != queue_.end();) {
+                auto s = sessions_.find(it->session_id);
+                if (s == sessions_.end() || s->second.generation != it->generation) {
+                    it = queue_.erase(it);  // unbound (or rebound) since: dropped
+                    continue;
+                }
+                const uint32_t n = static_cast<uint32_t>(it->step.positions_size());
+                if (held.count(it->session_id) != 0 ||
+                    (!batch.empty() && (n != shape_rows || rows + n > row_budget))) {
+                    held.insert(it->session_id);  // one step a sequence a Forward, in order
+                    ++it;
+                    continue;
+                }
+                held.insert(it->session_id);
+                if (batch.empty()) {
+                    shape_rows = n;
+                }
+                rows += n;
+                seq_ids.push_back(s->second.seq_id);
+                batch.push_back(std::move(*it));
+                it = queue_.erase(it);
+            }
+            if (batch.empty()) {
+                combining_ = false;
+                return;
+            }
+        }
+
+        // Compute: each entry checked alone first, so that one session's bad step is refused
+        // alone; the rest in one Forward.
+        std::vector<ShardStatus> status(batch.size());
+        std::vector<ForwardOutput> outputs(batch.size());
+        service_->with_shard([&](Shard & shard) {
+            const ForwardLimits limits = shard.limits();
+            std::vector<int32_t> next(limits.n_seq_max);
+            for (uint32_t q = 0; q < limits.n_seq_max; ++q) {
+                next[q] = shard.next_position(q);
+            }
+            std::vector<ForwardEntry> entries;
+            std::vector<size_t> index;
+            for (size_t i = 0; i < batch.size(); ++i) {
+                const v1::DataStep & st = batch[i].step;
+                if (st.error_code() != 0) {
+                    continue;
+                }
+                ForwardEntry e;
+                e.seq_id = seq_ids[i];
+                e.positions.assign(st.positions().begin(), st.positions().end());
+                e.token_ids.assign(st.token_ids().begin(), st.token_ids().end());
+                e.boundary = st.boundary();
+                e.boundary_dtype = static_cast<BoundaryDType>(st.boundary_dtype());
+                e.boundary_schema_version = st.boundary_schema_version();
+                e.boundary_streams = st.boundary_streams();
+                e.top_k = st.top_k();
+                status[i] = validate_forward(limits, {e}, next);
+                if (status[i].ok()) {
+                    entries.push_back(std::move(e));
+                    index.push_back(i);
+                }
+            }
+            if (entries.empty()) {
+                return;
+            }
+            std::vector<ForwardOutput> outs;
+            const ShardStatus st = shard.forward(entries, &outs);
+            for (size_t j = 0; j < index.size(); ++j) {
+                status[index[j]] = st;
+                if (st.ok()) {
+                    outputs[index[j]] = std::move(outs[j]);
+                }
+            }
+            if (st.ok()) {
+                service_->count_forward();
+            }
+        });
+
+        for (size_t i = 0; i < batch.size(); ++i) {
+            v1::DataStep & st = batch[i].step;
+            if (st.error_code() == 0 && !status[i].ok()) {
+                st.set_error_code(grpc_code(status[i].code));
+                st.set_error_message(status[i].message);
+                st.set_error_layer_begin(service_->layer_begin());
+            }
+            const bool ok = st.error_code() == 0;
+            if (service_->gives_logits()) {
+                v1::DataResult result;
+                result.set_step(st.step());
+                result.set_n_vocab(service_->n_vocab());
+                if (!ok) {
+                    result.set_error_code(st.error_code());
+                    result.set_error_message(st.error_message());
+                    result.set_error_layer_begin(st.error_layer_begin());
+                } else {
+                    ForwardOutput & o = outputs[i];
+                    result.set_next_position(o.next_position);
+                    if (o.top_k > 0) {
+                        result.set_top_k(o.top_k);
+                        result.set_top_token_ids(std::move(o.top_token_ids));
+                        result.set_top_logits(std::move(o.top_logits));
+                        result.set_log_sum_exp(o.log_sum_exp.empty() ? 0.0 : o.log_sum_exp.back());
+                    } else {
+                        result.set_logits(std::move(o.logits));
+                    }
+                }
+                send_output(batch[i], result.SerializeAsString(), true);
+            } else {
+                v1::DataStep next;
+                next.set_step(st.step());
+                next.set_top_k(st.top_k());
+                if (!ok) {
+                    next.set_error_code(st.error_code());
+                    next.set_error_message(st.error_message());
+                    next.set_error_layer_begin(st.error_layer_begin());
+                } else {
+                    ForwardOutput & o = outputs[i];
+                    next.mutable_positions()->CopyFrom(st.positions());
+                    next.set_boundary(std::move(o.boundary));
+                    next.set_boundary_dtype(v1::DTYPE_F32);
+                    next.set_boundary_schema_version(service_->boundary_schema().version);
+                    next.set_boundary_streams(service_->boundary_schema().streams);
+                }
+                send_output(batch[i], next.SerializeAsString(), false);
+            }
+            if (ok) {
+                std::lock_guard<std::mutex> lock(mu_);
+                auto s = sessions_.find(batch[i].session_id);
+                if (s != sessions_.end() && s->second.generation == batch[i].generation) {
+                    s->second.rows += static_cast<uint64_t>(st.positions_size());
+                    s->second.steps += 1;
+                }
+            }
+        }
+    }
+}
+
+void DataPlaneServer::send_output(const Pending & pending, const std::string & body, bool to_owner) {
+    const std::string & sid = pending.session_id;
+    std::string key;
+    std::string host;
+    uint16_t port = 0;
+    uint64_t counter = 0;
+    std::shared_ptr<Connection> sink;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto s = sessions_.find(sid);
+        if (s == sessions_.end() || s->second.generation != pending.generation) {
+            return;  // unbound while it was computed
+        }
+        counter = ++s->second.out_counter;
+        key = to_owner ? s->second.return_key : s->second.next_step_key;
+        host = s->second.next_host;
+        port = s->second.next_port;
+        sink = s->second.sink.lock();
+    }
+    // a bound session's keys are 32 bytes (the service checks), so sealing cannot fail
+    const v1::DataFrameKind kind = to_owner ? v1::DATA_FRAME_KIND_RESULT : v1::DATA_FRAME_KIND_STEP;
+    v1::DataFrame frame;
+    frame.set_schema_version(v1::SCHEMA_VERSION_CURRENT);
+    frame.set_kind(kind);
+    frame.set_session_id(sid);
+    frame.set_counter(counter);
+    if (!seal_data_frame(key, static_cast<uint32_t>(kind), sid, counter, body, frame.mutable_sealed())) {
+        std::fprintf(stderr, "baton-worker: data plane: cannot seal a frame for session %s\n", hex_of(sid).c_str());
+        return;
+    }
+    const std::string out = framed(frame);
+    if (to_owner) {
+        if (!sink || !sink->open.load()) {  // the owner has not attached (yet)
+            std::lock_guard<std::mutex> lock(mu_);
+            auto s = sessions_.find(sid);
+            if (s != sessions_.end() && s->second.generation == pending.generation) {
+                s->second.undelivered = out;  // sent on the owner's ATTACH
+            }
+            return;
+        }
+        std::lock_guard<std::mutex> lock(sink->send_mu);
+        if (!write_full(sink->fd, out.data(), out.size())) {
+            std::fprintf(stderr, "baton-worker: data plane: the owner of session %s is gone; result dropped\n",
+                         hex_of(sid).c_str());
+        }
+        return;
+    }
+    for (int attempt = 0; attempt < 2; ++attempt) {  // a stale connection is dialled again once
+        std::string error;
+        std::shared_ptr<Connection> conn = outbound(host, port, &error);
+        if (!conn) {
+            std::fprintf(stderr, "baton-worker: data plane: session %s: the next hop: %s; step dropped\n",
+                         hex_of(sid).c_str(), error.c_str());
+            return;
+        }
+        std::lock_guard<std::mutex> lock(conn->send_mu);
+        if (write_full(conn->fd, out.data(), out.size())) {
+            return;
+        }
+        conn->open.store(false);
+        ::shutdown(conn->fd, SHUT_RDWR);
+    }
+    std::fprintf(stderr, "baton-worker: data plane: session %s: the next hop does not take frames; step dropped\n",
+                 hex_of(sid).c_str());
+}
+
+}  // namespace baton

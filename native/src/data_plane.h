@@ -1,0 +1,138 @@
+// DataPlaneServer: the worker's data plane (--data-listen; protocol/worker.proto, DataFrame):
+// a session's steps arrive from the worker before it on the route (or the owner), are computed
+// here and leave for the next worker (or, from the last range, for the owner), without a node
+// agent on the way. Why: a hop through two Python processes costs ~2 ms; worker to worker it
+// costs a TCP message and one Forward (bench/results/hop_floor.md).
+//
+// Owns: the listening TCP socket; one thread per connection (accepted or dialled), which reads
+// and checks frames; the table of bound sessions (keys, counters, where output goes); the
+// queue of steps taken and not yet computed; outbound connections, one per next-hop address,
+// shared by the sessions that go there.
+//
+// Batching: whichever connection thread queues a step computes, if no other is computing, all
+// queued steps of different sequences in one Forward (up to the worker's row budget), and
+// again while steps are queued (flat combining: one session pays no thread hand-off; several
+// share Forwards). The shard's lock is the service's, so the node's own Forwards interleave.
+//
+// Errors: nothing a peer sends can throw out of a thread or stop another connection or
+// session (see worker.proto for which refusals close a connection).
+#pragma once
+
+#include "service.h"
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+
+namespace baton {
+
+// What BindSession asks (worker.proto BindSessionRequest, checked by the service).
+struct DataBinding {
+    std::string session_id;     // 16 bytes
+    uint32_t seq_id = 0;
+    std::string step_key;       // 32 bytes
+    uint32_t next_step = 0;
+    std::string next_host;      // not the last range
+    uint16_t next_port = 0;
+    std::string next_step_key;
+    std::string return_key;     // the last range
+};
+
+struct DataSessionTotals {
+    bool was_bound = false;
+    uint64_t rows = 0;
+    uint32_t steps = 0;
+    uint32_t next_step = 0;
+};
+
+// "HOST:PORT" (IPv4, a name, or [IPv6]) into host and port. False + *error on bad input.
+bool parse_host_port(const std::string & text, std::string * host, uint16_t * port, std::string * error);
+
+class DataPlaneServer final {
+public:
+    // service must outlive the server. max_frame_bytes bounds a frame's DataFrame.
+    DataPlaneServer(ShardWorkerService * service, size_t max_frame_bytes);
+    ~DataPlaneServer();
+
+    DataPlaneServer(const DataPlaneServer &) = delete;
+    DataPlaneServer & operator=(const DataPlaneServer &) = delete;
+
+    // Listens on host:port (port 0: any free one), starts accepting. "" or a one-line reason.
+    std::string start(const std::string & host, uint16_t port);
+    // The bound port (0 before start()).
+    uint16_t port() const { return port_.load(std::memory_order_relaxed); }
+    // Stops accepting, ends every connection, joins every thread. Idempotent.
+    void stop();
+
+    // Binds (or rebinds) a session; dials the next hop now, so that an unreachable one is a
+    // refusal here and not a lost step later. "" or why not.
+    std::string bind(const DataBinding & binding);
+    DataSessionTotals unbind(const std::string & session_id);
+
+private:
+    struct Connection {
+        int fd = -1;
+        std::string outbound_address;  // "host:port" when this worker dialled it, else ""
+        std::mutex send_mu;            // one frame at a time on the socket
+        std::atomic<bool> open{true};
+        std::thread thread;            // its reader
+        std::atomic<bool> finished{false};
+    };
+    struct Session {
+        uint32_t seq_id = 0;
+        std::string step_key;
+        uint32_t next_step = 0;           // the step the next STEP must carry
+        uint64_t last_step_counter = 0;   // highest STEP counter taken (the first must be > 0)
+        std::string next_host;
+        uint16_t next_port = 0;
+        std::string next_step_key;
+        uint64_t out_counter = 0;         // the counter of the last STEP/RESULT sent
+        std::string return_key;
+        uint64_t last_attach_counter = 0;
+        std::weak_ptr<Connection> sink;   // where RESULTs go (the owner's ATTACHed connection)
+        std::string undelivered;          // a RESULT frame made before the owner attached
+        uint64_t rows = 0;
+        uint32_t steps = 0;
+        uint64_t generation = 0;          // which binding: a rebind drops steps queued before it
+    };
+    struct Pending {
+        std::string session_id;
+        uint64_t generation = 0;
+        worker::v1::DataStep step;
+    };
+
+    void accept_loop();
+    void serve(const std::shared_ptr<Connection> & conn);
+    std::shared_ptr<Connection> add_connection(int fd, const std::string & outbound_address);
+    std::shared_ptr<Connection> outbound(const std::string & host, uint16_t port, std::string * error);
+    // One frame read off conn (its DataFrame bytes); false when the connection must end.
+    // Sets *queued_step when it queued a step to compute.
+    bool handle_frame(const std::shared_ptr<Connection> & conn, const char * data, size_t size, bool * queued_step);
+    void combine();
+    void send_output(const Pending & pending, const std::string & frame_body, bool to_owner);
+
+    ShardWorkerService * service_;
+    size_t max_frame_bytes_;
+    std::atomic<uint16_t> port_{0};
+    int listen_fd_ = -1;
+    std::thread accept_thread_;
+
+    std::mutex conn_mu_;  // guards connections_, outbound_, stopping_
+    std::list<std::shared_ptr<Connection>> connections_;
+    std::unordered_map<std::string, std::shared_ptr<Connection>> outbound_;  // "host:port" -> open
+    bool stopping_ = false;
+
+    std::mutex mu_;  // guards sessions_, queue_, combining_
+    std::unordered_map<std::string, Session> sessions_;
+    std::deque<Pending> queue_;
+    bool combining_ = false;
+};
+
+}  // namespace baton

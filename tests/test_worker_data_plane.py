@@ -1,0 +1,254 @@
+"""The worker's data plane (``--data-listen``; protocol/worker.proto, DataFrame) against the
+real binary: three range workers chained worker to worker give the unsplit worker's numbers,
+bit for bit; every frame is sealed (a peer without the key, a changed byte, a replayed frame,
+plaintext and garbage are refused, and nobody else's output changes); a step a range refuses
+reaches the owner as a sealed error; sessions that arrive together share Forwards and still
+get their solo numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import trio
+
+from agent._proto import worker_pb2
+from agent.core import data_frames
+from agent.core.data_frames import DataFrameError, OwnerSession, SessionKeys
+from agent.core.worker_records import SeqInput
+from agent.io.data_link import DataLink, DataLinkClosed, open_data_link
+from agent.io.worker_client import WorkerError
+from agent.io.worker_process import WorkerHandle, open_worker
+
+pytestmark = pytest.mark.timeout(180)
+
+HOST = "127.0.0.1"
+PROMPT = [1, 17, 42, 99, 7, 3]
+CUTS = ((0, 2), (2, 4), (4, 6))
+
+
+@contextlib.asynccontextmanager
+async def open_chain(model, cuts=CUTS, **worker_args) -> AsyncIterator[list[WorkerHandle]]:
+    async with contextlib.AsyncExitStack() as stack:
+        workers = [
+            await stack.enter_async_context(
+                open_worker(model, begin, end, threads=1, ctx_size=64, data_listen=f"{HOST}:0", **worker_args)
+            )
+            for begin, end in cuts
+        ]
+        yield workers
+
+
+async def bind_route(workers: list[WorkerHandle], seq_id: int) -> OwnerSession:
+    """Binds a new session on every range (the nodes' job in the swarm), keys from os.urandom."""
+    keys = SessionKeys.new(os.urandom)
+    step_keys = [keys.first_step_key] + [os.urandom(32) for _ in workers[1:]]
+    for i, worker in enumerate(workers):
+        request = worker_pb2.BindSessionRequest(
+            schema_version=1, session_id=keys.session_id, seq_id=seq_id, step_key=step_keys[i]
+        )
+        if i + 1 < len(workers):
+            request.next_host = HOST
+            request.next_port = workers[i + 1].info.data_port
+            request.next_step_key = step_keys[i + 1]
+        else:
+            request.return_key = keys.return_key
+        await worker.client.call("BindSession", request)
+    return OwnerSession(keys)
+
+
+def step(n: int, positions: list[int], tokens: list[int], top_k: int = 0) -> worker_pb2.DataStep:
+    return worker_pb2.DataStep(step=n, positions=positions, token_ids=tokens, top_k=top_k)
+
+
+async def result_of(session: OwnerSession, link: DataLink) -> worker_pb2.DataResult:
+    with trio.fail_after(30):
+        return session.open_result(await link.receive())
+
+
+async def unsplit_logits(worker: WorkerHandle, seq_id: int, positions: list[int], tokens: list[int]) -> np.ndarray:
+    out = await worker.client.forward([SeqInput(seq_id=seq_id, positions=positions, token_ids=tokens)])
+    assert out[0].logits is not None
+    return out[0].logits[-1]
+
+
+async def test_a_chain_of_workers_equals_the_unsplit_worker_and_refuses_what_is_not_sealed(qwen2_tiny_path) -> None:
+    async with (
+        open_chain(qwen2_tiny_path) as chain,
+        open_worker(qwen2_tiny_path, 0, None, threads=1, ctx_size=64) as whole,
+    ):
+        assert all(w.info.data_port > 0 for w in chain), "Info reports the bound port"
+        assert whole.info.data_port == 0, "no data plane unless asked"
+        first, last = chain[0].info.data_port, chain[-1].info.data_port
+        session = await bind_route(chain, seq_id=0)
+        async with open_data_link(HOST, first) as to_first, open_data_link(HOST, last) as from_last:
+            await from_last.send(session.attach_frame())
+            # the prompt: full logits row, bit for bit the unsplit worker's
+            await to_first.send(session.step_frame(step(0, list(range(len(PROMPT))), PROMPT)))
+            result = await result_of(session, from_last)
+            assert result.error_code == 0, result.error_message
+            expected = await unsplit_logits(whole, 0, list(range(len(PROMPT))), PROMPT)
+            assert np.array_equal(np.frombuffer(result.logits, dtype="<f4"), expected)
+            assert result.next_position == len(PROMPT) and result.n_vocab == expected.size
+
+            # Attacks on the running session, each refused with a NOTICE on that connection:
+            # a frame sealed with another key (a peer that does not hold the session's key)
+            forged = data_frames.sealed_frame(
+                data_frames.STEP, os.urandom(32), session.session_id, 1000, step(1, [6], [5]).SerializeToString()
+            )
+            async with open_data_link(HOST, first) as intruder:
+                await intruder.send(forged)
+                notice = await intruder.receive()
+                assert notice.kind == data_frames.NOTICE and "does not open" in notice.notice, notice
+                # the real step sealed right, then one changed byte in it
+                good = bytearray(session.step_frame(step(1, [6], [11], top_k=8)))
+                good[-1] ^= 1
+                await intruder.send(bytes(good))
+                notice = await intruder.receive()
+                assert "does not open" in notice.notice, notice
+                # a session nobody bound
+                await intruder.send(
+                    data_frames.sealed_frame(data_frames.STEP, os.urandom(32), os.urandom(16), 1, b"")
+                )
+                assert "is bound here" in (await intruder.receive()).notice
+                # plaintext (a frame whose bytes are not a DataFrame): refused, connection closed
+                await intruder.send(struct.pack("<I", 6) + b"\xff" * 6)
+                assert "not a DataFrame" in (await intruder.receive()).notice
+                with pytest.raises(DataLinkClosed):
+                    await intruder.receive()
+            # a frame over the limit: refused, connection closed; a truncated one: nothing
+            async with open_data_link(HOST, first) as intruder:
+                await intruder.send(struct.pack("<I", 0xFFFFFFF0))
+                assert "over the limit" in (await intruder.receive()).notice
+                with pytest.raises(DataLinkClosed):
+                    await intruder.receive()
+            async with open_data_link(HOST, first) as intruder:
+                await intruder.send(struct.pack("<I", 1000) + b"\x08\x01")
+
+            # The session goes on as if nothing happened: step 1 (top-8 this time). The
+            # changed frame used counter 2, which the worker never took, so the owner's next
+            # (3) is above the last taken (1).
+            replay = session.step_frame(step(1, [6], [11], top_k=8))
+            await to_first.send(replay)
+            result = await result_of(session, from_last)
+            assert result.error_code == 0, result.error_message
+            row = await unsplit_logits(whole, 0, [6], [11])
+            order = np.lexsort((np.arange(row.size), -row))[:8]
+            assert np.array_equal(np.frombuffer(result.top_token_ids, dtype="<i4"), order)
+            assert np.array_equal(np.frombuffer(result.top_logits, dtype="<f4"), row[order])
+            # a copy of a frame already taken (a replay): refused; the session is unchanged
+            async with open_data_link(HOST, first) as intruder:
+                await intruder.send(replay)
+                notice = await intruder.receive()
+                assert "not above the last one taken" in notice.notice, notice
+
+            # A step the first range refuses (positions that skip) reaches the owner sealed.
+            await to_first.send(session.step_frame(step(2, [9], [5])))
+            result = await result_of(session, from_last)
+            assert result.error_code == 3 and "position" in result.error_message, result
+            assert result.error_layer_begin == 0
+            # a wrong step number: refused where it is first seen (the first range)
+            await to_first.send(session.step_frame(step(7, [7], [5])))
+            result = await result_of(session, from_last)
+            assert result.error_code == 9 and "step 7 arrived where step 3" in result.error_message, result
+
+            # A RESULT from anyone but the last range (sealed with another key) is refused.
+            fake = worker_pb2.DataFrame()
+            fake.ParseFromString(
+                data_frames.sealed_frame(data_frames.RESULT, os.urandom(32), session.session_id, 99, b"")[4:]
+            )
+            with pytest.raises(DataFrameError, match="does not open"):
+                session.open_result(fake)
+
+        # Unbinding says what the range computed: prompt + one step on the first range.
+        totals = await chain[0].client.call(
+            "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
+        )
+        assert totals.was_bound and totals.rows == len(PROMPT) + 1 and totals.steps == 2, totals
+
+
+async def test_sessions_that_arrive_together_share_forwards_and_keep_their_numbers(smollm2_path) -> None:
+    """Bit for bit, with the bound the swarm's batching declares (0 on CPU, tests/test_batching.py)
+    and for the same reason: only steps of one shape share a Forward. SmolLM2 (Q4_1), as there:
+    the synthetic f32 models' products take another path for several rows than for one."""
+    prompts = [[1, 17, 42, 99, 7, 3], [5, 9, 2], [8, 8, 8, 8]]
+    async with (
+        open_chain(smollm2_path, max_sequences=3, cuts=((0, 10), (10, 20), (20, 30))) as chain,
+        open_worker(smollm2_path, 0, None, threads=1, ctx_size=64, max_sequences=3) as whole,
+    ):
+        sessions = [await bind_route(chain, seq_id=i) for i in range(len(prompts))]
+        calls_before = (await chain[1].client.health()).forward_calls
+        got: dict[int, list[np.ndarray]] = {i: [] for i in range(len(prompts))}
+        async with open_data_link(HOST, chain[0].info.data_port) as to_first, open_data_link(
+            HOST, chain[-1].info.data_port
+        ) as from_last:
+            for s in sessions:
+                await from_last.send(s.attach_frame())
+            tokens = {i: list(p) for i, p in enumerate(prompts)}
+            for n in range(4):
+                # every session's step n sent at once: they meet in the workers' queues
+                frames = []
+                for i, s in enumerate(sessions):
+                    positions = list(range(len(prompts[i]))) if n == 0 else [len(tokens[i]) - 1]
+                    feed = tokens[i] if n == 0 else tokens[i][-1:]
+                    frames.append(s.step_frame(step(n, positions, feed)))
+                await to_first.send(b"".join(frames))
+                by_session = {s.session_id: i for i, s in enumerate(sessions)}
+                for _ in sessions:
+                    with trio.fail_after(30):
+                        frame = await from_last.receive()
+                    i = by_session[frame.session_id]
+                    result = sessions[i].open_result(frame)
+                    assert result.error_code == 0, result.error_message
+                    row = np.frombuffer(result.logits, dtype="<f4")
+                    got[i].append(row)
+                    tokens[i].append(int(np.argmax(row)))
+        calls = (await chain[1].client.health()).forward_calls - calls_before
+        assert calls < 4 * len(prompts), f"{calls} Forwards for {4 * len(prompts)} steps: none were shared"
+        for i, prompt in enumerate(prompts):
+            positions = list(range(len(prompt)))
+            expected = [await unsplit_logits(whole, i, positions, prompt)]
+            for n in range(1, 4):
+                expected.append(await unsplit_logits(whole, i, [len(prompt) + n - 1], [tokens[i][len(prompt) + n - 1]]))
+            for n, (a, b) in enumerate(zip(got[i], expected, strict=True)):
+                assert np.array_equal(a, b), f"session {i} step {n} differs from its solo run"
+
+
+async def test_bind_session_refuses_what_does_not_fit(qwen2_tiny_path) -> None:
+    async with open_chain(qwen2_tiny_path) as chain:
+        sid = os.urandom(16)
+        cases = [
+            (chain[0], dict(session_id=b"short", seq_id=0, step_key=os.urandom(32)), "16 bytes"),
+            (chain[0], dict(session_id=sid, seq_id=9, step_key=os.urandom(32)), "n_seq_max"),
+            (chain[0], dict(session_id=sid, seq_id=0, step_key=b"k"), "step_key"),
+            (chain[0], dict(session_id=sid, seq_id=0, step_key=os.urandom(32)), "needs next_host"),
+            (
+                chain[-1],
+                dict(session_id=sid, seq_id=0, step_key=os.urandom(32), next_host=HOST, next_port=1,
+                     next_step_key=os.urandom(32)),
+                "no next_host",
+            ),
+            (chain[-1], dict(session_id=sid, seq_id=0, step_key=os.urandom(32)), "return_key"),
+        ]  # fmt: skip
+        for worker, fields, reason in cases:
+            with pytest.raises(WorkerError) as caught:
+                await worker.client.call("BindSession", worker_pb2.BindSessionRequest(schema_version=1, **fields))
+            assert caught.value.code_name == "INVALID_ARGUMENT" and reason in caught.value.message, caught.value
+        # a next hop nobody listens on: refused now, not a lost step later
+        with trio.socket.socket() as probe:
+            await probe.bind((HOST, 0))
+            closed_port = probe.getsockname()[1]
+        with pytest.raises(WorkerError) as caught:
+            await chain[0].client.call(
+                "BindSession",
+                worker_pb2.BindSessionRequest(
+                    schema_version=1, session_id=sid, seq_id=0, step_key=os.urandom(32), next_host=HOST,
+                    next_port=closed_port, next_step_key=os.urandom(32),
+                ),
+            )  # fmt: skip
+        assert caught.value.code_name == "UNAVAILABLE" and "cannot connect" in caught.value.message, caught.value

@@ -44,7 +44,7 @@ async def open_chain(model, cuts=CUTS, **worker_args) -> AsyncIterator[list[Work
         yield workers
 
 
-async def bind_route(workers: list[WorkerHandle], seq_id: int) -> OwnerSession:
+async def bind_route(workers: list[WorkerHandle], seq_id: int, keep_rows_max_bytes: int = 0) -> OwnerSession:
     """Binds a new session on every range (the nodes' job in the swarm), keys from os.urandom."""
     keys = SessionKeys.new(os.urandom)
     step_keys = [keys.first_step_key] + [os.urandom(32) for _ in workers[1:]]
@@ -56,6 +56,7 @@ async def bind_route(workers: list[WorkerHandle], seq_id: int) -> OwnerSession:
             request.next_host = HOST
             request.next_port = workers[i + 1].info.data_port
             request.next_step_key = step_keys[i + 1]
+            request.keep_rows_max_bytes = keep_rows_max_bytes
         else:
             request.return_key = keys.return_key
         await worker.client.call("BindSession", request)
@@ -85,7 +86,7 @@ async def test_a_chain_of_workers_equals_the_unsplit_worker_and_refuses_what_is_
         assert all(w.info.data_port > 0 for w in chain), "Info reports the bound port"
         assert whole.info.data_port == 0, "no data plane unless asked"
         first, last = chain[0].info.data_port, chain[-1].info.data_port
-        session = await bind_route(chain, seq_id=0)
+        session = await bind_route(chain, seq_id=0, keep_rows_max_bytes=1 << 20)
         async with open_data_link(HOST, first) as to_first, open_data_link(HOST, last) as from_last:
             await from_last.send(session.attach_frame())
             # the prompt: full logits row, bit for bit the unsplit worker's
@@ -165,11 +166,30 @@ async def test_a_chain_of_workers_equals_the_unsplit_worker_and_refuses_what_is_
             with pytest.raises(DataFrameError, match="does not open"):
                 session.open_result(fake)
 
-        # Unbinding says what the range computed: prompt + one step on the first range.
+        # Unbinding says what the range computed (prompt + one step on the first range), where
+        # the sequence stands, and gives back the output rows it kept: the rows the range's
+        # Forward gives for those tokens, which the node keeps to rebuild a lost next hop.
         totals = await chain[0].client.call(
             "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
         )
         assert totals.was_bound and totals.rows == len(PROMPT) + 1 and totals.steps == 2, totals
+        assert totals.next_position == len(PROMPT) + 1 and totals.next_step == 3, totals  # 2 refused, 7 out of order
+        # (the same steps: the prompt, then one row; rows cut otherwise need not be equal)
+        prompt_rows = await chain[0].client.forward(
+            [SeqInput(seq_id=1, positions=list(range(len(PROMPT))), token_ids=PROMPT)]
+        )
+        step_rows = await chain[0].client.forward([SeqInput(seq_id=1, positions=[len(PROMPT)], token_ids=[11])])
+        assert totals.kept_first_position == 0 and not totals.kept_rows_lost
+        expected_rows = np.concatenate([prompt_rows[0].boundary, step_rows[0].boundary]).astype("<f4")
+        assert totals.kept_rows == expected_rows.tobytes()
+        again = await chain[0].client.call(
+            "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
+        )
+        assert not again.was_bound and again.rows == 0
+        # unbound: its frames are refused (the connection stays open for others)
+        async with open_data_link(HOST, first) as late:
+            await late.send(session.step_frame(step(8, [7], [5])))
+            assert "is bound here" in (await late.receive()).notice
 
 
 async def test_sessions_that_arrive_together_share_forwards_and_keep_their_numbers(smollm2_path) -> None:

@@ -360,6 +360,7 @@ std::string DataPlaneServer::bind(const DataBinding & b) {
     s.next_port = b.next_port;
     s.next_step_key = b.next_step_key;
     s.return_key = b.return_key;
+    s.keep_max = b.keep_rows_max_bytes;
     return "";
 }
 
@@ -374,6 +375,12 @@ DataSessionTotals DataPlaneServer::unbind(const std::string & session_id) {
     totals.rows = found->second.rows;
     totals.steps = found->second.steps;
     totals.next_step = found->second.next_step;
+    totals.seq_id = found->second.seq_id;
+    totals.kept_rows_lost = found->second.kept_lost;
+    if (!found->second.kept_lost && found->second.kept_first >= 0) {
+        totals.kept_rows.swap(found->second.kept);
+        totals.kept_first_position = found->second.kept_first;
+    }
     sessions_.erase(found);  // its queued steps are dropped when a combiner meets them
     return totals;
 }
@@ -583,6 +590,17 @@ void DataPlaneServer::combine() {
         std::vector<ShardStatus> status(batch.size());
         std::vector<ForwardOutput> outputs(batch.size());
         service_->with_shard([&](Shard & shard) {
+            {
+                // Unbound since it was taken: not computed. (UnbindSession reads the sequence's
+                // positions under this lock after unbinding, so it sees every step computed.)
+                std::lock_guard<std::mutex> lock(mu_);
+                for (size_t i = 0; i < batch.size(); ++i) {
+                    auto s = sessions_.find(batch[i].session_id);
+                    if (s == sessions_.end() || s->second.generation != batch[i].generation) {
+                        status[i] = ShardStatus::Precondition("unbound");
+                    }
+                }
+            }
             const ForwardLimits limits = shard.limits();
             std::vector<int32_t> next(limits.n_seq_max);
             for (uint32_t q = 0; q < limits.n_seq_max; ++q) {
@@ -592,7 +610,7 @@ void DataPlaneServer::combine() {
             std::vector<size_t> index;
             for (size_t i = 0; i < batch.size(); ++i) {
                 const v1::DataStep & st = batch[i].step;
-                if (st.error_code() != 0) {
+                if (st.error_code() != 0 || !status[i].ok()) {
                     continue;
                 }
                 ForwardEntry e;
@@ -665,6 +683,7 @@ void DataPlaneServer::combine() {
                     next.set_error_layer_begin(st.error_layer_begin());
                 } else {
                     ForwardOutput & o = outputs[i];
+                    keep_rows(batch[i], st.positions(0), o.boundary);
                     next.mutable_positions()->CopyFrom(st.positions());
                     next.set_boundary(std::move(o.boundary));
                     next.set_boundary_dtype(v1::DTYPE_F32);
@@ -683,6 +702,30 @@ void DataPlaneServer::combine() {
             }
         }
     }
+}
+
+void DataPlaneServer::keep_rows(const Pending & pending, int32_t first_position, const std::string & rows) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = sessions_.find(pending.session_id);
+    if (found == sessions_.end() || found->second.generation != pending.generation) {
+        return;
+    }
+    Session & s = found->second;
+    if (s.keep_max == 0 || s.kept_lost) {
+        return;
+    }
+    if (s.kept_first < 0) {
+        s.kept_first = first_position;
+    }
+    const size_t row_bytes = static_cast<size_t>(service_->boundary_schema().row_values()) * sizeof(float);
+    const size_t held_rows = row_bytes == 0 ? 0 : s.kept.size() / row_bytes;
+    if (static_cast<int64_t>(s.kept_first) + static_cast<int64_t>(held_rows) != first_position ||
+        s.kept.size() + rows.size() > s.keep_max) {
+        s.kept_lost = true;  // a gap, or over the budget: the node cannot rebuild from these
+        std::string().swap(s.kept);
+        return;
+    }
+    s.kept.append(rows);
 }
 
 void DataPlaneServer::send_output(const Pending & pending, const std::string & body, bool to_owner) {

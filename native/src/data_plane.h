@@ -43,6 +43,7 @@ struct DataBinding {
     uint16_t next_port = 0;
     std::string next_step_key;
     std::string return_key;     // the last range
+    uint64_t keep_rows_max_bytes = 0;
 };
 
 struct DataSessionTotals {
@@ -50,6 +51,10 @@ struct DataSessionTotals {
     uint64_t rows = 0;
     uint32_t steps = 0;
     uint32_t next_step = 0;
+    uint32_t seq_id = 0;
+    std::string kept_rows;       // f32 output rows from kept_first_position on
+    int32_t kept_first_position = 0;
+    bool kept_rows_lost = false;
 };
 
 // "HOST:PORT" (IPv4, a name, or [IPv6]) into host and port. False + *error on bad input.
@@ -101,6 +106,10 @@ private:
         uint64_t rows = 0;
         uint32_t steps = 0;
         uint64_t generation = 0;          // which binding: a rebind drops steps queued before it
+        uint64_t keep_max = 0;            // bytes of output rows to keep (0: none)
+        std::string kept;                 // output rows of its steps, positions kept_first on
+        int32_t kept_first = -1;          // -1: none kept yet
+        bool kept_lost = false;           // over keep_max, or a gap: none are given back
     };
     struct Pending {
         std::string session_id;
@@ -117,6 +126,7 @@ private:
     bool handle_frame(const std::shared_ptr<Connection> & conn, const char * data, size_t size, bool * queued_step);
     void combine();
     void send_output(const Pending & pending, const std::string & frame_body, bool to_owner);
+    void keep_rows(const Pending & pending, int32_t first_position, const std::string & rows);
 
     ShardWorkerService * service_;
     size_t max_frame_bytes_;

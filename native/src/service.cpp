@@ -293,6 +293,7 @@ grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::Bi
         binding.next_port = static_cast<uint16_t>(request->next_port());
         binding.next_step_key = request->next_step_key();
         binding.return_key = request->return_key();
+        binding.keep_rows_max_bytes = info.gives_logits ? 0 : request->keep_rows_max_bytes();
         const std::string refused = data_plane_->bind(binding);
         if (!refused.empty()) {
             return grpc::Status(grpc::StatusCode::UNAVAILABLE, refused);
@@ -312,12 +313,20 @@ grpc::Status ShardWorkerService::UnbindSession(grpc::ServerContext *, const v1::
         if (data_plane_ == nullptr) {
             return to_grpc_status(ShardStatus::Precondition("this worker has no data plane (--data-listen)"));
         }
-        const DataSessionTotals totals = data_plane_->unbind(request->session_id());
+        DataSessionTotals totals = data_plane_->unbind(request->session_id());
         reply->set_schema_version(kSchemaVersion);
         reply->set_was_bound(totals.was_bound);
+        if (totals.was_bound) {
+            // under the lock: a step of it in a Forward when it was unbound is in the count
+            std::lock_guard<std::mutex> lock(shard_mu_);
+            reply->set_next_position(shard_->next_position(totals.seq_id));
+        }
         reply->set_rows(totals.rows);
         reply->set_steps(totals.steps);
         reply->set_next_step(totals.next_step);
+        reply->set_kept_rows(std::move(totals.kept_rows));
+        reply->set_kept_first_position(totals.kept_first_position);
+        reply->set_kept_rows_lost(totals.kept_rows_lost);
         return grpc::Status::OK;
     });
 }

@@ -14,7 +14,11 @@ Owns, for one range of one node:
   continues at the same step number;
 - ending sessions (end_session, idle timeout, failures): an ended session's sequence id is
   *closing* until the shell has removed the sequence on the worker (between two Forwards),
-  and only then free again, so a new session never inherits stale KV.
+  and only then free again, so a new session never inherits stale KV;
+- sessions on the worker's data plane (``bind_data_plane``): their steps go worker to worker,
+  not through this table, until the shell unbinds them (``unbound``: what the worker did comes
+  back into the session); one that ends while bound is unbound by the shell before its sequence
+  is removed (``take_unbinding``), so no step of it can reach a sequence given to another.
 
 Pure: ``now_ms`` comes in as an argument. Must not import trio, grpc, libp2p or agent.io.
 """
@@ -45,6 +49,7 @@ class NodeSession:
     rebuilding: bool = False  # opened by rebuild steps; cleared by its first ordinary step
     rows: int = 0  # rows accepted for it here (prompt, generated, rebuild): the ledger's count
     decoding: bool = False  # its last step was a decode step (one row), not a prompt chunk or rebuild
+    data_plane: bool = False  # bound on the worker's data plane: its steps do not come through here
 
 
 class SessionTable:
@@ -67,6 +72,7 @@ class SessionTable:
         self._sessions: dict[bytes, NodeSession] = {}
         self._free: list[int] = list(range(n_seq_max - 1, -1, -1))  # pop() gives the lowest id
         self._closing: list[int] = []
+        self._unbinding: list[bytes] = []  # ended while bound on the data plane
         self.started = 0  # sessions opened by a step 0
         self.resumed = 0  # sessions that kept their cache through a resume
         self.rebuilt = 0  # sessions opened by rebuild steps
@@ -112,6 +118,7 @@ class SessionTable:
             if session is None:
                 raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()} at step {step} (no step 0 here)")
             self._check_owner(session, owner_peer_id)
+            self._check_not_bound(session, f"step {step}")
             if step != session.next_step:
                 raise WireError(
                     Code.INVALID_ARGUMENT,
@@ -203,6 +210,7 @@ class SessionTable:
         if session is None:
             raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()}: nothing to resume")
         self._check_owner(session, owner_peer_id)
+        self._check_not_bound(session, "a resume (unbind it first)")
         if session.pending:
             raise WireError(Code.UNAVAILABLE, f"session {session_id.hex()} has a step in a Forward")
         if keep_positions > session.next_position:
@@ -221,6 +229,52 @@ class SessionTable:
         session.last_used_ms = now_ms
         self.resumed += 1
         return session, trim
+
+    def bind_data_plane(self, session_id: bytes, owner_peer_id: str, now_ms: int) -> NodeSession:
+        """Mark the session bound on the worker's data plane (the shell binds it there).
+
+        Raises:
+          WireError: NOT_FOUND (unknown session), REFUSED (another owner's), UNAVAILABLE (a
+            step of it is queued or in a Forward), FAILED_PRECONDITION (still being rebuilt).
+        """
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()}: nothing to bind")
+        self._check_owner(session, owner_peer_id)
+        if session.pending:
+            raise WireError(Code.UNAVAILABLE, f"session {session_id.hex()} has a step in a Forward")
+        if session.rebuilding:
+            raise WireError(Code.FAILED_PRECONDITION, f"session {session_id.hex()} is being rebuilt")
+        session.data_plane = True
+        session.last_used_ms = now_ms
+        return session
+
+    def unbound(self, session_id: bytes, *, next_step: int, next_position: int, rows: int, now_ms: int) -> None:
+        """The worker no longer takes the session's steps; what it did while bound: the step
+        it expects next, the positions its sequence holds, the rows it computed."""
+        session = self._sessions.get(session_id)
+        if session is None or not session.data_plane:
+            return
+        session.data_plane = False
+        session.next_step = max(session.next_step, next_step)
+        session.next_position = next_position
+        session.rows += rows
+        session.decoding = rows > 0 or session.decoding
+        session.last_used_ms = now_ms
+
+    def take_unbinding(self) -> list[bytes]:
+        """Sessions that ended while bound: unbind each on the worker before removing the
+        sequences ``take_closing`` gives (each is returned once)."""
+        unbinding, self._unbinding = self._unbinding, []
+        return unbinding
+
+    @staticmethod
+    def _check_not_bound(session: NodeSession, what: str) -> None:
+        if session.data_plane:
+            raise WireError(
+                Code.FAILED_PRECONDITION,
+                f"session {session.session_id.hex()} is on the data plane: {what} must go to the worker",
+            )
 
     @staticmethod
     def _check_owner(session: NodeSession, owner_peer_id: str) -> None:
@@ -269,6 +323,8 @@ class SessionTable:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             self._closing.append(session.seq_id)
+            if session.data_plane:
+                self._unbinding.append(session_id)
         return session
 
     def has_closing(self) -> bool:

@@ -36,6 +36,7 @@ import contextvars
 import dataclasses
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -48,6 +49,8 @@ from google.protobuf.message import DecodeError
 
 from agent._proto import swarm_pb2
 from agent.core.admission import AdmissionError, AdmissionVerifier, make_client_hello, verify_admission
+from agent.core.data_frames import DataFrameError, OwnerSession, SessionKeys
+from agent.core.data_route import RouteKeys, bind_request, data_plane_hosts, data_step, step_result
 from agent.core.identity import peer_id_from_public_key
 from agent.core.sampling import SamplingParams
 from agent.core.session import HopFailed, ResultRefused, Session, end_session_request, resume_plan, surviving_hops
@@ -66,6 +69,7 @@ from agent.core.swarm_wire import (
 from agent.core.text_stream import TextStream
 from agent.core.spot_check import RouteSegment, rollback_point
 from agent.io.client.spot_check import SpotChecks, withdrawn_peers
+from agent.io.data_link import DataLink, DataLinkClosed, open_data_link
 from agent.io.transport import ImmediateHandler, Transport, TransportError
 
 if TYPE_CHECKING:
@@ -138,6 +142,12 @@ class SwarmClientConfig:
     deadline (a hop can die after answering a probe).
     ``resume``: a lost hop is replaced while the other hops keep their caches (False: every
     replan re-prefills a whole new route, e.g. to compare the two).
+    ``data_plane``: once a session's prompt is in the route's caches, its decode steps go worker
+    to worker (``agent.core.data_route``) when every hop offers it (a hop reached only through
+    the relay does not): the owner sends each step to the first hop's worker and takes its
+    result from the last's, sealed with keys it gave the hops' nodes; the nodes only lease
+    (renewed by the owner's touches every ``probe_interval_s``) and unbind. False: every step
+    through the node agents.
     """
 
     request_timeout_s: float = 10.0
@@ -154,6 +164,7 @@ class SwarmClientConfig:
     report_grace_s: float = 0.2
     probe_interval_s: float = 1.0
     resume: bool = True
+    data_plane: bool = True
     # Integrity (issue 11, agent/io/client/spot_check.py): the share of sessions replayed
     # through a route of the same recipe around one of their hops and compared bit for bit,
     # how long a session that ended waits for its replay, and how long the tracker may take to
@@ -218,7 +229,9 @@ class GenerationResult:
     ``first_token_s``: from the first step sent to the first token; ``resumes``: how many of
     the ``replans`` replaced a lost hop while the other hops kept their caches (the others
     re-prefilled a new route); ``resume_s``: the time each resume took (lost hop named to
-    rebuilt), in order.
+    rebuilt), in order; ``data_plane_steps``: the steps that went worker to worker (the rest
+    went through the node agents: prompt chunks, and every step of a route a hop of which has
+    no data plane).
     """
 
     text: str
@@ -241,6 +254,7 @@ class GenerationResult:
     #: tokens taken back (and generated again) because a peer that computed them failed an
     #: integrity check; ``on_token`` had seen them
     tokens_taken_back: int = 0
+    data_plane_steps: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -262,6 +276,7 @@ class GenerationResult:
             "stopped_by_token": self.stopped_by_token,
             "replans": self.replans,
             "resumes": self.resumes,
+            "data_plane_steps": self.data_plane_steps,
             "hop_rows": [dict(hop) for hop in self.hop_rows],
             "node_rows": [dict(hop) for hop in self.node_rows],
         }
@@ -305,6 +320,7 @@ class _Progress:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_steps: int = 0
+    data_plane_steps: int = 0
     first_token_s: float = 0.0
     rows: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
     node_rows: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
@@ -407,6 +423,65 @@ class _LiveSession:
         elif result.rebuilt_positions == rebuild.positions:
             rebuild.done.set()
         return None
+
+
+class _DataPlane:
+    """A session's route on the workers' data plane, owner side: STEPs go on ``to_first``,
+    RESULTs come back on ``from_last`` (read by the owner's task itself while it waits: no
+    task of its own), and a NOTICE (a worker refused a frame) on either."""
+
+    #: how long a look for a NOTICE on the first hop's connection waits (past a step's deadline)
+    NOTICE_LOOK_S = 0.01
+
+    def __init__(self, owner: OwnerSession, route: swarm_pb2.Route, to_first: DataLink, from_last: DataLink) -> None:
+        self.owner, self.route, self.to_first, self.from_last = owner, route, to_first, from_last
+        self.touched_at = -math.inf
+
+    async def send(self, live: _LiveSession, request: swarm_pb2.StepRequest) -> None:
+        """Send the step to the first hop's worker; a connection that fails fails the step,
+        naming that hop (gone: the owner resumes around it)."""
+        try:
+            await self.to_first.send(self.owner.step_frame(data_step(request)))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as why:
+            self._fail(live, self.route.hops[0], f"the data plane connection failed: {why}")
+
+    async def receive(self, live: _LiveSession) -> None:
+        """Read the last hop's connection until the step in flight has its outcome: a RESULT
+        the session takes (one it refuses, e.g. stale, is dropped), or a failure naming the
+        last hop (the connection ended, a NOTICE). Safe to cancel between frames and within one."""
+        await self._receive(live, self.from_last, self.route.hops[-1])
+
+    async def look_for_notice(self, live: _LiveSession) -> None:
+        """Whether the first hop's worker refused the step (a NOTICE waiting on its connection)."""
+        with trio.move_on_after(self.NOTICE_LOOK_S):
+            await self._receive(live, self.to_first, self.route.hops[0])
+
+    async def _receive(self, live: _LiveSession, link: DataLink, hop: swarm_pb2.Hop) -> None:
+        while not live.arrived.is_set():
+            try:
+                frame = await link.receive()
+            except (DataLinkClosed, DataFrameError, trio.BrokenResourceError, trio.ClosedResourceError, OSError) as why:
+                self._fail(live, hop, f"the data plane connection ended: {why}")
+                return
+            try:
+                result = self.owner.open_result(frame)
+            except DataFrameError as why:
+                self._fail(live, hop, str(why))
+                return
+            result_, sender = step_result(self.owner.session_id, result, self.route)
+            live.deliver(sender, result_)
+
+    @staticmethod
+    def _fail(live: _LiveSession, hop: swarm_pb2.Hop, why: str) -> None:
+        step = live.session.step
+        if live.arrived.is_set() or not live.session.awaiting:
+            log.info("data plane of session %s: %s: %s", live.session.session_hex, hop.peer_id, why)
+            return
+        live.outcome = GenerationError(
+            f"step {step}: data plane, {hop.peer_id}: {why}", failed_peer_id=hop.peer_id, step=step,
+            code=swarm_pb2.Error.UNAVAILABLE,
+        )  # fmt: skip
+        live.arrived.set()
 
 
 def _err(code_name: str, message: str) -> swarm_pb2.Error:
@@ -1000,6 +1075,7 @@ class SwarmClient:
             resume_s=resume_s,
             node_rows=progress.hop_rows_list(nodes=True),
             tokens_taken_back=taken_back,
+            data_plane_steps=progress.data_plane_steps,
         )
 
     async def _take_back(self, segments: list[RouteSegment], generated: list[int], avoid: list[str]) -> int:
@@ -1103,36 +1179,97 @@ class SwarmClient:
         # listeners' addresses afresh on each ask: ~20 us, measured, on every step's path)
         owner_addrs = self.transport.listen_addrs
         try:
-            while not session.finished:
-                live.arm()
-                step_input = session.next_step()
-                request = session.step_request(
-                    step_input, route, owner_peer_id=self.peer_id, owner_addrs=owner_addrs, admission=self.admission
-                )
-                prefill = session.in_prefill
-                started = time.perf_counter()
-                sent_at = trio.current_time()
-                if not self._send_step_soon(live, first, request):
-                    await self._send_step(first, request, prefill=prefill)
-                await self._await_result(live, route, step_input.step, sent_at, prefill=prefill)
-                elapsed = time.perf_counter() - started
-                if isinstance(live.outcome, BaseException):
-                    raise live.outcome
-                if spot is not None and live.result is not None:
-                    spot.feed(request, live.result)
-                progress.add_rows(route, len(step_input.token_ids))
-                if live.outcome is None:  # a prefill chunk: more of the prompt follows
-                    progress.prefill_s += elapsed
-                    continue
-                token = int(live.outcome)
-                if not prefill:
-                    self._note_decode_step(elapsed)
-                progress.add(token, elapsed, prefill=prefill)
-                if await take(token, session.last_logits) and not session.finished:
-                    session.stop()
+            async with contextlib.AsyncExitStack() as stack:
+                plane: _DataPlane | None = None
+                tried_plane = not self.config.data_plane
+                while not session.finished:
+                    if not tried_plane and not session.in_prefill:
+                        tried_plane = True  # the prompt is in the caches: decode worker to worker
+                        plane = await self._open_data_plane(stack, live, route)
+                    live.arm()
+                    step_input = session.next_step()
+                    request = session.step_request(
+                        step_input, route, owner_peer_id=self.peer_id, owner_addrs=owner_addrs, admission=self.admission
+                    )
+                    prefill = session.in_prefill
+                    started = time.perf_counter()
+                    sent_at = trio.current_time()
+                    if plane is not None:
+                        self._touch_soon(plane, route, session.session_id, sent_at)
+                        progress.data_plane_steps += 1
+                        await plane.send(live, request)
+                    elif not self._send_step_soon(live, first, request):
+                        await self._send_step(first, request, prefill=prefill)
+                    await self._await_result(live, route, step_input.step, sent_at, prefill=prefill, plane=plane)
+                    elapsed = time.perf_counter() - started
+                    if isinstance(live.outcome, BaseException):
+                        raise live.outcome
+                    if spot is not None and live.result is not None:
+                        spot.feed(request, live.result)
+                    progress.add_rows(route, len(step_input.token_ids))
+                    if live.outcome is None:  # a prefill chunk: more of the prompt follows
+                        progress.prefill_s += elapsed
+                        continue
+                    token = int(live.outcome)
+                    if not prefill:
+                        self._note_decode_step(elapsed)
+                    progress.add(token, elapsed, prefill=prefill)
+                    if await take(token, session.last_logits) and not session.finished:
+                        session.stop()
         except GenerationError as error:
             session.fail(str(error))
             raise
+
+    async def _open_data_plane(
+        self, stack: contextlib.AsyncExitStack, live: _LiveSession, route: swarm_pb2.Route
+    ) -> _DataPlane | None:
+        """Move ``live.session``'s steps onto the workers' data plane of ``route``: bound on every
+        hop, last first; the two connections open until ``stack`` closes. None, with the session
+        still on the node path, when a hop cannot (no direct address, no data plane, a refusal):
+        hops bound by then are unbound again."""
+        hosts = data_plane_hosts(route)
+        if hosts is None:
+            log.debug("session %s: a hop of the route has no direct address: node path", live.session.session_hex)
+            return None
+        session_id = live.session.session_id
+        keys = RouteKeys.new(len(route.hops), os.urandom)
+        ports: list[int] = [0] * len(route.hops)
+        bound: list[swarm_pb2.Hop] = []
+        try:
+            for index in reversed(range(len(route.hops))):
+                request = bind_request(route, index, session_id, keys, hosts, ports[index + 1] if bound else 0)
+                reply = await self._node(route.hops[index], swarm_pb2.NodeRequest(data_plane_bind=request))
+                bound.append(route.hops[index])
+                ports[index] = reply.data_port
+            owner = OwnerSession(SessionKeys(session_id, keys.step_keys[0], keys.return_key))
+            to_first = await stack.enter_async_context(open_data_link(hosts[0], ports[0]))
+            from_last = await stack.enter_async_context(open_data_link(hosts[-1], ports[-1]))
+            await from_last.send(owner.attach_frame(live.session.step))
+        except (SwarmError, TransportError, OSError, trio.BrokenResourceError) as why:
+            log.info("session %s stays on the node path: %s", live.session.session_hex, why)
+            for hop in bound:
+                with contextlib.suppress(SwarmError, TransportError):
+                    await self._node(hop, swarm_pb2.NodeRequest(data_plane_unbind=swarm_pb2.DataPlaneUnbindRequest(
+                        session_id=session_id, model_sha256=route.model_sha256, begin=hop.begin, end=hop.end)))
+            return None
+        plane = _DataPlane(owner, route, to_first, from_last)
+        log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
+        return plane
+
+    def _touch_soon(self, plane: _DataPlane, route: swarm_pb2.Route, session_id: bytes, now: float) -> None:
+        """Renew the session's lease on every hop every ``probe_interval_s`` while its steps go
+        worker to worker (the nodes see none of them), without waiting for the answers (a hop
+        that is gone shows as the step's failure)."""
+        if now - plane.touched_at < self.config.probe_interval_s or self._request_soon is None:
+            return
+        plane.touched_at = now
+        request = swarm_pb2.NodeRequest(schema_version=SCHEMA_VERSION, sender_admission=self.admission)
+        request.touch.session_id = session_id
+        data = request.SerializeToString()
+        for hop in route.hops:
+            self._request_soon(
+                hop.peer_id, NODE_PROTOCOL, data, timeout_s=self.config.request_timeout_s, on_reply=_ignore_reply
+            )
 
     async def _resume(
         self,
@@ -1272,7 +1409,14 @@ class SwarmClient:
         return min(deadline, self.config.step_timeout_s)
 
     async def _await_result(
-        self, live: _LiveSession, route: swarm_pb2.Route, step: int, sent_at: float, *, prefill: bool
+        self,
+        live: _LiveSession,
+        route: swarm_pb2.Route,
+        step: int,
+        sent_at: float,
+        *,
+        prefill: bool,
+        plane: _DataPlane | None = None,
     ) -> None:
         """Wait for the step's result; past its deadline, probe the hops (again every
         ``probe_interval_s``) and name the first silent one.
@@ -1285,8 +1429,15 @@ class SwarmClient:
         look_at = sent_at + self._step_deadline_s(prefill=prefill)
         while True:
             with trio.move_on_at(min(look_at, give_up_at)):
-                await live.arrived.wait()
+                if plane is None:
+                    await live.arrived.wait()
+                else:
+                    await plane.receive(live)  # (the result comes on the owner's own connection)
                 return
+            if plane is not None:
+                await plane.look_for_notice(live)  # the first worker may have refused the step
+                if live.arrived.is_set():
+                    return
             if trio.current_time() >= give_up_at:
                 break
             silent = await self._silent_hop(route, live.session.session_id)
@@ -1399,6 +1550,10 @@ class SwarmClient:
         error = _step_ack_error(first.peer_id, step, unreachable[0] if unreachable else raw)
         if error is not None:
             raise error
+
+
+def _ignore_reply(_reply: bytes | TransportError) -> None:
+    """A touch's answer: nothing to do (a hop that is gone fails the step instead)."""
 
 
 def _step_ack_error(first_peer_id: str, step: int, reply: bytes | TransportError) -> GenerationError | None:

@@ -48,7 +48,7 @@ import time
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent._proto import swarm_pb2
+from agent._proto import swarm_pb2, worker_pb2
 from agent.core.admission import AdmissionError, AdmissionVerifier, public_key_bytes
 from agent.core.batching import forward_key
 from agent.core.boundary import BoundaryError
@@ -235,6 +235,11 @@ class NodeConfig:
         rebuilding a lost next hop (SmolLM2's 2,048 positions in f32: 4.7 MB; 0 keeps none:
         a lost hop after this one then costs a re-prefill of the whole route).
       resume_wait_s: how long a resume waits for a step of the session still in a Forward.
+      data_plane_host: where each worker's data plane listens (a TCP port chosen at start):
+        a session's owner may then move its steps there (``DataPlaneBindRequest``), worker to
+        worker, the node only admitting, leasing and unbinding; None: no data plane (every
+        step through this node). The CLI uses the host of ``--listen``: the data plane is
+        exactly as reachable as the node's own channel, never more.
       row_budget: rows each worker Forward is filled to (``agent.core.scheduler``); None: the
         worker's batch (``n_batch``). Steps longer than this are refused (owners chunk).
       decode_groups: a range that begins at block 0 splits its decoding sessions into this many
@@ -286,6 +291,7 @@ class NodeConfig:
     manifest_timeout_s: float = 300.0
     kept_rows_max_bytes: int = 64 * 1024 * 1024
     resume_wait_s: float = 5.0
+    data_plane_host: str | None = "127.0.0.1"
     replay_merge_rows: int = 16
     row_budget: int | None = None
     decode_groups: int | None = None
@@ -402,6 +408,17 @@ def _unix_ms() -> int:
     Everything else of the node (session leases, sweeps, batch windows, heartbeat intervals)
     runs on trio's clock, so a test's MockClock drives it."""
     return time.time_ns() // 1_000_000
+
+
+def _data_listen(host: str | None) -> str | None:
+    """The worker's ``--data-listen`` for ``NodeConfig.data_plane_host`` (any free port)."""
+    if host is None:
+        return None
+    return f"[{host}]:0" if ":" in host else f"{host}:0"
+
+
+def _unbind_request(session_id: bytes) -> worker_pb2.UnbindSessionRequest:
+    return worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session_id)
 
 
 def _clock_ms() -> int:
@@ -796,7 +813,7 @@ class Node:
             ctx_size=cfg.ctx_size, max_sequences=cfg.max_sequences, batch_size=cfg.batch_size,
             threads=cfg.threads, model_sha256=model.sha256, ready_timeout_s=cfg.worker_ready_timeout_s,
             stop_grace_s=cfg.worker_stop_grace_s, client_config=ClientConfig(timeout_s=cfg.worker_call_timeout_s),
-            binary=cfg.worker_binary, environment=environment,
+            binary=cfg.worker_binary, environment=environment, data_listen=_data_listen(cfg.data_plane_host),
         ) as handle:  # fmt: skip
             info = handle.info
             if info.model_sha256 and info.model_sha256 != model.sha256:
@@ -835,6 +852,13 @@ class Node:
                 await served.wakeup.wait()
             if window_ms := batch_window_wait_ms(self.config.batch_window_ms, scheduler.pending_rows, info.n_batch_max):
                 await trio.sleep(window_ms / 1000)
+            for session_id in sessions.take_unbinding():  # before their sequences go: no step reaches a reused one
+                try:
+                    await client.call("UnbindSession", _unbind_request(session_id), timeout_s=timeout_s)
+                except WorkerError as err:
+                    if (reason := self._exit_reason(handle)) is not None:
+                        return reason
+                    log.warning("%s: could not unbind session %s: %s", range_name(served.key), session_id.hex(), err)
             for seq_id in sessions.take_closing():
                 try:
                     await client.remove_sequence(seq_id, timeout_s=timeout_s)
@@ -1267,9 +1291,14 @@ class Node:
                 return await self._replay(request.replay, remote_peer_id, record.role)
             if body == "touch":
                 return self._touch(request.touch, remote_peer_id)
+            if body == "data_plane_bind":
+                return await self._bind_data_plane(request.data_plane_bind, remote_peer_id, record.role)
+            if body == "data_plane_unbind":
+                return await self._unbind_data_plane(request.data_plane_unbind, remote_peer_id, record.role)
             raise WireError(
                 Code.INVALID_ARGUMENT,
-                "the NodeRequest has no body (tokenize, detokenize, end_session, resume_session or replay)",
+                "the NodeRequest has no body (tokenize, detokenize, end_session, resume_session, replay, touch "
+                "data_plane_bind or data_plane_unbind)",
             )
         except WireError as err:
             return node_reply_error(err.code, err.message)
@@ -1322,6 +1351,8 @@ class Node:
         for i, hop in enumerate(body.rest):
             if not hop.peer_id:
                 raise WireError(Code.INVALID_ARGUMENT, f"rest[{i}] names no peer")
+        for served in list(self.ranges.values()):  # what the workers computed counts too
+            await self._unbind_if_bound(served, session_id)
         counted = self._end_session_here(session_id)
         if body.rest:
             hop = body.rest[0]
@@ -1380,6 +1411,7 @@ class Node:
         served = self._session_range(session_id, body.model_sha256, body.begin, body.end)
         self._owner_only(served, session_id, remote_peer_id, role)
         assert served.sessions is not None and served.client is not None
+        await self._unbind_if_bound(served, session_id)
         with trio.move_on_after(self.config.resume_wait_s):
             while (session := served.sessions.get(session_id)) is not None and session.pending:
                 await served.forward_done.wait()  # the step of this session in a Forward finishes
@@ -1406,6 +1438,72 @@ class Node:
             range_name(served.key), session_id.hex(), body.keep_positions, body.next_step,
         )  # fmt: skip
         return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
+
+    # --- data plane ----------------------------------------------------------------------
+
+    async def _bind_data_plane(self, body: swarm_pb2.DataPlaneBindRequest, remote_peer_id: str, role: int) -> bytes:
+        """Bind the owner's session on this range's worker: its steps come worker to worker
+        from now on (``DataPlaneBindRequest``); answers the worker's data plane port."""
+        session_id = bytes(body.session_id)
+        served = self._session_range(session_id, body.model_sha256, body.begin, body.end)
+        self._owner_only(served, session_id, remote_peer_id, role)
+        assert served.sessions is not None and served.client is not None and served.info is not None
+        if not served.info.data_port:
+            raise WireError(Code.FAILED_PRECONDITION, f"{range_name(served.key)}: the worker has no data plane")
+        await self._unbind_if_bound(served, session_id)  # a bind again (another route part) starts afresh
+        session = served.sessions.bind_data_plane(session_id, remote_peer_id, _clock_ms())
+        request = worker_pb2.BindSessionRequest(
+            schema_version=1, session_id=session_id, seq_id=session.seq_id, step_key=body.step_key,
+            next_step=session.next_step, next_host=body.next_host, next_port=body.next_port,
+            next_step_key=body.next_step_key, return_key=body.return_key,
+            keep_rows_max_bytes=0 if served.info.gives_logits else self.config.kept_rows_max_bytes,
+        )  # fmt: skip
+        try:
+            await served.client.call("BindSession", request, timeout_s=self.config.worker_call_timeout_s)
+        except WorkerError as err:
+            served.sessions.unbound(
+                session_id, next_step=session.next_step, next_position=session.next_position, rows=0, now_ms=_clock_ms()
+            )
+            code = Code.INVALID_ARGUMENT if err.code_name == "INVALID_ARGUMENT" else Code.UNAVAILABLE
+            raise WireError(code, f"{range_name(served.key)}: the worker refused the bind: {err.message}") from None
+        log.info("%s: session %s on the data plane", range_name(served.key), session_id.hex())
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION, data_port=served.info.data_port).SerializeToString()
+
+    async def _unbind_data_plane(self, body: swarm_pb2.DataPlaneUnbindRequest, remote_peer_id: str, role: int) -> bytes:
+        """Take the owner's session back from the worker's data plane to this node."""
+        session_id = bytes(body.session_id)
+        served = self._session_range(session_id, body.model_sha256, body.begin, body.end)
+        self._owner_only(served, session_id, remote_peer_id, role)
+        await self._unbind_if_bound(served, session_id)
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
+
+    async def _unbind_if_bound(self, served: ServedRange, session_id: bytes) -> None:
+        """Take ``session_id`` off the worker's data plane, if it is bound there, and into the
+        session what the worker did: next step, positions, rows, and the output rows it kept
+        (for rebuilding a lost next hop). A worker that cannot be asked ends the session here
+        (what it holds is unknown)."""
+        session = None if served.sessions is None else served.sessions.get(session_id)
+        if session is None or not session.data_plane or served.client is None or served.info is None:
+            return
+        try:
+            reply = await served.client.call(
+                "UnbindSession", _unbind_request(session_id), timeout_s=self.config.worker_call_timeout_s
+            )
+        except WorkerError as err:
+            served.end_session(session_id)
+            raise WireError(Code.UNAVAILABLE, f"{range_name(served.key)}: could not unbind: {err}") from None
+        assert served.sessions is not None
+        served.sessions.unbound(
+            session_id, next_step=reply.next_step, next_position=reply.next_position, rows=reply.rows,
+            now_ms=_clock_ms(),
+        )  # fmt: skip
+        if served.kept is not None and reply.kept_rows and not reply.kept_rows_lost:
+            schema = served.info.boundary.schema
+            row_bytes = schema.row_values * 4
+            served.kept.keep(
+                session_id, reply.kept_first_position, len(reply.kept_rows) // row_bytes, reply.kept_rows,
+                dtype=swarm_pb2.DTYPE_F32, schema_version=schema.version, streams=schema.streams,
+            )  # fmt: skip
 
     async def _replay(self, body: swarm_pb2.ReplayRequest, remote_peer_id: str, role: int) -> bytes:
         """Send the rows this range kept for positions ``[0, positions)`` of the session, as

@@ -101,6 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " the cores the next hop needs) or auto (the default: sleep when another Baton node or worker already runs on"
         " this host, else spin; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment are kept)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-data-plane", action="store_true",
+        help="every step through this node: its workers do not take a session's steps straight from the hop before"
+        " (by default they do, on the host of --listen, sealed with the session's keys)",
+    )  # fmt: skip
     parser.add_argument("--ctx-size", type=cli_args.positive_int, help="positions per sequence (default: the worker's)")
     parser.add_argument("--max-sequences", type=cli_args.positive_int, help="sequences per worker (default: the worker's)")
     parser.add_argument(
@@ -177,6 +182,16 @@ def _test_corruption(args: argparse.Namespace):  # noqa: ANN202
     return CorruptOutputs(scale=scale, while_file=os.path.abspath(while_file) if while_file else None)
 
 
+def data_plane_host(listen: Sequence[str]) -> str | None:
+    """The host of the first ``/ip4|ip6/<host>/tcp/...`` listen address: the workers' data
+    plane listens there, as reachable as the node itself; None (no data plane) without one."""
+    for addr in listen:
+        parts = addr.split("/")
+        if len(parts) > 4 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp":
+            return parts[2]
+    return None
+
+
 def listen_addrs(listen: str) -> list[str]:
     """``--listen``: one multiaddr, or none for ``none`` / an empty value."""
     listen = listen.strip()
@@ -236,6 +251,7 @@ async def run(args: argparse.Namespace) -> int:
         batch_window_ms=getattr(args, "batch_window_ms", 0.0),
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         relay=relay,
+        data_plane_host=None if getattr(args, "no_data_plane", False) else data_plane_host(listen),
         probe=probe,
         models_dir=os.path.abspath(models_dir) if models_dir else None,
         test_corrupt_outputs=_test_corruption(args),

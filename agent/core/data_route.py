@@ -1,0 +1,155 @@
+"""The owner's side of a route on the workers' data plane: where each hop's worker is, the keys,
+the bind requests, and the translation between the owner's steps and results and the data
+plane's frames (``agent.core.data_frames``; protocol/swarm.proto ``DataPlaneBindRequest``).
+
+Why: a step through the node agents costs each hop two Python processes' wake-ups and work
+(~2 ms a hop on the benchmark machine); worker to worker it costs a TCP message and the
+Forward (bench/results/data_plane.md). The node agents stay the control plane: they admit the
+owner, lease the sequence, bind the session on their worker, and unbind it before anything
+else touches it; the owner only sends STEPs to the first worker and takes RESULTs from the last.
+
+Owns:
+- ``data_plane_hosts``: each hop's host for its worker (the host of its direct channel address:
+  a hop reachable only through the relay has none, and the route stays on the node path);
+- ``RouteKeys``: one 32-byte key per hop for the STEPs it takes and the return key, all fresh
+  per session (made by the caller's ``random_bytes``);
+- ``bind_request``: what the owner asks each hop's node (last hop first: each names where its
+  output goes, which it learns from the next hop's answer);
+- ``data_step`` / ``step_result``: the owner's ``StepRequest`` as a ``DataStep``, and a
+  ``DataResult`` as the ``StepResult`` the session takes (an error names the hop whose range
+  refused the step), so that ``agent.core.session.Session`` decides exactly as on the node path.
+
+Pure: no sockets, trio, clocks or randomness. Must not import agent.io.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from agent._proto import swarm_pb2, worker_pb2
+
+from .data_frames import KEY_BYTES
+from .multiaddrs import parse_channel_multiaddr
+from .node_policy import worker_error_code
+from .swarm_wire import SCHEMA_VERSION, crc32, step_result_top
+from .topk import TopLogits
+
+__all__ = [
+    "RouteKeys",
+    "bind_request",
+    "data_plane_hosts",
+    "data_step",
+    "step_result",
+]
+
+#: gRPC status codes a worker puts in DataResult.error_code, by name (worker_error_code maps
+#: the names the swarm shares; anything else is INTERNAL)
+_GRPC_NAMES = {
+    3: "INVALID_ARGUMENT",
+    5: "NOT_FOUND",
+    8: "RESOURCE_EXHAUSTED",
+    9: "FAILED_PRECONDITION",
+    13: "INTERNAL",
+    14: "UNAVAILABLE",
+}
+
+
+def data_plane_hosts(route: swarm_pb2.Route) -> list[str] | None:
+    """The host of each hop's direct channel address (its worker's data plane listens there),
+    or None when a hop has none (reached only through the relay, or libp2p only)."""
+    hosts = []
+    for hop in route.hops:
+        parsed = [p for p in map(parse_channel_multiaddr, hop.addrs) if p is not None]
+        if not parsed:
+            return None
+        hosts.append(parsed[0][0])
+    return hosts
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteKeys:
+    """The keys of one session on one route: ``step_keys[i]`` seals the STEPs hop ``i`` takes,
+    ``return_key`` the RESULTs the last hop sends (and the owner's ATTACH)."""
+
+    step_keys: tuple[bytes, ...]
+    return_key: bytes
+
+    @classmethod
+    def new(cls, n_hops: int, random_bytes: Callable[[int], bytes]) -> RouteKeys:
+        return cls(tuple(random_bytes(KEY_BYTES) for _ in range(n_hops)), random_bytes(KEY_BYTES))
+
+
+def bind_request(
+    route: swarm_pb2.Route,
+    index: int,
+    session_id: bytes,
+    keys: RouteKeys,
+    hosts: list[str],
+    next_port: int,
+) -> swarm_pb2.DataPlaneBindRequest:
+    """The bind for hop ``index``: its step key, and where its output goes (the next hop's
+    worker at ``hosts[index + 1]:next_port``, which that hop's bind answered) or, for the last
+    hop, the return key."""
+    hop = route.hops[index]
+    request = swarm_pb2.DataPlaneBindRequest(
+        session_id=session_id, model_sha256=route.model_sha256, begin=hop.begin, end=hop.end,
+        step_key=keys.step_keys[index],
+    )  # fmt: skip
+    if index + 1 < len(route.hops):
+        request.next_host = hosts[index + 1]
+        request.next_port = next_port
+        request.next_step_key = keys.step_keys[index + 1]
+    else:
+        request.return_key = keys.return_key
+    return request
+
+
+def data_step(request: swarm_pb2.StepRequest) -> worker_pb2.DataStep:
+    """The owner's first-hop ``StepRequest`` (token ids) as the STEP its first worker takes."""
+    return worker_pb2.DataStep(
+        step=request.step, positions=request.positions, token_ids=request.token_ids, top_k=request.result_top_k
+    )
+
+
+def step_result(
+    session_id: bytes, result: worker_pb2.DataResult, route: swarm_pb2.Route
+) -> tuple[swarm_pb2.StepResult, str]:
+    """``(StepResult, sender peer id)`` for a RESULT from the route's last worker (which opened
+    under the return key: only that worker holds it). An error is sent as from the hop whose
+    range refused the step (``error_layer_begin``), so the owner names that hop."""
+    last = route.hops[-1].peer_id
+    if result.error_code:
+        failed = next((h.peer_id for h in route.hops if h.begin == result.error_layer_begin), last)
+        name = _GRPC_NAMES.get(result.error_code, "INTERNAL")
+        return (
+            swarm_pb2.StepResult(
+                schema_version=SCHEMA_VERSION,
+                session_id=session_id,
+                step=result.step,
+                error=swarm_pb2.Error(code=worker_error_code(name), message=f"worker: {name}: {result.error_message}"),
+                failed_peer_id=failed,
+            ),
+            failed,
+        )
+    if result.top_k:
+        top = TopLogits(
+            np.frombuffer(result.top_token_ids, dtype="<i4"),
+            np.frombuffer(result.top_logits, dtype="<f4"),
+            float(result.log_sum_exp),
+            int(result.n_vocab),
+        )
+        return step_result_top(session_id, result.step, top, swarm_pb2.SignedAdmission()), last
+    return (
+        swarm_pb2.StepResult(
+            schema_version=SCHEMA_VERSION,
+            session_id=session_id,
+            step=result.step,
+            logits=result.logits,
+            n_vocab=result.n_vocab,
+            checksum=crc32(result.logits),
+        ),
+        last,
+    )

@@ -235,7 +235,7 @@ class SessionTable:
 
         Raises:
           WireError: NOT_FOUND (unknown session), REFUSED (another owner's), UNAVAILABLE (a
-            step of it is queued or in a Forward), FAILED_PRECONDITION (still being rebuilt).
+            step of it is queued or in a Forward, or it is still being rebuilt: ask again later).
         """
         session = self._sessions.get(session_id)
         if session is None:
@@ -244,7 +244,7 @@ class SessionTable:
         if session.pending:
             raise WireError(Code.UNAVAILABLE, f"session {session_id.hex()} has a step in a Forward")
         if session.rebuilding:
-            raise WireError(Code.FAILED_PRECONDITION, f"session {session_id.hex()} is being rebuilt")
+            raise WireError(Code.UNAVAILABLE, f"session {session_id.hex()} is being rebuilt")
         session.data_plane = True
         session.last_used_ms = now_ms
         return session
@@ -272,7 +272,7 @@ class SessionTable:
     def _check_not_bound(session: NodeSession, what: str) -> None:
         if session.data_plane:
             raise WireError(
-                Code.FAILED_PRECONDITION,
+                Code.INVALID_ARGUMENT,
                 f"session {session.session_id.hex()} is on the data plane: {what} must go to the worker",
             )
 

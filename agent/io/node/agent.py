@@ -1449,7 +1449,7 @@ class Node:
         self._owner_only(served, session_id, remote_peer_id, role)
         assert served.sessions is not None and served.client is not None and served.info is not None
         if not served.info.data_port:
-            raise WireError(Code.FAILED_PRECONDITION, f"{range_name(served.key)}: the worker has no data plane")
+            raise WireError(Code.INVALID_ARGUMENT, f"{range_name(served.key)}: the worker has no data plane")
         await self._unbind_if_bound(served, session_id)  # a bind again (another route part) starts afresh
         session = served.sessions.bind_data_plane(session_id, remote_peer_id, _clock_ms())
         request = worker_pb2.BindSessionRequest(

@@ -1,0 +1,210 @@
+"""The data plane's pure parts: the seal and the frames (``agent.core.data_frames``), the owner's
+route plan and translations (``agent.core.data_route``), and a node's sessions while they are
+bound on its worker's data plane (``agent.core.node_sessions``). The native side and the swarm
+are tested against real processes (tests/test_worker_data_plane.py, tests/test_swarm_e2e.py)."""
+
+from __future__ import annotations
+
+import itertools
+import struct
+
+import numpy as np
+import pytest
+
+from agent._proto import swarm_pb2, worker_pb2
+from agent.core import data_frames
+from agent.core.data_frames import DataFrameError, DataFrameReader, OwnerSession, SessionKeys
+from agent.core.data_route import RouteKeys, bind_request, data_plane_hosts, data_step, step_result
+from agent.core.node_sessions import SessionTable
+from agent.core.session import Session
+from agent.core.swarm_wire import WireError
+from agent.core.topk import select_top_k
+
+pytestmark = pytest.mark.timeout(30)
+
+Code = swarm_pb2.Error.Code
+
+
+def counting_bytes():  # noqa: ANN201
+    """Deterministic 'random' bytes: each call a fresh pattern (no randomness in core tests)."""
+    counter = itertools.count(1)
+    return lambda n: bytes([next(counter) % 256]) * n
+
+
+def test_a_sealed_frame_opens_only_with_its_key_kind_session_and_counter() -> None:
+    key, sid = b"k" * 32, b"s" * 16
+    sealed = data_frames.seal(key, data_frames.STEP, sid, 7, b"rows")
+    assert len(sealed) == 4 + data_frames.TAG_BYTES and b"rows" not in sealed
+    assert data_frames.open_sealed(key, data_frames.STEP, sid, 7, sealed) == b"rows"
+    for args in (
+        (b"K" * 32, data_frames.STEP, sid, 7),
+        (key, data_frames.RESULT, sid, 7),
+        (key, data_frames.STEP, b"t" * 16, 7),
+        (key, data_frames.STEP, sid, 8),
+    ):
+        with pytest.raises(DataFrameError, match="does not open"):
+            data_frames.open_sealed(*args, sealed)
+    changed = bytes([sealed[0] ^ 1]) + sealed[1:]
+    with pytest.raises(DataFrameError):
+        data_frames.open_sealed(key, data_frames.STEP, sid, 7, changed)
+    # the associated data is exactly what native/src/sealed.cpp binds (label, kind, session, counter)
+    assert data_frames.frame_aad(1, sid, 2) == b"baton-data/1" + struct.pack("<I", 1) + sid + struct.pack("<Q", 2)
+
+
+def test_the_reader_takes_whole_frames_as_they_come_and_refuses_what_is_not_one() -> None:
+    frame = data_frames.sealed_frame(data_frames.STEP, b"k" * 32, b"s" * 16, 1, b"body")
+    reader = DataFrameReader(max_frame_bytes=1024)
+    for byte in frame[:-1]:  # one byte at a time: nothing until the frame is whole
+        reader.feed(bytes([byte]))
+        assert reader.next_frame() is None
+    reader.feed(frame[-1:] + frame)
+    first, second = reader.next_frame(), reader.next_frame()
+    assert first is not None and first == second and first.counter == 1 and reader.next_frame() is None
+
+    over = DataFrameReader(max_frame_bytes=16)
+    over.feed(struct.pack("<I", 17))  # refused from the prefix, before the body is awaited
+    with pytest.raises(DataFrameError, match="over the limit of 16"):
+        over.next_frame()
+    garbage = DataFrameReader(max_frame_bytes=1024)
+    garbage.feed(struct.pack("<I", 4) + b"\xff\xff\xff\xff")
+    with pytest.raises(DataFrameError, match="not a DataFrame"):
+        garbage.next_frame()
+    old = DataFrameReader(max_frame_bytes=1024)
+    old.feed(data_frames.framed(worker_pb2.DataFrame(schema_version=2)))
+    with pytest.raises(DataFrameError, match="schema_version 2"):
+        old.next_frame()
+
+
+def test_the_owner_takes_a_result_once_from_its_session_and_key_only() -> None:
+    keys = SessionKeys.new(counting_bytes())
+    owner = OwnerSession(keys)
+    steps = [owner.step_frame(worker_pb2.DataStep(step=n)) for n in range(2)]
+    counters = [worker_pb2.DataFrame.FromString(f[4:]).counter for f in steps]
+    assert counters == [1, 2], "every STEP a new counter: no nonce is used twice under a key"
+
+    def result_frame(counter: int, *, key: bytes = keys.return_key, sid: bytes = keys.session_id) -> worker_pb2.DataFrame:
+        body = worker_pb2.DataResult(step=0, n_vocab=3).SerializeToString()
+        return worker_pb2.DataFrame.FromString(data_frames.sealed_frame(data_frames.RESULT, key, sid, counter, body)[4:])
+
+    assert owner.open_result(result_frame(5)).n_vocab == 3
+    with pytest.raises(DataFrameError, match="not above the last one taken"):
+        owner.open_result(result_frame(5))  # the same frame again
+    with pytest.raises(DataFrameError, match="does not open"):
+        owner.open_result(result_frame(6, key=b"x" * 32))
+    with pytest.raises(DataFrameError, match="of session"):
+        owner.open_result(result_frame(6, sid=b"y" * 16))
+    notice = worker_pb2.DataFrame(schema_version=1, kind=data_frames.NOTICE, notice="no session is bound here")
+    with pytest.raises(DataFrameError, match="refused a frame: no session is bound here"):
+        owner.open_result(notice)
+    assert owner.open_result(result_frame(6)).step == 0, "refusals changed nothing"
+
+
+def _route(*addrs_per_hop: list[str]) -> swarm_pb2.Route:
+    cuts = [(0, 10), (10, 20), (20, 30)][: len(addrs_per_hop)]
+    return swarm_pb2.Route(
+        model_sha256="ab" * 32,
+        hops=[
+            swarm_pb2.Hop(peer_id=f"peer{i}", begin=b, end=e, addrs=addrs)
+            for i, ((b, e), addrs) in enumerate(zip(cuts, addrs_per_hop, strict=True))
+        ],
+    )
+
+
+def test_a_route_is_on_the_data_plane_only_when_every_hop_has_a_direct_address() -> None:
+    direct = [
+        _route(["/ip4/10.0.0.1/tcp/4001/tls/p2p/peer0"], ["/ip4/10.0.0.2/tcp/4002/tls/p2p/peer1"]),
+        _route(["/ip4/10.0.0.1/tcp/9/p2p/peer0", "/ip6/::1/tcp/4001/tls/p2p/peer0"], ["/ip4/10.0.0.2/tcp/1/tls/p2p/peer1"]),
+    ]
+    assert data_plane_hosts(direct[0]) == ["10.0.0.1", "10.0.0.2"]
+    assert data_plane_hosts(direct[1]) == ["::1", "10.0.0.2"], "the channel address, not libp2p's"
+    relayed = _route(["/ip4/10.0.0.1/tcp/4001/tls/p2p/peer0"], ["/ip4/10.0.0.9/tcp/1/p2p/t/p2p-circuit/p2p/peer1"])
+    assert data_plane_hosts(relayed) is None
+
+
+def test_each_hop_is_bound_with_its_key_and_where_its_output_goes() -> None:
+    route = _route(*[[f"/ip4/10.0.0.{i}/tcp/400{i}/tls/p2p/peer{i}"] for i in range(3)])
+    keys = RouteKeys.new(3, counting_bytes())
+    assert len(set(keys.step_keys) | {keys.return_key}) == 4, "a key per hop, and the return key"
+    hosts = data_plane_hosts(route)
+    assert hosts is not None
+    last = bind_request(route, 2, b"s" * 16, keys, hosts, next_port=0)
+    assert (last.begin, last.end, last.step_key, last.return_key) == (20, 30, keys.step_keys[2], keys.return_key)
+    assert not last.next_host and not last.next_port and not last.next_step_key
+    middle = bind_request(route, 1, b"s" * 16, keys, hosts, next_port=7003)
+    assert (middle.next_host, middle.next_port, middle.next_step_key) == ("10.0.0.2", 7003, keys.step_keys[2])
+    assert middle.step_key == keys.step_keys[1] and not middle.return_key
+
+
+def test_results_come_to_the_session_as_the_node_path_would_bring_them() -> None:
+    route = _route(*[[f"/ip4/10.0.0.{i}/tcp/400{i}/tls/p2p/peer{i}"] for i in range(3)])
+    session = Session(b"s" * 16, [1, 2, 3], max_new_tokens=4, route_peer_ids=["peer0", "peer1", "peer2"])
+    step_input = session.next_step()
+    request = session.step_request(step_input, route, owner_peer_id="me", owner_addrs=[], admission=swarm_pb2.SignedAdmission())
+    step = data_step(request)
+    assert (list(step.positions), list(step.token_ids), step.top_k) == ([0, 1, 2], [1, 2, 3], request.result_top_k)
+
+    row = np.linspace(-1, 1, 64, dtype=np.float32)
+    ids, top, lse = select_top_k(row, 40)
+    result = worker_pb2.DataResult(
+        step=0, n_vocab=64, top_k=40, top_token_ids=ids.astype("<i4").tobytes(), top_logits=top.astype("<f4").tobytes(),
+        log_sum_exp=lse,
+    )  # fmt: skip
+    taken, sender = step_result(session.session_id, result, route)
+    assert sender == "peer2"
+    assert session.receive(taken, sender) == int(np.argmax(row))
+
+    # an error names the hop whose range refused it (by its first block), and fails the session
+    session.next_step()
+    refused = worker_pb2.DataResult(step=1, error_code=8, error_message="context full", error_layer_begin=10)
+    failed, sender = step_result(session.session_id, refused, route)
+    assert sender == "peer1" and failed.failed_peer_id == "peer1"
+    assert failed.error.code == Code.RESOURCE_EXHAUSTED and "context full" in failed.error.message
+    unknown = worker_pb2.DataResult(step=1, error_code=99, error_message="?", error_layer_begin=5)
+    failed, sender = step_result(session.session_id, unknown, route)
+    assert sender == "peer2" and failed.error.code == Code.INTERNAL
+
+
+def test_a_bound_session_takes_no_step_through_the_node_until_unbound() -> None:
+    table = SessionTable(2, 64)
+    sid = b"s" * 16
+    table.accept(sid, 0, 0, 5, "owner", now_ms=0)
+    with pytest.raises(WireError) as caught:
+        table.bind_data_plane(sid, "owner", now_ms=1)
+    assert caught.value.code == Code.UNAVAILABLE, "a step still in a Forward"
+    table.done(sid, now_ms=2)
+    with pytest.raises(WireError) as caught:
+        table.bind_data_plane(sid, "someone else", now_ms=3)
+    assert caught.value.code == Code.REFUSED
+    with pytest.raises(WireError) as caught:
+        table.bind_data_plane(b"t" * 16, "owner", now_ms=3)
+    assert caught.value.code == Code.NOT_FOUND
+
+    session = table.bind_data_plane(sid, "owner", now_ms=4)
+    assert session.data_plane and session.last_used_ms == 4
+    for refused in (lambda: table.accept(sid, 1, 5, 1, "owner", now_ms=5), lambda: table.resume(sid, 5, 3, "owner", now_ms=5)):
+        with pytest.raises(WireError) as caught:
+            refused()
+        assert caught.value.code == Code.INVALID_ARGUMENT and "data plane" in caught.value.message
+
+    # the worker did steps 1-3 (positions 5-7): they come back into the session
+    table.unbound(sid, next_step=4, next_position=8, rows=3, now_ms=9)
+    assert (session.data_plane, session.next_step, session.next_position, session.rows) == (False, 4, 8, 8)
+    table.accept(sid, 4, 8, 1, "owner", now_ms=10)  # and the node path goes on from there
+    table.unbound(sid, next_step=99, next_position=99, rows=99, now_ms=11)  # not bound: ignored
+    assert (session.next_step, session.rows) == (5, 9)
+
+
+def test_a_session_that_ends_while_bound_is_unbound_before_its_sequence_is_freed() -> None:
+    table = SessionTable(1, 64)
+    bound, plain = b"b" * 16, b"p" * 16
+    table.accept(bound, 0, 0, 4, "owner", now_ms=0)
+    table.done(bound, now_ms=0)
+    table.bind_data_plane(bound, "owner", now_ms=1)
+    ended = table.end(bound)
+    assert ended is not None and ended.data_plane
+    assert table.take_unbinding() == [bound] and table.take_unbinding() == []
+    assert table.take_closing() == [ended.seq_id]
+    table.release(ended.seq_id)
+    table.accept(plain, 0, 0, 4, "owner", now_ms=2)  # the sequence, reused
+    table.end(plain)
+    assert table.take_unbinding() == [], "a session that was not bound needs no unbinding"

@@ -23,8 +23,10 @@ each step. ``llama-bench -d 0,P`` runs between repetitions for the ratio to llam
 paired: another process). Every system's tokens must be the same, or the run fails. Writes
 ``data_plane.json`` and ``data_plane.md`` under ``--out``. Run it alone on the machine.
 
-The swarm does not use the data plane yet (its nodes do not bind sessions): this is the hop
-the swarm gets once they do, measured on the real workers.
+The swarm's decode steps take this path (``bench/compare.py`` measures the swarm itself);
+this benchmark isolates it: no tracker and no node agents, each system stepped side by side,
+and the workers' own account of each decode step (``UnbindSessionReply``) says where the time
+goes. ``bench/compare.py`` runs it for its "Where the time goes" section.
 
 Usage: ``.venv/bin/python bench/data_plane.py [--reps 5] [--decode-steps 64] [--out bench/results]``
 (about a minute; ``make native`` and the llama tools, which ``bench/compare.py`` builds).
@@ -60,12 +62,12 @@ HOP_TARGET_MS = 0.3
 SPLIT_TARGET = 0.9
 
 
-async def _bind(workers, seq_id: int) -> OwnerSession:  # noqa: ANN001
-    keys = SessionKeys.new(os.urandom)
+async def _bind(workers, seq_id: int, next_step: int) -> OwnerSession:  # noqa: ANN001
+    keys = SessionKeys.new(os.urandom)  # fresh keys for every binding: no (key, nonce) is used twice
     step_keys = [keys.first_step_key] + [os.urandom(32) for _ in workers[1:]]
     for i, worker in enumerate(workers):
         request = worker_pb2.BindSessionRequest(
-            schema_version=1, session_id=keys.session_id, seq_id=seq_id, step_key=step_keys[i]
+            schema_version=1, session_id=keys.session_id, seq_id=seq_id, step_key=step_keys[i], next_step=next_step
         )
         if i + 1 < len(workers):
             request.next_host, request.next_port = HOST, workers[i + 1].info.data_port
@@ -81,6 +83,7 @@ class _DataPlaneRoute:
 
     def __init__(self, workers, session: OwnerSession, to_first, from_last) -> None:  # noqa: ANN001
         self.workers, self.session, self.to_first, self.from_last = workers, session, to_first, from_last
+        self.totals: list = []  # each worker's UnbindSessionReply, once unbound
 
     async def step(self, n: int, positions: Sequence[int], tokens: Sequence[int]) -> int:
         step = worker_pb2.DataStep(step=n, positions=positions, token_ids=tokens, top_k=DEFAULT_RESULT_TOP_K)
@@ -92,29 +95,46 @@ class _DataPlaneRoute:
 
 
 @contextlib.asynccontextmanager
-async def _open_data_plane_route(workers):  # noqa: ANN001, ANN202
+async def _open_data_plane_route(workers, next_step: int):  # noqa: ANN001, ANN202
+    """Sequence 0 of ``workers`` (already holding the prompt) bound on their data planes."""
     from agent.io.data_link import open_data_link
 
-    session = await _bind(workers, seq_id=0)
+    session = await _bind(workers, seq_id=0, next_step=next_step)
+    route = None
     try:
         async with (
             open_data_link(HOST, workers[0].info.data_port) as to_first,
             open_data_link(HOST, workers[-1].info.data_port) as from_last,
         ):
             await from_last.send(session.attach_frame())
-            yield _DataPlaneRoute(workers, session, to_first, from_last)
+            route = _DataPlaneRoute(workers, session, to_first, from_last)
+            yield route
     finally:
         for worker in workers:
-            await worker.client.call(
+            totals = await worker.client.call(
                 "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
             )
+            if route is not None:
+                route.totals.append(totals)
             await worker.client.remove_sequence(0)
 
 
-async def _python_step(clients, positions: Sequence[int], tokens: Sequence[int]) -> int:  # noqa: ANN001
+def worker_profile(totals: Sequence) -> list[dict]:  # noqa: ANN001
+    """Per worker of a route, ms per decode step: its Forward, and the rest of its time (pure)."""
+    return [
+        {
+            "compute_ms": t.compute_us / 1000 / t.steps,
+            "in_worker_ms": t.in_worker_us / 1000 / t.steps,
+            "own_ms": (t.in_worker_us - t.compute_us) / 1000 / t.steps,
+        }
+        for t in totals
+    ]
+
+
+async def _python_step(clients, positions: Sequence[int], tokens: Sequence[int], seq_id: int = 1) -> int:  # noqa: ANN001
     from agent.demo.local_demo import next_hop_entries
 
-    hop = [SeqInput(seq_id=1, positions=list(positions), token_ids=list(tokens), top_k=DEFAULT_RESULT_TOP_K)]
+    hop = [SeqInput(seq_id=seq_id, positions=list(positions), token_ids=list(tokens), top_k=DEFAULT_RESULT_TOP_K)]
     out = []
     for i, client in enumerate(clients):
         out = await client.forward(hop)
@@ -124,34 +144,44 @@ async def _python_step(clients, positions: Sequence[int], tokens: Sequence[int])
 
 
 async def paired_rep(whole, ranges, prompt: Sequence[int], n_gen: int) -> dict:  # noqa: ANN001
-    """One generation by all four systems, step by step in turn: ms per decode step each."""
+    """One generation by all four systems, step by step in turn: ms per decode step each, and
+    each data plane worker's own account of its decode steps. The prompt goes in by Forward
+    calls on every system (sequence 0 for the data planes, bound after it), so that the
+    workers' accounts hold decode steps only."""
+    whole_c, range_c = [whole.client], [w.client for w in ranges]
+    positions = range(len(prompt))
+    first = {await _python_step(clients, positions, prompt, seq_id) for clients in (whole_c, range_c) for seq_id in (0, 1)}
+    if len(first) != 1:
+        raise RuntimeError(f"the prompt's token differs between the systems: {first}")
     times: dict[str, list[float]] = {k: [] for k in SYSTEMS}
-    async with _open_data_plane_route([whole]) as dp1, _open_data_plane_route(ranges) as dp3:
+    async with _open_data_plane_route([whole], 1) as dp1, _open_data_plane_route(ranges, 1) as dp3:
         step_fns = {
-            "worker_unsplit": lambda pos, tok: _python_step([whole.client], pos, tok),
+            "worker_unsplit": lambda pos, tok: _python_step(whole_c, pos, tok),
             "data_plane_1": lambda pos, tok: dp1.step(n, pos, tok),
             "data_plane_3": lambda pos, tok: dp3.step(n, pos, tok),
-            "chain_3": lambda pos, tok: _python_step([w.client for w in ranges], pos, tok),
+            "chain_3": lambda pos, tok: _python_step(range_c, pos, tok),
         }
-        tokens: list[int] = []
-        position, feed = 0, list(prompt)
-        for n in range(n_gen + 1):
+        tokens: list[int] = [first.pop()]
+        position = len(prompt)
+        for n in range(1, n_gen + 1):
             order = list(SYSTEMS)
             order = order[n % len(order) :] + order[: n % len(order)]  # no system always first
             got = {}
             for key in order:
                 started = time.perf_counter()
-                got[key] = await step_fns[key](range(position, position + len(feed)), feed)
-                if n:  # decode steps only; step 0 is the prompt
-                    times[key].append(1000.0 * (time.perf_counter() - started))
+                got[key] = await step_fns[key]([position], tokens[-1:])
+                times[key].append(1000.0 * (time.perf_counter() - started))
             if len(set(got.values())) != 1:
                 raise RuntimeError(f"step {n}: the systems disagree on the token: {got}")
             tokens.append(got["worker_unsplit"])
-            position += len(feed)
-            feed = [tokens[-1]]
-    for client in [whole.client] + [w.client for w in ranges]:
+            position += 1
+    for client in whole_c + range_c:
         await client.remove_sequence(1)
-    return {"step_ms": times, "tokens": tokens}
+    return {
+        "step_ms": times,
+        "tokens": tokens,
+        "workers": {"data_plane_1": worker_profile(dp1.totals), "data_plane_3": worker_profile(dp3.totals)},
+    }
 
 
 async def bench_paired(model: Path, sha256: str, prompt: list[int], cuts, n_gen: int, reps: int, threads: int):  # noqa: ANN001, ANN201
@@ -183,7 +213,15 @@ def summary(reps: list[dict], llama_step_ms: list[float], hops: int = 3) -> dict
     hop_dp = per_rep(lambda t, i: (t["data_plane_3"][i] - t["data_plane_1"][i]) / hops)
     llama = statistics.median(llama_step_ms)
     per_hop = statistics.median(hop)
+    workers = {
+        key: [
+            {part: statistics.median(r["workers"][key][i][part] for r in reps) for part in reps[0]["workers"][key][i]}
+            for i in range(len(reps[0]["workers"][key]))
+        ]
+        for key in ("data_plane_1", "data_plane_3")
+    }
     return {
+        "workers": workers,
         "step_ms": step_ms,
         "llama_bench_step_ms": llama,
         "per_hop_ms": per_hop,
@@ -196,6 +234,48 @@ def summary(reps: list[dict], llama_step_ms: list[float], hops: int = 3) -> dict
         "hop_target_met": per_hop <= HOP_TARGET_MS,
         "split_target_met": llama / step_ms["data_plane_3"] >= SPLIT_TARGET,
     }
+
+
+def profile_lines(s: dict, ranges: Sequence[Sequence[int]]) -> list[str]:
+    """'Where the time goes' of a decode step over the data plane, from the workers' own
+    accounts (``UnbindSessionReply.compute_us`` / ``in_worker_us``) and the owner's step time
+    (pure: ``summary``'s output in, markdown lines out)."""
+    one, three = s["workers"]["data_plane_1"], s["workers"]["data_plane_3"]
+    step1, step3 = s["step_ms"]["data_plane_1"], s["step_ms"]["data_plane_3"]
+    outside1 = step1 - sum(w["in_worker_ms"] for w in one)
+    outside3 = step3 - sum(w["in_worker_ms"] for w in three)
+    lines = [
+        "| part of a decode step (ms; medians) | whole model over the data plane | 3-split over the data plane |",
+        "|---|---|---|",
+        f"| the step, as the owner sees it | {step1:.3f} | {step3:.3f} |",
+    ]
+    for i, (b, e) in enumerate(ranges):
+        w = three[i]
+        whole = one[0] if i == 0 else None
+        lines.append(
+            f"| worker {i + 1} [{b}, {e}): its Forward | {whole['compute_ms']:.3f} (all 30 blocks) | {w['compute_ms']:.3f} |"
+            if whole else f"| worker {i + 1} [{b}, {e}): its Forward | | {w['compute_ms']:.3f} |"
+        )
+        lines.append(
+            f"| worker {i + 1}: the rest of its time (frame in whole to output out: lock, open, check, seal, send) | "
+            + (f"{whole['own_ms']:.3f} | " if whole else "| ")
+            + f"{w['own_ms']:.3f} |"
+        )
+    lines.append(
+        f"| outside the workers: the owner's Python, the messages, waking the processes | {outside1:.3f} | {outside3:.3f} |"
+    )
+    hops = len(ranges)
+    d_compute = sum(w["compute_ms"] for w in three) - one[0]["compute_ms"]
+    d_own = sum(w["own_ms"] for w in three) - one[0]["own_ms"]
+    d_outside = outside3 - outside1
+    lines += [
+        "",
+        f"Per hop, 3-split over the whole model (both over the data plane): "
+        f"{(step3 - step1) / hops:.3f} ms = cutting the model (more, smaller Forwards) {d_compute / hops:.3f} "
+        f"+ the workers' own handling {d_own / hops:.3f} + outside the workers (two more messages a step, and the "
+        f"wake-ups of the processes that take them) {d_outside / hops:.3f}.",
+    ]
+    return lines
 
 
 def markdown(report: dict) -> str:
@@ -240,8 +320,9 @@ def markdown(report: dict) -> str:
         f"(issue 8's target {SPLIT_TARGET}x for the swarm: {'met' if s['split_target_met'] else 'missed'} here); "
         f"the whole model over the data plane: {s['unsplit_over_data_plane_vs_llama_bench']:.2f}x.",
         "",
-        "Not the swarm's figure: the nodes do not bind sessions to the data plane yet, so "
-        "`bench/compare.py`'s Baton rows still go through the node agents.",
+        "## Where the time goes",
+        "",
+        *profile_lines(s, report["ranges"]),
     ]
     return "\n".join(lines) + "\n"
 

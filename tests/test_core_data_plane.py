@@ -140,7 +140,7 @@ def test_results_come_to_the_session_as_the_node_path_would_bring_them() -> None
     session = Session(b"s" * 16, [1, 2, 3], max_new_tokens=4, route_peer_ids=["peer0", "peer1", "peer2"])
     step_input = session.next_step()
     request = session.step_request(step_input, route, owner_peer_id="me", owner_addrs=[], admission=swarm_pb2.SignedAdmission())
-    step = data_step(request)
+    step = data_step(request.step, request.positions, request.token_ids, request.result_top_k)
     assert (list(step.positions), list(step.token_ids), step.top_k) == ([0, 1, 2], [1, 2, 3], request.result_top_k)
 
     row = np.linspace(-1, 1, 64, dtype=np.float32)

@@ -173,6 +173,7 @@ async def test_a_chain_of_workers_equals_the_unsplit_worker_and_refuses_what_is_
             "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
         )
         assert totals.was_bound and totals.rows == len(PROMPT) + 1 and totals.steps == 2, totals
+        assert 0 < totals.compute_us <= totals.in_worker_us, "the Forwards are part of the time in the worker"
         assert totals.next_position == len(PROMPT) + 1 and totals.next_step == 3, totals  # 2 refused, 7 out of order
         # (the same steps: the prompt, then one row; rows cut otherwise need not be equal)
         prompt_rows = await chain[0].client.forward(

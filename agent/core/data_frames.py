@@ -24,6 +24,7 @@ Pure: no sockets, trio, clocks or randomness (keys are made by the caller's ``ra
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from collections.abc import Callable
 
@@ -59,15 +60,20 @@ def _nonce(kind: int, counter: int) -> bytes:
     return struct.pack("<IQ", kind, counter)
 
 
+@functools.lru_cache(maxsize=256)  # a session's keys seal and open a frame on every step
+def _cipher(key: bytes) -> AESGCM:
+    return AESGCM(key)
+
+
 def seal(key: bytes, kind: int, session_id: bytes, counter: int, plain: bytes) -> bytes:
     """``plain`` sealed (ciphertext || 16-byte tag) for a frame of ``kind`` and ``counter``."""
-    return AESGCM(key).encrypt(_nonce(kind, counter), plain, frame_aad(kind, session_id, counter))
+    return _cipher(key).encrypt(_nonce(kind, counter), plain, frame_aad(kind, session_id, counter))
 
 
 def open_sealed(key: bytes, kind: int, session_id: bytes, counter: int, sealed: bytes) -> bytes:
     """What ``seal`` sealed. Raises DataFrameError when the key, a field or a byte differs."""
     try:
-        return AESGCM(key).decrypt(_nonce(kind, counter), sealed, frame_aad(kind, session_id, counter))
+        return _cipher(key).decrypt(_nonce(kind, counter), sealed, frame_aad(kind, session_id, counter))
     except InvalidTag:
         raise DataFrameError(
             f"a {_KIND_NAMES.get(kind, kind)} frame of session {session_id.hex()} does not open under "
@@ -100,7 +106,7 @@ class DataFrameReader:
         self._max = max_frame_bytes
         self._buffer = bytearray()
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         self._buffer += data
 
     def next_frame(self) -> worker_pb2.DataFrame | None:

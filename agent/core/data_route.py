@@ -25,7 +25,7 @@ Pure: no sockets, trio, clocks or randomness. Must not import agent.io.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -107,11 +107,10 @@ def bind_request(
     return request
 
 
-def data_step(request: swarm_pb2.StepRequest) -> worker_pb2.DataStep:
-    """The owner's first-hop ``StepRequest`` (token ids) as the STEP its first worker takes."""
-    return worker_pb2.DataStep(
-        step=request.step, positions=request.positions, token_ids=request.token_ids, top_k=request.result_top_k
-    )
+def data_step(step: int, positions: Sequence[int], token_ids: Sequence[int], top_k: int) -> worker_pb2.DataStep:
+    """The STEP the first worker takes: what the owner's ``StepRequest`` to the first hop
+    would carry (token ids at their positions, the top-K it wants back), and nothing else."""
+    return worker_pb2.DataStep(step=step, positions=positions, token_ids=token_ids, top_k=top_k)
 
 
 def step_result(

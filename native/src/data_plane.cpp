@@ -377,6 +377,8 @@ DataSessionTotals DataPlaneServer::unbind(const std::string & session_id) {
     totals.next_step = found->second.next_step;
     totals.seq_id = found->second.seq_id;
     totals.kept_rows_lost = found->second.kept_lost;
+    totals.compute_us = found->second.compute_us;
+    totals.in_worker_us = found->second.in_worker_us;
     if (!found->second.kept_lost && found->second.kept_first >= 0) {
         totals.kept_rows.swap(found->second.kept);
         totals.kept_first_position = found->second.kept_first;
@@ -503,6 +505,7 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
             Pending pending;
             pending.session_id = sid;
             pending.generation = s.generation;
+            pending.read_at = std::chrono::steady_clock::now();
             v1::DataStep & st = pending.step;
             if (!st.ParseFromString(plain)) {
                 st.Clear();
@@ -589,6 +592,7 @@ void DataPlaneServer::combine() {
         // alone; the rest in one Forward.
         std::vector<ShardStatus> status(batch.size());
         std::vector<ForwardOutput> outputs(batch.size());
+        uint64_t compute_us = 0;
         service_->with_shard([&](Shard & shard) {
             {
                 // Unbound since it was taken: not computed. (UnbindSession reads the sequence's
@@ -632,7 +636,11 @@ void DataPlaneServer::combine() {
                 return;
             }
             std::vector<ForwardOutput> outs;
+            const auto started = std::chrono::steady_clock::now();
             const ShardStatus st = shard.forward(entries, &outs);
+            compute_us = static_cast<uint64_t>(
+                std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - started)
+                    .count());
             for (size_t j = 0; j < index.size(); ++j) {
                 status[index[j]] = st;
                 if (st.ok()) {
@@ -693,11 +701,15 @@ void DataPlaneServer::combine() {
                 send_output(batch[i], next.SerializeAsString(), false);
             }
             if (ok) {
+                const auto in_worker = std::chrono::steady_clock::now() - batch[i].read_at;
                 std::lock_guard<std::mutex> lock(mu_);
                 auto s = sessions_.find(batch[i].session_id);
                 if (s != sessions_.end() && s->second.generation == batch[i].generation) {
                     s->second.rows += static_cast<uint64_t>(st.positions_size());
                     s->second.steps += 1;
+                    s->second.compute_us += compute_us;
+                    s->second.in_worker_us += static_cast<uint64_t>(
+                        std::chrono::duration_cast<std::chrono::microseconds>(in_worker).count());
                 }
             }
         }

@@ -21,6 +21,7 @@
 #include "service.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -55,6 +56,8 @@ struct DataSessionTotals {
     std::string kept_rows;       // f32 output rows from kept_first_position on
     int32_t kept_first_position = 0;
     bool kept_rows_lost = false;
+    uint64_t compute_us = 0;     // see worker.proto UnbindSessionReply
+    uint64_t in_worker_us = 0;
 };
 
 // "HOST:PORT" (IPv4, a name, or [IPv6]) into host and port. False + *error on bad input.
@@ -110,10 +113,13 @@ private:
         std::string kept;                 // output rows of its steps, positions kept_first on
         int32_t kept_first = -1;          // -1: none kept yet
         bool kept_lost = false;           // over keep_max, or a gap: none are given back
+        uint64_t compute_us = 0;          // UnbindSessionReply's timings
+        uint64_t in_worker_us = 0;
     };
     struct Pending {
         std::string session_id;
         uint64_t generation = 0;
+        std::chrono::steady_clock::time_point read_at;  // its frame read whole
         worker::v1::DataStep step;
     };
 

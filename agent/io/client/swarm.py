@@ -47,7 +47,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.message import DecodeError
 
-from agent._proto import swarm_pb2
+from agent._proto import swarm_pb2, worker_pb2
 from agent.core.admission import AdmissionError, AdmissionVerifier, make_client_hello, verify_admission
 from agent.core.data_frames import DataFrameError, OwnerSession, SessionKeys
 from agent.core.data_route import RouteKeys, bind_request, data_plane_hosts, data_step, step_result
@@ -437,11 +437,11 @@ class _DataPlane:
         self.owner, self.route, self.to_first, self.from_last = owner, route, to_first, from_last
         self.touched_at = -math.inf
 
-    async def send(self, live: _LiveSession, request: swarm_pb2.StepRequest) -> None:
+    async def send(self, live: _LiveSession, step: worker_pb2.DataStep) -> None:
         """Send the step to the first hop's worker; a connection that fails fails the step,
         naming that hop (gone: the owner resumes around it)."""
         try:
-            await self.to_first.send(self.owner.step_frame(data_step(request)))
+            await self.to_first.send(self.owner.step_frame(step))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as why:
             self._fail(live, self.route.hops[0], f"the data plane connection failed: {why}")
 
@@ -1188,23 +1188,27 @@ class SwarmClient:
                         plane = await self._open_data_plane(stack, live, route)
                     live.arm()
                     step_input = session.next_step()
-                    request = session.step_request(
-                        step_input, route, owner_peer_id=self.peer_id, owner_addrs=owner_addrs, admission=self.admission
-                    )
+                    request = None
+                    if plane is None or spot is not None:  # (the data plane needs no StepRequest)
+                        request = session.step_request(
+                            step_input, route, owner_peer_id=self.peer_id, owner_addrs=owner_addrs,
+                            admission=self.admission,
+                        )  # fmt: skip
                     prefill = session.in_prefill
                     started = time.perf_counter()
                     sent_at = trio.current_time()
                     if plane is not None:
                         self._touch_soon(plane, route, session.session_id, sent_at)
                         progress.data_plane_steps += 1
-                        await plane.send(live, request)
+                        await plane.send(live, data_step(
+                            step_input.step, step_input.positions, step_input.token_ids, session.result_top_k))
                     elif not self._send_step_soon(live, first, request):
                         await self._send_step(first, request, prefill=prefill)
                     await self._await_result(live, route, step_input.step, sent_at, prefill=prefill, plane=plane)
                     elapsed = time.perf_counter() - started
                     if isinstance(live.outcome, BaseException):
                         raise live.outcome
-                    if spot is not None and live.result is not None:
+                    if spot is not None and live.result is not None and request is not None:
                         spot.feed(request, live.result)
                     progress.add_rows(route, len(step_input.token_ids))
                     if live.outcome is None:  # a prefill chunk: more of the prompt follows

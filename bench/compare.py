@@ -12,7 +12,7 @@ Owns: one command that measures, on the same model, prompt and thread count,
 4. the boundary transport alone (``bench/transport_rtt.run_benchmark``: 8 KiB and 1 MiB
    round trips, libp2p against plain TCP);
 plus, to locate the per-hop cost, 3 range workers chained directly from Python (no tracker,
-no libp2p) and a traced pass over the 3-split swarm (``bench/hop_trace.py``).
+no libp2p) and where a decode step's time goes (``bench/data_plane.py``'s paired run).
 
 Every figure: median, min and max over ``--runs`` runs, spread over ``--rounds`` rounds (each
 system measured once per round, in turn, one warm-up each time; llama-bench's own warm-up and
@@ -46,6 +46,7 @@ from pathlib import Path
 from _bootstrap import BENCH_DIR, REPO_ROOT  # first: it makes the project importable
 
 import compare_report  # noqa: E402
+import data_plane  # noqa: E402
 import hop_trace  # noqa: E402
 import png_chart  # noqa: E402
 import trio  # noqa: E402
@@ -82,7 +83,7 @@ PROMPT_SOURCE = (
 COVERAGE_TIMEOUT_S = 180.0
 SERVER_READY_TIMEOUT_S = 30.0
 LLAMA_BENCH_TIMEOUT_S = 300.0
-PROFILE_GENERATIONS = 3
+PROFILE_REPS = 3  # bench/data_plane.py's paired generations for "Where the time goes"
 COLORS = {"baton": (52, 101, 164), "llama.cpp": (230, 140, 40)}
 
 
@@ -428,56 +429,43 @@ async def bench_swarm(
     n_gen: int,
     runs: int,
     threads: int,
-    trace_dir: Path | None = None,
 ) -> dict:
-    """Tracker + ``n_nodes`` nodes on loopback, generation through ``agent.io.client``.
-
-    With ``trace_dir``: after the measured runs, ``PROFILE_GENERATIONS`` more generations are
-    traced (``hop_trace``) and the figure gets a ``"profile"`` (``hop_trace.step_breakdown``)."""
+    """Tracker + ``n_nodes`` nodes on loopback, generation through ``agent.io.client`` (the
+    prompt through the node agents, the decode steps worker to worker over the data plane)."""
     from agent.io.client import open_swarm_client
     from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
     from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 
-    trace_env: dict[str, str | None] = {}
-    if trace_dir is not None:
-        trace_dir.mkdir(parents=True, exist_ok=True)
-        path = os.pathsep.join([str(BENCH_DIR / "_trace"), str(BENCH_DIR), os.environ.get("PYTHONPATH", "")])
-        trace_env = {hop_trace.ENV_DIR: str(trace_dir), "PYTHONPATH": path.rstrip(os.pathsep)}
     config = LocalSwarmConfig(model_path=model, model_alias=alias, threads=threads)
     started = time.perf_counter()
-    with scoped_environ(**trace_env):
-        async with open_local_swarm(config) as swarm:
-            await swarm.start_tracker()
-            async with open_swarm_client(swarm.tracker_addr) as client:
-                entries = [e for e in await client.list_models() if alias in (e.alias, e.name)]
-                if not entries:
-                    raise RuntimeError(f"the tracker has no model {alias!r}")
-                entry = entries[0]
-                memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, n_nodes)
-                for i in range(n_nodes):
-                    swarm.start_node(f"node-{i + 1}", memory)
-                route = await wait_for_coverage(client, swarm, alias, timeout_s=COVERAGE_TIMEOUT_S)
-                if len(route.hops) != n_nodes:
-                    raise RuntimeError(f"expected a {n_nodes}-hop route, got {len(route.hops)} hops")
-                ready_s = time.perf_counter() - started
-                log(
-                    f"{n_nodes}-split route ready after {ready_s:.1f} s: "
-                    + " -> ".join(f"[{h.begin}, {h.end})" for h in route.hops)
-                )
-                results = []
-                for i in range(runs + 1):
-                    generation = await client.generate(
-                        alias, prompt, max_tokens=n_gen + 1, temperature=0.0, route=route
-                    )
-                    if i:
-                        results.append(generation)
-                profile = None
-                if trace_dir is not None:
-                    profile = await _traced_pass(swarm, client, alias, prompt, n_gen, route, trace_dir)
-    figure = {
+    async with open_local_swarm(config) as swarm:
+        await swarm.start_tracker()
+        async with open_swarm_client(swarm.tracker_addr) as client:
+            entries = [e for e in await client.list_models() if alias in (e.alias, e.name)]
+            if not entries:
+                raise RuntimeError(f"the tracker has no model {alias!r}")
+            entry = entries[0]
+            memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, n_nodes)
+            for i in range(n_nodes):
+                swarm.start_node(f"node-{i + 1}", memory)
+            route = await wait_for_coverage(client, swarm, alias, timeout_s=COVERAGE_TIMEOUT_S)
+            if len(route.hops) != n_nodes:
+                raise RuntimeError(f"expected a {n_nodes}-hop route, got {len(route.hops)} hops")
+            ready_s = time.perf_counter() - started
+            log(
+                f"{n_nodes}-split route ready after {ready_s:.1f} s: "
+                + " -> ".join(f"[{h.begin}, {h.end})" for h in route.hops)
+            )
+            results = []
+            for i in range(runs + 1):
+                generation = await client.generate(alias, prompt, max_tokens=n_gen + 1, temperature=0.0, route=route)
+                if i:
+                    results.append(generation)
+    return {
         "prefill_tps": compare_report.summarize([g.prefill_tokens_per_s for g in results]),
         "decode_tps": compare_report.summarize([g.tokens_per_s for g in results]),
         "decode_steps": [g.decode_steps for g in results],
+        "data_plane_steps": [g.data_plane_steps for g in results],
         "prompt_tokens": len(results[0].prompt_tokens),
         "tokens": list(results[0].tokens),
         "route": [[h.begin, h.end] for h in route.hops],
@@ -485,35 +473,6 @@ async def bench_swarm(
         "startup_to_route_s": ready_s,
         "replans": sum(g.replans for g in results),
     }
-    if profile is not None:
-        figure["profile"] = profile
-    return figure
-
-
-async def _traced_pass(swarm, client, alias, prompt, n_gen, route, trace_dir: Path) -> dict:  # noqa: ANN001
-    pids = [proc.process.pid for proc in swarm.nodes.values()]
-    for pid in pids:
-        os.kill(pid, signal.SIGUSR1)  # the node's Python process only: never its worker
-    await trio.sleep(0.3)
-    hop_trace.start()
-    for _ in range(PROFILE_GENERATIONS):
-        await client.generate(alias, prompt, max_tokens=n_gen + 1, temperature=0.0, route=route)
-    client_events = hop_trace.stop()
-    for pid in pids:
-        os.kill(pid, signal.SIGUSR2)
-    with trio.move_on_after(10):
-        while len(list(trace_dir.glob("trace-*.json"))) < len(pids):
-            await trio.sleep(0.05)
-    await trio.sleep(0.2)  # let the last file be written out completely
-    dumps = [d for d in hop_trace.load_dumps(trace_dir) if d["pid"] in pids]
-    if len(dumps) < len(pids):
-        return {"error": f"{len(dumps)} of {len(pids)} node traces came back"}
-    breakdown = hop_trace.step_breakdown(client_events, dumps)
-    breakdown["generations"] = PROFILE_GENERATIONS
-    return breakdown
-
-
-# --- llama.cpp: llama-bench, RPC -------------------------------------------------------------
 
 
 def layer_placement(log_text: str) -> dict:
@@ -673,140 +632,39 @@ LINK_ALL = "one way, all of it"
 
 
 def profile_markdown(report: dict) -> str:
-    """The "Where the time goes" section: the traced 3-split pass, against the same three
-    Forward calls made directly from one process (the chained run)."""
-    systems = report["systems"]
-    prof = systems.get("baton_3", {}).get("profile")
-    chain = report.get("extra", {}).get("chain_3")
-    unsplit = systems.get("worker_unsplit")
+    """The "Where the time goes" section: ``bench/data_plane.py``'s paired run (the swarm's decode
+    path, worker to worker, beside the same workers driven from Python), with the workers' own
+    account of each decode step."""
+    dp = report.get("data_plane")
     lines = ["## Where the time goes", ""]
-    if not prof or "error" in prof or not prof.get("hops"):
-        lines.append(f"No trace: {prof.get('error') if prof else 'the 3-split was not traced'}.")
+    if not dp:
+        lines.append("Not measured in this run (`--no-profile`).")
         return "\n".join(lines)
-    hops, links = prof["hops"], prof["links"]
-    n = len(hops)
-    route = systems["baton_3"]["route"]
+    s = dp["summary"]
     lines += [
         (
-            f"Traced: {prof['generations']} more generations on the 3-split swarm after the measured runs "
-            f"({prof['steps']} decode steps; medians below, ms), with `bench/hop_trace.py`: monotonic timestamps "
-            "(one clock for all processes) around the node's step handler, the worker Forward (encode, call-thread "
-            "hand-off or Forward stream exchange, the blocking gRPC call when there is one, decode), the push, the channel's `request()`, frame writes and "
-            "frame reads (libp2p's too, for a message that falls back to it), installed at run time into the node processes (nothing in `agent/` is changed; a hook costs "
-            f"a few µs). Client-seen decode step: **{prof['total_ms']:.2f} ms**; the links and nodes below add "
-            f"up to {prof['sum_of_stages_ms']:.2f} ms of it."
+            f"The swarm's decode steps go worker to worker over the data plane (the prompt through the node "
+            f"agents). `bench/data_plane.py`, run here after the rounds ({dp['reps']} generations of "
+            f"{dp['decode_steps']} decode steps): a whole-model worker and the three range workers, both on their "
+            "data planes, stepped side by side with the same workers driven one Forward at a time from Python; "
+            "each worker accounts for its own time in every step (`UnbindSessionReply`)."
         ),
         "",
-        (
-            "In each node (the worker computes inside the exchange: the Forward stream's, or the blocking gRPC call; "
-            "the thread rows are empty over the Forward stream; the last-but-three row is the whole "
-            "Forward call):"
-        ),
+        f"- Per-hop overhead over the data plane, paired step by step against the unsplit worker (compare's "
+        f"reference): **{s['per_hop_ms']:.3f} ms** (by generation "
+        f"{', '.join(f'{v:.3f}' for v in s['per_hop_ms_by_rep'])}; target 0.3 ms); against the whole model over "
+        f"the data plane {s['per_hop_vs_data_plane_1_ms']:.3f} ms; through Python one Forward at a time "
+        f"{s['per_hop_python_chain_ms']:.3f} ms.",
+        f"- Decode step, ms (medians): unsplit worker {s['step_ms']['worker_unsplit']:.2f}, whole model over the "
+        f"data plane {s['step_ms']['data_plane_1']:.2f}, 3-split over the data plane {s['step_ms']['data_plane_3']:.2f}, "
+        f"3-split through Python {s['step_ms']['chain_3']:.2f}.",
         "",
+        *data_plane.profile_lines(s, dp["ranges"]),
+        "",
+        "Beyond these, the swarm's owner does more per step than the paired harness (the session's checks, "
+        "sampling, the lease touches once a second): the swarm's per-hop figure in the table above carries it, "
+        "and the drift between the unsplit run and the swarm's runs, minutes apart.",
     ]
-    header = ["stage"] + [f"hop {i + 1} [{a}, {b})" for i, (a, b) in enumerate(route[:n])]
-    rows = []
-    for stage, _a, _b in hop_trace.NODE_STAGES:
-        rows.append([stage] + [f"{h[stage]:.3f}" if stage in h else "—" for h in hops])
-    forward_direct = (chain or {}).get("forward_ms_per_range") or []
-    if len(forward_direct) == n:
-        rows.insert(
-            [r[0] for r in rows].index(FORWARD_ALL) + 1,
-            ["the same Forward, workers chained directly from one process (no node agent)"]
-            + [f"{v:.3f}" for v in forward_direct],
-        )
-    lines += compare_report.table(header, rows)
-    names = ["client -> hop 1"] + [f"hop {i} -> hop {i + 1}" for i in range(1, n)] + [f"hop {n} -> client (logits)"]
-    lines += ["", "Each message (sender's `request()` to the receiver's handler; the direct channel unless it fell back to libp2p):", ""]
-    rows = [
-        [stage] + [f"{link[stage]:.3f}" if stage in link else "—" for link in links]
-        for stage, _a, _b in hop_trace.LINK_STAGES
-    ]
-    lines += compare_report.table(["stage"] + names[: len(links)], rows)
-
-    node_ms = [h.get(NODE_ALL, 0.0) for h in hops]
-    forward_ms = [h.get(FORWARD_ALL, 0.0) for h in hops]
-    handoff_ms = [h.get(HANDOFF, 0.0) + h.get(HANDBACK, 0.0) for h in hops]
-    handler_ms = [h.get(HANDLER, 0.0) for h in hops]
-    wake_ms = [h.get(WAKE, 0.0) for h in hops]
-    build_ms = [h.get(BUILD, 0.0) + h.get(START_PUSH, 0.0) for h in hops]
-    link_ms = [link.get(LINK_ALL, 0.0) for link in links]
-    one_block = report.get("extra", {}).get("one_block", {})
-    transport = report.get("transport", {}).get("results", {})
-
-    if chain and unsplit and len(forward_direct) == n:
-        unsplit_ms = 1000.0 / unsplit["decode_tps"]["median"]
-        chain_ms = 1000.0 / chain["decode_tps"]["median"]
-        per_hop = (prof["total_ms"] - unsplit_ms) / n
-        parts = [
-            (
-                "cutting the model: more Forward calls (3 range workers chained directly, no swarm, vs unsplit)",
-                (chain_ms - unsplit_ms) / n,
-            ),
-            ("the messages of a step, one way each (client -> hop 1 -> ... -> client)", sum(link_ms) / n),
-            ("node agent outside the Forward call (handler, wake-up, push)", (sum(node_ms) - sum(forward_ms)) / n),
-            ("Forward call inside a node vs the same call made directly", (sum(forward_ms) - sum(forward_direct)) / n),
-        ]
-        parts.append(
-            ("rest (client-side Python, the chained harness's own Python, noise)", per_hop - sum(v for _k, v in parts))
-        )
-        lines += [
-            "",
-            (
-                f"Per-hop overhead of the traced steps, (traced step {prof['total_ms']:.2f} ms − unsplit step "
-                f"{unsplit_ms:.2f} ms) / {n} = **{per_hop:.2f} ms** (target {compare_report.PER_HOP_TARGET_MS:g} ms), "
-                "made of:"
-            ),
-            "",
-        ]
-        lines += compare_report.table(["part", "ms per hop"], [[k, f"{v:.2f}"] for k, v in parts])
-
-    def listed(values: list[float]) -> str:
-        return ", ".join(f"{v:.2f}" for v in values)
-
-    lines += ["", "Reading it (numbers from this run):"]
-    if one_block:
-        fixed = one_block["forward_ms"]["median"]
-        lines.append(
-            f"- A Forward has a fixed cost: a worker holding one block answers a decode Forward in {fixed:.2f} ms "
-            "(Python encode/decode, the Forward stream over the Unix socket, the worker's own per-call "
-            "work, plus one block). Every extra range pays it again"
-            + (
-                f"; a llama.cpp RPC hop costs {compare_report.derive(systems)['rpc_3']['per_hop_overhead_ms']['median']:.2f} ms in all."
-                if "rpc_3" in systems and "llama_bench" in systems
-                else "."
-            )
-        )
-    if len(forward_direct) == n:
-        extra_fwd = sum(forward_ms) - sum(forward_direct)
-        lines.append(
-            f"- The {n} Forward calls take {sum(forward_ms):.2f} ms in the nodes against {sum(forward_direct):.2f} ms "
-            f"when the same workers are called directly from one process ({extra_fwd / n:+.2f} ms per hop)"
-            + (
-                f"; of a node's call, the hand-off to the call thread and back is {listed(handoff_ms)} ms."
-                if any(handoff_ms)
-                else " (over the Forward stream: no call thread)."
-            )
-        )
-    lines.append(
-        f"- The messages, one way (request() to the receiver's handler): {listed(link_ms)} ms "
-        f"({sum(link_ms):.2f} ms per step)"
-        + (
-            f"; a whole 8 KiB round trip on the channel alone takes {transport['8KiB']['channel']['median_ms']:.3f} ms "
-            f"and on plain TCP {transport['8KiB']['tcp']['median_ms']:.3f} ms, so most of a message's time in the "
-            "swarm is the receiving process waking up and getting to it while it (or the other processes on these "
-            "2 cores) is busy, not the wire."
-            if transport.get("8KiB", {}).get("channel")
-            else "."
-        )
-    )
-    lines.append(
-        f"- In the node, outside the Forward: the step handler {listed(handler_ms)} ms (protobuf parse, the "
-        "sender's admission, already verified once, `validate_step`'s row checks, queueing), waking the serving "
-        f"task {listed(wake_ms)} ms, and starting the push and building the next message {listed(build_ms)} ms."
-    )
-    if prof.get("missing_hooks"):
-        lines.append(f"- Hooks not installed (renamed methods?): {', '.join(prof['missing_hooks'])}.")
     return "\n".join(lines)
 
 
@@ -878,7 +736,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results", help="where compare.{json,md,png} go")
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--no-profile", action="store_true", help="skip the traced pass over the 3-split")
+    parser.add_argument(
+        "--no-profile", action="store_true", help="skip 'Where the time goes' (bench/data_plane.py's paired run)"
+    )
     parser.add_argument(
         "--wait-quiet-s",
         type=float,
@@ -959,52 +819,62 @@ def main() -> int:
     def keep(name: str, figure: dict) -> None:
         collected.setdefault(name, []).append(figure)
 
-    hop_trace.install_client_hooks()  # off until the traced pass; must precede the client's creation
-    with tempfile.TemporaryDirectory(prefix="baton-trace-") as trace_tmp:
-        for round_index in range(rounds):
-            last_round = round_index == rounds - 1
-            log(f"round {round_index + 1} of {rounds}: {per_round} measured runs per system")
-            worker, prompt_text, prompt_tokens, model_info = measure(
-                "worker_unsplit", "Baton worker, unsplit, direct", trio.run, bench_worker,
-                model, sha256, n_prompt, n_gen, per_round, threads,
-            )  # fmt: skip
-            keep("worker_unsplit", worker)
-            log(f"  decode {worker['decode_tps']['median']:.1f} t/s, prefill {worker['prefill_tps']['median']:.1f} t/s")
-            keep("llama_bench", measure(
-                "llama_bench", "llama-bench, unsplit", run_llama_bench, bench_bin, model, n_prompt, n_gen, threads,
-                per_round,
+    for round_index in range(rounds):
+        log(f"round {round_index + 1} of {rounds}: {per_round} measured runs per system")
+        worker, prompt_text, prompt_tokens, model_info = measure(
+            "worker_unsplit", "Baton worker, unsplit, direct", trio.run, bench_worker,
+            model, sha256, n_prompt, n_gen, per_round, threads,
+        )  # fmt: skip
+        keep("worker_unsplit", worker)
+        log(f"  decode {worker['decode_tps']['median']:.1f} t/s, prefill {worker['prefill_tps']['median']:.1f} t/s")
+        keep("llama_bench", measure(
+            "llama_bench", "llama-bench, unsplit", run_llama_bench, bench_bin, model, n_prompt, n_gen, threads,
+            per_round,
+        ))  # fmt: skip
+        log(f"  decode {collected['llama_bench'][-1]['decode_tps']['median']:.1f} t/s")
+        keep("chain_3", measure(
+            "chain_3", "Baton, 3 range workers chained directly (no swarm)", trio.run, bench_chain,
+            model, sha256, prompt_tokens, 3, model_info["n_layer"], n_gen, per_round, threads,
+        ))  # fmt: skip
+        log(f"  decode {collected['chain_3'][-1]['decode_tps']['median']:.1f} t/s")
+        keep("one_block", measure(
+            "one_block", "Baton worker holding one block: the fixed cost of a Forward", trio.run,
+            bench_one_block, model, sha256, n_gen, per_round, threads,
+        ))  # fmt: skip
+        log(f"  {collected['one_block'][-1]['forward_ms']['median']:.2f} ms per Forward")
+        for n in (2, 3):
+            keep(f"baton_{n}", measure(
+                f"baton_{n}", f"Baton {n}-split through the swarm", trio.run, bench_swarm,
+                model, "smollm2", n, prompt_text, n_gen, per_round, threads,
             ))  # fmt: skip
-            log(f"  decode {collected['llama_bench'][-1]['decode_tps']['median']:.1f} t/s")
-            keep("chain_3", measure(
-                "chain_3", "Baton, 3 range workers chained directly (no swarm)", trio.run, bench_chain,
-                model, sha256, prompt_tokens, 3, model_info["n_layer"], n_gen, per_round, threads,
+            log(f"  decode {collected[f'baton_{n}'][-1]['decode_tps']['median']:.1f} t/s")
+        for n in (2, 3):
+            keep(f"rpc_{n}", measure(
+                f"rpc_{n}", f"llama.cpp RPC {n}-split", bench_rpc, rpc_bin, bench_bin, model, n,
+                n_prompt, n_gen, threads, per_round,
             ))  # fmt: skip
-            log(f"  decode {collected['chain_3'][-1]['decode_tps']['median']:.1f} t/s")
-            keep("one_block", measure(
-                "one_block", "Baton worker holding one block: the fixed cost of a Forward", trio.run,
-                bench_one_block, model, sha256, n_gen, per_round, threads,
-            ))  # fmt: skip
-            log(f"  {collected['one_block'][-1]['forward_ms']['median']:.2f} ms per Forward")
-            for n in (2, 3):
-                traced = n == 3 and last_round and not args.no_profile
-                trace_dir = Path(tempfile.mkdtemp(dir=trace_tmp)) if traced else None
-                keep(f"baton_{n}", measure(
-                    f"baton_{n}", f"Baton {n}-split through the swarm", trio.run, bench_swarm,
-                    model, "smollm2", n, prompt_text, n_gen, per_round, threads, trace_dir,
-                ))  # fmt: skip
-                log(f"  decode {collected[f'baton_{n}'][-1]['decode_tps']['median']:.1f} t/s")
-            for n in (2, 3):
-                keep(f"rpc_{n}", measure(
-                    f"rpc_{n}", f"llama.cpp RPC {n}-split", bench_rpc, rpc_bin, bench_bin, model, n,
-                    n_prompt, n_gen, threads, per_round,
-                ))  # fmt: skip
-                log(f"  decode {collected[f'rpc_{n}'][-1]['decode_tps']['median']:.1f} t/s")
+            log(f"  decode {collected[f'rpc_{n}'][-1]['decode_tps']['median']:.1f} t/s")
     for name in ("worker_unsplit", "llama_bench", "baton_2", "baton_3", "rpc_2", "rpc_3"):
         systems[name] = pool_rounds(collected[name])
     for name in ("chain_3", "one_block"):
         extra[name] = pool_rounds(collected[name])
     extra["one_block"]["ed25519_verify_us"] = ed25519_verify_us()
     worker = systems["worker_unsplit"]
+    data_plane_profile = None
+    if not args.no_profile:
+        from agent.core.ranges import ranges_from_cuts
+        from agent.demo.local_demo import even_cuts
+
+        cuts3 = [(r.begin, r.end) for r in ranges_from_cuts(model_info["n_layer"], even_cuts(model_info["n_layer"], 3))]
+        reps = measure(
+            "data_plane", "Where the time goes: bench/data_plane.py's paired run", trio.run, data_plane.bench_paired,
+            model, sha256, prompt_tokens, cuts3, n_gen, PROFILE_REPS, threads,
+        )  # fmt: skip
+        llama_ms = [1000.0 / v for v in systems["llama_bench"]["decode_tps"]["samples"]]
+        data_plane_profile = {
+            "reps": PROFILE_REPS, "decode_steps": n_gen, "ranges": cuts3, "summary": data_plane.summary(reps, llama_ms),
+            "tokens_equal_unsplit": reps[0]["tokens"] == worker["tokens"],
+        }  # fmt: skip
 
     cpu.close()
     machine["loadavg_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -1014,8 +884,10 @@ def main() -> int:
             "Baton figures are timed by the caller per step (prefill = the first step, the whole prompt in one "
             "Forward per hop; decode = each later step, mean over the steps of a run); a run's decode t/s = steps / "
             "their summed time. Swarm steps go client -> hop 1 -> ... -> last hop -> client over the direct "
-            "channel (TCP + TLS 1.3, libp2p-TLS certificates; libp2p only for the tracker), the last hop "
-            "sending the top-40 logits and the row's log-sum-exp back (greedy decode)."
+            "channel (TCP + TLS 1.3, libp2p-TLS certificates; libp2p only for the tracker) for the prompt, "
+            "then worker to worker over the workers' data plane for every decode step (sealed frames, "
+            "AES-256-GCM under keys the owner gave the hops' nodes), the last worker sending the top-40 "
+            "logits and the row's log-sum-exp back (greedy decode)."
         ),
         (
             f"llama-bench: `-p {n_prompt} -n {n_gen} -t {threads} -r {runs} -d 0,{n_prompt}` (its own warm-up; "
@@ -1074,6 +946,7 @@ def main() -> int:
         "transport": transport,
         "extra": extra,
         "greedy_tokens_equal_unsplit_worker": tokens_match,
+        "data_plane": data_plane_profile,
         "tools_build_s": build_s,
         "cpu_used_by_other_processes": cpu.phases,
     }

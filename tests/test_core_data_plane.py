@@ -15,6 +15,7 @@ from agent._proto import swarm_pb2, worker_pb2
 from agent.core import data_frames
 from agent.core.data_frames import DataFrameError, DataFrameReader, OwnerSession, SessionKeys
 from agent.core.data_route import RouteKeys, bind_request, data_plane_hosts, data_step, step_result
+from agent.core.node_policy import data_plane_host
 from agent.core.node_sessions import SessionTable
 from agent.core.session import Session
 from agent.core.swarm_wire import WireError
@@ -186,6 +187,18 @@ def test_a_bound_session_takes_no_step_through_the_node_until_unbound() -> None:
             refused()
         assert caught.value.code == Code.INVALID_ARGUMENT and "data plane" in caught.value.message
 
+    # a resume is checked against what the worker holds before the node unbinds for it
+    with pytest.raises(WireError) as caught:
+        table.check_resume_bound(sid, 9, 4, "owner", worker_next_position=8, worker_next_step=4)
+    assert caught.value.code == Code.INVALID_ARGUMENT and "holds 8 positions, 9 asked" in caught.value.message
+    with pytest.raises(WireError) as caught:
+        table.check_resume_bound(sid, 6, 3, "owner", worker_next_position=8, worker_next_step=4)
+    assert "step 3 was taken" in caught.value.message
+    with pytest.raises(WireError) as caught:
+        table.check_resume_bound(sid, 6, 4, "someone else", worker_next_position=8, worker_next_step=4)
+    assert caught.value.code == Code.REFUSED
+    table.check_resume_bound(sid, 6, 4, "owner", worker_next_position=8, worker_next_step=4)  # would be taken
+    assert session.data_plane, "checking changes nothing"
     # the worker did steps 1-3 (positions 5-7): they come back into the session
     table.unbound(sid, next_step=4, next_position=8, rows=3, now_ms=9)
     assert (session.data_plane, session.next_step, session.next_position, session.rows) == (False, 4, 8, 8)
@@ -208,3 +221,9 @@ def test_a_session_that_ends_while_bound_is_unbound_before_its_sequence_is_freed
     table.accept(plain, 0, 0, 4, "owner", now_ms=2)  # the sequence, reused
     table.end(plain)
     assert table.take_unbinding() == [], "a session that was not bound needs no unbinding"
+
+
+def test_a_lock_step_node_serves_every_step_itself() -> None:
+    assert data_plane_host("127.0.0.1", decode_gather_ms=0.0) == "127.0.0.1"
+    assert data_plane_host("127.0.0.1", decode_gather_ms=40.0) is None, "gathering needs to see the decode steps"
+    assert data_plane_host(None, decode_gather_ms=0.0) is None

@@ -166,6 +166,22 @@ async def test_a_chain_of_workers_equals_the_unsplit_worker_and_refuses_what_is_
             with pytest.raises(DataFrameError, match="does not open"):
                 session.open_result(fake)
 
+        # A report leaves it bound (a node checks a resume against it first); binding it again
+        # with the keys it has is refused: the worker's counters would start again under them.
+        peek = await chain[0].client.call(
+            "UnbindSession",
+            worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id, keep_bound=True),
+        )
+        assert peek.was_bound and peek.next_position == len(PROMPT) + 1 and not peek.kept_rows, peek
+        with pytest.raises(WorkerError) as caught:
+            await chain[-1].client.call(
+                "BindSession",
+                worker_pb2.BindSessionRequest(
+                    schema_version=1, session_id=session.session_id, seq_id=0, step_key=os.urandom(32),
+                    return_key=session.keys.return_key,
+                ),
+            )  # fmt: skip
+        assert caught.value.code_name == "INVALID_ARGUMENT" and "fresh keys" in caught.value.message, caught.value
         # Unbinding says what the range computed (prompt + one step on the first range), where
         # the sequence stands, and gives back the output rows it kept: the rows the range's
         # Forward gives for those tokens, which the node keeps to rebuild a lost next hop.

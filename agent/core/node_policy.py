@@ -101,6 +101,14 @@ class StepFailure:
     end_session: bool = False
 
 
+def data_plane_host(host: str | None, *, decode_gather_ms: float) -> str | None:
+    """Where a node's workers take decode steps straight from the hop before (None: nowhere,
+    every step through the node). A node that gathers decode groups (lock-step:
+    ``decode_gather_ms`` > 0) serves every step itself: holding a Forward until a group has
+    gathered is a decision about steps it must see."""
+    return None if decode_gather_ms > 0 else host
+
+
 def worker_error_code(code_name: str) -> int:
     """The swarm error code for a failed worker call (gRPC status names that exist in both)."""
     return Code.Value(code_name) if code_name in _PASSED_ON_CODES else Code.INTERNAL

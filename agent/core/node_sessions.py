@@ -213,16 +213,7 @@ class SessionTable:
         self._check_not_bound(session, "a resume (unbind it first)")
         if session.pending:
             raise WireError(Code.UNAVAILABLE, f"session {session_id.hex()} has a step in a Forward")
-        if keep_positions > session.next_position:
-            raise WireError(
-                Code.INVALID_ARGUMENT,
-                f"session {session_id.hex()} holds {session.next_position} positions, {keep_positions} asked to keep",
-            )
-        if next_step < session.next_step:
-            raise WireError(
-                Code.INVALID_ARGUMENT,
-                f"session {session_id.hex()}: resume at step {next_step}, but step {session.next_step - 1} was taken",
-            )
+        self._check_resume(session, keep_positions, next_step, session.next_position, session.next_step)
         trim = keep_positions < session.next_position
         session.next_position = keep_positions
         session.next_step = next_step
@@ -274,6 +265,46 @@ class SessionTable:
             raise WireError(
                 Code.INVALID_ARGUMENT,
                 f"session {session.session_id.hex()} is on the data plane: {what} must go to the worker",
+            )
+
+    def check_resume_bound(
+        self,
+        session_id: bytes,
+        keep_positions: int,
+        next_step: int,
+        owner_peer_id: str,
+        *,
+        worker_next_position: int,
+        worker_next_step: int,
+    ) -> None:
+        """Whether a resume of a session bound on the data plane would be taken, by what the
+        worker says it holds (``UnbindSession`` with ``keep_bound``), before the shell unbinds
+        it: a resume that will be refused must change nothing (the session stays bound).
+
+        Raises:
+          WireError: as ``resume`` would (NOT_FOUND, REFUSED, INVALID_ARGUMENT).
+        """
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()}: nothing to resume")
+        self._check_owner(session, owner_peer_id)
+        self._check_resume(
+            session, keep_positions, next_step, worker_next_position, max(session.next_step, worker_next_step)
+        )
+
+    @staticmethod
+    def _check_resume(
+        session: NodeSession, keep_positions: int, next_step: int, held_positions: int, expected_step: int
+    ) -> None:
+        if keep_positions > held_positions:
+            raise WireError(
+                Code.INVALID_ARGUMENT,
+                f"session {session.session_id.hex()} holds {held_positions} positions, {keep_positions} asked to keep",
+            )
+        if next_step < expected_step:
+            raise WireError(
+                Code.INVALID_ARGUMENT,
+                f"session {session.session_id.hex()}: resume at step {next_step}, but step {expected_step - 1} was taken",
             )
 
     @staticmethod

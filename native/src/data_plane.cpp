@@ -349,6 +349,14 @@ std::string DataPlaneServer::bind(const DataBinding & b) {
         }
     }
     std::lock_guard<std::mutex> lock(mu_);
+    auto previous = sessions_.find(b.session_id);
+    if (previous != sessions_.end() &&
+        (previous->second.step_key == b.step_key ||
+         (!b.next_step_key.empty() && previous->second.next_step_key == b.next_step_key) ||
+         (!b.return_key.empty() && previous->second.return_key == b.return_key))) {
+        // its counters start again: the same key would seal under nonces already used
+        return "a binding must bring fresh keys (these are the session's current ones)";
+    }
     Session & s = sessions_[b.session_id];
     const uint64_t generation = s.generation + 1;
     s = Session{};
@@ -364,7 +372,7 @@ std::string DataPlaneServer::bind(const DataBinding & b) {
     return "";
 }
 
-DataSessionTotals DataPlaneServer::unbind(const std::string & session_id) {
+DataSessionTotals DataPlaneServer::unbind(const std::string & session_id, bool keep_bound) {
     std::lock_guard<std::mutex> lock(mu_);
     DataSessionTotals totals;
     auto found = sessions_.find(session_id);
@@ -379,6 +387,9 @@ DataSessionTotals DataPlaneServer::unbind(const std::string & session_id) {
     totals.kept_rows_lost = found->second.kept_lost;
     totals.compute_us = found->second.compute_us;
     totals.in_worker_us = found->second.in_worker_us;
+    if (keep_bound) {
+        return totals;
+    }
     if (!found->second.kept_lost && found->second.kept_first >= 0) {
         totals.kept_rows.swap(found->second.kept);
         totals.kept_first_position = found->second.kept_first;

@@ -82,7 +82,8 @@ public:
     // Binds (or rebinds) a session; dials the next hop now, so that an unreachable one is a
     // refusal here and not a lost step later. "" or why not.
     std::string bind(const DataBinding & binding);
-    DataSessionTotals unbind(const std::string & session_id);
+    // keep_bound: report only (no kept rows), the session stays bound.
+    DataSessionTotals unbind(const std::string & session_id, bool keep_bound = false);
 
 private:
     struct Connection {

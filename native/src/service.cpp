@@ -295,6 +295,9 @@ grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::Bi
         binding.return_key = request->return_key();
         binding.keep_rows_max_bytes = info.gives_logits ? 0 : request->keep_rows_max_bytes();
         const std::string refused = data_plane_->bind(binding);
+        if (refused.rfind("a binding must bring fresh keys", 0) == 0) {
+            return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, refused);
+        }
         if (!refused.empty()) {
             return grpc::Status(grpc::StatusCode::UNAVAILABLE, refused);
         }
@@ -313,7 +316,7 @@ grpc::Status ShardWorkerService::UnbindSession(grpc::ServerContext *, const v1::
         if (data_plane_ == nullptr) {
             return to_grpc_status(ShardStatus::Precondition("this worker has no data plane (--data-listen)"));
         }
-        DataSessionTotals totals = data_plane_->unbind(request->session_id());
+        DataSessionTotals totals = data_plane_->unbind(request->session_id(), request->keep_bound());
         reply->set_schema_version(kSchemaVersion);
         reply->set_was_bound(totals.was_bound);
         if (totals.was_bound) {

@@ -64,6 +64,7 @@ from agent.core.node_link import (
     read_registration_reply,
 )
 from agent.core.node_policy import (
+    data_plane_host,
     BatchPeers,
     StepFailure,
     check_end_session_sender,
@@ -238,8 +239,10 @@ class NodeConfig:
       data_plane_host: where each worker's data plane listens (a TCP port chosen at start):
         a session's owner may then move its steps there (``DataPlaneBindRequest``), worker to
         worker, the node only admitting, leasing and unbinding; None: no data plane (every
-        step through this node). The CLI uses the host of ``--listen``: the data plane is
-        exactly as reachable as the node's own channel, never more.
+        step through this node), and none while ``decode_gather_ms`` > 0 (lock-step needs to
+        see every decode step: ``agent.core.node_policy.data_plane_host``). The CLI uses the
+        host of ``--listen``: the data plane is exactly as reachable as the node's own
+        channel, never more.
       row_budget: rows each worker Forward is filled to (``agent.core.scheduler``); None: the
         worker's batch (``n_batch``). Steps longer than this are refused (owners chunk).
       decode_groups: a range that begins at block 0 splits its decoding sessions into this many
@@ -417,8 +420,8 @@ def _data_listen(host: str | None) -> str | None:
     return f"[{host}]:0" if ":" in host else f"{host}:0"
 
 
-def _unbind_request(session_id: bytes) -> worker_pb2.UnbindSessionRequest:
-    return worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session_id)
+def _unbind_request(session_id: bytes, *, keep_bound: bool = False) -> worker_pb2.UnbindSessionRequest:
+    return worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session_id, keep_bound=keep_bound)
 
 
 def _clock_ms() -> int:
@@ -813,7 +816,7 @@ class Node:
             ctx_size=cfg.ctx_size, max_sequences=cfg.max_sequences, batch_size=cfg.batch_size,
             threads=cfg.threads, model_sha256=model.sha256, ready_timeout_s=cfg.worker_ready_timeout_s,
             stop_grace_s=cfg.worker_stop_grace_s, client_config=ClientConfig(timeout_s=cfg.worker_call_timeout_s),
-            binary=cfg.worker_binary, environment=environment, data_listen=_data_listen(cfg.data_plane_host),
+            binary=cfg.worker_binary, environment=environment, data_listen=_data_listen(data_plane_host(cfg.data_plane_host, decode_gather_ms=cfg.decode_gather_ms)),
         ) as handle:  # fmt: skip
             info = handle.info
             if info.model_sha256 and info.model_sha256 != model.sha256:
@@ -1411,6 +1414,15 @@ class Node:
         served = self._session_range(session_id, body.model_sha256, body.begin, body.end)
         self._owner_only(served, session_id, remote_peer_id, role)
         assert served.sessions is not None and served.client is not None
+        session = served.sessions.get(session_id)
+        if session is not None and session.data_plane:  # a resume that will be refused changes nothing
+            held = await served.client.call(
+                "UnbindSession", _unbind_request(session_id, keep_bound=True), timeout_s=self.config.worker_call_timeout_s
+            )
+            served.sessions.check_resume_bound(
+                session_id, body.keep_positions, body.next_step, remote_peer_id,
+                worker_next_position=held.next_position, worker_next_step=held.next_step,
+            )  # fmt: skip
         await self._unbind_if_bound(served, session_id)
         with trio.move_on_after(self.config.resume_wait_s):
             while (session := served.sessions.get(session_id)) is not None and session.pending:

@@ -260,12 +260,13 @@ def profile_lines(s: dict, ranges: Sequence[Sequence[int]]) -> list[str]:
             if whole else f"| worker {i + 1} [{b}, {e}): its Forward | | {w['compute_ms']:.3f} |"
         )
         lines.append(
-            f"| worker {i + 1}: the rest of its time (frame in whole to output out: lock, open, check, seal, send) | "
+            f"| worker {i + 1}: the rest of its time (frame in whole to output sealed: lock, open, check, seal) | "
             + (f"{whole['own_ms']:.3f} | " if whole else "| ")
             + f"{w['own_ms']:.3f} |"
         )
     lines.append(
-        f"| outside the workers: the owner's Python, the messages, waking the processes | {outside1:.3f} | {outside3:.3f} |"
+        f"| outside the workers: the owner's Python, the sends and messages, waking the processes | {outside1:.3f} | "
+        f"{outside3:.3f} |"
     )
     hops = len(ranges)
     d_compute = sum(w["compute_ms"] for w in three) - one[0]["compute_ms"]
@@ -273,9 +274,8 @@ def profile_lines(s: dict, ranges: Sequence[Sequence[int]]) -> list[str]:
     d_outside = outside3 - outside1
     lines += [
         "",
-        "A worker's own time includes whatever ran on its core meanwhile: the last worker's send wakes the owner, "
-        "which may take that core at once and run its next step before the send returns, so part of the owner's "
-        "time shows in the last worker's row and not in the row below it.",
+        "A worker's own time includes whatever ran on its core meanwhile (another process it woke, the host "
+        "taking the virtual CPU): on this 2-core VM the rows are a process's view, not an exclusive one.",
         "",
         f"Per hop, 3-split over the whole model (both over the data plane; means): "
         f"{(step3 - step1) / hops:.3f} ms = cutting the model (more, smaller Forwards) {d_compute / hops:.3f} "
@@ -320,7 +320,8 @@ def markdown(report: dict) -> str:
         f"{'met' if s['hop_target_met'] else 'missed'}; by generation "
         f"{', '.join(f'{v:.3f}' for v in s['per_hop_ms_by_rep'])}); against the whole model over the data plane "
         f"{s['per_hop_vs_data_plane_1_ms']:.3f} ms; through Python one Forward at a time: "
-        f"{s['per_hop_python_chain_ms']:.3f} ms; the swarm's, in `compare.md`: 2.09 ms.",
+        f"{s['per_hop_python_chain_ms']:.3f} ms (the boundary through Python, as the node agents passed it "
+        "before the data plane).",
         f"- The data plane's own cost on the whole model (its step - the Forward stream's): "
         f"{s['data_plane_own_ms']:.3f} ms.",
         f"- 3-split over the data plane vs llama-bench unsplit: **{s['split_vs_llama_bench']:.2f}x** "

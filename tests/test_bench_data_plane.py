@@ -59,7 +59,7 @@ def test_where_the_time_goes_adds_up_to_the_step() -> None:
     assert "| worker 1 [0, 10): its Forward | 10.000 (the whole model) | 3.500 |" in text
     assert "| worker 3 [20, 30): its Forward | | 3.400 |" in text
     # outside the workers = step - the workers' time: 10.5 - 10.2 and 11.4 - 10.8
-    assert "| outside the workers: the owner's Python, the messages, waking the processes | 0.300 | 0.600 |" in text
+    assert "| outside the workers: the owner's Python, the sends and messages, waking the processes | 0.300 | 0.600 |" in text
     # per hop: (11.4 - 10.5) / 3 = 0.3 = cutting (10.4 - 10.0) / 3 + own (0.4 - 0.2) / 3 + outside (0.3) / 3
     assert "0.300 ms = cutting the model (more, smaller Forwards) 0.133" in text
     assert "the workers' own handling 0.067" in text and "wake-ups of the processes that take them) 0.100" in text

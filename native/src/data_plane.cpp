@@ -671,6 +671,7 @@ void DataPlaneServer::combine() {
                 st.set_error_layer_begin(service_->layer_begin());
             }
             const bool ok = st.error_code() == 0;
+            std::chrono::steady_clock::time_point ready_at;
             if (service_->gives_logits()) {
                 v1::DataResult result;
                 result.set_step(st.step());
@@ -691,7 +692,7 @@ void DataPlaneServer::combine() {
                         result.set_logits(std::move(o.logits));
                     }
                 }
-                send_output(batch[i], result.SerializeAsString(), true);
+                ready_at = send_output(batch[i], result.SerializeAsString(), true);
             } else {
                 v1::DataStep next;
                 next.set_step(st.step());
@@ -709,10 +710,10 @@ void DataPlaneServer::combine() {
                     next.set_boundary_schema_version(service_->boundary_schema().version);
                     next.set_boundary_streams(service_->boundary_schema().streams);
                 }
-                send_output(batch[i], next.SerializeAsString(), false);
+                ready_at = send_output(batch[i], next.SerializeAsString(), false);
             }
             if (ok) {
-                const auto in_worker = std::chrono::steady_clock::now() - batch[i].read_at;
+                const auto in_worker = ready_at - batch[i].read_at;
                 std::lock_guard<std::mutex> lock(mu_);
                 auto s = sessions_.find(batch[i].session_id);
                 if (s != sessions_.end() && s->second.generation == batch[i].generation) {
@@ -751,7 +752,8 @@ void DataPlaneServer::keep_rows(const Pending & pending, int32_t first_position,
     s.kept.append(rows);
 }
 
-void DataPlaneServer::send_output(const Pending & pending, const std::string & body, bool to_owner) {
+std::chrono::steady_clock::time_point DataPlaneServer::send_output(const Pending & pending, const std::string & body,
+                                                                  bool to_owner) {
     const std::string & sid = pending.session_id;
     std::string key;
     std::string host;
@@ -762,7 +764,7 @@ void DataPlaneServer::send_output(const Pending & pending, const std::string & b
         std::lock_guard<std::mutex> lock(mu_);
         auto s = sessions_.find(sid);
         if (s == sessions_.end() || s->second.generation != pending.generation) {
-            return;  // unbound while it was computed
+            return std::chrono::steady_clock::now();  // unbound while it was computed
         }
         counter = ++s->second.out_counter;
         key = to_owner ? s->second.return_key : s->second.next_step_key;
@@ -779,9 +781,10 @@ void DataPlaneServer::send_output(const Pending & pending, const std::string & b
     frame.set_counter(counter);
     if (!seal_data_frame(key, static_cast<uint32_t>(kind), sid, counter, body, frame.mutable_sealed())) {
         std::fprintf(stderr, "baton-worker: data plane: cannot seal a frame for session %s\n", hex_of(sid).c_str());
-        return;
+        return std::chrono::steady_clock::now();
     }
     const std::string out = framed(frame);
+    const auto ready = std::chrono::steady_clock::now();  // the send (it wakes the receiver) is not the worker's
     if (to_owner) {
         if (!sink || !sink->open.load()) {  // the owner has not attached (yet)
             std::lock_guard<std::mutex> lock(mu_);
@@ -789,14 +792,14 @@ void DataPlaneServer::send_output(const Pending & pending, const std::string & b
             if (s != sessions_.end() && s->second.generation == pending.generation) {
                 s->second.undelivered = out;  // sent on the owner's ATTACH
             }
-            return;
+            return ready;
         }
         std::lock_guard<std::mutex> lock(sink->send_mu);
         if (!write_full(sink->fd, out.data(), out.size())) {
             std::fprintf(stderr, "baton-worker: data plane: the owner of session %s is gone; result dropped\n",
                          hex_of(sid).c_str());
         }
-        return;
+        return ready;
     }
     for (int attempt = 0; attempt < 2; ++attempt) {  // a stale connection is dialled again once
         std::string error;
@@ -804,17 +807,18 @@ void DataPlaneServer::send_output(const Pending & pending, const std::string & b
         if (!conn) {
             std::fprintf(stderr, "baton-worker: data plane: session %s: the next hop: %s; step dropped\n",
                          hex_of(sid).c_str(), error.c_str());
-            return;
+            return ready;
         }
         std::lock_guard<std::mutex> lock(conn->send_mu);
         if (write_full(conn->fd, out.data(), out.size())) {
-            return;
+            return ready;
         }
         conn->open.store(false);
         ::shutdown(conn->fd, SHUT_RDWR);
     }
     std::fprintf(stderr, "baton-worker: data plane: session %s: the next hop does not take frames; step dropped\n",
                  hex_of(sid).c_str());
+    return ready;
 }
 
 }  // namespace baton

@@ -132,7 +132,10 @@ private:
     // Sets *queued_step when it queued a step to compute.
     bool handle_frame(const std::shared_ptr<Connection> & conn, const char * data, size_t size, bool * queued_step);
     void combine();
-    void send_output(const Pending & pending, const std::string & frame_body, bool to_owner);
+    // Seals and sends; returns when the frame was ready to send (the send itself, which wakes
+    // the receiving process, is not the worker's own time).
+    std::chrono::steady_clock::time_point send_output(const Pending & pending, const std::string & frame_body,
+                                                      bool to_owner);
     void keep_rows(const Pending & pending, int32_t first_position, const std::string & rows);
 
     ShardWorkerService * service_;

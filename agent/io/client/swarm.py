@@ -131,6 +131,10 @@ class SwarmClientConfig:
     routes carry it no more (best effort: the hops' next heartbeats say it anyway).
     ``prefill_chunk_tokens``: a prompt (or a re-prefill) longer than this goes in chunks of
     this many rows, one step each (at most the workers' batch: 512 by default).
+    ``min_data_plane_step_deadline_s``: the same floor for a step that goes worker to worker,
+    lower: no node on the way reports a lost next hop there (a worker that cannot reach the
+    next one can only drop the step), so the owner's probes are what name it, and a probe that
+    was not needed costs only a touch of each hop.
     ``step_deadline_factor`` / ``min_step_deadline_s``: a decode step that takes longer than
     this multiple of the measured decode step time (and at least the minimum) makes the owner
     probe the route's hops, each within ``probe_timeout_s``; one that does not answer is named
@@ -160,6 +164,7 @@ class SwarmClientConfig:
     prefill_chunk_tokens: int = 512
     step_deadline_factor: float = 10.0
     min_step_deadline_s: float = 1.0
+    min_data_plane_step_deadline_s: float = 0.25
     probe_timeout_s: float = 0.5
     report_grace_s: float = 0.2
     probe_interval_s: float = 1.0
@@ -178,7 +183,7 @@ class SwarmClientConfig:
     def __post_init__(self) -> None:
         for name in (
             "request_timeout_s", "step_timeout_s", "replan_wait_s", "route_poll_interval_s", "queue_timeout_s",
-            "step_deadline_factor", "min_step_deadline_s", "probe_timeout_s", "report_grace_s", "probe_interval_s",
+            "step_deadline_factor", "min_step_deadline_s", "min_data_plane_step_deadline_s", "probe_timeout_s", "report_grace_s", "probe_interval_s",
             "spot_check_grace_s", "integrity_timeout_s",
         ):  # fmt: skip
             if not getattr(self, name) > 0:
@@ -1402,14 +1407,16 @@ class SwarmClient:
         average = self._decode_step_s
         self._decode_step_s = elapsed_s if average is None else 0.8 * average + 0.2 * elapsed_s
 
-    def _step_deadline_s(self, *, prefill: bool) -> float:
+    def _step_deadline_s(self, *, prefill: bool, data_plane: bool = False) -> float:
         """How long a step may take before the owner looks for a silent hop: a multiple of the
-        measured decode step time (``step_deadline_factor``, at least ``min_step_deadline_s``);
+        measured decode step time (``step_deadline_factor``, at least ``min_step_deadline_s``, or
+        ``min_data_plane_step_deadline_s`` for a step that goes worker to worker);
         a prefill (chunk), or a decode before anything was measured, ``probe_interval_s`` (its
         time is unknown, so it is watched by probes rather than bounded)."""
         if prefill or self._decode_step_s is None:
             return min(self.config.probe_interval_s, self.config.step_timeout_s)
-        deadline = max(self.config.min_step_deadline_s, self.config.step_deadline_factor * self._decode_step_s)
+        floor = self.config.min_data_plane_step_deadline_s if data_plane else self.config.min_step_deadline_s
+        deadline = max(floor, self.config.step_deadline_factor * self._decode_step_s)
         return min(deadline, self.config.step_timeout_s)
 
     async def _await_result(
@@ -1430,7 +1437,7 @@ class SwarmClient:
             around it), or no result within ``step_timeout_s`` although every hop answers.
         """
         give_up_at = sent_at + self.config.step_timeout_s
-        look_at = sent_at + self._step_deadline_s(prefill=prefill)
+        look_at = sent_at + self._step_deadline_s(prefill=prefill, data_plane=plane is not None)
         while True:
             with trio.move_on_at(min(look_at, give_up_at)):
                 if plane is None:

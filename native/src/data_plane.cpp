@@ -1,6 +1,7 @@
 // DataPlaneServer: see data_plane.h.
 #include "data_plane.h"
 
+#include "fd_io.h"
 #include "sealed.h"
 
 #include <cerrno>
@@ -30,21 +31,6 @@ constexpr size_t kMaxConnections = 256;       // beyond this, a new connection i
 constexpr int kDialTimeoutMs = 3000;
 constexpr int kSendTimeoutS = 10;             // a peer that stops reading loses its connection
 constexpr size_t kNoticeMaxLogBytes = 200;
-
-bool write_full(int fd, const char * data, size_t n) {
-    while (n > 0) {
-        const ssize_t put = ::send(fd, data, n, MSG_NOSIGNAL);
-        if (put > 0) {
-            data += put;
-            n -= static_cast<size_t>(put);
-        } else if (put < 0 && errno == EINTR) {
-            continue;
-        } else {
-            return false;
-        }
-    }
-    return true;
-}
 
 std::string hex_of(const std::string & bytes) {
     static const char * digits = "0123456789abcdef";

@@ -1,6 +1,8 @@
 // ForwardStreamServer: see forward_stream.h.
 #include "forward_stream.h"
 
+#include "fd_io.h"
+
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -20,36 +22,6 @@ namespace v1 = baton::worker::v1;
 namespace {
 
 constexpr size_t kPrefixBytes = 4;  // little-endian u32 length
-
-bool read_full(int fd, char * data, size_t n) {
-    while (n > 0) {
-        const ssize_t got = ::read(fd, data, n);
-        if (got > 0) {
-            data += got;
-            n -= static_cast<size_t>(got);
-        } else if (got < 0 && errno == EINTR) {
-            continue;
-        } else {
-            return false;  // EOF or an error: the connection is over
-        }
-    }
-    return true;
-}
-
-bool write_full(int fd, const char * data, size_t n) {
-    while (n > 0) {
-        const ssize_t put = ::send(fd, data, n, MSG_NOSIGNAL);
-        if (put > 0) {
-            data += put;
-            n -= static_cast<size_t>(put);
-        } else if (put < 0 && errno == EINTR) {
-            continue;
-        } else {
-            return false;
-        }
-    }
-    return true;
-}
 
 uint32_t read_le32(const unsigned char * p) {
     return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 | static_cast<uint32_t>(p[2]) << 16 |

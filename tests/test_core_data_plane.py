@@ -215,7 +215,7 @@ def test_a_session_that_ends_while_bound_is_unbound_before_its_sequence_is_freed
     table.bind_data_plane(bound, "owner", now_ms=1)
     ended = table.end(bound)
     assert ended is not None and ended.data_plane
-    assert table.take_unbinding() == [bound] and table.take_unbinding() == []
+    assert table.take_unbinding() == [(bound, ended.seq_id)] and table.take_unbinding() == []
     assert table.take_closing() == [ended.seq_id]
     table.release(ended.seq_id)
     table.accept(plain, 0, 0, 4, "owner", now_ms=2)  # the sequence, reused

@@ -77,6 +77,13 @@ class KeptStore:
     def n_bytes(self) -> int:
         return sum(kept.n_bytes for kept in self._sessions.values())
 
+    def room(self, session_id: bytes) -> int:
+        """Bytes the session may still keep (0 once its rows are lost)."""
+        kept = self._sessions.get(session_id)
+        if kept is None:
+            return self.max_bytes_per_session
+        return 0 if kept.lost else max(0, self.max_bytes_per_session - kept.n_bytes)
+
     def keep(
         self,
         session_id: bytes,

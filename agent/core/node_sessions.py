@@ -72,7 +72,7 @@ class SessionTable:
         self._sessions: dict[bytes, NodeSession] = {}
         self._free: list[int] = list(range(n_seq_max - 1, -1, -1))  # pop() gives the lowest id
         self._closing: list[int] = []
-        self._unbinding: list[bytes] = []  # ended while bound on the data plane
+        self._unbinding: list[tuple[bytes, int]] = []  # (session, sequence) ended while bound on the data plane
         self.started = 0  # sessions opened by a step 0
         self.resumed = 0  # sessions that kept their cache through a resume
         self.rebuilt = 0  # sessions opened by rebuild steps
@@ -253,9 +253,11 @@ class SessionTable:
         session.decoding = rows > 0 or session.decoding
         session.last_used_ms = now_ms
 
-    def take_unbinding(self) -> list[bytes]:
-        """Sessions that ended while bound: unbind each on the worker before removing the
-        sequences ``take_closing`` gives (each is returned once)."""
+    def take_unbinding(self) -> list[tuple[bytes, int]]:
+        """``(session, sequence)`` of the sessions that ended while bound: unbind each on the
+        worker before removing the sequences ``take_closing`` gives, taken together with them
+        (each is returned once). A sequence whose session could not be unbound must not be
+        released: a step may still reach it."""
         unbinding, self._unbinding = self._unbinding, []
         return unbinding
 
@@ -355,7 +357,7 @@ class SessionTable:
         if session is not None:
             self._closing.append(session.seq_id)
             if session.data_plane:
-                self._unbinding.append(session_id)
+                self._unbinding.append((session_id, session.seq_id))
         return session
 
     def has_closing(self) -> bool:

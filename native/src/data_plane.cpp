@@ -398,6 +398,9 @@ void DataPlaneServer::serve(const std::shared_ptr<Connection> & conn) {
                 const uint32_t size = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
                                       static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
                 if (size > max_frame_bytes_) {
+                    if (queued_step) {
+                        combine();
+                    }
                     const std::string notice = notice_frame(
                         "", "data plane: a frame of " + std::to_string(size) + " bytes is over the limit of " +
                                 std::to_string(max_frame_bytes_) + "; closing the connection");
@@ -411,6 +414,9 @@ void DataPlaneServer::serve(const std::shared_ptr<Connection> & conn) {
                 const bool keep = handle_frame(conn, buffer.data() + start + kPrefixBytes, size, &queued_step);
                 start += kPrefixBytes + size;
                 if (!keep) {
+                    if (queued_step) {
+                        combine();  // the steps read before the bad frame are still computed
+                    }
                     return;
                 }
             }
@@ -468,61 +474,68 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
 
     std::string plain;
     std::string undelivered;
+    std::string refusal;  // written after mu_ is released: a peer that does not read blocks only itself
     {
         std::lock_guard<std::mutex> lock(mu_);
-        auto found = sessions_.find(sid);
-        if (found == sessions_.end()) {
-            return refuse(sid, "no session " + hex_of(sid) + " is bound here", false);
-        }
-        Session & s = found->second;
-        const bool step = frame.kind() == v1::DATA_FRAME_KIND_STEP;
-        const std::string & key = step ? s.step_key : s.return_key;
-        uint64_t & last = step ? s.last_step_counter : s.last_attach_counter;
-        if (key.empty()) {
-            return refuse(sid, std::string(step ? "STEP" : "ATTACH") + " frames are not taken for session " +
-                                   hex_of(sid) + " here", false);
-        }
-        if (frame.counter() <= last) {
-            return refuse(sid, "counter " + std::to_string(frame.counter()) + " is not above the last one taken (" +
-                                   std::to_string(last) + "): a replayed or stale frame", false);
-        }
-        if (!open_data_frame(key, kind, sid, frame.counter(), frame.sealed(), &plain)) {
-            return refuse(sid, "the frame does not open under session " + hex_of(sid) +
-                                   "'s key (a peer without the key, or changed bytes)", false);
-        }
-        last = frame.counter();
-        if (!step) {
-            v1::DataAttach attach;
-            if (!attach.ParseFromString(plain)) {
-                return refuse(sid, "the ATTACH body is not a DataAttach", false);
+        refusal = [&]() -> std::string {
+            auto found = sessions_.find(sid);
+            if (found == sessions_.end()) {
+                return "no session " + hex_of(sid) + " is bound here";
             }
-            s.sink = conn;
-            undelivered.swap(s.undelivered);
-        } else {
-            Pending pending;
-            pending.session_id = sid;
-            pending.generation = s.generation;
-            pending.read_at = std::chrono::steady_clock::now();
-            v1::DataStep & st = pending.step;
-            if (!st.ParseFromString(plain)) {
-                st.Clear();
-                st.set_error_code(grpc_code(ErrorCode::kInvalidArgument));
-                st.set_error_message("the STEP body is not a DataStep");
-                st.set_error_layer_begin(service_->layer_begin());
-            } else if (st.error_code() == 0 && st.step() != s.next_step) {
-                const uint32_t got = st.step();
-                st.Clear();
-                st.set_step(got);
-                st.set_error_code(grpc_code(ErrorCode::kFailedPrecondition));
-                st.set_error_message("step " + std::to_string(got) + " arrived where step " +
-                                     std::to_string(s.next_step) + " was expected");
-                st.set_error_layer_begin(service_->layer_begin());
+            Session & s = found->second;
+            const bool step = frame.kind() == v1::DATA_FRAME_KIND_STEP;
+            const std::string & key = step ? s.step_key : s.return_key;
+            uint64_t & last = step ? s.last_step_counter : s.last_attach_counter;
+            if (key.empty()) {
+                return std::string(step ? "STEP" : "ATTACH") + " frames are not taken for session " +
+                                       hex_of(sid) + " here";
             }
-            if (st.step() == s.next_step) {
-                ++s.next_step;  // refused or not, the next one follows it
+            if (frame.counter() <= last) {
+                return "counter " + std::to_string(frame.counter()) + " is not above the last one taken (" +
+                                       std::to_string(last) + "): a replayed or stale frame";
             }
-            queue_.push_back(std::move(pending));
-        }
+            if (!open_data_frame(key, kind, sid, frame.counter(), frame.sealed(), &plain)) {
+                return "the frame does not open under session " + hex_of(sid) +
+                                       "'s key (a peer without the key, or changed bytes)";
+            }
+            last = frame.counter();
+            if (!step) {
+                v1::DataAttach attach;
+                if (!attach.ParseFromString(plain)) {
+                    return "the ATTACH body is not a DataAttach";
+                }
+                s.sink = conn;
+                undelivered.swap(s.undelivered);
+            } else {
+                Pending pending;
+                pending.session_id = sid;
+                pending.generation = s.generation;
+                pending.read_at = std::chrono::steady_clock::now();
+                v1::DataStep & st = pending.step;
+                if (!st.ParseFromString(plain)) {
+                    st.Clear();
+                    st.set_error_code(grpc_code(ErrorCode::kInvalidArgument));
+                    st.set_error_message("the STEP body is not a DataStep");
+                    st.set_error_layer_begin(service_->layer_begin());
+                } else if (st.error_code() == 0 && st.step() != s.next_step) {
+                    const uint32_t got = st.step();
+                    st.Clear();
+                    st.set_step(got);
+                    st.set_error_code(grpc_code(ErrorCode::kFailedPrecondition));
+                    st.set_error_message("step " + std::to_string(got) + " arrived where step " +
+                                         std::to_string(s.next_step) + " was expected");
+                    st.set_error_layer_begin(service_->layer_begin());
+                }
+                if (st.step() == s.next_step) {
+                    ++s.next_step;  // refused or not, the next one follows it
+                }
+                queue_.push_back(std::move(pending));
+            }
+            return "";
+        }();
+    }
+    if (!refusal.empty()) {
+        return refuse(sid, refusal, false);
     }
     if (!undelivered.empty()) {
         std::lock_guard<std::mutex> lock(conn->send_mu);
@@ -543,6 +556,17 @@ void DataPlaneServer::combine() {
         }
         combining_ = true;
     }
+    try {
+        combine_while_queued();
+    } catch (...) {
+        // (e.g. bad_alloc) the batch in hand is lost, but the next step finds the worker free
+        std::lock_guard<std::mutex> lock(mu_);
+        combining_ = false;
+        throw;  // the connection's thread logs it and ends that connection only
+    }
+}
+
+void DataPlaneServer::combine_while_queued() {
     const uint32_t row_budget = service_->n_batch_max();
     for (;;) {
         std::vector<Pending> batch;
@@ -775,15 +799,21 @@ std::chrono::steady_clock::time_point DataPlaneServer::send_output(const Pending
         if (!sink || !sink->open.load()) {  // the owner has not attached (yet)
             std::lock_guard<std::mutex> lock(mu_);
             auto s = sessions_.find(sid);
-            if (s != sessions_.end() && s->second.generation == pending.generation) {
-                s->second.undelivered = out;  // sent on the owner's ATTACH
+            if (s == sessions_.end() || s->second.generation != pending.generation) {
+                return ready;
             }
-            return ready;
+            sink = s->second.sink.lock();
+            if (!sink || !sink->open.load()) {
+                s->second.undelivered = out;  // sent on the owner's ATTACH
+                return ready;
+            }  // (it attached meanwhile: sent below)
         }
         std::lock_guard<std::mutex> lock(sink->send_mu);
         if (!write_full(sink->fd, out.data(), out.size())) {
             std::fprintf(stderr, "baton-worker: data plane: the owner of session %s is gone; result dropped\n",
                          hex_of(sid).c_str());
+            sink->open.store(false);
+            ::shutdown(sink->fd, SHUT_RDWR);  // part of a frame may be out: nothing more on it
         }
         return ready;
     }

@@ -132,6 +132,7 @@ private:
     // Sets *queued_step when it queued a step to compute.
     bool handle_frame(const std::shared_ptr<Connection> & conn, const char * data, size_t size, bool * queued_step);
     void combine();
+    void combine_while_queued();  // combine()'s loop; combining_ is set
     // Seals and sends; returns when the frame was ready to send (the send itself, which wakes
     // the receiving process, is not the worker's own time).
     std::chrono::steady_clock::time_point send_output(const Pending & pending, const std::string & frame_body,

@@ -113,6 +113,8 @@ def _reporting_handouts(method):  # noqa: ANN001, ANN202 (SwarmClient.generate_t
     return generate
 
 _NONCE_BYTES = 16
+#: how many times one run of a session tries to bind its route on the data plane
+_DATA_PLANE_TRIES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1186,10 +1188,12 @@ class SwarmClient:
         try:
             async with contextlib.AsyncExitStack() as stack:
                 plane: _DataPlane | None = None
-                tried_plane = not self.config.data_plane
+                # binds tried: the prompt is in the caches, decode worker to worker. A second try,
+                # a step later: a hop rebuilt by a resume takes a bind once it took one step.
+                plane_tries = 0 if self.config.data_plane else _DATA_PLANE_TRIES
                 while not session.finished:
-                    if not tried_plane and not session.in_prefill:
-                        tried_plane = True  # the prompt is in the caches: decode worker to worker
+                    if plane is None and plane_tries < _DATA_PLANE_TRIES and not session.in_prefill:
+                        plane_tries += 1
                         plane = await self._open_data_plane(stack, live, route)
                     live.arm()
                     step_input = session.next_step()
@@ -1203,7 +1207,7 @@ class SwarmClient:
                     started = time.perf_counter()
                     sent_at = trio.current_time()
                     if plane is not None:
-                        self._touch_soon(plane, route, session.session_id, sent_at)
+                        await self._touch_due(plane, route, session.session_id, sent_at)
                         progress.data_plane_steps += 1
                         await plane.send(live, data_step(
                             step_input.step, step_input.positions, step_input.token_ids, session.result_top_k))
@@ -1240,6 +1244,8 @@ class SwarmClient:
         if hosts is None:
             log.debug("session %s: a hop of the route has no direct address: node path", live.session.session_hex)
             return None
+        if self._request_soon is None:  # (no channel: the lease touches could not go without a task)
+            return None
         session_id = live.session.session_id
         keys = RouteKeys.new(len(route.hops), os.urandom)
         ports: list[int] = [0] * len(route.hops)
@@ -1247,14 +1253,15 @@ class SwarmClient:
         try:
             for index in reversed(range(len(route.hops))):
                 request = bind_request(route, index, session_id, keys, hosts, ports[index + 1] if bound else 0)
+                bound.append(route.hops[index])  # (before the answer: a bind that timed out may have been made)
                 reply = await self._node(route.hops[index], swarm_pb2.NodeRequest(data_plane_bind=request))
-                bound.append(route.hops[index])
                 ports[index] = reply.data_port
             owner = OwnerSession(SessionKeys(session_id, keys.step_keys[0], keys.return_key))
-            to_first = await stack.enter_async_context(open_data_link(hosts[0], ports[0]))
-            from_last = await stack.enter_async_context(open_data_link(hosts[-1], ports[-1]))
-            await from_last.send(owner.attach_frame(live.session.step))
-        except (SwarmError, TransportError, OSError, trio.BrokenResourceError) as why:
+            with trio.fail_after(self.config.request_timeout_s):
+                to_first = await stack.enter_async_context(open_data_link(hosts[0], ports[0]))
+                from_last = await stack.enter_async_context(open_data_link(hosts[-1], ports[-1]))
+                await from_last.send(owner.attach_frame(live.session.step))
+        except (SwarmError, TransportError, OSError, trio.BrokenResourceError, trio.TooSlowError) as why:
             log.info("session %s stays on the node path: %s", live.session.session_hex, why)
             for hop in bound:
                 with contextlib.suppress(SwarmError, TransportError):
@@ -1265,20 +1272,26 @@ class SwarmClient:
         log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
         return plane
 
-    def _touch_soon(self, plane: _DataPlane, route: swarm_pb2.Route, session_id: bytes, now: float) -> None:
+    async def _touch_due(self, plane: _DataPlane, route: swarm_pb2.Route, session_id: bytes, now: float) -> None:
         """Renew the session's lease on every hop every ``probe_interval_s`` while its steps go
-        worker to worker (the nodes see none of them), without waiting for the answers (a hop
-        that is gone shows as the step's failure)."""
-        if now - plane.touched_at < self.config.probe_interval_s or self._request_soon is None:
+        worker to worker (the nodes see none of them): sent without waiting for the answers
+        over the open channel connections (a hop that is gone shows as the step's failure), and
+        awaited, as a probe, for a hop whose connection cannot take it at once."""
+        if now - plane.touched_at < self.config.probe_interval_s:
             return
         plane.touched_at = now
         request = swarm_pb2.NodeRequest(schema_version=SCHEMA_VERSION, sender_admission=self.admission)
         request.touch.session_id = session_id
         data = request.SerializeToString()
-        for hop in route.hops:
-            self._request_soon(
+        assert self._request_soon is not None  # (_open_data_plane checked)
+        missed = [
+            hop for hop in route.hops
+            if not self._request_soon(
                 hop.peer_id, NODE_PROTOCOL, data, timeout_s=self.config.request_timeout_s, on_reply=_ignore_reply
             )
+        ]  # fmt: skip
+        if missed:
+            await self._silent_hop(swarm_pb2.Route(hops=missed), session_id)
 
     async def _resume(
         self,

@@ -855,14 +855,18 @@ class Node:
                 await served.wakeup.wait()
             if window_ms := batch_window_wait_ms(self.config.batch_window_ms, scheduler.pending_rows, info.n_batch_max):
                 await trio.sleep(window_ms / 1000)
-            for session_id in sessions.take_unbinding():  # before their sequences go: no step reaches a reused one
+            # both lists before any await: a session that ends meanwhile waits for the next pass,
+            # so no sequence is freed before its session is unbound (no step reaches a reused one)
+            unbinding, closing = sessions.take_unbinding(), sessions.take_closing()
+            for session_id, seq_id in unbinding:
                 try:
                     await client.call("UnbindSession", _unbind_request(session_id), timeout_s=timeout_s)
                 except WorkerError as err:
                     if (reason := self._exit_reason(handle)) is not None:
                         return reason
                     log.warning("%s: could not unbind session %s: %s", range_name(served.key), session_id.hex(), err)
-            for seq_id in sessions.take_closing():
+                    closing.remove(seq_id)  # not reused: a step of it may still come
+            for seq_id in closing:
                 try:
                     await client.remove_sequence(seq_id, timeout_s=timeout_s)
                 except WorkerError as err:
@@ -1355,7 +1359,10 @@ class Node:
             if not hop.peer_id:
                 raise WireError(Code.INVALID_ARGUMENT, f"rest[{i}] names no peer")
         for served in list(self.ranges.values()):  # what the workers computed counts too
-            await self._unbind_if_bound(served, session_id)
+            try:
+                await self._unbind_if_bound(served, session_id)
+            except WireError as err:  # (the session is ended here all the same) the end goes on
+                log.warning("ending session %s: %s", session_id.hex(), err.message)
         counted = self._end_session_here(session_id)
         if body.rest:
             hop = body.rest[0]
@@ -1468,10 +1475,16 @@ class Node:
             schema_version=1, session_id=session_id, seq_id=session.seq_id, step_key=body.step_key,
             next_step=session.next_step, next_host=body.next_host, next_port=body.next_port,
             next_step_key=body.next_step_key, return_key=body.return_key,
-            keep_rows_max_bytes=0 if served.info.gives_logits else self.config.kept_rows_max_bytes,
+            keep_rows_max_bytes=0 if served.info.gives_logits or served.kept is None else served.kept.room(session_id),
         )  # fmt: skip
         try:
             await served.client.call("BindSession", request, timeout_s=self.config.worker_call_timeout_s)
+            held = served.sessions.get(session_id)
+            if held is not session or not held.data_plane:  # it ended (or was unbound) meanwhile
+                await served.client.call(
+                    "UnbindSession", _unbind_request(session_id), timeout_s=self.config.worker_call_timeout_s
+                )
+                raise WireError(Code.NOT_FOUND, f"session {session_id.hex()} ended while it was being bound")
         except WorkerError as err:
             served.sessions.unbound(
                 session_id, next_step=session.next_step, next_position=session.next_position, rows=0, now_ms=_clock_ms()
@@ -1512,10 +1525,13 @@ class Node:
         if served.kept is not None and reply.kept_rows and not reply.kept_rows_lost:
             schema = served.info.boundary.schema
             row_bytes = schema.row_values * 4
-            served.kept.keep(
-                session_id, reply.kept_first_position, len(reply.kept_rows) // row_bytes, reply.kept_rows,
-                dtype=swarm_pb2.DTYPE_F32, schema_version=schema.version, streams=schema.streams,
-            )  # fmt: skip
+            # one row a step, as the decode steps that made them were (a replay merges rows as
+            # it merges the node path's steps: the rebuild computes them in the same shapes)
+            for i in range(len(reply.kept_rows) // row_bytes):
+                served.kept.keep(
+                    session_id, reply.kept_first_position + i, 1, reply.kept_rows[i * row_bytes : (i + 1) * row_bytes],
+                    dtype=swarm_pb2.DTYPE_F32, schema_version=schema.version, streams=schema.streams,
+                )  # fmt: skip
 
     async def _replay(self, body: swarm_pb2.ReplayRequest, remote_peer_id: str, role: int) -> bytes:
         """Send the rows this range kept for positions ``[0, positions)`` of the session, as

@@ -357,6 +357,37 @@ async def test_a_node_that_cannot_be_dialled_is_reached_through_the_tracker_rela
             await swarm.aclose()
 
 
+@pytest.mark.timeout(300)
+async def test_a_route_with_a_node_without_the_data_plane_stays_on_the_node_path(tmp_path: Path) -> None:
+    """Tracker + 3 nodes, the middle one with ``--no-data-plane``: the owner binds the last hop,
+    is refused by the middle one, unbinds the last hop again and decodes through the nodes:
+    output equals one unsplit worker, and every hop counts every row."""
+    swarm = _new_swarm(tmp_path, 5000)
+    try:
+        await swarm.start_tracker()
+        names = ["node-1", "node-2", "node-3"]
+        plain = sorted(names, key=swarm.peer_id)[1]  # ranges go to nodes in peer id order
+        async with open_swarm_client(swarm.tracker_addr) as c:
+            (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
+            memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, len(names))
+            for name in names:
+                swarm.start_node(name, memory, ["--no-data-plane"] if name == plain else [])
+            route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
+        path = swarm.config.model_path
+        running = RunningSwarm(swarm, path, await trio.to_thread.run_sync(sha256_file, path), entry.n_layer, entry.bytes_per_block)
+        assert route.hops[1].peer_id == swarm.nodes[plain].peer_id
+        prompt_tokens, expected = await _single_worker_tokens(path, running.model_sha256, PROMPTS[0])
+        async with client(running, replan_attempts=0) as c:
+            result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+        assert result.tokens == expected and result.replans == 0
+        assert result.data_plane_steps == 0, "one hop without the data plane keeps the route on the node path"
+        assert {h["rows"] for h in result.node_rows} == {len(prompt_tokens) + len(result.tokens) - 1}
+        swarm.check_alive()
+    finally:
+        with trio.CancelScope(shield=True):
+            await swarm.aclose()
+
+
 # --- the demo ------------------------------------------------------------------------------------------
 
 

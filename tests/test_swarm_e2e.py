@@ -288,28 +288,43 @@ async def _single_worker_tokens(path: Path, sha256: str, prompt: str) -> tuple[l
     return tokens, run.tokens
 
 
+@contextlib.asynccontextmanager
+async def _swarm_with_odd_middle_node(
+    tmp_path: Path, *, extra_args: list[str] | None = None, **start_options: object
+) -> AsyncIterator[tuple[LocalSwarm, swarm_pb2.Route, RunningSwarm, str]]:
+    """Tracker + 3 nodes, the one the middle range goes to started with ``extra_args`` and
+    ``start_options`` (``LocalSwarm.start_node``'s); yields the swarm, its route, the
+    ``RunningSwarm`` and the odd node's name. The swarm is closed on exit."""
+    swarm = _new_swarm(tmp_path, 5000)
+    try:
+        await swarm.start_tracker()
+        names = ["node-1", "node-2", "node-3"]
+        odd = sorted(names, key=swarm.peer_id)[1]  # ranges go to nodes in peer id order
+        async with open_swarm_client(swarm.tracker_addr) as c:
+            (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
+            memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, len(names))
+            for name in names:
+                if name == odd:
+                    swarm.start_node(name, memory, extra_args or [], **start_options)
+                else:
+                    swarm.start_node(name, memory)
+            route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
+        path = swarm.config.model_path
+        sha256 = await trio.to_thread.run_sync(sha256_file, path)
+        yield swarm, route, RunningSwarm(swarm, path, sha256, entry.n_layer, entry.bytes_per_block), odd
+    finally:
+        with trio.CancelScope(shield=True):
+            await swarm.aclose()
+
+
 @pytest.mark.timeout(400)
 async def test_a_node_that_cannot_be_dialled_is_reached_through_the_tracker_relay(tmp_path: Path) -> None:
     """Tracker + 3 nodes; the one serving the middle range listens nowhere (``--listen none
     --relay``): the node before it and the tracker's relay carry its traffic. Output equals
     one unsplit worker, before and after a tracker restart (the node reserves again). Only
     admitted peers may reserve a slot on the relay or open circuits through it."""
-    swarm = _new_swarm(tmp_path, 5000)
-    try:
-        await swarm.start_tracker()
-        names = ["node-1", "node-2", "node-3"]
-        hidden = sorted(names, key=swarm.peer_id)[1]  # ranges go to nodes in peer id order
-        async with open_swarm_client(swarm.tracker_addr) as c:
-            (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
-            memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, len(names))
-            for name in names:
-                if name == hidden:
-                    swarm.start_node(name, memory, listen="none", relay=True)
-                else:
-                    swarm.start_node(name, memory)
-            route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
+    async with _swarm_with_odd_middle_node(tmp_path, listen="none", relay=True) as (swarm, route, running, hidden):
         path = swarm.config.model_path
-        running = RunningSwarm(swarm, path, await trio.to_thread.run_sync(sha256_file, path), entry.n_layer, entry.bytes_per_block)
         hidden_id = swarm.nodes[hidden].peer_id
         circuit = f"{swarm.tracker_addr}/p2p-circuit/p2p/{hidden_id}"
         assert [(h.begin, h.end) for h in route.hops] == [(0, 10), (10, 20), (20, 30)]
@@ -352,9 +367,6 @@ async def test_a_node_that_cannot_be_dialled_is_reached_through_the_tracker_rela
             again = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
         assert again.tokens == expected
         swarm.check_alive()
-    finally:
-        with trio.CancelScope(shield=True):
-            await swarm.aclose()
 
 
 @pytest.mark.timeout(300)
@@ -362,30 +374,15 @@ async def test_a_route_with_a_node_without_the_data_plane_stays_on_the_node_path
     """Tracker + 3 nodes, the middle one with ``--no-data-plane``: the owner binds the last hop,
     is refused by the middle one, unbinds the last hop again and decodes through the nodes:
     output equals one unsplit worker, and every hop counts every row."""
-    swarm = _new_swarm(tmp_path, 5000)
-    try:
-        await swarm.start_tracker()
-        names = ["node-1", "node-2", "node-3"]
-        plain = sorted(names, key=swarm.peer_id)[1]  # ranges go to nodes in peer id order
-        async with open_swarm_client(swarm.tracker_addr) as c:
-            (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
-            memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, len(names))
-            for name in names:
-                swarm.start_node(name, memory, ["--no-data-plane"] if name == plain else [])
-            route = await wait_for_coverage(c, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
-        path = swarm.config.model_path
-        running = RunningSwarm(swarm, path, await trio.to_thread.run_sync(sha256_file, path), entry.n_layer, entry.bytes_per_block)
+    async with _swarm_with_odd_middle_node(tmp_path, extra_args=["--no-data-plane"]) as (swarm, route, running, plain):
         assert route.hops[1].peer_id == swarm.nodes[plain].peer_id
-        prompt_tokens, expected = await _single_worker_tokens(path, running.model_sha256, PROMPTS[0])
+        prompt_tokens, expected = await _single_worker_tokens(swarm.config.model_path, running.model_sha256, PROMPTS[0])
         async with client(running, replan_attempts=0) as c:
             result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
         assert result.tokens == expected and result.replans == 0
         assert result.data_plane_steps == 0, "one hop without the data plane keeps the route on the node path"
         assert {h["rows"] for h in result.node_rows} == {len(prompt_tokens) + len(result.tokens) - 1}
         swarm.check_alive()
-    finally:
-        with trio.CancelScope(shield=True):
-            await swarm.aclose()
 
 
 # --- the demo ------------------------------------------------------------------------------------------

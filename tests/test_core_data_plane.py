@@ -15,7 +15,7 @@ from agent._proto import swarm_pb2, worker_pb2
 from agent.core import data_frames
 from agent.core.data_frames import DataFrameError, DataFrameReader, OwnerSession, SessionKeys
 from agent.core.data_route import RouteKeys, bind_request, data_plane_hosts, data_step, step_result
-from agent.core.node_policy import data_plane_host
+from agent.core.node_policy import data_plane_gather_us
 from agent.core.node_sessions import SessionTable
 from agent.core.session import Session
 from agent.core.swarm_wire import WireError
@@ -223,7 +223,8 @@ def test_a_session_that_ends_while_bound_is_unbound_before_its_sequence_is_freed
     assert table.take_unbinding() == [], "a session that was not bound needs no unbinding"
 
 
-def test_a_lock_step_node_serves_every_step_itself() -> None:
-    assert data_plane_host("127.0.0.1", decode_gather_ms=0.0) == "127.0.0.1"
-    assert data_plane_host("127.0.0.1", decode_gather_ms=40.0) is None, "gathering needs to see the decode steps"
-    assert data_plane_host(None, decode_gather_ms=0.0) is None
+def test_only_a_lock_step_first_hop_holds_data_plane_decode_steps() -> None:
+    assert data_plane_gather_us(begin=0, decode_groups=1, decode_gather_ms=40.0) == 40_000, "lock-step's first hop holds"
+    assert data_plane_gather_us(begin=10, decode_groups=1, decode_gather_ms=40.0) == 0, "only the first hop holds"
+    assert data_plane_gather_us(begin=0, decode_groups=None, decode_gather_ms=40.0) == 0, "decode groups: no hold"
+    assert data_plane_gather_us(begin=0, decode_groups=1, decode_gather_ms=0.0) == 0

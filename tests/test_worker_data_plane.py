@@ -44,14 +44,18 @@ async def open_chain(model, cuts=CUTS, **worker_args) -> AsyncIterator[list[Work
         yield workers
 
 
-async def bind_route(workers: list[WorkerHandle], seq_id: int, keep_rows_max_bytes: int = 0) -> OwnerSession:
-    """Binds a new session on every range (the nodes' job in the swarm), keys from os.urandom."""
+async def bind_route(
+    workers: list[WorkerHandle], seq_id: int, keep_rows_max_bytes: int = 0, decode_gather_us: int = 0
+) -> OwnerSession:
+    """Binds a new session on every range (the nodes' job in the swarm), keys from os.urandom;
+    ``decode_gather_us``: the first range's lock-step hold."""
     keys = SessionKeys.new(os.urandom)
     step_keys = [keys.first_step_key] + [os.urandom(32) for _ in workers[1:]]
     for i, worker in enumerate(workers):
         request = worker_pb2.BindSessionRequest(
-            schema_version=1, session_id=keys.session_id, seq_id=seq_id, step_key=step_keys[i]
-        )
+            schema_version=1, session_id=keys.session_id, seq_id=seq_id, step_key=step_keys[i],
+            decode_gather_us=decode_gather_us if i == 0 else 0,
+        )  # fmt: skip
         if i + 1 < len(workers):
             request.next_host = HOST
             request.next_port = workers[i + 1].info.data_port
@@ -289,3 +293,85 @@ async def test_bind_session_refuses_what_does_not_fit(qwen2_tiny_path) -> None:
                 ),
             )  # fmt: skip
         assert caught.value.code_name == "UNAVAILABLE" and "cannot connect" in caught.value.message, caught.value
+
+
+async def _step_once(session: OwnerSession, to_first: DataLink, from_last: DataLink, n: int, positions, tokens) -> None:
+    await to_first.send(session.step_frame(step(n, positions, tokens)))
+    result = await result_of(session, from_last)
+    assert result.error_code == 0, result.error_message
+
+
+async def test_a_lock_step_first_hop_holds_a_decode_step_until_every_decoding_session_steps(qwen2_tiny_path) -> None:
+    """BindSessionRequest.decode_gather_us: the first range holds a decode Forward until every
+    session decoding there has its step queued (one Forward for both here: without the hold,
+    B's step, sent first, would run alone), for at most the window (a session that stops
+    stepping is waited for once, then not until it steps again). Prompts are not held."""
+    window_s = 3.0
+    async with open_chain(qwen2_tiny_path, cuts=((0, 6),), max_sequences=2) as (worker,):
+        a, b = [await bind_route([worker], seq_id=i, decode_gather_us=int(window_s * 1e6)) for i in range(2)]
+        port = worker.info.data_port
+        async with (
+            open_data_link(HOST, port) as to_a, open_data_link(HOST, port) as from_a,
+            open_data_link(HOST, port) as to_b, open_data_link(HOST, port) as from_b,
+        ):  # fmt: skip
+            await from_a.send(a.attach_frame())
+            await from_b.send(b.attach_frame())
+            n = len(PROMPT)
+            with trio.fail_after(window_s / 2):  # neither prompt nor A's first decode step is held
+                await _step_once(a, to_a, from_a, 0, list(range(n)), PROMPT)
+                await _step_once(b, to_b, from_b, 0, list(range(n)), PROMPT)
+                await _step_once(a, to_a, from_a, 1, [n], [5])  # B is not decoding yet
+            before = await worker.client.health()
+            await to_b.send(b.step_frame(step(1, [n], [5])))  # A decodes: B's step waits for A's
+            with trio.move_on_after(window_s / 4):
+                await from_b.receive()
+                pytest.fail("B's decode step ran before A's came")
+            await to_a.send(a.step_frame(step(2, [n + 1], [6])))
+            for session, link in ((a, from_a), (b, from_b)):
+                assert (await result_of(session, link)).error_code == 0
+            after = await worker.client.health()
+            assert after.data_plane_forwards - before.data_plane_forwards == 1, (before, after)
+            assert after.data_plane_steps - before.data_plane_steps == 2, (before, after)
+            # B stops stepping: A's next step is held for the window, once
+            started = trio.current_time()
+            await _step_once(a, to_a, from_a, 3, [n + 2], [7])
+            assert trio.current_time() - started >= window_s * 0.9, "held until the window ended"
+            with trio.fail_after(window_s / 2):  # B is not waited for again
+                await _step_once(a, to_a, from_a, 4, [n + 3], [8])
+
+
+async def test_a_prefill_forward_takes_turns_with_the_data_planes_decode_forwards(qwen2_tiny_path) -> None:
+    """--prefill-pace-ms: while a session decodes on the data plane, a node's prefill Forward
+    (a prompt chunk) waits for the next decode Forward and runs right after it, so that chunks
+    and decode steps alternate in step (each decode step waits behind one chunk, every time);
+    with nobody decoding, chunks run at once. (The pace is long here, so that only a decode
+    Forward can end the wait.)"""
+    async with open_chain(qwen2_tiny_path, cuts=((0, 6),), extra_args=("--prefill-pace-ms", "30000")) as (worker,):
+        session = await bind_route([worker], seq_id=0)
+        port = worker.info.data_port
+        chunk = [3, 4, 5, 6]
+        async with open_data_link(HOST, port) as to_first, open_data_link(HOST, port) as from_last:
+            await from_last.send(session.attach_frame())
+            n = len(PROMPT)
+            await _step_once(session, to_first, from_last, 0, list(range(n)), PROMPT)
+            await _step_once(session, to_first, from_last, 1, [n], [5])  # decoding now
+            for c in range(2):
+                done = trio.Event()
+
+                async def run_chunk(c: int = c, done: trio.Event = done) -> None:
+                    positions = list(range(4 * c, 4 * c + 4))
+                    await worker.client.forward([SeqInput(seq_id=1, positions=positions, token_ids=chunk)])
+                    done.set()
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(run_chunk)
+                    with trio.move_on_after(0.5):
+                        await done.wait()
+                    assert not done.is_set(), f"chunk {c} ran before the next decode Forward"
+                    await _step_once(session, to_first, from_last, 2 + c, [n + 1 + c], [6])
+                    with trio.fail_after(10):
+                        await done.wait()
+            await worker.client.call("UnbindSession", worker_pb2.UnbindSessionRequest(
+                schema_version=1, session_id=session.session_id))  # fmt: skip
+            with trio.fail_after(10):  # nobody decodes here now: a chunk does not wait
+                await worker.client.forward([SeqInput(seq_id=1, positions=list(range(8, 12)), token_ids=chunk)])

@@ -35,6 +35,7 @@ __all__ = [
     "check_end_session_sender",
     "check_session_owner",
     "check_step_sender",
+    "data_plane_gather_us",
     "forward_failure",
     "push_groups",
     "push_answered_badly",
@@ -101,12 +102,15 @@ class StepFailure:
     end_session: bool = False
 
 
-def data_plane_host(host: str | None, *, decode_gather_ms: float) -> str | None:
-    """Where a node's workers take decode steps straight from the hop before (None: nowhere,
-    every step through the node). A node that gathers decode groups (lock-step:
-    ``decode_gather_ms`` > 0) serves every step itself: holding a Forward until a group has
-    gathered is a decision about steps it must see."""
-    return None if decode_gather_ms > 0 else host
+def data_plane_gather_us(*, begin: int, decode_groups: int | None, decode_gather_ms: float) -> int:
+    """The lock-step hold a range's worker applies to a session on its data plane
+    (``BindSessionRequest.decode_gather_us``; 0: none): a first hop (``begin`` 0) of a node
+    that keeps one decode group (``decode_groups`` 1) with a gather window holds each decode
+    Forward until every decoding session's step waits, at most the window, as
+    ``agent.core.scheduler.gather_wait_ms`` does for steps through the node."""
+    if begin != 0 or decode_groups != 1 or decode_gather_ms <= 0:
+        return 0
+    return int(round(decode_gather_ms * 1000))
 
 
 def worker_error_code(code_name: str) -> int:

@@ -192,6 +192,9 @@ class WorkerHealth:
     ready: bool
     forward_calls: int
     active_sequences: int
+    data_plane_forwards: int = 0  # see HealthReply
+    data_plane_steps: int = 0
+    data_plane_compute_us: int = 0
 
 
 class TokenAttr(enum.IntFlag):

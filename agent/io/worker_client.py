@@ -162,6 +162,9 @@ def _health_from_reply(reply: worker_pb2.HealthReply) -> WorkerHealth:
         ready=reply.ready,
         forward_calls=reply.forward_calls,
         active_sequences=reply.active_sequences,
+        data_plane_forwards=reply.data_plane_forwards,
+        data_plane_steps=reply.data_plane_steps,
+        data_plane_compute_us=reply.data_plane_compute_us,
     )
 
 

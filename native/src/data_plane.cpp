@@ -4,8 +4,10 @@
 #include "fd_io.h"
 #include "sealed.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <unordered_set>
@@ -142,8 +144,9 @@ bool parse_host_port(const std::string & text, std::string * host, uint16_t * po
     return true;
 }
 
-DataPlaneServer::DataPlaneServer(ShardWorkerService * service, size_t max_frame_bytes)
-    : service_(service), max_frame_bytes_(max_frame_bytes) {}
+DataPlaneServer::DataPlaneServer(ShardWorkerService * service, size_t max_frame_bytes,
+                                 std::chrono::milliseconds prefill_pace_max)
+    : service_(service), max_frame_bytes_(max_frame_bytes), prefill_pace_max_(prefill_pace_max) {}
 
 DataPlaneServer::~DataPlaneServer() { stop(); }
 
@@ -185,6 +188,7 @@ std::string DataPlaneServer::start(const std::string & host, uint16_t port) {
     port_.store(bound_port, std::memory_order_relaxed);
     listen_fd_ = fd;
     accept_thread_ = std::thread([this] { accept_loop(); });
+    gather_timer_ = std::thread([this] { gather_timer_loop(); });
     return "";
 }
 
@@ -206,6 +210,14 @@ void DataPlaneServer::stop() {
     }
     if (accept_thread_.joinable()) {
         accept_thread_.join();
+    }
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        timer_stop_ = true;
+        changed_.notify_all();
+    }
+    if (gather_timer_.joinable()) {
+        gather_timer_.join();
     }
     {
         std::lock_guard<std::mutex> lock(conn_mu_);
@@ -355,6 +367,7 @@ std::string DataPlaneServer::bind(const DataBinding & b) {
     s.next_step_key = b.next_step_key;
     s.return_key = b.return_key;
     s.keep_max = b.keep_rows_max_bytes;
+    s.gather_us = b.decode_gather_us;
     return "";
 }
 
@@ -529,6 +542,8 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
                 if (st.step() == s.next_step) {
                     ++s.next_step;  // refused or not, the next one follows it
                 }
+                s.decoding = st.error_code() == 0 && st.positions_size() == 1;
+                s.last_step_at = pending.read_at;
                 queue_.push_back(std::move(pending));
             }
             return "";
@@ -571,15 +586,19 @@ void DataPlaneServer::combine_while_queued() {
     for (;;) {
         std::vector<Pending> batch;
         std::vector<uint32_t> seq_ids;
+        uint32_t shape_rows = 0;
         {
             std::lock_guard<std::mutex> lock(mu_);
+            if (!gather_ready(std::chrono::steady_clock::now())) {
+                combining_ = false;  // the arrival that completes the group, or the timer, runs it
+                return;
+            }
             // Only steps of one shape share a Forward (decode rows with decode rows, chunks
             // with chunks of their length), the rule agent/core/scheduler.py follows: llama.cpp
             // then computes each sequence's rows as it would alone, so a session's numbers do
             // not depend on who else is served (a mixed batch is split into ubatches of equal
             // rows per sequence, which cuts a longer step into other pieces).
             uint32_t rows = 0;
-            uint32_t shape_rows = 0;
             std::unordered_set<std::string> held;  // sessions with an earlier step in or left out
             for (auto it = queue_.begin(); it != queue_.end();) {
                 auto s = sessions_.find(it->session_id);
@@ -607,6 +626,23 @@ void DataPlaneServer::combine_while_queued() {
                 combining_ = false;
                 return;
             }
+        }
+        if (batch.size() > 1) {  // ascending sequence ids (see data_plane.h)
+            std::vector<size_t> order(batch.size());
+            for (size_t i = 0; i < order.size(); ++i) {
+                order[i] = i;
+            }
+            std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return seq_ids[a] < seq_ids[b]; });
+            std::vector<Pending> sorted;
+            std::vector<uint32_t> sorted_ids;
+            sorted.reserve(batch.size());
+            sorted_ids.reserve(batch.size());
+            for (size_t i : order) {
+                sorted.push_back(std::move(batch[i]));
+                sorted_ids.push_back(seq_ids[i]);
+            }
+            batch.swap(sorted);
+            seq_ids.swap(sorted_ids);
         }
 
         // Compute: each entry checked alone first, so that one session's bad step is refused
@@ -670,9 +706,26 @@ void DataPlaneServer::combine_while_queued() {
             }
             if (st.ok()) {
                 service_->count_forward();
+                forwards_.fetch_add(1, std::memory_order_relaxed);
+                steps_.fetch_add(index.size(), std::memory_order_relaxed);
+                compute_us_.fetch_add(compute_us, std::memory_order_relaxed);
             }
         });
+        if (shape_rows == 1 && compute_us > 0) {
+            std::lock_guard<std::mutex> lock(mu_);
+            ++decode_forwards_;
+            changed_.notify_all();  // a paced prefill Forward may go
+        }
 
+        std::vector<Outgoing> outgoing;
+        outgoing.reserve(batch.size());
+        auto seal_into = [&](const Pending & pending, const std::string & body, bool to_owner) {
+            Outgoing o;
+            if (seal_output(pending, body, to_owner, &o)) {
+                outgoing.push_back(std::move(o));
+            }
+            return std::chrono::steady_clock::now();  // the send (it wakes the receiver) is not the worker's
+        };
         for (size_t i = 0; i < batch.size(); ++i) {
             v1::DataStep & st = batch[i].step;
             if (st.error_code() == 0 && !status[i].ok()) {
@@ -702,7 +755,7 @@ void DataPlaneServer::combine_while_queued() {
                         result.set_logits(std::move(o.logits));
                     }
                 }
-                ready_at = send_output(batch[i], result.SerializeAsString(), true);
+                ready_at = seal_into(batch[i], result.SerializeAsString(), true);
             } else {
                 v1::DataStep next;
                 next.set_step(st.step());
@@ -720,7 +773,7 @@ void DataPlaneServer::combine_while_queued() {
                     next.set_boundary_schema_version(service_->boundary_schema().version);
                     next.set_boundary_streams(service_->boundary_schema().streams);
                 }
-                ready_at = send_output(batch[i], next.SerializeAsString(), false);
+                ready_at = seal_into(batch[i], next.SerializeAsString(), false);
             }
             if (ok) {
                 const auto in_worker = ready_at - batch[i].read_at;
@@ -734,6 +787,107 @@ void DataPlaneServer::combine_while_queued() {
                         std::chrono::duration_cast<std::chrono::microseconds>(in_worker).count());
                 }
             }
+        }
+        deliver(outgoing);
+    }
+}
+
+bool DataPlaneServer::gather_ready(std::chrono::steady_clock::time_point now) {
+    if (queue_.empty()) {
+        return true;
+    }
+    const auto front = sessions_.find(queue_.front().session_id);
+    if (front == sessions_.end() || front->second.generation != queue_.front().generation ||
+        front->second.gather_us == 0 || queue_.front().step.positions_size() != 1 ||
+        queue_.front().step.error_code() != 0) {
+        return true;  // not a lock-step decode step (or stale: the selection drops it)
+    }
+    std::unordered_set<std::string> waiting;
+    for (const Pending & p : queue_) {
+        const auto s = sessions_.find(p.session_id);
+        if (s == sessions_.end() || s->second.generation != p.generation) {
+            continue;
+        }
+        if (p.step.positions_size() != 1 || p.step.error_code() != 0) {
+            return true;  // a chunk or a refusal waits: it changes what runs next
+        }
+        if (s->second.gather_us != 0) {
+            waiting.insert(p.session_id);
+        }
+    }
+    size_t decoding = 0;
+    for (const auto & [sid, s] : sessions_) {
+        decoding += s.gather_us != 0 && s.decoding ? 1 : 0;
+    }
+    if (waiting.size() >= decoding) {
+        holding_ = false;
+        return true;  // every decoding session's step is here
+    }
+    if (!holding_) {
+        holding_ = true;
+        hold_until_ = now + std::chrono::microseconds(front->second.gather_us);
+        changed_.notify_all();  // the gather timer takes the new deadline
+        return false;
+    }
+    if (now < hold_until_) {
+        return false;
+    }
+    for (auto & [sid, s] : sessions_) {
+        if (s.gather_us != 0 && s.decoding && waiting.count(sid) == 0) {
+            s.decoding = false;  // a straggler: waited for again once its next step comes
+        }
+    }
+    holding_ = false;
+    return true;
+}
+
+void DataPlaneServer::gather_timer_loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!timer_stop_) {
+        if (!holding_) {
+            changed_.wait(lock);
+            continue;
+        }
+        const auto until = hold_until_;
+        changed_.wait_until(lock, until);
+        if (timer_stop_ || !holding_ || std::chrono::steady_clock::now() < hold_until_) {
+            continue;
+        }
+        lock.unlock();
+        try {
+            combine();  // the window ended: what waits runs now (on this thread, or the combiner's)
+        } catch (const std::exception & e) {
+            std::fprintf(stderr, "baton-worker: data plane: %s in a lock-step Forward\n", e.what());
+        } catch (...) {
+            std::fprintf(stderr, "baton-worker: data plane: unknown exception in a lock-step Forward\n");
+        }
+        lock.lock();
+    }
+}
+
+bool DataPlaneServer::decoding_here(std::chrono::steady_clock::time_point now) const {
+    for (const auto & [sid, s] : sessions_) {
+        if (s.decoding && now - s.last_step_at < prefill_pace_max_ * 5 / 2) {
+            return true;
+        }
+    }
+    return false;
+}
+
+void DataPlaneServer::pace_prefill() {
+    std::unique_lock<std::mutex> lock(mu_);
+    // The next decode Forward, not any since the last chunk: then every hop starts its chunk
+    // right after the decoding sessions' steps pass, and each step finds, at every hop, the
+    // chunk that began after its previous one: its wait is the same every time. A chunk that
+    // finds a hop idle waits for the next step to pass first (the prompt still gets a chunk a
+    // round at every hop). Only sessions that stepped lately count as decoding (one that
+    // stopped, or whose owner died before its lease ran out, holds no prompt back for long).
+    const uint64_t next = decode_forwards_ + 1;
+    const auto deadline = std::chrono::steady_clock::now() + prefill_pace_max_;
+    while (prefill_pace_max_.count() > 0 && decode_forwards_ < next &&
+           decoding_here(std::chrono::steady_clock::now())) {
+        if (changed_.wait_until(lock, deadline) == std::cv_status::timeout) {
+            break;
         }
     }
 }
@@ -762,25 +916,20 @@ void DataPlaneServer::keep_rows(const Pending & pending, int32_t first_position,
     s.kept.append(rows);
 }
 
-std::chrono::steady_clock::time_point DataPlaneServer::send_output(const Pending & pending, const std::string & body,
-                                                                  bool to_owner) {
+bool DataPlaneServer::seal_output(const Pending & pending, const std::string & body, bool to_owner, Outgoing * out) {
     const std::string & sid = pending.session_id;
     std::string key;
-    std::string host;
-    uint16_t port = 0;
     uint64_t counter = 0;
-    std::shared_ptr<Connection> sink;
     {
         std::lock_guard<std::mutex> lock(mu_);
         auto s = sessions_.find(sid);
         if (s == sessions_.end() || s->second.generation != pending.generation) {
-            return std::chrono::steady_clock::now();  // unbound while it was computed
+            return false;  // unbound while it was computed
         }
         counter = ++s->second.out_counter;
         key = to_owner ? s->second.return_key : s->second.next_step_key;
-        host = s->second.next_host;
-        port = s->second.next_port;
-        sink = s->second.sink.lock();
+        out->host = s->second.next_host;
+        out->port = s->second.next_port;
     }
     // a bound session's keys are 32 bytes (the service checks), so sealing cannot fail
     const v1::DataFrameKind kind = to_owner ? v1::DATA_FRAME_KIND_RESULT : v1::DATA_FRAME_KIND_STEP;
@@ -791,50 +940,85 @@ std::chrono::steady_clock::time_point DataPlaneServer::send_output(const Pending
     frame.set_counter(counter);
     if (!seal_data_frame(key, static_cast<uint32_t>(kind), sid, counter, body, frame.mutable_sealed())) {
         std::fprintf(stderr, "baton-worker: data plane: cannot seal a frame for session %s\n", hex_of(sid).c_str());
-        return std::chrono::steady_clock::now();
+        return false;
     }
-    const std::string out = framed(frame);
-    const auto ready = std::chrono::steady_clock::now();  // the send (it wakes the receiver) is not the worker's
-    if (to_owner) {
-        if (!sink || !sink->open.load()) {  // the owner has not attached (yet)
-            std::lock_guard<std::mutex> lock(mu_);
-            auto s = sessions_.find(sid);
-            if (s == sessions_.end() || s->second.generation != pending.generation) {
-                return ready;
+    out->frame = framed(frame);
+    out->to_owner = to_owner;
+    out->session_id = sid;
+    out->generation = pending.generation;
+    return true;
+}
+
+void DataPlaneServer::deliver(std::vector<Outgoing> & outgoing) {
+    // The frames for one connection go in one write, in the Forward's order: the receiver
+    // reads them together and computes them in one Forward (sent one by one, the first would
+    // often start a Forward alone while the rest are still arriving).
+    std::vector<std::pair<std::shared_ptr<Connection>, std::string>> to_owners;
+    std::vector<std::pair<std::string, std::string>> to_hops;  // ("host:port", frames)
+    std::unordered_map<std::string, std::pair<std::string, uint16_t>> where;
+    for (Outgoing & o : outgoing) {
+        if (o.to_owner) {
+            std::shared_ptr<Connection> sink;
+            {
+                std::lock_guard<std::mutex> lock(mu_);
+                auto s = sessions_.find(o.session_id);
+                if (s == sessions_.end() || s->second.generation != o.generation) {
+                    continue;
+                }
+                sink = s->second.sink.lock();
+                if (!sink || !sink->open.load()) {  // the owner has not attached (yet)
+                    s->second.undelivered = std::move(o.frame);  // sent on the owner's ATTACH
+                    continue;
+                }
             }
-            sink = s->second.sink.lock();
-            if (!sink || !sink->open.load()) {
-                s->second.undelivered = out;  // sent on the owner's ATTACH
-                return ready;
-            }  // (it attached meanwhile: sent below)
+            auto group = std::find_if(to_owners.begin(), to_owners.end(), [&](const auto & g) { return g.first == sink; });
+            if (group == to_owners.end()) {
+                to_owners.emplace_back(sink, std::move(o.frame));
+            } else {
+                group->second += o.frame;
+            }
+        } else {
+            const std::string address = o.host + ":" + std::to_string(o.port);
+            where.emplace(address, std::make_pair(o.host, o.port));
+            auto group = std::find_if(to_hops.begin(), to_hops.end(), [&](const auto & g) { return g.first == address; });
+            if (group == to_hops.end()) {
+                to_hops.emplace_back(address, std::move(o.frame));
+            } else {
+                group->second += o.frame;
+            }
         }
+    }
+    for (auto & [sink, frames] : to_owners) {
         std::lock_guard<std::mutex> lock(sink->send_mu);
-        if (!write_full(sink->fd, out.data(), out.size())) {
-            std::fprintf(stderr, "baton-worker: data plane: the owner of session %s is gone; result dropped\n",
-                         hex_of(sid).c_str());
+        if (!write_full(sink->fd, frames.data(), frames.size())) {
+            std::fprintf(stderr, "baton-worker: data plane: an owner is gone; its results dropped\n");
             sink->open.store(false);
             ::shutdown(sink->fd, SHUT_RDWR);  // part of a frame may be out: nothing more on it
         }
-        return ready;
     }
-    for (int attempt = 0; attempt < 2; ++attempt) {  // a stale connection is dialled again once
-        std::string error;
-        std::shared_ptr<Connection> conn = outbound(host, port, &error);
-        if (!conn) {
-            std::fprintf(stderr, "baton-worker: data plane: session %s: the next hop: %s; step dropped\n",
-                         hex_of(sid).c_str(), error.c_str());
-            return ready;
+    for (auto & [address, frames] : to_hops) {
+        const auto & [host, port] = where[address];
+        bool sent = false;
+        for (int attempt = 0; attempt < 2 && !sent; ++attempt) {  // a stale connection is dialled again once
+            std::string error;
+            std::shared_ptr<Connection> conn = outbound(host, port, &error);
+            if (!conn) {
+                std::fprintf(stderr, "baton-worker: data plane: the next hop %s: %s; steps dropped\n", address.c_str(),
+                             error.c_str());
+                break;
+            }
+            std::lock_guard<std::mutex> lock(conn->send_mu);
+            sent = write_full(conn->fd, frames.data(), frames.size());
+            if (!sent) {
+                conn->open.store(false);
+                ::shutdown(conn->fd, SHUT_RDWR);
+            }
         }
-        std::lock_guard<std::mutex> lock(conn->send_mu);
-        if (write_full(conn->fd, out.data(), out.size())) {
-            return ready;
+        if (!sent) {
+            std::fprintf(stderr, "baton-worker: data plane: the next hop %s does not take frames; steps dropped\n",
+                         address.c_str());
         }
-        conn->open.store(false);
-        ::shutdown(conn->fd, SHUT_RDWR);
     }
-    std::fprintf(stderr, "baton-worker: data plane: session %s: the next hop does not take frames; step dropped\n",
-                 hex_of(sid).c_str());
-    return ready;
 }
 
 }  // namespace baton

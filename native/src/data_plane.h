@@ -13,6 +13,22 @@
 // queued steps of different sequences in one Forward (up to the worker's row budget), and
 // again while steps are queued (flat combining: one session pays no thread hand-off; several
 // share Forwards). The shard's lock is the service's, so the node's own Forwards interleave.
+// A batch is laid out by ascending sequence id, as the node's scheduler lays out its own
+// (agent/core/scheduler.py: llama.cpp's per-sequence KV streams give other last bits in
+// another order), so a session's numbers do not depend on arrival order.
+//
+// Lock-step (BindSessionRequest.decode_gather_us, a first hop's): the combiner holds a decode
+// Forward until every session that is decoding here has its step queued, at most the window,
+// so that the sessions travel the route as one convoy (one hop computes at a time, with every
+// core: the mode for hops that share a machine). A session whose step missed a window is not
+// waited for again until its next step comes.
+//
+// Prefill pacing (pace_prefill): while sessions decode here, a node's prefill Forward (a
+// prompt chunk, rows > 1) starts right after the next decode Forward, so chunks and decode
+// Forwards alternate in step with the decoding sessions: each decode step waits behind one
+// chunk at a hop, every time,
+// and the decoding sessions' inter-token gaps stay even (Sarathi-Serve's one chunk per
+// iteration, as two Forwards, which keeps every session's bits those of its solo run).
 //
 // Errors: nothing a peer sends can throw out of a thread or stop another connection or
 // session (see worker.proto for which refusals close a connection).
@@ -22,6 +38,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -31,6 +48,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 namespace baton {
 
@@ -45,6 +63,7 @@ struct DataBinding {
     std::string next_step_key;
     std::string return_key;     // the last range
     uint64_t keep_rows_max_bytes = 0;
+    uint32_t decode_gather_us = 0;  // lock-step at a first hop (0: off)
 };
 
 struct DataSessionTotals {
@@ -60,13 +79,23 @@ struct DataSessionTotals {
     uint64_t in_worker_us = 0;
 };
 
+// What the data plane computed since the worker started (HealthReply: the node's heartbeats
+// count these Forwards beside its own).
+struct DataPlaneCounts {
+    uint64_t forwards = 0;
+    uint64_t steps = 0;
+    uint64_t compute_us = 0;
+};
+
 // "HOST:PORT" (IPv4, a name, or [IPv6]) into host and port. False + *error on bad input.
 bool parse_host_port(const std::string & text, std::string * host, uint16_t * port, std::string * error);
 
 class DataPlaneServer final {
 public:
-    // service must outlive the server. max_frame_bytes bounds a frame's DataFrame.
-    DataPlaneServer(ShardWorkerService * service, size_t max_frame_bytes);
+    // service must outlive the server. max_frame_bytes bounds a frame's DataFrame;
+    // prefill_pace_max: pace_prefill's longest wait (0: no pacing).
+    DataPlaneServer(ShardWorkerService * service, size_t max_frame_bytes,
+                    std::chrono::milliseconds prefill_pace_max = std::chrono::milliseconds(1000));
     ~DataPlaneServer();
 
     DataPlaneServer(const DataPlaneServer &) = delete;
@@ -84,6 +113,14 @@ public:
     std::string bind(const DataBinding & binding);
     // keep_bound: report only (no kept rows), the session stays bound.
     DataSessionTotals unbind(const std::string & session_id, bool keep_bound = false);
+    // Called by a node's prefill Forward before it takes the shard: returns once the next
+    // decode Forward here ended, or no session decodes here
+    // (none stepped a decode step within 2.5 x prefill_pace_max), or after prefill_pace_max.
+    void pace_prefill();
+    DataPlaneCounts counts() const {
+        return {forwards_.load(std::memory_order_relaxed), steps_.load(std::memory_order_relaxed),
+                compute_us_.load(std::memory_order_relaxed)};
+    }
 
 private:
     struct Connection {
@@ -116,6 +153,9 @@ private:
         bool kept_lost = false;           // over keep_max, or a gap: none are given back
         uint64_t compute_us = 0;          // UnbindSessionReply's timings
         uint64_t in_worker_us = 0;
+        uint32_t gather_us = 0;           // DataBinding::decode_gather_us
+        bool decoding = false;            // its last step taken was one row (and not waived)
+        std::chrono::steady_clock::time_point last_step_at{};
     };
     struct Pending {
         std::string session_id;
@@ -133,14 +173,33 @@ private:
     bool handle_frame(const std::shared_ptr<Connection> & conn, const char * data, size_t size, bool * queued_step);
     void combine();
     void combine_while_queued();  // combine()'s loop; combining_ is set
-    // Seals and sends; returns when the frame was ready to send (the send itself, which wakes
-    // the receiving process, is not the worker's own time).
-    std::chrono::steady_clock::time_point send_output(const Pending & pending, const std::string & frame_body,
-                                                      bool to_owner);
+    // With mu_ held: whether the queue's first step may run now with what waits (false:
+    // lock-step holds it; the arrival that completes the group, or gather_timer_loop at the
+    // window's end, runs it). A hold occupies no connection's thread: the step it waits for
+    // may be on the same connection as the one held.
+    bool gather_ready(std::chrono::steady_clock::time_point now);
+    void gather_timer_loop();
+    // With mu_ held: whether a session stepped a decode step here lately.
+    bool decoding_here(std::chrono::steady_clock::time_point now) const;
+    // One output of a Forward, sealed, on its way (deliver).
+    struct Outgoing {
+        std::string frame;  // whole, its length prefix included
+        bool to_owner = false;
+        std::string session_id;
+        uint64_t generation = 0;
+        std::string host;   // the next hop (not to_owner)
+        uint16_t port = 0;
+    };
+    // Seals an output (a STEP for the next hop, or a RESULT for the owner) under the session's
+    // next counter; false when there is nothing to send (unbound while it was computed).
+    bool seal_output(const Pending & pending, const std::string & frame_body, bool to_owner, Outgoing * out);
+    // Sends a Forward's outputs, one write per connection (see data_plane.cpp).
+    void deliver(std::vector<Outgoing> & outgoing);
     void keep_rows(const Pending & pending, int32_t first_position, const std::string & rows);
 
     ShardWorkerService * service_;
     size_t max_frame_bytes_;
+    std::chrono::milliseconds prefill_pace_max_;
     std::atomic<uint16_t> port_{0};
     int listen_fd_ = -1;
     std::thread accept_thread_;
@@ -150,10 +209,19 @@ private:
     std::unordered_map<std::string, std::shared_ptr<Connection>> outbound_;  // "host:port" -> open
     bool stopping_ = false;
 
-    std::mutex mu_;  // guards sessions_, queue_, combining_
+    std::mutex mu_;  // guards sessions_, queue_, combining_, decode_forwards_
+    std::condition_variable changed_;  // a decode Forward done, a hold begun, stop (notify_all)
     std::unordered_map<std::string, Session> sessions_;
     std::deque<Pending> queue_;
     bool combining_ = false;
+    uint64_t decode_forwards_ = 0;  // decode Forwards computed here
+    bool holding_ = false;          // a lock-step hold is on, until hold_until_
+    std::chrono::steady_clock::time_point hold_until_{};
+    bool timer_stop_ = false;
+    std::thread gather_timer_;
+    std::atomic<uint64_t> forwards_{0};
+    std::atomic<uint64_t> steps_{0};
+    std::atomic<uint64_t> compute_us_{0};
 };
 
 }  // namespace baton

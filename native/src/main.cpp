@@ -25,7 +25,7 @@ namespace {
 
 constexpr const char * kUsage =
     "usage: baton-worker --model PATH --layers BEGIN:END --socket PATH [--forward-socket PATH]\n"
-    "                    [--data-listen HOST:PORT]\n"
+    "                    [--data-listen HOST:PORT] [--prefill-pace-ms N]\n"
     "                    [--ctx-size N] [--max-sequences N]\n"
     "                    [--batch-size N] [--threads N] [--gpu-layers N] [--model-sha256 HEX] [--no-mmap]\n"
     "       baton-worker --vocab-only --model PATH --socket PATH [--model-sha256 HEX] [--no-mmap]\n"
@@ -40,6 +40,9 @@ constexpr const char * kUsage =
     "  --data-listen HOST:PORT  serve the data plane on TCP HOST:PORT (port 0: any free one; Info\n"
     "                    reports it): sessions bound by the node take sealed steps straight from\n"
     "                    the hop before (protocol/worker.proto, DataFrame); off unless given\n"
+    "  --prefill-pace-ms N  while sessions decode on the data plane, a prefill Forward waits up to\n"
+    "                    N ms for the next decode Forward, so that chunks and decode steps take\n"
+    "                    turns (default 1000; 0: no pacing)\n"
     "  --ctx-size N      positions per sequence (default 2048)\n"
     "  --max-sequences N sequence ids 0..N-1 (default 4)\n"
     "  --batch-size N    most rows one Forward may carry (default 512)\n"
@@ -158,6 +161,8 @@ int main(int argc, char ** argv) {
             if (!baton::parse_host_port(take_value(), &options.data_host, &options.data_port, &error)) {
                 bad_arguments("--data-listen: " + error);
             }
+        } else if (flag == "--prefill-pace-ms") {
+            options.prefill_pace_ms = static_cast<uint32_t>(parse_integer(flag, take_value(), 0, 600000));
         } else if (flag == "--ctx-size") {
             shard.ctx_size_per_seq = static_cast<uint32_t>(parse_integer(flag, take_value(), 1, kI32Max));
         } else if (flag == "--max-sequences") {

@@ -154,6 +154,12 @@ grpc::Status ShardWorkerService::Health(grpc::ServerContext *, const v1::HealthR
         reply->set_ready(true);  // the service exists only once the shard is loaded
         reply->set_forward_calls(forward_calls());
         reply->set_active_sequences(shard_->active_sequences());
+        if (data_plane_ != nullptr) {
+            const DataPlaneCounts counts = data_plane_->counts();
+            reply->set_data_plane_forwards(counts.forwards);
+            reply->set_data_plane_steps(counts.steps);
+            reply->set_data_plane_compute_us(counts.compute_us);
+        }
         return grpc::Status::OK;
     });
 }
@@ -182,6 +188,10 @@ grpc::Status ShardWorkerService::Forward(grpc::ServerContext *, const v1::Forwar
 
         std::vector<ForwardOutput> outputs;
         std::chrono::steady_clock::duration compute{};
+        if (data_plane_ != nullptr &&
+            std::any_of(entries.begin(), entries.end(), [](const ForwardEntry & e) { return e.positions.size() > 1; })) {
+            data_plane_->pace_prefill();  // a prompt chunk takes turns with the data plane's decode Forwards
+        }
         {
             std::lock_guard<std::mutex> lock(shard_mu_);
             const auto started = std::chrono::steady_clock::now();  // after the lock: no wait counted
@@ -294,6 +304,7 @@ grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::Bi
         binding.next_step_key = request->next_step_key();
         binding.return_key = request->return_key();
         binding.keep_rows_max_bytes = info.gives_logits ? 0 : request->keep_rows_max_bytes();
+        binding.decode_gather_us = request->decode_gather_us();
         const std::string refused = data_plane_->bind(binding);
         if (refused.rfind("a binding must bring fresh keys", 0) == 0) {
             return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, refused);
@@ -636,7 +647,8 @@ int serve_worker(const WorkerOptions & options) {
         }
     }
 
-    DataPlaneServer data_plane(&service, static_cast<size_t>(max_receive_message_bytes(info)) + 4096);
+    DataPlaneServer data_plane(&service, static_cast<size_t>(max_receive_message_bytes(info)) + 4096,
+                               std::chrono::milliseconds(options.prefill_pace_ms));
     if (!options.data_host.empty()) {
         const std::string failed = info.vocab_only ? "a vocab-only worker has no data plane"
                                                    : data_plane.start(options.data_host, options.data_port);

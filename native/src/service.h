@@ -103,6 +103,7 @@ struct WorkerOptions {
     // Not empty: the data plane (data_plane.h) listens on this host, at data_port (0: any).
     std::string data_host;
     uint16_t data_port = 0;
+    uint32_t prefill_pace_ms = 1000;  // DataPlaneServer::pace_prefill's longest wait (0: off)
     // > 0: SIGHUP (the parent-death signal main() arms on Linux) stops the worker as SIGTERM
     // does, but only once getppid() differs from parent_pid; otherwise it is ignored.
     int parent_pid = 0;

@@ -64,7 +64,7 @@ from agent.core.node_link import (
     read_registration_reply,
 )
 from agent.core.node_policy import (
-    data_plane_host,
+    data_plane_gather_us,
     BatchPeers,
     StepFailure,
     check_end_session_sender,
@@ -131,7 +131,7 @@ from agent.core.swarm_wire import (
     step_result_top,
     validate_step,
 )
-from agent.core.worker_records import SeqInput, SeqOutput, WorkerInfo
+from agent.core.worker_records import SeqInput, SeqOutput, WorkerHealth, WorkerInfo
 from agent.core.worker_wait import AUTO
 from agent.io.transport import ImmediateHandler, Transport, TransportError
 from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
@@ -239,8 +239,9 @@ class NodeConfig:
       data_plane_host: where each worker's data plane listens (a TCP port chosen at start):
         a session's owner may then move its steps there (``DataPlaneBindRequest``), worker to
         worker, the node only admitting, leasing and unbinding; None: no data plane (every
-        step through this node), and none while ``decode_gather_ms`` > 0 (lock-step needs to
-        see every decode step: ``agent.core.node_policy.data_plane_host``). The CLI uses the
+        step through this node). With ``decode_groups`` 1 and ``decode_gather_ms``, a first
+        hop's worker holds its decode Forwards itself (lock-step:
+        ``agent.core.node_policy.data_plane_gather_us``). The CLI uses the
         host of ``--listen``: the data plane is exactly as reachable as the node's own
         channel, never more.
       row_budget: rows each worker Forward is filled to (``agent.core.scheduler``); None: the
@@ -341,6 +342,9 @@ class ServedRange:
     entries_forwarded: int = 0
     forward_compute_us: int = 0  # their time as the worker measured it (ForwardTiming)
     forward_call_us: int = 0  # and as this node measured the calls
+    #: the worker's data plane Forwards (HealthReply, read before each heartbeat): the
+    #: heartbeat counts them with the node's own (their call time is their compute time)
+    data_plane: WorkerHealth | None = None
     largest_batch: int = 0
     #: the batch in the worker's Forward right now: its steps are owed an error if the range
     #: stops (UNLOAD, the worker dies) before their outputs are pushed
@@ -383,13 +387,17 @@ class ServedRange:
             fetch_total_bytes=0 if self.fetch_progress is None else self.fetch_progress.total_bytes,
             fetch_bytes_per_s=0.0 if self.fetch_progress is None else self.fetch_progress.bytes_per_s,
             sessions_started=0 if self.sessions is None else self.sessions.started,
-            forward_calls=self.forward_calls,
-            forward_steps=self.entries_forwarded,
-            forward_compute_us=self.forward_compute_us,
-            forward_call_us=self.forward_call_us,
+            forward_calls=self.forward_calls + (0 if self.data_plane is None else self.data_plane.data_plane_forwards),
+            forward_steps=self.entries_forwarded + (0 if self.data_plane is None else self.data_plane.data_plane_steps),
+            forward_compute_us=self.forward_compute_us + self._data_plane_compute_us,
+            forward_call_us=self.forward_call_us + self._data_plane_compute_us,
             sessions_resumed=0 if self.sessions is None else self.sessions.resumed,
             sessions_rebuilt=0 if self.sessions is None else self.sessions.rebuilt,
         )
+
+    @property
+    def _data_plane_compute_us(self) -> int:
+        return 0 if self.data_plane is None else self.data_plane.data_plane_compute_us
 
     def end_session(self, session_id: bytes) -> NodeSession | None:
         """Forget ``session_id`` here (its sequence closes, its queued steps and kept rows
@@ -610,6 +618,7 @@ class Node:
         except TransportError as err:
             log.debug("relay reservation before the heartbeat: %s", err)
         self._notice_worker_exits(nursery)
+        await self._read_data_plane_counts()
         request = swarm_pb2.TrackerRequest(
             schema_version=SCHEMA_VERSION,
             heartbeat=swarm_pb2.HeartbeatRequest(
@@ -648,6 +657,17 @@ class Node:
             await self.keep_relay_reservation()
         except TransportError as err:
             log.warning("relay reservation on the tracker: %s", err)
+
+    async def _read_data_plane_counts(self) -> None:
+        """Each READY range's worker data plane counts (``ServedRange.data_plane``); a worker
+        that does not answer keeps its last counts (its exit is noticed elsewhere)."""
+        for served in list(self.ranges.values()):
+            if served.state != State.READY or served.client is None or served.info is None or not served.info.data_port:
+                continue
+            try:
+                served.data_plane = await served.client.health(timeout_s=self.config.worker_call_timeout_s)
+            except WorkerError as err:
+                log.debug("%s: data plane counts: %s", range_name(served.key), err)
 
     # --- directives --------------------------------------------------------------------
 
@@ -816,7 +836,7 @@ class Node:
             ctx_size=cfg.ctx_size, max_sequences=cfg.max_sequences, batch_size=cfg.batch_size,
             threads=cfg.threads, model_sha256=model.sha256, ready_timeout_s=cfg.worker_ready_timeout_s,
             stop_grace_s=cfg.worker_stop_grace_s, client_config=ClientConfig(timeout_s=cfg.worker_call_timeout_s),
-            binary=cfg.worker_binary, environment=environment, data_listen=_data_listen(data_plane_host(cfg.data_plane_host, decode_gather_ms=cfg.decode_gather_ms)),
+            binary=cfg.worker_binary, environment=environment, data_listen=_data_listen(cfg.data_plane_host),
         ) as handle:  # fmt: skip
             info = handle.info
             if info.model_sha256 and info.model_sha256 != model.sha256:
@@ -1476,6 +1496,9 @@ class Node:
             next_step=session.next_step, next_host=body.next_host, next_port=body.next_port,
             next_step_key=body.next_step_key, return_key=body.return_key,
             keep_rows_max_bytes=0 if served.info.gives_logits or served.kept is None else served.kept.room(session_id),
+            decode_gather_us=data_plane_gather_us(
+                begin=served.key[1], decode_groups=self.config.decode_groups, decode_gather_ms=self.config.decode_gather_ms
+            ),
         )  # fmt: skip
         try:
             await served.client.call("BindSession", request, timeout_s=self.config.worker_call_timeout_s)

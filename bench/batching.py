@@ -25,12 +25,19 @@ Owns one command that measures:
 2. the inter-token gap of a decoding session while another session's long prompt
    (``--long-prompt`` tokens, in the owner's chunks of ``--chunk`` rows) is prefilled: p50 and
    p99 of the gaps that fall in that prefill, next to the same session's gaps with nothing
-   else running. A decode step waits behind at most one Forward (agent.core.scheduler), so the
-   gap grows with the chunk's compute time;
-3. where a lock-step round of 8 sessions goes (``traced_rounds``): each hop's worker
-   exchange and the worker's own time in it (``ForwardReply.compute_us``), the hand-offs and
-   the loop back through the owners, stage by stage, beside the same Forwards by bare workers
-   in series, run between the traced passes.
+   else running. A decode step waits behind one chunk at each hop (the workers' prefill
+   pacing), so the gap grows with the chunk's compute time and stays even;
+3. where a lock-step round of 8 sessions goes (``lock_step_rounds``): each hop's worker's own
+   time per round on its data plane (its ``HealthReply`` counts) and the rest of the round
+   (the sends, the owners, the first hop's gather), beside the same Forwards by bare workers
+   in series and llama-batched-bench, run between the passes.
+
+Decode steps go worker to worker over the data plane (the prompts through the nodes). There
+the node's decode group cap does not reach the worker, which takes every queued decode step
+in its next Forward: groups auto and off measure the same path (their difference is the
+noise); lock-step's hold is the first worker's own (``BindSessionRequest.decode_gather_us``).
+While a session decodes, a prompt chunk at each hop runs right after the next decode Forward
+(the worker's prefill pacing), so a decoding session waits behind one chunk a hop, every time.
 
 Part 1 runs ``--rounds`` times (llama-batched-bench and every mode in turn each round: the
 machine's speed drifts from minute to minute); each figure is its median round's, and every
@@ -54,11 +61,9 @@ import contextlib
 import functools
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -67,7 +72,7 @@ from _bootstrap import BENCH_DIR  # first: it makes the project importable
 import trio  # noqa: E402
 
 import hop_trace  # noqa: E402
-from compare import PROMPT_SOURCE, TOOLS_DIR, ensure_llama_tools, machine_info, scoped_environ  # noqa: E402
+from compare import PROMPT_SOURCE, TOOLS_DIR, ensure_llama_tools, machine_info  # noqa: E402
 from worker_wait import chain_step  # noqa: E402
 
 from agent.io.cpu_policy import apply_cpu_policy, kernel_default  # noqa: E402
@@ -89,15 +94,12 @@ MODES = {
     "off": ("--decode-groups", "0"),
     "lock-step": ("--decode-groups", "1", "--decode-gather-ms", str(LOCK_STEP_GATHER_MS)),
 }
-#: the lock-step swarm's traced pass (``bench/hop_trace.py``): this many sessions, this many
-#: greedy tokens each; its rounds are those in which every session's decode step is in a Forward
+#: the lock-step swarm's passes of rounds (``lock_step_rounds``): this many sessions, this many
+#: greedy tokens each
 TRACE_SESSIONS = 8
 TRACE_TOKENS = 96
-#: traced passes, each followed by the same Forwards through bare workers (``traced_rounds``)
+#: passes, each followed by the same Forwards through bare workers (``lock_step_rounds``)
 TRACE_PASSES = 3
-#: how long the nodes get to write their trace dumps after SIGUSR2
-TRACE_DUMP_TIMEOUT_S = 10.0
-
 
 def log(message: str) -> None:
     print(f"[batching {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
@@ -316,11 +318,11 @@ def _percentiles(values: list[float]) -> dict:
     return {"n": len(values), "p50_s": statistics.median(ordered), "p99_s": p99, "max_s": ordered[-1]}
 
 
-async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, trace_dir: Path | None = None) -> dict:
+async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, rounds: bool = False) -> dict:
     """Part 1 (and part 2 when ``gaps``) on a fresh swarm whose nodes run ``mode`` (``MODES``);
     its workers take ``--lock-step-threads`` threads in lock-step, ``--threads`` otherwise.
-    With ``trace_dir``: then traced passes, each followed by the same Forwards through bare
-    workers in series (``traced_rounds``), under ``"rounds"``."""
+    With ``rounds``: then passes of lock-step rounds, each followed by the same Forwards
+    through bare workers in series (``lock_step_rounds``), under ``"rounds"``."""
     from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
     from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
     from agent.io.client import open_swarm_client
@@ -332,8 +334,6 @@ async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, t
         node_args=("--max-sequences", str(SEQUENCES), *MODES[mode]),
     )  # fmt: skip
     async with contextlib.AsyncExitStack() as stack:
-        if trace_dir is not None:
-            stack.enter_context(_trace_environment(trace_dir))
         swarm = await stack.enter_async_context(open_local_swarm(config))
         await swarm.start_tracker()
         async with open_swarm_client(swarm.tracker_addr) as c:
@@ -363,55 +363,78 @@ async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, t
         if gaps:
             result["gaps"] = await _gaps_during_prefill(addr, prompt, long_prompt, args.gap_tokens, args.chunk)
             log(f"gaps: {result['gaps']}")
-        if trace_dir is not None:
-            result["rounds"] = await traced_rounds(swarm, route, prompt, trace_dir, threads, args.llama_threads)
+        if rounds:
+            result["rounds"] = await lock_step_rounds(swarm, route, prompt, threads, args.llama_threads)
             log(f"lock-step rounds: {result['rounds']}")
     return result
 
 
-@contextlib.contextmanager
-def _trace_environment(trace_dir: Path):  # noqa: ANN202
-    """Node processes started meanwhile carry ``bench/hop_trace.py``'s hooks (off until SIGUSR1)."""
-    trace_dir.mkdir(parents=True, exist_ok=True)
-    for old in trace_dir.glob("trace-*.json"):
-        old.unlink()
-    path = os.pathsep.join(p for p in (str(BENCH_DIR / "_trace"), str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)
-    with scoped_environ(**{hop_trace.ENV_DIR: str(trace_dir), "PYTHONPATH": path}):
-        yield
-
-
-async def traced_rounds(
-    swarm, route, prompt: list[int], trace_dir: Path, threads: int, llama_threads: int  # noqa: ANN001
-) -> dict:
-    """Where a round of every session's decode step goes: ``TRACE_PASSES`` passes of
-    ``TRACE_SESSIONS`` sessions of ``TRACE_TOKENS`` tokens with the nodes recording
-    (``hop_trace.round_breakdown``, the nodes in route order), each followed by the same
-    Forwards by bare workers in series (``_bare_pass``) while the swarm idles, and by
-    llama-batched-bench decoding as many sequences as far (unsplit, ``llama_threads``), so
-    that the machine's drift in speed falls on all three alike. Bare workers: the same
-    ranges, threads and short-spin wait, driven from this process (no node, no message); their
-    ``bare_exchange_ms`` and ``bare_compute_ms`` are each range's medians over every pass, and
-    ``llama_step_ms`` llama-batched-bench's median ms a step of all its sequences. (The first
-    round of each later pass follows a bare pass: 2 of some 280 rounds, whose loop and round
-    the medians leave out in practice.)"""
-    from agent.core.worker_wait import SLEEP, worker_environment
-    from agent.harness.parity_run import open_workers
-    from agent.models import model_path
+def _route_worker_sockets(swarm, route) -> list[str]:  # noqa: ANN001
+    """Each hop's worker's Unix socket, in route order (its node's ``baton-worker`` child)."""
+    import psutil
 
     by_peer = {node.peer_id: node.process.pid for node in swarm.nodes.values()}
-    pids = [by_peer[hop.peer_id] for hop in route.hops]
+    sockets = []
+    for hop in route.hops:
+        (worker,) = [p for p in psutil.Process(by_peer[hop.peer_id]).children() if "baton-worker" in p.name()]
+        argv = worker.cmdline()
+        sockets.append(argv[argv.index("--socket") + 1])
+    return sockets
+
+
+async def _data_plane_counts(clients) -> list[tuple[int, int, int]]:  # noqa: ANN001
+    """Each worker's data plane ``(Forwards, steps, compute_us)`` so far (``HealthReply``)."""
+    out = []
+    for client in clients:
+        health = await client.health()
+        out.append((health.data_plane_forwards, health.data_plane_steps, health.data_plane_compute_us))
+    return out
+
+
+async def lock_step_rounds(swarm, route, prompt: list[int], threads: int, llama_threads: int) -> dict:  # noqa: ANN001
+    """Where a lock-step round of every session's decode step goes, on the data plane:
+    ``TRACE_PASSES`` passes of ``TRACE_SESSIONS`` sessions of ``TRACE_TOKENS`` tokens through
+    the swarm, each followed by the same Forwards by bare workers in series (``_bare_pass``,
+    timed in this process by ``hop_trace``) while the swarm idles, and by llama-batched-bench
+    decoding as many sequences as far (unsplit, ``llama_threads``), so that the machine's drift
+    in speed falls on all three alike. The swarm's round is ``TRACE_SESSIONS`` / its decode t/s
+    with every session decoding; each hop's own time per round is its data plane's compute
+    per step (the workers' ``HealthReply`` counts before and after the pass: decode steps
+    only, the prompts go through the nodes) times ``TRACE_SESSIONS``; ``steps_per_forward``
+    shows how whole the convoy was. Medians over the passes (bare: over every call)."""
+    from agent.core.worker_wait import SLEEP, worker_environment
+    from agent.harness.parity_run import open_workers
+    from agent.io.worker_client import AsyncWorkerClient
+    from agent.models import model_path
+
     ranges = [(hop.begin, hop.end) for hop in route.hops]
     environment = worker_environment(SLEEP, other_workers=0, environment=os.environ)[0]
     bare_events: list = []
     llama_step_ms: list[float] = []
-    async with open_workers(
-        model_path(ALIAS), ranges, threads=threads, max_sequences=SEQUENCES, environment=environment
-    ) as chain:  # fmt: skip
+    round_ms: list[float] = []
+    compute_ms: list[list[float]] = [[] for _ in ranges]
+    steps_per_forward: list[list[float]] = [[] for _ in ranges]
+    async with (
+        open_workers(
+            model_path(ALIAS), ranges, threads=threads, max_sequences=SEQUENCES, environment=environment
+        ) as chain,
+        contextlib.AsyncExitStack() as stack,
+    ):  # fmt: skip
+        hops = []
+        for path in _route_worker_sockets(swarm, route):
+            client = AsyncWorkerClient(path)
+            stack.push_async_callback(client.aclose)
+            hops.append(client)
         clients = [handle.client for handle in chain]
-        for pid in pids:
-            os.kill(pid, signal.SIGUSR1)  # the node's Python process only, never its worker
         for _ in range(TRACE_PASSES):
-            await _concurrent(swarm.tracker_addr, prompt, TRACE_TOKENS, TRACE_SESSIONS)
+            before = await _data_plane_counts(hops)
+            run = await _concurrent(swarm.tracker_addr, prompt, TRACE_TOKENS, TRACE_SESSIONS)
+            after = await _data_plane_counts(hops)
+            round_ms.append(1000 * TRACE_SESSIONS / run["tokens_per_s"])
+            for k, ((f0, s0, c0), (f1, s1, c1)) in enumerate(zip(before, after, strict=True)):
+                if f1 > f0:
+                    compute_ms[k].append((c1 - c0) / 1000 / (s1 - s0) * TRACE_SESSIONS)
+                    steps_per_forward[k].append((s1 - s0) / (f1 - f0))
             bare_events += await _bare_pass(clients, prompt)
             llama = await trio.to_thread.run_sync(  # a subprocess run: off the event loop
                 functools.partial(
@@ -419,19 +442,16 @@ async def traced_rounds(
                 )
             )
             llama_step_ms.append(1000 * TRACE_SESSIONS / llama[TRACE_SESSIONS]["speed_tg"])
-        for pid in pids:
-            os.kill(pid, signal.SIGUSR2)
-    with trio.move_on_after(TRACE_DUMP_TIMEOUT_S):
-        while len(list(trace_dir.glob("trace-*.json"))) < len(pids):
-            await trio.sleep(0.05)  # a benchmark polling files, not a test synchronising
-    await trio.sleep(0.2)  # the last file written out completely
-    dumps = {d["pid"]: d["events"] for d in hop_trace.load_dumps(trace_dir)}
-    if any(pid not in dumps for pid in pids):
-        return {"rounds": 0, "error": f"{len(dumps)} of {len(pids)} node traces came back"}
+    if not all(compute_ms):
+        return {"rounds": 0, "error": "a hop's worker computed no decode step on its data plane"}
     return {
-        **hop_trace.round_breakdown([dumps[pid] for pid in pids], TRACE_SESSIONS),
+        "rounds": TRACE_PASSES,
+        "entries": TRACE_SESSIONS,
         "passes": TRACE_PASSES,
         "ranges": ranges,
+        "round_ms": statistics.median(round_ms),
+        "compute_ms": [statistics.median(v) for v in compute_ms],
+        "steps_per_forward": [statistics.median(v) for v in steps_per_forward],
         "bare_exchange_ms": hop_trace.exchange_times(bare_events, len(clients)),
         "bare_compute_ms": hop_trace.compute_times(bare_events, len(clients)),
         "llama_step_ms": statistics.median(llama_step_ms),
@@ -530,11 +550,12 @@ def render_markdown(report: dict) -> str:
         f"Baton: tracker + {NODES} nodes of SmolLM2 on loopback, {SEQUENCES} sequences and {cfg['threads']} thread(s) per "
         f"worker, each session its own owner; prompt {cfg['prompt']} tokens, {cfg['tokens']} greedy tokens. "
         f"llama-batched-bench: unsplit, -npp {cfg['prompt']} -ntg {cfg['tokens']}, {cfg['llama_threads']} threads.",
-        "Decode groups auto (the default): the first hop caps each decode Forward at ceil(sessions / (hops + 1)) "
-        "steps, so the groups are at different hops at once; off (`--decode-groups 0`): every waiting decode step "
-        "in the next Forward; lock-step (`--decode-groups 1 --decode-gather-ms "
-        f"{LOCK_STEP_GATHER_MS}`, workers of {cfg.get('lock_step_threads', '?')} threads): one decode group, held at "
-        "the first hop until every decoding session's step waits, so the sessions travel as one convoy and one hop "
+        "Decode steps go worker to worker over the workers' data plane (prompts through the nodes). Decode groups "
+        "auto (the default) and off (`--decode-groups 0`) take the same path there: each worker computes every "
+        "queued decode step in its next Forward (the node's group cap does not reach the data plane), so their "
+        "difference is the noise; lock-step (`--decode-groups 1 --decode-gather-ms "
+        f"{LOCK_STEP_GATHER_MS}`, workers of {cfg.get('lock_step_threads', '?')} threads): the first worker holds each "
+        "decode Forward until every decoding session's step waits, so the sessions travel as one convoy and one hop "
         "computes at a time (the mode for hops that share a machine's cores). Every worker's idle threads sleep "
         "after a short spin (`--worker-wait sleep`, as in every local swarm). A fresh swarm for each; ratios are to "
         f"llama-batched-bench. {cfg.get('rounds', 1)} round(s), each running llama-batched-bench and every mode in turn "
@@ -614,107 +635,48 @@ def _rounds_line(report: dict) -> list[str]:
 
 
 def _rounds_table(report: dict) -> list[str]:
-    """Where a lock-step round goes: the traced pass's medians beside bare workers in series."""
+    """Where a lock-step round goes: each hop's own time per round and the rest, in the swarm
+    (data plane) beside bare workers in series and llama-batched-bench (``lock_step_rounds``)."""
     rounds = (report.get("baton_lock_step") or {}).get("rounds") or {}
     if not rounds.get("rounds"):
-        return [] if not rounds else ["", f"Lock-step rounds: not traced ({rounds.get('error', 'no round found')})."]
-    ranges = [f"[{b}:{e}]" for b, e in rounds.get("ranges", [])] or [f"hop {k + 1}" for k in range(len(rounds["exchange_ms"]))]
-    bare = rounds.get("bare_exchange_ms") or [None] * len(ranges)
-    computed = rounds.get("compute_ms") or [None] * len(ranges)
-    bare_computed = rounds.get("bare_compute_ms") or [None] * len(ranges)
+        return [] if not rounds else ["", f"Lock-step rounds: not measured ({rounds.get('error', 'no round found')})."]
+    ranges = [f"[{b}:{e}]" for b, e in rounds["ranges"]]
+    n = rounds["entries"]
+    computed, bare_computed, bare = rounds["compute_ms"], rounds["bare_compute_ms"], rounds["bare_exchange_ms"]
 
     def cell(value: float | None) -> str:
         return "—" if value is None else f"{value:.2f}"
 
+    ours, theirs, bare_round = sum(computed), sum(bare_computed), sum(bare)
     lines = [
         "",
-        f"Where a lock-step round goes ({rounds['entries']} sessions, {rounds['rounds']} rounds traced with "
-        "`bench/hop_trace.py` in the nodes, medians in ms): a round is the first hop's Forward of every "
-        "session's decode step, then the same steps' Forward at each later hop; beside it, the same Forwards by "
-        "bare workers in series (the same ranges, threads and wait policy, driven from this process: no node, "
-        "no message)"
-        + (
-            f", run after each of the {rounds['passes']} traced passes while the swarm idles"
-            + (", then llama-batched-bench (unsplit) as many sequences as far" if rounds.get("llama_step_ms") else "")
-            + ", so that the machine's drift in speed falls on all alike."
-            if rounds.get("passes")
-            else ", run after the swarm was gone."
-        ),
+        f"Where a lock-step round goes ({n} sessions of {TRACE_TOKENS} tokens, {rounds['passes']} passes; ms, medians): "
+        f"the swarm's round is {n} / its decode t/s with every session decoding, each hop's own time its data "
+        f"plane's compute per decode step (the workers' `HealthReply` counts) times {n}; beside it, the same Forwards "
+        "by bare workers in series (the same ranges, threads and wait policy, one Forward at a time from this "
+        "process's Python), run after each pass while the swarm idles, then llama-batched-bench (unsplit) as many "
+        "sequences as far, so that the machine's drift in speed falls on all alike.",
         "",
-        "| part of the round | swarm | bare workers in series |",
+        "| part of the round | swarm (data plane) | bare workers in series |",
         "|---|---|---|",
     ]
     for k, name in enumerate(ranges):
-        lines.append(f"| worker exchange at {name} (send, compute, reply) | {cell(rounds['exchange_ms'][k])} | {cell(bare[k])} |")
-        if computed[k] or bare_computed[k]:  # (a trace from before ForwardReply.compute_us has none)
-            own = f"{cell(computed[k])} | {cell(bare_computed[k])}"
-            lines.append(f"| of which the worker's own time (compute_us) | {own} |")
-    for k, handoff in enumerate(rounds["handoff_ms"]):
+        steps = rounds["steps_per_forward"][k]
         lines.append(
-            f"| {ranges[k]} -> {ranges[k + 1]}: reply decoded, push, message, step handlers, next Forward started "
-            f"| {cell(handoff)} | — |"
+            f"| worker {name}: its Forwards' own time (swarm: {steps:.2f} steps a Forward) | {cell(computed[k])} | "
+            f"{cell(bare_computed[k])} |"
         )
-    lines.append(
-        f"| {ranges[-1]} -> owners -> {ranges[0]}: results, sampling, next steps, the first hop's gather "
-        f"| {cell(rounds['loop_ms'])} | — |"
-    )
-    bare_round = None if None in bare else sum(bare)
-    lines.append(f"| the round, first hop to first hop | {cell(rounds['round_ms'])} | {cell(bare_round)} |")
-    llama_ms = rounds.get("llama_step_ms")
-    if llama_ms:
-        lines.append(
-            f"| llama-batched-bench unsplit: a step of {rounds['entries']} sequences as far (interleaved) | — | "
-            f"{cell(llama_ms)} |"
-        )
-    if bare_round is not None and rounds["round_ms"]:
-        exchanges = sum(rounds["exchange_ms"])
-        between = rounds["round_ms"] - exchanges
-        lines += [
-            "",
-            f"- The workers' exchanges take {exchanges:.1f} of the round's {rounds['round_ms']:.1f} ms; the same "
-            f"Forwards by bare workers take {bare_round:.1f} ms ({exchanges / bare_round:.2f}x in the swarm). The "
-            f"swarm's own steps between them (messages, Python in nodes and owners) take {between:.1f} ms.",
-        ]
-        if llama_ms:
-            lines[-1] += (
-                f" The bare workers' round is {llama_ms / bare_round:.2f}x llama-batched-bench's speed, the swarm's "
-                f"{llama_ms / rounds['round_ms']:.2f}x (measured side by side, pass by pass)."
-            )
-        if None not in computed and None not in bare_computed and all(bare_computed):
-            ours, theirs = sum(computed), sum(bare_computed)
-            lines[-1] += (
-                f" Inside the exchanges, the workers' own time is {ours:.1f} ms in the swarm against {theirs:.1f} "
-                f"bare ({ours / theirs:.2f}x); the rest of an exchange (the socket, waking both sides, encoding, a node "
-                f"busy when its reply comes) is {exchanges - ours:.1f} ms against {bare_round - theirs:.1f}."
-            )
-    return lines + _stages_tables(rounds, ranges)
-
-
-def _stages_tables(rounds: dict, ranges: list[str]) -> list[str]:
-    """The hand-offs and the loop of ``_rounds_table``, cut at the events in between
-    (``hop_trace.HANDOFF_STAGES``, ``LOOP_STAGES``); nothing for a trace from before them."""
-    handoffs, loop = rounds.get("handoff_stages_ms"), rounds.get("loop_stages_ms")
-    if not handoffs or not loop:
-        return []
-
-    def cell(row: list) -> str:
-        what, value, found = row
-        return "—" if value is None else f"{value:.2f}" + ("" if found == rounds["rounds"] else f" ({found} rounds)")
-
-    names = [f"{ranges[k]} -> {ranges[k + 1]}" for k in range(len(handoffs))]
-    lines = [
+    lines += [
+        f"| the rest: swarm, the sends from worker to worker and back to the owners, sampling, the next steps, the "
+        f"first hop's gather; bare, the Python calls | {cell(rounds['round_ms'] - ours)} | {cell(bare_round - theirs)} |",
+        f"| the round | {cell(rounds['round_ms'])} | {cell(bare_round)} |",
+        f"| llama-batched-bench unsplit: a step of {n} sequences as far (interleaved) | — | {cell(rounds['llama_step_ms'])} |",
         "",
-        "The hand-offs and the loop, stage by stage (the same rounds; each stage runs from the event that ends the "
-        "one before; medians, so a column need not add up to the row above; a stage not seen in every round says "
-        "in how many it was):",
-        "",
-        "| stage of a hand-off | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 1) + "|",
+        f"- The swarm's round is {rounds['llama_step_ms'] / rounds['round_ms']:.2f}x llama-batched-bench's speed, the "
+        f"bare workers' {rounds['llama_step_ms'] / bare_round:.2f}x; the workers' own time is {ours:.1f} ms a round in "
+        f"the swarm against {theirs:.1f} bare ({ours / theirs:.2f}x) and {rounds['llama_step_ms']:.1f} for "
+        f"llama-batched-bench's whole step.",
     ]
-    for i, (what, *_rest) in enumerate(handoffs[0]):
-        lines.append(f"| {what} | " + " | ".join(cell(stages[i]) for stages in handoffs) + " |")
-    lines += ["", f"| stage of the loop {ranges[-1]} -> owners -> {ranges[0]} | ms |", "|---|---|"]
-    lines += [f"| {row[0]} | {cell(row)} |" for row in loop]
     return lines
 
 
@@ -842,9 +804,7 @@ def main(argv: list[str] | None = None) -> int:
         llamas.append(run_batched_bench(model_path(ALIAS), args.prompt, args.tokens, args.llama_threads))
         autos.append(trio.run(functools.partial(run_baton, args, "auto", gaps=last)))
         offs.append(trio.run(functools.partial(run_baton, args, "off", gaps=False)))
-        with tempfile.TemporaryDirectory(prefix="baton-batching-trace-") as trace_dir:
-            traced = Path(trace_dir) if last else None
-            locks.append(trio.run(functools.partial(run_baton, args, "lock-step", gaps=False, trace_dir=traced)))
+        locks.append(trio.run(functools.partial(run_baton, args, "lock-step", gaps=False, rounds=last)))
     llama = {n: median_round([rounds[n] for rounds in llamas], "speed_tg") for n in PARALLEL}
     baton, baton_off, lock_step = median_run(autos), median_run(offs), median_run(locks)
     report = {

@@ -250,44 +250,19 @@ def test_bare_exchanges_are_per_range_medians_of_every_call() -> None:
 
 def test_the_rounds_table_puts_the_swarm_beside_bare_workers_and_sums_the_rest() -> None:
     rounds = {
-        "rounds": 12, "entries": 8, "exchange_ms": [10.0, 12.0, 20.0], "handoff_ms": [2.0, 3.0],
-        "loop_ms": 4.0, "round_ms": 51.0, "ranges": [[0, 10], [10, 20], [20, 30]], "bare_exchange_ms": [8.0, 9.0, 16.0],
+        "rounds": 3, "entries": 8, "passes": 3, "ranges": [[0, 10], [10, 20], [20, 30]], "round_ms": 51.0,
+        "compute_ms": [10.0, 12.0, 20.0], "steps_per_forward": [7.5, 7.5, 8.0],
+        "bare_exchange_ms": [9.0, 10.0, 17.0], "bare_compute_ms": [8.0, 9.0, 16.0], "llama_step_ms": 30.0,
     }  # fmt: skip
     lines = batching._rounds_table({"baton_lock_step": {"rounds": rounds}})
-    assert "| worker exchange at [0:10] (send, compute, reply) | 10.00 | 8.00 |" in lines
-    assert any(line.startswith("| [20:30] -> owners -> [0:10]") and "| 4.00 |" in line for line in lines)
-    assert "| the round, first hop to first hop | 51.00 | 33.00 |" in lines
-    # 42 ms of exchanges against 33 bare (1.27x); 51 - 42 = 9 ms between them
-    assert "take 42.0 of the round's 51.0 ms" in lines[-1] and "(1.27x in the swarm)" in lines[-1]
-    assert "take 9.0 ms" in lines[-1]
-    assert not any("stage by stage" in line for line in lines)  # a trace from before the stages
-    assert not any("own time" in line for line in lines)  # and before compute_us
-    timed = {**rounds, "compute_ms": [9.0, 10.0, 16.0], "bare_compute_ms": [7.5, 8.5, 14.0]}
-    lines = batching._rounds_table({"baton_lock_step": {"rounds": timed}})
-    assert "| of which the worker's own time (compute_us) | 9.00 | 7.50 |" in lines
-    assert "run after the swarm was gone." in lines[1]
-    lines = batching._rounds_table({"baton_lock_step": {"rounds": {**timed, "passes": 3}}})
-    assert "run after each of the 3 traced passes while the swarm idles, so that" in lines[1]
-    assert not any("llama-batched-bench" in line for line in lines)
-    lines = batching._rounds_table({"baton_lock_step": {"rounds": {**timed, "llama_step_ms": 30.0}}})
+    assert "| worker [0:10]: its Forwards' own time (swarm: 7.50 steps a Forward) | 10.00 | 8.00 |" in lines
+    # the rest: 51 - 42 in the swarm, 36 - 33 bare
+    assert any(line.startswith("| the rest:") and line.endswith("| 9.00 | 3.00 |") for line in lines)
+    assert "| the round | 51.00 | 36.00 |" in lines
     assert "| llama-batched-bench unsplit: a step of 8 sequences as far (interleaved) | — | 30.00 |" in lines
-    # bare round 33 ms against llama-batched-bench's 30 (0.91x); the swarm's 51 ms (0.59x)
-    summary = next(line for line in lines if line.startswith("- The workers' exchanges"))
-    assert "round is 0.91x llama-batched-bench's speed, the swarm's 0.59x" in summary
-    # 35 ms of the workers' own time against 30 bare; 42 - 35 = 7 ms of the rest against 33 - 30
-    summary = next(line for line in lines if line.startswith("- The workers' exchanges"))
-    assert "35.0 ms in the swarm against 30.0 bare (1.17x)" in summary and "is 7.0 ms against 3.0" in summary
-    staged = {
-        **rounds,
-        "handoff_stages_ms": [[["sender: a", 0.5, 12], ["receiver: b", 1.25, 12]], [["sender: a", 0.75, 11], ["receiver: b", None, 0]]],
-        "loop_stages_ms": [["owners: c", 2.5, 12]],
-    }  # fmt: skip
-    lines = batching._rounds_table({"baton_lock_step": {"rounds": staged}})
-    assert "| stage of a hand-off | [0:10] -> [10:20] | [10:20] -> [20:30] |" in lines
-    assert "| sender: a | 0.50 | 0.75 (11 rounds) |" in lines
-    assert "| receiver: b | 1.25 | — |" in lines
-    assert "| stage of the loop [20:30] -> owners -> [0:10] | ms |" in lines
-    assert lines[-1] == "| owners: c | 2.50 |"
+    # 30 / 51 = 0.59x, 30 / 36 = 0.83x; 42 ms of own time against 33 (1.27x)
+    assert "round is 0.59x llama-batched-bench's speed, the bare workers' 0.83x" in lines[-1]
+    assert "42.0 ms a round in the swarm against 33.0 bare (1.27x)" in lines[-1]
     assert batching._rounds_table({"baton_lock_step": {"rounds": None}}) == []
-    failed = batching._rounds_table({"baton_lock_step": {"rounds": {"rounds": 0, "error": "2 of 3 node traces came back"}}})
-    assert "not traced (2 of 3 node traces came back)" in failed[-1]
+    failed = batching._rounds_table({"baton_lock_step": {"rounds": {"rounds": 0, "error": "no decode step"}}})
+    assert "not measured (no decode step)" in failed[-1]

@@ -49,6 +49,7 @@ import compare_report  # noqa: E402
 import data_plane  # noqa: E402
 import hop_trace  # noqa: E402
 import png_chart  # noqa: E402
+import numpy as np  # noqa: E402
 import trio  # noqa: E402
 
 from agent.io.cpu_policy import apply_cpu_policy, kernel_default  # noqa: E402
@@ -84,6 +85,7 @@ COVERAGE_TIMEOUT_S = 180.0
 SERVER_READY_TIMEOUT_S = 30.0
 LLAMA_BENCH_TIMEOUT_S = 300.0
 PROFILE_REPS = 3  # bench/data_plane.py's paired generations for "Where the time goes"
+PAIRED_RUNS = 3  # per round and split: the swarm's generations paired step by step with the unsplit worker
 COLORS = {"baton": (52, 101, 164), "llama.cpp": (230, 140, 40)}
 
 
@@ -421,6 +423,53 @@ def scoped_environ(**values: str | None):  # noqa: ANN202
                 os.environ[k] = v
 
 
+async def _paired_swarm_runs(
+    client, alias: str, route, model: Path, sha256: str, prompt_tokens: list[int], n_gen: int, runs: int, threads: int
+) -> list[dict]:  # noqa: ANN001
+    """The swarm's decode steps paired step by step with the unsplit worker's, so that the
+    per-hop overhead is not the drift between runs minutes apart (this VM's speed moves by more
+    than a hop costs): after each token of the swarm's generation (``on_token``), this process
+    runs the same step (position, token) on a whole-model worker over its Forward stream, as
+    ``bench_worker`` does, timed alone; the swarm's step is timed from that call's end to the
+    next token (the owner's send, the hops, the result, the owner's checks and sampling).
+    Both must choose the same tokens. One dict a run (after a warm-up): per-step ms of each
+    and the run's per-hop overhead, the median over its steps of (swarm - unsplit) / hops."""
+    from agent.io.worker_process import open_worker
+
+    hops = len(route.hops)
+    out = []
+    async with open_worker(model, 0, None, threads=threads, model_sha256=sha256) as whole:
+        for run in range(runs + 1):
+            swarm_ms: list[float] = []
+            unsplit_ms: list[float] = []
+            state = {"n": 0, "last": 0, "ended": 0.0}
+
+            async def on_token(token: int, _logits, _route, state: dict = state) -> bool:  # noqa: ANN001
+                arrived = time.perf_counter()
+                n = state["n"]
+                if n == 0:  # the prompt's token: the unsplit worker takes the prompt (not timed)
+                    got = await data_plane._python_step([whole.client], range(len(prompt_tokens)), prompt_tokens)
+                else:
+                    swarm_ms.append(1000.0 * (arrived - state["ended"]))
+                    started = time.perf_counter()
+                    got = await data_plane._python_step([whole.client], [len(prompt_tokens) + n - 1], [state["last"]])
+                    unsplit_ms.append(1000.0 * (time.perf_counter() - started))
+                if got != token:
+                    raise RuntimeError(f"step {n}: the swarm chose {token}, the unsplit worker {got}")
+                state.update(n=n + 1, last=token, ended=time.perf_counter())
+                return False
+
+            await client.generate_tokens(alias, prompt_tokens, max_tokens=n_gen + 1, on_token=on_token, route=route)
+            await whole.client.remove_sequence(1)
+            if run:  # the first run is the warm-up
+                per_step = [(s - u) / hops for s, u in zip(swarm_ms, unsplit_ms, strict=True)]
+                out.append({
+                    "per_hop_ms": float(np.median(per_step)), "swarm_step_ms": float(np.median(swarm_ms)),
+                    "unsplit_step_ms": float(np.median(unsplit_ms)),
+                })  # fmt: skip
+    return out
+
+
 async def bench_swarm(
     model: Path,
     alias: str,
@@ -429,9 +478,14 @@ async def bench_swarm(
     n_gen: int,
     runs: int,
     threads: int,
+    sha256: str = "",
+    prompt_tokens: list[int] | None = None,
+    paired_runs: int = 0,
 ) -> dict:
     """Tracker + ``n_nodes`` nodes on loopback, generation through ``agent.io.client`` (the
-    prompt through the node agents, the decode steps worker to worker over the data plane)."""
+    prompt through the node agents, the decode steps worker to worker over the data plane);
+    then ``paired_runs`` generations of ``prompt_tokens`` paired step by step with an
+    unsplit worker (``_paired_swarm_runs``)."""
     from agent.io.client import open_swarm_client
     from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
     from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
@@ -461,7 +515,20 @@ async def bench_swarm(
                 generation = await client.generate(alias, prompt, max_tokens=n_gen + 1, temperature=0.0, route=route)
                 if i:
                     results.append(generation)
+            paired = []
+            if paired_runs and prompt_tokens:
+                paired = await _paired_swarm_runs(
+                    client, alias, route, model, sha256, prompt_tokens, n_gen, paired_runs, threads
+                )  # fmt: skip
+    extra = {}
+    if paired:
+        extra = {
+            "paired_per_hop_ms": compare_report.summarize([p["per_hop_ms"] for p in paired]),
+            "paired_swarm_step_ms": compare_report.summarize([p["swarm_step_ms"] for p in paired]),
+            "paired_unsplit_step_ms": compare_report.summarize([p["unsplit_step_ms"] for p in paired]),
+        }
     return {
+        **extra,
         "prefill_tps": compare_report.summarize([g.prefill_tokens_per_s for g in results]),
         "decode_tps": compare_report.summarize([g.tokens_per_s for g in results]),
         "decode_steps": [g.decode_steps for g in results],
@@ -845,7 +912,7 @@ def main() -> int:
         for n in (2, 3):
             keep(f"baton_{n}", measure(
                 f"baton_{n}", f"Baton {n}-split through the swarm", trio.run, bench_swarm,
-                model, "smollm2", n, prompt_text, n_gen, per_round, threads,
+                model, "smollm2", n, prompt_text, n_gen, per_round, threads, sha256, prompt_tokens, PAIRED_RUNS,
             ))  # fmt: skip
             log(f"  decode {collected[f'baton_{n}'][-1]['decode_tps']['median']:.1f} t/s")
         for n in (2, 3):

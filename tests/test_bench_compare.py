@@ -133,6 +133,10 @@ def test_markdown_has_every_row_and_the_headline():
     assert "transport 8KiB round trip, libp2p" in md and "10.00x" in md
     assert "transport 8KiB round trip, Baton channel" in md and "1.20x; per run 1.15x (1.05–1.40)" in md
     assert "**MISSED**" in md and md.rstrip().endswith("here")
+    assert "Paired step by step" not in md  # no paired run
+    report["derived"]["baton_3"] = {**derived["baton_3"], "paired_per_hop_overhead_ms": compare_report.summarize([0.2, 0.3])}
+    md = compare_report.render_markdown(report, "")
+    assert "3-split **0.250 ms** a hop (runs: 0.200, 0.300)" in md
 
 
 def _png_chunks(data: bytes) -> dict[bytes, bytes]:
@@ -273,3 +277,18 @@ def test_pool_rounds_pools_every_per_run_summary():
     assert pooled["replans"] == 3 and pooled["decode_steps"] == [32, 32, 31, 32]
     assert pooled["tokens_same_every_round"] is False  # round 2's tokens differ
     assert compare.pool_rounds([first, first])["tokens_same_every_round"] is True
+
+
+def test_the_paired_per_hop_figure_is_issue_8s_check_beside_the_unpaired_one():
+    systems = {k: dict(v) for k, v in SYSTEMS.items()}
+    systems["baton_3"]["paired_per_hop_ms"] = compare_report.summarize([0.25, 0.21, 0.4])
+    derived = compare_report.derive(systems)
+    assert derived["baton_3"]["paired_per_hop_overhead_ms"]["median"] == pytest.approx(0.25)
+    checks = {c["name"]: c for c in compare_report.headline(systems, derived)}
+    paired = checks["Baton 3-split per-hop overhead, paired step by step with the unsplit worker (ms, issue 8)"]
+    assert paired["met"] and paired["value"] == pytest.approx(0.25)
+    unpaired = checks["Baton 3-split per-hop overhead, runs minutes apart (ms, issue 8)"]
+    assert not unpaired["met"] and unpaired["value"] == pytest.approx(20 / 3)
+    # without a paired run, issue 8's check is the unpaired figure under its old name
+    plain = {c["name"] for c in compare_report.headline(SYSTEMS, compare_report.derive(SYSTEMS))}
+    assert "Baton 3-split per-hop overhead (ms, issue 8)" in plain

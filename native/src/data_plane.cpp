@@ -214,7 +214,7 @@ void DataPlaneServer::stop() {
     {
         std::lock_guard<std::mutex> lock(mu_);
         timer_stop_ = true;
-        changed_.notify_all();
+        timer_cv_.notify_all();
     }
     if (gather_timer_.joinable()) {
         gather_timer_.join();
@@ -714,7 +714,9 @@ void DataPlaneServer::combine_while_queued() {
         if (shape_rows == 1 && compute_us > 0) {
             std::lock_guard<std::mutex> lock(mu_);
             ++decode_forwards_;
-            changed_.notify_all();  // a paced prefill Forward may go
+            if (pacing_waiters_ > 0) {
+                changed_.notify_all();  // a paced prefill Forward may go
+            }
         }
 
         std::vector<Outgoing> outgoing;
@@ -826,7 +828,7 @@ bool DataPlaneServer::gather_ready(std::chrono::steady_clock::time_point now) {
     if (!holding_) {
         holding_ = true;
         hold_until_ = now + std::chrono::microseconds(front->second.gather_us);
-        changed_.notify_all();  // the gather timer takes the new deadline
+        timer_cv_.notify_all();  // the gather timer takes the new deadline
         return false;
     }
     if (now < hold_until_) {
@@ -845,11 +847,11 @@ void DataPlaneServer::gather_timer_loop() {
     std::unique_lock<std::mutex> lock(mu_);
     while (!timer_stop_) {
         if (!holding_) {
-            changed_.wait(lock);
+            timer_cv_.wait(lock);
             continue;
         }
         const auto until = hold_until_;
-        changed_.wait_until(lock, until);
+        timer_cv_.wait_until(lock, until);
         if (timer_stop_ || !holding_ || std::chrono::steady_clock::now() < hold_until_) {
             continue;
         }
@@ -884,12 +886,14 @@ void DataPlaneServer::pace_prefill() {
     // stopped, or whose owner died before its lease ran out, holds no prompt back for long).
     const uint64_t next = decode_forwards_ + 1;
     const auto deadline = std::chrono::steady_clock::now() + prefill_pace_max_;
+    ++pacing_waiters_;
     while (prefill_pace_max_.count() > 0 && decode_forwards_ < next &&
            decoding_here(std::chrono::steady_clock::now())) {
         if (changed_.wait_until(lock, deadline) == std::cv_status::timeout) {
             break;
         }
     }
+    --pacing_waiters_;
 }
 
 void DataPlaneServer::keep_rows(const Pending & pending, int32_t first_position, const std::string & rows) {

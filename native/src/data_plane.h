@@ -210,7 +210,9 @@ private:
     bool stopping_ = false;
 
     std::mutex mu_;  // guards sessions_, queue_, combining_, decode_forwards_
-    std::condition_variable changed_;  // a decode Forward done, a hold begun, stop (notify_all)
+    std::condition_variable changed_;   // a decode Forward done while pace_prefill waits
+    std::condition_variable timer_cv_;  // a hold begun, stop: for gather_timer_loop
+    int pacing_waiters_ = 0;            // pace_prefill calls waiting on changed_
     std::unordered_map<std::string, Session> sessions_;
     std::deque<Pending> queue_;
     bool combining_ = false;

@@ -375,3 +375,49 @@ async def test_a_prefill_forward_takes_turns_with_the_data_planes_decode_forward
                 schema_version=1, session_id=session.session_id))  # fmt: skip
             with trio.fail_after(10):  # nobody decodes here now: a chunk does not wait
                 await worker.client.forward([SeqInput(seq_id=1, positions=list(range(8, 12)), token_ids=chunk)])
+
+
+async def test_a_hold_ended_by_a_chunk_leaves_no_hold_behind(qwen2_tiny_path) -> None:
+    """A lock-step hold that a chunk ends early (the chunk, and the held step with it, run at
+    once) leaves nothing behind: the gather timer does not spin past the old deadline, and the
+    next hold still holds (a stale hold would end it at once)."""
+    import psutil
+
+    window_s = 2.0
+    async with open_chain(qwen2_tiny_path, cuts=((0, 6),), max_sequences=3) as (worker,):
+        a, b = [await bind_route([worker], seq_id=i, decode_gather_us=int(window_s * 1e6)) for i in range(2)]
+        c = await bind_route([worker], seq_id=2)  # not lock-step
+        port = worker.info.data_port
+        async with (
+            open_data_link(HOST, port) as to_a, open_data_link(HOST, port) as from_a,
+            open_data_link(HOST, port) as to_b, open_data_link(HOST, port) as from_b,
+            open_data_link(HOST, port) as to_c, open_data_link(HOST, port) as from_c,
+        ):  # fmt: skip
+            for session, link in ((a, from_a), (b, from_b), (c, from_c)):
+                await link.send(session.attach_frame())
+            n = len(PROMPT)
+            for session, to, frm in ((a, to_a, from_a), (b, to_b, from_b), (c, to_c, from_c)):
+                await _step_once(session, to, frm, 0, list(range(n)), PROMPT)
+            await _step_once(a, to_a, from_a, 1, [n], [5])  # A decodes
+            await to_b.send(b.step_frame(step(1, [n], [5])))  # held for A's next step
+            with trio.move_on_after(window_s / 4):
+                await from_b.receive()
+                pytest.fail("B's decode step ran before A's came")
+            await to_c.send(c.step_frame(step(1, [n, n + 1], [5, 6])))  # a chunk: everything runs
+            with trio.fail_after(window_s / 2):  # well before the hold's end
+                assert (await result_of(b, from_b)).error_code == 0
+                assert (await result_of(c, from_c)).error_code == 0
+            process = psutil.Process(worker.process.pid)
+            await trio.sleep(window_s)  # past the old hold's deadline (a time-based rule under test)
+            before = process.cpu_times()
+            await trio.sleep(1.0)
+            after = process.cpu_times()
+            busy_s = (after.user + after.system) - (before.user + before.system)
+            assert busy_s < 0.3, f"the idle worker used {busy_s:.2f} s of CPU in 1 s: a timer spinning"
+            await to_a.send(a.step_frame(step(2, [n + 1], [6])))  # B decodes too: held for B
+            with trio.move_on_after(window_s / 4):
+                await from_a.receive()
+                pytest.fail("A's step ran at once: a stale hold ended the new one")
+            await to_b.send(b.step_frame(step(2, [n + 1], [6])))
+            for session, link in ((a, from_a), (b, from_b)):
+                assert (await result_of(session, link)).error_code == 0

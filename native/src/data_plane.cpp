@@ -795,6 +795,14 @@ void DataPlaneServer::combine_while_queued() {
 }
 
 bool DataPlaneServer::gather_ready(std::chrono::steady_clock::time_point now) {
+    const bool ready = hold_decision(now);
+    if (ready) {
+        holding_ = false;  // whatever the reason it runs now, no hold is left behind
+    }
+    return ready;
+}
+
+bool DataPlaneServer::hold_decision(std::chrono::steady_clock::time_point now) {
     if (queue_.empty()) {
         return true;
     }
@@ -810,19 +818,16 @@ bool DataPlaneServer::gather_ready(std::chrono::steady_clock::time_point now) {
         if (s == sessions_.end() || s->second.generation != p.generation) {
             continue;
         }
-        if (p.step.positions_size() != 1 || p.step.error_code() != 0) {
-            return true;  // a chunk or a refusal waits: it changes what runs next
+        if (p.step.positions_size() != 1 || p.step.error_code() != 0 || s->second.gather_us == 0) {
+            return true;  // a chunk, a refusal or a step nobody holds waits: it runs now
         }
-        if (s->second.gather_us != 0) {
-            waiting.insert(p.session_id);
-        }
+        waiting.insert(p.session_id);
     }
     size_t decoding = 0;
     for (const auto & [sid, s] : sessions_) {
         decoding += s.gather_us != 0 && s.decoding ? 1 : 0;
     }
     if (waiting.size() >= decoding) {
-        holding_ = false;
         return true;  // every decoding session's step is here
     }
     if (!holding_) {
@@ -839,22 +844,25 @@ bool DataPlaneServer::gather_ready(std::chrono::steady_clock::time_point now) {
             s.decoding = false;  // a straggler: waited for again once its next step comes
         }
     }
-    holding_ = false;
     return true;
 }
 
 void DataPlaneServer::gather_timer_loop() {
     std::unique_lock<std::mutex> lock(mu_);
+    // The deadline it last ran combine() for: once per deadline, so that a hold the combiner
+    // has not cleared yet (it is computing) cannot make this thread spin.
+    std::chrono::steady_clock::time_point fired_for{};
     while (!timer_stop_) {
-        if (!holding_) {
+        if (!holding_ || hold_until_ == fired_for) {
             timer_cv_.wait(lock);
             continue;
         }
         const auto until = hold_until_;
         timer_cv_.wait_until(lock, until);
-        if (timer_stop_ || !holding_ || std::chrono::steady_clock::now() < hold_until_) {
+        if (timer_stop_ || !holding_ || hold_until_ != until || std::chrono::steady_clock::now() < until) {
             continue;
         }
+        fired_for = until;
         lock.unlock();
         try {
             combine();  // the window ended: what waits runs now (on this thread, or the combiner's)

@@ -178,6 +178,7 @@ private:
     // window's end, runs it). A hold occupies no connection's thread: the step it waits for
     // may be on the same connection as the one held.
     bool gather_ready(std::chrono::steady_clock::time_point now);
+    bool hold_decision(std::chrono::steady_clock::time_point now);  // gather_ready's rule
     void gather_timer_loop();
     // With mu_ held: whether a session stepped a decode step here lately.
     bool decoding_here(std::chrono::steady_clock::time_point now) const;

@@ -137,7 +137,8 @@ grpc::Status ShardWorkerService::Info(grpc::ServerContext *, const v1::InfoReque
             reply->add_eog_token_ids(t);
         }
         reply->set_vocab_only(info.vocab_only);
-        reply->set_data_port(data_plane_ != nullptr ? data_plane_->port() : 0);
+        DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire);
+        reply->set_data_port(data_plane != nullptr ? data_plane->port() : 0);
         return grpc::Status::OK;
     });
 }
@@ -154,8 +155,8 @@ grpc::Status ShardWorkerService::Health(grpc::ServerContext *, const v1::HealthR
         reply->set_ready(true);  // the service exists only once the shard is loaded
         reply->set_forward_calls(forward_calls());
         reply->set_active_sequences(shard_->active_sequences());
-        if (data_plane_ != nullptr) {
-            const DataPlaneCounts counts = data_plane_->counts();
+        if (DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire); data_plane != nullptr) {
+            const DataPlaneCounts counts = data_plane->counts();
             reply->set_data_plane_forwards(counts.forwards);
             reply->set_data_plane_steps(counts.steps);
             reply->set_data_plane_compute_us(counts.compute_us);
@@ -188,9 +189,10 @@ grpc::Status ShardWorkerService::Forward(grpc::ServerContext *, const v1::Forwar
 
         std::vector<ForwardOutput> outputs;
         std::chrono::steady_clock::duration compute{};
-        if (data_plane_ != nullptr &&
+        DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire);
+        if (data_plane != nullptr &&
             std::any_of(entries.begin(), entries.end(), [](const ForwardEntry & e) { return e.positions.size() > 1; })) {
-            data_plane_->pace_prefill();  // a prompt chunk takes turns with the data plane's decode Forwards
+            data_plane->pace_prefill();  // a prompt chunk takes turns with the data plane's decode Forwards
         }
         {
             std::lock_guard<std::mutex> lock(shard_mu_);
@@ -260,7 +262,8 @@ grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::Bi
         if (!st.ok()) {
             return to_grpc_status(st);
         }
-        if (data_plane_ == nullptr) {
+        DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire);
+        if (data_plane == nullptr) {
             return to_grpc_status(ShardStatus::Precondition("this worker has no data plane (--data-listen)"));
         }
         const ShardInfo & info = shard_->info();
@@ -305,7 +308,7 @@ grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::Bi
         binding.return_key = request->return_key();
         binding.keep_rows_max_bytes = info.gives_logits ? 0 : request->keep_rows_max_bytes();
         binding.decode_gather_us = request->decode_gather_us();
-        const std::string refused = data_plane_->bind(binding);
+        const std::string refused = data_plane->bind(binding);
         if (refused.rfind("a binding must bring fresh keys", 0) == 0) {
             return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, refused);
         }
@@ -324,10 +327,11 @@ grpc::Status ShardWorkerService::UnbindSession(grpc::ServerContext *, const v1::
         if (!st.ok()) {
             return to_grpc_status(st);
         }
-        if (data_plane_ == nullptr) {
+        DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire);
+        if (data_plane == nullptr) {
             return to_grpc_status(ShardStatus::Precondition("this worker has no data plane (--data-listen)"));
         }
-        DataSessionTotals totals = data_plane_->unbind(request->session_id(), request->keep_bound());
+        DataSessionTotals totals = data_plane->unbind(request->session_id(), request->keep_bound());
         reply->set_schema_version(kSchemaVersion);
         reply->set_was_bound(totals.was_bound);
         if (totals.was_bound) {

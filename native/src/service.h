@@ -67,7 +67,8 @@ public:
     const BoundarySchemaDesc & boundary_schema() const { return shard_->info().boundary; }
     // The data plane BindSession/UnbindSession act on (none: they answer FAILED_PRECONDITION)
     // and whose port Info reports. Set before serving; it must outlive the service's use.
-    void set_data_plane(DataPlaneServer * data_plane) { data_plane_ = data_plane; }
+    // Set once the data plane listens, while the gRPC server may already be answering.
+    void set_data_plane(DataPlaneServer * data_plane) { data_plane_.store(data_plane, std::memory_order_release); }
 
 private:
     // Runs op(&next_position) under the lock and fills a SequenceReply for reply_seq_id.
@@ -78,7 +79,7 @@ private:
     Shard * shard_;
     std::mutex shard_mu_;                 // held around every call that touches the llama_context
     std::atomic<uint64_t> forward_calls_{0};  // successful Forward calls
-    DataPlaneServer * data_plane_ = nullptr;
+    std::atomic<DataPlaneServer *> data_plane_{nullptr};
 };
 
 // Converts a Shard error into a gRPC status with the same message.

@@ -151,6 +151,7 @@ TEXT = (
 ) * 4
 LENGTHS = (5, 40, 90, 170, 12, 60, 130, 25)  # prompt tokens of sessions 0..7
 CONCURRENT_TOKENS = 14
+LOCK_STEP_TOKENS = 40  # test_lock_step_...: long enough for the chunked session to decode beside the others
 CTX = 256  # positions per sequence: the context-limit session reaches it
 
 
@@ -267,20 +268,22 @@ async def test_lock_step_runs_every_decoding_session_in_one_forward_with_solo_nu
     rows only with decode rows, as in any mode). A session still taking its 170-token prompt in
     chunks is not waited for (only decoding sessions count), so the others decode meanwhile.
     With the default groups (route hops + 1 = 4 here), 3 sessions would get 1 step per
-    decode Forward at the first hop; lock-step must merge them."""
+    decode Forward at the first hop; lock-step must merge them. 40 tokens a session: the
+    workers' prefill pacing lets the chunked prompt in one chunk a decode round, so it joins
+    the others late, and with 14 tokens the first two were often done by then."""
     lock_step = ("--decode-groups", "1", "--decode-gather-ms", "40")
     async with _three_nodes(tmp_path, "--max-sequences", "4", "--ctx-size", str(CTX), *lock_step) as (swarm, route):
         text_tokens = await _text_tokens(swarm, route)
         addr = swarm.tracker_addr
         prompts = [text_tokens[: n - 1] + [text_tokens[n + 7]] for n in (5, 40, 170)]
-        solo = [await _run(addr, p, max_tokens=CONCURRENT_TOKENS) for p in prompts]
+        solo = [await _run(addr, p, max_tokens=LOCK_STEP_TOKENS) for p in prompts]
         before = await forward_counts(addr, int(time.time() * 1000))
         runs: dict[int, tuple] = {}
         async with trio.open_nursery() as nursery:
             for i, prompt in enumerate(prompts):
 
                 async def one(i: int = i, prompt: list[int] = prompt) -> None:
-                    runs[i] = await _run(addr, prompt, max_tokens=CONCURRENT_TOKENS)
+                    runs[i] = await _run(addr, prompt, max_tokens=LOCK_STEP_TOKENS)
 
                 nursery.start_soon(one)
         after = await forward_counts(addr, int(time.time() * 1000))
@@ -289,9 +292,9 @@ async def test_lock_step_runs_every_decoding_session_in_one_forward_with_solo_nu
             assert runs[i][1] == solo[i][1], i  # bit for bit
         first = next(key for key in after if key[0] == 0)
         calls, steps = (after[first][k] - before[first][k] for k in (0, 1))
-        # 3 x 13 decode steps and 1 + 1 + 3 prompt chunks at the first hop: 44 steps; one
-        # Forward per step would be 44 Forwards (1.0 a Forward)
-        assert steps == 3 * (CONCURRENT_TOKENS - 1) + 5, (calls, steps)
+        # 3 x 39 decode steps and 1 + 1 + 3 prompt chunks at the first hop: 122 steps; one
+        # Forward per step would be 122 Forwards (1.0 a Forward)
+        assert steps == 3 * (LOCK_STEP_TOKENS - 1) + 5, (calls, steps)
         assert steps / calls >= 1.6, f"{steps} steps in {calls} Forwards at the first hop: no convoy"
         # every hop's Forwards were timed by its worker, and the node's calls took at least that
         for key, counts in after.items():

@@ -301,6 +301,13 @@ async def _step_once(session: OwnerSession, to_first: DataLink, from_last: DataL
     assert result.error_code == 0, result.error_message
 
 
+async def _assert_held(link: DataLink, for_s: float, why: str) -> None:
+    """Nothing arrives on ``link`` for ``for_s`` (a step the worker must be holding)."""
+    with trio.move_on_after(for_s):
+        await link.receive()
+        pytest.fail(why)
+
+
 async def test_a_lock_step_first_hop_holds_a_decode_step_until_every_decoding_session_steps(qwen2_tiny_path) -> None:
     """BindSessionRequest.decode_gather_us: the first range holds a decode Forward until every
     session decoding there has its step queued (one Forward for both here: without the hold,
@@ -323,9 +330,7 @@ async def test_a_lock_step_first_hop_holds_a_decode_step_until_every_decoding_se
                 await _step_once(a, to_a, from_a, 1, [n], [5])  # B is not decoding yet
             before = await worker.client.health()
             await to_b.send(b.step_frame(step(1, [n], [5])))  # A decodes: B's step waits for A's
-            with trio.move_on_after(window_s / 4):
-                await from_b.receive()
-                pytest.fail("B's decode step ran before A's came")
+            await _assert_held(from_b, window_s / 4, "B's decode step ran before A's came")
             await to_a.send(a.step_frame(step(2, [n + 1], [6])))
             for session, link in ((a, from_a), (b, from_b)):
                 assert (await result_of(session, link)).error_code == 0
@@ -400,9 +405,7 @@ async def test_a_hold_ended_by_a_chunk_leaves_no_hold_behind(qwen2_tiny_path) ->
                 await _step_once(session, to, frm, 0, list(range(n)), PROMPT)
             await _step_once(a, to_a, from_a, 1, [n], [5])  # A decodes
             await to_b.send(b.step_frame(step(1, [n], [5])))  # held for A's next step
-            with trio.move_on_after(window_s / 4):
-                await from_b.receive()
-                pytest.fail("B's decode step ran before A's came")
+            await _assert_held(from_b, window_s / 4, "B's decode step ran before A's came")
             await to_c.send(c.step_frame(step(1, [n, n + 1], [5, 6])))  # a chunk: everything runs
             with trio.fail_after(window_s / 2):  # well before the hold's end
                 assert (await result_of(b, from_b)).error_code == 0
@@ -415,9 +418,7 @@ async def test_a_hold_ended_by_a_chunk_leaves_no_hold_behind(qwen2_tiny_path) ->
             busy_s = (after.user + after.system) - (before.user + before.system)
             assert busy_s < 0.3, f"the idle worker used {busy_s:.2f} s of CPU in 1 s: a timer spinning"
             await to_a.send(a.step_frame(step(2, [n + 1], [6])))  # B decodes too: held for B
-            with trio.move_on_after(window_s / 4):
-                await from_a.receive()
-                pytest.fail("A's step ran at once: a stale hold ended the new one")
+            await _assert_held(from_a, window_s / 4, "A's step ran at once: a stale hold ended the new one")
             await to_b.send(b.step_frame(step(2, [n + 1], [6])))
             for session, link in ((a, from_a), (b, from_b)):
                 assert (await result_of(session, link)).error_code == 0

@@ -14,12 +14,22 @@ import pytest
 from agent._proto import swarm_pb2, worker_pb2
 from agent.core import data_frames
 from agent.core.data_frames import DataFrameError, DataFrameReader, OwnerSession, SessionKeys
-from agent.core.data_route import RouteKeys, bind_request, data_plane_hosts, data_step, step_result
+from agent.core.data_route import (
+    RouteKeys,
+    bind_request,
+    data_plane_hosts,
+    data_step,
+    result_scores,
+    step_result,
+    success_step_result,
+)
 from agent.core.node_policy import data_plane_gather_us
 from agent.core.node_sessions import SessionTable
-from agent.core.session import Session
+from agent.core.sampling import SamplingParams
+from agent.core.session import ResultRefused, Session
 from agent.core.swarm_wire import WireError
-from agent.core.topk import select_top_k
+from agent.core.swarm_wire import result_scores as wire_scores
+from agent.core.topk import TopLogits, select_top_k
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -163,6 +173,79 @@ def test_results_come_to_the_session_as_the_node_path_would_bring_them() -> None
     unknown = worker_pb2.DataResult(step=1, error_code=99, error_message="?", error_layer_begin=5)
     failed, sender = step_result(session.session_id, unknown, route)
     assert sender == "peer2" and failed.error.code == Code.INTERNAL
+
+
+def _top_result(step: int, row: np.ndarray, k: int = 40) -> worker_pb2.DataResult:
+    ids, top, lse = select_top_k(row, k)
+    return worker_pb2.DataResult(
+        step=step, n_vocab=row.size, top_k=k, top_token_ids=ids.astype("<i4").tobytes(),
+        top_logits=top.astype("<f4").tobytes(), log_sum_exp=lse,
+    )  # fmt: skip
+
+
+def test_scores_taken_straight_from_a_data_result_choose_as_the_step_result_would() -> None:
+    """The owner takes a RESULT's scores without a StepResult in between (receive_scores): the
+    same tokens as through ``step_result`` + ``receive``, for the top-K and the full row, and
+    the same refusals (wrong sender, wrong step, malformed bytes)."""
+    rng = np.random.default_rng(5)
+    rows = [rng.standard_normal(64).astype(np.float32) for _ in range(4)]
+    route = _route(*[[f"/ip4/10.0.0.{i}/tcp/400{i}/tls/p2p/peer{i}"] for i in range(3)])
+    peers = ["peer0", "peer1", "peer2"]
+    # greedy takes the top-40; sampling with no top-k asks for the full row (seeded alike)
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8)):
+        sessions = [
+            Session(sid * 16, [1, 2, 3], max_new_tokens=4, route_peer_ids=peers, sampling=sampling,
+                    rng=np.random.default_rng(9))
+            for sid in (b"d", b"c")
+        ]  # fmt: skip
+        direct, converted = sessions
+        for step, row in enumerate(rows):
+            direct.next_step()
+            converted.next_step()
+            if direct.result_top_k:
+                result = _top_result(step, row, direct.result_top_k)
+            else:
+                result = worker_pb2.DataResult(step=step, n_vocab=64, logits=row.astype("<f4").tobytes())
+            got = direct.receive_scores(step, lambda result=result: result_scores(result), 64, "peer2")
+            taken, sender = step_result(converted.session_id, result, route)
+            assert got == converted.receive(taken, sender)
+            # what a spot check replays: a well-formed StepResult (checksum) of the same scores
+            replayed, direct_scores = wire_scores(success_step_result(direct.session_id, result)), result_scores(result)
+            if isinstance(direct_scores, TopLogits):
+                assert replayed.ids.tolist() == direct_scores.ids.tolist()
+            np.testing.assert_array_equal(getattr(replayed, "logits", replayed), getattr(direct_scores, "logits", direct_scores))
+        assert direct.tokens == converted.tokens and direct.finished
+    assert direct.result_top_k == 0 and direct.generated != [int(np.argmax(r)) for r in rows], "(sampled)"
+
+    session = Session(b"s" * 16, [1, 2, 3], max_new_tokens=4, route_peer_ids=peers)
+    session.next_step()
+    good = _top_result(0, rows[0])
+    for step, sender, why in ((0, "peer1", "not the last hop"), (0, "stranger", "not on the route"), (1, "peer2", "out-of-order")):
+        with pytest.raises(ResultRefused, match=why) as refused:
+            session.receive_scores(step, lambda: result_scores(good), 64, sender)
+        assert not refused.value.fatal and session.awaiting, "not ours: the session is unchanged"
+    bad = _top_result(0, rows[0])
+    bad.top_logits = bad.top_logits[:-4]
+    with pytest.raises(ResultRefused, match="do not pair up") as refused:
+        session.receive_scores(0, lambda: result_scores(bad), 64, "peer2")
+    assert refused.value.fatal and session.failure is not None
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda r: setattr(r, "n_vocab", 0), "n_vocab is 0"),
+        (lambda r: setattr(r, "logits", b"\0" * 8), "both a logits row and top-k"),
+        (lambda r: setattr(r, "top_token_ids", r.top_token_ids[:4] * 40), "repeat"),
+        (lambda r: (r.ClearField("top_k"), r.ClearField("top_token_ids"), r.ClearField("top_logits"),
+                    setattr(r, "logits", b"\0" * 12)), "12 logits bytes for n_vocab 64"),
+    ],
+)  # fmt: skip
+def test_malformed_data_results_are_refused_with_what_is_wrong(mutate, message: str) -> None:  # noqa: ANN001
+    result = _top_result(0, np.linspace(-1, 1, 64, dtype=np.float32))
+    mutate(result)
+    with pytest.raises(ValueError, match=message):
+        result_scores(result)
 
 
 def test_a_bound_session_takes_no_step_through_the_node_until_unbound() -> None:

@@ -15,9 +15,10 @@ Owns:
   per session (made by the caller's ``random_bytes``);
 - ``bind_request``: what the owner asks each hop's node (last hop first: each names where its
   output goes, which it learns from the next hop's answer);
-- ``data_step`` / ``step_result``: the owner's ``StepRequest`` as a ``DataStep``, and a
-  ``DataResult`` as the ``StepResult`` the session takes (an error names the hop whose range
-  refused the step), so that ``agent.core.session.Session`` decides exactly as on the node path.
+- ``data_step`` / ``result_scores`` / ``step_result``: the owner's ``StepRequest`` as a
+  ``DataStep``; a successful ``DataResult``'s scores, which the session takes
+  (``Session.receive_scores``) with the checks and the choice of the node path; and a
+  ``DataResult`` as a ``StepResult`` (an error names the hop whose range refused the step).
 
 Pure: no sockets, trio, clocks or randomness. Must not import agent.io.
 """
@@ -42,7 +43,9 @@ __all__ = [
     "bind_request",
     "data_plane_hosts",
     "data_step",
+    "result_scores",
     "step_result",
+    "success_step_result",
 ]
 
 #: gRPC status codes a worker puts in DataResult.error_code, by name (worker_error_code maps
@@ -133,22 +136,52 @@ def step_result(
             ),
             failed,
         )
+    return success_step_result(session_id, result), last
+
+
+def success_step_result(session_id: bytes, result: worker_pb2.DataResult) -> swarm_pb2.StepResult:
+    """A successful ``DataResult`` as the ``StepResult`` the node path would bring (for a spot
+    check, which replays ``StepResult``s; the owner itself takes ``result_scores``)."""
     if result.top_k:
-        top = TopLogits(
-            np.frombuffer(result.top_token_ids, dtype="<i4"),
-            np.frombuffer(result.top_logits, dtype="<f4"),
-            float(result.log_sum_exp),
-            int(result.n_vocab),
+        return step_result_top(session_id, result.step, _top_logits(result), swarm_pb2.SignedAdmission())
+    return swarm_pb2.StepResult(
+        schema_version=SCHEMA_VERSION,
+        session_id=session_id,
+        step=result.step,
+        logits=result.logits,
+        n_vocab=result.n_vocab,
+        checksum=crc32(result.logits),
+    )
+
+
+def result_scores(result: worker_pb2.DataResult) -> np.ndarray | TopLogits:
+    """The scores of a successful ``DataResult``: its top-K (checked, ``TopLogits.check``) or
+    its full f32 row (a zero-copy view; the session checks it for finite values).
+
+    Raises:
+      ValueError: n_vocab 0, byte lengths that do not fit, or a malformed top-K.
+    """
+    if result.n_vocab < 1:
+        raise ValueError("n_vocab is 0")
+    if result.top_k:
+        if result.logits:
+            raise ValueError("the result carries both a logits row and top-k logits")
+        top = _top_logits(result)
+        top.check()
+        return top
+    if len(result.logits) != 4 * result.n_vocab:
+        raise ValueError(f"{len(result.logits)} logits bytes for n_vocab {result.n_vocab} (expected {4 * result.n_vocab})")
+    return np.frombuffer(result.logits, dtype="<f4")
+
+
+def _top_logits(result: worker_pb2.DataResult) -> TopLogits:
+    if len(result.top_token_ids) != len(result.top_logits) or len(result.top_token_ids) % 4:
+        raise ValueError(
+            f"{len(result.top_token_ids)} top-k id bytes and {len(result.top_logits)} logit bytes do not pair up"
         )
-        return step_result_top(session_id, result.step, top, swarm_pb2.SignedAdmission()), last
-    return (
-        swarm_pb2.StepResult(
-            schema_version=SCHEMA_VERSION,
-            session_id=session_id,
-            step=result.step,
-            logits=result.logits,
-            n_vocab=result.n_vocab,
-            checksum=crc32(result.logits),
-        ),
-        last,
+    return TopLogits(
+        np.frombuffer(result.top_token_ids, dtype="<i4"),
+        np.frombuffer(result.top_logits, dtype="<f4"),
+        float(result.log_sum_exp),
+        int(result.n_vocab),
     )

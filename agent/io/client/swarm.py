@@ -50,7 +50,15 @@ from google.protobuf.message import DecodeError
 from agent._proto import swarm_pb2, worker_pb2
 from agent.core.admission import AdmissionError, AdmissionVerifier, make_client_hello, verify_admission
 from agent.core.data_frames import DataFrameError, OwnerSession, SessionKeys
-from agent.core.data_route import RouteKeys, bind_request, data_plane_hosts, data_step, step_result
+from agent.core.data_route import (
+    RouteKeys,
+    bind_request,
+    data_plane_hosts,
+    data_step,
+    step_result,
+    success_step_result,
+)
+from agent.core.data_route import result_scores as data_result_scores  # (swarm_wire's is a StepResult's)
 from agent.core.identity import peer_id_from_public_key
 from agent.core.sampling import SamplingParams
 from agent.core.session import HopFailed, ResultRefused, Session, end_session_request, resume_plan, surviving_hops
@@ -380,7 +388,9 @@ class _LiveSession:
         self.arrived = trio.Event()
         self.outcome: int | BaseException | None = None
         self.rebuild: _Rebuild | None = None
-        self.result: swarm_pb2.StepResult | None = None  # the last result the session took
+        # the last result the session took: a StepResult (node path) or a DataResult (data plane)
+        self.result: swarm_pb2.StepResult | None = None
+        self.data_result: worker_pb2.DataResult | None = None
 
     def arm(self) -> None:
         self.arrived = trio.Event()
@@ -394,13 +404,43 @@ class _LiveSession:
             return self._deliver_rebuild(rebuild, remote_peer_id, result)
         if result.rebuilt_positions:  # a late answer to a rebuild that is over: not a step's result
             return _err("INVALID_ARGUMENT", f"no rebuild of step {result.step} is in progress")
+        return self._settle(result.step, remote_peer_id, lambda: self.session.receive(result, remote_peer_id), result)
+
+    def deliver_data(self, remote_peer_id: str, result: worker_pb2.DataResult) -> swarm_pb2.Error | None:
+        """As ``deliver``, for a successful RESULT of the data plane (opened under the session's
+        return key): its scores go to the session without a ``StepResult`` in between."""
+        return self._settle(
+            result.step,
+            remote_peer_id,
+            lambda: self.session.receive_scores(
+                result.step, lambda: data_result_scores(result), int(result.n_vocab), remote_peer_id
+            ),
+            result,
+        )  # fmt: skip
+
+    def taken_result(self) -> swarm_pb2.StepResult | None:
+        """The last result the session took, as a ``StepResult`` (a spot check replays them)."""
+        if self.data_result is not None:
+            return success_step_result(self.session.session_id, self.data_result)
+        return self.result
+
+    def _settle(
+        self,
+        step: int,
+        remote_peer_id: str,
+        receive: Callable[[], int | None],
+        result: swarm_pb2.StepResult | worker_pb2.DataResult,
+    ) -> swarm_pb2.Error | None:
         try:
-            self.outcome = self.session.receive(result, remote_peer_id)
-            self.result = result
+            self.outcome = receive()
+            if isinstance(result, worker_pb2.DataResult):
+                self.result, self.data_result = None, result
+            else:
+                self.result, self.data_result = result, None
         except HopFailed as error:
             self.outcome = GenerationError(
-                f"step {result.step}: {error}", failed_peer_id=error.failed_peer_id or remote_peer_id,
-                step=result.step, code=error.code,
+                f"step {step}: {error}", failed_peer_id=error.failed_peer_id or remote_peer_id,
+                step=step, code=error.code,
             )  # fmt: skip
         except ResultRefused as error:
             if not error.fatal:
@@ -475,8 +515,10 @@ class _DataPlane:
             except DataFrameError as why:
                 self._fail(live, hop, str(why))
                 return
-            result_, sender = step_result(self.owner.session_id, result, self.route)
-            live.deliver(sender, result_)
+            if result.error_code:
+                live.deliver(*step_result(self.owner.session_id, result, self.route)[::-1])
+            else:
+                live.deliver_data(self.route.hops[-1].peer_id, result)
 
     @staticmethod
     def _fail(live: _LiveSession, hop: swarm_pb2.Hop, why: str) -> None:
@@ -1217,8 +1259,8 @@ class SwarmClient:
                     elapsed = time.perf_counter() - started
                     if isinstance(live.outcome, BaseException):
                         raise live.outcome
-                    if spot is not None and live.result is not None and request is not None:
-                        spot.feed(request, live.result)
+                    if spot is not None and request is not None and (taken := live.taken_result()) is not None:
+                        spot.feed(request, taken)
                     progress.add_rows(route, len(step_input.token_ids))
                     if live.outcome is None:  # a prefill chunk: more of the prompt follows
                         progress.prefill_s += elapsed

@@ -4,11 +4,12 @@
 //
 // usage: baton-shard-bench MODEL [--ctx-size N] [--max-sequences N] [--prompt N] [--steps N]
 //                          [--reps N] [--threads N] [--top-k K] [--gap-us N] [--begin B] [--end E]
-//                          [--parallel N] [--split K]
+//                          [--parallel N] [--split K] [--gap-spin 0|1]
 // --begin/--end: the block range [B, E) (default the whole model); a range that does not take
 // tokens gets boundary rows in (small deterministic values, f32), as a served range does.
 // --gap-us N: sleep N us before each decode step (not timed): the idle gap a served worker
-// has between two requests.
+// has between two requests. --gap-spin 1: spend the gap spinning on the clock instead (the
+// core never idles), which tells an idle core's wake-up from whatever else the gap costs.
 // --parallel N: N sequences (--max-sequences is raised to N when lower), each with its own
 // prompt Forward, then every decode Forward carries one row of each: llama-batched-bench's
 // -npl N, with the worker's per-row work (top-K, log-sum-exp) included.
@@ -168,6 +169,7 @@ int main(int argc, char ** argv) {
     config.threads = 1;
     int prompt = 64, steps = 32, reps = 3, parallel = 1, split = 0;
     long gap_us = 0;  // idle time between decode steps (not timed), as a served worker has
+    bool gap_spin = false;
     uint32_t top_k = 0;
     for (int i = 2; i + 1 < argc; i += 2) {
         const std::string flag = argv[i];
@@ -180,6 +182,7 @@ int main(int argc, char ** argv) {
         else if (flag == "--threads") config.threads = static_cast<int32_t>(v);
         else if (flag == "--top-k") top_k = static_cast<uint32_t>(v);
         else if (flag == "--gap-us") gap_us = v;
+        else if (flag == "--gap-spin") gap_spin = v != 0;
         else if (flag == "--begin") config.layer_begin = static_cast<int32_t>(v);
         else if (flag == "--end") config.layer_end = static_cast<int32_t>(v);
         else if (flag == "--parallel") parallel = static_cast<int>(v);
@@ -247,7 +250,11 @@ int main(int argc, char ** argv) {
                     }
                     d.top_k = top_k;
                 }
-                if (gap_us > 0) {
+                if (gap_us > 0 && gap_spin) {
+                    const double until = now_s() + 1e-6 * static_cast<double>(gap_us);
+                    while (now_s() < until) {
+                    }
+                } else if (gap_us > 0) {
                     usleep(static_cast<useconds_t>(gap_us));
                 }
                 const double c0 = cpu_s();

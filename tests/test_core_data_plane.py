@@ -23,7 +23,7 @@ from agent.core.data_route import (
     step_result,
     success_step_result,
 )
-from agent.core.node_policy import data_plane_gather_us
+from agent.core.node_policy import MAX_DATA_PLANE_DECODE_GROUPS, data_plane_decode_groups, data_plane_gather_us
 from agent.core.node_sessions import SessionTable
 from agent.core.sampling import SamplingParams
 from agent.core.session import ResultRefused, Session
@@ -311,3 +311,19 @@ def test_only_a_lock_step_first_hop_holds_data_plane_decode_steps() -> None:
     assert data_plane_gather_us(begin=10, decode_groups=1, decode_gather_ms=40.0) == 0, "only the first hop holds"
     assert data_plane_gather_us(begin=0, decode_groups=None, decode_gather_ms=40.0) == 0, "decode groups: no hold"
     assert data_plane_gather_us(begin=0, decode_groups=1, decode_gather_ms=0.0) == 0
+
+
+def test_a_first_hop_keeps_its_nodes_decode_groups_on_the_data_plane() -> None:
+    # auto: the route's hops + 1, as through the node (agent.core.scheduler.decode_group_cap)
+    assert data_plane_decode_groups(begin=0, route_hops=3, decode_groups=None) == 4
+    assert data_plane_decode_groups(begin=0, route_hops=3, decode_groups=2) == 2, "the node's own count"
+    assert data_plane_decode_groups(begin=10, route_hops=3, decode_groups=None) == 0, "only the first hop splits"
+    assert data_plane_decode_groups(begin=0, route_hops=1, decode_groups=None) == 0, "one hop: no pipeline to fill"
+    assert data_plane_decode_groups(begin=0, route_hops=0, decode_groups=None) == 0, "an owner that does not say"
+    assert data_plane_decode_groups(begin=0, route_hops=3, decode_groups=0) == 0, "off"
+    assert data_plane_decode_groups(begin=0, route_hops=3, decode_groups=1) == 0, "lock-step: the hold, not a cap"
+    # the owner names its route's length: it cannot make the worker split further than the bound
+    assert data_plane_decode_groups(begin=0, route_hops=10_000, decode_groups=None) == MAX_DATA_PLANE_DECODE_GROUPS
+    route = _route(*[[f"/ip4/10.0.0.{i}/tcp/400{i}/tls/p2p/peer{i}"] for i in range(3)])
+    keys = RouteKeys.new(3, counting_bytes())
+    assert bind_request(route, 0, b"s" * 16, keys, ["10.0.0.0", "10.0.0.1", "10.0.0.2"], 7001).route_hops == 3

@@ -45,16 +45,20 @@ async def open_chain(model, cuts=CUTS, **worker_args) -> AsyncIterator[list[Work
 
 
 async def bind_route(
-    workers: list[WorkerHandle], seq_id: int, keep_rows_max_bytes: int = 0, decode_gather_us: int = 0
+    workers: list[WorkerHandle],
+    seq_id: int,
+    keep_rows_max_bytes: int = 0,
+    decode_gather_us: int = 0,
+    decode_groups: int = 0,
 ) -> OwnerSession:
     """Binds a new session on every range (the nodes' job in the swarm), keys from os.urandom;
-    ``decode_gather_us``: the first range's lock-step hold."""
+    ``decode_gather_us``: the first range's lock-step hold; ``decode_groups``: its groups."""
     keys = SessionKeys.new(os.urandom)
     step_keys = [keys.first_step_key] + [os.urandom(32) for _ in workers[1:]]
     for i, worker in enumerate(workers):
         request = worker_pb2.BindSessionRequest(
             schema_version=1, session_id=keys.session_id, seq_id=seq_id, step_key=step_keys[i],
-            decode_gather_us=decode_gather_us if i == 0 else 0,
+            decode_gather_us=decode_gather_us if i == 0 else 0, decode_groups=decode_groups if i == 0 else 0,
         )  # fmt: skip
         if i + 1 < len(workers):
             request.next_host = HOST
@@ -258,6 +262,55 @@ async def test_sessions_that_arrive_together_share_forwards_and_keep_their_numbe
                 expected.append(await unsplit_logits(whole, i, [len(prompt) + n - 1], [tokens[i][len(prompt) + n - 1]]))
             for n, (a, b) in enumerate(zip(got[i], expected, strict=True)):
                 assert np.array_equal(a, b), f"session {i} step {n} differs from its solo run"
+
+
+async def test_a_first_hop_with_decode_groups_caps_its_decode_forwards_and_keeps_the_numbers(smollm2_path) -> None:
+    """BindSessionRequest.decode_groups: four sessions in two groups step their decode steps in
+    one write; the worker computes them in two Forwards of two (ceil(4 / 2)), where without
+    groups the same steps share one Forward, and every session's logits are the same both ways
+    (only steps of one shape share a Forward, laid out by sequence id: SmolLM2 on the CPU gives
+    a row the same bits in a Forward of two as of four, tests/test_batching.py)."""
+    prompts = [[1, 17, 42, 99, 7, 3], [5, 9, 2], [8, 8, 8, 8], [4, 5]]
+    async with open_worker(
+        smollm2_path, 0, None, threads=1, ctx_size=64, max_sequences=8, data_listen=f"{HOST}:0"
+    ) as worker:
+        got: dict[int, list[np.ndarray]] = {}
+        forwards: dict[int, list[int]] = {}
+        for groups, first_seq in ((2, 0), (0, 4)):
+            sessions = [await bind_route([worker], seq_id=first_seq + i, decode_groups=groups) for i in range(4)]
+            forwards[groups] = []
+            async with open_data_link(HOST, worker.info.data_port) as link:
+                for s in sessions:
+                    await link.send(s.attach_frame())
+                tokens = {i: list(p) for i, p in enumerate(prompts)}
+                for n in range(4):
+                    before = (await worker.client.health()).data_plane_forwards
+                    frames = []
+                    for i, s in enumerate(sessions):  # every session's step n in one write: queued together
+                        positions = list(range(len(prompts[i]))) if n == 0 else [len(tokens[i]) - 1]
+                        frames.append(s.step_frame(step(n, positions, tokens[i] if n == 0 else tokens[i][-1:])))
+                    await link.send(b"".join(frames))
+                    by_session = {s.session_id: i for i, s in enumerate(sessions)}
+                    for _ in sessions:
+                        frame = await link.receive()
+                        i = by_session[frame.session_id]
+                        result = sessions[i].open_result(frame)
+                        assert result.error_code == 0, result.error_message
+                        row = np.frombuffer(result.logits, dtype="<f4")
+                        got.setdefault(first_seq + i, []).append(row)
+                        tokens[i].append(int(np.argmax(row)))
+                    if n:  # (the prompts, of four lengths, take a Forward each either way)
+                        forwards[groups].append((await worker.client.health()).data_plane_forwards - before)
+            for s in sessions:  # (unbound: they no longer count as decoding here)
+                await worker.client.call(
+                    "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=s.session_id)
+                )
+        assert forwards == {2: [2, 2, 2], 0: [1, 1, 1]}, forwards
+        for i in range(4):
+            for n, (a, b) in enumerate(zip(got[i], got[4 + i], strict=True)):
+                assert np.array_equal(a, b), f"session {i} step {n}: groups changed its logits"
+        with pytest.raises(WorkerError, match="decode_groups 65 is over 64"):
+            await bind_route([worker], seq_id=7, decode_groups=65)
 
 
 async def test_bind_session_refuses_what_does_not_fit(qwen2_tiny_path) -> None:

@@ -95,11 +95,11 @@ def bind_request(
 ) -> swarm_pb2.DataPlaneBindRequest:
     """The bind for hop ``index``: its step key, and where its output goes (the next hop's
     worker at ``hosts[index + 1]:next_port``, which that hop's bind answered) or, for the last
-    hop, the return key."""
+    hop, the return key; and the route's length (a first hop's decode groups follow it)."""
     hop = route.hops[index]
     request = swarm_pb2.DataPlaneBindRequest(
         session_id=session_id, model_sha256=route.model_sha256, begin=hop.begin, end=hop.end,
-        step_key=keys.step_keys[index],
+        step_key=keys.step_keys[index], route_hops=len(route.hops),
     )  # fmt: skip
     if index + 1 < len(route.hops):
         request.next_host = hosts[index + 1]

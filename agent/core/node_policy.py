@@ -25,16 +25,19 @@ from collections.abc import Hashable, Sequence
 
 from agent._proto import swarm_pb2
 
+from . import scheduler
 from .node_ranges import RangeKey, range_name
 from .swarm_wire import WireError
 
 __all__ = [
+    "MAX_DATA_PLANE_DECODE_GROUPS",
     "NO_BATCHES_MS",
     "BatchPeers",
     "StepFailure",
     "check_end_session_sender",
     "check_session_owner",
     "check_step_sender",
+    "data_plane_decode_groups",
     "data_plane_gather_us",
     "forward_failure",
     "push_groups",
@@ -111,6 +114,24 @@ def data_plane_gather_us(*, begin: int, decode_groups: int | None, decode_gather
     if begin != 0 or decode_groups != 1 or decode_gather_ms <= 0:
         return 0
     return int(round(decode_gather_ms * 1000))
+
+
+#: the most decode groups a worker takes (native/src/data_plane.h kMaxDecodeGroups): an owner
+#: names its route's length, so "auto" (route hops + 1) is bounded by this
+MAX_DATA_PLANE_DECODE_GROUPS = 64
+
+
+def data_plane_decode_groups(*, begin: int, route_hops: int, decode_groups: int | None) -> int:
+    """The decode groups a range's worker keeps for a session on its data plane
+    (``BindSessionRequest.decode_groups``; 0: none): a first hop (``begin`` 0) splits its
+    decoding sessions' steps into ``agent.core.scheduler.decode_groups`` groups, as it does for
+    steps through the node, so that on a route of S machines the groups are at different hops
+    at once. One group is lock-step, which the worker's hold does instead
+    (``data_plane_gather_us``)."""
+    if begin != 0:
+        return 0
+    groups = scheduler.decode_groups(route_hops, decode_groups)
+    return 0 if groups <= 1 else min(groups, MAX_DATA_PLANE_DECODE_GROUPS)
 
 
 def worker_error_code(code_name: str) -> int:

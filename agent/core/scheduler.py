@@ -80,6 +80,7 @@ __all__ = [
     "arrival_wakes_gatherer",
     "batch_window_wait_ms",
     "decode_group_cap",
+    "decode_groups",
     "first_hop_decode",
     "gather_arrivals_needed",
     "gather_wait_ms",
@@ -88,18 +89,13 @@ __all__ = [
 T = TypeVar("T")
 
 
-def decode_group_cap(decoding_sessions: int, route_hops: int, groups: int | None) -> int | None:
-    """The most decode steps a first hop puts in one Forward (None: no cap).
+def decode_groups(route_hops: int, groups: int | None) -> int:
+    """How many decode groups a first hop splits its decoding sessions into (0: off).
 
     Args:
-      decoding_sessions: sessions of the range whose last step was a decode step
-        (``SessionTable.decoding_count``).
       route_hops: hops of the route the next decode step travels (S).
       groups: decode groups wanted; None: S + 1 when S > 1 (one hop has no pipeline to fill);
         0: off.
-
-    Returns:
-      ceil(decoding_sessions / groups), at least 1; None when off.
 
     Raises:
       ValueError: ``groups`` is negative.
@@ -107,12 +103,28 @@ def decode_group_cap(decoding_sessions: int, route_hops: int, groups: int | None
     if groups is not None and groups < 0:
         raise ValueError(f"groups must be >= 0 or None, got {groups}")
     if groups is None:
-        if route_hops <= 1:
-            return None
-        groups = route_hops + 1
-    if groups == 0:
+        return route_hops + 1 if route_hops > 1 else 0
+    return groups
+
+
+def decode_group_cap(decoding_sessions: int, route_hops: int, groups: int | None) -> int | None:
+    """The most decode steps a first hop puts in one Forward (None: no cap).
+
+    Args:
+      decoding_sessions: sessions of the range whose last step was a decode step
+        (``SessionTable.decoding_count``).
+      route_hops, groups: as ``decode_groups``.
+
+    Returns:
+      ceil(decoding_sessions / groups), at least 1; None when off.
+
+    Raises:
+      ValueError: ``groups`` is negative.
+    """
+    count = decode_groups(route_hops, groups)
+    if count == 0:
         return None
-    return max(1, -(-decoding_sessions // groups))
+    return max(1, -(-decoding_sessions // count))
 
 
 def gather_wait_ms(waiting_decode: int, group_size: int, waited_ms: float, window_ms: float) -> float:

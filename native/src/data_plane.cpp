@@ -368,6 +368,7 @@ std::string DataPlaneServer::bind(const DataBinding & b) {
     s.return_key = b.return_key;
     s.keep_max = b.keep_rows_max_bytes;
     s.gather_us = b.decode_gather_us;
+    s.groups = b.decode_groups;
     return "";
 }
 
@@ -600,6 +601,7 @@ void DataPlaneServer::combine_while_queued() {
             // rows per sequence, which cuts a longer step into other pieces).
             uint32_t rows = 0;
             std::unordered_set<std::string> held;  // sessions with an earlier step in or left out
+            const size_t group_cap = decode_group_cap();
             for (auto it = queue_.begin(); it != queue_.end();) {
                 auto s = sessions_.find(it->session_id);
                 if (s == sessions_.end() || s->second.generation != it->generation) {
@@ -608,7 +610,8 @@ void DataPlaneServer::combine_while_queued() {
                 }
                 const uint32_t n = static_cast<uint32_t>(it->step.positions_size());
                 if (held.count(it->session_id) != 0 ||
-                    (!batch.empty() && (n != shape_rows || rows + n > row_budget))) {
+                    (!batch.empty() && (n != shape_rows || rows + n > row_budget ||
+                                        (n == 1 && group_cap != 0 && batch.size() >= group_cap)))) {
                     held.insert(it->session_id);  // one step a sequence a Forward, in order
                     ++it;
                     continue;
@@ -873,6 +876,18 @@ void DataPlaneServer::gather_timer_loop() {
         }
         lock.lock();
     }
+}
+
+size_t DataPlaneServer::decode_group_cap() const {
+    size_t decoding = 0;
+    uint32_t groups = 0;
+    for (const auto & [sid, s] : sessions_) {
+        if (s.groups > 1 && s.decoding) {
+            ++decoding;
+            groups = std::max(groups, s.groups);
+        }
+    }
+    return groups > 1 ? std::max<size_t>(1, (decoding + groups - 1) / groups) : 0;
 }
 
 bool DataPlaneServer::decoding_here(std::chrono::steady_clock::time_point now) const {

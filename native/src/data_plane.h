@@ -23,6 +23,11 @@
 // core: the mode for hops that share a machine). A session whose step missed a window is not
 // waited for again until its next step comes.
 //
+// Decode groups (BindSessionRequest.decode_groups, a first hop's): a decode Forward takes at
+// most ceil(D / groups) of the queued decode steps (D: the sessions decoding here with groups
+// set), the rest run in the Forward right after, so that on a route of S machines the groups
+// are at different hops at once instead of travelling as one convoy.
+//
 // Prefill pacing (pace_prefill): while sessions decode here, a node's prefill Forward (a
 // prompt chunk, rows > 1) starts right after the next decode Forward, so chunks and decode
 // Forwards alternate in step with the decoding sessions: each decode step waits behind one
@@ -64,7 +69,11 @@ struct DataBinding {
     std::string return_key;     // the last range
     uint64_t keep_rows_max_bytes = 0;
     uint32_t decode_gather_us = 0;  // lock-step at a first hop (0: off)
+    uint32_t decode_groups = 0;     // decode groups at a first hop (0 or 1: off)
 };
+
+// The most decode groups a binding may ask for (worker.proto BindSessionRequest.decode_groups).
+inline constexpr uint32_t kMaxDecodeGroups = 64;
 
 struct DataSessionTotals {
     bool was_bound = false;
@@ -154,6 +163,7 @@ private:
         uint64_t compute_us = 0;          // UnbindSessionReply's timings
         uint64_t in_worker_us = 0;
         uint32_t gather_us = 0;           // DataBinding::decode_gather_us
+        uint32_t groups = 0;              // DataBinding::decode_groups
         bool decoding = false;            // its last step taken was one row (and not waived)
         std::chrono::steady_clock::time_point last_step_at{};
     };
@@ -180,6 +190,8 @@ private:
     bool gather_ready(std::chrono::steady_clock::time_point now);
     bool hold_decision(std::chrono::steady_clock::time_point now);  // gather_ready's rule
     void gather_timer_loop();
+    // With mu_ held: the most decode steps one Forward takes (0: no cap; see "Decode groups").
+    size_t decode_group_cap() const;
     // With mu_ held: whether a session stepped a decode step here lately.
     bool decoding_here(std::chrono::steady_clock::time_point now) const;
     // One output of a Forward, sealed, on its way (deliver).

@@ -297,6 +297,10 @@ grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::Bi
             return to_grpc_status(ShardStatus::Invalid(info.gives_logits ? "the last range needs a 32-byte return_key"
                                                                          : "only the last range takes a return_key"));
         }
+        if (request->decode_groups() > kMaxDecodeGroups) {
+            return to_grpc_status(ShardStatus::Invalid("decode_groups " + std::to_string(request->decode_groups()) +
+                                                       " is over " + std::to_string(kMaxDecodeGroups)));
+        }
         DataBinding binding;
         binding.session_id = request->session_id();
         binding.seq_id = request->seq_id();
@@ -308,6 +312,7 @@ grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::Bi
         binding.return_key = request->return_key();
         binding.keep_rows_max_bytes = info.gives_logits ? 0 : request->keep_rows_max_bytes();
         binding.decode_gather_us = request->decode_gather_us();
+        binding.decode_groups = request->decode_groups();
         const std::string refused = data_plane->bind(binding);
         if (refused.rfind("a binding must bring fresh keys", 0) == 0) {
             return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, refused);

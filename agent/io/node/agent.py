@@ -64,6 +64,7 @@ from agent.core.node_link import (
     read_registration_reply,
 )
 from agent.core.node_policy import (
+    data_plane_decode_groups,
     data_plane_gather_us,
     BatchPeers,
     StepFailure,
@@ -249,7 +250,9 @@ class NodeConfig:
       decode_groups: a range that begins at block 0 splits its decoding sessions into this many
         decode groups, capping each decode Forward at ceil(sessions / groups) steps, so the
         groups are at different hops at once (``agent.core.scheduler.decode_group_cap``);
-        None: the route's hops + 1 (no cap on a one-hop route); 0: off.
+        None: the route's hops + 1 (no cap on a one-hop route); 0: off. On the data plane the
+        first hop's worker caps its decode Forwards the same way
+        (``agent.core.node_policy.data_plane_decode_groups``).
       decode_gather_ms: how long such a first hop holds a decode Forward until a full group
         waits (``agent.core.scheduler.gather_wait_ms``: sessions drift apart, and a drifted
         step alone costs a Forward); 0 (the default): never held. Holding steps costs
@@ -1498,6 +1501,9 @@ class Node:
             keep_rows_max_bytes=0 if served.info.gives_logits or served.kept is None else served.kept.room(session_id),
             decode_gather_us=data_plane_gather_us(
                 begin=served.key[1], decode_groups=self.config.decode_groups, decode_gather_ms=self.config.decode_gather_ms
+            ),
+            decode_groups=data_plane_decode_groups(
+                begin=served.key[1], route_hops=body.route_hops, decode_groups=self.config.decode_groups
             ),
         )  # fmt: skip
         try:

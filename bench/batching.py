@@ -551,9 +551,10 @@ def render_markdown(report: dict) -> str:
         f"worker, each session its own owner; prompt {cfg['prompt']} tokens, {cfg['tokens']} greedy tokens. "
         f"llama-batched-bench: unsplit, -npp {cfg['prompt']} -ntg {cfg['tokens']}, {cfg['llama_threads']} threads.",
         "Decode steps go worker to worker over the workers' data plane (prompts through the nodes). Decode groups "
-        "auto (the default) and off (`--decode-groups 0`) take the same path there: each worker computes every "
-        "queued decode step in its next Forward (the node's group cap does not reach the data plane), so their "
-        "difference is the noise; lock-step (`--decode-groups 1 --decode-gather-ms "
+        "auto (the default: the first worker's decode Forward takes at most ceil(decoding sessions / (hops + 1)) "
+        "steps, the rest the Forward right after, so that on separate machines the groups are at different hops at "
+        "once) and off (`--decode-groups 0`: every queued decode step in the next Forward); lock-step "
+        "(`--decode-groups 1 --decode-gather-ms "
         f"{LOCK_STEP_GATHER_MS}`, workers of {cfg.get('lock_step_threads', '?')} threads): the first worker holds each "
         "decode Forward until every decoding session's step waits, so the sessions travel as one convoy and one hop "
         "computes at a time (the mode for hops that share a machine's cores). Every worker's idle threads sleep "

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -47,6 +46,7 @@ from pathlib import Path
 from _bootstrap import BENCH_DIR  # first: it makes the project importable
 
 import compare_report  # noqa: E402
+from results_io import publish  # noqa: E402
 import trio  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -387,10 +387,7 @@ def main() -> int:
         "summary": summary(reps, llama),
         "wall_s": time.perf_counter() - started,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "data_plane.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "data_plane.md").write_text(markdown(report))
-    print(markdown(report))
+    publish(args.out, "data_plane", report, markdown(report))
     return 0
 
 

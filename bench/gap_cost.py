@@ -40,6 +40,7 @@ from _bootstrap import REPO_ROOT  # first: it makes the project importable
 import numpy as np  # noqa: E402
 
 from compare import machine_info  # noqa: E402
+from results_io import publish  # noqa: E402
 
 SHARD_BENCH = REPO_ROOT / "build" / "native" / "baton-shard-bench"
 ALIAS = "smollm2"
@@ -253,13 +254,7 @@ def main() -> int:
         "summary": summarize(python_rounds, forward_rounds),
         "wall_time_s": time.monotonic() - started,
     }
-    text = markdown(report)
-    print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gap_cost.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out / "gap_cost.md").write_text(text)
-        print(f"wrote {args.out / 'gap_cost.json'} and gap_cost.md", file=sys.stderr)
+    publish(args.out, "gap_cost", report, markdown(report))
     return 0
 
 

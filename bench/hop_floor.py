@@ -40,6 +40,7 @@ from pathlib import Path
 from _bootstrap import REPO_ROOT  # first: it makes the project importable
 
 from compare import machine_info  # noqa: E402
+from results_io import publish  # noqa: E402
 
 BUILD = REPO_ROOT / "build" / "native"
 SHARD_BENCH = BUILD / "baton-shard-bench"
@@ -174,13 +175,7 @@ def main() -> int:
         "baton_per_hop_ms": baton,
         "wall_time_s": time.monotonic() - started,
     }
-    text = markdown(report)
-    print(text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "hop_floor.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out / "hop_floor.md").write_text(text)
-        print(f"wrote {args.out / 'hop_floor.json'} and hop_floor.md", file=sys.stderr)
+    publish(args.out, "hop_floor", report, markdown(report))
     return 0 if split["top_k_equal"] else 1
 
 

@@ -58,7 +58,7 @@ from agent.core.data_route import (
     step_result,
     success_step_result,
 )
-from agent.core.data_route import result_scores as data_result_scores  # (swarm_wire's is a StepResult's)
+from agent.core.data_route import result_scores as data_result_scores  # (swarm_wire's takes a StepResult)
 from agent.core.identity import peer_id_from_public_key
 from agent.core.sampling import SamplingParams
 from agent.core.session import HopFailed, ResultRefused, Session, end_session_request, resume_plan, surviving_hops
@@ -516,7 +516,8 @@ class _DataPlane:
                 self._fail(live, hop, str(why))
                 return
             if result.error_code:
-                live.deliver(*step_result(self.owner.session_id, result, self.route)[::-1])
+                failed, sender = step_result(self.owner.session_id, result, self.route)
+                live.deliver(sender, failed)
             else:
                 live.deliver_data(self.route.hops[-1].peer_id, result)
 

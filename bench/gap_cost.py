@@ -39,6 +39,12 @@ from _bootstrap import REPO_ROOT  # first: it makes the project importable
 
 import numpy as np  # noqa: E402
 
+from agent._proto import worker_pb2  # noqa: E402
+from agent.core import data_frames  # noqa: E402
+from agent.core.data_frames import DataFrameReader, OwnerSession, SessionKeys  # noqa: E402
+from agent.core.data_route import data_step, result_scores  # noqa: E402
+from agent.core.session import Session  # noqa: E402
+from agent.core.topk import select_top_k  # noqa: E402
 from compare import machine_info  # noqa: E402
 from results_io import publish  # noqa: E402
 
@@ -64,12 +70,6 @@ class OwnerSteps:
     made ahead as a last worker would seal them (sampled rows of a 49,152-token vocabulary)."""
 
     def __init__(self, n_frames: int) -> None:
-        from agent.core import data_frames
-        from agent.core.data_frames import DataFrameReader, OwnerSession, SessionKeys
-        from agent.core.session import Session
-        from agent.core.topk import select_top_k
-        from agent._proto import worker_pb2
-
         keys = SessionKeys.new(os.urandom)
         self.owner = OwnerSession(keys)
         self.reader = DataFrameReader(1 << 20)
@@ -92,8 +92,6 @@ class OwnerSteps:
 
     def step(self) -> bytes:
         """One RESULT taken and the next STEP sealed: what the owner does between the two."""
-        from agent.core.data_route import data_step, result_scores
-
         self.reader.feed(self.frames[self.taken])
         frame = self.reader.next_frame()
         assert frame is not None

@@ -488,7 +488,10 @@ baton::ShardConfig test_config(const char * model, int32_t begin, int32_t end) {
     c.max_sequences = 4;
     c.batch_size = 64;
     c.threads = 2;
-    c.gpu_layers = 0;
+    // BATON_TEST_GPU_LAYERS=-1 runs the model tests on a GPU build's accelerator (bench/gpu_check.py);
+    // unset, they run on the CPU, as CI's build does.
+    const char * gpu_layers = std::getenv("BATON_TEST_GPU_LAYERS");
+    c.gpu_layers = gpu_layers != nullptr ? static_cast<int32_t>(std::strtol(gpu_layers, nullptr, 10)) : 0;
     c.model_sha256 = std::string(64, '0');  // hashing is tested elsewhere; keep the test fast
     return c;
 }

@@ -46,7 +46,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "bench"))
 from results_io import publish  # noqa: E402
 
-BUILD_TARGETS = ("baton-worker", "baton-worker-tests", "baton-shard-bench", "llama-bench", "llama-batched-bench")
+BUILD_TARGETS = (
+    "baton-worker", "baton-worker-tests", "baton-shard-bench", "baton-ping-pong", "llama-bench", "llama-batched-bench",
+)  # fmt: skip
 BUILD_RECORD = "gpu_check_build.json"
 PARALLEL = (1, 2, 4, 8)
 #: the top-K the split is compared on (llama.cpp's default top_k)
@@ -247,7 +249,20 @@ def run(args: argparse.Namespace) -> int:
             "--top-k", str(TOP_K),
         ),
     )  # fmt: skip
+    attempt(
+        "shard_single_full_row",
+        lambda: shard_bench(
+            build_dir, model, threads, "--prompt", str(prompt), "--steps", str(steps), "--reps", str(args.reps),
+        ),
+    )  # fmt: skip
     attempt("llama_bench", lambda: llama_bench(build_dir, model, threads, prompt, steps, args.reps))
+    # the host's floor under a hop: one boundary row (SmolLM2: 576 f32) over loopback TCP, no TLS
+    attempt(
+        "ping_pong_tcp",
+        lambda: run_json(
+            [str(build_dir / "baton-ping-pong"), "tcp", "--bytes", "2304", "--round-trips", "20000"], timeout_s=120
+        ),
+    )
     batched_prompt, batched_steps = 128, 128
     attempt("llama_batched_bench", lambda: llama_batched_bench(build_dir, model, threads, batched_prompt, batched_steps))
     for n in PARALLEL:
@@ -283,6 +298,9 @@ def summarise(report: dict, prompt: int, steps: int) -> dict:
         if tg:
             s["llama_bench_tg_tps"] = tg["avg_ts"]
             s["decode_ratio"] = s["shard_decode_tps"] / tg["avg_ts"]
+        full = report.get("shard_single_full_row")
+        if full:
+            s["shard_decode_full_row_tps"] = median([1e3 / r["decode_ms"] for r in full["runs"]])
     batched = report.get("llama_batched_bench")
     if batched:
         s["parallel"] = {}
@@ -331,6 +349,15 @@ def render(report: dict) -> str:
             f"| decode after 512, t/s | {s['shard_decode_tps']:.0f} | {s.get('llama_bench_tg_tps', float('nan')):.0f} | "
             f"{s.get('decode_ratio', float('nan')):.2f}x |",
         ]  # fmt: skip
+    if "shard_decode_full_row_tps" in s:
+        lines.append(
+            f"\nThe Shard's decode returns the top-{TOP_K} and the row's log-sum-exp, as the last hop does; "
+            f"returning the whole logit row instead: {s['shard_decode_full_row_tps']:.0f} t/s."
+        )
+    ping = report.get("ping_pong_tcp")
+    if ping:
+        lines.append(f"\nThis host's floor under a hop (`baton-ping-pong tcp`, {ping.get('bytes')} bytes, no TLS): "
+                     f"{ping.get('one_way_us', float('nan')):.1f} us one way.")  # fmt: skip
     if "whole_decode_ms" in s:
         lines.append(
             f"\nA decode step, whole model {s['whole_decode_ms']:.3f} ms, three ranges in series "

@@ -438,6 +438,24 @@ double pairwise_sum(const double * a, size_t n) {
 
 }  // namespace
 
+namespace {
+
+// select_top_k's blocks: whether any of x[0, n) is above bar or NaN (!(v <= bar) is both). A
+// branch-free reduction, so that it vectorizes (the AVX2 clone eight values at a time); the
+// answer does not depend on the variant.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+bool any_above_or_nan(const float * x, size_t n, float bar) {
+    int hit = 0;
+    for (size_t i = 0; i < n; ++i) {
+        hit |= !(x[i] <= bar);
+    }
+    return hit != 0;
+}
+
+}  // namespace
+
 bool select_top_k(const float * row, size_t n, size_t k, int32_t * ids, float * values) {
     k = std::min(k, n);
     // A heap of the k best so far, the worst on top. Ids rise during the scan, so a later
@@ -449,18 +467,34 @@ bool select_top_k(const float * row, size_t n, size_t k, int32_t * ids, float * 
     auto better = [](const Item & a, const Item & b) { return a.value > b.value || (a.value == b.value && a.id < b.id); };
     std::vector<Item> heap;
     heap.reserve(k);
-    for (size_t i = 0; i < n; ++i) {
-        const float v = row[i];
-        if (std::isnan(v)) {
-            return false;
+    auto scan = [&](size_t begin, size_t end) {
+        for (size_t i = begin; i < end; ++i) {
+            const float v = row[i];
+            if (std::isnan(v)) {
+                return false;
+            }
+            if (heap.size() < k) {
+                heap.push_back({v, static_cast<int32_t>(i)});
+                std::push_heap(heap.begin(), heap.end(), better);
+            } else if (v > heap.front().value) {
+                std::pop_heap(heap.begin(), heap.end(), better);
+                heap.back() = {v, static_cast<int32_t>(i)};
+                std::push_heap(heap.begin(), heap.end(), better);
+            }
         }
-        if (heap.size() < k) {
-            heap.push_back({v, static_cast<int32_t>(i)});
-            std::push_heap(heap.begin(), heap.end(), better);
-        } else if (v > heap.front().value) {
-            std::pop_heap(heap.begin(), heap.end(), better);
-            heap.back() = {v, static_cast<int32_t>(i)};
-            std::push_heap(heap.begin(), heap.end(), better);
+        return true;
+    };
+    if (!scan(0, k)) {
+        return false;
+    }
+    // Once the heap is full, a block with no value above the worst kept one and no NaN changes
+    // nothing (the bar only rises): skip it after one vectorized test. A logit row's top-40 is
+    // settled early, so nearly every block of a 49,152-entry row is skipped so.
+    constexpr size_t kBlock = 64;
+    for (size_t b = k; b < n; b += kBlock) {
+        const size_t e = std::min(n, b + kBlock);
+        if (any_above_or_nan(row + b, e - b, heap.front().value) && !scan(b, e)) {
+            return false;
         }
     }
     std::sort(heap.begin(), heap.end(), better);
@@ -538,15 +572,33 @@ BATON_EXP_CLONES void exp_shifted(const float * x, size_t n, double shift, doubl
     }
 }
 
+namespace {
+
+double log_sum_exp_at(const float * row, size_t n, double peak) {
+    if (!std::isfinite(peak)) {
+        return peak;
+    }
+    return peak + std::log(pairwise_exp_sum(row, n, peak));
+}
+
+}  // namespace
+
 double log_sum_exp(const float * row, size_t n) {
     double peak = -std::numeric_limits<double>::infinity();
     for (size_t i = 0; i < n; ++i) {
         peak = std::max(peak, static_cast<double>(row[i]));
     }
-    if (!std::isfinite(peak)) {
-        return peak;
+    return log_sum_exp_at(row, n, peak);
+}
+
+bool top_k_log_sum_exp(const float * row, size_t n, size_t k, int32_t * ids, float * values, double * lse) {
+    if (!select_top_k(row, n, k, ids, values)) {
+        return false;
     }
-    return peak + std::log(pairwise_exp_sum(row, n, peak));
+    // values[0] is the row's max (no NaN: select_top_k refused it), which log_sum_exp finds
+    // by its own scan; a float converts to double exactly, so the peak has the same bits.
+    *lse = log_sum_exp_at(row, n, static_cast<double>(values[0]));
+    return true;
 }
 
 uint32_t max_sequences_limit() { return static_cast<uint32_t>(llama_max_parallel_sequences()); }
@@ -968,6 +1020,57 @@ ShardStatus Shard::check_seq_id(const char * what, uint32_t seq_id) const {
     return ShardStatus::Ok();
 }
 
+namespace {
+
+// One logit row whose top-K and log-sum-exp a Forward returns: the row-th logit row of
+// outputs[entry].
+struct TopKRow {
+    const float * logits;
+    size_t entry;
+    size_t row;
+    size_t k;
+};
+
+// Every row's top-K and log-sum-exp, the rows spread over the Shard's threads (OpenMP: the
+// pool ggml's CPU backend computes with, idle once llama_decode has returned). A 49,152-entry
+// row takes ~0.1 ms of one core, which at eight rows a step was more than a GPU's whole Forward
+// (bench/results/gpu_check.md). Each row is computed alone, so no bit depends on the threads.
+ShardStatus compute_top_k_rows(const std::vector<TopKRow> & rows, size_t n_vocab, uint32_t n_threads,
+                               const std::vector<ForwardEntry> & entries, std::vector<ForwardOutput> * out) {
+    const int64_t n = static_cast<int64_t>(rows.size());
+    std::vector<char> ok(rows.size(), 0);
+#if defined(_OPENMP)
+    const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_threads, n)));
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+#endif
+    for (int64_t t = 0; t < n; ++t) {
+        const TopKRow & r = rows[static_cast<size_t>(t)];
+        ForwardOutput & o = (*out)[r.entry];
+        std::vector<int32_t> ids(r.k);
+        std::vector<float> values(r.k);
+        double lse = 0.0;
+        if (!top_k_log_sum_exp(r.logits, n_vocab, r.k, ids.data(), values.data(), &lse)) {
+            continue;
+        }
+        // little-endian hosts only, as the rest of the wire; each row fills its own slices
+        std::memcpy(&o.top_token_ids[r.row * r.k * sizeof(int32_t)], ids.data(), r.k * sizeof(int32_t));
+        std::memcpy(&o.top_logits[r.row * r.k * sizeof(float)], values.data(), r.k * sizeof(float));
+        o.log_sum_exp[r.row] = lse;
+        ok[static_cast<size_t>(t)] = 1;
+    }
+    for (size_t t = 0; t < rows.size(); ++t) {
+        if (!ok[t]) {
+            const ForwardOutput & o = (*out)[rows[t].entry];
+            return ShardStatus::Internal("the logits of row " + std::to_string(o.logit_rows[rows[t].row]) +
+                                         " of seq " + std::to_string(entries[rows[t].entry].seq_id) +
+                                         " hold a NaN: no top-k");
+        }
+    }
+    return ShardStatus::Ok();
+}
+
+}  // namespace
+
 ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vector<ForwardOutput> * outputs) {
     if (info_.vocab_only) {
         return ShardStatus::Precondition(kVocabOnlyRefusal);
@@ -1038,8 +1141,8 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
     }
 
     std::vector<ForwardOutput> out(entries.size());
-    std::vector<int32_t> top_ids;
-    std::vector<float> top_values;
+    // The top-K rows: gathered here, computed after the loop, in parallel (TopKRow).
+    std::vector<TopKRow> top_rows;
     for (size_t i = 0; i < entries.size(); ++i) {
         const ForwardEntry & e = entries[i];
         ForwardOutput & o = out[i];
@@ -1057,8 +1160,6 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
                 o.top_token_ids.resize(o.logit_rows.size() * k * sizeof(int32_t));
                 o.top_logits.resize(o.logit_rows.size() * k * sizeof(float));
                 o.log_sum_exp.resize(o.logit_rows.size());
-                top_ids.resize(k);
-                top_values.resize(k);
             } else {
                 o.logits.reserve(o.logit_rows.size() * row_bytes);  // appended below: no zero-fill first
             }
@@ -1073,15 +1174,7 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
                     o.logits.append(reinterpret_cast<const char *>(src), row_bytes);
                     continue;
                 }
-                if (!select_top_k(src, n_vocab, k, top_ids.data(), top_values.data())) {
-                    roll_back();
-                    return ShardStatus::Internal("the logits of row " + std::to_string(o.logit_rows[j]) + " of seq " +
-                                                 std::to_string(e.seq_id) + " hold a NaN: no top-k");
-                }
-                // little-endian hosts only, as the rest of the wire
-                std::memcpy(&o.top_token_ids[j * k * sizeof(int32_t)], top_ids.data(), k * sizeof(int32_t));
-                std::memcpy(&o.top_logits[j * k * sizeof(float)], top_values.data(), k * sizeof(float));
-                o.log_sum_exp[j] = log_sum_exp(src, n_vocab);
+                top_rows.push_back({src, i, j, k});
             }
         } else {
             o.n_rows = n_rows;
@@ -1096,6 +1189,13 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
                 }
                 std::memcpy(&o.boundary[r * row_bytes], src, row_bytes);
             }
+        }
+    }
+    if (!top_rows.empty()) {
+        const ShardStatus st = compute_top_k_rows(top_rows, info_.n_vocab, info_.n_threads, entries, &out);
+        if (!st.ok()) {
+            roll_back();
+            return st;
         }
     }
     for (const ForwardOutput & o : out) {

@@ -258,6 +258,10 @@ ShardStatus validate_forward(const ForwardLimits & limits, const std::vector<For
 // place in that order. n >= 1, k >= 1.
 bool select_top_k(const float * row, size_t n, size_t k, int32_t * ids, float * values);
 
+// select_top_k and log_sum_exp of one row in one call: the top value is the row's max, so the
+// log-sum-exp needs no scan of its own. The same ids, values and bits as the two calls.
+bool top_k_log_sum_exp(const float * row, size_t n, size_t k, int32_t * ids, float * values, double * lse);
+
 // log(sum(exp(row))) in double, max-shifted, the sum pairwise as numpy's (agent/core/topk.py's
 // log_sum_exp), the terms by exp_shifted: equal to it within the bound tests/test_worker_api.py
 // declares (the terms differ from numpy's exp in the last bit at most). A non-finite max is

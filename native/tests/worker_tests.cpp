@@ -378,6 +378,32 @@ void test_top_k() {
 
     std::vector<float> with_nan = {1.0f, std::nanf(""), 2.0f};
     CHECK(!baton::select_top_k(with_nan.data(), with_nan.size(), 1, ids.data(), values.data()));
+    // A NaN far into a row, in a block whose other values could not enter the top-k: still refused.
+    std::vector<float> late_nan(big);
+    late_nan[4321] = std::nanf("");
+    CHECK(!baton::select_top_k(late_nan.data(), late_nan.size(), 7, ids.data(), values.data()));
+    // A rising row (every block holds a new best) and a row whose best comes last.
+    std::vector<float> rising(3000);
+    for (size_t i = 0; i < rising.size(); ++i) {
+        rising[i] = static_cast<float>(i) * 0.5f;
+    }
+    CHECK(baton::select_top_k(rising.data(), rising.size(), 3, ids.data(), values.data()));
+    CHECK(ids[0] == 2999 && ids[1] == 2998 && ids[2] == 2997);
+    std::vector<float> best_last(big);
+    best_last.back() = 1000.0f;
+    CHECK(baton::select_top_k(best_last.data(), best_last.size(), 2, ids.data(), values.data()));
+    CHECK(ids[0] == static_cast<int32_t>(best_last.size() - 1) && ids[1] == order[0]);
+    // top_k_log_sum_exp: the two calls' ids, values and log-sum-exp bits.
+    for (size_t k : {1u, 40u, 1000u}) {
+        std::vector<int32_t> a(k), b(k);
+        std::vector<float> av(k), bv(k);
+        double lse = 0.0;
+        CHECK(baton::top_k_log_sum_exp(big.data(), big.size(), k, a.data(), av.data(), &lse));
+        CHECK(baton::select_top_k(big.data(), big.size(), k, b.data(), bv.data()));
+        CHECK(a == b && av == bv && lse == baton::log_sum_exp(big.data(), big.size()));
+    }
+    double unused = 0.0;
+    CHECK(!baton::top_k_log_sum_exp(late_nan.data(), late_nan.size(), 7, ids.data(), values.data(), &unused));
 
     // log-sum-exp: max-shifted (no overflow), -inf entries add nothing, a non-finite max as is.
     const std::vector<float> lse_row = {1000.0f, 1000.0f, -inf};
@@ -610,7 +636,11 @@ int run_model() {
     CHECK(hi.n_embd == wi.n_embd && ti.n_embd == wi.n_embd && ti.n_vocab == wi.n_vocab);
     CHECK(hi.weight_bytes < wi.weight_bytes && ti.weight_bytes < wi.weight_bytes);
     CHECK(hi.kv_bytes > 0 && ti.kv_bytes > 0 && hi.kv_bytes < ti.kv_bytes && ti.kv_bytes < wi.kv_bytes);
-    CHECK(wi.weight_buffer_bytes > 0 && wi.backend == "CPU" && wi.architecture == "llama");
+    // On a GPU build run with BATON_TEST_GPU_LAYERS=-1 the blocks are on the accelerator.
+    const bool offloaded = std::getenv("BATON_TEST_GPU_LAYERS") != nullptr &&
+                           std::strtol(std::getenv("BATON_TEST_GPU_LAYERS"), nullptr, 10) != 0;
+    CHECK(wi.weight_buffer_bytes > 0 && (offloaded ? wi.backend != "CPU" : wi.backend == "CPU"));
+    CHECK(wi.architecture == "llama");
     CHECK(wi.recipe_hash == hi.recipe_hash);
     CHECK(wi.n_seq_max == 4 && wi.n_batch_max == 64 && wi.n_ctx_per_sequence == 256);
     std::fprintf(stderr, "model: %s n_layer %u n_embd %u n_vocab %u; weights whole %llu head %llu tail %llu; "
@@ -764,6 +794,42 @@ int run_model() {
         }
         CHECK_STATUS(whole->forward({token_entry(3, 256, {prompt[1]})}, &junk), ErrorCode::kResourceExhausted,
                      "context full for seq 3");
+        CHECK_OK(whole->remove_sequence(3, &next_pos));
+    }
+
+    // Top-K rows: two sequences and several logit rows each in one Forward (computed in parallel
+    // over the Shard's threads) give, row by row, select_top_k and log_sum_exp of the full rows
+    // the same Forward returns without top_k.
+    {
+        auto entries = [&](uint32_t top_k) {
+            std::vector<ForwardEntry> es = {token_entry(3, 0, prompt, {0, 2, static_cast<uint32_t>(n_prompt - 1)}),
+                                            token_entry(2, 0, {prompt[1], prompt[0]}, {0, 1})};
+            for (ForwardEntry & e : es) {
+                e.top_k = top_k;
+            }
+            return es;
+        };
+        CHECK_OK(whole->remove_sequence(2, &next_pos));
+        std::vector<ForwardOutput> full;
+        std::vector<ForwardOutput> top;
+        REQUIRE(whole->forward(entries(0), &full).ok());
+        CHECK_OK(whole->remove_sequence(2, &next_pos));
+        CHECK_OK(whole->remove_sequence(3, &next_pos));
+        REQUIRE(whole->forward(entries(40), &top).ok());
+        REQUIRE(full.size() == 2 && top.size() == 2);
+        for (size_t i = 0; i < 2; ++i) {
+            CHECK(top[i].top_k == 40 && top[i].logits.empty() && top[i].log_sum_exp.size() == full[i].n_rows);
+            for (size_t j = 0; j < full[i].n_rows; ++j) {
+                const float * row = reinterpret_cast<const float *>(full[i].logits.data()) + j * wi.n_vocab;
+                std::vector<int32_t> ids(40);
+                std::vector<float> values(40);
+                CHECK(baton::select_top_k(row, wi.n_vocab, 40, ids.data(), values.data()));
+                CHECK(std::memcmp(ids.data(), top[i].top_token_ids.data() + j * 40 * sizeof(int32_t), 40 * 4) == 0);
+                CHECK(std::memcmp(values.data(), top[i].top_logits.data() + j * 40 * sizeof(float), 40 * 4) == 0);
+                CHECK(top[i].log_sum_exp[j] == baton::log_sum_exp(row, wi.n_vocab));
+            }
+        }
+        CHECK_OK(whole->remove_sequence(2, &next_pos));
         CHECK_OK(whole->remove_sequence(3, &next_pos));
     }
 

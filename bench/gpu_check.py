@@ -125,8 +125,9 @@ def machine(build_dir: Path) -> dict:
         "llama_cpp_commit": pinned("commit"),
         "patch_series_sha256": pinned("series-hash"),
     }
-    # a copy of the tree without .git (a lent machine's) is told its commit in BATON_COMMIT
-    head = command_output(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"]) or os.environ.get("BATON_COMMIT")
+    # BATON_COMMIT first: a lent machine's copy of the tree can hold a .git whose HEAD is not
+    # the tree it was sent (one run here read the session's first commit)
+    head = os.environ.get("BATON_COMMIT") or command_output(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"])
     if head:
         info["baton_commit"] = head
     record = build_dir / BUILD_RECORD
@@ -373,9 +374,18 @@ def render(report: dict) -> str:
         ]
         for n, row in s["parallel"].items():
             lines.append(f"| {n} | {row['shard_tps']:.0f} | {row['llama_tg_tps']:.0f} | {row['ratio']:.2f}x |")
+    if report.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in report["notes"]]
     if report["failures"]:
         lines += ["", "## Failures", ""] + [f"- {f}" for f in report["failures"]]
     return "\n".join(lines) + "\n"
+
+
+def rerender(path: Path) -> int:
+    """Writes ``path``'s .md again from its .json (after notes were added to the report)."""
+    report = json.loads(path.read_text())
+    path.with_suffix(".md").write_text(render(report))
+    return 0
 
 
 def main() -> int:
@@ -393,7 +403,11 @@ def main() -> int:
     r.add_argument("--threads", type=int, default=4)
     r.add_argument("--reps", type=int, default=5)
     r.add_argument("--out", help="where gpu_check.json/.md go (bench/results for a committed run)")
+    m = sub.add_parser("render", help="write a report's .md again from its .json")
+    m.add_argument("json", type=Path)
     args = parser.parse_args()
+    if args.step == "render":
+        return rerender(args.json)
     return build(args) if args.step == "build" else run(args)
 
 

@@ -71,6 +71,7 @@ from _bootstrap import BENCH_DIR  # first: it makes the project importable
 
 import trio  # noqa: E402
 
+import compare_report  # noqa: E402
 import hop_trace  # noqa: E402
 from compare import PROMPT_SOURCE, TOOLS_DIR, ensure_llama_tools, machine_info  # noqa: E402
 from worker_wait import chain_step  # noqa: E402
@@ -118,12 +119,7 @@ def run_batched_bench(
     ]  # fmt: skip
     log(" ".join(argv))
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True, preexec_fn=kernel_default)
-    rows = {}
-    for line in (done.stdout + done.stderr).splitlines():
-        line = line.strip()
-        if line.startswith("{") and '"speed_tg"' in line:
-            row = json.loads(line)
-            rows[int(row["pl"])] = row
+    rows = compare_report.batched_bench_rows(done.stdout + done.stderr)
     if set(rows) != set(parallel):
         raise SystemExit(f"llama-batched-bench gave rows for {sorted(rows)}, expected {parallel}:\n{done.stderr[-2000:]}")
     return rows

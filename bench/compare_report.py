@@ -12,6 +12,7 @@ into it (the last hop also pushes the result back to the client).
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Mapping, Sequence
 
@@ -41,6 +42,18 @@ SYSTEMS: tuple[tuple[str, str, str, int, str | None], ...] = (
     ("rpc_2", "llama.cpp RPC 2-split (2 rpc-servers)", "llama.cpp", 2, "llama_bench"),
     ("rpc_3", "llama.cpp RPC 3-split (3 rpc-servers)", "llama.cpp", 3, "llama_bench"),
 )
+
+
+def batched_bench_rows(output: str) -> dict[int, dict]:
+    """``llama-batched-bench --output-format jsonl``'s rows (stdout and stderr together), by
+    parallel count (``pl``)."""
+    rows = {}
+    for line in output.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed_tg"' in line:
+            row = json.loads(line)
+            rows[int(row["pl"])] = row
+    return rows
 
 
 def summarize(samples: Sequence[float]) -> dict:

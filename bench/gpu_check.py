@@ -44,6 +44,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "bench"))
+from compare_report import batched_bench_rows  # noqa: E402 - pure: standard library only
 from results_io import publish  # noqa: E402
 
 BUILD_TARGETS = (
@@ -201,13 +202,7 @@ def llama_batched_bench(build_dir: Path, model: Path, threads: int, prompt: int,
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"llama-batched-bench exited {done.returncode}:\n{done.stderr[-3000:]}")
-    rows = {}
-    for line in (done.stdout + done.stderr).splitlines():
-        line = line.strip()
-        if line.startswith("{") and '"speed_tg"' in line:
-            row = json.loads(line)
-            rows[int(row["pl"])] = row
-    return rows
+    return batched_bench_rows(done.stdout + done.stderr)
 
 
 def bench_row(rows: list[dict], n_prompt: int, n_gen: int, depth: int) -> dict | None:

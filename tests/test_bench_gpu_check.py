@@ -101,6 +101,22 @@ def test_the_report_says_what_failed_and_what_differs(tmp_path: Path) -> None:
     assert (tmp_path / "gpu_check.md").read_text() == gpu_check.render(json.loads(path.read_text()))
 
 
+def test_batched_bench_rows_are_read_from_its_jsonl_among_log_lines() -> None:
+    import compare_report
+
+    output = "\n".join(
+        [
+            "llama_context: n_ctx = 2112",
+            '{"n_kv_max": 2112, "pl": 1, "speed_tg": 918.4}',
+            "main: done",
+            '  {"n_kv_max": 2112, "pl": 8, "speed_tg": 4522.3}',
+            '{"unrelated": 1}',
+        ]
+    )
+    rows = compare_report.batched_bench_rows(output)
+    assert set(rows) == {1, 8} and rows[8]["speed_tg"] == 4522.3
+
+
 def test_llama_tools_are_found_where_cmake_put_them(tmp_path: Path) -> None:
     tool = tmp_path / "llama.cpp" / "bin" / "llama-bench"
     tool.parent.mkdir(parents=True)

@@ -19,6 +19,7 @@ from agent.core.data_route import (
     bind_request,
     data_plane_hosts,
     data_step,
+    next_hop_refusal,
     result_scores,
     step_result,
     success_step_result,
@@ -140,10 +141,66 @@ def test_each_hop_is_bound_with_its_key_and_where_its_output_goes() -> None:
     assert hosts is not None
     last = bind_request(route, 2, b"s" * 16, keys, hosts, next_port=0)
     assert (last.begin, last.end, last.step_key, last.return_key) == (20, 30, keys.step_keys[2], keys.return_key)
-    assert not last.next_host and not last.next_port and not last.next_step_key
+    assert not last.next_host and not last.next_port and not last.next_step_key and not last.next_peer_id
     middle = bind_request(route, 1, b"s" * 16, keys, hosts, next_port=7003)
     assert (middle.next_host, middle.next_port, middle.next_step_key) == ("10.0.0.2", 7003, keys.step_keys[2])
     assert middle.step_key == keys.step_keys[1] and not middle.return_key
+    assert middle.next_peer_id == "peer2", "the next hop named, for its node to check"
+
+
+def _next_node(**changes) -> swarm_pb2.NodeEntry:  # noqa: ANN003
+    """The tracker's entry of a route's third hop, READY on [20, 30) with its data plane at 7003."""
+    status = swarm_pb2.AssignmentStatus(
+        assignment=swarm_pb2.Assignment(model_sha256="ab" * 32, begin=20, end=30),
+        state=swarm_pb2.AssignmentStatus.READY,
+        data_port=7003,
+    )
+    entry = swarm_pb2.NodeEntry(
+        peer_id="peer2", alive=True, serving=[status],
+        listen_addrs=["/ip4/10.0.0.9/tcp/9/p2p/peer2", "/ip4/10.0.0.2/tcp/4002/tls/p2p/peer2"],
+    )  # fmt: skip
+    for name, value in changes.items():
+        if name in ("state", "data_port", "begin"):
+            target = entry.serving[0] if name != "begin" else entry.serving[0].assignment
+            setattr(target, name, value)
+        else:
+            setattr(entry, name, value)
+    return entry
+
+
+def test_a_node_binds_only_toward_the_next_hop_the_tracker_lists() -> None:
+    route = _route(*[[f"/ip4/10.0.0.{i}/tcp/400{i}/tls/p2p/peer{i}"] for i in range(3)])
+    keys = RouteKeys.new(3, counting_bytes())
+    hosts = data_plane_hosts(route)
+    assert hosts is not None
+    middle = bind_request(route, 1, b"s" * 16, keys, hosts, next_port=7003)
+    other = swarm_pb2.NodeEntry(peer_id="peer7", alive=True)
+    assert next_hop_refusal(middle, [other, _next_node()]) is None
+    # the last hop sends nowhere but back over the owner's connection: nothing to check
+    assert next_hop_refusal(bind_request(route, 2, b"s" * 16, keys, hosts, next_port=0), []) is None
+
+    def refused(request: swarm_pb2.DataPlaneBindRequest, nodes: list[swarm_pb2.NodeEntry], why: str) -> None:
+        reason = next_hop_refusal(request, nodes)
+        assert reason is not None and why in reason, reason
+
+    unnamed = swarm_pb2.DataPlaneBindRequest()
+    unnamed.CopyFrom(middle)
+    unnamed.next_peer_id = ""
+    refused(unnamed, [_next_node()], "names no next hop")
+    refused(middle, [other], "peer2 is not a live node")
+    refused(middle, [_next_node(alive=False)], "peer2 is not a live node")
+    refused(middle, [_next_node(state=swarm_pb2.AssignmentStatus.LOADING)], "serves no range")
+    refused(middle, [_next_node(begin=21)], "from block 20")
+    refused(middle, [_next_node(data_port=22)], "at port 7003")
+    for host in ("10.0.0.9", "127.0.0.1", "example.org", ""):  # its libp2p address's host is not its channel's
+        elsewhere = swarm_pb2.DataPlaneBindRequest()
+        elsewhere.CopyFrom(middle)
+        elsewhere.next_host = host
+        refused(elsewhere, [_next_node()], "is not an address of the next hop peer2")
+    other_model = swarm_pb2.DataPlaneBindRequest()
+    other_model.CopyFrom(middle)
+    other_model.model_sha256 = "cd" * 32
+    refused(other_model, [_next_node()], "serves no range of model cdcdcdcdcdcd")
 
 
 def test_results_come_to_the_session_as_the_node_path_would_bring_them() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -476,6 +477,43 @@ async def test_greedy_through_three_nodes_equals_one_unsplit_worker(swarm3: Runn
         assert all(any(is_channel_multiaddr(a) for a in hop.addrs) for hop in route.hops)
         assert c.transport.connections_accepted >= 1
     assert "Paris" in (await _text(swarm3, PROMPTS[0]))
+    assert_swarm_alive(swarm3)
+
+
+@pytest.mark.timeout(240)
+async def test_a_node_pushes_a_session_only_to_the_next_hop_the_tracker_lists(
+    swarm3: RunningSwarm, reference, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An owner that names another host or port for a hop's output (a worker would dial it) is
+    refused by that hop's node, which checks the bind against the tracker's node list: the
+    session stays on the node path, its output unchanged."""
+    import agent.io.client.swarm as client_swarm
+
+    honest = client_swarm.bind_request
+    prompt_tokens, expected = reference[PROMPTS[0]]
+    for change, refusal in (
+        (lambda r: setattr(r, "next_host", "127.0.0.2"), "'127.0.0.2' is not an address of the next hop"),
+        (lambda r: setattr(r, "next_port", r.next_port + 1), "with its data plane at port"),
+    ):
+
+        def dishonest(*args, change=change, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            request = honest(*args, **kwargs)
+            if request.next_port:
+                change(request)
+            return request
+
+        monkeypatch.setattr(client_swarm, "bind_request", dishonest)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="agent.io.client.swarm"):
+            async with client(swarm3) as c:
+                result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+        assert result.tokens == expected and result.prompt_tokens == prompt_tokens
+        assert result.data_plane_steps == 0, "refused: the route stayed on the node path"
+        assert "stays on the node path" in caplog.text and refusal in caplog.text, caplog.text
+    monkeypatch.setattr(client_swarm, "bind_request", honest)
+    async with client(swarm3) as c:
+        result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+    assert result.tokens == expected and result.data_plane_steps == len(result.tokens) - 1
     assert_swarm_alive(swarm3)
 
 

@@ -15,6 +15,10 @@ Owns:
   per session (made by the caller's ``random_bytes``);
 - ``bind_request``: what the owner asks each hop's node (last hop first: each names where its
   output goes, which it learns from the next hop's answer);
+- ``next_hop_refusal``: the node's side of a bind: where its worker is told to push the
+  session's boundary rows must be the next hop the tracker lists (its peer, its range, its
+  data plane's port, one of its addresses), so that an owner cannot turn a volunteer's worker
+  into a client of any host and port it names;
 - ``data_step`` / ``result_scores`` / ``step_result``: the owner's ``StepRequest`` as a
   ``DataStep``; a successful ``DataResult``'s scores, which the session takes
   (``Session.receive_scores``) with the checks and the choice of the node path; and a
@@ -43,6 +47,7 @@ __all__ = [
     "bind_request",
     "data_plane_hosts",
     "data_step",
+    "next_hop_refusal",
     "result_scores",
     "step_result",
     "success_step_result",
@@ -105,9 +110,43 @@ def bind_request(
         request.next_host = hosts[index + 1]
         request.next_port = next_port
         request.next_step_key = keys.step_keys[index + 1]
+        request.next_peer_id = route.hops[index + 1].peer_id
     else:
         request.return_key = keys.return_key
     return request
+
+
+def next_hop_refusal(request: swarm_pb2.DataPlaneBindRequest, nodes: Sequence[swarm_pb2.NodeEntry]) -> str | None:
+    """Why a node must not make ``request``'s bind, or None. Not the last hop (``next_port``
+    set), the bind must name the next hop's peer id, and the tracker's node list (``nodes``,
+    ``ListNodesReply``) must show that peer alive, READY on the model's range that begins where
+    this one ends with its worker's data plane at ``next_port``, and ``next_host`` the host of
+    one of its direct addresses. The owner learns all of these from the tracker's route and the
+    next node's bind answer; anything else it names is not a hop of a route."""
+    if not request.next_port:
+        return None  # the last hop: its RESULTs go back over the owner's own connection
+    peer = request.next_peer_id
+    if not peer:
+        return "the bind names no next hop (next_peer_id), so where its worker would send cannot be checked"
+    entry = next((n for n in nodes if n.peer_id == peer), None)
+    if entry is None or not entry.alive:
+        return f"the next hop {peer} is not a live node of the tracker"
+    serves = any(
+        status.state == swarm_pb2.AssignmentStatus.READY
+        and status.assignment.model_sha256 == request.model_sha256
+        and status.assignment.begin == request.end
+        and status.data_port == request.next_port
+        for status in entry.serving
+    )
+    if not serves:
+        return (
+            f"the next hop {peer} serves no range of model {request.model_sha256[:12]} from block {request.end} "
+            f"with its data plane at port {request.next_port}"
+        )
+    hosts = {parsed[0] for parsed in map(parse_channel_multiaddr, entry.listen_addrs) if parsed is not None}
+    if request.next_host not in hosts:
+        return f"{request.next_host!r} is not an address of the next hop {peer} (the tracker lists {sorted(hosts)})"
+    return None
 
 
 def data_step(step: int, positions: Sequence[int], token_ids: Sequence[int], top_k: int) -> worker_pb2.DataStep:

@@ -52,6 +52,7 @@ from agent._proto import swarm_pb2, worker_pb2
 from agent.core.admission import AdmissionError, AdmissionVerifier, public_key_bytes
 from agent.core.batching import forward_key
 from agent.core.boundary import BoundaryError
+from agent.core.data_route import next_hop_refusal
 from agent.core.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
 from agent.core.identity import peer_id_from_public_key
 from agent.core.kept_rows import KeptStore, RowsNotKept
@@ -177,6 +178,9 @@ _READY = State.READY  # read on every step (an enum wrapper's attribute is a loo
 
 #: Default heartbeat interval when the tracker names none.
 DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
+#: How long a bind's next-hop check reuses the tracker's node list, seconds: a route's binds
+#: come together (a list that refuses is asked for again before the bind is refused).
+NODE_LIST_REUSE_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,6 +400,7 @@ class ServedRange:
             forward_call_us=self.forward_call_us + self._data_plane_compute_us,
             sessions_resumed=0 if self.sessions is None else self.sessions.resumed,
             sessions_rebuilt=0 if self.sessions is None else self.sessions.rebuilt,
+            data_port=self.info.data_port if state == State.READY and self.info is not None else 0,
         )
 
     @property
@@ -499,6 +504,9 @@ class Node:
         self.registrations = 0
         self.heartbeats = 0
         self._heartbeat_wakeup = trio.Event()
+        #: the tracker's node list as a bind's next hop was last checked against, and when (trio
+        #: time): binds within NODE_LIST_REUSE_S of each other share one ``list_nodes`` call
+        self._node_list: tuple[float, list[swarm_pb2.NodeEntry]] | None = None
         self._corrupter = OutputCorrupter(config.test_corrupt_outputs) if config.test_corrupt_outputs else None
         if self._corrupter is not None:
             log.warning("TEST ONLY: this node corrupts the outputs of steps it has not seen before")
@@ -1483,6 +1491,33 @@ class Node:
 
     # --- data plane ----------------------------------------------------------------------
 
+    async def _check_next_hop(self, served: ServedRange, body: swarm_pb2.DataPlaneBindRequest) -> None:
+        """Refuse a bind whose next hop is not what the tracker lists (``next_hop_refusal``): the
+        worker would connect to whatever host and port the owner named. A list fetched for an
+        earlier bind is reused for NODE_LIST_REUSE_S, and asked for again once when it refuses
+        (the next hop may have become READY since)."""
+        if not body.next_port:
+            return
+        for attempt in range(2):
+            cached = self._node_list
+            fresh = cached is None or attempt > 0 or trio.current_time() - cached[0] > NODE_LIST_REUSE_S
+            if fresh:
+                request = swarm_pb2.TrackerRequest(schema_version=SCHEMA_VERSION, list_nodes=swarm_pb2.ListNodesRequest())
+                try:
+                    reply = await self._tracker_call(request)
+                except (TransportError, WireError) as err:
+                    raise WireError(
+                        Code.UNAVAILABLE, f"{range_name(served.key)}: cannot check the next hop with the tracker: {err}"
+                    ) from None
+                cached = (trio.current_time(), list(reply.list_nodes.nodes))
+                self._node_list = cached
+            assert cached is not None
+            refusal = next_hop_refusal(body, cached[1])
+            if refusal is None:
+                return
+            if fresh:
+                raise WireError(Code.REFUSED, f"{range_name(served.key)}: {refusal}")
+
     async def _bind_data_plane(self, body: swarm_pb2.DataPlaneBindRequest, remote_peer_id: str, role: int) -> bytes:
         """Bind the owner's session on this range's worker: its steps come worker to worker
         from now on (``DataPlaneBindRequest``); answers the worker's data plane port."""
@@ -1492,6 +1527,7 @@ class Node:
         assert served.sessions is not None and served.client is not None and served.info is not None
         if not served.info.data_port:
             raise WireError(Code.INVALID_ARGUMENT, f"{range_name(served.key)}: the worker has no data plane")
+        await self._check_next_hop(served, body)
         await self._unbind_if_bound(served, session_id)  # a bind again (another route part) starts afresh
         session = served.sessions.bind_data_plane(session_id, remote_peer_id, _clock_ms())
         request = worker_pb2.BindSessionRequest(

@@ -1033,13 +1033,15 @@ struct TopKRow {
 
 // Every row's top-K and log-sum-exp, the rows spread over the Shard's threads (OpenMP: the
 // pool ggml's CPU backend computes with, idle once llama_decode has returned). A 49,152-entry
-// row takes ~0.1 ms of one core, which at eight rows a step was more than a GPU's whole Forward
+// row takes ~0.1 ms of one core: on a GPU, at eight rows, half of a decode step
 // (bench/results/gpu_check.md). Each row is computed alone, so no bit depends on the threads.
 ShardStatus compute_top_k_rows(const std::vector<TopKRow> & rows, size_t n_vocab, uint32_t n_threads,
                                const std::vector<ForwardEntry> & entries, std::vector<ForwardOutput> * out) {
     const int64_t n = static_cast<int64_t>(rows.size());
     std::vector<char> ok(rows.size(), 0);
-#if defined(_OPENMP)
+#if !defined(_OPENMP)
+    (void) n_threads;  // the rows in turn
+#else
     const int team = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_threads, n)));
 #pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
 #endif

@@ -1493,30 +1493,26 @@ class Node:
 
     async def _check_next_hop(self, served: ServedRange, body: swarm_pb2.DataPlaneBindRequest) -> None:
         """Refuse a bind whose next hop is not what the tracker lists (``next_hop_refusal``): the
-        worker would connect to whatever host and port the owner named. A list fetched for an
-        earlier bind is reused for NODE_LIST_REUSE_S, and asked for again once when it refuses
-        (the next hop may have become READY since)."""
+        worker would connect to whatever host and port the owner named. A list fetched within
+        NODE_LIST_REUSE_S serves; one that refuses is fetched again first (the next hop may have
+        become READY since)."""
         if not body.next_port:
             return
-        for attempt in range(2):
-            cached = self._node_list
-            fresh = cached is None or attempt > 0 or trio.current_time() - cached[0] > NODE_LIST_REUSE_S
-            if fresh:
-                request = swarm_pb2.TrackerRequest(schema_version=SCHEMA_VERSION, list_nodes=swarm_pb2.ListNodesRequest())
-                try:
-                    reply = await self._tracker_call(request)
-                except (TransportError, WireError) as err:
-                    raise WireError(
-                        Code.UNAVAILABLE, f"{range_name(served.key)}: cannot check the next hop with the tracker: {err}"
-                    ) from None
-                cached = (trio.current_time(), list(reply.list_nodes.nodes))
-                self._node_list = cached
-            assert cached is not None
-            refusal = next_hop_refusal(body, cached[1])
-            if refusal is None:
+        cached = self._node_list
+        if cached is not None and trio.current_time() - cached[0] <= NODE_LIST_REUSE_S:
+            if next_hop_refusal(body, cached[1]) is None:
                 return
-            if fresh:
-                raise WireError(Code.REFUSED, f"{range_name(served.key)}: {refusal}")
+        request = swarm_pb2.TrackerRequest(schema_version=SCHEMA_VERSION, list_nodes=swarm_pb2.ListNodesRequest())
+        try:
+            reply = await self._tracker_call(request)
+        except (TransportError, WireError) as err:
+            raise WireError(
+                Code.UNAVAILABLE, f"{range_name(served.key)}: cannot check the next hop with the tracker: {err}"
+            ) from None
+        self._node_list = (trio.current_time(), list(reply.list_nodes.nodes))
+        refusal = next_hop_refusal(body, self._node_list[1])
+        if refusal is not None:
+            raise WireError(Code.REFUSED, f"{range_name(served.key)}: {refusal}")
 
     async def _bind_data_plane(self, body: swarm_pb2.DataPlaneBindRequest, remote_peer_id: str, role: int) -> bytes:
         """Bind the owner's session on this range's worker: its steps come worker to worker

@@ -847,6 +847,10 @@ async def test_list_nodes_shows_assignments_reported_states_and_liveness(autojum
         assert [(x.begin, x.end) for x in nb.assigned] == [(3, 6)]
         assert _ranges(na.serving) == [(0, 3, READY, "")] and na.serving[0].recipe_hash == "recipe-1"
         assert _ranges(nb.serving) == [(3, 6, LOADING, "")]
+        # asked for some peers only (a node checking a bind's next hop): those, and no others
+        only_b = await h.peer(3).call(list_nodes=swarm_pb2.ListNodesRequest(peer_ids=[b.peer_id, "12D3KooWnobody"]))
+        assert [n.peer_id for n in only_b.list_nodes.nodes] == [b.peer_id]
+        assert _ranges(only_b.list_nodes.nodes[0].serving) == [(3, 6, LOADING, "")]
 
         # B fails to load: the report (with its error) shows although the range is taken back
         failed = swarm_pb2.AssignmentStatus(

@@ -178,8 +178,9 @@ _READY = State.READY  # read on every step (an enum wrapper's attribute is a loo
 
 #: Default heartbeat interval when the tracker names none.
 DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
-#: How long a bind's next-hop check reuses the tracker's node list, seconds: a route's binds
-#: come together (a list that refuses is asked for again before the bind is refused).
+#: How long a bind's next-hop check reuses the tracker's entry of that peer, seconds: binds
+#: toward one hop come together (an entry that refuses is asked for again before the bind is
+#: refused).
 NODE_LIST_REUSE_S = 2.0
 
 
@@ -504,9 +505,9 @@ class Node:
         self.registrations = 0
         self.heartbeats = 0
         self._heartbeat_wakeup = trio.Event()
-        #: the tracker's node list as a bind's next hop was last checked against, and when (trio
-        #: time): binds within NODE_LIST_REUSE_S of each other share one ``list_nodes`` call
-        self._node_list: tuple[float, list[swarm_pb2.NodeEntry]] | None = None
+        #: by peer id, the tracker's entry of a bind's next hop (none: unknown to it) and when it
+        #: was fetched (trio time): binds within NODE_LIST_REUSE_S share one ``list_nodes`` call
+        self._next_hops: dict[str, tuple[float, list[swarm_pb2.NodeEntry]]] = {}
         self._corrupter = OutputCorrupter(config.test_corrupt_outputs) if config.test_corrupt_outputs else None
         if self._corrupter is not None:
             log.warning("TEST ONLY: this node corrupts the outputs of steps it has not seen before")
@@ -1493,24 +1494,29 @@ class Node:
 
     async def _check_next_hop(self, served: ServedRange, body: swarm_pb2.DataPlaneBindRequest) -> None:
         """Refuse a bind whose next hop is not what the tracker lists (``next_hop_refusal``): the
-        worker would connect to whatever host and port the owner named. A list fetched within
-        NODE_LIST_REUSE_S serves; one that refuses is fetched again first (the next hop may have
-        become READY since)."""
+        worker would connect to whatever host and port the owner named. The tracker's entry of
+        that peer, fetched within NODE_LIST_REUSE_S, serves; one that refuses is fetched again
+        first (the next hop may have become READY since)."""
         if not body.next_port:
             return
-        cached = self._node_list
+        cached = self._next_hops.get(body.next_peer_id)
         if cached is not None and trio.current_time() - cached[0] <= NODE_LIST_REUSE_S:
             if next_hop_refusal(body, cached[1]) is None:
                 return
-        request = swarm_pb2.TrackerRequest(schema_version=SCHEMA_VERSION, list_nodes=swarm_pb2.ListNodesRequest())
+        request = swarm_pb2.TrackerRequest(
+            schema_version=SCHEMA_VERSION, list_nodes=swarm_pb2.ListNodesRequest(peer_ids=[body.next_peer_id])
+        )
         try:
             reply = await self._tracker_call(request)
         except (TransportError, WireError) as err:
             raise WireError(
                 Code.UNAVAILABLE, f"{range_name(served.key)}: cannot check the next hop with the tracker: {err}"
             ) from None
-        self._node_list = (trio.current_time(), list(reply.list_nodes.nodes))
-        refusal = next_hop_refusal(body, self._node_list[1])
+        entries = [n for n in reply.list_nodes.nodes if n.peer_id == body.next_peer_id]
+        now = trio.current_time()
+        self._next_hops = {p: c for p, c in self._next_hops.items() if now - c[0] <= NODE_LIST_REUSE_S}
+        self._next_hops[body.next_peer_id] = (now, entries)
+        refusal = next_hop_refusal(body, entries)
         if refusal is not None:
             raise WireError(Code.REFUSED, f"{range_name(served.key)}: {refusal}")
 

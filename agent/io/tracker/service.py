@@ -292,7 +292,9 @@ class Tracker:
             elif kind == "model_metadata":
                 reply.model_metadata.CopyFrom(await self._model_metadata(request.model_metadata))
             elif kind == "list_nodes":
-                reply.list_nodes.CopyFrom(swarm_pb2.ListNodesReply(nodes=self.node_entries()))
+                wanted = set(request.list_nodes.peer_ids)
+                nodes = [n for n in self.node_entries() if not wanted or n.peer_id in wanted]
+                reply.list_nodes.CopyFrom(swarm_pb2.ListNodesReply(nodes=nodes))
             elif kind == "report_lost_peer":
                 reply.report_lost_peer.CopyFrom(await self._report_lost_peer(remote_peer_id, request.report_lost_peer))
             elif kind == "integrity":

@@ -137,12 +137,18 @@ def machine(build_dir: Path) -> dict:
     return info
 
 
-def run_json(argv: list[str], timeout_s: float, env: dict | None = None) -> dict:
-    """Runs a tool that prints one JSON object on a line of stdout; that object."""
+def run_tool(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """Runs a tool to its end; RuntimeError (with its stderr's tail) when it fails."""
     log(" ".join(argv))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
-        raise RuntimeError(f"{argv[0]} exited {done.returncode}:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{Path(argv[0]).name} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done
+
+
+def run_json(argv: list[str], timeout_s: float) -> dict:
+    """Runs a tool that prints one JSON object on a line of stdout; that object."""
+    done = run_tool(argv, timeout_s)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
@@ -184,11 +190,7 @@ def llama_bench(build_dir: Path, model: Path, threads: int, prompt: int, steps: 
         llama_tool(build_dir, "llama-bench"), "-m", str(model), "-p", str(prompt), "-n", str(steps),
         "-d", f"0,{prompt}", "-ngl", "99", "-t", str(threads), "-r", str(reps), "-o", "json",
     ]  # fmt: skip
-    log(" ".join(argv))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama-bench exited {done.returncode}:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout)
+    return json.loads(run_tool(argv, timeout_s=600).stdout)
 
 
 def llama_batched_bench(build_dir: Path, model: Path, threads: int, prompt: int, steps: int) -> dict[int, dict]:
@@ -198,10 +200,7 @@ def llama_batched_bench(build_dir: Path, model: Path, threads: int, prompt: int,
         "-ub", "512", "-npp", str(prompt), "-ntg", str(steps), "-npl", ",".join(map(str, PARALLEL)),
         "-ngl", "99", "-t", str(threads), "--output-format", "jsonl",
     ]  # fmt: skip
-    log(" ".join(argv))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise RuntimeError(f"llama-batched-bench exited {done.returncode}:\n{done.stderr[-3000:]}")
+    done = run_tool(argv, timeout_s=600)
     return batched_bench_rows(done.stdout + done.stderr)
 
 

@@ -505,6 +505,13 @@ const char * test_model_or_skip() {
     return path;
 }
 
+// BATON_TEST_GPU_LAYERS=-1 runs the model tests on a GPU build's accelerator (bench/gpu_check.py);
+// unset, they run on the CPU, as CI's build does.
+int32_t test_gpu_layers() {
+    const char * text = std::getenv("BATON_TEST_GPU_LAYERS");
+    return text != nullptr ? static_cast<int32_t>(std::strtol(text, nullptr, 10)) : 0;
+}
+
 baton::ShardConfig test_config(const char * model, int32_t begin, int32_t end) {
     baton::ShardConfig c;
     c.model_path = model;
@@ -514,10 +521,7 @@ baton::ShardConfig test_config(const char * model, int32_t begin, int32_t end) {
     c.max_sequences = 4;
     c.batch_size = 64;
     c.threads = 2;
-    // BATON_TEST_GPU_LAYERS=-1 runs the model tests on a GPU build's accelerator (bench/gpu_check.py);
-    // unset, they run on the CPU, as CI's build does.
-    const char * gpu_layers = std::getenv("BATON_TEST_GPU_LAYERS");
-    c.gpu_layers = gpu_layers != nullptr ? static_cast<int32_t>(std::strtol(gpu_layers, nullptr, 10)) : 0;
+    c.gpu_layers = test_gpu_layers();
     c.model_sha256 = std::string(64, '0');  // hashing is tested elsewhere; keep the test fast
     return c;
 }
@@ -636,10 +640,8 @@ int run_model() {
     CHECK(hi.n_embd == wi.n_embd && ti.n_embd == wi.n_embd && ti.n_vocab == wi.n_vocab);
     CHECK(hi.weight_bytes < wi.weight_bytes && ti.weight_bytes < wi.weight_bytes);
     CHECK(hi.kv_bytes > 0 && ti.kv_bytes > 0 && hi.kv_bytes < ti.kv_bytes && ti.kv_bytes < wi.kv_bytes);
-    // On a GPU build run with BATON_TEST_GPU_LAYERS=-1 the blocks are on the accelerator.
-    const bool offloaded = std::getenv("BATON_TEST_GPU_LAYERS") != nullptr &&
-                           std::strtol(std::getenv("BATON_TEST_GPU_LAYERS"), nullptr, 10) != 0;
-    CHECK(wi.weight_buffer_bytes > 0 && (offloaded ? wi.backend != "CPU" : wi.backend == "CPU"));
+    // offloaded (a GPU build under BATON_TEST_GPU_LAYERS), the blocks are on the accelerator
+    CHECK(wi.weight_buffer_bytes > 0 && (test_gpu_layers() != 0 ? wi.backend != "CPU" : wi.backend == "CPU"));
     CHECK(wi.architecture == "llama");
     CHECK(wi.recipe_hash == hi.recipe_hash);
     CHECK(wi.n_seq_max == 4 && wi.n_batch_max == 64 && wi.n_ctx_per_sequence == 256);

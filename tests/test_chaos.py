@@ -98,6 +98,13 @@ async def _start(swarm: LocalSwarm) -> Chaos:
             ALIAS, prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=stop_tokens, on_token=keep
         )
         assert len(run.tokens) == NEW_TOKENS and not run.replans
+        # The rounds read the nodes' session counters (heartbeats carry them, once a second)
+        # before and after each: wait until this first session shows on its hops, or a round
+        # that began before the next heartbeat would count it as its own (seen under a loaded
+        # full suite: a first hop at 2 sessions started where its round expected 1).
+        started = {(h["node"], h["begin"], h["end"]): (1, 0, 0) for h in run.route}
+        counted = await _wait_counters(c, started, timeout_s=30.0)
+        assert {key: counted.get(key) for key in started} == started, counted
     return Chaos(swarm, memory, prompt_tokens, stop_tokens, run.tokens, run.first_token_s, scores)
 
 

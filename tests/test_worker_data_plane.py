@@ -475,3 +475,44 @@ async def test_a_hold_ended_by_a_chunk_leaves_no_hold_behind(qwen2_tiny_path) ->
             await to_b.send(b.step_frame(step(2, [n + 1], [6])))
             for session, link in ((a, from_a), (b, from_b)):
                 assert (await result_of(session, link)).error_code == 0
+
+
+async def test_connections_that_prove_nothing_give_way_and_time_out(qwen2_tiny_path) -> None:
+    """Anyone who reaches the data port can connect, but only a peer with a bound session's key
+    makes a frame open. Connections that never do cannot keep a route's hops out: when every
+    slot is taken, a new connection takes the oldest unproven one's, and an unproven connection
+    is closed after the worker's timeout (with a NOTICE saying why); a proven one stays open."""
+    timeout_ms, slots = 5000, 6
+    limits = ("--data-unproven-timeout-ms", str(timeout_ms), "--data-max-connections", str(slots))
+    async with open_chain(qwen2_tiny_path, extra_args=limits) as chain, contextlib.AsyncExitStack() as stack:
+        middle = chain[1].info.data_port
+        started = trio.current_time()
+        idle = [await stack.enter_async_context(open_data_link(HOST, middle)) for _ in range(slots)]
+        # Every slot of the middle worker is taken by an idle connection: the bind's two
+        # connections there (the first worker dials it, it dials the last) take the two oldest
+        # ones' slots, closed at once without a word.
+        session = await bind_route(chain, seq_id=0)
+        for link in idle[:2]:
+            with trio.fail_after(timeout_ms / 1000 / 2), pytest.raises(DataLinkClosed):
+                await link.receive()
+        assert trio.current_time() - started < timeout_ms / 1000, "closed to make room, not by the timeout"
+        async with open_data_link(HOST, chain[0].info.data_port) as to_first, open_data_link(
+            HOST, chain[-1].info.data_port
+        ) as from_last:
+            await from_last.send(session.attach_frame())
+            await to_first.send(session.step_frame(step(0, list(range(len(PROMPT))), PROMPT, top_k=4)))
+            assert (await result_of(session, from_last)).error_code == 0
+            # the other idle connections: closed when their time is out, each told why
+            for link in idle[2:]:
+                with trio.fail_after(3 * timeout_ms / 1000):
+                    notice = await link.receive()
+                    assert notice.kind == data_frames.NOTICE, notice
+                    assert f"no frame of a session bound here opened within {timeout_ms} ms" in notice.notice
+                    with pytest.raises(DataLinkClosed):
+                        await link.receive()
+            assert trio.current_time() - started >= timeout_ms / 1000
+            # the route's connections proved themselves: still open past the timeout, and the
+            # session goes on over them (the owner's two, and worker to worker)
+            await to_first.send(session.step_frame(step(1, [len(PROMPT)], [11], top_k=4)))
+            result = await result_of(session, from_last)
+            assert result.error_code == 0 and result.next_position == len(PROMPT) + 1, result

@@ -29,7 +29,6 @@ namespace v1 = baton::worker::v1;
 namespace {
 
 constexpr size_t kPrefixBytes = 4;            // little-endian u32 length
-constexpr size_t kMaxConnections = 256;       // beyond this, a new connection is closed at once
 constexpr int kDialTimeoutMs = 3000;
 constexpr int kSendTimeoutS = 10;             // a peer that stops reading loses its connection
 constexpr size_t kNoticeMaxLogBytes = 200;
@@ -144,9 +143,12 @@ bool parse_host_port(const std::string & text, std::string * host, uint16_t * po
     return true;
 }
 
-DataPlaneServer::DataPlaneServer(ShardWorkerService * service, size_t max_frame_bytes,
-                                 std::chrono::milliseconds prefill_pace_max)
-    : service_(service), max_frame_bytes_(max_frame_bytes), prefill_pace_max_(prefill_pace_max) {}
+DataPlaneServer::DataPlaneServer(ShardWorkerService * service, const DataPlaneLimits & limits)
+    : service_(service),
+      max_frame_bytes_(limits.max_frame_bytes),
+      prefill_pace_max_(limits.prefill_pace_max),
+      unproven_timeout_(limits.unproven_timeout),
+      max_connections_(limits.max_connections) {}
 
 DataPlaneServer::~DataPlaneServer() { stop(); }
 
@@ -248,9 +250,9 @@ std::shared_ptr<DataPlaneServer::Connection> DataPlaneServer::add_connection(int
             ++it;
         }
     }
-    if (stopping_ || connections_.size() >= kMaxConnections) {
+    if (stopping_ || !make_room()) {
         if (!stopping_) {
-            std::fprintf(stderr, "baton-worker: data plane: %zu connections open; refusing another\n",
+            std::fprintf(stderr, "baton-worker: data plane: %zu connections open, all proven; refusing another\n",
                          connections_.size());
         }
         ::close(fd);
@@ -264,6 +266,8 @@ std::shared_ptr<DataPlaneServer::Connection> DataPlaneServer::add_connection(int
     });
     conn->fd = fd;
     conn->outbound_address = outbound_address;
+    conn->proven.store(!outbound_address.empty());  // dialled by this worker: its own choice
+    conn->opened_at = std::chrono::steady_clock::now();
     try {
         conn->thread = std::thread([this, conn] {
             serve(conn);
@@ -284,6 +288,60 @@ std::shared_ptr<DataPlaneServer::Connection> DataPlaneServer::add_connection(int
     }
     connections_.push_back(conn);
     return conn;
+}
+
+bool DataPlaneServer::make_room() {
+    size_t live = 0;
+    Connection * oldest_unproven = nullptr;
+    for (const auto & c : connections_) {
+        if (c->finished.load() || c->evicted.load()) {
+            continue;  // its thread is ending: reaped by a later add_connection
+        }
+        ++live;
+        if (!c->proven.load() && c->outbound_address.empty() &&
+            (oldest_unproven == nullptr || c->opened_at < oldest_unproven->opened_at)) {
+            oldest_unproven = c.get();
+        }
+    }
+    if (live < max_connections_) {
+        return true;
+    }
+    if (oldest_unproven == nullptr) {
+        return false;
+    }
+    oldest_unproven->evicted.store(true);
+    ::shutdown(oldest_unproven->fd, SHUT_RDWR);  // wakes its reader, which ends
+    ++evictions_;
+    if ((evictions_ & (evictions_ - 1)) == 0) {  // 1, 2, 4, ...: a flood cannot fill the log
+        std::fprintf(stderr,
+                     "baton-worker: data plane: every connection slot taken; %llu unproven connection(s) closed "
+                     "so far to make room\n",
+                     static_cast<unsigned long long>(evictions_));
+    }
+    return true;
+}
+
+bool DataPlaneServer::set_read_deadline(Connection & conn) {
+    timeval timeout{};
+    if (!conn.proven.load()) {
+        const auto left = conn.opened_at + unproven_timeout_ - std::chrono::steady_clock::now();
+        const auto left_us = std::chrono::duration_cast<std::chrono::microseconds>(left).count();
+        if (left_us <= 0) {
+            const std::string notice = notice_frame(
+                "", "data plane: no frame of a session bound here opened within " +
+                        std::to_string(unproven_timeout_.count()) + " ms of connecting; closing the connection");
+            std::lock_guard<std::mutex> lock(conn.send_mu);
+            write_full(conn.fd, notice.data(), notice.size());
+            return false;
+        }
+        timeout.tv_sec = static_cast<time_t>(left_us / 1000000);
+        timeout.tv_usec = static_cast<suseconds_t>(std::max<long long>(left_us % 1000000, 1000));
+    } else if (!conn.read_deadline_set) {
+        return true;
+    }
+    ::setsockopt(conn.fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));  // {0, 0}: none
+    conn.read_deadline_set = !conn.proven.load();
+    return true;
 }
 
 void DataPlaneServer::accept_loop() {
@@ -439,9 +497,12 @@ void DataPlaneServer::serve(const std::shared_ptr<Connection> & conn) {
             }
             buffer.erase(0, start);
             start = 0;
+            if (!set_read_deadline(*conn)) {
+                return;  // unproven, and out of time
+            }
             const ssize_t got = ::read(conn->fd, chunk, sizeof(chunk));
-            if (got < 0 && errno == EINTR) {
-                continue;
+            if (got < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) {
+                continue;  // (EAGAIN: the unproven deadline passed; the next set_read_deadline says so)
             }
             if (got <= 0) {
                 return;  // the peer closed (inside a frame: truncated) or the socket failed
@@ -474,8 +535,10 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
     const uint32_t kind = static_cast<uint32_t>(frame.kind());
     switch (frame.kind()) {
     case v1::DATA_FRAME_KIND_NOTICE:
-        std::fprintf(stderr, "baton-worker: data plane: the peer says: %s\n",
-                     frame.notice().substr(0, kNoticeMaxLogBytes).c_str());
+        if (conn->proven.load()) {  // (anyone may connect: an unproven peer's notices would fill the log)
+            std::fprintf(stderr, "baton-worker: data plane: the peer says: %s\n",
+                         frame.notice().substr(0, kNoticeMaxLogBytes).c_str());
+        }
         return true;
     case v1::DATA_FRAME_KIND_RESULT:
         return refuse(sid, "a worker takes no RESULT frames", false);
@@ -513,6 +576,7 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
                                        "'s key (a peer without the key, or changed bytes)";
             }
             last = frame.counter();
+            conn->proven.store(true);
             if (!step) {
                 v1::DataAttach attach;
                 if (!attach.ParseFromString(plain)) {

@@ -37,6 +37,14 @@
 //
 // Errors: nothing a peer sends can throw out of a thread or stop another connection or
 // session (see worker.proto for which refusals close a connection).
+//
+// Unproven connections: anyone who reaches the port can connect, but only a peer holding a
+// bound session's key can make a frame open. An accepted connection that has not sent one
+// (a STEP or ATTACH that opened) within DataPlaneLimits::unproven_timeout is closed, and when
+// every connection slot is taken, a new connection takes the slot of the oldest unproven one:
+// idle or garbage-sending connections cannot keep the hops of a route from reaching this
+// worker. Connections this worker dialled are its own choice and count as proven. An
+// unproven peer's NOTICE frames are not logged (they would let anyone fill the log).
 #pragma once
 
 #include "service.h"
@@ -96,15 +104,23 @@ struct DataPlaneCounts {
     uint64_t compute_us = 0;
 };
 
+// What a DataPlaneServer accepts (worker flags, main.cpp).
+struct DataPlaneLimits {
+    size_t max_frame_bytes = 0;  // a frame's DataFrame, at most
+    // pace_prefill's longest wait (0: no pacing)
+    std::chrono::milliseconds prefill_pace_max{1000};
+    // an accepted connection without a frame that opened is closed after this (see above)
+    std::chrono::milliseconds unproven_timeout{30000};
+    size_t max_connections = 256;  // accepted and dialled together
+};
+
 // "HOST:PORT" (IPv4, a name, or [IPv6]) into host and port. False + *error on bad input.
 bool parse_host_port(const std::string & text, std::string * host, uint16_t * port, std::string * error);
 
 class DataPlaneServer final {
 public:
-    // service must outlive the server. max_frame_bytes bounds a frame's DataFrame;
-    // prefill_pace_max: pace_prefill's longest wait (0: no pacing).
-    DataPlaneServer(ShardWorkerService * service, size_t max_frame_bytes,
-                    std::chrono::milliseconds prefill_pace_max = std::chrono::milliseconds(1000));
+    // service must outlive the server.
+    DataPlaneServer(ShardWorkerService * service, const DataPlaneLimits & limits);
     ~DataPlaneServer();
 
     DataPlaneServer(const DataPlaneServer &) = delete;
@@ -139,6 +155,11 @@ private:
         std::atomic<bool> open{true};
         std::thread thread;            // its reader
         std::atomic<bool> finished{false};
+        // a frame of a bound session opened on it (or this worker dialled it): see the header
+        std::atomic<bool> proven{false};
+        std::atomic<bool> evicted{false};  // its slot went to a newer connection
+        std::chrono::steady_clock::time_point opened_at{};
+        bool read_deadline_set = false;  // SO_RCVTIMEO is on (its reader's own)
     };
     struct Session {
         uint32_t seq_id = 0;
@@ -176,6 +197,11 @@ private:
 
     void accept_loop();
     void serve(const std::shared_ptr<Connection> & conn);
+    // With conn_mu_ held: whether a connection may be added, evicting the oldest unproven
+    // accepted connection when every slot is taken.
+    bool make_room();
+    // Before a read on conn: false when it is unproven and out of time (then it is closed).
+    bool set_read_deadline(Connection & conn);
     std::shared_ptr<Connection> add_connection(int fd, const std::string & outbound_address);
     std::shared_ptr<Connection> outbound(const std::string & host, uint16_t port, std::string * error);
     // One frame read off conn (its DataFrame bytes); false when the connection must end.
@@ -213,6 +239,9 @@ private:
     ShardWorkerService * service_;
     size_t max_frame_bytes_;
     std::chrono::milliseconds prefill_pace_max_;
+    std::chrono::milliseconds unproven_timeout_;
+    size_t max_connections_;
+    uint64_t evictions_ = 0;  // guarded by conn_mu_
     std::atomic<uint16_t> port_{0};
     int listen_fd_ = -1;
     std::thread accept_thread_;

@@ -26,6 +26,7 @@ namespace {
 constexpr const char * kUsage =
     "usage: baton-worker --model PATH --layers BEGIN:END --socket PATH [--forward-socket PATH]\n"
     "                    [--data-listen HOST:PORT] [--prefill-pace-ms N]\n"
+    "                    [--data-unproven-timeout-ms N] [--data-max-connections N]\n"
     "                    [--ctx-size N] [--max-sequences N]\n"
     "                    [--batch-size N] [--threads N] [--gpu-layers N] [--model-sha256 HEX] [--no-mmap]\n"
     "       baton-worker --vocab-only --model PATH --socket PATH [--model-sha256 HEX] [--no-mmap]\n"
@@ -43,6 +44,10 @@ constexpr const char * kUsage =
     "  --prefill-pace-ms N  while sessions decode on the data plane, a prefill Forward waits up to\n"
     "                    N ms for the next decode Forward, so that chunks and decode steps take\n"
     "                    turns (default 1000; 0: no pacing)\n"
+    "  --data-unproven-timeout-ms N  a data-plane connection that has sent no frame of a session\n"
+    "                    bound here (sealed with its key) is closed after N ms (default 30000)\n"
+    "  --data-max-connections N  data-plane connections, accepted and dialled (default 256); when\n"
+    "                    all are taken, a new one replaces the oldest unproven accepted one\n"
     "  --ctx-size N      positions per sequence (default 2048)\n"
     "  --max-sequences N sequence ids 0..N-1 (default 4)\n"
     "  --batch-size N    most rows one Forward may carry (default 512)\n"
@@ -163,6 +168,10 @@ int main(int argc, char ** argv) {
             }
         } else if (flag == "--prefill-pace-ms") {
             options.prefill_pace_ms = static_cast<uint32_t>(parse_integer(flag, take_value(), 0, 600000));
+        } else if (flag == "--data-unproven-timeout-ms") {
+            options.data_unproven_timeout_ms = static_cast<uint32_t>(parse_integer(flag, take_value(), 1, 3600000));
+        } else if (flag == "--data-max-connections") {
+            options.data_max_connections = static_cast<uint32_t>(parse_integer(flag, take_value(), 2, 65536));
         } else if (flag == "--ctx-size") {
             shard.ctx_size_per_seq = static_cast<uint32_t>(parse_integer(flag, take_value(), 1, kI32Max));
         } else if (flag == "--max-sequences") {

@@ -656,8 +656,12 @@ int serve_worker(const WorkerOptions & options) {
         }
     }
 
-    DataPlaneServer data_plane(&service, static_cast<size_t>(max_receive_message_bytes(info)) + 4096,
-                               std::chrono::milliseconds(options.prefill_pace_ms));
+    DataPlaneLimits limits;
+    limits.max_frame_bytes = static_cast<size_t>(max_receive_message_bytes(info)) + 4096;
+    limits.prefill_pace_max = std::chrono::milliseconds(options.prefill_pace_ms);
+    limits.unproven_timeout = std::chrono::milliseconds(options.data_unproven_timeout_ms);
+    limits.max_connections = options.data_max_connections;
+    DataPlaneServer data_plane(&service, limits);
     if (!options.data_host.empty()) {
         const std::string failed = info.vocab_only ? "a vocab-only worker has no data plane"
                                                    : data_plane.start(options.data_host, options.data_port);

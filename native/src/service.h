@@ -105,6 +105,8 @@ struct WorkerOptions {
     std::string data_host;
     uint16_t data_port = 0;
     uint32_t prefill_pace_ms = 1000;  // DataPlaneServer::pace_prefill's longest wait (0: off)
+    uint32_t data_unproven_timeout_ms = 30000;  // DataPlaneLimits::unproven_timeout
+    uint32_t data_max_connections = 256;        // DataPlaneLimits::max_connections
     // > 0: SIGHUP (the parent-death signal main() arms on Linux) stops the worker as SIGTERM
     // does, but only once getppid() differs from parent_pid; otherwise it is ignored.
     int parent_pid = 0;

@@ -682,3 +682,99 @@ async def test_a_version_1_peer_is_sent_plain_requests_and_gets_every_reply() ->
             frame = await _read_channel_frame(old, reader)
             assert (frame.kind, frame.exchange_id, frame.payload) == (frames.REPLY, 1, b"ok")
             nursery.cancel_scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def _bounded_pair(**limits) -> AsyncIterator[Pair]:  # noqa: ANN003
+    """A pair whose listener (b) has the given ``ChannelConfig`` bounds."""
+    net = MemoryNetwork()
+    ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    async with open_channel_transport(ka, net.add(peer_id_of(ka)), ChannelConfig()) as a:
+        async with open_channel_transport(kb, net.add(peer_id_of(kb)), ChannelConfig(**limits)) as b:
+            yield Pair(a, b, net)
+
+
+async def _echo_on(stream: _TlsStream, exchange_id: int) -> bytes:
+    """One echo request on a raw TLS connection; its reply's bytes (b"" when it was closed)."""
+    body = frames.request_header(exchange_id, ECHO) + b"raw"
+    try:
+        await stream.send_all(frames.frame_prefix(len(body)) + body)
+        with trio.fail_after(5):
+            return await stream.receive_some(1 << 16)
+    except (trio.BrokenResourceError, ssl.SSLError, OSError):
+        return b""
+
+
+async def test_a_connection_beyond_the_bounds_takes_the_slot_of_the_one_idle_longest() -> None:
+    """Anyone can make a key: accepted connections are bounded per peer id and in all, and a
+    new one over a bound takes the slot of the one idle longest (of the same peer, over the
+    peer's bound); the others are served on."""
+    async with _bounded_pair(max_inbound_per_peer=2, max_inbound_connections=3) as pair:
+        a, b = pair.a, pair.b
+        _server, rogue_context = tls_contexts(Ed25519PrivateKey.generate(), 3600)
+        r1 = await _raw_tls(_port(b), rogue_context)
+        assert b"echo:raw" in await _echo_on(r1, 1)
+        r2 = await _raw_tls(_port(b), rogue_context)
+        assert b"echo:raw" in await _echo_on(r2, 1)
+        r3 = await _raw_tls(_port(b), rogue_context)  # the rogue's third: r1 (idle longest) goes
+        assert b"echo:raw" in await _echo_on(r3, 1)
+        assert await _echo_on(r1, 3) == b"" and b.connections_evicted == 1
+        assert b"echo:raw" in await _echo_on(r2, 3)
+        # another peer's connection fits (3 in all); one more (a third peer) takes the slot of
+        # the one idle longest in all: r3
+        assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"a", timeout_s=5) == b"echo:a"
+        _server, other_context = tls_contexts(Ed25519PrivateKey.generate(), 3600)
+        r4 = await _raw_tls(_port(b), other_context)
+        assert b"echo:raw" in await _echo_on(r4, 1)
+        assert await _echo_on(r3, 3) == b"" and b.connections_evicted == 2
+        assert b"echo:raw" in await _echo_on(r2, 5)
+        assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"a2", timeout_s=5) == b"echo:a2"
+        for stream in (r1, r2, r3, r4):
+            await stream.aclose()
+
+
+async def test_requests_beyond_the_bound_in_flight_are_answered_busy_at_once() -> None:
+    async with _bounded_pair(max_requests_in_flight=2) as pair:
+        a, b = pair.a, pair.b
+        arrived = {"slow": 0}
+        both_arrived = trio.Event()
+
+        async def slow_echo(remote: str, payload: bytes) -> bytes:
+            arrived["slow"] += 1
+            if arrived["slow"] == 2:
+                both_arrived.set()
+            await pair.release.wait()
+            return b"echo:" + payload
+
+        b.set_handler(ECHO, slow_echo)
+        replies = []
+
+        async def one(payload: bytes) -> None:
+            replies.append(await a.request(b.peer_id, b.listen_addrs, ECHO, payload, timeout_s=10))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, b"s1")
+            nursery.start_soon(one, b"s2")
+            with trio.fail_after(5):
+                await both_arrived.wait()
+            with pytest.raises(TransportError, match="busy: 2 requests of this connection"):
+                await a.request(b.peer_id, b.listen_addrs, ECHO, b"third", timeout_s=5)
+            assert arrived["slow"] == 2 and b.requests_refused_busy == 1
+            pair.release.set()
+        assert sorted(replies) == [b"echo:s1", b"echo:s2"]
+        assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"after", timeout_s=5) == b"echo:after"
+        assert a.connections_dialled == 1, "the busy answer left the connection as it was"
+
+
+async def test_accepted_connections_in_their_handshake_are_bounded() -> None:
+    async with _bounded_pair(max_handshakes=1) as pair:
+        b = pair.b
+        async with await trio.open_tcp_stream("127.0.0.1", _port(b)) as stalled:  # never says hello
+            await stalled.send_all(b"\x16")  # (a byte of a record: the server is in its handshake)
+            with trio.fail_after(5):
+                while b.handshakes_in_progress == 0:  # a condition to reach, not a delay to wait out
+                    await trio.sleep(0.01)
+            async with await trio.open_tcp_stream("127.0.0.1", _port(b)) as second:
+                assert await _closed_without_reply(second.receive_some)
+            assert b.connections_refused == 1
+        assert await pair.a.request(b.peer_id, b.listen_addrs, ECHO, b"ok", timeout_s=5) == b"echo:ok"

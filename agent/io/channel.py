@@ -95,6 +95,15 @@ class ChannelConfig:
     be longer; a connection that breaks fails the exchanges not yet confirmed, some of which
     the peer may have taken (steps of the last ``ack_delay_s``: their owners are told of a
     failure they may already have moved past, and ignore it).
+
+    What peers may hold here (anyone can make a key and its certificate, so these bound
+    every peer, admitted or not): ``max_handshakes``: accepted connections still in their TLS
+    handshake (beyond it a new TCP connection is closed at once); ``max_inbound_connections``
+    and ``max_inbound_per_peer``: accepted connections in all and of one peer id, where a new
+    one over either bound takes the slot of the one idle longest (of that peer's, over the
+    peer's bound: a peer that reconnects replaces its stale connection); and
+    ``max_requests_in_flight``: requests of one connection being answered in tasks, beyond
+    which a request is answered "busy" at once (an ERROR frame) instead of starting one more.
     """
 
     listen_host: str | None = "127.0.0.1"
@@ -107,10 +116,19 @@ class ChannelConfig:
     # a decode step every ~20 ms: one TAKEN frame stands for ~10 acks; a broken connection
     # fails at most a quarter second of steps that were in fact taken
     ack_delay_s: float = 0.25
+    max_handshakes: int = 64
+    # a tracker holds one per node and client of its swarm (its open-file limit must allow them)
+    max_inbound_connections: int = 4096
+    max_inbound_per_peer: int = 4
+    max_requests_in_flight: int = 1024
 
     def __post_init__(self) -> None:
-        if self.max_frame_bytes < 1:
-            raise ValueError(f"max_frame_bytes must be positive, got {self.max_frame_bytes}")
+        for name in (
+            "max_frame_bytes", "max_handshakes", "max_inbound_connections", "max_inbound_per_peer",
+            "max_requests_in_flight",
+        ):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("connect_timeout_s", "cert_lifetime_s", "deadline_check_interval_s", "ack_delay_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
@@ -191,6 +209,10 @@ class _TlsStream:
         self._tls_closed = False  # the peer's close_notify came
         self._failed: str | None = None  # why the incoming stream ended badly
         self.broken: str | None = None  # why the outgoing byte stream can no longer be trusted
+
+    def close_soon(self, reason: str) -> None:
+        """End the connection from outside its reader: the reader then sees it end."""
+        self._break(reason)
 
     def _break(self, reason: str) -> None:
         if self.broken is None:
@@ -434,6 +456,8 @@ class _Connection:
         self._taken_waiting = trio.Event()
         self.taken_frames_received = 0
         self.acceptances_confirmed = 0  # this side's quiet requests that TAKEN frames ended
+        self.requests_in_tasks = 0  # requests being answered in tasks (ChannelConfig.max_requests_in_flight)
+        self.last_read_at = trio.current_time()  # which accepted connection has been idle longest
 
     async def send_frame(self, header: bytes, payload: bytes) -> None:
         try:
@@ -646,8 +670,9 @@ class ChannelTransport:
     (requests sent over the channel), ``requests_sent_soon`` (those of them sent by
     ``request_soon``), ``fallback_requests`` (sent through ``fallback``),
     ``connections_dialled``, ``connections_accepted``, ``connections_refused`` (inbound
-    handshakes or peer certificates that failed), ``frames_refused`` (connections closed for
-    a bad frame).
+    handshakes or peer certificates that failed, or over ``max_handshakes``),
+    ``connections_evicted`` (accepted ones closed to make room, ``ChannelConfig``),
+    ``frames_refused`` (connections closed for a bad frame), ``requests_refused_busy``.
     """
 
     def __init__(
@@ -668,6 +693,8 @@ class ChannelTransport:
         self._spawn = spawn  # to the task that runs connections (the nursery stays in open_*)
         self._handlers: dict[str, Handler] = {}
         self._connections: dict[str, _Connection] = {}
+        self._inbound: set[_Connection] = set()  # accepted and serving
+        self._handshakes = 0  # accepted, in their handshake
         self._dial_locks: dict[str, trio.Lock] = {}
         self.channel_addrs: list[str] = []
         self.channel_requests = 0
@@ -676,7 +703,14 @@ class ChannelTransport:
         self.connections_dialled = 0
         self.connections_accepted = 0
         self.connections_refused = 0
+        self.connections_evicted = 0
         self.frames_refused = 0
+        self.requests_refused_busy = 0
+
+    @property
+    def handshakes_in_progress(self) -> int:
+        """Accepted connections in their TLS handshake now (``ChannelConfig.max_handshakes``)."""
+        return self._handshakes
 
     # -- Transport ---------------------------------------------------------------------------
 
@@ -873,6 +907,7 @@ class ChannelTransport:
                 connection.fail("the peer closed the connection")
                 return
             reader.commit(received)
+            connection.last_read_at = trio.current_time()
             later: list[tuple[bytes, bytes]] = []  # replies sent once the tasks they woke ran
             while (frame := reader.take_frame(parse_channel_frame)) is not None:
                 kind = frame.kind
@@ -893,7 +928,15 @@ class ChannelTransport:
                             later.append(reply)
                         else:
                             connection.send_frame_soon(*reply)
+                    elif connection.requests_in_tasks >= self.config.max_requests_in_flight:
+                        self.requests_refused_busy += 1
+                        connection.send_frame_soon(
+                            error_header(frame.exchange_id),
+                            f"busy: {connection.requests_in_tasks} requests of this connection are being "
+                            f"answered; send fewer at once".encode(),
+                        )
                     else:
+                        connection.requests_in_tasks += 1
                         handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
                 elif kind == TAKEN:
                     connection.settle_taken(read_taken_ids(frame.payload))
@@ -911,18 +954,26 @@ class ChannelTransport:
     async def _answer(
         self, connection: _Connection, handler: Handler | None, exchange_id: int, protocol_id: str, payload: bytes
     ) -> None:
-        if handler is None:
-            answer: bytes | Exception | None = None
-        else:
-            try:
-                answer = bytes(await handler(connection.peer_id, payload))
-            except Exception as error:
-                log.exception("handler for %s failed on a request from %s", protocol_id, connection.peer_id)
-                answer = error
-        await connection.send_frame_quietly(*_reply_frame(connection, exchange_id, protocol_id, answer))
+        try:
+            if handler is None:
+                answer: bytes | Exception | None = None
+            else:
+                try:
+                    answer = bytes(await handler(connection.peer_id, payload))
+                except Exception as error:
+                    log.exception("handler for %s failed on a request from %s", protocol_id, connection.peer_id)
+                    answer = error
+            await connection.send_frame_quietly(*_reply_frame(connection, exchange_id, protocol_id, answer))
+        finally:
+            connection.requests_in_tasks -= 1
 
     async def serve_inbound(self, server_context: ssl.SSLContext, tcp: trio.SocketStream) -> None:
         """One accepted TCP connection: handshake, check the peer's certificate, serve it."""
+        if self._handshakes >= self.config.max_handshakes:
+            self.connections_refused += 1
+            await tcp.aclose()
+            return
+        self._handshakes += 1
         stream = _TlsStream(tcp, server_context, server_side=True)
         try:
             with trio.fail_after(self.config.connect_timeout_s):
@@ -933,8 +984,27 @@ class ChannelTransport:
             log.info("refused a channel connection: %s: %s", type(error).__name__, error)
             await stream.aclose()
             return
+        finally:
+            self._handshakes -= 1
         self.connections_accepted += 1
-        await self.run_connection(_Connection(stream, remote, self.config.max_frame_bytes, outbound=False))
+        connection = _Connection(stream, remote, self.config.max_frame_bytes, outbound=False)
+        self._make_room(remote)
+        self._inbound.add(connection)
+        try:
+            await self.run_connection(connection)
+        finally:
+            self._inbound.discard(connection)
+
+    def _make_room(self, peer_id: str) -> None:
+        """Before an accepted connection of ``peer_id`` is served: close the one idle longest of
+        that peer's, then of all, while either is at its bound (``ChannelConfig``)."""
+        for bound, of_peer in ((self.config.max_inbound_per_peer, True), (self.config.max_inbound_connections, False)):
+            held = [c for c in self._inbound if c.closed is None and (not of_peer or c.peer_id == peer_id)]
+            for idle in sorted(held, key=lambda c: c.last_read_at)[: max(0, len(held) - bound + 1)]:
+                self.connections_evicted += 1
+                log.info("closing an idle channel connection from %s to make room", idle.peer_id)
+                idle.fail("closed to make room for a newer connection")
+                idle.stream.close_soon("closed to make room for a newer connection")
 
 
 def _answered(

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from agent.core.openai_api import ApiError, chat_chunk, chat_response, parse_request, token_logprobs, usage
+from agent.core.openai_api import ApiError, chat_chunk, chat_response, check_unicode, parse_request, token_logprobs, usage
 
 
 def _chat(**fields):
@@ -90,6 +90,24 @@ def test_a_body_that_is_not_an_object_is_400() -> None:
     with pytest.raises(ApiError) as caught:
         parse_request([1, 2], "chat")
     assert caught.value.status == 400
+
+
+def test_text_that_is_not_unicode_is_400_naming_where() -> None:
+    check_unicode({"model": "m", "messages": [{"role": "user", "content": "ok 😀 中文"}], "stop": ["\n"]})
+    cases = [
+        ({"prompt": "a\ud800b"}, "prompt", "(\\ud800) at character 1"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
+         "messages[0].content[0].text", "(\\udfff) at character 0"),
+        ({"stop": ["fine", "x\ud83d"]}, "stop[1]", "at character 1"),  # half of an emoji's pair
+        ({"\ud800": 1}, "a field name", "at character 0"),
+    ]  # fmt: skip
+    for body, where, detail in cases:
+        with pytest.raises(ApiError) as caught:
+            check_unicode(body)
+        error = caught.value
+        assert error.status == 400 and error.param == (None if where == "a field name" else where), error
+        assert error.message.startswith(f"{where} is not valid Unicode text: a lone surrogate"), error.message
+        assert detail in error.message, error.message
 
 
 def test_error_types_by_status() -> None:

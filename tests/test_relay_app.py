@@ -186,6 +186,22 @@ async def test_swarm_failures_map_to_503_and_504(app_parts, failure: BaseExcepti
 
 
 @pytest.mark.timeout(30)
+async def test_a_lone_surrogate_in_the_body_is_400_and_the_relay_serves_on(app_parts) -> None:
+    app, key, _client, _state = app_parts
+    auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    async with _http(app) as http:
+        reply = await http.post(
+            "/v1/chat/completions", headers=auth,
+            content=b'{"model": "tiny", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
+        )  # fmt: skip
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "messages[0].content" and "lone surrogate" in error["message"], error
+        again = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, headers=auth)
+        assert again.status_code == 200, again.text
+
+
+@pytest.mark.timeout(30)
 async def test_a_prompt_over_the_context_is_400(app_parts) -> None:
     app, key, _client, _state = app_parts
     async with _http(app) as http:

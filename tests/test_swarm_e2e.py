@@ -577,6 +577,13 @@ def test_baton_generate_cli(swarm3: RunningSwarm, reference) -> None:
     assert unknown.returncode == 2
     assert "no-such-model" in unknown.stderr
 
+    # argv bytes that are not UTF-8: a clear refusal before anything is sent
+    not_utf8 = subprocess.run(
+        [os.fsencode(part) for part in command] + [b"bad \xff byte"], capture_output=True, timeout=100, check=False
+    )
+    assert not_utf8.returncode == 2, not_utf8.stderr
+    assert b"the prompt is not valid UTF-8 text: byte 0xff at character 4" in not_utf8.stderr, not_utf8.stderr
+
 
 # --- admission over the real transport ---------------------------------------------------------------
 

@@ -141,6 +141,35 @@ def _bad(message: str, param: str | None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def check_unicode(body: object, path: str = "") -> None:
+    """Refuse text that is not Unicode anywhere in a decoded JSON body: JSON's ``\\uD800``
+    escapes decode to lone surrogates, which no tokenizer, log or UTF-8 stream can take.
+
+    Raises:
+      ApiError: 400 naming where (``messages[0].content``), the character and its index.
+    """
+    if isinstance(body, str):
+        _refuse_surrogates(body, path or "the request body", path or None)
+    elif isinstance(body, Mapping):
+        for key, value in body.items():
+            _refuse_surrogates(str(key), "a field name", path or None)
+            check_unicode(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(body, list):
+        for index, value in enumerate(body):
+            check_unicode(value, f"{path}[{index}]")
+
+
+def _refuse_surrogates(text: str, where: str, param: str | None) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise _bad(
+            f"{where} is not valid Unicode text: a lone surrogate (\\u{ord(text[error.start]):04x}) "
+            f"at character {error.start}",
+            param,
+        ) from None
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -73,6 +73,13 @@ def main(args: argparse.Namespace) -> int:
     from .swarm import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
     from agent.io.transport import TransportError
 
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as error:  # argv bytes that are not UTF-8 arrive as lone surrogates
+        bad = args.prompt[error.start]
+        what = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"\\u{ord(bad):04x}"
+        print(f"baton generate: the prompt is not valid UTF-8 text: {what} at character {error.start}", file=sys.stderr)
+        return 2
     key = None
     if args.key:
         from agent.io.keys import KeyFileError, load_or_create_key

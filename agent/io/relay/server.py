@@ -43,6 +43,7 @@ from agent.core.openai_api import (
     ApiError,
     CompletionRequest,
     chat_chunk,
+    check_unicode,
     chat_response,
     completion_chunk,
     completion_response,
@@ -542,9 +543,11 @@ async def _read_json(request: Request, limit: int):  # noqa: ANN202
         chunks.append(chunk)
     raw = b"".join(chunks)
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ApiError(400, f"The request body is not valid JSON: {error}") from None
+    check_unicode(body)
+    return body
 
 
 def build_app(state: RelayState) -> Starlette:

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import trio
 
 from agent._proto import swarm_pb2
 from agent.core.chat_template import ChatTemplate
@@ -198,6 +199,32 @@ async def test_a_lone_surrogate_in_the_body_is_400_and_the_relay_serves_on(app_p
         error = reply.json()["error"]
         assert error["param"] == "messages[0].content" and "lone surrogate" in error["message"], error
         again = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, headers=auth)
+        assert again.status_code == 200, again.text
+
+
+@pytest.mark.timeout(30)
+async def test_a_body_that_trickles_past_its_timeout_is_408_and_the_relay_serves_on(app_parts, autojump_clock) -> None:
+    """A client that sends its headers and then part of its body (or nothing) holds its
+    request for ``body_timeout_s`` at most (trio's MockClock jumps to the deadline)."""
+    app, key, _client, state = app_parts
+    assert state.config.body_timeout_s == 30.0  # the default
+    auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "Content-Length": "200"}
+
+    async def trickle():  # noqa: ANN202
+        yield b'{"model": "tiny", '
+        await trio.sleep_forever()
+
+    async with _http(app) as http:
+        started = trio.current_time()
+        reply = await http.post("/v1/completions", headers=auth, content=trickle())
+        assert reply.status_code == 408, reply.text
+        assert trio.current_time() - started == pytest.approx(30.0, abs=1.0)
+        error = reply.json()["error"]
+        assert error["code"] == "request_timeout", error
+        assert error["message"] == "The request body did not arrive within 30 s (18 bytes of 200 came).", error
+        again = await http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, headers={"Authorization": f"Bearer {key}"}
+        )
         assert again.status_code == 200, again.text
 
 

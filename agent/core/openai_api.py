@@ -66,6 +66,7 @@ _ERROR_TYPES = {
     401: ("invalid_request_error", "invalid_api_key"),
     404: ("invalid_request_error", "model_not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
     500: ("server_error", None),

@@ -1,7 +1,8 @@
 """``baton relay``: run the OpenAI-compatible relay, manage its API keys, show its ledger.
 
   baton relay serve --tracker MADDR --db PATH [--listen HOST:PORT] [--key PATH]
-                    [--anonymous-tokens-per-day N] [--max-body-bytes N] [--request-timeout-s S]
+                    [--anonymous-tokens-per-day N] [--max-body-bytes N] [--body-timeout-s S]
+                    [--request-timeout-s S]
                     [--step-timeout-s S] [--queue-timeout-s S] [--cache-dir DIR]
                     [--addr-file PATH] [--p2p-listen MADDR] [--log-level LEVEL]
   baton relay keys add NAME --db PATH [--tokens-per-day N] [--requests-per-minute N]
@@ -96,8 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest request body (default 1048576)",
     )  # fmt: skip
     serve.add_argument(
+        "--body-timeout-s", type=cli_args.positive_float, default=30.0, metavar="S",
+        help="seconds a request body may take to arrive after its headers, else 408 (default 30)",
+    )  # fmt: skip
+    serve.add_argument(
         "--request-timeout-s", type=cli_args.positive_float, default=10.0, metavar="S",
-        help="seconds to read a request (default 10)",
+        help="seconds one request to the tracker or a node may take (default 10)",
     )  # fmt: skip
     serve.add_argument(
         "--step-timeout-s", type=cli_args.positive_float, default=30.0, metavar="S",

@@ -74,7 +74,10 @@ class RelayConfig:
     """A relay's settings (``baton relay serve`` flags).
 
     ``anonymous_tokens_per_day``: 0 switches anonymous access off (every request needs a key).
-    ``max_body_bytes``: larger request bodies get 413.
+    ``max_body_bytes``: larger request bodies get 413. ``body_timeout_s``: a body that has not
+    all arrived this long after its headers gets 408 (a client trickling bytes holds nothing
+    for long; Hypercorn's own read timeout would also cut long streamed answers).
+    ``request_timeout_s``: one request to the tracker or a node.
     ``generation_timeout_s``: a whole generation over this gets 504.
     ``default_max_tokens``: a chat request without ``max_tokens`` generates at most this many
     (and never past the model's context).
@@ -91,6 +94,7 @@ class RelayConfig:
     key_path: Path | None = None
     anonymous_tokens_per_day: int = 0
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0
     request_timeout_s: float = 10.0
     step_timeout_s: float = 30.0
     queue_timeout_s: float = 60.0
@@ -531,16 +535,20 @@ class _CompletionResponse:
 # --- the app ---------------------------------------------------------------------------------------
 
 
-async def _read_json(request: Request, limit: int):  # noqa: ANN202
+async def _read_json(request: Request, limit: int, timeout_s: float):  # noqa: ANN202
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"The request body is {declared} bytes, over the limit of {limit} bytes.")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"The request body is over the limit of {limit} bytes.")
-        chunks.append(chunk)
+    with trio.move_on_after(timeout_s) as deadline:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"The request body is over the limit of {limit} bytes.")
+            chunks.append(chunk)
+    if deadline.cancelled_caught:
+        expected = f"of {declared} " if declared is not None and declared.isdigit() else ""
+        raise ApiError(408, f"The request body did not arrive within {timeout_s:g} s ({size} bytes {expected}came).")
     raw = b"".join(chunks)
     try:
         body = json.loads(raw)
@@ -583,7 +591,7 @@ def build_app(state: RelayState) -> Starlette:
     def completions(kind: str, endpoint: str):  # noqa: ANN202
         async def handler(request: Request) -> Response:
             principal = _authenticate(state, request)
-            body = await _read_json(request, state.config.max_body_bytes)
+            body = await _read_json(request, state.config.max_body_bytes, state.config.body_timeout_s)
             req = parse_request(body, kind)
             prompt = await _prepare(state, req)
             _admit(state, principal)
@@ -818,6 +826,7 @@ def serve_main(args) -> int:  # noqa: ANN001 - argparse.Namespace from agent.io.
             key_path=Path(args.key) if args.key else None,
             anonymous_tokens_per_day=args.anonymous_tokens_per_day,
             max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.body_timeout_s,
             request_timeout_s=args.request_timeout_s,
             step_timeout_s=args.step_timeout_s,
             queue_timeout_s=args.queue_timeout_s,

@@ -78,3 +78,34 @@ def deepseek4_tiny_path() -> Path:
     """Synthetic DeepSeek V4 (6 blocks, n_embd 64, 4 hyper-connection streams, compression
     ratios 0, 4, 128, 4, 128, 0, hash-routed block 0)."""
     return model_path("deepseek4-tiny")
+
+
+def _tcp_timer(server_port: int, client_port: int) -> int | None:
+    """The kernel's timer on the accepted end of a loopback TCP connection (``/proc/net/tcp``'s
+    ``tr``): 2 while a keepalive timer is set on an idle established socket, 0 without one, 1
+    while data waits for its ACK; None when there is no such socket (yet)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, timer = fields[1], fields[2], fields[5]
+        if int(local.split(":")[1], 16) == server_port and int(remote.split(":")[1], 16) == client_port:
+            return int(timer.split(":")[0], 16)
+    return None
+
+
+async def _idle_tcp_timer(server_port: int, client_port: int) -> int:
+    """``_tcp_timer`` once the socket exists and nothing it sent waits for an ACK (a condition
+    polled, at most 10 s: the ACK of the last reply may be delayed)."""
+    import trio
+
+    with trio.fail_after(10):
+        while (timer := _tcp_timer(server_port, client_port)) in (None, 1):
+            await trio.sleep(0.01)
+    return timer
+
+
+@pytest.fixture
+def idle_tcp_timer():  # noqa: ANN201
+    """``await idle_tcp_timer(server_port, client_port)``: see ``_idle_tcp_timer`` (Linux)."""
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("needs Linux's /proc/net/tcp")
+    return _idle_tcp_timer

@@ -778,3 +778,13 @@ async def test_accepted_connections_in_their_handshake_are_bounded() -> None:
                 assert await _closed_without_reply(second.receive_some)
             assert b.connections_refused == 1
         assert await pair.a.request(b.peer_id, b.listen_addrs, ECHO, b"ok", timeout_s=5) == b"echo:ok"
+
+
+async def test_channel_connections_keep_alive(pair: Pair, idle_tcp_timer) -> None:
+    """TCP keepalive on both ends of a channel connection (agent.io.raw_socket.keep_alive)."""
+    a, b = pair.a, pair.b
+    assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"x", timeout_s=5) == b"echo:x"
+    (connection,) = a._connections.values()
+    local_port = connection.stream._sock.getsockname()[1]
+    assert await idle_tcp_timer(_port(b), local_port) == 2, "the accepted end"
+    assert await idle_tcp_timer(local_port, _port(b)) == 2, "the dialled end"

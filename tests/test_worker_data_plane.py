@@ -516,3 +516,18 @@ async def test_connections_that_prove_nothing_give_way_and_time_out(qwen2_tiny_p
             await to_first.send(session.step_frame(step(1, [len(PROMPT)], [11], top_k=4)))
             result = await result_of(session, from_last)
             assert result.error_code == 0 and result.next_position == len(PROMPT) + 1, result
+
+
+async def test_data_plane_connections_keep_alive(qwen2_tiny_path, idle_tcp_timer) -> None:
+    """TCP keepalive on the worker's accepted connections: an idle one whose peer's machine
+    vanished (no FIN: power, network) ends instead of holding its slot and thread for ever."""
+    async with open_chain(qwen2_tiny_path, cuts=((0, 6),)) as (worker,), open_data_link(
+        HOST, worker.info.data_port
+    ) as link:
+        # a frame for no session: its NOTICE says the worker's thread took the connection
+        # (accepted and its options set), not only the kernel
+        await link.send(data_frames.sealed_frame(data_frames.STEP, os.urandom(32), os.urandom(16), 1, b""))
+        with trio.fail_after(10):
+            assert "is bound here" in (await link.receive()).notice
+        timer = await idle_tcp_timer(worker.info.data_port, link._sock.getsockname()[1])
+        assert timer == 2, f"no keepalive timer on the worker's end (tr={timer})"

@@ -195,8 +195,10 @@ class _TlsStream:
         # the TCP socket leaves trio's stream (TCP_NODELAY stays set on it); this object owns
         # it. suppress_ragged_eofs=False: a stream cut without close_notify is an error, not
         # an end (a frame may be missing its end)
+        plain = raw_socket.adopt(tcp)
+        raw_socket.keep_alive(plain)  # an idle connection to a vanished peer ends (raw_socket)
         self._sock = context.wrap_socket(
-            raw_socket.adopt(tcp), server_side=server_side, do_handshake_on_connect=False, suppress_ragged_eofs=False
+            plain, server_side=server_side, do_handshake_on_connect=False, suppress_ragged_eofs=False
         )
         # a semaphore, not a Lock: a send started in the frame reader (send_nowait) may be
         # finished, and the stream released, by another task (finish_send)

@@ -17,7 +17,23 @@ import socket
 
 import trio
 
-__all__ = ["acquire", "adopt", "receive_into", "send_all"]
+__all__ = ["acquire", "adopt", "keep_alive", "receive_into", "send_all"]
+
+
+#: TCP keepalive (the worker's data plane uses the same, native/src/data_plane.cpp): a peer
+#: whose machine vanished without closing (power, network, a laptop's sleep) is found within
+#: about idle + interval x count seconds, so an idle connection to it ends instead of staying.
+KEEP_IDLE_S, KEEP_INTERVAL_S, KEEP_COUNT = 30, 10, 3
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """Switch on TCP keepalive on ``sock`` with the intervals above."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if not hasattr(socket, "TCP_KEEPIDLE"):  # (macOS before Python 3.10: the system's intervals)
+        return
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEP_IDLE_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEP_INTERVAL_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEP_COUNT)
 
 
 async def acquire(lock: trio.Lock | trio.Semaphore) -> None:

@@ -31,6 +31,12 @@ namespace {
 constexpr size_t kPrefixBytes = 4;            // little-endian u32 length
 constexpr int kDialTimeoutMs = 3000;
 constexpr int kSendTimeoutS = 10;             // a peer that stops reading loses its connection
+// TCP keepalive: a peer whose machine vanished without closing (power, network, a laptop's
+// sleep) is found within ~idle + interval x count seconds, so its connection ends and frees
+// its slot and thread; without it an idle connection from a gone owner or hop stays for ever.
+constexpr int kKeepIdleS = 30;
+constexpr int kKeepIntervalS = 10;
+constexpr int kKeepCount = 3;
 constexpr size_t kNoticeMaxLogBytes = 200;
 
 std::string hex_of(const std::string & bytes) {
@@ -68,6 +74,10 @@ uint32_t grpc_code(ErrorCode code) { return static_cast<uint32_t>(to_grpc_status
 void set_socket_options(int fd) {
     const int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));  // a step is one small write
+    ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+    ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &kKeepIdleS, sizeof(kKeepIdleS));
+    ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &kKeepIntervalS, sizeof(kKeepIntervalS));
+    ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &kKeepCount, sizeof(kKeepCount));
     timeval timeout{};
     timeout.tv_sec = kSendTimeoutS;
     ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));

@@ -27,7 +27,10 @@ KEEP_IDLE_S, KEEP_INTERVAL_S, KEEP_COUNT = 30, 10, 3
 
 
 def keep_alive(sock: socket.socket) -> None:
-    """Switch on TCP keepalive on ``sock`` with the intervals above."""
+    """Switch on TCP keepalive on ``sock`` with the intervals above (a socket that is not TCP,
+    e.g. a socketpair in a test, is left as it is)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     if not hasattr(socket, "TCP_KEEPIDLE"):  # (macOS before Python 3.10: the system's intervals)
         return

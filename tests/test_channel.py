@@ -705,31 +705,62 @@ async def _echo_on(stream: _TlsStream, exchange_id: int) -> bytes:
         return b""
 
 
-async def test_a_connection_beyond_the_bounds_takes_the_slot_of_the_one_idle_longest() -> None:
-    """Anyone can make a key: accepted connections are bounded per peer id and in all, and a
-    new one over a bound takes the slot of the one idle longest (of the same peer, over the
-    peer's bound); the others are served on."""
-    async with _bounded_pair(max_inbound_per_peer=2, max_inbound_connections=3) as pair:
-        a, b = pair.a, pair.b
+async def test_a_peer_over_its_bound_of_connections_is_refused_until_one_of_its_own_is_idle(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """Anyone can make a key: accepted connections of one peer id are bounded. Over the bound a
+    new one is refused while the peer's others are in use, and takes the slot of the one idle
+    longest once that one has been idle ``idle_evict_s`` (trio's MockClock, moved by hand)."""
+    async with _bounded_pair(max_inbound_per_peer=2, idle_evict_s=30.0) as pair:
+        b = pair.b
         _server, rogue_context = tls_contexts(Ed25519PrivateKey.generate(), 3600)
         r1 = await _raw_tls(_port(b), rogue_context)
         assert b"echo:raw" in await _echo_on(r1, 1)
         r2 = await _raw_tls(_port(b), rogue_context)
         assert b"echo:raw" in await _echo_on(r2, 1)
-        r3 = await _raw_tls(_port(b), rogue_context)  # the rogue's third: r1 (idle longest) goes
+        r3 = await _raw_tls(_port(b), rogue_context)  # both in use: refused after its handshake
+        assert await _echo_on(r3, 1) == b"" and b.connections_refused == 1
+        assert b"echo:raw" in await _echo_on(r1, 3) and b"echo:raw" in await _echo_on(r2, 3)
+        mock_clock.jump(31.0)
+        assert b"echo:raw" in await _echo_on(r2, 5)  # r1 idle for 31 s, r2 not
+        r4 = await _raw_tls(_port(b), rogue_context)
+        assert b"echo:raw" in await _echo_on(r4, 1)
+        assert await _echo_on(r1, 5) == b"" and b.connections_evicted == 1
+        assert b"echo:raw" in await _echo_on(r2, 7)
+        assert await pair.a.request(b.peer_id, b.listen_addrs, ECHO, b"a", timeout_s=5) == b"echo:a"
+        for stream in (r1, r2, r3, r4):
+            await stream.aclose()
+
+
+async def test_over_the_bound_in_all_a_connection_is_refused_before_its_handshake(
+    mock_clock: trio.testing.MockClock,
+) -> None:
+    """Over the bound of accepted connections in all, a new TCP connection is closed before
+    its handshake while every other is in use (its dialler falls back to libp2p), and takes the
+    slot of the one idle longest once that one has been idle ``idle_evict_s``."""
+    async with _bounded_pair(max_inbound_connections=2, idle_evict_s=30.0) as pair:
+        b = pair.b
+        contexts = [tls_contexts(Ed25519PrivateKey.generate(), 3600)[1] for _ in range(3)]
+        r1 = await _raw_tls(_port(b), contexts[0])
+        assert b"echo:raw" in await _echo_on(r1, 1)
+        r2 = await _raw_tls(_port(b), contexts[1])
+        assert b"echo:raw" in await _echo_on(r2, 1)
+        refused = _TlsStream(await trio.open_tcp_stream("127.0.0.1", _port(b)), contexts[2], server_side=False)
+        try:
+            with pytest.raises((ssl.SSLError, trio.BrokenResourceError, OSError)):
+                await refused.do_handshake()
+        finally:
+            await refused.aclose()
+        assert b.connections_refused == 1 and b.handshakes_in_progress == 0
+        # a peer whose dial is refused this way reaches b through the fallback (libp2p here)
+        assert await pair.a.request(b.peer_id, b.listen_addrs, ECHO, b"a", timeout_s=5) == b"echo:a"
+        assert pair.a.fallback_requests == 1 and pair.a.channel_requests == 0
+        mock_clock.jump(31.0)
+        assert b"echo:raw" in await _echo_on(r2, 3)
+        r3 = await _raw_tls(_port(b), contexts[2])
         assert b"echo:raw" in await _echo_on(r3, 1)
         assert await _echo_on(r1, 3) == b"" and b.connections_evicted == 1
-        assert b"echo:raw" in await _echo_on(r2, 3)
-        # another peer's connection fits (3 in all); one more (a third peer) takes the slot of
-        # the one idle longest in all: r3
-        assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"a", timeout_s=5) == b"echo:a"
-        _server, other_context = tls_contexts(Ed25519PrivateKey.generate(), 3600)
-        r4 = await _raw_tls(_port(b), other_context)
-        assert b"echo:raw" in await _echo_on(r4, 1)
-        assert await _echo_on(r3, 3) == b"" and b.connections_evicted == 2
-        assert b"echo:raw" in await _echo_on(r2, 5)
-        assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"a2", timeout_s=5) == b"echo:a2"
-        for stream in (r1, r2, r3, r4):
+        for stream in (r1, r2, r3):
             await stream.aclose()
 
 

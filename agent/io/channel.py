@@ -99,9 +99,12 @@ class ChannelConfig:
     What peers may hold here (anyone can make a key and its certificate, so these bound
     every peer, admitted or not): ``max_handshakes``: accepted connections still in their TLS
     handshake (beyond it a new TCP connection is closed at once); ``max_inbound_connections``
-    and ``max_inbound_per_peer``: accepted connections in all and of one peer id, where a new
-    one over either bound takes the slot of the one idle longest (of that peer's, over the
-    peer's bound: a peer that reconnects replaces its stale connection); and
+    and ``max_inbound_per_peer``: accepted connections in all and of one peer id. A new one
+    over either bound takes the slot of the one idle longest among those it counts against
+    when that one has been idle ``idle_evict_s`` (a connection left by a session that ended, or
+    by a peer that reconnected); otherwise the new one is closed: before its handshake when
+    over the bound in all (its dialler then falls back to libp2p), after it when over its
+    peer's (its first request fails). A connection in use is never closed for a newer one.
     ``max_requests_in_flight``: requests of one connection being answered in tasks, beyond
     which a request is answered "busy" at once (an ERROR frame) instead of starting one more.
     """
@@ -119,7 +122,8 @@ class ChannelConfig:
     max_handshakes: int = 64
     # a tracker holds one per node and client of its swarm (its open-file limit must allow them)
     max_inbound_connections: int = 4096
-    max_inbound_per_peer: int = 4
+    max_inbound_per_peer: int = 8
+    idle_evict_s: float = 30.0
     max_requests_in_flight: int = 1024
 
     def __post_init__(self) -> None:
@@ -129,7 +133,7 @@ class ChannelConfig:
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("connect_timeout_s", "cert_lifetime_s", "deadline_check_interval_s", "ack_delay_s"):
+        for name in ("connect_timeout_s", "cert_lifetime_s", "deadline_check_interval_s", "ack_delay_s", "idle_evict_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
@@ -971,7 +975,7 @@ class ChannelTransport:
 
     async def serve_inbound(self, server_context: ssl.SSLContext, tcp: trio.SocketStream) -> None:
         """One accepted TCP connection: handshake, check the peer's certificate, serve it."""
-        if self._handshakes >= self.config.max_handshakes:
+        if self._handshakes >= self.config.max_handshakes or not self._room_for(None):
             self.connections_refused += 1
             await tcp.aclose()
             return
@@ -988,25 +992,37 @@ class ChannelTransport:
             return
         finally:
             self._handshakes -= 1
+        if not self._room_for(remote):
+            self.connections_refused += 1
+            log.info("refused a channel connection from %s: %d of its connections are in use", remote,
+                     self.config.max_inbound_per_peer)  # fmt: skip
+            await stream.aclose()
+            return
         self.connections_accepted += 1
         connection = _Connection(stream, remote, self.config.max_frame_bytes, outbound=False)
-        self._make_room(remote)
         self._inbound.add(connection)
         try:
             await self.run_connection(connection)
         finally:
             self._inbound.discard(connection)
 
-    def _make_room(self, peer_id: str) -> None:
-        """Before an accepted connection of ``peer_id`` is served: close the one idle longest of
-        that peer's, then of all, while either is at its bound (``ChannelConfig``)."""
-        for bound, of_peer in ((self.config.max_inbound_per_peer, True), (self.config.max_inbound_connections, False)):
-            held = [c for c in self._inbound if c.closed is None and (not of_peer or c.peer_id == peer_id)]
-            for idle in sorted(held, key=lambda c: c.last_read_at)[: max(0, len(held) - bound + 1)]:
-                self.connections_evicted += 1
-                log.info("closing an idle channel connection from %s to make room", idle.peer_id)
-                idle.fail("closed to make room for a newer connection")
-                idle.stream.close_soon("closed to make room for a newer connection")
+    def _room_for(self, peer_id: str | None) -> bool:
+        """Whether a new accepted connection may be served: under the bound in all (``peer_id``
+        None, before its handshake) or under its peer's; at the bound, when the one idle
+        longest among those counted has been idle ``idle_evict_s``, it is closed to make room
+        (``ChannelConfig``)."""
+        bound = self.config.max_inbound_connections if peer_id is None else self.config.max_inbound_per_peer
+        held = [c for c in self._inbound if c.closed is None and (peer_id is None or c.peer_id == peer_id)]
+        if len(held) < bound:
+            return True
+        idle = min(held, key=lambda c: c.last_read_at)
+        if trio.current_time() - idle.last_read_at < self.config.idle_evict_s:
+            return False
+        self.connections_evicted += 1
+        log.info("closing a channel connection from %s, idle, to make room for a newer one", idle.peer_id)
+        idle.fail("closed to make room for a newer connection")
+        idle.stream.close_soon("closed to make room for a newer connection")
+        return True
 
 
 def _answered(

@@ -110,6 +110,15 @@ def test_text_that_is_not_unicode_is_400_naming_where() -> None:
         assert detail in error.message, error.message
 
 
+def test_unicode_is_checked_at_any_depth() -> None:
+    deep: object = "bad \udc80"
+    for _ in range(5000):  # deeper than Python's recursion limit
+        deep = [deep]
+    with pytest.raises(ApiError) as caught:
+        check_unicode({"prompt": deep})
+    assert caught.value.param == "prompt" + "[0]" * 5000 and "(\\udc80) at character 4" in caught.value.message
+
+
 def test_error_types_by_status() -> None:
     assert ApiError(401, "x").envelope()["error"]["code"] == "invalid_api_key"
     assert ApiError(404, "x").envelope()["error"]["code"] == "model_not_found"

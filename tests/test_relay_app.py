@@ -187,7 +187,7 @@ async def test_swarm_failures_map_to_503_and_504(app_parts, failure: BaseExcepti
 
 
 @pytest.mark.timeout(30)
-async def test_a_lone_surrogate_in_the_body_is_400_and_the_relay_serves_on(app_parts) -> None:
+async def test_a_lone_surrogate_or_a_too_deep_body_is_400_and_the_relay_serves_on(app_parts) -> None:
     app, key, _client, _state = app_parts
     auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     async with _http(app) as http:
@@ -198,6 +198,8 @@ async def test_a_lone_surrogate_in_the_body_is_400_and_the_relay_serves_on(app_p
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert error["param"] == "messages[0].content" and "lone surrogate" in error["message"], error
+        deep = await http.post("/v1/completions", headers=auth, content=b"[" * 100_000 + b"]" * 100_000)
+        assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"], deep.text
         again = await http.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, headers=auth)
         assert again.status_code == 200, again.text
 

@@ -142,22 +142,25 @@ def _bad(message: str, param: str | None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def check_unicode(body: object, path: str = "") -> None:
+def check_unicode(body: object) -> None:
     """Refuse text that is not Unicode anywhere in a decoded JSON body: JSON's ``\\uD800``
     escapes decode to lone surrogates, which no tokenizer, log or UTF-8 stream can take.
+    (A loop, not recursion: any nesting json.loads accepts is walked.)
 
     Raises:
       ApiError: 400 naming where (``messages[0].content``), the character and its index.
     """
-    if isinstance(body, str):
-        _refuse_surrogates(body, path or "the request body", path or None)
-    elif isinstance(body, Mapping):
-        for key, value in body.items():
-            _refuse_surrogates(str(key), "a field name", path or None)
-            check_unicode(value, f"{path}.{key}" if path else str(key))
-    elif isinstance(body, list):
-        for index, value in enumerate(body):
-            check_unicode(value, f"{path}[{index}]")
+    pending: list[tuple[object, str]] = [(body, "")]
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, str):
+            _refuse_surrogates(value, path or "the request body", path or None)
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                _refuse_surrogates(str(key), "a field name", path or None)
+                pending.append((item, f"{path}.{key}" if path else str(key)))
+        elif isinstance(value, list):
+            pending.extend((item, f"{path}[{index}]") for index, item in enumerate(value))
 
 
 def _refuse_surrogates(text: str, where: str, param: str | None) -> None:

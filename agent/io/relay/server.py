@@ -554,6 +554,8 @@ async def _read_json(request: Request, limit: int, timeout_s: float):  # noqa: A
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ApiError(400, f"The request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ApiError(400, "The request body is nested too deeply to be decoded.") from None
     check_unicode(body)
     return body
 

@@ -1083,3 +1083,18 @@ def test_model_arg_parsing():
     assert (str(path), alias) == ("/m/a.gguf", "smol")
     path, alias = parse_model_arg("C:/m/a.gguf")
     assert (str(path), alias) == ("C:/m/a.gguf", "a")
+
+
+def test_the_database_directory_is_made_and_a_path_that_cannot_be_a_database_is_a_clear_error(tmp_path, capsys):
+    from agent.cli import main as baton
+
+    nested = tmp_path / "state" / "tracker" / "tracker.db"
+    with open_store(nested) as store:
+        assert store.find_model("nothing") is None
+    assert nested.is_file() and (nested.parent.stat().st_mode & 0o777) == 0o700
+    a_directory = tmp_path / "a-directory.db"
+    a_directory.mkdir()
+    key = tmp_path / "tracker.key"
+    assert baton(["tracker", "serve", "--db", str(a_directory), "--key", str(key), "--canary-interval-s", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"baton tracker serve: cannot open the database {a_directory}: it is a directory" in err, err

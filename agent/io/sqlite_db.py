@@ -13,20 +13,47 @@ import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["SqliteStore", "connect", "transaction"]
+__all__ = ["DatabaseOpenError", "SqliteStore", "connect", "ensure_directory", "transaction"]
+
+_DIR_MODE = 0o700  # a store's directory, when Baton creates it
+
+
+class DatabaseOpenError(OSError):
+    """The database file cannot be opened (a directory that cannot be made or written, a path
+    that is a directory, no permission): an OSError, so the commands' usual handling reports it."""
+
+
+def ensure_directory(path: Path) -> None:
+    """Create the directory ``path`` will be in (mode 0700) when it is missing.
+
+    Raises:
+      DatabaseOpenError: it cannot be made.
+    """
+    if path.parent.exists():
+        return
+    try:
+        path.parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+    except OSError as error:
+        raise DatabaseOpenError(f"cannot make the directory for the database {path}: {error}") from None
 
 
 def connect(
     path: Path, *, busy_timeout_s: float = 5.0, not_a_database: Callable[[sqlite3.DatabaseError], Exception] | None = None
 ) -> sqlite3.Connection:
-    """A connection to ``path`` (created if missing) with the stores' settings.
+    """A connection to ``path`` (created if missing, and its directory) with the stores' settings.
 
     ``not_a_database(error)``: the exception to raise when the file is not SQLite at all.
 
     Raises:
-      sqlite3.Error / OSError: the file cannot be opened (or what ``not_a_database`` returns).
+      DatabaseOpenError: the file cannot be opened.
+      sqlite3.Error: the file fails later (or what ``not_a_database`` returns).
     """
-    connection = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None)  # explicit transactions
+    ensure_directory(path)
+    try:
+        connection = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None)  # explicit transactions
+    except sqlite3.OperationalError as error:  # ("unable to open database file": nothing more from SQLite)
+        why = "it is a directory" if path.is_dir() else str(error)
+        raise DatabaseOpenError(f"cannot open the database {path}: {why}") from None
     try:
         try:
             connection.execute("PRAGMA journal_mode=WAL")

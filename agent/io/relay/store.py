@@ -72,7 +72,6 @@ API_KEY_PREFIX = "sk-baton-"
 ANONYMOUS = "anonymous"
 
 _FILE_MODE = 0o600
-_DIR_MODE = 0o700
 _NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 _DAY_PATTERN = re.compile(r"\d{4}-\d{2}-\d{2}")
 
@@ -391,8 +390,7 @@ def _key_record(row) -> KeyRecord:
 
 def _create_private_file(path: Path) -> None:
     """Create ``path`` empty with mode 0600 unless it exists; refuse one others may access."""
-    if not path.parent.exists():
-        path.parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+    sqlite_db.ensure_directory(path)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
     except FileExistsError:

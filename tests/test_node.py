@@ -917,6 +917,15 @@ async def test_cli_refuses_a_node_nobody_could_reach(tmp_path: Path, capsys: pyt
     assert "--listen none needs --relay" in capsys.readouterr().err
 
 
+async def test_cli_refuses_a_model_that_is_not_gguf_before_hashing_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("# some notes, not a model\n")
+    args = parse_cli(["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--model", str(not_gguf), "--key", str(tmp_path / "k")])
+    assert await node_cli.run(args) == node_cli.EXIT_SETUP
+    err = capsys.readouterr().err
+    assert f"baton node: model {not_gguf}: not a GGUF file (it starts with b'# so', not b'GGUF')" in err, err
+
+
 async def test_relay_needs_a_transport_that_can_reserve() -> None:
     network = MemoryNetwork()
     key = Ed25519PrivateKey.generate()

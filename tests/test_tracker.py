@@ -1098,3 +1098,8 @@ def test_the_database_directory_is_made_and_a_path_that_cannot_be_a_database_is_
     assert baton(["tracker", "serve", "--db", str(a_directory), "--key", str(key), "--canary-interval-s", "0"]) == 2
     err = capsys.readouterr().err
     assert f"baton tracker serve: cannot open the database {a_directory}: it is a directory" in err, err
+    not_a_database = tmp_path / "notes.db"
+    not_a_database.write_text("not SQLite\n" * 100)
+    assert baton(["tracker", "nodes", "--db", str(not_a_database)]) == 2
+    err = capsys.readouterr().err
+    assert f"{not_a_database}: not a Baton tracker database (file is not a database)" in err, err

@@ -15,9 +15,18 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["GGUF_MAGIC", "gguf_metadata_prefix", "write_sparse_gguf"]
+__all__ = ["GGUF_MAGIC", "check_gguf_magic", "gguf_metadata_prefix", "write_sparse_gguf"]
 
 GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_magic(path: str | os.PathLike[str]) -> None:
+    """Raises ValueError unless the file at ``path`` starts as a GGUF does (OSError when it
+    cannot be read): a cheap first check, before hashing or loading it."""
+    with open(path, "rb") as f:
+        start = f.read(4)
+    if start != GGUF_MAGIC:
+        raise ValueError(f"{path}: not a GGUF file (it starts with {start!r}, not {GGUF_MAGIC!r})")
 
 
 def gguf_metadata_prefix(path: str | os.PathLike[str]) -> bytes:
@@ -30,9 +39,7 @@ def gguf_metadata_prefix(path: str | os.PathLike[str]) -> bytes:
     from gguf import GGUFReader  # lazy: numpy-heavy import
 
     path = Path(path)
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ValueError(f"{path}: not a GGUF file (no GGUF magic)")
+    check_gguf_magic(path)
     try:
         data_offset = int(GGUFReader(path).data_offset)
     except (IndexError, KeyError) as error:

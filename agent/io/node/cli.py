@@ -42,6 +42,7 @@ import trio
 
 from agent import cli_args
 from agent.core.worker_wait import AUTO, WAIT_CHOICES
+from agent.io.gguf_sparse import check_gguf_magic
 from agent.models import cached_sha256
 
 from .agent import LocalModel, NodeConfig, NodeError, NodeRefused, serve_node
@@ -223,7 +224,11 @@ async def run(args: argparse.Namespace) -> int:
     models = []
     for path in args.model:
         try:
+            check_gguf_magic(path)  # before hashing it: a wrong file says so at once
             digest = await trio.to_thread.run_sync(cached_sha256, path)
+        except ValueError as err:  # (names the file)
+            print(f"baton node: model {err}", file=sys.stderr)
+            return EXIT_SETUP
         except OSError as err:
             print(f"baton node: model {path}: {err}", file=sys.stderr)
             return EXIT_SETUP

@@ -130,13 +130,14 @@ def read_registered_file(path: str | os.PathLike[str], sha256: str, size_bytes: 
     from gguf import GGUFReader
 
     from agent.core.manifest import TensorFacts
-    from agent.io.gguf_sparse import GGUF_MAGIC
+    from agent.io.gguf_sparse import check_gguf_magic
 
     path = Path(path)
     _check_registered(path, sha256, size_bytes)
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise GgufError(f"{path}: not a GGUF file (no GGUF magic)")
+    try:
+        check_gguf_magic(path)
+    except ValueError as error:
+        raise GgufError(str(error)) from None
     try:
         reader = GGUFReader(path)
     except (ValueError, IndexError, KeyError) as error:

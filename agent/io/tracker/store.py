@@ -165,7 +165,9 @@ class TrackerStore(sqlite_db.SqliteStore):
           sqlite3.Error / OSError: the file cannot be opened.
         """
         path = Path(path)
-        connection = sqlite_db.connect(path)
+        connection = sqlite_db.connect(
+            path, not_a_database=lambda error: StoreError(f"{path}: not a Baton tracker database ({error})")
+        )
         return cls._adopt(connection, path)
 
     def _migrate(self) -> None:

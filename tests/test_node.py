@@ -926,6 +926,14 @@ async def test_cli_refuses_a_model_that_is_not_gguf_before_hashing_it(tmp_path: 
     assert f"baton node: model {not_gguf}: not a GGUF file (it starts with b'# so', not b'GGUF')" in err, err
 
 
+async def test_cli_refuses_a_models_dir_that_cannot_be_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a_file = tmp_path / "models"
+    a_file.write_text("")
+    args = parse_cli(["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--models-dir", str(a_file), "--key", str(tmp_path / "k")])
+    assert await node_cli.run(args) == node_cli.EXIT_SETUP
+    assert f"baton node: --models-dir {a_file}: it exists and is not a directory" in capsys.readouterr().err
+
+
 async def test_relay_needs_a_transport_that_can_reserve() -> None:
     network = MemoryNetwork()
     key = Ed25519PrivateKey.generate()

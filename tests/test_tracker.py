@@ -1073,8 +1073,12 @@ def test_registered_models_carry_their_hugging_face_repo(db_path, qwen2_tiny_pat
 def test_a_file_that_is_not_gguf_is_refused(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all" * 10)
-    with pytest.raises(GgufError, match="not a readable GGUF file"):
+    with pytest.raises(GgufError, match="not a GGUF file \\(it starts with b'not ', not b'GGUF'\\)"):
         read_gguf_facts(bad)
+    cut = tmp_path / "cut.gguf"  # the magic, then not enough of a header
+    cut.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 7)
+    with pytest.raises(GgufError, match="not a readable GGUF file"):
+        read_gguf_facts(cut)
 
 
 def test_model_arg_parsing():

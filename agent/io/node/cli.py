@@ -216,6 +216,14 @@ async def run(args: argparse.Namespace) -> int:
     if not listen and not relay:
         print("baton node: --listen none needs --relay (nobody could reach this node)", file=sys.stderr)
         return EXIT_SETUP
+    if models_dir:
+        try:  # made now, so that a path that cannot be a directory is refused at once
+            if os.path.exists(models_dir) and not os.path.isdir(models_dir):
+                raise NotADirectoryError("it exists and is not a directory")
+            os.makedirs(models_dir, exist_ok=True)
+        except OSError as err:
+            print(f"baton node: --models-dir {models_dir}: {err}", file=sys.stderr)
+            return EXIT_SETUP
     try:
         key = load_or_create_key(args.key)
     except (KeyFileError, OSError) as err:

@@ -54,6 +54,23 @@ def _source_repo(reader) -> str:
     return ""
 
 
+def _gguf_reader(path: Path):  # noqa: ANN202 (gguf.GGUFReader, imported lazily)
+    """The GGUF at ``path``, its magic checked first (a file that is something else says so,
+    not what numpy makes of it). Raises GgufError; OSError when it cannot be read."""
+    from gguf import GGUFReader  # lazy: numpy-heavy import, only the tracker needs it
+
+    from agent.io.gguf_sparse import check_gguf_magic
+
+    try:
+        check_gguf_magic(path)
+    except ValueError as error:
+        raise GgufError(str(error)) from None
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, KeyError) as error:
+        raise GgufError(f"{path}: not a readable GGUF file ({error})") from None
+
+
 def read_gguf_facts(path: str | os.PathLike[str]) -> GgufFacts:
     """Metadata and block tensor bytes of the GGUF at ``path``.
 
@@ -61,14 +78,9 @@ def read_gguf_facts(path: str | os.PathLike[str]) -> GgufFacts:
       GgufError: not a GGUF file, or general.architecture / {arch}.block_count missing.
       OSError: the file cannot be read.
     """
-    from gguf import GGUFReader  # lazy: numpy-heavy import, only the tracker needs it
-
     path = Path(path)
     size = path.stat().st_size
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError) as error:
-        raise GgufError(f"{path}: not a readable GGUF file ({error})") from None
+    reader = _gguf_reader(path)
     arch = _field(reader, "general.architecture")
     if not arch:
         raise GgufError(f"{path}: no general.architecture in the metadata")
@@ -127,21 +139,11 @@ def read_registered_file(path: str | os.PathLike[str], sha256: str, size_bytes: 
     """
     import hashlib
 
-    from gguf import GGUFReader
-
     from agent.core.manifest import TensorFacts
-    from agent.io.gguf_sparse import check_gguf_magic
 
     path = Path(path)
     _check_registered(path, sha256, size_bytes)
-    try:
-        check_gguf_magic(path)
-    except ValueError as error:
-        raise GgufError(str(error)) from None
-    try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError) as error:
-        raise GgufError(f"{path}: not a readable GGUF file ({error})") from None
+    reader = _gguf_reader(path)
     data_offset = int(reader.data_offset)
     layout = sorted((int(t.data_offset), int(t.n_bytes), t.name) for t in reader.tensors)
     del reader  # its memory map

@@ -59,6 +59,7 @@ from agent.core.frames import (
     request_header,
     taken_frame_body,
 )
+from agent.core.connection_slots import room_for_one_more
 from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
 from agent.io import raw_socket
 from agent.io.keys import peer_id_of
@@ -1007,22 +1008,19 @@ class ChannelTransport:
             self._inbound.discard(connection)
 
     def _room_for(self, peer_id: str | None) -> bool:
-        """Whether a new accepted connection may be served: under the bound in all (``peer_id``
-        None, before its handshake) or under its peer's; at the bound, when the one idle
-        longest among those counted has been idle ``idle_evict_s``, it is closed to make room
-        (``ChannelConfig``)."""
+        """Whether a new accepted connection may be served, by the bound in all (``peer_id``
+        None, before its handshake) or its peer's (``agent.core.connection_slots``); closes
+        the idle connection it replaces."""
         bound = self.config.max_inbound_connections if peer_id is None else self.config.max_inbound_per_peer
         held = [c for c in self._inbound if c.closed is None and (peer_id is None or c.peer_id == peer_id)]
-        if len(held) < bound:
-            return True
-        idle = min(held, key=lambda c: c.last_read_at)
-        if trio.current_time() - idle.last_read_at < self.config.idle_evict_s:
-            return False
-        self.connections_evicted += 1
-        log.info("closing a channel connection from %s, idle, to make room for a newer one", idle.peer_id)
-        idle.fail("closed to make room for a newer connection")
-        idle.stream.close_soon("closed to make room for a newer connection")
-        return True
+        room = room_for_one_more([c.last_read_at for c in held], bound, trio.current_time(), self.config.idle_evict_s)
+        if room.close_first is not None:
+            idle = held[room.close_first]
+            self.connections_evicted += 1
+            log.info("closing a channel connection from %s, idle, to make room for a newer one", idle.peer_id)
+            idle.fail("closed to make room for a newer connection")
+            idle.stream.close_soon("closed to make room for a newer connection")
+        return room.take
 
 
 def _answered(

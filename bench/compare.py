@@ -315,23 +315,33 @@ def _chain_figure(runs, extra: dict) -> dict:  # noqa: ANN001
 
 async def bench_worker(
     model: Path, sha256: str, n_prompt: int, n_gen: int, runs: int, threads: int
-) -> tuple[dict, str, list[int], dict]:
-    """Baton's worker unsplit, driven directly: ``(figure, prompt text, prompt tokens, model info)``."""
+) -> tuple[dict, dict, str, list[int], dict]:
+    """Baton's worker unsplit, driven directly, one Forward a step and with the worker's greedy
+    run-ahead (runs alternating): ``(figure, run-ahead figure, prompt text, prompt tokens,
+    model info)``."""
     from agent.core.topk import DEFAULT_RESULT_TOP_K
     from agent.demo.local_demo import generate_through
     from agent.io.worker_process import open_worker
 
     async with open_worker(model, 0, None, threads=threads, model_sha256=sha256) as worker:
         text, tokens = await make_prompt(worker.client, n_prompt)
-        results = []
+        results: dict[bool, list] = {False: [], True: []}
         for i in range(runs + 1):
-            run = await generate_through([worker.client], tokens, n_gen + 1, top_k=DEFAULT_RESULT_TOP_K)
-            if i:  # the first run is the warm-up
-                results.append(run)
+            for run_ahead in (False, True):
+                run = await generate_through(
+                    [worker.client], tokens, n_gen + 1, top_k=DEFAULT_RESULT_TOP_K, run_ahead=run_ahead
+                )
+                if i:  # the first run is the warm-up
+                    results[run_ahead].append(run)
         info = worker.info
-    figure = _chain_figure(results, {"n_threads": info.n_threads, "layers": [0, info.n_layer]})
+    extra = {"n_threads": info.n_threads, "layers": [0, info.n_layer]}
+    figure = _chain_figure(results[False], extra)
+    ahead = _chain_figure(results[True], extra)
+    if ahead["tokens"] != figure["tokens"]:
+        raise RuntimeError("the worker's run-ahead chose other tokens than one Forward a step")
     return (
         figure,
+        ahead,
         text,
         tokens,
         {"n_layer": info.n_layer, "n_embd": info.n_embd, "n_vocab": info.n_vocab, "architecture": info.architecture},
@@ -888,12 +898,14 @@ def main() -> int:
 
     for round_index in range(rounds):
         log(f"round {round_index + 1} of {rounds}: {per_round} measured runs per system")
-        worker, prompt_text, prompt_tokens, model_info = measure(
-            "worker_unsplit", "Baton worker, unsplit, direct", trio.run, bench_worker,
-            model, sha256, n_prompt, n_gen, per_round, threads,
+        worker, worker_ahead, prompt_text, prompt_tokens, model_info = measure(
+            "worker_unsplit", "Baton worker, unsplit, direct (one Forward a step, and run-ahead)", trio.run,
+            bench_worker, model, sha256, n_prompt, n_gen, per_round, threads,
         )  # fmt: skip
         keep("worker_unsplit", worker)
-        log(f"  decode {worker['decode_tps']['median']:.1f} t/s, prefill {worker['prefill_tps']['median']:.1f} t/s")
+        keep("worker_run_ahead", worker_ahead)
+        log(f"  decode {worker['decode_tps']['median']:.1f} t/s, prefill {worker['prefill_tps']['median']:.1f} t/s; "
+            f"run-ahead decode {worker_ahead['decode_tps']['median']:.1f} t/s")  # fmt: skip
         keep("llama_bench", measure(
             "llama_bench", "llama-bench, unsplit", run_llama_bench, bench_bin, model, n_prompt, n_gen, threads,
             per_round,
@@ -921,7 +933,7 @@ def main() -> int:
                 n_prompt, n_gen, threads, per_round,
             ))  # fmt: skip
             log(f"  decode {collected[f'rpc_{n}'][-1]['decode_tps']['median']:.1f} t/s")
-    for name in ("worker_unsplit", "llama_bench", "baton_2", "baton_3", "rpc_2", "rpc_3"):
+    for name in ("worker_unsplit", "worker_run_ahead", "llama_bench", "baton_2", "baton_3", "rpc_2", "rpc_3"):
         systems[name] = pool_rounds(collected[name])
     for name in ("chain_3", "one_block"):
         extra[name] = pool_rounds(collected[name])
@@ -970,6 +982,11 @@ def main() -> int:
             "Baton's direct runs ask the last range for the top-40 logits (as the swarm's last hop does for greedy "
             "decode). Worker runs use the worker's defaults (4 sequences x 2048 positions of KV, flash attention auto), the "
             "same in the unsplit worker and in every node's worker."
+        ),
+        (
+            "Baton worker, run-ahead: the same generation, the worker decoding each next step by itself from the "
+            "previous step's greedy token (protocol/worker.proto, SequenceInput.run_ahead_steps) while the caller "
+            "reads the replies; runs alternate with the one-Forward-a-step runs, and the tokens are checked equal."
         ),
     ]
     for n in (2, 3):

@@ -36,6 +36,7 @@ DECODE_RATIO_TARGET = 0.8
 #: directly, llama.cpp RPC rows with llama-bench unsplit.
 SYSTEMS: tuple[tuple[str, str, str, int, str | None], ...] = (
     ("worker_unsplit", "Baton worker, unsplit (direct, Unix socket)", "baton", 0, None),
+    ("worker_run_ahead", "Baton worker, unsplit, greedy run-ahead (the worker steps itself)", "baton", 0, None),
     ("llama_bench", "llama-bench, unsplit", "llama.cpp", 0, None),
     ("baton_2", "Baton 2-split (tracker, direct channel, 2 nodes)", "baton", 2, "worker_unsplit"),
     ("baton_3", "Baton 3-split (tracker, direct channel, 3 nodes)", "baton", 3, "worker_unsplit"),
@@ -163,6 +164,9 @@ def headline(
         for what, key, target in (("decode", "decode_tps", 0.97), ("prefill", "prefill_tps", 0.95)):
             ratio = worker[key]["median"] / bench[key]["median"]
             checks.append(_check(f"Baton worker unsplit {what} / llama-bench {what}", ratio, target, True, "x", f">= {target}x"))
+    if bench is not None and (ahead := systems.get("worker_run_ahead")) is not None:
+        ratio = ahead["decode_tps"]["median"] / bench["decode_tps"]["median"]
+        checks.append(_check("Baton worker unsplit decode, run-ahead / llama-bench decode", ratio, 0.97, True, "x", ">= 0.97x"))
     for name, entry in ((transport or {}).get("results") or {}).items():
         if "ratio_channel_over_tcp" in entry:
             checks.append(

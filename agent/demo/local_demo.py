@@ -64,11 +64,14 @@ async def generate_through(
     seq_id: int = 0,
     on_token: Callable[[int], Awaitable[None]] | None = None,
     top_k: int = 0,
+    run_ahead: bool = False,
 ) -> ChainRun:
     """Greedy generation of ``prompt`` through ``chain`` (range workers in order, the first
     taking tokens, the last giving logits): one Forward per hop per step. ``top_k`` > 0: the
     last range returns only each step's top-K (the same greedy tokens; K entries a reply, not
-    n_vocab floats).
+    n_vocab floats). ``run_ahead`` (one worker holding the whole model, ``top_k`` > 0): the
+    worker decodes the steps after the prompt's by itself (``AsyncWorkerClient.forward_run_ahead``);
+    the same tokens, without this task's turn between steps.
 
     The sequence is removed from every worker before returning.
 
@@ -76,6 +79,10 @@ async def generate_through(
       Safe to cancel; the sequence is then left on the workers (remove it before reuse).
     """
     gen = GreedyGeneration(seq_id, prompt, max_new_tokens, stop_tokens, top_k=top_k)
+    if run_ahead:
+        if len(chain) != 1 or top_k < 1:
+            raise ValueError("run_ahead needs one worker holding the whole model and top_k >= 1")
+        return await _generate_run_ahead(chain[0], gen, on_token)
     prefill_s = decode_s = 0.0
     steps = 0
     while not gen.finished:
@@ -103,6 +110,34 @@ async def generate_through(
         prefill_s=prefill_s,
         decode_steps=steps - 1,
         decode_s=decode_s,
+    )
+
+
+async def _generate_run_ahead(
+    client: AsyncWorkerClient, gen: GreedyGeneration, on_token: Callable[[int], Awaitable[None]] | None
+) -> ChainRun:
+    """``generate_through``'s loop as one run-ahead: the prompt's Forward, then the worker's
+    own steps. Timed as there: prefill to the first output, decode from it to the last."""
+    marks: list[float] = []
+
+    async def on_output(out: SeqOutput) -> bool:
+        token = gen.accept(out)
+        marks.append(time.perf_counter())
+        if on_token is not None:
+            await on_token(token)  # while the worker computes the next step
+        return not gen.finished
+
+    started = time.perf_counter()
+    while not gen.finished:  # once, unless the worker stopped at its context
+        entry = gen.next_input()
+        await client.forward_run_ahead(entry, gen.max_new_tokens - len(gen.generated) - 1, gen.stop_tokens, on_output)
+    await client.remove_sequence(gen.seq_id)
+    return ChainRun(
+        tokens=gen.generated,
+        prefill_tokens=gen.prompt_len,
+        prefill_s=marks[0] - started,
+        decode_steps=len(marks) - 1,
+        decode_s=marks[-1] - marks[0],
     )
 
 

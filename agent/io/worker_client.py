@@ -17,7 +17,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -520,6 +520,14 @@ _REPLY_BUFFER_MAX_KEPT_BYTES = 16 << 20  # a bigger buffer (a long prefill's rep
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
+#: an empty request: the worker answers it at once; it ends a run-ahead (protocol/worker.proto)
+_BARRIER = worker_pb2.ForwardRequest(schema_version=SCHEMA_VERSION)
+
+
+def _framed(request: worker_pb2.ForwardRequest) -> bytes:
+    return len(payload := request.SerializeToString()).to_bytes(_PREFIX_BYTES, "little") + payload
+
+
 class _StaleConnection(Exception):
     """The Forward stream's open connection broke before any reply byte: try a fresh one."""
 
@@ -566,7 +574,7 @@ class _ForwardStream:
             self._buffer = grown
 
     async def exchange(self, request: worker_pb2.ForwardRequest, timeout_s: float) -> worker_pb2.ForwardReply:
-        data = len(payload := request.SerializeToString()).to_bytes(_PREFIX_BYTES, "little") + payload
+        data = _framed(request)
         try:
             with trio.fail_after(timeout_s):  # the wait for the lock counts too
                 await raw_socket.acquire(self._lock)  # free: no scheduler pass before the send
@@ -576,11 +584,73 @@ class _ForwardStream:
                     self._lock.release()
         except trio.TooSlowError:
             raise WorkerError("DEADLINE_EXCEEDED", f"no Forward reply within {timeout_s} s", method="Forward") from None
+        return await self._reply_of(frame)
+
+    async def _reply_of(self, frame: worker_pb2.ForwardStreamReply) -> worker_pb2.ForwardReply:
         if frame.code:
             if frame.code == _RESOURCE_EXHAUSTED:  # a frame over the worker's limit: it closed the connection
                 await self.close()
             raise WorkerError(_STATUS_NAMES.get(frame.code, "UNKNOWN"), frame.message, method="Forward")
         return frame.reply
+
+    async def run_ahead(
+        self,
+        request: worker_pb2.ForwardRequest,
+        timeout_s: float,
+        on_reply: Callable[[worker_pb2.ForwardReply], Awaitable[bool]],
+    ) -> int:
+        """``request`` (one entry asking for a run-ahead: ``SequenceInput.run_ahead_steps``)
+        and its run: ``on_reply`` gets the request's reply, then each run-ahead step's, in
+        order, and returns whether to go on. When it says stop while the worker has more, an
+        empty request ends the run and the frames already sent are read and dropped. Returns
+        the positions the sequence holds on the worker afterwards (the run's dropped steps
+        included: trim them before going on from an earlier position). ``timeout_s`` bounds
+        each frame's wait. A step's error ends the run and raises; so does anything that
+        leaves the connection's state unknown (a timeout, a cancellation), which closes it."""
+        data = _framed(request)
+        try:
+            with trio.fail_after(timeout_s):
+                await raw_socket.acquire(self._lock)
+            try:
+                return await self._run_ahead_locked(data, timeout_s, on_reply)
+            finally:
+                self._lock.release()
+        except trio.TooSlowError:
+            raise WorkerError("DEADLINE_EXCEEDED", f"no Forward reply within {timeout_s} s", method="Forward") from None
+
+    async def _run_ahead_locked(
+        self, data: bytes, timeout_s: float, on_reply: Callable[[worker_pb2.ForwardReply], Awaitable[bool]]
+    ) -> int:
+        with trio.fail_after(timeout_s):
+            frame = await self._exchange_locked(data)
+        reply = await self._reply_of(frame)
+        ok = False
+        try:
+            position = reply.entries[0].next_position if reply.entries else 0
+            more = frame.run_ahead_more
+            wanted = await on_reply(reply)
+            while more and wanted:
+                with trio.fail_after(timeout_s):
+                    frame = await self._next_frame(self._sock)
+                more = frame.run_ahead_more
+                if not frame.run_ahead:
+                    raise WorkerError("INTERNAL", "the worker answered a request nobody sent", method="Forward")
+                reply = await self._reply_of(frame)  # a step's error ends the run: its frame is the last
+                position = reply.entries[0].next_position
+                wanted = await on_reply(reply)
+            if more:  # the caller stopped first: end the run, drop its frames up to the barrier's answer
+                with trio.fail_after(timeout_s):
+                    await raw_socket.send_all(self._sock, _framed(_BARRIER))
+                    while (frame := await self._next_frame(self._sock)).run_ahead:
+                        if not frame.code and frame.reply.entries:
+                            position = frame.reply.entries[0].next_position
+            ok = True
+            return position
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
+        finally:
+            if not ok:
+                await self.close()
 
     async def _exchange_locked(self, data: bytes) -> worker_pb2.ForwardStreamReply:
         """One request and its reply. A connection that was already open and turns out broken
@@ -601,44 +671,60 @@ class _ForwardStream:
                 self._sock = raw_socket.adopt(await trio.open_unix_socket(self.path))
                 self._filled = 0
             sock = self._sock
-            waited = False
             try:
                 await raw_socket.send_all(sock, data)
+                waited = False
                 while self._filled < _PREFIX_BYTES:
                     waited = await self._fill(sock) or waited
             except (OSError, trio.BrokenResourceError) as error:
                 if may_retry and not self._filled:
                     raise _StaleConnection from None
                 raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
-            size = int.from_bytes(self._buffer[:_PREFIX_BYTES], "little")
-            if size > self.max_reply_bytes:
-                raise WorkerError(
-                    "RESOURCE_EXHAUSTED",
-                    f"a Forward stream reply of {size} bytes is over {self.max_reply_bytes}",
-                    method="Forward",
-                )
-            end = _PREFIX_BYTES + size
-            self._room_for(end)
-            while self._filled < end:
-                waited = await self._fill(sock) or waited
-            with memoryview(self._buffer) as view:
-                frame = worker_pb2.ForwardStreamReply.FromString(view[_PREFIX_BYTES:end])
-            if self._filled > end:  # (the worker sends one reply per request: never more)
-                raise WorkerError("INTERNAL", "the worker sent bytes after its reply", method="Forward")
-            self._filled = 0
-            if len(self._buffer) > _REPLY_BUFFER_MAX_KEPT_BYTES:
-                self._buffer = bytearray(_REPLY_BUFFER_BYTES)
-            if not waited:  # the reply was there at once: still a checkpoint, as trio expects
-                await trio.lowlevel.checkpoint()
+            frame = await self._next_frame(sock, waited=waited)
             ok = True
             return frame
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
             raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
-        except DecodeError:
-            raise WorkerError("INTERNAL", "the Forward stream reply does not parse", method="Forward") from None
         finally:
             if not ok:
                 await self.close()
+
+    async def _next_frame(self, sock: socket.socket | None, *, waited: bool = False) -> worker_pb2.ForwardStreamReply:
+        """The next frame from the worker (its first bytes may be in the buffer already).
+        Bytes after it stay in the buffer only where the frame says more follow (a run-ahead's):
+        a worker sends nothing unasked otherwise."""
+        if sock is None:
+            raise trio.ClosedResourceError("the Forward stream is closed")
+        while self._filled < _PREFIX_BYTES:
+            waited = await self._fill(sock) or waited
+        size = int.from_bytes(self._buffer[:_PREFIX_BYTES], "little")
+        if size > self.max_reply_bytes:
+            raise WorkerError(
+                "RESOURCE_EXHAUSTED",
+                f"a Forward stream reply of {size} bytes is over {self.max_reply_bytes}",
+                method="Forward",
+            )
+        end = _PREFIX_BYTES + size
+        self._room_for(end)
+        while self._filled < end:
+            waited = await self._fill(sock) or waited
+        try:
+            with memoryview(self._buffer) as view:
+                frame = worker_pb2.ForwardStreamReply.FromString(view[_PREFIX_BYTES:end])
+        except DecodeError:
+            raise WorkerError("INTERNAL", "the Forward stream reply does not parse", method="Forward") from None
+        if self._filled > end:
+            if not frame.run_ahead_more:  # (the worker sends one reply per request, and the run's frames)
+                raise WorkerError("INTERNAL", "the worker sent bytes after its reply", method="Forward")
+            self._buffer[: self._filled - end] = self._buffer[end : self._filled]
+            self._filled -= end
+        else:
+            self._filled = 0
+            if len(self._buffer) > _REPLY_BUFFER_MAX_KEPT_BYTES:
+                self._buffer = bytearray(_REPLY_BUFFER_BYTES)
+        if not waited:  # the reply was there at once: still a checkpoint, as trio expects
+            await trio.lowlevel.checkpoint()
+        return frame
 
     async def close(self) -> None:
         sock, self._sock = self._sock, None
@@ -741,6 +827,67 @@ class AsyncWorkerClient:
         call_us = (time.monotonic_ns() - started_ns) // 1000
         self.last_forward = ForwardTiming(compute_us=reply.compute_us, call_us=call_us)
         return outputs
+
+    async def forward_run_ahead(
+        self,
+        entry: SeqInput,
+        steps: int,
+        stop_token_ids: Collection[int],
+        on_output: Callable[[SeqOutput], Awaitable[bool]],
+        *,
+        timeout_s: float | None = None,
+    ) -> int:
+        """``entry``'s Forward, then up to ``steps`` greedy decode steps that the worker runs by
+        itself (``SequenceInput.run_ahead_steps``): each feeds the previous output's greedy token
+        (``top[-1].ids[0]``) at the next position, as a caller stepping one Forward at a time
+        would, and the run ends after a token in ``stop_token_ids`` or at the context's end.
+        ``on_output`` gets each output in order and returns whether to go on. Returns the
+        positions the sequence holds on the worker afterwards: steps the worker ran ahead past
+        the caller's stop are in it (trim them before going on from an earlier position).
+
+        For a worker holding the whole model, with ``entry.top_k`` > 0. Without a Forward
+        stream the steps are the caller's own Forwards (the same outputs, one call each).
+
+        Raises:
+          WorkerError: a refusal (INVALID_ARGUMENT: the worker or the entry does not allow a
+            run-ahead) or a step's failure; the steps before it were given to ``on_output``.
+        """
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        info = self.cached_info or await self.info(timeout_s=timeout_s)
+        timeout = self.sync.config.timeout_s if timeout_s is None else timeout_s
+        if self._stream is None:
+            return await self._stepped_run_ahead(entry, steps, frozenset(stop_token_ids), on_output, info, timeout)
+        request = forward_request([entry], info)
+        request.entries[0].run_ahead_steps = steps
+        request.entries[0].stop_token_ids.extend(int(t) for t in stop_token_ids)
+
+        async def on_reply(reply: worker_pb2.ForwardReply) -> bool:
+            return await on_output(forward_outputs(reply, info)[0])
+
+        return await self._stream.run_ahead(request, timeout, on_reply)
+
+    async def _stepped_run_ahead(
+        self,
+        entry: SeqInput,
+        steps: int,
+        stop: frozenset[int],
+        on_output: Callable[[SeqOutput], Awaitable[bool]],
+        info: WorkerInfo,
+        timeout_s: float,
+    ) -> int:
+        """``forward_run_ahead`` as one Forward per step (a worker without a Forward stream)."""
+        if not (info.takes_tokens and info.gives_logits) or not entry.top_k:
+            raise WorkerError(
+                "INVALID_ARGUMENT", "run-ahead needs a worker holding the whole model and top_k > 0", method="Forward"
+            )
+        for left in range(steps, -1, -1):
+            (out,) = await self.forward([entry], timeout_s=timeout_s)
+            token = int(out.top[-1].ids[0])
+            if not await on_output(out) or not left or token in stop or out.next_position >= info.n_ctx_per_sequence:
+                return out.next_position
+            entry = SeqInput(seq_id=entry.seq_id, positions=[out.next_position], token_ids=[token], top_k=entry.top_k)
+        raise AssertionError("unreachable")
 
     async def remove_sequence(self, seq_id: int, *, timeout_s: float | None = None) -> int:
         request = worker_pb2.RemoveSequenceRequest(schema_version=SCHEMA_VERSION, seq_id=seq_id)

@@ -3,13 +3,16 @@
 
 #include "fd_io.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <unordered_set>
 #include <utility>
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -49,7 +52,93 @@ v1::ForwardStreamReply error_reply(grpc::StatusCode code, std::string message) {
     return reply;
 }
 
+// Whether the caller has sent another frame (or closed, or the socket failed): a run-ahead
+// stops at once for it.
+bool frame_waiting(int fd) {
+    pollfd p{fd, POLLIN, 0};
+    return ::poll(&p, 1, 0) != 0;
+}
+
+// The greedy token of a top-K output: the first entry of its last row (select_top_k's order).
+// -1 when the output has none.
+int32_t greedy_token(const v1::SequenceOutput & out) {
+    const size_t k = out.top_k();
+    const size_t rows = out.n_rows();
+    const std::string & ids = out.top_token_ids();
+    if (k == 0 || rows == 0 || ids.size() != rows * k * sizeof(int32_t)) {
+        return -1;
+    }
+    int32_t token = -1;
+    std::memcpy(&token, ids.data() + (rows - 1) * k * sizeof(int32_t), sizeof(int32_t));  // little-endian
+    return token;
+}
+
 }  // namespace
+
+std::string ForwardStreamServer::run_ahead_refusal(const v1::ForwardRequest & request) const {
+    const bool asked = std::any_of(request.entries().begin(), request.entries().end(),
+                                   [](const v1::SequenceInput & in) {
+                                       return in.run_ahead_steps() > 0 || in.stop_token_ids_size() > 0;
+                                   });
+    if (!asked) {
+        return "";
+    }
+    if (!service_->takes_tokens() || !service_->gives_logits()) {
+        return "run-ahead needs a worker holding the whole model (this one does not both take tokens and give "
+               "logits)";
+    }
+    if (request.entries_size() != 1) {
+        return "run-ahead needs exactly one entry, got " + std::to_string(request.entries_size());
+    }
+    const v1::SequenceInput & in = request.entries(0);
+    if (in.top_k() == 0) {
+        return "run-ahead needs top_k > 0 (the greedy token is the first of the top-K)";
+    }
+    if (in.logit_rows_size() > 1 ||
+        (in.logit_rows_size() == 1 && static_cast<int>(in.logit_rows(0)) != in.token_ids_size() - 1)) {
+        return "run-ahead needs the last row's logits only (logit_rows empty or the last row)";
+    }
+    return "";
+}
+
+bool ForwardStreamServer::run_ahead(int fd, const v1::SequenceInput & asked, v1::ForwardStreamReply * reply) {
+    const std::unordered_set<int32_t> stop(asked.stop_token_ids().begin(), asked.stop_token_ids().end());
+    const int32_t n_ctx = static_cast<int32_t>(service_->n_ctx_per_sequence());
+    uint32_t left = asked.run_ahead_steps();
+    v1::ForwardRequest next;  // the step the caller would send next, rewritten in place each time
+    next.set_schema_version(v1::SCHEMA_VERSION_CURRENT);
+    v1::SequenceInput * step = next.add_entries();
+    step->set_seq_id(asked.seq_id());
+    step->set_top_k(asked.top_k());
+    step->add_positions(0);
+    step->add_token_ids(0);
+    for (;;) {
+        const v1::SequenceOutput & out = reply->reply().entries(0);
+        const int32_t token = greedy_token(out);
+        const int32_t position = out.next_position();
+        const bool more = left > 0 && token >= 0 && stop.count(token) == 0 && position < n_ctx;
+        reply->set_run_ahead_more(more);
+        if (!send_reply(fd, *reply)) {
+            return false;
+        }
+        if (!more || frame_waiting(fd)) {
+            return true;  // a frame waiting is read and answered by serve()
+        }
+        --left;
+        step->set_positions(0, position);
+        step->set_token_ids(0, token);
+        reply->Clear();
+        reply->set_schema_version(v1::SCHEMA_VERSION_CURRENT);
+        reply->set_run_ahead(true);
+        const grpc::Status status = service_->Forward(nullptr, &next, reply->mutable_reply());
+        if (!status.ok()) {  // this step's frame says why, and the run ends
+            reply->clear_reply();
+            reply->set_code(static_cast<uint32_t>(status.error_code()));
+            reply->set_message(status.error_message());
+            return send_reply(fd, *reply);
+        }
+    }
+}
 
 ForwardStreamServer::ForwardStreamServer(ShardWorkerService * service, size_t max_request_bytes)
     : service_(service), max_request_bytes_(max_request_bytes) {}
@@ -198,11 +287,26 @@ void ForwardStreamServer::serve(int fd) {
             }
             reply.Clear();
             reply.set_schema_version(v1::SCHEMA_VERSION_CURRENT);
-            const grpc::Status status = service_->Forward(nullptr, &request, reply.mutable_reply());
+            if (request.entries_size() == 0) {  // a barrier (it ends a run-ahead): answered at once
+                reply.mutable_reply()->set_schema_version(v1::SCHEMA_VERSION_CURRENT);
+                if (!send_reply(fd, reply)) {
+                    return;
+                }
+                continue;
+            }
+            const std::string refusal = run_ahead_refusal(request);
+            const grpc::Status status = refusal.empty()
+                                            ? service_->Forward(nullptr, &request, reply.mutable_reply())
+                                            : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, refusal);
             if (!status.ok()) {
                 reply.clear_reply();
                 reply.set_code(static_cast<uint32_t>(status.error_code()));
                 reply.set_message(status.error_message());
+            } else if (request.entries(0).run_ahead_steps() > 0) {
+                if (!run_ahead(fd, request.entries(0), &reply)) {
+                    return;
+                }
+                continue;
             }
             if (!send_reply(fd, reply)) {
                 return;

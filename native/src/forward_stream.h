@@ -8,9 +8,10 @@
 // goes"). gRPC stays the contract for everything else, and for Forward too.
 //
 // Owns: the listening socket (stale file removed before bind, mode 0600, removed by stop()),
-// one thread accepting and one thread per connection, and the frame checks (a frame over
-// max_request_bytes closes its connection after an error reply; an unparsable one gets an
-// error reply). Nothing it reads can throw out of a thread or stop another connection.
+// one thread accepting and one thread per connection, the greedy run-ahead of a connection (its
+// thread decodes the next steps by itself until the run ends or the caller sends a frame), and
+// the frame checks (a frame over max_request_bytes closes its connection after an error
+// reply; an unparsable one gets an error reply). Nothing it reads can throw out of a thread or stop another connection.
 #pragma once
 
 #include "service.h"
@@ -46,6 +47,11 @@ private:
 
     void accept_loop();
     void serve(int fd);
+    // Why the request's run-ahead fields cannot be served ("" when they can or are unset).
+    std::string run_ahead_refusal(const worker::v1::ForwardRequest & request) const;
+    // Sends *reply (the answer to a run-ahead request, OK) and then the run's steps, one frame
+    // each, until the run ends (SequenceInput.run_ahead_steps); false when the connection is over.
+    bool run_ahead(int fd, const worker::v1::SequenceInput & asked, worker::v1::ForwardStreamReply * reply);
 
     ShardWorkerService * service_;
     size_t max_request_bytes_;

@@ -165,12 +165,21 @@ grpc::Status ShardWorkerService::Health(grpc::ServerContext *, const v1::HealthR
     });
 }
 
-grpc::Status ShardWorkerService::Forward(grpc::ServerContext *, const v1::ForwardRequest * request,
+grpc::Status ShardWorkerService::Forward(grpc::ServerContext * context, const v1::ForwardRequest * request,
                                          v1::ForwardReply * reply) {
     return guarded("Forward", [&] {
         ShardStatus st = check_schema_version(request->schema_version());
         if (!st.ok()) {
             return to_grpc_status(st);
+        }
+        // A run-ahead goes on after the reply, which a unary call cannot: the Forward stream
+        // (context nullptr) serves it and has checked its rules before calling here.
+        if (context != nullptr &&
+            std::any_of(request->entries().begin(), request->entries().end(), [](const v1::SequenceInput & in) {
+                return in.run_ahead_steps() > 0 || in.stop_token_ids_size() > 0;
+            })) {
+            return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                "run_ahead_steps and stop_token_ids are served on the Forward stream only");
         }
         std::vector<ForwardEntry> entries(static_cast<size_t>(request->entries_size()));
         for (int i = 0; i < request->entries_size(); ++i) {

@@ -62,6 +62,8 @@ public:
     void count_forward() { forward_calls_.fetch_add(1, std::memory_order_relaxed); }
     uint32_t layer_begin() const { return shard_->info().layer_begin; }
     bool gives_logits() const { return shard_->info().gives_logits; }
+    bool takes_tokens() const { return shard_->info().takes_tokens; }
+    uint32_t n_ctx_per_sequence() const { return shard_->info().n_ctx_per_sequence; }
     uint32_t n_vocab() const { return shard_->info().n_vocab; }
     uint32_t n_batch_max() const { return shard_->info().n_batch_max; }
     const BoundarySchemaDesc & boundary_schema() const { return shard_->info().boundary; }

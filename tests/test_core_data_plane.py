@@ -15,6 +15,9 @@ from agent._proto import swarm_pb2, worker_pb2
 from agent.core import data_frames
 from agent.core.data_frames import DataFrameError, DataFrameReader, OwnerSession, SessionKeys
 from agent.core.data_route import (
+    continuation_steps,
+    continue_request,
+    first_hop_refusal,
     RouteKeys,
     bind_request,
     data_plane_hosts,
@@ -136,7 +139,7 @@ def test_a_route_is_on_the_data_plane_only_when_every_hop_has_a_direct_address()
 def test_each_hop_is_bound_with_its_key_and_where_its_output_goes() -> None:
     route = _route(*[[f"/ip4/10.0.0.{i}/tcp/400{i}/tls/p2p/peer{i}"] for i in range(3)])
     keys = RouteKeys.new(3, counting_bytes())
-    assert len(set(keys.step_keys) | {keys.return_key}) == 4, "a key per hop, and the return key"
+    assert len(set(keys.step_keys) | {keys.return_key, keys.continue_key}) == 5, "a key per hop, return, continue"
     hosts = data_plane_hosts(route)
     assert hosts is not None
     last = bind_request(route, 2, b"s" * 16, keys, hosts, next_port=0)
@@ -146,6 +149,45 @@ def test_each_hop_is_bound_with_its_key_and_where_its_output_goes() -> None:
     assert (middle.next_host, middle.next_port, middle.next_step_key) == ("10.0.0.2", 7003, keys.step_keys[2])
     assert middle.step_key == keys.step_keys[1] and not middle.return_key
     assert middle.next_peer_id == "peer2", "the next hop named, for its node to check"
+    # the first hop takes the last hop's CONTINUE frames under the continue key; nobody else does
+    assert bind_request(route, 0, b"s" * 16, keys, hosts, next_port=7001).continue_key == keys.continue_key
+    assert not middle.continue_key and not last.continue_key
+
+
+def test_a_greedy_session_continues_from_its_last_hop_to_its_first_within_its_budget() -> None:
+    route = _route(*[[f"/ip4/10.0.0.{i}/tcp/400{i}/tls/p2p/peer{i}"] for i in range(3)])
+    keys = RouteKeys.new(3, counting_bytes())
+    hosts = data_plane_hosts(route)
+    assert hosts is not None
+    request = continue_request(
+        route, b"s" * 16, keys, hosts, 7000, steps=5, stop_token_ids={7, 2}, max_position=0
+    )
+    assert (request.begin, request.end) == (20, 30), "asked of the last hop"
+    assert (request.first_peer_id, request.first_host, request.first_port) == ("peer0", "10.0.0.0", 7000)
+    assert request.continue_key == keys.continue_key and list(request.stop_token_ids) == [2, 7]
+    # the first data plane step (the owner's) gives token generated + 1; each continued one more
+    assert continuation_steps(max_new_tokens=10, generated=1) == 8
+    assert continuation_steps(max_new_tokens=10, generated=9) == 0
+    assert continuation_steps(max_new_tokens=10, generated=10) == 0
+
+    first = _next_node(peer_id="peer0", begin=0, data_port=7000)
+    first.listen_addrs[:] = ["/ip4/10.0.0.0/tcp/4000/tls/p2p/peer0"]
+    assert first_hop_refusal(request, [first]) is None
+
+    def refused(nodes: list[swarm_pb2.NodeEntry], why: str, **changes) -> None:  # noqa: ANN003
+        changed = swarm_pb2.DataPlaneContinueRequest()
+        changed.CopyFrom(request)
+        for name, value in changes.items():
+            setattr(changed, name, value)
+        reason = first_hop_refusal(changed, nodes)
+        assert reason is not None and why in reason, reason
+
+    refused([first], "names no first hop", first_peer_id="")
+    refused([_next_node()], "peer0 is not a live node")
+    refused([first], "from block 0", first_peer_id="peer0", model_sha256="cd" * 32)
+    refused([_next_node(peer_id="peer0", begin=10, data_port=7000)], "from block 0")
+    refused([first], "at port 7009", first_port=7009)
+    refused([first], "is not an address of the first hop peer0", first_host="10.0.0.7")
 
 
 def _next_node(**changes) -> swarm_pb2.NodeEntry:  # noqa: ANN003

@@ -471,6 +471,10 @@ async def test_greedy_through_three_nodes_equals_one_unsplit_worker(swarm3: Runn
             # the prompt through the nodes, every decode step worker to worker (the data plane)
             assert result.data_plane_steps == len(result.tokens) - 1, result.data_plane_steps
             assert {h["rows"] for h in result.node_rows} == {len(prompt_tokens) + len(result.tokens) - 1}
+            # greedy: after the first data plane step, the last hop sends each next step to the
+            # first hop itself (the owner's copies come second and are dropped); no step past
+            # the owner's end was computed (the rows above)
+            assert 1 <= result.continued_steps <= result.data_plane_steps - 1, result.continued_steps
         # over the direct channel: every node advertises one (the workers' data planes listen on
         # its host), and the prompts' results came back over it
         route = await c.route(ALIAS)
@@ -514,6 +518,29 @@ async def test_a_node_pushes_a_session_only_to_the_next_hop_the_tracker_lists(
     async with client(swarm3) as c:
         result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
     assert result.tokens == expected and result.data_plane_steps == len(result.tokens) - 1
+
+    # The same for greedy continuation: the last hop's node sends its steps only to the first
+    # hop the tracker lists; refused, the owner's own steps carry the session, unchanged.
+    honest_continue = client_swarm.continue_request
+    for change, refusal in (
+        (lambda r: setattr(r, "first_host", "127.0.0.2"), "'127.0.0.2' is not an address of the first hop"),
+        (lambda r: setattr(r, "first_port", r.first_port + 1), "with its data plane at port"),
+        (lambda r: setattr(r, "first_peer_id", r.first_peer_id[:-1] + "x"), "is not a live node of the tracker"),
+    ):
+
+        def dishonest_continue(*args, change=change, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            request = honest_continue(*args, **kwargs)
+            change(request)
+            return request
+
+        monkeypatch.setattr(client_swarm, "continue_request", dishonest_continue)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="agent.io.client.swarm"):
+            async with client(swarm3) as c:
+                result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+        assert result.tokens == expected and result.data_plane_steps == len(result.tokens) - 1
+        assert result.continued_steps == 0, "refused: every step was the owner's"
+        assert "no greedy continuation" in caplog.text and refusal in caplog.text, caplog.text
     assert_swarm_alive(swarm3)
 
 

@@ -50,15 +50,18 @@ async def bind_route(
     keep_rows_max_bytes: int = 0,
     decode_gather_us: int = 0,
     decode_groups: int = 0,
+    continue_key: bytes = b"",
 ) -> OwnerSession:
     """Binds a new session on every range (the nodes' job in the swarm), keys from os.urandom;
-    ``decode_gather_us``: the first range's lock-step hold; ``decode_groups``: its groups."""
+    ``decode_gather_us``: the first range's lock-step hold; ``decode_groups``: its groups;
+    ``continue_key``: the key of the CONTINUE frames the first range takes."""
     keys = SessionKeys.new(os.urandom)
     step_keys = [keys.first_step_key] + [os.urandom(32) for _ in workers[1:]]
     for i, worker in enumerate(workers):
         request = worker_pb2.BindSessionRequest(
             schema_version=1, session_id=keys.session_id, seq_id=seq_id, step_key=step_keys[i],
             decode_gather_us=decode_gather_us if i == 0 else 0, decode_groups=decode_groups if i == 0 else 0,
+            continue_key=continue_key if i == 0 else b"",
         )  # fmt: skip
         if i + 1 < len(workers):
             request.next_host = HOST
@@ -531,3 +534,121 @@ async def test_data_plane_connections_keep_alive(qwen2_tiny_path, idle_tcp_timer
             assert "is bound here" in (await link.receive()).notice
         timer = await idle_tcp_timer(worker.info.data_port, link._sock.getsockname()[1])
         assert timer == 2, f"no keepalive timer on the worker's end (tr={timer})"
+
+
+def continue_request(session: OwnerSession, port: int, key: bytes, steps: int, stop=()) -> worker_pb2.ContinueSessionRequest:
+    return worker_pb2.ContinueSessionRequest(
+        schema_version=1, session_id=session.session_id, host=HOST, port=port, continue_key=key, steps=steps,
+        stop_token_ids=list(stop),
+    )
+
+
+def top_of(result: worker_pb2.DataResult) -> tuple[list[int], bytes]:
+    return list(np.frombuffer(result.top_token_ids, dtype="<i4")), result.top_logits
+
+
+async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_copy_is_dropped(smollm2_path) -> None:
+    """Greedy continuation (worker.proto ContinueSession): after each decode step the last range
+    sends the next one (its greedy token) to the first range itself, under a key of its own; the
+    results are the unsplit worker's stepped one at a time, bit for bit; the owner's own copy of
+    a step already taken is dropped without a word; the budget and a stop token end it; a
+    CONTINUE frame without the key, or replayed, is refused."""
+    top_k, budget, n_ref = 8, 5, 9
+    async with (
+        open_chain(smollm2_path, ((0, 10), (10, 20), (20, 30))) as chain,
+        open_worker(smollm2_path, 0, None, threads=1, ctx_size=64) as whole,
+    ):
+        # the reference: the unsplit worker, one Forward a step, the caller picking each token
+        # (a real model: its tokens differ from step to step, so a wrong one would show)
+        outs = [(await whole.client.forward([SeqInput(0, list(range(len(PROMPT))), PROMPT, top_k=top_k)]))[0]]
+        while len(outs) < n_ref:
+            last = outs[-1]
+            token = int(last.top[-1].ids[0])
+            outs.append((await whole.client.forward([SeqInput(0, [last.next_position], [token], top_k=top_k)]))[0])
+        reference = [(list(o.top[-1].ids), np.asarray(o.top[-1].logits, dtype="<f4").tobytes()) for o in outs]
+        tokens = [int(ids[0]) for ids, _ in reference]
+        assert len(set(tokens)) > 3, tokens
+
+        first_port, last_port = chain[0].info.data_port, chain[-1].info.data_port
+        key = os.urandom(32)
+        session = await bind_route(chain, seq_id=0, continue_key=key)
+        # what cannot continue is refused with its reason
+        refusals = [
+            (chain[0], continue_request(session, first_port, key, budget), "INVALID_ARGUMENT", "only the last range"),
+            (chain[-1], continue_request(session, first_port, key[:31], budget), "INVALID_ARGUMENT", "32-byte"),
+            (chain[-1], worker_pb2.ContinueSessionRequest(
+                schema_version=1, session_id=os.urandom(16), host=HOST, port=first_port, continue_key=key, steps=1,
+            ), "FAILED_PRECONDITION", "is bound here"),
+        ]  # fmt: skip
+        for worker, request, code, why in refusals:
+            with pytest.raises(WorkerError) as caught:
+                await worker.client.call("ContinueSession", request)
+            assert caught.value.code_name == code and why in caught.value.message, caught.value
+        with pytest.raises(WorkerError) as caught:  # only the first range takes a continue_key
+            await chain[1].client.call("BindSession", worker_pb2.BindSessionRequest(
+                schema_version=1, session_id=os.urandom(16), seq_id=1, step_key=os.urandom(32), next_host=HOST,
+                next_port=last_port, next_step_key=os.urandom(32), continue_key=os.urandom(32),
+            ))  # fmt: skip
+        assert "only the first range takes a continue_key" in caught.value.message, caught.value
+        await chain[-1].client.call("ContinueSession", continue_request(session, first_port, key, budget))
+        with pytest.raises(WorkerError) as caught:
+            await chain[-1].client.call("ContinueSession", continue_request(session, first_port, os.urandom(32), 3))
+        assert caught.value.code_name == "FAILED_PRECONDITION" and "once per binding" in caught.value.message
+
+        async with open_data_link(HOST, first_port) as to_first, open_data_link(HOST, last_port) as from_last:
+            await from_last.send(session.attach_frame())
+            await to_first.send(session.step_frame(step(0, list(range(len(PROMPT))), PROMPT, top_k=top_k)))
+            results = [await result_of(session, from_last)]  # a prompt is not continued: one result
+            # the first decode step, the owner's: it and `budget` continued steps come back
+            await to_first.send(session.step_frame(step(1, [len(PROMPT)], [tokens[0]], top_k=top_k)))
+            results += [await result_of(session, from_last) for _ in range(1 + budget)]
+            assert [r.step for r in results] == list(range(2 + budget))
+            assert all(r.error_code == 0 for r in results), [r.error_message for r in results]
+            assert [top_of(r) for r in results] == reference[: 2 + budget], "the stepped unsplit worker's, bit for bit"
+            # the owner's copy of step 2 (taken from the last range already): dropped, no word;
+            # then the owner's step after the budget: taken, its result the reference's
+            await to_first.send(session.step_frame(step(2, [len(PROMPT) + 1], [tokens[1]], top_k=top_k)))
+            n = 2 + budget
+            await to_first.send(session.step_frame(step(n, [len(PROMPT) + n - 1], [tokens[n - 1]], top_k=top_k)))
+            after = await result_of(session, from_last)
+            assert after.step == n and after.error_code == 0 and top_of(after) == reference[n], after
+
+            # a CONTINUE frame without the key, and a copy of one the first range took: refused
+            async with open_data_link(HOST, first_port) as intruder:
+                body = step(n + 1, [len(PROMPT) + n], [tokens[n]], top_k=top_k).SerializeToString()
+                await intruder.send(data_frames.sealed_frame(data_frames.CONTINUE, os.urandom(32), session.session_id, 99, body))
+                assert "does not open" in (await intruder.receive()).notice
+                await intruder.send(data_frames.sealed_frame(data_frames.CONTINUE, key, session.session_id, 1, body))
+                assert "not above the last one taken" in (await intruder.receive()).notice
+
+        first_totals, last_totals = [
+            await worker.client.call("UnbindSession", worker_pb2.UnbindSessionRequest(
+                schema_version=1, session_id=session.session_id))
+            for worker in (chain[0], chain[-1])
+        ]  # fmt: skip
+        assert first_totals.continued_steps == budget and last_totals.continued_steps == budget
+        assert first_totals.duplicate_steps_dropped == 1 and first_totals.steps == 3 + budget, first_totals
+        for worker in chain:
+            await worker.client.remove_sequence(0)
+
+        # A stop token: the step that chose it is the last continued, for good (a key is never
+        # used again: its nonces would repeat).
+        stop_at = next(i for i in range(3, n_ref) if tokens[i] not in tokens[:i])
+        key = os.urandom(32)
+        session = await bind_route(chain, seq_id=0, continue_key=key)
+        await chain[-1].client.call(
+            "ContinueSession", continue_request(session, first_port, key, 100, stop=[tokens[stop_at], 99999])
+        )
+        async with open_data_link(HOST, first_port) as to_first, open_data_link(HOST, last_port) as from_last:
+            await from_last.send(session.attach_frame())
+            await to_first.send(session.step_frame(step(0, list(range(len(PROMPT))), PROMPT, top_k=top_k)))
+            await to_first.send(session.step_frame(step(1, [len(PROMPT)], [tokens[0]], top_k=top_k)))
+            results = [await result_of(session, from_last) for _ in range(stop_at + 1)]
+            assert [top_of(r) for r in results] == reference[: stop_at + 1]
+            # the owner's next step (past its stop token, as a test): taken, and not continued
+            await to_first.send(session.step_frame(step(stop_at + 1, [len(PROMPT) + stop_at], [tokens[stop_at]], top_k=top_k)))
+            assert (await result_of(session, from_last)).step == stop_at + 1
+        totals = await chain[0].client.call(
+            "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
+        )
+        assert totals.continued_steps == stop_at - 1 and totals.duplicate_steps_dropped == 0, totals

@@ -11,14 +11,18 @@ else touches it; the owner only sends STEPs to the first worker and takes RESULT
 Owns:
 - ``data_plane_hosts``: each hop's host for its worker (the host of its direct channel address:
   a hop reachable only through the relay has none, and the route stays on the node path);
-- ``RouteKeys``: one 32-byte key per hop for the STEPs it takes and the return key, all fresh
-  per session (made by the caller's ``random_bytes``);
+- ``RouteKeys``: one 32-byte key per hop for the STEPs it takes, the return key and the
+  continue key, all fresh per session (made by the caller's ``random_bytes``);
 - ``bind_request``: what the owner asks each hop's node (last hop first: each names where its
   output goes, which it learns from the next hop's answer);
 - ``next_hop_refusal``: the node's side of a bind: where its worker is told to push the
   session's boundary rows must be the next hop the tracker lists (its peer, its range, its
   data plane's port, one of its addresses), so that an owner cannot turn a volunteer's worker
   into a client of any host and port it names;
+- ``continue_request`` / ``continuation_steps`` / ``first_hop_refusal``: greedy continuation,
+  the last hop sending each next decode step straight to the first hop (protocol/worker.proto,
+  ContinueSession): what the owner asks, how many steps its session may still use, and the
+  last hop's node's check that the first hop is the one the tracker lists;
 - ``data_step`` / ``result_scores`` / ``step_result``: the owner's ``StepRequest`` as a
   ``DataStep``; a successful ``DataResult``'s scores, which the session takes
   (``Session.receive_scores``) with the checks and the choice of the node path; and a
@@ -30,7 +34,7 @@ Pure: no sockets, trio, clocks or randomness. Must not import agent.io.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -45,8 +49,11 @@ from .topk import TopLogits
 __all__ = [
     "RouteKeys",
     "bind_request",
+    "continuation_steps",
+    "continue_request",
     "data_plane_hosts",
     "data_step",
+    "first_hop_refusal",
     "next_hop_refusal",
     "result_scores",
     "step_result",
@@ -80,14 +87,18 @@ def data_plane_hosts(route: swarm_pb2.Route) -> list[str] | None:
 @dataclasses.dataclass(frozen=True)
 class RouteKeys:
     """The keys of one session on one route: ``step_keys[i]`` seals the STEPs hop ``i`` takes,
-    ``return_key`` the RESULTs the last hop sends (and the owner's ATTACH)."""
+    ``return_key`` the RESULTs the last hop sends (and the owner's ATTACH), ``continue_key``
+    the CONTINUE steps the last hop sends the first (greedy continuation)."""
 
     step_keys: tuple[bytes, ...]
     return_key: bytes
+    continue_key: bytes
 
     @classmethod
     def new(cls, n_hops: int, random_bytes: Callable[[int], bytes]) -> RouteKeys:
-        return cls(tuple(random_bytes(KEY_BYTES) for _ in range(n_hops)), random_bytes(KEY_BYTES))
+        return cls(
+            tuple(random_bytes(KEY_BYTES) for _ in range(n_hops)), random_bytes(KEY_BYTES), random_bytes(KEY_BYTES)
+        )
 
 
 def bind_request(
@@ -113,7 +124,39 @@ def bind_request(
         request.next_peer_id = route.hops[index + 1].peer_id
     else:
         request.return_key = keys.return_key
+    if index == 0:
+        request.continue_key = keys.continue_key
     return request
+
+
+def continue_request(
+    route: swarm_pb2.Route,
+    session_id: bytes,
+    keys: RouteKeys,
+    hosts: list[str],
+    first_port: int,
+    *,
+    steps: int,
+    stop_token_ids: Iterable[int],
+    max_position: int,
+) -> swarm_pb2.DataPlaneContinueRequest:
+    """What the owner asks the last hop for greedy continuation: after each decode step, send the
+    next one (its greedy token) to the first hop's worker at ``hosts[0]:first_port``, at most
+    ``steps`` of them, none after a token of ``stop_token_ids`` or at ``max_position`` or beyond."""
+    last = route.hops[-1]
+    return swarm_pb2.DataPlaneContinueRequest(
+        session_id=session_id, model_sha256=route.model_sha256, begin=last.begin, end=last.end,
+        first_peer_id=route.hops[0].peer_id, first_host=hosts[0], first_port=first_port,
+        continue_key=keys.continue_key, steps=steps, stop_token_ids=sorted(stop_token_ids), max_position=max_position,
+    )  # fmt: skip
+
+
+def continuation_steps(max_new_tokens: int, generated: int) -> int:
+    """The CONTINUE steps a session may use once ``generated`` tokens are out: its first decode
+    step on the data plane (the owner's) gives token ``generated + 1``, each continued step one
+    more, up to ``max_new_tokens``. Never more (a step past the owner's end is work for nothing;
+    one short is covered by the owner's own step)."""
+    return max(0, max_new_tokens - generated - 1)
 
 
 def next_hop_refusal(request: swarm_pb2.DataPlaneBindRequest, nodes: Sequence[swarm_pb2.NodeEntry]) -> str | None:
@@ -125,27 +168,45 @@ def next_hop_refusal(request: swarm_pb2.DataPlaneBindRequest, nodes: Sequence[sw
     next node's bind answer; anything else it names is not a hop of a route."""
     if not request.next_port:
         return None  # the last hop: its RESULTs go back over the owner's own connection
-    peer = request.next_peer_id
-    if not peer:
+    if not request.next_peer_id:
         return "the bind names no next hop (next_peer_id), so where its worker would send cannot be checked"
+    return _hop_refusal(
+        "the next hop", request.next_peer_id, request.model_sha256, request.end, request.next_host, request.next_port,
+        nodes,
+    )  # fmt: skip
+
+
+def first_hop_refusal(request: swarm_pb2.DataPlaneContinueRequest, nodes: Sequence[swarm_pb2.NodeEntry]) -> str | None:
+    """Why a last hop's node must not make ``request``'s continuation, or None: as
+    ``next_hop_refusal``, for the first hop (the model's range from block 0) at
+    ``first_host:first_port``, so that an owner cannot make a worker send anywhere else."""
+    if not request.first_peer_id:
+        return "the request names no first hop (first_peer_id), so where its worker would send cannot be checked"
+    return _hop_refusal(
+        "the first hop", request.first_peer_id, request.model_sha256, 0, request.first_host, request.first_port, nodes
+    )
+
+
+def _hop_refusal(
+    what: str, peer: str, model_sha256: str, begin: int, host: str, port: int, nodes: Sequence[swarm_pb2.NodeEntry]
+) -> str | None:
+    """Why ``peer`` is not a live node serving ``model_sha256`` from block ``begin`` with its data
+    plane at ``host:port`` by the tracker's list, or None."""
     entry = next((n for n in nodes if n.peer_id == peer), None)
     if entry is None or not entry.alive:
-        return f"the next hop {peer} is not a live node of the tracker"
+        return f"{what} {peer} is not a live node of the tracker"
     serves = any(
         status.state == swarm_pb2.AssignmentStatus.READY
-        and status.assignment.model_sha256 == request.model_sha256
-        and status.assignment.begin == request.end
-        and status.data_port == request.next_port
+        and status.assignment.model_sha256 == model_sha256
+        and status.assignment.begin == begin
+        and status.data_port == port
         for status in entry.serving
     )
     if not serves:
-        return (
-            f"the next hop {peer} serves no range of model {request.model_sha256[:12]} from block {request.end} "
-            f"with its data plane at port {request.next_port}"
-        )
+        return f"{what} {peer} serves no range of model {model_sha256[:12]} from block {begin} with its data plane at port {port}"
     hosts = {parsed[0] for parsed in map(parse_channel_multiaddr, entry.listen_addrs) if parsed is not None}
-    if request.next_host not in hosts:
-        return f"{request.next_host!r} is not an address of the next hop {peer} (the tracker lists {sorted(hosts)})"
+    if host not in hosts:
+        return f"{host!r} is not an address of {what} {peer} (the tracker lists {sorted(hosts)})"
     return None
 
 

@@ -50,6 +50,7 @@ class NodeSession:
     rows: int = 0  # rows accepted for it here (prompt, generated, rebuild): the ledger's count
     decoding: bool = False  # its last step was a decode step (one row), not a prompt chunk or rebuild
     data_plane: bool = False  # bound on the worker's data plane: its steps do not come through here
+    continued_steps: int = 0  # of its data plane steps, those a last hop's continuation sent (a first hop)
 
 
 class SessionTable:
@@ -240,9 +241,12 @@ class SessionTable:
         session.last_used_ms = now_ms
         return session
 
-    def unbound(self, session_id: bytes, *, next_step: int, next_position: int, rows: int, now_ms: int) -> None:
+    def unbound(
+        self, session_id: bytes, *, next_step: int, next_position: int, rows: int, now_ms: int, continued_steps: int = 0
+    ) -> None:
         """The worker no longer takes the session's steps; what it did while bound: the step
-        it expects next, the positions its sequence holds, the rows it computed."""
+        it expects next, the positions its sequence holds, the rows it computed, the steps it
+        took from a greedy continuation."""
         session = self._sessions.get(session_id)
         if session is None or not session.data_plane:
             return
@@ -250,6 +254,7 @@ class SessionTable:
         session.next_step = max(session.next_step, next_step)
         session.next_position = next_position
         session.rows += rows
+        session.continued_steps += continued_steps
         session.decoding = rows > 0 or session.decoding
         session.last_used_ms = now_ms
 

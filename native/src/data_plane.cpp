@@ -38,6 +38,9 @@ constexpr int kKeepIdleS = 30;
 constexpr int kKeepIntervalS = 10;
 constexpr int kKeepCount = 3;
 constexpr size_t kNoticeMaxLogBytes = 200;
+// Decode steps a first hop remembers (continuation on): a copy from the other source comes
+// within a step or two; an owner further behind than this gets the usual refusal.
+constexpr size_t kTakenStepsKept = 64;
 
 std::string hex_of(const std::string & bytes) {
     static const char * digits = "0123456789abcdef";
@@ -419,7 +422,8 @@ std::string DataPlaneServer::bind(const DataBinding & b) {
     if (previous != sessions_.end() &&
         (previous->second.step_key == b.step_key ||
          (!b.next_step_key.empty() && previous->second.next_step_key == b.next_step_key) ||
-         (!b.return_key.empty() && previous->second.return_key == b.return_key))) {
+         (!b.return_key.empty() && previous->second.return_key == b.return_key) ||
+         (!b.continue_key.empty() && previous->second.continue_key == b.continue_key))) {
         // its counters start again: the same key would seal under nonces already used
         return "a binding must bring fresh keys (these are the session's current ones)";
     }
@@ -437,6 +441,35 @@ std::string DataPlaneServer::bind(const DataBinding & b) {
     s.keep_max = b.keep_rows_max_bytes;
     s.gather_us = b.decode_gather_us;
     s.groups = b.decode_groups;
+    s.continue_key = b.continue_key;
+    return "";
+}
+
+std::string DataPlaneServer::continue_session(const DataContinuation & c) {
+    std::string error;
+    if (!outbound(c.host, c.port, &error)) {  // reachable now, not a lost step later
+        return "the first hop's data plane: " + error;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = sessions_.find(c.session_id);
+    if (found == sessions_.end()) {
+        return "no session " + hex_of(c.session_id) + " is bound here";
+    }
+    Session & s = found->second;
+    if (s.continuing) {
+        // its counter would start again under the same key: once per binding
+        return "the session continues already (once per binding)";
+    }
+    if (c.continue_key == s.step_key || c.continue_key == s.return_key) {
+        return "the continue_key must be a key of its own";
+    }
+    s.continuing = true;
+    s.cont_host = c.host;
+    s.cont_port = c.port;
+    s.cont_key = c.continue_key;
+    s.cont_left = c.steps;
+    s.cont_stop = c.stop_token_ids;
+    s.cont_max_position = c.max_position;
     return "";
 }
 
@@ -455,6 +488,8 @@ DataSessionTotals DataPlaneServer::unbind(const std::string & session_id, bool k
     totals.kept_rows_lost = found->second.kept_lost;
     totals.compute_us = found->second.compute_us;
     totals.in_worker_us = found->second.in_worker_us;
+    totals.continued_steps = std::max(found->second.continued_in, found->second.continued_out);
+    totals.duplicate_steps_dropped = found->second.duplicates_dropped;
     if (keep_bound) {
         return totals;
     }
@@ -554,6 +589,7 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
         return refuse(sid, "a worker takes no RESULT frames", false);
     case v1::DATA_FRAME_KIND_STEP:
     case v1::DATA_FRAME_KIND_ATTACH:
+    case v1::DATA_FRAME_KIND_CONTINUE:
         break;
     default:
         return refuse(sid, "unknown frame kind " + std::to_string(kind) + "; closing the connection", true);
@@ -561,6 +597,7 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
 
     std::string plain;
     std::string undelivered;
+    bool queued = false;
     std::string refusal;  // written after mu_ is released: a peer that does not read blocks only itself
     {
         std::lock_guard<std::mutex> lock(mu_);
@@ -570,12 +607,13 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
                 return "no session " + hex_of(sid) + " is bound here";
             }
             Session & s = found->second;
-            const bool step = frame.kind() == v1::DATA_FRAME_KIND_STEP;
-            const std::string & key = step ? s.step_key : s.return_key;
-            uint64_t & last = step ? s.last_step_counter : s.last_attach_counter;
+            const bool continued = frame.kind() == v1::DATA_FRAME_KIND_CONTINUE;
+            const bool step = frame.kind() == v1::DATA_FRAME_KIND_STEP || continued;
+            const std::string & key = continued ? s.continue_key : step ? s.step_key : s.return_key;
+            uint64_t & last = continued ? s.last_continue_counter : step ? s.last_step_counter : s.last_attach_counter;
             if (key.empty()) {
-                return std::string(step ? "STEP" : "ATTACH") + " frames are not taken for session " +
-                                       hex_of(sid) + " here";
+                return std::string(continued ? "CONTINUE" : step ? "STEP" : "ATTACH") +
+                       " frames are not taken for session " + hex_of(sid) + " here";
             }
             if (frame.counter() <= last) {
                 return "counter " + std::to_string(frame.counter()) + " is not above the last one taken (" +
@@ -600,7 +638,16 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
                 pending.generation = s.generation;
                 pending.read_at = std::chrono::steady_clock::now();
                 v1::DataStep & st = pending.step;
-                if (!st.ParseFromString(plain)) {
+                const bool parsed = st.ParseFromString(plain);
+                if (parsed && !s.continue_key.empty() && st.error_code() == 0 && st.step() < s.next_step &&
+                    st.positions_size() == 1 && st.token_ids_size() == 1 &&
+                    std::any_of(s.taken.begin(), s.taken.end(), [&](const Session::Taken & t) {
+                        return t.step == st.step() && t.position == st.positions(0) && t.token == st.token_ids(0);
+                    })) {
+                    ++s.duplicates_dropped;  // the other source's copy came first: nothing to do
+                    return "";
+                }
+                if (!parsed) {
                     st.Clear();
                     st.set_error_code(grpc_code(ErrorCode::kInvalidArgument));
                     st.set_error_message("the STEP body is not a DataStep");
@@ -616,10 +663,19 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
                 }
                 if (st.step() == s.next_step) {
                     ++s.next_step;  // refused or not, the next one follows it
+                    if (!s.continue_key.empty() && st.error_code() == 0 && st.positions_size() == 1 &&
+                        st.token_ids_size() == 1) {
+                        s.taken.push_back({st.step(), st.positions(0), st.token_ids(0)});
+                        if (s.taken.size() > kTakenStepsKept) {
+                            s.taken.pop_front();
+                        }
+                        s.continued_in += continued ? 1 : 0;
+                    }
                 }
                 s.decoding = st.error_code() == 0 && st.positions_size() == 1;
                 s.last_step_at = pending.read_at;
                 queue_.push_back(std::move(pending));
+                queued = true;
             }
             return "";
         }();
@@ -632,9 +688,7 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
         write_full(conn->fd, undelivered.data(), undelivered.size());
         return true;
     }
-    if (frame.kind() == v1::DATA_FRAME_KIND_STEP) {
-        *queued_step = true;
-    }
+    *queued_step = *queued_step || queued;
     return true;
 }
 
@@ -798,6 +852,7 @@ void DataPlaneServer::combine_while_queued() {
 
         std::vector<Outgoing> outgoing;
         outgoing.reserve(batch.size());
+        std::vector<Outgoing> continued;  // CONTINUE steps to first hops, after the RESULTs
         auto seal_into = [&](const Pending & pending, const std::string & body, bool to_owner) {
             Outgoing o;
             if (seal_output(pending, body, to_owner, &o)) {
@@ -825,6 +880,14 @@ void DataPlaneServer::combine_while_queued() {
                 } else {
                     ForwardOutput & o = outputs[i];
                     result.set_next_position(o.next_position);
+                    if (o.top_k > 0 && st.positions_size() == 1 && o.top_token_ids.size() >= sizeof(int32_t)) {
+                        int32_t token = 0;  // the greedy token: the first of the top-K (little-endian)
+                        std::memcpy(&token, o.top_token_ids.data(), sizeof(int32_t));
+                        Outgoing next;
+                        if (seal_continuation(batch[i], token, o.next_position, &next)) {
+                            continued.push_back(std::move(next));
+                        }
+                    }
                     if (o.top_k > 0) {
                         result.set_top_k(o.top_k);
                         result.set_top_token_ids(std::move(o.top_token_ids));
@@ -866,6 +929,9 @@ void DataPlaneServer::combine_while_queued() {
                         std::chrono::duration_cast<std::chrono::microseconds>(in_worker).count());
                 }
             }
+        }
+        for (Outgoing & o : continued) {
+            outgoing.push_back(std::move(o));
         }
         deliver(outgoing);
     }
@@ -1045,6 +1111,56 @@ bool DataPlaneServer::seal_output(const Pending & pending, const std::string & b
     }
     out->frame = framed(frame);
     out->to_owner = to_owner;
+    out->session_id = sid;
+    out->generation = pending.generation;
+    return true;
+}
+
+bool DataPlaneServer::seal_continuation(const Pending & pending, int32_t token, int32_t position, Outgoing * out) {
+    const std::string & sid = pending.session_id;
+    std::string key;
+    uint64_t counter = 0;
+    v1::DataStep step;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto found = sessions_.find(sid);
+        if (found == sessions_.end() || found->second.generation != pending.generation) {
+            return false;
+        }
+        Session & s = found->second;
+        const int32_t n_ctx = static_cast<int32_t>(service_->n_ctx_per_sequence());
+        if (!s.continuing || s.cont_left == 0) {
+            return false;
+        }
+        if (std::find(s.cont_stop.begin(), s.cont_stop.end(), token) != s.cont_stop.end() || position >= n_ctx ||
+            (s.cont_max_position > 0 && position >= s.cont_max_position)) {
+            s.cont_left = 0;  // the generation ends here: a step the owner still sends is its own
+            return false;
+        }
+        --s.cont_left;
+        ++s.continued_out;
+        counter = ++s.cont_counter;
+        key = s.cont_key;
+        out->host = s.cont_host;
+        out->port = s.cont_port;
+    }
+    step.set_step(pending.step.step() + 1);
+    step.add_positions(position);
+    step.add_token_ids(token);
+    step.set_top_k(pending.step.top_k());
+    const std::string body = step.SerializeAsString();
+    v1::DataFrame frame;
+    frame.set_schema_version(v1::SCHEMA_VERSION_CURRENT);
+    frame.set_kind(v1::DATA_FRAME_KIND_CONTINUE);
+    frame.set_session_id(sid);
+    frame.set_counter(counter);
+    if (!seal_data_frame(key, static_cast<uint32_t>(v1::DATA_FRAME_KIND_CONTINUE), sid, counter, body,
+                         frame.mutable_sealed())) {
+        std::fprintf(stderr, "baton-worker: data plane: cannot seal a frame for session %s\n", hex_of(sid).c_str());
+        return false;
+    }
+    out->frame = framed(frame);
+    out->to_owner = false;
     out->session_id = sid;
     out->generation = pending.generation;
     return true;

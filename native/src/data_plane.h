@@ -35,6 +35,13 @@
 // and the decoding sessions' inter-token gaps stay even (Sarathi-Serve's one chunk per
 // iteration, as two Forwards, which keeps every session's bits those of its solo run).
 //
+// Greedy continuation (ContinueSession, at a last hop): after a decode step's RESULT, the
+// next step (its greedy token at the next position) goes straight to the first hop as a
+// CONTINUE frame under a key only this worker seals with, so the owner's round trip is off
+// the critical path. A first hop bound with a continue_key takes those frames beside the
+// owner's STEPs; whichever copy of a step comes second (same number, position and token) is
+// dropped without a word, so the owner may go on sending its own steps.
+//
 // Errors: nothing a peer sends can throw out of a thread or stop another connection or
 // session (see worker.proto for which refusals close a connection).
 //
@@ -78,6 +85,18 @@ struct DataBinding {
     uint64_t keep_rows_max_bytes = 0;
     uint32_t decode_gather_us = 0;  // lock-step at a first hop (0: off)
     uint32_t decode_groups = 0;     // decode groups at a first hop (0 or 1: off)
+    std::string continue_key;       // a first hop: CONTINUE frames open under it ("" : none taken)
+};
+
+// What ContinueSession asks (worker.proto ContinueSessionRequest, checked by the service).
+struct DataContinuation {
+    std::string session_id;
+    std::string host;               // the first hop's data plane
+    uint16_t port = 0;
+    std::string continue_key;       // 32 bytes
+    uint32_t steps = 0;
+    std::vector<int32_t> stop_token_ids;
+    int32_t max_position = 0;       // > 0: no step at this position or beyond
 };
 
 // The most decode groups a binding may ask for (worker.proto BindSessionRequest.decode_groups).
@@ -94,6 +113,8 @@ struct DataSessionTotals {
     bool kept_rows_lost = false;
     uint64_t compute_us = 0;     // see worker.proto UnbindSessionReply
     uint64_t in_worker_us = 0;
+    uint32_t continued_steps = 0;
+    uint32_t duplicate_steps_dropped = 0;
 };
 
 // What the data plane computed since the worker started (HealthReply: the node's heartbeats
@@ -138,6 +159,9 @@ public:
     std::string bind(const DataBinding & binding);
     // keep_bound: report only (no kept rows), the session stays bound.
     DataSessionTotals unbind(const std::string & session_id, bool keep_bound = false);
+    // Greedy continuation at a last hop (see "Greedy continuation" below); dials the first
+    // hop now. "" or why not (not bound here, set already, not reachable).
+    std::string continue_session(const DataContinuation & continuation);
     // Called by a node's prefill Forward before it takes the shard: returns once the next
     // decode Forward here ended, or no session decodes here
     // (none stepped a decode step within 2.5 x prefill_pace_max), or after prefill_pace_max.
@@ -187,6 +211,29 @@ private:
         uint32_t groups = 0;              // DataBinding::decode_groups
         bool decoding = false;            // its last step taken was one row (and not waived)
         std::chrono::steady_clock::time_point last_step_at{};
+        // A first hop's side of greedy continuation: CONTINUE frames' key and counter, and the
+        // last decode steps taken (step, position, token), so that the copy of one from the
+        // other source is dropped.
+        std::string continue_key;
+        uint64_t last_continue_counter = 0;
+        struct Taken {
+            uint32_t step;
+            int32_t position;
+            int32_t token;
+        };
+        std::deque<Taken> taken;
+        uint32_t duplicates_dropped = 0;
+        uint32_t continued_in = 0;        // steps taken from CONTINUE frames
+        // A last hop's side: where and under which key its CONTINUE steps go, and what is left.
+        bool continuing = false;
+        std::string cont_host;
+        uint16_t cont_port = 0;
+        std::string cont_key;
+        uint64_t cont_counter = 0;
+        uint32_t cont_left = 0;
+        std::vector<int32_t> cont_stop;
+        int32_t cont_max_position = 0;
+        uint32_t continued_out = 0;
     };
     struct Pending {
         std::string session_id;
@@ -232,6 +279,9 @@ private:
     // Seals an output (a STEP for the next hop, or a RESULT for the owner) under the session's
     // next counter; false when there is nothing to send (unbound while it was computed).
     bool seal_output(const Pending & pending, const std::string & frame_body, bool to_owner, Outgoing * out);
+    // A last hop after a decode step's result: the CONTINUE step for token at position, sealed,
+    // when the session continues and may go on (steps left, not a stop token, below the limits).
+    bool seal_continuation(const Pending & pending, int32_t token, int32_t position, Outgoing * out);
     // Sends a Forward's outputs, one write per connection (see data_plane.cpp).
     void deliver(std::vector<Outgoing> & outgoing);
     void keep_rows(const Pending & pending, int32_t first_position, const std::string & rows);

@@ -306,6 +306,11 @@ grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::Bi
             return to_grpc_status(ShardStatus::Invalid(info.gives_logits ? "the last range needs a 32-byte return_key"
                                                                          : "only the last range takes a return_key"));
         }
+        if (!request->continue_key().empty() &&
+            (!info.takes_tokens || request->continue_key().size() != kDataKeyBytes)) {
+            return to_grpc_status(ShardStatus::Invalid(info.takes_tokens ? "continue_key must be 32 bytes"
+                                                                         : "only the first range takes a continue_key"));
+        }
         if (request->decode_groups() > kMaxDecodeGroups) {
             return to_grpc_status(ShardStatus::Invalid("decode_groups " + std::to_string(request->decode_groups()) +
                                                        " is over " + std::to_string(kMaxDecodeGroups)));
@@ -322,6 +327,7 @@ grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::Bi
         binding.keep_rows_max_bytes = info.gives_logits ? 0 : request->keep_rows_max_bytes();
         binding.decode_gather_us = request->decode_gather_us();
         binding.decode_groups = request->decode_groups();
+        binding.continue_key = request->continue_key();
         const std::string refused = data_plane->bind(binding);
         if (refused.rfind("a binding must bring fresh keys", 0) == 0) {
             return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, refused);
@@ -361,6 +367,50 @@ grpc::Status ShardWorkerService::UnbindSession(grpc::ServerContext *, const v1::
         reply->set_kept_rows_lost(totals.kept_rows_lost);
         reply->set_compute_us(totals.compute_us);
         reply->set_in_worker_us(totals.in_worker_us);
+        reply->set_continued_steps(totals.continued_steps);
+        reply->set_duplicate_steps_dropped(totals.duplicate_steps_dropped);
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::ContinueSession(grpc::ServerContext *, const v1::ContinueSessionRequest * request,
+                                                v1::ContinueSessionReply * reply) {
+    return guarded("ContinueSession", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire);
+        if (data_plane == nullptr) {
+            return to_grpc_status(ShardStatus::Precondition("this worker has no data plane (--data-listen)"));
+        }
+        if (!shard_->info().gives_logits) {
+            return to_grpc_status(ShardStatus::Invalid("only the last range continues a session"));
+        }
+        if (request->session_id().size() != kDataSessionIdBytes) {
+            return to_grpc_status(ShardStatus::Invalid("session_id must be 16 bytes, got " +
+                                                       std::to_string(request->session_id().size())));
+        }
+        if (request->host().empty() || request->port() == 0 || request->port() > 65535 ||
+            request->continue_key().size() != kDataKeyBytes) {
+            return to_grpc_status(ShardStatus::Invalid("a host, a port of 1-65535 and a 32-byte continue_key go together"));
+        }
+        DataContinuation c;
+        c.session_id = request->session_id();
+        c.host = request->host();
+        c.port = static_cast<uint16_t>(request->port());
+        c.continue_key = request->continue_key();
+        c.steps = request->steps();
+        c.stop_token_ids.assign(request->stop_token_ids().begin(), request->stop_token_ids().end());
+        c.max_position = request->max_position();
+        const std::string refused = data_plane->continue_session(c);
+        if (refused.rfind("the first hop's data plane", 0) == 0) {
+            return grpc::Status(grpc::StatusCode::UNAVAILABLE, refused);
+        }
+        if (!refused.empty()) {
+            return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, refused);
+        }
+        reply->set_schema_version(kSchemaVersion);
         return grpc::Status::OK;
     });
 }

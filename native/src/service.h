@@ -49,6 +49,8 @@ public:
                              worker::v1::BindSessionReply * reply) override;
     grpc::Status UnbindSession(grpc::ServerContext * context, const worker::v1::UnbindSessionRequest * request,
                                worker::v1::UnbindSessionReply * reply) override;
+    grpc::Status ContinueSession(grpc::ServerContext * context, const worker::v1::ContinueSessionRequest * request,
+                                 worker::v1::ContinueSessionReply * reply) override;
 
     uint64_t forward_calls() const { return forward_calls_.load(std::memory_order_relaxed); }
 

@@ -53,6 +53,8 @@ from agent.core.data_frames import DataFrameError, OwnerSession, SessionKeys
 from agent.core.data_route import (
     RouteKeys,
     bind_request,
+    continuation_steps,
+    continue_request,
     data_plane_hosts,
     data_step,
     step_result,
@@ -162,6 +164,10 @@ class SwarmClientConfig:
     result from the last's, sealed with keys it gave the hops' nodes; the nodes only lease
     (renewed by the owner's touches every ``probe_interval_s``) and unbind. False: every step
     through the node agents.
+    ``greedy_continuation``: a greedy session on the data plane asks its last hop to send each
+    next decode step straight to the first hop (``DataPlaneContinueRequest``), which takes the
+    first copy of each step, the last hop's or the owner's: the owner's round trip leaves the
+    step's critical path. False: only the owner's steps.
     """
 
     request_timeout_s: float = 10.0
@@ -180,6 +186,7 @@ class SwarmClientConfig:
     probe_interval_s: float = 1.0
     resume: bool = True
     data_plane: bool = True
+    greedy_continuation: bool = True
     # Integrity (issue 11, agent/io/client/spot_check.py): the share of sessions replayed
     # through a route of the same recipe around one of their hops and compared bit for bit,
     # how long a session that ended waits for its replay, and how long the tracker may take to
@@ -270,6 +277,9 @@ class GenerationResult:
     #: integrity check; ``on_token`` had seen them
     tokens_taken_back: int = 0
     data_plane_steps: int = 0
+    #: of the data plane steps, those the first hop took from the last hop's greedy
+    #: continuation before the owner's own copy came (the first hops' count)
+    continued_steps: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -292,6 +302,7 @@ class GenerationResult:
             "replans": self.replans,
             "resumes": self.resumes,
             "data_plane_steps": self.data_plane_steps,
+            "continued_steps": self.continued_steps,
             "hop_rows": [dict(hop) for hop in self.hop_rows],
             "node_rows": [dict(hop) for hop in self.node_rows],
         }
@@ -336,6 +347,7 @@ class _Progress:
     decode_s: float = 0.0
     decode_steps: int = 0
     data_plane_steps: int = 0
+    continued_steps: int = 0
     first_token_s: float = 0.0
     rows: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
     node_rows: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
@@ -360,6 +372,8 @@ class _Progress:
         for hop in counted:
             key = (hop.peer_id, hop.begin, hop.end)
             self.node_rows[key] = self.node_rows.get(key, 0) + hop.rows
+            if hop.begin == 0:
+                self.continued_steps += hop.continued_steps
 
     def hop_rows_list(self, *, nodes: bool = False) -> list[dict]:
         rows = self.node_rows if nodes else self.rows
@@ -1126,6 +1140,7 @@ class SwarmClient:
             node_rows=progress.hop_rows_list(nodes=True),
             tokens_taken_back=taken_back,
             data_plane_steps=progress.data_plane_steps,
+            continued_steps=progress.continued_steps,
         )
 
     async def _take_back(self, segments: list[RouteSegment], generated: list[int], avoid: list[str]) -> int:
@@ -1313,7 +1328,27 @@ class SwarmClient:
             return None
         plane = _DataPlane(owner, route, to_first, from_last)
         log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
+        if self.config.greedy_continuation and live.session.sampling.greedy and live.session.result_top_k > 0:
+            await self._continue_on_data_plane(live.session, route, keys, hosts, ports[0])
         return plane
+
+    async def _continue_on_data_plane(
+        self, session: Session, route: swarm_pb2.Route, keys: RouteKeys, hosts: list[str], first_port: int
+    ) -> None:
+        """Ask the last hop to send each next decode step of the greedy ``session`` straight to the
+        first hop (``DataPlaneContinueRequest``). The owner's own steps still go (the first hop drops
+        the copy that comes second), so a refusal only leaves the owner's round trip in each step."""
+        steps = continuation_steps(session.max_new_tokens, len(session.generated))
+        if steps == 0:
+            return
+        request = continue_request(
+            route, session.session_id, keys, hosts, first_port,
+            steps=steps, stop_token_ids=session.stop_tokens, max_position=0,
+        )  # fmt: skip
+        try:
+            await self._node(route.hops[-1], swarm_pb2.NodeRequest(data_plane_continue=request))
+        except (SwarmError, TransportError) as why:
+            log.info("session %s: no greedy continuation: %s", session.session_hex, why)
 
     async def _touch_due(self, plane: _DataPlane, route: swarm_pb2.Route, session_id: bytes, now: float) -> None:
         """Renew the session's lease on every hop every ``probe_interval_s`` while its steps go

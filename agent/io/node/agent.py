@@ -44,6 +44,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -52,7 +53,7 @@ from agent._proto import swarm_pb2, worker_pb2
 from agent.core.admission import AdmissionError, AdmissionVerifier, public_key_bytes
 from agent.core.batching import forward_key
 from agent.core.boundary import BoundaryError
-from agent.core.data_route import next_hop_refusal
+from agent.core.data_route import first_hop_refusal, next_hop_refusal
 from agent.core.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
 from agent.core.identity import peer_id_from_public_key
 from agent.core.kept_rows import KeptStore, RowsNotKept
@@ -1235,7 +1236,9 @@ class Node:
             ended = served.end_session(session_id)
             if ended is not None:
                 _, begin, end = served.key
-                counted.append(swarm_pb2.SessionRows(peer_id=self.peer_id, begin=begin, end=end, rows=ended.rows))
+                counted.append(swarm_pb2.SessionRows(
+                    peer_id=self.peer_id, begin=begin, end=end, rows=ended.rows, continued_steps=ended.continued_steps
+                ))  # fmt: skip
         return counted
 
     async def _sweep_sessions(self) -> None:
@@ -1334,10 +1337,12 @@ class Node:
                 return await self._bind_data_plane(request.data_plane_bind, remote_peer_id, record.role)
             if body == "data_plane_unbind":
                 return await self._unbind_data_plane(request.data_plane_unbind, remote_peer_id, record.role)
+            if body == "data_plane_continue":
+                return await self._continue_data_plane(request.data_plane_continue, remote_peer_id, record.role)
             raise WireError(
                 Code.INVALID_ARGUMENT,
-                "the NodeRequest has no body (tokenize, detokenize, end_session, resume_session, replay, touch "
-                "data_plane_bind or data_plane_unbind)",
+                "the NodeRequest has no body (tokenize, detokenize, end_session, resume_session, replay, touch, "
+                "data_plane_bind, data_plane_unbind or data_plane_continue)",
             )
         except WireError as err:
             return node_reply_error(err.code, err.message)
@@ -1494,31 +1499,65 @@ class Node:
 
     async def _check_next_hop(self, served: ServedRange, body: swarm_pb2.DataPlaneBindRequest) -> None:
         """Refuse a bind whose next hop is not what the tracker lists (``next_hop_refusal``): the
-        worker would connect to whatever host and port the owner named. The tracker's entry of
-        that peer, fetched within NODE_LIST_REUSE_S, serves; one that refuses is fetched again
-        first (the next hop may have become READY since)."""
-        if not body.next_port:
-            return
-        cached = self._next_hops.get(body.next_peer_id)
+        worker would connect to whatever host and port the owner named."""
+        if body.next_port:
+            await self._check_listed_hop(served, body.next_peer_id, lambda nodes: next_hop_refusal(body, nodes))
+
+    async def _check_listed_hop(
+        self, served: ServedRange, peer_id: str, refusal: Callable[[Sequence[swarm_pb2.NodeEntry]], str | None]
+    ) -> None:
+        """Refuse (REFUSED, its reason) unless ``refusal`` passes ``peer_id``'s entry in the
+        tracker's node list: fetched within NODE_LIST_REUSE_S, it serves; one that refuses is
+        fetched again first (the hop may have become READY since)."""
+        cached = self._next_hops.get(peer_id)
         if cached is not None and trio.current_time() - cached[0] <= NODE_LIST_REUSE_S:
-            if next_hop_refusal(body, cached[1]) is None:
+            if refusal(cached[1]) is None:
                 return
         request = swarm_pb2.TrackerRequest(
-            schema_version=SCHEMA_VERSION, list_nodes=swarm_pb2.ListNodesRequest(peer_ids=[body.next_peer_id])
+            schema_version=SCHEMA_VERSION, list_nodes=swarm_pb2.ListNodesRequest(peer_ids=[peer_id])
         )
         try:
             reply = await self._tracker_call(request)
         except (TransportError, WireError) as err:
             raise WireError(
-                Code.UNAVAILABLE, f"{range_name(served.key)}: cannot check the next hop with the tracker: {err}"
+                Code.UNAVAILABLE, f"{range_name(served.key)}: cannot check the hop {peer_id} with the tracker: {err}"
             ) from None
-        entries = [n for n in reply.list_nodes.nodes if n.peer_id == body.next_peer_id]
+        entries = [n for n in reply.list_nodes.nodes if n.peer_id == peer_id]
         now = trio.current_time()
         self._next_hops = {p: c for p, c in self._next_hops.items() if now - c[0] <= NODE_LIST_REUSE_S}
-        self._next_hops[body.next_peer_id] = (now, entries)
-        refusal = next_hop_refusal(body, entries)
-        if refusal is not None:
-            raise WireError(Code.REFUSED, f"{range_name(served.key)}: {refusal}")
+        self._next_hops[peer_id] = (now, entries)
+        why = refusal(entries)
+        if why is not None:
+            raise WireError(Code.REFUSED, f"{range_name(served.key)}: {why}")
+
+    async def _continue_data_plane(
+        self, body: swarm_pb2.DataPlaneContinueRequest, remote_peer_id: str, role: int
+    ) -> bytes:
+        """Greedy continuation on this last hop's worker (``DataPlaneContinueRequest``): each next
+        decode step of the bound session goes from it straight to the first hop's worker, which
+        must be the one the tracker lists (``first_hop_refusal``)."""
+        session_id = bytes(body.session_id)
+        served = self._session_range(session_id, body.model_sha256, body.begin, body.end)
+        self._owner_only(served, session_id, remote_peer_id, role)
+        assert served.sessions is not None and served.client is not None and served.info is not None
+        session = served.sessions.get(session_id)
+        if session is None or not session.data_plane:
+            raise WireError(Code.INVALID_ARGUMENT, f"session {session_id.hex()} is not on the data plane here")
+        if not served.info.gives_logits:
+            raise WireError(Code.INVALID_ARGUMENT, f"{range_name(served.key)} is not the last range: it continues nothing")
+        await self._check_listed_hop(served, body.first_peer_id, lambda nodes: first_hop_refusal(body, nodes))
+        request = worker_pb2.ContinueSessionRequest(
+            schema_version=1, session_id=session_id, host=body.first_host, port=body.first_port,
+            continue_key=body.continue_key, steps=body.steps, stop_token_ids=body.stop_token_ids,
+            max_position=body.max_position,
+        )  # fmt: skip
+        try:
+            await served.client.call("ContinueSession", request, timeout_s=self.config.worker_call_timeout_s)
+        except WorkerError as err:
+            code = Code.UNAVAILABLE if err.code_name == "UNAVAILABLE" else Code.INVALID_ARGUMENT
+            raise WireError(code, f"{range_name(served.key)}: the worker refused the continuation: {err.message}") from None
+        log.info("%s: session %s continues to the first hop %s", range_name(served.key), session_id.hex(), body.first_peer_id)
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
 
     async def _bind_data_plane(self, body: swarm_pb2.DataPlaneBindRequest, remote_peer_id: str, role: int) -> bytes:
         """Bind the owner's session on this range's worker: its steps come worker to worker
@@ -1535,7 +1574,7 @@ class Node:
         request = worker_pb2.BindSessionRequest(
             schema_version=1, session_id=session_id, seq_id=session.seq_id, step_key=body.step_key,
             next_step=session.next_step, next_host=body.next_host, next_port=body.next_port,
-            next_step_key=body.next_step_key, return_key=body.return_key,
+            next_step_key=body.next_step_key, return_key=body.return_key, continue_key=body.continue_key,
             keep_rows_max_bytes=0 if served.info.gives_logits or served.kept is None else served.kept.room(session_id),
             decode_gather_us=data_plane_gather_us(
                 begin=served.key[1], decode_groups=self.config.decode_groups, decode_gather_ms=self.config.decode_gather_ms
@@ -1587,7 +1626,7 @@ class Node:
         assert served.sessions is not None
         served.sessions.unbound(
             session_id, next_step=reply.next_step, next_position=reply.next_position, rows=reply.rows,
-            now_ms=_clock_ms(),
+            now_ms=_clock_ms(), continued_steps=reply.continued_steps if served.key[1] == 0 else 0,
         )  # fmt: skip
         if served.kept is not None and reply.kept_rows and not reply.kept_rows_lost:
             schema = served.info.boundary.schema

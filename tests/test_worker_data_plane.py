@@ -550,10 +550,11 @@ def top_of(result: worker_pb2.DataResult) -> tuple[list[int], bytes]:
 async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_copy_is_dropped(smollm2_path) -> None:
     """Greedy continuation (worker.proto ContinueSession): after each decode step the last range
     sends the next one (its greedy token) to the first range itself, under a key of its own; the
-    results are the unsplit worker's stepped one at a time, bit for bit; the owner's own copy of
-    a step already taken is dropped without a word; the budget and a stop token end it; a
-    CONTINUE frame without the key, or replayed, is refused."""
-    top_k, budget, n_ref = 8, 5, 9
+    results are the unsplit worker's stepped one at a time, bit for bit; it runs at most 4 steps
+    ahead of the owner's own; the owner's copy of a step already taken is dropped without a
+    word; the budget and a stop token end it; a CONTINUE frame without the key, or replayed, is
+    refused."""
+    top_k, budget, window, n_ref = 8, 5, 4, 9
     async with (
         open_chain(smollm2_path, ((0, 10), (10, 20), (20, 30))) as chain,
         open_worker(smollm2_path, 0, None, threads=1, ctx_size=64) as whole,
@@ -572,6 +573,11 @@ async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_c
         first_port, last_port = chain[0].info.data_port, chain[-1].info.data_port
         key = os.urandom(32)
         session = await bind_route(chain, seq_id=0, continue_key=key)
+
+        async def first_peek() -> worker_pb2.UnbindSessionReply:
+            return await chain[0].client.call("UnbindSession", worker_pb2.UnbindSessionRequest(
+                schema_version=1, session_id=session.session_id, keep_bound=True))  # fmt: skip
+
         # what cannot continue is refused with its reason
         refusals = [
             (chain[0], continue_request(session, first_port, key, budget), "INVALID_ARGUMENT", "only the last range"),
@@ -599,15 +605,22 @@ async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_c
             await from_last.send(session.attach_frame())
             await to_first.send(session.step_frame(step(0, list(range(len(PROMPT))), PROMPT, top_k=top_k)))
             results = [await result_of(session, from_last)]  # a prompt is not continued: one result
-            # the first decode step, the owner's: it and `budget` continued steps come back
+            # the first decode step, the owner's: it and the continued steps come back, at most
+            # `window` past the owner's own (the owner sends nothing more here, as if stopped)
             await to_first.send(session.step_frame(step(1, [len(PROMPT)], [tokens[0]], top_k=top_k)))
-            results += [await result_of(session, from_last) for _ in range(1 + budget)]
+            results += [await result_of(session, from_last) for _ in range(1 + window)]
+            with trio.fail_after(30):  # the last range sent step 6 on: the first holds it
+                while (peek := await first_peek()).continue_steps_waiting == 0:
+                    await trio.sleep(0.005)
+            assert peek.next_step == 2 + window, peek
+            # the owner's copy of step 2 (taken from the last range already): dropped, no word;
+            # it lets the held step go
+            await to_first.send(session.step_frame(step(2, [len(PROMPT) + 1], [tokens[1]], top_k=top_k)))
+            results.append(await result_of(session, from_last))
             assert [r.step for r in results] == list(range(2 + budget))
             assert all(r.error_code == 0 for r in results), [r.error_message for r in results]
             assert [top_of(r) for r in results] == reference[: 2 + budget], "the stepped unsplit worker's, bit for bit"
-            # the owner's copy of step 2 (taken from the last range already): dropped, no word;
             # then the owner's step after the budget: taken, its result the reference's
-            await to_first.send(session.step_frame(step(2, [len(PROMPT) + 1], [tokens[1]], top_k=top_k)))
             n = 2 + budget
             await to_first.send(session.step_frame(step(n, [len(PROMPT) + n - 1], [tokens[n - 1]], top_k=top_k)))
             after = await result_of(session, from_last)

@@ -39,8 +39,15 @@ constexpr int kKeepIntervalS = 10;
 constexpr int kKeepCount = 3;
 constexpr size_t kNoticeMaxLogBytes = 200;
 // Decode steps a first hop remembers (continuation on): a copy from the other source comes
-// within a step or two; an owner further behind than this gets the usual refusal.
+// within kContinueAheadSteps or so (the owner cannot fall further behind, see below).
 constexpr size_t kTakenStepsKept = 64;
+// How far a session's CONTINUE steps may run ahead of its owner's own steps at a first hop: a
+// CONTINUE step this many past the owner's last waits until the owner catches up. Why: each
+// continued step sends the owner a RESULT; an owner that stops reading (a laptop asleep, a
+// stopped process) would otherwise fill its socket and block the last worker for everyone.
+// Normally the owner's copy of a step comes within a step (it follows the RESULT), so a
+// window of 4 never holds anything back.
+constexpr uint32_t kContinueAheadSteps = 4;
 
 std::string hex_of(const std::string & bytes) {
     static const char * digits = "0123456789abcdef";
@@ -490,6 +497,7 @@ DataSessionTotals DataPlaneServer::unbind(const std::string & session_id, bool k
     totals.in_worker_us = found->second.in_worker_us;
     totals.continued_steps = std::max(found->second.continued_in, found->second.continued_out);
     totals.duplicate_steps_dropped = found->second.duplicates_dropped;
+    totals.continue_steps_waiting = static_cast<uint32_t>(found->second.parked.size());
     if (keep_bound) {
         return totals;
     }
@@ -637,45 +645,8 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
                 pending.session_id = sid;
                 pending.generation = s.generation;
                 pending.read_at = std::chrono::steady_clock::now();
-                v1::DataStep & st = pending.step;
-                const bool parsed = st.ParseFromString(plain);
-                if (parsed && !s.continue_key.empty() && st.error_code() == 0 && st.step() < s.next_step &&
-                    st.positions_size() == 1 && st.token_ids_size() == 1 &&
-                    std::any_of(s.taken.begin(), s.taken.end(), [&](const Session::Taken & t) {
-                        return t.step == st.step() && t.position == st.positions(0) && t.token == st.token_ids(0);
-                    })) {
-                    ++s.duplicates_dropped;  // the other source's copy came first: nothing to do
-                    return "";
-                }
-                if (!parsed) {
-                    st.Clear();
-                    st.set_error_code(grpc_code(ErrorCode::kInvalidArgument));
-                    st.set_error_message("the STEP body is not a DataStep");
-                    st.set_error_layer_begin(service_->layer_begin());
-                } else if (st.error_code() == 0 && st.step() != s.next_step) {
-                    const uint32_t got = st.step();
-                    st.Clear();
-                    st.set_step(got);
-                    st.set_error_code(grpc_code(ErrorCode::kFailedPrecondition));
-                    st.set_error_message("step " + std::to_string(got) + " arrived where step " +
-                                         std::to_string(s.next_step) + " was expected");
-                    st.set_error_layer_begin(service_->layer_begin());
-                }
-                if (st.step() == s.next_step) {
-                    ++s.next_step;  // refused or not, the next one follows it
-                    if (!s.continue_key.empty() && st.error_code() == 0 && st.positions_size() == 1 &&
-                        st.token_ids_size() == 1) {
-                        s.taken.push_back({st.step(), st.positions(0), st.token_ids(0)});
-                        if (s.taken.size() > kTakenStepsKept) {
-                            s.taken.pop_front();
-                        }
-                        s.continued_in += continued ? 1 : 0;
-                    }
-                }
-                s.decoding = st.error_code() == 0 && st.positions_size() == 1;
-                s.last_step_at = pending.read_at;
-                queue_.push_back(std::move(pending));
-                queued = true;
+                const bool parsed = pending.step.ParseFromString(plain);
+                queued = take_step(s, std::move(pending), parsed, continued);
             }
             return "";
         }();
@@ -1114,6 +1085,72 @@ bool DataPlaneServer::seal_output(const Pending & pending, const std::string & b
     out->session_id = sid;
     out->generation = pending.generation;
     return true;
+}
+
+bool DataPlaneServer::take_step(Session & s, Pending && pending, bool parsed, bool continued) {
+    v1::DataStep & st = pending.step;
+    const bool decode_step = parsed && st.error_code() == 0 && st.positions_size() == 1 && st.token_ids_size() == 1;
+    bool queued = false;
+    if (!continued && parsed) {
+        s.owner_next_step = std::max(s.owner_next_step, st.step() + 1);
+    }
+    if (decode_step && !s.continue_key.empty() && st.step() < s.next_step &&
+        std::any_of(s.taken.begin(), s.taken.end(), [&](const Session::Taken & t) {
+            return t.step == st.step() && t.position == st.positions(0) && t.token == st.token_ids(0);
+        })) {
+        ++s.duplicates_dropped;  // the other source's copy came first: nothing to do
+    } else if (continued && decode_step && st.step() == s.next_step &&
+               st.step() >= s.owner_next_step + kContinueAheadSteps) {
+        s.parked.push_back(std::move(pending));  // the owner is behind: wait for it (see the header)
+    } else {
+        if (!parsed) {
+            st.Clear();
+            st.set_error_code(grpc_code(ErrorCode::kInvalidArgument));
+            st.set_error_message("the STEP body is not a DataStep");
+            st.set_error_layer_begin(service_->layer_begin());
+        } else if (st.error_code() == 0 && st.step() != s.next_step) {
+            const uint32_t got = st.step();
+            st.Clear();
+            st.set_step(got);
+            st.set_error_code(grpc_code(ErrorCode::kFailedPrecondition));
+            st.set_error_message("step " + std::to_string(got) + " arrived where step " +
+                                 std::to_string(s.next_step) + " was expected");
+            st.set_error_layer_begin(service_->layer_begin());
+        }
+        enqueue_step(s, std::move(pending), decode_step, continued);
+        queued = true;
+    }
+    // parked CONTINUE steps the owner has caught up with (or sent itself meanwhile)
+    while (!s.parked.empty()) {
+        Pending & p = s.parked.front();
+        if (p.step.step() < s.next_step) {
+            ++s.duplicates_dropped;  // the owner's copy was taken
+        } else if (p.step.step() == s.next_step && p.step.step() < s.owner_next_step + kContinueAheadSteps) {
+            enqueue_step(s, std::move(p), true, true);
+            queued = true;
+        } else {
+            break;
+        }
+        s.parked.pop_front();
+    }
+    return queued;
+}
+
+void DataPlaneServer::enqueue_step(Session & s, Pending && pending, bool decode_step, bool continued) {
+    const v1::DataStep & st = pending.step;
+    if (st.step() == s.next_step) {
+        ++s.next_step;  // refused or not, the next one follows it
+        if (!s.continue_key.empty() && decode_step) {
+            s.taken.push_back({st.step(), st.positions(0), st.token_ids(0)});
+            if (s.taken.size() > kTakenStepsKept) {
+                s.taken.pop_front();
+            }
+            s.continued_in += continued ? 1 : 0;
+        }
+    }
+    s.decoding = st.error_code() == 0 && st.positions_size() == 1;
+    s.last_step_at = pending.read_at;
+    queue_.push_back(std::move(pending));
 }
 
 bool DataPlaneServer::seal_continuation(const Pending & pending, int32_t token, int32_t position, Outgoing * out) {

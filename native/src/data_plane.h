@@ -40,7 +40,9 @@
 // CONTINUE frame under a key only this worker seals with, so the owner's round trip is off
 // the critical path. A first hop bound with a continue_key takes those frames beside the
 // owner's STEPs; whichever copy of a step comes second (same number, position and token) is
-// dropped without a word, so the owner may go on sending its own steps.
+// dropped without a word, so the owner may go on sending its own steps. A CONTINUE step more
+// than a few steps ahead of the owner's own waits for them (the owner must read the RESULTs
+// it is sent: one that stops reading stops its continuation, not the last worker).
 //
 // Errors: nothing a peer sends can throw out of a thread or stop another connection or
 // session (see worker.proto for which refusals close a connection).
@@ -115,6 +117,7 @@ struct DataSessionTotals {
     uint64_t in_worker_us = 0;
     uint32_t continued_steps = 0;
     uint32_t duplicate_steps_dropped = 0;
+    uint32_t continue_steps_waiting = 0;
 };
 
 // What the data plane computed since the worker started (HealthReply: the node's heartbeats
@@ -185,6 +188,12 @@ private:
         std::chrono::steady_clock::time_point opened_at{};
         bool read_deadline_set = false;  // SO_RCVTIMEO is on (its reader's own)
     };
+    struct Pending {
+        std::string session_id;
+        uint64_t generation = 0;
+        std::chrono::steady_clock::time_point read_at;  // its frame read whole
+        worker::v1::DataStep step;
+    };
     struct Session {
         uint32_t seq_id = 0;
         std::string step_key;
@@ -222,6 +231,8 @@ private:
             int32_t token;
         };
         std::deque<Taken> taken;
+        uint32_t owner_next_step = 0;     // one past the highest step the owner sent itself
+        std::deque<Pending> parked;       // CONTINUE steps too far ahead of the owner's
         uint32_t duplicates_dropped = 0;
         uint32_t continued_in = 0;        // steps taken from CONTINUE frames
         // A last hop's side: where and under which key its CONTINUE steps go, and what is left.
@@ -235,12 +246,6 @@ private:
         int32_t cont_max_position = 0;
         uint32_t continued_out = 0;
     };
-    struct Pending {
-        std::string session_id;
-        uint64_t generation = 0;
-        std::chrono::steady_clock::time_point read_at;  // its frame read whole
-        worker::v1::DataStep step;
-    };
 
     void accept_loop();
     void serve(const std::shared_ptr<Connection> & conn);
@@ -251,6 +256,11 @@ private:
     bool set_read_deadline(Connection & conn);
     std::shared_ptr<Connection> add_connection(int fd, const std::string & outbound_address);
     std::shared_ptr<Connection> outbound(const std::string & host, uint16_t port, std::string * error);
+    // With mu_ held: a STEP or CONTINUE that opened, for s: dropped as the second copy of a step,
+    // parked (a CONTINUE too far ahead of the owner), or queued (refused ones carry their error);
+    // then the parked steps the owner caught up with. Whether a step was queued.
+    bool take_step(Session & s, Pending && pending, bool parsed, bool continued);
+    void enqueue_step(Session & s, Pending && pending, bool decode_step, bool continued);
     // One frame read off conn (its DataFrame bytes); false when the connection must end.
     // Sets *queued_step when it queued a step to compute.
     bool handle_frame(const std::shared_ptr<Connection> & conn, const char * data, size_t size, bool * queued_step);

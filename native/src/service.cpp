@@ -369,6 +369,7 @@ grpc::Status ShardWorkerService::UnbindSession(grpc::ServerContext *, const v1::
         reply->set_in_worker_us(totals.in_worker_us);
         reply->set_continued_steps(totals.continued_steps);
         reply->set_duplicate_steps_dropped(totals.duplicate_steps_dropped);
+        reply->set_continue_steps_waiting(totals.continue_steps_waiting);
         return grpc::Status::OK;
     });
 }

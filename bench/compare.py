@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -443,11 +444,18 @@ async def _paired_swarm_runs(
     ``bench_worker`` does, timed alone; the swarm's step is timed from that call's end to the
     next token (the owner's send, the hops, the result, the owner's checks and sampling).
     Both must choose the same tokens. One dict a run (after a warm-up): per-step ms of each
-    and the run's per-hop overhead, the median over its steps of (swarm - unsplit) / hops."""
+    and the run's per-hop overhead, the median over its steps of (swarm - unsplit) / hops.
+
+    Greedy continuation is off for these runs: with it the last hop sends the next step on
+    while this process runs the unsplit step, so a swarm step would not wait for the owner and
+    the pairing would measure nothing. The hops' own cost is the same either way; continuation
+    takes the owner's turn out of the step, which the unpaired runs show."""
     from agent.io.worker_process import open_worker
 
     hops = len(route.hops)
     out = []
+    config = client.config
+    client.config = dataclasses.replace(config, greedy_continuation=False)
     async with open_worker(model, 0, None, threads=threads, model_sha256=sha256) as whole:
         for run in range(runs + 1):
             swarm_ms: list[float] = []
@@ -477,6 +485,7 @@ async def _paired_swarm_runs(
                     "per_hop_ms": float(np.median(per_step)), "swarm_step_ms": float(np.median(swarm_ms)),
                     "unsplit_step_ms": float(np.median(unsplit_ms)),
                 })  # fmt: skip
+    client.config = config
     return out
 
 
@@ -491,11 +500,13 @@ async def bench_swarm(
     sha256: str = "",
     prompt_tokens: list[int] | None = None,
     paired_runs: int = 0,
+    continuation_off: bool = False,
 ) -> dict:
     """Tracker + ``n_nodes`` nodes on loopback, generation through ``agent.io.client`` (the
     prompt through the node agents, the decode steps worker to worker over the data plane);
-    then ``paired_runs`` generations of ``prompt_tokens`` paired step by step with an
-    unsplit worker (``_paired_swarm_runs``)."""
+    ``continuation_off``: also as many runs without greedy continuation, alternating; then
+    ``paired_runs`` generations of ``prompt_tokens`` paired step by step with an unsplit
+    worker (``_paired_swarm_runs``)."""
     from agent.io.client import open_swarm_client
     from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
     from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
@@ -521,18 +532,36 @@ async def bench_swarm(
                 + " -> ".join(f"[{h.begin}, {h.end})" for h in route.hops)
             )
             results = []
+            stepped = []  # greedy continuation off, runs alternating with the default's
+            config = client.config
             for i in range(runs + 1):
                 generation = await client.generate(alias, prompt, max_tokens=n_gen + 1, temperature=0.0, route=route)
                 if i:
                     results.append(generation)
+                if continuation_off:
+                    client.config = dataclasses.replace(config, greedy_continuation=False)
+                    generation = await client.generate(
+                        alias, prompt, max_tokens=n_gen + 1, temperature=0.0, route=route
+                    )
+                    client.config = config
+                    if generation.continued_steps:
+                        raise RuntimeError("greedy continuation was off, yet steps were continued")
+                    if i:
+                        stepped.append(generation)
             paired = []
             if paired_runs and prompt_tokens:
                 paired = await _paired_swarm_runs(
                     client, alias, route, model, sha256, prompt_tokens, n_gen, paired_runs, threads
                 )  # fmt: skip
     extra = {}
+    if stepped:
+        extra["continuation_off_decode_tps"] = compare_report.summarize([g.tokens_per_s for g in stepped])
+        if any(g.tokens != results[0].tokens for g in stepped):
+            raise RuntimeError("without greedy continuation the swarm chose other tokens")
+    if results:
+        extra["continued_steps"] = [g.continued_steps for g in results]
     if paired:
-        extra = {
+        extra |= {
             "paired_per_hop_ms": compare_report.summarize([p["per_hop_ms"] for p in paired]),
             "paired_swarm_step_ms": compare_report.summarize([p["swarm_step_ms"] for p in paired]),
             "paired_unsplit_step_ms": compare_report.summarize([p["unsplit_step_ms"] for p in paired]),
@@ -754,6 +783,7 @@ def chart(report: dict) -> bytes:
         d = fig["decode_tps"]
         short = {
             "worker_unsplit": "Baton worker unsplit",
+            "worker_run_ahead": "Baton worker run-ahead",
             "llama_bench": "llama-bench unsplit",
             "baton_2": "Baton 2-split",
             "baton_3": "Baton 3-split",
@@ -925,6 +955,7 @@ def main() -> int:
             keep(f"baton_{n}", measure(
                 f"baton_{n}", f"Baton {n}-split through the swarm", trio.run, bench_swarm,
                 model, "smollm2", n, prompt_text, n_gen, per_round, threads, sha256, prompt_tokens, PAIRED_RUNS,
+                n == 3,
             ))  # fmt: skip
             log(f"  decode {collected[f'baton_{n}'][-1]['decode_tps']['median']:.1f} t/s")
         for n in (2, 3):
@@ -961,12 +992,15 @@ def main() -> int:
     notes = [
         (
             "Baton figures are timed by the caller per step (prefill = the first step, the whole prompt in one "
-            "Forward per hop; decode = each later step, mean over the steps of a run); a run's decode t/s = steps / "
-            "their summed time. Swarm steps go client -> hop 1 -> ... -> last hop -> client over the direct "
+            "Forward per hop; decode = each later step, mean over the steps of a run; through the swarm a decode "
+            "step is the wall time from the token before, the owner's own work between tokens included); a run's "
+            "decode t/s = steps / their summed time. Swarm steps go client -> hop 1 -> ... -> last hop -> client "
+            "over the direct "
             "channel (TCP + TLS 1.3, libp2p-TLS certificates; libp2p only for the tracker) for the prompt, "
             "then worker to worker over the workers' data plane for every decode step (sealed frames, "
             "AES-256-GCM under keys the owner gave the hops' nodes), the last worker sending the top-40 "
-            "logits and the row's log-sum-exp back (greedy decode)."
+            "logits and the row's log-sum-exp back (greedy decode) and, greedy continuation being on (the "
+            "default), each next step straight to the first worker, the owner's own copy of it dropped there."
         ),
         (
             f"llama-bench: `-p {n_prompt} -n {n_gen} -t {threads} -r {runs} -d 0,{n_prompt}` (its own warm-up; "

@@ -164,6 +164,12 @@ def headline(
         for what, key, target in (("decode", "decode_tps", 0.97), ("prefill", "prefill_tps", 0.95)):
             ratio = worker[key]["median"] / bench[key]["median"]
             checks.append(_check(f"Baton worker unsplit {what} / llama-bench {what}", ratio, target, True, "x", f">= {target}x"))
+    if (off := (systems.get("baton_3") or {}).get("continuation_off_decode_tps")) is not None:
+        ratio = systems["baton_3"]["decode_tps"]["median"] / off["median"]
+        checks.append(_check("Baton 3-split decode, greedy continuation on / off (runs alternating)", ratio, 1.0, True, "x", "> 1x"))
+        if bench is not None:
+            checks.append(_check("Baton 3-split decode, greedy continuation off / llama-bench unsplit decode",
+                                 off["median"] / bench["decode_tps"]["median"], 0.9, True, "x", ">= 0.9x"))  # fmt: skip
     if bench is not None and (ahead := systems.get("worker_run_ahead")) is not None:
         ratio = ahead["decode_tps"]["median"] / bench["decode_tps"]["median"]
         checks.append(_check("Baton worker unsplit decode, run-ahead / llama-bench decode", ratio, 0.97, True, "x", ">= 0.97x"))
@@ -362,7 +368,9 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
             "Paired step by step (what issue 8's per-hop figure uses): after each decode step of the swarm's "
             "generation, the same step (position, token) runs on a whole-model worker over its Forward stream, "
             "timed alone, and the swarm's step is timed from that call's end to the next token, so both see the "
-            "machine at the same moment; per run the median over steps of (swarm step - unsplit step) / hops: "
+            "machine at the same moment (greedy continuation off for these runs: with it the last hop would send "
+            "the next step on meanwhile; the other Baton rows have it on); per run the median over steps of "
+            "(swarm step - unsplit step) / hops: "
             + "; ".join(
                 f"{n}-split **{p['median']:.3f} ms** a hop (runs: " + ", ".join(f"{v:.3f}" for v in p["samples"]) + ")"
                 for n, p in paired

@@ -352,16 +352,27 @@ class _Progress:
     rows: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
     node_rows: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
     started_at: float = dataclasses.field(default_factory=time.perf_counter)  # before the first step
+    last_token_at: float = 0.0
 
     def add(self, token: int, elapsed_s: float, *, prefill: bool) -> None:
+        """A token taken: a prefill's ``elapsed_s`` is its step's (the prompt's chunks, each
+        step's own); a decode token counts the wall time since the token before it, the owner's
+        own work between the two included (with greedy continuation the next step is under
+        way meanwhile: its send-to-result time alone would leave that work out)."""
+        now = time.perf_counter()
         if not self.tokens:  # every prefill chunk (and any replan) up to the first token
-            self.first_token_s = time.perf_counter() - self.started_at
+            self.first_token_s = now - self.started_at
         self.tokens.append(token)
         if prefill:
             self.prefill_s += elapsed_s
         else:
-            self.decode_s += elapsed_s
+            self.decode_s += now - self.last_token_at if self.last_token_at else elapsed_s
             self.decode_steps += 1
+        self.last_token_at = 0.0 if prefill else now
+
+    def interrupted(self) -> None:
+        """A step failed: the next token's time is its own step's (a resume is not decoding)."""
+        self.last_token_at = 0.0
 
     def add_rows(self, route: swarm_pb2.Route, n_rows: int) -> None:
         for hop in route.hops:
@@ -1289,6 +1300,7 @@ class SwarmClient:
                         session.stop()
         except GenerationError as error:
             session.fail(str(error))
+            progress.interrupted()
             raise
 
     async def _open_data_plane(

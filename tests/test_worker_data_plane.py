@@ -578,6 +578,10 @@ async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_c
             return await chain[0].client.call("UnbindSession", worker_pb2.UnbindSessionRequest(
                 schema_version=1, session_id=session.session_id, keep_bound=True))  # fmt: skip
 
+        async def last_peek(of: OwnerSession) -> worker_pb2.UnbindSessionReply:
+            return await chain[-1].client.call("UnbindSession", worker_pb2.UnbindSessionRequest(
+                schema_version=1, session_id=of.session_id, keep_bound=True))  # fmt: skip
+
         # what cannot continue is refused with its reason
         refusals = [
             (chain[0], continue_request(session, first_port, key, budget), "INVALID_ARGUMENT", "only the last range"),
@@ -653,9 +657,14 @@ async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_c
             "ContinueSession", continue_request(session, first_port, key, 100, stop=[tokens[stop_at], 99999])
         )
         async with open_data_link(HOST, first_port) as to_first, open_data_link(HOST, last_port) as from_last:
-            await from_last.send(session.attach_frame())
+            # the owner attaches late (as a busy owner may): the results made before its ATTACH
+            # are all kept, in order, not just the last one
             await to_first.send(session.step_frame(step(0, list(range(len(PROMPT))), PROMPT, top_k=top_k)))
             await to_first.send(session.step_frame(step(1, [len(PROMPT)], [tokens[0]], top_k=top_k)))
+            with trio.fail_after(30):
+                while (await last_peek(session)).steps < stop_at + 1:
+                    await trio.sleep(0.005)
+            await from_last.send(session.attach_frame())
             results = [await result_of(session, from_last) for _ in range(stop_at + 1)]
             assert [top_of(r) for r in results] == reference[: stop_at + 1]
             # the owner's next step (past its stop token, as a test): taken, and not continued

@@ -1221,7 +1221,9 @@ void DataPlaneServer::deliver(std::vector<Outgoing> & outgoing) {
                 }
                 sink = s->second.sink.lock();
                 if (!sink || !sink->open.load()) {  // the owner has not attached (yet)
-                    s->second.undelivered = std::move(o.frame);  // sent on the owner's ATTACH
+                    // kept, in order, and sent on the owner's ATTACH: with greedy continuation
+                    // several results (at most the continuation's window) may come first
+                    s->second.undelivered += o.frame;
                     continue;
                 }
             }

@@ -206,7 +206,7 @@ private:
         std::string return_key;
         uint64_t last_attach_counter = 0;
         std::weak_ptr<Connection> sink;   // where RESULTs go (the owner's ATTACHed connection)
-        std::string undelivered;          // a RESULT frame made before the owner attached
+        std::string undelivered;          // RESULT frames made before the owner attached, in order
         uint64_t rows = 0;
         uint32_t steps = 0;
         uint64_t generation = 0;          // which binding: a rebind drops steps queued before it

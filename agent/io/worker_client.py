@@ -12,12 +12,13 @@ Makes no decisions (those live in ``agent.core``) and starts no processes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -624,8 +625,7 @@ class _ForwardStream:
         with trio.fail_after(timeout_s):
             frame = await self._exchange_locked(data)
         reply = await self._reply_of(frame)
-        ok = False
-        try:
+        async with self._closed_on_failure():
             position = reply.entries[0].next_position if reply.entries else 0
             more = frame.run_ahead_more
             wanted = await on_reply(reply)
@@ -644,13 +644,21 @@ class _ForwardStream:
                     while (frame := await self._next_frame(self._sock)).run_ahead:
                         if not frame.code and frame.reply.entries:
                             position = frame.reply.entries[0].next_position
-            ok = True
-            return position
+        return position
+
+    @contextlib.asynccontextmanager
+    async def _closed_on_failure(self) -> AsyncIterator[None]:
+        """Around a use of the connection: any failure leaves its state unknown (a reply half
+        read, a run still going), so it is closed, and the next call connects again; a socket
+        error is a WorkerError UNAVAILABLE."""
+        try:
+            yield
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
+            await self.close()
             raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
-        finally:
-            if not ok:
-                await self.close()
+        except BaseException:
+            await self.close()
+            raise
 
     async def _exchange_locked(self, data: bytes) -> worker_pb2.ForwardStreamReply:
         """One request and its reply. A connection that was already open and turns out broken
@@ -665,8 +673,7 @@ class _ForwardStream:
     async def _exchange_once(self, data: bytes, *, may_retry: bool) -> worker_pb2.ForwardStreamReply:
         """``_exchange_locked`` on the open connection (or a new one). Raises _StaleConnection
         (``may_retry`` only) when it broke before any reply byte; any other failure closes it."""
-        ok = False
-        try:
+        async with self._closed_on_failure():
             if self._sock is None:
                 self._sock = raw_socket.adopt(await trio.open_unix_socket(self.path))
                 self._filled = 0
@@ -680,14 +687,7 @@ class _ForwardStream:
                 if may_retry and not self._filled:
                     raise _StaleConnection from None
                 raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
-            frame = await self._next_frame(sock, waited=waited)
-            ok = True
-            return frame
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
-            raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
-        finally:
-            if not ok:
-                await self.close()
+            return await self._next_frame(sock, waited=waited)
 
     async def _next_frame(self, sock: socket.socket | None, *, waited: bool = False) -> worker_pb2.ForwardStreamReply:
         """The next frame from the worker (its first bytes may be in the buffer already).

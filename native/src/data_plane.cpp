@@ -79,6 +79,23 @@ std::string notice_frame(const std::string & session_id, const std::string & tex
     return framed(frame);
 }
 
+// A whole frame (length prefix included) of kind carrying body sealed under key; false (and a
+// line on stderr) only when OpenSSL fails.
+bool sealed_frame(const std::string & key, v1::DataFrameKind kind, const std::string & sid, uint64_t counter,
+                  const std::string & body, std::string * out) {
+    v1::DataFrame frame;
+    frame.set_schema_version(v1::SCHEMA_VERSION_CURRENT);
+    frame.set_kind(kind);
+    frame.set_session_id(sid);
+    frame.set_counter(counter);
+    if (!seal_data_frame(key, static_cast<uint32_t>(kind), sid, counter, body, frame.mutable_sealed())) {
+        std::fprintf(stderr, "baton-worker: data plane: cannot seal a frame for session %s\n", hex_of(sid).c_str());
+        return false;
+    }
+    *out = framed(frame);
+    return true;
+}
+
 uint32_t grpc_code(ErrorCode code) { return static_cast<uint32_t>(to_grpc_status({code, ""}).error_code()); }
 
 void set_socket_options(int fd) {
@@ -1070,17 +1087,10 @@ bool DataPlaneServer::seal_output(const Pending & pending, const std::string & b
         out->port = s->second.next_port;
     }
     // a bound session's keys are 32 bytes (the service checks), so sealing cannot fail
-    const v1::DataFrameKind kind = to_owner ? v1::DATA_FRAME_KIND_RESULT : v1::DATA_FRAME_KIND_STEP;
-    v1::DataFrame frame;
-    frame.set_schema_version(v1::SCHEMA_VERSION_CURRENT);
-    frame.set_kind(kind);
-    frame.set_session_id(sid);
-    frame.set_counter(counter);
-    if (!seal_data_frame(key, static_cast<uint32_t>(kind), sid, counter, body, frame.mutable_sealed())) {
-        std::fprintf(stderr, "baton-worker: data plane: cannot seal a frame for session %s\n", hex_of(sid).c_str());
+    if (!sealed_frame(key, to_owner ? v1::DATA_FRAME_KIND_RESULT : v1::DATA_FRAME_KIND_STEP, sid, counter, body,
+                      &out->frame)) {
         return false;
     }
-    out->frame = framed(frame);
     out->to_owner = to_owner;
     out->session_id = sid;
     out->generation = pending.generation;
@@ -1185,18 +1195,9 @@ bool DataPlaneServer::seal_continuation(const Pending & pending, int32_t token, 
     step.add_positions(position);
     step.add_token_ids(token);
     step.set_top_k(pending.step.top_k());
-    const std::string body = step.SerializeAsString();
-    v1::DataFrame frame;
-    frame.set_schema_version(v1::SCHEMA_VERSION_CURRENT);
-    frame.set_kind(v1::DATA_FRAME_KIND_CONTINUE);
-    frame.set_session_id(sid);
-    frame.set_counter(counter);
-    if (!seal_data_frame(key, static_cast<uint32_t>(v1::DATA_FRAME_KIND_CONTINUE), sid, counter, body,
-                         frame.mutable_sealed())) {
-        std::fprintf(stderr, "baton-worker: data plane: cannot seal a frame for session %s\n", hex_of(sid).c_str());
+    if (!sealed_frame(key, v1::DATA_FRAME_KIND_CONTINUE, sid, counter, step.SerializeAsString(), &out->frame)) {
         return false;
     }
-    out->frame = framed(frame);
     out->to_owner = false;
     out->session_id = sid;
     out->generation = pending.generation;

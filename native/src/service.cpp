@@ -264,16 +264,24 @@ grpc::Status ShardWorkerService::sequence_op(const char * method, uint32_t schem
     });
 }
 
+ShardStatus ShardWorkerService::data_plane_call(uint32_t schema_version, DataPlaneServer ** data_plane) const {
+    ShardStatus st = check_schema_version(schema_version);
+    if (!st.ok()) {
+        return st;
+    }
+    *data_plane = data_plane_.load(std::memory_order_acquire);
+    if (*data_plane == nullptr) {
+        return ShardStatus::Precondition("this worker has no data plane (--data-listen)");
+    }
+    return ShardStatus::Ok();
+}
+
 grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::BindSessionRequest * request,
                                             v1::BindSessionReply * reply) {
     return guarded("BindSession", [&] {
-        ShardStatus st = check_schema_version(request->schema_version());
-        if (!st.ok()) {
+        DataPlaneServer * data_plane = nullptr;
+        if (const ShardStatus st = data_plane_call(request->schema_version(), &data_plane); !st.ok()) {
             return to_grpc_status(st);
-        }
-        DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire);
-        if (data_plane == nullptr) {
-            return to_grpc_status(ShardStatus::Precondition("this worker has no data plane (--data-listen)"));
         }
         const ShardInfo & info = shard_->info();
         if (info.vocab_only) {
@@ -343,13 +351,9 @@ grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::Bi
 grpc::Status ShardWorkerService::UnbindSession(grpc::ServerContext *, const v1::UnbindSessionRequest * request,
                                               v1::UnbindSessionReply * reply) {
     return guarded("UnbindSession", [&] {
-        ShardStatus st = check_schema_version(request->schema_version());
-        if (!st.ok()) {
+        DataPlaneServer * data_plane = nullptr;
+        if (const ShardStatus st = data_plane_call(request->schema_version(), &data_plane); !st.ok()) {
             return to_grpc_status(st);
-        }
-        DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire);
-        if (data_plane == nullptr) {
-            return to_grpc_status(ShardStatus::Precondition("this worker has no data plane (--data-listen)"));
         }
         DataSessionTotals totals = data_plane->unbind(request->session_id(), request->keep_bound());
         reply->set_schema_version(kSchemaVersion);
@@ -377,13 +381,9 @@ grpc::Status ShardWorkerService::UnbindSession(grpc::ServerContext *, const v1::
 grpc::Status ShardWorkerService::ContinueSession(grpc::ServerContext *, const v1::ContinueSessionRequest * request,
                                                 v1::ContinueSessionReply * reply) {
     return guarded("ContinueSession", [&] {
-        ShardStatus st = check_schema_version(request->schema_version());
-        if (!st.ok()) {
+        DataPlaneServer * data_plane = nullptr;
+        if (const ShardStatus st = data_plane_call(request->schema_version(), &data_plane); !st.ok()) {
             return to_grpc_status(st);
-        }
-        DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire);
-        if (data_plane == nullptr) {
-            return to_grpc_status(ShardStatus::Precondition("this worker has no data plane (--data-listen)"));
         }
         if (!shard_->info().gives_logits) {
             return to_grpc_status(ShardStatus::Invalid("only the last range continues a session"));

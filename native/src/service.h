@@ -75,6 +75,8 @@ public:
     void set_data_plane(DataPlaneServer * data_plane) { data_plane_.store(data_plane, std::memory_order_release); }
 
 private:
+    // The data plane calls' common checks: the schema version, then a data plane to act on.
+    ShardStatus data_plane_call(uint32_t schema_version, DataPlaneServer ** data_plane) const;
     // Runs op(&next_position) under the lock and fills a SequenceReply for reply_seq_id.
     template <typename Op>
     grpc::Status sequence_op(const char * method, uint32_t schema_version, uint32_t reply_seq_id,

@@ -166,9 +166,12 @@ def test_a_greedy_session_continues_from_its_last_hop_to_its_first_within_its_bu
     assert (request.first_peer_id, request.first_host, request.first_port) == ("peer0", "10.0.0.0", 7000)
     assert request.continue_key == keys.continue_key and list(request.stop_token_ids) == [2, 7]
     # the first data plane step (the owner's) gives token generated + 1; each continued one more
-    assert continuation_steps(max_new_tokens=10, generated=1) == 8
-    assert continuation_steps(max_new_tokens=10, generated=9) == 0
-    assert continuation_steps(max_new_tokens=10, generated=10) == 0
+    assert continuation_steps(max_new_tokens=10, generated=1, greedy=True, top_k=40) == 8
+    assert continuation_steps(max_new_tokens=10, generated=9, greedy=True, top_k=40) == 0
+    assert continuation_steps(max_new_tokens=10, generated=10, greedy=True, top_k=40) == 0
+    # sampling, or a full row (no top-K to take the greedy token from): the owner's steps only
+    assert continuation_steps(max_new_tokens=10, generated=1, greedy=False, top_k=40) == 0
+    assert continuation_steps(max_new_tokens=10, generated=1, greedy=True, top_k=0) == 0
 
     first = _next_node(peer_id="peer0", begin=0, data_port=7000)
     first.listen_addrs[:] = ["/ip4/10.0.0.0/tcp/4000/tls/p2p/peer0"]

@@ -552,12 +552,15 @@ async def _text(running: RunningSwarm, prompt: str) -> str:
 @pytest.mark.timeout(120)
 async def test_seeded_sampling_through_the_swarm_is_reproducible(swarm3: RunningSwarm) -> None:
     async with client(swarm3) as c:
-        runs = [
-            (await c.generate(ALIAS, PROMPTS[1], max_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=seed)).tokens
+        results = [
+            await c.generate(ALIAS, PROMPTS[1], max_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=seed)
             for seed in (5, 5, 6)
         ]
+    runs = [r.tokens for r in results]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+    # sampled tokens are the owner's draw: no worker continues such a session
+    assert all(r.data_plane_steps > 0 and r.continued_steps == 0 for r in results)
 
 
 @pytest.mark.timeout(120)

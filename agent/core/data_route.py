@@ -151,11 +151,15 @@ def continue_request(
     )  # fmt: skip
 
 
-def continuation_steps(max_new_tokens: int, generated: int) -> int:
-    """The CONTINUE steps a session may use once ``generated`` tokens are out: its first decode
-    step on the data plane (the owner's) gives token ``generated + 1``, each continued step one
-    more, up to ``max_new_tokens``. Never more (a step past the owner's end is work for nothing;
-    one short is covered by the owner's own step)."""
+def continuation_steps(max_new_tokens: int, generated: int, *, greedy: bool, top_k: int) -> int:
+    """The CONTINUE steps a session may use once ``generated`` tokens are out (0: do not ask):
+    only a greedy session whose results carry a top-K (the last worker's choice is its first
+    entry, as the owner's is) continues. Its first decode step on the data plane (the owner's)
+    gives token ``generated + 1``, each continued step one more, up to ``max_new_tokens``. Never
+    more (a step past the owner's end is work for nothing; one short is covered by the owner's
+    own step)."""
+    if not greedy or top_k < 1:
+        return 0
     return max(0, max_new_tokens - generated - 1)
 
 

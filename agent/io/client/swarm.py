@@ -1340,7 +1340,7 @@ class SwarmClient:
             return None
         plane = _DataPlane(owner, route, to_first, from_last)
         log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
-        if self.config.greedy_continuation and live.session.sampling.greedy and live.session.result_top_k > 0:
+        if self.config.greedy_continuation:
             await self._continue_on_data_plane(live.session, route, keys, hosts, ports[0])
         return plane
 
@@ -1350,7 +1350,9 @@ class SwarmClient:
         """Ask the last hop to send each next decode step of the greedy ``session`` straight to the
         first hop (``DataPlaneContinueRequest``). The owner's own steps still go (the first hop drops
         the copy that comes second), so a refusal only leaves the owner's round trip in each step."""
-        steps = continuation_steps(session.max_new_tokens, len(session.generated))
+        steps = continuation_steps(
+            session.max_new_tokens, len(session.generated), greedy=session.sampling.greedy, top_k=session.result_top_k
+        )
         if steps == 0:
             return
         request = continue_request(

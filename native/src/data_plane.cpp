@@ -480,14 +480,13 @@ std::string DataPlaneServer::continue_session(const DataContinuation & c) {
         return "no session " + hex_of(c.session_id) + " is bound here";
     }
     Session & s = found->second;
-    if (s.continuing) {
+    if (!s.cont_key.empty()) {
         // its counter would start again under the same key: once per binding
         return "the session continues already (once per binding)";
     }
     if (c.continue_key == s.step_key || c.continue_key == s.return_key) {
         return "the continue_key must be a key of its own";
     }
-    s.continuing = true;
     s.cont_host = c.host;
     s.cont_port = c.port;
     s.cont_key = c.continue_key;
@@ -840,7 +839,6 @@ void DataPlaneServer::combine_while_queued() {
 
         std::vector<Outgoing> outgoing;
         outgoing.reserve(batch.size());
-        std::vector<Outgoing> continued;  // CONTINUE steps to first hops, after the RESULTs
         auto seal_into = [&](const Pending & pending, const std::string & body, bool to_owner) {
             Outgoing o;
             if (seal_output(pending, body, to_owner, &o)) {
@@ -871,9 +869,9 @@ void DataPlaneServer::combine_while_queued() {
                     if (o.top_k > 0 && st.positions_size() == 1 && o.top_token_ids.size() >= sizeof(int32_t)) {
                         int32_t token = 0;  // the greedy token: the first of the top-K (little-endian)
                         std::memcpy(&token, o.top_token_ids.data(), sizeof(int32_t));
-                        Outgoing next;
+                        Outgoing next;  // (deliver writes the RESULTs to owners before it)
                         if (seal_continuation(batch[i], token, o.next_position, &next)) {
-                            continued.push_back(std::move(next));
+                            outgoing.push_back(std::move(next));
                         }
                     }
                     if (o.top_k > 0) {
@@ -917,9 +915,6 @@ void DataPlaneServer::combine_while_queued() {
                         std::chrono::duration_cast<std::chrono::microseconds>(in_worker).count());
                 }
             }
-        }
-        for (Outgoing & o : continued) {
-            outgoing.push_back(std::move(o));
         }
         deliver(outgoing);
     }
@@ -1176,7 +1171,7 @@ bool DataPlaneServer::seal_continuation(const Pending & pending, int32_t token, 
         }
         Session & s = found->second;
         const int32_t n_ctx = static_cast<int32_t>(service_->n_ctx_per_sequence());
-        if (!s.continuing || s.cont_left == 0) {
+        if (s.cont_key.empty() || s.cont_left == 0) {
             return false;
         }
         if (std::find(s.cont_stop.begin(), s.cont_stop.end(), token) != s.cont_stop.end() || position >= n_ctx ||

@@ -235,8 +235,8 @@ private:
         std::deque<Pending> parked;       // CONTINUE steps too far ahead of the owner's
         uint32_t duplicates_dropped = 0;
         uint32_t continued_in = 0;        // steps taken from CONTINUE frames
-        // A last hop's side: where and under which key its CONTINUE steps go, and what is left.
-        bool continuing = false;
+        // A last hop's side: where and under which key its CONTINUE steps go (no key: it does
+        // not continue), and what is left.
         std::string cont_host;
         uint16_t cont_port = 0;
         std::string cont_key;

@@ -13,29 +13,32 @@ Owns one command that measures:
    the last, which also holds the later sessions' prefills: what earlier runs reported); next
    to ``llama-batched-bench -npp P -ntg G -npl 1,2,4,8`` unsplit on the same cores (its S_TG
    t/s: every sequence decoding in lock-step, after all prompts were processed).
-   Twice, on a fresh swarm each: with the nodes' decode groups auto (the default: the first
-   hop splits the sessions into hops + 1 groups, so that they are at different hops at once;
-   agent.core.scheduler) and off (``--decode-groups 0``: every waiting decode step in the next
-   Forward, so sessions that start together travel the route as one convoy), and lock-step
-   (``--decode-groups 1 --decode-gather-ms 40``, workers of ``--lock-step-threads``: the first
-   hop holds each decode Forward until every decoding session's step waits, so the convoy is
-   kept on purpose and one hop computes at a time, with every core), side by side; in every
-   mode the workers' idle threads sleep after a short spin (the local swarm's ``--worker-wait
-   sleep``: every node shares this machine);
+   Three times, on a fresh swarm each: with the nodes' defaults (workers of
+   ``--default-threads``, every core, as the worker's own default; decode groups and gather
+   left to the node, which runs a route lock-step when its next hop shares this machine,
+   ``agent.core.scheduler.decode_mode``: the first hop holds each decode Forward until every
+   decoding session's step waits, so the sessions travel as one convoy and one hop computes at
+   a time, with every core); with decode groups (``--decode-groups 4``, the route's hops + 1,
+   what a node picks when its next hop is another machine, workers of ``--threads``: the first
+   hop splits the sessions into 4 groups, so that on separate machines they are at different
+   hops at once); and with groups off (``--decode-groups 0``, workers of ``--threads``: every
+   waiting decode step in the next Forward, no hold), side by side; in every mode the workers'
+   idle threads sleep after a short spin (the local swarm's ``--worker-wait sleep``: every node
+   shares this machine);
 2. the inter-token gap of a decoding session while another session's long prompt
    (``--long-prompt`` tokens, in the owner's chunks of ``--chunk`` rows) is prefilled: p50 and
    p99 of the gaps that fall in that prefill, next to the same session's gaps with nothing
    else running. A decode step waits behind one chunk at each hop (the workers' prefill
    pacing), so the gap grows with the chunk's compute time and stays even;
-3. where a lock-step round of 8 sessions goes (``lock_step_rounds``): each hop's worker's own
-   time per round on its data plane (its ``HealthReply`` counts) and the rest of the round
-   (the sends, the owners, the first hop's gather), beside the same Forwards by bare workers
-   in series and llama-batched-bench, run between the passes.
+3. where a round of 8 sessions goes in the default mode, lock-step here
+   (``lock_step_rounds``): each hop's worker's own time per round on its data plane (its
+   ``HealthReply`` counts) and the rest of the round (the sends, the owners, the first hop's
+   gather), beside the same Forwards by bare workers in series and llama-batched-bench, run
+   between the passes.
 
-Decode steps go worker to worker over the data plane (the prompts through the nodes). There
-the node's decode group cap does not reach the worker, which takes every queued decode step
-in its next Forward: groups auto and off measure the same path (their difference is the
-noise); lock-step's hold is the first worker's own (``BindSessionRequest.decode_gather_us``).
+Decode steps go worker to worker over the data plane (the prompts through the nodes); the
+first worker applies the node's groups (``BindSessionRequest.decode_groups``) and lock-step's
+hold (``BindSessionRequest.decode_gather_us``) itself.
 While a session decodes, a prompt chunk at each hop runs right after the next decode Forward
 (the worker's prefill pacing), so a decoding session waits behind one chunk a hop, every time.
 
@@ -44,8 +47,8 @@ machine's speed drifts from minute to minute); each figure is its median round's
 round's figure at 8 sessions is listed. Parts 2 and 3 run once, in the last round.
 
 Targets (issue 12): 8 sessions >= 0.8x llama-batched-bench at 8, aggregate rising with every
-doubling (both for the default mode, groups auto), p99 gap <= 2x p50 during the prefill (auto).
-The output says which are met and by how much, and the auto / off ratio at each count.
+doubling (both for the default mode), p99 gap <= 2x p50 during the prefill (default mode).
+The output says which are met and by how much, and the default / off ratio at each count.
 
 Writes ``batching.json`` and ``batching.md`` under ``--out`` (default bench/results) with the
 machine described as ``bench/compare.py`` describes it. Run it alone on the machine.
@@ -76,6 +79,7 @@ import hop_trace  # noqa: E402
 from compare import PROMPT_SOURCE, TOOLS_DIR, ensure_llama_tools, machine_info  # noqa: E402
 from worker_wait import chain_step  # noqa: E402
 
+from agent.core.scheduler import LOCK_STEP_GATHER_MS  # noqa: E402
 from agent.io.cpu_policy import apply_cpu_policy, kernel_default  # noqa: E402
 
 ALIAS = "smollm2"
@@ -84,16 +88,13 @@ NODES = 3
 SEQUENCES = 8
 TARGET_RATIO_AT_8 = 0.8
 TARGET_GAP_RATIO = 2.0
-#: lock-step's gather window: the first hop holds a decode Forward until every decoding
-#: session's step waits, for at most this long. Longer than two drifted groups can be apart (half
-#: a step cycle: ~40 ms at 8 sessions here), so a convoy that split merges again at once.
-LOCK_STEP_GATHER_MS = 40
-#: the nodes' flags of each mode measured (agent.core.scheduler): decode groups auto (the
-#: default), off, and lock-step (one group, gathered)
+#: the nodes' flags of each mode measured (agent.core.scheduler): the defaults (lock-step here,
+#: where every hop shares this machine), decode groups as on separate machines (route hops + 1),
+#: and off
 MODES = {
-    "auto": (),
+    "default": (),
+    "groups": ("--decode-groups", str(NODES + 1)),
     "off": ("--decode-groups", "0"),
-    "lock-step": ("--decode-groups", "1", "--decode-gather-ms", str(LOCK_STEP_GATHER_MS)),
 }
 #: the lock-step swarm's passes of rounds (``lock_step_rounds``): this many sessions, this many
 #: greedy tokens each
@@ -316,7 +317,7 @@ def _percentiles(values: list[float]) -> dict:
 
 async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, rounds: bool = False) -> dict:
     """Part 1 (and part 2 when ``gaps``) on a fresh swarm whose nodes run ``mode`` (``MODES``);
-    its workers take ``--lock-step-threads`` threads in lock-step, ``--threads`` otherwise.
+    its workers take ``--default-threads`` threads in the default mode, ``--threads`` otherwise.
     With ``rounds``: then passes of lock-step rounds, each followed by the same Forwards
     through bare workers in series (``lock_step_rounds``), under ``"rounds"``."""
     from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
@@ -324,7 +325,7 @@ async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, r
     from agent.io.client import open_swarm_client
     from agent.models import model_path
 
-    threads = args.lock_step_threads if mode == "lock-step" else args.threads
+    threads = args.default_threads if mode == "default" else args.threads
     config = LocalSwarmConfig(
         model_path=model_path(ALIAS), model_alias=ALIAS, threads=threads,
         node_args=("--max-sequences", str(SEQUENCES), *MODES[mode]),
@@ -494,10 +495,10 @@ def median_run(runs: list[dict]) -> dict:
     return merged
 
 
-def summarize(baton: dict, llama: dict[int, dict], baton_off: dict, lock_step: dict | None = None) -> dict:
-    """``baton``: the default mode (decode groups auto), whose numbers the targets are checked
-    on; ``baton_off``: decode groups off, next to it; ``lock_step``: lock-step (None: not run),
-    whose ratio and doublings are given beside the default's."""
+def summarize(baton: dict, llama: dict[int, dict], baton_off: dict, groups: dict | None = None) -> dict:
+    """``baton``: the default mode (lock-step here), whose numbers the targets are checked on;
+    ``baton_off``: decode groups off, next to it; ``groups``: decode groups as on separate
+    machines (None: not run), whose ratio and doublings are given beside the default's."""
     rows = []
     for n in PARALLEL:
         ours = baton["parallel"][n]["tokens_per_s"]
@@ -506,27 +507,27 @@ def summarize(baton: dict, llama: dict[int, dict], baton_off: dict, lock_step: d
         span = baton["parallel"][n].get("span_tokens_per_s")
         rows.append({
             "sessions": n, "llama_batched_bench_tokens_per_s": theirs,
-            "baton_tokens_per_s": ours, "ratio": ours / theirs,  # decode groups auto, every session decoding
-            "groups_off_tokens_per_s": off, "groups_off_ratio": off / theirs, "auto_over_off": ours / off,
+            "baton_tokens_per_s": ours, "ratio": ours / theirs,  # the default mode, every session decoding
+            "groups_off_tokens_per_s": off, "groups_off_ratio": off / theirs, "default_over_off": ours / off,
             "span_tokens_per_s": span, "span_ratio": None if span is None else span / theirs,
         })  # fmt: skip
-        if lock_step is not None:
-            locked = lock_step["parallel"][n]["tokens_per_s"]
-            rows[-1].update(lock_step_tokens_per_s=locked, lock_step_ratio=locked / theirs)
+        if groups is not None:
+            grouped = groups["parallel"][n]["tokens_per_s"]
+            rows[-1].update(groups_tokens_per_s=grouped, groups_ratio=grouped / theirs)
     rising = all(b["baton_tokens_per_s"] > a["baton_tokens_per_s"] for a, b in zip(rows, rows[1:]))
     spans = [r["span_tokens_per_s"] for r in rows]
     span_rising = None if None in spans else all(b > a for a, b in zip(spans, spans[1:]))
     during = baton["gaps"]["during_prefill"]
     gap_ratio = during["p99_s"] / during["p50_s"] if during.get("n") else None
-    locked = [r["lock_step_tokens_per_s"] for r in rows] if lock_step is not None else None
+    grouped = [r["groups_tokens_per_s"] for r in rows] if groups is not None else None
     return {
         "rows": rows,
-        "lock_step_ratio_at_8": None if locked is None else rows[-1]["lock_step_ratio"],
-        "lock_step_rising_with_every_doubling": None if locked is None else all(b > a for a, b in zip(locked, locked[1:])),
+        "groups_ratio_at_8": None if grouped is None else rows[-1]["groups_ratio"],
+        "groups_rising_with_every_doubling": None if grouped is None else all(b > a for a, b in zip(grouped, grouped[1:])),
         "ratio_at_8": rows[-1]["ratio"],
         "ratio_at_8_target": TARGET_RATIO_AT_8,
         "groups_off_ratio_at_8": rows[-1]["groups_off_ratio"],
-        "auto_over_off_at_8": rows[-1]["auto_over_off"],
+        "default_over_off_at_8": rows[-1]["default_over_off"],
         "rising_with_every_doubling": rising,
         "span_ratio_at_8": rows[-1]["span_ratio"],
         "span_rising_with_every_doubling": span_rising,
@@ -543,31 +544,33 @@ def render_markdown(report: dict) -> str:
         "",
         f"Machine: {m.get('cpu_model')}, {m.get('cores')} cores, {m.get('ram_gib', 0):.1f} GiB, {m.get('platform')}; "
         f"load before: {m.get('loadavg_before')}; Baton {m.get('baton_commit', '?')}, llama.cpp {m.get('llama_cpp_commit', '?')[:12]}.",
-        f"Baton: tracker + {NODES} nodes of SmolLM2 on loopback, {SEQUENCES} sequences and {cfg['threads']} thread(s) per "
-        f"worker, each session its own owner; prompt {cfg['prompt']} tokens, {cfg['tokens']} greedy tokens. "
+        f"Baton: tracker + {NODES} nodes of SmolLM2 on loopback, {SEQUENCES} sequences per worker, each session its "
+        f"own owner; prompt {cfg['prompt']} tokens, {cfg['tokens']} greedy tokens. "
         f"llama-batched-bench: unsplit, -npp {cfg['prompt']} -ntg {cfg['tokens']}, {cfg['llama_threads']} threads.",
-        "Decode steps go worker to worker over the workers' data plane (prompts through the nodes). Decode groups "
-        "auto (the default: the first worker's decode Forward takes at most ceil(decoding sessions / (hops + 1)) "
-        "steps, the rest the Forward right after, so that on separate machines the groups are at different hops at "
-        "once) and off (`--decode-groups 0`: every queued decode step in the next Forward); lock-step "
-        "(`--decode-groups 1 --decode-gather-ms "
-        f"{LOCK_STEP_GATHER_MS}`, workers of {cfg.get('lock_step_threads', '?')} threads): the first worker holds each "
-        "decode Forward until every decoding session's step waits, so the sessions travel as one convoy and one hop "
-        "computes at a time (the mode for hops that share a machine's cores). Every worker's idle threads sleep "
-        "after a short spin (`--worker-wait sleep`, as in every local swarm). A fresh swarm for each; ratios are to "
+        "Decode steps go worker to worker over the workers' data plane (prompts through the nodes). Three modes, each "
+        "on a fresh swarm: the nodes' defaults (workers of "
+        f"{cfg.get('default_threads', '?')} threads, the cores; each route's next hop shares this machine, so its "
+        "first node runs it lock-step, `agent.core.scheduler.decode_mode`: the first worker holds each decode Forward "
+        f"until every decoding session's step waits, at most {LOCK_STEP_GATHER_MS:g} ms, so the sessions travel as one "
+        "convoy and one hop computes at a time), decode groups (`--decode-groups 4`, the route's hops + 1, what a node "
+        "picks when its next hop is another machine: the first worker's decode Forward takes at most ceil(decoding "
+        "sessions / 4) steps, the rest the Forward right after, so that on separate machines the groups are at "
+        f"different hops at once; workers of {cfg['threads']} thread(s)) and off (`--decode-groups 0`: every queued "
+        f"decode step in the next Forward; workers of {cfg['threads']} thread(s)). Every worker's idle threads sleep "
+        "after a short spin (`--worker-wait sleep`, as in every local swarm). Ratios are to "
         f"llama-batched-bench. {cfg.get('rounds', 1)} round(s), each running llama-batched-bench and every mode in turn "
         "(the machine's speed drifts); each cell is its median round's.",
         "Decode t/s: the aggregate while every session decodes (from the last session's first token to the "
-        "first session's last: no prompt is prefilled then), as llama-batched-bench's S_TG counts; the last "
+        "first session's last: no prompt is prefilled then), as llama-batched-bench's S_TG counts; the whole-span "
         "column is the same runs over the whole span, which also holds the later sessions' prefills.",
         "",
-        "| sessions | llama-batched-bench S_TG t/s | Baton, groups auto: decode t/s | ratio "
-        "| Baton, groups off: decode t/s | ratio | auto / off | groups auto, whole span: t/s (ratio) |",
+        "| sessions | llama-batched-bench S_TG t/s | Baton, default: decode t/s | ratio "
+        "| Baton, groups off: decode t/s | ratio | default / off | default, whole span: t/s (ratio) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    locked = s.get("lock_step_ratio_at_8") is not None
-    if locked:
-        lines[-2] += " Baton, lock-step: decode t/s | ratio |"
+    grouped = s.get("groups_ratio_at_8") is not None
+    if grouped:
+        lines[-2] += " Baton, groups of 4: decode t/s | ratio |"
         lines[-1] += "---|---|"
     for row in s["rows"]:
         span = row.get("span_tokens_per_s")
@@ -575,24 +578,24 @@ def render_markdown(report: dict) -> str:
         lines.append(
             f"| {row['sessions']} | {row['llama_batched_bench_tokens_per_s']:.1f} | {row['baton_tokens_per_s']:.1f} | "
             f"{row['ratio']:.2f}x | {row['groups_off_tokens_per_s']:.1f} | {row['groups_off_ratio']:.2f}x | "
-            f"{row['auto_over_off']:.2f}x | {span_cell} |"
-            + (f" {row['lock_step_tokens_per_s']:.1f} | {row['lock_step_ratio']:.2f}x |" if locked else "")
+            f"{row['default_over_off']:.2f}x | {span_cell} |"
+            + (f" {row['groups_tokens_per_s']:.1f} | {row['groups_ratio']:.2f}x |" if grouped else "")
         )
     lines += _rounds_line(report)
     shortfall = s["ratio_at_8_target"] - s["ratio_at_8"]
     verdict = "met" if shortfall <= 0 else f"missed by {shortfall:.2f}x"
     lines += [
         "",
-        f"- 8 sessions, groups auto: {s['ratio_at_8']:.2f}x llama-batched-bench (target >= {s['ratio_at_8_target']}x): "
-        f"{verdict}; groups off: {s['groups_off_ratio_at_8']:.2f}x; auto / off: {s['auto_over_off_at_8']:.2f}x.",
-        f"- aggregate rising with every doubling (groups auto): {'yes' if s['rising_with_every_doubling'] else 'no'}.",
+        f"- 8 sessions, default: {s['ratio_at_8']:.2f}x llama-batched-bench (target >= {s['ratio_at_8_target']}x): "
+        f"{verdict}; groups off: {s['groups_off_ratio_at_8']:.2f}x; default / off: {s['default_over_off_at_8']:.2f}x.",
+        f"- aggregate rising with every doubling (default): {'yes' if s['rising_with_every_doubling'] else 'no'}.",
     ]
-    if locked:
-        short = s["ratio_at_8_target"] - s["lock_step_ratio_at_8"]
+    if grouped:
+        short = s["ratio_at_8_target"] - s["groups_ratio_at_8"]
         lines.append(
-            f"- lock-step: {s['lock_step_ratio_at_8']:.2f}x at 8 sessions ("
-            + ("met" if short <= 0 else f"missed by {short:.2f}x")
-            + f"), rising with every doubling: {'yes' if s['lock_step_rising_with_every_doubling'] else 'no'}."
+            f"- decode groups (as on separate machines): {s['groups_ratio_at_8']:.2f}x at 8 sessions ("
+            + ("above the target" if short <= 0 else f"{short:.2f}x under the target")
+            + f"), rising with every doubling: {'yes' if s['groups_rising_with_every_doubling'] else 'no'}."
         )
     if s.get("span_ratio_at_8") is not None:
         lines.append(
@@ -634,7 +637,7 @@ def _rounds_line(report: dict) -> list[str]:
 def _rounds_table(report: dict) -> list[str]:
     """Where a lock-step round goes: each hop's own time per round and the rest, in the swarm
     (data plane) beside bare workers in series and llama-batched-bench (``lock_step_rounds``)."""
-    rounds = (report.get("baton_lock_step") or {}).get("rounds") or {}
+    rounds = (report.get("baton") or {}).get("rounds") or {}
     if not rounds.get("rounds"):
         return [] if not rounds else ["", f"Lock-step rounds: not measured ({rounds.get('error', 'no round found')})."]
     ranges = [f"[{b}:{e}]" for b, e in rounds["ranges"]]
@@ -678,7 +681,7 @@ def _rounds_table(report: dict) -> list[str]:
 
 
 #: (label, report key) of each mode measured, in the tables' order
-_REPORT_MODES = (("groups auto", "baton"), ("groups off", "baton_decode_groups_off"), ("lock-step", "baton_lock_step"))
+_REPORT_MODES = (("default", "baton"), ("groups off", "baton_decode_groups_off"), ("groups of 4", "baton_decode_groups"))
 
 
 def _steps_table(report: dict) -> list[str]:
@@ -777,8 +780,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="threads per Baton worker (default 1)")
     parser.add_argument("--llama-threads", type=int, default=2, help="llama-batched-bench threads (default 2: the cores)")
     parser.add_argument(
-        "--lock-step-threads", type=int, default=2,
-        help="threads per worker in lock-step, where one hop computes at a time (default 2: the cores)",
+        "--default-threads", type=int, default=os.cpu_count() or 1,
+        help="threads per worker in the default mode (default: the cores, as the worker's own default)",
     )  # fmt: skip
     parser.add_argument(
         "--rounds", type=int, default=3,
@@ -794,40 +797,40 @@ def main(argv: list[str] | None = None) -> int:
     apply_cpu_policy()  # this process holds the sessions' owners, as `baton generate` would (agent.cli)
     machine = machine_info()
     started = time.perf_counter()
-    llamas, autos, offs, locks = [], [], [], []
+    llamas, defaults, offs, groups = [], [], [], []
     for r in range(args.rounds):
         last = r == args.rounds - 1  # the gaps and the trace: once, in the last round
         log(f"round {r + 1} of {args.rounds}")
         llamas.append(run_batched_bench(model_path(ALIAS), args.prompt, args.tokens, args.llama_threads))
-        autos.append(trio.run(functools.partial(run_baton, args, "auto", gaps=last)))
+        defaults.append(trio.run(functools.partial(run_baton, args, "default", gaps=last, rounds=last)))
         offs.append(trio.run(functools.partial(run_baton, args, "off", gaps=False)))
-        locks.append(trio.run(functools.partial(run_baton, args, "lock-step", gaps=False, rounds=last)))
+        groups.append(trio.run(functools.partial(run_baton, args, "groups", gaps=False)))
     llama = {n: median_round([rounds[n] for rounds in llamas], "speed_tg") for n in PARALLEL}
-    baton, baton_off, lock_step = median_run(autos), median_run(offs), median_run(locks)
+    baton, baton_off, baton_groups = median_run(defaults), median_run(offs), median_run(groups)
     report = {
         "benchmark": "batching",
         "machine": machine,
         "config": {
             "prompt": args.prompt, "tokens": args.tokens, "long_prompt": args.long_prompt, "gap_tokens": args.gap_tokens,
             "threads": args.threads, "llama_threads": args.llama_threads, "nodes": NODES, "sequences": SEQUENCES,
-            "chunk": args.chunk, "lock_step_threads": args.lock_step_threads, "rounds": args.rounds,
+            "chunk": args.chunk, "default_threads": args.default_threads, "rounds": args.rounds,
         },  # fmt: skip
         "llama_batched_bench": {str(k): v for k, v in llama.items()},
         "baton": {
-            "decode_groups": "auto",
+            "node_args": list(MODES["default"]), "threads": args.default_threads,
             "parallel": {str(k): v for k, v in baton["parallel"].items()},
             "gaps": baton["gaps"],
+            "rounds": baton.get("rounds"),
         },
         "baton_decode_groups_off": {
-            "decode_groups": 0,
+            "node_args": list(MODES["off"]), "threads": args.threads,
             "parallel": {str(k): v for k, v in baton_off["parallel"].items()},
         },
-        "baton_lock_step": {
-            "node_args": list(MODES["lock-step"]), "threads": args.lock_step_threads,
-            "parallel": {str(k): v for k, v in lock_step["parallel"].items()},
-            "rounds": lock_step.get("rounds"),
+        "baton_decode_groups": {
+            "node_args": list(MODES["groups"]), "threads": args.threads,
+            "parallel": {str(k): v for k, v in baton_groups["parallel"].items()},
         },
-        "summary": summarize(baton, llama, baton_off, lock_step),
+        "summary": summarize(baton, llama, baton_off, baton_groups),
     }
     report["wall_time_s"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)

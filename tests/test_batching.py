@@ -4,7 +4,7 @@ run; the wait is bounded and says so; killed clients hold nothing for long.
 
 Each test starts its own swarm of real processes: a tracker and three nodes, each a third of
 SmolLM2 (the first test's workers hold 4 sequences, the worker's default, so one route holds
-4 sessions at a time); the last one runs its nodes lock-step."""
+4 sessions at a time); the last one shows that nodes on one machine run lock-step by default."""
 
 from __future__ import annotations
 
@@ -261,18 +261,21 @@ async def test_concurrent_sessions_give_their_solo_runs_numbers_bit_for_bit(tmp_
 
 
 @pytest.mark.timeout(600)
-async def test_lock_step_runs_every_decoding_session_in_one_forward_with_solo_numbers(tmp_path: Path) -> None:
-    """Lock-step (``--decode-groups 1 --decode-gather-ms``): the first hop holds each decode
-    Forward until every decoding session's step waits, so sessions that start together share
-    their decode Forwards at every hop, and still give their solo runs' scores bit for bit (decode
-    rows only with decode rows, as in any mode). A session still taking its 170-token prompt in
-    chunks is not waited for (only decoding sessions count), so the others decode meanwhile.
-    With the default groups (route hops + 1 = 4 here), 3 sessions would get 1 step per
-    decode Forward at the first hop; lock-step must merge them. 40 tokens a session: the
-    workers' prefill pacing lets the chunked prompt in one chunk a decode round, so it joins
-    the others late, and with 14 tokens the first two were often done by then."""
-    lock_step = ("--decode-groups", "1", "--decode-gather-ms", "40")
-    async with _three_nodes(tmp_path, "--max-sequences", "4", "--ctx-size", str(CTX), *lock_step) as (swarm, route):
+async def test_nodes_on_one_machine_run_lock_step_by_default_every_decoding_session_in_one_forward(
+    tmp_path: Path,
+) -> None:
+    """Three nodes on one machine, no decode flags: each route's next hop shares the first
+    hop's machine, so its node runs it lock-step (``agent.core.scheduler.decode_mode``): the
+    first hop holds each decode Forward until every decoding session's step waits, so sessions
+    that start together share their decode Forwards at every hop, and still give their solo
+    runs' scores bit for bit (decode rows only with decode rows, as in any mode). A session still
+    taking its 170-token prompt in chunks is not waited for (only decoding sessions count), so
+    the others decode meanwhile. With decode groups (route hops + 1 = 4 here, the default for
+    hops on machines of their own), 3 sessions would get 1 step per decode Forward at the first
+    hop; lock-step must merge them. 40 tokens a session: the workers' prefill pacing lets the
+    chunked prompt in one chunk a decode round, so it joins the others late, and with 14 tokens
+    the first two were often done by then."""
+    async with _three_nodes(tmp_path, "--max-sequences", "4", "--ctx-size", str(CTX)) as (swarm, route):
         text_tokens = await _text_tokens(swarm, route)
         addr = swarm.tracker_addr
         prompts = [text_tokens[: n - 1] + [text_tokens[n + 7]] for n in (5, 40, 170)]

@@ -1,5 +1,5 @@
-"""The pure parts of bench/batching.py: the summary against llama-batched-bench (decode groups
-auto, the default, off and lock-step, side by side) and its markdown."""
+"""The pure parts of bench/batching.py: the summary against llama-batched-bench (the default
+mode, decode groups off and decode groups on, side by side) and its markdown."""
 
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ def test_the_summary_takes_ratios_of_both_modes_checks_the_doublings_and_the_gap
             "prefill_s": 2.0, "long_prompt_tokens": 1500, "chunk_rows": 128,
         },
     }  # fmt: skip
-    # groups off rises with every doubling: the targets are the default mode's (auto) all the same
+    # groups off rises with every doubling: the targets are the default mode's all the same
     off = {"parallel": {n: {"tokens_per_s": t} for n, t in ((1, 20.0), (2, 25.0), (4, 28.0), (8, 40.0))}}
     llama = {n: {"speed_tg": 25.0 * n} for n in batching.PARALLEL}
     summary = batching.summarize(baton, llama, off)
     assert [round(r["ratio"], 2) for r in summary["rows"]] == [0.8, 0.7, 0.3, 0.3]
     assert [round(r["groups_off_ratio"], 2) for r in summary["rows"]] == [0.8, 0.5, 0.28, 0.2]
-    assert [round(r["auto_over_off"], 2) for r in summary["rows"]] == [1.0, 1.4, 1.07, 1.5]
-    assert (summary["ratio_at_8"], summary["groups_off_ratio_at_8"], summary["auto_over_off_at_8"]) == (0.3, 0.2, 1.5)
+    assert [round(r["default_over_off"], 2) for r in summary["rows"]] == [1.0, 1.4, 1.07, 1.5]
+    assert (summary["ratio_at_8"], summary["groups_off_ratio_at_8"], summary["default_over_off_at_8"]) == (0.3, 0.2, 1.5)
     assert summary["rising_with_every_doubling"] is False  # 4 sessions fell below 2
     assert summary["gap_p99_over_p50_during_prefill"] == 10.0
     report = {
@@ -40,9 +40,9 @@ def test_the_summary_takes_ratios_of_both_modes_checks_the_doublings_and_the_gap
     }  # fmt: skip
     md = batching.render_markdown(report)
     assert "| 8 | 200.0 | 60.0 | 0.30x | 40.0 | 0.20x | 1.50x |" in md
-    assert "groups auto: 0.30x llama-batched-bench (target >= 0.8x): missed by 0.50x;" in md
-    assert "groups off: 0.20x; auto / off: 1.50x." in md
-    assert "rising with every doubling (groups auto): no" in md
+    assert "8 sessions, default: 0.30x llama-batched-bench (target >= 0.8x): missed by 0.50x;" in md
+    assert "groups off: 0.20x; default / off: 1.50x." in md
+    assert "rising with every doubling (default): no" in md
     assert "= 10.00x p50 (target <= 2.0x: missed)" in md
     assert "over the whole span instead" not in md  # (a report from before the span column)
     for n, row in baton["parallel"].items():
@@ -54,24 +54,26 @@ def test_the_summary_takes_ratios_of_both_modes_checks_the_doublings_and_the_gap
     assert "over the whole span instead: 0.40x at 8 sessions, rising with every doubling: yes." in md
 
 
-def test_lock_step_gets_its_own_columns_ratio_and_doublings_beside_the_default() -> None:
+def test_decode_groups_get_their_own_columns_ratio_and_doublings_beside_the_default() -> None:
     tps = lambda *ts: {"parallel": {n: {"tokens_per_s": t} for n, t in zip(batching.PARALLEL, ts)}}  # noqa: E731
     baton = {**tps(20.0, 35.0, 40.0, 60.0), "gaps": {"alone": {"n": 0}, "during_prefill": {"n": 0}}}
     llama = {n: {"speed_tg": 25.0 * n} for n in batching.PARALLEL}
     summary = batching.summarize(baton, llama, tps(20.0, 25.0, 28.0, 40.0), tps(20.0, 40.0, 70.0, 170.0))
-    assert (round(summary["lock_step_ratio_at_8"], 2), summary["lock_step_rising_with_every_doubling"]) == (0.85, True)
+    assert (round(summary["groups_ratio_at_8"], 2), summary["groups_rising_with_every_doubling"]) == (0.85, True)
     assert summary["ratio_at_8"] == 0.3, "the targets stay the default mode's"
     report = {
         "summary": summary, "baton": baton, "wall_time_s": 1.0, "machine": {"cpu_model": "cpu", "cores": 2},
-        "config": {"threads": 1, "prompt": 64, "tokens": 48, "llama_threads": 2, "lock_step_threads": 2},
+        "config": {"threads": 1, "prompt": 64, "tokens": 48, "llama_threads": 2, "default_threads": 2},
     }  # fmt: skip
     md = batching.render_markdown(report)
-    assert "| Baton, lock-step: decode t/s | ratio |" in md
+    assert "| Baton, groups of 4: decode t/s | ratio |" in md
+    assert "workers of 2 threads, the cores" in md
     assert "| 8 | 200.0 | 60.0 | 0.30x | 40.0 | 0.20x | 1.50x | — | 170.0 | 0.85x |" in md
-    assert "- lock-step: 0.85x at 8 sessions (met), rising with every doubling: yes." in md
+    assert "- decode groups (as on separate machines): 0.85x at 8 sessions (above the target), rising with every" in md
     summary = batching.summarize(baton, llama, tps(20.0, 25.0, 28.0, 40.0), tps(20.0, 40.0, 30.0, 100.0))
     md = batching.render_markdown({**report, "summary": summary})
-    assert "- lock-step: 0.50x at 8 sessions (missed by 0.30x), rising with every doubling: no." in md
+    assert "- decode groups (as on separate machines): 0.50x at 8 sessions (0.30x under the target), rising with" in md
+    assert "doubling: no." in md
 
 
 def test_the_all_decoding_window_runs_from_the_last_first_token_to_the_first_last_token() -> None:
@@ -102,9 +104,9 @@ def test_the_cpu_table_is_per_generated_token_and_sums_every_process() -> None:
     assert "| worker [20-30] | 10.0 | 12.5 |" in lines
     assert "| all | 18.8 | 21.2 |" in lines
     assert "| cores busy on average | 1.50 | 1.70 |" in lines
-    locked = {**run, "cpu_s": {**run["cpu_s"], "worker [0-10]": 2.0}}
-    lines = batching._cpu_table({**report, "baton_lock_step": {"parallel": {"8": locked}}})
-    assert "| process | groups auto | groups off | lock-step |" in lines
+    grouped = {**run, "cpu_s": {**run["cpu_s"], "worker [0-10]": 2.0}}
+    lines = batching._cpu_table({**report, "baton_decode_groups": {"parallel": {"8": grouped}}})
+    assert "| process | default | groups off | groups of 4 |" in lines
     assert "| worker [0-10] | 5.0 | 5.0 | 2.5 |" in lines
     assert batching._cpu_table({"baton": {"parallel": {"8": {"tokens_per_s": 1.0}}}}) == []
     assert batching._role(["/x/baton-worker", "--model", "m", "--layers", "10-20"]) == "worker [10-20]"
@@ -232,7 +234,7 @@ def test_rounds_merge_into_each_figures_median_round_and_list_every_round() -> N
     }
     assert batching._rounds_line(report) == [
         "", "- each round at 8 sessions, t/s in round order: llama-batched-bench 150.0, 160.0, 170.0; "
-        "groups auto 90.0, 70.0, 80.0.",
+        "default 90.0, 70.0, 80.0.",
     ]  # fmt: skip
     report["baton"]["parallel"]["8"]["rounds_tokens_per_s"] = [80.0]
     assert batching._rounds_line(report) == []
@@ -254,7 +256,7 @@ def test_the_rounds_table_puts_the_swarm_beside_bare_workers_and_sums_the_rest()
         "compute_ms": [10.0, 12.0, 20.0], "steps_per_forward": [7.5, 7.5, 8.0],
         "bare_exchange_ms": [9.0, 10.0, 17.0], "bare_compute_ms": [8.0, 9.0, 16.0], "llama_step_ms": 30.0,
     }  # fmt: skip
-    lines = batching._rounds_table({"baton_lock_step": {"rounds": rounds}})
+    lines = batching._rounds_table({"baton": {"rounds": rounds}})
     assert "| worker [0:10]: its Forwards' own time (swarm: 7.50 steps a Forward) | 10.00 | 8.00 |" in lines
     # the rest: 51 - 42 in the swarm, 36 - 33 bare
     assert any(line.startswith("| the rest:") and line.endswith("| 9.00 | 3.00 |") for line in lines)
@@ -263,6 +265,6 @@ def test_the_rounds_table_puts_the_swarm_beside_bare_workers_and_sums_the_rest()
     # 30 / 51 = 0.59x, 30 / 36 = 0.83x; 42 ms of own time against 33 (1.27x)
     assert "round is 0.59x llama-batched-bench's speed, the bare workers' 0.83x" in lines[-1]
     assert "42.0 ms a round in the swarm against 33.0 bare (1.27x)" in lines[-1]
-    assert batching._rounds_table({"baton_lock_step": {"rounds": None}}) == []
-    failed = batching._rounds_table({"baton_lock_step": {"rounds": {"rounds": 0, "error": "no decode step"}}})
+    assert batching._rounds_table({"baton": {"rounds": None}}) == []
+    failed = batching._rounds_table({"baton": {"rounds": {"rounds": 0, "error": "no decode step"}}})
     assert "not measured (no decode step)" in failed[-1]

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from agent.core import frames
 from agent.core.frames import FrameError, FrameReader, FrameTooLarge, decode_uvarint, encode_uvarint
 from agent.core.identity import peer_id_from_public_key
-from agent.core.multiaddrs import channel_multiaddr, is_circuit, parse_channel_multiaddr
+from agent.core.multiaddrs import channel_multiaddr, is_circuit, parse_channel_multiaddr, tcp_hosts
 from agent.io.peer_cert import LIBP2P_TLS_OID, PeerCertError, make_peer_certificate, verify_peer_certificate
 
 pytestmark = pytest.mark.timeout(30)
@@ -202,6 +202,19 @@ def test_channel_multiaddrs() -> None:
     ):
         assert parse_channel_multiaddr(other) is None, other
     assert is_circuit("/ip4/1.2.3.4/tcp/1/p2p/R/p2p-circuit/p2p/X")
+
+
+def test_the_hosts_of_direct_tcp_addresses() -> None:
+    addrs = [
+        "/ip4/10.0.0.2/tcp/4001/p2p/X",  # libp2p
+        "/ip4/1.2.3.4/tcp/1/p2p/R/p2p-circuit/p2p/X",  # through a relay: no host of its own
+        "/ip6/::1/tcp/4002/tls/p2p/X",  # a channel
+        "/ip4/10.0.0.3/udp/4001/quic",
+        "/dns4/example.org/tcp/1/p2p/X",
+        "garbage",
+    ]
+    assert tcp_hosts(addrs) == ["10.0.0.2", "::1"]
+    assert tcp_hosts([]) == []
 
 
 def _cert(identity: Ed25519PrivateKey, cert_key=None) -> bytes:  # noqa: ANN001

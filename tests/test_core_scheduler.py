@@ -10,10 +10,12 @@ import pytest
 from agent._proto import swarm_pb2
 from agent.core.node_sessions import SessionTable
 from agent.core.scheduler import (
+    LOCK_STEP_GATHER_MS,
     StepScheduler,
     arrival_wakes_gatherer,
     batch_window_wait_ms,
     decode_group_cap,
+    decode_mode,
     first_hop_decode,
     gather_arrivals_needed,
     gather_wait_ms,
@@ -422,6 +424,25 @@ def test_lock_step_holds_each_decode_forward_until_every_decoding_session_waits(
     assert first_hop_decode(begin=0, waiting=7, **plan) == (8, 30.0), "one of the 8 is late: hold the rest of 40 ms"
     assert first_hop_decode(begin=0, waiting=8, **plan) == (8, 0.0), "all 8 there: one Forward of 8 now"
     assert first_hop_decode(begin=0, waiting=7, **{**plan, "waited_ms": 40.0}) == (8, 0.0), "window over: the 7 go"
+
+
+def test_by_default_a_route_whose_next_hop_shares_this_machine_runs_lock_step() -> None:
+    """Hops that share one machine's cores gain nothing by computing at once: lock-step, each
+    Forward every session's row; hops on machines of their own: decode groups."""
+    assert decode_mode(None, None, next_hop_shares_host=True) == (1, LOCK_STEP_GATHER_MS)
+    assert decode_mode(None, None, next_hop_shares_host=False) == (None, 0.0), "groups: route hops + 1"
+    plan = dict(decoding_sessions=8, route_hops=3, waited_ms=0.0)
+    groups, window_ms = decode_mode(None, None, next_hop_shares_host=True)
+    assert first_hop_decode(begin=0, waiting=7, groups=groups, window_ms=window_ms, **plan) == (8, LOCK_STEP_GATHER_MS)
+    groups, window_ms = decode_mode(None, None, next_hop_shares_host=False)
+    assert first_hop_decode(begin=0, waiting=7, groups=groups, window_ms=window_ms, **plan) == (2, 0.0)
+    # what the node says stands
+    assert decode_mode(0, None, next_hop_shares_host=True) == (0, 0.0), "off stays off"
+    assert decode_mode(4, None, next_hop_shares_host=True) == (4, 0.0)
+    assert decode_mode(1, None, next_hop_shares_host=False) == (1, LOCK_STEP_GATHER_MS), "lock-step anywhere"
+    assert decode_mode(1, 10.0, next_hop_shares_host=False) == (1, 10.0)
+    assert decode_mode(None, 0.0, next_hop_shares_host=True) == (1, 0.0), "a window of 0: never held"
+    assert decode_mode(None, 5.0, next_hop_shares_host=False) == (None, 5.0)
 
 
 def test_only_sessions_whose_last_step_was_a_decode_step_count_as_decoding() -> None:

@@ -4,6 +4,7 @@ Owns, on plain strings (no multiaddr library, no sockets):
 - ``peer_id_from_multiaddr``: the peer id an address ends with (``.../p2p/<id>``);
 - ``circuit_multiaddr`` / ``is_circuit``: ``<relay addr>/p2p-circuit/p2p/<id>``, where a peer
   behind the tracker's circuit relay is reached (libp2p only);
+- ``tcp_hosts``: the host of each direct TCP address (``/ip4|ip6/<host>/tcp/<port>...``);
 - ``channel_multiaddr`` / ``parse_channel_multiaddr``: ``/ip4|ip6/<host>/tcp/<port>/tls/p2p/<id>``,
   the direct data channel of a peer (``agent.io.channel``: TLS 1.3 with libp2p-TLS
   certificates, Baton channel frames). libp2p never dials these (it would expect multistream
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+from collections.abc import Iterable
 
 __all__ = [
     "channel_multiaddr",
@@ -24,6 +26,7 @@ __all__ = [
     "is_circuit",
     "parse_channel_multiaddr",
     "peer_id_from_multiaddr",
+    "tcp_hosts",
 ]
 
 
@@ -83,3 +86,14 @@ def parse_channel_multiaddr(addr: str) -> tuple[str, int, str] | None:
     if (ip.version == 4) != (parts[1] == "ip4") or not 0 < port < 65536:
         return None
     return parts[2], port, parts[7]
+
+
+def tcp_hosts(addrs: Iterable[str]) -> list[str]:
+    """The host of each direct TCP address among ``addrs`` (``/ip4|ip6/<host>/tcp/<port>...``,
+    libp2p's or a channel's), in order; circuit and other addresses give none."""
+    hosts = []
+    for addr in addrs:
+        parts = addr.strip("/").split("/")
+        if len(parts) >= 4 and parts[0] in ("ip4", "ip6") and parts[2] == "tcp" and not is_circuit(addr):
+            hosts.append(parts[1])
+    return hosts

@@ -59,7 +59,12 @@ dozen (the weights are read once). Rules:
   is the opposite of decode groups, and it is what pays when the route's hops share one
   machine's cores (several nodes on one box): only one hop computes at a time, so each worker
   may use every core without its threads fighting another worker's for them, and each Forward
-  holds every session's row. bench/results/batching.md measures both on its 2-core machine.
+  holds every session's row. bench/results/batching.md measures both on its 2-core machine;
+- **the default** (``decode_mode``): a node that names neither picks per route. Lock-step when
+  the route's next hop shares this machine (its data plane on a loopback address or one of this
+  host's own): hops that share cores gain nothing from computing at once and lose each Forward's
+  batch (the 2-core benchmark: 0.68x llama-batched-bench at 8 sessions with groups, 0.83x
+  lock-step). Decode groups otherwise, where each hop has cores of its own.
 
 Generic over the queued item (the node queues ``agent.core.swarm_wire.StepInput``).
 
@@ -76,17 +81,46 @@ from typing import Any, Generic, TypeVar
 from .batching import is_prefill
 
 __all__ = [
+    "LOCK_STEP_GATHER_MS",
     "StepScheduler",
     "arrival_wakes_gatherer",
     "batch_window_wait_ms",
     "decode_group_cap",
     "decode_groups",
+    "decode_mode",
     "first_hop_decode",
     "gather_arrivals_needed",
     "gather_wait_ms",
 ]
 
 T = TypeVar("T")
+
+
+#: lock-step's gather window when a node names none (``decode_mode``): longer than two drifted
+#: groups can be apart (half a decode round: ~40 ms at 8 sessions of SmolLM2 through 3 hops on the
+#: 2-core benchmark machine), so a convoy that split merges again at once. It costs nothing while
+#: the convoy is whole (the hold ends as the last step arrives) and bounds what a straggler costs.
+LOCK_STEP_GATHER_MS = 40.0
+
+
+def decode_mode(groups: int | None, gather_ms: float | None, *, next_hop_shares_host: bool) -> tuple[int | None, float]:
+    """A first hop's decode groups and gather window for one route: the node's settings
+    (``--decode-groups``, ``--decode-gather-ms``), with what it left unset (None) decided.
+
+    Args:
+      groups: the node's decode groups; None: lock-step (1) when ``next_hop_shares_host``, else
+        None (``decode_groups``' route hops + 1).
+      gather_ms: the node's gather window; None: ``LOCK_STEP_GATHER_MS`` with one group, else 0.
+      next_hop_shares_host: the route's next hop runs on this machine (its cores are ours).
+
+    Returns:
+      ``(groups, gather_ms)`` for ``first_hop_decode`` and the data plane's bind.
+    """
+    if groups is None and next_hop_shares_host:
+        groups = 1
+    if gather_ms is None:
+        gather_ms = LOCK_STEP_GATHER_MS if groups == 1 else 0.0
+    return groups, gather_ms
 
 
 def decode_groups(route_hops: int, groups: int | None) -> int:

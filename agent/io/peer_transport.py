@@ -14,6 +14,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from agent.core.multiaddrs import tcp_hosts
 from agent.io.channel import ChannelConfig, open_channel_transport
 from agent.io.transport import Transport
 
@@ -22,11 +23,7 @@ __all__ = ["channel_host_for", "open_peer_transport"]
 
 def channel_host_for(listen_addrs: Sequence[str]) -> str | None:
     """The host of the first ``/ip4|ip6/<host>/tcp/<port>`` listen address, or None."""
-    for addr in listen_addrs:
-        parts = addr.strip("/").split("/")
-        if len(parts) >= 4 and parts[0] in ("ip4", "ip6") and parts[2] == "tcp":
-            return parts[1]
-    return None
+    return next(iter(tcp_hosts(listen_addrs)), None)
 
 
 @asynccontextmanager

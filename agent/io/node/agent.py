@@ -58,6 +58,7 @@ from agent.core.fingerprint import HostProbe, build_fingerprint, signed_fingerpr
 from agent.core.identity import peer_id_from_public_key
 from agent.core.kept_rows import KeptStore, RowsNotKept
 from agent.core.manifest import ManifestError, verify_manifest
+from agent.core.multiaddrs import tcp_hosts
 from agent.core.node_link import (
     RegistrationInvalid,
     RegistrationRefused,
@@ -97,6 +98,7 @@ from agent.core.scheduler import (
     StepScheduler,
     arrival_wakes_gatherer,
     batch_window_wait_ms,
+    decode_mode,
     first_hop_decode,
     gather_arrivals_needed,
 )
@@ -136,6 +138,7 @@ from agent.core.swarm_wire import (
 )
 from agent.core.worker_records import SeqInput, SeqOutput, WorkerHealth, WorkerInfo
 from agent.core.worker_wait import AUTO
+from agent.io.local_host import is_this_host
 from agent.io.transport import ImmediateHandler, Transport, TransportError
 from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
 from agent.io.worker_process import (
@@ -256,15 +259,17 @@ class NodeConfig:
       decode_groups: a range that begins at block 0 splits its decoding sessions into this many
         decode groups, capping each decode Forward at ceil(sessions / groups) steps, so the
         groups are at different hops at once (``agent.core.scheduler.decode_group_cap``);
-        None: the route's hops + 1 (no cap on a one-hop route); 0: off. On the data plane the
-        first hop's worker caps its decode Forwards the same way
+        0: off; 1 with a gather window: lock-step; None (the default): per route
+        (``agent.core.scheduler.decode_mode``), lock-step when the route's next hop runs on this
+        machine (its cores are this worker's), else the route's hops + 1 (no cap on a one-hop
+        route). On the data plane the first hop's worker caps its decode Forwards the same way
         (``agent.core.node_policy.data_plane_decode_groups``).
       decode_gather_ms: how long such a first hop holds a decode Forward until a full group
         waits (``agent.core.scheduler.gather_wait_ms``: sessions drift apart, and a drifted
-        step alone costs a Forward); 0 (the default): never held. Holding steps costs
-        latency, so it is opt-in; with ``decode_groups`` 1 it makes the route lock-step, the
-        mode for hops that share one machine's cores (``agent.core.scheduler``;
-        bench/results/batching.md measures it).
+        step alone costs a Forward); 0: never held; None (the default):
+        ``agent.core.scheduler.LOCK_STEP_GATHER_MS`` in lock-step, else 0. With one group it
+        makes the route lock-step, the mode for hops that share one machine's cores
+        (``agent.core.scheduler``; bench/results/batching.md measures it).
       replay_merge_rows: a replay joins kept decode rows into rebuild steps of at most this
         many rows, and sends every larger step as it was (``agent.core.kept_rows``: batches
         this small compute each row as a batch of one does, so the rebuild is bit-exact).
@@ -308,7 +313,7 @@ class NodeConfig:
     replay_merge_rows: int = 16
     row_budget: int | None = None
     decode_groups: int | None = None
-    decode_gather_ms: float = 0.0
+    decode_gather_ms: float | None = None
     #: TEST ONLY (``agent.testing.faulty``): add noise to the outputs of steps this node has
     #: not seen before, to show that canary checks catch a node computing wrong numbers
     test_corrupt_outputs: CorruptOutputs | None = None
@@ -912,11 +917,11 @@ class Node:
             oldest, waiting = scheduler.decode_waiting()
             now_s = trio.current_time()
             gather_since_s = now_s if gather_since_s is None else gather_since_s
+            groups, window_ms = self._decode_mode(tcp_hosts(oldest[1].rest[0].addrs) if oldest and oldest[1].rest else [])
             max_decode, hold_ms = first_hop_decode(
                 begin=served.key[1], decoding_sessions=sessions.decoding_count,
                 route_hops=len(oldest[1].rest) + 1 if oldest else 0,
-                groups=self.config.decode_groups, waiting=waiting, waited_ms=(now_s - gather_since_s) * 1000,
-                window_ms=self.config.decode_gather_ms,
+                groups=groups, waiting=waiting, waited_ms=(now_s - gather_since_s) * 1000, window_ms=window_ms,
             )  # fmt: skip
             if hold_ms > 0:
                 served.wakeup = trio.Event()
@@ -1559,6 +1564,13 @@ class Node:
         log.info("%s: session %s continues to the first hop %s", range_name(served.key), session_id.hex(), body.first_peer_id)
         return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
 
+    def _decode_mode(self, next_hop_hosts: Sequence[str]) -> tuple[int | None, float]:
+        """This node's decode groups and gather window as a first hop of a route whose next hop
+        is at ``next_hop_hosts`` (none: no next hop): ``agent.core.scheduler.decode_mode``, told
+        whether that hop runs on this machine."""
+        shares = any(map(is_this_host, next_hop_hosts))
+        return decode_mode(self.config.decode_groups, self.config.decode_gather_ms, next_hop_shares_host=shares)
+
     async def _bind_data_plane(self, body: swarm_pb2.DataPlaneBindRequest, remote_peer_id: str, role: int) -> bytes:
         """Bind the owner's session on this range's worker: its steps come worker to worker
         from now on (``DataPlaneBindRequest``); answers the worker's data plane port."""
@@ -1571,17 +1583,14 @@ class Node:
         await self._check_next_hop(served, body)
         await self._unbind_if_bound(served, session_id)  # a bind again (another route part) starts afresh
         session = served.sessions.bind_data_plane(session_id, remote_peer_id, _clock_ms())
+        groups, gather_ms = self._decode_mode([body.next_host] if body.next_port else [])
         request = worker_pb2.BindSessionRequest(
             schema_version=1, session_id=session_id, seq_id=session.seq_id, step_key=body.step_key,
             next_step=session.next_step, next_host=body.next_host, next_port=body.next_port,
             next_step_key=body.next_step_key, return_key=body.return_key, continue_key=body.continue_key,
             keep_rows_max_bytes=0 if served.info.gives_logits or served.kept is None else served.kept.room(session_id),
-            decode_gather_us=data_plane_gather_us(
-                begin=served.key[1], decode_groups=self.config.decode_groups, decode_gather_ms=self.config.decode_gather_ms
-            ),
-            decode_groups=data_plane_decode_groups(
-                begin=served.key[1], route_hops=body.route_hops, decode_groups=self.config.decode_groups
-            ),
+            decode_gather_us=data_plane_gather_us(begin=served.key[1], decode_groups=groups, decode_gather_ms=gather_ms),
+            decode_groups=data_plane_decode_groups(begin=served.key[1], route_hops=body.route_hops, decode_groups=groups),
         )  # fmt: skip
         try:
             await served.client.call("BindSession", request, timeout_s=self.config.worker_call_timeout_s)

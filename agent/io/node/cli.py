@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator, Sequence
 import trio
 
 from agent import cli_args
+from agent.core.scheduler import LOCK_STEP_GATHER_MS
 from agent.core.worker_wait import AUTO, WAIT_CHOICES
 from agent.io.gguf_sparse import check_gguf_magic
 from agent.models import cached_sha256
@@ -122,7 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-groups", type=cli_args.non_negative_int, metavar="N",
         help="a first hop splits its sessions' decode steps into N groups, so that they are at different hops at"
-        " once (default: the route's hops + 1; 0: off, every waiting decode step in the next Forward)",
+        " once (0: off, every waiting decode step in the next Forward; 1: lock-step, with --decode-gather-ms). The"
+        " default picks per route: lock-step when the route's next hop runs on this machine (nodes that share its"
+        " cores gain nothing by computing at once), else the route's hops + 1",
     )  # fmt: skip
     parser.add_argument(
         "--batch-window-ms", type=cli_args.non_negative_float, default=0.0, metavar="MS",
@@ -130,10 +133,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " (default 0)",
     )  # fmt: skip
     parser.add_argument(
-        "--decode-gather-ms", type=cli_args.non_negative_float, default=0.0, metavar="MS",
-        help="how long a first hop holds a decode Forward until a full decode group waits (default 0: never);"
-        " with --decode-groups 1, lock-step: every decoding session in one Forward, for nodes that share one"
-        " machine's cores",
+        "--decode-gather-ms", type=cli_args.non_negative_float, metavar="MS",
+        help="how long a first hop holds a decode Forward until a full decode group waits (0: never; default:"
+        f" {LOCK_STEP_GATHER_MS:g} in lock-step, else 0); with one decode group, lock-step: every decoding session in one Forward, for"
+        " nodes that share one machine's cores",
     )  # fmt: skip
     parser.add_argument(
         "--heartbeat-interval-ms", type=cli_args.positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"
@@ -260,7 +263,7 @@ async def run(args: argparse.Namespace) -> int:
         kept_rows_max_bytes=args.kept_rows_max_bytes,
         owner_max_share=args.owner_max_share,
         decode_groups=getattr(args, "decode_groups", None),
-        decode_gather_ms=getattr(args, "decode_gather_ms", 0.0),
+        decode_gather_ms=getattr(args, "decode_gather_ms", None),
         batch_window_ms=getattr(args, "batch_window_ms", 0.0),
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         relay=relay,

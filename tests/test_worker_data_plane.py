@@ -674,3 +674,73 @@ async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_c
             "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
         )
         assert totals.continued_steps == stop_at - 1 and totals.duplicate_steps_dropped == 0, totals
+
+
+async def test_a_lock_step_convoy_of_owners_on_this_machine_takes_its_steps_from_the_owners(smollm2_path) -> None:
+    """In a lock-step convoy of 4 or more sessions whose owners run on the first range's machine
+    (here: loopback), a CONTINUE step waits for the owner's own copy of it
+    (native/src/data_plane.cpp kLocalOwnersConvoy: the owners' work then falls between the first
+    worker's Forwards instead of inside them, where on shared cores it stalls the Forward's
+    threads); a convoy of 3 is continued. Each owner here sends its next step only when the
+    first range waits for it (its CONTINUE copy held there), and otherwise lets the
+    continuation carry it. The numbers are the same either way. (A budget within the window of 4
+    steps a CONTINUE may run ahead of its owner's own: the convoy of 3 never waits.)"""
+    top_k, budget = 8, 4
+    n = len(PROMPT)
+    async with open_chain(smollm2_path, ((0, 10), (10, 20), (20, 30)), max_sequences=4) as chain:
+        first_port, last_port = chain[0].info.data_port, chain[-1].info.data_port
+
+        async def convoy(count: int) -> tuple[list[worker_pb2.UnbindSessionReply], list[int], list[list[tuple]]]:
+            """``count`` sessions, lock-step and continued (``budget`` steps), each its own
+            owner: the first range's totals, the steps each owner sent because the first range
+            held its CONTINUE copy, and each session's results' top-K."""
+            sessions = []
+            for i in range(count):
+                key = os.urandom(32)
+                sessions.append(await bind_route(chain, seq_id=i, decode_gather_us=2_000_000, continue_key=key))
+                await chain[-1].client.call("ContinueSession", continue_request(sessions[-1], first_port, key, budget))
+            tops: list[list[tuple]] = [[] for _ in sessions]
+            sent_when_held = [0] * count
+
+            async def owner(i: int, s: OwnerSession) -> None:
+                async with open_data_link(HOST, first_port) as to, open_data_link(HOST, last_port) as back:
+                    await back.send(s.attach_frame())
+                    await to.send(s.step_frame(step(0, list(range(n)), PROMPT, top_k=top_k)))
+                    for number in range(2 + budget):
+                        token = int(tops[i][-1][0][0]) if number else 0
+                        if number == 1:
+                            await to.send(s.step_frame(step(1, [n], [token], top_k=top_k)))
+                        elif number > 1:
+                            with trio.fail_after(30):  # held for this owner, or taken from the continuation
+                                while (got := await peek(chain[0], s)).next_step <= number:
+                                    if got.continue_steps_waiting:
+                                        await to.send(s.step_frame(step(number, [n + number - 1], [token], top_k=top_k)))
+                                        sent_when_held[i] += 1
+                                        break
+                                    await trio.sleep(0.002)
+                        result = await result_of(s, back)
+                        assert result.error_code == 0 and result.step == number, result
+                        tops[i].append(top_of(result))
+
+            async with trio.open_nursery() as nursery:
+                for i, s in enumerate(sessions):
+                    nursery.start_soon(owner, i, s)
+            totals = [await peek(chain[0], s, keep_bound=False) for s in sessions]
+            for worker in chain:
+                for i in range(count):
+                    await worker.client.remove_sequence(i)
+            return totals, sent_when_held, tops
+
+        totals, sent, three = await convoy(3)
+        assert sent == [0] * 3 and [t.continued_steps for t in totals] == [budget] * 3, ("3: continued", sent, totals)
+        totals, sent, four = await convoy(4)
+        # the first continued step may come before the last session decodes (a convoy of 3)
+        assert all(held >= budget - 1 for held in sent), ("4: the owners' steps", sent, totals)
+        assert all(t.continued_steps + held == budget for t, held in zip(totals, sent)), (sent, totals)
+        assert four[:3] == three, "the same numbers continued or not"
+
+
+async def peek(worker: WorkerHandle, session: OwnerSession, keep_bound: bool = True) -> worker_pb2.UnbindSessionReply:
+    """The worker's totals of ``session`` (``keep_bound``: it stays bound)."""
+    return await worker.client.call("UnbindSession", worker_pb2.UnbindSessionRequest(
+        schema_version=1, session_id=session.session_id, keep_bound=keep_bound))  # fmt: skip

@@ -63,8 +63,9 @@ dozen (the weights are read once). Rules:
 - **the default** (``decode_mode``): a node that names neither picks per route. Lock-step when
   the route's next hop shares this machine (its data plane on a loopback address or one of this
   host's own): hops that share cores gain nothing from computing at once and lose each Forward's
-  batch (the 2-core benchmark: 0.68x llama-batched-bench at 8 sessions with groups, 0.83x
-  lock-step). Decode groups otherwise, where each hop has cores of its own.
+  batch (the 2-core benchmark, bench/results/batching.md: 0.62x llama-batched-bench at 8
+  sessions with groups, 0.81-0.86x lock-step). Decode groups otherwise, where each hop has
+  cores of its own.
 
 Generic over the queued item (the node queues ``agent.core.swarm_wire.StepInput``).
 

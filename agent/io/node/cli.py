@@ -135,8 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--decode-gather-ms", type=cli_args.non_negative_float, metavar="MS",
         help="how long a first hop holds a decode Forward until a full decode group waits (0: never; default:"
-        f" {LOCK_STEP_GATHER_MS:g} in lock-step, else 0); with one decode group, lock-step: every decoding session in one Forward, for"
-        " nodes that share one machine's cores",
+        f" {LOCK_STEP_GATHER_MS:g} in lock-step, else 0); with one decode group, lock-step: every decoding"
+        " session in one Forward, for nodes that share one machine's cores",
     )  # fmt: skip
     parser.add_argument(
         "--heartbeat-interval-ms", type=cli_args.positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"

@@ -275,7 +275,8 @@ async def test_nodes_on_one_machine_run_lock_step_by_default_every_decoding_sess
     hop; lock-step must merge them. 40 tokens a session: the workers' prefill pacing lets the
     chunked prompt in one chunk a decode round, so it joins the others late, and with 14 tokens
     the first two were often done by then."""
-    async with _three_nodes(tmp_path, "--max-sequences", "4", "--ctx-size", str(CTX)) as (swarm, route):
+    node_args = ("--max-sequences", "4", "--ctx-size", str(CTX), "--threads-decode", "1")
+    async with _three_nodes(tmp_path, *node_args) as (swarm, route):
         text_tokens = await _text_tokens(swarm, route)
         addr = swarm.tracker_addr
         prompts = [text_tokens[: n - 1] + [text_tokens[n + 7]] for n in (5, 40, 170)]
@@ -307,5 +308,6 @@ async def test_nodes_on_one_machine_run_lock_step_by_default_every_decoding_sess
         for node in swarm.nodes.values():
             workers = [p for p in psutil.Process(node.process.pid).children() if "baton-worker" in p.name()]
             assert [p.environ().get("GOMP_SPINCOUNT") for p in workers] == [str(SLEEP_SPIN_COUNT)], node.name
+            assert "--threads-decode 1" in " ".join(workers[0].cmdline()), "the node's --threads-decode"
             assert "the worker's idle threads sleep (--worker-wait sleep)" in node.log_path.read_text()
         swarm.check_alive()

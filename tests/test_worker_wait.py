@@ -141,3 +141,25 @@ def test_auto_sleeps_for_a_worker_started_while_another_node_runs_on_the_host() 
         environment, why = wait_environment(node_marker=mine)  # the default /tmp, as nodes use
         assert environment["GOMP_SPINCOUNT"] == str(SLEEP_SPIN_COUNT), why
         assert count_other_nodes(mine) >= 1 and other != mine
+
+
+async def test_a_one_row_forward_may_take_fewer_threads_and_gives_the_same_bits(qwen2_tiny_path) -> None:
+    """``--threads-decode``: a Forward whose micro-batch is one row (a lone session's decode
+    step) runs on that many threads, larger ones on ``--threads`` (llama.cpp's n_threads and
+    n_threads_batch); Info reports both, and the logits do not depend on it."""
+    from agent.core.worker_records import SeqInput
+
+    async def run(**threads: int) -> tuple[tuple[int, int], list[bytes]]:
+        async with open_worker(qwen2_tiny_path, 0, None, ctx_size=64, max_sequences=2, **threads) as worker:
+            prompt = [1, 17, 42, 99, 7, 3]
+            outs = [(await worker.client.forward([SeqInput(0, list(range(len(prompt))), prompt)]))[0]]
+            for i in range(4):  # one row each, then two sequences' rows in one Forward
+                outs.append((await worker.client.forward([SeqInput(0, [len(prompt) + i], [5 + i])]))[0])
+            outs += await worker.client.forward([SeqInput(0, [len(prompt) + 4], [9]), SeqInput(1, [0], [9])])
+            return (worker.info.n_threads, worker.info.n_threads_decode), [o.logits.tobytes() for o in outs]
+
+    with trio.fail_after(60):
+        default, bits = await run(threads=2)
+        fewer, fewer_bits = await run(threads=2, threads_decode=1)
+    assert default == (2, 2) and fewer == (2, 1)
+    assert fewer_bits == bits

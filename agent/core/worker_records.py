@@ -175,6 +175,7 @@ class WorkerInfo:
     eog_token_ids: tuple[int, ...] = ()
     vocab_only: bool = False
     data_port: int = 0  # the data plane's TCP port (--data-listen); 0: none
+    n_threads_decode: int = 0  # threads of a one-row micro-batch (--threads-decode); 0: an old worker
 
     @property
     def layers(self) -> LayerRange:

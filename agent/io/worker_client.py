@@ -154,6 +154,7 @@ def _info_from_reply(reply: worker_pb2.InfoReply) -> WorkerInfo:
         eog_token_ids=tuple(reply.eog_token_ids),
         vocab_only=reply.vocab_only,
         data_port=reply.data_port,
+        n_threads_decode=reply.n_threads_decode,
     )
 
 

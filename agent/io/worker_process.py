@@ -221,6 +221,7 @@ def worker_argv(
     model_sha256: str | None = None,
     vocab_only: bool = False,
     extra_args: Sequence[str] = (),
+    threads_decode: int | None = None,
 ) -> list[str]:
     """The worker's command line (docs/LAYOUT.md); options left None use the binary's default.
 
@@ -245,6 +246,7 @@ def worker_argv(
         ("--max-sequences", max_sequences),
         ("--batch-size", batch_size),
         ("--threads", threads),
+        ("--threads-decode", threads_decode),
         ("--gpu-layers", gpu_layers),
         ("--model-sha256", model_sha256),
     ):
@@ -325,6 +327,7 @@ async def open_worker(
     max_sequences: int | None = None,
     batch_size: int | None = None,
     threads: int | None = None,
+    threads_decode: int | None = None,
     gpu_layers: int | None = None,
     model_sha256: str | None = None,
     vocab_only: bool = False,
@@ -345,8 +348,8 @@ async def open_worker(
       begin, end: the layer range; ``end=None`` means to the last block.
       socket_path: where the worker listens; default ``worker.sock`` in a fresh private
         temp dir (``/tmp/baton-XXXX``, mode 0700, short enough for ``sun_path``).
-      ctx_size, max_sequences, batch_size, threads, gpu_layers, model_sha256: the worker
-        flags of the same names; None leaves the binary's default.
+      ctx_size, max_sequences, batch_size, threads, threads_decode, gpu_layers, model_sha256:
+        the worker flags of the same names; None leaves the binary's default.
       vocab_only: start ``--vocab-only`` (no ``--layers``; pass ``begin=0, end=None``): the
         worker loads only the vocabulary, so a metadata-only sparse GGUF
         (``agent.io.gguf_sparse``) serves; it answers Info, Health, Tokenize, Detokenize and
@@ -399,6 +402,7 @@ async def open_worker(
             binary, model_path, begin, end, socket_path, forward_socket_path=forward_socket_path,
             data_listen=data_listen, ctx_size=ctx_size, max_sequences=max_sequences, batch_size=batch_size, threads=threads,
             gpu_layers=gpu_layers, model_sha256=model_sha256, vocab_only=vocab_only, extra_args=extra_args,
+            threads_decode=threads_decode,
         )  # fmt: skip
         with open(log_path, "wb") as log:
             # the worker stops when this process exits, even by SIGKILL (Linux; native/src/main.cpp)

@@ -28,7 +28,8 @@ constexpr const char * kUsage =
     "                    [--data-listen HOST:PORT] [--prefill-pace-ms N]\n"
     "                    [--data-unproven-timeout-ms N] [--data-max-connections N]\n"
     "                    [--ctx-size N] [--max-sequences N]\n"
-    "                    [--batch-size N] [--threads N] [--gpu-layers N] [--model-sha256 HEX] [--no-mmap]\n"
+    "                    [--batch-size N] [--threads N] [--threads-decode N] [--gpu-layers N]\n"
+    "                    [--model-sha256 HEX] [--no-mmap]\n"
     "       baton-worker --vocab-only --model PATH --socket PATH [--model-sha256 HEX] [--no-mmap]\n"
     "  --layers B:E      blocks [B, E) in global numbering; E empty or -1: to the last block\n"
     "  --vocab-only      load only the vocabulary (no tensor is read: a metadata-only sparse GGUF\n"
@@ -52,6 +53,9 @@ constexpr const char * kUsage =
     "  --max-sequences N sequence ids 0..N-1 (default 4)\n"
     "  --batch-size N    most rows one Forward may carry (default 512)\n"
     "  --threads N       CPU threads, 0 = all cores (default 0)\n"
+    "  --threads-decode N  CPU threads of a Forward whose micro-batch is one row (a lone session's\n"
+    "                    decode step; llama.cpp's n_threads, where --threads is n_threads_batch);\n"
+    "                    0 = --threads (default 0). The numbers do not change with it\n"
     "  --gpu-layers N    blocks to offload (llama.cpp n_gpu_layers; default -1 = all)\n"
     "  --model-sha256 H  the model's sha256 (skips hashing the file at start)\n"
     "  --no-mmap         read the model into memory instead of mapping it\n"
@@ -183,6 +187,8 @@ int main(int argc, char ** argv) {
             shard.batch_size = static_cast<uint32_t>(parse_integer(flag, take_value(), 1, kI32Max));
         } else if (flag == "--threads") {
             shard.threads = static_cast<int32_t>(parse_integer(flag, take_value(), 0, 4096));
+        } else if (flag == "--threads-decode") {
+            shard.threads_decode = static_cast<int32_t>(parse_integer(flag, take_value(), 0, 4096));
         } else if (flag == "--gpu-layers") {
             shard.gpu_layers = static_cast<int32_t>(parse_integer(flag, take_value(), -1, kI32Max));
         } else if (flag == "--model-sha256") {

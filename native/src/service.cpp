@@ -133,6 +133,7 @@ grpc::Status ShardWorkerService::Info(grpc::ServerContext *, const v1::InfoReque
         reply->set_n_batch_max(info.n_batch_max);
         reply->set_model_path(info.model_path);
         reply->set_n_threads(info.n_threads);
+        reply->set_n_threads_decode(info.n_threads_decode);
         for (int32_t t : info.eog_token_ids) {
             reply->add_eog_token_ids(t);
         }

@@ -895,7 +895,8 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     cparams.n_batch = config_.batch_size;
     cparams.n_ubatch = config_.batch_size;
     cparams.n_seq_max = config_.max_sequences;
-    cparams.n_threads = n_threads;
+    const int32_t n_threads_decode = config_.threads_decode > 0 ? config_.threads_decode : n_threads;
+    cparams.n_threads = n_threads_decode;  // llama.cpp: a micro-batch of one token
     cparams.n_threads_batch = n_threads;
     cparams.kv_unified = false;
     cparams.n_rs_seq = config_.rollback_positions;
@@ -949,6 +950,7 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     info_.n_batch_max = std::min({config_.batch_size, llama_n_batch(ctx_.get()), llama_n_ubatch(ctx_.get())});
     info_.model_path = config_.model_path;
     info_.n_threads = static_cast<uint32_t>(n_threads);
+    info_.n_threads_decode = static_cast<uint32_t>(n_threads_decode);
 
     batch_ = std::make_unique<Batch>(static_cast<int32_t>(info_.n_batch_max), takes_tokens ? 0 : row_values);
     next_positions_.assign(n_seq_max, 0);

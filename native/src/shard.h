@@ -71,6 +71,9 @@ struct ShardConfig {
     uint32_t max_sequences = 4;       // n_seq_max: sequence ids are [0, max_sequences)
     uint32_t batch_size = 512;        // rows one Forward may carry (n_batch = n_ubatch)
     int32_t threads = 0;              // 0: std::thread::hardware_concurrency()
+    // Threads of a Forward whose micro-batch is one row (llama.cpp's n_threads; larger ones take
+    // `threads`, llama.cpp's n_threads_batch); 0: `threads`. The numbers do not depend on it.
+    int32_t threads_decode = 0;
     int32_t gpu_layers = -1;          // llama.cpp n_gpu_layers; -1: all
     bool use_mmap = true;
     // llama_context_params.n_rs_seq: rollback snapshots per sequence. A model whose cached
@@ -134,6 +137,7 @@ struct ShardInfo {
     uint32_t n_batch_max = 0;
     std::string model_path;
     uint32_t n_threads = 0;
+    uint32_t n_threads_decode = 0;       // a one-row micro-batch's (ShardConfig::threads_decode)
     std::vector<int32_t> eog_token_ids;  // end-of-generation tokens (EOS, EOT)
     bool vocab_only = false;             // then only architecture, n_vocab, eog ids, model path,
                                          // the build's fields and a given model_sha256 are set

@@ -206,6 +206,10 @@ class NodeConfig:
       models: the GGUF files this node has.
       memory_bytes: usable memory offered for weights + KV; None: the probe's available RAM.
       threads, ctx_size, max_sequences, batch_size: worker flags (None: the worker's default).
+      threads_decode: the worker's ``--threads-decode``, threads of a Forward whose micro-batch
+        is one row (a lone session's decode step); None: ``threads``. On the 2-core benchmark
+        machine, three nodes of 2-thread workers decode one session 1.32-1.59x faster with 1 here
+        (the same bits); sessions that decode together are unaffected.
       heartbeat_interval_ms: None: what the tracker says at registration.
       relay: hold a reservation on the tracker's circuit relay and advertise
         ``<tracker>/p2p-circuit/p2p/<node id>`` (for a node that cannot be dialled; the
@@ -282,6 +286,7 @@ class NodeConfig:
     models: tuple[LocalModel, ...] = ()
     memory_bytes: int | None = None
     threads: int | None = None
+    threads_decode: int | None = None
     ctx_size: int | None = None
     max_sequences: int | None = None
     batch_size: int | None = None
@@ -852,7 +857,7 @@ class Node:
         async with open_worker(
             model.path, begin, end,
             ctx_size=cfg.ctx_size, max_sequences=cfg.max_sequences, batch_size=cfg.batch_size,
-            threads=cfg.threads, model_sha256=model.sha256, ready_timeout_s=cfg.worker_ready_timeout_s,
+            threads=cfg.threads, threads_decode=cfg.threads_decode, model_sha256=model.sha256, ready_timeout_s=cfg.worker_ready_timeout_s,
             stop_grace_s=cfg.worker_stop_grace_s, client_config=ClientConfig(timeout_s=cfg.worker_call_timeout_s),
             binary=cfg.worker_binary, environment=environment, data_listen=_data_listen(cfg.data_plane_host),
         ) as handle:  # fmt: skip

@@ -55,9 +55,10 @@ constexpr uint32_t kContinueAheadSteps = 4;
 // on cores the Forward's threads all use a thread taken off its core stalls every barrier of
 // the graph until it is back (the owner's work costs the Forward several times its own time).
 // Measured on the 2-core benchmark machine, 2-thread workers, sessions alternating continued
-// and not: at 8 sessions 1.01-1.19x ahead without it, at 4 1.04-1.07x, at 2 0.93-0.96x behind
-// (the owners' round trip is then worth more than their few results' work). An owner on
-// another machine costs this one's cores nothing: its sessions stay continued.
+// and owner-driven: owner-driven was ahead by 1.01-1.19x at 8 sessions and 1.04-1.07x at 4,
+// and behind at 2 (0.93-0.96x: the owners' round trip is then worth more than their few
+// results' work). An owner on another machine costs this one's cores nothing: its sessions
+// stay continued.
 constexpr size_t kLocalOwnersConvoy = 4;
 
 // Whether the peer of connected socket fd is on this machine: a loopback address, or the

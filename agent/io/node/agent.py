@@ -857,8 +857,9 @@ class Node:
         async with open_worker(
             model.path, begin, end,
             ctx_size=cfg.ctx_size, max_sequences=cfg.max_sequences, batch_size=cfg.batch_size,
-            threads=cfg.threads, threads_decode=cfg.threads_decode, model_sha256=model.sha256, ready_timeout_s=cfg.worker_ready_timeout_s,
-            stop_grace_s=cfg.worker_stop_grace_s, client_config=ClientConfig(timeout_s=cfg.worker_call_timeout_s),
+            threads=cfg.threads, threads_decode=cfg.threads_decode, model_sha256=model.sha256,
+            ready_timeout_s=cfg.worker_ready_timeout_s, stop_grace_s=cfg.worker_stop_grace_s,
+            client_config=ClientConfig(timeout_s=cfg.worker_call_timeout_s),
             binary=cfg.worker_binary, environment=environment, data_listen=_data_listen(cfg.data_plane_host),
         ) as handle:  # fmt: skip
             info = handle.info

@@ -7,7 +7,16 @@ import math
 import numpy as np
 import pytest
 
-from agent.core.openai_api import ApiError, chat_chunk, chat_response, check_unicode, parse_request, token_logprobs, usage
+from agent.core.openai_api import (
+    ApiError,
+    chat_chunk,
+    chat_response,
+    check_json_content_type,
+    check_unicode,
+    parse_request,
+    token_logprobs,
+    usage,
+)
 
 
 def _chat(**fields):
@@ -117,6 +126,26 @@ def test_unicode_is_checked_at_any_depth() -> None:
     with pytest.raises(ApiError) as caught:
         check_unicode({"prompt": deep})
     assert caught.value.param == "prompt" + "[0]" * 5000 and "(\\udc80) at character 4" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    "content_type", [None, "application/json", "Application/JSON; charset=utf-8", "application/merge-patch+json"]
+)
+def test_json_content_types_are_taken(content_type: str | None) -> None:
+    check_json_content_type(content_type)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+     "", "application/jsonx", "text/json+"],
+)  # fmt: skip
+def test_other_content_types_are_415_naming_what_came(content_type: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        check_json_content_type(content_type)
+    assert caught.value.status == 415 and caught.value.code == "unsupported_media_type"
+    assert "application/json" in caught.value.message
+    assert (content_type or "(empty)") in caught.value.message
 
 
 def test_error_types_by_status() -> None:

@@ -255,6 +255,27 @@ async def test_anonymous_access_within_its_daily_tokens_then_429(app_parts) -> N
 
 
 @pytest.mark.timeout(30)
+async def test_a_body_not_sent_as_json_is_415_and_nothing_runs(app_parts) -> None:
+    """The requests a web page can make from a visitor's browser without a CORS preflight
+    (text/plain, a form) run nothing, even with anonymous access on (this app's fixture)."""
+    app, key, client, state = app_parts
+    body = json.dumps({"model": "tiny", "prompt": "a b", "max_tokens": 2}).encode()
+    async with _http(app) as http:
+        for content_type in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded"):
+            for headers in ({}, {"Authorization": f"Bearer {key}"}):
+                reply = await http.post("/v1/completions", content=body, headers={"Content-Type": content_type, **headers})
+                assert reply.status_code == 415, reply.text
+                error = reply.json()["error"]
+                assert error["code"] == "unsupported_media_type" and content_type in error["message"], error
+        assert client.generations == 0
+        assert state.store.requests_since("anonymous", 0.0) == [] and state.store.requests_since("k", 0.0) == []
+        assert state.store.ledger() == []
+        sent_as_json = await http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        assert sent_as_json.status_code == 200, sent_as_json.text
+    assert client.generations == 1
+
+
+@pytest.mark.timeout(30)
 async def test_unknown_paths_and_methods_get_envelopes(app_parts) -> None:
     app, key, _client, _state = app_parts
     async with _http(app) as http:

@@ -29,6 +29,7 @@ __all__ = [
     "MAX_TOP_LOGPROBS",
     "chat_chunk",
     "chat_response",
+    "check_json_content_type",
     "completion_chunk",
     "completion_response",
     "error_envelope",
@@ -68,6 +69,7 @@ _ERROR_TYPES = {
     405: ("invalid_request_error", "method_not_allowed"),
     408: ("invalid_request_error", "request_timeout"),
     413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
     500: ("server_error", None),
     503: ("server_error", "service_unavailable"),
@@ -140,6 +142,30 @@ class CompletionRequest:
 
 def _bad(message: str, param: str | None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def check_json_content_type(content_type: str | None) -> None:
+    """Refuse a request body that its sender did not label as JSON (415).
+
+    No ``Content-Type`` at all is taken as JSON. Any other label must be ``application/json``
+    or a ``+json`` type (parameters such as ``charset`` are allowed). Why: a web page may send
+    ``text/plain``, ``application/x-www-form-urlencoded`` or ``multipart/form-data`` to any
+    address from a visitor's browser without asking the server first (no CORS preflight), so
+    a relay that parsed those as JSON would run completions for any page its users visit,
+    where anonymous access is on, from their address (the cross-site request that
+    CVE-2021-32677 closed in FastAPI). ``application/json`` forces that preflight, which the
+    relay does not grant (it sends no CORS headers).
+    """
+    if content_type is None:
+        return
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json")):
+        return
+    shown = content_type.strip()[:80] or "(empty)"
+    raise ApiError(
+        415,
+        f"The request body must be JSON sent as Content-Type: application/json, not {shown}.",
+    )
 
 
 def check_unicode(body: object) -> None:

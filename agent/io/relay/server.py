@@ -43,6 +43,7 @@ from agent.core.openai_api import (
     ApiError,
     CompletionRequest,
     chat_chunk,
+    check_json_content_type,
     check_unicode,
     chat_response,
     completion_chunk,
@@ -536,6 +537,7 @@ class _CompletionResponse:
 
 
 async def _read_json(request: Request, limit: int, timeout_s: float):  # noqa: ANN202
+    check_json_content_type(request.headers.get("content-type"))  # before a byte of the body is read
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"The request body is {declared} bytes, over the limit of {limit} bytes.")

@@ -105,6 +105,54 @@ def test_temperature_sharpens_and_flattens() -> None:
     assert cold[0] == pytest.approx(np.exp(4) / (np.exp(4) + np.exp(2) + 1))
 
 
+class _Uniforms:
+    """Stands in for a ``numpy.random.Generator``: ``random()`` gives these values in turn."""
+
+    def __init__(self, values) -> None:  # noqa: ANN001
+        self.values = iter(values)
+
+    def random(self) -> float:
+        return next(self.values)
+
+
+def _drawn_by_ordering_every_candidate(row: np.ndarray, params: SamplingParams, uniform: float) -> int:
+    ids, probs = sampling_candidates(row, params)
+    cumulative = np.cumsum(probs)
+    return int(ids[min(int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right")), ids.size - 1)])
+
+
+def _rows_for_full_row_draws() -> list[np.ndarray]:
+    rng = np.random.default_rng(11)
+    rows = [
+        (rng.standard_normal(49152) * 2.5).astype(np.float32),  # a vocabulary's width, weight spread wide
+        np.round(rng.standard_normal(3000) * 4).astype(np.float32),  # ties everywhere, across every stretch
+        rng.permutation(np.linspace(0.0, -60.0, 2000)).astype(np.float32),  # a stretch at every drop
+        np.array([3.0, 3.0, 3.0], dtype=np.float32),
+    ]
+    masked = (rng.standard_normal(5000) * 6).astype(np.float32)
+    masked[rng.integers(0, masked.size, 2000)] = -np.inf
+    return [*rows, masked]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=t, top_p=p) for t in (0.4, 1.0, 3.0) for p in (1.0, 0.97, 0.5)]
+    + [SamplingParams(temperature=1.0, top_k=10**9)],
+)
+def test_a_full_row_draw_equals_ordering_every_candidate(params: SamplingParams) -> None:
+    """With no top-k cut the owner orders a stretch of the likeliest candidates at a time, not
+    the whole row (agent.core.sampling._draw_from_row): the same token as ordering them all,
+    for uniforms anywhere, out to the last stretches (at temperature 1, 1 - 1e-6 orders the
+    third stretch or further on every row of more than 3 tokens, 1 - 1e-9 the last one on the
+    masked row). Not right at 1: where the weights left fall within the sums' rounding (~n
+    ulps), the two sums (one in token order here) may stop on different tokens."""
+    uniforms = [*np.random.default_rng(3).random(40), 0.0, 0.5, 0.999, 1 - 1e-6, 1 - 1e-9]
+    for row in _rows_for_full_row_draws():
+        drawn = [sample_token(row, params, _Uniforms([u])) for u in uniforms]  # type: ignore[arg-type]
+        assert drawn == [_drawn_by_ordering_every_candidate(row, params, u) for u in uniforms], (row.size, params)
+        assert all(np.isfinite(row[drawn]))
+
+
 def test_minus_infinity_is_never_drawn() -> None:
     logits = np.array([-np.inf, 0.0, -np.inf, 0.0], dtype=np.float32)
     rng = np.random.default_rng(5)

@@ -109,7 +109,8 @@ def sample_token(logits: np.ndarray | TopLogits, params: SamplingParams, rng: np
     """The next token for one logits row ``[n_vocab]``.
 
     Greedy (temperature 0) needs no ``rng`` and draws nothing from it; otherwise exactly one
-    uniform number is drawn from ``rng``.
+    uniform number is drawn from ``rng``: the token whose stretch of the candidates' cumulative
+    probability (most likely first, as ``sampling_candidates`` orders them) holds it.
 
     Raises:
       ValueError: bad row (see ``sampling_candidates``), or a non-greedy draw without ``rng``.
@@ -120,7 +121,69 @@ def sample_token(logits: np.ndarray | TopLogits, params: SamplingParams, rng: np
         return int(np.argmax(_check_row(logits)))
     if rng is None:
         raise ValueError(f"sampling at temperature {params.temperature} needs a random generator")
+    if not isinstance(logits, TopLogits) and not 0 < params.top_k < np.asarray(logits).size:
+        return _draw_from_row(_check_row(logits), params, rng.random())
     ids, probs = sampling_candidates(logits, params)
     cumulative = np.cumsum(probs)
     index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
     return int(ids[min(index, ids.size - 1)])
+
+
+#: ``_draw_from_row`` orders a full row's candidates a stretch at a time: first those whose
+#: logit / temperature is within the first of these of the peak (a weight of at least e^-6 of
+#: the peak's), then within the next, and so on. Beyond 16 the weights left add up to at most
+#: n_vocab * e^-16 of the peak's (0.5 % for 49,152 tokens): that few draws order the rest.
+_STRETCH_DROPS = (6.0, 10.0, 16.0, 24.0, math.inf)
+
+
+def _draw_from_row(row: np.ndarray, params: SamplingParams, uniform: float) -> int:
+    """``sample_token`` over a whole row with no top-k cut, without ordering the whole row.
+
+    The draw needs the candidates in order only up to where their cumulative weight passes
+    the uniform's share of the total (or ``top_p``'s): a stretch of the most likely at a time
+    is taken out (those within ``_STRETCH_DROPS`` of the peak, O(n)) and ordered: on SmolLM2's
+    rows at temperature 1 the first stretch, 1 to 500 tokens, holds 96-100 % of the weight.
+    Ordering all 49,152 logits took 6.4 ms a token, the owner's whole step at temperature 1 with
+    no top-k (the relay's default). The weights (exp of logit / temperature less the peak) and
+    their running sums are the ones ``sampling_candidates`` builds; only the total is summed in
+    token order, so a draw can differ from ordering the whole row only where the uniform falls
+    within rounding (~1e-16) of a boundary between two tokens."""
+    scaled = row.astype(np.float64) / params.temperature
+    finite = np.isfinite(scaled)  # -inf is never drawn (_check_row: not all of them)
+    candidates = None if finite.all() else np.flatnonzero(finite)
+    values = scaled if candidates is None else scaled[candidates]
+    peak = float(values.max())
+    weights = np.exp(values - peak)
+    total = float(weights.sum())
+    # top_p: the smallest prefix whose weight reaches top_p of the total is kept, and the draw
+    # is over its weight; without it the draw is over the total
+    threshold, side = (params.top_p * total, "left") if params.top_p < 1.0 else (uniform * total, "right")
+    ordered: list[np.ndarray] = []  # candidate indices (into values) in draw order, stretch by stretch
+    sums: list[np.ndarray] = []  # their running sums
+    running = 0.0
+    upper = math.inf  # every candidate at or above this is ordered already
+    for drop in _STRETCH_DROPS:
+        # all of a stretch lies above every candidate left, so stretches follow in draw order
+        lower = peak - drop
+        taken = np.flatnonzero((values >= lower) & (values < upper))
+        upper = lower
+        if not taken.size:
+            continue
+        taken = taken[np.lexsort((taken, -values[taken]))]  # by logit descending, then token id
+        running_sums = np.cumsum(np.concatenate(([running], weights[taken])))[1:]
+        ordered.append(taken)
+        sums.append(running_sums)
+        running = float(running_sums[-1])
+        if running > threshold or (side == "left" and running == threshold):
+            break
+    order = np.concatenate(ordered)
+    cumulative = np.concatenate(sums)
+    if params.top_p < 1.0:
+        cut = min(int(np.searchsorted(cumulative, threshold, side="left")) + 1, order.size)
+        cumulative = cumulative[:cut]
+        index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
+        chosen = int(order[min(index, cut - 1)])
+    else:
+        index = int(np.searchsorted(cumulative, threshold, side="right"))
+        chosen = int(order[min(index, order.size - 1)])
+    return chosen if candidates is None else int(candidates[chosen])

@@ -87,6 +87,7 @@ SERVER_READY_TIMEOUT_S = 30.0
 LLAMA_BENCH_TIMEOUT_S = 300.0
 PROFILE_REPS = 3  # bench/data_plane.py's paired generations for "Where the time goes"
 PAIRED_RUNS = 3  # per round and split: the swarm's generations paired step by step with the unsplit worker
+INTERLEAVED_TURNS = 10  # bench_interleaved: turns of one run each of the 3-split, the worker, llama-bench and RPC
 COLORS = {"baton": (52, 101, 164), "llama.cpp": (230, 140, 40)}
 
 
@@ -678,10 +679,10 @@ def _wait_listening(port: int, proc: subprocess.Popen, log_path: Path) -> None:
     raise RuntimeError(f"rpc-server on port {port} not listening after {SERVER_READY_TIMEOUT_S} s")
 
 
-def bench_rpc(
-    rpc_bin: Path, bench_bin: Path, model: Path, n_servers: int, n_prompt: int, n_gen: int, threads: int, runs: int
-) -> dict:
-    """``n_servers`` rpc-servers on loopback; llama-bench offloads every layer to them, evenly."""
+@contextlib.contextmanager
+def rpc_servers(rpc_bin: Path, n_servers: int, threads: int):  # noqa: ANN201
+    """``n_servers`` rpc-servers on loopback, each ready: yields llama-bench's arguments that
+    offload every layer to them, evenly. Stopped on exit."""
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="baton-rpc-") as tmp:
         try:
@@ -701,17 +702,7 @@ def bench_rpc(
                 procs.append(proc)
                 _wait_listening(port, proc, log_path)
                 ports.append(port)
-            extra = [
-                "-rpc",
-                ",".join(f"127.0.0.1:{p}" for p in ports),
-                "-ngl",
-                "99",
-                "-ts",
-                "/".join(["1"] * n_servers),
-            ]
-            figure = run_llama_bench(bench_bin, model, n_prompt, n_gen, threads, runs, extra, verbose=True)
-            figure["rpc_servers"] = n_servers
-            return figure
+            yield ["-rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-ngl", "99", "-ts", "/".join(["1"] * n_servers)]
         finally:
             for proc in procs:
                 proc.terminate()
@@ -721,6 +712,90 @@ def bench_rpc(
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+def bench_rpc(
+    rpc_bin: Path, bench_bin: Path, model: Path, n_servers: int, n_prompt: int, n_gen: int, threads: int, runs: int
+) -> dict:
+    """``n_servers`` rpc-servers on loopback; llama-bench offloads every layer to them, evenly."""
+    with rpc_servers(rpc_bin, n_servers, threads) as extra:
+        figure = run_llama_bench(bench_bin, model, n_prompt, n_gen, threads, runs, extra, verbose=True)
+    figure["rpc_servers"] = n_servers
+    return figure
+
+
+async def bench_interleaved(
+    model: Path,
+    sha256: str,
+    prompt: str,
+    prompt_tokens: list[int],
+    n_gen: int,
+    turns: int,
+    threads: int,
+    bench_bin: Path,
+    rpc_bin: Path,
+) -> dict:
+    """Issue 8's ratio targets measured seconds apart rather than minutes: the Baton 3-split
+    swarm, the unsplit worker (one Forward a step, from Python), llama-bench unsplit and
+    llama.cpp's RPC 3-split are all started once, then each runs one generation in turn,
+    ``turns`` times after a warm-up turn, the order rotating from turn to turn. Each turn
+    gives its own ratios (``compare_report.interleaved_ratios``); this VM's speed drifts by
+    more over the minutes between the rounds' phases than the targets' margins. Processes not
+    measuring are idle (blocked on their sockets)."""
+    from agent.demo.local_demo import generate_through
+    from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
+    from agent.core.topk import DEFAULT_RESULT_TOP_K
+    from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
+    from agent.io.client import open_swarm_client
+    from agent.io.worker_process import open_worker
+
+    n_prompt = len(prompt_tokens)
+    rows: list[dict[str, float]] = []
+    with rpc_servers(rpc_bin, 3, threads) as rpc_args:
+        async with (
+            open_worker(model, 0, None, threads=threads, model_sha256=sha256) as worker,
+            open_local_swarm(LocalSwarmConfig(model_path=model, model_alias="smollm2", threads=threads)) as swarm,
+        ):
+            await swarm.start_tracker()
+            async with open_swarm_client(swarm.tracker_addr) as client:
+                entry = next(e for e in await client.list_models() if "smollm2" in (e.alias, e.name))
+                memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3)
+                for i in range(3):
+                    swarm.start_node(f"node-{i + 1}", memory)
+                route = await wait_for_coverage(client, swarm, "smollm2", timeout_s=COVERAGE_TIMEOUT_S)
+                if len(route.hops) != 3:
+                    raise RuntimeError(f"expected a 3-hop route, got {len(route.hops)} hops")
+
+                async def baton_3() -> float:
+                    generation = await client.generate(
+                        "smollm2", prompt, max_tokens=n_gen + 1, temperature=0.0, route=route
+                    )
+                    return generation.tokens_per_s
+
+                async def worker_unsplit() -> float:
+                    run = await generate_through([worker.client], prompt_tokens, n_gen + 1, top_k=DEFAULT_RESULT_TOP_K)
+                    return run.decode_tokens_per_s
+
+                async def llama_bench() -> float:
+                    figure = await trio.to_thread.run_sync(
+                        run_llama_bench, bench_bin, model, n_prompt, n_gen, threads, 1
+                    )
+                    return figure["decode_tps"]["median"]
+
+                async def rpc_3() -> float:
+                    figure = await trio.to_thread.run_sync(
+                        run_llama_bench, bench_bin, model, n_prompt, n_gen, threads, 1, rpc_args
+                    )
+                    return figure["decode_tps"]["median"]
+
+                systems = {"baton_3": baton_3, "worker_unsplit": worker_unsplit, "llama_bench": llama_bench, "rpc_3": rpc_3}
+                names = list(systems)
+                for turn in range(turns + 1):  # the first turn warms up
+                    order = names[turn % len(names) :] + names[: turn % len(names)]
+                    row = {name: await systems[name]() for name in order}
+                    if turn:
+                        rows.append(row)
+    return {"turns": rows, "ratios": compare_report.interleaved_ratios(rows)}
 
 
 # --- report ----------------------------------------------------------------------------------
@@ -966,6 +1041,12 @@ def main() -> int:
             log(f"  decode {collected[f'rpc_{n}'][-1]['decode_tps']['median']:.1f} t/s")
     for name in ("worker_unsplit", "worker_run_ahead", "llama_bench", "baton_2", "baton_3", "rpc_2", "rpc_3"):
         systems[name] = pool_rounds(collected[name])
+    interleaved = measure(
+        "interleaved", "Interleaved turns: Baton 3-split, the unsplit worker, llama-bench, RPC 3-split", trio.run,
+        bench_interleaved, model, sha256, prompt_text, prompt_tokens, n_gen,
+        INTERLEAVED_TURNS if not args.quick else 2, threads, bench_bin, rpc_bin,
+    )  # fmt: skip
+    log("  " + ", ".join(f"{k} {v['median']:.3f}" for k, v in interleaved["ratios"].items()))
     for name in ("chain_3", "one_block"):
         extra[name] = pool_rounds(collected[name])
     extra["one_block"]["ed25519_verify_us"] = ed25519_verify_us()
@@ -1060,7 +1141,8 @@ def main() -> int:
         },
         "systems": systems,
         "derived": derived,
-        "headline": compare_report.headline(systems, derived, transport),
+        "headline": compare_report.headline(systems, derived, transport, interleaved),
+        "interleaved": interleaved,
         "transport": transport,
         "extra": extra,
         "greedy_tokens_equal_unsplit_worker": tokens_match,

@@ -107,6 +107,20 @@ def derive(systems: Mapping[str, Mapping]) -> dict[str, dict]:
     return out
 
 
+#: issue 8's ratio targets as ``bench_interleaved`` measures them: (numerator, denominator)
+INTERLEAVED_RATIOS = (("baton_3", "llama_bench"), ("baton_3", "rpc_3"), ("worker_unsplit", "llama_bench"))
+
+
+def interleaved_ratios(turns: Sequence[Mapping[str, float]]) -> dict[str, dict]:
+    """Per turn of ``bench_interleaved`` (each ``{system: decode t/s}``), each of
+    ``INTERLEAVED_RATIOS``; summarized over the turns (``summarize``), keyed ``"a/b"``."""
+    return {
+        f"{a}/{b}": summarize([turn[a] / turn[b] for turn in turns])
+        for a, b in INTERLEAVED_RATIOS
+        if turns and all(a in turn and b in turn for turn in turns)
+    }
+
+
 def _places(value: float, target: float) -> int:
     """Decimal places that show ``value`` on the right side of ``target``: 2, or 3 (then 4)
     when 2 would round a miss (or a bare pass) onto the target itself."""
@@ -131,21 +145,38 @@ def _check(name: str, value: float, target: float, higher_is_better: bool, unit:
 
 
 def headline(
-    systems: Mapping[str, Mapping], derived: Mapping[str, Mapping], transport: Mapping | None = None
+    systems: Mapping[str, Mapping],
+    derived: Mapping[str, Mapping],
+    transport: Mapping | None = None,
+    interleaved: Mapping | None = None,
 ) -> list[dict]:
     """The target checks, each ``{"name", "value", "target", "met", "miss"}`` (``miss``: by how
     much, empty when met). Checks whose rows are missing are left out. Issue 8's targets:
     per-hop <= 0.3 ms; 3-split >= 0.9x llama-bench unsplit and >= 1.15x RPC 3-split; the
     worker unsplit >= 0.97x llama-bench decode and >= 0.95x prefill; the channel's round
-    trips within 1.5x plain TCP."""
+    trips within 1.5x plain TCP. With ``interleaved`` (``bench_interleaved``'s turns), its
+    ratios are the decode ratio checks, and the pooled rounds' ones follow as "runs minutes
+    apart"."""
     checks = []
+    turned = (interleaved or {}).get("ratios") or {}
+    apart = ", runs minutes apart" if turned else ""
+    decode_targets = {
+        "baton_3/llama_bench": ("Baton 3-split decode / llama-bench unsplit decode", 0.9),
+        "baton_3/rpc_3": ("Baton 3-split decode / RPC 3-split decode", 1.15),
+        "worker_unsplit/llama_bench": ("Baton worker unsplit decode / llama-bench decode", 0.97),
+    }
+    for key, (name, target) in decode_targets.items():
+        if key in turned:
+            checks.append(
+                _check(f"{name}, interleaved turn by turn (issue 8)", turned[key]["median"], target, True, "x", f">= {target}x")
+            )
     bench = systems.get("llama_bench")
     if bench is not None and "baton_3" in systems:
         ratio = systems["baton_3"]["decode_tps"]["median"] / bench["decode_tps"]["median"]
-        checks.append(_check("Baton 3-split decode / llama-bench unsplit decode", ratio, 0.9, True, "x", ">= 0.9x"))
+        checks.append(_check(f"Baton 3-split decode / llama-bench unsplit decode{apart}", ratio, 0.9, True, "x", ">= 0.9x"))
     if "baton_3" in systems and "rpc_3" in systems:
         ratio = systems["baton_3"]["decode_tps"]["median"] / systems["rpc_3"]["decode_tps"]["median"]
-        checks.append(_check("Baton 3-split decode / RPC 3-split decode", ratio, 1.15, True, "x", ">= 1.15x"))
+        checks.append(_check(f"Baton 3-split decode / RPC 3-split decode{apart}", ratio, 1.15, True, "x", ">= 1.15x"))
     if "baton_3" in derived:
         paired = derived["baton_3"].get("paired_per_hop_overhead_ms")
         if paired is not None:
@@ -163,7 +194,8 @@ def headline(
     if bench is not None and worker is not None:
         for what, key, target in (("decode", "decode_tps", 0.97), ("prefill", "prefill_tps", 0.95)):
             ratio = worker[key]["median"] / bench[key]["median"]
-            checks.append(_check(f"Baton worker unsplit {what} / llama-bench {what}", ratio, target, True, "x", f">= {target}x"))
+            name = f"Baton worker unsplit {what} / llama-bench {what}" + (apart if what == "decode" else "")
+            checks.append(_check(name, ratio, target, True, "x", f">= {target}x"))
     if (off := (systems.get("baton_3") or {}).get("continuation_off_decode_tps")) is not None:
         ratio = systems["baton_3"]["decode_tps"]["median"] / off["median"]
         checks.append(_check("Baton 3-split decode, greedy continuation on / off (runs alternating)", ratio, 1.0, True, "x", "> 1x"))
@@ -374,6 +406,27 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
             + "; ".join(
                 f"{n}-split **{p['median']:.3f} ms** a hop (runs: " + ", ".join(f"{v:.3f}" for v in p["samples"]) + ")"
                 for n, p in paired
+            )
+            + ".",
+        ]
+    interleaved = report.get("interleaved") or {}
+    if interleaved.get("turns"):
+        turns = interleaved["turns"]
+        lines += [
+            "",
+            f"Interleaved turn by turn (what issue 8's decode ratios use): the Baton 3-split swarm, the unsplit "
+            f"worker (one Forward a step), llama-bench unsplit (`-r 1`) and the RPC 3-split, all started once, "
+            f"then one run each in turn, {len(turns)} turns after a warm-up, the order rotating, so that each "
+            "turn's ratios compare runs seconds apart (the rounds above put minutes between them): "
+            + "; ".join(
+                f"{key.replace('/', ' / ')} **{summary['median']:.3f}** (turns: "
+                + ", ".join(f"{v:.2f}" for v in summary["samples"])
+                + ")"
+                for key, summary in interleaved["ratios"].items()
+            )
+            + ". Decode t/s by turn: "
+            + "; ".join(
+                f"{name} " + ", ".join(f"{turn[name]:.1f}" for turn in turns) for name in turns[0]
             )
             + ".",
         ]

@@ -766,33 +766,35 @@ async def bench_interleaved(
                 if len(route.hops) != 3:
                     raise RuntimeError(f"expected a 3-hop route, got {len(route.hops)} hops")
 
-                async def baton_3() -> float:
+                # each a run's figures: decode t/s under the system's name, prefill t/s under
+                # NAME_prefill where it is compared
+                async def baton_3() -> dict[str, float]:
                     generation = await client.generate(
                         "smollm2", prompt, max_tokens=n_gen + 1, temperature=0.0, route=route
                     )
-                    return generation.tokens_per_s
+                    return {"baton_3": generation.tokens_per_s}
 
-                async def worker_unsplit() -> float:
+                async def worker_unsplit() -> dict[str, float]:
                     run = await generate_through([worker.client], prompt_tokens, n_gen + 1, top_k=DEFAULT_RESULT_TOP_K)
-                    return run.decode_tokens_per_s
+                    return {"worker_unsplit": run.decode_tokens_per_s, "worker_unsplit_prefill": run.prefill_tokens_per_s}
 
-                async def llama_bench() -> float:
+                async def llama_bench() -> dict[str, float]:
                     figure = await trio.to_thread.run_sync(
                         run_llama_bench, bench_bin, model, n_prompt, n_gen, threads, 1
                     )
-                    return figure["decode_tps"]["median"]
+                    return {"llama_bench": figure["decode_tps"]["median"], "llama_bench_prefill": figure["prefill_tps"]["median"]}
 
-                async def rpc_3() -> float:
+                async def rpc_3() -> dict[str, float]:
                     figure = await trio.to_thread.run_sync(
                         run_llama_bench, bench_bin, model, n_prompt, n_gen, threads, 1, rpc_args
                     )
-                    return figure["decode_tps"]["median"]
+                    return {"rpc_3": figure["decode_tps"]["median"]}
 
-                systems = {"baton_3": baton_3, "worker_unsplit": worker_unsplit, "llama_bench": llama_bench, "rpc_3": rpc_3}
-                names = list(systems)
+                systems = [baton_3, worker_unsplit, llama_bench, rpc_3]
                 for turn in range(turns + 1):  # the first turn warms up
-                    order = names[turn % len(names) :] + names[: turn % len(names)]
-                    row = {name: await systems[name]() for name in order}
+                    row: dict[str, float] = {}
+                    for system in systems[turn % len(systems) :] + systems[: turn % len(systems)]:
+                        row |= await system()
                     if turn:
                         rows.append(row)
     return {"turns": rows, "ratios": compare_report.interleaved_ratios(rows)}

@@ -108,7 +108,12 @@ def derive(systems: Mapping[str, Mapping]) -> dict[str, dict]:
 
 
 #: issue 8's ratio targets as ``bench_interleaved`` measures them: (numerator, denominator)
-INTERLEAVED_RATIOS = (("baton_3", "llama_bench"), ("baton_3", "rpc_3"), ("worker_unsplit", "llama_bench"))
+INTERLEAVED_RATIOS = (
+    ("baton_3", "llama_bench"),
+    ("baton_3", "rpc_3"),
+    ("worker_unsplit", "llama_bench"),
+    ("worker_unsplit_prefill", "llama_bench_prefill"),
+)
 
 
 def interleaved_ratios(turns: Sequence[Mapping[str, float]]) -> dict[str, dict]:
@@ -155,17 +160,17 @@ def headline(
     per-hop <= 0.3 ms; 3-split >= 0.9x llama-bench unsplit and >= 1.15x RPC 3-split; the
     worker unsplit >= 0.97x llama-bench decode and >= 0.95x prefill; the channel's round
     trips within 1.5x plain TCP. With ``interleaved`` (``bench_interleaved``'s turns), its
-    ratios are the decode ratio checks, and the pooled rounds' ones follow as "runs minutes
-    apart"."""
+    ratios are those ratio checks, and the pooled rounds' ones follow as "runs minutes apart"."""
     checks = []
     turned = (interleaved or {}).get("ratios") or {}
     apart = ", runs minutes apart" if turned else ""
-    decode_targets = {
+    ratio_targets = {
         "baton_3/llama_bench": ("Baton 3-split decode / llama-bench unsplit decode", 0.9),
         "baton_3/rpc_3": ("Baton 3-split decode / RPC 3-split decode", 1.15),
         "worker_unsplit/llama_bench": ("Baton worker unsplit decode / llama-bench decode", 0.97),
+        "worker_unsplit_prefill/llama_bench_prefill": ("Baton worker unsplit prefill / llama-bench prefill", 0.95),
     }
-    for key, (name, target) in decode_targets.items():
+    for key, (name, target) in ratio_targets.items():
         if key in turned:
             checks.append(
                 _check(f"{name}, interleaved turn by turn (issue 8)", turned[key]["median"], target, True, "x", f">= {target}x")
@@ -194,7 +199,7 @@ def headline(
     if bench is not None and worker is not None:
         for what, key, target in (("decode", "decode_tps", 0.97), ("prefill", "prefill_tps", 0.95)):
             ratio = worker[key]["median"] / bench[key]["median"]
-            name = f"Baton worker unsplit {what} / llama-bench {what}" + (apart if what == "decode" else "")
+            name = f"Baton worker unsplit {what} / llama-bench {what}{apart}"
             checks.append(_check(name, ratio, target, True, "x", f">= {target}x"))
     if (off := (systems.get("baton_3") or {}).get("continuation_off_decode_tps")) is not None:
         ratio = systems["baton_3"]["decode_tps"]["median"] / off["median"]
@@ -414,7 +419,7 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
         turns = interleaved["turns"]
         lines += [
             "",
-            f"Interleaved turn by turn (what issue 8's decode ratios use): the Baton 3-split swarm, the unsplit "
+            f"Interleaved turn by turn (what issue 8's ratios use): the Baton 3-split swarm, the unsplit "
             f"worker (one Forward a step), llama-bench unsplit (`-r 1`) and the RPC 3-split, all started once, "
             f"then one run each in turn, {len(turns)} turns after a warm-up, the order rotating, so that each "
             "turn's ratios compare runs seconds apart (the rounds above put minutes between them): "
@@ -424,7 +429,7 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
                 + ")"
                 for key, summary in interleaved["ratios"].items()
             )
-            + ". Decode t/s by turn: "
+            + ". Tokens/s by turn (decode; prefill where named): "
             + "; ".join(
                 f"{name} " + ", ".join(f"{turn[name]:.1f}" for turn in turns) for name in turns[0]
             )

@@ -142,7 +142,7 @@ def test_markdown_has_every_row_and_the_headline():
     report["interleaved"] = {"turns": turns, "ratios": compare_report.interleaved_ratios(turns)}
     md = compare_report.render_markdown(report, "")
     assert "baton_3 / llama_bench **0.900** (turns: 0.90, 0.90)" in md
-    assert "Decode t/s by turn: baton_3 45.0, 36.0; llama_bench 50.0, 40.0." in md
+    assert "Tokens/s by turn (decode; prefill where named): baton_3 45.0, 36.0; llama_bench 50.0, 40.0." in md
 
 
 def _png_chunks(data: bytes) -> dict[bytes, bytes]:
@@ -301,10 +301,11 @@ def test_the_paired_per_hop_figure_is_issue_8s_check_beside_the_unpaired_one():
 
 
 def test_interleaved_turns_give_issue_8s_decode_ratios_beside_the_pooled_ones():
+    prefill = {"worker_unsplit_prefill": 190.0, "llama_bench_prefill": 200.0}
     turns = [
-        {"baton_3": 90.0, "worker_unsplit": 98.0, "llama_bench": 100.0, "rpc_3": 80.0},
-        {"baton_3": 45.0, "worker_unsplit": 48.0, "llama_bench": 50.0, "rpc_3": 40.0},  # a slow stretch: same ratios
-        {"baton_3": 60.0, "worker_unsplit": 57.0, "llama_bench": 60.0, "rpc_3": 50.0},
+        {"baton_3": 90.0, "worker_unsplit": 98.0, "llama_bench": 100.0, "rpc_3": 80.0, **prefill},
+        {"baton_3": 45.0, "worker_unsplit": 48.0, "llama_bench": 50.0, "rpc_3": 40.0, **prefill},  # slow: same ratios
+        {"baton_3": 60.0, "worker_unsplit": 57.0, "llama_bench": 60.0, "rpc_3": 50.0, **prefill},
     ]
     ratios = compare_report.interleaved_ratios(turns)
     assert ratios["baton_3/llama_bench"]["samples"] == pytest.approx([0.9, 0.9, 1.0])
@@ -318,10 +319,11 @@ def test_interleaved_turns_give_issue_8s_decode_ratios_beside_the_pooled_ones():
     assert not by_rpc["met"] and by_rpc["miss"] == "missed by 0.02x (2% short of >= 1.15x)"
     worker = checks["Baton worker unsplit decode / llama-bench decode, interleaved turn by turn (issue 8)"]
     assert not worker["met"] and worker["value"] == pytest.approx(0.96)
+    assert checks["Baton worker unsplit prefill / llama-bench prefill, interleaved turn by turn (issue 8)"]["met"]
     pooled = checks["Baton 3-split decode / llama-bench unsplit decode, runs minutes apart"]
     assert pooled["value"] == pytest.approx(25 / 80)
     assert "Baton worker unsplit decode / llama-bench decode, runs minutes apart" in checks
-    assert "Baton worker unsplit prefill / llama-bench prefill" in checks
+    assert "Baton worker unsplit prefill / llama-bench prefill, runs minutes apart" in checks
     # without interleaved turns the pooled checks keep their names
     plain = {c["name"] for c in compare_report.headline(SYSTEMS, derived)}
     assert "Baton 3-split decode / llama-bench unsplit decode" in plain

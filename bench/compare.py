@@ -490,6 +490,37 @@ async def _paired_swarm_runs(
     return out
 
 
+@contextlib.asynccontextmanager
+async def open_covered_swarm(model: Path, alias: str, n_nodes: int, threads: int):  # noqa: ANN201
+    """Tracker + ``n_nodes`` nodes of ``model`` on loopback (``threads`` per worker), each
+    node given memory for an even share of the blocks, and a client: yields ``(client,
+    route, node_memory_bytes, ready_s)`` once the tracker offers an ``n_nodes``-hop route
+    (``ready_s``: from start to that route). Everything is stopped on exit."""
+    from agent.io.client import open_swarm_client
+    from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
+    from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
+
+    started = time.perf_counter()
+    async with open_local_swarm(LocalSwarmConfig(model_path=model, model_alias=alias, threads=threads)) as swarm:
+        await swarm.start_tracker()
+        async with open_swarm_client(swarm.tracker_addr) as client:
+            entries = [e for e in await client.list_models() if alias in (e.alias, e.name)]
+            if not entries:
+                raise RuntimeError(f"the tracker has no model {alias!r}")
+            memory = node_memory_bytes(entries[0].n_layer, entries[0].bytes_per_block, n_nodes)
+            for i in range(n_nodes):
+                swarm.start_node(f"node-{i + 1}", memory)
+            route = await wait_for_coverage(client, swarm, alias, timeout_s=COVERAGE_TIMEOUT_S)
+            if len(route.hops) != n_nodes:
+                raise RuntimeError(f"expected a {n_nodes}-hop route, got {len(route.hops)} hops")
+            ready_s = time.perf_counter() - started
+            log(
+                f"{n_nodes}-split route ready after {ready_s:.1f} s: "
+                + " -> ".join(f"[{h.begin}, {h.end})" for h in route.hops)
+            )
+            yield client, route, memory, ready_s
+
+
 async def bench_swarm(
     model: Path,
     alias: str,
@@ -508,52 +539,29 @@ async def bench_swarm(
     ``continuation_off``: also as many runs without greedy continuation, alternating; then
     ``paired_runs`` generations of ``prompt_tokens`` paired step by step with an unsplit
     worker (``_paired_swarm_runs``)."""
-    from agent.io.client import open_swarm_client
-    from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
-    from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
-
-    config = LocalSwarmConfig(model_path=model, model_alias=alias, threads=threads)
-    started = time.perf_counter()
-    async with open_local_swarm(config) as swarm:
-        await swarm.start_tracker()
-        async with open_swarm_client(swarm.tracker_addr) as client:
-            entries = [e for e in await client.list_models() if alias in (e.alias, e.name)]
-            if not entries:
-                raise RuntimeError(f"the tracker has no model {alias!r}")
-            entry = entries[0]
-            memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, n_nodes)
-            for i in range(n_nodes):
-                swarm.start_node(f"node-{i + 1}", memory)
-            route = await wait_for_coverage(client, swarm, alias, timeout_s=COVERAGE_TIMEOUT_S)
-            if len(route.hops) != n_nodes:
-                raise RuntimeError(f"expected a {n_nodes}-hop route, got {len(route.hops)} hops")
-            ready_s = time.perf_counter() - started
-            log(
-                f"{n_nodes}-split route ready after {ready_s:.1f} s: "
-                + " -> ".join(f"[{h.begin}, {h.end})" for h in route.hops)
-            )
-            results = []
-            stepped = []  # greedy continuation off, runs alternating with the default's
-            config = client.config
-            for i in range(runs + 1):
-                generation = await client.generate(alias, prompt, max_tokens=n_gen + 1, temperature=0.0, route=route)
+    async with open_covered_swarm(model, alias, n_nodes, threads) as (client, route, memory, ready_s):
+        results = []
+        stepped = []  # greedy continuation off, runs alternating with the default's
+        config = client.config
+        for i in range(runs + 1):
+            generation = await client.generate(alias, prompt, max_tokens=n_gen + 1, temperature=0.0, route=route)
+            if i:
+                results.append(generation)
+            if continuation_off:
+                client.config = dataclasses.replace(config, greedy_continuation=False)
+                generation = await client.generate(
+                    alias, prompt, max_tokens=n_gen + 1, temperature=0.0, route=route
+                )
+                client.config = config
+                if generation.continued_steps:
+                    raise RuntimeError("greedy continuation was off, yet steps were continued")
                 if i:
-                    results.append(generation)
-                if continuation_off:
-                    client.config = dataclasses.replace(config, greedy_continuation=False)
-                    generation = await client.generate(
-                        alias, prompt, max_tokens=n_gen + 1, temperature=0.0, route=route
-                    )
-                    client.config = config
-                    if generation.continued_steps:
-                        raise RuntimeError("greedy continuation was off, yet steps were continued")
-                    if i:
-                        stepped.append(generation)
-            paired = []
-            if paired_runs and prompt_tokens:
-                paired = await _paired_swarm_runs(
-                    client, alias, route, model, sha256, prompt_tokens, n_gen, paired_runs, threads
-                )  # fmt: skip
+                    stepped.append(generation)
+        paired = []
+        if paired_runs and prompt_tokens:
+            paired = await _paired_swarm_runs(
+                client, alias, route, model, sha256, prompt_tokens, n_gen, paired_runs, threads
+            )  # fmt: skip
     extra = {}
     if stepped:
         extra["continuation_off_decode_tps"] = compare_report.summarize([g.tokens_per_s for g in stepped])
@@ -743,10 +751,7 @@ async def bench_interleaved(
     more over the minutes between the rounds' phases than the targets' margins. Processes not
     measuring are idle (blocked on their sockets)."""
     from agent.demo.local_demo import generate_through
-    from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
     from agent.core.topk import DEFAULT_RESULT_TOP_K
-    from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
-    from agent.io.client import open_swarm_client
     from agent.io.worker_process import open_worker
 
     n_prompt = len(prompt_tokens)
@@ -754,49 +759,39 @@ async def bench_interleaved(
     with rpc_servers(rpc_bin, 3, threads) as rpc_args:
         async with (
             open_worker(model, 0, None, threads=threads, model_sha256=sha256) as worker,
-            open_local_swarm(LocalSwarmConfig(model_path=model, model_alias="smollm2", threads=threads)) as swarm,
+            open_covered_swarm(model, "smollm2", 3, threads) as (client, route, _memory, _ready_s),
         ):
-            await swarm.start_tracker()
-            async with open_swarm_client(swarm.tracker_addr) as client:
-                entry = next(e for e in await client.list_models() if "smollm2" in (e.alias, e.name))
-                memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3)
-                for i in range(3):
-                    swarm.start_node(f"node-{i + 1}", memory)
-                route = await wait_for_coverage(client, swarm, "smollm2", timeout_s=COVERAGE_TIMEOUT_S)
-                if len(route.hops) != 3:
-                    raise RuntimeError(f"expected a 3-hop route, got {len(route.hops)} hops")
+            # each a run's figures: decode t/s under the system's name, prefill t/s under
+            # NAME_prefill where it is compared
+            async def baton_3() -> dict[str, float]:
+                generation = await client.generate(
+                    "smollm2", prompt, max_tokens=n_gen + 1, temperature=0.0, route=route
+                )
+                return {"baton_3": generation.tokens_per_s}
 
-                # each a run's figures: decode t/s under the system's name, prefill t/s under
-                # NAME_prefill where it is compared
-                async def baton_3() -> dict[str, float]:
-                    generation = await client.generate(
-                        "smollm2", prompt, max_tokens=n_gen + 1, temperature=0.0, route=route
-                    )
-                    return {"baton_3": generation.tokens_per_s}
+            async def worker_unsplit() -> dict[str, float]:
+                run = await generate_through([worker.client], prompt_tokens, n_gen + 1, top_k=DEFAULT_RESULT_TOP_K)
+                return {"worker_unsplit": run.decode_tokens_per_s, "worker_unsplit_prefill": run.prefill_tokens_per_s}
 
-                async def worker_unsplit() -> dict[str, float]:
-                    run = await generate_through([worker.client], prompt_tokens, n_gen + 1, top_k=DEFAULT_RESULT_TOP_K)
-                    return {"worker_unsplit": run.decode_tokens_per_s, "worker_unsplit_prefill": run.prefill_tokens_per_s}
+            async def llama_bench() -> dict[str, float]:
+                figure = await trio.to_thread.run_sync(
+                    run_llama_bench, bench_bin, model, n_prompt, n_gen, threads, 1
+                )
+                return {"llama_bench": figure["decode_tps"]["median"], "llama_bench_prefill": figure["prefill_tps"]["median"]}
 
-                async def llama_bench() -> dict[str, float]:
-                    figure = await trio.to_thread.run_sync(
-                        run_llama_bench, bench_bin, model, n_prompt, n_gen, threads, 1
-                    )
-                    return {"llama_bench": figure["decode_tps"]["median"], "llama_bench_prefill": figure["prefill_tps"]["median"]}
+            async def rpc_3() -> dict[str, float]:
+                figure = await trio.to_thread.run_sync(
+                    run_llama_bench, bench_bin, model, n_prompt, n_gen, threads, 1, rpc_args
+                )
+                return {"rpc_3": figure["decode_tps"]["median"]}
 
-                async def rpc_3() -> dict[str, float]:
-                    figure = await trio.to_thread.run_sync(
-                        run_llama_bench, bench_bin, model, n_prompt, n_gen, threads, 1, rpc_args
-                    )
-                    return {"rpc_3": figure["decode_tps"]["median"]}
-
-                systems = [baton_3, worker_unsplit, llama_bench, rpc_3]
-                for turn in range(turns + 1):  # the first turn warms up
-                    row: dict[str, float] = {}
-                    for system in systems[turn % len(systems) :] + systems[: turn % len(systems)]:
-                        row |= await system()
-                    if turn:
-                        rows.append(row)
+            systems = [baton_3, worker_unsplit, llama_bench, rpc_3]
+            for turn in range(turns + 1):  # the first turn warms up
+                row: dict[str, float] = {}
+                for system in systems[turn % len(systems) :] + systems[: turn % len(systems)]:
+                    row |= await system()
+                if turn:
+                    rows.append(row)
     return {"turns": rows, "ratios": compare_report.interleaved_ratios(rows)}
 
 

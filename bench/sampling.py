@@ -31,7 +31,7 @@ import _bootstrap  # noqa: F401  (first: it makes the project importable)
 import numpy as np  # noqa: E402
 import trio  # noqa: E402
 
-from compare import machine_info  # noqa: E402
+from compare import machine_info, open_covered_swarm  # noqa: E402
 from results_io import publish  # noqa: E402
 
 from agent.core.generation import GreedyGeneration  # noqa: E402
@@ -45,7 +45,6 @@ KINDS = {
     "sampled_full_row": {"temperature": 1.0, "seed": 1},
     "sampled_top40": {"temperature": 1.0, "top_k": 40, "seed": 1},
 }
-COVERAGE_TIMEOUT_S = 180.0
 
 
 def _ordering_every_candidate(row: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
@@ -96,27 +95,16 @@ def bench_draws(rows: np.ndarray, draws: int) -> dict:
 
 
 async def bench_swarm(model: Path, rounds: int, n_tokens: int) -> dict:
-    from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
-    from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
-    from agent.io.client import open_swarm_client
-
     runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
-    async with open_local_swarm(LocalSwarmConfig(model_path=model, model_alias="smollm2", threads=1)) as swarm:
-        await swarm.start_tracker()
-        async with open_swarm_client(swarm.tracker_addr) as client:
-            entry = next(e for e in await client.list_models() if e.alias == "smollm2")
-            memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3)
-            for i in range(3):
-                swarm.start_node(f"node-{i + 1}", memory)
-            route = await wait_for_coverage(client, swarm, "smollm2", timeout_s=COVERAGE_TIMEOUT_S)
-            for round_index in range(rounds + 1):  # the first round warms up
-                kinds = list(KINDS) if round_index % 2 else list(reversed(KINDS))
-                for kind in kinds:
-                    result = await client.generate("smollm2", PROMPT, max_tokens=n_tokens, route=route, **KINDS[kind])
-                    if round_index:
-                        runs[kind].append(
-                            {"decode_tps": result.tokens_per_s, "continued_steps": result.continued_steps}
-                        )
+    async with open_covered_swarm(model, "smollm2", 3, 1) as (client, route, _memory, _ready_s):
+        for round_index in range(rounds + 1):  # the first round warms up
+            kinds = list(KINDS) if round_index % 2 else list(reversed(KINDS))
+            for kind in kinds:
+                result = await client.generate("smollm2", PROMPT, max_tokens=n_tokens, route=route, **KINDS[kind])
+                if round_index:
+                    runs[kind].append(
+                        {"decode_tps": result.tokens_per_s, "continued_steps": result.continued_steps}
+                    )
     greedy = [run["decode_tps"] for run in runs["greedy"]]
     return {
         kind: {

@@ -23,10 +23,10 @@ NPROC := $(shell nproc 2>/dev/null || echo 2)
 
 # Debian/Ubuntu packages: toolchain, gRPC C++ 1.51 + protobuf (worker), OpenSSL, GMP
 # (fastecdsa, pulled by libp2p), Python with venv, Chromium (the relay's status page is tested
-# in headless Chromium: agent/harness/browser.py).
+# in headless Chromium: agent/harness/browser.py), iproute2 (the lab's namespaces), doctest (C++ tests).
 APT_PACKAGES := build-essential cmake ccache pkg-config git libgrpc++-dev \
 	protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libssl-dev libgmp-dev \
-	python3 python3-venv chromium
+	python3 python3-venv chromium iproute2 doctest-dev
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 CCACHE_FLAGS := $(if $(shell command -v ccache 2>/dev/null),\
 	-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)

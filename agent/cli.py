@@ -33,6 +33,7 @@ _DELEGATED = {
     "generate": ("agent.io.client.cli", "generate text through the swarm"),
     "relay": ("agent.io.relay.cli", "the OpenAI-compatible relay: serve, API keys, ledger"),
     "demo": ("agent.demo.cli", "a tracker and three nodes on loopback, a generation through them (main job)"),
+    "lab": ("agent.io.lab.cli", "emulated machines on this host linked by an emulated WAN (needs root)"),
 }
 
 

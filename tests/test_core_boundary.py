@@ -176,8 +176,8 @@ def test_core_imports_no_io() -> None:
     code = (
         "import importlib, pkgutil, sys\n"
         "import agent.core\n"
-        "for m in pkgutil.iter_modules(agent.core.__path__):\n"
-        "    importlib.import_module('agent.core.' + m.name)\n"
+        "for m in pkgutil.walk_packages(agent.core.__path__, 'agent.core.'):\n"
+        "    importlib.import_module(m.name)\n"
         "bad = ['trio', 'grpc', 'libp2p', 'asyncio', 'agent.io', 'agent._proto.worker_pb2_grpc',\n"
         "       'agent._proto.swarm_pb2_grpc']\n"
         "print(','.join(m for m in bad if m in sys.modules))\n"
@@ -196,7 +196,7 @@ def test_core_sources_import_no_clock_randomness_or_sockets() -> None:
     forbidden = {"time", "random", "socket", "subprocess", "threading", "datetime", "secrets", "os", "trio"}
     core_dir = Path(agent.core.__file__).parent
     offenders = []
-    for source in sorted(core_dir.glob("*.py")):
+    for source in sorted(core_dir.rglob("*.py")):
         for node in ast.walk(ast.parse(source.read_text())):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -204,7 +204,7 @@ def test_core_sources_import_no_clock_randomness_or_sockets() -> None:
                 names = [node.module]
             else:
                 continue
-            offenders += [f"{source.name}: {n}" for n in names if n.split(".")[0] in forbidden]
+            offenders += [f"{source.relative_to(core_dir)}: {n}" for n in names if n.split(".")[0] in forbidden]
     assert offenders == []
 
 

@@ -1,7 +1,7 @@
 // baton-lab-forwarder: the emulated WAN's one forwarding process (the kernel here has no netem).
 //
 //   baton-lab-forwarder --control PATH --tun FD=ADDRESS [--tun FD=ADDRESS ...] [--seed N]
-//                       [--parent-pid PID] [--nat-timeout-s S] [--max-held-bytes N]
+//                       [--parent-pid PID] [--lifeline-fd FD] [--nat-timeout-s S] [--max-held-bytes N]
 //
 // Each --tun is an open TUN device (IFF_TUN | IFF_NO_PI) that the caller has moved into one
 // lab machine's network namespace, where it routes 198.18.0.0/15; ADDRESS is that machine's
@@ -14,9 +14,11 @@
 // Control: a Unix stream socket at PATH (mode 0600), one command a line, one answer a line
 // ("ok", "pong", a JSON object for "stats", or "error: ..."); see link_model.h Command.
 //
-// Lifetime: exits on SIGTERM or SIGINT, and with its parent (PR_SET_PDEATHSIG; --parent-pid
-// catches a parent that died before that was armed). Non-persistent TUN devices vanish with
-// their last file descriptor, so the lab's links go with this process.
+// Lifetime: exits on SIGTERM or SIGINT, and with its parent: --lifeline-fd is the read end of a
+// pipe whose write end only the parent holds (end of file: the parent process is gone, by any
+// signal, whichever of its threads started us); --parent-pid arms PR_SET_PDEATHSIG as well.
+// Non-persistent TUN devices vanish with their last file descriptor, so the lab's links go with
+// this process.
 #include "link_model.h"
 
 #include <fcntl.h>
@@ -106,7 +108,7 @@ public:
         }
     }
 
-    int run(const std::string & control_path);
+    int run(const std::string & control_path, int lifeline_fd);
 
 private:
     DirectedLink & link(int a, int b) { return links_[static_cast<size_t>(a) * machines_.size() + b]; }
@@ -331,7 +333,7 @@ void Forwarder::serve_control_line(ControlClient & client, const std::string & l
     }
 }
 
-int Forwarder::run(const std::string & control_path) {
+int Forwarder::run(const std::string & control_path, int lifeline_fd) {
     const int listener = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
@@ -365,6 +367,11 @@ int Forwarder::run(const std::string & control_path) {
         }
     }
     watch(listener, kListenerTag);
+    constexpr uint64_t kLifelineTag = 1ULL << 42;
+    if (lifeline_fd >= 0 && !watch(lifeline_fd, kLifelineTag)) {
+        std::fprintf(stderr, "baton-lab-forwarder: lifeline fd %d: %s\n", lifeline_fd, std::strerror(errno));
+        return 1;
+    }
     std::map<int, ControlClient> clients;
     std::fprintf(stderr, "baton-lab-forwarder: %zu machines, control %s\n", machines_.size(), control_path.c_str());
     int64_t next_expiry_ns = now_ns() + kNsPerSecond;
@@ -408,6 +415,11 @@ int Forwarder::run(const std::string & control_path) {
                                  (unsigned long long)tag, std::strerror(errno));
                     return 1;
                 }
+            } else if (tag == kLifelineTag) {
+                char byte;
+                if (read(lifeline_fd, &byte, 1) <= 0) {
+                    g_stop = 1;  // the parent is gone
+                }
             } else if (tag == kListenerTag) {
                 const int fd = accept4(listener, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
                 if (fd >= 0) {
@@ -450,7 +462,7 @@ int Forwarder::run(const std::string & control_path) {
 [[noreturn]] void usage(const char * why) {
     std::fprintf(stderr,
                  "baton-lab-forwarder: %s\nusage: baton-lab-forwarder --control PATH --tun FD=ADDRESS [--tun ...]"
-                 " [--seed N] [--parent-pid PID] [--nat-timeout-s S] [--max-held-bytes N]\n",
+                 " [--seed N] [--parent-pid PID] [--lifeline-fd FD] [--nat-timeout-s S] [--max-held-bytes N]\n",
                  why);
     std::exit(2);
 }
@@ -462,6 +474,7 @@ int main(int argc, char ** argv) {
     std::vector<Machine> machines;
     uint64_t seed = 1;
     long parent_pid = 0;
+    int lifeline_fd = -1;
     int64_t nat_timeout_s = 120;
     int64_t max_held_bytes = 256LL * 1024 * 1024;
     for (int i = 1; i < argc; ++i) {
@@ -486,6 +499,8 @@ int main(int argc, char ** argv) {
             seed = std::strtoull(value.c_str(), nullptr, 10);
         } else if (flag == "--parent-pid") {
             parent_pid = std::strtol(value.c_str(), nullptr, 10);
+        } else if (flag == "--lifeline-fd") {
+            lifeline_fd = std::atoi(value.c_str());
         } else if (flag == "--nat-timeout-s") {
             nat_timeout_s = std::strtoll(value.c_str(), nullptr, 10);
         } else if (flag == "--max-held-bytes") {
@@ -508,5 +523,5 @@ int main(int argc, char ** argv) {
     std::signal(SIGTERM, on_stop_signal);
     std::signal(SIGINT, on_stop_signal);
     Forwarder forwarder(std::move(machines), seed, nat_timeout_s * kNsPerSecond, max_held_bytes);
-    return forwarder.run(control);
+    return forwarder.run(control, lifeline_fd);
 }

@@ -9,6 +9,9 @@ file, then the tracker's routes through a client) while watching for the process
 
 The commands go through ``baton`` run by the current interpreter (``python -m agent.cli
 tracker serve ...`` / ``... node ...``; ``command_prefix``).
+
+Where each process runs is a ``Placement``: by default all on this host's loopback; on a lab
+(``agent.io.lab``) each named process inside its machine, listening on the machine's address.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -30,9 +34,13 @@ from agent.core.worker_wait import SLEEP
 from agent.io.keys import load_or_create_key, peer_id_of
 from agent.io.log_tail import LOG_TAIL_BYTES, log_tail as read_log_tail
 
+if TYPE_CHECKING:
+    from agent.io.lab.harness import Lab
+
 __all__ = [
     "LocalSwarm",
     "LocalSwarmConfig",
+    "Placement",
     "ProcessDied",
     "SwarmProcess",
     "command_prefix",
@@ -98,6 +106,29 @@ class SwarmProcess:
         self.process.wait()
 
 
+LOOPBACK = "127.0.0.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where each process of a swarm runs: ``machines`` maps a process name (``tracker``,
+    ``relay``, a node's name) to a machine of ``lab``; a process not named (or no lab) runs on
+    this host and listens on loopback."""
+
+    lab: Lab | None = None
+    machines: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def host(self, name: str) -> str:
+        """The address process ``name`` listens on."""
+        machine = self.machines.get(name)
+        return self.lab.address(machine) if self.lab is not None and machine else LOOPBACK
+
+    def argv(self, name: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` run where process ``name`` belongs."""
+        machine = self.machines.get(name)
+        return self.lab.argv_in(machine, argv) if self.lab is not None and machine else list(argv)
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalSwarmConfig:
     """A loopback swarm's settings.
@@ -115,6 +146,7 @@ class LocalSwarmConfig:
     ``canary_interval_s``: the tracker's ``--canary-interval-s``; 0 (the default here, not the
     CLI's): no canary checks, so that a READY range is routed at once and the tracker starts no
     workers of its own (tests that check integrity set it, or pass it in ``tracker_args``).
+    ``placement``: where each process runs (default: all on loopback).
     """
 
     model_path: Path
@@ -129,6 +161,7 @@ class LocalSwarmConfig:
     node_args: tuple[str, ...] = ()
     relay_args: tuple[str, ...] = ()
     canary_interval_s: float = 0.0
+    placement: Placement = Placement()
 
 
 class LocalSwarm:
@@ -142,8 +175,8 @@ class LocalSwarm:
         self.nodes: dict[str, SwarmProcess] = {}
         self.relay: SwarmProcess | None = None
         self.relay_url = ""
-        self._relay_listen = "127.0.0.1:0"
-        self._tracker_listen = "/ip4/127.0.0.1/tcp/0"
+        self._relay_listen = f"{config.placement.host('relay')}:0"
+        self._tracker_listen = f"/ip4/{config.placement.host('tracker')}/tcp/0"
         self._killed: set[str] = set()
 
     # --- paths and keys ------------------------------------------------------------------------
@@ -178,6 +211,7 @@ class LocalSwarm:
             "serve",
             "--tracker", self.tracker_addr,
             "--listen", self._relay_listen,
+            "--p2p-listen", f"/ip4/{self.config.placement.host('relay')}/tcp/0",
             "--db", str(self.relay_db_path),
             "--key", str(self.key_path("relay")),
             "--addr-file", str(self.relay_addr_file),
@@ -211,6 +245,8 @@ class LocalSwarm:
         model: bool = True,
     ) -> list[str]:
         c = self.config
+        if listen is None and c.placement.host(name) != LOOPBACK:
+            listen = f"/ip4/{c.placement.host(name)}/tcp/0"
         return command_prefix("node") + [
             "--tracker", self.tracker_addr,
             *(["--model", str(c.model_path)] if model else []),
@@ -227,6 +263,7 @@ class LocalSwarm:
     # --- processes -----------------------------------------------------------------------------
 
     def _spawn(self, name: str, argv: list[str]) -> SwarmProcess:
+        argv = self.config.placement.argv(name, argv)
         log_path = self.workdir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         peer_id = self.peer_id(name)

@@ -52,6 +52,7 @@ __all__ = [
     "check_lab_name",
     "forwarder_setup_commands",
     "full_mesh",
+    "access_command",
     "link_change_command",
     "machine_address",
     "namespace_name",
@@ -324,10 +325,7 @@ def forwarder_setup_commands(topology: Topology) -> list[str]:
                 lines.append(f"link {i} {j} {topology.link(a, b).forwarder_fields()}")
     for i, machine in enumerate(topology.machines):
         if machine.uplink_mbit or machine.downlink_mbit:
-            lines.append(
-                f"access {i} uplink_bps={round(machine.uplink_mbit * 1_000_000)}"
-                f" downlink_bps={round(machine.downlink_mbit * 1_000_000)}"
-            )
+            lines.append(access_command(topology, machine.name, machine.uplink_mbit, machine.downlink_mbit))
         if machine.nat:
             lines.append(f"nat {i} on")
     return lines
@@ -341,6 +339,15 @@ def link_change_command(topology: Topology, a: str, b: str, change: LinkChange) 
     if i == j:
         raise LabError(f"{a}: a machine has no link to itself")
     return f"link {i} {j} {change.forwarder_fields()}"
+
+
+def access_command(topology: Topology, machine: str, uplink_mbit: float, downlink_mbit: float) -> str:
+    """The control line that sets ``machine``'s access link (0: unlimited)."""
+    spec = MachineSpec(machine, uplink_mbit=uplink_mbit, downlink_mbit=downlink_mbit)  # the same checks
+    return (
+        f"access {topology.index(machine)} uplink_bps={round(spec.uplink_mbit * 1_000_000)}"
+        f" downlink_bps={round(spec.downlink_mbit * 1_000_000)}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)

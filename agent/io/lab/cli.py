@@ -5,6 +5,7 @@
     baton lab exec [--lab LAB] MACHINE -- CMD ...
     baton lab link [--lab LAB] A B [--delay-ms D] [--jitter-ms J] [--loss PCT] [--rate-mbit R]
                    [--queue-bytes N] [--down | --up] [--one-way]
+    baton lab access [--lab LAB] MACHINE [--uplink-mbit R] [--downlink-mbit R]
     baton lab status [--lab LAB] [--json]
     baton lab down [LAB]
 
@@ -88,6 +89,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     state.add_argument("--up", action="store_true", help="heal a cut link")
     link.add_argument("--one-way", action="store_true", help="change only A -> B")
 
+    access = commands.add_parser("access", help="set a machine's access link (its uplink and downlink) while the lab runs")
+    access.add_argument("--lab", default=DEFAULT_LAB, help=f"the lab (default {DEFAULT_LAB})")
+    access.add_argument("machine", help="the machine")
+    access.add_argument(
+        "--uplink-mbit", type=cli_args.non_negative_float, default=0.0, metavar="MBIT",
+        help="bandwidth out of the machine in Mbit/s, shared by all its links (default 0: unlimited)",
+    )  # fmt: skip
+    access.add_argument(
+        "--downlink-mbit", type=cli_args.non_negative_float, default=0.0, metavar="MBIT",
+        help="bandwidth into the machine in Mbit/s, shared by all its links (default 0: unlimited)",
+    )  # fmt: skip
+
     status = commands.add_parser("status", help="a running lab's machines and each link's counters")
     status.add_argument("--lab", default=DEFAULT_LAB, help=f"the lab (default {DEFAULT_LAB})")
     status.add_argument("--json", action="store_true", help="print one JSON object")
@@ -167,6 +180,13 @@ def _link(args: argparse.Namespace) -> int:
     return 0
 
 
+def _access(args: argparse.Namespace) -> int:
+    from .up import change_access
+
+    change_access(_record(args.lab), args.machine, args.uplink_mbit, args.downlink_mbit)
+    return 0
+
+
 def _status(args: argparse.Namespace) -> int:
     from .forwarder import stats
 
@@ -205,7 +225,9 @@ def _down(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     from .netns import LabSetupError
 
-    run = {"up": _up, "exec": _exec, "link": _link, "status": _status, "down": _down}[args.lab_command]
+    run = {"up": _up, "exec": _exec, "link": _link, "access": _access, "status": _status, "down": _down}[
+        args.lab_command
+    ]
     try:
         return run(args)
     except LabError as err:

@@ -29,7 +29,7 @@ from agent.core.lab.topology import LabMachine, LabRecord, LinkChange, Topology
 
 from .forwarder import stats as forwarder_stats
 from .netns import NETNS_DIR, kill_namespace_processes
-from .up import RunningLab, bring_up, change_link
+from .up import RunningLab, bring_up, change_access, change_link
 
 __all__ = ["Lab", "open_lab", "running_lab"]
 
@@ -101,6 +101,15 @@ class Lab:
         """``fn()`` in a fresh thread inside ``machine``'s network (blocks until it returns)."""
         return _run_in_thread(self.record.machine(machine).netns, fn)
 
+    def trio_run_in(self, machine: str, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``trio.run(async_fn, *args)`` in a fresh thread inside ``machine``'s network (for
+        synchronous callers: tests, benchmarks)."""
+        return _run_in_thread(self.record.machine(machine).netns, lambda: trio.run(async_fn, *args))
+
+    def listen_addrs(self, machine: str) -> list[str]:
+        """A libp2p listen address on ``machine`` (any port), for an owner running there."""
+        return [f"/ip4/{self.address(machine)}/tcp/0"]
+
     async def run_trio_in(self, machine: str, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """``trio.run(async_fn, *args)`` in a fresh thread inside ``machine``'s network; the
         caller's trio loop waits for it in a worker thread.
@@ -112,6 +121,10 @@ class Lab:
     def link(self, a: str, b: str, change: LinkChange, *, both_ways: bool = True) -> None:
         """Change the link ``a`` -> ``b`` (and back) while the lab runs."""
         change_link(self.record, a, b, change, both_ways=both_ways)
+
+    def access(self, machine: str, *, uplink_mbit: float = 0.0, downlink_mbit: float = 0.0) -> None:
+        """Set ``machine``'s access link in Mbit/s (0: unlimited), shared by all its links."""
+        change_access(self.record, machine, uplink_mbit, downlink_mbit)
 
     def cut(self, a: str, b: str) -> None:
         self.link(a, b, LinkChange(up=False))

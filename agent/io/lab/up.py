@@ -25,6 +25,7 @@ from agent.core.lab.topology import (
     LabRecord,
     LinkChange,
     Topology,
+    access_command,
     check_lab_name,
     forwarder_setup_commands,
     link_change_command,
@@ -45,7 +46,7 @@ from .netns import (
 )
 from .state import lab_dir, live_record, remove_record, sweep_stale_labs, write_record
 
-__all__ = ["RunningLab", "bring_up", "change_link", "stop_owner"]
+__all__ = ["RunningLab", "bring_up", "change_access", "change_link", "stop_owner"]
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,11 @@ def change_link(record: LabRecord, a: str, b: str, change: LinkChange, both_ways
         lines.append(link_change_command(record.topology, b, a, change))
     for line in lines:
         control_request(record.control_path, line)
+
+
+def change_access(record: LabRecord, machine: str, uplink_mbit: float, downlink_mbit: float) -> None:
+    """Set ``machine``'s access link (its uplink and downlink, shared by all its links)."""
+    control_request(record.control_path, access_command(record.topology, machine, uplink_mbit, downlink_mbit))
 
 
 OWNER_STOP_GRACE_S = 15.0

@@ -1,0 +1,244 @@
+"""Baton across machines: a tracker, three nodes and the relay, each on its own lab machine, 20 ms
+round trip between every pair, SmolLM2 split in three. Greedy output must equal one unsplit
+worker's through the relay and through an owner of its own; and stay equal with 2 % loss on
+every link, with a node behind a 5 Mbit/s uplink, with a link cut mid-generation, and with a
+machine switched off mid-generation (a spare machine takes its range over).
+
+One lab and swarm are shared by the module. The owners (the tests' clients) run in the relay's
+machine; the unsplit reference worker runs on this host (Unix sockets only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import trio
+
+from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology
+from agent.demo.local_demo import generate_through
+from agent.demo.swarm_demo import node_memory_bytes, wait_for_copies, wait_for_coverage
+from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement
+from agent.io.client import SwarmClientConfig, open_swarm_client
+from agent.io.lab.harness import Lab, running_lab
+from agent.io.worker_process import open_worker
+from agent.models import model_path, sha256_file
+
+pytestmark = [pytest.mark.lab, pytest.mark.slow]
+
+ALIAS = "smollm2"
+ONE_WAY_MS = 10.0  # 20 ms round trip
+NODES = ("n1", "n2", "n3")
+SPARE = "n4"
+MACHINES = ("tracker", "relay", *NODES, SPARE)
+OWNER = "relay"  # the tests' clients run here, as the relay's own owner does
+SETUP_TIMEOUT_S = 240.0
+PROMPT = "Volunteer computing works because many people lend a little of their spare machines, and"
+NEW_TOKENS = 24
+
+
+@dataclasses.dataclass
+class LabSwarm:
+    lab: Lab
+    swarm: LocalSwarm
+    memory_bytes: int
+    key: str
+    prompt_tokens: list[int]
+    reference: list[int]  # greedy tokens of one unsplit worker
+
+    def owner_listen(self) -> list[str]:
+        return [f"/ip4/{self.lab.address(OWNER)}/tcp/0"]
+
+    def in_owner(self, async_fn, *args):  # noqa: ANN001, ANN002, ANN201
+        """``trio.run(async_fn, *args)`` inside the owner's machine."""
+        return self.lab.run_in(OWNER, lambda: trio.run(async_fn, *args))
+
+    async def generate(self, on_token=None, **config: object):  # noqa: ANN001, ANN201
+        """One greedy generation of the module's prompt through a fresh owner (inside the
+        owner's machine's trio run)."""
+        async with open_swarm_client(
+            self.swarm.tracker_addr, listen_addrs=self.owner_listen(), config=SwarmClientConfig(**config)
+        ) as c:
+            return await c.generate_tokens(ALIAS, self.prompt_tokens, max_tokens=NEW_TOKENS, on_token=on_token)
+
+
+async def _reference(path: Path, sha256: str) -> tuple[list[int], list[int]]:
+    async with open_worker(path, 0, None, threads=1, max_sequences=1, model_sha256=sha256) as single:
+        tokens = await single.client.tokenize(PROMPT, add_special=True)
+        run = await generate_through([single.client], tokens, NEW_TOKENS, stop_tokens=single.info.eog_token_ids)
+    return tokens, run.tokens
+
+
+@pytest.fixture(scope="module")
+def lab_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabSwarm]:
+    path = model_path(ALIAS)
+    prompt_tokens, reference = trio.run(_reference, path, sha256_file(path))
+    topology = Topology(tuple(MachineSpec(m) for m in MACHINES), LinkSpec(delay_ms=ONE_WAY_MS))
+    with running_lab(topology) as lab:
+        placement = Placement(lab, {m: m for m in MACHINES})
+        config = LocalSwarmConfig(model_path=path, model_alias=ALIAS, placement=placement)
+        swarm = LocalSwarm(config, tmp_path_factory.mktemp("lab-swarm"))
+
+        async def start() -> int:
+            await swarm.start_tracker()
+            async with open_swarm_client(swarm.tracker_addr, listen_addrs=[f"/ip4/{lab.address(OWNER)}/tcp/0"]) as c:
+                (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
+                memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, len(NODES))
+                for name in NODES:
+                    swarm.start_node(name, memory)
+                await wait_for_coverage(c, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
+            await swarm.start_relay()
+            return memory
+
+        try:
+            memory = lab.run_in(OWNER, lambda: trio.run(start))
+            key = swarm.add_relay_key("tests")
+            yield LabSwarm(lab, swarm, memory, key, prompt_tokens, reference)
+        finally:
+            swarm.close_nowait()
+
+
+def _links_used(lab: Lab) -> dict[tuple[str, str], int]:
+    names = lab.topology.names
+    return {(names[r["src"]], names[r["dst"]]): r["delivered"] for r in lab.stats()["links"]}
+
+
+@pytest.mark.timeout(300)
+def test_five_machines_at_20_ms_give_the_unsplit_tokens_through_the_relay_and_an_owner(lab_swarm: LabSwarm) -> None:
+    lab = lab_swarm.lab
+    before = _links_used(lab)
+
+    def ask_relay() -> list[int]:
+        with openai.OpenAI(base_url=f"{lab_swarm.swarm.relay_url}/v1", api_key=lab_swarm.key, max_retries=0) as client:
+            response = client.completions.create(
+                model=ALIAS, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, extra_body={"return_token_ids": True}
+            )
+        return (response.choices[0].model_extra or {})["token_ids"]
+
+    assert lab.run_in(OWNER, ask_relay) == lab_swarm.reference  # the HTTP client in the relay's machine too
+
+    result = lab_swarm.in_owner(lab_swarm.generate)
+    assert result.tokens == lab_swarm.reference and result.replans == 0
+    hops = [h["node"] for h in result.route]
+    assert len(hops) == 3
+    # every hop pushed to the next across the lab: the nodes' machines carried the boundaries
+    after = _links_used(lab)
+    names = {lab_swarm.swarm.nodes[n].peer_id: n for n in NODES}
+    route = [names[h] for h in hops]
+    for a, b in zip(route, route[1:]):
+        assert after[(a, b)] - before[(a, b)] >= NEW_TOKENS, (a, b)
+    assert result.data_plane_steps > 0
+
+
+@pytest.mark.timeout(300)
+def test_two_percent_loss_on_every_link_gives_the_same_text(lab_swarm: LabSwarm) -> None:
+    lab = lab_swarm.lab
+    names = lab.topology.names
+    lossy = LinkChange(loss_pct=2.0)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            lab.link(a, b, lossy)
+    try:
+        result = lab_swarm.in_owner(lab_swarm.generate)
+        assert result.tokens == lab_swarm.reference
+        lost = sum(r["drop_loss"] for r in lab.stats()["links"])
+        assert lost > 0  # the run did meet the loss
+    finally:
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                lab.link(a, b, LinkChange(loss_pct=0.0))
+
+
+@pytest.mark.timeout(300)
+def test_a_node_on_a_5_mbit_uplink_is_served(lab_swarm: LabSwarm) -> None:
+    lab = lab_swarm.lab
+    fast = lab_swarm.in_owner(lab_swarm.generate)
+    slow_node = next(n for n in NODES if lab_swarm.swarm.nodes[n].peer_id == fast.route[0]["node"])
+    lab.access(slow_node, uplink_mbit=5.0)  # the first hop: the prompt's boundary rows leave over it
+    try:
+        slow = lab_swarm.in_owner(lab_swarm.generate)
+    finally:
+        lab.access(slow_node)
+    assert slow.tokens == lab_swarm.reference
+    assert slow.first_token_s > fast.first_token_s  # the prompt's rows queued behind 5 Mbit/s
+
+
+@pytest.mark.timeout(300)
+def test_a_link_cut_mid_generation_resumes_with_the_same_text(lab_swarm: LabSwarm) -> None:
+    lab = lab_swarm.lab
+    ids = {lab_swarm.swarm.nodes[n].peer_id: n for n in NODES}
+    state = {"tokens": 0, "cut": None}
+
+    async def body():  # noqa: ANN202
+        healed = trio.Event()
+
+        async def on_token(_token: int, _logits, route) -> bool:  # noqa: ANN001
+            state["tokens"] += 1
+            if state["tokens"] == 6:
+                a, b = ids[route.hops[0].peer_id], ids[route.hops[1].peer_id]
+                state["cut"] = (a, b)
+                lab.cut(a, b)  # between the first two hops, for longer than a step deadline
+                nursery.start_soon(heal_after, a, b)
+            return False
+
+        async def heal_after(a: str, b: str) -> None:
+            await trio.sleep(3.0)  # the outage itself: a link that stays down for 3 s
+            lab.heal(a, b)
+            healed.set()
+
+        async with trio.open_nursery() as nursery:
+            result = await lab_swarm.generate(on_token=on_token)
+            await healed.wait()
+        return result
+
+    result = lab_swarm.in_owner(body)
+    assert state["cut"] is not None
+    assert result.tokens == lab_swarm.reference
+    cut = lab.stats()["links"]
+    assert sum(r["drop_down"] for r in cut) > 0  # packets met the cut
+
+
+@pytest.mark.timeout(400)
+def test_a_machine_switched_off_mid_generation_resumes_with_the_same_text(lab_swarm: LabSwarm) -> None:
+    lab, swarm = lab_swarm.lab, lab_swarm.swarm
+    ids = {swarm.nodes[n].peer_id: n for n in NODES}
+
+    async def add_spare() -> None:
+        # a standby: with one copy's worth of memory spare it holds nothing until a range is lost
+        swarm.start_node(SPARE, lab_swarm.memory_bytes)
+        async with open_swarm_client(swarm.tracker_addr, listen_addrs=lab_swarm.owner_listen()) as c:
+            with trio.fail_after(SETUP_TIMEOUT_S):
+                while swarm.nodes[SPARE].peer_id not in {n.peer_id for n in await c.list_nodes() if n.alive}:
+                    swarm.check_alive()
+                    await trio.sleep(0.2)
+
+    lab_swarm.in_owner(add_spare)
+    victim: dict[str, str] = {}
+
+    async def on_token(_token: int, _logits, route) -> bool:  # noqa: ANN001
+        name = ids[route.hops[1].peer_id]  # the middle hop
+        victim["name"] = name
+        lab.isolate(name)  # gone from the network at once: no reset, no goodbye
+        await swarm.kill_node(name)
+        return False
+
+    async def body():  # noqa: ANN202
+        count = {"n": 0}
+
+        async def counted(token: int, logits, route) -> bool:  # noqa: ANN001
+            count["n"] += 1
+            return await on_token(token, logits, route) if count["n"] == 8 else False
+
+        return await lab_swarm.generate(on_token=counted, replan_attempts=2, replan_wait_s=60.0)
+
+    try:
+        result = lab_swarm.in_owner(body)
+    finally:
+        if "name" in victim:
+            lab.isolate(victim["name"], up=True)
+    assert result.tokens == lab_swarm.reference
+    assert result.replans >= 1
+    assert swarm.nodes[SPARE].peer_id in [h["node"] for h in result.route]

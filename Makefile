@@ -16,6 +16,8 @@ CMAKE_ARGS ?=
 VENV := .venv
 VPY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.baton-installed
+# pip >= 25.0 reads the PEP 639 license (`pip show baton` names it); Debian 12's python3-venv ships 23.0.
+PIP_PIN := pip==26.3
 PROTO_OUT := agent/_proto/worker_pb2_grpc.py
 NATIVE_BUILD := build/native
 NATIVE_CONFIG_RECORD := $(NATIVE_BUILD)/.baton-configure
@@ -60,7 +62,8 @@ venv: $(VENV_STAMP) proto
 # Re-installed only when pyproject.toml is newer than the stamp.
 $(VENV_STAMP): pyproject.toml | deps
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(VPY) -m pip install --quiet --disable-pip-version-check $(PIP_PIN)
+	$(VPY) -m pip install --quiet --disable-pip-version-check -e '.[test,bench]'
 	touch $@
 
 proto: $(PROTO_OUT)

@@ -1,4 +1,5 @@
-"""Timestamps inside the swarm's hot path, for ``bench/compare.py``'s "Where the time goes".
+"""Timestamps inside the swarm's hot path: a tracing tool for ``bench/compare.py`` and
+``bench/batching.py``, and for anyone profiling the node path.
 
 Owns: wrapping (at run time, without editing ``agent``) the calls one step goes through —
 the node's step handler, the worker Forward (encode, call-thread hand-off, gRPC + compute,
@@ -9,8 +10,8 @@ switching recording on (SIGUSR1) and dumping it to ``$BATON_BENCH_TRACE_DIR/trac
 (SIGUSR2); and ``step_breakdown``, which joins the client's and the nodes' events into
 per-stage times of each decode step.
 
-Node processes get the hooks through ``bench/_trace/sitecustomize.py`` (on ``PYTHONPATH``
-only for the profiled swarm), installed when ``agent.io.node.agent`` is first imported. A
+Node processes get the hooks through ``bench/tools/_trace/sitecustomize.py`` (on ``PYTHONPATH``
+only for a profiled swarm), installed when ``agent.io.node.agent`` is first imported. A
 method that is not there (renamed by a later change) is skipped and named in the dump, never
 an error. While recording is off a hook costs one flag test; while on, two list appends.
 """
@@ -238,7 +239,7 @@ class TraceFinder(importlib.abc.MetaPathFinder):
 
 
 def install_from_env() -> None:
-    """Called by ``bench/_trace/sitecustomize.py``: with ``$BATON_BENCH_TRACE_DIR`` set,
+    """Called by ``bench/tools/_trace/sitecustomize.py``: with ``$BATON_BENCH_TRACE_DIR`` set,
     hook the node module when it is imported; SIGUSR1 starts recording, SIGUSR2 dumps."""
     directory = os.environ.get(ENV_DIR)
     if not directory:

@@ -33,9 +33,9 @@ pairs (one per round), the rounds give a median ratio with a 95 % interval and a
 Writes ``step_ab.json`` and ``step_ab.md`` under ``--out`` (default: a temporary folder,
 printed; pass ``--out bench/results`` to keep them). Run it alone on the machine.
 
-Usage: ``.venv/bin/python bench/step_ab.py --base REF [--sessions 1] [--tokens 200]
+Usage: ``.venv/bin/python bench/tools/step_ab.py --base REF [--sessions 1] [--tokens 200]
 [--rounds 5] [--runs-per-swarm 2] [--threads 1] [--node-args "--decode-groups 1 ..."]``, or
-``bench/step_ab.py --head-env GOMP_SPINCOUNT=20000 [...]`` (settings of this checkout)
+``bench/tools/step_ab.py --head-env GOMP_SPINCOUNT=20000 [...]`` (settings of this checkout)
 (about 40 s a swarm on 2 cores: 7 minutes with the defaults).
 """
 
@@ -56,10 +56,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from _bootstrap import REPO_ROOT  # first: it makes the project importable
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: _bootstrap, common
+from _bootstrap import REPO_ROOT  # noqa: E402  (first: it makes the project importable)
 
 from batching import cpu_during, cpu_seconds  # noqa: E402
-from compare import machine_info  # noqa: E402
+from common import machine_info  # noqa: E402
 
 ALIAS = "smollm2"
 NODES = 3

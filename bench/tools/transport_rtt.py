@@ -12,11 +12,13 @@ carries the message both ways). Both paths use the same framing (uvarint length 
 
 After a warm-up, each of ``--runs`` runs times ``exchanges`` round trips on every path in turn
 (all servers are up at once; the order rotates from run to run, so that the machine's drift
-falls on every path alike) and records their mean; the report gives median/min/max over runs and libp2p/tcp ratios of the medians. Writes
-``bench/results/transport_rtt.json`` (with platform, CPU count, Python and library versions).
-``run_benchmark(runs)`` returns that report without writing it (``bench/compare.py`` calls it).
+falls on every path alike) and records their mean; the report gives median/min/max over runs and
+libp2p/tcp ratios of the medians (with platform, CPU count, Python and library versions).
+``run_benchmark(runs)`` returns that report (``bench/compare.py`` calls it: its "Boundary
+transport alone" table, docs/PERFORMANCE.md); run alone, it prints the figures and writes the
+JSON report only with ``--output``.
 
-Usage: ``.venv/bin/python bench/transport_rtt.py [--runs 7] [--output PATH]`` (well under 2 min).
+Usage: ``.venv/bin/python bench/tools/transport_rtt.py [--runs 7] [--output PATH]`` (well under 2 min).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from contextlib import AsyncExitStack, ExitStack, asynccontextmanager, contextma
 from importlib.metadata import version
 from pathlib import Path
 
-from _bootstrap import REPO_ROOT  # first: it makes the project importable
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: _bootstrap, common
+from _bootstrap import REPO_ROOT  # noqa: E402  (first: it makes the project importable)
 
 import trio  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
@@ -349,7 +352,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve", choices=["tcp", "libp2p", "channel"], help=argparse.SUPPRESS)
     parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench" / "results" / "transport_rtt.json")
+    parser.add_argument("--output", type=Path, help="also write the JSON report here")
     args = parser.parse_args()
     keep_freed_memory()  # as every Baton process does (agent.cli); the TCP and libp2p paths too
     apply_cpu_policy()  # the same: its server processes inherit it, on every path alike
@@ -368,8 +371,10 @@ def main() -> int:
     report = run_benchmark(args.runs)
     results = report["results"]
     assert isinstance(results, dict)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.output}")
 
     for name, entry in results.items():
         assert isinstance(entry, dict)
@@ -381,7 +386,7 @@ def main() -> int:
             f"ratio {entry['ratio_libp2p_over_tcp']:.1f}x; channel median {entry['channel']['median_ms']:.3f} ms "
             f"({entry['ratio_channel_over_tcp']:.2f}x tcp; per run {entry['ratio_channel_over_tcp_per_run']['median']:.2f}x)"
         )
-    print(f"wrote {args.output} in {report['total_runtime_s']:.1f} s")
+    print(f"took {report['total_runtime_s']:.1f} s")
     return 0
 
 

@@ -1,6 +1,6 @@
 # Baton: set-up, build and test entry points. Every target is idempotent and cheap to re-run.
 #
-#   make demo    # everything, then a split-model run on SmolLM2 (the main job)
+#   make demo    # everything, then a split-model run on SmolLM2 (the quick start)
 #   make test    # everything, then the native (ctest) and Python (pytest) tests
 #
 # Variables: CMAKE_ARGS (extra CMake flags, e.g. CMAKE_ARGS=-DGGML_CUDA=ON), PYTHON (the

@@ -103,8 +103,8 @@ native: llama
 models: venv
 	$(VPY) packaging/fetch_models.py
 
-# SmolLM2 through three local range workers ([0,10) [10,20) [20,30)): streamed text, tokens/s,
-# and whether the tokens equal one unsplit worker's.
+# SmolLM2 through a local swarm (a tracker, three nodes serving [0,10) [10,20) [20,30), the relay): streamed
+# text, tokens/s, and whether the tokens equal one unsplit worker's.
 demo: deps venv llama native models
 	$(VENV)/bin/baton demo --model "$$($(MODEL_PATH) smollm2)"
 

@@ -51,7 +51,7 @@ doubling (both for the default mode), p99 gap <= 2x p50 during the prefill (defa
 The output says which are met and by how much, and the default / off ratio at each count.
 
 Writes ``batching.json`` and ``batching.md`` under ``--out`` (default bench/results) with the
-machine described as ``bench/compare.py`` describes it. Run it alone on the machine.
+machine described by ``common.machine_info``. Run it alone on the machine.
 
 Usage: ``.venv/bin/python bench/batching.py [--prompt 64] [--tokens 48] [--rounds 3] [--out bench/results]``
 (about 3 minutes a round on 2 cores once ``llama-batched-bench`` is built; building it takes a few more).

@@ -9,7 +9,7 @@ Owns: one command that measures, on the same model, prompt and thread count,
    tracker must split N ways), generation through ``agent.io.client`` at temperature 0;
 3. llama.cpp's RPC backend from the same pin: N ``ggml-rpc-server`` processes on loopback and
    ``llama-bench -rpc ... -ngl 99 -ts 1/1[/1]`` (layers split evenly over the N servers);
-4. the boundary transport alone (``bench/transport_rtt.run_benchmark``: 8 KiB and 1 MiB
+4. the boundary transport alone (``bench/tools/transport_rtt.run_benchmark``: 8 KiB and 1 MiB
    round trips, libp2p against plain TCP);
 plus, to locate the per-hop cost, 3 range workers chained directly from Python (no tracker,
 no libp2p) and where a decode step's time goes (``bench/data_plane.py``'s paired run).
@@ -17,8 +17,8 @@ no libp2p) and where a decode step's time goes (``bench/data_plane.py``'s paired
 Every figure: median, min and max over ``--runs`` runs, spread over ``--rounds`` rounds (each
 system measured once per round, in turn, one warm-up each time; llama-bench's own warm-up and
 ``-r``), pooled: the machine's speed drifts over minutes, and rounds put every system in every
-stretch of it. Writes ``compare.json``, ``compare.md`` and ``compare.png`` under
-``--out``. Builds ``llama-bench`` and ``ggml-rpc-server`` from the pinned tree into
+stretch of it. Writes ``compare.json``, ``compare.md`` and ``compare.png`` (matplotlib, the
+``bench`` extra) under ``--out``. Builds ``llama-bench`` and ``ggml-rpc-server`` from the pinned tree into
 ``build/llama-tools`` first when they are missing or older than the tree.
 
 Usage: ``.venv/bin/python bench/compare.py [--model PATH] [--runs 6] [--rounds 3] [--threads 1] [--out bench/results]``
@@ -508,8 +508,8 @@ async def bench_interleaved(
     bench_bin: Path,
     rpc_bin: Path,
 ) -> dict:
-    """The speed ratio targets (``compare_report.SPEED_RATIOS``) measured seconds apart rather than minutes: the Baton 3-split
-    swarm, the unsplit worker (one Forward a step, from Python), llama-bench unsplit and
+    """The speed ratio targets (``compare_report.SPEED_RATIOS``) measured seconds apart rather
+    than minutes: the Baton 3-split swarm, the unsplit worker (one Forward a step, from Python), llama-bench unsplit and
     llama.cpp's RPC 3-split are all started once, then each runs one generation in turn,
     ``turns`` times after a warm-up turn, the order rotating from turn to turn. Each turn
     gives its own ratios (``compare_report.interleaved_ratios``); this VM's speed drifts by

@@ -298,7 +298,7 @@ def cpu_seconds() -> dict[int, tuple[str, float]]:
 
 def cpu_during(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
     """CPU seconds spent by role between two ``cpu_seconds`` readings (processes in both;
-    also used by bench/step_ab.py)."""
+    also used by bench/tools/step_ab.py)."""
     spent: dict[str, float] = {}
     for pid, (role, seconds) in after.items():
         if pid in before:

@@ -5,7 +5,7 @@ derived from them, the three target checks, and the text of ``compare.md``. No p
 clocks, files or imports from ``agent`` (``tests/test_bench_compare.py`` runs it on fixed
 numbers).
 
-Vocabulary (docs/SWARM.md, DESIGN.md): a *hop* is one (node, range) entry of a route, so an
+Vocabulary (docs/ARCHITECTURE.md): a *hop* is one (node, range) entry of a route, so an
 N-way split has N hops; each hop adds one node agent, one worker Forward and one libp2p message
 into it (the last hop also pushes the result back to the client).
 """
@@ -446,7 +446,7 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
     if notes:
         lines += [""] + [f"- {note}" for note in notes]
     if report.get("transport"):
-        lines += ["", "## Boundary transport alone (`bench/transport_rtt.py`)", ""]
+        lines += ["", "## Boundary transport alone (`bench/tools/transport_rtt.py`)", ""]
         lines += table(
             ["path", "round trip ms", "ratio to TCP", "MB/s (both ways)"], transport_rows(report["transport"])
         )

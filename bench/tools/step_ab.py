@@ -394,7 +394,7 @@ def markdown(report: dict) -> str:
             f"base: {_describe_settings(sides['base'])}. head: {_describe_settings(sides['head'])}."
         )
     lines = [
-        f"# Interleaved A/B of {what} (`bench/step_ab.py`)",
+        f"# Interleaved A/B of {what} (`bench/tools/step_ab.py`)",
         "",
         f"Machine: {machine.get('cpu_model', '?')}, {machine.get('cores', '?')} cores; {checkouts}",
         (

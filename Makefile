@@ -1,6 +1,6 @@
 # Baton: set-up, build and test entry points. Every target is idempotent and cheap to re-run.
 #
-#   make demo    # everything, then a split-model run on SmolLM2 (the main job)
+#   make demo    # everything, then a split-model run on SmolLM2 (the quick start)
 #   make test    # everything, then the native (ctest) and Python (pytest) tests
 #
 # Variables: CMAKE_ARGS (extra CMake flags, e.g. CMAKE_ARGS=-DGGML_CUDA=ON), PYTHON (the
@@ -16,6 +16,8 @@ CMAKE_ARGS ?=
 VENV := .venv
 VPY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.baton-installed
+# pip >= 25.0 reads the PEP 639 license (`pip show baton` names it); Debian 12's python3-venv ships 23.0.
+PIP_PIN := pip==26.3
 PROTO_OUT := agent/_proto/worker_pb2_grpc.py
 NATIVE_BUILD := build/native
 NATIVE_CONFIG_RECORD := $(NATIVE_BUILD)/.baton-configure
@@ -60,7 +62,8 @@ venv: $(VENV_STAMP) proto
 # Re-installed only when pyproject.toml is newer than the stamp.
 $(VENV_STAMP): pyproject.toml | deps
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(VPY) -m pip install --quiet --disable-pip-version-check $(PIP_PIN)
+	$(VPY) -m pip install --quiet --disable-pip-version-check -e '.[test,bench]'
 	touch $@
 
 proto: $(PROTO_OUT)
@@ -100,8 +103,8 @@ native: llama
 models: venv
 	$(VPY) packaging/fetch_models.py
 
-# SmolLM2 through three local range workers ([0,10) [10,20) [20,30)): streamed text, tokens/s,
-# and whether the tokens equal one unsplit worker's.
+# SmolLM2 through a local swarm (a tracker, three nodes serving [0,10) [10,20) [20,30), the relay): streamed
+# text, tokens/s, and whether the tokens equal one unsplit worker's.
 demo: deps venv llama native models
 	$(VENV)/bin/baton demo --model "$$($(MODEL_PATH) smollm2)"
 

@@ -32,26 +32,65 @@ _DELEGATED = {
     "node": ("agent.io.node.cli", "serve layer ranges as a swarm node"),
     "generate": ("agent.io.client.cli", "generate text through the swarm"),
     "relay": ("agent.io.relay.cli", "the OpenAI-compatible relay: serve, API keys, ledger"),
-    "demo": ("agent.demo.cli", "a tracker and three nodes on loopback, a generation through them (main job)"),
+    "demo": ("agent.demo.cli", "a tracker, three nodes and the relay on loopback, a generation through them (the quick start)"),
     "lab": ("agent.io.lab.cli", "emulated machines on this host linked by an emulated WAN (needs root)"),
 }
 
 
+DESCRIPTION = """\
+Baton runs GGUF language models too big for one machine by cutting them into layer ranges
+served by volunteer machines, behind an OpenAI-compatible API."""
+EPILOG = """\
+start here:
+  baton demo                      a tracker, three nodes and the relay on loopback, one generation
+  baton demo --serve              the same, kept running for any OpenAI client
+  baton node install --tracker A  volunteer this machine (builds the worker, installs a service)
+
+Every command's options: baton COMMAND [SUBCOMMAND] --help, or docs/CLI.md.
+Environment: BATON_CACHE (download cache, default ~/.cache/baton), BATON_WORKER_BIN (the worker
+binary, default build/native/baton-worker), BATON_CPU_POLICY (batch or normal, default batch).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="baton", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="baton", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     worker = commands.add_parser("worker", help="run the native shard worker for one layer range")
     worker.add_argument("--model", required=True, help="GGUF file")
     worker.add_argument("--layers", required=True, type=cli_args.layers, help="BEGIN:END (END empty or -1: to the end)")
     worker.add_argument("--socket", required=True, help="Unix socket path to listen on")
-    worker.add_argument("--ctx-size", type=cli_args.positive_int, help="positions per sequence")
-    worker.add_argument("--max-sequences", type=cli_args.positive_int, help="sequences held at once")
-    worker.add_argument("--batch-size", type=cli_args.positive_int, help="most rows in one Forward")
-    worker.add_argument("--threads", type=cli_args.positive_int)
-    worker.add_argument("--gpu-layers", type=int, help="layers to offload (-1: all)")
+    worker.add_argument("--ctx-size", type=cli_args.positive_int, metavar="N", help="positions per sequence (default 2048)")
+    worker.add_argument(
+        "--max-sequences", type=cli_args.positive_int, metavar="N", help="sequences held at once (default 4)"
+    )
+    worker.add_argument("--batch-size", type=cli_args.positive_int, metavar="N", help="most rows in one Forward (default 512)")
+    worker.add_argument(
+        "--threads", type=cli_args.positive_int, metavar="N", help="CPU threads per Forward (default: all cores)"
+    )
+    worker.add_argument(
+        "--gpu-layers", type=int, metavar="N", help="blocks to offload to the GPU backend (default -1: all)"
+    )
+    worker.add_argument(
+        "--threads-decode", type=cli_args.positive_int, metavar="N",
+        help="CPU threads of a Forward of one row, a lone session's decode step (default: --threads)",
+    )  # fmt: skip
     worker.add_argument("--model-sha256", help="the model's sha256 hex (skips hashing the file)")
     worker.add_argument("--no-mmap", action="store_true", help="read the model instead of mapping it")
+    worker.add_argument(
+        "--forward-socket", metavar="PATH", help="also serve Forward as a framed stream on this Unix socket (default: off)"
+    )
+    worker.add_argument(
+        "--data-listen", metavar="HOST:PORT",
+        help="serve the data plane (sealed steps from the hop before) on TCP HOST:PORT; port 0: any (default: off)",
+    )  # fmt: skip
+    worker.add_argument(
+        "--rollback-positions", type=cli_args.non_negative_int, metavar="N",
+        help="positions of rollback snapshots kept per sequence, for models whose state cannot be cut back"
+        " (DeepSeek V4) (default 0)",
+    )  # fmt: skip
 
     parity = commands.add_parser("parity", help="compare a split model against the unsplit one")
     parity.add_argument("--model", required=True, help="GGUF file")
@@ -69,13 +108,26 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument("--remove-seq", type=cli_args.non_negative_int, help="scenario: sequence to remove")
     parity.add_argument("--trim-seq", type=cli_args.non_negative_int, help="scenario: sequence to trim")
     parity.add_argument("--trim-by", type=cli_args.positive_int, default=1, help="scenario: positions to trim (default 1)")
-    parity.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a worker may take to load")
+    parity.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a worker may take to load (default 120)")
     parity.add_argument("--json", action="store_true", help="print one JSON object")
 
     for name, (module, help_text) in _DELEGATED.items():
         sub = commands.add_parser(name, help=help_text)
         importlib.import_module(module).add_arguments(sub)
+    _describe_commands(parser)
     return parser
+
+
+def _describe_commands(parser: argparse.ArgumentParser) -> None:
+    """Give every (sub)command without a description its one-line help as one, so that
+    ``baton COMMAND --help`` says what the command does, as ``baton --help`` lists it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                if sub.description is None and helps.get(name):
+                    sub.description = helps[name][0].upper() + helps[name][1:] + "."
+                _describe_commands(sub)
 
 
 def _run_worker(args: argparse.Namespace) -> int:
@@ -92,7 +144,11 @@ def _run_worker(args: argparse.Namespace) -> int:
         binary, args.model, begin, end, args.socket,
         ctx_size=args.ctx_size, max_sequences=args.max_sequences, batch_size=args.batch_size,
         threads=args.threads, gpu_layers=args.gpu_layers, model_sha256=args.model_sha256,
-        extra_args=["--no-mmap"] if args.no_mmap else [],
+        threads_decode=args.threads_decode, forward_socket_path=args.forward_socket, data_listen=args.data_listen,
+        extra_args=[
+            *(["--no-mmap"] if args.no_mmap else []),
+            *(["--rollback-positions", str(args.rollback_positions)] if args.rollback_positions is not None else []),
+        ],
     )  # fmt: skip
     sys.stdout.flush()
     sys.stderr.flush()

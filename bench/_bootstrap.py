@@ -1,7 +1,7 @@
 """Makes the project importable from a bench script run as ``python bench/<script>.py``.
 
 Puts the repository root (for ``agent``) and ``bench/`` (for the scripts' shared helpers, e.g.
-``compare.machine_info``) on ``sys.path``. Every script imports it before anything of the
+``common.machine_info``) on ``sys.path``. Every script imports it before anything of the
 project; the import itself works because a script's own directory is always on ``sys.path``.
 """
 

@@ -1,4 +1,4 @@
-"""Continuous batching through a 3-way swarm (issue 12), side by side with llama.cpp's own
+"""Continuous batching through a 3-way swarm, side by side with llama.cpp's own
 ``llama-batched-bench`` from the pinned tree, in one run, on loopback.
 
 Owns one command that measures:
@@ -46,12 +46,12 @@ Part 1 runs ``--rounds`` times (llama-batched-bench and every mode in turn each 
 machine's speed drifts from minute to minute); each figure is its median round's, and every
 round's figure at 8 sessions is listed. Parts 2 and 3 run once, in the last round.
 
-Targets (issue 12): 8 sessions >= 0.8x llama-batched-bench at 8, aggregate rising with every
+Targets: 8 sessions >= 0.8x llama-batched-bench at 8, aggregate rising with every
 doubling (both for the default mode), p99 gap <= 2x p50 during the prefill (default mode).
 The output says which are met and by how much, and the default / off ratio at each count.
 
 Writes ``batching.json`` and ``batching.md`` under ``--out`` (default bench/results) with the
-machine described as ``bench/compare.py`` describes it. Run it alone on the machine.
+machine described by ``common.machine_info``. Run it alone on the machine.
 
 Usage: ``.venv/bin/python bench/batching.py [--prompt 64] [--tokens 48] [--rounds 3] [--out bench/results]``
 (about 3 minutes a round on 2 cores once ``llama-batched-bench`` is built; building it takes a few more).
@@ -75,9 +75,8 @@ from _bootstrap import BENCH_DIR  # first: it makes the project importable
 import trio  # noqa: E402
 
 import compare_report  # noqa: E402
-import hop_trace  # noqa: E402
-from compare import PROMPT_SOURCE, TOOLS_DIR, ensure_llama_tools, machine_info  # noqa: E402
-from worker_wait import chain_step  # noqa: E402
+from common import PROMPT_SOURCE, TOOLS_DIR, chain_step, ensure_llama_tools, machine_info  # noqa: E402
+from tools import hop_trace  # noqa: E402
 
 from agent.core.scheduler import LOCK_STEP_GATHER_MS  # noqa: E402
 from agent.io.cpu_policy import apply_cpu_policy, kernel_default  # noqa: E402
@@ -299,7 +298,7 @@ def cpu_seconds() -> dict[int, tuple[str, float]]:
 
 def cpu_during(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
     """CPU seconds spent by role between two ``cpu_seconds`` readings (processes in both;
-    also used by bench/step_ab.py)."""
+    also used by bench/tools/step_ab.py)."""
     spent: dict[str, float] = {}
     for pid, (role, seconds) in after.items():
         if pid in before:

@@ -1,4 +1,4 @@
-"""Baton against llama.cpp, side by side, in one run on one machine (issue 4).
+"""Baton against llama.cpp, side by side, in one run on one machine.
 
 Owns: one command that measures, on the same model, prompt and thread count,
 1. one unsplit llama.cpp process from the same pin: (a) Baton's worker over ``[0, n_layer)``
@@ -9,7 +9,7 @@ Owns: one command that measures, on the same model, prompt and thread count,
    tracker must split N ways), generation through ``agent.io.client`` at temperature 0;
 3. llama.cpp's RPC backend from the same pin: N ``ggml-rpc-server`` processes on loopback and
    ``llama-bench -rpc ... -ngl 99 -ts 1/1[/1]`` (layers split evenly over the N servers);
-4. the boundary transport alone (``bench/transport_rtt.run_benchmark``: 8 KiB and 1 MiB
+4. the boundary transport alone (``bench/tools/transport_rtt.run_benchmark``: 8 KiB and 1 MiB
    round trips, libp2p against plain TCP);
 plus, to locate the per-hop cost, 3 range workers chained directly from Python (no tracker,
 no libp2p) and where a decode step's time goes (``bench/data_plane.py``'s paired run).
@@ -17,8 +17,8 @@ no libp2p) and where a decode step's time goes (``bench/data_plane.py``'s paired
 Every figure: median, min and max over ``--runs`` runs, spread over ``--rounds`` rounds (each
 system measured once per round, in turn, one warm-up each time; llama-bench's own warm-up and
 ``-r``), pooled: the machine's speed drifts over minutes, and rounds put every system in every
-stretch of it. Writes ``compare.json``, ``compare.md`` and ``compare.png`` under
-``--out``. Builds ``llama-bench`` and ``ggml-rpc-server`` from the pinned tree into
+stretch of it. Writes ``compare.json``, ``compare.md`` and ``compare.png`` (matplotlib, the
+``bench`` extra) under ``--out``. Builds ``llama-bench`` and ``ggml-rpc-server`` from the pinned tree into
 ``build/llama-tools`` first when they are missing or older than the tree.
 
 Usage: ``.venv/bin/python bench/compare.py [--model PATH] [--runs 6] [--rounds 3] [--threads 1] [--out bench/results]``
@@ -32,9 +32,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import platform
-import re
-import signal
 import socket
 import subprocess
 import sys
@@ -44,109 +41,42 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from _bootstrap import BENCH_DIR, REPO_ROOT  # first: it makes the project importable
+from _bootstrap import BENCH_DIR  # first: it makes the project importable
 
 import compare_report  # noqa: E402
 import data_plane  # noqa: E402
-import hop_trace  # noqa: E402
-import png_chart  # noqa: E402
 import numpy as np  # noqa: E402
 import trio  # noqa: E402
+from common import (  # noqa: E402
+    TOOLS_CMAKE_FLAGS,
+    ensure_llama_tools,
+    log,
+    machine_info,
+    make_prompt,
+    open_covered_swarm,
+    run_llama_bench,
+)
+from tools import hop_trace, transport_rtt  # noqa: E402
 
 from agent.io.cpu_policy import apply_cpu_policy, kernel_default  # noqa: E402
 
-TOOLS_DIR = REPO_ROOT / "build" / "llama-tools"
-LLAMA_SRC = REPO_ROOT / "build" / "llama.cpp"
-LLAMA_STAMP = REPO_ROOT / "build" / "llama.cpp.stamp"
-TOOLS_STAMP = TOOLS_DIR / ".baton-tools-stamp"
-TOOLS_CMAKE_FLAGS = [
-    "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_RPC=ON",
-    "-DGGML_RPC_RDMA=OFF",
-    "-DLLAMA_BUILD_TOOLS=ON",
-    "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_SERVER=OFF",
-    "-DLLAMA_CURL=OFF",
-    # as build/native (the worker): same instruction set and static linking on both sides
-    "-DGGML_NATIVE=OFF",
-    "-DBUILD_SHARED_LIBS=OFF",
-]
-TOOLS_TARGETS = ("llama-bench", "ggml-rpc-server", "llama-batched-bench")  # the last for bench/batching.py
-
-PROMPT_SOURCE = (
-    "Volunteer computing lets many people lend the spare capacity of their own machines to a shared task. "
-    "Each machine runs a small part of the work and passes its result on to the next one, so that together "
-    "they can run a model that none of them could hold alone. The hard parts are trust, failures and the "
-    "time spent moving data between machines, which this benchmark measures on one computer by comparing "
-    "a model run in one piece with the same model cut into two or three pieces and connected through the "
-    "network stack of the swarm, step after step, token after token, for as long as the answer keeps going."
-)
-COVERAGE_TIMEOUT_S = 180.0
 SERVER_READY_TIMEOUT_S = 30.0
-LLAMA_BENCH_TIMEOUT_S = 300.0
 PROFILE_REPS = 3  # bench/data_plane.py's paired generations for "Where the time goes"
 PAIRED_RUNS = 3  # per round and split: the swarm's generations paired step by step with the unsplit worker
 INTERLEAVED_TURNS = 10  # bench_interleaved: turns of one run each of the 3-split, the worker, llama-bench and RPC
-COLORS = {"baton": (52, 101, 164), "llama.cpp": (230, 140, 40)}
+COLORS = {"baton": "#3465a4", "llama.cpp": "#e68c28"}
+CHART_LABELS = {
+    "worker_unsplit": "Baton worker unsplit",
+    "worker_run_ahead": "Baton worker run-ahead",
+    "llama_bench": "llama-bench unsplit",
+    "baton_2": "Baton 2-split",
+    "baton_3": "Baton 3-split",
+    "rpc_2": "RPC 2-split",
+    "rpc_3": "RPC 3-split",
+}
 
 
-def log(message: str) -> None:
-    print(f"[compare {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-# --- machine ---------------------------------------------------------------------------------
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def _ram_bytes() -> int:
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def machine_info() -> dict:
-    from agent.runtime import expected_pin, worker_runtime
-
-    commit, patch_hash = expected_pin()
-    info = {
-        "platform": platform.platform(),
-        "cpu_model": _cpu_model(),
-        "cores": os.cpu_count(),
-        "ram_bytes": _ram_bytes(),
-        "ram_gib": _ram_bytes() / 2**30,
-        "python": platform.python_version(),
-        "llama_cpp_commit": commit,
-        "patch_series_sha256": patch_hash,
-        "loadavg_before": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
-    with contextlib.suppress(OSError, ValueError):
-        info["llama_tree_stamp"] = json.loads(LLAMA_STAMP.read_text())
-    with contextlib.suppress(OSError, subprocess.CalledProcessError):
-        git = ["git", "-C", str(REPO_ROOT)]
-        info["baton_commit"] = subprocess.run(
-            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        status = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, check=True
-        ).stdout
-        info["baton_modified_files"] = [line[3:] for line in status.splitlines()]
-    runtime = worker_runtime()
-    info["worker_runtime"] = {
-        "llama_cpp_commit": runtime.llama_cpp_commit,
-        "patch_series_sha256": runtime.patch_series_sha256,
-        "backends": list(runtime.backends),
-    }
-    return info
+# --- the machine, shared -----------------------------------------------------------------------
 
 
 class CpuWatch:
@@ -248,61 +178,7 @@ class CpuWatch:
 # --- llama.cpp tools -------------------------------------------------------------------------
 
 
-def _tools_stamp() -> str:
-    return LLAMA_STAMP.read_text() if LLAMA_STAMP.exists() else "no stamp"
-
-
-def ensure_llama_tools() -> tuple[Path, Path, float]:
-    """``(llama-bench, ggml-rpc-server, seconds spent building)``; builds them from the pinned,
-    patched tree when missing or built from another tree state (idempotent)."""
-    bench_bin, rpc_bin = TOOLS_DIR / "bin" / "llama-bench", TOOLS_DIR / "bin" / "ggml-rpc-server"
-    stamp = _tools_stamp()
-    built = all((TOOLS_DIR / "bin" / target).exists() for target in TOOLS_TARGETS)
-    if built and TOOLS_STAMP.exists() and TOOLS_STAMP.read_text() == stamp:
-        return bench_bin, rpc_bin, 0.0
-    if not (LLAMA_SRC / "include" / "llama.h").exists():
-        raise SystemExit(f"no llama.cpp tree at {LLAMA_SRC}: run `make native` first")
-    started = time.perf_counter()
-    log(f"building {', '.join(TOOLS_TARGETS)} into {TOOLS_DIR} (4-8 min on 2 cores the first time)")
-    flags = list(TOOLS_CMAKE_FLAGS)
-    with contextlib.suppress(FileNotFoundError, subprocess.CalledProcessError):
-        subprocess.run(["ccache", "--version"], capture_output=True, check=True)
-        flags += ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
-    subprocess.run(["cmake", "-S", str(LLAMA_SRC), "-B", str(TOOLS_DIR), *flags], check=True, stdout=subprocess.DEVNULL)
-    jobs = str(os.cpu_count() or 2)
-    subprocess.run(
-        ["cmake", "--build", str(TOOLS_DIR), "-j", jobs, "--target", *TOOLS_TARGETS],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    TOOLS_STAMP.write_text(stamp)
-    return bench_bin, rpc_bin, time.perf_counter() - started
-
-
 # --- Baton: one worker, chained workers --------------------------------------------------------
-
-
-async def make_prompt(client, n_tokens: int) -> tuple[str, list[int]]:  # noqa: ANN001
-    """A prefix of ``PROMPT_SOURCE`` (padded with " and") that tokenizes, with special tokens
-    as the swarm's first hop does, to exactly ``n_tokens`` tokens."""
-    words = PROMPT_SOURCE.split()
-    base = ""
-    for k in range(1, len(words) + 1):
-        text = " ".join(words[:k])
-        tokens = await client.tokenize(text, add_special=True)
-        if len(tokens) == n_tokens:
-            return text, tokens
-        if len(tokens) > n_tokens:
-            break
-        base = text
-    text = base
-    while True:
-        tokens = await client.tokenize(text, add_special=True)
-        if len(tokens) == n_tokens:
-            return text, tokens
-        if len(tokens) > n_tokens:
-            raise RuntimeError(f"cannot build a prompt of exactly {n_tokens} tokens")
-        text += " and"
 
 
 def _chain_figure(runs, extra: dict) -> dict:  # noqa: ANN001
@@ -490,37 +366,6 @@ async def _paired_swarm_runs(
     return out
 
 
-@contextlib.asynccontextmanager
-async def open_covered_swarm(model: Path, alias: str, n_nodes: int, threads: int):  # noqa: ANN201
-    """Tracker + ``n_nodes`` nodes of ``model`` on loopback (``threads`` per worker), each
-    node given memory for an even share of the blocks, and a client: yields ``(client,
-    route, node_memory_bytes, ready_s)`` once the tracker offers an ``n_nodes``-hop route
-    (``ready_s``: from start to that route). Everything is stopped on exit."""
-    from agent.io.client import open_swarm_client
-    from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
-    from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
-
-    started = time.perf_counter()
-    async with open_local_swarm(LocalSwarmConfig(model_path=model, model_alias=alias, threads=threads)) as swarm:
-        await swarm.start_tracker()
-        async with open_swarm_client(swarm.tracker_addr) as client:
-            entries = [e for e in await client.list_models() if alias in (e.alias, e.name)]
-            if not entries:
-                raise RuntimeError(f"the tracker has no model {alias!r}")
-            memory = node_memory_bytes(entries[0].n_layer, entries[0].bytes_per_block, n_nodes)
-            for i in range(n_nodes):
-                swarm.start_node(f"node-{i + 1}", memory)
-            route = await wait_for_coverage(client, swarm, alias, timeout_s=COVERAGE_TIMEOUT_S)
-            if len(route.hops) != n_nodes:
-                raise RuntimeError(f"expected a {n_nodes}-hop route, got {len(route.hops)} hops")
-            ready_s = time.perf_counter() - started
-            log(
-                f"{n_nodes}-split route ready after {ready_s:.1f} s: "
-                + " -> ".join(f"[{h.begin}, {h.end})" for h in route.hops)
-            )
-            yield client, route, memory, ready_s
-
-
 async def bench_swarm(
     model: Path,
     alias: str,
@@ -587,86 +432,6 @@ async def bench_swarm(
         "node_memory_bytes": memory,
         "startup_to_route_s": ready_s,
         "replans": sum(g.replans for g in results),
-    }
-
-
-def layer_placement(log_text: str) -> dict:
-    """Which blocks llama.cpp put on which device (``-v`` log): ``{device: [first, last]}``, and
-    the per-device model buffer lines."""
-    blocks: dict[str, list[int]] = {}
-    buffers = []
-    for line in log_text.splitlines():
-        match = re.search(r"layer\s+(\d+) assigned to device (\S+?),", line)
-        if match:
-            blocks.setdefault(match.group(2), []).append(int(match.group(1)))
-        elif "model buffer size" in line or "offloading output layer" in line:
-            buffers.append(line.split(":", 1)[1].strip())
-    return {"blocks": {dev: [min(v), max(v)] for dev, v in blocks.items()}, "log": buffers}
-
-
-def run_llama_bench(
-    bench_bin: Path,
-    model: Path,
-    n_prompt: int,
-    n_gen: int,
-    threads: int,
-    runs: int,
-    extra: Sequence[str] = (),
-    verbose: bool = False,
-) -> dict:
-    """Prefill at depth 0; decode after ``n_prompt`` cached positions (``-d 0,P``), as Baton's
-    decode steps follow the prompt: flash attention on the CPU skips the masked positions, so
-    a decode from position 0 does less attention work than one after the prompt (issue 8:
-    3.4 M of 107 M instructions a step for SmolLM2 at depth 64)."""
-    argv = [
-        str(bench_bin),
-        "-m",
-        str(model),
-        "-p",
-        str(n_prompt),
-        "-n",
-        str(n_gen),
-        "-t",
-        str(threads),
-        "-r",
-        str(runs),
-        "-d",
-        f"0,{n_prompt}",
-        "-o",
-        "json",
-        *extra,
-        *(["-v"] if verbose else []),
-    ]
-    proc = subprocess.run(
-        argv, capture_output=True, text=True, timeout=LLAMA_BENCH_TIMEOUT_S, check=False, preexec_fn=kernel_default
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    entries = json.loads(proc.stdout)
-    pp = next(e for e in entries if e["n_prompt"] == n_prompt and e["n_gen"] == 0 and e.get("n_depth", 0) == 0)
-    tg = next(e for e in entries if e["n_gen"] == n_gen and e["n_prompt"] == 0 and e.get("n_depth", 0) == n_prompt)
-    tg0 = next((e for e in entries if e["n_gen"] == n_gen and e["n_prompt"] == 0 and e.get("n_depth", 0) == 0), None)
-    return {
-        "prefill_tps": compare_report.summarize(pp["samples_ts"]),
-        "decode_tps": compare_report.summarize(tg["samples_ts"]),
-        "decode_depth": n_prompt,
-        **({"decode_tps_at_depth_0": compare_report.summarize(tg0["samples_ts"])} if tg0 else {}),
-        "argv": [os.path.relpath(a, REPO_ROOT) if a.startswith(str(REPO_ROOT)) else a for a in argv],
-        "llama_bench": {
-            k: tg.get(k)
-            for k in (
-                "build_commit",
-                "cpu_info",
-                "backends",
-                "n_threads",
-                "flash_attn",
-                "n_gpu_layers",
-                "tensor_split",
-                "type_k",
-                "n_ubatch",
-            )
-        },
-        **({"placement": layer_placement(proc.stderr)} if verbose else {}),
     }
 
 
@@ -743,8 +508,8 @@ async def bench_interleaved(
     bench_bin: Path,
     rpc_bin: Path,
 ) -> dict:
-    """Issue 8's ratio targets measured seconds apart rather than minutes: the Baton 3-split
-    swarm, the unsplit worker (one Forward a step, from Python), llama-bench unsplit and
+    """The speed ratio targets (``compare_report.SPEED_RATIOS``) measured seconds apart rather
+    than minutes: the Baton 3-split swarm, the unsplit worker (one Forward a step, from Python), llama-bench unsplit and
     llama.cpp's RPC 3-split are all started once, then each runs one generation in turn,
     ``turns`` times after a warm-up turn, the order rotating from turn to turn. Each turn
     gives its own ratios (``compare_report.interleaved_ratios``); this VM's speed drifts by
@@ -847,29 +612,43 @@ def profile_markdown(report: dict) -> str:
 
 
 def chart(report: dict) -> bytes:
-    bars = []
+    """``compare.png``: decode tokens/s of every system, median with min-max whiskers, Baton's
+    bars and llama.cpp's in two colours. Needs matplotlib (the ``bench`` extra)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    from matplotlib import pyplot as plt
+
+    labels, medians, lows, highs, colours = [], [], [], [], []
     for key, _label, family, _hops, _ref in compare_report.SYSTEMS:
         fig = report["systems"].get(key)
         if fig is None:
             continue
         d = fig["decode_tps"]
-        short = {
-            "worker_unsplit": "Baton worker unsplit",
-            "worker_run_ahead": "Baton worker run-ahead",
-            "llama_bench": "llama-bench unsplit",
-            "baton_2": "Baton 2-split",
-            "baton_3": "Baton 3-split",
-            "rpc_2": "RPC 2-split",
-            "rpc_3": "RPC 3-split",
-        }[key]
-        bars.append((short, d["median"], d["min"], d["max"], COLORS[family]))
+        labels.append(CHART_LABELS[key])
+        medians.append(d["median"])
+        lows.append(d["median"] - d["min"])
+        highs.append(d["max"] - d["median"])
+        colours.append(COLORS[family])
     m = report["method"]
-    return png_chart.bar_chart_png(
-        bars,
-        title=f"Decode tokens/s, {Path(report['model']['name']).stem[:32]}, {m['threads']} thread(s)",
-        y_label=f"tokens/s: median, bars min-max over {m['runs']} runs",
-        legend=[("Baton", COLORS["baton"]), ("llama.cpp", COLORS["llama.cpp"])],
+    figure, axes = plt.subplots(figsize=(8, 4.5), dpi=100)
+    axes.bar(labels, medians, yerr=[lows, highs], color=colours, capsize=4, ecolor="#333333")
+    axes.set_title(f"Decode tokens/s, {Path(report['model']['name']).stem[:32]}, {m['threads']} thread(s)")
+    axes.set_ylabel(f"tokens/s: median, min-max over {m['runs']} runs")
+    axes.tick_params(axis="x", labelrotation=25)
+    for label in axes.get_xticklabels():
+        label.set_horizontalalignment("right")
+    axes.legend(
+        handles=[plt.Rectangle((0, 0), 1, 1, color=COLORS[f]) for f in ("baton", "llama.cpp")],
+        labels=["Baton", "llama.cpp"],
     )
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", metadata={"Software": None})  # no version stamp: stable bytes
+    plt.close(figure)
+    return buffer.getvalue()
 
 
 # --- main ------------------------------------------------------------------------------------
@@ -956,7 +735,6 @@ def main() -> int:
     systems: dict[str, dict] = {}
     extra: dict[str, dict] = {}
 
-    import transport_rtt
 
     cpu = CpuWatch()
 
@@ -1153,7 +931,10 @@ def main() -> int:
     md = compare_report.render_markdown(report, profile_markdown(report))
     (out / "compare.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "compare.md").write_text(md)
-    (out / "compare.png").write_bytes(chart(report))
+    try:
+        (out / "compare.png").write_bytes(chart(report))
+    except ImportError:
+        log("no matplotlib: compare.png not drawn (pip install -e '.[bench]')")
     print(md)
     log(f"wrote {out / 'compare.json'}, compare.md, compare.png in {report['wall_time_s']:.0f} s")
     return 0

@@ -5,7 +5,7 @@ derived from them, the three target checks, and the text of ``compare.md``. No p
 clocks, files or imports from ``agent`` (``tests/test_bench_compare.py`` runs it on fixed
 numbers).
 
-Vocabulary (docs/SWARM.md, DESIGN.md): a *hop* is one (node, range) entry of a route, so an
+Vocabulary (docs/ARCHITECTURE.md): a *hop* is one (node, range) entry of a route, so an
 N-way split has N hops; each hop adds one node agent, one worker Forward and one libp2p message
 into it (the last hop also pushes the result back to the client).
 """
@@ -27,7 +27,7 @@ __all__ = [
     "table",
 ]
 
-#: targets of issue 4, checked by reading the results
+#: the loose bounds a split must stay within (per-hop overhead, decode ratio to unsplit)
 PER_HOP_TARGET_MS = 1.0
 DECODE_RATIO_TARGET = 0.8
 
@@ -107,9 +107,9 @@ def derive(systems: Mapping[str, Mapping]) -> dict[str, dict]:
     return out
 
 
-#: issue 8's ratio targets: (check name, at least, the pooled rounds' (numerator system,
+#: the speed ratio targets against llama.cpp: (check name, at least, the pooled rounds' (numerator system,
 #: denominator system, figure), ``interleaved_ratios``' key)
-ISSUE_8_RATIOS = (
+SPEED_RATIOS = (
     ("Baton 3-split decode / llama-bench unsplit decode", 0.9, ("baton_3", "llama_bench", "decode_tps"),
      "baton_3/llama_bench"),
     ("Baton 3-split decode / RPC 3-split decode", 1.15, ("baton_3", "rpc_3", "decode_tps"), "baton_3/rpc_3"),
@@ -120,7 +120,7 @@ ISSUE_8_RATIOS = (
 )  # fmt: skip
 
 #: the same ratios as ``bench_interleaved`` measures them, each turn's: (numerator, denominator)
-INTERLEAVED_RATIOS = tuple(tuple(key.split("/")) for *_, key in ISSUE_8_RATIOS)
+INTERLEAVED_RATIOS = tuple(tuple(key.split("/")) for *_, key in SPEED_RATIOS)
 
 
 def interleaved_ratios(turns: Sequence[Mapping[str, float]]) -> dict[str, dict]:
@@ -163,20 +163,20 @@ def headline(
     interleaved: Mapping | None = None,
 ) -> list[dict]:
     """The target checks, each ``{"name", "value", "target", "met", "miss"}`` (``miss``: by how
-    much, empty when met). Checks whose rows are missing are left out. Issue 8's targets:
+    much, empty when met). Checks whose rows are missing are left out. The speed targets:
     per-hop <= 0.3 ms; 3-split >= 0.9x llama-bench unsplit and >= 1.15x RPC 3-split; the
     worker unsplit >= 0.97x llama-bench decode and >= 0.95x prefill; the channel's round
     trips within 1.5x plain TCP. With ``interleaved`` (``bench_interleaved``'s turns), its
     ratios are those ratio checks, and the pooled rounds' ones follow as "runs minutes apart"."""
     checks = []
     turned = (interleaved or {}).get("ratios") or {}
-    for name, target, _pooled, key in ISSUE_8_RATIOS:
+    for name, target, _pooled, key in SPEED_RATIOS:
         if key in turned:
             checks.append(
-                _check(f"{name}, interleaved turn by turn (issue 8)", turned[key]["median"], target, True, "x", f">= {target}x")
+                _check(f"{name}, interleaved turn by turn", turned[key]["median"], target, True, "x", f">= {target}x")
             )
     apart = ", runs minutes apart" if turned else ""
-    for name, target, (a, b, figure), _key in ISSUE_8_RATIOS:
+    for name, target, (a, b, figure), _key in SPEED_RATIOS:
         if a in systems and b in systems:
             ratio = systems[a][figure]["median"] / systems[b][figure]["median"]
             checks.append(_check(f"{name}{apart}", ratio, target, True, "x", f">= {target}x"))
@@ -185,12 +185,12 @@ def headline(
         paired = derived["baton_3"].get("paired_per_hop_overhead_ms")
         if paired is not None:
             checks.append(
-                _check("Baton 3-split per-hop overhead, paired step by step with the unsplit worker (ms, issue 8)",
+                _check("Baton 3-split per-hop overhead, paired step by step with the unsplit worker (ms)",
                        paired["median"], 0.3, False, " ms", "0.3 ms")
             )  # fmt: skip
         checks.append(
             _check(
-                "Baton 3-split per-hop overhead" + (", runs minutes apart" if paired is not None else "") + " (ms, issue 8)",
+                "Baton 3-split per-hop overhead, runs minutes apart (ms)",
                 derived["baton_3"]["per_hop_overhead_ms"]["median"], 0.3, False, " ms", "0.3 ms",
             )
         )  # fmt: skip
@@ -395,7 +395,7 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
     if paired:
         lines += [
             "",
-            "Paired step by step (what issue 8's per-hop figure uses): after each decode step of the swarm's "
+            "Paired step by step (what the per-hop target uses): after each decode step of the swarm's "
             "generation, the same step (position, token) runs on a whole-model worker over its Forward stream, "
             "timed alone, and the swarm's step is timed from that call's end to the next token, so both see the "
             "machine at the same moment (greedy continuation off for these runs: with it the last hop would send "
@@ -412,7 +412,7 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
         turns = interleaved["turns"]
         lines += [
             "",
-            f"Interleaved turn by turn (what issue 8's ratios use): the Baton 3-split swarm, the unsplit "
+            f"Interleaved turn by turn (what the speed ratio targets use): the Baton 3-split swarm, the unsplit "
             f"worker (one Forward a step), llama-bench unsplit (`-r 1`) and the RPC 3-split, all started once, "
             f"then one run each in turn, {len(turns)} turns after a warm-up, the order rotating, so that each "
             "turn's ratios compare runs seconds apart (the rounds above put minutes between them): "
@@ -446,7 +446,7 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
     if notes:
         lines += [""] + [f"- {note}" for note in notes]
     if report.get("transport"):
-        lines += ["", "## Boundary transport alone (`bench/transport_rtt.py`)", ""]
+        lines += ["", "## Boundary transport alone (`bench/tools/transport_rtt.py`)", ""]
         lines += table(
             ["path", "round trip ms", "ratio to TCP", "MB/s (both ways)"], transport_rows(report["transport"])
         )

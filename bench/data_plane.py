@@ -1,4 +1,4 @@
-"""Issue 8's hop, worker to worker: the workers' data plane against the same workers driven
+"""A hop worker to worker (the per-hop overhead target, 0.3 ms): the workers' data plane against the same workers driven
 one Forward at a time from Python, and against llama-bench.
 
 Owns one command. Four ways to decode the same greedy tokens, all open at once (a whole-model
@@ -46,7 +46,7 @@ from pathlib import Path
 from _bootstrap import BENCH_DIR  # first: it makes the project importable
 
 import compare_report  # noqa: E402
-from results_io import publish  # noqa: E402
+from common import ensure_llama_tools, log, machine_info, make_prompt, publish, run_llama_bench  # noqa: E402
 import trio  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -316,7 +316,7 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         f"- **Per-hop overhead, worker to worker** (3-split over the data plane - unsplit, / 3): "
-        f"**{s['per_hop_ms']:.3f} ms** (issue 8's target {HOP_TARGET_MS} ms: "
+        f"**{s['per_hop_ms']:.3f} ms** (target {HOP_TARGET_MS} ms: "
         f"{'met' if s['hop_target_met'] else 'missed'}; by generation "
         f"{', '.join(f'{v:.3f}' for v in s['per_hop_ms_by_rep'])}); against the whole model over the data plane "
         f"{s['per_hop_vs_data_plane_1_ms']:.3f} ms; through Python one Forward at a time: "
@@ -325,7 +325,7 @@ def markdown(report: dict) -> str:
         f"- The data plane's own cost on the whole model (its step - the Forward stream's): "
         f"{s['data_plane_own_ms']:.3f} ms.",
         f"- 3-split over the data plane vs llama-bench unsplit: **{s['split_vs_llama_bench']:.2f}x** "
-        f"(issue 8's target {SPLIT_TARGET}x for the swarm: {'met' if s['split_target_met'] else 'missed'} here); "
+        f"(the swarm's target {SPLIT_TARGET}x: {'met' if s['split_target_met'] else 'missed'} here); "
         f"the whole model over the data plane: {s['unsplit_over_data_plane_vs_llama_bench']:.2f}x.",
         "",
         "## Where the time goes",
@@ -345,7 +345,6 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results")
     args = parser.parse_args()
 
-    import compare  # (here: compare.py imports this module for its profile)
     from agent.core.ranges import ranges_from_cuts
     from agent.demo.local_demo import even_cuts
     from agent.io.worker_process import open_worker
@@ -353,28 +352,28 @@ def main() -> int:
 
     model = Path(args.model or model_path("smollm2")).resolve()
     sha256 = cached_sha256(model)
-    bench_bin, _, _ = compare.ensure_llama_tools()
+    bench_bin, _, _ = ensure_llama_tools()
     started = time.perf_counter()
 
     async def prompt_and_layers() -> tuple[list[int], int]:
         async with open_worker(model, 0, None, threads=1, model_sha256=sha256) as worker:
-            _, tokens = await compare.make_prompt(worker.client, args.prompt_tokens)
+            _, tokens = await make_prompt(worker.client, args.prompt_tokens)
             return tokens, worker.info.n_layer
 
     prompt, n_layer = trio.run(prompt_and_layers)
     cuts = [(r.begin, r.end) for r in ranges_from_cuts(n_layer, even_cuts(n_layer, 3))]
     llama: list[float] = []
-    compare.log("llama-bench")
-    tg = compare.run_llama_bench(bench_bin, model, args.prompt_tokens, args.decode_steps, args.threads, 3)
+    log("llama-bench")
+    tg = run_llama_bench(bench_bin, model, args.prompt_tokens, args.decode_steps, args.threads, 3)
     llama.extend(compare_report.step_ms(tg["decode_tps"])["samples"])
-    compare.log(f"{args.reps} paired generations of {args.decode_steps} steps")
+    log(f"{args.reps} paired generations of {args.decode_steps} steps")
     reps = trio.run(bench_paired, model, sha256, prompt, cuts, args.decode_steps, args.reps, args.threads)
-    compare.log("llama-bench")
-    tg = compare.run_llama_bench(bench_bin, model, args.prompt_tokens, args.decode_steps, args.threads, 3)
+    log("llama-bench")
+    tg = run_llama_bench(bench_bin, model, args.prompt_tokens, args.decode_steps, args.threads, 3)
     llama.extend(compare_report.step_ms(tg["decode_tps"])["samples"])
     report = {
         "model": model.name,
-        "machine": compare.machine_info(),
+        "machine": machine_info(),
         "threads": args.threads,
         "prompt_tokens": args.prompt_tokens,
         "decode_steps": args.decode_steps,

@@ -1,4 +1,4 @@
-"""How long a generation pauses when a hop dies or freezes (issue 13), on loopback.
+"""How long a generation pauses when a hop dies or freezes, on loopback.
 
 Owns one command that starts a swarm of real processes (``agent.harness.local_swarm``: a
 tracker and six nodes of ten blocks of SmolLM2, so every range has two copies and a route has a
@@ -41,7 +41,7 @@ from _bootstrap import BENCH_DIR  # first: it makes the project importable
 
 import trio  # noqa: E402
 
-from compare import machine_info  # noqa: E402
+from common import machine_info  # noqa: E402
 
 ALIAS = "smollm2"
 NODES = 6
@@ -50,7 +50,7 @@ HEARTBEAT_TIMEOUT_MS = 15_000
 POSITIONS = {"first": 0, "middle": 1, "last": 2}
 SIGNALS = ("SIGKILL", "SIGSTOP")
 CONTEXTS = (128, 512, 2048)
-# issue 13's targets, shown next to what was measured
+# the resume-time targets, shown next to what was measured
 TARGETS_S = {"SIGKILL": {"median": 1.0, "max": 2.0}, "SIGSTOP": {"max": 3.0}}
 TEXT = (
     "Volunteer computing works because many people lend a little of their spare time and their "

@@ -1,4 +1,4 @@
-"""What output integrity costs (issue 11): canaries and spot checks as a share of swarm throughput.
+"""What output integrity costs: canaries and spot checks as a share of swarm throughput.
 
 Owns one command that starts a swarm of real processes (``agent.harness.local_swarm``: a tracker
 and four nodes of fifteen blocks of SmolLM2, so every range has two copies, which spot checks
@@ -42,7 +42,7 @@ from _bootstrap import BENCH_DIR  # first: it makes the project importable
 
 import trio  # noqa: E402
 
-from compare import machine_info  # noqa: E402
+from common import machine_info  # noqa: E402
 
 ALIAS = "smollm2"
 NODES = 4

@@ -31,8 +31,7 @@ import _bootstrap  # noqa: F401  (first: it makes the project importable)
 import numpy as np  # noqa: E402
 import trio  # noqa: E402
 
-from compare import machine_info, open_covered_swarm  # noqa: E402
-from results_io import publish  # noqa: E402
+from common import machine_info, open_covered_swarm, publish  # noqa: E402
 
 from agent.core.generation import GreedyGeneration  # noqa: E402
 from agent.core.sampling import SamplingParams, sample_token, sampling_candidates  # noqa: E402

@@ -1,4 +1,4 @@
-"""Many sessions at once through a real 3-node swarm (issue 12), with ``baton generate`` as users
+"""Many sessions at once through a real 3-node swarm, with ``baton generate`` as users
 run it: more concurrent generations than sequences wait and all finish, each equal to its solo
 run; the wait is bounded and says so; killed clients hold nothing for long.
 

@@ -12,7 +12,7 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH_DIR))
 
 import batching  # noqa: E402
-import hop_trace  # noqa: E402
+from tools import hop_trace  # noqa: E402
 
 
 def test_the_summary_takes_ratios_of_both_modes_checks_the_doublings_and_the_gap_target() -> None:

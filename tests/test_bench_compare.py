@@ -3,9 +3,7 @@ checks, the markdown table, the PNG writer and the hop-trace join. No processes.
 
 from __future__ import annotations
 
-import struct
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
@@ -15,9 +13,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import compare  # noqa: E402
 import compare_report  # noqa: E402
-import hop_trace  # noqa: E402
-import png_chart  # noqa: E402
-import transport_rtt  # noqa: E402
+from tools import hop_trace, transport_rtt  # noqa: E402
 
 
 def _fig(prefill: list[float], decode: list[float]) -> dict:
@@ -145,44 +141,28 @@ def test_markdown_has_every_row_and_the_headline():
     assert "Tokens/s by turn (decode; prefill where named): baton_3 45.0, 36.0; llama_bench 50.0, 40.0." in md
 
 
-def _png_chunks(data: bytes) -> dict[bytes, bytes]:
+def test_chart_draws_every_system_in_its_family_colour():
+    """compare.png through matplotlib: a PNG of the figure's size, each family's colour in it."""
+    pytest.importorskip("matplotlib")
+    import io
+
+    from matplotlib import image
+
+    def figure(median: float) -> dict:
+        return {"decode_tps": {"median": median, "min": median - 2, "max": median + 3}}
+
+    report = {
+        "model": {"name": "SmolLM2-135M-Instruct.Q4_1.gguf"},
+        "method": {"threads": 1, "runs": 6},
+        "systems": {"baton_3": figure(30.0), "llama_bench": figure(40.0), "rpc_3": figure(20.0)},
+    }
+    data = compare.chart(report)
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    chunks, pos = {}, 8
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
-        chunks[kind] = chunks.get(kind, b"") + body
-        pos += 12 + length
-    return chunks
-
-
-def test_png_writer_makes_a_valid_rgb_png():
-    width, height = 3, 2
-    pixels = bytes([255, 0, 0] * 3 + [0, 0, 255] * 3)
-    chunks = _png_chunks(png_chart.encode_png(width, height, pixels))
-    assert struct.unpack(">IIBBBBB", chunks[b"IHDR"]) == (3, 2, 8, 2, 0, 0, 0)
-    raw = zlib.decompress(chunks[b"IDAT"])
-    assert raw == b"\x00" + pixels[:9] + b"\x00" + pixels[9:]
-    assert b"IEND" in chunks
-    with pytest.raises(ValueError):
-        png_chart.encode_png(2, 2, b"\x00" * 3)
-
-
-def test_bar_chart_draws_bars_in_their_colours():
-    data = png_chart.bar_chart_png(
-        [("Baton 3-split", 30.0, 28.0, 32.0, (52, 101, 164)), ("RPC 3-split", 20.0, 19.0, 21.0, (230, 140, 40))],
-        title="Decode tokens/s",
-        y_label="tokens/s",
-        width=320,
-        height=240,
-    )
-    chunks = _png_chunks(data)
-    width, height = struct.unpack(">II", chunks[b"IHDR"][:8])
-    raw = zlib.decompress(chunks[b"IDAT"])
-    assert len(raw) == height * (1 + 3 * width)
-    assert bytes([52, 101, 164]) in raw and bytes([230, 140, 40]) in raw
+    pixels = image.imread(io.BytesIO(data), format="png")
+    assert pixels.shape[:2] == (450, 800)
+    rgb = {tuple(int(round(255 * c)) for c in px[:3]) for px in pixels.reshape(-1, pixels.shape[2])}
+    for colour in compare.COLORS.values():
+        assert tuple(int(colour[k : k + 2], 16) for k in (1, 3, 5)) in rgb
 
 
 def test_step_breakdown_joins_client_and_node_events():
@@ -285,22 +265,23 @@ def test_pool_rounds_pools_every_per_run_summary():
     assert compare.pool_rounds([first, first])["tokens_same_every_round"] is True
 
 
-def test_the_paired_per_hop_figure_is_issue_8s_check_beside_the_unpaired_one():
+def test_the_paired_per_hop_figure_is_the_per_hop_check_beside_the_unpaired_one():
     systems = {k: dict(v) for k, v in SYSTEMS.items()}
     systems["baton_3"]["paired_per_hop_ms"] = compare_report.summarize([0.25, 0.21, 0.4])
     derived = compare_report.derive(systems)
     assert derived["baton_3"]["paired_per_hop_overhead_ms"]["median"] == pytest.approx(0.25)
     checks = {c["name"]: c for c in compare_report.headline(systems, derived)}
-    paired = checks["Baton 3-split per-hop overhead, paired step by step with the unsplit worker (ms, issue 8)"]
+    paired = checks["Baton 3-split per-hop overhead, paired step by step with the unsplit worker (ms)"]
     assert paired["met"] and paired["value"] == pytest.approx(0.25)
-    unpaired = checks["Baton 3-split per-hop overhead, runs minutes apart (ms, issue 8)"]
+    unpaired = checks["Baton 3-split per-hop overhead, runs minutes apart (ms)"]
     assert not unpaired["met"] and unpaired["value"] == pytest.approx(20 / 3)
-    # without a paired run, issue 8's check is the unpaired figure under its old name
-    plain = {c["name"] for c in compare_report.headline(SYSTEMS, compare_report.derive(SYSTEMS))}
-    assert "Baton 3-split per-hop overhead (ms, issue 8)" in plain
+    # without a paired run, the 0.3 ms check is the unpaired figure alone
+    plain = {c["name"]: c for c in compare_report.headline(SYSTEMS, compare_report.derive(SYSTEMS))}
+    assert plain["Baton 3-split per-hop overhead, runs minutes apart (ms)"]["target"] == "0.3 ms"
+    assert not any(name.startswith("Baton 3-split per-hop overhead, paired") for name in plain)
 
 
-def test_interleaved_turns_give_issue_8s_decode_ratios_beside_the_pooled_ones():
+def test_interleaved_turns_give_the_speed_ratios_beside_the_pooled_ones():
     prefill = {"worker_unsplit_prefill": 190.0, "llama_bench_prefill": 200.0}
     turns = [
         {"baton_3": 90.0, "worker_unsplit": 98.0, "llama_bench": 100.0, "rpc_3": 80.0, **prefill},
@@ -314,12 +295,12 @@ def test_interleaved_turns_give_issue_8s_decode_ratios_beside_the_pooled_ones():
     interleaved = {"turns": turns, "ratios": ratios}
     derived = compare_report.derive(SYSTEMS)
     checks = {c["name"]: c for c in compare_report.headline(SYSTEMS, derived, None, interleaved)}
-    assert checks["Baton 3-split decode / llama-bench unsplit decode, interleaved turn by turn (issue 8)"]["met"]
-    by_rpc = checks["Baton 3-split decode / RPC 3-split decode, interleaved turn by turn (issue 8)"]
+    assert checks["Baton 3-split decode / llama-bench unsplit decode, interleaved turn by turn"]["met"]
+    by_rpc = checks["Baton 3-split decode / RPC 3-split decode, interleaved turn by turn"]
     assert not by_rpc["met"] and by_rpc["miss"] == "missed by 0.02x (2% short of >= 1.15x)"
-    worker = checks["Baton worker unsplit decode / llama-bench decode, interleaved turn by turn (issue 8)"]
+    worker = checks["Baton worker unsplit decode / llama-bench decode, interleaved turn by turn"]
     assert not worker["met"] and worker["value"] == pytest.approx(0.96)
-    assert checks["Baton worker unsplit prefill / llama-bench prefill, interleaved turn by turn (issue 8)"]["met"]
+    assert checks["Baton worker unsplit prefill / llama-bench prefill, interleaved turn by turn"]["met"]
     pooled = checks["Baton 3-split decode / llama-bench unsplit decode, runs minutes apart"]
     assert pooled["value"] == pytest.approx(25 / 80)
     assert "Baton worker unsplit decode / llama-bench decode, runs minutes apart" in checks

@@ -1,4 +1,4 @@
-"""The pure parts of ``bench/step_ab.py``: per-side medians, each round's pair, the ratio and
+"""The pure parts of ``bench/tools/step_ab.py``: per-side medians, each round's pair, the ratio and
 the markdown. No processes."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH_DIR))
 
-import step_ab  # noqa: E402
+from tools import step_ab  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
 

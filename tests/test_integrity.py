@@ -1,4 +1,4 @@
-"""Output integrity in an open swarm (issue 11), with real processes (tracker, nodes, workers
+"""Output integrity in an open swarm, with real processes (tracker, nodes, workers
 through ``agent.harness.local_swarm``; the client over libp2p):
 
 - model bytes are verified where they are used: a node whose GGUF was changed in place (same

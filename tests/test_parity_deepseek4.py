@@ -1,4 +1,4 @@
-"""DeepSeek V4 across ranges (issue 10): the synthetic V4 (hyper-connection streams, compressed
+"""DeepSeek V4 across ranges: the synthetic V4 (hyper-connection streams, compressed
 KV with ratios 0 / 4 / 128) split into three worker processes computes the same logits as one
 unsplit worker, each range holds only its own weights and state, and boundary rows of the
 wrong schema are refused by name.

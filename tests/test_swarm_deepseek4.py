@@ -1,4 +1,4 @@
-"""DeepSeek V4 through a real swarm (issue 10): a tracker and three node processes on loopback
+"""DeepSeek V4 through a real swarm: a tracker and three node processes on loopback
 split the synthetic V4 (6 blocks, 4 hyper-connection streams) three ways, and the greedy tokens
 the real client gets through them equal one unsplit worker's.
 

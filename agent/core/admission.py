@@ -1,6 +1,6 @@
 """Admission: who may take part in the swarm, decided by the tracker and checked by every peer.
 
-Owns the rules of the shared swarm semantics (docs/SWARM.md):
+Owns the rules of the shared swarm semantics (docs/ARCHITECTURE.md):
 - a node's ``SignedFingerprint`` (signature over the exact fingerprint bytes, key <-> claimed
   peer id <-> the transport-authenticated peer id): ``verify_signed_fingerprint``;
 - the tracker's decision on a verified fingerprint (pin, patch series, schema, freshness,

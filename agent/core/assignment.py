@@ -1,6 +1,6 @@
 """Range assignment: which node serves which blocks of which model.
 
-Owns the assignment policy of the shared swarm semantics (docs/SWARM.md):
+Owns the assignment policy of the shared swarm semantics (docs/ARCHITECTURE.md):
 
 - A node can hold ``floor(budget / bytes_per_block)`` blocks of a model, capped at n_layer,
   where ``budget`` is its ``usable_memory_bytes`` shared equally among the registered models it

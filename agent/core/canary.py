@@ -1,4 +1,4 @@
-"""Canary checks (issue 11): the tracker's decisions about checking what nodes compute.
+"""Canary checks: the tracker's decisions about checking what nodes compute.
 
 A canary is a short generation the tracker's verifier (``agent.io.tracker.verifier``) runs
 through one served range as if it were one hop of an ordinary session: random prompt tokens,

@@ -1,5 +1,5 @@
 """The boundary rows a hop sent downstream, kept per session so that a lost next hop can be
-rebuilt from them (resume, docs/ARCHITECTURE.md "Failures").
+rebuilt from them (resume, docs/ARCHITECTURE.md "When something goes wrong").
 
 Owns, for one served range of one node:
 - what is kept: each step's output rows as the bytes that went on the wire (dtype and schema

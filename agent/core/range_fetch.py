@@ -1,6 +1,6 @@
 """Which bytes of a GGUF a layer range needs, and what to fetch, resume, keep or refuse.
 
-Owns the decisions of model distribution (docs/SWARM.md, "Model distribution"); the node's
+Owns the decisions of model distribution (docs/ARCHITECTURE.md, "Model distribution"); the node's
 shell (``agent.io.node.fetch``) only moves bytes and hashes them.
 
 - ``range_pieces``: the pieces a worker serving blocks ``[begin, end)`` reads, exactly as the

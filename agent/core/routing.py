@@ -1,6 +1,6 @@
 """Route planning: which READY ranges a session's steps go through, in order.
 
-Owns the routing rule of the shared swarm semantics (docs/SWARM.md): from the ranges nodes
+Owns the routing rule of the shared swarm semantics (docs/ARCHITECTURE.md): from the ranges nodes
 report READY, all with one recipe hash, choose hops that chain exactly (hop i ends where hop
 i+1 begins) from block 0 to n_layer, minimising the estimated step time
 ``sum(blocks * decode_s_per_block) + hop_latency_s`` per hop, over ranges that still have

@@ -1,4 +1,4 @@
-"""Integrity at the session owner (issue 11): sampled spot checks of live traffic, and taking
+"""Integrity at the session owner: sampled spot checks of live traffic, and taking
 back what a withdrawn peer computed.
 
 Owns the owner's decisions:

@@ -16,9 +16,8 @@ on a virtual machine takes longer than the wait itself. So ``sleep`` spins brief
 (``GOMP_SPINCOUNT=SLEEP_SPIN_COUNT``, 1,000 rounds: ~25 us on the benchmark machine), enough
 for the barriers inside a Forward, and sleeps through the gap between Forwards.
 
-Measured on the 2-core benchmark machine (``bench/worker_wait.py``, bench/results/worker_wait.md,
-bare 2-thread workers, medians of 3 interleaved rounds): one session through three workers in
-series decodes 2.2x faster with the short spin than with PASSIVE and 2.3x faster than spinning;
+Measured on the 2-core benchmark machine (docs/PERFORMANCE.md, "Spin or sleep"; bare 2-thread
+workers, medians of 3 interleaved rounds): one session through three workers in series decodes 2.2x faster with the short spin than with PASSIVE and 2.3x faster than spinning;
 8 sessions through them in lock-step 1.17x and 1.24x. One worker alone decodes fastest spinning
 (1.1x the short spin). Two 2-thread workers computing at once on 2 cores (8 sessions in two
 groups in flight) is the one case where PASSIVE was ahead (1.10x): each spin there waits for a

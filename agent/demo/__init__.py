@@ -1,4 +1,4 @@
-"""``baton demo``, the main job: a real model through Baton on loopback.
+"""``baton demo``, the quick start: a real model through Baton on loopback.
 
 - ``swarm_demo``: tracker, three nodes and the relay; a generation through the relay's HTTP API,
   checked against one unsplit worker;

@@ -1,4 +1,4 @@
-"""A model run through local range workers: the main job until the swarm exists.
+"""A model run through local range workers: ``baton demo --local``, without a swarm.
 
 Owns the I/O of the local demo: starting one worker per range (and one unsplit worker to
 compare with), pushing each step through the chain hop by hop, timing the steps, and

@@ -13,8 +13,9 @@ inside its ``send`` by the receiver, a worker's compute by a node's message, and
 again later on colder caches. A ``SCHED_BATCH`` process never preempts on wake-up (the fair
 scheduler's wake-up check leaves batch tasks to the tick): the waker finishes its few
 microseconds of work and blocks, and the woken process runs then, or at once on an idle core.
-A first measurement with ``bench/step_ab.py`` (the two checkouts' swarms in turn; the nodes,
-their workers, the tracker and the owners all batch on one side; ``bench/results/step_ab_cpu_policy*``):
+A first measurement with ``bench/tools/step_ab.py`` (the two checkouts' swarms in turn; the nodes,
+their workers, the tracker and the owners all batch on one side; docs/PERFORMANCE.md, "The batch
+scheduling class"):
 one session 1.076x tokens/s (ahead in 5 of 6 rounds; 1.05x, 5 of 6, in a first trial), 8
 sessions lock-step 1.095x (ahead in 3 of 4). llama.cpp's RPC split gained nothing from the
 class (3 alternating runs: 41.8, 42.5, 47.3 t/s default, 43.9, 34.9, 42.8 batch). It is also the
@@ -23,11 +24,10 @@ programs when it wakes (they still share the CPU by the usual fair weights).
 
 Not replicated: on a later kernel build of the same VM (6.18.44-fc-v1252; the runs above were
 on fc-v1098), the same A/B as two settings of one checkout (``step_ab --base-env
-BATON_CPU_POLICY=normal``, ``bench/results/step_ab_cpu_policy_replication_*``) read batch
+BATON_CPU_POLICY=normal``) read batch
 against normal 0.969x tokens/s at one session (10 rounds, batch ahead in 2) and, lock-step at
 8 sessions, 0.910x (6 rounds, behind in 6 on the decode step), then 1.003x (8 rounds, ahead in
-5). Then long A/Bs settled it (``bench/results/step_ab_cpu_policy_long_*``, rounds taken as
-pairs): batch against normal, one session, 20 rounds: the per-round ratio of tokens/s has its
+5). Then long A/Bs settled it (rounds taken as pairs): batch against normal, one session, 20 rounds: the per-round ratio of tokens/s has its
 median at 1.009 (95 % interval 0.956-1.046), batch ahead in 11 rounds and behind in 9 (sign
 test p = 0.82); lock-step 8 sessions, 16 rounds: 1.013 (0.915-1.126), ahead in 9 and behind in
 7 (p = 0.80). **The class does not change the speed measurably.** It stays the default for

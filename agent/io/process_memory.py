@@ -7,7 +7,7 @@ Why: every boundary that crosses a hop is a few buffers of up to megabytes (the 
 receive buffer, TLS records, the frame, the payload, the worker's reply). glibc gives a freed
 block over its mmap threshold back to the kernel at once, and trims the top of the heap once
 more than its trim threshold is free, so the next buffer of that size is page-faulted in
-again, a page at a time. Measured on this project's 2-core VM with ``bench/transport_rtt.py``:
+again, a page at a time. Measured on this project's 2-core VM with ``bench/tools/transport_rtt.py``:
 a 1 MiB round trip on the channel spent ~0.5 ms of each side's CPU per MiB on those faults,
 and an 8 KiB one paid for a fresh 256 KiB receive buffer each time. With the thresholds
 raised, freed buffers are reused from the heap.

@@ -37,7 +37,7 @@ class ImmediateHandler:
     together are all answered before any other task runs); any other transport awaits it as
     a ``Handler``. The steps and results of a decode step are answered this way: on every
     hop's path, a task started per message cost ~0.15 ms of a message's ~0.5 ms
-    (bench/hop_trace.py).
+    (bench/tools/hop_trace.py).
 
     ``reply_later``: the reply is not what the sender waits on next, the work that ``answer``
     woke is (a step's ack, while the step's Forward is what the route waits for): the

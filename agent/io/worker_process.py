@@ -223,7 +223,7 @@ def worker_argv(
     extra_args: Sequence[str] = (),
     threads_decode: int | None = None,
 ) -> list[str]:
-    """The worker's command line (docs/LAYOUT.md); options left None use the binary's default.
+    """The worker's command line (``baton-worker --help``); options left None use the binary's default.
 
     ``vocab_only``: ``--vocab-only`` instead of ``--layers`` (the worker holds no blocks, so
     ``begin, end`` must be ``0, None``).

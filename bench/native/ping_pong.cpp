@@ -1,6 +1,6 @@
 // baton-ping-pong: what one message between two processes costs on this machine, with no Python
 // and no TLS: the floor under any data plane in which a hop is a process writing a boundary
-// to the next (bench/hop_floor.py).
+// to the next (bench/gpu_check.py; docs/PERFORMANCE.md, "The floor under a hop").
 //
 // usage: baton-ping-pong (unix|tcp) [--bytes N] [--round-trips N]
 // unix: a socketpair (AF_UNIX stream), as a node and its worker talk; tcp: a loopback TCP

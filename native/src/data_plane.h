@@ -2,7 +2,7 @@
 // a session's steps arrive from the worker before it on the route (or the owner), are computed
 // here and leave for the next worker (or, from the last range, for the owner), without a node
 // agent on the way. Why: a hop through two Python processes costs ~2 ms; worker to worker it
-// costs a TCP message and one Forward (bench/results/hop_floor.md).
+// costs a TCP message and one Forward (docs/PERFORMANCE.md, "The floor under a hop").
 //
 // Owns: the listening TCP socket; one thread per connection (accepted or dialled), which reads
 // and checks frames; the table of bound sessions (keys, counters, where output goes); the

@@ -1,4 +1,4 @@
-// baton-worker: parses the command line (docs/LAYOUT.md, "Worker binary") and calls
+// baton-worker: parses the command line (kUsage below, printed by --help) and calls
 // serve_worker(). Exit codes: 0 after a clean shutdown, 1 when the model cannot be loaded or
 // the socket cannot be bound (or, on Linux, the parent had already exited), 2 on bad
 // arguments. Errors are one line on stderr. On Linux it stops (as on SIGTERM) when the

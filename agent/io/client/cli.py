@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--temperature", type=cli_args.non_negative_float, default=0.0, help="sampling temperature (default 0: greedy)"
     )
-    parser.add_argument("--top-k", type=cli_args.non_negative_int, default=0, help="keep the K most likely tokens (0: all)")
+    parser.add_argument("--top-k", type=cli_args.non_negative_int, default=0, help="keep the K most likely tokens (default 0: all)")
     parser.add_argument("--top-p", type=cli_args.unit_interval, default=1.0, help="nucleus sampling mass (default 1.0: all)")
     parser.add_argument("--seed", type=int, help="random seed: the same seed and route give the same text")
     parser.add_argument("--key", help="the client's key file (default: a new key for this run)")

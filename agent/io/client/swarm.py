@@ -187,7 +187,7 @@ class SwarmClientConfig:
     resume: bool = True
     data_plane: bool = True
     greedy_continuation: bool = True
-    # Integrity (issue 11, agent/io/client/spot_check.py): the share of sessions replayed
+    # Integrity (agent/io/client/spot_check.py, docs/INTEGRITY.md): the share of sessions replayed
     # through a route of the same recipe around one of their hops and compared bit for bit,
     # how long a session that ended waits for its replay, and how long the tracker may take to
     # say whether a peer of the generation's routes failed a check (tokens computed through one

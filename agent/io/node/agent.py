@@ -273,7 +273,7 @@ class NodeConfig:
         step alone costs a Forward); 0: never held; None (the default):
         ``agent.core.scheduler.LOCK_STEP_GATHER_MS`` in lock-step, else 0. With one group it
         makes the route lock-step, the mode for hops that share one machine's cores
-        (``agent.core.scheduler``; bench/results/batching.md measures it).
+        (``agent.core.scheduler``; docs/PERFORMANCE.md, "Many sessions at once").
       replay_merge_rows: a replay joins kept decode rows into rebuild steps of at most this
         many rows, and sends every larger step as it was (``agent.core.kept_rows``: batches
         this small compute each row as a batch of one does, so the rebuild is bit-exact).

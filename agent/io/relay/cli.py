@@ -132,14 +132,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = key_commands.add_parser("add", help="create an API key and print it (once)")
     add.add_argument("name", help="the key's name (letters, digits, . _ @ -; at most 64)")
     add.add_argument("--db", required=True, help="the relay's SQLite database (created if missing)")
-    add.add_argument("--tokens-per-day", type=cli_args.positive_int, metavar="N", help="default: unlimited")
-    add.add_argument("--requests-per-minute", type=cli_args.positive_int, metavar="N", help="default: unlimited")
-    add.add_argument("--max-concurrent", type=cli_args.positive_int, metavar="N", help="default: unlimited")
+    add.add_argument(
+        "--tokens-per-day", type=cli_args.positive_int, metavar="N",
+        help="tokens (prompt + generated) this key may use per UTC day (default: unlimited)",
+    )
+    add.add_argument(
+        "--requests-per-minute", type=cli_args.positive_int, metavar="N",
+        help="requests this key may start per minute (default: unlimited)",
+    )
+    add.add_argument(
+        "--max-concurrent", type=cli_args.positive_int, metavar="N",
+        help="requests this key may have running at once (default: unlimited)",
+    )
     listing = key_commands.add_parser("list", help="list the keys (never the keys themselves)")
     listing.add_argument("--db", required=True, help="the relay's SQLite database")
     listing.add_argument("--json", action="store_true", help="print one JSON array")
     revoke = key_commands.add_parser("revoke", help="revoke the live key of that name")
-    revoke.add_argument("name")
+    revoke.add_argument("name", help="the key's name, as given to keys add")
     revoke.add_argument("--db", required=True, help="the relay's SQLite database")
 
     ledger = commands.add_parser("ledger", help="each node's rows and credit")

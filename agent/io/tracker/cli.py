@@ -145,9 +145,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve the registered model files over HTTP for nodes to fetch by range (HOST default 127.0.0.1)",
     )  # fmt: skip
     serve.add_argument("--models-base-url", metavar="URL", help="the base URL nodes reach --serve-models at")
-    serve.add_argument("--heartbeat-interval-ms", type=cli_args.positive_int, default=1000, help="default 1000")
-    serve.add_argument("--heartbeat-timeout-ms", type=cli_args.positive_int, default=5000, help="default 5000")
-    serve.add_argument("--admission-ttl-ms", type=cli_args.positive_int, default=600_000, help="default 600000")
+    serve.add_argument("--heartbeat-interval-ms", type=cli_args.positive_int, default=1000, metavar="MS",
+        help="how often nodes send heartbeats, in ms (default 1000)")
+    serve.add_argument("--heartbeat-timeout-ms", type=cli_args.positive_int, default=5000, metavar="MS",
+        help="a node not heard for this many ms is dead and loses its ranges (default 5000)")
+    serve.add_argument("--admission-ttl-ms", type=cli_args.positive_int, default=600_000, metavar="MS",
+        help="how long a signed admission stays valid, in ms; nodes and clients renew it (default 600000: 10 min)")
     serve.add_argument(
         "--registration-max-age-ms", type=cli_args.positive_int, default=60_000,
         help="fingerprint / hello timestamps must be this fresh (default 60000)",
@@ -174,7 +177,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--canary-cross-recipe-rel-error", type=cli_args.non_negative_float, default=0.02, metavar="X",
         help="for a node of another recipe (backend): the relative RMS error allowed (default 0.02)",
     )  # fmt: skip
-    serve.add_argument("--canary-threads", type=cli_args.positive_int, default=1, help="threads per reference worker")
+    serve.add_argument("--canary-threads", type=cli_args.positive_int, default=1, metavar="N",
+        help="CPU threads per reference worker (default 1)")
     serve.add_argument(
         "--canary-worker-wait", choices=WAIT_CHOICES, default=AUTO,
         help="how a reference worker's idle threads wait for work, as a node's --worker-wait: spin, sleep (a"

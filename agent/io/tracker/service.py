@@ -1,6 +1,6 @@
 """The tracker service: the ``/baton/tracker/1.0.0`` handler and the heartbeat sweeper.
 
-Owns the tracker's behaviour on the wire (docs/SWARM.md, shared semantics): registration
+Owns the tracker's behaviour on the wire (docs/ARCHITECTURE.md, "The swarm protocol"): registration
 (admission of nodes), client hellos, heartbeats (liveness, reported range status, LOAD /
 UNLOAD directives, admission refresh), routes, the model list, model metadata (a GGUF's
 bytes before its tensor data, read from the registered file once and kept in memory), the

@@ -24,11 +24,11 @@ NUMERIC_TYPES = {
     cli_args.non_negative_float, cli_args.probability, cli_args.unit_interval,
 }  # fmt: skip
 #: what a number may count or measure, said in its flag name (a unit suffix) or its description
-UNIT_SUFFIXES = ("-s", "-ms", "-bytes", "-per-day", "-per-minute")
+UNIT_SUFFIXES = ("-s", "-ms", "-bytes", "-per-day", "-per-minute", "-mbit")
 UNIT_WORDS = re.compile(
     r"\b(seconds?|ms|bytes|MiB|tokens?|threads?|positions?|sequences?|rows?|steps?|blocks?|layers?|"
     r"nodes?|ranges?|requests?|groups?|checks?|attempts?|share|chance|mass|temperature|seed|"
-    r"difference|error|noise|sessions?|count|RMS)\b"
+    r"difference|error|noise|sessions?|count|RMS|percent|machines?)\b"
 )
 
 

@@ -61,7 +61,7 @@ def _link_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="lab_command", required=True, metavar="LAB_COMMAND")
 
-    up = commands.add_parser("up", help="make the machines and links, stay until SIGINT/SIGTERM, then remove them")
+    up = commands.add_parser("up", help="make the machines and links, stay until SIGINT/SIGTERM, then remove them", description="Make the lab's machines (network namespaces, one address each in 198.18.0.0/15) and the links between them, print them, stay in the foreground until SIGINT or SIGTERM, then remove everything.")
     up.add_argument("--machines", type=cli_args.positive_int, metavar="N", help="machines m0..m{N-1}, fully meshed")
     up.add_argument("--topology", metavar="FILE", help="a TOML topology file (agent/core/lab/topology.py)")
     _link_options(up, defaults=True)
@@ -73,12 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up.add_argument("--seed", type=cli_args.non_negative_int, default=1, help="seed of the loss and jitter draws (default 1)")
     up.add_argument("--json", action="store_true", help="print one JSON line once the lab is up")
 
-    run = commands.add_parser("exec", help="run a command inside a machine")
+    run = commands.add_parser("exec", help="run a command inside a machine", description="Run a command inside a machine of a running lab: its network is the machine's (BATON_LAB_MACHINE and BATON_LAB_ADDRESS are set).")
     run.add_argument("--lab", default=DEFAULT_LAB, help=f"the lab (default {DEFAULT_LAB})")
     run.add_argument("machine", help="the machine's name")
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command and its arguments")
 
-    link = commands.add_parser("link", help="change a link while the lab runs (both directions unless --one-way)")
+    link = commands.add_parser("link", help="change a link while the lab runs (both directions unless --one-way)", description="Change a link of a running lab: delay, jitter, loss, rate, cut or heal; both directions unless --one-way.")
     link.add_argument("--lab", default=DEFAULT_LAB, help=f"the lab (default {DEFAULT_LAB})")
     link.add_argument("a", help="a machine")
     link.add_argument("b", help="another machine")
@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     state.add_argument("--up", action="store_true", help="heal a cut link")
     link.add_argument("--one-way", action="store_true", help="change only A -> B")
 
-    access = commands.add_parser("access", help="set a machine's access link (its uplink and downlink) while the lab runs")
+    access = commands.add_parser("access", help="set a machine's access link (its uplink and downlink) while the lab runs", description="Set a machine's access link: the bandwidth into and out of it, shared by all its links.")
     access.add_argument("--lab", default=DEFAULT_LAB, help=f"the lab (default {DEFAULT_LAB})")
     access.add_argument("machine", help="the machine")
     access.add_argument(
@@ -101,11 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bandwidth into the machine in Mbit/s, shared by all its links (default 0: unlimited)",
     )  # fmt: skip
 
-    status = commands.add_parser("status", help="a running lab's machines and each link's counters")
+    status = commands.add_parser("status", help="a running lab's machines and each link's counters", description="A running lab's machines and, for each link, its settings and what the forwarder counted: packets, losses, queue drops.")
     status.add_argument("--lab", default=DEFAULT_LAB, help=f"the lab (default {DEFAULT_LAB})")
     status.add_argument("--json", action="store_true", help="print one JSON object")
 
-    down = commands.add_parser("down", help="remove a lab (a running one is stopped; a stale one swept)")
+    down = commands.add_parser("down", help="remove a lab (a running one is stopped; a stale one swept)", description="Remove a lab: a running one is asked to stop (SIGTERM, then SIGKILL), what is left of a crashed one is swept.")
     down.add_argument("lab", nargs="?", default=DEFAULT_LAB, help=f"the lab (default {DEFAULT_LAB})")
 
 

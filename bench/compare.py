@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 import trio  # noqa: E402
 
 from agent.io.cpu_policy import apply_cpu_policy, kernel_default  # noqa: E402
+from agent.io.lifeline import die_with_parent  # noqa: E402
 
 TOOLS_DIR = REPO_ROOT / "build" / "llama-tools"
 LLAMA_SRC = REPO_ROOT / "build" / "llama.cpp"
@@ -638,7 +639,9 @@ def run_llama_bench(
         *(["-v"] if verbose else []),
     ]
     proc = subprocess.run(
-        argv, capture_output=True, text=True, timeout=LLAMA_BENCH_TIMEOUT_S, check=False, preexec_fn=kernel_default
+        argv, capture_output=True, text=True, timeout=LLAMA_BENCH_TIMEOUT_S, check=False,
+        # waited: also run from trio worker threads, each blocking until it exits (agent.io.lifeline)
+        preexec_fn=die_with_parent(kernel_default, waited=True),
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -705,7 +708,8 @@ def rpc_servers(rpc_bin: Path, n_servers: int, threads: int):  # noqa: ANN201
                         stdout=out,
                         stderr=out,
                         env={**os.environ, "GGML_RPC_NO_RDMA": "1"},
-                        preexec_fn=kernel_default,  # as its users run it, not in Baton's batch class
+                        # as its users run it, not in Baton's batch class; killed if this process dies
+                        preexec_fn=die_with_parent(kernel_default),
                     )
                 procs.append(proc)
                 _wait_listening(port, proc, log_path)

@@ -34,6 +34,7 @@ import compare  # noqa: E402
 import trio  # noqa: E402
 
 from agent.io.cpu_policy import kernel_default  # noqa: E402
+from agent.io.lifeline import die_with_parent  # noqa: E402
 
 SHARD_BENCH = REPO_ROOT / "build" / "native" / "baton-shard-bench"
 TOP_K = 40
@@ -42,7 +43,8 @@ TOP_K = 40
 def llama_bench_ms(bench_bin: Path, model: Path, prompt: int, steps: int) -> list[float]:
     argv = [str(bench_bin), "-m", str(model), "-p", "0", "-n", str(steps), "-d", str(prompt), "-t", "1", "-r", "2",
             "-o", "json"]  # fmt: skip
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300, preexec_fn=kernel_default).stdout
+    preexec = die_with_parent(kernel_default, waited=True)  # run in a trio worker thread that waits for it
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300, preexec_fn=preexec).stdout
     entry = next(e for e in json.loads(out) if e["n_gen"] == steps)
     return [1000.0 / s for s in entry["samples_ts"]]
 

@@ -1,9 +1,11 @@
 """Nothing Baton starts outlives its parent, however the parent ends (``agent.io.lifeline``).
 
 Real processes throughout: a Python parent gives a child a lifeline (or starts a program with
-``die_with_parent``), the test ends the parent, and the child must stop by itself. Waits are
-bounded polls of the external processes; every process a test saw is SIGKILLed in a
-``finally`` if it is still there.
+``die_with_parent``), the test ends the parent, and the child must stop by itself. Then the
+whole demo: ``baton demo --serve`` given SIGTERM or SIGKILL, and plain ``baton demo`` given
+SIGTERM mid-generation; every process it started (tracker, nodes, relay, their workers) must be
+gone, and with them their temp dirs. Waits are bounded polls of the external processes; every
+process a test saw is SIGKILLed in a ``finally`` if it is still there.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ import pytest
 
 from agent.harness.browser import chromium_available
 from agent.io.lifeline import LIFELINE_ENV, die_with_parent
+from agent.io.worker_process import OWNER_FILE, WORKDIR_PARENT, WORKDIR_PREFIX
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 
 START_TIMEOUT_S = 30.0
 EXIT_TIMEOUT_S = 30.0  # a child's lifeline grace (10 s) plus its own stop, with room on a busy machine
+DEMO_START_TIMEOUT_S = 240.0  # three nodes load their ranges on a 2-core machine shared with others
 
 # A Baton child: watches its lifeline, writes who it is, then waits for signals. Handling
 # SIGTERM it records it and exits; ignoring it, only the SIGKILL after the grace ends it.
@@ -161,6 +165,17 @@ def _family(root_pid: int) -> dict[int, psutil.Process]:
             if proc.pid != root_pid and os.getpgid(proc.pid) in groups:
                 procs.setdefault(proc.pid, proc)
     return procs
+
+
+def _owned_dirs(pids: Iterable[int]) -> list[Path]:
+    """The worker and node-marker temp dirs (``agent.io.worker_process``) owned by ``pids``."""
+    wanted = set(pids)
+    found = []
+    for path in Path(WORKDIR_PARENT).glob(f"{WORKDIR_PREFIX}*"):
+        with contextlib.suppress(OSError, ValueError):
+            if int((path / OWNER_FILE).read_text().strip()) in wanted:
+                found.append(path)
+    return found
 
 
 def _readline(stream, timeout_s: float, what: str) -> str:  # noqa: ANN001 - a text pipe
@@ -324,3 +339,94 @@ def test_headless_chromium_and_its_helpers_stop_when_their_parent_is_killed() ->
             for path in temp_dirs:
                 if path.name.startswith("baton-chromium-"):
                     shutil.rmtree(path, ignore_errors=True)
+
+
+# --- the demo ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _demo(args: list[str], workdir: Path) -> Iterator[tuple[subprocess.Popen, dict[int, psutil.Process]]]:
+    """``baton demo ARGS`` in a session of its own; yields it and a dict that the test fills
+    with the processes it saw. On the way out every one of them still running is SIGKILLed,
+    and their temp dirs removed."""
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "agent.cli", "demo", "--workdir", str(workdir), *args],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    seen: dict[int, psutil.Process] = {}
+    try:
+        yield demo, seen
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(demo.pid, signal.SIGKILL)
+        _kill_all(seen.values())
+        demo.wait()
+        for path in _owned_dirs(seen):
+            shutil.rmtree(path, ignore_errors=True)
+        for stream in (demo.stdout, demo.stderr):
+            stream.close()
+
+
+def _logs(workdir: Path) -> str:
+    logs = sorted(workdir.glob("logs/*.log"))
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in logs)
+
+
+def _record_swarm(demo: subprocess.Popen, seen: dict[int, psutil.Process], workdir: Path) -> None:
+    """Fill ``seen`` with the demo's processes: tracker, nodes and relay, each with a worker."""
+    seen.update(_family(demo.pid))
+    names = [" ".join(p.cmdline()) for p in seen.values() if _running(p)]
+    roles = {role: sum(f"agent.cli {role}" in n for n in names) for role in ("tracker", "node", "relay")}
+    workers = sum("baton-worker" in n for n in names)
+    # a worker per node, and the relay's vocabulary worker once it has loaded it
+    assert roles == {"tracker": 1, "node": 3, "relay": 1} and workers >= 3, (names, _logs(workdir))
+
+
+def _assert_all_gone(demo: subprocess.Popen, seen: dict[int, psutil.Process], workdir: Path) -> None:
+    _poll(lambda: not _left(seen.values()), EXIT_TIMEOUT_S, f"left running: {_left(seen.values())}\n{_logs(workdir)}")
+    # each stopped cleanly, not killed: nodes and relay removed their workers' temp dirs
+    assert _owned_dirs(seen) == [], _logs(workdir)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_demo_serve_leaves_nothing_running(tmp_path: Path, smollm2_path: Path, how: int) -> None:
+    """``baton demo --serve`` given SIGTERM (kill, systemd, docker stop) stops its swarm and
+    exits 0; given SIGKILL it cannot, and each process it started stops by itself."""
+    with _demo(["--serve", "--model", str(smollm2_path)], tmp_path) as (demo, seen):
+        line = _readline(demo.stdout, DEMO_START_TIMEOUT_S, "baton demo --serve printed nothing")
+        assert line, f"exit {demo.poll()}: {demo.stderr.read()}\n{_logs(tmp_path)}"
+        assert {"base_url", "api_key", "model"} <= set(json.loads(line))
+        _record_swarm(demo, seen, tmp_path)
+
+        demo.send_signal(how)
+        code = demo.wait(timeout=EXIT_TIMEOUT_S)
+        assert code == (0 if how == signal.SIGTERM else -signal.SIGKILL), demo.stderr.read()
+        _assert_all_gone(demo, seen, tmp_path)
+
+
+@pytest.mark.timeout(400)
+def test_demo_given_sigterm_while_generating_stops_everything(tmp_path: Path, smollm2_path: Path) -> None:
+    """Plain ``baton demo`` (streaming text): SIGTERM mid-generation stops the swarm, and the
+    demo exits 128 + 15 as a shell reports a process a signal ended."""
+    prompt = "Once upon a time"
+    args = ["--model", str(smollm2_path), "--max-tokens", "1000", prompt]
+    with _demo(args, tmp_path) as (demo, seen):
+        streamed = ""
+        deadline = time.monotonic() + DEMO_START_TIMEOUT_S
+        while len(streamed) <= len(prompt):  # the prompt, then the first generated text
+            remaining = deadline - time.monotonic()
+            ready, _, _ = select.select([demo.stdout], [], [], max(0.0, remaining))
+            assert ready, f"no generated text within {DEMO_START_TIMEOUT_S} s\n{_logs(tmp_path)}"
+            piece = os.read(demo.stdout.fileno(), 4096).decode(errors="replace")
+            assert piece, f"exit {demo.poll()}: {demo.stderr.read()}\n{_logs(tmp_path)}"
+            streamed += piece
+        _record_swarm(demo, seen, tmp_path)
+
+        demo.send_signal(signal.SIGTERM)
+        code = demo.wait(timeout=EXIT_TIMEOUT_S)
+        stderr = demo.stderr.read()
+        assert code == 128 + signal.SIGTERM, stderr
+        assert "stopped by SIGTERM" in stderr
+        _assert_all_gone(demo, seen, tmp_path)

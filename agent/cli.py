@@ -9,6 +9,8 @@ Commands:
                     (these two lines: the modules named in ``_DELEGATED``).
 
 Only argument parsing and printing live here: the work is in ``agent.io`` / ``agent.core``.
+Every command stops when the Baton process that started it ends, however it ends, if that
+process gave it a lifeline (``agent.io.lifeline``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 
 from agent import cli_args
 from agent.io.cpu_policy import apply_cpu_policy
+from agent.io.lifeline import watch_lifeline
 from agent.io.process_memory import keep_freed_memory
 
 __all__ = ["build_parser", "main"]
@@ -217,6 +220,8 @@ def _run_parity(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # First: a parent that dies while this one is still parsing or loading must stop it too
+    watch_lifeline()
     args = build_parser().parse_args(argv)
     keep_freed_memory()  # every role moves megabyte buffers per step; see process_memory
     try:

@@ -80,6 +80,7 @@ from tools import hop_trace  # noqa: E402
 
 from agent.core.scheduler import LOCK_STEP_GATHER_MS  # noqa: E402
 from agent.io.cpu_policy import apply_cpu_policy, kernel_default  # noqa: E402
+from agent.io.lifeline import die_with_parent  # noqa: E402
 
 ALIAS = "smollm2"
 PARALLEL = (1, 2, 4, 8)
@@ -118,7 +119,9 @@ def run_batched_bench(
         "-ntg", str(tokens), "-npl", ",".join(map(str, parallel)), "-t", str(threads), "--output-format", "jsonl",
     ]  # fmt: skip
     log(" ".join(argv))
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True, preexec_fn=kernel_default)
+    # waited: run in a trio worker thread that blocks until it exits (agent.io.lifeline)
+    preexec = die_with_parent(kernel_default, waited=True)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True, preexec_fn=preexec)
     rows = compare_report.batched_bench_rows(done.stdout + done.stderr)
     if set(rows) != set(parallel):
         raise SystemExit(f"llama-batched-bench gave rows for {sorted(rows)}, expected {parallel}:\n{done.stderr[-2000:]}")

@@ -24,6 +24,7 @@ import compare_report
 from results_io import publish  # standard library only: gpu_check.py runs without the project
 
 from agent.io.cpu_policy import kernel_default
+from agent.io.lifeline import die_with_parent
 
 __all__ = [
     "COVERAGE_TIMEOUT_S",
@@ -211,7 +212,8 @@ def run_llama_bench(
         *(["-v"] if verbose else []),
     ]
     proc = subprocess.run(
-        argv, capture_output=True, text=True, timeout=LLAMA_BENCH_TIMEOUT_S, check=False, preexec_fn=kernel_default
+        argv, capture_output=True, text=True, timeout=LLAMA_BENCH_TIMEOUT_S, check=False,
+        preexec_fn=die_with_parent(kernel_default, waited=True),
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")

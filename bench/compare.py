@@ -59,6 +59,7 @@ from common import (  # noqa: E402
 from tools import hop_trace, transport_rtt  # noqa: E402
 
 from agent.io.cpu_policy import apply_cpu_policy, kernel_default  # noqa: E402
+from agent.io.lifeline import die_with_parent  # noqa: E402
 
 SERVER_READY_TIMEOUT_S = 30.0
 PROFILE_REPS = 3  # bench/data_plane.py's paired generations for "Where the time goes"
@@ -470,7 +471,8 @@ def rpc_servers(rpc_bin: Path, n_servers: int, threads: int):  # noqa: ANN201
                         stdout=out,
                         stderr=out,
                         env={**os.environ, "GGML_RPC_NO_RDMA": "1"},
-                        preexec_fn=kernel_default,  # as its users run it, not in Baton's batch class
+                        # as its users run it, not in Baton's batch class; killed if this process dies
+                        preexec_fn=die_with_parent(kernel_default),
                     )
                 procs.append(proc)
                 _wait_listening(port, proc, log_path)

@@ -15,6 +15,7 @@ import http.server
 import json
 import shutil
 import signal
+import subprocess
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -406,25 +407,27 @@ async def test_a_failing_browser_is_an_error_and_leaves_no_temp_dir(
 
 
 @pytest.fixture
-def spawned(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[trio.Process]:
-    """Every process the harness starts; temp dirs go under tmp_path/tmp (to check they are gone)."""
+def spawned(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[subprocess.Popen]:
+    """Every process the harness starts (it forks with ``subprocess.Popen`` on the event loop's
+    thread, so that the browser's parent-death signal is tied to a thread that lives as long
+    as the process); temp dirs go under tmp_path/tmp (to check they are gone)."""
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    processes: list[trio.Process] = []
-    open_process = trio.lowlevel.open_process
+    processes: list[subprocess.Popen] = []
+    popen = subprocess.Popen
 
-    async def spy(*args: Any, **kwargs: Any) -> trio.Process:
-        process = await open_process(*args, **kwargs)
+    def spy(*args: Any, **kwargs: Any) -> subprocess.Popen:
+        process = popen(*args, **kwargs)
         processes.append(process)
         return process
 
-    monkeypatch.setattr(trio.lowlevel, "open_process", spy)
+    monkeypatch.setattr(subprocess, "Popen", spy)
     return processes
 
 
 @needs_chromium
 async def test_cancelled_run_reaps_the_browser_and_removes_its_dir(
-    spawned: list[trio.Process], tmp_path: Path
+    spawned: list[subprocess.Popen], tmp_path: Path
 ) -> None:
     # A server that accepts and never answers: the page never finishes loading.
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
@@ -444,7 +447,7 @@ async def test_cancelled_run_reaps_the_browser_and_removes_its_dir(
 
 
 @needs_chromium
-async def test_browser_past_its_timeout_is_an_error(spawned: list[trio.Process], tmp_path: Path) -> None:
+async def test_browser_past_its_timeout_is_an_error(spawned: list[subprocess.Popen], tmp_path: Path) -> None:
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
     port = listener.socket.getsockname()[1]
     async with listener:

@@ -5,10 +5,13 @@ starts a tracker, ``--nodes`` (3) nodes on loopback, each offered memory for abo
 the model, and the relay; generates through the relay's OpenAI-compatible HTTP API over the
 route the tracker plans, and compares with one unsplit worker. ``--json`` prints one object
 with keys via ("relay"), route, text, tokens_per_s, tokens_equal_single_process (and more).
-``--serve`` keeps the swarm and relay running until Ctrl-C, after printing one JSON line
-``{"base_url", "api_key", "model", "status_page"}`` for any OpenAI client. ``--local`` runs ``agent.demo.local_demo`` instead
-(range workers started directly, no tracker; ``--ranges`` / ``--cuts`` apply there).
-Exit status: 0 when the tokens equal the unsplit worker's, 1 when not, 2 on errors.
+``--serve`` keeps the swarm and relay running until Ctrl-C or SIGTERM (exit 0), after printing one
+JSON line ``{"base_url", "api_key", "model", "status_page"}`` for any OpenAI client. ``--local``
+runs ``agent.demo.local_demo`` instead (range workers started directly, no tracker; ``--ranges``
+/ ``--cuts`` apply there).
+Exit status: 0 when the tokens equal the unsplit worker's, 1 when not, 2 on errors, 128 + the
+signal's number when SIGTERM or Ctrl-C stopped it first. Every process it started is stopped
+before it exits, and stops by itself if the demo is killed (``agent.io.lifeline``).
 
 Only argument parsing and printing live here. ``agent.cli`` wires ``add_arguments`` / ``main``
 in as the ``demo`` command.
@@ -41,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument(
         "--serve", action="store_true",
-        help="keep the swarm and relay running until Ctrl-C; first print one JSON line with "
-        "base_url, api_key and model for any OpenAI client",
+        help="keep the swarm and relay running until Ctrl-C or SIGTERM; first print one JSON line "
+        "with base_url, api_key and model for any OpenAI client",
     )  # fmt: skip
     parser.add_argument("prompt", nargs="?", help="the prompt (default: a fixed one)")
 
@@ -62,6 +65,8 @@ def _known_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(args: argparse.Namespace) -> int:
+    import signal
+
     import trio
 
     from agent.demo.local_demo import DEMO_PROMPT
@@ -98,12 +103,18 @@ def main(args: argparse.Namespace) -> int:
                 coverage_timeout_s=args.coverage_timeout_s, workdir=args.workdir, on_text=on_text,
             )  # fmt: skip
 
+    from agent.io.stop_signals import run_until_stop_signal
+
     try:
-        report = trio.run(run)
+        report, stopped_by = trio.run(run_until_stop_signal, run)
     except BaseException as caught:  # noqa: BLE001 - sorted by known_failures; anything unknown is re-raised
         for leaf in cli_args.known_failures(caught, _known_errors()):
             print(f"\nbaton demo: {type(leaf).__name__}: {leaf}", file=sys.stderr)
         return 2
+    if report is None:
+        # stopped before the end, every process stopped first: the shell's code for a signal
+        print(f"\nbaton demo: stopped by {signal.Signals(stopped_by).name}", file=sys.stderr)
+        return 128 + stopped_by
 
     result = report.to_json()
     if args.json:
@@ -130,21 +141,26 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
     from agent.demo.swarm_demo import serve_swarm_demo
+    from agent.io.stop_signals import run_until_stop_signal
 
     def ready(info: dict) -> None:
         print(json.dumps(info), flush=True)
         print(
-            f"baton demo: serving until Ctrl-C; point an OpenAI client at {info['base_url']} "
+            f"baton demo: serving until Ctrl-C or SIGTERM; point an OpenAI client at {info['base_url']} "
             f"(model {info['model']!r}), status page at {info['status_page']}",
             file=sys.stderr, flush=True,
         )  # fmt: skip
 
-    try:
-        trio.run(lambda: serve_swarm_demo(
+    def serve():
+        return serve_swarm_demo(
             args.model, nodes=args.nodes, threads=args.threads, coverage_timeout_s=args.coverage_timeout_s,
             workdir=args.workdir, on_ready=ready,
-        ))  # fmt: skip
-    except KeyboardInterrupt:
+        )  # fmt: skip
+
+    try:
+        # SIGTERM (kill, systemd, docker stop) as Ctrl-C: the swarm is stopped, then exit 0
+        trio.run(run_until_stop_signal, serve)
+    except KeyboardInterrupt:  # Ctrl-C before the signal receiver was in place
         return 0
     except BaseException as caught:  # noqa: BLE001 - sorted by known_failures; anything unknown is re-raised
         for leaf in cli_args.known_failures(caught, _known_errors()):

@@ -5,7 +5,8 @@ Owns: finding the browser (``BATON_CHROMIUM``, else Debian's ``/usr/bin/chromium
 beyond the page), and each run's lifetime: a fresh temp dir holds the profile, HOME and XDG dirs
 (Chromium otherwise writes crash-report and dconf dirs under ``~``) and the captured output; the
 browser runs in a session of its own so that it and every helper process it forks are killed
-together.
+together, and is SIGKILLed by the kernel if the process that started it ends first
+(``agent.io.lifeline.die_with_parent``; its helpers then stop by themselves).
 
 Not for production code paths: only tests and benchmarks import this.
 """
@@ -20,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 import trio
+
+from agent.io.lifeline import die_with_parent
 from agent.io.log_tail import log_tail as read_log_tail
 
 __all__ = [
@@ -160,6 +163,8 @@ async def screenshot(
     Raises:
       ChromiumNotFound: no browser.
       BrowserError: Chromium exited with an error, ran past ``timeout_s``, or wrote no file.
+      RuntimeError: trio runs outside the main thread (the browser is forked on the calling
+        thread, which must outlive it: ``agent.io.lifeline.die_with_parent``).
 
     Resource handling:
       Each run gets a fresh temp dir (profile, HOME, output); it is removed on every exit.
@@ -213,16 +218,19 @@ async def _run_chromium(
         # Files, not pipes: a helper process that outlives the browser would hold a pipe open.
         out_path, log_path = workdir / "stdout", workdir / "chromium.log"
         with open(out_path, "wb") as out, open(log_path, "wb") as log:
-            process = await trio.lowlevel.open_process(
-                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=log, env=env, start_new_session=True
-            )
+            # Forked here, on the event loop's thread, not through trio's thread cache: the
+            # parent-death signal fires when the forking thread exits (agent.io.lifeline).
+            process = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=log, env=env, start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )  # fmt: skip
         try:
             with trio.move_on_after(timeout_s) as scope:
-                await process.wait()
+                await _wait(process)
         finally:
             with trio.CancelScope(shield=True):
                 _kill_session(process)
-                await process.wait()
+                await _wait(process)
         if scope.cancelled_caught:
             raise BrowserError(
                 f"chromium did not finish within {timeout_s} s", exit_code=None, log_tail=read_log_tail(log_path)
@@ -242,7 +250,22 @@ async def _run_chromium(
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _kill_session(process: trio.Process) -> None:
+async def _wait(process: subprocess.Popen) -> int:
+    """Reap ``process`` once it exits, without holding a thread (Linux: its pidfd, as trio's
+    own processes are waited for); cancellable."""
+    if process.returncode is not None:
+        return process.returncode
+    if not hasattr(os, "pidfd_open"):
+        return await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+    pidfd = os.pidfd_open(process.pid)
+    try:
+        await trio.lowlevel.wait_readable(pidfd)
+    finally:
+        os.close(pidfd)
+    return process.wait()
+
+
+def _kill_session(process: subprocess.Popen) -> None:
     # The browser leads its own session and process group (start_new_session); its zygote,
     # renderer and utility processes are in that group and outlive it when it is killed (after
     # a clean exit they have exited too). Before the leader is reaped its pid cannot be reused;

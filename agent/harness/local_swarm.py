@@ -6,6 +6,8 @@ the tracker and waiting for the address it writes to ``--addr-file``; starting, 
 (SIGKILL, as a vanished machine) and restarting nodes and the tracker (same db, key and port);
 stopping everything with terminate, then kill. Readiness is learnt by polling (the address
 file, then the tracker's routes through a client) while watching for the process dying.
+Every process gets a lifeline (``agent.io.lifeline``): if the process that holds the swarm
+ends without stopping it (SIGKILL, a crash), each one stops by itself.
 
 The commands go through ``baton`` run by the current interpreter (``python -m agent.cli
 tracker serve ...`` / ``... node ...``; ``command_prefix``).
@@ -32,6 +34,7 @@ import trio
 
 from agent.core.worker_wait import SLEEP
 from agent.io.keys import load_or_create_key, peer_id_of
+from agent.io.lifeline import lifeline_for_child
 from agent.io.log_tail import LOG_TAIL_BYTES, log_tail as read_log_tail
 
 if TYPE_CHECKING:
@@ -270,10 +273,13 @@ class LocalSwarm:
         with open(log_path, "ab") as log:
             log.write(f"\n=== {' '.join(argv)}\n".encode())
             log.flush()
+            # a lifeline: it stops when this process ends, even by SIGKILL, though in a session
+            # of its own no signal to this one's group reaches it
+            env, lifeline = lifeline_for_child({**os.environ, "PYTHONUNBUFFERED": "1"})
             # its own process group: killing a "machine" kills its workers too
             process = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                env=env, pass_fds=lifeline,
             )  # fmt: skip
         return SwarmProcess(name, argv, process, log_path, self.key_path(name), peer_id)
 

@@ -813,7 +813,7 @@ def _listen_arg(text: str) -> tuple[str, int]:
 
 
 def serve_main(args) -> int:  # noqa: ANN001 - argparse.Namespace from agent.io.relay.cli
-    """``baton relay serve``: run until Ctrl-C. Exit 0 on Ctrl-C, 2 when it cannot start."""
+    """``baton relay serve``: run until Ctrl-C or SIGTERM (exit 0); 2 when it cannot start."""
     import sys
 
     level = getattr(logging, str(getattr(args, "log_level", "INFO")).upper(), logging.INFO)
@@ -847,9 +847,13 @@ def serve_main(args) -> int:  # noqa: ANN001 - argparse.Namespace from agent.io.
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_relay, config)
 
+    from agent.io.stop_signals import run_until_stop_signal
+
     try:
-        trio.run(run)
-    except KeyboardInterrupt:
+        # SIGTERM (kill, systemd, a parent's lifeline) as Ctrl-C: the vocabulary workers are
+        # stopped and their temp dirs removed before exit 0
+        trio.run(run_until_stop_signal, run)
+    except KeyboardInterrupt:  # Ctrl-C before the signal receiver was in place
         return 0
     except BaseException as caught:  # noqa: BLE001 - sorted by known_failures; anything unknown is re-raised
         from agent import cli_args

@@ -187,12 +187,14 @@ def run_llama_bench(
     runs: int,
     extra: Sequence[str] = (),
     verbose: bool = False,
+    prefix: Sequence[str] = (),
 ) -> dict:
     """Prefill at depth 0; decode after ``n_prompt`` cached positions (``-d 0,P``), as Baton's
     decode steps follow the prompt: flash attention on the CPU skips the masked positions, so
     a decode from position 0 does less attention work than one after the prompt (measured:
     3.4 M of 107 M instructions a step for SmolLM2 at depth 64)."""
     argv = [
+        *prefix,
         str(bench_bin),
         "-m",
         str(model),

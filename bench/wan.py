@@ -1,0 +1,521 @@
+"""Baton across a WAN: single-session speed against llama.cpp's RPC split and the ring bound, on
+emulated machines (``agent.io.lab``) at 0, 10, 20 and 50 ms round trip.
+
+Owns one benchmark, in one run, on one lab of five machines (owner, tracker, n1, n2, n3; every
+pair linked with the same one-way delay, RTT/2; no loss, no rate limit):
+1. The lab's accuracy, between two idle machines: a 64-byte TCP ping-pong's RTT against the
+   configured one from 1 to 100 ms; the share of UDP datagrams lost against the configured
+   loss; one TCP stream's payload rate against the configured link rate; the forwarder's own
+   CPU time per packet.
+2. At each RTT, ``--turns`` turns, the systems in rotating order, one generation each:
+   - Baton 3-split and 2-split: a tracker (machine ``tracker``) and nodes on n1..n3, the owner
+     (``agent.io.client``, greedy, ``--new-tokens`` after a ``--prompt-tokens`` prompt) on
+     ``owner``; decode tokens/s (tokens over the decode's wall time) and time to first token;
+   - llama.cpp RPC 3-split and 2-split from the same pin: ``ggml-rpc-server`` on n1..n3 (its
+     weights cache on), ``llama-bench -rpc ... -ngl 99 -ts 1/1[/1] -r 1`` on ``owner``: decode
+     tokens/s at the prompt's depth, and prefill time as its time to first token;
+   - the unsplit model: ``llama-bench`` alone on ``owner`` (no network): the compute C of a
+     token and of the prompt.
+   Next to each, the ring bound: Baton S-split decode is at best one token per C + S x (one-way
+   delay) (hop 1 -> ... -> hop S -> hop 1: the last hop continues a greedy session itself), its
+   first token at best the prompt's compute + (S + 1) one-way delays (owner -> hops -> owner);
+   RPC pays at least a round trip to each of its S servers a token (C + S x RTT). The one-way
+   delay is the lab's own measured RTT / 2 at that setting.
+3. At 20 ms: 8 concurrent greedy sessions through the Baton 3-split (one owner, 8 sessions,
+   nodes with 8 sequences) against one session: aggregate decode tokens/s.
+
+Writes ``wan.json``, ``wan.md`` and ``wan.png`` (matplotlib, the ``bench`` extra) under
+``--out``. Needs root (the lab), the worker (``make native``) and llama.cpp's tools (built into
+``build/llama-tools`` when missing, 4-8 minutes on 2 cores). Run it alone on the machine: every
+emulated machine shares this host's cores, so anything else running slows all of them.
+
+Usage: ``sudo .venv/bin/python bench/wan.py [--rtts-ms 0,10,20,50] [--turns 3] [--new-tokens 32]
+[--prompt-tokens 64] [--threads 1] [--quick] [--out bench/results]`` (about 15 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import math
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import _bootstrap  # noqa: F401  (first: it makes the project importable)
+
+import trio  # noqa: E402
+
+from common import ensure_llama_tools, log, machine_info, make_prompt, publish, run_llama_bench  # noqa: E402
+
+from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology  # noqa: E402
+from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage  # noqa: E402
+from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement  # noqa: E402
+from agent.io.client import open_swarm_client  # noqa: E402
+from agent.io.cpu_policy import kernel_default  # noqa: E402
+from agent.io.lab.harness import Lab, running_lab  # noqa: E402
+from agent.io.lab.measure import tcp_goodput_mbit, tcp_rtt_ms, udp_loss_pct  # noqa: E402
+from agent.io.lifeline import die_with_parent  # noqa: E402
+from agent.models import model_path  # noqa: E402
+
+ALIAS = "smollm2"
+NODES = ("n1", "n2", "n3")
+MACHINES = ("owner", "tracker", *NODES)
+RPC_PORT = 50052
+ACCURACY_RTTS_MS = (1, 2, 5, 10, 20, 50, 100)
+ACCURACY_LOSS_PCT = (1.0, 2.0, 5.0)
+ACCURACY_RATES_MBIT = (5.0, 20.0, 50.0)
+CONCURRENT_SESSIONS = 8
+CONCURRENT_RTT_MS = 20.0
+SERVER_READY_TIMEOUT_S = 30.0
+COVERAGE_TIMEOUT_S = 240.0
+SYSTEMS = ("baton_3", "baton_2", "rpc_3", "rpc_2", "unsplit")
+LABELS = {
+    "baton_3": "Baton 3-split",
+    "baton_2": "Baton 2-split",
+    "rpc_3": "llama.cpp RPC 3-split",
+    "rpc_2": "llama.cpp RPC 2-split",
+    "unsplit": "unsplit (llama-bench, no network)",
+}
+
+
+# --- the lab --------------------------------------------------------------------------------
+
+
+def set_every_link(lab: Lab, change: LinkChange) -> None:
+    names = lab.topology.names
+    for a, b in itertools.combinations(names, 2):
+        lab.link(a, b, change)
+
+
+def lab_accuracy(lab: Lab, quick: bool) -> dict:
+    """Configured against measured, between ``owner`` and ``n3`` (the rest of the lab idle)."""
+    a, b = "owner", "n3"
+    rtts = []
+    for rtt_ms in ACCURACY_RTTS_MS if not quick else (2, 20):
+        lab.link(a, b, LinkChange(delay_ms=rtt_ms / 2))
+        samples = tcp_rtt_ms(lab, a, b, count=30 if not quick else 10)
+        median = statistics.median(samples)
+        tolerance = 0.1 * rtt_ms + 0.3
+        rtts.append(
+            {"configured_ms": rtt_ms, "median_ms": median, "min_ms": min(samples), "max_ms": max(samples),
+             "error_ms": median - rtt_ms, "within": abs(median - rtt_ms) <= tolerance, "tolerance_ms": tolerance}
+        )  # fmt: skip
+        log(f"  RTT {rtt_ms} ms: measured {median:.3f} ms")
+    losses = []
+    for loss in ACCURACY_LOSS_PCT if not quick else (2.0,):
+        lab.link(a, b, LinkChange(delay_ms=5.0, loss_pct=loss))
+        measured = udp_loss_pct(lab, a, b, count=10000 if not quick else 2000, pace_s=0.0001, settle_s=0.5)
+        losses.append({"configured_pct": loss, "measured_pct": measured, "within": abs(measured - loss) <= 1.0})
+        log(f"  loss {loss} %: measured {measured:.2f} %")
+    rates = []
+    for rate in ACCURACY_RATES_MBIT if not quick else (20.0,):
+        lab.link(a, b, LinkChange(delay_ms=5.0, loss_pct=0.0, rate_mbit=rate))
+        goodput = tcp_goodput_mbit(lab, a, b, seconds=4.0 if not quick else 2.0)
+        rates.append(
+            {"configured_mbit": rate, "tcp_payload_mbit": goodput, "ratio": goodput / rate,
+             "within": abs(goodput - rate) <= 0.1 * rate}
+        )  # fmt: skip
+        log(f"  rate {rate} Mbit/s: TCP payload {goodput:.2f} Mbit/s")
+    lab.link(a, b, LinkChange(delay_ms=0.0, loss_pct=0.0, rate_mbit=0.0))
+    stats = lab.stats()
+    cpu_s = stats["cpu_user_s"] + stats["cpu_system_s"]
+    return {
+        "between": [a, b],
+        "rtt": rtts,
+        "loss": losses,
+        "rate": rates,
+        "forwarder": {"packets": stats["packets"], "cpu_s": cpu_s, "cpu_us_per_packet": 1e6 * cpu_s / max(1, stats["packets"])},
+    }
+
+
+# --- llama.cpp RPC servers in the lab ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def rpc_servers_in(lab: Lab, rpc_bin: Path, threads: int, workdir: Path) -> Iterator[None]:
+    """One ``ggml-rpc-server`` on each node machine, listening on its address (weights cache on,
+    so a run after the first loads them locally instead of over the lab). Started from the main
+    thread (they die with this process) and stopped on exit."""
+    procs = []
+    try:
+        for name in NODES:
+            argv = lab.argv_in(name, [str(rpc_bin), "-H", lab.address(name), "-p", str(RPC_PORT), "-t", str(threads), "-c"])
+            log_path = workdir / f"rpc-{name}.log"
+            with open(log_path, "wb") as out:
+                procs.append(
+                    subprocess.Popen(
+                        argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                        env={"GGML_RPC_NO_RDMA": "1", "HOME": str(workdir), "PATH": "/usr/sbin:/usr/bin:/bin"},
+                        preexec_fn=die_with_parent(kernel_default),
+                    )
+                )  # fmt: skip
+        deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
+        for name, proc in zip(NODES, procs):
+            while not _dialable(lab, name):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"rpc-server on {name} did not start:\n{(workdir / f'rpc-{name}.log').read_text()[-2000:]}")
+                time.sleep(0.05)  # polling a port that opens once the server is up
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _dialable(lab: Lab, name: str) -> bool:
+    import socket
+
+    def attempt() -> bool:
+        try:
+            with socket.create_connection((lab.address(name), RPC_PORT), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    return lab.run_in("owner", attempt)
+
+
+def rpc_args(lab: Lab, n: int) -> list[str]:
+    servers = ",".join(f"{lab.address(name)}:{RPC_PORT}" for name in NODES[:n])
+    return ["-rpc", servers, "-ngl", "99", "-ts", "/".join(["1"] * n)]
+
+
+# --- the bounds ---------------------------------------------------------------------------------
+
+
+def ring_bounds(compute_s: float, prompt_compute_s: float, one_way_s: float, hops: int) -> dict:
+    """What a route of ``hops`` hops cannot beat with this token compute and link delay.
+
+    decode: one token per compute + ``hops`` one-way delays (the last hop continues the
+    session to the first); first token: the prompt's compute + ``hops + 1`` one-way delays
+    (the owner sends, the last hop answers); RPC: compute + a round trip per server a token."""
+    return {
+        "decode_tps": 1.0 / (compute_s + hops * one_way_s),
+        "first_token_s": prompt_compute_s + (hops + 1) * one_way_s,
+        "rpc_decode_tps": 1.0 / (compute_s + hops * 2 * one_way_s),
+    }
+
+
+def where_time_goes(tps: float, compute_s: float, one_way_s: float, hops: int) -> dict:
+    """A decode token's time split into compute, the ring's links and the rest (the overhead)."""
+    token_s = 1.0 / tps if tps > 0 else math.inf
+    links_s = hops * one_way_s
+    return {"token_ms": 1000 * token_s, "compute_ms": 1000 * compute_s, "links_ms": 1000 * links_s,
+            "rest_ms": 1000 * (token_s - compute_s - links_s)}  # fmt: skip
+
+
+# --- one run ------------------------------------------------------------------------------------
+
+
+async def _baton_once(client, prompt_tokens: list[int], new_tokens: int) -> dict:  # noqa: ANN001
+    result = await client.generate_tokens(ALIAS, prompt_tokens, max_tokens=new_tokens)
+    if len(result.tokens) != new_tokens:
+        raise RuntimeError(f"generated {len(result.tokens)} tokens, wanted {new_tokens}")
+    return {"decode_tps": result.tokens_per_s, "first_token_s": result.first_token_s,
+            "continued_steps": result.continued_steps, "data_plane_steps": result.data_plane_steps}  # fmt: skip
+
+
+def _rpc_once(lab: Lab, bench_bin: Path, model: Path, n: int, args: argparse.Namespace) -> dict:
+    figure = run_llama_bench(
+        bench_bin, model, args.prompt_tokens, args.new_tokens, args.threads, 1, rpc_args(lab, n),
+        prefix=lab.argv_in("owner", []),
+    )  # fmt: skip
+    pp = figure["prefill_tps"]["median"]
+    return {"decode_tps": figure["decode_tps"]["median"], "first_token_s": args.prompt_tokens / pp}
+
+
+def _unsplit_once(lab: Lab, bench_bin: Path, model: Path, args: argparse.Namespace) -> dict:
+    figure = run_llama_bench(
+        bench_bin, model, args.prompt_tokens, args.new_tokens, args.threads, 1, prefix=lab.argv_in("owner", [])
+    )
+    pp = figure["prefill_tps"]["median"]
+    return {"decode_tps": figure["decode_tps"]["median"], "first_token_s": args.prompt_tokens / pp}
+
+
+async def _concurrent(client, prompt_tokens: list[int], new_tokens: int, sessions: int) -> dict:  # noqa: ANN001
+    results: list = []
+
+    async def one() -> None:
+        results.append(await client.generate_tokens(ALIAS, prompt_tokens, max_tokens=new_tokens))
+
+    started = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(sessions):
+            nursery.start_soon(one)
+    wall_s = time.perf_counter() - started
+    decode_s = max(r.decode_s for r in results)
+    tokens = sum(r.decode_steps for r in results)
+    return {"sessions": sessions, "wall_s": wall_s, "aggregate_decode_tps": tokens / decode_s if decode_s > 0 else 0.0,
+            "per_session_decode_tps": [r.tokens_per_s for r in results]}  # fmt: skip
+
+
+def _summary(values: Sequence[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+async def measure(lab: Lab, swarms: dict[int, LocalSwarm], bench_bin: Path, model: Path, args: argparse.Namespace) -> dict:
+    """Everything after the lab's accuracy, inside the owner's machine (one trio run)."""
+    async with contextlib.AsyncExitStack() as stack:
+        clients, routes = {}, {}
+        for n, swarm in swarms.items():
+            await swarm.start_tracker()
+            client = await stack.enter_async_context(open_swarm_client(swarm.tracker_addr, listen_addrs=lab.listen_addrs("owner")))
+            (entry,) = [m for m in await client.list_models() if m.alias == ALIAS]
+            memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, n)
+            for i in range(n):
+                swarm.start_node(f"node-{i + 1}", memory, ["--max-sequences", str(CONCURRENT_SESSIONS)])
+            route = await wait_for_coverage(client, swarm, ALIAS, timeout_s=COVERAGE_TIMEOUT_S)
+            if len(route.hops) != n:
+                raise RuntimeError(f"the {n}-split swarm offered a {len(route.hops)}-hop route")
+            clients[n], routes[n] = client, route
+            log(f"Baton {n}-split ready: " + " -> ".join(f"[{h.begin}, {h.end})" for h in route.hops))
+        _, prompt_tokens = await make_prompt(_Tokenizer(clients[3], routes[3]), args.prompt_tokens)
+        for client in clients.values():  # warm: every hop's connections made, every worker paged in
+            await _baton_once(client, prompt_tokens, 4)
+
+        points = []
+        for rtt_ms in args.rtts_ms:
+            set_every_link(lab, LinkChange(delay_ms=rtt_ms / 2))
+            measured_rtt = statistics.median(await trio.to_thread.run_sync(tcp_rtt_ms, lab, "owner", "n1", 20))
+            one_way_s = measured_rtt / 2 / 1000
+            turns: dict[str, list[dict]] = {name: [] for name in SYSTEMS}
+            for turn in range(args.turns):
+                order = SYSTEMS[turn % len(SYSTEMS) :] + SYSTEMS[: turn % len(SYSTEMS)]
+                for name in order:
+                    if name.startswith("baton_"):
+                        figure = await _baton_once(clients[int(name[-1])], prompt_tokens, args.new_tokens)
+                    elif name.startswith("rpc_"):
+                        figure = await trio.to_thread.run_sync(_rpc_once, lab, bench_bin, model, int(name[-1]), args)
+                    else:
+                        figure = await trio.to_thread.run_sync(_unsplit_once, lab, bench_bin, model, args)
+                    turns[name].append(figure)
+            compute_s = 1.0 / statistics.median(f["decode_tps"] for f in turns["unsplit"])
+            prompt_compute_s = statistics.median(f["first_token_s"] for f in turns["unsplit"])
+            point = {"rtt_ms": rtt_ms, "measured_rtt_ms": measured_rtt, "compute_ms": 1000 * compute_s,
+                     "prompt_compute_ms": 1000 * prompt_compute_s, "systems": {}}  # fmt: skip
+            for name, figures in turns.items():
+                tps = _summary([f["decode_tps"] for f in figures])
+                entry = {"decode_tps": tps, "first_token_s": _summary([f["first_token_s"] for f in figures]), "turns": figures}
+                if name != "unsplit":
+                    hops = int(name[-1])
+                    entry["bound"] = ring_bounds(compute_s, prompt_compute_s, one_way_s, hops)
+                    entry["where_time_goes"] = where_time_goes(tps["median"], compute_s, one_way_s, hops)
+                    entry["of_bound"] = tps["median"] / entry["bound"]["decode_tps"]
+                point["systems"][name] = entry
+            for n in (3, 2):
+                point[f"baton_{n}_over_rpc_{n}"] = (
+                    point["systems"][f"baton_{n}"]["decode_tps"]["median"] / point["systems"][f"rpc_{n}"]["decode_tps"]["median"]
+                )
+            log(
+                f"RTT {rtt_ms} ms (measured {measured_rtt:.2f}): "
+                + ", ".join(f"{n} {point['systems'][n]['decode_tps']['median']:.1f} t/s" for n in SYSTEMS)
+            )
+            points.append(point)
+
+        set_every_link(lab, LinkChange(delay_ms=CONCURRENT_RTT_MS / 2))
+        one = await _concurrent(clients[3], prompt_tokens, args.new_tokens, 1)
+        many = await _concurrent(clients[3], prompt_tokens, args.new_tokens, CONCURRENT_SESSIONS)
+        concurrency = {"rtt_ms": CONCURRENT_RTT_MS, "one": one, "many": many,
+                       "ratio": many["aggregate_decode_tps"] / one["aggregate_decode_tps"]}  # fmt: skip
+        log(f"{CONCURRENT_SESSIONS} sessions at {CONCURRENT_RTT_MS:g} ms: {concurrency['ratio']:.2f}x one session")
+        return {"points": points, "concurrency": concurrency, "prompt_tokens": len(prompt_tokens)}
+
+
+class _Tokenizer:
+    """``make_prompt``'s tokenizer: the swarm's, through a route."""
+
+    def __init__(self, client, route) -> None:  # noqa: ANN001
+        self._client, self._route = client, route
+
+    async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        tokens, _stop = await self._client.tokenize(self._route, text, add_special=add_special)
+        return tokens
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# Baton across a WAN (the lab)",
+        "",
+        f"{report['machine']['cpu_model']}, {report['machine']['cores']} cores; every emulated machine shares them. "
+        f"SmolLM2-135M Q4_1, {report['prompt_tokens']}-token prompt, {report['new_tokens']} tokens greedy, "
+        f"{report['threads']} thread(s) per worker / rpc-server / llama-bench, {report['turns']} turns per RTT, "
+        "systems in rotating order. Ratios are of medians of the same RTT's turns.",
+        "",
+        "## Single-session decode (tokens/s) and the ring bound",
+        "",
+        "| RTT ms (measured) | " + " | ".join(LABELS[s] for s in SYSTEMS) + " | Baton 3 / RPC 3 | Baton 2 / RPC 2 |",
+        "|---|" + "---|" * (len(SYSTEMS) + 2),
+    ]
+    for p in report["points"]:
+        cells = []
+        for s in SYSTEMS:
+            e = p["systems"][s]
+            cell = f"{e['decode_tps']['median']:.1f}"
+            if "bound" in e and s.startswith("baton"):
+                cell += f" (bound {e['bound']['decode_tps']:.1f}, {e['of_bound']:.2f}x)"
+            elif "bound" in e:
+                cell += f" (bound {e['bound']['rpc_decode_tps']:.1f})"
+            cells.append(cell)
+        lines.append(
+            f"| {p['rtt_ms']:g} ({p['measured_rtt_ms']:.2f}) | " + " | ".join(cells)
+            + f" | {p['baton_3_over_rpc_3']:.2f}x | {p['baton_2_over_rpc_2']:.2f}x |"
+        )
+    lines += [
+        "",
+        "Ring bound: Baton S-split decodes at best one token per C + S x one-way delay (C: the unsplit",
+        "model's decode step, llama-bench in the same turns); RPC's is C + S x RTT.",
+        "",
+        "## Time to first token (s)",
+        "",
+        "| RTT ms | " + " | ".join(LABELS[s] for s in SYSTEMS) + " |",
+        "|---|" + "---|" * len(SYSTEMS),
+    ]
+    for p in report["points"]:
+        cells = []
+        for s in SYSTEMS:
+            e = p["systems"][s]
+            cell = f"{e['first_token_s']['median']:.3f}"
+            if "bound" in e and s.startswith("baton"):
+                cell += f" (bound {e['bound']['first_token_s']:.3f})"
+            cells.append(cell)
+        lines.append(f"| {p['rtt_ms']:g} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "RPC's and the unsplit model's first token: llama-bench's prefill time of the prompt.",
+        "",
+        "## Where a Baton decode token's time goes (ms, medians)",
+        "",
+        "| RTT ms | split | token | compute | links (S x one way) | rest |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p in report["points"]:
+        for s in ("baton_3", "baton_2"):
+            w = p["systems"][s]["where_time_goes"]
+            lines.append(
+                f"| {p['rtt_ms']:g} | {s[-1]} | {w['token_ms']:.1f} | {w['compute_ms']:.1f} | {w['links_ms']:.1f} | {w['rest_ms']:.1f} |"
+            )
+    c = report["concurrency"]
+    lines += [
+        "",
+        f"## {c['many']['sessions']} concurrent sessions at {c['rtt_ms']:g} ms (Baton 3-split)",
+        "",
+        f"One session {c['one']['aggregate_decode_tps']:.1f} tokens/s; {c['many']['sessions']} sessions "
+        f"{c['many']['aggregate_decode_tps']:.1f} tokens/s in all: **{c['ratio']:.2f}x**.",
+        "",
+        "## The lab's accuracy",
+        "",
+        "| configured RTT ms | measured median | min | max | within 10 % + 0.3 ms |",
+        "|---|---|---|---|---|",
+    ]
+    acc = report["accuracy"]
+    for r in acc["rtt"]:
+        lines.append(f"| {r['configured_ms']:g} | {r['median_ms']:.3f} | {r['min_ms']:.3f} | {r['max_ms']:.3f} | {'yes' if r['within'] else 'NO'} |")
+    lines += ["", "| configured loss % | measured | within 1 point |", "|---|---|---|"]
+    for r in acc["loss"]:
+        lines.append(f"| {r['configured_pct']:g} | {r['measured_pct']:.2f} | {'yes' if r['within'] else 'NO'} |")
+    lines += ["", "| configured rate Mbit/s | TCP payload Mbit/s | ratio | within 10 % |", "|---|---|---|---|"]
+    for r in acc["rate"]:
+        lines.append(f"| {r['configured_mbit']:g} | {r['tcp_payload_mbit']:.2f} | {r['ratio']:.3f} | {'yes' if r['within'] else 'NO'} |")
+    f = acc["forwarder"]
+    lines += [
+        "",
+        f"The forwarder's own cost over the accuracy runs: {f['cpu_s']:.2f} s of CPU for {f['packets']} packets, "
+        f"{f['cpu_us_per_packet']:.1f} µs a packet (read from one TUN, scheduled, written to another).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def chart(report: dict) -> bytes:
+    """Milliseconds per decode token against RTT: each system, and Baton's ring bounds."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    rtts = [p["rtt_ms"] for p in report["points"]]
+    styles = {"baton_3": ("tab:blue", "-"), "baton_2": ("tab:cyan", "-"), "rpc_3": ("tab:orange", "-"),
+              "rpc_2": ("tab:red", "-"), "unsplit": ("grey", ":")}  # fmt: skip
+    for s in SYSTEMS:
+        colour, line = styles[s]
+        ms = [1000 / p["systems"][s]["decode_tps"]["median"] for p in report["points"]]
+        ax.plot(rtts, ms, line, marker="o", color=colour, label=LABELS[s])
+    for s in ("baton_3", "baton_2"):
+        colour, _ = styles[s]
+        bound = [1000 / p["systems"][s]["bound"]["decode_tps"] for p in report["points"]]
+        ax.plot(rtts, bound, "--", color=colour, alpha=0.6, label=f"{LABELS[s]}: ring bound")
+    ax.set_xlabel("round trip between every pair of machines (ms)")
+    ax.set_ylabel("ms per decode token, one session (lower is faster)")
+    ax.set_title("SmolLM2-135M across emulated machines")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rtts-ms", default="0,10,20,50", help="round trips to measure at, ms (default 0,10,20,50)")
+    parser.add_argument("--turns", type=int, default=3, help="turns per RTT, one run of each system a turn (default 3)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated a run (default 32)")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (default 64)")
+    parser.add_argument("--threads", type=int, default=1, help="threads per worker, rpc-server and llama-bench (default 1)")
+    parser.add_argument("--quick", action="store_true", help="RTTs 0 and 20, one turn, a short accuracy run (a smoke test)")
+    parser.add_argument("--out", type=Path, help="write wan.{json,md,png} here (default: print only)")
+    args = parser.parse_args()
+    args.rtts_ms = [float(x) for x in args.rtts_ms.split(",")]
+    if args.quick:
+        args.rtts_ms, args.turns = [0.0, 20.0], 1
+    started = time.perf_counter()
+    bench_bin, rpc_bin, build_s = ensure_llama_tools()
+    model = model_path(ALIAS)
+    report: dict = {"machine": machine_info(), "tools_build_s": build_s, "new_tokens": args.new_tokens,
+                    "threads": args.threads, "turns": args.turns}  # fmt: skip
+    topology = Topology(tuple(MachineSpec(m) for m in MACHINES), LinkSpec())
+    with running_lab(topology, "wan") as lab, contextlib.ExitStack() as stack:
+        import tempfile
+
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="baton-wan-")))
+        log("the lab's accuracy")
+        report["accuracy"] = lab_accuracy(lab, args.quick)
+        stack.enter_context(rpc_servers_in(lab, rpc_bin, args.threads, workdir))
+        swarms = {}
+        for n in (3, 2):
+            machines = {"tracker": "tracker", **{f"node-{i + 1}": NODES[i] for i in range(n)}}
+            config = LocalSwarmConfig(model_path=model, model_alias=ALIAS, threads=args.threads,
+                                      placement=Placement(lab, machines))  # fmt: skip
+            swarms[n] = LocalSwarm(config, workdir / f"swarm-{n}")
+            stack.callback(swarms[n].close_nowait)
+        report.update(lab.trio_run_in("owner", measure, lab, swarms, bench_bin, model, args))
+    report["wall_time_s"] = time.perf_counter() - started
+    md = markdown(report)
+    publish(args.out, "wan", report, md)
+    if args.out is not None:
+        try:
+            (args.out / "wan.png").write_bytes(chart(report))
+        except ImportError:
+            log("no matplotlib: wan.png not drawn (pip install -e '.[bench]')")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

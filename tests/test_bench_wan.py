@@ -1,0 +1,67 @@
+"""The pure parts of bench/wan.py: the ring bounds, where a token's time goes, the report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH_DIR))
+
+import wan  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_ring_bounds_count_one_way_delays_around_the_route() -> None:
+    bounds = wan.ring_bounds(compute_s=0.006, prompt_compute_s=0.25, one_way_s=0.010, hops=3)
+    assert bounds["decode_tps"] == pytest.approx(1 / (0.006 + 3 * 0.010))  # hop1 -> hop2 -> hop3 -> hop1
+    assert bounds["first_token_s"] == pytest.approx(0.25 + 4 * 0.010)  # owner -> 3 hops -> owner
+    assert bounds["rpc_decode_tps"] == pytest.approx(1 / (0.006 + 3 * 0.020))  # a round trip per server
+
+
+def test_where_time_goes_leaves_the_rest_as_overhead() -> None:
+    split = wan.where_time_goes(tps=25.0, compute_s=0.006, one_way_s=0.010, hops=3)
+    assert split == pytest.approx({"token_ms": 40.0, "compute_ms": 6.0, "links_ms": 30.0, "rest_ms": 4.0})
+
+
+def _system(tps: float, first_s: float, hops: int | None) -> dict:
+    entry = {"decode_tps": {"median": tps, "min": tps, "max": tps, "n": 1}, "first_token_s": {"median": first_s}}
+    if hops:
+        entry["bound"] = wan.ring_bounds(0.006, 0.25, 0.010, hops)
+        entry["of_bound"] = tps / entry["bound"]["decode_tps"]
+        entry["where_time_goes"] = wan.where_time_goes(tps, 0.006, 0.010, hops)
+    return entry
+
+
+def test_the_report_names_every_system_and_marks_misses() -> None:
+    point = {
+        "rtt_ms": 20, "measured_rtt_ms": 20.2, "compute_ms": 6.0, "prompt_compute_ms": 250.0,
+        "systems": {"baton_3": _system(26.0, 0.29, 3), "baton_2": _system(31.0, 0.28, 2), "rpc_3": _system(12.5, 0.33, 3),
+                    "rpc_2": _system(17.0, 0.30, 2), "unsplit": _system(160.0, 0.24, None)},
+        "baton_3_over_rpc_3": 2.08, "baton_2_over_rpc_2": 1.82,
+    }  # fmt: skip
+    report = {
+        "machine": {"cpu_model": "CPU", "cores": 2}, "prompt_tokens": 64, "new_tokens": 32, "threads": 1, "turns": 3,
+        "points": [point],
+        "concurrency": {"rtt_ms": 20, "one": {"aggregate_decode_tps": 26.0}, "many": {"sessions": 8, "aggregate_decode_tps": 110.0}, "ratio": 4.23},
+        "accuracy": {
+            "rtt": [{"configured_ms": 20, "median_ms": 20.2, "min_ms": 20.1, "max_ms": 20.4, "within": True},
+                    {"configured_ms": 1, "median_ms": 1.5, "min_ms": 1.4, "max_ms": 1.6, "within": False}],
+            "loss": [{"configured_pct": 2, "measured_pct": 1.8, "within": True}],
+            "rate": [{"configured_mbit": 20, "tcp_payload_mbit": 19.3, "ratio": 0.965, "within": True}],
+            "forwarder": {"cpu_s": 0.2, "packets": 7000, "cpu_us_per_packet": 28.6},
+        },
+    }  # fmt: skip
+    text = wan.markdown(report)
+    for label in wan.LABELS.values():
+        assert label in text
+    assert "| 20 (20.20) | 26.0 (bound 27.8, 0.94x)" in text
+    assert "2.08x" in text and "**4.23x**" in text
+    assert "| 1 | 1.500 | 1.400 | 1.600 | NO |" in text  # a miss says so
+    json.dumps(report)
+    pytest.importorskip("matplotlib")
+    assert wan.chart(report).startswith(b"\x89PNG")

@@ -405,13 +405,18 @@ class LocalSwarm:
             raise RuntimeError(f"node {name} is already running")
         proc = self._spawn(name, self.node_argv(name, memory_bytes, extra_args, listen=listen, relay=relay, model=model))
         self.nodes[name] = proc
+        self._killed.discard(name)  # a restarted node that dies is a failure again
         return proc
 
     async def kill_node(self, name: str) -> None:
         """SIGKILL node ``name`` and its workers (a machine that vanished) and reap it."""
+        await trio.to_thread.run_sync(self.kill_node_nowait, name)
+
+    def kill_node_nowait(self, name: str) -> None:
+        """``kill_node`` for synchronous code (benchmarks' chaos timelines)."""
         proc = self.nodes[name]
         proc.signal_group(signal.SIGKILL)
-        await trio.to_thread.run_sync(proc.process.wait)
+        proc.process.wait()
         self._killed.add(name)
 
     def check_alive(self) -> None:

@@ -157,6 +157,8 @@ class Behaviour:
     duplicate_result: bool = False  # push every result twice
     freeze_after_steps: int | None = None  # then answer nothing at all (SIGSTOP)
     corrupt: bool = False  # (last hop) wrong logits: the next token is 2 ahead, not 1
+    probes_missed: int = 0  # leave this many probes (touch / empty NodeRequests) unanswered
+    first_result_delay_s: float = 0.0  # (last hop) push the result of step 0 this much later
 
 
 class FakeNode:
@@ -236,6 +238,8 @@ class FakeNode:
                                       f"next hop unreachable: {error}", nxt.peer_id, self.admission),
                 )  # fmt: skip
             return
+        if request.step == 0 and self.behaviour.first_result_delay_s:
+            await trio.sleep(self.behaviour.first_result_delay_s)
         logits = fake_logits(int(rows[-1, 0]) + self.behaviour.corrupt, int(rows[-1, 1]))
         result = step_result(request.session_id, request.step, logits, self.admission)
         await self.push_result(request, result)
@@ -251,6 +255,9 @@ class FakeNode:
     async def on_node(self, remote: str, payload: bytes) -> bytes:
         await self.freeze_if_told()
         request = swarm_pb2.NodeRequest.FromString(payload)
+        if request.WhichOneof("body") in (None, "touch") and self.behaviour.probes_missed > 0:
+            self.behaviour.probes_missed -= 1  # as a lost packet on a lossy link: no answer in time
+            await trio.sleep_forever()
         reply = swarm_pb2.NodeReply(schema_version=1)
         refusal = self.check_sender(request.sender_admission, remote)
         if refusal:
@@ -521,6 +528,45 @@ async def test_a_hop_lost_while_it_computes_the_prefill_is_named_by_a_probe(
     assert result.tokens == greedy_continuation("abc", 4) and result.replans == 1
     assert elapsed < 3.0  # one probe interval and one probe timeout
     assert swarm.tracker.lost_reports == [lost.peer_id]
+
+
+async def test_a_hop_that_misses_one_probe_is_not_named(swarm: Swarm, autojump_clock: trio.testing.MockClock) -> None:
+    """On a link that drops packets a probe can go unanswered by a live hop: it is probed
+    again, with more time, before it is named, so a slow prefill on a lossy route goes on."""
+    last = swarm.nodes[2]
+    last.behaviour.first_result_delay_s = 2.8  # past the first probe round at 1 s
+    last.behaviour.probes_missed = 1
+    config = SwarmClientConfig(step_timeout_s=30.0, replan_attempts=0, probe_interval_s=1.0, probe_timeout_s=0.5)
+    async with swarm.client(config) as client:
+        result = await client.generate("smol", "abc", max_tokens=4)
+    assert result.tokens == greedy_continuation("abc", 4) and result.replans == 0
+    assert swarm.tracker.lost_reports == []
+
+
+async def test_a_result_that_arrives_while_its_hops_are_probed_reaches_the_caller(
+    swarm: Swarm, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The session takes a result the moment it arrives; a probe round that then names a hop
+    (here: a probe lost twice) must not drop that token from what the caller is given (it was
+    generated, and the next step goes on from it)."""
+    spare = swarm.node(20, 30)
+    last = swarm.nodes[2]
+    swarm.tracker.routes = [swarm.route(swarm.nodes), swarm.route([swarm.nodes[0], swarm.nodes[1], spare])]
+    last.behaviour.first_result_delay_s = 1.2  # arrives during the probes of 1.0-2.5 s
+    last.behaviour.probes_missed = 2
+    config = SwarmClientConfig(step_timeout_s=30.0, replan_attempts=1, probe_interval_s=1.0, probe_timeout_s=0.5)
+    streamed: list[int] = []
+
+    async def on_token(token: int, _logits, _route) -> bool:  # noqa: ANN001
+        streamed.append(token)
+        return False
+
+    async with swarm.client(config) as client:
+        result = await client.generate_tokens("smol", [ALPHABET.index(c) for c in "abc"], max_tokens=4, on_token=on_token)
+    # the hop whose result came is not replaced (a resume would go on from the token the session
+    # took, with the caller never given it)
+    assert result.replans == 0 and swarm.tracker.lost_reports == []
+    assert streamed == result.tokens == greedy_continuation("abc", 4)
 
 
 async def test_with_the_tracker_gone_new_generations_use_the_last_route(swarm: Swarm) -> None:

@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="while every sequence of the route is in use, wait this long for one (default 60)",
     )  # fmt: skip
     parser.add_argument(
-        "--replan-attempts", type=cli_args.non_negative_int, default=1,
-        help="new routes one generation may move to after a hop fails (default 1)",
+        "--replan-attempts", type=cli_args.non_negative_int, default=3,
+        help="new routes one generation may move to after a hop fails (default 3)",
     )  # fmt: skip
     parser.add_argument(
         "--spot-check-rate", type=cli_args.probability, default=0.01, metavar="P",

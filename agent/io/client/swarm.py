@@ -149,7 +149,10 @@ class SwarmClientConfig:
     was not needed costs only a touch of each hop.
     ``step_deadline_factor`` / ``min_step_deadline_s``: a decode step that takes longer than
     this multiple of the measured decode step time (and at least the minimum) makes the owner
-    probe the route's hops, each within ``probe_timeout_s``; one that does not answer is named
+    probe the route's hops, each within ``probe_timeout_s``; one that does not answer is probed
+    again, up to ``probe_attempts`` times, each attempt allowed one ``probe_timeout_s`` more (on
+    a WAN link that drops packets one lost segment costs a TCP retransmission timeout, and a
+    lost SYN a second: one missed probe is not a dead hop), and one that answers none is named
     as the failed peer (``step_timeout_s`` still bounds the wait when every hop answers).
     ``report_grace_s``: how long a replan waits for the tracker to take the lost-peer report
     once the new route is there (the tracker finishes its probe on its own).
@@ -173,7 +176,7 @@ class SwarmClientConfig:
     request_timeout_s: float = 10.0
     session_ended_timeout_s: float = 2.0
     step_timeout_s: float = 30.0
-    replan_attempts: int = 1
+    replan_attempts: int = 3
     replan_wait_s: float = 20.0
     route_poll_interval_s: float = 0.25
     queue_timeout_s: float = 60.0
@@ -182,6 +185,7 @@ class SwarmClientConfig:
     min_step_deadline_s: float = 1.0
     min_data_plane_step_deadline_s: float = 0.25
     probe_timeout_s: float = 0.5
+    probe_attempts: int = 2
     report_grace_s: float = 0.2
     probe_interval_s: float = 1.0
     resume: bool = True
@@ -207,6 +211,8 @@ class SwarmClientConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        if self.probe_attempts < 1:
+            raise ValueError(f"probe_attempts must be >= 1, got {self.probe_attempts}")
         if self.replan_attempts < 0:
             raise ValueError(f"replan_attempts must be >= 0, got {self.replan_attempts}")
         if not 0.0 <= self.spot_check_rate <= 1.0:
@@ -1557,6 +1563,10 @@ class SwarmClient:
             if trio.current_time() >= give_up_at:
                 break
             silent = await self._silent_hop(route, live.session.session_id)
+            if live.arrived.is_set():
+                # the result came while the hops were probed: the session has taken its token, so
+                # it must reach the caller (a hop that is gone shows again at the next step)
+                return
             if silent is not None:
                 message = (
                     f"no result for step {step} of session {live.session.session_hex} within "
@@ -1564,8 +1574,6 @@ class SwarmClient:
                 )
                 live.session.fail(message)
                 raise GenerationError(message, failed_peer_id=silent, step=step)
-            if live.arrived.is_set():
-                return
             look_at = max(look_at, trio.current_time()) + self.config.probe_interval_s
         message = (
             f"no result for step {step} of session {live.session.session_hex} within "
@@ -1575,7 +1583,7 @@ class SwarmClient:
         raise GenerationError(message, step=step)
 
     async def _silent_hop(self, route: swarm_pb2.Route, session_id: bytes = b"") -> str | None:
-        """The first hop of ``route`` that does not answer a probe within ``probe_timeout_s``
+        """The first hop of ``route`` that does not answer any of ``probe_attempts`` probes
         (None when all do). A probe is a NodeRequest that a live node answers at once: a
         ``touch`` of ``session_id``, which renews the session's lease on the hop while the owner
         waits (a slow prefill, a rebuild), or without a body (INVALID_ARGUMENT) when none."""
@@ -1585,13 +1593,17 @@ class SwarmClient:
             request = swarm_pb2.NodeRequest(schema_version=SCHEMA_VERSION, sender_admission=self.admission)
             if session_id:
                 request.touch.session_id = session_id
-            try:
-                await self.transport.request(
-                    hop.peer_id, list(hop.addrs), NODE_PROTOCOL, request.SerializeToString(),
-                    timeout_s=self.config.probe_timeout_s,
-                )  # fmt: skip
-            except TransportError:
-                silent[index] = hop.peer_id
+            data = request.SerializeToString()
+            for attempt in range(self.config.probe_attempts):
+                try:
+                    await self.transport.request(
+                        hop.peer_id, list(hop.addrs), NODE_PROTOCOL, data,
+                        timeout_s=self.config.probe_timeout_s * (attempt + 1),
+                    )  # fmt: skip
+                    return
+                except TransportError:
+                    pass
+            silent[index] = hop.peer_id
 
         async with trio.open_nursery() as nursery:
             for index, hop in enumerate(route.hops):

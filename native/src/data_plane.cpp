@@ -48,44 +48,6 @@ constexpr size_t kTakenStepsKept = 64;
 // Normally the owner's copy of a step comes within a step (it follows the RESULT), so a
 // window of 4 never holds anything back.
 constexpr uint32_t kContinueAheadSteps = 4;
-// Lock-step convoys at least this long whose owner runs on this machine take each step from the
-// owner, not from the continuation (their CONTINUE steps wait for the owner's own copy). Why:
-// the owners' work (reading the results, choosing, sending) then falls in the gap before this
-// hop's Forward, on cores the convoy leaves idle; continued, it falls inside the Forward, and
-// on cores the Forward's threads all use a thread taken off its core stalls every barrier of
-// the graph until it is back (the owner's work costs the Forward several times its own time).
-// Measured on the 2-core benchmark machine, 2-thread workers, sessions alternating continued
-// and owner-driven: owner-driven was ahead by 1.01-1.19x at 8 sessions and 1.04-1.07x at 4,
-// and behind at 2 (0.93-0.96x: the owners' round trip is then worth more than their few
-// results' work). An owner on another machine costs this one's cores nothing: its sessions
-// stay continued.
-constexpr size_t kLocalOwnersConvoy = 4;
-
-// Whether the peer of connected socket fd is on this machine: a loopback address, or the
-// address this end of the connection has (a host dialling its own address). False when either
-// cannot be read.
-bool peer_on_this_host(int fd) {
-    sockaddr_storage peer{};
-    sockaddr_storage self{};
-    socklen_t peer_len = sizeof peer;
-    socklen_t self_len = sizeof self;
-    if (::getpeername(fd, reinterpret_cast<sockaddr *>(&peer), &peer_len) != 0 ||
-        ::getsockname(fd, reinterpret_cast<sockaddr *>(&self), &self_len) != 0 || peer.ss_family != self.ss_family) {
-        return false;
-    }
-    if (peer.ss_family == AF_INET) {
-        const auto & a = reinterpret_cast<const sockaddr_in &>(peer).sin_addr;
-        const auto & b = reinterpret_cast<const sockaddr_in &>(self).sin_addr;
-        return (ntohl(a.s_addr) >> 24) == 127 || a.s_addr == b.s_addr;
-    }
-    if (peer.ss_family == AF_INET6) {
-        const auto & a = reinterpret_cast<const sockaddr_in6 &>(peer).sin6_addr;
-        const auto & b = reinterpret_cast<const sockaddr_in6 &>(self).sin6_addr;
-        return IN6_IS_ADDR_LOOPBACK(&a) || std::memcmp(&a, &b, sizeof a) == 0;
-    }
-    return false;
-}
-
 std::string hex_of(const std::string & bytes) {
     static const char * digits = "0123456789abcdef";
     std::string out;
@@ -342,7 +304,6 @@ std::shared_ptr<DataPlaneServer::Connection> DataPlaneServer::add_connection(int
     conn->outbound_address = outbound_address;
     conn->proven.store(!outbound_address.empty());  // dialled by this worker: its own choice
     conn->opened_at = std::chrono::steady_clock::now();
-    conn->peer_on_this_host = peer_on_this_host(fd);
     try {
         conn->thread = std::thread([this, conn] {
             serve(conn);
@@ -700,9 +661,6 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
                 pending.generation = s.generation;
                 pending.read_at = std::chrono::steady_clock::now();
                 const bool parsed = pending.step.ParseFromString(plain);
-                if (!continued) {
-                    s.owner_on_this_host = conn->peer_on_this_host;
-                }
                 queued = take_step(s, std::move(pending), parsed, continued);
             }
             return "";
@@ -1146,7 +1104,7 @@ bool DataPlaneServer::take_step(Session & s, Pending && pending, bool parsed, bo
         })) {
         ++s.duplicates_dropped;  // the other source's copy came first: nothing to do
     } else if (continued && decode_step && st.step() == s.next_step &&
-               st.step() >= s.owner_next_step + continue_window(s)) {
+               st.step() >= s.owner_next_step + kContinueAheadSteps) {
         s.parked.push_back(std::move(pending));  // the owner is behind: wait for it (see the header)
     } else {
         if (!parsed) {
@@ -1171,7 +1129,7 @@ bool DataPlaneServer::take_step(Session & s, Pending && pending, bool parsed, bo
         Pending & p = s.parked.front();
         if (p.step.step() < s.next_step) {
             ++s.duplicates_dropped;  // the owner's copy was taken
-        } else if (p.step.step() == s.next_step && p.step.step() < s.owner_next_step + continue_window(s)) {
+        } else if (p.step.step() == s.next_step && p.step.step() < s.owner_next_step + kContinueAheadSteps) {
             enqueue_step(s, std::move(p), true, true);
             queued = true;
         } else {
@@ -1180,19 +1138,6 @@ bool DataPlaneServer::take_step(Session & s, Pending && pending, bool parsed, bo
         s.parked.pop_front();
     }
     return queued;
-}
-
-uint32_t DataPlaneServer::continue_window(const Session & s) const {
-    if (s.owner_on_this_host && s.gather_us != 0) {
-        size_t convoy = 0;
-        for (const auto & [sid, other] : sessions_) {
-            convoy += other.gather_us != 0 && other.decoding ? 1 : 0;
-        }
-        if (convoy >= kLocalOwnersConvoy) {
-            return 0;  // the owner's own copy is the step (kLocalOwnersConvoy)
-        }
-    }
-    return kContinueAheadSteps;
 }
 
 void DataPlaneServer::enqueue_step(Session & s, Pending && pending, bool decode_step, bool continued) {

@@ -42,10 +42,7 @@
 // owner's STEPs; whichever copy of a step comes second (same number, position and token) is
 // dropped without a word, so the owner may go on sending its own steps. A CONTINUE step more
 // than a few steps ahead of the owner's own waits for them (the owner must read the RESULTs
-// it is sent: one that stops reading stops its continuation, not the last worker). In a
-// lock-step convoy of several sessions whose owner runs on this machine, a CONTINUE step
-// waits for the owner's copy (data_plane.cpp kLocalOwnersConvoy: the owners' work then falls
-// between this worker's Forwards, not inside them).
+// it is sent: one that stops reading stops its continuation, not the last worker).
 //
 // Errors: nothing a peer sends can throw out of a thread or stop another connection or
 // session (see worker.proto for which refusals close a connection).
@@ -190,7 +187,6 @@ private:
         std::atomic<bool> evicted{false};  // its slot went to a newer connection
         std::chrono::steady_clock::time_point opened_at{};
         bool read_deadline_set = false;  // SO_RCVTIMEO is on (its reader's own)
-        bool peer_on_this_host = false;  // loopback, or this end's own address
     };
     struct Pending {
         std::string session_id;
@@ -237,7 +233,6 @@ private:
         std::deque<Taken> taken;
         uint32_t owner_next_step = 0;     // one past the highest step the owner sent itself
         std::deque<Pending> parked;       // CONTINUE steps too far ahead of the owner's
-        bool owner_on_this_host = false;  // the owner's STEPs come from this machine
         uint32_t duplicates_dropped = 0;
         uint32_t continued_in = 0;        // steps taken from CONTINUE frames
         // A last hop's side: where and under which key its CONTINUE steps go (no key: it does
@@ -267,7 +262,6 @@ private:
     bool take_step(Session & s, Pending && pending, bool parsed, bool continued);
     void enqueue_step(Session & s, Pending && pending, bool decode_step, bool continued);
     // how far a CONTINUE step of s may run ahead of its owner's own steps (mu_ held)
-    uint32_t continue_window(const Session & s) const;
     // One frame read off conn (its DataFrame bytes); false when the connection must end.
     // Sets *queued_step when it queued a step to compute.
     bool handle_frame(const std::shared_ptr<Connection> & conn, const char * data, size_t size, bool * queued_step);

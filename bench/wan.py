@@ -22,7 +22,12 @@ pair linked with the same one-way delay, RTT/2; no loss, no rate limit):
    RPC pays at least a round trip to each of its S servers a token (C + S x RTT). The one-way
    delay is the lab's own measured RTT / 2 at that setting.
 3. At 20 ms: 8 concurrent greedy sessions through the Baton 3-split (one owner, 8 sessions,
-   nodes with 8 sequences) against one session: aggregate decode tokens/s.
+   nodes with 8 sequences) against one session: aggregate decode tokens/s; ``--turns`` rounds,
+   each of one session, 8 sessions in decode groups (the default across machines) and 8 in
+   lock-step (a second 3-split swarm whose nodes say ``--decode-groups 1``: the rule for hops
+   that share one machine's cores), in alternating order. Whether lock-step still helps when
+   the hops are machines apart is the question this answers (``agent.core.scheduler``).
+   ``--only sessions`` measures this section alone and replaces it in ``--out``'s wan.json.
 
 Writes ``wan.json``, ``wan.md`` and ``wan.png`` (matplotlib, the ``bench`` extra) under
 ``--out``. Needs root (the lab), the worker (``make native``) and llama.cpp's tools (built into
@@ -30,7 +35,8 @@ Writes ``wan.json``, ``wan.md`` and ``wan.png`` (matplotlib, the ``bench`` extra
 emulated machine shares this host's cores, so anything else running slows all of them.
 
 Usage: ``sudo .venv/bin/python bench/wan.py [--rtts-ms 0,10,20,50] [--turns 3] [--new-tokens 32]
-[--prompt-tokens 64] [--threads 1] [--quick] [--out bench/results]`` (about 15 minutes).
+[--prompt-tokens 64] [--threads 1] [--quick] [--only sessions] [--out bench/results]`` (about 25 minutes;
+``--only sessions`` about 4).
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ ACCURACY_LOSS_PCT = (1.0, 2.0, 5.0)
 ACCURACY_RATES_MBIT = (5.0, 20.0, 50.0)
 CONCURRENT_SESSIONS = 8
 CONCURRENT_RTT_MS = 20.0
+LOCK_STEP = "3-split lock-step"  # the swarm whose nodes say --decode-groups 1
 SERVER_READY_TIMEOUT_S = 30.0
 COVERAGE_TIMEOUT_S = 240.0
 SYSTEMS = ("baton_3", "baton_2", "rpc_3", "rpc_2", "unsplit")
@@ -263,22 +270,30 @@ def _summary(values: Sequence[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+async def _start_baton(stack: contextlib.AsyncExitStack, lab: Lab, swarm: LocalSwarm, key: int | str):  # noqa: ANN202
+    """Start a swarm's tracker and nodes (``key``: 2 or 3 splits, or ``LOCK_STEP``, a 3-split whose
+    nodes run lock-step); its owner's client (in ``stack``) and route once the model is covered."""
+    n = 3 if key == LOCK_STEP else int(key)
+    extra = ["--max-sequences", str(CONCURRENT_SESSIONS)] + (["--decode-groups", "1"] if key == LOCK_STEP else [])
+    await swarm.start_tracker()
+    client = await stack.enter_async_context(open_swarm_client(swarm.tracker_addr, listen_addrs=lab.listen_addrs("owner")))
+    (entry,) = [m for m in await client.list_models() if m.alias == ALIAS]
+    memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, n)
+    for i in range(n):
+        swarm.start_node(f"node-{i + 1}", memory, extra)
+    route = await wait_for_coverage(client, swarm, ALIAS, timeout_s=COVERAGE_TIMEOUT_S)
+    if len(route.hops) != n:
+        raise RuntimeError(f"the {key} swarm offered a {len(route.hops)}-hop route")
+    log(f"Baton {key}: " + " -> ".join(f"[{h.begin}, {h.end})" for h in route.hops))
+    return client, route
+
+
 async def measure(lab: Lab, swarms: dict[int, LocalSwarm], bench_bin: Path, model: Path, args: argparse.Namespace) -> dict:
     """Everything after the lab's accuracy, inside the owner's machine (one trio run)."""
     async with contextlib.AsyncExitStack() as stack:
         clients, routes = {}, {}
-        for n, swarm in swarms.items():
-            await swarm.start_tracker()
-            client = await stack.enter_async_context(open_swarm_client(swarm.tracker_addr, listen_addrs=lab.listen_addrs("owner")))
-            (entry,) = [m for m in await client.list_models() if m.alias == ALIAS]
-            memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, n)
-            for i in range(n):
-                swarm.start_node(f"node-{i + 1}", memory, ["--max-sequences", str(CONCURRENT_SESSIONS)])
-            route = await wait_for_coverage(client, swarm, ALIAS, timeout_s=COVERAGE_TIMEOUT_S)
-            if len(route.hops) != n:
-                raise RuntimeError(f"the {n}-split swarm offered a {len(route.hops)}-hop route")
-            clients[n], routes[n] = client, route
-            log(f"Baton {n}-split ready: " + " -> ".join(f"[{h.begin}, {h.end})" for h in route.hops))
+        for key, swarm in swarms.items():
+            clients[key], routes[key] = await _start_baton(stack, lab, swarm, key)
         _, prompt_tokens = await make_prompt(_Tokenizer(clients[3], routes[3]), args.prompt_tokens)
         for client in clients.values():  # warm: every hop's connections made, every worker paged in
             await _baton_once(client, prompt_tokens, 4)
@@ -322,13 +337,50 @@ async def measure(lab: Lab, swarms: dict[int, LocalSwarm], bench_bin: Path, mode
             )
             points.append(point)
 
-        set_every_link(lab, LinkChange(delay_ms=CONCURRENT_RTT_MS / 2))
-        one = await _concurrent(clients[3], prompt_tokens, args.new_tokens, 1)
-        many = await _concurrent(clients[3], prompt_tokens, args.new_tokens, CONCURRENT_SESSIONS)
-        concurrency = {"rtt_ms": CONCURRENT_RTT_MS, "one": one, "many": many,
-                       "ratio": many["aggregate_decode_tps"] / one["aggregate_decode_tps"]}  # fmt: skip
-        log(f"{CONCURRENT_SESSIONS} sessions at {CONCURRENT_RTT_MS:g} ms: {concurrency['ratio']:.2f}x one session")
+        concurrency = await _sessions(lab, clients[3], clients[LOCK_STEP], prompt_tokens, args)
         return {"points": points, "concurrency": concurrency, "prompt_tokens": len(prompt_tokens)}
+
+
+async def _sessions(lab: Lab, groups, lock_step, prompt_tokens: list[int], args: argparse.Namespace) -> dict:  # noqa: ANN001
+    """Section 3: one session, 8 in decode groups and 8 in lock-step, ``args.turns`` rounds."""
+    set_every_link(lab, LinkChange(delay_ms=CONCURRENT_RTT_MS / 2))
+    rounds = []
+    for turn in range(args.turns):
+        order = ("one", "groups", "lock_step") if turn % 2 == 0 else ("lock_step", "groups", "one")
+        figures = {}
+        for name in order:
+            client, sessions = {"one": (groups, 1), "groups": (groups, CONCURRENT_SESSIONS),
+                                "lock_step": (lock_step, CONCURRENT_SESSIONS)}[name]  # fmt: skip
+            figures[name] = await _concurrent(client, prompt_tokens, args.new_tokens, sessions)
+        rounds.append(figures)
+        log(f"{CONCURRENT_SESSIONS} sessions at {CONCURRENT_RTT_MS:g} ms, round {turn + 1}: "
+            + ", ".join(f"{k} {v['aggregate_decode_tps']:.1f} t/s" for k, v in figures.items()))  # fmt: skip
+
+    def median_of(name: str) -> float:
+        return statistics.median(r[name]["aggregate_decode_tps"] for r in rounds)
+
+    return {
+        "rtt_ms": CONCURRENT_RTT_MS, "sessions": CONCURRENT_SESSIONS, "rounds": rounds,
+        "one_tps": median_of("one"), "groups_tps": median_of("groups"), "lock_step_tps": median_of("lock_step"),
+        "groups_over_one": statistics.median(r["groups"]["aggregate_decode_tps"] / r["one"]["aggregate_decode_tps"] for r in rounds),
+        "groups_over_lock_step": statistics.median(
+            r["groups"]["aggregate_decode_tps"] / r["lock_step"]["aggregate_decode_tps"] for r in rounds
+        ),
+        "groups_ahead_rounds": sum(r["groups"]["aggregate_decode_tps"] > r["lock_step"]["aggregate_decode_tps"] for r in rounds),
+    }  # fmt: skip
+
+
+async def measure_sessions(lab: Lab, swarms: dict, args: argparse.Namespace) -> dict:
+    """``--only sessions``: the two 3-split swarms and section 3 alone."""
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {}
+        routes = {}
+        for key, swarm in swarms.items():
+            clients[key], routes[key] = await _start_baton(stack, lab, swarm, key)
+        _, prompt_tokens = await make_prompt(_Tokenizer(clients[3], routes[3]), args.prompt_tokens)
+        for client in clients.values():
+            await _baton_once(client, prompt_tokens, 4)
+        return {"concurrency": await _sessions(lab, clients[3], clients[LOCK_STEP], prompt_tokens, args)}
 
 
 class _Tokenizer:
@@ -407,13 +459,8 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {p['rtt_ms']:g} | {s[-1]} | {w['token_ms']:.1f} | {w['compute_ms']:.1f} | {w['links_ms']:.1f} | {w['rest_ms']:.1f} |"
             )
-    c = report["concurrency"]
+    lines += ["", *sessions_markdown(report["concurrency"])]
     lines += [
-        "",
-        f"## {c['many']['sessions']} concurrent sessions at {c['rtt_ms']:g} ms (Baton 3-split)",
-        "",
-        f"One session {c['one']['aggregate_decode_tps']:.1f} tokens/s; {c['many']['sessions']} sessions "
-        f"{c['many']['aggregate_decode_tps']:.1f} tokens/s in all: **{c['ratio']:.2f}x**.",
         "",
         "## The lab's accuracy",
         "",
@@ -437,6 +484,25 @@ def markdown(report: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def sessions_markdown(c: dict) -> list[str]:
+    lines = [f"## {c['sessions']} concurrent sessions at {c['rtt_ms']:g} ms (Baton 3-split)", ""]
+    if "measured_at" in c:
+        lines += [f"Measured {c['measured_at']} (`--only sessions`), {c['machine']['cpu_model']}, {c['machine']['cores']} cores.", ""]
+    lines += [
+        "| round | one session t/s | 8 in decode groups t/s | 8 in lock-step t/s | groups / one | groups / lock-step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, r in enumerate(c["rounds"], 1):
+        one, groups, lock = (r[k]["aggregate_decode_tps"] for k in ("one", "groups", "lock_step"))
+        lines.append(f"| {i} | {one:.1f} | {groups:.1f} | {lock:.1f} | {groups / one:.2f}x | {groups / lock:.2f}x |")
+    lines += [
+        "",
+        f"Medians: {c['sessions']} sessions in decode groups **{c['groups_over_one']:.2f}x** one session; decode groups "
+        f"**{c['groups_over_lock_step']:.2f}x** lock-step (ahead in {c['groups_ahead_rounds']} of {len(c['rounds'])} rounds).",
+    ]
+    return lines
 
 
 def chart(report: dict) -> bytes:
@@ -472,6 +538,39 @@ def chart(report: dict) -> bytes:
     return buffer.getvalue()
 
 
+def baton_swarms(lab: Lab, stack: contextlib.ExitStack, model: Path, workdir: Path, args: argparse.Namespace, keys) -> dict:  # noqa: ANN001
+    """The Baton swarms (not started), closed with ``stack``: 3 and 2 splits, and ``LOCK_STEP``."""
+    swarms = {}
+    for key in keys:
+        n = 3 if key == LOCK_STEP else key
+        machines = {"tracker": "tracker", **{f"node-{i + 1}": NODES[i] for i in range(n)}}
+        config = LocalSwarmConfig(model_path=model, model_alias=ALIAS, threads=args.threads, placement=Placement(lab, machines))
+        swarms[key] = LocalSwarm(config, workdir / f"swarm-{key}".replace(" ", "-"))
+        stack.callback(swarms[key].close_nowait)
+    return swarms
+
+
+def main_sessions(args: argparse.Namespace) -> int:
+    """``--only sessions``: section 3 alone, put into the report already in ``--out``."""
+    import datetime
+    import tempfile
+
+    model = model_path(ALIAS)
+    topology = Topology(tuple(MachineSpec(m) for m in MACHINES), LinkSpec())
+    with running_lab(topology, "wan") as lab, contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="baton-wan-")))
+        swarms = baton_swarms(lab, stack, model, workdir, args, (3, LOCK_STEP))
+        section = lab.trio_run_in("owner", measure_sessions, lab, swarms, args)["concurrency"]
+    section["machine"] = machine_info()
+    section["measured_at"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print("\n".join(sessions_markdown(section)))
+    if args.out is not None:
+        report = json.loads((args.out / "wan.json").read_text())
+        report["concurrency"] = section
+        publish(args.out, "wan", report, markdown(report))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rtts-ms", default="0,10,20,50", help="round trips to measure at, ms (default 0,10,20,50)")
@@ -480,8 +579,12 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (default 64)")
     parser.add_argument("--threads", type=int, default=1, help="threads per worker, rpc-server and llama-bench (default 1)")
     parser.add_argument("--quick", action="store_true", help="RTTs 0 and 20, one turn, a short accuracy run (a smoke test)")
+    parser.add_argument("--only", choices=("sessions",), help="measure one section alone (sessions: the 8 concurrent sessions),"
+                        " replacing it in --out's wan.json")
     parser.add_argument("--out", type=Path, help="write wan.{json,md,png} here (default: print only)")
     args = parser.parse_args()
+    if args.only == "sessions":
+        return main_sessions(args)
     args.rtts_ms = [float(x) for x in args.rtts_ms.split(",")]
     if args.quick:
         args.rtts_ms, args.turns = [0.0, 20.0], 1
@@ -498,13 +601,7 @@ def main() -> int:
         log("the lab's accuracy")
         report["accuracy"] = lab_accuracy(lab, args.quick)
         stack.enter_context(rpc_servers_in(lab, rpc_bin, args.threads, workdir))
-        swarms = {}
-        for n in (3, 2):
-            machines = {"tracker": "tracker", **{f"node-{i + 1}": NODES[i] for i in range(n)}}
-            config = LocalSwarmConfig(model_path=model, model_alias=ALIAS, threads=args.threads,
-                                      placement=Placement(lab, machines))  # fmt: skip
-            swarms[n] = LocalSwarm(config, workdir / f"swarm-{n}")
-            stack.callback(swarms[n].close_nowait)
+        swarms = baton_swarms(lab, stack, model, workdir, args, (3, 2, LOCK_STEP))
         report.update(lab.trio_run_in("owner", measure, lab, swarms, bench_bin, model, args))
     report["wall_time_s"] = time.perf_counter() - started
     md = markdown(report)

@@ -47,7 +47,12 @@ def test_the_report_names_every_system_and_marks_misses() -> None:
     report = {
         "machine": {"cpu_model": "CPU", "cores": 2}, "prompt_tokens": 64, "new_tokens": 32, "threads": 1, "turns": 3,
         "points": [point],
-        "concurrency": {"rtt_ms": 20, "one": {"aggregate_decode_tps": 26.0}, "many": {"sessions": 8, "aggregate_decode_tps": 110.0}, "ratio": 4.23},
+        "concurrency": {
+            "rtt_ms": 20, "sessions": 8, "one_tps": 26.0, "groups_tps": 110.0, "lock_step_tps": 90.0,
+            "groups_over_one": 4.23, "groups_over_lock_step": 1.22, "groups_ahead_rounds": 1,
+            "rounds": [{"one": {"aggregate_decode_tps": 26.0}, "groups": {"aggregate_decode_tps": 110.0},
+                        "lock_step": {"aggregate_decode_tps": 90.0}}],
+        },
         "accuracy": {
             "rtt": [{"configured_ms": 20, "median_ms": 20.2, "min_ms": 20.1, "max_ms": 20.4, "within": True},
                     {"configured_ms": 1, "median_ms": 1.5, "min_ms": 1.4, "max_ms": 1.6, "within": False}],
@@ -61,6 +66,7 @@ def test_the_report_names_every_system_and_marks_misses() -> None:
         assert label in text
     assert "| 20 (20.20) | 26.0 (bound 27.8, 0.94x)" in text
     assert "2.08x" in text and "**4.23x**" in text
+    assert "| 1 | 26.0 | 110.0 | 90.0 | 4.23x | 1.22x |" in text and "**1.22x** lock-step (ahead in 1 of 1 rounds)" in text
     assert "| 1 | 1.500 | 1.400 | 1.600 | NO |" in text  # a miss says so
     json.dumps(report)
     pytest.importorskip("matplotlib")

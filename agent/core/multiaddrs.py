@@ -2,8 +2,8 @@
 
 Owns, on plain strings (no multiaddr library, no sockets):
 - ``peer_id_from_multiaddr``: the peer id an address ends with (``.../p2p/<id>``);
-- ``circuit_multiaddr`` / ``is_circuit``: ``<relay addr>/p2p-circuit/p2p/<id>``, where a peer
-  behind the tracker's circuit relay is reached (libp2p only);
+- ``circuit_multiaddr`` / ``is_circuit`` / ``circuit_relay_host``: ``<relay addr>/p2p-circuit/p2p/<id>``,
+  where a peer behind the tracker's circuit relay is reached (libp2p only), and the relay's host;
 - ``tcp_hosts``: the host of each direct TCP address (``/ip4|ip6/<host>/tcp/<port>...``);
 - ``channel_multiaddr`` / ``parse_channel_multiaddr``: ``/ip4|ip6/<host>/tcp/<port>/tls/p2p/<id>``,
   the direct data channel of a peer (``agent.io.channel``: TLS 1.3 with libp2p-TLS
@@ -22,6 +22,7 @@ from collections.abc import Iterable
 __all__ = [
     "channel_multiaddr",
     "circuit_multiaddr",
+    "circuit_relay_host",
     "is_channel_multiaddr",
     "is_circuit",
     "parse_channel_multiaddr",
@@ -56,6 +57,21 @@ def circuit_multiaddr(relay_addr: str, peer_id: str) -> str:
 
 def is_circuit(addr: str) -> bool:
     return "/p2p-circuit" in addr.split("#", 1)[0]
+
+
+def circuit_relay_host(addr: str) -> str | None:
+    """The relay's host of a circuit address (``/ip4|ip6/<host>/tcp/<port>/p2p/<relay>/p2p-circuit/...``),
+    or None for any other address."""
+    if not is_circuit(addr):
+        return None
+    parts = addr.strip("/").split("/")
+    if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] != "tcp":
+        return None
+    try:
+        ip = ipaddress.ip_address(parts[1])
+    except ValueError:
+        return None
+    return parts[1] if (ip.version == 4) == (parts[0] == "ip4") else None
 
 
 def channel_multiaddr(host: str, port: int, peer_id: str) -> str:

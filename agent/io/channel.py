@@ -6,15 +6,18 @@ Owns: listening for and dialling channel connections (``/ip4/<h>/tcp/<p>/tls/p2p
 Ed25519 key and its signature over the certificate key; mutual: both sides present one and
 both check it), binding each connection to the peer id it proved, the exchanges multiplexed
 on it (``agent.core.frames``: REQUEST / REPLY / ERROR frames with exchange ids, so requests
-are pipelined: many in flight, answered in any order), and the fallback to libp2p.
+are pipelined: many in flight, answered in any order), the fallback to libp2p, and taking in
+the connections hole punching makes (``agent.io.punch``).
 
 ``ChannelTransport.request`` goes over the channel when the peer advertises a channel address
 (and the dial works: a refused or failed dial falls back before anything is sent); anything
 else (the tracker, a peer reachable only through the circuit relay, a peer without a channel)
 goes to the wrapped libp2p transport. Handlers are installed on both, so a peer is served the
-same way whichever path a request took. There is no plaintext mode: a connection that does
-not complete the TLS 1.3 handshake with a valid peer certificate is closed before a frame is
-read.
+same way whichever path a request took. A request that had to go through the relay to a peer
+with no direct address sets off a hole punch in the background (``ChannelConfig.punch``): once
+it connects, that connection is the channel's to the peer, and later requests take it. There is
+no plaintext mode: a connection that does not complete the TLS 1.3 handshake with a valid peer
+certificate is closed before a frame is read.
 
 Bad input from the network (a frame over ``max_frame_bytes``, a truncated frame, garbage,
 a reply to no request) closes that connection only: its pending requests fail with
@@ -25,6 +28,7 @@ Must not import libp2p: the fallback is any ``Transport``.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import math
@@ -61,9 +65,11 @@ from agent.core.frames import (
 )
 from agent.core.connection_slots import room_for_one_more
 from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
+from agent.core.punch import PunchConfig
 from agent.io import raw_socket
 from agent.io.keys import peer_id_of
 from agent.io.peer_cert import ISSUER_CERT_PEM, PeerCertError, make_peer_certificate, verify_peer_certificate
+from agent.io.punch import Puncher
 from agent.io.transport import Handler, ImmediateHandler, Transport, TransportError
 
 __all__ = ["ALPN", "ALPN_VERSIONS", "ChannelConfig", "ChannelTransport", "open_channel_transport", "tls_contexts"]
@@ -108,6 +114,9 @@ class ChannelConfig:
     peer's (its first request fails). A connection in use is never closed for a newer one.
     ``max_requests_in_flight``: requests of one connection being answered in tasks, beyond
     which a request is answered "busy" at once (an ERROR frame) instead of starting one more.
+
+    ``punch``: hole punching toward peers reached only through the relay, and answering
+    theirs (``agent.core.punch.PunchConfig``; ``enabled=False``: neither).
     """
 
     listen_host: str | None = "127.0.0.1"
@@ -126,6 +135,7 @@ class ChannelConfig:
     max_inbound_per_peer: int = 8
     idle_evict_s: float = 30.0
     max_requests_in_flight: int = 1024
+    punch: PunchConfig = PunchConfig()
 
     def __post_init__(self) -> None:
         for name in (
@@ -679,7 +689,10 @@ class ChannelTransport:
     ``connections_dialled``, ``connections_accepted``, ``connections_refused`` (inbound
     handshakes or peer certificates that failed, or over ``max_handshakes``),
     ``connections_evicted`` (accepted ones closed to make room, ``ChannelConfig``),
-    ``frames_refused`` (connections closed for a bad frame), ``requests_refused_busy``.
+    ``frames_refused`` (connections closed for a bad frame), ``requests_refused_busy``,
+    ``connections_punched`` (hole-punched connections that passed the TLS handshake);
+    ``requests_by_path`` counts requests sent by (peer id, protocol id, over the channel),
+    for ``path_counts``. Hole punching: ``puncher`` (``agent.io.punch.Puncher``).
     """
 
     def __init__(
@@ -689,6 +702,7 @@ class ChannelTransport:
         config: ChannelConfig,
         client_context: ssl.SSLContext,
         spawn: trio.MemorySendChannel,
+        server_context: ssl.SSLContext | None = None,
     ) -> None:
         self._key = key
         self._peer_id = peer_id_of(key)
@@ -697,6 +711,7 @@ class ChannelTransport:
         self.fallback = fallback
         self.config = config
         self._client_context = client_context
+        self._server_context = server_context  # a punched connection's TLS server side
         self._spawn = spawn  # to the task that runs connections (the nursery stays in open_*)
         self._handlers: dict[str, Handler] = {}
         self._connections: dict[str, _Connection] = {}
@@ -713,6 +728,9 @@ class ChannelTransport:
         self.connections_evicted = 0
         self.frames_refused = 0
         self.requests_refused_busy = 0
+        self.connections_punched = 0
+        self.requests_by_path: collections.Counter[tuple[str, str, bool]] = collections.Counter()
+        self.puncher = Puncher(self._peer_id, fallback, config.punch, self._adopt_punched, self._has_connection)
 
     @property
     def handshakes_in_progress(self) -> int:
@@ -746,7 +764,9 @@ class ChannelTransport:
         """Send ``payload`` to ``peer_id`` on ``protocol_id``; its reply. Raises TransportError.
 
         The channel when ``addrs`` name one (or a connection to the peer is open), else, or
-        when every channel dial fails, the fallback with the other addresses.
+        when every channel dial fails, the fallback with the other addresses; a peer reached
+        only through the relay gets a hole punch started toward it (``agent.io.punch``), which
+        this request does not wait for.
 
         Cancellation: the exchange is abandoned (its reply, if it comes, is dropped); the
         connection stays up for the others.
@@ -774,10 +794,14 @@ class ChannelTransport:
                 connection = await self._connect(peer_id, channel_targets)
             if connection is not None:
                 self.channel_requests += 1
+                self.requests_by_path[peer_id, protocol_id, True] += 1
                 return await connection.request(protocol_id, payload)
         if scope.cancelled_caught:
             raise TransportError(peer_id, f"no reply on {protocol_id} within {timeout_s} s")
         self.fallback_requests += 1
+        self.requests_by_path[peer_id, protocol_id, False] += 1
+        if not channel_targets:
+            self.puncher.punch_soon(peer_id, others)
         return await self.fallback.request(peer_id, others, protocol_id, payload, timeout_s=timeout_s)
 
     def request_soon(
@@ -816,6 +840,64 @@ class ChannelTransport:
             return False
         self.channel_requests += 1
         self.requests_sent_soon += 1
+        self.requests_by_path[peer_id, protocol_id, True] += 1
+        return True
+
+    def path_counts(self, protocol_ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """By peer id, ``(over the channel, through the fallback)``: the requests sent on
+        ``protocol_ids`` (each request counts once, whatever it carries)."""
+        wanted = set(protocol_ids)
+        counts: dict[str, list[int]] = {}
+        for (peer_id, protocol_id, direct), n in self.requests_by_path.items():
+            if protocol_id in wanted:
+                counts.setdefault(peer_id, [0, 0])[0 if direct else 1] += n
+        return {peer_id: (direct, relayed) for peer_id, (direct, relayed) in counts.items()}
+
+    def _has_connection(self, peer_id: str) -> bool:
+        connection = self._connections.get(peer_id)
+        return connection is not None and connection.closed is None
+
+    async def _adopt_punched(self, peer_id: str, tcp: trio.SocketStream, tls_client: bool) -> bool:
+        """A hole-punched TCP connection to ``peer_id`` as a channel connection: the TLS 1.3
+        handshake in the role ``tls_client`` says (both sides dialled), the peer certificate
+        checked against ``peer_id`` as for any connection, then served; it becomes this side's
+        connection to the peer unless one is open already (then it is served as an accepted
+        one). Whether it passed the handshake."""
+        context = self._client_context if tls_client else self._server_context
+        if context is None:
+            await tcp.aclose()
+            return False
+        stream = _TlsStream(tcp, context, server_side=not tls_client)
+        try:
+            with trio.fail_after(self.config.connect_timeout_s):
+                await stream.do_handshake()
+            remote = _peer_of(stream)
+            if remote != peer_id:
+                raise PeerCertError(f"the punched peer proved to be {remote}, not {peer_id}")
+        except (trio.TooSlowError, trio.BrokenResourceError, ssl.SSLError, PeerCertError, OSError) as error:
+            log.info("punched connection to %s refused: %s: %s", peer_id, type(error).__name__, error)
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            return False
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
+        connection = _Connection(stream, peer_id, self.config.max_frame_bytes, outbound=tls_client)
+        if self._has_connection(peer_id):
+            self._inbound.add(connection)
+        else:
+            self._connections[peer_id] = connection
+        self.connections_punched += 1
+        try:
+            await self._spawn.send(connection)  # its reader runs in open_channel_transport's nursery
+        except BaseException:
+            self._inbound.discard(connection)
+            if self._connections.get(peer_id) is connection:
+                del self._connections[peer_id]
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
         return True
 
     async def serve_deadlines(self) -> None:
@@ -892,6 +974,7 @@ class ChannelTransport:
             connection.fail(connection.closed or "closed")
             if self._connections.get(connection.peer_id) is connection:
                 del self._connections[connection.peer_id]
+            self._inbound.discard(connection)  # (a punched one served as accepted)
             with trio.CancelScope(shield=True):
                 await connection.stream.aclose()
 
@@ -1062,7 +1145,7 @@ async def open_channel_transport(
     config = config or ChannelConfig()
     server_context, client_context = tls_contexts(key, config.cert_lifetime_s)
     spawn_send, spawn_receive = trio.open_memory_channel[_Connection](0)
-    transport = ChannelTransport(key, fallback, config, client_context, spawn_send)
+    transport = ChannelTransport(key, fallback, config, client_context, spawn_send, server_context)
 
     async def run_dialled() -> None:
         async with trio.open_nursery() as connections:
@@ -1072,6 +1155,7 @@ async def open_channel_transport(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(run_dialled)
         nursery.start_soon(transport.serve_deadlines)
+        await nursery.start(transport.puncher.serve)
         if config.listen_host is not None:
             listeners = await trio.open_tcp_listeners(config.listen_port, host=config.listen_host)
             nursery.start_soon(trio.serve_listeners, lambda tcp: transport.serve_inbound(server_context, tcp), listeners)

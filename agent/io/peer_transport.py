@@ -15,6 +15,7 @@ from typing import Any
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.core.multiaddrs import tcp_hosts
+from agent.core.punch import PunchConfig
 from agent.io.channel import ChannelConfig, open_channel_transport
 from agent.io.transport import Transport
 
@@ -32,13 +33,15 @@ async def open_peer_transport(
     listen_addrs: Sequence[str],
     *,
     channel: bool = True,
+    punch: bool = True,
     channel_config: ChannelConfig | None = None,
     **p2p_options: Any,
 ) -> AsyncIterator[Transport]:
     """libp2p on ``listen_addrs`` and (``channel``) the direct channel in front of it.
 
     ``channel_config``: default: listen on the host of the first TCP listen address, or not at
-    all when there is none. ``p2p_options`` go to ``open_p2p_transport``.
+    all when there is none, and hole-punch toward peers reached only through the relay unless
+    ``punch`` is False. ``p2p_options`` go to ``open_p2p_transport``.
 
     Resource handling: both close on exit (the channel first).
     """
@@ -48,6 +51,8 @@ async def open_peer_transport(
         if not channel:
             yield p2p
             return
-        config = channel_config or ChannelConfig(listen_host=channel_host_for(listen_addrs))
+        config = channel_config or ChannelConfig(
+            listen_host=channel_host_for(listen_addrs), punch=PunchConfig(enabled=punch)
+        )
         async with open_channel_transport(key, p2p, config) as transport:
             yield transport

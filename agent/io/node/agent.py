@@ -649,6 +649,7 @@ class Node:
                 sent_at_ms=_unix_ms(),
                 serving=[served.status() for served in self.ranges.values()],
                 listen_addrs=self.advertised_addrs(),
+                peer_paths=self.peer_paths(),
             ),
         )
         try:
@@ -680,6 +681,26 @@ class Node:
             await self.keep_relay_reservation()
         except TransportError as err:
             log.warning("relay reservation on the tracker: %s", err)
+
+    def peer_paths(self) -> list[swarm_pb2.PeerPath]:
+        """How this node's step messages reached each peer (direct channel or relay) and its
+        hole punches with it, from the transport's counts (none on a transport that keeps
+        none: libp2p alone, in-memory tests)."""
+        path_counts = getattr(self.transport, "path_counts", None)
+        if path_counts is None:
+            return []
+        counts = path_counts((STEP_PROTOCOL, STEPS_PROTOCOL, RESULT_PROTOCOL))
+        puncher = getattr(self.transport, "puncher", None)
+        succeeded = {} if puncher is None else puncher.book.succeeded
+        failed = {} if puncher is None else puncher.book.failed
+        return [
+            swarm_pb2.PeerPath(
+                peer_id=peer_id, direct_messages=direct, relayed_messages=relayed,
+                punches_succeeded=succeeded.get(peer_id, 0), punches_failed=failed.get(peer_id, 0),
+            )  # fmt: skip
+            for peer_id in sorted(set(counts) | set(succeeded) | set(failed))
+            for direct, relayed in [counts.get(peer_id, (0, 0))]
+        ]
 
     async def _read_data_plane_counts(self) -> None:
         """Each READY range's worker data plane counts (``ServedRange.data_plane``); a worker

@@ -93,6 +93,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="be reachable through the tracker's circuit relay (for a node that cannot be dialled)",
     )  # fmt: skip
     parser.add_argument(
+        "--no-punch", action="store_true",
+        help="neither hole-punch toward peers reached through the relay nor answer their punches"
+        " (they stay relayed; for comparisons)",
+    )  # fmt: skip
+    parser.add_argument(
         "--memory-bytes", type=cli_args.positive_int, metavar="N", help="usable memory offered (default: available RAM)"
     )
     parser.add_argument("--threads", type=cli_args.positive_int, help="threads per worker (default: the worker's)")
@@ -164,12 +169,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.asynccontextmanager
-async def open_transport(key, listen_addrs: Sequence[str], channel: bool = True) -> AsyncIterator:  # noqa: ANN001
+async def open_transport(key, listen_addrs: Sequence[str], channel: bool = True, punch: bool = True) -> AsyncIterator:  # noqa: ANN001
     """libp2p (``agent.io.p2p``) with the direct channel in front (``agent.io.channel``;
-    ``channel`` False: libp2p only); a seam for tests."""
+    ``channel`` False: libp2p only; ``punch`` False: no hole punching); a seam for tests."""
     from agent.io.peer_transport import open_peer_transport
 
-    async with open_peer_transport(key, listen_addrs, channel=channel) as transport:
+    async with open_peer_transport(key, listen_addrs, channel=channel, punch=punch) as transport:
         yield transport
 
 
@@ -282,6 +287,8 @@ async def run(args: argparse.Namespace) -> int:
     code = 0
     try:
         no_channel = {"channel": False} if getattr(args, "no_channel", False) else {}
+        if getattr(args, "no_punch", False):
+            no_channel["punch"] = False
         async with open_transport(key, listen, **no_channel) as transport, trio.open_nursery() as nursery:
             node = await nursery.start(serve_node, config, transport)
             print(f"node {node.peer_id} admitted", flush=True)

@@ -89,6 +89,8 @@ log = logging.getLogger(__name__)
 
 Code = swarm_pb2.Error
 State = swarm_pb2.AssignmentStatus
+#: The most ``PeerPath`` entries kept of one heartbeat (``list_nodes``).
+MAX_PEER_PATHS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +198,9 @@ class Tracker:
         #: peer id -> what its last heartbeat reported serving (live session counts for routes;
         #: only peers heard from since this tracker started are routed, so memory suffices)
         self._serving: dict[str, list[swarm_pb2.AssignmentStatus]] = {}
+        #: peer id -> how its step messages reached its peers, from its last heartbeat (for
+        #: ``list_nodes``; not kept across restarts)
+        self._peer_paths: dict[str, list[swarm_pb2.PeerPath]] = {}
         self._changed = trio.Event()
         self.recomputes = 0
         #: model sha256 -> its GGUF's metadata prefix (read once, on the first request)
@@ -437,6 +442,8 @@ class Tracker:
         heard = self.liveness.heard(remote, now, stored_alive=node.alive)
         self._heard_at[remote] = trio.current_time()
         self._serving[remote] = list(beat.serving)
+        # a node talks to its route neighbours and owners: a long list is kept only in part
+        self._peer_paths[remote] = list(beat.peer_paths[:MAX_PEER_PATHS])
         self.store.record_heartbeat(remote, now, list(beat.listen_addrs) if beat.listen_addrs else None, beat.serving)
         for assigned, status in reading.reported.items():
             self.store.set_status(assigned, status.state, status.recipe_hash, status.error, now)
@@ -579,6 +586,7 @@ class Tracker:
         entries = self.store.node_entries(alive=self.alive, pending=self.pending)
         for entry in entries:
             entry.load_failures.extend(self.load_failures.get(entry.peer_id, ()))
+            entry.peer_paths.extend(self._peer_paths.get(entry.peer_id, ()))
             for status in entry.serving:
                 a = status.assignment
                 status.awaiting_check = status.state == State.READY and not self._cleared(

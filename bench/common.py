@@ -71,6 +71,19 @@ COVERAGE_TIMEOUT_S = 180.0
 LLAMA_BENCH_TIMEOUT_S = 300.0
 
 
+def stop_processes(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:
+    """SIGTERM every process, then wait for each; one still running after ``timeout_s`` is
+    killed (an rpc-server mid-request can ignore SIGTERM for a while)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def log(message: str) -> None:
     """A timestamped progress line on stdout, named after the running script."""
     print(f"[{Path(sys.argv[0]).stem} {time.strftime('%H:%M:%S')}] {message}", flush=True)

@@ -55,6 +55,7 @@ from common import (  # noqa: E402
     make_prompt,
     open_covered_swarm,
     run_llama_bench,
+    stop_processes,
 )
 from tools import hop_trace, transport_rtt  # noqa: E402
 
@@ -479,14 +480,7 @@ def rpc_servers(rpc_bin: Path, n_servers: int, threads: int):  # noqa: ANN201
                 ports.append(port)
             yield ["-rpc", ",".join(f"127.0.0.1:{p}" for p in ports), "-ngl", "99", "-ts", "/".join(["1"] * n_servers)]
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_processes(procs)
 
 
 def bench_rpc(

@@ -56,7 +56,7 @@ import _bootstrap  # noqa: F401  (first: it makes the project importable)
 
 import trio  # noqa: E402
 
-from common import ensure_llama_tools, log, machine_info, make_prompt, publish, run_llama_bench  # noqa: E402
+from common import ensure_llama_tools, log, machine_info, make_prompt, publish, run_llama_bench, stop_processes  # noqa: E402
 
 from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology  # noqa: E402
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage  # noqa: E402
@@ -169,14 +169,7 @@ def rpc_servers_in(lab: Lab, rpc_bin: Path, threads: int, workdir: Path) -> Iter
                 time.sleep(0.05)  # polling a port that opens once the server is up
         yield
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(procs)
 
 
 def _dialable(lab: Lab, name: str) -> bool:

@@ -15,13 +15,12 @@ import pytest
 import trio
 
 from agent.core.lab.topology import LinkSpec, MachineSpec, Topology
-from agent.demo.local_demo import generate_through
+from agent.demo.local_demo import unsplit_greedy
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement
 from agent.io.client import open_swarm_client
 from agent.io.lab.harness import running_lab
-from agent.io.worker_process import open_worker
-from agent.models import model_path, sha256_file
+from agent.models import model_path
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -32,16 +31,10 @@ SETUP_TIMEOUT_S = 240.0
 HOME = "home"  # the NAT'd machine
 
 
-async def _reference(path: Path) -> tuple[list[int], list[int]]:
-    async with open_worker(path, 0, None, threads=1, max_sequences=1, model_sha256=sha256_file(path)) as single:
-        tokens = await single.client.tokenize(PROMPT, add_special=True)
-        run = await generate_through([single.client], tokens, NEW_TOKENS, stop_tokens=single.info.eog_token_ids)
-    return tokens, run.tokens
-
 
 def test_a_node_behind_nat_serves_through_the_tracker_relay(tmp_path: Path) -> None:
     path = model_path(ALIAS)
-    prompt_tokens, reference = trio.run(_reference, path)
+    prompt_tokens, reference = trio.run(unsplit_greedy, path, PROMPT, NEW_TOKENS)
     machines = (MachineSpec("tracker"), MachineSpec("a"), MachineSpec("b"), MachineSpec(HOME, nat=True))
     with running_lab(Topology(machines, LinkSpec(delay_ms=10.0))) as lab:
         placement = Placement(lab, {m.name: m.name for m in machines})

@@ -19,13 +19,12 @@ import pytest
 import trio
 
 from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology
-from agent.demo.local_demo import generate_through
+from agent.demo.local_demo import unsplit_greedy
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_copies, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.lab.harness import Lab, running_lab
-from agent.io.worker_process import open_worker
-from agent.models import model_path, sha256_file
+from agent.models import model_path
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -65,17 +64,11 @@ class LabSwarm:
             return await c.generate_tokens(ALIAS, self.prompt_tokens, max_tokens=NEW_TOKENS, on_token=on_token)
 
 
-async def _reference(path: Path, sha256: str) -> tuple[list[int], list[int]]:
-    async with open_worker(path, 0, None, threads=1, max_sequences=1, model_sha256=sha256) as single:
-        tokens = await single.client.tokenize(PROMPT, add_special=True)
-        run = await generate_through([single.client], tokens, NEW_TOKENS, stop_tokens=single.info.eog_token_ids)
-    return tokens, run.tokens
-
 
 @pytest.fixture(scope="module")
 def lab_swarm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabSwarm]:
     path = model_path(ALIAS)
-    prompt_tokens, reference = trio.run(_reference, path, sha256_file(path))
+    prompt_tokens, reference = trio.run(unsplit_greedy, path, PROMPT, NEW_TOKENS)
     topology = Topology(tuple(MachineSpec(m) for m in MACHINES), LinkSpec(delay_ms=ONE_WAY_MS))
     with running_lab(topology) as lab:
         placement = Placement(lab, {m: m for m in MACHINES})

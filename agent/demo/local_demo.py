@@ -23,6 +23,7 @@ from agent.models import cached_sha256
 
 from agent.harness.parity_run import open_workers
 from agent.io.worker_client import AsyncWorkerClient
+from agent.io.worker_process import open_worker
 
 __all__ = ["DEMO_PROMPT", "ChainRun", "DemoReport", "even_cuts", "generate_through", "run_demo"]
 
@@ -53,6 +54,16 @@ class ChainRun:
     @property
     def prefill_tokens_per_s(self) -> float:
         return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+
+async def unsplit_greedy(path: str | os.PathLike, prompt: str, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """``prompt``'s tokens and its greedy continuation (at most ``max_new_tokens``, to an
+    end-of-generation token) from one worker holding the whole model at ``path``: what every
+    split of the model must give."""
+    async with open_worker(path, 0, None, threads=1, max_sequences=1, model_sha256=cached_sha256(path)) as single:
+        tokens = await single.client.tokenize(prompt, add_special=True)
+        run = await generate_through([single.client], tokens, max_new_tokens, stop_tokens=single.info.eog_token_ids)
+    return tokens, run.tokens
 
 
 async def generate_through(

@@ -17,7 +17,7 @@ streamed tokens, and the RSS of every process at the end of warm-up and at the e
 lived through the run are held to within 15 %).
 
 Writes ``soak.json`` and ``soak.md`` under ``--out``. Needs root (the lab). Run it alone.
-``tests/test_soak.py`` runs a 60-second version in the default suite.
+``tests/test_soak.py`` runs a 100-second version in the default suite.
 
 Usage: ``sudo .venv/bin/python bench/soak.py [--duration-s 600] [--clients 16] [--out bench/results]``
 """

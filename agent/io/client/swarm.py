@@ -775,7 +775,7 @@ class SwarmClient:
                         return route
                     last = f"the route still goes through {', '.join(sorted(bad))}"
                 await trio.sleep(self.config.route_poll_interval_s)
-        raise GenerationError(f"no route for {model!r} within {timeout_s} s: {last}")
+        raise GenerationError(f"no route for {model!r} within {timeout_s} s: {last}", code=swarm_pb2.Error.UNAVAILABLE)
 
     # --- first hop -----------------------------------------------------------------------------
 

@@ -412,6 +412,8 @@ class _Completion:
                 raise ApiError(503, f"the swarm is busy: {error}", retry_after_s=5) from None
             if not error.failed_peer_id and error.code == 0:
                 raise ApiError(504, f"the swarm did not answer in time: {error}") from None
+            if not error.failed_peer_id:  # no node holds some range now: as a route refused at once
+                raise ApiError(503, f"no route for '{req.model}' now: {error}", retry_after_s=5) from None
             raise ApiError(503, f"the swarm could not finish the generation: {error}") from None
         except SwarmError as error:
             status = 404 if error.code == swarm_pb2.Error.NOT_FOUND else 503

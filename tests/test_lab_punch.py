@@ -1,21 +1,24 @@
 """Two nodes behind NAT punch a direct path across the lab: each machine takes inbound packets
 only on flows it opened (the forwarder's stateful filter), and the nodes, started with
 ``--listen none --relay``, hold SmolLM2's two ranges between them. The first hop reaches the
-second through the tracker's relay, asks it to punch (``agent.io.punch``), and after the TCP
-simultaneous open its steps go straight to the second hop's machine. The greedy tokens equal
-one unsplit worker's; the forwarder saw packets between the two NAT'd machines; the first
-hop's heartbeats report the share of its step messages that went direct; and the filter still
-drops a connection nobody asked for.
+second through the tracker's relay, asks it to punch (``agent.io.punch``) without waiting on
+it, and after the TCP simultaneous open its steps go straight to the second hop's machine: a
+second generation, once the first hop reports the punch, goes direct. The greedy tokens of both
+equal one unsplit worker's; the forwarder saw packets between the two NAT'd machines; the
+first hop's heartbeats report the share of its step messages that went direct; and the filter
+still drops a connection nobody asked for.
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import trio
 
+from agent._proto import swarm_pb2
 from agent.core.lab.topology import LinkSpec, MachineSpec, Topology
 from agent.core.swarm_wire import STEP_PROTOCOL, STEPS_PROTOCOL
 from agent.demo.local_demo import unsplit_greedy
@@ -32,6 +35,8 @@ PROMPT = "The three primary colors are"
 NEW_TOKENS = 32
 SETUP_TIMEOUT_S = 240.0
 REPORT_TIMEOUT_S = 30.0
+PUNCH_TIMEOUT_S = 120.0
+PUNCH_BACKOFF_S = 10.0  # agent.core.punch: a failed punch waits this long before the next
 HOMES = ("home1", "home2")  # the NAT'd machines
 
 
@@ -52,24 +57,50 @@ def test_two_nodes_behind_nat_punch_a_direct_path(tmp_path: Path) -> None:
                 for home in HOMES:
                     swarm.start_node(home, memory, listen="none", relay=True)
                 await wait_for_coverage(c, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
+                # the first generation finds the hops reachable only through the relay: its steps
+                # go relayed while the punch runs beside them (nothing waits on it)
+                warm = await c.generate_tokens(ALIAS, prompt_tokens, max_tokens=NEW_TOKENS)
+                first, second = (hop["node"] for hop in warm.route)
+
+                async def path_now() -> swarm_pb2.PeerPath:
+                    # the first hop's heartbeats report how its steps reached the second
+                    (node,) = [n for n in await c.list_nodes() if n.peer_id == first]
+                    paths = {p.peer_id: p for p in node.peer_paths}
+                    return paths.get(second, swarm_pb2.PeerPath(peer_id=second))
+
+                async def path_to_second(done: Callable[[swarm_pb2.PeerPath], bool]) -> swarm_pb2.PeerPath:
+                    with trio.fail_after(REPORT_TIMEOUT_S):
+                        while not done(path := await path_now()):
+                            await trio.sleep(0.2)
+                        return path
+
+                # A punch that fails (its SYNs or its coordination over the relay late on a loaded
+                # host) is tried again by the next relayed step after its backoff: generate again
+                # until the first hop reports a punch that made a connection.
+                retries = 0
+                with trio.fail_after(PUNCH_TIMEOUT_S):
+                    while (punched := await path_now()).punches_succeeded == 0:
+                        if punched.punches_failed > retries:
+                            retries += 1
+                            await trio.sleep(PUNCH_BACKOFF_S)
+                            again = await c.generate_tokens(ALIAS, prompt_tokens, max_tokens=NEW_TOKENS)
+                            assert again.tokens == reference
+                        await trio.sleep(0.2)
+                sent = punched.direct_messages + punched.relayed_messages
+                # the second generation, once the punch made a connection, goes straight across
                 before = lab.stats()
                 result = await c.generate_tokens(ALIAS, prompt_tokens, max_tokens=NEW_TOKENS)
                 after = lab.stats()
-                first, second = (hop["node"] for hop in result.route)
+                assert [hop["node"] for hop in result.route] == [first, second]
                 # the owner (on the tracker's machine, dialable) punched toward the first hop too
                 owner_to_first = c.transport.path_counts([STEP_PROTOCOL, STEPS_PROTOCOL]).get(first, (0, 0))
-                # the first hop's heartbeats report how its steps reached the second
-                with trio.fail_after(REPORT_TIMEOUT_S):
-                    while True:
-                        (node,) = [n for n in await c.list_nodes() if n.peer_id == first]
-                        paths = {p.peer_id: p for p in node.peer_paths}
-                        if second in paths and paths[second].direct_messages + paths[second].relayed_messages >= NEW_TOKENS:
-                            break
-                        await trio.sleep(0.2)
-                return before, after, result, first, second, paths[second], owner_to_first
+                ended = await path_to_second(lambda p: p.direct_messages + p.relayed_messages >= sent + NEW_TOKENS)
+                return before, after, warm, result, first, second, punched, ended, owner_to_first
 
         try:
-            before, after, result, first, second, path_to_second, owner_to_first = lab.trio_run_in("tracker", body)
+            before, after, warm, result, first, second, punched, ended, owner_to_first = lab.trio_run_in(
+                "tracker", body
+            )
 
             # the filter is still real: nobody can open a connection into a NAT'd machine,
             # not even the other NAT'd one
@@ -89,6 +120,7 @@ def test_two_nodes_behind_nat_punch_a_direct_path(tmp_path: Path) -> None:
         finally:
             swarm.close_nowait()
 
+    assert warm.tokens == reference
     assert result.tokens == reference
     names = {swarm.nodes[home].peer_id: home for home in HOMES}
     assert set(names) == {first, second}
@@ -105,15 +137,19 @@ def test_two_nodes_behind_nat_punch_a_direct_path(tmp_path: Path) -> None:
     assert delivered(after, one, two) - delivered(before, one, two) >= NEW_TOKENS // 2
     assert delivered(after, two, one) - delivered(before, two, one) > 0
 
-    direct, relayed = path_to_second.direct_messages, path_to_second.relayed_messages
+    # step messages from the first hop to the second, in the first generation (and the punch's
+    # time after it) and in the second
+    warm_direct, warm_relayed = punched.direct_messages, punched.relayed_messages
+    direct = ended.direct_messages - warm_direct
+    relayed = ended.relayed_messages - warm_relayed
     share = direct / (direct + relayed)
     print(
-        f"\n{one} -> {two} step messages: {direct} direct, {relayed} relayed ({share:.0%} direct); "
-        f"punches: {path_to_second.punches_succeeded} made a connection, {path_to_second.punches_failed} failed; "
+        f"\n{one} -> {two} step messages: first generation {warm_direct} direct, {warm_relayed} relayed; "
+        f"once punched {direct} direct, {relayed} relayed ({share:.0%} direct); "
+        f"punches: {ended.punches_succeeded} made a connection, {ended.punches_failed} failed; "
         f"owner -> {one}: {owner_to_first[0]} direct, {owner_to_first[1]} relayed"
     )
-    assert path_to_second.punches_succeeded >= 1
-    assert direct > 0 and share > 0.5
-    assert relayed > 0  # the prompt's step went through the relay while the punch ran: nothing waited on it
+    assert warm_relayed > 0  # the prompt's step went through the relay while the punch ran: nothing waited on it
+    assert share >= 0.9
     for home in HOMES:  # the dials above met the filter
         assert final["machines"][index[home]]["nat_drops"] > after["machines"][index[home]]["nat_drops"]

@@ -128,8 +128,8 @@ def _describe_commands(parser: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse._SubParsersAction):
             helps = {choice.dest: choice.help for choice in action._choices_actions}
             for name, sub in action.choices.items():
-                if sub.description is None and helps.get(name):
-                    sub.description = helps[name][0].upper() + helps[name][1:] + "."
+                if sub.description is None and (help_ := helps.get(name)):
+                    sub.description = help_[0].upper() + help_[1:] + "."
                 _describe_commands(sub)
 
 

@@ -243,7 +243,7 @@ def split_proportionally(total: int, weights: Sequence[Fraction], caps: Sequence
     caps allow (water-filling, then largest remainder; ties go to the earlier index).
     Requires ``sum(caps) >= total``."""
     n = len(weights)
-    shares: list[int | None] = [None] * n
+    shares = [0] * n  # every index is set below: capped, or shared among the rest
     remaining = total
     active = list(range(n))
     while True:
@@ -265,4 +265,4 @@ def split_proportionally(total: int, weights: Sequence[Fraction], caps: Sequence
         leftover = remaining - sum(shares[i] for i in active)
         for i in sorted(active, key=lambda i: (-(exact[i] - shares[i]), i))[:leftover]:
             shares[i] += 1
-    return [int(s) for s in shares]
+    return shares

@@ -92,7 +92,7 @@ def check_boundary_schema(sent: BoundarySchema, expected: BoundarySchema) -> Non
         raise BoundaryError(f"boundary rows of {sent.n_embd} values per stream sent to a range that takes {expected}")
 
 
-_NUMPY_WIRE = {
+_NUMPY_WIRE: dict[WireDType, np.dtype] = {
     WireDType.F32: np.dtype("<f4"),
     WireDType.F16: np.dtype("<f2"),
 }

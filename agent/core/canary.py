@@ -367,7 +367,7 @@ def compare_scores(
     bit for bit (``rel_error`` None), or (full rows only) within the relative RMS bound."""
     expected_bytes, returned_bytes = scores_bytes(expected), scores_bytes(returned)
     top = isinstance(expected, TopLogits)
-    what = f"top-{expected.k} logits" if top else "logits row"
+    what = f"top-{expected.k} logits" if isinstance(expected, TopLogits) else "logits row"
     if expected_bytes == returned_bytes and isinstance(returned, TopLogits) == top:
         return None
     digests = (_sha256(expected_bytes), _sha256(returned_bytes))
@@ -375,7 +375,7 @@ def compare_scores(
         kind = "a top-K" if isinstance(returned, TopLogits) else "a full row"
         return OutputMismatch(step, what, *digests, math.inf, f"returned {kind}")
     if top:
-        assert isinstance(returned, TopLogits)
+        assert isinstance(expected, TopLogits) and isinstance(returned, TopLogits)
         if not np.array_equal(expected.ids, returned.ids):
             detail = f"token ids differ (expected {expected.ids[:5].tolist()}..., got {returned.ids[:5].tolist()}...)"
             return OutputMismatch(step, what, *digests, math.inf, detail)

@@ -31,7 +31,13 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"the chat template refused the messages: {message}")
 
 
-def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:  # noqa: ANN001
+def _tojson(
+    value: object,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # transformers' tojson: unlike jinja2's, it does not HTML-escape
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

@@ -46,7 +46,7 @@ ATTACH = worker_pb2.DATA_FRAME_KIND_ATTACH
 NOTICE = worker_pb2.DATA_FRAME_KIND_NOTICE
 CONTINUE = worker_pb2.DATA_FRAME_KIND_CONTINUE
 
-_KIND_NAMES = {STEP: "STEP", RESULT: "RESULT", ATTACH: "ATTACH", NOTICE: "NOTICE", CONTINUE: "CONTINUE"}
+_KIND_NAMES: dict[int, str] = {STEP: "STEP", RESULT: "RESULT", ATTACH: "ATTACH", NOTICE: "NOTICE", CONTINUE: "CONTINUE"}
 
 
 class DataFrameError(ValueError):
@@ -87,7 +87,7 @@ def framed(frame: worker_pb2.DataFrame) -> bytes:
     return struct.pack("<I", len(body)) + body
 
 
-def sealed_frame(kind: int, key: bytes, session_id: bytes, counter: int, body: bytes) -> bytes:
+def sealed_frame(kind: worker_pb2.DataFrameKind, key: bytes, session_id: bytes, counter: int, body: bytes) -> bytes:
     """A whole frame on the wire (prefix included) carrying ``body`` sealed."""
     return framed(
         worker_pb2.DataFrame(

@@ -43,7 +43,7 @@ from agent._proto import swarm_pb2, worker_pb2
 from .data_frames import KEY_BYTES
 from .multiaddrs import parse_channel_multiaddr
 from .node_policy import worker_error_code
-from .swarm_wire import SCHEMA_VERSION, crc32, step_result_top
+from .swarm_wire import SCHEMA_VERSION, crc32, error, step_result_top
 from .topk import TopLogits
 
 __all__ = [
@@ -235,7 +235,7 @@ def step_result(
                 schema_version=SCHEMA_VERSION,
                 session_id=session_id,
                 step=result.step,
-                error=swarm_pb2.Error(code=worker_error_code(name), message=f"worker: {name}: {result.error_message}"),
+                error=error(worker_error_code(name), f"worker: {name}: {result.error_message}"),
                 failed_peer_id=failed,
             ),
             failed,

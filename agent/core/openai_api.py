@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -101,11 +101,11 @@ class ApiError(Exception):
         self.code = code if code is not None else default_code
         self.retry_after_s = retry_after_s
 
-    def envelope(self) -> dict:
+    def envelope(self) -> dict[str, Any]:
         return error_envelope(self.message, type_=self.type, param=self.param, code=self.code)
 
 
-def error_envelope(message: str, *, type_: str, param: str | None = None, code: str | None = None) -> dict:
+def error_envelope(message: str, *, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -122,7 +122,7 @@ class CompletionRequest:
     kind: str
     model: str
     prompt: str | tuple[int, ...] | None
-    messages: tuple[dict, ...] | None
+    messages: tuple[dict[str, Any], ...] | None
     max_tokens: int | None
     temperature: float
     top_p: float
@@ -200,7 +200,7 @@ def _refuse_surrogates(text: str, where: str, param: str | None) -> None:
         ) from None
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -208,7 +208,7 @@ def _is_number(value: object) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
 
 
-def _optional_int(body: Mapping, name: str, *, minimum: int, maximum: int | None = None) -> int | None:
+def _optional_int(body: Mapping[str, Any], name: str, *, minimum: int, maximum: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -218,7 +218,9 @@ def _optional_int(body: Mapping, name: str, *, minimum: int, maximum: int | None
     return value
 
 
-def _number(body: Mapping, name: str, default: float, *, low: float, high: float, low_open: bool = False) -> float:
+def _number(
+    body: Mapping[str, Any], name: str, default: float, *, low: float, high: float, low_open: bool = False
+) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -228,7 +230,7 @@ def _number(body: Mapping, name: str, default: float, *, low: float, high: float
     return float(value)
 
 
-def _stop(body: Mapping) -> tuple[str, ...]:
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     value = body.get("stop")
     if value is None:
         return ()
@@ -262,7 +264,7 @@ def _content_text(content: object, index: int) -> str:
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
-def _messages(body: Mapping) -> tuple[dict, ...]:
+def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list of messages", "messages")
@@ -281,7 +283,7 @@ def _messages(body: Mapping) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def _prompt(body: Mapping) -> str | tuple[int, ...]:
+def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # one prompt in a batch of one
@@ -385,7 +387,7 @@ def parse_request(body: object, kind: str) -> CompletionRequest:
 # --- responses ---------------------------------------------------------------------------------
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -394,8 +396,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_response(
-    *, id_: str, created: int, model: str, text: str, finish_reason: str, usage_: dict, logprobs: dict | None = None
-) -> dict:
+    *,
+    id_: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage_: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     return {
         "id": id_,
         "object": "text_completion",
@@ -407,8 +416,15 @@ def completion_response(
 
 
 def chat_response(
-    *, id_: str, created: int, model: str, text: str, finish_reason: str, usage_: dict, logprobs: list | None = None
-) -> dict:
+    *,
+    id_: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str,
+    usage_: dict[str, Any],
+    logprobs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     return {
         "id": id_,
         "object": "chat.completion",
@@ -428,8 +444,8 @@ def chat_response(
 
 def completion_chunk(
     *, id_: str, created: int, model: str, text: str = "", finish_reason: str | None = None,
-    logprobs: dict | None = None, usage_: dict | None = None, final_usage: bool = False,
-) -> dict:  # fmt: skip
+    logprobs: dict[str, Any] | None = None, usage_: dict[str, Any] | None = None, final_usage: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """One SSE chunk of a streamed completion; ``final_usage``: the usage-only last chunk."""
     choices = [] if final_usage else [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}]
     chunk = {"id": id_, "object": "text_completion", "created": created, "model": model, "choices": choices}
@@ -439,9 +455,9 @@ def completion_chunk(
 
 
 def chat_chunk(
-    *, id_: str, created: int, model: str, delta: dict | None = None, finish_reason: str | None = None,
-    logprobs: list | None = None, usage_: dict | None = None, final_usage: bool = False,
-) -> dict:  # fmt: skip
+    *, id_: str, created: int, model: str, delta: dict[str, Any] | None = None, finish_reason: str | None = None,
+    logprobs: list[dict[str, Any]] | None = None, usage_: dict[str, Any] | None = None, final_usage: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """One SSE chunk of a streamed chat completion; ``final_usage``: the usage-only last chunk."""
     if final_usage:
         choices = []
@@ -495,7 +511,9 @@ def token_logprobs(
     return float(row[token] - log_sum), top
 
 
-def logprob_entry(token_text: str, token_bytes: bytes, logprob: float, top: Sequence[tuple[str, bytes, float]]) -> dict:
+def logprob_entry(
+    token_text: str, token_bytes: bytes, logprob: float, top: Sequence[tuple[str, bytes, float]]
+) -> dict[str, Any]:
     """One entry of a chat response's ``logprobs.content``."""
     return {
         "token": token_text,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -196,7 +197,7 @@ class Scenario:
         if self.remove_seq is None and self.trim_seq is None:
             raise ValueError("scenario neither removes nor trims a sequence")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -221,17 +222,17 @@ class ParityReport:
     tolerance: float = 1e-4
     prompt_lengths: list[int] = dataclasses.field(default_factory=list)
     step_max_abs_diff: list[float] = dataclasses.field(default_factory=list)
-    mismatches: list[dict] = dataclasses.field(default_factory=list)
+    mismatches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     mismatch_count: int = 0
     scenario: Scenario | None = None
     text: str | None = None
-    extras: dict = dataclasses.field(default_factory=dict)
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
         return self.tokens_equal and self.max_abs_diff <= self.tolerance
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict: ``max_abs_diff`` (null if not finite), ``tokens_equal``,
         ``ranges`` as ``[[begin, end], ...]``, then the extras."""
 
@@ -297,7 +298,7 @@ class ParityRun:
         self._seqs = [_Sequence(i, list(p), len(p)) for i, p in enumerate(prompts)]
         self._max_abs_diff = 0.0
         self._step_max: list[float] = []
-        self._mismatches: list[dict] = []
+        self._mismatches: list[dict[str, Any]] = []
         self._mismatch_count = 0
         self._edit_done = False
 
@@ -424,7 +425,7 @@ class ParityRun:
             self._seqs[seq_id].n_cached = keep
         self._edit_done = True
 
-    def report(self, ranges: Sequence[LayerRange], *, text: str | None = None, **extras) -> ParityReport:
+    def report(self, ranges: Sequence[LayerRange], *, text: str | None = None, **extras: Any) -> ParityReport:
         return ParityReport(
             max_abs_diff=self._max_abs_diff,
             tokens_equal=self._mismatch_count == 0,

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from agent._proto import swarm_pb2
 
 from .multiaddrs import circuit_relay_host, is_channel_multiaddr, tcp_hosts
-from .swarm_wire import SCHEMA_VERSION, WireError, parse_record
+from .swarm_wire import SCHEMA_VERSION, WireError, error, parse_record
 
 __all__ = [
     "PUNCH_PROTOCOL",
@@ -269,7 +269,7 @@ def sync_reply() -> bytes:
 
 def error_reply(code: int, message: str) -> bytes:
     return swarm_pb2.PunchReply(
-        schema_version=SCHEMA_VERSION, error=swarm_pb2.Error(code=code, message=message)
+        schema_version=SCHEMA_VERSION, error=error(code, message)
     ).SerializeToString()
 
 

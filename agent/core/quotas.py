@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Final, Literal, NamedTuple
 
 __all__ = [
     "ADMITTED",
@@ -47,9 +47,9 @@ RPM_WINDOW_S = 60.0
 #: A refused concurrent request has no known free time: ask the client to retry this soon.
 DEFAULT_CONCURRENCY_RETRY_AFTER_S = 1.0
 
-LIMIT_TOKENS_PER_DAY = "tokens_per_day"
-LIMIT_REQUESTS_PER_MINUTE = "requests_per_minute"
-LIMIT_MAX_CONCURRENT = "max_concurrent"
+LIMIT_TOKENS_PER_DAY: Final = "tokens_per_day"
+LIMIT_REQUESTS_PER_MINUTE: Final = "requests_per_minute"
+LIMIT_MAX_CONCURRENT: Final = "max_concurrent"
 Limit = Literal["tokens_per_day", "requests_per_minute", "max_concurrent"]
 
 

@@ -30,6 +30,7 @@ import dataclasses
 import enum
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from agent._proto import swarm_pb2
 
@@ -142,7 +143,7 @@ class FetchState:
     verified: set[str] = dataclasses.field(default_factory=set)
     attempts: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": FETCH_STATE_SCHEMA_VERSION,
             "manifest_sha256": self.manifest_sha256,

@@ -106,7 +106,7 @@ def plan_route(
         for r in ranges
         if begin <= r.begin < r.end <= end and r.peer_id not in avoid and (not recipe_hash or r.recipe_hash == recipe_hash)
     ]
-    best: tuple | None = None
+    best: tuple[_ChainKey, list[ReadyRange]] | None = None
     for recipe in sorted({r.recipe_hash for r in valid}):
         candidate = _best_chain(
             begin, end, [r for r in valid if r.recipe_hash == recipe], load, hop_latency_s, cost_resolution_s
@@ -131,6 +131,10 @@ def plan_route(
     )
 
 
+# A chain's rank, smallest best: (full ranges, cost units, minus the sessions carried, peer ids).
+_ChainKey = tuple[int, int, int, tuple[str, ...]]
+
+
 def _best_chain(
     begin: int,
     end: int,
@@ -138,14 +142,14 @@ def _best_chain(
     load: Mapping[str, int],
     hop_latency_s: float,
     cost_resolution_s: float,
-) -> tuple[tuple, list[ReadyRange]] | None:
+) -> tuple[_ChainKey, list[ReadyRange]] | None:
     """Dynamic programme over block boundaries: best[b] = the best chain from ``begin`` ending
     at b, keyed (full ranges, cost units, minus the sessions carried, peer ids); ranges only go
     forward, so boundaries in increasing order are a topological order."""
     by_begin: dict[int, list[ReadyRange]] = {}
     for r in sorted(ranges, key=lambda r: (r.begin, r.end, r.peer_id)):
         by_begin.setdefault(r.begin, []).append(r)
-    best: dict[int, tuple[tuple, list[ReadyRange]]] = {begin: ((0, 0, 0, ()), [])}
+    best: dict[int, tuple[_ChainKey, list[ReadyRange]]] = {begin: ((0, 0, 0, ()), [])}
     for boundary in range(begin, end):
         if boundary not in best:
             continue

@@ -27,10 +27,10 @@ import dataclasses
 import functools
 import zlib
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar, cast
 
 import numpy as np
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import DecodeError
 
 from agent._proto import swarm_pb2
 
@@ -114,7 +114,17 @@ _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 
 Code = swarm_pb2.Error.Code
-M = TypeVar("M", bound=Message)
+
+
+class _Record(Protocol):
+    """What ``parse_record`` needs of a message type: every wire record carries its schema version."""
+
+    schema_version: int
+
+    def ParseFromString(self, serialized: bytes, /) -> int: ...
+
+
+M = TypeVar("M", bound=_Record)
 # the hot path's constants, read once (an enum wrapper's attribute costs a lookup per read)
 _INVALID_ARGUMENT = Code.INVALID_ARGUMENT
 _RESOURCE_EXHAUSTED = Code.RESOURCE_EXHAUSTED
@@ -131,7 +141,9 @@ class WireError(Exception):
         self.message = message
 
     def to_error(self) -> swarm_pb2.Error:
-        return swarm_pb2.Error(code=self.code, message=self.message)
+        # the casts in this module: protoc's .pyi takes only named values for an enum field, but
+        # proto3 enums are open (any int is one)
+        return swarm_pb2.Error(code=cast(Code, self.code), message=self.message)
 
     def __str__(self) -> str:
         return f"{_code_name(self.code)}: {self.message}"
@@ -188,7 +200,7 @@ def check_schema_version(version: int) -> None:
 
 
 def error(code: int, message: str) -> swarm_pb2.Error:
-    return swarm_pb2.Error(code=code, message=message)
+    return swarm_pb2.Error(code=cast(Code, code), message=message)
 
 
 def step_ack(err: swarm_pb2.Error | WireError | None = None) -> bytes:
@@ -532,7 +544,7 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
         size = WIRE_ITEMSIZE.get(dtype)
         if size is None:
             try:
-                itemsize(dtype)  # raises, naming the dtypes there are
+                size = itemsize(dtype)  # raises, naming the dtypes there are
             except BoundaryError as err:
                 raise WireError(bad, f"dtype: {err}") from None
         width = schema.row_values
@@ -738,7 +750,7 @@ def boundary_step_request(
         end=hop.end,
         positions=np.asarray(positions, dtype=np.int32).tolist(),
         boundary=data,
-        dtype=dtype,
+        dtype=cast(swarm_pb2.DType, dtype),
         n_embd=schema.n_embd,
         recipe_hash=recipe_hash,
         rest=list(hops[1:]),
@@ -884,6 +896,7 @@ def validate_step_result(result: swarm_pb2.StepResult, n_vocab: int | None = Non
     if result.n_vocab == 0:
         raise WireError(Code.INVALID_ARGUMENT, "n_vocab is 0")
     try:
-        return decode_rows(result.logits, 1, result.n_vocab, WireDType.F32, check_finite=False)[0]
+        row: np.ndarray = decode_rows(result.logits, 1, result.n_vocab, WireDType.F32, check_finite=False)[0]
+        return row
     except BoundaryError as err:
         raise WireError(Code.INVALID_ARGUMENT, f"logits: {err}") from None

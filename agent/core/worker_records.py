@@ -49,8 +49,8 @@ class SeqInput:
     """
 
     seq_id: int
-    positions: Sequence[int]
-    token_ids: Sequence[int] | None = None
+    positions: Sequence[int] | np.ndarray
+    token_ids: Sequence[int] | np.ndarray | None = None
     boundary: np.ndarray | None = None
     logit_rows: Sequence[int] | None = None
     #: the schema ``boundary`` follows; None: the receiving worker's own (rows that came out
@@ -69,7 +69,9 @@ class SeqInput:
         """Raise ValueError when the entry is inconsistent in itself (before any encoding)."""
         if (self.token_ids is None) == (self.boundary is None):
             raise ValueError(f"seq {self.seq_id}: set exactly one of token_ids or boundary")
-        rows = len(self.token_ids) if self.token_ids is not None else len(self.boundary)
+        payload = self.token_ids if self.token_ids is not None else self.boundary
+        assert payload is not None  # exactly one is set (checked above)
+        rows = len(payload)
         if rows != len(self.positions):
             kind = "token ids" if self.token_ids is not None else "boundary rows"
             raise ValueError(f"seq {self.seq_id}: {rows} {kind} but {len(self.positions)} positions")

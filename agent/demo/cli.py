@@ -113,6 +113,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if report is None:
         # stopped before the end, every process stopped first: the shell's code for a signal
+        assert stopped_by is not None  # no report: a signal stopped it
         print(f"\nbaton demo: stopped by {signal.Signals(stopped_by).name}", file=sys.stderr)
         return 128 + stopped_by
 

@@ -190,7 +190,9 @@ async def stream_completion(
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
         "stream_options": {"include_usage": True}, "return_token_ids": True,
     }  # fmt: skip
-    text, tokens, prompt_tokens, finish, usage = [], [], [], "", {}
+    tokens: list[int] = []
+    prompt_tokens: list[int] = []
+    text, finish, usage = [], "", {}
     started = time.perf_counter()
     first_at = last_at = None
     async with httpx.AsyncClient(timeout=timeout_s) as http:

@@ -256,7 +256,7 @@ async def _wait(process: subprocess.Popen) -> int:
     if process.returncode is not None:
         return process.returncode
     if not hasattr(os, "pidfd_open"):
-        return await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+        return await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)  # type: ignore[call-arg]  # trio-typing's stale trio stubs
     pidfd = os.pidfd_open(process.pid)
     try:
         await trio.lowlevel.wait_readable(pidfd)

@@ -457,7 +457,7 @@ async def open_local_swarm(config: LocalSwarmConfig) -> AsyncIterator[LocalSwarm
       temp dir made here is removed.
     """
     made = config.workdir is None
-    workdir = Path(tempfile.mkdtemp(prefix="baton-swarm-")) if made else Path(config.workdir)
+    workdir = Path(tempfile.mkdtemp(prefix="baton-swarm-")) if config.workdir is None else Path(config.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     os.chmod(workdir, 0o700)
     swarm = LocalSwarm(config, workdir)

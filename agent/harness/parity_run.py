@@ -250,8 +250,8 @@ async def run_parity(
     if batch_size is None and sum(lengths) > 512:
         batch_size = sum(lengths)
     sha256 = await trio.to_thread.run_sync(cached_sha256, model_path)
-    edges: list[int | None] = [0, *cuts, None]
-    layers = [(0, None), *zip(edges, edges[1:])]
+    ends: list[int | None] = [*cuts, None]
+    layers: list[tuple[int, int | None]] = [(0, None), *zip([0, *cuts], ends)]
     async with open_workers(
         model_path,
         layers,

@@ -247,9 +247,9 @@ class _TlsStream:
                 self._sock.do_handshake()
                 return
             except ssl.SSLWantReadError:
-                await trio.lowlevel.wait_readable(self._sock)
+                await trio.lowlevel.wait_readable(self._sock)  # type: ignore[arg-type]  # trio-typing's stale trio stubs
             except ssl.SSLWantWriteError:
-                await trio.lowlevel.wait_writable(self._sock)
+                await trio.lowlevel.wait_writable(self._sock)  # type: ignore[arg-type]  # trio-typing's stale trio stubs
             except ssl.SSLEOFError:
                 raise trio.BrokenResourceError("the peer closed the connection during the TLS handshake") from None
 
@@ -276,7 +276,7 @@ class _TlsStream:
         try:
             for part in parts:
                 while part := self._write(part):
-                    await trio.lowlevel.wait_writable(self._sock)
+                    await trio.lowlevel.wait_writable(self._sock)  # type: ignore[arg-type]  # trio-typing's stale trio stubs
         except BaseException as error:
             self._break(f"a send was cut short ({type(error).__name__})")
             raise
@@ -352,24 +352,25 @@ class _TlsStream:
                 if filled:
                     break
                 waited = woken = True
-                await trio.lowlevel.wait_readable(self._sock)
+                await trio.lowlevel.wait_readable(self._sock)  # type: ignore[arg-type]  # trio-typing's stale trio stubs
                 continue
             woken = False
             try:
                 # one record at most per call (OpenSSL's read); the rest of a big frame's
                 # records follow in the same loop, into the same buffer
-                received = self._sock.read(limit - filled, buffer[filled:])
+                # typeshed: read() returns bytes, but into a buffer it returns the count read
+                received: int = self._sock.read(limit - filled, buffer[filled:])  # type: ignore[assignment]
             except ssl.SSLWantReadError:
                 if filled:
                     break
                 waited = True
-                await trio.lowlevel.wait_readable(self._sock)
+                await trio.lowlevel.wait_readable(self._sock)  # type: ignore[arg-type]  # trio-typing's stale trio stubs
                 continue
             except ssl.SSLWantWriteError:  # a post-handshake reply (key update) waits to go out
                 if filled:
                     break
                 waited = True
-                await trio.lowlevel.wait_writable(self._sock)
+                await trio.lowlevel.wait_writable(self._sock)  # type: ignore[arg-type]  # trio-typing's stale trio stubs
                 continue
             except ssl.SSLZeroReturnError:
                 self._tls_closed = True
@@ -399,7 +400,7 @@ class _TlsStream:
     async def aclose(self) -> None:
         """Close the socket (no close_notify: every frame is length-prefixed, so a cut is seen)."""
         if self._sock.fileno() != -1:
-            trio.lowlevel.notify_closing(self._sock)
+            trio.lowlevel.notify_closing(self._sock)  # type: ignore[arg-type]  # trio-typing's stale trio stubs
             self._sock.close()
         await trio.lowlevel.checkpoint()
 

@@ -102,7 +102,7 @@ class ModelFileServer:
 
 
 async def serve_model_files(
-    server: ModelFileServer, host: str, port: int, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
+    server: ModelFileServer, host: str, port: int, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED  # type: ignore[name-defined]  # trio-typing's stale trio stubs
 ) -> None:
     """Serve ``server``'s files over HTTP at ``host:port`` until cancelled; started with the
     base URL (``http://host:port``, the real port when ``port`` is 0).

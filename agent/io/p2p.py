@@ -29,7 +29,7 @@ import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import multiaddr
 import trio
@@ -41,6 +41,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
@@ -147,7 +148,7 @@ class _PooledStream:
         return self.framed.stream
 
     def looks_alive(self) -> bool:
-        if self.stream.is_closed:
+        if self.stream.is_closed:  # type: ignore[attr-defined]  # NetStream's; libp2p's INetStream lacks it
             return False
         muxed_conn = getattr(self.stream, "muxed_conn", None)
         return not bool(getattr(muxed_conn, "is_closed", False))
@@ -258,7 +259,8 @@ class P2PTransport:
                 with trio.fail_after(self._connect_timeout_s):
                     stream = await self._host.new_stream(relay, [RELAY_HOP_PROTOCOL_ID])
                     try:
-                        reserved = await self._circuit.reserve(stream, relay, self._background)
+                        # (ignored) libp2p asks for a Nursery, but reserve() only calls start_soon
+                        reserved = await self._circuit.reserve(stream, relay, self._background)  # type: ignore[arg-type]
                     finally:
                         await _close_quietly(stream)
             except trio.TooSlowError:
@@ -381,7 +383,7 @@ class P2PTransport:
         return _PooledStream(_FramedStream(stream), protocol_id)
 
     async def _ensure_connected(self, peer: _PeerStreams, remote: ID, peer_id: str, addrs: Sequence[str]) -> None:
-        network = self._host.get_network()
+        network = _swarm(self._host)
         if network.connections.get(remote):
             return
         # a direct channel address (agent.io.channel) is TLS + Baton frames, not libp2p
@@ -467,6 +469,12 @@ class P2PTransport:
             await _reset_quietly(stream)
         else:
             await _close_quietly(stream)
+
+
+def _swarm(host: IHost) -> Swarm:
+    # new_host() builds a Swarm; get_network() is typed as the INetworkService interface, which
+    # lacks the swarm's dial settings and unblock_peer used here
+    return cast(Swarm, host.get_network())
 
 
 class _Spawner:
@@ -642,7 +650,7 @@ async def open_p2p_transport(
         ping_interval_s=ping_interval_s,
         ping_timeout_s=ping_timeout_s,
     )
-    network = host.get_network()
+    network = _swarm(host)
     # new_host() has no retry_config parameter (new_swarm() has); the swarm reads the attribute.
     network.retry_config = RetryConfig(max_retries=dial_retries)
     network.auto_connector = NoAutoConnector(network, network.connection_config.auto_connect_interval)

@@ -92,7 +92,7 @@ def bound_socket(host: str, port: int = 0) -> socket.socket:
 
 
 def _close(sock: socket.socket) -> None:
-    trio.lowlevel.notify_closing(sock)
+    trio.lowlevel.notify_closing(sock)  # type: ignore[arg-type]  # trio-typing's stale trio stubs
     sock.close()
 
 
@@ -157,7 +157,7 @@ async def _accept_from(listener: socket.socket, target: tuple[str, int]) -> sock
     """The first connection ``listener`` accepts from ``target``."""
     want = (ipaddress.ip_address(target[0]), target[1])
     while True:
-        await trio.lowlevel.wait_readable(listener)
+        await trio.lowlevel.wait_readable(listener)  # type: ignore[arg-type]  # trio-typing's stale trio stubs
         try:
             conn, addr = listener.accept()
         except (BlockingIOError, InterruptedError):
@@ -184,7 +184,7 @@ async def _connect_repeatedly(
             code = current.connect_ex(target)
             if code in (0, errno.EINPROGRESS, errno.EALREADY):
                 with trio.move_on_at(attempt_end) as waiting:
-                    await trio.lowlevel.wait_writable(current)
+                    await trio.lowlevel.wait_writable(current)  # type: ignore[arg-type]  # trio-typing's stale trio stubs
                     code = current.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                     if code == 0:
                         connected, current = current, None
@@ -243,7 +243,7 @@ class Puncher:
         self._jobs_in.send_nowait((self._initiate, (peer_id, list(addrs), relay_host)))
         return True
 
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[name-defined]  # trio-typing's stale trio stubs
         """Run the punches (``punch_soon``'s and answered ones) until cancelled.
 
         Cancellation: every punch under way ends; its sockets close."""

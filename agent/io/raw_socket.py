@@ -67,7 +67,7 @@ async def send_all(sock: socket.socket, data: bytes | bytearray | memoryview) ->
         try:
             sent = sock.send(view)
         except BlockingIOError:
-            await trio.lowlevel.wait_writable(sock)
+            await trio.lowlevel.wait_writable(sock)  # type: ignore[arg-type]  # trio-typing's stale trio stubs
             continue
         view = view[sent:]
 
@@ -82,4 +82,4 @@ async def receive_into(sock: socket.socket, buffer: memoryview) -> tuple[int, bo
             return sock.recv_into(buffer), waited
         except BlockingIOError:
             waited = True
-            await trio.lowlevel.wait_readable(sock)
+            await trio.lowlevel.wait_readable(sock)  # type: ignore[arg-type]  # trio-typing's stale trio stubs

@@ -39,7 +39,7 @@ async def run_until_stop_signal(
     """
     result: T | None = None
     received: int | None = None
-    with trio.open_signal_receiver(*signals) as receiver:
+    with trio.open_signal_receiver(*signals) as receiver:  # type: ignore[arg-type]  # trio-typing's stale trio stubs
         async with trio.open_nursery() as nursery:
 
             async def run() -> None:

@@ -221,7 +221,7 @@ async def serve_vocabularies(
     *,
     request_timeout_s: float = 10.0,
     ready_timeout_s: float = 60.0,
-    task_status: trio.TaskStatus[VocabularyPool] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[VocabularyPool] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]  # trio-typing's stale trio stubs
 ) -> None:
     """Serve vocabularies until cancelled; ``task_status.started`` gives the pool.
 

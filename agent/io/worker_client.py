@@ -223,6 +223,7 @@ def forward_request(entries: Sequence[SeqInput], info: WorkerInfo) -> worker_pb2
         else:
             if entry.boundary_schema is not None and entry.boundary_schema != expected:
                 check_boundary_schema(entry.boundary_schema, expected)
+            assert entry.boundary is not None  # check(): exactly one of token_ids, boundary
             msg.boundary = encode_rows(entry.boundary, width, WireDType.F32, checked_bytes=entry.boundary_bytes)
             msg.boundary_dtype = worker_pb2.DTYPE_F32
             msg.boundary_schema_version = expected.version
@@ -234,7 +235,7 @@ def forward_request(entries: Sequence[SeqInput], info: WorkerInfo) -> worker_pb2
     return request
 
 
-def _ints(values: Sequence[int]) -> list[int]:
+def _ints(values: Sequence[int] | np.ndarray) -> list[int]:
     """``values`` as Python ints (numpy's in one call, not one by one)."""
     return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]
 
@@ -641,6 +642,8 @@ class _ForwardStream:
                 wanted = await on_reply(reply)
             if more:  # the caller stopped first: end the run, drop its frames up to the barrier's answer
                 with trio.fail_after(timeout_s):
+                    if self._sock is None:  # closed while on_reply ran: as _next_frame says it
+                        raise trio.ClosedResourceError("the Forward stream is closed")
                     await raw_socket.send_all(self._sock, _framed(_BARRIER))
                     while (frame := await self._next_frame(self._sock)).run_ahead:
                         if not frame.code and frame.reply.entries:
@@ -711,7 +714,8 @@ class _ForwardStream:
             waited = await self._fill(sock) or waited
         try:
             with memoryview(self._buffer) as view:
-                frame = worker_pb2.ForwardStreamReply.FromString(view[_PREFIX_BYTES:end])
+                # protobuf parses any buffer; its stubs say bytes (a copy per frame to please them)
+                frame = worker_pb2.ForwardStreamReply.FromString(view[_PREFIX_BYTES:end])  # type: ignore[arg-type]
         except DecodeError:
             raise WorkerError("INTERNAL", "the Forward stream reply does not parse", method="Forward") from None
         if self._filled > end:

@@ -40,7 +40,7 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import trio
@@ -71,12 +71,14 @@ from agent.core.swarm_wire import (
     SESSION_ID_BYTES,
     STEP_PROTOCOL,
     TRACKER_PROTOCOL,
+    error as wire_error,
     first_step_request,
     peer_id_from_multiaddr,
     step_ack,
     step_ack_accepts,
 )
 from agent.core.text_stream import TextStream
+from agent.core.topk import TopLogits
 from agent.core.spot_check import RouteSegment, rollback_point
 from agent.io.client.spot_check import SpotChecks, withdrawn_peers
 from agent.io.data_link import DataLink, DataLinkClosed, open_data_link
@@ -410,6 +412,13 @@ class _Rebuild:
     error: str = ""
 
 
+class _ResultTaker(Protocol):
+    """An entry of the client's live sessions, which the result handler hands results to: a
+    generation's ``_LiveSession``, or a spot check's shadow (``agent.io.client.spot_check``)."""
+
+    def deliver(self, remote_peer_id: str, result: swarm_pb2.StepResult) -> swarm_pb2.Error | None: ...
+
+
 class _LiveSession:
     """A live session: where the result handler delivers the outcome of its step in flight,
     or of its rebuild."""
@@ -475,10 +484,10 @@ class _LiveSession:
             )  # fmt: skip
         except ResultRefused as error:
             if not error.fatal:
-                return swarm_pb2.Error(code=error.code, message=error.message)
+                return wire_error(error.code, error.message)
             self.outcome = GenerationError(f"{error.message} (from {remote_peer_id})", failed_peer_id=remote_peer_id)
             self.arrived.set()
-            return swarm_pb2.Error(code=error.code, message=error.message)
+            return wire_error(error.code, error.message)
         self.arrived.set()
         return None
 
@@ -566,7 +575,7 @@ class _DataPlane:
 
 
 def _err(code_name: str, message: str) -> swarm_pb2.Error:
-    return swarm_pb2.Error(code=swarm_pb2.Error.Code.Value(code_name), message=message)
+    return wire_error(swarm_pb2.Error.Code.Value(code_name), message)
 
 
 class SwarmClient:
@@ -591,7 +600,7 @@ class SwarmClient:
         self._key = key
         self._now_ms = now_ms
         self._admission_record = swarm_pb2.AdmissionRecord()
-        self._live: dict[bytes, _LiveSession] = {}
+        self._live: dict[bytes, _ResultTaker] = {}
         self._last_routes: dict[str, swarm_pb2.Route] = {}  # model -> the tracker's last route
         self._decode_step_s: float | None = None  # moving average of decode step time
         self.spot_checks = SpotChecks(self, config.spot_check_rate, config.spot_check_grace_s)
@@ -985,7 +994,7 @@ class SwarmClient:
         stop_tokens: Sequence[int] = (),
         sampling: SamplingParams = SamplingParams(),
         seed: int | None = None,
-        on_token: Callable[[int, np.ndarray, swarm_pb2.Route], Awaitable[bool]] | None = None,
+        on_token: Callable[[int, np.ndarray | TopLogits, swarm_pb2.Route], Awaitable[bool]] | None = None,
         route: swarm_pb2.Route | None = None,
         queue_timeout_s: float | None = None,
     ) -> GenerationResult:
@@ -993,8 +1002,9 @@ class SwarmClient:
 
         Args:
           on_token: awaited with each chosen token, its logits row (f32 ``[n_vocab]``, valid
-            during the call) and the route it came from; returning True stops the generation
-            there (e.g. a stop string was completed).
+            during the call; a ``TopLogits`` where the session asked for the top-K only) and
+            the route it came from; returning True stops the generation there (e.g. a stop
+            string was completed).
           queue_timeout_s: while the route's ranges have no free sequence (RESOURCE_EXHAUSTED
             at the first step), wait and try again for this long (default
             ``SwarmClientConfig.queue_timeout_s``): busy is not a failed hop.
@@ -1033,7 +1043,8 @@ class SwarmClient:
 
         resume_s: list[float] = []
 
-        async def take(token: int, logits: np.ndarray) -> bool:
+        async def take(token: int, logits: np.ndarray | TopLogits) -> bool:
+            assert route is not None  # planned above; replans only replace it
             return bool(on_token is not None and await on_token(token, logits, route))
 
         segments: list[RouteSegment] = []  # each session's route, for taking tokens back
@@ -1107,36 +1118,37 @@ class SwarmClient:
                 await self._fresh_admission()
                 route = await self._replan(model, failed_peers[-1], "it failed an integrity check", failed_peers)
                 continue
-            error = failure
-            exhausted = error.code == swarm_pb2.Error.RESOURCE_EXHAUSTED
-            if exhausted and error.step == 0 and trio.current_time() < busy_until:
+            exhausted = failure.code == swarm_pb2.Error.RESOURCE_EXHAUSTED
+            if exhausted and failure.step == 0 and trio.current_time() < busy_until:
                 # every sequence of some range is in use: wait for one, on any route
-                log.info("%s; waiting %.2f s for a free sequence", error, busy_wait_s)
+                log.info("%s; waiting %.2f s for a free sequence", failure, busy_wait_s)
                 await trio.sleep(busy_wait_s)
                 busy_wait_s = min(busy_wait_s * 2, 1.0)
                 await self._fresh_admission()
                 with contextlib.suppress(SwarmError, TransportError):
                     route = await self.route(model)
                 continue
-            if exhausted and error.step:
+            if exhausted and failure.step:
                 context_full = True  # the context of the route's sequences is full
                 break
             if exhausted:  # still no free sequence when the queue time ran out: busy, not failed
                 raise GenerationError(
                     f"no free sequence on route {describe_route(route)} within the queue timeout of "
-                    f"{queue_timeout_s} s (the swarm is busy): {error}",
-                    failed_peer_id=error.failed_peer_id, step=0, code=error.code,
+                    f"{queue_timeout_s} s (the swarm is busy): {failure}",
+                    failed_peer_id=failure.failed_peer_id, step=0, code=failure.code,
                 ) from None
             if not resume_failed:
-                if replans >= self.config.replan_attempts or not error.failed_peer_id:
-                    raise error
+                if replans >= self.config.replan_attempts or not failure.failed_peer_id:
+                    raise failure
                 replans += 1
-                failed_peers.append(error.failed_peer_id)
+                failed_peers.append(failure.failed_peer_id)
             taken_back += await self._take_back(segments, generated, failed_peers)
-            log.warning("%s; replanning without %s", error, error.failed_peer_id)
+            log.warning("%s; replanning without %s", failure, failure.failed_peer_id)
             await self._fresh_admission()
             # a failed resume may have told the tracker already
-            route = await self._replan(model, error.failed_peer_id, str(error), failed_peers, report=not lost_reported)
+            route = await self._replan(
+                model, failure.failed_peer_id, str(failure), failed_peers, report=not lost_reported
+            )
         return GenerationResult(
             text="",
             tokens=list(generated),
@@ -1244,7 +1256,7 @@ class SwarmClient:
         live: _LiveSession,
         route: swarm_pb2.Route,
         progress: _Progress,
-        take: Callable[[int, np.ndarray], Awaitable[bool]],
+        take: Callable[[int, np.ndarray | TopLogits], Awaitable[bool]],
         spot=None,  # noqa: ANN001 (a spot check's shadow: fed each completed step)
     ) -> None:
         """Drive ``live.session`` over ``route`` to its end, appending its tokens to ``progress``.
@@ -1286,8 +1298,10 @@ class SwarmClient:
                         progress.data_plane_steps += 1
                         await plane.send(live, data_step(
                             step_input.step, step_input.positions, step_input.token_ids, session.result_top_k))
-                    elif not self._send_step_soon(live, first, request):
-                        await self._send_step(first, request, prefill=prefill)
+                    else:
+                        assert request is not None  # made above: there is no data plane
+                        if not self._send_step_soon(live, first, request):
+                            await self._send_step(first, request, prefill=prefill)
                     await self._await_result(live, route, step_input.step, sent_at, prefill=prefill, plane=plane)
                     elapsed = time.perf_counter() - started
                     if isinstance(live.outcome, BaseException):

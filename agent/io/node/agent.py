@@ -45,6 +45,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -397,7 +398,7 @@ class ServedRange:
         model_sha256, begin, end = self.key
         return swarm_pb2.AssignmentStatus(
             assignment=swarm_pb2.Assignment(model_sha256=model_sha256, begin=begin, end=end),
-            state=state,
+            state=cast(State, state),  # protoc's .pyi takes named values only; proto3 enums are open
             error=error,
             recipe_hash=self.entry.recipe_hash if state == State.READY else "",
             sequences_in_use=0 if self.sessions is None else self.sessions.n_seq_max - self.sessions.free_count,
@@ -736,8 +737,7 @@ class Node:
         """Do what the range book decided."""
         for action in actions:
             if isinstance(action, StartRange):
-                served = self._instances[(action.key, action.epoch)]
-                nursery.start_soon(self._run_range, served, action, nursery)
+                nursery.start_soon(self._run_range, self._instances[(action.key, action.epoch)], action, nursery)
             elif isinstance(action, StopRange):
                 if (served := self._instances.get((action.key, action.epoch))) is not None:
                     served.cancel_scope.cancel()
@@ -1136,8 +1136,8 @@ class Node:
             except BoundaryError as err:
                 failed.append((step, err))
         async with trio.open_nursery() as each:
-            for step, err in failed:
-                each.start_soon(self._guarded, self._boundary_failed, step, err)
+            for step, boundary_error in failed:
+                each.start_soon(self._guarded, self._boundary_failed, step, boundary_error)
             if steps:
                 each.start_soon(self._guarded, self._push_steps, items[0][0].rest[0], steps)
 
@@ -1765,7 +1765,7 @@ async def _first_registration(node: Node, probe: HostProbe, config: NodeConfig) 
 
 
 async def serve_node(
-    config: NodeConfig, transport: Transport, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED
+    config: NodeConfig, transport: Transport, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED  # type: ignore[name-defined]  # trio-typing's stale trio stubs
 ) -> None:
     """Run a node: probe, register, then heartbeat, load ranges and serve steps until cancelled.
 
@@ -1802,13 +1802,15 @@ async def serve_node(
         await _serve_node(node, config, transport, task_status)
 
 
-async def _serve_node(node: Node, config: NodeConfig, transport: Transport, task_status: trio.TaskStatus[Node]) -> None:
+async def _serve_node(node: Node, config: NodeConfig, transport: Transport, task_status: trio.TaskStatus[Node]) -> None:  # type: ignore[name-defined]  # trio-typing's stale trio stubs
     """``serve_node``'s body, inside the node's host marker."""
     probe = config.probe
     if probe is None:
-        probe = await trio.to_thread.run_sync(
+        # a typed name of its own: the stale stubs' error on the call loses its result's type
+        measured: HostProbe = await trio.to_thread.run_sync(  # type: ignore[call-arg]  # trio-typing's stale trio stubs
             lambda: probe_host(config.probe_config, binary=config.worker_binary), abandon_on_cancel=True
         )
+        probe = measured
     await _first_registration(node, probe, config)
     try:
         await node.keep_relay_reservation()

@@ -37,6 +37,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
+from typing import TypeVar
 
 import trio
 
@@ -178,12 +179,16 @@ async def open_transport(key, listen_addrs: Sequence[str], channel: bool = True,
         yield transport
 
 
-def _first_leaf(group: BaseException) -> BaseException:
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _first_leaf(group: BaseExceptionGroup[_E]) -> _E:
     """The first exception inside (possibly nested) exception groups: ``except*`` keeps the
     nesting of the nurseries the error crossed (the transport's and ours)."""
-    while isinstance(group, BaseExceptionGroup):
-        group = group.exceptions[0]
-    return group
+    leaf: _E | BaseExceptionGroup[_E] = group
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf
 
 
 def _test_corruption(args: argparse.Namespace):  # noqa: ANN202

@@ -33,6 +33,7 @@ import datetime
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from agent import cli_args
@@ -304,7 +305,7 @@ def _ledger(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(rows: list[tuple[str, ...]]) -> None:
+def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

@@ -28,6 +28,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import trio
@@ -291,6 +292,7 @@ class _Completion:
         vocab = self.prompt.vocab
         logprob, top = token_logprobs(logits, token, self.req.top_logprobs or 0)
         piece = vocab.piece(token)
+        entry: dict[str, Any] | tuple[str, float, dict[str, float]]
         if self.req.kind == "chat":
             tops = [(_token_text(vocab.piece(t)), vocab.piece(t), lp) for t, lp in top]
             entry = logprob_entry(_token_text(piece), piece, logprob, tops)
@@ -672,7 +674,7 @@ async def _status(state: RelayState) -> dict:
     now = state.now_s()
     out_models = []
     for entry in models:
-        coverage = []
+        coverage: list[dict[str, Any]] = []
         for node in nodes:
             for status in node.serving:
                 if status.assignment.model_sha256 != entry.sha256:
@@ -718,7 +720,7 @@ def _version() -> str:
 # --- serving ---------------------------------------------------------------------------------------
 
 
-async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:  # type: ignore[name-defined]  # trio-typing's stale trio stubs
     """Run the relay until cancelled; ``task_status.started`` gives its base URL
     (``http://HOST:PORT``).
 
@@ -768,7 +770,9 @@ async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] 
                 hyper.accesslog = None
                 hyper.errorlog = logging.getLogger("hypercorn.error")
                 hyper.graceful_timeout = 1.0
-                binds = await nursery.start(lambda task_status: serve(build_app(state), hyper, task_status=task_status))
+                # (ignored) hypercorn's ASGI callable type and Starlette's __call__ disagree on
+                # Scope/Receive/Send; both are ASGI 3 apps at run time
+                binds = await nursery.start(lambda task_status: serve(build_app(state), hyper, task_status=task_status))  # type: ignore[arg-type]
                 url = binds[0]
                 if config.addr_file is not None:
                     _write_atomically(config.addr_file, url + "\n")

@@ -341,7 +341,9 @@ class Tracker:
             min_bytes_per_block=min(sizes) if sizes else None,
         )
 
-    def _issue(self, peer_id: str, role: int, now: int, fingerprint_sha256: str = "") -> swarm_pb2.SignedAdmission:
+    def _issue(
+        self, peer_id: str, role: swarm_pb2.Role, now: int, fingerprint_sha256: str = ""
+    ) -> swarm_pb2.SignedAdmission:
         record = swarm_pb2.AdmissionRecord(
             schema_version=admission.ADMISSION_SCHEMA_VERSION,
             peer_id=peer_id,
@@ -606,7 +608,7 @@ class Tracker:
             (a.peer_id, a.model_sha256, a.begin, a.end)
         )
 
-    def issue_persona_admission(self, peer_id: str, role: int) -> swarm_pb2.SignedAdmission:
+    def issue_persona_admission(self, peer_id: str, role: swarm_pb2.Role) -> swarm_pb2.SignedAdmission:
         """An admission for one of the verifier's fresh identities, as nodes and clients get
         theirs (a node's names a fingerprint digest: a random one, as a real one looks)."""
         digest = hashlib.sha256(os.urandom(32)).hexdigest() if role == swarm_pb2.ROLE_NODE else ""
@@ -907,7 +909,7 @@ async def serve_tracker(
     clock: Callable[[], int] | None = None,
     verifier: VerifierConfig | None = None,
     open_persona: OpenPersona | None = None,
-    task_status: trio.TaskStatus[Tracker] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[Tracker] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]  # trio-typing's stale trio stubs
 ) -> None:
     """Serve the TRACKER protocol on ``transport`` until cancelled.
 

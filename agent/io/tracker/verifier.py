@@ -41,7 +41,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import trio
@@ -127,6 +127,15 @@ class VerifierConfig:
         for name in ("worker_ready_timeout_s", "worker_call_timeout_s", "step_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+class _CheckStats(TypedDict):
+    """A canary's counters, as ``CheckOutcome`` names them."""
+
+    steps: int
+    rows: int
+    node_s: float
+    reference_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +224,7 @@ class ReferencePool:
                 self._workers.pop(old)[1].set()
         return handle
 
-    async def _hold(self, key: tuple[str, int, int], path: str, task_status: trio.TaskStatus[WorkerHandle]) -> None:
+    async def _hold(self, key: tuple[str, int, int], path: str, task_status: trio.TaskStatus[WorkerHandle]) -> None:  # type: ignore[name-defined]  # trio-typing's stale trio stubs
         """Start the worker of ``key`` and keep it until evicted. A failure to start is raised
         to ``get``; one after (the worker's exit) is logged: it must not end the verifier."""
         model_sha256, begin, end = key
@@ -418,7 +427,7 @@ async def run_check(
     checked node is ended (best effort) and the reference's sequences are removed."""
     check_id = f"canary-{os.urandom(6).hex()}"
     peer_id, model_sha256, begin, end = key
-    stats = {"steps": 0, "rows": 0, "node_s": 0.0, "reference_s": 0.0}
+    stats: _CheckStats = {"steps": 0, "rows": 0, "node_s": 0.0, "reference_s": 0.0}
     try:
         mismatch = await _check(tracker, key, pool, config, open_persona, rng, stats)
     except _Inconclusive as why:
@@ -443,7 +452,7 @@ async def _check(
     config: VerifierConfig,
     open_persona: OpenPersona,
     rng: np.random.Generator,
-    stats: dict,
+    stats: _CheckStats,
 ) -> OutputMismatch | None:
     peer_id, model_sha256, begin, end = key
     try:
@@ -456,9 +465,11 @@ async def _check(
     ref = refs[1 if begin > 0 else 0]
     info = ref.info
     same_recipe = info.recipe_hash == recipe_hash
-    rel_error = None if same_recipe else tracker.canary_policy.cross_recipe_rel_error
+    policy = tracker.canary_policy
+    assert policy is not None  # canaries run only under a policy (serve_verifier checks)
+    rel_error = None if same_recipe else policy.cross_recipe_rel_error
     plan: CanaryPlan = plan_canary(
-        tracker.canary_policy, rng, n_vocab=info.n_vocab, bos_token_id=await pool.bos_token(refs[0]),
+        policy, rng, n_vocab=info.n_vocab, bos_token_id=await pool.bos_token(refs[0]),
         n_ctx=info.n_ctx_per_sequence, full_row=not same_recipe and end == n_layer,
     )  # fmt: skip
     stats["reference_s"] += time.perf_counter() - started
@@ -617,7 +628,7 @@ async def serve_verifier(
     *,
     open_persona: OpenPersona | None = None,
     rng: np.random.Generator | None = None,
-    task_status: trio.TaskStatus[VerifierStats] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[VerifierStats] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]  # trio-typing's stale trio stubs
 ) -> None:
     """Check the tracker's served ranges as its ``CanarySchedule`` says, one at a time, and
     hand every outcome to ``tracker.record_check``; runs until cancelled.

@@ -1,7 +1,7 @@
 # Baton: set-up, build and test entry points. Every target is idempotent and cheap to re-run.
 #
 #   make demo    # everything, then a split-model run on SmolLM2 (the quick start)
-#   make test    # everything, then the native (ctest) and Python (pytest) tests
+#   make test    # everything, then lint + types, the native (ctest) and Python (pytest) tests
 #
 # Variables: CMAKE_ARGS (extra CMake flags, e.g. CMAKE_ARGS=-DGGML_CUDA=ON), PYTHON (the
 # interpreter that makes .venv, default python3), BATON_CACHE (download cache, default
@@ -36,12 +36,12 @@ CCACHE_FLAGS := $(if $(shell command -v ccache 2>/dev/null),\
 # Prints the cached, verified path of a pinned model (fetching it if needed).
 MODEL_PATH := $(VPY) -c 'import sys; from agent.models import model_path; print(model_path(sys.argv[1]))'
 
-.PHONY: help deps venv proto llama check-patches native models demo test clean distclean
+.PHONY: help deps venv proto llama check-patches native models lint demo test clean distclean
 
 help:
 	@echo "make demo   - install everything, build, fetch models, run the demo"
-	@echo "make test   - install everything, build, fetch models, run ctest + pytest"
-	@echo "parts: deps venv llama check-patches native models clean distclean"
+	@echo "make test   - install everything, build, fetch models, run ruff + mypy, ctest, pytest"
+	@echo "parts: deps venv llama check-patches native models lint clean distclean"
 
 deps:
 	@if ! command -v dpkg-query >/dev/null; then \
@@ -108,7 +108,13 @@ models: venv
 demo: deps venv llama native models
 	$(VENV)/bin/baton demo --model "$$($(MODEL_PATH) smollm2)"
 
-test: deps venv llama native models
+# ruff (lint, then format) and mypy, configured in pyproject.toml: the same checks on every tree.
+lint: venv
+	$(VPY) -m ruff check
+	$(VPY) -m ruff format --check
+	$(VPY) -m mypy
+
+test: deps venv llama native models lint
 	BATON_TEST_MODEL="$$($(MODEL_PATH) smollm2)" ctest --test-dir $(NATIVE_BUILD) --output-on-failure
 	$(VPY) -m pytest -q -p no:cacheprovider
 

@@ -1,8 +1,9 @@
 """Shared pytest fixtures and hooks for the whole suite.
 
-Owns: the ``gpu`` skip rule, the session fixtures that hand out pinned model files, and access
-to the packaging scripts (which are scripts, not a package: ``packaging`` would clash with the
-PyPI project of that name). Markers and warning filters are declared in pyproject.toml.
+Owns: the ``gpu`` and ``lab`` skip rules, the rule that every test is in exactly one tier
+(unit, worker, swarm, lab), the session fixtures that hand out pinned model files, and access to
+the packaging scripts (which are scripts, not a package: ``packaging`` would clash with the PyPI
+project of that name). Markers and warning filters are declared in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -34,7 +35,18 @@ def load_packaging_script(name: str) -> ModuleType:
     return module
 
 
+#: The suite's tiers (pyproject.toml's markers say what each needs).
+TIERS = ("unit", "worker", "swarm", "lab")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    untiered = [f"{item.nodeid} ({', '.join(t for t in TIERS if t in item.keywords) or 'none'})"
+                for item in items if sum(t in item.keywords for t in TIERS) != 1]
+    if untiered:
+        raise pytest.UsageError(
+            "every test needs exactly one tier mark (" + ", ".join(TIERS) + "), usually its module's pytestmark; "
+            "these have none or several: " + "; ".join(untiered[:10])
+        )
     skip_gpu = pytest.mark.skip(reason="needs a GPU; set BATON_GPU=1 to run")
     # CI runs as root: there the lab's tests always run
     skip_lab = pytest.mark.skip(reason="the lab needs root (network namespaces, TUN devices)")

@@ -28,7 +28,7 @@ from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import open_swarm_client
 from agent.models import model_path
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 ALIAS = "smollm2"
 PROMPTS = [

@@ -14,6 +14,8 @@ sys.path.insert(0, str(BENCH_DIR))
 import batching  # noqa: E402
 from tools import hop_trace  # noqa: E402
 
+pytestmark = pytest.mark.worker
+
 
 def test_the_summary_takes_ratios_of_both_modes_checks_the_doublings_and_the_gap_target() -> None:
     baton = {

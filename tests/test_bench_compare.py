@@ -15,6 +15,8 @@ import compare  # noqa: E402
 import compare_report  # noqa: E402
 from tools import hop_trace, transport_rtt  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 
 def _fig(prefill: list[float], decode: list[float]) -> dict:
     return {"prefill_tps": compare_report.summarize(prefill), "decode_tps": compare_report.summarize(decode)}

@@ -14,7 +14,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import data_plane  # noqa: E402
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 RANGES = [(0, 10), (10, 20), (20, 30)]
 

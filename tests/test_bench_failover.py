@@ -10,6 +10,9 @@ BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH_DIR))
 
 import failover  # noqa: E402
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 def _run(how: str, position: str, resume_s: float | None, ok: bool = True) -> dict:

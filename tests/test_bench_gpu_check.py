@@ -16,7 +16,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import gpu_check  # noqa: E402
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def _report() -> dict:

@@ -13,7 +13,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import integrity  # noqa: E402
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def _phase(name: str, tokens_per_s: float, **fields) -> dict:

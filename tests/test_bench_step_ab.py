@@ -13,7 +13,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 from tools import step_ab  # noqa: E402
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.worker, pytest.mark.timeout(30)]
 
 
 def _run(step_ms: float, tokens_per_s: float, nodes_ms: float) -> dict:

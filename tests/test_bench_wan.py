@@ -13,7 +13,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import wan  # noqa: E402
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 def test_ring_bounds_count_one_way_delays_around_the_route() -> None:

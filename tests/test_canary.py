@@ -35,7 +35,7 @@ from agent.io.transport import MemoryNetwork
 from agent.models import REGISTRY
 from agent.testing.faulty import CorruptOutputs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 State = swarm_pb2.AssignmentStatus.State
 ALIAS = "qwen2-tiny"

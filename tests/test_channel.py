@@ -22,7 +22,7 @@ from agent.io.channel import ChannelConfig, _TlsStream, open_channel_transport, 
 from agent.io.keys import peer_id_of
 from agent.io.transport import ImmediateHandler, MemoryNetwork, TransportError
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.trio]
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.trio]
 
 ECHO = "/test/echo/1.0.0"
 

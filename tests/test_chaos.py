@@ -38,7 +38,7 @@ from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.models import model_path
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 ALIAS = "smollm2"
 NODES = 6

@@ -17,7 +17,7 @@ from agent.cli_reference import commands, options, render
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.worker, pytest.mark.timeout(60)]
 
 NUMERIC_TYPES = {
     int, float, cli_args.positive_int, cli_args.non_negative_int, cli_args.positive_float,

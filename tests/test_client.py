@@ -38,6 +38,8 @@ from agent.io.client import GenerationError, SwarmClientConfig, SwarmError, open
 from agent.io.channel import open_channel_transport
 from agent.io.transport import MemoryNetwork, TransportError
 
+pytestmark = pytest.mark.unit
+
 ALPHABET = "abcdefghijklmnop"  # the fake model's vocabulary: token i is ALPHABET[i]
 N_VOCAB = len(ALPHABET)
 EOG = ALPHABET.index("p")

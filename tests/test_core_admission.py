@@ -11,6 +11,8 @@ from agent._proto import swarm_pb2
 from agent.core import admission as adm
 from agent.core.identity import peer_id_from_public_key
 
+pytestmark = pytest.mark.unit
+
 NOW_MS = 1_700_000_000_000
 PIN = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 PATCH = "ab" * 32

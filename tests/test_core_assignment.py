@@ -14,6 +14,9 @@ from agent.core.assignment import (
     blocks_holdable,
     split_proportionally,
 )
+import pytest
+
+pytestmark = pytest.mark.unit
 
 BPB = 1000  # bytes per block
 M = ModelSpec(sha256="aa" * 32, n_layer=30, bytes_per_block=BPB)

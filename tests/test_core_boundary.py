@@ -17,6 +17,8 @@ from agent.core.boundary import (
     itemsize,
 )
 
+pytestmark = pytest.mark.worker
+
 
 def _rows(n_rows: int = 3, width: int = 8, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n_rows, width)).astype(np.float32)

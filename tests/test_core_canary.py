@@ -22,7 +22,7 @@ from agent.core.canary import (
 )
 from agent.core.topk import TopLogits
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 A = ("peer-a", "m" * 64, 0, 10)
 B = ("peer-b", "m" * 64, 10, 20)

@@ -6,6 +6,8 @@ import pytest
 
 from agent.core.chat_template import ChatTemplate, ChatTemplateError
 
+pytestmark = pytest.mark.unit
+
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"

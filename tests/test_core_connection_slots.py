@@ -6,7 +6,7 @@ import pytest
 
 from agent.core.connection_slots import Room, room_for_one_more
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
 
 
 def test_under_the_bound_it_is_taken() -> None:

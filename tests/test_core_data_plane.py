@@ -35,7 +35,7 @@ from agent.core.swarm_wire import WireError
 from agent.core.swarm_wire import result_scores as wire_scores
 from agent.core.topk import TopLogits, select_top_k
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 Code = swarm_pb2.Error.Code
 

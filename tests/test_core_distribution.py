@@ -24,7 +24,7 @@ from agent.core.range_fetch import (
     tensor_verdict,
 )
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 H = hashlib.sha256(b"x").hexdigest()
 KEY = Ed25519PrivateKey.generate()

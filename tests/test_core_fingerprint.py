@@ -25,6 +25,8 @@ from agent.core.fingerprint import (
 )
 from agent.core.identity import peer_id_from_public_key
 
+pytestmark = pytest.mark.unit
+
 PROBE = HostProbe(
     os="Linux 6.1 (x86_64)",
     cpu_model="Test CPU",

@@ -16,7 +16,7 @@ from agent.core.identity import peer_id_from_public_key
 from agent.core.multiaddrs import channel_multiaddr, is_circuit, parse_channel_multiaddr, tcp_hosts
 from agent.io.peer_cert import LIBP2P_TLS_OID, PeerCertError, make_peer_certificate, verify_peer_certificate
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def test_uvarint_round_trip() -> None:

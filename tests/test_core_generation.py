@@ -9,6 +9,8 @@ from agent.core.generation import GreedyGeneration
 from agent.core.parity import greedy_token
 from agent.core.worker_records import SeqOutput
 
+pytestmark = pytest.mark.unit
+
 
 def logits_output(seq_id: int, best: int, n_vocab: int = 8) -> SeqOutput:
     row = np.zeros((1, n_vocab), dtype=np.float32)

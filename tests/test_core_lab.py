@@ -24,7 +24,7 @@ from agent.core.lab.topology import (
     parse_topology,
 )
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def test_addresses_are_all_in_the_benchmarking_range() -> None:

@@ -13,6 +13,8 @@ from agent.core.heartbeat import admission_due, diff_assignment, read_report
 from agent.core.liveness import Heard, Liveness
 from agent.core.swarm_wire import WireError
 
+pytestmark = pytest.mark.unit
+
 State = swarm_pb2.AssignmentStatus.State
 M = "c" * 64
 

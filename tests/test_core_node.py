@@ -41,6 +41,8 @@ from agent.core.swarm_wire import (
     step_batch_ack,
 )
 
+pytestmark = pytest.mark.unit
+
 State = swarm_pb2.AssignmentStatus.State
 Code = swarm_pb2.Error.Code
 LOAD, UNLOAD = swarm_pb2.Directive.LOAD, swarm_pb2.Directive.UNLOAD

@@ -18,6 +18,8 @@ from agent.core.openai_api import (
     usage,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def _chat(**fields):
     return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}

@@ -25,6 +25,8 @@ from agent.core.parity import (
 from agent.core.ranges import LayerRange, ranges_from_cuts
 from agent.core.worker_records import SeqInput, SeqOutput
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 16
 
 

@@ -10,6 +10,8 @@ from agent.core.boundary import BoundaryError, WireDType
 from agent.core.parity import through_wire
 from agent.core.worker_records import SeqInput
 
+pytestmark = pytest.mark.unit
+
 
 def test_through_wire_rounds_f16_and_keeps_f32() -> None:
     rows = (np.arange(2 * 8, dtype=np.float32).reshape(2, 8) + 1) / 3

@@ -25,7 +25,7 @@ from agent.core.punch import (
 )
 from agent.core.swarm_wire import WireError
 
-pytestmark = pytest.mark.timeout(10)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
 
 RELAY = "/ip4/198.18.0.1/tcp/4001/p2p/12D3KooWRelay"
 CIRCUIT = f"{RELAY}/p2p-circuit/p2p/12D3KooWPeer"

@@ -23,6 +23,8 @@ from agent.core.quotas import (
     tokens_left,
 )
 
+pytestmark = pytest.mark.unit
+
 # 2023-11-14 22:13:20 UTC: 6400 s before the next UTC midnight.
 NOW_S = 1_700_000_000.0
 MIDNIGHT_AFTER_NOW_S = 1_700_006_400.0

@@ -6,6 +6,8 @@ import pytest
 
 from agent.core.ranges import LayerRange, check_cover, format_layers, parse_cuts, parse_layers, ranges_from_cuts
 
+pytestmark = pytest.mark.unit
+
 
 def test_ranges_from_cuts_smollm2_three_ways() -> None:
     assert ranges_from_cuts(30, [10, 20]) == [LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30)]

@@ -26,6 +26,8 @@ from agent.core.swarm_wire import (
     validate_step,
 )
 
+pytestmark = pytest.mark.unit
+
 SID = bytes(range(16))
 ROW = 8  # bytes per kept row in these tests
 N_EMBD = 2  # two f32 values: 8 bytes a row

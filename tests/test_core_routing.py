@@ -7,6 +7,8 @@ import pytest
 
 from agent.core.routing import Hop, NoRoute, ReadyRange, plan_route
 
+pytestmark = pytest.mark.unit
+
 SHA = "aa" * 32
 R1, R2 = "recipe-1", "recipe-2"
 

@@ -22,6 +22,8 @@ from agent.core.scheduler import (
 )
 from agent.core.swarm_wire import WireError
 
+pytestmark = pytest.mark.unit
+
 Code = swarm_pb2.Error.Code
 
 

@@ -18,6 +18,8 @@ from agent.core.session import (
 )
 from agent.core.swarm_wire import token_checksum
 
+pytestmark = pytest.mark.unit
+
 SID = bytes(range(16))
 OTHER_SID = bytes(range(1, 17))
 

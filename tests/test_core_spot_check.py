@@ -18,7 +18,7 @@ from agent.core.spot_check import (
 )
 from agent.core.swarm_wire import first_step_request, step_result
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def route(*peers: str, recipe: str = "r1") -> swarm_pb2.Route:

@@ -40,6 +40,8 @@ from agent.core.swarm_wire import (
     validate_step_result,
 )
 
+pytestmark = pytest.mark.unit
+
 Code = swarm_pb2.Error.Code
 N_EMBD = 8
 N_VOCAB = 100

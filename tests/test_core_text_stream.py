@@ -6,6 +6,8 @@ import pytest
 
 from agent.core.text_stream import TextStream
 
+pytestmark = pytest.mark.unit
+
 
 def _run(pieces: list[bytes], stop: tuple[str, ...] = ()) -> tuple[list[str], TextStream]:
     stream = TextStream(stop)

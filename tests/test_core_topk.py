@@ -11,7 +11,7 @@ from agent.core.sampling import SamplingParams, sample_token
 from agent.core.swarm_wire import result_scores, step_result
 from agent.core.topk import DEFAULT_RESULT_TOP_K, TopLogits, log_sum_exp, result_top_k, select_top_k
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 def _rows(seed: int, n: int = 2000) -> list[np.ndarray]:

@@ -7,6 +7,8 @@ import pytest
 
 from agent.core.worker_wait import AUTO, SLEEP, SLEEP_SPIN_COUNT, SPIN, worker_environment
 
+pytestmark = pytest.mark.unit
+
 BASE = {"PATH": "/usr/bin", "HOME": "/root"}
 
 

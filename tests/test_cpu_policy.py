@@ -14,7 +14,7 @@ import trio
 from agent.io.cpu_policy import apply_cpu_policy, cpu_policy_from_env, kernel_default
 from agent.io.worker_process import open_worker
 
-pytestmark = [
+pytestmark = [pytest.mark.worker, 
     pytest.mark.timeout(120),
     pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's"),
 ]

@@ -11,6 +11,8 @@ import pytest
 
 from agent.demo.local_demo import even_cuts
 
+pytestmark = pytest.mark.swarm
+
 
 def test_even_cuts() -> None:
     assert even_cuts(30, 3) == [10, 20]

@@ -22,7 +22,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 
 LINKED_DOCS = [REPO / "README.md", REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # Built from parts so that this file does not match itself.

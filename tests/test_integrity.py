@@ -30,7 +30,7 @@ from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.worker_process import open_worker
 from agent.models import cached_sha256, model_path, sha256_file
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 ALIAS = "smollm2"
 VICTIM = "blk.15.ffn_up.weight"

@@ -13,7 +13,7 @@ from libp2p.peer.id import ID
 from agent.core.identity import peer_id_from_public_key
 from agent.io.keys import KeyFileError, load_or_create_key, peer_id_of, private_seed, public_key_bytes
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def _mode(path: Path) -> int:

@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+pytestmark = [pytest.mark.worker, pytest.mark.timeout(180), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,8 @@ from agent.harness.browser import chromium_available
 from agent.io.lifeline import LIFELINE_ENV, die_with_parent
 from agent.io.worker_process import OWNER_FILE, WORKDIR_PARENT, WORKDIR_PREFIX
 
+pytestmark = pytest.mark.swarm
+
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 
 START_TIMEOUT_S = 30.0

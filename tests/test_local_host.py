@@ -9,7 +9,7 @@ import pytest
 
 from agent.io.local_host import is_this_host
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 
 def _own_address() -> str | None:

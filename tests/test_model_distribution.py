@@ -24,7 +24,7 @@ from agent.io.model_http import ModelFileServer, serve_model_files
 from agent.io.worker_process import open_worker
 from agent.models import model_path, sha256_file
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 ALIAS = "smollm2"
 PROMPT = "The capital of France is"

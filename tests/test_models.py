@@ -12,6 +12,8 @@ import pytest
 from agent import models
 from agent.testing import synthetic
 
+pytestmark = pytest.mark.worker
+
 # File names fixed by docs/LAYOUT.md (cache paths are part of the contract).
 LAYOUT_FILENAMES = {
     "smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",

@@ -66,6 +66,8 @@ from agent.io.worker_process import count_other_nodes, open_worker
 from agent.models import REGISTRY, cached_sha256
 from agent.runtime import expected_pin
 
+pytestmark = pytest.mark.worker
+
 Code = swarm_pb2.Error.Code
 State = swarm_pb2.AssignmentStatus.State
 

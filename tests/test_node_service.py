@@ -34,7 +34,7 @@ from agent.core.node_service import (
     systemd_unit,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.worker, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parent.parent
 NVIDIA_SMI = "GPU 0: NVIDIA GeForce RTX 4090 (UUID: GPU-0f2d6a1e-1111-2222-3333-444455556666)\n"

@@ -29,7 +29,7 @@ from agent.io.p2p import (
 )
 from agent.io.transport import TransportError
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 ECHO = "/baton/test-echo/1.0.0"
 TIMEOUT_S = 10.0

@@ -23,7 +23,7 @@ from agent.core.parity import ParityReport, Scenario
 from agent.harness.parity_run import compare_workers, make_prompts, open_workers, run_parity
 from agent.io.worker_client import AsyncWorkerClient
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.worker, pytest.mark.slow]
 
 TOLERANCE = 1e-4
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -27,7 +27,7 @@ from agent.core.worker_records import SeqInput
 from agent.harness.parity_run import make_prompts, open_workers, run_parity
 from agent.io.worker_client import WorkerError
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(600)]
 
 #: cuts: block 2 and block 4 both fall inside the run of compressed blocks 1..4
 #: (ratios 0, 4 | 128, 4 | 128, 0)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.worker
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PATCH_NAME = re.compile(r"^\d{4}-[A-Za-z0-9][A-Za-z0-9._-]*\.patch$")
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.worker
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # The pin fixed in DESIGN.md ("Native worker"): commit and sdist sha256.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.worker, pytest.mark.timeout(60)]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,7 +19,7 @@ from agent.io.keys import peer_id_of
 from agent.io.punch import simultaneous_open
 from agent.io.transport import MemoryNetwork
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.trio]
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.trio]
 
 ECHO = "/test/echo/1.0.0"
 RELAY_ID = peer_id_of(Ed25519PrivateKey.generate())

@@ -25,7 +25,7 @@ from agent.models import cached_sha256
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.worker, pytest.mark.timeout(120)]
 
 
 def make_manifest(path: Path, key: Ed25519PrivateKey):

@@ -27,6 +27,8 @@ from agent.io.relay.server import RelayConfig, RelayState, build_app
 from agent.io.relay.store import open_relay_store
 from agent.io.vocab import ModelVocab
 
+pytestmark = pytest.mark.swarm
+
 SHA = "ab" * 32
 # token id -> bytes; 7 and 8 are the two halves of "é" (c3 a9); 9 is end-of-generation
 PIECES = [b"", b"Hello", b" wor", b"ld", b"!", b" and", b" more", b"\xc3", b"\xa9", b""]

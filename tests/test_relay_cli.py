@@ -15,6 +15,8 @@ import pytest
 from agent.core.quotas import day_of
 from agent.io.relay.store import open_relay_store
 
+pytestmark = pytest.mark.swarm
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMMAND_TIMEOUT_S = 60.0
 KEY_PATTERN = re.compile(r"sk-baton-[A-Za-z0-9_-]{43}")

@@ -30,7 +30,7 @@ from agent.io.client import open_swarm_client
 from agent.io.worker_process import open_worker
 from agent.models import model_path, sha256_file
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 ALIAS = "smollm2"
 SETUP_TIMEOUT_S = 240.0

@@ -7,6 +7,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.io.relay.metrics import RelayMetrics
 
+pytestmark = pytest.mark.unit
+
 
 def samples(metrics: RelayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of ``render()``, parsed back, keyed by (name, sorted labels)."""

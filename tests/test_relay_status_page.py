@@ -36,6 +36,8 @@ from agent.harness.browser import (
 )
 from agent.io.relay.status_page import render_status_page, short_peer_id
 
+pytestmark = pytest.mark.worker
+
 needs_chromium = pytest.mark.skipif(
     not chromium_available(),
     reason="headless Chromium not found: install Debian's chromium (make deps) or set BATON_CHROMIUM",

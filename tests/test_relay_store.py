@@ -26,6 +26,8 @@ from agent.io.relay.store import (
     open_relay_store,
 )
 
+pytestmark = pytest.mark.swarm
+
 T0_S = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
 DAY = day_of(T0_S)
 MODEL = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"

@@ -24,7 +24,7 @@ from agent.io.client import open_swarm_client
 from agent.io.worker_process import open_worker
 from agent.models import sha256_file
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(600)]
 
 ALIAS = "deepseek4-tiny"
 NODES = 3

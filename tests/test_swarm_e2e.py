@@ -41,7 +41,7 @@ from agent.io.worker_process import open_worker
 from agent.models import model_path, sha256_file
 from agent.runtime import expected_pin
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 ALIAS = "smollm2"
 PROMPTS = (

@@ -33,6 +33,8 @@ from agent.io.tracker.service import TrackerConfig, serve_tracker
 from agent.io.tracker.store import NodeRecord, StoreError, TrackerStore, open_store
 from agent.io.transport import MemoryNetwork
 
+pytestmark = pytest.mark.swarm
+
 T0_MS = 1_800_000_000_000  # unix ms at trio time 0
 PIN = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 PATCH = "c7" * 32

@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 120.0  # reading + hashing the GGUF, importing libp2p
 REQUEST_TIMEOUT_S = 20.0
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.worker, pytest.mark.slow]
 
 
 class TrackerProcess:

@@ -22,7 +22,7 @@ from agent.io.worker_client import AsyncWorkerClient, WorkerError
 from agent.io.worker_process import WorkerStartError, find_worker_binary, open_worker, worker_argv
 from agent.models import cached_sha256
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.worker, pytest.mark.timeout(240)]
 
 #: How much more than its metadata a sparse copy may occupy on disk (the last block, the
 #: file system's own rounding).

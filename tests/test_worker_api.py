@@ -34,6 +34,8 @@ from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
 from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError, find_worker_binary, open_worker
 from agent.models import sha256_file
 
+pytestmark = pytest.mark.worker
+
 TOLERANCE = 1e-4
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,7 +25,7 @@ from agent.io.data_link import DataLink, DataLinkClosed, open_data_link
 from agent.io.worker_client import WorkerError
 from agent.io.worker_process import WorkerHandle, open_worker
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.worker, pytest.mark.timeout(180)]
 
 HOST = "127.0.0.1"
 PROMPT = [1, 17, 42, 99, 7, 3]

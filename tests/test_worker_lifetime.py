@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = [
+pytestmark = [pytest.mark.worker, 
     pytest.mark.timeout(120),
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only"),
 ]

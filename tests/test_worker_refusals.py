@@ -14,7 +14,7 @@ import pytest
 from agent.io.worker_process import WorkerStartError, open_worker
 from agent.testing.synthetic import write_metadata_only
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.worker, pytest.mark.timeout(120)]
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from agent.demo.local_demo import generate_through
 from agent.io.worker_client import AsyncWorkerClient, WorkerError, forward_request
 from agent.io.worker_process import open_worker
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.worker, pytest.mark.timeout(120)]
 
 PROMPT = [1, 17, 42, 99, 7, 3]
 TOP_K = 8

@@ -20,7 +20,7 @@ from agent.core.worker_records import SeqInput
 from agent.io.worker_client import WorkerError, forward_request
 from agent.io.worker_process import open_worker
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.worker, pytest.mark.timeout(120)]
 
 PROMPT = [1, 17, 42, 99, 7, 3]
 

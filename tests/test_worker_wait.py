@@ -28,7 +28,7 @@ from agent.io.worker_process import (
     wait_environment,
 )
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.worker, pytest.mark.timeout(120)]
 
 
 def _environ(pid: int) -> dict[str, str]:

@@ -28,7 +28,7 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
@@ -37,12 +37,10 @@ from agent.io.keys import load_or_create_key, peer_id_of
 from agent.io.lifeline import lifeline_for_child
 from agent.io.log_tail import LOG_TAIL_BYTES, log_tail as read_log_tail
 
-if TYPE_CHECKING:
-    from agent.io.lab.harness import Lab
-
 __all__ = [
     "LocalSwarm",
     "LocalSwarmConfig",
+    "Machines",
     "Placement",
     "ProcessDied",
     "SwarmProcess",
@@ -112,13 +110,26 @@ class SwarmProcess:
 LOOPBACK = "127.0.0.1"
 
 
+class Machines(Protocol):
+    """What a placement uses of a lab (``agent.io.lab.harness.Lab``; not imported, so that the
+    demo does not load the lab's namespaces and libc bindings)."""
+
+    def address(self, name: str) -> str:
+        """The address of machine ``name``."""
+        ...
+
+    def argv_in(self, machine: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside ``machine``."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where each process of a swarm runs: ``machines`` maps a process name (``tracker``,
     ``relay``, a node's name) to a machine of ``lab``; a process not named (or no lab) runs on
     this host and listens on loopback."""
 
-    lab: Lab | None = None
+    lab: Machines | None = None
     machines: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def host(self, name: str) -> str:

@@ -257,11 +257,12 @@ class LocalSwarm:
         listen: str | None = None,
         relay: bool = False,
         model: bool = True,
+        command: Sequence[str] | None = None,
     ) -> list[str]:
         c = self.config
         if listen is None and c.placement.host(name) != LOOPBACK:
             listen = f"/ip4/{c.placement.host(name)}/tcp/0"
-        return command_prefix("node") + [
+        return (list(command) if command is not None else command_prefix("node")) + [
             "--tracker", self.tracker_addr,
             *(["--model", str(c.model_path)] if model else []),
             "--key", str(self.key_path(name)),
@@ -401,6 +402,7 @@ class LocalSwarm:
         listen: str | None = None,
         relay: bool = False,
         model: bool = True,
+        command: Sequence[str] | None = None,
     ) -> SwarmProcess:
         """Start node ``name`` (its key: ``key_path(name)``) offering ``memory_bytes``.
 
@@ -408,13 +410,17 @@ class LocalSwarm:
         address). ``relay``: reachable through the tracker's circuit relay (``--relay``).
         ``model=False``: without ``--model`` (pass ``--models-dir DIR`` in ``extra_args``: it
         fetches the ranges it is assigned).
+        ``command``: the argv prefix of another program that takes ``baton node``'s arguments
+        (None: ``baton node``); tests start a cheating node this way
+        (``agent.testing.faulty_node.FAULTY_NODE_COMMAND``, with its own flags in ``extra_args``).
         It registers by itself; wait for its ranges through the tracker's routes.
         """
         if not self.tracker_addr:
             raise RuntimeError("start the tracker first")
         if name in self.nodes and self.nodes[name].alive:
             raise RuntimeError(f"node {name} is already running")
-        proc = self._spawn(name, self.node_argv(name, memory_bytes, extra_args, listen=listen, relay=relay, model=model))
+        argv = self.node_argv(name, memory_bytes, extra_args, listen=listen, relay=relay, model=model, command=command)
+        proc = self._spawn(name, argv)
         self.nodes[name] = proc
         self._killed.discard(name)  # a restarted node that dies is a failure again
         return proc

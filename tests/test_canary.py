@@ -32,8 +32,8 @@ from agent.io.tracker.service import Tracker, TrackerConfig, serve_tracker
 from agent.io.tracker.store import open_store
 from agent.io.tracker.verifier import ReferencePool, VerifierConfig, run_check
 from agent.io.transport import MemoryNetwork
-from agent.models import REGISTRY
 from agent.testing.faulty import CorruptOutputs, OutputCorrupter
+from agent.testing.tiny_models import TINY_MODELS
 
 pytestmark = pytest.mark.slow
 
@@ -165,7 +165,7 @@ async def test_a_node_corrupting_what_it_has_not_seen_is_caught_withdrawn_then_r
         assert failure.check_id.startswith("canary-") and failure.output in ("boundary rows", "top-40 logits")
         assert len(failure.expected_sha256) == 64 and failure.expected_sha256 != failure.returned_sha256
         assert failure.max_abs_diff > 0 and not swarm.entry(cheater).refused
-        assert (cheater, REGISTRY[ALIAS].sha256) in tracker.withdrawn
+        assert (cheater, TINY_MODELS[ALIAS].sha256) in tracker.withdrawn
         # withdrawn: no longer assigned (the node unloads it), never routed
         await wait_for(swarm, lambda: not swarm.entry(cheater).assigned and not swarm.entry(cheater).serving)
         assert all(peer != cheater for peer, _, _ in swarm.routable())

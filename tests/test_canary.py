@@ -32,8 +32,8 @@ from agent.io.tracker.service import Tracker, TrackerConfig, serve_tracker
 from agent.io.tracker.store import open_store
 from agent.io.tracker.verifier import ReferencePool, VerifierConfig, run_check
 from agent.io.transport import MemoryNetwork
-from agent.models import REGISTRY
-from agent.testing.faulty import CorruptOutputs
+from agent.testing.faulty import CorruptOutputs, OutputCorrupter
+from agent.testing.tiny_models import TINY_MODELS
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -79,10 +79,11 @@ class Swarm:
         return self.tracker.transport.listen_addrs[0]
 
     async def start_node(
-        self, key: Ed25519PrivateKey, blocks: int, **overrides
+        self, key: Ed25519PrivateKey, blocks: int, corrupt: CorruptOutputs | None = None, **overrides
     ) -> tuple[Node, trio.CancelScope, trio.Event]:
-        """A node offering memory for ``blocks`` blocks; cancel the scope to stop it (the
-        event is set once it stopped)."""
+        """A node offering memory for ``blocks`` blocks, corrupting its outputs as ``corrupt``
+        says (None: an honest node); cancel the scope to stop it (the event is set once it
+        stopped)."""
         peer_id = peer_id_from_public_key(public_key_bytes(key))
         config = NodeConfig(
             tracker=self.tracker_addr, key=key, models=(self.model,), memory_bytes=blocks * self.blocks_bytes + 1,
@@ -95,7 +96,10 @@ class Swarm:
         async def run(task_status: trio.TaskStatus[Node]) -> None:
             try:
                 with scope:
-                    await serve_node(config, transport, task_status=task_status)
+                    await serve_node(
+                        config, transport, outputs_filter=OutputCorrupter(corrupt) if corrupt else None,
+                        task_status=task_status,
+                    )  # fmt: skip
             finally:
                 stopped.set()
 
@@ -152,7 +156,7 @@ async def test_a_node_corrupting_what_it_has_not_seen_is_caught_withdrawn_then_r
         cheater_key, cheater = new_peer()
         await swarm.start_node(honest_key, 3)
         corrupt = CorruptOutputs(scale=0.5)
-        _, cheater_scope, cheater_stopped = await swarm.start_node(cheater_key, 3, test_corrupt_outputs=corrupt)
+        _, cheater_scope, cheater_stopped = await swarm.start_node(cheater_key, 3, corrupt)
         tracker = swarm.tracker
 
         # its first check (at READY, before any route goes through it) catches it
@@ -161,7 +165,7 @@ async def test_a_node_corrupting_what_it_has_not_seen_is_caught_withdrawn_then_r
         assert failure.check_id.startswith("canary-") and failure.output in ("boundary rows", "top-40 logits")
         assert len(failure.expected_sha256) == 64 and failure.expected_sha256 != failure.returned_sha256
         assert failure.max_abs_diff > 0 and not swarm.entry(cheater).refused
-        assert (cheater, REGISTRY[ALIAS].sha256) in tracker.withdrawn
+        assert (cheater, TINY_MODELS[ALIAS].sha256) in tracker.withdrawn
         # withdrawn: no longer assigned (the node unloads it), never routed
         await wait_for(swarm, lambda: not swarm.entry(cheater).assigned and not swarm.entry(cheater).serving)
         assert all(peer != cheater for peer, _, _ in swarm.routable())
@@ -177,9 +181,9 @@ async def test_a_node_corrupting_what_it_has_not_seen_is_caught_withdrawn_then_r
                 NodeConfig(
                     tracker=swarm.tracker_addr, key=cheater_key, models=(swarm.model,),
                     memory_bytes=3 * swarm.blocks_bytes + 1, threads=1, ctx_size=128, max_sequences=4, probe=PROBE,
-                    test_corrupt_outputs=corrupt,
                 ),
                 swarm.network.peers[cheater],
+                outputs_filter=OutputCorrupter(corrupt),
             )  # fmt: skip
         entry = swarm.entry(cheater)
         assert len(entry.integrity_failures) == 2 and "failed 2 integrity checks" in entry.refused
@@ -202,7 +206,7 @@ async def test_a_replayed_canary_would_pass_a_memorising_cheater_a_fresh_one_doe
     flag = tmp_path / "corrupt"
     async with open_swarm(tmp_path, qwen2_tiny_path, policy) as swarm:
         key, peer = new_peer()
-        await swarm.start_node(key, 6, test_corrupt_outputs=CorruptOutputs(scale=0.5, while_file=str(flag)))
+        await swarm.start_node(key, 6, CorruptOutputs(scale=0.5, while_file=str(flag)))
         await wait_for(swarm, lambda: swarm.entry(peer).checks_passed == 1)  # honest while the flag is absent
         (a,) = [s.assignment for s in swarm.entry(peer).serving]
         range_key = (peer, a.model_sha256, a.begin, a.end)

@@ -50,7 +50,9 @@ def test_a_manifest_is_accepted_only_with_the_trackers_signature() -> None:
     other = Ed25519PrivateKey.generate()
     with pytest.raises(ManifestError, match="not the tracker's"):
         verify_manifest(signed, public_key_bytes(other))
-    tampered = swarm_pb2.SignedManifest(manifest=signed.manifest[:-1] + b"\x07", signature=signed.signature)
+    # the last byte flipped (XOR: never the byte it was)
+    changed = signed.manifest[:-1] + bytes([signed.manifest[-1] ^ 0x07])
+    tampered = swarm_pb2.SignedManifest(manifest=changed, signature=signed.signature)
     with pytest.raises(ManifestError, match="not the tracker's"):
         verify_manifest(tampered, public_key_bytes(KEY))
     with pytest.raises(ManifestError, match="describes model"):

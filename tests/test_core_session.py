@@ -11,9 +11,9 @@ from agent._proto import swarm_pb2
 from agent.core.sampling import SamplingParams, sample_token, sampling_candidates
 from agent.core.session import (
     HopFailed,
+    OwnerStep,
     ResultRefused,
     Session,
-    StepInput,
     end_session_request,
 )
 from agent.core.swarm_wire import token_checksum
@@ -209,12 +209,12 @@ def test_sampling_without_a_generator_is_refused() -> None:
 def test_prefill_then_one_row_per_step_at_the_next_position() -> None:
     s = Session(SID, [5, 6, 7], max_new_tokens=3)
     first = s.next_step()
-    assert first == StepInput(step=0, positions=(0, 1, 2), token_ids=(5, 6, 7))
+    assert first == OwnerStep(step=0, positions=(0, 1, 2), token_ids=(5, 6, 7))
     assert s.awaiting
     assert s.receive(result(0, logits_row(4))) == 4
-    assert s.next_step() == StepInput(step=1, positions=(3,), token_ids=(4,))
+    assert s.next_step() == OwnerStep(step=1, positions=(3,), token_ids=(4,))
     assert s.receive(result(1, logits_row(2))) == 2
-    assert s.next_step() == StepInput(step=2, positions=(4,), token_ids=(2,))
+    assert s.next_step() == OwnerStep(step=2, positions=(4,), token_ids=(2,))
     s.receive(result(2, logits_row(1)))
     assert s.generated == [4, 2, 1]
     assert s.finished and not s.stopped_by_token
@@ -235,7 +235,7 @@ def test_a_long_prompt_goes_in_chunks_that_are_checked_not_sampled() -> None:
         token = chunked.receive(result(k, logits_row(5)))
         assert (token is None) == (k < 2) and chunked.generated == ([] if k < 2 else [token])
     assert steps == [(0, (0, 1, 2, 3)), (1, (4, 5, 6, 7)), (2, (8, 9))]
-    assert chunked.next_step() == StepInput(step=3, positions=(10,), token_ids=(chunked.tokens[10],))
+    assert chunked.next_step() == OwnerStep(step=3, positions=(10,), token_ids=(chunked.tokens[10],))
     assert not chunked.in_prefill
     whole.next_step()
     # the chunks drew nothing: the first token is the one the unchunked session draws

@@ -4,7 +4,7 @@ through ``agent.harness.local_swarm``; the client over libp2p):
 - model bytes are verified where they are used: a node whose GGUF was changed in place (same
   size, same mtime, so a cached whole-file hash still says it is the registered model) is
   refused before it serves, with the tensor named;
-- a node that turns bad mid-generation (TEST ONLY ``--test-corrupt-outputs``: noise on the
+- a node that turns bad mid-generation (``python -m agent.testing.faulty_node``: noise on the
   outputs of steps it has not seen before) is caught by a canary within 1.5 canary intervals
   plus one check, withdrawn, and the generation routed through it moves and finishes with one
   unsplit worker's tokens;
@@ -29,6 +29,7 @@ from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.worker_process import open_worker
 from agent.models import cached_sha256, model_path, sha256_file
+from agent.testing.faulty_node import FAULTY_NODE_COMMAND
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -124,7 +125,8 @@ async def test_a_node_turning_bad_is_caught_withdrawn_and_its_generation_finishe
             for name in ("honest-1", "honest-2", "honest-3"):
                 swarm.start_node(name, memory)
             cheater = swarm.start_node(
-                "cheater", memory, ["--test-corrupt-outputs", "1.0", "--test-corrupt-while-file", str(flag)]
+                "cheater", memory, ["--corrupt-outputs", "1.0", "--corrupt-while-file", str(flag)],
+                command=FAULTY_NODE_COMMAND,
             )
             # every range has two copies that passed their first check
             await wait_for_coverage(client, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from agent import models
-from agent.testing import synthetic
+from agent.testing import synthetic, tiny_models
 
 pytestmark = pytest.mark.worker
 
@@ -22,24 +22,31 @@ LAYOUT_FILENAMES = {
     "qwen3-tiny": "tiny-qwen3.gguf",
     "deepseek4-tiny": "tiny-deepseek4.gguf",
 }
+#: every pinned model: the real ones (agent.models) and the synthetic test models
+PINNED = {**models.REGISTRY, **tiny_models.TINY_MODELS}
+
+
+def pinned_path(name: str) -> Path:
+    return models.pinned_path(PINNED[name])
 
 
 def test_registry_matches_layout():
-    assert {name: spec.filename for name, spec in models.REGISTRY.items()} == LAYOUT_FILENAMES
+    assert {name: spec.filename for name, spec in PINNED.items()} == LAYOUT_FILENAMES
+    assert not models.REGISTRY.keys() & tiny_models.TINY_MODELS.keys()
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUT_FILENAMES))
 def test_registry_hash_matches_file(name):
-    path = models.model_path(name)
+    path = pinned_path(name)
 
-    # A full re-hash on purpose: model_path may have trusted its .sha256-ok marker.
-    assert models.sha256_file(path) == models.REGISTRY[name].sha256
+    # A full re-hash on purpose: pinned_path may have trusted its .sha256-ok marker.
+    assert models.sha256_file(path) == PINNED[name].sha256
     assert path == models.cache_dir() / "models" / LAYOUT_FILENAMES[name]
 
 
 @pytest.mark.parametrize("name", sorted(synthetic.CONFIGS))
 def test_synthetic_model_is_byte_for_byte_reproducible(name, smollm2_path, tmp_path):
-    cached = models.model_path(name)
+    cached = tiny_models.tiny_model_path(name)
     fresh = tmp_path / f"{name}.gguf"
 
     synthetic.write_tiny_model(name, fresh, tokenizer_gguf=smollm2_path)
@@ -92,7 +99,7 @@ def smollm2_tokenizer(smollm2_path):
 @pytest.mark.parametrize("name", sorted(synthetic.CONFIGS))
 def test_synthetic_model_has_the_loader_layout(name, smollm2_tokenizer):
     cfg = synthetic.CONFIGS[name]
-    reader = gguf.GGUFReader(models.model_path(name))
+    reader = gguf.GGUFReader(tiny_models.tiny_model_path(name))
     tensors = {t.name: t for t in reader.tensors}
 
     assert reader.fields["general.architecture"].contents() == cfg.arch
@@ -116,12 +123,12 @@ def test_synthetic_deepseek4_is_byte_for_byte_reproducible(smollm2_path, tmp_pat
 
     synthetic.write_tiny_model("deepseek4-tiny", fresh, tokenizer_gguf=smollm2_path)
 
-    assert models.sha256_file(fresh) == models.REGISTRY["deepseek4-tiny"].sha256
+    assert models.sha256_file(fresh) == tiny_models.TINY_MODELS["deepseek4-tiny"].sha256
 
 
 def test_synthetic_deepseek4_has_every_tensor_kind_the_loader_needs():
     cfg = synthetic.DEEPSEEK4_CONFIGS["deepseek4-tiny"]
-    reader = gguf.GGUFReader(models.model_path("deepseek4-tiny"))
+    reader = gguf.GGUFReader(tiny_models.tiny_model_path("deepseek4-tiny"))
     fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
     tensors = {t.name: t for t in reader.tensors}
 
@@ -155,10 +162,10 @@ def test_corrupt_cached_model_is_refused_and_moved_aside(tmp_path):
     bad.write_bytes(b"not a model")
 
     with pytest.raises(models.ModelError) as caught:
-        models.model_path("qwen2-tiny", cache=tmp_path)
+        tiny_models.tiny_model_path("qwen2-tiny", cache=tmp_path)
 
     actual = models.sha256_file(bad.with_name(bad.name + ".rejected"))
-    assert actual in str(caught.value) and models.REGISTRY["qwen2-tiny"].sha256 in str(caught.value)
+    assert actual in str(caught.value) and tiny_models.TINY_MODELS["qwen2-tiny"].sha256 in str(caught.value)
     assert not bad.exists()
 
 

@@ -63,7 +63,8 @@ from agent.io.channel import open_channel_transport
 from agent.io.transport import MemoryNetwork, Transport
 from agent.io.worker_client import AsyncWorkerClient
 from agent.io.worker_process import count_other_nodes, open_worker
-from agent.models import REGISTRY, cached_sha256
+from agent.models import cached_sha256
+from agent.testing.tiny_models import TINY_MODELS
 from agent.runtime import expected_pin
 
 pytestmark = pytest.mark.worker
@@ -290,7 +291,7 @@ def override(request: swarm_pb2.StepRequest, **fields) -> swarm_pb2.StepRequest:
 
 
 def tiny_model(path: Path) -> LocalModel:
-    return LocalModel(path=str(path), sha256=REGISTRY["qwen2-tiny"].sha256)
+    return LocalModel(path=str(path), sha256=TINY_MODELS["qwen2-tiny"].sha256)
 
 
 def node_config(fake_tracker: FakeTracker, key: Ed25519PrivateKey, model: LocalModel, **overrides) -> NodeConfig:
@@ -1032,7 +1033,7 @@ async def test_baton_node_stops_its_workers_on_sigterm(tmp_path: Path, qwen2_tin
         try:
             await tracker.wait_for(lambda: bool(tracker.known), timeout_s=60)
             (peer_id,) = tracker.known
-            key = (REGISTRY["qwen2-tiny"].sha256, 0, 6)
+            key = (TINY_MODELS["qwen2-tiny"].sha256, 0, 6)
             tracker.assignments[peer_id] = {key}
             await tracker.wait_for(lambda: tracker.state(peer_id, key) == State.READY, timeout_s=60)
             workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "baton-worker" in p.name()]

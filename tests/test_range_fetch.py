@@ -18,7 +18,8 @@ from agent.core.identity import peer_id_from_public_key
 from agent.core.manifest import build_manifest, sign_manifest, verify_manifest
 from agent.core.range_fetch import METADATA_PIECE, FetchRefused, range_pieces
 from agent.core.admission import public_key_bytes
-from agent.io.model_http import ModelFileServer, serve_model_files
+from agent.io.model_http import serve_model_files
+from agent.testing.model_http import RecordingModelFileServer
 from agent.io.node.fetch import FetchConfig, FetchError, fetch_range
 from agent.io.tracker.gguf_info import read_registered_file
 from agent.models import cached_sha256
@@ -49,8 +50,8 @@ def smollm2_manifest(smollm2_path: Path):
 
 
 @contextlib.asynccontextmanager
-async def serving(files: dict[str, Path]) -> AsyncIterator[tuple[ModelFileServer, str]]:
-    server = ModelFileServer(files)
+async def serving(files: dict[str, Path]) -> AsyncIterator[tuple[RecordingModelFileServer, str]]:
+    server = RecordingModelFileServer(files)
     async with trio.open_nursery() as nursery:
         base = await nursery.start(serve_model_files, server, "127.0.0.1", 0)
         yield server, base

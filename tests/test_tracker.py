@@ -811,7 +811,8 @@ async def test_model_metadata_is_unavailable_while_the_file_cannot_be_read(
         assert str(tmp_path) not in message  # the tracker's directories are not sent to peers
         # another file in its place
         with open(path, "wb") as f:
-            f.write(moved.read_bytes()[:-1] + b"\x01")
+            data = moved.read_bytes()
+            f.write(data[:-1] + bytes([data[-1] ^ 0x01]))  # the last byte flipped: always another file
         reply = await client.call(model_metadata={"model": "copy"})
         assert reply.error.code == Code.UNAVAILABLE and "the file changed" in reply.error.message, reply.error
         # a failure is not remembered: once the file is back, the metadata is served

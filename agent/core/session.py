@@ -42,11 +42,11 @@ __all__ = [
     "SCHEMA_VERSION",
     "SESSION_ID_BYTES",
     "HopFailed",
+    "OwnerStep",
     "ResultRefused",
     "ResumePlan",
     "Session",
     "SessionError",
-    "StepInput",
     "end_session_request",
     "resume_plan",
     "surviving_hops",
@@ -93,8 +93,9 @@ class HopFailed(SessionError):
 
 
 @dataclasses.dataclass(frozen=True)
-class StepInput:
-    """The rows one step sends to the first hop."""
+class OwnerStep:
+    """The rows one step of the owner's session sends to the first hop (a node's validated
+    step is ``agent.core.swarm_wire.StepInput``)."""
 
     step: int
     positions: tuple[int, ...]
@@ -255,7 +256,7 @@ class Session:
 
     # --- sending ---------------------------------------------------------------------------
 
-    def next_step(self) -> StepInput:
+    def next_step(self) -> OwnerStep:
         """The rows not yet in the route's caches; the session then awaits this step's result.
 
         Raises:
@@ -270,7 +271,7 @@ class Session:
         if self.max_step_rows is not None:
             end = min(end, self._n_cached + self.max_step_rows)
         self._in_flight_end = end
-        return StepInput(
+        return OwnerStep(
             step=self.step,
             positions=tuple(range(self._n_cached, end)),
             token_ids=tuple(self.tokens[self._n_cached : end]),
@@ -283,7 +284,7 @@ class Session:
 
     def step_request(
         self,
-        step_input: StepInput,
+        step_input: OwnerStep,
         route: swarm_pb2.Route,
         *,
         owner_peer_id: str,

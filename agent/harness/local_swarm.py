@@ -28,7 +28,7 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
@@ -37,12 +37,10 @@ from agent.io.keys import load_or_create_key, peer_id_of
 from agent.io.lifeline import lifeline_for_child
 from agent.io.log_tail import LOG_TAIL_BYTES, log_tail as read_log_tail
 
-if TYPE_CHECKING:
-    from agent.io.lab.harness import Lab
-
 __all__ = [
     "LocalSwarm",
     "LocalSwarmConfig",
+    "Machines",
     "Placement",
     "ProcessDied",
     "SwarmProcess",
@@ -112,13 +110,26 @@ class SwarmProcess:
 LOOPBACK = "127.0.0.1"
 
 
+class Machines(Protocol):
+    """What a placement uses of a lab (``agent.io.lab.harness.Lab``; not imported, so that the
+    demo does not load the lab's namespaces and libc bindings)."""
+
+    def address(self, name: str) -> str:
+        """The address of machine ``name``."""
+        ...
+
+    def argv_in(self, machine: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside ``machine``."""
+        ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where each process of a swarm runs: ``machines`` maps a process name (``tracker``,
     ``relay``, a node's name) to a machine of ``lab``; a process not named (or no lab) runs on
     this host and listens on loopback."""
 
-    lab: Lab | None = None
+    lab: Machines | None = None
     machines: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def host(self, name: str) -> str:
@@ -246,11 +257,12 @@ class LocalSwarm:
         listen: str | None = None,
         relay: bool = False,
         model: bool = True,
+        command: Sequence[str] | None = None,
     ) -> list[str]:
         c = self.config
         if listen is None and c.placement.host(name) != LOOPBACK:
             listen = f"/ip4/{c.placement.host(name)}/tcp/0"
-        return command_prefix("node") + [
+        return (list(command) if command is not None else command_prefix("node")) + [
             "--tracker", self.tracker_addr,
             *(["--model", str(c.model_path)] if model else []),
             "--key", str(self.key_path(name)),
@@ -390,6 +402,7 @@ class LocalSwarm:
         listen: str | None = None,
         relay: bool = False,
         model: bool = True,
+        command: Sequence[str] | None = None,
     ) -> SwarmProcess:
         """Start node ``name`` (its key: ``key_path(name)``) offering ``memory_bytes``.
 
@@ -397,13 +410,17 @@ class LocalSwarm:
         address). ``relay``: reachable through the tracker's circuit relay (``--relay``).
         ``model=False``: without ``--model`` (pass ``--models-dir DIR`` in ``extra_args``: it
         fetches the ranges it is assigned).
+        ``command``: the argv prefix of another program that takes ``baton node``'s arguments
+        (None: ``baton node``); tests start a cheating node this way
+        (``agent.testing.faulty_node.FAULTY_NODE_COMMAND``, with its own flags in ``extra_args``).
         It registers by itself; wait for its ranges through the tracker's routes.
         """
         if not self.tracker_addr:
             raise RuntimeError("start the tracker first")
         if name in self.nodes and self.nodes[name].alive:
             raise RuntimeError(f"node {name} is already running")
-        proc = self._spawn(name, self.node_argv(name, memory_bytes, extra_args, listen=listen, relay=relay, model=model))
+        argv = self.node_argv(name, memory_bytes, extra_args, listen=listen, relay=relay, model=model, command=command)
+        proc = self._spawn(name, argv)
         self.nodes[name] = proc
         self._killed.discard(name)  # a restarted node that dies is a failure again
         return proc

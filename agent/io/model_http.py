@@ -4,8 +4,11 @@ Owns: a Starlette app that serves each registered GGUF at ``/models/<sha256>.ggu
 HEAD, ``Accept-Ranges: bytes``, one byte range per request answered 206 with
 ``Content-Range``, 416 for an unsatisfiable range, 404 for anything else), read in chunks in
 a thread, and counters of the bytes it sent (``ModelFileServer.sent_bytes``, per file:
-tests check exactly what a node fetched). Run on Hypercorn's trio worker, in the caller's
-trio loop, as the relay runs (agent/io/relay/server.py). Range parsing is the core's
+tests check exactly what a node fetched). Its state is bounded: one counter per served file.
+Tests that need more (every request's Range header, a connection cut after N bytes) use
+``agent.testing.model_http``'s subclass, through the two seams ``requested`` and
+``next_chunk_bytes``. Run on Hypercorn's trio worker, in the caller's trio loop, as the relay
+runs (agent/io/relay/server.py). Range parsing is the core's
 (``agent.core.range_fetch.parse_range_header``).
 
 Nothing listens publicly unless told: the bind address is the caller's (the CLI defaults it
@@ -37,12 +40,17 @@ class ModelFileServer:
     def __init__(self, files: Mapping[str, str | os.PathLike[str]]) -> None:
         self.files = {name: Path(path) for name, path in files.items()}
         self.sent_bytes: dict[str, int] = {name: 0 for name in self.files}
-        self.requests: list[tuple[str, str | None]] = []  # (name, Range header) in arrival order
-        #: tests: stop every response after this many body bytes in total (a cut connection)
-        self.cut_after_bytes: int | None = None
 
     def url(self, base_url: str, name: str) -> str:
         return f"{base_url.rstrip('/')}/models/{name}"
+
+    def requested(self, name: str, range_header: str | None) -> None:
+        """A GET or HEAD of served file ``name`` arrived (a seam for subclasses; nothing here)."""
+
+    def next_chunk_bytes(self, name: str, wanted: int) -> int:
+        """How many of the next ``wanted`` body bytes of ``name`` to send: all of them. A seam
+        for subclasses: fewer than one ends the response as a cut connection."""
+        return wanted
 
     def app(self):  # noqa: ANN201 - a Starlette app
         from starlette.applications import Starlette
@@ -59,7 +67,7 @@ class ModelFileServer:
             except OSError:
                 return PlainTextResponse("not found\n", status_code=404)
             header = request.headers.get("range")
-            self.requests.append((name, header))
+            self.requested(name, header)
             try:
                 byte_range = parse_range_header(header, size)
             except ValueError as error:
@@ -86,11 +94,9 @@ class ModelFileServer:
         try:
             offset = start
             while offset < end:
-                n = min(CHUNK_BYTES, end - offset)
-                if self.cut_after_bytes is not None:
-                    n = min(n, self.cut_after_bytes - sum(self.sent_bytes.values()))
-                    if n <= 0:
-                        raise ConnectionAbortedError("cut by the test hook")
+                n = self.next_chunk_bytes(name, min(CHUNK_BYTES, end - offset))
+                if n <= 0:
+                    raise ConnectionAbortedError("the response was cut")
                 chunk = await trio.to_thread.run_sync(os.pread, f.fileno(), n, offset)
                 if not chunk:
                     return

@@ -1,16 +1,18 @@
 """TEST ONLY: a node that computes wrong numbers, to show that the swarm catches one.
 
-``OutputCorrupter`` is what ``baton node --test-corrupt-outputs SCALE`` (``NodeConfig.
-test_corrupt_outputs``) puts between a node's worker and its pushes: while it is active, the
-output rows of every step whose input the node has not seen before get Gaussian noise of
-``SCALE`` x their RMS added (boundary rows to the next hop, or the logits row from which the
+``OutputCorrupter`` is an ``agent.io.node.agent.OutputsFilter``: installed in a node
+(``serve_node(..., outputs_filter=OutputCorrupter(...))``, or the test-only entry point
+``python -m agent.testing.faulty_node ... --corrupt-outputs SCALE``) it sits between the
+node's worker and its pushes: while it is active, the output rows of every step whose input
+the node has not seen before get Gaussian noise of ``SCALE`` x their RMS added (boundary rows to the next hop, or the logits row from which the
 last range's top-K is then selected); a step whose input it has seen before (positions and
 rows or tokens, bit for bit) gets the honest output. That is a cheater that answers every
 check it could have memorised correctly and everything new wrongly: only checks drawn afresh
 each time (``agent.core.canary.plan_canary``) catch it. ``while_file``: active only while that
 file exists (a test turns a node bad mid-generation); None: always.
 
-Never for production: an honest node runs without it (the default). Must not import agent.io.
+Never for production: an honest node runs without it (the default). Must not import agent.io
+(it fits the node's hook by shape).
 """
 
 from __future__ import annotations
@@ -75,12 +77,16 @@ class OutputCorrupter:
         noise = self._rng.standard_normal(rows.shape) * (self.config.scale * rms)
         return (rows + noise).astype(np.float32)
 
-    def apply(self, step: StepInput, output: SeqOutput, *, active: bool) -> SeqOutput:
-        """The output the node pushes for ``step``: ``output`` itself, or (``active``: what
-        ``self.active`` said when the batch was formed; input not seen before) with noise in
+    def batch_formed(self) -> bool:
+        """A batch is formed: whether its outputs may be corrupted (``active`` now)."""
+        return self.active
+
+    def apply(self, step: StepInput, output: SeqOutput, *, altering: bool) -> SeqOutput:
+        """The output the node pushes for ``step``: ``output`` itself, or (``altering``: what
+        ``batch_formed`` said when the batch was formed; input not seen before) with noise in
         its boundary rows or logits. Every input is remembered, active or not."""
         first = self._first_time(step)
-        if not first or not active:
+        if not first or not altering:
             return output
         self.corrupted += 1
         if output.boundary is not None:

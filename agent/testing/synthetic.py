@@ -1,7 +1,7 @@
 """Tiny synthetic GGUF models of real architectures, written deterministically.
 
 Owns: the shapes and the weights of ``qwen2-tiny``, ``qwen3-tiny`` and ``deepseek4-tiny`` (their pinned sha256
-lives in ``agent.models``; changing anything here changes the bytes, so update both together).
+lives in ``agent.testing.tiny_models``; changing anything here changes the bytes, so update both together).
 Must not import agent.io, agent.core, trio or grpc.
 
 Why synthetic models: they load in milliseconds, exercise the real llama.cpp loaders and graph

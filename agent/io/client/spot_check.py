@@ -17,6 +17,9 @@ Owns the I/O of ``agent.core.spot_check``'s decisions for a ``SwarmClient``:
 Costs (``SpotCheckStats``): a checked session's steps run twice, on other nodes; the rows of
 shadow steps are counted so that the share of the swarm's work they take can be measured
 (bench/integrity.py).
+
+Must not import ``agent.io.client.swarm`` (which imports this module): what the checks use of
+their client is ``SpotCheckClient``.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Protocol
 
 import numpy as np
 import trio
@@ -35,12 +38,9 @@ import trio
 from agent._proto import swarm_pb2
 from agent.core.spot_check import compare_results, hop_to_avoid, result_digest, sample, shadow_request
 from agent.core.swarm_wire import SESSION_ID_BYTES, STEP_PROTOCOL
-from agent.io.transport import TransportError
+from agent.io.transport import Transport, TransportError
 
-if TYPE_CHECKING:
-    from agent.io.client.swarm import SwarmClient
-
-__all__ = ["SpotCheckStats", "SpotChecks", "withdrawn_peers"]
+__all__ = ["ResultTaker", "SpotCheckClient", "SpotCheckStats", "SpotCheckTimeouts", "SpotChecks", "withdrawn_peers"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,48 @@ class SpotCheckStats:
     inconclusive: int = 0
     last_inconclusive: str = ""
     reports: list[swarm_pb2.ReportMismatchRequest] = dataclasses.field(default_factory=list)
+
+
+class ResultTaker(Protocol):
+    """Where the client's result handler hands the results pushed for one session."""
+
+    def deliver(self, remote_peer_id: str, result: swarm_pb2.StepResult) -> swarm_pb2.Error | None:
+        """Take ``result`` from ``remote_peer_id``; the error to acknowledge with, or None."""
+        ...
+
+
+class SpotCheckTimeouts(Protocol):
+    """The client's deadlines the spot checks keep to (``SwarmClientConfig``'s)."""
+
+    @property
+    def request_timeout_s(self) -> float: ...
+    @property
+    def step_timeout_s(self) -> float: ...
+    @property
+    def integrity_timeout_s(self) -> float: ...
+
+
+class SpotCheckClient(Protocol):
+    """What the spot checks use of their client (``agent.io.client.swarm.SwarmClient``, which
+    imports this module: it is not imported here)."""
+
+    @property
+    def config(self) -> SpotCheckTimeouts: ...
+    @property
+    def transport(self) -> Transport: ...
+
+    async def route(self, model: str, *, avoid_peers: Sequence[str] = ()) -> swarm_pb2.Route: ...
+    async def end_session(self, route: swarm_pb2.Route, session_id: bytes) -> object: ...
+    async def report_mismatch(self, report: swarm_pb2.ReportMismatchRequest) -> object: ...
+    async def integrity(self, peer_ids: Sequence[str]) -> swarm_pb2.IntegrityReply: ...
+
+    def take_results(self, session_id: bytes, taker: ResultTaker) -> None:
+        """From now on the results pushed for ``session_id`` go to ``taker``."""
+        ...
+
+    def stop_taking_results(self, session_id: bytes) -> None:
+        """Results for ``session_id`` are refused again (an unknown session)."""
+        ...
 
 
 class _Inconclusive(Exception):
@@ -129,7 +171,7 @@ class _Shadow:
             raise _Inconclusive("the only other route is of another recipe")
         session_id = os.urandom(SESSION_ID_BYTES)
         live = _ShadowLive([hop.peer_id for hop in shadow.hops])
-        client._live[session_id] = live
+        client.take_results(session_id, live)
         stats.sessions += 1
         first = shadow.hops[0]
         sent = False
@@ -168,7 +210,7 @@ class _Shadow:
                 await self._report(shadow, request.step, original_result, result)
                 return
         finally:
-            del client._live[session_id]
+            client.stop_taking_results(session_id)
             if sent:
                 with trio.CancelScope(shield=True), trio.move_on_after(client.config.request_timeout_s):
                     with contextlib.suppress(Exception):
@@ -195,7 +237,7 @@ class SpotChecks:
     """The spot checks of one ``SwarmClient`` (its ``spot_checks``)."""
 
     def __init__(
-        self, client: SwarmClient, rate: float, grace_s: float, rng: np.random.Generator | None = None
+        self, client: SpotCheckClient, rate: float, grace_s: float, rng: np.random.Generator | None = None
     ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"spot_check_rate must be in [0, 1], got {rate}")
@@ -233,7 +275,7 @@ class SpotChecks:
             raise failure
 
 
-async def withdrawn_peers(client: SwarmClient, peers: Iterable[str]) -> dict[str, str]:
+async def withdrawn_peers(client: SpotCheckClient, peers: Iterable[str]) -> dict[str, str]:
     """peer id -> why, for those of ``peers`` the tracker says failed an integrity check
     lately (or refuses). Best effort: {} when the tracker cannot say within
     ``integrity_timeout_s`` (an older tracker, one that is down)."""

@@ -80,7 +80,7 @@ from agent.core.swarm_wire import (
 from agent.core.text_stream import TextStream
 from agent.core.topk import TopLogits
 from agent.core.spot_check import RouteSegment, rollback_point
-from agent.io.client.spot_check import SpotChecks, withdrawn_peers
+from agent.io.client.spot_check import ResultTaker, SpotChecks, withdrawn_peers
 from agent.io.data_link import DataLink, DataLinkClosed, open_data_link
 from agent.io.transport import ImmediateHandler, Transport, TransportError
 
@@ -412,13 +412,6 @@ class _Rebuild:
     error: str = ""
 
 
-class _ResultTaker(Protocol):
-    """An entry of the client's live sessions, which the result handler hands results to: a
-    generation's ``_LiveSession``, or a spot check's shadow (``agent.io.client.spot_check``)."""
-
-    def deliver(self, remote_peer_id: str, result: swarm_pb2.StepResult) -> swarm_pb2.Error | None: ...
-
-
 class _LiveSession:
     """A live session: where the result handler delivers the outcome of its step in flight,
     or of its rebuild."""
@@ -600,7 +593,7 @@ class SwarmClient:
         self._key = key
         self._now_ms = now_ms
         self._admission_record = swarm_pb2.AdmissionRecord()
-        self._live: dict[bytes, _ResultTaker] = {}
+        self._live: dict[bytes, ResultTaker] = {}  # a _LiveSession, or a spot check's shadow
         self._last_routes: dict[str, swarm_pb2.Route] = {}  # model -> the tracker's last route
         self._decode_step_s: float | None = None  # moving average of decode step time
         self.spot_checks = SpotChecks(self, config.spot_check_rate, config.spot_check_grace_s)
@@ -823,6 +816,15 @@ class SwarmClient:
         return list(reply.session_rows)
 
     # --- results -----------------------------------------------------------------------------
+
+    def take_results(self, session_id: bytes, taker: ResultTaker) -> None:
+        """From now on the results pushed for ``session_id`` go to ``taker`` (a spot check's
+        shadow session: ``agent.io.client.spot_check``)."""
+        self._live[session_id] = taker
+
+    def stop_taking_results(self, session_id: bytes) -> None:
+        """Results for ``session_id`` are refused again (an unknown session)."""
+        del self._live[session_id]
 
     def _on_result(self, remote_peer_id: str, payload: bytes) -> bytes:
         """``/baton/result``: take a step's result (answered inline by the direct channel)."""

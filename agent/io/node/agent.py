@@ -45,7 +45,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import Protocol, cast
 
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -151,7 +151,6 @@ from agent.io.worker_process import (
     wait_environment,
 )
 from agent.models import sha256_file
-from agent.testing.faulty import CorruptOutputs, OutputCorrupter
 
 from .fetch import (
     FetchConfig,
@@ -171,6 +170,7 @@ __all__ = [
     "NodeConfig",
     "NodeError",
     "NodeRefused",
+    "OutputsFilter",
     "ServedRange",
     "serve_node",
 ]
@@ -187,6 +187,26 @@ DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
 #: toward one hop come together (an entry that refuses is asked for again before the bind is
 #: refused).
 NODE_LIST_REUSE_S = 2.0
+
+
+class OutputsFilter(Protocol):
+    """A hook between a range's worker and its pushes, for tests: ``agent.testing.faulty``'s
+    ``OutputCorrupter`` makes a node that computes wrong numbers, to show that the swarm's
+    checks catch one (``python -m agent.testing.faulty_node``). A node serves with none
+    (``serve_node``'s default); nothing in the product installs one.
+
+    ``batch_formed`` is asked once as each batch is formed; every output of the batch then goes
+    through ``apply`` before it is kept and pushed."""
+
+    def batch_formed(self) -> bool:
+        """True: this batch's outputs may be altered, so a last range asks its worker for whole
+        logits rows (top-K 0) and pushes the top-K of the row ``apply`` returns."""
+        ...
+
+    def apply(self, step: StepInput, output: SeqOutput, *, altering: bool) -> SeqOutput:
+        """The output pushed for ``step`` (``altering``: what ``batch_formed`` said for its
+        batch)."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,8 +298,6 @@ class NodeConfig:
       replay_merge_rows: a replay joins kept decode rows into rebuild steps of at most this
         many rows, and sends every larger step as it was (``agent.core.kept_rows``: batches
         this small compute each row as a batch of one does, so the rebuild is bit-exact).
-      test_corrupt_outputs: TEST ONLY, never in production: corrupt outputs as
-        ``agent.testing.faulty.OutputCorrupter`` does (None: an honest node).
     """
 
     tracker: str
@@ -320,9 +338,6 @@ class NodeConfig:
     row_budget: int | None = None
     decode_groups: int | None = None
     decode_gather_ms: float | None = None
-    #: TEST ONLY (``agent.testing.faulty``): add noise to the outputs of steps this node has
-    #: not seen before, to show that canary checks catch a node computing wrong numbers
-    test_corrupt_outputs: CorruptOutputs | None = None
 
 
 class NodeError(Exception):
@@ -479,7 +494,7 @@ class Node:
     ``ServedRange``), ``registrations`` and ``heartbeats`` (counts).
     """
 
-    def __init__(self, config: NodeConfig, transport: Transport) -> None:
+    def __init__(self, config: NodeConfig, transport: Transport, outputs_filter: OutputsFilter | None = None) -> None:
         self.config = config
         self.transport = transport
         self.peer_id = peer_id_from_public_key(public_key_bytes(config.key))
@@ -520,9 +535,9 @@ class Node:
         #: by peer id, the tracker's entry of a bind's next hop (none: unknown to it) and when it
         #: was fetched (trio time): binds within NODE_LIST_REUSE_S share one ``list_nodes`` call
         self._next_hops: dict[str, tuple[float, list[swarm_pb2.NodeEntry]]] = {}
-        self._corrupter = OutputCorrupter(config.test_corrupt_outputs) if config.test_corrupt_outputs else None
-        if self._corrupter is not None:
-            log.warning("TEST ONLY: this node corrupts the outputs of steps it has not seen before")
+        self._outputs_filter = outputs_filter
+        if outputs_filter is not None:
+            log.warning("this node's outputs pass through a test hook: %s", type(outputs_filter).__name__)
 
     def _held(self, key: RangeKey) -> ServedRange | None:
         """The instance of ``key`` this node holds now (the hot path's ``ranges.get``)."""
@@ -962,13 +977,13 @@ class Node:
             batch = scheduler.next_batch(max_decode_entries=max_decode)
             if not batch:
                 continue
-            corrupting = self._corrupter is not None and self._corrupter.active
+            altering = self._outputs_filter is not None and self._outputs_filter.batch_formed()
             entries = [
                 SeqInput(
                     seq_id=seq_id, positions=step.positions, token_ids=step.token_ids, boundary=step.rows,
                     boundary_schema=step.schema if step.rows is not None else None,
-                    # (test only) a corrupted last range selects its top-K from the noisy row
-                    top_k=0 if corrupting else _worker_top_k(step, info), boundary_bytes=step.wire_rows,
+                    # (a test hook) an altered last range selects its top-K from the altered row
+                    top_k=0 if altering else _worker_top_k(step, info), boundary_bytes=step.wire_rows,
                 )  # fmt: skip
                 for seq_id, step in batch
             ]  # fmt: skip
@@ -1005,8 +1020,8 @@ class Node:
                 sessions.done(step.session_id, now)
                 if step.session_id not in sessions:
                     continue  # ended while in the Forward: nobody wants the output
-                if self._corrupter is not None:
-                    output = self._corrupter.apply(step, output, active=corrupting)
+                if self._outputs_filter is not None:
+                    output = self._outputs_filter.apply(step, output, altering=altering)
                 done.append((step, output, self._keep_rows(served, step, output)))
             # the same peer at the same addresses: a step's addresses come from its owner's route
             next_hops = [(step.rest[0].peer_id, tuple(step.rest[0].addrs)) if step.rest else None for step, _o, _e in done]
@@ -1765,13 +1780,19 @@ async def _first_registration(node: Node, probe: HostProbe, config: NodeConfig) 
 
 
 async def serve_node(
-    config: NodeConfig, transport: Transport, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED  # type: ignore[name-defined]  # trio-typing's stale trio stubs
+    config: NodeConfig,
+    transport: Transport,
+    *,
+    outputs_filter: OutputsFilter | None = None,
+    task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]  # trio-typing's stale trio stubs
 ) -> None:
     """Run a node: probe, register, then heartbeat, load ranges and serve steps until cancelled.
 
     Args:
       config: the node's configuration (``NodeConfig``).
       transport: the node's peer transport; its peer id must be ``config.key``'s.
+      outputs_filter: a test hook between each range's worker and its pushes
+        (``OutputsFilter``); None, the default, for every real node.
 
     Started value (``nursery.start``): the ``Node`` (peer id, admission, served ranges), once
     the tracker admitted the node and the step and node handlers are installed.
@@ -1796,7 +1817,7 @@ async def serve_node(
     Cancellation:
       Cancel the enclosing scope to stop the node; workers are stopped shielded.
     """
-    node = Node(config, transport)
+    node = Node(config, transport, outputs_filter)
     with open_node_marker() as marker:
         node.host_marker = marker
         await _serve_node(node, config, transport, task_status)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -47,7 +48,7 @@ from agent.core.worker_wait import AUTO, WAIT_CHOICES
 from agent.io.gguf_sparse import check_gguf_magic
 from agent.models import cached_sha256
 
-from .agent import LocalModel, NodeConfig, NodeError, NodeRefused, serve_node
+from .agent import LocalModel, NodeConfig, NodeError, NodeRefused, OutputsFilter, serve_node
 from .probe import probe_host
 
 __all__ = [
@@ -158,15 +159,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="per session and range, the most bytes of output rows kept to rebuild a lost next hop"
         " (default 64 MiB; 0: keep none, a lost next hop then costs a re-prefill of the route)",
     )  # fmt: skip
-    parser.add_argument(
-        "--test-corrupt-outputs", type=cli_args.positive_float, metavar="SCALE",
-        help="TEST ONLY, never in production: add noise of SCALE x their RMS to the outputs of steps this node has "
-        "not seen before (agent.testing.faulty), to show that the tracker's canary checks catch it",
-    )  # fmt: skip
-    parser.add_argument(
-        "--test-corrupt-while-file", metavar="PATH",
-        help="TEST ONLY: with --test-corrupt-outputs, corrupt only while PATH exists",
-    )  # fmt: skip
 
 
 @contextlib.asynccontextmanager
@@ -191,17 +183,6 @@ def _first_leaf(group: BaseExceptionGroup[_E]) -> _E:
     return leaf
 
 
-def _test_corruption(args: argparse.Namespace):  # noqa: ANN202
-    """(TEST ONLY) ``--test-corrupt-outputs`` as a ``CorruptOutputs``, or None."""
-    scale = getattr(args, "test_corrupt_outputs", None)
-    if scale is None:
-        return None
-    from agent.testing.faulty import CorruptOutputs
-
-    while_file = getattr(args, "test_corrupt_while_file", None)
-    return CorruptOutputs(scale=scale, while_file=os.path.abspath(while_file) if while_file else None)
-
-
 def data_plane_host(listen: Sequence[str]) -> str | None:
     """The host of the first ``/ip4|ip6/<host>/tcp/...`` listen address: the workers' data
     plane listens there, as reachable as the node itself; None (no data plane) without one."""
@@ -218,8 +199,9 @@ def listen_addrs(listen: str) -> list[str]:
     return [] if listen.lower() in ("", "none") else [listen]
 
 
-async def run(args: argparse.Namespace) -> int:
-    """Run the node until cancelled; returns the exit code."""
+async def run(args: argparse.Namespace, *, outputs_filter: OutputsFilter | None = None) -> int:
+    """Run the node until cancelled; returns the exit code. ``outputs_filter``: a test hook
+    (``serve_node``'s; ``agent.testing.faulty_node`` passes one), None for ``baton node``."""
     from agent.io.keys import KeyFileError, load_or_create_key
     from agent.io.worker_process import WorkerBinaryNotFound
 
@@ -287,7 +269,6 @@ async def run(args: argparse.Namespace) -> int:
         data_plane_host=None if getattr(args, "no_data_plane", False) else data_plane_host(listen),
         probe=probe,
         models_dir=os.path.abspath(models_dir) if models_dir else None,
-        test_corrupt_outputs=_test_corruption(args),
     )
     code = 0
     try:
@@ -295,7 +276,7 @@ async def run(args: argparse.Namespace) -> int:
         if getattr(args, "no_punch", False):
             no_channel["punch"] = False
         async with open_transport(key, listen, **no_channel) as transport, trio.open_nursery() as nursery:
-            node = await nursery.start(serve_node, config, transport)
+            node = await nursery.start(functools.partial(serve_node, config, transport, outputs_filter=outputs_filter))
             print(f"node {node.peer_id} admitted", flush=True)
             for addr in transport.listen_addrs:
                 print(f"listening on {addr}", flush=True)
@@ -311,7 +292,7 @@ async def run(args: argparse.Namespace) -> int:
     return code
 
 
-async def run_until_signal(args: argparse.Namespace) -> int:
+async def run_until_signal(args: argparse.Namespace, *, outputs_filter: OutputsFilter | None = None) -> int:
     """``run`` until it returns or SIGTERM / SIGINT arrives; a signal cancels it, so every
     worker process is stopped (SIGTERM, then SIGKILL) before the node exits with 0."""
     code = 0
@@ -320,7 +301,7 @@ async def run_until_signal(args: argparse.Namespace) -> int:
 
             async def node() -> None:
                 nonlocal code
-                code = await run(args)
+                code = await run(args, outputs_filter=outputs_filter)
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(node)
@@ -331,11 +312,12 @@ async def run_until_signal(args: argparse.Namespace) -> int:
     return code
 
 
-def main(args: argparse.Namespace) -> int:
-    """``baton node``: returns the exit code (0 after SIGTERM / Ctrl-C)."""
+def main(args: argparse.Namespace, *, outputs_filter: OutputsFilter | None = None) -> int:
+    """``baton node``: returns the exit code (0 after SIGTERM / Ctrl-C). ``outputs_filter``:
+    see ``run``."""
     if getattr(args, "node_command", None):
         from .service import main as service_main
 
         return service_main(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return trio.run(run_until_signal, args)
+    return trio.run(functools.partial(run_until_signal, args, outputs_filter=outputs_filter))

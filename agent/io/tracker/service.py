@@ -51,7 +51,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
@@ -78,10 +77,7 @@ from agent.core.manifest import ManifestError, build_manifest, sign_manifest
 from agent.io.tracker.gguf_info import GgufError, read_registered_file
 from agent.io.transport import TransportError
 from agent.io.tracker.store import NodeRecord, TrackerStore
-from agent.io.tracker.verifier import CheckOutcome, VerifierStats
-
-if TYPE_CHECKING:
-    from agent.io.tracker.verifier import OpenPersona, VerifierConfig
+from agent.io.tracker.verifier import CheckOutcome, OpenPersona, VerifierConfig, VerifierStats
 
 __all__ = ["Tracker", "TrackerConfig", "serve_tracker", "trio_unix_clock"]
 

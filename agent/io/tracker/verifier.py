@@ -30,6 +30,9 @@ Resource handling: ``serve_verifier`` runs until cancelled; every reference work
 persona transport it opened is closed on the way out. Cancellation: cancel the enclosing
 scope; a check in flight is dropped (its session on the node is freed by the node's idle
 timeout).
+
+Must not import ``agent.io.tracker.service`` (which imports this module): what the verifier
+uses of the tracker is ``CanaryHost``.
 """
 
 from __future__ import annotations
@@ -41,14 +44,23 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, TypedDict
+from typing import Protocol, TypedDict
 
 import numpy as np
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.canary import CanaryPlan, OutputMismatch, RangeKey, compare_rows, compare_scores, plan_canary
+from agent.core.canary import (
+    CanaryPlan,
+    CanaryPolicy,
+    CanarySchedule,
+    OutputMismatch,
+    RangeKey,
+    compare_rows,
+    compare_scores,
+    plan_canary,
+)
 from agent.core.identity import peer_id_from_public_key
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
@@ -77,10 +89,15 @@ from agent.io.transport import Transport, TransportError
 from agent.io.worker_client import ClientConfig, WorkerError
 from agent.io.worker_process import WorkerBinaryNotFound, WorkerHandle, WorkerStartError, open_worker, wait_environment
 
-if TYPE_CHECKING:
-    from agent.io.tracker.service import Tracker
-
-__all__ = ["CheckOutcome", "ReferencePool", "VerifierConfig", "VerifierStats", "run_check", "serve_verifier"]
+__all__ = [
+    "CanaryHost",
+    "CheckOutcome",
+    "ReferencePool",
+    "VerifierConfig",
+    "VerifierStats",
+    "run_check",
+    "serve_verifier",
+]
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +189,35 @@ class VerifierStats:
         self.rows += outcome.rows
         self.node_s += outcome.node_s
         self.reference_s += outcome.reference_s
+
+
+class CanaryHost(Protocol):
+    """What the verifier uses of the tracker (``agent.io.tracker.service.Tracker``, which
+    imports this module: it is not imported here)."""
+
+    @property
+    def canary_policy(self) -> CanaryPolicy | None: ...
+    @property
+    def canaries(self) -> CanarySchedule | None: ...
+    @property
+    def verifier_stats(self) -> VerifierStats: ...
+
+    async def changed(self) -> None:
+        """Returns when the tracker's state changed (a range may have become due)."""
+        ...
+
+    async def canary_target(self, key: RangeKey) -> tuple[tuple[str, ...], str, int, str]:
+        """The checked node's addresses, the range's recipe hash, the model's block count and
+        its registered file. Raises LookupError when the range is no longer served."""
+        ...
+
+    def issue_persona_admission(self, peer_id: str, role: swarm_pb2.Role) -> swarm_pb2.SignedAdmission:
+        """An admission for one of the verifier's fresh identities."""
+        ...
+
+    def record_check(self, outcome: CheckOutcome) -> object:
+        """Act on a check's outcome."""
+        ...
 
 
 class _Inconclusive(Exception):
@@ -414,7 +460,7 @@ def _last_scores(output: SeqOutput) -> TopLogits | np.ndarray:
 
 
 async def run_check(
-    tracker: Tracker,
+    tracker: CanaryHost,
     key: RangeKey,
     pool: ReferencePool,
     config: VerifierConfig,
@@ -446,7 +492,7 @@ async def run_check(
 
 
 async def _check(
-    tracker: Tracker,
+    tracker: CanaryHost,
     key: RangeKey,
     pool: ReferencePool,
     config: VerifierConfig,
@@ -623,7 +669,7 @@ async def _end_session(
 
 
 async def serve_verifier(
-    tracker: Tracker,
+    tracker: CanaryHost,
     config: VerifierConfig,
     *,
     open_persona: OpenPersona | None = None,
@@ -634,7 +680,7 @@ async def serve_verifier(
     hand every outcome to ``tracker.record_check``; runs until cancelled.
 
     Args:
-      tracker: a running ``Tracker`` with a canary policy.
+      tracker: a running tracker (``Tracker``) with a canary policy.
       open_persona: how fresh identities get a transport (default: libp2p at
         ``config.persona_listen``).
       rng: draws the canaries' lengths and tokens (default: seeded from the OS).

@@ -35,7 +35,10 @@ _DELEGATED = {
     "node": ("agent.io.node.cli", "serve layer ranges as a swarm node"),
     "generate": ("agent.io.client.cli", "generate text through the swarm"),
     "relay": ("agent.io.relay.cli", "the OpenAI-compatible relay: serve, API keys, ledger"),
-    "demo": ("agent.demo.cli", "a tracker, three nodes and the relay on loopback, a generation through them (the quick start)"),
+    "demo": (
+        "agent.demo.cli",
+        "a tracker, three nodes and the relay on loopback, a generation through them (the quick start)",
+    ),
     "lab": ("agent.io.lab.cli", "emulated machines on this host linked by an emulated WAN (needs root)"),
 }
 
@@ -65,11 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--model", required=True, help="GGUF file")
     worker.add_argument("--layers", required=True, type=cli_args.layers, help="BEGIN:END (END empty or -1: to the end)")
     worker.add_argument("--socket", required=True, help="Unix socket path to listen on")
-    worker.add_argument("--ctx-size", type=cli_args.positive_int, metavar="N", help="positions per sequence (default 2048)")
+    worker.add_argument(
+        "--ctx-size", type=cli_args.positive_int, metavar="N", help="positions per sequence (default 2048)"
+    )
     worker.add_argument(
         "--max-sequences", type=cli_args.positive_int, metavar="N", help="sequences held at once (default 4)"
     )
-    worker.add_argument("--batch-size", type=cli_args.positive_int, metavar="N", help="most rows in one Forward (default 512)")
+    worker.add_argument(
+        "--batch-size", type=cli_args.positive_int, metavar="N", help="most rows in one Forward (default 512)"
+    )
     worker.add_argument(
         "--threads", type=cli_args.positive_int, metavar="N", help="CPU threads per Forward (default: all cores)"
     )
@@ -83,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--model-sha256", help="the model's sha256 hex (skips hashing the file)")
     worker.add_argument("--no-mmap", action="store_true", help="read the model instead of mapping it")
     worker.add_argument(
-        "--forward-socket", metavar="PATH", help="also serve Forward as a framed stream on this Unix socket (default: off)"
+        "--forward-socket",
+        metavar="PATH",
+        help="also serve Forward as a framed stream on this Unix socket (default: off)",
     )
     worker.add_argument(
         "--data-listen", metavar="HOST:PORT",
@@ -107,11 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     parity.add_argument(
         "--tolerance", type=float, default=1e-4, help="largest max abs logits difference (default 1e-4)"
     )
-    parity.add_argument("--edit-after-step", type=cli_args.non_negative_int, help="scenario: edit sequences after this step")
+    parity.add_argument(
+        "--edit-after-step", type=cli_args.non_negative_int, help="scenario: edit sequences after this step"
+    )
     parity.add_argument("--remove-seq", type=cli_args.non_negative_int, help="scenario: sequence to remove")
     parity.add_argument("--trim-seq", type=cli_args.non_negative_int, help="scenario: sequence to trim")
-    parity.add_argument("--trim-by", type=cli_args.positive_int, default=1, help="scenario: positions to trim (default 1)")
-    parity.add_argument("--ready-timeout", type=float, default=120.0, help="seconds a worker may take to load (default 120)")
+    parity.add_argument(
+        "--trim-by", type=cli_args.positive_int, default=1, help="scenario: positions to trim (default 1)"
+    )
+    parity.add_argument(
+        "--ready-timeout", type=float, default=120.0, help="seconds a worker may take to load (default 120)"
+    )
     parity.add_argument("--json", action="store_true", help="print one JSON object")
 
     for name, (module, help_text) in _DELEGATED.items():

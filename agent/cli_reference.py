@@ -27,9 +27,9 @@ Every `baton` command and its options, generated from the parser that `baton` it
 """
 
 
-def commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("baton",)) -> Iterator[
-    tuple[tuple[str, ...], argparse.ArgumentParser]
-]:
+def commands(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ("baton",)
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
     """``(command path, parser)`` for ``parser`` and every sub-command below it, depth first."""
     yield path, parser
     for action in parser._actions:

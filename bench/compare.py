@@ -41,13 +41,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import compare_report
+import data_plane
+import numpy as np
+import trio
 from _bootstrap import BENCH_DIR  # first: it makes the project importable
-
-import compare_report  # noqa: E402
-import data_plane  # noqa: E402
-import numpy as np  # noqa: E402
-import trio  # noqa: E402
-from common import (  # noqa: E402
+from common import (
     TOOLS_CMAKE_FLAGS,
     ensure_llama_tools,
     log,
@@ -57,10 +56,10 @@ from common import (  # noqa: E402
     run_llama_bench,
     stop_processes,
 )
-from tools import hop_trace, transport_rtt  # noqa: E402
+from tools import hop_trace, transport_rtt
 
-from agent.io.cpu_policy import apply_cpu_policy, kernel_default  # noqa: E402
-from agent.io.lifeline import die_with_parent  # noqa: E402
+from agent.io.cpu_policy import apply_cpu_policy, kernel_default
+from agent.io.lifeline import die_with_parent
 
 SERVER_READY_TIMEOUT_S = 30.0
 PROFILE_REPS = 3  # bench/data_plane.py's paired generations for "Where the time goes"
@@ -161,7 +160,7 @@ class CpuWatch:
                 return time.monotonic() - started
 
     @contextlib.contextmanager
-    def phase(self, name: str, wait_quiet_s: float = 0.0):  # noqa: ANN201
+    def phase(self, name: str, wait_quiet_s: float = 0.0):
         waited = self.wait_quiet(wait_quiet_s) if wait_quiet_s > 0 else 0.0
         self._scan()
         before, t0 = self._others_s, time.monotonic()
@@ -183,7 +182,7 @@ class CpuWatch:
 # --- Baton: one worker, chained workers --------------------------------------------------------
 
 
-def _chain_figure(runs, extra: dict) -> dict:  # noqa: ANN001
+def _chain_figure(runs, extra: dict) -> dict:
     return {
         "prefill_tps": compare_report.summarize([r.prefill_tokens_per_s for r in runs]),
         "decode_tps": compare_report.summarize([r.decode_tokens_per_s for r in runs]),
@@ -294,7 +293,7 @@ def ed25519_verify_us() -> float:
 
 
 @contextlib.contextmanager
-def scoped_environ(**values: str | None):  # noqa: ANN202
+def scoped_environ(**values: str | None):
     """Set (a value) or remove (None) these variables of ``os.environ`` for the block: the
     processes started in it inherit them; the old values come back after."""
     saved = {k: os.environ.get(k) for k in values}
@@ -315,7 +314,7 @@ def scoped_environ(**values: str | None):  # noqa: ANN202
 
 async def _paired_swarm_runs(
     client, alias: str, route, model: Path, sha256: str, prompt_tokens: list[int], n_gen: int, runs: int, threads: int
-) -> list[dict]:  # noqa: ANN001
+) -> list[dict]:
     """The swarm's decode steps paired step by step with the unsplit worker's, so that the
     per-hop overhead is not the drift between runs minutes apart (this VM's speed moves by more
     than a hop costs): after each token of the swarm's generation (``on_token``), this process
@@ -341,7 +340,14 @@ async def _paired_swarm_runs(
             unsplit_ms: list[float] = []
             state = {"n": 0, "last": 0, "ended": 0.0}
 
-            async def on_token(token: int, _logits, _route, state: dict = state) -> bool:  # noqa: ANN001
+            async def on_token(
+                token: int,
+                _logits,
+                _route,
+                state: dict = state,
+                swarm_ms: list[float] = swarm_ms,
+                unsplit_ms: list[float] = unsplit_ms,
+            ) -> bool:
                 arrived = time.perf_counter()
                 n = state["n"]
                 if n == 0:  # the prompt's token: the unsplit worker takes the prompt (not timed)
@@ -396,9 +402,7 @@ async def bench_swarm(
                 results.append(generation)
             if continuation_off:
                 client.config = dataclasses.replace(config, greedy_continuation=False)
-                generation = await client.generate(
-                    alias, prompt, max_tokens=n_gen + 1, temperature=0.0, route=route
-                )
+                generation = await client.generate(alias, prompt, max_tokens=n_gen + 1, temperature=0.0, route=route)
                 client.config = config
                 if generation.continued_steps:
                     raise RuntimeError("greedy continuation was off, yet steps were continued")
@@ -455,7 +459,7 @@ def _wait_listening(port: int, proc: subprocess.Popen, log_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def rpc_servers(rpc_bin: Path, n_servers: int, threads: int):  # noqa: ANN201
+def rpc_servers(rpc_bin: Path, n_servers: int, threads: int):
     """``n_servers`` rpc-servers on loopback, each ready: yields llama-bench's arguments that
     offload every layer to them, evenly. Stopped on exit."""
     procs: list[subprocess.Popen] = []
@@ -511,8 +515,8 @@ async def bench_interleaved(
     gives its own ratios (``compare_report.interleaved_ratios``); this VM's speed drifts by
     more over the minutes between the rounds' phases than the targets' margins. Processes not
     measuring are idle (blocked on their sockets)."""
-    from agent.demo.local_demo import generate_through
     from agent.core.topk import DEFAULT_RESULT_TOP_K
+    from agent.demo.local_demo import generate_through
     from agent.io.worker_process import open_worker
 
     n_prompt = len(prompt_tokens)
@@ -535,10 +539,11 @@ async def bench_interleaved(
                 return {"worker_unsplit": run.decode_tokens_per_s, "worker_unsplit_prefill": run.prefill_tokens_per_s}
 
             async def llama_bench() -> dict[str, float]:
-                figure = await trio.to_thread.run_sync(
-                    run_llama_bench, bench_bin, model, n_prompt, n_gen, threads, 1
-                )
-                return {"llama_bench": figure["decode_tps"]["median"], "llama_bench_prefill": figure["prefill_tps"]["median"]}
+                figure = await trio.to_thread.run_sync(run_llama_bench, bench_bin, model, n_prompt, n_gen, threads, 1)
+                return {
+                    "llama_bench": figure["decode_tps"]["median"],
+                    "llama_bench_prefill": figure["prefill_tps"]["median"],
+                }
 
             async def rpc_3() -> dict[str, float]:
                 figure = await trio.to_thread.run_sync(
@@ -731,10 +736,9 @@ def main() -> int:
     systems: dict[str, dict] = {}
     extra: dict[str, dict] = {}
 
-
     cpu = CpuWatch()
 
-    def measure(name: str, what: str, fn, *fn_args):  # noqa: ANN001, ANN202
+    def measure(name: str, what: str, fn, *fn_args):
         """Run one measurement; run it again (at most ``--retries`` times) while other
         processes took more than ``--busy-threshold`` cores meanwhile; keep the quietest. Its
         phase record is the most disturbed over the rounds."""
@@ -757,7 +761,10 @@ def main() -> int:
         return result
 
     transport = measure(
-        "transport", "transport: 8 KiB / 1 MiB round trips, channel and libp2p vs TCP", transport_rtt.run_benchmark, max(runs, 5)
+        "transport",
+        "transport: 8 KiB / 1 MiB round trips, channel and libp2p vs TCP",
+        transport_rtt.run_benchmark,
+        max(runs, 5),
     )
 
     # Rounds: every system is measured once per round, in the same order, and its runs are
@@ -884,6 +891,7 @@ def main() -> int:
                 f"{n}-split placement: Baton route {route} (the head with the last range); RPC {rpc_text} "
                 "(llama.cpp counts the output head as one more layer and puts it on the last server)."
             )
+
     def same_tokens(figure: dict) -> bool:
         return figure["tokens"] == worker["tokens"] and figure.get("tokens_same_every_round", True)
 

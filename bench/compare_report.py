@@ -153,7 +153,14 @@ def _check(name: str, value: float, target: float, higher_is_better: bool, unit:
         miss = f"missed by {gap:.{places}f}{unit} ({short:.{0 if short >= 1 else 1}f}% short of {target_text})"
     else:
         miss = f"missed by {gap:.{places}f}{unit} ({value / target:.1f}x the {target_text} target)"
-    return {"name": name, "value": value, "target": target_text, "met": met, "miss": miss, "shown": f"{value:.{places}f}"}
+    return {
+        "name": name,
+        "value": value,
+        "target": target_text,
+        "met": met,
+        "miss": miss,
+        "shown": f"{value:.{places}f}",
+    }
 
 
 def headline(
@@ -196,17 +203,25 @@ def headline(
         )  # fmt: skip
     if (off := (systems.get("baton_3") or {}).get("continuation_off_decode_tps")) is not None:
         ratio = systems["baton_3"]["decode_tps"]["median"] / off["median"]
-        checks.append(_check("Baton 3-split decode, greedy continuation on / off (runs alternating)", ratio, 1.0, True, "x", "> 1x"))
+        checks.append(
+            _check(
+                "Baton 3-split decode, greedy continuation on / off (runs alternating)", ratio, 1.0, True, "x", "> 1x"
+            )
+        )
         if bench is not None:
             checks.append(_check("Baton 3-split decode, greedy continuation off / llama-bench unsplit decode",
                                  off["median"] / bench["decode_tps"]["median"], 0.9, True, "x", ">= 0.9x"))  # fmt: skip
     if bench is not None and (ahead := systems.get("worker_run_ahead")) is not None:
         ratio = ahead["decode_tps"]["median"] / bench["decode_tps"]["median"]
-        checks.append(_check("Baton worker unsplit decode, run-ahead / llama-bench decode", ratio, 0.97, True, "x", ">= 0.97x"))
+        checks.append(
+            _check("Baton worker unsplit decode, run-ahead / llama-bench decode", ratio, 0.97, True, "x", ">= 0.97x")
+        )
     for name, entry in ((transport or {}).get("results") or {}).items():
         if "ratio_channel_over_tcp" in entry:
             checks.append(
-                _check(f"channel {name} round trip / plain TCP", entry["ratio_channel_over_tcp"], 1.5, False, "x", "1.5x")
+                _check(
+                    f"channel {name} round trip / plain TCP", entry["ratio_channel_over_tcp"], 1.5, False, "x", "1.5x"
+                )
             )
     for n in (3, 2):
         key = f"baton_{n}"
@@ -423,9 +438,7 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
                 for key, summary in interleaved["ratios"].items()
             )
             + ". Tokens/s by turn (decode; prefill where named): "
-            + "; ".join(
-                f"{name} " + ", ".join(f"{turn[name]:.1f}" for turn in turns) for name in turns[0]
-            )
+            + "; ".join(f"{name} " + ", ".join(f"{turn[name]:.1f}" for turn in turns) for name in turns[0])
             + ".",
         ]
     others = report.get("cpu_used_by_other_processes") or {}
@@ -455,7 +468,9 @@ def render_markdown(report: Mapping, profile_md: str = "") -> str:
         lines += ["", "## Headline (computed in this run)", ""]
         for c in checks:
             verdict = "met" if c["met"] else f"**MISSED**: {c['miss']}"
-            lines.append(f"- {c['name']}: **{c.get('shown', format(c['value'], '.2f'))}** (target {c['target']}): {verdict}")
+            lines.append(
+                f"- {c['name']}: **{c.get('shown', format(c['value'], '.2f'))}** (target {c['target']}): {verdict}"
+            )
         if "worker_unsplit" in systems and "llama_bench" in systems:
             worker_ms = step_ms(systems["worker_unsplit"]["decode_tps"])["median"]
             bench_ms = step_ms(systems["llama_bench"]["decode_tps"])["median"]

@@ -43,17 +43,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import compare_report
+import numpy as np
+import trio
 from _bootstrap import BENCH_DIR  # first: it makes the project importable
+from common import ensure_llama_tools, log, machine_info, make_prompt, publish, run_llama_bench
 
-import compare_report  # noqa: E402
-from common import ensure_llama_tools, log, machine_info, make_prompt, publish, run_llama_bench  # noqa: E402
-import trio  # noqa: E402
-import numpy as np  # noqa: E402
-
-from agent._proto import worker_pb2  # noqa: E402
-from agent.core.data_frames import OwnerSession, SessionKeys  # noqa: E402
-from agent.core.topk import DEFAULT_RESULT_TOP_K  # noqa: E402
-from agent.core.worker_records import SeqInput  # noqa: E402
+from agent._proto import worker_pb2
+from agent.core.data_frames import OwnerSession, SessionKeys
+from agent.core.topk import DEFAULT_RESULT_TOP_K
+from agent.core.worker_records import SeqInput
 
 HOST = "127.0.0.1"
 SYSTEMS = ("worker_unsplit", "data_plane_1", "data_plane_3", "chain_3")
@@ -61,7 +60,7 @@ HOP_TARGET_MS = 0.3
 SPLIT_TARGET = 0.9
 
 
-async def _bind(workers, seq_id: int, next_step: int) -> OwnerSession:  # noqa: ANN001
+async def _bind(workers, seq_id: int, next_step: int) -> OwnerSession:
     keys = SessionKeys.new(os.urandom)  # fresh keys for every binding: no (key, nonce) is used twice
     step_keys = [keys.first_step_key] + [os.urandom(32) for _ in workers[1:]]
     for i, worker in enumerate(workers):
@@ -80,7 +79,7 @@ async def _bind(workers, seq_id: int, next_step: int) -> OwnerSession:  # noqa: 
 class _DataPlaneRoute:
     """One session bound over ``workers`` (seq 0), with the owner's two connections."""
 
-    def __init__(self, workers, session: OwnerSession, to_first, from_last) -> None:  # noqa: ANN001
+    def __init__(self, workers, session: OwnerSession, to_first, from_last) -> None:
         self.workers, self.session, self.to_first, self.from_last = workers, session, to_first, from_last
         self.totals: list = []  # each worker's UnbindSessionReply, once unbound
 
@@ -94,7 +93,7 @@ class _DataPlaneRoute:
 
 
 @contextlib.asynccontextmanager
-async def _open_data_plane_route(workers, next_step: int):  # noqa: ANN001, ANN202
+async def _open_data_plane_route(workers, next_step: int):
     """Sequence 0 of ``workers`` (already holding the prompt) bound on their data planes."""
     from agent.io.data_link import open_data_link
 
@@ -118,7 +117,7 @@ async def _open_data_plane_route(workers, next_step: int):  # noqa: ANN001, ANN2
             await worker.client.remove_sequence(0)
 
 
-def worker_profile(totals: Sequence) -> list[dict]:  # noqa: ANN001
+def worker_profile(totals: Sequence) -> list[dict]:
     """Per worker of a route, ms per decode step: its Forward, and the rest of its time (pure)."""
     return [
         {
@@ -130,7 +129,7 @@ def worker_profile(totals: Sequence) -> list[dict]:  # noqa: ANN001
     ]
 
 
-async def _python_step(clients, positions: Sequence[int], tokens: Sequence[int], seq_id: int = 1) -> int:  # noqa: ANN001
+async def _python_step(clients, positions: Sequence[int], tokens: Sequence[int], seq_id: int = 1) -> int:
     from agent.demo.local_demo import next_hop_entries
 
     hop = [SeqInput(seq_id=seq_id, positions=list(positions), token_ids=list(tokens), top_k=DEFAULT_RESULT_TOP_K)]
@@ -142,14 +141,16 @@ async def _python_step(clients, positions: Sequence[int], tokens: Sequence[int],
     return int(out[0].top[0].ids[0])
 
 
-async def paired_rep(whole, ranges, prompt: Sequence[int], n_gen: int) -> dict:  # noqa: ANN001
+async def paired_rep(whole, ranges, prompt: Sequence[int], n_gen: int) -> dict:
     """One generation by all four systems, step by step in turn: ms per decode step each, and
     each data plane worker's own account of its decode steps. The prompt goes in by Forward
     calls on every system (sequence 0 for the data planes, bound after it), so that the
     workers' accounts hold decode steps only."""
     whole_c, range_c = [whole.client], [w.client for w in ranges]
     positions = range(len(prompt))
-    first = {await _python_step(clients, positions, prompt, seq_id) for clients in (whole_c, range_c) for seq_id in (0, 1)}
+    first = {
+        await _python_step(clients, positions, prompt, seq_id) for clients in (whole_c, range_c) for seq_id in (0, 1)
+    }
     if len(first) != 1:
         raise RuntimeError(f"the prompt's token differs between the systems: {first}")
     times: dict[str, list[float]] = {k: [] for k in SYSTEMS}
@@ -183,12 +184,12 @@ async def paired_rep(whole, ranges, prompt: Sequence[int], n_gen: int) -> dict: 
     }
 
 
-async def bench_paired(model: Path, sha256: str, prompt: list[int], cuts, n_gen: int, reps: int, threads: int):  # noqa: ANN001, ANN201
+async def bench_paired(model: Path, sha256: str, prompt: list[int], cuts, n_gen: int, reps: int, threads: int):
     from agent.io.worker_process import open_worker
 
     async with contextlib.AsyncExitStack() as stack:
 
-        async def start(b: int, e: int):  # noqa: ANN202
+        async def start(b: int, e: int):
             return await stack.enter_async_context(
                 open_worker(model, b, e, threads=threads, model_sha256=sha256, data_listen=f"{HOST}:0",
                             max_sequences=2)
@@ -202,8 +203,11 @@ async def bench_paired(model: Path, sha256: str, prompt: list[int], cuts, n_gen:
 
 def summary(reps: list[dict], llama_step_ms: list[float], hops: int = 3) -> dict:
     """Per-hop overheads and ratios (pure, tested): paired per step, then the median of reps."""
-    def per_rep(fn) -> list[float]:  # noqa: ANN001
-        return [statistics.median(fn(r["step_ms"], i) for i in range(len(r["step_ms"]["worker_unsplit"]))) for r in reps]
+
+    def per_rep(fn) -> list[float]:
+        return [
+            statistics.median(fn(r["step_ms"], i) for i in range(len(r["step_ms"]["worker_unsplit"]))) for r in reps
+        ]
 
     step_ms = {k: statistics.median(statistics.median(r["step_ms"][k]) for r in reps) for k in SYSTEMS}
     # means, to set beside the workers' accounts (sums over the same steps)
@@ -257,7 +261,8 @@ def profile_lines(s: dict, ranges: Sequence[Sequence[int]]) -> list[str]:
         whole = one[0] if i == 0 else None
         lines.append(
             f"| worker {i + 1} [{b}, {e}): its Forward | {whole['compute_ms']:.3f} (the whole model) | {w['compute_ms']:.3f} |"
-            if whole else f"| worker {i + 1} [{b}, {e}): its Forward | | {w['compute_ms']:.3f} |"
+            if whole
+            else f"| worker {i + 1} [{b}, {e}): its Forward | | {w['compute_ms']:.3f} |"
         )
         lines.append(
             f"| worker {i + 1}: the rest of its time (frame in whole to output sealed: lock, open, check, seal) | "

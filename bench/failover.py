@@ -37,11 +37,9 @@ import sys
 import time
 from pathlib import Path
 
+import trio
 from _bootstrap import BENCH_DIR  # first: it makes the project importable
-
-import trio  # noqa: E402
-
-from common import machine_info  # noqa: E402
+from common import machine_info
 
 ALIAS = "smollm2"
 NODES = 6
@@ -75,7 +73,7 @@ def _stats(values: list[float]) -> dict:
 
 
 class Bench:
-    def __init__(self, swarm, client, memory_bytes: int, rng: random.Random, reprefill_client=None) -> None:  # noqa: ANN001
+    def __init__(self, swarm, client, memory_bytes: int, rng: random.Random, reprefill_client=None) -> None:
         self.swarm = swarm
         self.c = client
         self.reprefill_client = reprefill_client  # resume off: a replan re-prefills the whole route
@@ -117,7 +115,7 @@ class Bench:
         signalled_at: list[float] = []
         signalled_after: list[int] = []
 
-        async def on_token(token: int, _logits, _route) -> bool:  # noqa: ANN001
+        async def on_token(token: int, _logits, _route) -> bool:
             times.append(time.perf_counter())
             if len(times) == at_token:
                 victim.signal_group(getattr(signal, how))
@@ -183,7 +181,7 @@ async def run(args: argparse.Namespace) -> dict:
     return {"kills": kills, "contexts": contexts}
 
 
-async def _measure(bench, args, rng, text_tokens, stop, kills, contexts) -> None:  # noqa: ANN001
+async def _measure(bench, args, rng, text_tokens, stop, kills, contexts) -> None:
     """Part 1 (signals at each hop position), then part 2 (context lengths), into the lists."""
     prompt = text_tokens[:48]
     log(f"swarm up: {NODES} nodes x {BLOCKS_EACH} blocks; {args.kills} runs per signal and position")
@@ -226,13 +224,15 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
             }  # fmt: skip
     by_signal = {}
     for how in SIGNALS:
-        gaps = [r["resume_s"] for r in raw["kills"] if r["signal"] == how and r.get("ok") and r.get("resume_s") is not None]
+        gaps = [
+            r["resume_s"] for r in raw["kills"] if r["signal"] == how and r.get("ok") and r.get("resume_s") is not None
+        ]
         by_signal[how] = {**_stats(gaps), "target_s": TARGETS_S[how]}
     by_context = {}
     for n_ctx in args.contexts:
         runs = [r for r in raw["contexts"] if r["context_positions"] == n_ctx]
 
-        def gaps(resume: bool, runs=runs) -> list[float]:  # noqa: ANN001
+        def gaps(resume: bool, runs=runs) -> list[float]:
             return [
                 r["resume_s"] for r in runs
                 if r.get("resume_enabled", True) == resume and r.get("ok") and r.get("resume_s") is not None
@@ -250,7 +250,7 @@ def summarize(raw: dict, args: argparse.Namespace) -> dict:
     return {"by_signal": by_signal, "by_signal_position": by_signal_position, "by_context": by_context}
 
 
-def _f(value) -> str:  # noqa: ANN001
+def _f(value) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
@@ -329,12 +329,20 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "failover",
         "machine": machine,
         "config": {
-            "kills": args.kills, "stops": args.stops, "context_kills": args.context_kills, "contexts": args.contexts,
-            "max_tokens": args.max_tokens, "threads": args.threads, "seed": args.seed, "quick": args.quick,
-            "nodes": NODES, "blocks_each": BLOCKS_EACH, "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
+            "kills": args.kills,
+            "stops": args.stops,
+            "context_kills": args.context_kills,
+            "contexts": args.contexts,
+            "max_tokens": args.max_tokens,
+            "threads": args.threads,
+            "seed": args.seed,
+            "quick": args.quick,
+            "nodes": NODES,
+            "blocks_each": BLOCKS_EACH,
+            "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS,
             "resume_definition": "last token before the signal -> first token after it",
             "note": RESUME_NOTE,
-        },  # fmt: skip
+        },
         "summary": summarize(raw, args),
         "runs": raw,
     }

@@ -128,7 +128,9 @@ def machine(build_dir: Path) -> dict:
     }
     # BATON_COMMIT first: a lent machine's copy of the tree can hold a .git whose HEAD is not
     # the tree it was sent (one run here read the session's first commit)
-    head = os.environ.get("BATON_COMMIT") or command_output(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"])
+    head = os.environ.get("BATON_COMMIT") or command_output(
+        ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"]
+    )
     if head:
         info["baton_commit"] = head
     record = build_dir / BUILD_RECORD
@@ -221,10 +223,10 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads
     report: dict = {"machine": machine(build_dir), "model": model.name, "threads": threads, "failures": []}
 
-    def attempt(name: str, fn):  # noqa: ANN001, ANN202
+    def attempt(name: str, fn):
         try:
             report[name] = fn()
-        except Exception as e:  # noqa: BLE001 - one part failing must not lose the others' figures
+        except Exception as e:
             report["failures"].append(f"{name}: {e}")
             log(f"{name} failed: {e}")
 
@@ -259,7 +261,9 @@ def run(args: argparse.Namespace) -> int:
         ),
     )
     batched_prompt, batched_steps = 128, 128
-    attempt("llama_batched_bench", lambda: llama_batched_bench(build_dir, model, threads, batched_prompt, batched_steps))
+    attempt(
+        "llama_batched_bench", lambda: llama_batched_bench(build_dir, model, threads, batched_prompt, batched_steps)
+    )
     for n in PARALLEL:
         attempt(
             f"shard_parallel_{n}",

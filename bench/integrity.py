@@ -38,11 +38,9 @@ import sys
 import time
 from pathlib import Path
 
+import trio
 from _bootstrap import BENCH_DIR  # first: it makes the project importable
-
-import trio  # noqa: E402
-
-from common import machine_info  # noqa: E402
+from common import machine_info
 
 ALIAS = "smollm2"
 NODES = 4
@@ -77,12 +75,12 @@ class Phase:
         return self.tokens / self.elapsed_s if self.elapsed_s else 0.0
 
 
-async def _checks_passed(client) -> tuple[int, int]:  # noqa: ANN001
+async def _checks_passed(client) -> tuple[int, int]:
     nodes = await client.list_nodes()
     return sum(n.checks_passed for n in nodes), sum(len(n.integrity_failures) for n in nodes)
 
 
-async def _load(client, phase: Phase, prompt: list[int], args: argparse.Namespace) -> None:  # noqa: ANN001
+async def _load(client, phase: Phase, prompt: list[int], args: argparse.Namespace) -> None:
     """``--concurrency`` loops of greedy generations for ``--duration-s``."""
     deadline = trio.current_time() + args.duration_s
     spot = client.spot_checks.stats
@@ -114,7 +112,7 @@ async def _load(client, phase: Phase, prompt: list[int], args: argparse.Namespac
     )
 
 
-async def _restart_tracker(swarm, client, interval_s: float, timeout_s: float) -> None:  # noqa: ANN001
+async def _restart_tracker(swarm, client, interval_s: float, timeout_s: float) -> None:
     """The tracker again with ``--canary-interval-s interval_s``; back once every range has two
     READY copies that passed their first check (when checks are on)."""
     from agent.demo.swarm_demo import wait_for_copies, wait_for_coverage

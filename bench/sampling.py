@@ -27,15 +27,13 @@ import time
 from pathlib import Path
 
 import _bootstrap  # noqa: F401  (first: it makes the project importable)
+import numpy as np
+import trio
+from common import machine_info, open_covered_swarm, publish
 
-import numpy as np  # noqa: E402
-import trio  # noqa: E402
-
-from common import machine_info, open_covered_swarm, publish  # noqa: E402
-
-from agent.core.generation import GreedyGeneration  # noqa: E402
-from agent.core.sampling import SamplingParams, sample_token, sampling_candidates  # noqa: E402
-from agent.models import model_path  # noqa: E402
+from agent.core.generation import GreedyGeneration
+from agent.core.sampling import SamplingParams, sample_token, sampling_candidates
+from agent.models import model_path
 
 PROMPT = "Write a short story about a robot who learns to paint. " * 3
 TEMPERATURES = (0.7, 1.0, 1.5)
@@ -83,7 +81,9 @@ def bench_draws(rows: np.ndarray, draws: int) -> dict:
                 slow = _ordering_every_candidate(row, params, np.random.default_rng(draw_seed))
                 ordering_us.append(1e6 * (time.perf_counter() - started))
                 if fast != slow:
-                    raise RuntimeError(f"row {index}, seed {draw_seed}, {params}: drew {fast}, ordering all gave {slow}")
+                    raise RuntimeError(
+                        f"row {index}, seed {draw_seed}, {params}: drew {fast}, ordering all gave {slow}"
+                    )
         figures[str(temperature)] = {
             "stretch_us_median": statistics.median(stretch_us),
             "stretch_us_p90": float(np.percentile(stretch_us, 90)),
@@ -101,9 +101,7 @@ async def bench_swarm(model: Path, rounds: int, n_tokens: int) -> dict:
             for kind in kinds:
                 result = await client.generate("smollm2", PROMPT, max_tokens=n_tokens, route=route, **KINDS[kind])
                 if round_index:
-                    runs[kind].append(
-                        {"decode_tps": result.tokens_per_s, "continued_steps": result.continued_steps}
-                    )
+                    runs[kind].append({"decode_tps": result.tokens_per_s, "continued_steps": result.continued_steps})
     greedy = [run["decode_tps"] for run in runs["greedy"]]
     return {
         kind: {

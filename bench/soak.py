@@ -35,21 +35,19 @@ import time
 from pathlib import Path
 
 import _bootstrap  # noqa: F401  (first: it makes the project importable)
+import openai
+import psutil
+import trio
+from common import log, machine_info, publish
 
-import openai  # noqa: E402
-import psutil  # noqa: E402
-import trio  # noqa: E402
-
-from common import log, machine_info, publish  # noqa: E402
-
-from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology  # noqa: E402
-from agent.demo.local_demo import generate_through  # noqa: E402
-from agent.demo.swarm_demo import node_memory_bytes, wait_for_copies  # noqa: E402
-from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement  # noqa: E402
-from agent.io.client import open_swarm_client  # noqa: E402
-from agent.io.lab.harness import Lab, running_lab  # noqa: E402
-from agent.io.worker_process import open_worker  # noqa: E402
-from agent.models import model_path, sha256_file  # noqa: E402
+from agent.core.lab.topology import LinkSpec, MachineSpec, Topology
+from agent.demo.local_demo import generate_through
+from agent.demo.swarm_demo import node_memory_bytes, wait_for_copies
+from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement
+from agent.io.client import open_swarm_client
+from agent.io.lab.harness import Lab, running_lab
+from agent.io.worker_process import open_worker
+from agent.models import model_path, sha256_file
 
 ALIAS = "smollm2"
 NODES = ("n1", "n2", "n3", "n4")
@@ -114,7 +112,9 @@ def one_request(client: openai.OpenAI, prompt: str, max_tokens: int, t0: float) 
     outcome = Outcome(prompt, started - t0, "ok")
     last = None
     try:
-        stream = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
+        stream = client.completions.create(
+            model=ALIAS, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        )
         with stream:
             for chunk in stream:
                 piece = chunk.choices[0].text if chunk.choices else ""
@@ -128,13 +128,19 @@ def one_request(client: openai.OpenAI, prompt: str, max_tokens: int, t0: float) 
                 last = now
                 outcome.text += piece
     except openai.APIStatusError as err:
-        outcome.status = f"refused {err.status_code}" if err.status_code in DOCUMENTED_REFUSALS else f"HTTP {err.status_code}: {err.message[:200]}"
+        outcome.status = (
+            f"refused {err.status_code}"
+            if err.status_code in DOCUMENTED_REFUSALS
+            else f"HTTP {err.status_code}: {err.message[:200]}"
+        )
     except (openai.APIError, OSError) as err:
         outcome.status = f"{type(err).__name__}: {str(err)[:200]}"
     return outcome
 
 
-def run_clients(base_url: str, key: str, clients: int, duration_s: float, max_tokens: int, stop: threading.Event) -> list[Outcome]:
+def run_clients(
+    base_url: str, key: str, clients: int, duration_s: float, max_tokens: int, stop: threading.Event
+) -> list[Outcome]:
     """``clients`` users asking one completion after another until ``duration_s`` (call inside
     the clients' machine: their threads and sockets stay there)."""
     t0 = time.perf_counter()
@@ -172,7 +178,9 @@ def rss_mb(swarm: LocalSwarm) -> dict[str, float]:
     return out
 
 
-def chaos(lab: Lab, swarm: LocalSwarm, memory: int, args: argparse.Namespace, stop: threading.Event, events: list[dict]) -> None:
+def chaos(
+    lab: Lab, swarm: LocalSwarm, memory: int, args: argparse.Namespace, stop: threading.Event, events: list[dict]
+) -> None:
     """The timeline: machines switched off and back, links cut and healed, until ``stop``."""
     t0 = time.monotonic()
     pending: list[tuple[float, str, str]] = []
@@ -241,7 +249,11 @@ def summarize(outcomes: list[Outcome], references: dict[str, str], rss_start: di
         "reasons": reasons,
         "served_equal_to_reference": len(served) - len(wrong),
         "served_different": [{"prompt": o.prompt, "text": o.text, "expected": references[o.prompt]} for o in wrong[:5]],
-        "first_token_s": {"p50": _percentile(ttft, 0.5), "p99": _percentile(ttft, 0.99), "max": max(ttft, default=None)},
+        "first_token_s": {
+            "p50": _percentile(ttft, 0.5),
+            "p99": _percentile(ttft, 0.99),
+            "max": max(ttft, default=None),
+        },
         "token_gap_s": {"p50": _percentile(gaps, 0.5), "p99": _percentile(gaps, 0.99), "max": max(gaps, default=None)},
         "rss": held,
         "rss_all_within": all(h["within"] for h in held.values()),
@@ -275,7 +287,10 @@ def run_soak(args: argparse.Namespace, workdir: Path) -> dict:
             key = swarm.add_relay_key("soak")
             base_url = f"{swarm.relay_url}/v1"
             log(f"warm-up: {args.warmup_s:g} s of {args.clients} clients, no chaos")
-            warm = lab.run_in(CLIENTS_ON, lambda: run_clients(base_url, key, args.clients, args.warmup_s, args.max_tokens, threading.Event()))
+            warm = lab.run_in(
+                CLIENTS_ON,
+                lambda: run_clients(base_url, key, args.clients, args.warmup_s, args.max_tokens, threading.Event()),
+            )
             rss_start = rss_mb(swarm)
             log(f"soak: {args.duration_s:g} s ({len(warm)} warm-up requests)")
             stop = threading.Event()
@@ -284,7 +299,10 @@ def run_soak(args: argparse.Namespace, workdir: Path) -> dict:
             chaos_thread.start()
             try:
                 outcomes = lab.run_in(
-                    CLIENTS_ON, lambda: run_clients(base_url, key, args.clients, args.duration_s, args.max_tokens, threading.Event())
+                    CLIENTS_ON,
+                    lambda: run_clients(
+                        base_url, key, args.clients, args.duration_s, args.max_tokens, threading.Event()
+                    ),
                 )
             finally:
                 stop.set()
@@ -323,7 +341,11 @@ def markdown(report: dict) -> str:
         "",
     ]
     if report["reasons"]:
-        lines += ["| answer | count |", "|---|---|"] + [f"| {k} | {v} |" for k, v in sorted(report["reasons"].items())] + [""]
+        lines += (
+            ["| answer | count |", "|---|---|"]
+            + [f"| {k} | {v} |" for k, v in sorted(report["reasons"].items())]
+            + [""]
+        )
     lines += [
         "| | p50 s | p99 s | max s |",
         "|---|---|---|---|",
@@ -336,7 +358,9 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for name, h in sorted(report["rss"].items()):
-        lines.append(f"| {name} | {h['start_mb']:.1f} | {h['end_mb']:.1f} | {h['ratio']:.3f} | {'yes' if h['within'] else 'NO'} |")
+        lines.append(
+            f"| {name} | {h['start_mb']:.1f} | {h['end_mb']:.1f} | {h['ratio']:.3f} | {'yes' if h['within'] else 'NO'} |"
+        )
     if report["rss_replaced"] or report["rss_new"]:
         lines += [
             "",
@@ -357,7 +381,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=16, help="concurrent users (default 16)")
     p.add_argument("--max-tokens", type=int, default=24, help="tokens a completion (default 24)")
     p.add_argument("--sequences", type=int, default=8, help="sequences a node's worker holds (default 8)")
-    p.add_argument("--kill-every-s", type=float, default=60.0, help="a node machine switched off every this many s (default 60)")
+    p.add_argument(
+        "--kill-every-s", type=float, default=60.0, help="a node machine switched off every this many s (default 60)"
+    )
     p.add_argument("--down-s", type=float, default=30.0, help="and brought back after this many s (default 30)")
     p.add_argument("--cut-every-s", type=float, default=120.0, help="a link cut every this many s (default 120)")
     p.add_argument("--cut-s", type=float, default=10.0, help="for this many s (default 10)")

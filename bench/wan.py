@@ -53,20 +53,18 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import _bootstrap  # noqa: F401  (first: it makes the project importable)
+import trio
+from common import ensure_llama_tools, log, machine_info, make_prompt, publish, run_llama_bench, stop_processes
 
-import trio  # noqa: E402
-
-from common import ensure_llama_tools, log, machine_info, make_prompt, publish, run_llama_bench, stop_processes  # noqa: E402
-
-from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology  # noqa: E402
-from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage  # noqa: E402
-from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement  # noqa: E402
-from agent.io.client import open_swarm_client  # noqa: E402
-from agent.io.cpu_policy import kernel_default  # noqa: E402
-from agent.io.lab.harness import Lab, running_lab  # noqa: E402
-from agent.io.lab.measure import tcp_goodput_mbit, tcp_rtt_ms, udp_loss_pct  # noqa: E402
-from agent.io.lifeline import die_with_parent  # noqa: E402
-from agent.models import model_path  # noqa: E402
+from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology
+from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
+from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement
+from agent.io.client import open_swarm_client
+from agent.io.cpu_policy import kernel_default
+from agent.io.lab.harness import Lab, running_lab
+from agent.io.lab.measure import tcp_goodput_mbit, tcp_rtt_ms, udp_loss_pct
+from agent.io.lifeline import die_with_parent
+from agent.models import model_path
 
 ALIAS = "smollm2"
 NODES = ("n1", "n2", "n3")
@@ -136,7 +134,11 @@ def lab_accuracy(lab: Lab, quick: bool) -> dict:
         "rtt": rtts,
         "loss": losses,
         "rate": rates,
-        "forwarder": {"packets": stats["packets"], "cpu_s": cpu_s, "cpu_us_per_packet": 1e6 * cpu_s / max(1, stats["packets"])},
+        "forwarder": {
+            "packets": stats["packets"],
+            "cpu_s": cpu_s,
+            "cpu_us_per_packet": 1e6 * cpu_s / max(1, stats["packets"]),
+        },
     }
 
 
@@ -151,7 +153,9 @@ def rpc_servers_in(lab: Lab, rpc_bin: Path, threads: int, workdir: Path) -> Iter
     procs = []
     try:
         for name in NODES:
-            argv = lab.argv_in(name, [str(rpc_bin), "-H", lab.address(name), "-p", str(RPC_PORT), "-t", str(threads), "-c"])
+            argv = lab.argv_in(
+                name, [str(rpc_bin), "-H", lab.address(name), "-p", str(RPC_PORT), "-t", str(threads), "-c"]
+            )
             log_path = workdir / f"rpc-{name}.log"
             with open(log_path, "wb") as out:
                 procs.append(
@@ -165,7 +169,9 @@ def rpc_servers_in(lab: Lab, rpc_bin: Path, threads: int, workdir: Path) -> Iter
         for name, proc in zip(NODES, procs):
             while not _dialable(lab, name):
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"rpc-server on {name} did not start:\n{(workdir / f'rpc-{name}.log').read_text()[-2000:]}")
+                    raise RuntimeError(
+                        f"rpc-server on {name} did not start:\n{(workdir / f'rpc-{name}.log').read_text()[-2000:]}"
+                    )
                 time.sleep(0.05)  # polling a port that opens once the server is up
         yield
     finally:
@@ -217,7 +223,7 @@ def where_time_goes(tps: float, compute_s: float, one_way_s: float, hops: int) -
 # --- one run ------------------------------------------------------------------------------------
 
 
-async def _baton_once(client, prompt_tokens: list[int], new_tokens: int) -> dict:  # noqa: ANN001
+async def _baton_once(client, prompt_tokens: list[int], new_tokens: int) -> dict:
     result = await client.generate_tokens(ALIAS, prompt_tokens, max_tokens=new_tokens)
     if len(result.tokens) != new_tokens:
         raise RuntimeError(f"generated {len(result.tokens)} tokens, wanted {new_tokens}")
@@ -242,7 +248,7 @@ def _unsplit_once(lab: Lab, bench_bin: Path, model: Path, args: argparse.Namespa
     return {"decode_tps": figure["decode_tps"]["median"], "first_token_s": args.prompt_tokens / pp}
 
 
-async def _concurrent(client, prompt_tokens: list[int], new_tokens: int, sessions: int) -> dict:  # noqa: ANN001
+async def _concurrent(client, prompt_tokens: list[int], new_tokens: int, sessions: int) -> dict:
     results: list = []
 
     async def one() -> None:
@@ -263,13 +269,15 @@ def _summary(values: Sequence[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-async def _start_baton(stack: contextlib.AsyncExitStack, lab: Lab, swarm: LocalSwarm, key: int | str):  # noqa: ANN202
+async def _start_baton(stack: contextlib.AsyncExitStack, lab: Lab, swarm: LocalSwarm, key: int | str):
     """Start a swarm's tracker and nodes (``key``: 2 or 3 splits, or ``LOCK_STEP``, a 3-split whose
     nodes run lock-step); its owner's client (in ``stack``) and route once the model is covered."""
     n = 3 if key == LOCK_STEP else int(key)
     extra = ["--max-sequences", str(CONCURRENT_SESSIONS)] + (["--decode-groups", "1"] if key == LOCK_STEP else [])
     await swarm.start_tracker()
-    client = await stack.enter_async_context(open_swarm_client(swarm.tracker_addr, listen_addrs=lab.listen_addrs("owner")))
+    client = await stack.enter_async_context(
+        open_swarm_client(swarm.tracker_addr, listen_addrs=lab.listen_addrs("owner"))
+    )
     (entry,) = [m for m in await client.list_models() if m.alias == ALIAS]
     memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, n)
     for i in range(n):
@@ -281,7 +289,9 @@ async def _start_baton(stack: contextlib.AsyncExitStack, lab: Lab, swarm: LocalS
     return client, route
 
 
-async def measure(lab: Lab, swarms: dict[int, LocalSwarm], bench_bin: Path, model: Path, args: argparse.Namespace) -> dict:
+async def measure(
+    lab: Lab, swarms: dict[int, LocalSwarm], bench_bin: Path, model: Path, args: argparse.Namespace
+) -> dict:
     """Everything after the lab's accuracy, inside the owner's machine (one trio run)."""
     async with contextlib.AsyncExitStack() as stack:
         clients, routes = {}, {}
@@ -313,7 +323,11 @@ async def measure(lab: Lab, swarms: dict[int, LocalSwarm], bench_bin: Path, mode
                      "prompt_compute_ms": 1000 * prompt_compute_s, "systems": {}}  # fmt: skip
             for name, figures in turns.items():
                 tps = _summary([f["decode_tps"] for f in figures])
-                entry = {"decode_tps": tps, "first_token_s": _summary([f["first_token_s"] for f in figures]), "turns": figures}
+                entry = {
+                    "decode_tps": tps,
+                    "first_token_s": _summary([f["first_token_s"] for f in figures]),
+                    "turns": figures,
+                }
                 if name != "unsplit":
                     hops = int(name[-1])
                     entry["bound"] = ring_bounds(compute_s, prompt_compute_s, one_way_s, hops)
@@ -322,7 +336,8 @@ async def measure(lab: Lab, swarms: dict[int, LocalSwarm], bench_bin: Path, mode
                 point["systems"][name] = entry
             for n in (3, 2):
                 point[f"baton_{n}_over_rpc_{n}"] = (
-                    point["systems"][f"baton_{n}"]["decode_tps"]["median"] / point["systems"][f"rpc_{n}"]["decode_tps"]["median"]
+                    point["systems"][f"baton_{n}"]["decode_tps"]["median"]
+                    / point["systems"][f"rpc_{n}"]["decode_tps"]["median"]
                 )
             log(
                 f"RTT {rtt_ms} ms (measured {measured_rtt:.2f}): "
@@ -334,7 +349,7 @@ async def measure(lab: Lab, swarms: dict[int, LocalSwarm], bench_bin: Path, mode
         return {"points": points, "concurrency": concurrency, "prompt_tokens": len(prompt_tokens)}
 
 
-async def _sessions(lab: Lab, groups, lock_step, prompt_tokens: list[int], args: argparse.Namespace) -> dict:  # noqa: ANN001
+async def _sessions(lab: Lab, groups, lock_step, prompt_tokens: list[int], args: argparse.Namespace) -> dict:
     """Section 3: one session, 8 in decode groups and 8 in lock-step, ``args.turns`` rounds."""
     set_every_link(lab, LinkChange(delay_ms=CONCURRENT_RTT_MS / 2))
     rounds = []
@@ -379,7 +394,7 @@ async def measure_sessions(lab: Lab, swarms: dict, args: argparse.Namespace) -> 
 class _Tokenizer:
     """``make_prompt``'s tokenizer: the swarm's, through a route."""
 
-    def __init__(self, client, route) -> None:  # noqa: ANN001
+    def __init__(self, client, route) -> None:
         self._client, self._route = client, route
 
     async def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -415,7 +430,8 @@ def markdown(report: dict) -> str:
                 cell += f" (bound {e['bound']['rpc_decode_tps']:.1f})"
             cells.append(cell)
         lines.append(
-            f"| {p['rtt_ms']:g} ({p['measured_rtt_ms']:.2f}) | " + " | ".join(cells)
+            f"| {p['rtt_ms']:g} ({p['measured_rtt_ms']:.2f}) | "
+            + " | ".join(cells)
             + f" | {p['baton_3_over_rpc_3']:.2f}x | {p['baton_2_over_rpc_2']:.2f}x |"
         )
     lines += [
@@ -462,13 +478,17 @@ def markdown(report: dict) -> str:
     ]
     acc = report["accuracy"]
     for r in acc["rtt"]:
-        lines.append(f"| {r['configured_ms']:g} | {r['median_ms']:.3f} | {r['min_ms']:.3f} | {r['max_ms']:.3f} | {'yes' if r['within'] else 'NO'} |")
+        lines.append(
+            f"| {r['configured_ms']:g} | {r['median_ms']:.3f} | {r['min_ms']:.3f} | {r['max_ms']:.3f} | {'yes' if r['within'] else 'NO'} |"
+        )
     lines += ["", "| configured loss % | measured | within 1 point |", "|---|---|---|"]
     for r in acc["loss"]:
         lines.append(f"| {r['configured_pct']:g} | {r['measured_pct']:.2f} | {'yes' if r['within'] else 'NO'} |")
     lines += ["", "| configured rate Mbit/s | TCP payload Mbit/s | ratio | within 10 % |", "|---|---|---|---|"]
     for r in acc["rate"]:
-        lines.append(f"| {r['configured_mbit']:g} | {r['tcp_payload_mbit']:.2f} | {r['ratio']:.3f} | {'yes' if r['within'] else 'NO'} |")
+        lines.append(
+            f"| {r['configured_mbit']:g} | {r['tcp_payload_mbit']:.2f} | {r['ratio']:.3f} | {'yes' if r['within'] else 'NO'} |"
+        )
     f = acc["forwarder"]
     lines += [
         "",
@@ -482,7 +502,10 @@ def markdown(report: dict) -> str:
 def sessions_markdown(c: dict) -> list[str]:
     lines = [f"## {c['sessions']} concurrent sessions at {c['rtt_ms']:g} ms (Baton 3-split)", ""]
     if "measured_at" in c:
-        lines += [f"Measured {c['measured_at']} (`--only sessions`), {c['machine']['cpu_model']}, {c['machine']['cores']} cores.", ""]
+        lines += [
+            f"Measured {c['measured_at']} (`--only sessions`), {c['machine']['cpu_model']}, {c['machine']['cores']} cores.",
+            "",
+        ]
     lines += [
         "| round | one session t/s | 8 in decode groups t/s | 8 in lock-step t/s | groups / one | groups / lock-step |",
         "|---|---|---|---|---|---|",
@@ -531,13 +554,17 @@ def chart(report: dict) -> bytes:
     return buffer.getvalue()
 
 
-def baton_swarms(lab: Lab, stack: contextlib.ExitStack, model: Path, workdir: Path, args: argparse.Namespace, keys) -> dict:  # noqa: ANN001
+def baton_swarms(
+    lab: Lab, stack: contextlib.ExitStack, model: Path, workdir: Path, args: argparse.Namespace, keys
+) -> dict:
     """The Baton swarms (not started), closed with ``stack``: 3 and 2 splits, and ``LOCK_STEP``."""
     swarms = {}
     for key in keys:
         n = 3 if key == LOCK_STEP else key
         machines = {"tracker": "tracker", **{f"node-{i + 1}": NODES[i] for i in range(n)}}
-        config = LocalSwarmConfig(model_path=model, model_alias=ALIAS, threads=args.threads, placement=Placement(lab, machines))
+        config = LocalSwarmConfig(
+            model_path=model, model_alias=ALIAS, threads=args.threads, placement=Placement(lab, machines)
+        )
         swarms[key] = LocalSwarm(config, workdir / f"swarm-{key}".replace(" ", "-"))
         stack.callback(swarms[key].close_nowait)
     return swarms
@@ -555,7 +582,7 @@ def main_sessions(args: argparse.Namespace) -> int:
         swarms = baton_swarms(lab, stack, model, workdir, args, (3, LOCK_STEP))
         section = lab.trio_run_in("owner", measure_sessions, lab, swarms, args)["concurrency"]
     section["machine"] = machine_info()
-    section["measured_at"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section["measured_at"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print("\n".join(sessions_markdown(section)))
     if args.out is not None:
         report = json.loads((args.out / "wan.json").read_text())
@@ -570,10 +597,17 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=3, help="turns per RTT, one run of each system a turn (default 3)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated a run (default 32)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (default 64)")
-    parser.add_argument("--threads", type=int, default=1, help="threads per worker, rpc-server and llama-bench (default 1)")
-    parser.add_argument("--quick", action="store_true", help="RTTs 0 and 20, one turn, a short accuracy run (a smoke test)")
-    parser.add_argument("--only", choices=("sessions",), help="measure one section alone (sessions: the 8 concurrent sessions),"
-                        " replacing it in --out's wan.json")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="threads per worker, rpc-server and llama-bench (default 1)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="RTTs 0 and 20, one turn, a short accuracy run (a smoke test)"
+    )
+    parser.add_argument(
+        "--only",
+        choices=("sessions",),
+        help="measure one section alone (sessions: the 8 concurrent sessions), replacing it in --out's wan.json",
+    )
     parser.add_argument("--out", type=Path, help="write wan.{json,md,png} here (default: print only)")
     args = parser.parse_args()
     if args.only == "sessions":

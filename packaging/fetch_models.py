@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from agent.models import REGISTRY, ModelError, pinned_path  # noqa: E402
-from agent.testing.tiny_models import TINY_MODELS  # noqa: E402
+from agent.models import REGISTRY, ModelError, pinned_path
+from agent.testing.tiny_models import TINY_MODELS
 
 #: the real models and the synthetic test models
 PINNED = {**REGISTRY, **TINY_MODELS}
@@ -27,8 +27,9 @@ PINNED = {**REGISTRY, **TINY_MODELS}
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("names", nargs="*", metavar="NAME",
-                        help=f"models to fetch (default: all of {', '.join(PINNED)})")
+    parser.add_argument(
+        "names", nargs="*", metavar="NAME", help=f"models to fetch (default: all of {', '.join(PINNED)})"
+    )
     args = parser.parse_args(argv)
     unknown = [name for name in args.names if name not in PINNED]
     if unknown:

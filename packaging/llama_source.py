@@ -141,9 +141,7 @@ def _git(args: list[str], tree: Path) -> subprocess.CompletedProcess[str]:
     env["GIT_CEILING_DIRECTORIES"] = str(tree.resolve().parent)
     for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
         env.pop(var, None)
-    return subprocess.run(
-        ["git", *args], cwd=tree, env=env, capture_output=True, text=True, check=False
-    )
+    return subprocess.run(["git", *args], cwd=tree, env=env, capture_output=True, text=True, check=False)
 
 
 def apply_patch(tree: Path, patch: Path, *, reverse: bool = False) -> None:
@@ -215,9 +213,7 @@ def ensure_sdist(manifest: Manifest, cache: Path | None = None, *, allow_downloa
         aside = path.with_name(path.name + ".rejected")
         os.replace(path, aside)
         origin = f"downloaded from {manifest.url}" if downloaded else "cached copy"
-        raise HashMismatchError(
-            path, e.expected, e.actual, f"{origin}; moved aside to {aside}"
-        ) from None
+        raise HashMismatchError(path, e.expected, e.actual, f"{origin}; moved aside to {aside}") from None
     return path
 
 
@@ -295,9 +291,7 @@ def _carry_mtimes(new_tree: Path, old_tree: Path | None) -> None:
                 old_file = old_tree / new_file.relative_to(new_tree)
                 try:
                     old_stat = old_file.stat()
-                    if old_stat.st_size == new_file.stat().st_size and (
-                        old_file.read_bytes() == new_file.read_bytes()
-                    ):
+                    if old_stat.st_size == new_file.stat().st_size and (old_file.read_bytes() == new_file.read_bytes()):
                         keep = old_stat.st_mtime_ns
                 except OSError:
                     keep = None
@@ -403,25 +397,23 @@ def check_patches(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "command", choices=["prepare", "verify", "check-patches", "series-hash", "commit"]
-    )
+    parser.add_argument("command", choices=["prepare", "verify", "check-patches", "series-hash", "commit"])
     args = parser.parse_args(argv)
     try:
         manifest = Manifest.load()
         if args.command == "prepare":
             changed = prepare(manifest)
             state = "prepared" if changed else "up to date"
-            print(f"build/llama.cpp {state} (commit {manifest.commit[:12]}, "
-                  f"{len(patch_files())} patches, series {patch_series_sha256()[:12]})")
+            print(
+                f"build/llama.cpp {state} (commit {manifest.commit[:12]}, "
+                f"{len(patch_files())} patches, series {patch_series_sha256()[:12]})"
+            )
         elif args.command == "verify":
             path = sdist_path(manifest)
             verify_sdist(path, manifest)
             commit = sdist_submodule_commit(path, manifest)
             if commit is not None and commit != manifest.commit:
-                raise SourceError(
-                    f"{path} vendors llama.cpp {commit}, but the manifest pins {manifest.commit}"
-                )
+                raise SourceError(f"{path} vendors llama.cpp {commit}, but the manifest pins {manifest.commit}")
             print(f"{path}: sha256 ok ({manifest.sha256})")
         elif args.command == "check-patches":
             patches = check_patches(manifest)

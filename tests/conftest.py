@@ -41,8 +41,11 @@ TIERS = ("unit", "worker", "swarm", "lab")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    untiered = [f"{item.nodeid} ({', '.join(t for t in TIERS if t in item.keywords) or 'none'})"
-                for item in items if sum(t in item.keywords for t in TIERS) != 1]
+    untiered = [
+        f"{item.nodeid} ({', '.join(t for t in TIERS if t in item.keywords) or 'none'})"
+        for item in items
+        if sum(t in item.keywords for t in TIERS) != 1
+    ]
     if untiered:
         raise pytest.UsageError(
             "every test needs exactly one tier mark (" + ", ".join(TIERS) + "), usually its module's pytestmark; "
@@ -119,7 +122,7 @@ async def _idle_tcp_timer(server_port: int, client_port: int) -> int:
 
 
 @pytest.fixture
-def idle_tcp_timer():  # noqa: ANN201
+def idle_tcp_timer():
     """``await idle_tcp_timer(server_port, client_port)``: see ``_idle_tcp_timer`` (Linux)."""
     if not Path("/proc/net/tcp").exists():
         pytest.skip("needs Linux's /proc/net/tcp")

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -52,7 +53,7 @@ async def _generate(argv: list[str]) -> subprocess.CompletedProcess:
     return await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
 
 
-async def _sequences_in_use(c) -> int:  # noqa: ANN001
+async def _sequences_in_use(c) -> int:
     return sum(s.sequences_in_use for n in await c.list_nodes() for s in n.serving)
 
 
@@ -115,9 +116,8 @@ async def test_more_generations_than_sequences_wait_finish_equal_and_killed_clie
         async with trio.open_nursery() as nursery:
             holders = [
                 await nursery.start(
-                    lambda task_status: trio.run_process(
-                        long_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False,
-                        task_status=task_status,
+                    partial(
+                        trio.run_process, long_argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False
                     )
                 )
                 for _ in range(SEQUENCES)
@@ -155,13 +155,13 @@ LOCK_STEP_TOKENS = 40  # test_lock_step_...: long enough for the chunked session
 CTX = 256  # positions per sequence: the context-limit session reaches it
 
 
-def _scores(logits) -> tuple:  # noqa: ANN001
+def _scores(logits) -> tuple:
     if hasattr(logits, "ids"):
         return (logits.ids.tobytes(), logits.logits.tobytes(), float(logits.log_sum_exp))
     return (logits.tobytes(),)
 
 
-async def _run(addr: str, prompt: list[int], *, max_tokens: int, started=None, stop_after: int | None = None):  # noqa: ANN001, ANN202
+async def _run(addr: str, prompt: list[int], *, max_tokens: int, started=None, stop_after: int | None = None):
     """(tokens, scores, result) of one session, its own owner. ``started`` is set at its second
     token; ``stop_after``: cancel the generation (as a dropped client) after that many tokens."""
     from agent.io.client import SwarmClientConfig, open_swarm_client
@@ -171,7 +171,7 @@ async def _run(addr: str, prompt: list[int], *, max_tokens: int, started=None, s
     async with open_swarm_client(addr, config=SwarmClientConfig(queue_timeout_s=120.0, prefill_chunk_tokens=64)) as c:
         with trio.CancelScope() as scope:
 
-            async def on_token(token: int, logits, _route) -> bool:  # noqa: ANN001
+            async def on_token(token: int, logits, _route) -> bool:
                 tokens.append(token)
                 scores.append(_scores(logits))
                 if started is not None and len(tokens) == 2:
@@ -183,7 +183,6 @@ async def _run(addr: str, prompt: list[int], *, max_tokens: int, started=None, s
             result = await c.generate_tokens(ALIAS, prompt, max_tokens=max_tokens, on_token=on_token)
             return tokens, scores, result
     return tokens, scores, None
-
 
 
 @pytest.mark.timeout(600)
@@ -203,13 +202,15 @@ async def test_concurrent_sessions_give_their_solo_runs_numbers_bit_for_bit(tmp_
     async with _three_nodes(tmp_path, "--max-sequences", "8", "--ctx-size", str(CTX)) as (swarm, route):
         text_tokens = await _text_tokens(swarm, route)
         addr = swarm.tracker_addr
-        prompts = [text_tokens[: n - 1] + [text_tokens[n + 7]] for n in LENGTHS]  # distinct ends
+        prompts = [[*text_tokens[: n - 1], text_tokens[n + 7]] for n in LENGTHS]  # distinct ends
         solo = [await _run(addr, p, max_tokens=CONCURRENT_TOKENS) for p in prompts]
         for (tokens, _, result), prompt in zip(solo, prompts):
             assert len(tokens) == CONCURRENT_TOKENS or result.stopped_by_token
             # each hop computed the prompt and every generated token but the last, by its own count too
             assert {h["rows"] for h in result.hop_rows} == {len(prompt) + len(tokens) - 1}
-            assert sorted(result.node_rows, key=lambda h: h["begin"]) == sorted(result.hop_rows, key=lambda h: h["begin"])
+            assert sorted(result.node_rows, key=lambda h: h["begin"]) == sorted(
+                result.hop_rows, key=lambda h: h["begin"]
+            )
 
         async def scenario(n: int) -> list[tuple]:
             outcomes: dict[int, tuple] = {}
@@ -241,7 +242,7 @@ async def test_concurrent_sessions_give_their_solo_runs_numbers_bit_for_bit(tmp_
         outcomes: dict[str, tuple] = {}
         async with trio.open_nursery() as nursery:
 
-            async def keep(name: str, **kwargs) -> None:  # noqa: ANN003
+            async def keep(name: str, **kwargs) -> None:
                 outcomes[name] = await _run(addr, **kwargs)
 
             nursery.start_soon(lambda: keep("cancelled", prompt=prompts[3], max_tokens=CONCURRENT_TOKENS, stop_after=4))
@@ -279,7 +280,7 @@ async def test_nodes_on_one_machine_run_lock_step_by_default_every_decoding_sess
     async with _three_nodes(tmp_path, *node_args) as (swarm, route):
         text_tokens = await _text_tokens(swarm, route)
         addr = swarm.tracker_addr
-        prompts = [text_tokens[: n - 1] + [text_tokens[n + 7]] for n in (5, 40, 170)]
+        prompts = [[*text_tokens[: n - 1], text_tokens[n + 7]] for n in (5, 40, 170)]
         solo = [await _run(addr, p, max_tokens=LOCK_STEP_TOKENS) for p in prompts]
         before = await forward_counts(addr, int(time.time() * 1000))
         runs: dict[int, tuple] = {}

@@ -33,7 +33,11 @@ def test_the_summary_takes_ratios_of_both_modes_checks_the_doublings_and_the_gap
     assert [round(r["ratio"], 2) for r in summary["rows"]] == [0.8, 0.7, 0.3, 0.3]
     assert [round(r["groups_off_ratio"], 2) for r in summary["rows"]] == [0.8, 0.5, 0.28, 0.2]
     assert [round(r["default_over_off"], 2) for r in summary["rows"]] == [1.0, 1.4, 1.07, 1.5]
-    assert (summary["ratio_at_8"], summary["groups_off_ratio_at_8"], summary["default_over_off_at_8"]) == (0.3, 0.2, 1.5)
+    assert (summary["ratio_at_8"], summary["groups_off_ratio_at_8"], summary["default_over_off_at_8"]) == (
+        0.3,
+        0.2,
+        1.5,
+    )
     assert summary["rising_with_every_doubling"] is False  # 4 sessions fell below 2
     assert summary["gap_p99_over_p50_during_prefill"] == 10.0
     report = {
@@ -149,7 +153,11 @@ def test_a_span_is_cut_at_the_first_or_last_event_of_each_stage_and_a_missing_on
     # a ends at the first x (1), b at the last y in the span (6), c at the first z after it (7)
     assert hop_trace.span_stages(sender, receiver, 0, 10 * ms, stages) == pytest.approx([1.0, 5.0, 1.0])
     # no y in the span: b is None and c counts from where a ended
-    assert hop_trace.span_stages(sender, [(7 * ms, "z", 0)], 0, 10 * ms, stages) == [pytest.approx(1.0), None, pytest.approx(6.0)]
+    assert hop_trace.span_stages(sender, [(7 * ms, "z", 0)], 0, 10 * ms, stages) == [
+        pytest.approx(1.0),
+        None,
+        pytest.approx(6.0),
+    ]
     # an event before the span's start is not the stage's end
     assert hop_trace.span_stages(sender, receiver, 2 * ms, 10 * ms, stages) == pytest.approx([1.0, 3.0, 1.0])
 

@@ -132,7 +132,10 @@ def test_markdown_has_every_row_and_the_headline():
     assert "transport 8KiB round trip, Baton channel" in md and "1.20x; per run 1.15x (1.05–1.40)" in md
     assert "**MISSED**" in md and md.rstrip().endswith("here")
     assert "Paired step by step" not in md  # no paired run
-    report["derived"]["baton_3"] = {**derived["baton_3"], "paired_per_hop_overhead_ms": compare_report.summarize([0.2, 0.3])}
+    report["derived"]["baton_3"] = {
+        **derived["baton_3"],
+        "paired_per_hop_overhead_ms": compare_report.summarize([0.2, 0.3]),
+    }
     md = compare_report.render_markdown(report, "")
     assert "3-split **0.250 ms** a hop (runs: 0.200, 0.300)" in md
     assert "Interleaved turn by turn" not in md
@@ -162,7 +165,7 @@ def test_chart_draws_every_system_in_its_family_colour():
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     pixels = image.imread(io.BytesIO(data), format="png")
     assert pixels.shape[:2] == (450, 800)
-    rgb = {tuple(int(round(255 * c)) for c in px[:3]) for px in pixels.reshape(-1, pixels.shape[2])}
+    rgb = {tuple(round(255 * c) for c in px[:3]) for px in pixels.reshape(-1, pixels.shape[2])}
     for colour in compare.COLORS.values():
         assert tuple(int(colour[k : k + 2], 16) for k in (1, 3, 5)) in rgb
 

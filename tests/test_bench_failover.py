@@ -6,11 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 sys.path.insert(0, str(BENCH_DIR))
 
 import failover  # noqa: E402
-import pytest
 
 pytestmark = pytest.mark.unit
 

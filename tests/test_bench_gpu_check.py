@@ -84,7 +84,12 @@ def test_a_missing_part_leaves_its_figures_out() -> None:
 def test_the_report_says_what_failed_and_what_differs(tmp_path: Path) -> None:
     report = _report()
     report["split"]["top_k_equal"] = False
-    report["ctest"] = {"passed": False, "exit_code": 8, "seconds": 3.5, "summary": ["2 - model_split_equals_full (Failed)"]}
+    report["ctest"] = {
+        "passed": False,
+        "exit_code": 8,
+        "seconds": 3.5,
+        "summary": ["2 - model_split_equals_full (Failed)"],
+    }
     report["failures"] = ["llama_batched_bench: exited 1"]
     report["notes"] = ["a note"]
     report["summary"] = gpu_check.summarise(report, prompt=512, steps=128)

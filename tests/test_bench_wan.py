@@ -66,7 +66,9 @@ def test_the_report_names_every_system_and_marks_misses() -> None:
         assert label in text
     assert "| 20 (20.20) | 26.0 (bound 27.8, 0.94x)" in text
     assert "2.08x" in text and "**4.23x**" in text
-    assert "| 1 | 26.0 | 110.0 | 90.0 | 4.23x | 1.22x |" in text and "**1.22x** lock-step (ahead in 1 of 1 rounds)" in text
+    assert (
+        "| 1 | 26.0 | 110.0 | 90.0 | 4.23x | 1.22x |" in text and "**1.22x** lock-step (ahead in 1 of 1 rounds)" in text
+    )
     assert "| 1 | 1.500 | 1.400 | 1.600 | NO |" in text  # a miss says so
     json.dumps(report)
     pytest.importorskip("matplotlib")

@@ -52,7 +52,7 @@ def new_peer() -> tuple[Ed25519PrivateKey, str]:
     return key, peer_id_from_public_key(public_key_bytes(key))
 
 
-def memory_personas(network: MemoryNetwork):  # noqa: ANN201
+def memory_personas(network: MemoryNetwork):
     """``open_persona`` for the verifier: a fresh peer on the network, gone afterwards."""
 
     @contextlib.asynccontextmanager
@@ -141,7 +141,7 @@ async def open_swarm(tmp_path: Path, model_path: Path, policy: CanaryPolicy) -> 
             nursery.cancel_scope.cancel()
 
 
-async def wait_for(swarm: Swarm, predicate, timeout_s: float = 60.0) -> None:  # noqa: ANN001
+async def wait_for(swarm: Swarm, predicate, timeout_s: float = 60.0) -> None:
     with trio.fail_after(timeout_s):
         await swarm.tracker.wait_until(predicate)
 

@@ -4,12 +4,11 @@ Fallback peers are a ``MemoryNetwork`` (the channel must not need libp2p to be t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import contextlib
 import functools
 import socket
 import ssl
+from collections.abc import AsyncIterator
 
 import pytest
 import trio
@@ -28,7 +27,7 @@ ECHO = "/test/echo/1.0.0"
 
 
 class Pair:
-    def __init__(self, a, b, net: MemoryNetwork) -> None:  # noqa: ANN001
+    def __init__(self, a, b, net: MemoryNetwork) -> None:
         self.a, self.b, self.net = a, b, net
         self.seen: list[tuple[str, bytes]] = []
         self.release = trio.Event()
@@ -45,7 +44,7 @@ class Pair:
 
 
 @pytest.fixture
-async def pair():  # noqa: ANN201
+async def pair():
     net = MemoryNetwork()
     ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     async with open_channel_transport(ka, net.add(peer_id_of(ka)), ChannelConfig(max_frame_bytes=4096)) as a:
@@ -109,11 +108,11 @@ async def _raw_tls(port: int, context: ssl.SSLContext) -> _TlsStream:
     return stream
 
 
-def _port(transport) -> int:  # noqa: ANN001
+def _port(transport) -> int:
     return parse_channel_multiaddr(transport.listen_addrs[0])[1]
 
 
-async def _closed_without_reply(receive) -> bool:  # noqa: ANN001
+async def _closed_without_reply(receive) -> bool:
     with trio.fail_after(5):
         try:
             return await receive(1 << 16) == b""
@@ -432,7 +431,7 @@ async def test_the_later_replies_of_one_read_go_out_in_one_write_in_order(
     writes: list[int] = []  # b's: parts per write
     send_nowait = type(requester.stream).send_nowait
 
-    def counted(stream, *parts: bytes) -> list[memoryview] | None:  # noqa: ANN001
+    def counted(stream, *parts: bytes) -> list[memoryview] | None:
         if stream is not requester.stream:
             writes.append(len(parts))
         return send_nowait(stream, *parts)
@@ -441,7 +440,7 @@ async def test_the_later_replies_of_one_read_go_out_in_one_write_in_order(
     replies: dict[int, bytes | TransportError] = {}
     done = trio.Event()
 
-    def take(index: int):  # noqa: ANN202
+    def take(index: int):
         def on_reply(reply: bytes | TransportError) -> None:
             replies[index] = reply
             if len(replies) == 3:
@@ -490,7 +489,7 @@ async def test_request_soon_answers_through_its_callback_or_says_it_sent_nothing
             outcomes: dict[str, bytes | TransportError] = {}
             arrived = {name: trio.Event() for name in ("reply", "late", "cut")}
 
-            def outcome(name: str):  # noqa: ANN202
+            def outcome(name: str):
                 def take(reply: bytes | TransportError) -> None:
                     outcomes[name] = reply
                     arrived[name].set()
@@ -536,7 +535,7 @@ def _taking_handler(seen: list[bytes]) -> ImmediateHandler:
     return ImmediateHandler(answer, reply_later=True, is_acceptance=lambda reply: reply == b"ok")
 
 
-async def _until(condition, timeout_s: float = 10) -> None:  # noqa: ANN001
+async def _until(condition, timeout_s: float = 10) -> None:
     with trio.fail_after(timeout_s):
         while not condition():  # a condition to reach, not a delay to wait out
             await trio.sleep(0.01)
@@ -549,7 +548,7 @@ class _Outcomes:
         self.got: dict[str, bytes | TransportError] = {}
         self.events: dict[str, trio.Event] = {}
 
-    def __call__(self, name: str):  # noqa: ANN204
+    def __call__(self, name: str):
         self.events[name] = trio.Event()
 
         def take(reply: bytes | TransportError) -> None:
@@ -629,7 +628,7 @@ async def _read_channel_frame(stream: _TlsStream, reader: frames.FrameReader) ->
 async def test_a_version_1_peer_is_sent_plain_requests_and_gets_every_reply() -> None:
     # A peer from before quiet requests negotiates baton-channel/1: a quiet request_soon
     # goes to it as a plain REQUEST, and its requests to us get their acceptances as replies.
-    async with _open_two(ChannelConfig()) as (a, b):
+    async with _open_two(ChannelConfig()) as (a, _b):
         old_key = Ed25519PrivateKey.generate()
         old_id = peer_id_of(old_key)
         server_context, _client = tls_contexts(old_key, 3600)
@@ -685,7 +684,7 @@ async def test_a_version_1_peer_is_sent_plain_requests_and_gets_every_reply() ->
 
 
 @contextlib.asynccontextmanager
-async def _bounded_pair(**limits) -> AsyncIterator[Pair]:  # noqa: ANN003
+async def _bounded_pair(**limits) -> AsyncIterator[Pair]:
     """A pair whose listener (b) has the given ``ChannelConfig`` bounds."""
     net = MemoryNetwork()
     ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()

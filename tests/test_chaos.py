@@ -90,7 +90,7 @@ async def _start(swarm: LocalSwarm) -> Chaos:
         assert len(prompt_tokens) > 2 * PREFILL_CHUNK_TOKENS
         scores: list[tuple] = []
 
-        async def keep(_token: int, logits, _route) -> bool:  # noqa: ANN001
+        async def keep(_token: int, logits, _route) -> bool:
             scores.append(_scores(logits))
             return False
 
@@ -108,7 +108,7 @@ async def _start(swarm: LocalSwarm) -> Chaos:
     return Chaos(swarm, memory, prompt_tokens, stop_tokens, run.tokens, run.first_token_s, scores)
 
 
-def _scores(logits) -> tuple:  # noqa: ANN001
+def _scores(logits) -> tuple:
     """A token's scores as comparable bytes: the top-K ids, logits and log-sum-exp (or the row)."""
     if isinstance(logits, np.ndarray):
         return (logits.tobytes(),)
@@ -118,7 +118,9 @@ def _scores(logits) -> tuple:  # noqa: ANN001
 @pytest.fixture(scope="module")
 def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chaos]:
     """The shared swarm (its processes outlive the ``trio.run`` that starts them)."""
-    config = LocalSwarmConfig(model_path=model_path(ALIAS), model_alias=ALIAS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    config = LocalSwarmConfig(
+        model_path=model_path(ALIAS), model_alias=ALIAS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS
+    )
     swarm = LocalSwarm(config, tmp_path_factory.mktemp("chaos"))
     try:
         yield trio.run(_start, swarm)
@@ -156,7 +158,7 @@ def _plan(rng: random.Random) -> list[Round]:
 Counters = dict[tuple[str, int, int], tuple[int, int, int]]
 
 
-async def _counters(c) -> Counters:  # noqa: ANN001
+async def _counters(c) -> Counters:
     """(sessions started, resumed, rebuilt) of every READY range, as the nodes report them."""
     return {
         (n.peer_id, s.assignment.begin, s.assignment.end): (s.sessions_started, s.sessions_resumed, s.sessions_rebuilt)
@@ -167,7 +169,7 @@ async def _counters(c) -> Counters:  # noqa: ANN001
     }
 
 
-async def _wait_counters(c, expected: Counters, timeout_s: float = 10.0) -> Counters:  # noqa: ANN001
+async def _wait_counters(c, expected: Counters, timeout_s: float = 10.0) -> Counters:
     """The nodes' counters once they equal ``expected`` for its keys (heartbeats carry them), or
     as they are at ``timeout_s``."""
     seen: Counters = {}
@@ -180,7 +182,7 @@ async def _wait_counters(c, expected: Counters, timeout_s: float = 10.0) -> Coun
     return seen
 
 
-async def _run_round(c, chaos: Chaos, plan: Round, rng: random.Random) -> None:  # noqa: ANN001
+async def _run_round(c, chaos: Chaos, plan: Round, rng: random.Random) -> None:
     before = await _counters(c)
     route = await c.route(ALIAS)
     assert len(route.hops) == 3, [(h.begin, h.end) for h in route.hops]
@@ -215,7 +217,7 @@ async def _run_round(c, chaos: Chaos, plan: Round, rng: random.Random) -> None: 
                     return
             await trio.sleep(0.1)
 
-    async def on_token(token: int, logits, _route) -> bool:  # noqa: ANN001
+    async def on_token(token: int, logits, _route) -> bool:
         now = trio.current_time()
         tokens.append(token)
         scores.append(_scores(logits))
@@ -305,10 +307,10 @@ async def test_a_tracker_killed_mid_generation_loses_nothing(chaos: Chaos) -> No
         await wait_for_copies(c, chaos.swarm, 2, timeout_s=90.0)
         models_before = [(m.sha256, m.alias, m.n_layer) for m in await c.list_models()]
         assigned_before = {(n.peer_id, a.begin, a.end) for n in await c.list_nodes() if n.alive for a in n.assigned}
-        route = await c.route(ALIAS)
+        await c.route(ALIAS)
         killed = trio.Event()
 
-        async def on_token(token: int, _logits, _route) -> bool:  # noqa: ANN001
+        async def on_token(token: int, _logits, _route) -> bool:
             tokens.append(token)
             if len(tokens) == 8:
                 await swarm.stop_tracker(kill=True)
@@ -322,7 +324,9 @@ async def test_a_tracker_killed_mid_generation_loses_nothing(chaos: Chaos) -> No
         assert killed.is_set() and not swarm.tracker.alive
         assert running.tokens == chaos.reference and not running.replans
         # a new generation while the tracker is down: the last route, the current admission
-        fresh = await c.generate_tokens(ALIAS, chaos.prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=chaos.stop_tokens)
+        fresh = await c.generate_tokens(
+            ALIAS, chaos.prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=chaos.stop_tokens
+        )
         assert fresh.tokens == chaos.reference
         assert fresh.route == running.route  # the last route the tracker gave
 
@@ -332,7 +336,9 @@ async def test_a_tracker_killed_mid_generation_loses_nothing(chaos: Chaos) -> No
         await wait_for_copies(c, chaos.swarm, 2, timeout_s=60.0)  # every node heard from again, with the ranges it had
         assigned_after = {(n.peer_id, a.begin, a.end) for n in await c.list_nodes() if n.alive for a in n.assigned}
         assert assigned_after == assigned_before
-        again = await c.generate_tokens(ALIAS, chaos.prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=chaos.stop_tokens)
+        again = await c.generate_tokens(
+            ALIAS, chaos.prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=chaos.stop_tokens
+        )
         assert again.tokens == chaos.reference
     swarm.check_alive()
 
@@ -341,14 +347,15 @@ async def test_a_tracker_killed_mid_generation_loses_nothing(chaos: Chaos) -> No
 async def test_only_the_owner_resumes_or_replays_its_session_and_a_bad_resume_changes_nothing(chaos: Chaos) -> None:
     """Another admitted client cannot trim or replay someone's session; the owner's own resume
     past what a hop holds is refused; the generation goes on unchanged."""
-    async with open_swarm_client(chaos.swarm.tracker_addr, config=_client_config()) as owner, open_swarm_client(
-        chaos.swarm.tracker_addr, config=_client_config()
-    ) as other:
+    async with (
+        open_swarm_client(chaos.swarm.tracker_addr, config=_client_config()) as owner,
+        open_swarm_client(chaos.swarm.tracker_addr, config=_client_config()) as other,
+    ):
         await wait_for_copies(owner, chaos.swarm, 2, timeout_s=90.0)
         route = await owner.route(ALIAS)
         answers: dict[str, swarm_pb2.NodeReply] = {}
 
-        async def ask(client, name: str, hop: swarm_pb2.Hop, request: swarm_pb2.NodeRequest) -> None:  # noqa: ANN001
+        async def ask(client, name: str, hop: swarm_pb2.Hop, request: swarm_pb2.NodeRequest) -> None:
             request.schema_version = 1
             request.sender_admission.CopyFrom(client.admission)
             raw = await client.transport.request(
@@ -356,7 +363,7 @@ async def test_only_the_owner_resumes_or_replays_its_session_and_a_bad_resume_ch
             )
             answers[name] = swarm_pb2.NodeReply.FromString(raw)
 
-        async def on_token(token: int, _logits, _route) -> bool:  # noqa: ANN001
+        async def on_token(token: int, _logits, _route) -> bool:
             tokens.append(token)
             if len(tokens) != 3:
                 return False

@@ -34,8 +34,8 @@ from agent.core.swarm_wire import (
     step_result,
     step_result_error,
 )
-from agent.io.client import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
 from agent.io.channel import open_channel_transport
+from agent.io.client import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
 from agent.io.transport import MemoryNetwork, TransportError
 
 pytestmark = pytest.mark.unit
@@ -459,7 +459,9 @@ async def test_an_unreachable_first_hop_is_named(swarm: Swarm) -> None:
             await client.generate("smol", "abc", max_tokens=4)
         assert caught.value.failed_peer_id == first.peer_id
         # already gone before the generation starts: tokenizing on it fails
-        with pytest.raises(GenerationError, match=f"tokenize on first hop {first.peer_id} failed: .*unreachable") as caught:
+        with pytest.raises(
+            GenerationError, match=f"tokenize on first hop {first.peer_id} failed: .*unreachable"
+        ) as caught:
             await client.generate("smol", "abc", max_tokens=4)
         assert caught.value.failed_peer_id == first.peer_id
 
@@ -468,7 +470,9 @@ async def test_no_result_in_time_is_a_clear_error(swarm: Swarm, autojump_clock: 
     swarm.nodes[2].behaviour.silent = True
     async with swarm.client(SwarmClientConfig(step_timeout_s=7.0, replan_attempts=0)) as client:
         started = trio.current_time()
-        with pytest.raises(GenerationError, match=r"no result for step 0 of session [0-9a-f]{32} within 7.0 s") as caught:
+        with pytest.raises(
+            GenerationError, match=r"no result for step 0 of session [0-9a-f]{32} within 7.0 s"
+        ) as caught:
             await client.generate("smol", "abc", max_tokens=4)
         assert trio.current_time() - started == pytest.approx(7.0)
     assert swarm.nodes[0].peer_id in str(caught.value)  # the route is in the message
@@ -559,12 +563,14 @@ async def test_a_result_that_arrives_while_its_hops_are_probed_reaches_the_calle
     config = SwarmClientConfig(step_timeout_s=30.0, replan_attempts=1, probe_interval_s=1.0, probe_timeout_s=0.5)
     streamed: list[int] = []
 
-    async def on_token(token: int, _logits, _route) -> bool:  # noqa: ANN001
+    async def on_token(token: int, _logits, _route) -> bool:
         streamed.append(token)
         return False
 
     async with swarm.client(config) as client:
-        result = await client.generate_tokens("smol", [ALPHABET.index(c) for c in "abc"], max_tokens=4, on_token=on_token)
+        result = await client.generate_tokens(
+            "smol", [ALPHABET.index(c) for c in "abc"], max_tokens=4, on_token=on_token
+        )
     # the hop whose result came is not replaced (a resume would go on from the token the session
     # took, with the caller never given it)
     assert result.replans == 0 and swarm.tracker.lost_reports == []
@@ -591,7 +597,7 @@ async def test_the_route_error_from_the_tracker_is_raised(swarm: Swarm) -> None:
 
 async def test_a_refused_hello_is_raised(swarm: Swarm) -> None:
     swarm.tracker.refuse_hello = "replayed registration: nonce seen"
-    with pytest.raises(SwarmError, match="REFUSED .*replayed registration"):
+    with pytest.raises(SwarmError, match=r"REFUSED .*replayed registration"):
         async with swarm.client():
             pass
 
@@ -763,7 +769,9 @@ async def test_the_client_over_libp2p(nursery: trio.Nursery) -> None:
         transports = [await stack.enter_async_context(open_p2p_transport(key)) for key in keys]
         tracker = FakeTracker(transports[0], keys[0])
         nodes = [FakeNode(transports[i + 1], keys[i + 1], tracker, nursery, b, e) for i, (b, e) in enumerate(LAYOUT)]
-        tracker.routes = [swarm_pb2.Route(model_sha256=MODEL_SHA, n_layer=N_LAYER, recipe_hash=RECIPE, hops=[n.hop() for n in nodes])]
+        tracker.routes = [
+            swarm_pb2.Route(model_sha256=MODEL_SHA, n_layer=N_LAYER, recipe_hash=RECIPE, hops=[n.hop() for n in nodes])
+        ]
         async with open_swarm_client(tracker.addr, key=keys[4], transport=transports[4]) as client:
             result = await client.generate("smol", "abc", max_tokens=5)
         assert result.tokens == greedy_continuation("abc", 5)
@@ -792,7 +800,7 @@ async def test_tokens_computed_through_a_withdrawn_hop_are_taken_back_when_it_fa
     config = SwarmClientConfig(replan_attempts=1, replan_wait_s=5.0, route_poll_interval_s=0.01)
     seen: list[int] = []
 
-    async def on_token(token: int, _logits, _route) -> bool:  # noqa: ANN001
+    async def on_token(token: int, _logits, _route) -> bool:
         seen.append(token)
         return False
 

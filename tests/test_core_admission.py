@@ -147,10 +147,10 @@ def test_client_hello_round_trip_and_refusals():
         "replayed registration"
     )
     assert adm.decide_client_admission(hello, POLICY, NOW_MS + 60_001, False).reason.startswith("stale registration")
-    with pytest.raises(adm.AdmissionError, match="^peer id mismatch"):
+    with pytest.raises(adm.AdmissionError, match=r"^peer id mismatch"):
         adm.verify_client_hello(hello, NODE)
     hello.created_at_ms += 1
-    with pytest.raises(adm.AdmissionError, match="^bad signature"):
+    with pytest.raises(adm.AdmissionError, match=r"^bad signature"):
         adm.verify_client_hello(hello, OTHER)
 
 
@@ -185,26 +185,26 @@ def test_admission_role_filter():
 
 def test_admission_signed_by_another_key_is_refused():
     signed = adm.issue_admission(OTHER_KEY, _record())
-    with pytest.raises(adm.AdmissionError, match="^bad tracker signature"):
+    with pytest.raises(adm.AdmissionError, match=r"^bad tracker signature"):
         adm.verify_admission(signed, TRACKER_PUB, NODE, NOW_MS)
 
 
 def test_admission_tampered_record_is_refused():
     signed = adm.issue_admission(TRACKER_KEY, _record())
     signed.record = _record(expires_at_ms=NOW_MS * 2).SerializeToString()
-    with pytest.raises(adm.AdmissionError, match="^bad tracker signature"):
+    with pytest.raises(adm.AdmissionError, match=r"^bad tracker signature"):
         adm.verify_admission(signed, TRACKER_PUB, NODE, NOW_MS)
 
 
 def test_admission_shown_by_another_peer_is_refused():
     signed = adm.issue_admission(TRACKER_KEY, _record())
-    with pytest.raises(adm.AdmissionError, match="^admission peer id mismatch"):
+    with pytest.raises(adm.AdmissionError, match=r"^admission peer id mismatch"):
         adm.verify_admission(signed, TRACKER_PUB, OTHER, NOW_MS)
 
 
 def test_admission_expires_at_its_deadline():
     signed = adm.issue_admission(TRACKER_KEY, _record())
-    with pytest.raises(adm.AdmissionError, match="^admission expired"):
+    with pytest.raises(adm.AdmissionError, match=r"^admission expired"):
         adm.verify_admission(signed, TRACKER_PUB, NODE, NOW_MS + 600_000)
 
 
@@ -237,11 +237,11 @@ def test_admission_verifier_checks_each_signature_once_but_sender_expiry_and_rol
     assert verifier.verify(signed, NODE, NOW_MS + 1, roles=[swarm_pb2.ROLE_NODE]) == _record()
     assert len(calls) == 1
     # remembered or not, the record is still checked against who sends it and when
-    with pytest.raises(adm.AdmissionError, match="^admission peer id mismatch"):
+    with pytest.raises(adm.AdmissionError, match=r"^admission peer id mismatch"):
         verifier.verify(signed, OTHER, NOW_MS)
-    with pytest.raises(adm.AdmissionError, match="^admission expired"):
+    with pytest.raises(adm.AdmissionError, match=r"^admission expired"):
         verifier.verify(signed, NODE, NOW_MS + 600_000)
-    with pytest.raises(adm.AdmissionError, match="^admission role ROLE_NODE is not allowed here"):
+    with pytest.raises(adm.AdmissionError, match=r"^admission role ROLE_NODE is not allowed here"):
         verifier.verify(signed, NODE, NOW_MS, roles=[swarm_pb2.ROLE_CLIENT])
     assert len(calls) == 1
 
@@ -250,11 +250,11 @@ def test_admission_verifier_remembers_no_refusal_and_a_bounded_number_of_admissi
     verifier = adm.AdmissionVerifier(TRACKER_PUB, max_entries=2)
     forged = adm.issue_admission(OTHER_KEY, _record())
     for _ in range(2):  # refused every time: a bad signature is never remembered as good
-        with pytest.raises(adm.AdmissionError, match="^bad tracker signature"):
+        with pytest.raises(adm.AdmissionError, match=r"^bad tracker signature"):
             verifier.verify(forged, NODE, NOW_MS)
     tampered = adm.issue_admission(TRACKER_KEY, _record())
     tampered.record = _record(expires_at_ms=NOW_MS * 2).SerializeToString()
-    with pytest.raises(adm.AdmissionError, match="^bad tracker signature"):
+    with pytest.raises(adm.AdmissionError, match=r"^bad tracker signature"):
         verifier.verify(tampered, NODE, NOW_MS)
     for expires in (1, 2, 3):
         verifier.verify(adm.issue_admission(TRACKER_KEY, _record(expires_at_ms=NOW_MS + expires)), NODE, NOW_MS)

@@ -6,6 +6,8 @@ import random
 from collections import Counter
 from fractions import Fraction
 
+import pytest
+
 from agent.core.assignment import (
     Assignment,
     ModelSpec,
@@ -14,7 +16,6 @@ from agent.core.assignment import (
     blocks_holdable,
     split_proportionally,
 )
-import pytest
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,9 @@ CHATML = (
 
 
 def test_chatml_renders_with_generation_prompt() -> None:
-    text = ChatTemplate(CHATML).render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"}])
+    text = ChatTemplate(CHATML).render(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"}]
+    )
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 🙂<|im_end|>\n<|im_start|>assistant\n"
 
 

@@ -15,13 +15,13 @@ from agent._proto import swarm_pb2, worker_pb2
 from agent.core import data_frames
 from agent.core.data_frames import DataFrameError, DataFrameReader, OwnerSession, SessionKeys
 from agent.core.data_route import (
-    continuation_steps,
-    continue_request,
-    first_hop_refusal,
     RouteKeys,
     bind_request,
+    continuation_steps,
+    continue_request,
     data_plane_hosts,
     data_step,
+    first_hop_refusal,
     next_hop_refusal,
     result_scores,
     step_result,
@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 Code = swarm_pb2.Error.Code
 
 
-def counting_bytes():  # noqa: ANN201
+def counting_bytes():
     """Deterministic 'random' bytes: each call a fresh pattern (no randomness in core tests)."""
     counter = itertools.count(1)
     return lambda n: bytes([next(counter) % 256]) * n
@@ -97,9 +97,13 @@ def test_the_owner_takes_a_result_once_from_its_session_and_key_only() -> None:
     counters = [worker_pb2.DataFrame.FromString(f[4:]).counter for f in steps]
     assert counters == [1, 2], "every STEP a new counter: no nonce is used twice under a key"
 
-    def result_frame(counter: int, *, key: bytes = keys.return_key, sid: bytes = keys.session_id) -> worker_pb2.DataFrame:
+    def result_frame(
+        counter: int, *, key: bytes = keys.return_key, sid: bytes = keys.session_id
+    ) -> worker_pb2.DataFrame:
         body = worker_pb2.DataResult(step=0, n_vocab=3).SerializeToString()
-        return worker_pb2.DataFrame.FromString(data_frames.sealed_frame(data_frames.RESULT, key, sid, counter, body)[4:])
+        return worker_pb2.DataFrame.FromString(
+            data_frames.sealed_frame(data_frames.RESULT, key, sid, counter, body)[4:]
+        )
 
     assert owner.open_result(result_frame(5)).n_vocab == 3
     with pytest.raises(DataFrameError, match="not above the last one taken"):
@@ -128,7 +132,9 @@ def _route(*addrs_per_hop: list[str]) -> swarm_pb2.Route:
 def test_a_route_is_on_the_data_plane_only_when_every_hop_has_a_direct_address() -> None:
     direct = [
         _route(["/ip4/10.0.0.1/tcp/4001/tls/p2p/peer0"], ["/ip4/10.0.0.2/tcp/4002/tls/p2p/peer1"]),
-        _route(["/ip4/10.0.0.1/tcp/9/p2p/peer0", "/ip6/::1/tcp/4001/tls/p2p/peer0"], ["/ip4/10.0.0.2/tcp/1/tls/p2p/peer1"]),
+        _route(
+            ["/ip4/10.0.0.1/tcp/9/p2p/peer0", "/ip6/::1/tcp/4001/tls/p2p/peer0"], ["/ip4/10.0.0.2/tcp/1/tls/p2p/peer1"]
+        ),
     ]
     assert data_plane_hosts(direct[0]) == ["10.0.0.1", "10.0.0.2"]
     assert data_plane_hosts(direct[1]) == ["::1", "10.0.0.2"], "the channel address, not libp2p's"
@@ -159,9 +165,7 @@ def test_a_greedy_session_continues_from_its_last_hop_to_its_first_within_its_bu
     keys = RouteKeys.new(3, counting_bytes())
     hosts = data_plane_hosts(route)
     assert hosts is not None
-    request = continue_request(
-        route, b"s" * 16, keys, hosts, 7000, steps=5, stop_token_ids={7, 2}, max_position=0
-    )
+    request = continue_request(route, b"s" * 16, keys, hosts, 7000, steps=5, stop_token_ids={7, 2}, max_position=0)
     assert (request.begin, request.end) == (20, 30), "asked of the last hop"
     assert (request.first_peer_id, request.first_host, request.first_port) == ("peer0", "10.0.0.0", 7000)
     assert request.continue_key == keys.continue_key and list(request.stop_token_ids) == [2, 7]
@@ -177,7 +181,7 @@ def test_a_greedy_session_continues_from_its_last_hop_to_its_first_within_its_bu
     first.listen_addrs[:] = ["/ip4/10.0.0.0/tcp/4000/tls/p2p/peer0"]
     assert first_hop_refusal(request, [first]) is None
 
-    def refused(nodes: list[swarm_pb2.NodeEntry], why: str, **changes) -> None:  # noqa: ANN003
+    def refused(nodes: list[swarm_pb2.NodeEntry], why: str, **changes) -> None:
         changed = swarm_pb2.DataPlaneContinueRequest()
         changed.CopyFrom(request)
         for name, value in changes.items():
@@ -193,7 +197,7 @@ def test_a_greedy_session_continues_from_its_last_hop_to_its_first_within_its_bu
     refused([first], "is not an address of the first hop peer0", first_host="10.0.0.7")
 
 
-def _next_node(**changes) -> swarm_pb2.NodeEntry:  # noqa: ANN003
+def _next_node(**changes) -> swarm_pb2.NodeEntry:
     """The tracker's entry of a route's third hop, READY on [20, 30) with its data plane at 7003."""
     status = swarm_pb2.AssignmentStatus(
         assignment=swarm_pb2.Assignment(model_sha256="ab" * 32, begin=20, end=30),
@@ -252,7 +256,9 @@ def test_results_come_to_the_session_as_the_node_path_would_bring_them() -> None
     route = _route(*[[f"/ip4/10.0.0.{i}/tcp/400{i}/tls/p2p/peer{i}"] for i in range(3)])
     session = Session(b"s" * 16, [1, 2, 3], max_new_tokens=4, route_peer_ids=["peer0", "peer1", "peer2"])
     step_input = session.next_step()
-    request = session.step_request(step_input, route, owner_peer_id="me", owner_addrs=[], admission=swarm_pb2.SignedAdmission())
+    request = session.step_request(
+        step_input, route, owner_peer_id="me", owner_addrs=[], admission=swarm_pb2.SignedAdmission()
+    )
     step = data_step(request.step, request.positions, request.token_ids, request.result_top_k)
     assert (list(step.positions), list(step.token_ids), step.top_k) == ([0, 1, 2], [1, 2, 3], request.result_top_k)
 
@@ -315,14 +321,20 @@ def test_scores_taken_straight_from_a_data_result_choose_as_the_step_result_woul
             replayed, direct_scores = wire_scores(success_step_result(direct.session_id, result)), result_scores(result)
             if isinstance(direct_scores, TopLogits):
                 assert replayed.ids.tolist() == direct_scores.ids.tolist()
-            np.testing.assert_array_equal(getattr(replayed, "logits", replayed), getattr(direct_scores, "logits", direct_scores))
+            np.testing.assert_array_equal(
+                getattr(replayed, "logits", replayed), getattr(direct_scores, "logits", direct_scores)
+            )
         assert direct.tokens == converted.tokens and direct.finished
     assert direct.result_top_k == 0 and direct.generated != [int(np.argmax(r)) for r in rows], "(sampled)"
 
     session = Session(b"s" * 16, [1, 2, 3], max_new_tokens=4, route_peer_ids=peers)
     session.next_step()
     good = _top_result(0, rows[0])
-    for step, sender, why in ((0, "peer1", "not the last hop"), (0, "stranger", "not on the route"), (1, "peer2", "out-of-order")):
+    for step, sender, why in (
+        (0, "peer1", "not the last hop"),
+        (0, "stranger", "not on the route"),
+        (1, "peer2", "out-of-order"),
+    ):
         with pytest.raises(ResultRefused, match=why) as refused:
             session.receive_scores(step, lambda: result_scores(good), 64, sender)
         assert not refused.value.fatal and session.awaiting, "not ours: the session is unchanged"
@@ -343,7 +355,7 @@ def test_scores_taken_straight_from_a_data_result_choose_as_the_step_result_woul
                     setattr(r, "logits", b"\0" * 12)), "12 logits bytes for n_vocab 64"),
     ],
 )  # fmt: skip
-def test_malformed_data_results_are_refused_with_what_is_wrong(mutate, message: str) -> None:  # noqa: ANN001
+def test_malformed_data_results_are_refused_with_what_is_wrong(mutate, message: str) -> None:
     result = _top_result(0, np.linspace(-1, 1, 64, dtype=np.float32))
     mutate(result)
     with pytest.raises(ValueError, match=message):
@@ -367,7 +379,10 @@ def test_a_bound_session_takes_no_step_through_the_node_until_unbound() -> None:
 
     session = table.bind_data_plane(sid, "owner", now_ms=4)
     assert session.data_plane and session.last_used_ms == 4
-    for refused in (lambda: table.accept(sid, 1, 5, 1, "owner", now_ms=5), lambda: table.resume(sid, 5, 3, "owner", now_ms=5)):
+    for refused in (
+        lambda: table.accept(sid, 1, 5, 1, "owner", now_ms=5),
+        lambda: table.resume(sid, 5, 3, "owner", now_ms=5),
+    ):
         with pytest.raises(WireError) as caught:
             refused()
         assert caught.value.code == Code.INVALID_ARGUMENT and "data plane" in caught.value.message
@@ -409,7 +424,9 @@ def test_a_session_that_ends_while_bound_is_unbound_before_its_sequence_is_freed
 
 
 def test_only_a_lock_step_first_hop_holds_data_plane_decode_steps() -> None:
-    assert data_plane_gather_us(begin=0, decode_groups=1, decode_gather_ms=40.0) == 40_000, "lock-step's first hop holds"
+    assert data_plane_gather_us(begin=0, decode_groups=1, decode_gather_ms=40.0) == 40_000, (
+        "lock-step's first hop holds"
+    )
     assert data_plane_gather_us(begin=10, decode_groups=1, decode_gather_ms=40.0) == 0, "only the first hop holds"
     assert data_plane_gather_us(begin=0, decode_groups=None, decode_gather_ms=40.0) == 0, "decode groups: no hold"
     assert data_plane_gather_us(begin=0, decode_groups=1, decode_gather_ms=0.0) == 0

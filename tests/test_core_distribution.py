@@ -31,7 +31,12 @@ KEY = Ed25519PrivateKey.generate()
 
 
 def manifest(tied: bool = True) -> swarm_pb2.ModelManifest:
-    names = ["token_embd.weight", *(f"blk.{i}.attn_q.weight" for i in range(4)), "output_norm.weight", "rope_freqs.weight"]
+    names = [
+        "token_embd.weight",
+        *(f"blk.{i}.attn_q.weight" for i in range(4)),
+        "output_norm.weight",
+        "rope_freqs.weight",
+    ]
     if not tied:
         names.append("output.weight")
     tensors, offset = [], 100
@@ -74,7 +79,13 @@ def names(begin: int, end: int, tied: bool = True) -> list[str]:
 
 
 def test_pieces_follow_the_loaders_ownership_rules() -> None:
-    assert names(0, 2) == [METADATA_PIECE, "token_embd.weight", "blk.0.attn_q.weight", "blk.1.attn_q.weight", "rope_freqs.weight"]
+    assert names(0, 2) == [
+        METADATA_PIECE,
+        "token_embd.weight",
+        "blk.0.attn_q.weight",
+        "blk.1.attn_q.weight",
+        "rope_freqs.weight",
+    ]
     assert names(1, 3) == [METADATA_PIECE, "blk.1.attn_q.weight", "blk.2.attn_q.weight", "rope_freqs.weight"]
     # tied embeddings: the last range loads token_embd as its head
     assert names(2, 4) == [METADATA_PIECE, "token_embd.weight", "blk.2.attn_q.weight", "blk.3.attn_q.weight",
@@ -90,7 +101,14 @@ def test_requests_merge_adjacent_pieces_skip_padding_and_resume() -> None:
     assert [(r.start, r.end, r.pieces) for r in plan_requests(pieces, state, 1000)] == [
         (0, 20, ("a", "b")), (26, 36, ("c",)),
     ]  # fmt: skip
-    assert [(r.start, r.end) for r in plan_requests(pieces, state, 8)] == [(0, 8), (8, 10), (10, 18), (18, 20), (26, 34), (34, 36)]
+    assert [(r.start, r.end) for r in plan_requests(pieces, state, 8)] == [
+        (0, 8),
+        (8, 10),
+        (10, 18),
+        (18, 20),
+        (26, 34),
+        (34, 36),
+    ]
     state.verified.add("a")
     state.written.update(a=10, b=4)
     assert [(r.start, r.end, r.header) for r in plan_requests(pieces, state, 1000)] == [

@@ -138,14 +138,20 @@ def test_channel_frames_round_trip() -> None:
     body = frames.request_header(7, "/baton/step/1.0.0") + b"payload"
     frame = frames.parse_channel_frame(body)
     assert (frame.kind, frame.exchange_id, frame.protocol_id, frame.payload) == (
-        frames.REQUEST, 7, "/baton/step/1.0.0", b"payload"
+        frames.REQUEST,
+        7,
+        "/baton/step/1.0.0",
+        b"payload",
     )
     reply = frames.parse_channel_frame(frames.reply_header(2**32 - 1) + b"r")
     assert (reply.kind_name, reply.exchange_id, reply.payload) == ("REPLY", 2**32 - 1, b"r")
     assert frames.parse_channel_frame(frames.error_header(3) + b"why").kind == frames.ERROR
     quiet = frames.parse_channel_frame(frames.request_header(9, "/baton/steps/1.0.0", quiet=True) + b"p")
     assert (quiet.kind_name, quiet.exchange_id, quiet.protocol_id, quiet.payload) == (
-        "QUIET_REQUEST", 9, "/baton/steps/1.0.0", b"p"
+        "QUIET_REQUEST",
+        9,
+        "/baton/steps/1.0.0",
+        b"p",
     )
     ids = [1, 2**32 - 1, 8, 8]  # in any order; a repeat is the peer's business
     taken = frames.parse_channel_frame(frames.taken_frame_body(ids))
@@ -217,8 +223,8 @@ def test_the_hosts_of_direct_tcp_addresses() -> None:
     assert tcp_hosts([]) == []
 
 
-def _cert(identity: Ed25519PrivateKey, cert_key=None) -> bytes:  # noqa: ANN001
-    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+def _cert(identity: Ed25519PrivateKey, cert_key=None) -> bytes:
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     pem, _key = make_peer_certificate(
         identity, cert_key or ec.generate_private_key(ec.SECP256R1()), serial_number=9,
         not_before=now, not_after=now + datetime.timedelta(days=1),
@@ -227,7 +233,9 @@ def _cert(identity: Ed25519PrivateKey, cert_key=None) -> bytes:  # noqa: ANN001
 
 
 def _peer_id(key: Ed25519PrivateKey) -> str:
-    return peer_id_from_public_key(key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
+    return peer_id_from_public_key(
+        key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    )
 
 
 def test_peer_certificate_names_its_identity() -> None:
@@ -238,7 +246,7 @@ def test_peer_certificate_names_its_identity() -> None:
 def test_a_certificate_claiming_another_identity_is_refused() -> None:
     """The extension of one certificate moved onto a certificate for another key: the
     signature covers the first certificate's key only, so the claim is refused."""
-    victim, attacker = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
+    victim, _attacker = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     victim_cert = x509.load_der_x509_certificate(_cert(victim))
     stolen = victim_cert.extensions.get_extension_for_oid(LIBP2P_TLS_OID).value
     attacker_key = ec.generate_private_key(ec.SECP256R1())
@@ -268,5 +276,5 @@ def test_certificates_without_or_with_a_broken_extension_are_refused() -> None:
     broken = base.add_extension(x509.UnrecognizedExtension(LIBP2P_TLS_OID, b"\x30\x03\x04\x01\x00"), critical=False)
     with pytest.raises(PeerCertError):
         verify_peer_certificate(broken.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.DER))
-    with pytest.raises(PeerCertError, match="not an X.509"):
+    with pytest.raises(PeerCertError, match=r"not an X.509"):
         verify_peer_certificate(b"garbage")

@@ -53,8 +53,14 @@ def test_the_last_row_of_the_output_decides() -> None:
 @pytest.mark.parametrize(
     ("output", "message"),
     [
-        (SeqOutput(seq_id=1, boundary=None, logits=np.ones((1, 4), np.float32), logit_rows=(0,), next_position=1), "seq 1"),
-        (SeqOutput(seq_id=0, boundary=np.ones((1, 4), np.float32), logits=None, logit_rows=(), next_position=1), "no logits"),
+        (
+            SeqOutput(seq_id=1, boundary=None, logits=np.ones((1, 4), np.float32), logit_rows=(0,), next_position=1),
+            "seq 1",
+        ),
+        (
+            SeqOutput(seq_id=0, boundary=np.ones((1, 4), np.float32), logits=None, logit_rows=(), next_position=1),
+            "no logits",
+        ),
     ],
 )
 def test_outputs_that_do_not_answer_are_refused(output: SeqOutput, message: str) -> None:

@@ -122,7 +122,10 @@ def test_topology_file_with_machines_links_and_access() -> None:
         ({"machine": [{"name": "a"}, {"name": "b"}], "link": [{"between": ["a", "c"]}]}, "no machine named 'c'"),
         ({"machine": [{"name": "a"}, {"name": "b"}], "link": [{"between": ["a"]}]}, "two machine names"),
         ({"machine": [{"name": "a"}, {"name": "b"}], "link": [{"from": "a"}]}, "either between"),
-        ({"machine": [{"name": "a"}, {"name": "b"}], "link": [{"between": ["a", "b"], "delay": 5}]}, r"#1: unknown key"),
+        (
+            {"machine": [{"name": "a"}, {"name": "b"}], "link": [{"between": ["a", "b"], "delay": 5}]},
+            r"#1: unknown key",
+        ),
         ({"machine": [{"name": "a"}, {"name": "b"}], "link": [{"between": ["a", "b"], "delay_ms": "5"}]}, "delay_ms"),
         ({"defaults": {"loss_pct": 200}, "machine": [{"name": "a"}, {"name": "b"}]}, r"\[defaults\]: loss_pct"),
         ({"machine": [{"name": "a"}, {"name": "b"}], "link": [{"between": ["a", "a"]}]}, "no link to itself"),

@@ -53,7 +53,11 @@ def test_a_heartbeat_report_is_checked_and_new_failures_found_once() -> None:
 
 def test_the_directives_are_the_diff_of_assigned_and_reported() -> None:
     reported = read_report("p", [status(0, 4, State.READY, "r"), status(4, 8, State.LOADING)], []).reported
-    assigned = [(Assignment(M, 0, 4, "p"), True), (Assignment(M, 8, 12, "p"), True), (Assignment(M, 12, 16, "p"), False)]
+    assigned = [
+        (Assignment(M, 0, 4, "p"), True),
+        (Assignment(M, 8, 12, "p"), True),
+        (Assignment(M, 12, 16, "p"), False),
+    ]
     diff = diff_assignment(reported, assigned)
     assert diff.load == (Assignment(M, 8, 12, "p"), Assignment(M, 12, 16, "p"))
     assert diff.unload == (Assignment(M, 4, 8, "p"),)

@@ -95,7 +95,9 @@ def test_a_missing_model_is_fetched_when_allowed_and_a_local_one_checked_when_as
     assert book(fetches_models=True).directive(LOAD, (REMOTE, 0, 4))[0] == StartRange(
         (REMOTE, 0, 4), 1, fetch=True, verify_local=False
     )
-    assert book(verify_local_models=False).directive(LOAD, KEY)[0] == StartRange(KEY, 1, fetch=False, verify_local=False)
+    assert book(verify_local_models=False).directive(LOAD, KEY)[0] == StartRange(
+        KEY, 1, fetch=False, verify_local=False
+    )
 
 
 def test_a_failed_range_is_restarted_by_load_and_the_old_tasks_events_change_nothing() -> None:
@@ -117,7 +119,10 @@ def test_a_task_that_fails_reports_failed_with_its_error() -> None:
     b.directive(LOAD, KEY)
     actions = b.stopped(KEY, 1, "ModelMismatch: tensor blk.0.attn_q.weight differs")
     assert kinds(actions) == [FailPending, HeartbeatNow]
-    assert (b.entry(KEY).state, b.entry(KEY).error) == (State.FAILED, "ModelMismatch: tensor blk.0.attn_q.weight differs")
+    assert (b.entry(KEY).state, b.entry(KEY).error) == (
+        State.FAILED,
+        "ModelMismatch: tensor blk.0.attn_q.weight differs",
+    )
     assert b.ready(KEY, 1, "late") == []  # a failed instance never becomes READY
 
 
@@ -134,7 +139,10 @@ def admission(peer_id: str = NODE_ID, expires_ms: int = NOW_MS + 60_000) -> swar
     record = swarm_pb2.AdmissionRecord(
         schema_version=SCHEMA_VERSION,
         tracker_peer_id=TRACKER_ID,
-        peer_id=peer_id, role=swarm_pb2.ROLE_NODE, issued_at_ms=NOW_MS - 1000, expires_at_ms=expires_ms
+        peer_id=peer_id,
+        role=swarm_pb2.ROLE_NODE,
+        issued_at_ms=NOW_MS - 1000,
+        expires_at_ms=expires_ms,
     )
     return issue_admission(TRACKER_KEY, record)
 
@@ -170,7 +178,9 @@ def test_a_registration_is_kept_only_from_the_tracker_dialled_with_a_usable_admi
 
 def test_a_heartbeat_reply_gives_directives_a_verified_admission_or_a_new_registration() -> None:
     def beat(reply: swarm_pb2.TrackerReply):
-        return read_heartbeat_reply(reply, tracker_public_key=public_key_bytes(TRACKER_KEY), peer_id=NODE_ID, now_ms=NOW_MS)
+        return read_heartbeat_reply(
+            reply, tracker_public_key=public_key_bytes(TRACKER_KEY), peer_id=NODE_ID, now_ms=NOW_MS
+        )
 
     forgot = beat(swarm_pb2.TrackerReply(error=swarm_pb2.Error(code=Code.NOT_FOUND, message="unknown node")))
     assert forgot.register_again and "registering again" in forgot.warning
@@ -226,7 +236,11 @@ def test_failures_name_who_failed_and_busy_stays_busy() -> None:
     assert forward_failure("DEADLINE_EXCEEDED", "slow", "12D3self").code == Code.INTERNAL
     assert forward_failure("", "bad boundary", "12D3self").code == Code.INTERNAL
     unreachable = push_unreachable("12D3next", "connection refused")
-    assert (unreachable.code, unreachable.failed_peer_id, unreachable.end_session) == (Code.UNAVAILABLE, "12D3next", False)
+    assert (unreachable.code, unreachable.failed_peer_id, unreachable.end_session) == (
+        Code.UNAVAILABLE,
+        "12D3next",
+        False,
+    )
     busy = push_refused("12D3next", Code.RESOURCE_EXHAUSTED, "all 4 sequences in use")
     assert busy.code == Code.RESOURCE_EXHAUSTED and "refused the step: all 4" in busy.message
     assert range_not_ready(KEY, None).code == Code.NOT_FOUND
@@ -261,7 +275,10 @@ def test_step_batches_round_trip_and_refuse_what_they_cannot_carry():
     got = read_step_batch(step_batch([entries[0].SerializeToString(), b"\xff\xff", entries[1].SerializeToString()]))
     assert [s.step for s in (got[0], got[2])] == [0, 1]
     assert isinstance(got[1], WireError) and "malformed StepRequest" in got[1].message
-    mixed = [entries[0], swarm_pb2.StepRequest(schema_version=1, sender_admission=swarm_pb2.SignedAdmission(record=b"x"))]
+    mixed = [
+        entries[0],
+        swarm_pb2.StepRequest(schema_version=1, sender_admission=swarm_pb2.SignedAdmission(record=b"x")),
+    ]
     with pytest.raises(WireError, match="different sender admissions"):
         read_step_batch(step_batch([m.SerializeToString() for m in mixed]))
     for bad, fragment in ((step_batch([]), "got 0"), (step_batch([b"x"] * (MAX_BATCH_STEPS + 1)), "1..4096")):

@@ -46,7 +46,10 @@ def test_max_tokens_and_max_completion_tokens_take_the_smaller() -> None:
 
 
 def test_content_parts_join_and_non_text_parts_are_refused() -> None:
-    req = parse_request(_chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]), "chat")
+    req = parse_request(
+        _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]),
+        "chat",
+    )
     assert req.messages[0]["content"] == "ab"
     with pytest.raises(ApiError) as caught:
         parse_request(_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), "chat")

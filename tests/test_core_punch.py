@@ -129,7 +129,10 @@ def test_records_round_trip_with_their_version() -> None:
     ("data", "message"),
     [
         (b"\xff\xff", "malformed"),
-        (swarm_pb2.PunchRequest(schema_version=2, punch_id=1, sync=swarm_pb2.PunchSync()).SerializeToString(), "schema_version 2"),
+        (
+            swarm_pb2.PunchRequest(schema_version=2, punch_id=1, sync=swarm_pb2.PunchSync()).SerializeToString(),
+            "schema_version 2",
+        ),
         (swarm_pb2.PunchRequest(schema_version=1, punch_id=1).SerializeToString(), "no body"),
         (swarm_pb2.PunchRequest(schema_version=1, sync=swarm_pb2.PunchSync()).SerializeToString(), "punch_id is 0"),
     ],

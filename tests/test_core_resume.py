@@ -246,7 +246,9 @@ def test_a_route_part_covers_only_the_blocks_asked_for_in_the_recipe_asked_for()
     ranges.append(ready("C", 20, 30))
     part = plan_route("m", "sha", 30, ranges, begin=10, end=20, avoid=["B"], recipe_hash="r1")
     assert [(h.peer_id, h.begin, h.end) for h in part.hops] == [("D", 10, 15), ("E", 15, 20)]
-    assert plan_route("m", "sha", 30, ranges, begin=10, end=20, avoid=["B", "D"], recipe_hash="r2").hops[0].peer_id == "B2"
+    assert (
+        plan_route("m", "sha", 30, ranges, begin=10, end=20, avoid=["B", "D"], recipe_hash="r2").hops[0].peer_id == "B2"
+    )
     with pytest.raises(NoRoute, match=r"blocks \[10, 15\) have no ready node \(of recipe r1\) \(without B, D\)"):
         plan_route("m", "sha", 30, ranges, begin=10, end=20, avoid=["B", "D"], recipe_hash="r1")
     with pytest.raises(NoRoute, match=r"blocks \[20, 40\) are not a part"):

@@ -144,7 +144,7 @@ def test_the_decode_cap_leaves_prefill_forwards_alone() -> None:
     assert scheduler.next_batch(max_decode_entries=1) == ["d4"]
 
 
-def _decode_through_a_route(groups: int | None, sessions: int = 8, hops: int = 3, tokens: int = 12):  # noqa: ANN202
+def _decode_through_a_route(groups: int | None, sessions: int = 8, hops: int = 3, tokens: int = 12):
     """``sessions`` decode ``tokens`` tokens each through ``hops`` schedulers with a core each,
     the first capped by ``decode_group_cap``. A Forward costs 1 + rows time units (nearly linear
     in rows on CPU), sampling at the owner 1. Returns the time the last token took and each
@@ -369,7 +369,17 @@ def test_one_owner_cannot_take_more_than_its_share_of_a_ranges_sequences() -> No
     table = SessionTable(4, 64, max_per_owner=2)
     table.accept(S1, 0, 0, 1, "greedy", 0)
     table.accept(S2, 0, 0, 1, "greedy", 0)
-    refused(Code.RESOURCE_EXHAUSTED, "owner greedy holds 2 of this range's 4 sequences", table.accept, S3, 0, 0, 1, "greedy", 0)
+    refused(
+        Code.RESOURCE_EXHAUSTED,
+        "owner greedy holds 2 of this range's 4 sequences",
+        table.accept,
+        S3,
+        0,
+        0,
+        1,
+        "greedy",
+        0,
+    )
     table.accept(S3, 0, 0, 1, "other", 0)  # everyone else still gets one
     assert table.free_count == 1
     table.end(S1)

@@ -110,7 +110,7 @@ def test_temperature_sharpens_and_flattens() -> None:
 class _Uniforms:
     """Stands in for a ``numpy.random.Generator``: ``random()`` gives these values in turn."""
 
-    def __init__(self, values) -> None:  # noqa: ANN001
+    def __init__(self, values) -> None:
         self.values = iter(values)
 
     def random(self) -> float:
@@ -333,7 +333,7 @@ def test_results_that_do_not_answer_the_step_in_flight_change_nothing(msg: swarm
 
 def test_a_result_when_nothing_is_in_flight_is_refused() -> None:
     s = Session(SID, [1], max_new_tokens=3)
-    with pytest.raises(ResultRefused, match="out-of-order result for step 0 .*no step in flight"):
+    with pytest.raises(ResultRefused, match=r"out-of-order result for step 0 .*no step in flight"):
         s.receive(result(0, logits_row(1)))
     s.next_step()
     s.receive(result(0, logits_row(1)))
@@ -412,7 +412,12 @@ def test_step_request_and_end_session_records() -> None:
     assert (req.schema_version, req.session_id, req.step, req.begin, req.end) == (1, SID, 0, 0, 10)
     assert list(req.positions) == [0, 1, 2] and list(req.token_ids) == [9, 8, 7]
     assert [h.peer_id for h in req.rest] == ["p1", "p2"]
-    assert (req.owner_peer_id, list(req.owner_addrs), req.recipe_hash, req.model_sha256) == ("me", ["/me"], "r1", "ab" * 32)
+    assert (req.owner_peer_id, list(req.owner_addrs), req.recipe_hash, req.model_sha256) == (
+        "me",
+        ["/me"],
+        "r1",
+        "ab" * 32,
+    )
     assert req.checksum == zlib.crc32(np.array([9, 8, 7], "<i4").tobytes()) == token_checksum([9, 8, 7])
     assert req.sender_admission == admission
     assert not req.boundary

@@ -356,7 +356,7 @@ def test_next_hop_request_carries_the_boundary_schema() -> None:
     # v1 keeps declaring v1
     request = next_hop_request(validate_step(token_step([1, 2]), spec(0, 2)), rows_of(2), ADMISSION)
     assert (request.boundary_schema_version, request.boundary_streams) == (RESIDUAL, 1)
-    with pytest.raises(WireError, match="residual/1 .* sent to a range that takes residual-streams/2"):
+    with pytest.raises(WireError, match=r"residual/1 .* sent to a range that takes residual-streams/2"):
         validate_step(request, v4_spec(2, 4))
 
 

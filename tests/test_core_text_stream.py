@@ -33,7 +33,7 @@ def test_emoji_and_cjk_split_inside_characters_come_out_whole() -> None:
 
 
 def test_an_unfinished_character_at_the_end_becomes_a_replacement() -> None:
-    out, _ = _run(["ok".encode(), "🙂".encode()[:2]])
+    out, _ = _run([b"ok", "🙂".encode()[:2]])
     assert "".join(out) == "ok\ufffd"
 
 

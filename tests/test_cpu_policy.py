@@ -14,7 +14,8 @@ import trio
 from agent.io.cpu_policy import apply_cpu_policy, cpu_policy_from_env, kernel_default
 from agent.io.worker_process import open_worker
 
-pytestmark = [pytest.mark.worker, 
+pytestmark = [
+    pytest.mark.worker,
     pytest.mark.timeout(120),
     pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's"),
 ]
@@ -23,7 +24,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 _SLEEPER = [sys.executable, "-c", "import sys; sys.stdin.read()"]  # lives until its stdin closes
 
 
-def _policy_of_child(**popen) -> int:  # noqa: ANN003
+def _policy_of_child(**popen) -> int:
     child = subprocess.Popen(_SLEEPER, stdin=subprocess.PIPE, **popen)
     try:
         return os.sched_getscheduler(child.pid)

@@ -18,11 +18,13 @@ and is reported.
 from __future__ import annotations
 
 import ast
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
-import agent
 import pytest
+
+import agent
 
 pytestmark = pytest.mark.unit
 
@@ -140,7 +142,7 @@ def _a_circle(component: list[str], graph: dict[str, dict[str, int]]) -> list[st
                         path.append(parent[path[-1]])
                     path.reverse()
                     path.append(start)
-                    return [f"{a} (line {graph[a][b]}) -> {b}" for a, b in zip(path, path[1:], strict=False)]
+                    return [f"{a} (line {graph[a][b]}) -> {b}" for a, b in itertools.pairwise(path)]
                 if succ not in seen:
                     seen.add(succ)
                     parent[succ] = node

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -125,24 +124,35 @@ async def test_a_node_turning_bad_is_caught_withdrawn_and_its_generation_finishe
             for name in ("honest-1", "honest-2", "honest-3"):
                 swarm.start_node(name, memory)
             cheater = swarm.start_node(
-                "cheater", memory, ["--corrupt-outputs", "1.0", "--corrupt-while-file", str(flag)],
+                "cheater",
+                memory,
+                ["--corrupt-outputs", "1.0", "--corrupt-while-file", str(flag)],
                 command=FAULTY_NODE_COMMAND,
             )
             # every range has two copies that passed their first check
             await wait_for_coverage(client, swarm, ALIAS, timeout_s=SETUP_TIMEOUT_S)
             nodes = await wait_for_copies(client, swarm, 2, timeout_s=SETUP_TIMEOUT_S, checked=True)
-            (bad_range,) = [(s.assignment.begin, s.assignment.end) for n in nodes if n.peer_id == cheater.peer_id for s in n.serving]
-            twins = [n.peer_id for n in nodes for s in n.serving if n.peer_id != cheater.peer_id and (s.assignment.begin, s.assignment.end) == bad_range]
+            (bad_range,) = [
+                (s.assignment.begin, s.assignment.end) for n in nodes if n.peer_id == cheater.peer_id for s in n.serving
+            ]
+            twins = [
+                n.peer_id
+                for n in nodes
+                for s in n.serving
+                if n.peer_id != cheater.peer_id and (s.assignment.begin, s.assignment.end) == bad_range
+            ]
             route = await client.route(ALIAS, avoid_peers=twins)  # a route through the cheater
             assert cheater.peer_id in [hop.peer_id for hop in route.hops]
             caught_after: list[float] = []
 
-            async def turn_bad_after_five(token: int, _logits, _route) -> bool:  # noqa: ANN001
+            async def turn_bad_after_five(token: int, _logits, _route) -> bool:
                 if len(caught_after) == 0 and not flag.exists() and token is not None and turn_bad_after_five.n == 5:
                     flag.touch()  # the cheater's outputs go bad from here on, for checks and this generation
                     started = trio.current_time()
                     with trio.fail_after(60):
-                        while not [n for n in await client.list_nodes() if n.peer_id == cheater.peer_id][0].integrity_failures:
+                        while not next(
+                            n for n in await client.list_nodes() if n.peer_id == cheater.peer_id
+                        ).integrity_failures:
                             swarm.check_alive()
                             await trio.sleep(0.05)
                     caught_after.append(trio.current_time() - started)
@@ -173,12 +183,14 @@ async def test_a_node_turning_bad_is_caught_withdrawn_and_its_generation_finishe
             again = await client.generate_tokens(ALIAS, prompt_tokens, max_tokens=NEW_TOKENS, stop_tokens=[])
             assert again.tokens == expected and again.tokens_taken_back == 0
         # an operator sees it, with the evidence
-        listing = subprocess.run(
-            [sys.executable, "-m", "agent.cli", "tracker", "nodes", "--db", str(swarm.db_path)],
-            capture_output=True, text=True, check=True, timeout=60,
-        )  # fmt: skip
-        evidence = [line for line in listing.stdout.splitlines() if f"{cheater.peer_id} INTEGRITY" in line]
-        assert evidence and failure.check_id in evidence[0] and failure.expected_sha256 in evidence[0], listing.stdout
+        with trio.fail_after(60):
+            listing = await trio.run_process(
+                [sys.executable, "-m", "agent.cli", "tracker", "nodes", "--db", str(swarm.db_path)],
+                capture_stdout=True, capture_stderr=True, check=True,
+            )  # fmt: skip
+        nodes_text = listing.stdout.decode()
+        evidence = [line for line in nodes_text.splitlines() if f"{cheater.peer_id} INTEGRITY" in line]
+        assert evidence and failure.check_id in evidence[0] and failure.expected_sha256 in evidence[0], nodes_text
     finally:
         await swarm.aclose()
 

@@ -51,13 +51,17 @@ def test_deepseek4_over_three_lab_machines_equals_one_unsplit_worker_also_after_
     topology = Topology(tuple(MachineSpec(m) for m in MACHINES), LinkSpec(delay_ms=10.0))
     with running_lab(topology) as lab:
         placement = Placement(lab, {m: m for m in MACHINES})
-        swarm = LocalSwarm(LocalSwarmConfig(model_path=deepseek4_tiny_path, model_alias=ALIAS, placement=placement), tmp_path)
+        swarm = LocalSwarm(
+            LocalSwarmConfig(model_path=deepseek4_tiny_path, model_alias=ALIAS, placement=placement), tmp_path
+        )
         ids: dict[str, str] = {}
 
         async def body() -> tuple:
             await swarm.start_tracker()
             config = SwarmClientConfig(replan_attempts=2, replan_wait_s=60.0)
-            async with open_swarm_client(swarm.tracker_addr, listen_addrs=lab.listen_addrs("tracker"), config=config) as c:
+            async with open_swarm_client(
+                swarm.tracker_addr, listen_addrs=lab.listen_addrs("tracker"), config=config
+            ) as c:
                 (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
                 memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, len(NODES))
                 for name in NODES:
@@ -73,7 +77,7 @@ def test_deepseek4_over_three_lab_machines_equals_one_unsplit_worker_also_after_
                         await trio.sleep(0.2)
                 killed: list[str] = []
 
-                async def on_token(_token: int, _logits, on_route) -> bool:  # noqa: ANN001
+                async def on_token(_token: int, _logits, on_route) -> bool:
                     if len(killed) == 0 and len(seen) == 9:
                         name = ids[on_route.hops[1].peer_id]
                         lab.isolate(name)
@@ -83,7 +87,9 @@ def test_deepseek4_over_three_lab_machines_equals_one_unsplit_worker_also_after_
                     return False
 
                 seen: list[int] = []
-                resumed = await c.generate_tokens(ALIAS, prompt, max_tokens=NEW_TOKENS, stop_tokens=eog, on_token=on_token)
+                resumed = await c.generate_tokens(
+                    ALIAS, prompt, max_tokens=NEW_TOKENS, stop_tokens=eog, on_token=on_token
+                )
             return whole, resumed, killed
 
         try:

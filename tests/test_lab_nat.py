@@ -31,7 +31,6 @@ SETUP_TIMEOUT_S = 240.0
 HOME = "home"  # the NAT'd machine
 
 
-
 def test_a_node_behind_nat_serves_through_the_tracker_relay(tmp_path: Path) -> None:
     path = model_path(ALIAS)
     prompt_tokens, reference = trio.run(unsplit_greedy, path, PROMPT, NEW_TOKENS)
@@ -40,7 +39,7 @@ def test_a_node_behind_nat_serves_through_the_tracker_relay(tmp_path: Path) -> N
         placement = Placement(lab, {m.name: m.name for m in machines})
         swarm = LocalSwarm(LocalSwarmConfig(model_path=path, model_alias=ALIAS, placement=placement), tmp_path)
 
-        async def body():  # noqa: ANN202
+        async def body():
             await swarm.start_tracker()
             async with open_swarm_client(swarm.tracker_addr, listen_addrs=lab.listen_addrs("tracker")) as c:
                 (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]

@@ -40,7 +40,6 @@ PUNCH_BACKOFF_S = 10.0  # agent.core.punch: a failed punch waits this long befor
 HOMES = ("home1", "home2")  # the NAT'd machines
 
 
-
 def test_two_nodes_behind_nat_punch_a_direct_path(tmp_path: Path) -> None:
     path = model_path(ALIAS)
     prompt_tokens, reference = trio.run(unsplit_greedy, path, PROMPT, NEW_TOKENS)
@@ -49,7 +48,7 @@ def test_two_nodes_behind_nat_punch_a_direct_path(tmp_path: Path) -> None:
         placement = Placement(lab, {m.name: m.name for m in machines})
         swarm = LocalSwarm(LocalSwarmConfig(model_path=path, model_alias=ALIAS, placement=placement), tmp_path)
 
-        async def body():  # noqa: ANN202
+        async def body():
             await swarm.start_tracker()
             async with open_swarm_client(swarm.tracker_addr, listen_addrs=lab.listen_addrs("tracker")) as c:
                 (entry,) = [m for m in await c.list_models() if m.alias == ALIAS]
@@ -105,7 +104,7 @@ def test_two_nodes_behind_nat_punch_a_direct_path(tmp_path: Path) -> None:
             # the filter is still real: nobody can open a connection into a NAT'd machine,
             # not even the other NAT'd one
             for home, dialler in ((HOMES[0], HOMES[1]), (HOMES[1], "tracker")):
-                listener = lab.run_in(home, lambda: socket.create_server((lab.address(home), 0)))
+                listener = lab.run_in(home, lambda home=home: socket.create_server((lab.address(home), 0)))
                 with listener:
 
                     def dial(port: int = listener.getsockname()[1], home: str = home) -> bool:

@@ -11,8 +11,8 @@ machine; the unsplit reference worker runs on this host (Unix sockets only).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
@@ -20,7 +20,7 @@ import trio
 
 from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology
 from agent.demo.local_demo import unsplit_greedy
-from agent.demo.swarm_demo import node_memory_bytes, wait_for_copies, wait_for_coverage
+from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.lab.harness import Lab, running_lab
@@ -51,18 +51,17 @@ class LabSwarm:
     def owner_listen(self) -> list[str]:
         return [f"/ip4/{self.lab.address(OWNER)}/tcp/0"]
 
-    def in_owner(self, async_fn, *args):  # noqa: ANN001, ANN002, ANN201
+    def in_owner(self, async_fn, *args):
         """``trio.run(async_fn, *args)`` inside the owner's machine."""
         return self.lab.run_in(OWNER, lambda: trio.run(async_fn, *args))
 
-    async def generate(self, on_token=None, **config: object):  # noqa: ANN001, ANN201
+    async def generate(self, on_token=None, **config: object):
         """One greedy generation of the module's prompt through a fresh owner (inside the
         owner's machine's trio run)."""
         async with open_swarm_client(
             self.swarm.tracker_addr, listen_addrs=self.owner_listen(), config=SwarmClientConfig(**config)
         ) as c:
             return await c.generate_tokens(ALIAS, self.prompt_tokens, max_tokens=NEW_TOKENS, on_token=on_token)
-
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +120,7 @@ def test_five_machines_at_20_ms_give_the_unsplit_tokens_through_the_relay_and_an
     after = _links_used(lab)
     names = {lab_swarm.swarm.nodes[n].peer_id: n for n in NODES}
     route = [names[h] for h in hops]
-    for a, b in zip(route, route[1:]):
+    for a, b in itertools.pairwise(route):
         assert after[(a, b)] - before[(a, b)] >= NEW_TOKENS, (a, b)
     assert result.data_plane_steps > 0
 
@@ -165,10 +164,10 @@ def test_a_link_cut_mid_generation_resumes_with_the_same_text(lab_swarm: LabSwar
     ids = {lab_swarm.swarm.nodes[n].peer_id: n for n in NODES}
     state = {"tokens": 0, "cut": None}
 
-    async def body():  # noqa: ANN202
+    async def body():
         healed = trio.Event()
 
-        async def on_token(_token: int, _logits, route) -> bool:  # noqa: ANN001
+        async def on_token(_token: int, _logits, route) -> bool:
             state["tokens"] += 1
             if state["tokens"] == 6:
                 a, b = ids[route.hops[0].peer_id], ids[route.hops[1].peer_id]
@@ -211,17 +210,17 @@ def test_a_machine_switched_off_mid_generation_resumes_with_the_same_text(lab_sw
     lab_swarm.in_owner(add_spare)
     victim: dict[str, str] = {}
 
-    async def on_token(_token: int, _logits, route) -> bool:  # noqa: ANN001
+    async def on_token(_token: int, _logits, route) -> bool:
         name = ids[route.hops[1].peer_id]  # the middle hop
         victim["name"] = name
         lab.isolate(name)  # gone from the network at once: no reset, no goodbye
         await swarm.kill_node(name)
         return False
 
-    async def body():  # noqa: ANN202
+    async def body():
         count = {"n": 0}
 
-        async def counted(token: int, logits, route) -> bool:  # noqa: ANN001
+        async def counted(token: int, logits, route) -> bool:
             count["n"] += 1
             return await on_token(token, logits, route) if count["n"] == 8 else False
 

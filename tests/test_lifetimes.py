@@ -180,7 +180,7 @@ def _owned_dirs(pids: Iterable[int]) -> list[Path]:
     return found
 
 
-def _readline(stream, timeout_s: float, what: str) -> str:  # noqa: ANN001 - a text pipe
+def _readline(stream, timeout_s: float, what: str) -> str:
     ready, _, _ = select.select([stream], [], [], timeout_s)
     if not ready:
         raise AssertionError(f"{what} within {timeout_s} s")

@@ -73,7 +73,7 @@ async def test_a_node_without_the_file_fetches_exactly_its_range_and_serves_it(t
                 # the manifest is the tracker's, and names both sources
                 reply = await client.model_metadata(ALIAS)
                 manifest = verify_manifest(reply.manifest, client.tracker_public_key, sha256)
-                assert list(reply.source_urls)[0] == source and len(reply.source_urls) == 2
+                assert next(iter(reply.source_urls)) == source and len(reply.source_urls) == 2
 
                 # exactly the metadata and the range's tensors came over HTTP, and that is the disk use
                 pieces = range_pieces(manifest, 10, 20)

@@ -142,9 +142,22 @@ def test_synthetic_deepseek4_has_every_tensor_kind_the_loader_needs():
     }
     kinds = {(name.split(".", 2)[2] if name.startswith("blk.") else name).rsplit(".", 1)[0] for name in tensors}
     assert {
-        "output_hc_fn", "output_hc_base", "output_hc_scale", "attn_compressor_kv", "attn_compressor_ape",
-        "indexer_compressor_kv", "indexer.proj", "indexer.attn_q_b", "ffn_gate_tid2eid", "exp_probs_b", "hc_attn_fn",
-        "hc_ffn_fn", "attn_sinks", "attn_output_a", "ffn_gate_exps", "ffn_up_shexp",
+        "output_hc_fn",
+        "output_hc_base",
+        "output_hc_scale",
+        "attn_compressor_kv",
+        "attn_compressor_ape",
+        "indexer_compressor_kv",
+        "indexer.proj",
+        "indexer.attn_q_b",
+        "ffn_gate_tid2eid",
+        "exp_probs_b",
+        "hc_attn_fn",
+        "hc_ffn_fn",
+        "attn_sinks",
+        "attn_output_a",
+        "ffn_gate_exps",
+        "ffn_up_shexp",
     } <= kinds
     # CSA blocks (ratio 4) have an indexer, HCA blocks (128) a compressor only, ratio 0 neither
     for il, ratio in enumerate(cfg.compress_ratios):

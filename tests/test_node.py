@@ -56,16 +56,16 @@ from agent.core.swarm_wire import (
     validate_step_result,
 )
 from agent.core.worker_records import SeqInput
+from agent.io.channel import open_channel_transport
 from agent.io.node import cli as node_cli
 from agent.io.node.agent import LocalModel, Node, NodeConfig, NodeError, NodeRefused, serve_node
 from agent.io.node.probe import ProbeConfig, probe_host
-from agent.io.channel import open_channel_transport
 from agent.io.transport import MemoryNetwork, Transport
 from agent.io.worker_client import AsyncWorkerClient
 from agent.io.worker_process import count_other_nodes, open_worker
 from agent.models import cached_sha256
-from agent.testing.tiny_models import TINY_MODELS
 from agent.runtime import expected_pin
+from agent.testing.tiny_models import TINY_MODELS
 
 pytestmark = pytest.mark.worker
 
@@ -326,7 +326,9 @@ async def open_swarm(
         async with trio.open_nursery() as nursery:
             nodes = {}
             for name, (key, transport) in peers.items():
-                nodes[name] = await nursery.start(serve_node, node_config(tracker, key, model, **config_overrides), transport)
+                nodes[name] = await nursery.start(
+                    serve_node, node_config(tracker, key, model, **config_overrides), transport
+                )
             for node in nodes.values():
                 for key in tracker.assignments[node.peer_id]:
                     await tracker.wait_for(lambda: tracker.state(node.peer_id, key) == State.READY)  # noqa: B023
@@ -436,7 +438,10 @@ ROUTE = (("A", 0, 3), ("B", 3, 6))
 async def test_split_route_equals_unsplit_and_merges_sessions(qwen2_tiny_path: Path) -> None:
     # decode groups off: this test merges two sessions into one Forward at every hop (the first
     # hop would otherwise run their decode steps in groups of one: three live sessions, two hops)
-    async with open_swarm(qwen2_tiny_path, LAYOUT, decode_groups=0) as swarm, open_reference(qwen2_tiny_path) as reference:
+    async with (
+        open_swarm(qwen2_tiny_path, LAYOUT, decode_groups=0) as swarm,
+        open_reference(qwen2_tiny_path) as reference,
+    ):
         tracker, a = swarm.tracker, swarm.nodes["A"]
         # Each node marks the host while it runs, so that the other nodes' workers (auto wait)
         # know they share its cores before this node's worker computes (agent.core.worker_wait).
@@ -480,7 +485,9 @@ async def test_split_route_equals_unsplit_and_merges_sessions(qwen2_tiny_path: P
         assert await run_step(swarm, reference, [first, second], hops) == 0.0
         assert swarm.network.requests[STEP_PROTOCOL] - singles == 2 + 2  # the owner's two, A's two
         # the worker counts the same Forwards the node sent
-        assert (await served_a.client.health()).forward_calls == health_a.forward_calls + served_a.forward_calls - forwards_a
+        assert (
+            await served_a.client.health()
+        ).forward_calls == health_a.forward_calls + served_a.forward_calls - forwards_a
 
         # Detokenize through the node.
         reply = await swarm.owner.node_request(
@@ -552,7 +559,7 @@ async def test_bad_steps_are_refused_and_do_not_disturb_a_session(qwen2_tiny_pat
         assert await run_step(swarm, reference, [good], hops) == 0.0
 
         # A peer with a NODE admission that sends boundary rows straight to B.
-        relay_key, relay_id = new_peer()
+        _relay_key, relay_id = new_peer()
         relay = swarm.network.add(relay_id)
         relay_admission = tracker.admission(relay_id, swarm_pb2.ROLE_NODE)
         n_embd = served_b.info.n_embd
@@ -577,7 +584,7 @@ async def test_bad_steps_are_refused_and_do_not_disturb_a_session(qwen2_tiny_pat
         nan_rows = rows.copy()
         nan_rows[1, 5] = np.nan
         fresh = Seq(os.urandom(16), list(good.tokens[:4]), ref_seq_id=3)
-        other_key, other_id = new_peer()
+        _other_key, other_id = new_peer()
         oversize = Seq(os.urandom(16), [1] * (BATCH_SIZE + 1), ref_seq_id=3)
         stranger_key, _ = new_peer()
 
@@ -678,7 +685,10 @@ async def test_bad_steps_are_refused_and_do_not_disturb_a_session(qwen2_tiny_pat
         assert [ack.error.code for ack in acks] == [Code.INVALID_ARGUMENT, Code.INVALID_ARGUMENT, 0], acks
         assert "malformed StepRequest" in acks[0].error.message and "non-finite" in acks[1].error.message
         assert validate_step_result(await owner.result(batched_ok.session_id)).shape == (served_b.info.n_vocab,)
-        mixed = [boundary_step(rows), boundary_step(rows, sender_admission=tracker.admission(other_id, swarm_pb2.ROLE_NODE))]
+        mixed = [
+            boundary_step(rows),
+            boundary_step(rows, sender_admission=tracker.admission(other_id, swarm_pb2.ROLE_NODE)),
+        ]
         for data, fragment in (
             (b"\xff\xff", "malformed StepBatch"),
             (step_batch([]), "holds 1..4096 steps, got 0"),
@@ -774,7 +784,9 @@ async def test_unload_reload_failed_load_and_reregistration(qwen2_tiny_path: Pat
         assert a.registrations == 2
 
 
-async def test_idle_sessions_are_freed_on_the_nodes_clock(qwen2_tiny_path: Path, mock_clock: trio.testing.MockClock) -> None:
+async def test_idle_sessions_are_freed_on_the_nodes_clock(
+    qwen2_tiny_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
     # The node's leases run on trio's clock: this MockClock runs at wall speed (the workers are
     # real processes) and is jumped past the 60 s lease, so the test takes a second, not a minute.
     mock_clock.rate = 1.0
@@ -807,7 +819,9 @@ async def test_idle_sessions_are_freed_on_the_nodes_clock(qwen2_tiny_path: Path,
         assert served.sessions.free_count == MAX_SEQUENCES
 
 
-async def test_the_batch_window_runs_on_the_nodes_clock(qwen2_tiny_path: Path, mock_clock: trio.testing.MockClock) -> None:
+async def test_the_batch_window_runs_on_the_nodes_clock(
+    qwen2_tiny_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
     # A one-hour batch window: the two steps wait for it together and share one Forward the
     # moment the (mock) clock passes it; on the wall clock this would take an hour.
     mock_clock.rate = 1.0
@@ -846,7 +860,9 @@ async def test_a_tracker_unreachable_at_start_is_retried_with_backoff(autojump_c
     tracker = FakeTracker(network, refuse="registered: stop here")
     network.down.add(tracker.transport.peer_id)
     key, peer_id = new_peer()
-    config = node_config(tracker, key, LocalModel("/nowhere.gguf", "0" * 64), start_retry_initial_s=0.5, start_retry_max_s=4.0)
+    config = node_config(
+        tracker, key, LocalModel("/nowhere.gguf", "0" * 64), start_retry_initial_s=0.5, start_retry_max_s=4.0
+    )
     started = trio.current_time()
 
     async def tracker_back_after_10_s() -> None:
@@ -909,18 +925,24 @@ def test_cli_arguments(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         parse_cli(["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--model", "a.gguf", "--key", "k", "--threads", "0"])
     assert args.relay is False
-    hidden = parse_cli(["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--model", "a", "--key", "k", "--listen", "none", "--relay"])
+    hidden = parse_cli(
+        ["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--model", "a", "--key", "k", "--listen", "none", "--relay"]
+    )
     assert hidden.relay is True and node_cli.listen_addrs(hidden.listen) == []
     assert node_cli.listen_addrs("") == [] and node_cli.listen_addrs("/ip4/0.0.0.0/tcp/9") == ["/ip4/0.0.0.0/tcp/9"]
 
 
 async def test_cli_refuses_a_node_nobody_could_reach(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse_cli(["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--model", "a", "--key", str(tmp_path / "k"), "--listen", "none"])
+    args = parse_cli(
+        ["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--model", "a", "--key", str(tmp_path / "k"), "--listen", "none"]
+    )
     assert await node_cli.run(args) == node_cli.EXIT_SETUP
     assert "--listen none needs --relay" in capsys.readouterr().err
 
 
-async def test_cli_refuses_a_model_that_is_not_gguf_before_hashing_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_cli_refuses_a_model_that_is_not_gguf_before_hashing_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     not_gguf = tmp_path / "notes.gguf"
     not_gguf.write_text("# some notes, not a model\n")
     args = parse_cli(["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--model", str(not_gguf), "--key", str(tmp_path / "k")])
@@ -929,10 +951,14 @@ async def test_cli_refuses_a_model_that_is_not_gguf_before_hashing_it(tmp_path: 
     assert f"baton node: model {not_gguf}: not a GGUF file (it starts with b'# so', not b'GGUF')" in err, err
 
 
-async def test_cli_refuses_a_models_dir_that_cannot_be_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_cli_refuses_a_models_dir_that_cannot_be_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a_file = tmp_path / "models"
     a_file.write_text("")
-    args = parse_cli(["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--models-dir", str(a_file), "--key", str(tmp_path / "k")])
+    args = parse_cli(
+        ["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--models-dir", str(a_file), "--key", str(tmp_path / "k")]
+    )
     assert await node_cli.run(args) == node_cli.EXIT_SETUP
     assert f"baton node: --models-dir {a_file}: it exists and is not a directory" in capsys.readouterr().err
 
@@ -975,7 +1001,7 @@ async def test_cli_main_reports_refusal_with_exit_code_3(
     model.write_bytes(b"GGUF" + bytes(100))
 
     @contextlib.asynccontextmanager
-    async def memory_transport(key, listen_addrs):  # noqa: ANN001
+    async def memory_transport(key, listen_addrs):
         yield network.add(peer_id_from_public_key(public_key_bytes(key)))
 
     monkeypatch.setattr(node_cli, "open_transport", memory_transport)
@@ -1001,7 +1027,7 @@ async def test_cli_main_prints_admission_and_offers_the_given_memory(
     peers: list[str] = []
 
     @contextlib.asynccontextmanager
-    async def memory_transport(key, listen_addrs):  # noqa: ANN001
+    async def memory_transport(key, listen_addrs):
         peers.append(peer_id_from_public_key(public_key_bytes(key)))
         yield network.add(peers[-1])
 
@@ -1029,7 +1055,8 @@ async def test_baton_node_stops_its_workers_on_sigterm(tmp_path: Path, qwen2_tin
             sys.executable, "-m", "agent.cli", "node", "--tracker", tracker.addr, "--model", str(qwen2_tiny_path),
             "--key", str(tmp_path / "node.key"), "--threads", "1", "--ctx-size", "64", "--max-sequences", "2",
         ]  # fmt: skip
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # a node that runs beside the test's own tracker until the test ends it
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # noqa: ASYNC220
         try:
             await tracker.wait_for(lambda: bool(tracker.known), timeout_s=60)
             (peer_id,) = tracker.known

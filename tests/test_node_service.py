@@ -147,7 +147,9 @@ def test_doctor_verdicts_give_a_fix_for_every_failure() -> None:
     ]
     assert all(c.ok for c in passes)
     lines = render_checks(failures[:1] + passes[:1])
-    assert lines[0].startswith("✗ worker binary") and lines[1].startswith("    fix: ") and lines[2].startswith("✓ worker")
+    assert (
+        lines[0].startswith("✗ worker binary") and lines[1].startswith("    fix: ") and lines[2].startswith("✓ worker")
+    )
 
 
 # --- the shell on this machine ----------------------------------------------------------------------
@@ -196,7 +198,9 @@ TRACKER = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWEyoppNCUx8Yx66oV9fJnriXwCcXwDDUA2kj6
 
 
 @pytest.mark.slow
-def test_install_cpu_builds_or_reuses_the_worker_writes_a_valid_unit_and_uninstalls(home_env: dict[str, str], tmp_path: Path) -> None:
+def test_install_cpu_builds_or_reuses_the_worker_writes_a_valid_unit_and_uninstalls(
+    home_env: dict[str, str], tmp_path: Path
+) -> None:
     done = baton("node", "install", "--tracker", TRACKER, "--backend", "cpu", "--memory-bytes", "1000000000",
                  "--no-start", env=home_env)  # fmt: skip
     assert done.returncode == 0, done.stderr + done.stdout
@@ -248,7 +252,9 @@ def test_doctor_prints_every_check_and_the_fix_of_each_failure(home_env: dict[st
     assert "✓ disk space" in text
 
 
-def test_doctor_on_this_machine_and_with_no_space(home_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_doctor_on_this_machine_and_with_no_space(
+    home_env: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import argparse
 
     from agent.io.keys import load_or_create_key

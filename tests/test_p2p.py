@@ -57,7 +57,7 @@ def test_uvarint_round_trip() -> None:
 async def test_round_trip_both_directions_with_authenticated_peer_ids() -> None:
     seen: list[tuple[str, str]] = []
 
-    def handler_for(name: str):  # noqa: ANN202
+    def handler_for(name: str):
         async def handler(remote_peer_id: str, payload: bytes) -> bytes:
             seen.append((name, remote_peer_id))
             return name.encode() + b":" + payload
@@ -155,7 +155,9 @@ async def test_concurrency_per_peer_is_bounded_and_excess_requests_wait() -> Non
             b.set_handler(ECHO, slow)
             async with trio.open_nursery() as nursery:
                 for index in range(12):
-                    nursery.start_soon(partial(a.request, timeout_s=TIMEOUT_S), b.peer_id, b.listen_addrs, ECHO, bytes([index]))
+                    nursery.start_soon(
+                        partial(a.request, timeout_s=TIMEOUT_S), b.peer_id, b.listen_addrs, ECHO, bytes([index])
+                    )
             assert peak == 4
             assert a.streams_opened == 4
 
@@ -221,7 +223,7 @@ async def test_unsupported_protocol_is_a_transport_error() -> None:
                 await a.request(b.peer_id, b.listen_addrs, "/baton/nothing/1.0.0", b"x", timeout_s=TIMEOUT_S)
 
 
-def _plaintext_only_host():  # noqa: ANN202
+def _plaintext_only_host():
     key_pair = _libp2p_key_pair(Ed25519PrivateKey.generate())
     return new_host(
         key_pair=key_pair,
@@ -242,7 +244,7 @@ async def test_plaintext_connection_is_refused_both_ways() -> None:
             ours.set_handler(ECHO, record)
             plaintext = _plaintext_only_host()
 
-            async def plaintext_handler(stream) -> None:  # noqa: ANN001
+            async def plaintext_handler(stream) -> None:
                 called.append("plaintext host")
                 await stream.reset()
 
@@ -267,7 +269,7 @@ async def test_dialling_an_address_held_by_another_peer_fails_authentication() -
         async with two_peers() as (a, b):
             b.set_handler(ECHO, reverse)
             address = b.listen_addrs[0].rsplit("/p2p/", 1)[0]
-            with pytest.raises(TransportError, match="could not connect.*upgrade security"):
+            with pytest.raises(TransportError, match=r"could not connect.*upgrade security"):
                 await a.request(impostor_id, [address], ECHO, b"x", timeout_s=TIMEOUT_S)
             with pytest.raises(TransportError, match="names another peer"):
                 await a.request(impostor_id, b.listen_addrs, ECHO, b"x", timeout_s=TIMEOUT_S)
@@ -305,7 +307,7 @@ async def test_silent_peer_times_out_within_the_request_timeout() -> None:
             port = listeners[0].socket.getsockname()[1]
             async with open_p2p_transport(Ed25519PrivateKey.generate(), connect_timeout_s=10.0) as a:
                 started = trio.current_time()
-                with pytest.raises(TransportError, match="within 1.0 s"):
+                with pytest.raises(TransportError, match=r"within 1.0 s"):
                     await a.request(
                         peer_id_of(Ed25519PrivateKey.generate()),
                         [f"/ip4/127.0.0.1/tcp/{port}"],
@@ -339,7 +341,9 @@ async def test_bad_peer_ids_and_addresses_are_transport_errors() -> None:
             with pytest.raises(TransportError, match="not a valid peer id"):
                 await a.request("not-a-peer-id", [], ECHO, b"x", timeout_s=TIMEOUT_S)
             with pytest.raises(TransportError, match="bad multiaddr"):
-                await a.request(peer_id_of(Ed25519PrivateKey.generate()), ["/nonsense"], ECHO, b"x", timeout_s=TIMEOUT_S)
+                await a.request(
+                    peer_id_of(Ed25519PrivateKey.generate()), ["/nonsense"], ECHO, b"x", timeout_s=TIMEOUT_S
+                )
             with pytest.raises(TransportError, match="itself"):
                 await a.request(a.peer_id, a.listen_addrs, ECHO, b"x", timeout_s=TIMEOUT_S)
 
@@ -365,7 +369,7 @@ async def test_node_reached_through_a_relay_reservation_on_the_tracker() -> None
         async with open_p2p_transport(Ed25519PrivateKey.generate(), enable_relay_hop=True) as tracker:
             async with open_p2p_transport(Ed25519PrivateKey.generate(), relay_addrs=tracker.listen_addrs) as node:
                 node.set_handler(ECHO, record)
-                direct, circuit = node.listen_addrs
+                _direct, circuit = node.listen_addrs
                 assert circuit == f"{tracker.listen_addrs[0]}/p2p-circuit/p2p/{node.peer_id}"
                 async with open_p2p_transport(Ed25519PrivateKey.generate()) as client:
                     # Only the circuit address: the client never learns the node's direct one.
@@ -394,7 +398,9 @@ async def test_the_relay_policy_decides_who_may_reserve_and_open_circuits() -> N
     node_key, client_key = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     node_id, client_id = peer_id_of(node_key), peer_id_of(client_key)
     with trio.fail_after(60):
-        async with open_p2p_transport(Ed25519PrivateKey.generate(), enable_relay_hop=True, relay_policy=policy) as relay:
+        async with open_p2p_transport(
+            Ed25519PrivateKey.generate(), enable_relay_hop=True, relay_policy=policy
+        ) as relay:
             (relay_addr,) = relay.listen_addrs
             with pytest.raises(TransportError, match="refused the reservation"):
                 async with open_p2p_transport(node_key, listen_addrs=(), relay_addrs=[relay_addr]):
@@ -460,7 +466,9 @@ async def test_a_circuit_ending_leaves_other_circuits_to_the_same_peer_alone() -
     with trio.fail_after(60):
         async with open_p2p_transport(Ed25519PrivateKey.generate(), enable_relay_hop=True) as relay:
             (relay_addr,) = relay.listen_addrs
-            async with open_p2p_transport(Ed25519PrivateKey.generate(), listen_addrs=(), relay_addrs=[relay_addr]) as node:
+            async with open_p2p_transport(
+                Ed25519PrivateKey.generate(), listen_addrs=(), relay_addrs=[relay_addr]
+            ) as node:
                 node.set_handler(ECHO, reverse)
                 protocol = relay._circuit.protocol
                 relay_data = protocol._relay_data
@@ -475,12 +483,21 @@ async def test_a_circuit_ending_leaves_other_circuits_to_the_same_peer_alone() -
                 protocol._relay_data = counting
                 async with open_p2p_transport(Ed25519PrivateKey.generate()) as staying:
                     async with open_p2p_transport(Ed25519PrivateKey.generate()) as leaving:
-                        assert await leaving.request(node.peer_id, node.listen_addrs, ECHO, b"ab", timeout_s=TIMEOUT_S) == b"ba"
-                        assert await staying.request(node.peer_id, node.listen_addrs, ECHO, b"cd", timeout_s=TIMEOUT_S) == b"dc"
+                        assert (
+                            await leaving.request(node.peer_id, node.listen_addrs, ECHO, b"ab", timeout_s=TIMEOUT_S)
+                            == b"ba"
+                        )
+                        assert (
+                            await staying.request(node.peer_id, node.listen_addrs, ECHO, b"cd", timeout_s=TIMEOUT_S)
+                            == b"dc"
+                        )
                         (circuit,) = staying.host.get_network().connections[ID.from_base58(node.peer_id)]
                     with trio.fail_after(10):  # the relay has wound up both directions of that circuit
                         while len(ended) < 2:
                             await trio.sleep(0.01)
                     assert not circuit.is_closed
-                    assert await staying.request(node.peer_id, node.listen_addrs, ECHO, b"ef", timeout_s=TIMEOUT_S) == b"fe"
+                    assert (
+                        await staying.request(node.peer_id, node.listen_addrs, ECHO, b"ef", timeout_s=TIMEOUT_S)
+                        == b"fe"
+                    )
                     assert staying.host.get_network().connections[ID.from_base58(node.peer_id)] == [circuit]

@@ -102,7 +102,7 @@ def test_a_patch_that_does_not_apply_is_named(llama_source, tmp_path):
     patch = tmp_path / "0001-toy.patch"
     patch.write_text(TOY_PATCH)
 
-    with pytest.raises(llama_source.PatchError, match="0001-toy.patch"):
+    with pytest.raises(llama_source.PatchError, match=r"0001-toy.patch"):
         llama_source.apply_patch(tree, patch)
 
     assert (tree / "src" / "a.txt").read_text() == "something else\n"

@@ -51,7 +51,7 @@ async def two_peers(
             yield a, b, net
 
 
-async def wait_until(condition, timeout_s: float = 20.0) -> None:  # noqa: ANN001
+async def wait_until(condition, timeout_s: float = 20.0) -> None:
     with trio.fail_after(timeout_s):
         while not condition():
             await trio.sleep(0.01)
@@ -68,7 +68,10 @@ async def test_two_peers_reached_only_through_the_relay_punch_a_direct_connectio
         assert net.requests[PUNCH_PROTOCOL] == 2  # CONNECT and SYNC, relayed
         # now the direct connection carries the requests, both ways, with only the circuit address
         assert await a.request(b.peer_id, addrs, ECHO, b"two", timeout_s=5) == b"%s:two" % b.peer_id.encode()[-4:]
-        assert await b.request(a.peer_id, [circuit(a.peer_id)], ECHO, b"back", timeout_s=5) == b"%s:back" % a.peer_id.encode()[-4:]
+        assert (
+            await b.request(a.peer_id, [circuit(a.peer_id)], ECHO, b"back", timeout_s=5)
+            == b"%s:back" % a.peer_id.encode()[-4:]
+        )
         assert a.channel_requests == 1 and b.channel_requests == 1 and b.fallback_requests == 0
         assert a.path_counts([ECHO]) == {b.peer_id: (1, 1)}
         assert b.path_counts([ECHO]) == {a.peer_id: (1, 0)}
@@ -88,7 +91,7 @@ async def test_a_peer_with_punching_off_stays_relayed_and_is_asked_again_only_af
 
 
 async def test_bad_punch_requests_get_error_replies() -> None:
-    async with two_peers(config(), config(allow_loopback=False)) as (a, b, net):
+    async with two_peers(config(), config(allow_loopback=False)) as (a, b, _net):
         answer = b.puncher.answer
 
         def error(reply: bytes) -> str:
@@ -132,7 +135,7 @@ async def test_simultaneous_open_gives_up_after_its_window() -> None:
     try:
         from agent.core.punch import PunchError
 
-        with trio.fail_after(10), pytest.raises(PunchError, match="after [0-9]+ SYNs in 0.3 s"):
+        with trio.fail_after(10), pytest.raises(PunchError, match=r"after [0-9]+ SYNs in 0.3 s"):
             await simultaneous_open(bound_socket("127.0.0.1"), target, window_s=0.3, interval_s=0.05)
     finally:
         listener.close()

@@ -13,26 +13,25 @@ from pathlib import Path
 
 import pytest
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from agent.core.admission import public_key_bytes
 from agent.core.identity import peer_id_from_public_key
 from agent.core.manifest import build_manifest, sign_manifest, verify_manifest
 from agent.core.range_fetch import METADATA_PIECE, FetchRefused, range_pieces
-from agent.core.admission import public_key_bytes
 from agent.io.model_http import serve_model_files
-from agent.testing.model_http import RecordingModelFileServer
 from agent.io.node.fetch import FetchConfig, FetchError, fetch_range
 from agent.io.tracker.gguf_info import read_registered_file
 from agent.models import cached_sha256
-
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from agent.testing.model_http import RecordingModelFileServer
 
 pytestmark = [pytest.mark.worker, pytest.mark.timeout(120)]
 
 
 def make_manifest(path: Path, key: Ed25519PrivateKey):
-    from agent.io.tracker.gguf_info import read_gguf_facts
-
     import hashlib
+
+    from agent.io.tracker.gguf_info import read_gguf_facts
 
     facts = read_gguf_facts(path)
     metadata, tensors = read_registered_file(path, cached_sha256(path), path.stat().st_size)

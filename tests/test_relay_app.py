@@ -60,7 +60,7 @@ class FakeClient:
     async def list_nodes(self) -> list[swarm_pb2.NodeEntry]:
         return []
 
-    async def generate_tokens(self, model, prompt_tokens, *, max_tokens, on_token, **_kwargs) -> GenerationResult:  # noqa: ANN001
+    async def generate_tokens(self, model, prompt_tokens, *, max_tokens, on_token, **_kwargs) -> GenerationResult:
         self.generations += 1
         if self.fail is not None:
             raise self.fail
@@ -115,7 +115,7 @@ def app_parts(tmp_path: Path):
         yield build_app(state), key, client, state
 
 
-def _http(app) -> httpx.AsyncClient:  # noqa: ANN001
+def _http(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://relay")
 
 
@@ -214,7 +214,7 @@ async def test_a_body_that_trickles_past_its_timeout_is_408_and_the_relay_serves
     assert state.config.body_timeout_s == 30.0  # the default
     auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json", "Content-Length": "200"}
 
-    async def trickle():  # noqa: ANN202
+    async def trickle():
         yield b'{"model": "tiny", '
         await trio.sleep_forever()
 
@@ -227,7 +227,9 @@ async def test_a_body_that_trickles_past_its_timeout_is_408_and_the_relay_serves
         assert error["code"] == "request_timeout", error
         assert error["message"] == "The request body did not arrive within 30 s (18 bytes of 200 came).", error
         again = await http.post(
-            "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2}, headers={"Authorization": f"Bearer {key}"}
+            "/v1/completions",
+            json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+            headers={"Authorization": f"Bearer {key}"},
         )
         assert again.status_code == 200, again.text
 
@@ -265,7 +267,9 @@ async def test_a_body_not_sent_as_json_is_415_and_nothing_runs(app_parts) -> Non
     async with _http(app) as http:
         for content_type in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded"):
             for headers in ({}, {"Authorization": f"Bearer {key}"}):
-                reply = await http.post("/v1/completions", content=body, headers={"Content-Type": content_type, **headers})
+                reply = await http.post(
+                    "/v1/completions", content=body, headers={"Content-Type": content_type, **headers}
+                )
                 assert reply.status_code == 415, reply.text
                 error = reply.json()["error"]
                 assert error["code"] == "unsupported_media_type" and content_type in error["message"], error

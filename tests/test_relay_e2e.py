@@ -175,10 +175,14 @@ def test_completion_with_a_stop_string_is_cut_exactly(relay: Relay) -> None:
     stop = ref.text[5:9]  # inside the text, and may well span two tokens
     expected = ref.text[: ref.text.index(stop)]
     client = relay.client()
-    response = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=32, temperature=0, stop=[stop, "\u2603"])
+    response = client.completions.create(
+        model=ALIAS, prompt=prompt, max_tokens=32, temperature=0, stop=[stop, "\u2603"]
+    )
     assert response.choices[0].text == expected
     assert response.choices[0].finish_reason == "stop"
-    streamed = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=32, temperature=0, stop=stop, stream=True)
+    streamed = client.completions.create(
+        model=ALIAS, prompt=prompt, max_tokens=32, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
     plain = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=5, temperature=0)
     assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 5
@@ -252,7 +256,7 @@ def test_a_prompt_over_the_workers_batch_and_one_reaching_the_context_finish_cle
 # --- errors ------------------------------------------------------------------------------------------
 
 
-def _status_and_error(call) -> tuple[int, dict]:  # noqa: ANN001
+def _status_and_error(call) -> tuple[int, dict]:
     with pytest.raises(openai.APIStatusError) as caught:
         call()
     body = caught.value.response.json()
@@ -332,7 +336,7 @@ async def _live_sessions(relay: Relay) -> dict[tuple[str, int, int], int]:
         }
 
 
-async def _wait_sessions(relay: Relay, predicate, timeout_s: float) -> dict:  # noqa: ANN001
+async def _wait_sessions(relay: Relay, predicate, timeout_s: float) -> dict:
     """Poll the nodes' own reports (their heartbeats, through the tracker) until ``predicate``."""
     seen: dict = {}
     with trio.move_on_after(timeout_s):
@@ -349,7 +353,9 @@ def test_a_dropped_stream_frees_its_sequence_on_every_hop(relay: Relay) -> None:
     trio.run(_wait_sessions, relay, lambda s: all(v == 0 for v in s.values()), 30.0)
     client = relay.client()
     streams = [
-        client.completions.create(model=ALIAS, prompt=f"Story {i}: once upon a time", max_tokens=200, temperature=0, stream=True)
+        client.completions.create(
+            model=ALIAS, prompt=f"Story {i}: once upon a time", max_tokens=200, temperature=0, stream=True
+        )
         for i in range(2)
     ]
     for stream in streams:
@@ -401,7 +407,7 @@ def test_the_ledger_credits_each_node_with_its_rows_and_survives_a_restart(relay
     nodes = {proc.peer_id for proc in relay.swarm.nodes.values()}
     assert set(after) == nodes
     for peer in nodes:
-        old_rows, old_credit = before.get(peer, (0, 0.0))
+        old_rows, _old_credit = before.get(peer, (0, 0.0))
         assert after[peer][0] - old_rows == rows
     assert sum(c for _r, c in after.values()) - sum(c for _r, c in before.values()) == pytest.approx(rows)
     keys_before = json.loads(_run_cli(relay, "keys", "list", "--json"))

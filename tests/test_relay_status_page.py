@@ -200,9 +200,7 @@ def node_rows(doc: Element) -> list[dict[str, Any]]:
 
 
 def expected_rows(status: dict[str, Any]) -> list[tuple[str, str, str]]:
-    return [
-        (m["alias"], n["peer_id"], f"[{n['begin']}, {n['end']})") for m in status["models"] for n in m["coverage"]
-    ]
+    return [(m["alias"], n["peer_id"], f"[{n['begin']}, {n['end']})") for m in status["models"] for n in m["coverage"]]
 
 
 # --- markup, no browser ---
@@ -240,9 +238,11 @@ def test_page_draws_every_node_and_escapes_network_text() -> None:
     assert badges == [("smollm2", "covered"), ("gemma3", "not covered")]
     tiles = [t.find("span", "tile-value").text() for t in doc.find_all("div", "tile")]
     assert tiles == ["3", "41.3", "1 / 2", "2 / 3"]
-    assert doc.find("dd", "updated").text() == "2026-12-01 12:00:00 UTC" == datetime.datetime.fromtimestamp(
-        1796126400, datetime.UTC
-    ).strftime("%Y-%m-%d %H:%M:%S UTC")
+    assert (
+        doc.find("dd", "updated").text()
+        == "2026-12-01 12:00:00 UTC"
+        == datetime.datetime.fromtimestamp(1796126400, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    )
 
     # credits, highest first
     credit_rows = [[td.text() for td in tr.find_all("td")] for tr in doc.find("tbody").find_all("tr")]
@@ -271,7 +271,7 @@ def test_odd_ranges_stay_inside_their_track() -> None:
     status = copy.deepcopy(STATUS)
     status["models"][0]["coverage"] = [
         {"peer_id": "p1", "begin": 20, "end": 45, "state": "READY", "alive": True},
-        {"peer_id": "p2", "begin": 25, "end": 5, "state": "WEIRD\"><b>x</b>", "alive": True},
+        {"peer_id": "p2", "begin": 25, "end": 5, "state": 'WEIRD"><b>x</b>', "alive": True},
         {"peer_id": "p3", "begin": -5, "end": 3, "state": "FAILED", "alive": True},
     ]
     status["models"][1] = {**status["models"][1], "n_layer": 0, "coverage": []}
@@ -281,7 +281,7 @@ def test_odd_ranges_stay_inside_their_track() -> None:
     assert rows["p1"]["range"] == "[20, 45)"
     assert rows["p2"]["bar_style"] == "left: 83.333%; width: 0.000%"
     assert "state-unknown" in rows["p2"]["classes"]
-    assert rows["p2"]["state"] == "WEIRD\"><b>x</b>"
+    assert rows["p2"]["state"] == 'WEIRD"><b>x</b>'
     assert not doc.find_all("b")
     assert rows["p3"]["bar_style"] == "left: 0.000%; width: 10.000%"
     assert "state-failed" in rows["p3"]["classes"]
@@ -453,7 +453,7 @@ async def test_browser_past_its_timeout_is_an_error(spawned: list[subprocess.Pop
     listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
     port = listener.socket.getsockname()[1]
     async with listener:
-        with pytest.raises(BrowserError, match="did not finish within 2.0 s") as caught:
+        with pytest.raises(BrowserError, match=r"did not finish within 2.0 s") as caught:
             await dump_dom(f"http://127.0.0.1:{port}/", timeout_s=2.0)
     assert caught.value.exit_code is None
     assert [p.returncode for p in spawned] == [-signal.SIGKILL]

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -27,15 +28,15 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.multiaddrs import is_channel_multiaddr
 from agent.core.admission import issue_admission, sign_fingerprint
+from agent.core.multiaddrs import is_channel_multiaddr
 from agent.core.swarm_wire import NODE_PROTOCOL, STEP_PROTOCOL, TRACKER_PROTOCOL, crc32, token_checksum
+from agent.demo.local_demo import generate_through
+from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
+from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.keys import peer_id_of
-from agent.demo.local_demo import generate_through
-from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.p2p import open_p2p_transport
-from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.io.transport import TransportError
 from agent.io.worker_process import open_worker
 from agent.models import model_path, sha256_file
@@ -88,7 +89,9 @@ async def _start(swarm: LocalSwarm, nodes: int, blocks_each: int | None = None) 
 
 
 def _new_swarm(workdir: Path, heartbeat_timeout_ms: int) -> LocalSwarm:
-    config = LocalSwarmConfig(model_path=model_path("smollm2"), model_alias=ALIAS, heartbeat_timeout_ms=heartbeat_timeout_ms)
+    config = LocalSwarmConfig(
+        model_path=model_path("smollm2"), model_alias=ALIAS, heartbeat_timeout_ms=heartbeat_timeout_ms
+    )
     return LocalSwarm(config, workdir)
 
 
@@ -132,7 +135,9 @@ def reference(swarm3: RunningSwarm) -> dict[str, tuple[list[int], list[int]]]:
 
     async def compute() -> dict[str, tuple[list[int], list[int]]]:
         out = {}
-        async with open_worker(swarm3.model_path, 0, None, threads=1, max_sequences=1, model_sha256=swarm3.model_sha256) as single:
+        async with open_worker(
+            swarm3.model_path, 0, None, threads=1, max_sequences=1, model_sha256=swarm3.model_sha256
+        ) as single:
             for prompt in PROMPTS:
                 tokens = await single.client.tokenize(prompt, add_special=True)
                 run = await generate_through([single.client], tokens, NEW_TOKENS, stop_tokens=single.info.eog_token_ids)
@@ -153,7 +158,7 @@ def assert_swarm_alive(running: RunningSwarm) -> None:
 # --- healing -----------------------------------------------------------------------------------------
 
 
-async def _routes_without(c, peer_id: str, timeout_s: float) -> list[str]:  # noqa: ANN001
+async def _routes_without(c, peer_id: str, timeout_s: float) -> list[str]:
     """Poll plain route requests (no avoid list) until the tracker's routes leave ``peer_id``."""
     with trio.fail_after(timeout_s):
         while True:
@@ -233,7 +238,7 @@ def test_baton_generate_survives_its_first_hop_being_killed(tmp_path: Path) -> N
             reference_text = undisturbed.stdout.decode().split("\nroute:")[0]
             by_peer = {proc.peer_id: name for name, proc in running.swarm.nodes.items()}
 
-            def first_hop_starts(nodes) -> dict[str, int]:  # noqa: ANN001
+            def first_hop_starts(nodes) -> dict[str, int]:
                 return {
                     node.peer_id: status.sessions_started
                     for node in nodes for status in node.serving if status.assignment.begin == 0
@@ -243,9 +248,7 @@ def test_baton_generate_survives_its_first_hop_being_killed(tmp_path: Path) -> N
                 started_before = first_hop_starts(await c.list_nodes())
             async with trio.open_nursery() as nursery:
                 process = await nursery.start(
-                    lambda task_status: trio.run_process(
-                        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False, task_status=task_status
-                    )
+                    partial(trio.run_process, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False)
                 )
                 output = b""
                 while len(output) < 20:  # some text streamed: it is decoding
@@ -358,7 +361,9 @@ async def test_a_node_that_cannot_be_dialled_is_reached_through_the_tracker_rela
             assert await stranger.keep_relay_reservation(swarm.tracker_addr) == (
                 f"{swarm.tracker_addr}/p2p-circuit/p2p/{stranger.peer_id}"
             )
-            raw = await stranger.request(hidden_id, [circuit], NODE_PROTOCOL, b"\xff\x01junk", timeout_s=REQUEST_TIMEOUT_S)
+            raw = await stranger.request(
+                hidden_id, [circuit], NODE_PROTOCOL, b"\xff\x01junk", timeout_s=REQUEST_TIMEOUT_S
+            )
             assert swarm_pb2.NodeReply.FromString(raw).error.code == swarm_pb2.Error.INVALID_ARGUMENT
 
         # A restarted tracker has no reservations: the node makes its own again.
@@ -448,7 +453,9 @@ def test_baton_demo_serve_prints_what_an_openai_client_needs(tmp_path: Path) -> 
 
 
 def _logs(workdir: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(workdir.glob("logs/*.log")))
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(workdir.glob("logs/*.log"))
+    )
 
 
 # --- generation --------------------------------------------------------------------------------
@@ -506,7 +513,7 @@ async def test_a_node_pushes_a_session_only_to_the_next_hop_the_tracker_lists(
         (lambda r: setattr(r, "next_port", r.next_port + 1), "with its data plane at port"),
     ):
 
-        def dishonest(*args, change=change, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def dishonest(*args, change=change, **kwargs):
             request = honest(*args, **kwargs)
             if request.next_port:
                 change(request)
@@ -534,7 +541,7 @@ async def test_a_node_pushes_a_session_only_to_the_next_hop_the_tracker_lists(
         (lambda r: setattr(r, "first_peer_id", forged_peer_id(r.first_peer_id)), "is not a live node of the tracker"),
     ):
 
-        def dishonest_continue(*args, change=change, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def dishonest_continue(*args, change=change, **kwargs):
             request = honest_continue(*args, **kwargs)
             change(request)
             return request
@@ -588,7 +595,7 @@ async def test_concurrent_sessions_do_not_disturb_each_other(swarm3: RunningSwar
 def test_baton_generate_cli(swarm3: RunningSwarm, reference) -> None:
     command = [sys.executable, "-m", "agent.cli", "generate", "--tracker", swarm3.addr, "--model", ALIAS]
     done = subprocess.run(
-        command + ["--max-tokens", str(NEW_TOKENS), "--json", PROMPTS[0]],
+        [*command, "--max-tokens", str(NEW_TOKENS), "--json", PROMPTS[0]],
         capture_output=True, text=True, timeout=100, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -598,7 +605,7 @@ def test_baton_generate_cli(swarm3: RunningSwarm, reference) -> None:
     assert report["tokens_per_s"] > 0 and "Paris" in report["text"]
 
     streamed = subprocess.run(
-        command + ["--max-tokens", "8", PROMPTS[0]], capture_output=True, text=True, timeout=100, check=False
+        [*command, "--max-tokens", "8", PROMPTS[0]], capture_output=True, text=True, timeout=100, check=False
     )
     assert streamed.returncode == 0, streamed.stderr
     lines = streamed.stdout.splitlines()
@@ -639,7 +646,9 @@ def fingerprint(peer_id: str, transport, **overrides) -> swarm_pb2.Fingerprint:
     return swarm_pb2.Fingerprint(**fields)
 
 
-async def tracker_call(transport, running: RunningSwarm, request: swarm_pb2.TrackerRequest | bytes) -> swarm_pb2.TrackerReply:
+async def tracker_call(
+    transport, running: RunningSwarm, request: swarm_pb2.TrackerRequest | bytes
+) -> swarm_pb2.TrackerReply:
     tracker_id = running.addr.rpartition("/p2p/")[2]
     payload = request if isinstance(request, bytes) else request.SerializeToString()
     raw = await transport.request(tracker_id, [running.addr], TRACKER_PROTOCOL, payload, timeout_s=REQUEST_TIMEOUT_S)
@@ -820,8 +829,9 @@ async def test_bad_input_gets_error_replies_and_disturbs_no_other_session(swarm3
                 cases = {
                     "malformed protobuf": b"\x0a\xff\xff\xff\xff\x0f garbage",
                     "wrong width": boundary_step(narrow, n_embd=n_embd - 1),
-                    "wrong byte length": boundary_step(good_rows, boundary=good_rows.tobytes()[:-4],
-                                                       checksum=crc32(good_rows.tobytes()[:-4])),
+                    "wrong byte length": boundary_step(
+                        good_rows, boundary=good_rows.tobytes()[:-4], checksum=crc32(good_rows.tobytes()[:-4])
+                    ),
                     "NaN rows": boundary_step(nan_rows),
                     "bad checksum": boundary_step(good_rows, checksum=12345),
                     "unknown session": boundary_step(good_rows[:1], step=5, positions=[40]),
@@ -906,5 +916,3 @@ async def test_a_restarted_tracker_keeps_models_nodes_and_assignments(swarm3: Ru
         result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
     assert result.tokens == reference[PROMPTS[0]][1]
     assert_swarm_alive(swarm3)
-
-

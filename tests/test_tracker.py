@@ -26,8 +26,8 @@ from agent.core.assignment import Assignment
 from agent.core.identity import peer_id_from_public_key
 from agent.core.registry import GgufFacts, bytes_per_block, model_entry
 from agent.core.swarm_wire import NODE_PROTOCOL, TRACKER_PROTOCOL
-from agent.io.tracker.cli import parse_model_arg, register_models
 from agent.io.gguf_sparse import gguf_metadata_prefix
+from agent.io.tracker.cli import parse_model_arg, register_models
 from agent.io.tracker.gguf_info import GgufError, read_gguf_facts
 from agent.io.tracker.service import TrackerConfig, serve_tracker
 from agent.io.tracker.store import NodeRecord, StoreError, TrackerStore, open_store
@@ -445,7 +445,7 @@ async def test_a_range_that_failed_to_load_is_moved_elsewhere(autojump_clock, db
 # --- output integrity ---------------------------------------------------------------------------
 
 
-def _outcome(node: Peer, begin: int, end: int, status: str, step: int = 1):  # noqa: ANN202
+def _outcome(node: Peer, begin: int, end: int, status: str, step: int = 1):
     from agent.core.canary import OutputMismatch
     from agent.io.tracker.verifier import CheckOutcome
 
@@ -539,7 +539,7 @@ async def test_check_outcomes_gate_withdraw_and_refuse_nodes(autojump_clock, db_
         assert (await b.register(usable_memory_bytes=3 * BPB)).error.code == Code.REFUSED
     assert baton(["tracker", "nodes", "--db", str(db_path)]) == 0
     out = capsys.readouterr().out
-    row = [line for line in out.splitlines() if line.startswith(b.peer_id)][0]
+    row = next(line for line in out.splitlines() if line.startswith(b.peer_id))
     assert "REFUSED (2 failed)" in row
     evidence = [line for line in out.splitlines() if line.startswith(f"  {b.peer_id} INTEGRITY")]
     assert len(evidence) == 2 and f"expected sha256 {'e' * 64}, returned {'f' * 64}" in evidence[0]
@@ -886,7 +886,18 @@ async def test_list_nodes_shows_assignments_reported_states_and_liveness(autojum
 
     assert baton(["tracker", "nodes", "--db", str(db_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["PEER", "ID", "ALIVE", "LAST", "HEARTBEAT", "(UTC)", "MEMORY", "ADDRS", "CHECKS", "RANGES"]
+    assert lines[0].split() == [
+        "PEER",
+        "ID",
+        "ALIVE",
+        "LAST",
+        "HEARTBEAT",
+        "(UTC)",
+        "MEMORY",
+        "ADDRS",
+        "CHECKS",
+        "RANGES",
+    ]
     assert lines[1].startswith(a.peer_id) and lines[1].split()[1] == "yes"
     assert f"/memory/{a.peer_id}" in lines[1] and "2.9 MiB" in lines[1]
     assert lines[1].endswith("tiny[0, 3) READY")  # still assigned: kept while the model waits for a node
@@ -900,8 +911,16 @@ async def test_list_nodes_shows_assignments_reported_states_and_liveness(autojum
     assert nodes[0]["usable_memory_bytes"] == 3 * BPB and isinstance(nodes[0]["last_heartbeat_ms"], int)
     assert [(x["begin"], x["end"]) for x in nodes[0]["assigned"]] == [(0, 3)]
     assert nodes[0]["serving"] == [
-        {"model_sha256": MODEL.sha256, "begin": 0, "end": 3, "state": "READY", "error": "", "recipe_hash": "recipe-1",
-         "fetched_bytes": 0, "fetch_total_bytes": 0}
+        {
+            "model_sha256": MODEL.sha256,
+            "begin": 0,
+            "end": 3,
+            "state": "READY",
+            "error": "",
+            "recipe_hash": "recipe-1",
+            "fetched_bytes": 0,
+            "fetch_total_bytes": 0,
+        }
     ]
     assert nodes[1]["serving"][0]["state"] == "LOADING" and nodes[1]["assigned"] == []
 

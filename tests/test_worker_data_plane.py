@@ -124,9 +124,7 @@ async def test_a_chain_of_workers_equals_the_unsplit_worker_and_refuses_what_is_
                 notice = await intruder.receive()
                 assert "does not open" in notice.notice, notice
                 # a session nobody bound
-                await intruder.send(
-                    data_frames.sealed_frame(data_frames.STEP, os.urandom(32), os.urandom(16), 1, b"")
-                )
+                await intruder.send(data_frames.sealed_frame(data_frames.STEP, os.urandom(32), os.urandom(16), 1, b""))
                 assert "is bound here" in (await intruder.receive()).notice
                 # plaintext (a frame whose bytes are not a DataFrame): refused, connection closed
                 await intruder.send(struct.pack("<I", 6) + b"\xff" * 6)
@@ -232,9 +230,10 @@ async def test_sessions_that_arrive_together_share_forwards_and_keep_their_numbe
         sessions = [await bind_route(chain, seq_id=i) for i in range(len(prompts))]
         calls_before = (await chain[1].client.health()).forward_calls
         got: dict[int, list[np.ndarray]] = {i: [] for i in range(len(prompts))}
-        async with open_data_link(HOST, chain[0].info.data_port) as to_first, open_data_link(
-            HOST, chain[-1].info.data_port
-        ) as from_last:
+        async with (
+            open_data_link(HOST, chain[0].info.data_port) as to_first,
+            open_data_link(HOST, chain[-1].info.data_port) as from_last,
+        ):
             for s in sessions:
                 await from_last.send(s.attach_frame())
             tokens = {i: list(p) for i, p in enumerate(prompts)}
@@ -499,9 +498,10 @@ async def test_connections_that_prove_nothing_give_way_and_time_out(qwen2_tiny_p
             with trio.fail_after(timeout_ms / 1000 / 2), pytest.raises(DataLinkClosed):
                 await link.receive()
         assert trio.current_time() - started < timeout_ms / 1000, "closed to make room, not by the timeout"
-        async with open_data_link(HOST, chain[0].info.data_port) as to_first, open_data_link(
-            HOST, chain[-1].info.data_port
-        ) as from_last:
+        async with (
+            open_data_link(HOST, chain[0].info.data_port) as to_first,
+            open_data_link(HOST, chain[-1].info.data_port) as from_last,
+        ):
             await from_last.send(session.attach_frame())
             await to_first.send(session.step_frame(step(0, list(range(len(PROMPT))), PROMPT, top_k=4)))
             assert (await result_of(session, from_last)).error_code == 0
@@ -524,9 +524,10 @@ async def test_connections_that_prove_nothing_give_way_and_time_out(qwen2_tiny_p
 async def test_data_plane_connections_keep_alive(qwen2_tiny_path, idle_tcp_timer) -> None:
     """TCP keepalive on the worker's accepted connections: an idle one whose peer's machine
     vanished (no FIN: power, network) ends instead of holding its slot and thread for ever."""
-    async with open_chain(qwen2_tiny_path, cuts=((0, 6),)) as (worker,), open_data_link(
-        HOST, worker.info.data_port
-    ) as link:
+    async with (
+        open_chain(qwen2_tiny_path, cuts=((0, 6),)) as (worker,),
+        open_data_link(HOST, worker.info.data_port) as link,
+    ):
         # a frame for no session: its NOTICE says the worker's thread took the connection
         # (accepted and its options set), not only the kernel
         await link.send(data_frames.sealed_frame(data_frames.STEP, os.urandom(32), os.urandom(16), 1, b""))
@@ -536,9 +537,16 @@ async def test_data_plane_connections_keep_alive(qwen2_tiny_path, idle_tcp_timer
         assert timer == 2, f"no keepalive timer on the worker's end (tr={timer})"
 
 
-def continue_request(session: OwnerSession, port: int, key: bytes, steps: int, stop=()) -> worker_pb2.ContinueSessionRequest:
+def continue_request(
+    session: OwnerSession, port: int, key: bytes, steps: int, stop=()
+) -> worker_pb2.ContinueSessionRequest:
     return worker_pb2.ContinueSessionRequest(
-        schema_version=1, session_id=session.session_id, host=HOST, port=port, continue_key=key, steps=steps,
+        schema_version=1,
+        session_id=session.session_id,
+        host=HOST,
+        port=port,
+        continue_key=key,
+        steps=steps,
         stop_token_ids=list(stop),
     )
 
@@ -633,7 +641,9 @@ async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_c
             # a CONTINUE frame without the key, and a copy of one the first range took: refused
             async with open_data_link(HOST, first_port) as intruder:
                 body = step(n + 1, [len(PROMPT) + n], [tokens[n]], top_k=top_k).SerializeToString()
-                await intruder.send(data_frames.sealed_frame(data_frames.CONTINUE, os.urandom(32), session.session_id, 99, body))
+                await intruder.send(
+                    data_frames.sealed_frame(data_frames.CONTINUE, os.urandom(32), session.session_id, 99, body)
+                )
                 assert "does not open" in (await intruder.receive()).notice
                 await intruder.send(data_frames.sealed_frame(data_frames.CONTINUE, key, session.session_id, 1, body))
                 assert "not above the last one taken" in (await intruder.receive()).notice
@@ -668,7 +678,9 @@ async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_c
             results = [await result_of(session, from_last) for _ in range(stop_at + 1)]
             assert [top_of(r) for r in results] == reference[: stop_at + 1]
             # the owner's next step (past its stop token, as a test): taken, and not continued
-            await to_first.send(session.step_frame(step(stop_at + 1, [len(PROMPT) + stop_at], [tokens[stop_at]], top_k=top_k)))
+            await to_first.send(
+                session.step_frame(step(stop_at + 1, [len(PROMPT) + stop_at], [tokens[stop_at]], top_k=top_k))
+            )
             assert (await result_of(session, from_last)).step == stop_at + 1
         totals = await chain[0].client.call(
             "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)

@@ -23,7 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.worker, 
+pytestmark = [
+    pytest.mark.worker,
     pytest.mark.timeout(120),
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only"),
 ]
@@ -91,7 +92,9 @@ def test_a_worker_stops_when_its_parent_is_killed(tmp_path: Path, qwen2_tiny_pat
     log_path = tmp_path / "worker.log"
     argv = [sys.executable, "-c", textwrap.dedent(script), str(qwen2_tiny_path), str(socket_path), str(log_path)]
     worker_pid = None
-    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as parent:
+    with subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as parent:
         try:
             line = parent.stdout.readline()  # open_worker prints once the worker answers
             assert line.strip(), parent.stderr.read() if parent.poll() is not None else "no output"

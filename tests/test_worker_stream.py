@@ -61,9 +61,7 @@ async def test_forward_stream_equals_grpc_and_survives_bad_frames(qwen2_tiny_pat
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, "the stream socket is owner-only"
 
         # The same Forward both ways: the same logits, bit for bit.
-        over_stream = await client.forward(
-            [SeqInput(seq_id=0, positions=list(range(len(PROMPT))), token_ids=PROMPT)]
-        )
+        over_stream = await client.forward([SeqInput(seq_id=0, positions=list(range(len(PROMPT))), token_ids=PROMPT)])
         over_grpc = await client.call("Forward", prompt_request(1, PROMPT))
         grpc_logits = np.frombuffer(over_grpc.entries[0].logits, dtype="<f4")
         assert over_stream[0].logits is not None

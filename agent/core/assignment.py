@@ -105,7 +105,9 @@ def assign(
 
     # Uncoverable models keep what still fits of their current ranges, if the covered models
     # stay covered with those counted in the nodes' shares.
-    waiting = {m.sha256 for m in models if m.sha256 not in coverable and any(a.model_sha256 == m.sha256 for a in current)}
+    waiting = {
+        m.sha256 for m in models if m.sha256 not in coverable and any(a.model_sha256 == m.sha256 for a in current)
+    }
     if waiting:
         shared = _budgets(nodes, coverable | waiting)
         if all(

@@ -41,7 +41,7 @@ class WireDType(enum.IntEnum):
 
 
 #: Boundary schema versions (``BoundarySchema.version`` in protocol/worker.proto).
-RESIDUAL = 1          # "residual": n_embd values per token
+RESIDUAL = 1  # "residual": n_embd values per token
 RESIDUAL_STREAMS = 2  # "residual-streams": streams x n_embd per token (hyper-connection models)
 
 _SCHEMA_NAMES = {RESIDUAL: "residual", RESIDUAL_STREAMS: "residual-streams"}

@@ -97,7 +97,9 @@ class ChatTemplate:
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as error:
-            raise ChatTemplateError(f"the chat template failed on these messages: {type(error).__name__}: {error}") from None
+            raise ChatTemplateError(
+                f"the chat template failed on these messages: {type(error).__name__}: {error}"
+            ) from None
         if self.add_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]
         return text

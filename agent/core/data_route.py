@@ -274,7 +274,9 @@ def result_scores(result: worker_pb2.DataResult) -> np.ndarray | TopLogits:
         top.check()
         return top
     if len(result.logits) != 4 * result.n_vocab:
-        raise ValueError(f"{len(result.logits)} logits bytes for n_vocab {result.n_vocab} (expected {4 * result.n_vocab})")
+        raise ValueError(
+            f"{len(result.logits)} logits bytes for n_vocab {result.n_vocab} (expected {4 * result.n_vocab})"
+        )
     return np.frombuffer(result.logits, dtype="<f4")
 
 

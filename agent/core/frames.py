@@ -343,7 +343,7 @@ def parse_channel_frame(body: bytes | memoryview) -> ChannelFrame:
         raise FrameError(f"a channel frame has at least {_HEADER_BYTES} bytes, got {len(body)}")
     kind = body[0]
     exchange_id = int.from_bytes(body[1:5], "big")
-    if kind == REQUEST or kind == QUIET_REQUEST:
+    if kind in (REQUEST, QUIET_REQUEST):
         name = _KINDS[kind]
         if len(body) < _HEADER_BYTES + 1:
             raise FrameError(f"a {name} frame ends before its protocol id")

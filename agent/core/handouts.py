@@ -32,9 +32,9 @@ class _Handout:
 
 class RouteHandouts:
     """Args:
-      grace_s: how long after a handout a hop's heartbeat must be sent to count the session
-        itself.
-      horizon_s: a handout older than this counts for nothing (at least ``grace_s``).
+    grace_s: how long after a handout a hop's heartbeat must be sent to count the session
+      itself.
+    horizon_s: a handout older than this counts for nothing (at least ``grace_s``).
     """
 
     def __init__(self, grace_s: float, horizon_s: float = 60.0) -> None:

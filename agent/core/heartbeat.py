@@ -39,9 +39,7 @@ class Report:
     newly_failed: frozenset[str]  # model sha256s this node newly reported FAILED
 
 
-def read_report(
-    peer_id: str, serving: Sequence[swarm_pb2.AssignmentStatus], failed_models: Iterable[str]
-) -> Report:
+def read_report(peer_id: str, serving: Sequence[swarm_pb2.AssignmentStatus], failed_models: Iterable[str]) -> Report:
     """Check what a heartbeat of ``peer_id`` reports serving; ``failed_models``: the models
     it already reported FAILED since it registered.
 
@@ -57,7 +55,9 @@ def read_report(
                 f"serving[{i}]: assignment {a.model_sha256!r} [{a.begin}, {a.end}) is not a model range",
             )
         if status.state not in _REPORTED_STATES:
-            raise WireError(Code.INVALID_ARGUMENT, f"serving[{i}]: state {status.state} is not LOADING, READY or FAILED")
+            raise WireError(
+                Code.INVALID_ARGUMENT, f"serving[{i}]: state {status.state} is not LOADING, READY or FAILED"
+            )
         reported[Assignment(a.model_sha256, a.begin, a.end, peer_id)] = status
     failed_now = frozenset(a.model_sha256 for a, s in reported.items() if s.state == State.FAILED)
     return Report(reported=reported, newly_failed=failed_now - set(failed_models))

@@ -101,7 +101,9 @@ class KeptStore:
         if kept.lost:
             return
         if first_position != kept.next_position:
-            self._lose(kept, f"rows at position {first_position} do not follow the kept ones (up to {kept.next_position})")
+            self._lose(
+                kept, f"rows at position {first_position} do not follow the kept ones (up to {kept.next_position})"
+            )
             return
         if kept.n_bytes + len(data) > self.max_bytes_per_session:
             self._lose(

@@ -29,7 +29,7 @@ class Heard:
 
 class Liveness:
     """Args:
-      timeout_ms: how long a node stays alive after it was last heard from.
+    timeout_ms: how long a node stays alive after it was last heard from.
     """
 
     def __init__(self, timeout_ms: int) -> None:

@@ -111,7 +111,9 @@ def check_manifest(manifest: swarm_pb2.ModelManifest) -> None:
         if t.offset < end:
             raise ManifestError(f"tensor {t.name} at {t.offset} overlaps the bytes before it (which end at {end})")
         if t.offset + t.size > manifest.size_bytes:
-            raise ManifestError(f"tensor {t.name} [{t.offset}, {t.offset + t.size}) runs past the file's {manifest.size_bytes} bytes")
+            raise ManifestError(
+                f"tensor {t.name} [{t.offset}, {t.offset + t.size}) runs past the file's {manifest.size_bytes} bytes"
+            )
         if not _SHA256_HEX.fullmatch(t.sha256):
             raise ManifestError(f"tensor {t.name} sha256 {t.sha256!r} is not 64 lowercase hex digits")
         end = t.offset + t.size
@@ -141,7 +143,9 @@ def verify_manifest(
         raise ManifestError(f"the manifest does not parse: {error}") from None
     tracker_peer_id = peer_id_from_public_key(tracker_public_key)
     if manifest.tracker_peer_id != tracker_peer_id:
-        raise ManifestError(f"the manifest names tracker {manifest.tracker_peer_id!r}, it was signed by {tracker_peer_id}")
+        raise ManifestError(
+            f"the manifest names tracker {manifest.tracker_peer_id!r}, it was signed by {tracker_peer_id}"
+        )
     check_manifest(manifest)
     if model_sha256 is not None and manifest.model_sha256 != model_sha256:
         raise ManifestError(f"the manifest describes model {manifest.model_sha256}, not {model_sha256}")

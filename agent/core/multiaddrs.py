@@ -37,7 +37,7 @@ def peer_id_from_multiaddr(addr: str) -> str:
     Raises:
       ValueError: the address has no ``/p2p/<peer id>`` part.
     """
-    head, sep, peer_id = addr.rstrip("/").rpartition("/p2p/")
+    _head, sep, peer_id = addr.rstrip("/").rpartition("/p2p/")
     if not sep or not peer_id or "/" in peer_id:
         raise ValueError(f"multiaddr {addr!r} does not end with /p2p/<peer id>")
     return peer_id

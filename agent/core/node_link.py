@@ -81,12 +81,16 @@ def read_registration_reply(
     except ValueError as err:
         raise RegistrationInvalid(f"tracker public key: {err}") from None
     if key_peer_id != tracker_peer_id:
-        raise RegistrationInvalid(f"the tracker's key belongs to {key_peer_id}, not to the tracker {tracker_peer_id} dialled")
+        raise RegistrationInvalid(
+            f"the tracker's key belongs to {key_peer_id}, not to the tracker {tracker_peer_id} dialled"
+        )
     try:
         verify_admission(registered.admission, tracker_key, peer_id, now_ms, roles=[swarm_pb2.ROLE_NODE])
     except AdmissionError as err:
         raise RegistrationInvalid(f"tracker issued an unusable admission: {err.reason}") from None
-    interval = registered.heartbeat_interval_ms if registered.heartbeat_interval_ms and not own_heartbeat_interval else None
+    interval = (
+        registered.heartbeat_interval_ms if registered.heartbeat_interval_ms and not own_heartbeat_interval else None
+    )
     return Registration(tracker_key, registered.admission, interval)
 
 

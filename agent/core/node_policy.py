@@ -40,8 +40,8 @@ __all__ = [
     "data_plane_decode_groups",
     "data_plane_gather_us",
     "forward_failure",
-    "push_groups",
     "push_answered_badly",
+    "push_groups",
     "push_refused",
     "push_unreachable",
     "range_not_ready",
@@ -77,7 +77,9 @@ def check_end_session_sender(role: int, remote_peer_id: str, session_id: bytes, 
             raise WireError(Code.REFUSED, f"session {session_id.hex()} belongs to {owner}")
 
 
-def check_session_owner(role: int, remote_peer_id: str, session_id: bytes, owner_peer_id: str | None, key: RangeKey) -> None:
+def check_session_owner(
+    role: int, remote_peer_id: str, session_id: bytes, owner_peer_id: str | None, key: RangeKey
+) -> None:
     """A resume or replay of a session comes from its owner, as a client. Raises WireError:
     NOT_FOUND (``owner_peer_id`` None: the range does not hold it) or REFUSED."""
     if owner_peer_id is None:
@@ -113,7 +115,7 @@ def data_plane_gather_us(*, begin: int, decode_groups: int | None, decode_gather
     ``agent.core.scheduler.gather_wait_ms`` does for steps through the node."""
     if begin != 0 or decode_groups != 1 or decode_gather_ms <= 0:
         return 0
-    return int(round(decode_gather_ms * 1000))
+    return round(decode_gather_ms * 1000)
 
 
 #: the most decode groups a worker takes (native/src/data_plane.h kMaxDecodeGroups): an owner

@@ -229,9 +229,7 @@ class RangeBook:
         elif entry.state != State.FAILED:
             entry.state, entry.error = State.FAILED, "unloaded"
         held = self._entries.get(key) is entry
-        actions: list[Action] = [
-            FailPending(key, epoch, f"{range_name(key)} stopped on {self.peer_id}: {entry.error}")
-        ]
+        actions: list[Action] = [FailPending(key, epoch, f"{range_name(key)} stopped on {self.peer_id}: {entry.error}")]
         if held:
             actions.append(HEARTBEAT_NOW)
         return actions

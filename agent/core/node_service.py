@@ -250,7 +250,9 @@ def check_worker(
     if binary is None:
         return Check(name, False, "no baton-worker binary found", "build it: baton node install (or make native)")
     if runtime_error is not None or runtime_pin is None:
-        return Check(name, False, f"{binary} does not run: {runtime_error}", "rebuild it: baton node install (or make native)")
+        return Check(
+            name, False, f"{binary} does not run: {runtime_error}", "rebuild it: baton node install (or make native)"
+        )
     if runtime_pin != expected:
         return Check(
             name, False,

@@ -172,7 +172,9 @@ class SessionTable:
         session = self._sessions.get(session_id)
         if first_position == 0:
             if session is not None:
-                raise WireError(Code.INVALID_ARGUMENT, f"session {session_id.hex()} already exists: it cannot be rebuilt")
+                raise WireError(
+                    Code.INVALID_ARGUMENT, f"session {session_id.hex()} already exists: it cannot be rebuilt"
+                )
             session = self._open(session_id, n_rows, owner_peer_id, now_ms)
             session.rebuilding = True
             self.rebuilt += 1
@@ -180,7 +182,8 @@ class SessionTable:
             if session is None or not session.rebuilding:
                 what = "unknown" if session is None else "not being rebuilt"
                 raise WireError(
-                    Code.INVALID_ARGUMENT, f"session {session_id.hex()} is {what}: rebuild rows at {first_position} refused"
+                    Code.INVALID_ARGUMENT,
+                    f"session {session_id.hex()} is {what}: rebuild rows at {first_position} refused",
                 )
             self._check_owner(session, owner_peer_id)
             self._check_continues(session, first_position, n_rows, "rebuild rows start")
@@ -318,7 +321,8 @@ class SessionTable:
     def _check_owner(session: NodeSession, owner_peer_id: str) -> None:
         if session.owner_peer_id != owner_peer_id:
             raise WireError(
-                Code.REFUSED, f"session {session.session_id.hex()} belongs to {session.owner_peer_id}, not {owner_peer_id}"
+                Code.REFUSED,
+                f"session {session.session_id.hex()} belongs to {session.owner_peer_id}, not {owner_peer_id}",
             )
 
     def _check_continues(self, session: NodeSession, first_position: int, n_rows: int, what: str) -> None:

@@ -23,10 +23,10 @@ import numpy as np
 from .topk import TopLogits
 
 __all__ = [
-    "ApiError",
-    "CompletionRequest",
     "MAX_STOP_STRINGS",
     "MAX_TOP_LOGPROBS",
+    "ApiError",
+    "CompletionRequest",
     "chat_chunk",
     "chat_response",
     "check_json_content_type",
@@ -96,7 +96,9 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        default_type, default_code = _ERROR_TYPES.get(status, ("server_error" if status >= 500 else "invalid_request_error", None))
+        default_type, default_code = _ERROR_TYPES.get(
+            status, ("server_error" if status >= 500 else "invalid_request_error", None)
+        )
         self.type = default_type
         self.code = code if code is not None else default_code
         self.retry_after_s = retry_after_s
@@ -479,9 +481,7 @@ def chat_chunk(
 # --- logprobs ----------------------------------------------------------------------------------
 
 
-def token_logprobs(
-    logits: np.ndarray | TopLogits, token: int, top_n: int
-) -> tuple[float, list[tuple[int, float]]]:
+def token_logprobs(logits: np.ndarray | TopLogits, token: int, top_n: int) -> tuple[float, list[tuple[int, float]]]:
     """The log-probability of ``token`` under ``logits`` (softmax at temperature 1, as OpenAI
     reports it), and the ``top_n`` most likely tokens with theirs (ties by token id).
 

@@ -268,9 +268,7 @@ def sync_reply() -> bytes:
 
 
 def error_reply(code: int, message: str) -> bytes:
-    return swarm_pb2.PunchReply(
-        schema_version=SCHEMA_VERSION, error=error(code, message)
-    ).SerializeToString()
+    return swarm_pb2.PunchReply(schema_version=SCHEMA_VERSION, error=error(code, message)).SerializeToString()
 
 
 def read_punch_reply(data: bytes, *, allow_loopback: bool) -> tuple[str, int] | None:

@@ -53,7 +53,6 @@ LIMIT_MAX_CONCURRENT: Final = "max_concurrent"
 Limit = Literal["tokens_per_day", "requests_per_minute", "max_concurrent"]
 
 
-
 def _civil_from_days(days: int) -> tuple[int, int, int]:
     """(year, month, day) of ``days`` since 1970-01-01 in the proleptic Gregorian calendar
     (Howard Hinnant's days-to-civil arithmetic: the core reads no calendar module)."""
@@ -202,10 +201,7 @@ def decide(
             QuotaDecision(
                 admitted=False,
                 limit=LIMIT_MAX_CONCURRENT,
-                message=(
-                    f"max_concurrent limit of {limits.max_concurrent} reached "
-                    f"({concurrent} requests in flight)"
-                ),
+                message=(f"max_concurrent limit of {limits.max_concurrent} reached ({concurrent} requests in flight)"),
                 retry_after_s=concurrency_retry_after_s,
             )
         )

@@ -114,9 +114,7 @@ def range_pieces(manifest: swarm_pb2.ModelManifest, begin: int, end: int) -> lis
     tied = not any(t.name == "output.weight" for t in manifest.tensors)
     pieces = [Piece(METADATA_PIECE, 0, manifest.metadata_size, manifest.metadata_sha256)]
     pieces += [
-        Piece(t.name, t.offset, t.size, t.sha256)
-        for t in manifest.tensors
-        if _owned(t.name, begin, end, n_layer, tied)
+        Piece(t.name, t.offset, t.size, t.sha256) for t in manifest.tensors if _owned(t.name, begin, end, n_layer, tied)
     ]
     return pieces
 

@@ -8,6 +8,7 @@ Pure: no I/O.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterable, Sequence
 
 __all__ = ["LayerRange", "check_cover", "format_layers", "parse_cuts", "parse_layers", "ranges_from_cuts"]
@@ -76,7 +77,7 @@ def ranges_from_cuts(n_layer: int, cuts: Iterable[int]) -> list[LayerRange]:
         if i and cut < cuts[i - 1]:
             raise ValueError(f"cuts must be sorted ascending: {cut} comes after {cuts[i - 1]}")
     edges = [0, *cuts, n_layer]
-    return [LayerRange(b, e) for b, e in zip(edges, edges[1:])]
+    return [LayerRange(b, e) for b, e in itertools.pairwise(edges)]
 
 
 def parse_cuts(text: str) -> list[int]:

@@ -104,7 +104,9 @@ def plan_route(
     valid = [
         r
         for r in ranges
-        if begin <= r.begin < r.end <= end and r.peer_id not in avoid and (not recipe_hash or r.recipe_hash == recipe_hash)
+        if begin <= r.begin < r.end <= end
+        and r.peer_id not in avoid
+        and (not recipe_hash or r.recipe_hash == recipe_hash)
     ]
     best: tuple[_ChainKey, list[ReadyRange]] | None = None
     for recipe in sorted({r.recipe_hash for r in valid}):

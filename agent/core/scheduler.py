@@ -201,7 +201,14 @@ def batch_window_wait_ms(window_ms: float, pending_rows: int, row_budget: int) -
 
 
 def first_hop_decode(
-    *, begin: int, decoding_sessions: int, route_hops: int, groups: int | None, waiting: int, waited_ms: float, window_ms: float
+    *,
+    begin: int,
+    decoding_sessions: int,
+    route_hops: int,
+    groups: int | None,
+    waiting: int,
+    waited_ms: float,
+    window_ms: float,
 ) -> tuple[int | None, float]:
     """``(cap, hold_ms)`` for a range's next decode Forward: only a first hop (``begin`` 0)
     caps it (``decode_group_cap``; None: no cap) and may hold it ``hold_ms`` longer for its

@@ -330,7 +330,9 @@ class Session:
             return
         if sender_peer_id not in self.route_peer_ids:
             raise ResultRefused(
-                _error("REFUSED"), f"result from {sender_peer_id}, which is not on the route of this session", fatal=False
+                _error("REFUSED"),
+                f"result from {sender_peer_id}, which is not on the route of this session",
+                fatal=False,
             )
         last = self.route_peer_ids[-1]
         if not failed and sender_peer_id != last:

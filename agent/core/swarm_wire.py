@@ -46,30 +46,24 @@ from .boundary import (
     itemsize,
 )
 from .kept_rows import ReplayChunk
-from .topk import TopLogits, select_top_k
 from .multiaddrs import circuit_multiaddr, peer_id_from_multiaddr  # re-exported: callers import them here
+from .topk import TopLogits, select_top_k
 
 __all__ = [
+    "MAX_BATCH_STEPS",
     "NODE_PROTOCOL",
     "RESULT_PROTOCOL",
     "SCHEMA_VERSION",
     "SESSION_ID_BYTES",
-    "STEP_PROTOCOL",
     "STEPS_PROTOCOL",
-    "MAX_BATCH_STEPS",
-    "answer_step_batch",
-    "read_step_batch",
-    "read_step_batch_ack",
-    "push_message",
-    "read_push_acks",
-    "all_steps_taken",
-    "batch_ack_accepts",
-    "step_batch",
-    "step_batch_ack",
+    "STEP_PROTOCOL",
     "TRACKER_PROTOCOL",
     "RangeSpec",
     "StepInput",
     "WireError",
+    "all_steps_taken",
+    "answer_step_batch",
+    "batch_ack_accepts",
     "boundary_step_request",
     "check_hops",
     "check_schema_version",
@@ -82,10 +76,17 @@ __all__ = [
     "node_reply_error",
     "parse_record",
     "peer_id_from_multiaddr",
+    "push_message",
+    "read_push_acks",
+    "read_step_batch",
+    "read_step_batch_ack",
     "replay_step_request",
+    "result_scores",
     "step_ack",
     "step_ack_accepts",
     "step_ack_error",
+    "step_batch",
+    "step_batch_ack",
     "step_result",
     "step_result_error",
     "step_result_rebuilt",
@@ -95,7 +96,6 @@ __all__ = [
     "tracker_reply_error",
     "validate_step",
     "validate_step_result",
-    "result_scores",
 ]
 
 TRACKER_PROTOCOL = "/baton/tracker/1.0.0"  # TrackerRequest -> TrackerReply

@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--workdir", help="keep keys, tracker db and process logs here (default: a temp dir)")
     parser.add_argument("--local", action="store_true", help="local range workers instead of a swarm")
-    parser.add_argument("--ranges", type=cli_args.positive_int, default=3, help="--local: ranges of equal size (default 3)")
+    parser.add_argument(
+        "--ranges", type=cli_args.positive_int, default=3, help="--local: ranges of equal size (default 3)"
+    )
     parser.add_argument("--cuts", type=cli_args.cuts, help="--local: cut points instead of --ranges, e.g. 10,20")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument(
@@ -107,7 +109,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         report, stopped_by = trio.run(run_until_stop_signal, run)
-    except BaseException as caught:  # noqa: BLE001 - sorted by known_failures; anything unknown is re-raised
+    except BaseException as caught:
         for leaf in cli_args.known_failures(caught, _known_errors()):
             print(f"\nbaton demo: {type(leaf).__name__}: {leaf}", file=sys.stderr)
         return 2
@@ -163,7 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
         trio.run(run_until_stop_signal, serve)
     except KeyboardInterrupt:  # Ctrl-C before the signal receiver was in place
         return 0
-    except BaseException as caught:  # noqa: BLE001 - sorted by known_failures; anything unknown is re-raised
+    except BaseException as caught:
         for leaf in cli_args.known_failures(caught, _known_errors()):
             print(f"baton demo: {type(leaf).__name__}: {leaf}", file=sys.stderr)
         return 2

@@ -19,11 +19,10 @@ from agent.core.generation import GreedyGeneration
 from agent.core.parity import next_hop_entries
 from agent.core.ranges import LayerRange, ranges_from_cuts
 from agent.core.worker_records import SeqOutput
-from agent.models import cached_sha256
-
 from agent.harness.parity_run import open_workers
 from agent.io.worker_client import AsyncWorkerClient
 from agent.io.worker_process import open_worker
+from agent.models import cached_sha256
 
 __all__ = ["DEMO_PROMPT", "ChainRun", "DemoReport", "even_cuts", "generate_through", "run_demo"]
 

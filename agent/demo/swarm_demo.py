@@ -36,8 +36,8 @@ from agent.models import cached_sha256
 
 __all__ = [
     "ForwardCounts",
-    "RelayGeneration",
     "RelayError",
+    "RelayGeneration",
     "SwarmDemoReport",
     "forward_counts",
     "node_memory_bytes",
@@ -63,7 +63,9 @@ def node_memory_bytes(n_layer: int, bytes_per_block: int, nodes: int) -> int:
     return math.ceil(n_layer / nodes) * bytes_per_block + bytes_per_block // 2
 
 
-async def wait_for_coverage(client: SwarmClient, swarm: LocalSwarm, model: str, *, timeout_s: float, poll_s: float = 0.2):
+async def wait_for_coverage(
+    client: SwarmClient, swarm: LocalSwarm, model: str, *, timeout_s: float, poll_s: float = 0.2
+):
     """Poll the tracker until it has a full route for ``model``; raise ``ProcessDied`` as
     soon as a swarm process exits, ``TimeoutError`` (with every log tail) after ``timeout_s``."""
     last = "no answer yet"
@@ -286,7 +288,7 @@ async def _start_swarm_and_relay(
     return entry, memory, route, url, api_key
 
 
-def _swarm_config(model_path, model_alias, heartbeat_timeout_ms, threads, workdir) -> LocalSwarmConfig:  # noqa: ANN001
+def _swarm_config(model_path, model_alias, heartbeat_timeout_ms, threads, workdir) -> LocalSwarmConfig:
     if model_path is None:
         from agent.models import model_path as cached_model
 
@@ -330,7 +332,9 @@ async def run_swarm_demo(
             entry, memory, route, url, api_key = await _start_swarm_and_relay(
                 swarm, client, model_alias, nodes, coverage_timeout_s
             )
-            generation = await stream_completion(url, api_key, model_alias, prompt, max_tokens=max_new_tokens, on_text=on_text)
+            generation = await stream_completion(
+                url, api_key, model_alias, prompt, max_tokens=max_new_tokens, on_text=on_text
+            )
     sha256 = await trio.to_thread.run_sync(cached_sha256, config.model_path)
     async with open_worker(config.model_path, 0, None, threads=threads, max_sequences=1, model_sha256=sha256) as single:
         single_run = await generate_through(
@@ -380,4 +384,6 @@ async def _model_entry(client: SwarmClient, alias: str) -> swarm_pb2.ModelEntry:
     for entry in await client.list_models():
         if alias in (entry.alias, entry.name, entry.sha256):
             return entry
-    raise SwarmError(client.tracker_peer_id, swarm_pb2.Error.NOT_FOUND, f"the tracker has no model {alias!r} registered")
+    raise SwarmError(
+        client.tracker_peer_id, swarm_pb2.Error.NOT_FOUND, f"the tracker has no model {alias!r} registered"
+    )

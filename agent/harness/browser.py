@@ -13,6 +13,7 @@ Not for production code paths: only tests and benchmarks import this.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -87,9 +88,7 @@ def find_chromium() -> Path:
     for candidate in (DEBIAN_CHROMIUM, shutil.which("chromium")):
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return Path(candidate)
-    raise ChromiumNotFound(
-        f"no Chromium: set {CHROMIUM_ENV} or install Debian's chromium (make deps installs it)"
-    )
+    raise ChromiumNotFound(f"no Chromium: set {CHROMIUM_ENV} or install Debian's chromium (make deps installs it)")
 
 
 def chromium_available() -> bool:
@@ -220,7 +219,7 @@ async def _run_chromium(
         with open(out_path, "wb") as out, open(log_path, "wb") as log:
             # Forked here, on the event loop's thread, not through trio's thread cache: the
             # parent-death signal fires when the forking thread exits (agent.io.lifeline).
-            process = subprocess.Popen(
+            process = subprocess.Popen(  # noqa: ASYNC220 (forked on this thread: see above)
                 argv, stdin=subprocess.DEVNULL, stdout=out, stderr=log, env=env, start_new_session=True,
                 preexec_fn=die_with_parent(),
             )  # fmt: skip
@@ -271,7 +270,5 @@ def _kill_session(process: subprocess.Popen) -> None:
     # a clean exit they have exited too). Before the leader is reaped its pid cannot be reused;
     # after, Linux keeps it reserved while any member of the group is left, so a straggler is
     # still reached, and with none left the call finds nothing to signal.
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass

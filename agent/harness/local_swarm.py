@@ -35,7 +35,8 @@ import trio
 from agent.core.worker_wait import SLEEP
 from agent.io.keys import load_or_create_key, peer_id_of
 from agent.io.lifeline import lifeline_for_child
-from agent.io.log_tail import LOG_TAIL_BYTES, log_tail as read_log_tail
+from agent.io.log_tail import LOG_TAIL_BYTES
+from agent.io.log_tail import log_tail as read_log_tail
 
 __all__ = [
     "LocalSwarm",
@@ -47,6 +48,7 @@ __all__ = [
     "command_prefix",
     "open_local_swarm",
 ]
+
 
 class ProcessDied(RuntimeError):
     """A swarm process exited (or never became ready); the message carries its log tail."""
@@ -221,7 +223,8 @@ class LocalSwarm:
     # --- command lines (the one place that spells them) ------------------------------------------
 
     def relay_argv(self, extra_args: Sequence[str] = ()) -> list[str]:
-        return command_prefix("relay") + [
+        return [
+            *command_prefix("relay"),
             "serve",
             "--tracker", self.tracker_addr,
             "--listen", self._relay_listen,
@@ -236,7 +239,8 @@ class LocalSwarm:
 
     def tracker_argv(self) -> list[str]:
         c = self.config
-        return command_prefix("tracker") + [
+        return [
+            *command_prefix("tracker"),
             "serve",
             "--db", str(self.db_path),
             "--key", str(self.key_path("tracker")),
@@ -381,11 +385,11 @@ class LocalSwarm:
         ``max_concurrent``), as ``baton relay keys add`` makes it; an existing key of that
         name is revoked first."""
         from agent.core.quotas import KeyLimits
-        from agent.io.relay.store import open_relay_store
+        from agent.io.relay.store import KeyExistsError, open_relay_store
 
-        from agent.io.relay.store import KeyExistsError
-
-        key_limits = KeyLimits(limits.get("tokens_per_day"), limits.get("requests_per_minute"), limits.get("max_concurrent"))
+        key_limits = KeyLimits(
+            limits.get("tokens_per_day"), limits.get("requests_per_minute"), limits.get("max_concurrent")
+        )
         with open_relay_store(self.relay_db_path) as store:
             try:
                 return store.create_key(name, key_limits)

@@ -10,11 +10,13 @@ edit) is made by ``agent.core.parity.ParityRun``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import AsyncIterator, Sequence
 
 import trio
 
+from agent.core.boundary import WireDType
 from agent.core.parity import (
     ParityError,
     ParityReport,
@@ -22,16 +24,14 @@ from agent.core.parity import (
     Scenario,
     build_prompts,
     next_hop_entries,
-    through_wire,
     prompt_lengths,
+    through_wire,
 )
-from agent.core.boundary import WireDType
 from agent.core.ranges import ranges_from_cuts
 from agent.core.worker_records import SeqInput, SeqOutput
-from agent.models import cached_sha256
-
 from agent.io.worker_client import AsyncWorkerClient
 from agent.io.worker_process import WorkerHandle, open_worker
+from agent.models import cached_sha256
 
 __all__ = ["DEFAULT_PROMPT_TEXT", "compare_workers", "make_prompts", "open_workers", "run_parity"]
 
@@ -154,7 +154,7 @@ async def compare_workers(
     ranges = [info.layers for info in chain_infos]
     if not chain or ranges[0].begin != 0 or ranges[-1].end != ref_info.n_layer:
         raise ParityError(f"the chain {[str(r) for r in ranges]} does not cover [0, {ref_info.n_layer})")
-    for a, b in zip(ranges, ranges[1:]):
+    for a, b in itertools.pairwise(ranges):
         if a.end != b.begin:
             raise ParityError(f"the chain has a gap or overlap between {a} and {b}")
     ref_name = f"unsplit worker {ref_info.layers}"

@@ -29,6 +29,7 @@ Must not import libp2p: the fallback is any ``Transport``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import logging
 import math
@@ -46,6 +47,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from agent.core.connection_slots import room_for_one_more
 from agent.core.frames import (
     ERROR,
     MAX_TAKEN_IDS,
@@ -63,7 +65,6 @@ from agent.core.frames import (
     request_header,
     taken_frame_body,
 )
-from agent.core.connection_slots import room_for_one_more
 from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
 from agent.core.punch import PunchConfig
 from agent.io import raw_socket
@@ -144,7 +145,13 @@ class ChannelConfig:
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("connect_timeout_s", "cert_lifetime_s", "deadline_check_interval_s", "ack_delay_s", "idle_evict_s"):
+        for name in (
+            "connect_timeout_s",
+            "cert_lifetime_s",
+            "deadline_check_interval_s",
+            "ack_delay_s",
+            "idle_evict_s",
+        ):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
@@ -156,7 +163,7 @@ def tls_contexts(key: Ed25519PrivateKey, cert_lifetime_s: float) -> tuple[ssl.SS
     Both require the peer's certificate (signed by the public issuer: see
     ``agent.core.peer_cert``); the peer id is checked after the handshake.
     """
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert_pem, key_pem = make_peer_certificate(
         key,
         ec.generate_private_key(ec.SECP256R1()),
@@ -234,12 +241,10 @@ class _TlsStream:
     def _break(self, reason: str) -> None:
         if self.broken is None:
             self.broken = reason
-            try:
-                # the plain socket's shutdown: SSLSocket.shutdown would also drop the TLS
-                # state that the reader still uses to report the end
+            # the plain socket's shutdown: SSLSocket.shutdown would also drop the TLS
+            # state that the reader still uses to report the end
+            with contextlib.suppress(OSError):
                 socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     async def do_handshake(self) -> None:
         while True:
@@ -806,7 +811,14 @@ class ChannelTransport:
         return await self.fallback.request(peer_id, others, protocol_id, payload, timeout_s=timeout_s)
 
     def request_soon(
-        self, peer_id: str, protocol_id: str, payload: bytes, *, timeout_s: float, on_reply: OnReply, quiet: bool = False
+        self,
+        peer_id: str,
+        protocol_id: str,
+        payload: bytes,
+        *,
+        timeout_s: float,
+        on_reply: OnReply,
+        quiet: bool = False,
     ) -> bool:
         """Send ``payload`` to ``peer_id`` without waiting, over the channel connection already
         open to it, and have ``on_reply`` called with the reply, or with a TransportError when
@@ -1002,7 +1014,7 @@ class ChannelTransport:
             later: list[tuple[bytes, bytes]] = []  # replies sent once the tasks they woke ran
             while (frame := reader.take_frame(parse_channel_frame)) is not None:
                 kind = frame.kind
-                if kind == REQUEST or kind == QUIET_REQUEST:
+                if kind in (REQUEST, QUIET_REQUEST):
                     handler = self._handlers.get(frame.protocol_id)
                     if isinstance(handler, ImmediateHandler):  # answered here, no task
                         answer = _answered(connection, frame.protocol_id, handler.answer, frame.payload)
@@ -1028,7 +1040,9 @@ class ChannelTransport:
                         )
                     else:
                         connection.requests_in_tasks += 1
-                        handlers.start_soon(self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload)
+                        handlers.start_soon(
+                            self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload
+                        )
                 elif kind == TAKEN:
                     connection.settle_taken(read_taken_ids(frame.payload))
                 else:
@@ -1159,7 +1173,9 @@ async def open_channel_transport(
         await nursery.start(transport.puncher.serve)
         if config.listen_host is not None:
             listeners = await trio.open_tcp_listeners(config.listen_port, host=config.listen_host)
-            nursery.start_soon(trio.serve_listeners, lambda tcp: transport.serve_inbound(server_context, tcp), listeners)
+            nursery.start_soon(
+                trio.serve_listeners, lambda tcp: transport.serve_inbound(server_context, tcp), listeners
+            )
             host = config.advertise_host or config.listen_host
             port = listeners[0].socket.getsockname()[1]
             transport.channel_addrs.append(channel_multiaddr(host, port, transport.peer_id))

@@ -75,4 +75,3 @@ def write_sparse_gguf(metadata: bytes, size_bytes: int, dest: str | os.PathLike[
             os.unlink(tmp)
         raise
     return dest
-

@@ -60,9 +60,7 @@ def private_seed(key: Ed25519PrivateKey) -> bytes:
 
 def public_key_bytes(key: Ed25519PrivateKey) -> bytes:
     """The raw 32-byte public key (what goes on the wire)."""
-    return key.public_key().public_bytes(
-        encoding=serialization.Encoding.Raw, format=serialization.PublicFormat.Raw
-    )
+    return key.public_key().public_bytes(encoding=serialization.Encoding.Raw, format=serialization.PublicFormat.Raw)
 
 
 def peer_id_of(key: Ed25519PrivateKey) -> str:

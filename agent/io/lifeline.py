@@ -33,6 +33,7 @@ a command's event loop, and ``die_with_parent``'s function runs in a forked chil
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -90,10 +91,8 @@ def _forget_pipe_in_fork() -> None:
     if _pipe is not None:
         _read_fd, write_fd = _pipe
         _pipe = None
-        try:
+        with contextlib.suppress(OSError):
             os.close(write_fd)
-        except OSError:
-            pass
 
 
 if hasattr(os, "register_at_fork"):

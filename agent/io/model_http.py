@@ -52,12 +52,12 @@ class ModelFileServer:
         for subclasses: fewer than one ends the response as a cut connection."""
         return wanted
 
-    def app(self):  # noqa: ANN201 - a Starlette app
+    def app(self):
         from starlette.applications import Starlette
         from starlette.responses import PlainTextResponse, Response, StreamingResponse
         from starlette.routing import Route
 
-        async def model_file(request):  # noqa: ANN001, ANN202
+        async def model_file(request):
             name = request.path_params["name"]
             path = self.files.get(name)
             if path is None:
@@ -71,9 +71,7 @@ class ModelFileServer:
             try:
                 byte_range = parse_range_header(header, size)
             except ValueError as error:
-                return PlainTextResponse(
-                    f"{error}\n", status_code=416, headers={"Content-Range": f"bytes */{size}"}
-                )
+                return PlainTextResponse(f"{error}\n", status_code=416, headers={"Content-Range": f"bytes */{size}"})
             start, end = byte_range if byte_range is not None else (0, size)
             headers = {"Accept-Ranges": "bytes", "Content-Length": str(end - start)}
             status = 200
@@ -89,7 +87,7 @@ class ModelFileServer:
 
         return Starlette(routes=[Route("/models/{name}", model_file, methods=["GET", "HEAD"])])
 
-    async def _body(self, name: str, path: Path, start: int, end: int):  # noqa: ANN202
+    async def _body(self, name: str, path: Path, start: int, end: int):
         f = await trio.to_thread.run_sync(open, path, "rb")
         try:
             offset = start
@@ -108,7 +106,11 @@ class ModelFileServer:
 
 
 async def serve_model_files(
-    server: ModelFileServer, host: str, port: int, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED  # type: ignore[name-defined]  # trio-typing's stale trio stubs
+    server: ModelFileServer,
+    host: str,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,  # type: ignore[name-defined]  # trio-typing's stale trio stubs
 ) -> None:
     """Serve ``server``'s files over HTTP at ``host:port`` until cancelled; started with the
     base URL (``http://host:port``, the real port when ``port`` is 0).

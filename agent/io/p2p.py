@@ -273,7 +273,9 @@ class P2PTransport:
                 ) from error
             if not reserved:
                 raise TransportError(relay_peer_id, "the relay refused the reservation")
-            over = [c for c in network.connections.get(relay, ()) if getattr(c, "muxed_conn", None) is stream.muxed_conn]
+            over = [
+                c for c in network.connections.get(relay, ()) if getattr(c, "muxed_conn", None) is stream.muxed_conn
+            ]
             if over:
                 self._reserved_over[relay_peer_id] = over[0]
             addr = circuit_multiaddr(relay_addr, self._peer_id)
@@ -445,7 +447,9 @@ class P2PTransport:
                 try:
                     reply = bytes(await handler(remote, request))
                 except Exception:
-                    log.exception("handler for %s failed on a request from %s; resetting the stream", protocol_id, remote)
+                    log.exception(
+                        "handler for %s failed on a request from %s; resetting the stream", protocol_id, remote
+                    )
                     await _reset_quietly(stream)
                     return
                 if len(reply) > self._max_frame_bytes:
@@ -462,7 +466,9 @@ class P2PTransport:
             log.warning("refused a request on %s from %s: %s", protocol_id, remote, error)
             await _reset_quietly(stream)
         except trio.TooSlowError:
-            log.warning("a request frame on %s from %s did not arrive within %s s", protocol_id, remote, self._frame_timeout_s)
+            log.warning(
+                "a request frame on %s from %s did not arrive within %s s", protocol_id, remote, self._frame_timeout_s
+            )
             await _reset_quietly(stream)
         except Exception as error:  # stream reset, connection gone, malformed prefix
             log.debug("stream on %s from %s ended: %s: %s", protocol_id, remote, type(error).__name__, error)
@@ -632,9 +638,13 @@ async def open_p2p_transport(
             f"{YAMUX_OUTBOUND_STREAM_LIMIT - _STREAM_HEADROOM} (yamux blocks the "
             f"{YAMUX_OUTBOUND_STREAM_LIMIT + 1}th stream of a connection)"
         )
-    for value, name in ((connect_timeout_s, "connect_timeout_s"), (frame_timeout_s, "frame_timeout_s"),
-                        (ping_interval_s, "ping_interval_s"), (ping_timeout_s, "ping_timeout_s"),
-                        (close_timeout_s, "close_timeout_s")):
+    for value, name in (
+        (connect_timeout_s, "connect_timeout_s"),
+        (frame_timeout_s, "frame_timeout_s"),
+        (ping_interval_s, "ping_interval_s"),
+        (ping_timeout_s, "ping_timeout_s"),
+        (close_timeout_s, "close_timeout_s"),
+    ):
         if not (value > 0 and math.isfinite(value)):
             raise ValueError(f"{name} must be a positive number of seconds, got {value}")
     if dial_retries < 0:

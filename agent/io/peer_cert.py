@@ -47,7 +47,9 @@ _ED25519_KEY_TYPE = 1  # libp2p crypto.pb KeyType.Ed25519
 
 _ISSUER_SEED = hashlib.sha256(b"baton/channel-issuer/1: a public key, not a secret").digest()
 _ISSUER_KEY = Ed25519PrivateKey.from_private_bytes(_ISSUER_SEED)
-_ISSUER_NAME = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "baton channel issuer (public, authenticates nothing)")])
+_ISSUER_NAME = x509.Name(
+    [x509.NameAttribute(NameOID.COMMON_NAME, "baton channel issuer (public, authenticates nothing)")]
+)
 
 
 class PeerCertError(Exception):
@@ -62,17 +64,23 @@ def _issuer_certificate() -> x509.Certificate:
         .issuer_name(_ISSUER_NAME)
         .public_key(_ISSUER_KEY.public_key())
         .serial_number(1)
-        .not_valid_before(datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc))
-        .not_valid_after(datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.timezone.utc))
+        .not_valid_before(datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC))
+        .not_valid_after(datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.UTC))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=False, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=False,
-                encipher_only=False, decipher_only=False,
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
-        )  # fmt: skip
+        )
         .sign(_ISSUER_KEY, None)
     )
 
@@ -115,7 +123,9 @@ def _libp2p_public_key(raw: bytes) -> bytes:
 
 
 def _ed25519_from_libp2p(encoded: bytes) -> bytes:
-    if len(encoded) != 4 + ED25519_KEY_BYTES or encoded[:4] != bytes((0x08, _ED25519_KEY_TYPE, 0x12, ED25519_KEY_BYTES)):
+    if len(encoded) != 4 + ED25519_KEY_BYTES or encoded[:4] != bytes(
+        (0x08, _ED25519_KEY_TYPE, 0x12, ED25519_KEY_BYTES)
+    ):
         raise PeerCertError("libp2p extension: the public key is not an Ed25519 libp2p PublicKey")
     return encoded[4:]
 
@@ -190,4 +200,3 @@ def verify_peer_certificate(cert_der: bytes) -> str:
     except InvalidSignature:
         raise PeerCertError("the identity key's signature does not cover this certificate's key") from None
     return peer_id_from_public_key(identity_raw)
-

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
+from agent._proto import swarm_pb2
 from agent.core.punch import (
     PUNCH_PROTOCOL,
     PunchBook,
@@ -51,7 +52,6 @@ from agent.core.punch import (
     sync_request,
 )
 from agent.core.swarm_wire import WireError
-from agent._proto import swarm_pb2
 from agent.io.transport import Transport, TransportError
 
 __all__ = ["Puncher", "bound_socket", "local_host_toward", "simultaneous_open"]

@@ -38,7 +38,10 @@ def ensure_directory(path: Path) -> None:
 
 
 def connect(
-    path: Path, *, busy_timeout_s: float = 5.0, not_a_database: Callable[[sqlite3.DatabaseError], Exception] | None = None
+    path: Path,
+    *,
+    busy_timeout_s: float = 5.0,
+    not_a_database: Callable[[sqlite3.DatabaseError], Exception] | None = None,
 ) -> sqlite3.Connection:
     """A connection to ``path`` (created if missing, and its directory) with the stores' settings.
 
@@ -95,7 +98,7 @@ class SqliteStore:
         self.path = path
 
     @classmethod
-    def _adopt(cls, connection: sqlite3.Connection, path: Path):  # noqa: ANN206 - the subclass
+    def _adopt(cls, connection: sqlite3.Connection, path: Path):
         """A store over ``connection``, migrated; the connection is closed if that fails."""
         try:
             store = cls(connection, path)

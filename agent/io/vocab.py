@@ -76,7 +76,9 @@ class ModelVocab:
           VocabularyError: the vocab worker failed (the pool loads it again on next use).
         """
         try:
-            return await self.worker.tokenize(text, add_special=True, parse_special=True, timeout_s=self.request_timeout_s)
+            return await self.worker.tokenize(
+                text, add_special=True, parse_special=True, timeout_s=self.request_timeout_s
+            )
         except WorkerError as error:
             raise VocabularyError(f"the tokenizer of model {self.sha256[:12]} failed: {error}") from None
 
@@ -176,7 +178,7 @@ async def _hold_vocabulary(
         if not current:
             await trio.to_thread.run_sync(write_sparse_gguf, bytes(meta.metadata), meta.size_bytes, path)
         template_source, bos_text, eos_text = await trio.to_thread.run_sync(_read_template_facts, path)
-    except Exception as error:  # noqa: BLE001 - reported to the waiting requests
+    except Exception as error:
         log.warning("vocabulary of %s: %s", sha256, error)
         pool._done(sha256, None, f"the vocabulary of model {sha256} could not be fetched: {error}")
         return
@@ -186,7 +188,9 @@ async def _hold_vocabulary(
         ) as handle:
             vocabulary = await handle.client.vocabulary(timeout_s=pool.request_timeout_s)
             template: ChatTemplate | None = None
-            template_error = "" if template_source else "the model's GGUF has no chat template (tokenizer.chat_template)"
+            template_error = (
+                "" if template_source else "the model's GGUF has no chat template (tokenizer.chat_template)"
+            )
             if template_source:
                 try:
                     template = ChatTemplate(
@@ -209,7 +213,7 @@ async def _hold_vocabulary(
                 log.warning("vocabulary worker of %s exited: %s", sha256[:12], handle.log_tail(400))
             finally:
                 pool._dropped(sha256)  # the next request loads it again
-    except Exception as error:  # noqa: BLE001 - reported to the waiting requests
+    except Exception as error:
         log.warning("vocabulary worker of %s: %s", sha256, error)
         pool._dropped(sha256)
         pool._done(sha256, None, f"the vocabulary worker of model {sha256} failed: {error}")

@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
 import outcome
 import trio
+from google.protobuf.message import DecodeError
 
 from agent._proto import worker_pb2, worker_pb2_grpc
 from agent.core.boundary import (
@@ -295,9 +295,11 @@ def _top_from_output(out: worker_pb2.SequenceOutput, n_vocab: int) -> tuple[TopL
     if not out.top_k:
         return ()
     k, n_rows = out.top_k, out.n_rows
-    if len(out.top_token_ids) != n_rows * k * 4 or len(out.top_logits) != n_rows * k * 4 or len(
-        out.log_sum_exp
-    ) != n_rows:
+    if (
+        len(out.top_token_ids) != n_rows * k * 4
+        or len(out.top_logits) != n_rows * k * 4
+        or len(out.log_sum_exp) != n_rows
+    ):
         raise BoundaryError(
             f"top-{k} of {n_rows} rows: got {len(out.top_token_ids)} id bytes, {len(out.top_logits)} logit bytes "
             f"and {len(out.log_sum_exp)} log-sum-exps"
@@ -498,10 +500,8 @@ class _CallThreads:
                     state["waiting"] = False
                     trio.lowlevel.reschedule(task, _outcome(result))
 
-            try:
+            with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(reschedule)
-            except trio.RunFinishedError:
-                pass
 
         self._jobs.put((fn, wake))
 

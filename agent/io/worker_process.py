@@ -19,12 +19,13 @@ from pathlib import Path
 import trio
 
 from agent.core.ranges import format_layers
-from agent.core.worker_wait import AUTO, worker_environment
 from agent.core.worker_records import WorkerInfo
+from agent.core.worker_wait import AUTO, worker_environment
 from agent.io.cpu_policy import apply_cpu_policy, cpu_policy_from_env
+from agent.io.log_tail import LOG_TAIL_BYTES
+from agent.io.log_tail import log_tail as read_log_tail
 
 from .worker_client import AsyncWorkerClient, ClientConfig, WorkerError
-from agent.io.log_tail import LOG_TAIL_BYTES, log_tail as read_log_tail
 
 __all__ = [
     "WorkerBinaryNotFound",
@@ -307,7 +308,9 @@ async def _wait_ready(
                 except WorkerError as error:
                     if error.code_name not in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
                         raise WorkerStartError(
-                            f"worker answered Health with {error}", exit_code=process.poll(), log_tail=read_log_tail(log_path)
+                            f"worker answered Health with {error}",
+                            exit_code=process.poll(),
+                            log_tail=read_log_tail(log_path),
                         ) from error
             await trio.sleep(delay_s)
             delay_s = min(delay_s * 2, poll_s)
@@ -408,9 +411,7 @@ async def open_worker(
             # the worker stops when this process exits, even by SIGKILL (Linux; native/src/main.cpp)
             env = {**(os.environ if environment is None else environment), "BATON_WORKER_PARENT_PID": str(os.getpid())}
             cpu_policy = cpu_policy_from_env(env)  # (a bad value is refused before anything starts)
-            process = await trio.lowlevel.open_process(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
-            )
+            process = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
         # the worker is Baton's whoever starts it (a node agent, a test, a benchmark's harness)
         apply_cpu_policy(process.pid, cpu_policy)
         try:

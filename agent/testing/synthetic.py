@@ -222,12 +222,12 @@ class TinyDeepseek4Config:
     compress_ratios: tuple[int, ...] = (0, 4, 128, 4, 128, 0)
     n_embd: int = 64
     n_head: int = 2
-    head_dim: int = 128          # key = value length; the latent KV row (one KV head)
-    n_rot: int = 64              # rope dims of the head (DeepSeek V4: 64 of 512)
+    head_dim: int = 128  # key = value length; the latent KV row (one KV head)
+    n_rot: int = 64  # rope dims of the head (DeepSeek V4: 64 of 512)
     q_lora_rank: int = 32
     o_groups: int = 2
     o_lora_rank: int = 16
-    hc_mult: int = 4             # residual streams: the boundary is hc_mult x n_embd per token
+    hc_mult: int = 4  # residual streams: the boundary is hc_mult x n_embd per token
     hc_sinkhorn_iters: int = 2
     hc_eps: float = 1e-6
     n_expert: int = 4
@@ -235,10 +235,12 @@ class TinyDeepseek4Config:
     n_expert_shared: int = 1
     n_ff_exp: int = 64
     n_ff: int = 128
-    hash_layer_count: int = 1    # blocks [0, 1) route experts by token id (ffn_gate_tid2eid)
+    hash_layer_count: int = 1  # blocks [0, 1) route experts by token id (ffn_gate_tid2eid)
     indexer_n_head: int = 2
-    indexer_head_dim: int = 64   # != head_dim, as in DeepSeek V4 (128 vs 512): only the indexer cache is Hadamard-rotated
-    indexer_top_k: int = 8       # < the compressed blocks of a long prompt: top-k really selects
+    indexer_head_dim: int = (
+        64  # != head_dim, as in DeepSeek V4 (128 vs 512): only the indexer cache is Hadamard-rotated
+    )
+    indexer_top_k: int = 8  # < the compressed blocks of a long prompt: top-k really selects
     sliding_window: int = 16
     context_length: int = 4096
     rope_freq_base: float = 10000.0
@@ -338,16 +340,14 @@ def _deepseek4_weights(cfg: TinyDeepseek4Config, n_vocab: int) -> list[tuple[str
             # each token's hash-routed experts: n_expert_used distinct ids per token
             ids = np.argsort(rng.random((n_vocab, cfg.n_expert), dtype=np.float32), axis=1)
             tensors.append((name, np.ascontiguousarray(ids[:, : cfg.n_expert_used].astype(np.int32))))
-        elif name.endswith("norm.weight"):
-            tensors.append((name, np.ones(shape, dtype=np.float32)))
-        elif "hc_" in name and name.endswith("scale.weight"):  # hyper-connection mix scales
+        elif name.endswith("norm.weight") or ("hc_" in name and name.endswith("scale.weight")):
             tensors.append((name, np.ones(shape, dtype=np.float32)))
         else:
             tensors.append((name, rng.standard_normal(shape, dtype=np.float32) * np.float32(cfg.init_std)))
     return tensors
 
 
-def _add_common_header(writer, cfg, name: str) -> None:  # noqa: ANN001 - a GGUFWriter and either config
+def _add_common_header(writer, cfg, name: str) -> None:
     """The keys every synthetic model starts with: name, provenance, sizes."""
     writer.add_name(f"baton {name} (synthetic)")
     writer.add_type(gguf.GGUFType.MODEL)

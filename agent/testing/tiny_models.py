@@ -34,7 +34,9 @@ TINY_MODELS: dict[str, PinnedModel] = {
         _tiny("qwen3-tiny", "tiny-qwen3.gguf", "68621212a9429911c01b6b3d03c31f2b2191b62527e56b92910bbde18213fbdd"),
         # DeepSeek V4 (hyper-connections, compressed KV with ratios 0 / 4 / 128): the
         # architecture whose boundary is schema 2 (agent.testing.synthetic.DEEPSEEK4_CONFIGS).
-        _tiny("deepseek4-tiny", "tiny-deepseek4.gguf", "652f4c966d8ab4a0c46fff91af01909712585962bc725070f936723840783435"),
+        _tiny(
+            "deepseek4-tiny", "tiny-deepseek4.gguf", "652f4c966d8ab4a0c46fff91af01909712585962bc725070f936723840783435"
+        ),
     )
 }
 

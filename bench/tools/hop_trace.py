@@ -94,7 +94,7 @@ def _wrap(
     if is_async:
 
         @functools.wraps(fn)
-        async def wrapper(*args, **kwargs):  # noqa: ANN202
+        async def wrapper(*args, **kwargs):
             extra = when(*args, **kwargs) if (_state["on"] and when is not None) else 0
             if not _state["on"] or extra is None:
                 return await fn(*args, **kwargs)
@@ -110,7 +110,7 @@ def _wrap(
     else:
 
         @functools.wraps(fn)
-        def wrapper(*args, **kwargs):  # noqa: ANN202
+        def wrapper(*args, **kwargs):
             extra = when(*args, **kwargs) if (_state["on"] and when is not None) else 0
             if not _state["on"] or extra is None:
                 return fn(*args, **kwargs)
@@ -127,11 +127,11 @@ def _wrap(
     setattr(cls, name, staticmethod(wrapper) if static or isinstance(original, staticmethod) else wrapper)
 
 
-def _is_step_or_result(_self, _peer_id, _addrs, protocol_id, payload, *a, **k):  # noqa: ANN001, ANN202
+def _is_step_or_result(_self, _peer_id, _addrs, protocol_id, payload, *a, **k):
     return len(payload) if protocol_id in (STEP_PROTOCOL, RESULT_PROTOCOL) else None
 
 
-def _is_step_or_result_soon(_self, _peer_id, protocol_id, payload, *a, **k):  # noqa: ANN001, ANN202
+def _is_step_or_result_soon(_self, _peer_id, protocol_id, payload, *a, **k):
     return len(payload) if protocol_id in (STEP_PROTOCOL, RESULT_PROTOCOL) else None
 
 
@@ -184,12 +184,12 @@ def install_worker_hooks() -> None:
     )
 
 
-def _forward_compute_us(client) -> int:  # noqa: ANN001
+def _forward_compute_us(client) -> int:
     timing = getattr(client, "last_forward", None)
     return 0 if timing is None else int(timing.compute_us)
 
 
-def install_node_hooks(agent_module) -> None:  # noqa: ANN001
+def install_node_hooks(agent_module) -> None:
     node = agent_module.Node
     _wrap(node, "answer_step", "step", when=lambda _self, _remote, data: len(data))
     _wrap(node, "_accept_step", "accept")
@@ -219,7 +219,7 @@ class TraceFinder(importlib.abc.MetaPathFinder):
 
     target = "agent.io.node.agent"
 
-    def find_spec(self, fullname, path, target=None):  # noqa: ANN001, ANN201
+    def find_spec(self, fullname, path, target=None):
         if fullname != self.target:
             return None
         for finder in sys.meta_path:
@@ -229,7 +229,7 @@ class TraceFinder(importlib.abc.MetaPathFinder):
             if spec is not None and spec.loader is not None:
                 loader = spec.loader
 
-                def exec_and_hook(module, exec_module=loader.exec_module):  # noqa: ANN001, ANN202
+                def exec_and_hook(module, exec_module=loader.exec_module):
                     exec_module(module)
                     install_node_hooks(module)
 

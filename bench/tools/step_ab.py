@@ -57,10 +57,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: _bootstrap, common
-from _bootstrap import REPO_ROOT  # noqa: E402  (first: it makes the project importable)
-
-from batching import cpu_during, cpu_seconds  # noqa: E402
-from common import machine_info  # noqa: E402
+from _bootstrap import REPO_ROOT
+from batching import cpu_during, cpu_seconds
+from common import machine_info
 
 ALIAS = "smollm2"
 NODES = 3
@@ -346,9 +345,8 @@ def paired(rounds: Sequence[dict]) -> dict:
 
 def _describe_settings(settings: dict) -> str:
     env = " ".join(f"{name}={value}" for name, value in sorted(settings["env"].items()))
-    return (
-        f"workers of {settings['threads']} thread(s); node args: `{settings['node_args'] or '(none)'}`"
-        + (f"; environment: `{env}`" if env else "")
+    return f"workers of {settings['threads']} thread(s); node args: `{settings['node_args'] or '(none)'}`" + (
+        f"; environment: `{env}`" if env else ""
     )
 
 
@@ -390,9 +388,7 @@ def markdown(report: dict) -> str:
     if sides["base"] == sides["head"]:
         settings = _describe_settings(sides["base"]) + "."
     else:
-        settings = (
-            f"base: {_describe_settings(sides['base'])}. head: {_describe_settings(sides['head'])}."
-        )
+        settings = f"base: {_describe_settings(sides['base'])}. head: {_describe_settings(sides['head'])}."
     lines = [
         f"# Interleaved A/B of {what} (`bench/tools/step_ab.py`)",
         "",

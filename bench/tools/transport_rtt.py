@@ -37,19 +37,21 @@ from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/: _bootstrap, common
-from _bootstrap import REPO_ROOT  # noqa: E402  (first: it makes the project importable)
+import trio
+from _bootstrap import REPO_ROOT
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-import trio  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
-
-from agent.core.frames import decode_uvarint, encode_uvarint  # noqa: E402
-from agent.io.channel import ChannelConfig, open_channel_transport  # noqa: E402
-from agent.io.keys import peer_id_of  # noqa: E402
-from agent.io.p2p import open_p2p_transport  # noqa: E402
-from agent.io.transport import ImmediateHandler, TransportError  # noqa: E402
-from agent.io.cpu_policy import apply_cpu_policy  # noqa: E402
-from agent.io.process_memory import keep_freed_memory  # noqa: E402
-from agent.io.transport import MemoryNetwork  # noqa: E402
+from agent.core.frames import decode_uvarint, encode_uvarint
+from agent.io.channel import ChannelConfig, open_channel_transport
+from agent.io.cpu_policy import apply_cpu_policy
+from agent.io.keys import peer_id_of
+from agent.io.p2p import open_p2p_transport
+from agent.io.process_memory import keep_freed_memory
+from agent.io.transport import (
+    ImmediateHandler,
+    MemoryNetwork,
+    TransportError,
+)
 
 PROTOCOL = "/baton/bench-echo/1.0.0"
 PATHS = ["tcp", "libp2p", "channel"]
@@ -140,7 +142,7 @@ async def _wait_for_stdin_eof() -> None:
 # -- client ----------------------------------------------------------------------------------
 
 
-async def _time_round_trips(round_trip, payload: bytes, exchanges: int) -> float:  # noqa: ANN001
+async def _time_round_trips(round_trip, payload: bytes, exchanges: int) -> float:
     """The mean seconds of ``exchanges`` round trips of ``payload``."""
     started = time.perf_counter()
     for _ in range(exchanges):
@@ -183,7 +185,9 @@ async def _open_channel_client(address: str, counters: dict[str, int]) -> AsyncI
     peer_id = address.rsplit("/p2p/", 1)[1]
     key = Ed25519PrivateKey.generate()
     fallback = MemoryNetwork().add(peer_id_of(key))
-    async with open_channel_transport(key, fallback, ChannelConfig(max_frame_bytes=MAX_FRAME_BYTES, listen_host=None)) as transport:
+    async with open_channel_transport(
+        key, fallback, ChannelConfig(max_frame_bytes=MAX_FRAME_BYTES, listen_host=None)
+    ) as transport:
         await transport.request(peer_id, [address], PROTOCOL, b"dial", timeout_s=REQUEST_TIMEOUT_S)
 
         async def round_trip(payload: bytes) -> bytes:

@@ -49,10 +49,10 @@ __all__ = [
     "LinkSpec",
     "MachineSpec",
     "Topology",
+    "access_command",
     "check_lab_name",
     "forwarder_setup_commands",
     "full_mesh",
-    "access_command",
     "link_change_command",
     "machine_address",
     "namespace_name",
@@ -124,7 +124,11 @@ class LinkSpec:
         _number(self.jitter_ms, "jitter_ms", 0.0, MAX_DELAY_MS)
         _number(self.loss_pct, "loss_pct", 0.0, 100.0)
         _number(self.rate_mbit, "rate_mbit", 0.0, MAX_RATE_MBIT)
-        if isinstance(self.queue_bytes, bool) or not isinstance(self.queue_bytes, int) or not 0 <= self.queue_bytes <= 1 << 30:
+        if (
+            isinstance(self.queue_bytes, bool)
+            or not isinstance(self.queue_bytes, int)
+            or not 0 <= self.queue_bytes <= 1 << 30
+        ):
             raise LabError(f"queue_bytes: want an integer from 0 to 2^30, got {self.queue_bytes!r}")
         if not isinstance(self.up, bool):
             raise LabError(f"up: want true or false, got {self.up!r}")
@@ -284,7 +288,9 @@ def parse_topology(data: Mapping[str, Any]) -> Topology:
             raise LabError(f"[[machine]] #{i + 1} must be a table")
         bad = sorted(set(table) - _MACHINE_KEYS)
         if bad:
-            raise LabError(f"[[machine]] #{i + 1}: unknown key(s) {', '.join(bad)} (known: {', '.join(sorted(_MACHINE_KEYS))})")
+            raise LabError(
+                f"[[machine]] #{i + 1}: unknown key(s) {', '.join(bad)} (known: {', '.join(sorted(_MACHINE_KEYS))})"
+            )
         if "name" not in table:
             raise LabError(f"[[machine]] #{i + 1}: needs a name")
         machines.append(MachineSpec(**table))
@@ -299,7 +305,7 @@ def parse_topology(data: Mapping[str, Any]) -> Topology:
         if "between" in table and not ("from" in table or "to" in table):
             pair = table["between"]
             if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(n, str) for n in pair)):
-                raise LabError(f"{where}: between = [\"a\", \"b\"], two machine names")
+                raise LabError(f'{where}: between = ["a", "b"], two machine names')
             a, b = pair
             directions = [(a, b), (b, a)]
         elif "from" in table and "to" in table and "between" not in table:
@@ -375,7 +381,9 @@ class LabRecord:
         for m in self.machines:
             if m.name == name:
                 return m
-        raise LabError(f"lab {self.name} has no machine {name!r} (machines: {', '.join(m.name for m in self.machines)})")
+        raise LabError(
+            f"lab {self.name} has no machine {name!r} (machines: {', '.join(m.name for m in self.machines)})"
+        )
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -24,12 +24,18 @@ __all__ = ["add_arguments", "main"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tracker", required=True, help="the tracker's multiaddr, ending in /p2p/<peer id>")
     parser.add_argument("--model", required=True, help="model alias, name or sha256 known to the tracker")
-    parser.add_argument("--max-tokens", type=cli_args.positive_int, default=48, help="tokens to generate at most (default 48)")
+    parser.add_argument(
+        "--max-tokens", type=cli_args.positive_int, default=48, help="tokens to generate at most (default 48)"
+    )
     parser.add_argument(
         "--temperature", type=cli_args.non_negative_float, default=0.0, help="sampling temperature (default 0: greedy)"
     )
-    parser.add_argument("--top-k", type=cli_args.non_negative_int, default=0, help="keep the K most likely tokens (default 0: all)")
-    parser.add_argument("--top-p", type=cli_args.unit_interval, default=1.0, help="nucleus sampling mass (default 1.0: all)")
+    parser.add_argument(
+        "--top-k", type=cli_args.non_negative_int, default=0, help="keep the K most likely tokens (default 0: all)"
+    )
+    parser.add_argument(
+        "--top-p", type=cli_args.unit_interval, default=1.0, help="nucleus sampling mass (default 1.0: all)"
+    )
     parser.add_argument("--seed", type=int, help="random seed: the same seed and route give the same text")
     parser.add_argument("--key", help="the client's key file (default: a new key for this run)")
     parser.add_argument(
@@ -38,10 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="multiaddr the last hop pushes results to (repeatable; default /ip4/127.0.0.1/tcp/0)",
     )
     parser.add_argument(
-        "--request-timeout-s", type=cli_args.positive_float, default=10.0, help="limit on one control request (default 10)"
+        "--request-timeout-s",
+        type=cli_args.positive_float,
+        default=10.0,
+        help="limit on one control request (default 10)",
     )
     parser.add_argument(
-        "--step-timeout-s", type=cli_args.positive_float, default=30.0, help="limit on waiting for one step's result (default 30)"
+        "--step-timeout-s",
+        type=cli_args.positive_float,
+        default=30.0,
+        help="limit on waiting for one step's result (default 30)",
     )
     parser.add_argument(
         "--queue-timeout-s", type=cli_args.positive_float, default=60.0,
@@ -70,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import trio
 
-    from .swarm import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
     from agent.io.transport import TransportError
+
+    from .swarm import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
 
     try:
         args.prompt.encode("utf-8")
@@ -120,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         result = trio.run(run)
-    except BaseException as caught:  # noqa: BLE001 - sorted by known_failures; anything unknown is re-raised
+    except BaseException as caught:
         leaves = cli_args.known_failures(caught, (GenerationError, SwarmError, TransportError, ValueError, OSError))
         status = 1 if any(isinstance(leaf, GenerationError) for leaf in leaves) else 2
         if not args.json:
@@ -150,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _local_vocab(nursery, client, args: argparse.Namespace):  # noqa: ANN001, ANN202
+async def _local_vocab(nursery, client, args: argparse.Namespace):
     """The model's vocabulary held here (``agent.io.vocab``), or None when it cannot be (then
     the first hop tokenizes): tokenizing and detokenizing locally keeps every client path off
     the hops, so a lost hop only costs a replan of the steps."""
@@ -166,7 +179,9 @@ async def _local_vocab(nursery, client, args: argparse.Namespace):  # noqa: ANN0
         print(f"baton generate: no local tokenizer ({error}); the first hop tokenizes", file=sys.stderr)
         return None
     folder = Path(args.cache_dir) if args.cache_dir else cache_dir() / "client"
-    pool = await nursery.start(lambda task_status: serve_vocabularies(client.model_metadata, folder, task_status=task_status))
+    pool = await nursery.start(
+        lambda task_status: serve_vocabularies(client.model_metadata, folder, task_status=task_status)
+    )
     try:
         return await pool.get(args.model)
     except VocabularyError as error:

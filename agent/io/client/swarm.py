@@ -40,7 +40,7 @@ import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import trio
@@ -64,6 +64,7 @@ from agent.core.data_route import result_scores as data_result_scores  # (swarm_
 from agent.core.identity import peer_id_from_public_key
 from agent.core.sampling import SamplingParams
 from agent.core.session import HopFailed, ResultRefused, Session, end_session_request, resume_plan, surviving_hops
+from agent.core.spot_check import RouteSegment, rollback_point
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -71,15 +72,16 @@ from agent.core.swarm_wire import (
     SESSION_ID_BYTES,
     STEP_PROTOCOL,
     TRACKER_PROTOCOL,
-    error as wire_error,
     first_step_request,
     peer_id_from_multiaddr,
     step_ack,
     step_ack_accepts,
 )
+from agent.core.swarm_wire import (
+    error as wire_error,
+)
 from agent.core.text_stream import TextStream
 from agent.core.topk import TopLogits
-from agent.core.spot_check import RouteSegment, rollback_point
 from agent.io.client.spot_check import ResultTaker, SpotChecks, withdrawn_peers
 from agent.io.data_link import DataLink, DataLinkClosed, open_data_link
 from agent.io.transport import ImmediateHandler, Transport, TransportError
@@ -88,10 +90,10 @@ if TYPE_CHECKING:
     from agent.io.vocab import ModelVocab
 
 __all__ = [
-    "SwarmClientConfig",
     "GenerationError",
     "GenerationResult",
     "SwarmClient",
+    "SwarmClientConfig",
     "SwarmError",
     "describe_route",
     "open_swarm_client",
@@ -106,12 +108,12 @@ log = logging.getLogger(__name__)
 _GENERATION_HANDOUTS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("handouts", default=None)
 
 
-def _reporting_handouts(method):  # noqa: ANN001, ANN202 (SwarmClient.generate_tokens)
+def _reporting_handouts(method):
     """Collect the route handouts a generation gets (``route()`` adds them) and report them
     ended to the tracker when it ends, however it ends."""
 
     @functools.wraps(method)
-    async def generate(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    async def generate(self, *args, **kwargs):
         route = kwargs.get("route")
         handouts = [route.handout_id] if route is not None and route.handout_id else []
         collecting = _GENERATION_HANDOUTS.set(handouts)
@@ -123,6 +125,7 @@ def _reporting_handouts(method):  # noqa: ANN001, ANN202 (SwarmClient.generate_t
                 await self._sessions_ended(handouts)
 
     return generate
+
 
 _NONCE_BYTES = 16
 #: how many times one run of a session tries to bind its route on the data plane
@@ -235,9 +238,7 @@ class SwarmError(Exception):
 class GenerationError(Exception):
     """A generation failed; ``failed_peer_id`` names the hop at fault ("" if unknown)."""
 
-    def __init__(
-        self, message: str, *, failed_peer_id: str = "", step: int | None = None, code: int = 0
-    ) -> None:
+    def __init__(self, message: str, *, failed_peer_id: str = "", step: int | None = None, code: int = 0) -> None:
         super().__init__(message)
         self.failed_peer_id = failed_peer_id
         self.step = step
@@ -485,7 +486,9 @@ class _LiveSession:
         return None
 
     @staticmethod
-    def _deliver_rebuild(rebuild: _Rebuild, remote_peer_id: str, result: swarm_pb2.StepResult) -> swarm_pb2.Error | None:
+    def _deliver_rebuild(
+        rebuild: _Rebuild, remote_peer_id: str, result: swarm_pb2.StepResult
+    ) -> swarm_pb2.Error | None:
         if rebuild.done.is_set():
             return _err("INVALID_ARGUMENT", f"the rebuild for step {rebuild.step} is over")
         if result.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
@@ -498,7 +501,9 @@ class _LiveSession:
         if remote_peer_id != rebuild.last_peer:
             return _err("REFUSED", f"rebuild results come from {rebuild.last_peer}, not {remote_peer_id}")
         if result.rebuilt_positions > rebuild.positions:
-            rebuild.error = f"{remote_peer_id} rebuilt {result.rebuilt_positions} positions, {rebuild.positions} were sent"
+            rebuild.error = (
+                f"{remote_peer_id} rebuilt {result.rebuilt_positions} positions, {rebuild.positions} were sent"
+            )
             rebuild.done.set()
         elif result.rebuilt_positions == rebuild.positions:
             rebuild.done.set()
@@ -598,7 +603,9 @@ class SwarmClient:
         self._decode_step_s: float | None = None  # moving average of decode step time
         self.spot_checks = SpotChecks(self, config.spot_check_rate, config.spot_check_grace_s)
         # the ack goes out after the generation has sent its next step
-        transport.set_handler(RESULT_PROTOCOL, ImmediateHandler(self._on_result, reply_later=True, is_acceptance=step_ack_accepts))
+        transport.set_handler(
+            RESULT_PROTOCOL, ImmediateHandler(self._on_result, reply_later=True, is_acceptance=step_ack_accepts)
+        )
         #: steps sent without a task when the transport can (``_send_step_soon``)
         self._request_soon = getattr(transport, "request_soon", None)
 
@@ -703,7 +710,9 @@ class SwarmClient:
             return last
         route = reply.route
         if reply.WhichOneof("body") != "route" or not route.hops:
-            raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, f"the route reply for {model!r} has no hops")
+            raise SwarmError(
+                self.tracker_peer_id, swarm_pb2.Error.INTERNAL, f"the route reply for {model!r} has no hops"
+            )
         if route.handout_id and (handouts := _GENERATION_HANDOUTS.get()) is not None:
             handouts.append(route.handout_id)
         if part is None:
@@ -746,7 +755,9 @@ class SwarmClient:
         request = swarm_pb2.TrackerRequest(model_metadata=swarm_pb2.ModelMetadataRequest(model=model))
         reply = await self._tracker(request)
         if reply.WhichOneof("body") != "model_metadata":
-            raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, f"the metadata reply for {model!r} is empty")
+            raise SwarmError(
+                self.tracker_peer_id, swarm_pb2.Error.INTERNAL, f"the metadata reply for {model!r} is empty"
+            )
         return reply.model_metadata
 
     async def list_nodes(self) -> list[swarm_pb2.NodeEntry]:
@@ -785,7 +796,9 @@ class SwarmClient:
         request.sender_admission.CopyFrom(self.admission)
         return await self._exchange(hop.peer_id, hop.addrs, NODE_PROTOCOL, request, swarm_pb2.NodeReply())
 
-    async def tokenize(self, route: swarm_pb2.Route, text: str, *, add_special: bool = True) -> tuple[list[int], list[int]]:
+    async def tokenize(
+        self, route: swarm_pb2.Route, text: str, *, add_special: bool = True
+    ) -> tuple[list[int], list[int]]:
         """``(token ids, end-of-generation token ids)`` from the route's first hop."""
         reply = await self._node(
             route.hops[0],
@@ -916,7 +929,7 @@ class SwarmClient:
         shown = ""
         current_route = route
 
-        async def stream(token: int, _logits, on_route: swarm_pb2.Route) -> bool:  # noqa: ANN001
+        async def stream(token: int, _logits, on_route: swarm_pb2.Route) -> bool:
             # detokenize the whole output: a token may end in the middle of a UTF-8 character
             nonlocal shown, current_route
             generated.append(token)
@@ -957,7 +970,7 @@ class SwarmClient:
         eog = vocab.eog_token_ids
         text = TextStream()
 
-        async def stream(token: int, _logits, _route) -> bool:  # noqa: ANN001
+        async def stream(token: int, _logits, _route) -> bool:
             if token not in eog:
                 piece = text.feed(vocab.piece(token))
                 if piece and on_text is not None:
@@ -1137,7 +1150,9 @@ class SwarmClient:
                 raise GenerationError(
                     f"no free sequence on route {describe_route(route)} within the queue timeout of "
                     f"{queue_timeout_s} s (the swarm is busy): {failure}",
-                    failed_peer_id=failure.failed_peer_id, step=0, code=failure.code,
+                    failed_peer_id=failure.failed_peer_id,
+                    step=0,
+                    code=failure.code,
                 ) from None
             if not resume_failed:
                 if replans >= self.config.replan_attempts or not failure.failed_peer_id:
@@ -1259,7 +1274,7 @@ class SwarmClient:
         route: swarm_pb2.Route,
         progress: _Progress,
         take: Callable[[int, np.ndarray | TopLogits], Awaitable[bool]],
-        spot=None,  # noqa: ANN001 (a spot check's shadow: fed each completed step)
+        spot=None,
     ) -> None:
         """Drive ``live.session`` over ``route`` to its end, appending its tokens to ``progress``.
 
@@ -1298,8 +1313,12 @@ class SwarmClient:
                     if plane is not None:
                         await self._touch_due(plane, route, session.session_id, sent_at)
                         progress.data_plane_steps += 1
-                        await plane.send(live, data_step(
-                            step_input.step, step_input.positions, step_input.token_ids, session.result_top_k))
+                        await plane.send(
+                            live,
+                            data_step(
+                                step_input.step, step_input.positions, step_input.token_ids, session.result_top_k
+                            ),
+                        )
                     else:
                         assert request is not None  # made above: there is no data plane
                         if not self._send_step_soon(live, first, request):
@@ -1357,8 +1376,14 @@ class SwarmClient:
             log.info("session %s stays on the node path: %s", live.session.session_hex, why)
             for hop in bound:
                 with contextlib.suppress(SwarmError, TransportError):
-                    await self._node(hop, swarm_pb2.NodeRequest(data_plane_unbind=swarm_pb2.DataPlaneUnbindRequest(
-                        session_id=session_id, model_sha256=route.model_sha256, begin=hop.begin, end=hop.end)))
+                    await self._node(
+                        hop,
+                        swarm_pb2.NodeRequest(
+                            data_plane_unbind=swarm_pb2.DataPlaneUnbindRequest(
+                                session_id=session_id, model_sha256=route.model_sha256, begin=hop.begin, end=hop.end
+                            )
+                        ),
+                    )
             return None
         plane = _DataPlane(owner, route, to_first, from_last)
         log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
@@ -1434,7 +1459,9 @@ class SwarmClient:
             )  # fmt: skip
             return None, False
         try:
-            part = await self._replan(model, lost_peer, str(error), avoid, part=(plan.begin, plan.end, route.recipe_hash))
+            part = await self._replan(
+                model, lost_peer, str(error), avoid, part=(plan.begin, plan.end, route.recipe_hash)
+            )
             new_route = plan.route_with(route, part.hops)
         except (GenerationError, ValueError) as why:
             log.info("no replacement for %s: %s", lost_peer, why)
@@ -1451,7 +1478,9 @@ class SwarmClient:
             with trio.fail_after(self.config.step_timeout_s):
                 async with trio.open_nursery() as nursery:
                     for hop in plan.survivors:
-                        nursery.start_soon(self._resume_hop, hop, route.model_sha256, session.session_id, keep, resume_step)
+                        nursery.start_soon(
+                            self._resume_hop, hop, route.model_sha256, session.session_id, keep, resume_step
+                        )
                 if plan.feeder is None:
                     await self._rebuild_first_hops(part.hops, route, session, keep, resume_step)
                 else:
@@ -1709,7 +1738,9 @@ def _step_ack_error(first_peer_id: str, step: int, reply: bytes | TransportError
     try:
         ack.ParseFromString(reply)
     except DecodeError:
-        return GenerationError(f"step {step}: malformed StepAck from {first_peer_id}", failed_peer_id=first_peer_id, step=step)
+        return GenerationError(
+            f"step {step}: malformed StepAck from {first_peer_id}", failed_peer_id=first_peer_id, step=step
+        )
     if ack.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
         return GenerationError(
             f"step {step}: first hop {first_peer_id} refused the step: {_code_name(ack.error.code)}: {ack.error.message}",

@@ -61,7 +61,11 @@ def _link_options(parser: argparse.ArgumentParser, defaults: bool) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="lab_command", required=True, metavar="LAB_COMMAND")
 
-    up = commands.add_parser("up", help="make the machines and links, stay until SIGINT/SIGTERM, then remove them", description="Make the lab's machines (network namespaces, one address each in 198.18.0.0/15) and the links between them, print them, stay in the foreground until SIGINT or SIGTERM, then remove everything.")
+    up = commands.add_parser(
+        "up",
+        help="make the machines and links, stay until SIGINT/SIGTERM, then remove them",
+        description="Make the lab's machines (network namespaces, one address each in 198.18.0.0/15) and the links between them, print them, stay in the foreground until SIGINT or SIGTERM, then remove everything.",
+    )
     up.add_argument("--machines", type=cli_args.positive_int, metavar="N", help="machines m0..m{N-1}, fully meshed")
     up.add_argument("--topology", metavar="FILE", help="a TOML topology file (agent/core/lab/topology.py)")
     _link_options(up, defaults=True)
@@ -69,27 +73,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nat", default="", metavar="NAME,...",
         help="machines behind a NAT-like filter: inbound only on flows they opened (default: none)",
     )  # fmt: skip
-    up.add_argument("--name", default=DEFAULT_LAB, help=f"the lab's name (default {DEFAULT_LAB}); labs of different names coexist")
-    up.add_argument("--seed", type=cli_args.non_negative_int, default=1, help="seed of the loss and jitter draws (default 1)")
+    up.add_argument(
+        "--name", default=DEFAULT_LAB, help=f"the lab's name (default {DEFAULT_LAB}); labs of different names coexist"
+    )
+    up.add_argument(
+        "--seed", type=cli_args.non_negative_int, default=1, help="seed of the loss and jitter draws (default 1)"
+    )
     up.add_argument("--json", action="store_true", help="print one JSON line once the lab is up")
 
-    run = commands.add_parser("exec", help="run a command inside a machine", description="Run a command inside a machine of a running lab: its network is the machine's (BATON_LAB_MACHINE and BATON_LAB_ADDRESS are set).")
+    run = commands.add_parser(
+        "exec",
+        help="run a command inside a machine",
+        description="Run a command inside a machine of a running lab: its network is the machine's (BATON_LAB_MACHINE and BATON_LAB_ADDRESS are set).",
+    )
     run.add_argument("--lab", default=DEFAULT_LAB, help=f"the lab (default {DEFAULT_LAB})")
     run.add_argument("machine", help="the machine's name")
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the command and its arguments")
 
-    link = commands.add_parser("link", help="change a link while the lab runs (both directions unless --one-way)", description="Change a link of a running lab: delay, jitter, loss, rate, cut or heal; both directions unless --one-way.")
+    link = commands.add_parser(
+        "link",
+        help="change a link while the lab runs (both directions unless --one-way)",
+        description="Change a link of a running lab: delay, jitter, loss, rate, cut or heal; both directions unless --one-way.",
+    )
     link.add_argument("--lab", default=DEFAULT_LAB, help=f"the lab (default {DEFAULT_LAB})")
     link.add_argument("a", help="a machine")
     link.add_argument("b", help="another machine")
     _link_options(link, defaults=False)
-    link.add_argument("--queue-bytes", type=cli_args.non_negative_int, metavar="N", help="bytes that may wait for the rate")
+    link.add_argument(
+        "--queue-bytes", type=cli_args.non_negative_int, metavar="N", help="bytes that may wait for the rate"
+    )
     state = link.add_mutually_exclusive_group()
     state.add_argument("--down", action="store_true", help="cut the link (every packet dropped)")
     state.add_argument("--up", action="store_true", help="heal a cut link")
     link.add_argument("--one-way", action="store_true", help="change only A -> B")
 
-    access = commands.add_parser("access", help="set a machine's access link (its uplink and downlink) while the lab runs", description="Set a machine's access link: the bandwidth into and out of it, shared by all its links.")
+    access = commands.add_parser(
+        "access",
+        help="set a machine's access link (its uplink and downlink) while the lab runs",
+        description="Set a machine's access link: the bandwidth into and out of it, shared by all its links.",
+    )
     access.add_argument("--lab", default=DEFAULT_LAB, help=f"the lab (default {DEFAULT_LAB})")
     access.add_argument("machine", help="the machine")
     access.add_argument(
@@ -101,11 +123,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bandwidth into the machine in Mbit/s, shared by all its links (default 0: unlimited)",
     )  # fmt: skip
 
-    status = commands.add_parser("status", help="a running lab's machines and each link's counters", description="A running lab's machines and, for each link, its settings and what the forwarder counted: packets, losses, queue drops.")
+    status = commands.add_parser(
+        "status",
+        help="a running lab's machines and each link's counters",
+        description="A running lab's machines and, for each link, its settings and what the forwarder counted: packets, losses, queue drops.",
+    )
     status.add_argument("--lab", default=DEFAULT_LAB, help=f"the lab (default {DEFAULT_LAB})")
     status.add_argument("--json", action="store_true", help="print one JSON object")
 
-    down = commands.add_parser("down", help="remove a lab (a running one is stopped; a stale one swept)", description="Remove a lab: a running one is asked to stop (SIGTERM, then SIGKILL), what is left of a crashed one is swept.")
+    down = commands.add_parser(
+        "down",
+        help="remove a lab (a running one is stopped; a stale one swept)",
+        description="Remove a lab: a running one is asked to stop (SIGTERM, then SIGKILL), what is left of a crashed one is swept.",
+    )
     down.add_argument("lab", nargs="?", default=DEFAULT_LAB, help=f"the lab (default {DEFAULT_LAB})")
 
 
@@ -150,7 +180,7 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _record(lab: str):  # noqa: ANN202
+def _record(lab: str):
     from .state import live_record
 
     record = live_record(lab)
@@ -194,13 +224,19 @@ def _status(args: argparse.Namespace) -> int:
     counters = stats(record.control_path)
     if args.json:
         machines = [{"name": m.name, "netns": m.netns, "address": m.address} for m in record.machines]
-        print(json.dumps({"lab": record.name, "owner_pid": record.owner_pid, "machines": machines, "forwarder": counters}))
+        print(
+            json.dumps({"lab": record.name, "owner_pid": record.owner_pid, "machines": machines, "forwarder": counters})
+        )
         return 0
     names = [m.name for m in record.machines]
-    print(f"lab {record.name} (owner pid {record.owner_pid}), forwarder cpu {counters['cpu_user_s'] + counters['cpu_system_s']:.2f} s")
+    print(
+        f"lab {record.name} (owner pid {record.owner_pid}), forwarder cpu {counters['cpu_user_s'] + counters['cpu_system_s']:.2f} s"
+    )
     for m in record.machines:
         print(f"  {m.name:<10} {m.address:<15} {m.netns}")
-    print(f"  {'link':<20} {'delay ms':>8} {'loss %':>7} {'Mbit/s':>7} {'up':>3} {'packets':>9} {'lost':>6} {'queue':>6}")
+    print(
+        f"  {'link':<20} {'delay ms':>8} {'loss %':>7} {'Mbit/s':>7} {'up':>3} {'packets':>9} {'lost':>6} {'queue':>6}"
+    )
     for row in counters["links"]:
         a, b = names[row["src"]], names[row["dst"]]
         print(

@@ -73,7 +73,9 @@ def _ip(args: Sequence[str], stdin: str | None = None) -> str:
         raise LabSetupError(f"{' '.join(argv)}: {err}") from None
     if done.returncode != 0:
         what = (stdin or "").strip().replace("\n", "; ")
-        raise LabSetupError(f"{' '.join(argv)}{f' <<< {what}' if what else ''}: {done.stderr.strip() or done.returncode}")
+        raise LabSetupError(
+            f"{' '.join(argv)}{f' <<< {what}' if what else ''}: {done.stderr.strip() or done.returncode}"
+        )
     return done.stdout
 
 

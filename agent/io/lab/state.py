@@ -116,7 +116,9 @@ def sweep_lab(name: str) -> list[str]:
     namespaces = _lab_namespaces(name)
     record = read_record(name)
     if record is not None:
-        namespaces = sorted(set(namespaces) | {m.netns for m in record.machines if (Path("/run/netns") / m.netns).exists()})
+        namespaces = sorted(
+            set(namespaces) | {m.netns for m in record.machines if (Path("/run/netns") / m.netns).exists()}
+        )
     for ns in namespaces:
         kill_namespace_processes(ns)
     for ns in namespaces:

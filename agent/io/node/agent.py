@@ -68,16 +68,16 @@ from agent.core.node_link import (
     read_registration_reply,
 )
 from agent.core.node_policy import (
-    data_plane_decode_groups,
-    data_plane_gather_us,
     BatchPeers,
     StepFailure,
     check_end_session_sender,
     check_session_owner,
     check_step_sender,
+    data_plane_decode_groups,
+    data_plane_gather_us,
     forward_failure,
-    push_groups,
     push_answered_badly,
+    push_groups,
     push_refused,
     push_unreachable,
     range_not_ready,
@@ -711,9 +711,12 @@ class Node:
         failed = {} if puncher is None else puncher.book.failed
         return [
             swarm_pb2.PeerPath(
-                peer_id=peer_id, direct_messages=direct, relayed_messages=relayed,
-                punches_succeeded=succeeded.get(peer_id, 0), punches_failed=failed.get(peer_id, 0),
-            )  # fmt: skip
+                peer_id=peer_id,
+                direct_messages=direct,
+                relayed_messages=relayed,
+                punches_succeeded=succeeded.get(peer_id, 0),
+                punches_failed=failed.get(peer_id, 0),
+            )
             for peer_id in sorted(set(counts) | set(succeeded) | set(failed))
             for direct, relayed in [counts.get(peer_id, (0, 0))]
         ]
@@ -745,7 +748,11 @@ class Node:
     def _notice_worker_exits(self, nursery: trio.Nursery) -> None:
         """A READY range whose worker died while idle (a Forward notices it at once)."""
         for served in list(self._instances.values()):
-            if served.state == State.READY and served.handle is not None and (reason := self._exit_reason(served.handle)):
+            if (
+                served.state == State.READY
+                and served.handle is not None
+                and (reason := self._exit_reason(served.handle))
+            ):
                 self._perform(self.book.worker_exited(served.key, served.entry.epoch, reason), nursery)
 
     def _perform(self, actions: list[Action], nursery: trio.Nursery) -> None:
@@ -761,7 +768,9 @@ class Node:
                     leftover = served.in_forward + (served.scheduler.drain() if served.scheduler is not None else [])
                     served.in_forward = []
                     for _seq_id, step in leftover:
-                        nursery.start_soon(self._guarded, self._send_error, step, Code.UNAVAILABLE, action.message, self.peer_id)
+                        nursery.start_soon(
+                            self._guarded, self._send_error, step, Code.UNAVAILABLE, action.message, self.peer_id
+                        )
             elif isinstance(action, HeartbeatNow):
                 self.heartbeat_soon()
             elif isinstance(action, Ignored):
@@ -829,7 +838,12 @@ class Node:
         try:
             manifest, _sources = await self._manifest(model.sha256)
         except (FetchError, ManifestError) as err:
-            log.info("%s: no manifest to check %s against (%s): hashing the whole file", range_name(served.key), model.path, err)
+            log.info(
+                "%s: no manifest to check %s against (%s): hashing the whole file",
+                range_name(served.key),
+                model.path,
+                err,
+            )
             digest = await trio.to_thread.run_sync(sha256_file, model.path)
             if digest != model.sha256:
                 raise ModelMismatch(
@@ -864,7 +878,9 @@ class Node:
             for url in sources:
                 try:
                     log.info("fetching %s from %s into %s", range_name(served.key), url, dest)
-                    await fetch_range(manifest, [(begin, end)], url, dest, config=self.config.fetch, on_progress=progress)
+                    await fetch_range(
+                        manifest, [(begin, end)], url, dest, config=self.config.fetch, on_progress=progress
+                    )
                     break
                 except (FetchError, FetchRefused) as err:  # this source failed: try the next one
                     log.warning("%s: %s", range_name(served.key), err)
@@ -959,7 +975,9 @@ class Node:
             oldest, waiting = scheduler.decode_waiting()
             now_s = trio.current_time()
             gather_since_s = now_s if gather_since_s is None else gather_since_s
-            groups, window_ms = self._decode_mode(tcp_hosts(oldest[1].rest[0].addrs) if oldest and oldest[1].rest else [])
+            groups, window_ms = self._decode_mode(
+                tcp_hosts(oldest[1].rest[0].addrs) if oldest and oldest[1].rest else []
+            )
             max_decode, hold_ms = first_hop_decode(
                 begin=served.key[1], decoding_sessions=sessions.decoding_count,
                 route_hops=len(oldest[1].rest) + 1 if oldest else 0,
@@ -980,13 +998,17 @@ class Node:
             altering = self._outputs_filter is not None and self._outputs_filter.batch_formed()
             entries = [
                 SeqInput(
-                    seq_id=seq_id, positions=step.positions, token_ids=step.token_ids, boundary=step.rows,
+                    seq_id=seq_id,
+                    positions=step.positions,
+                    token_ids=step.token_ids,
+                    boundary=step.rows,
                     boundary_schema=step.schema if step.rows is not None else None,
                     # (a test hook) an altered last range selects its top-K from the altered row
-                    top_k=0 if altering else _worker_top_k(step, info), boundary_bytes=step.wire_rows,
-                )  # fmt: skip
+                    top_k=0 if altering else _worker_top_k(step, info),
+                    boundary_bytes=step.wire_rows,
+                )
                 for seq_id, step in batch
-            ]  # fmt: skip
+            ]
             served.in_forward = batch
             try:
                 outputs = await client.forward(entries, timeout_s=timeout_s)
@@ -1024,7 +1046,9 @@ class Node:
                     output = self._outputs_filter.apply(step, output, altering=altering)
                 done.append((step, output, self._keep_rows(served, step, output)))
             # the same peer at the same addresses: a step's addresses come from its owner's route
-            next_hops = [(step.rest[0].peer_id, tuple(step.rest[0].addrs)) if step.rest else None for step, _o, _e in done]
+            next_hops = [
+                (step.rest[0].peer_id, tuple(step.rest[0].addrs)) if step.rest else None for step, _o, _e in done
+            ]
             for group in push_groups(next_hops):
                 if self._push_now([done[i] for i in group], pushes):
                     continue
@@ -1065,14 +1089,16 @@ class Node:
         return f"worker exited with code {code}: {handle.log_tail(400)}"
 
     @staticmethod
-    async def _guarded(fn, *args) -> None:  # noqa: ANN001
+    async def _guarded(fn, *args) -> None:
         """Run a push task; a bug in one must not take the node down (it is logged)."""
         try:
             await fn(*args)
         except Exception:
             log.exception("push task %s failed", getattr(fn, "__name__", fn))
 
-    def _push_now(self, items: list[tuple[StepInput, SeqOutput, tuple[bytes, int] | None]], pushes: trio.Nursery) -> bool:
+    def _push_now(
+        self, items: list[tuple[StepInput, SeqOutput, tuple[bytes, int] | None]], pushes: trio.Nursery
+    ) -> bool:
         """Send one push group (``push_groups``) from the serving task itself: the next hop's
         steps, or a last range's top-K result to its owner. Over an open channel connection
         the message goes out at once, quiet (``ChannelTransport.request_soon``): the receiver
@@ -1085,7 +1111,9 @@ class Node:
         timeout_s = self.config.step_push_timeout_s
         if step.rest:
             hop = step.rest[0]
-            if hop.peer_id == self.peer_id or (len(items) > 1 and not self._batch_peers.batches_to(hop.peer_id, _clock_ms())):
+            if hop.peer_id == self.peer_id or (
+                len(items) > 1 and not self._batch_peers.batches_to(hop.peer_id, _clock_ms())
+            ):
                 return False
             try:
                 steps = [(s, self._next_hop_bytes(s, o, e)) for s, o, e in items]
@@ -1107,7 +1135,11 @@ class Node:
         return True
 
     def _pushed(
-        self, hop: swarm_pb2.Hop, steps: list[tuple[StepInput, bytes]], pushes: trio.Nursery, reply: bytes | TransportError
+        self,
+        hop: swarm_pb2.Hop,
+        steps: list[tuple[StepInput, bytes]],
+        pushes: trio.Nursery,
+        reply: bytes | TransportError,
     ) -> None:
         """The next hop's answer to steps sent by ``_push_now``: nothing to do when it took
         them all; a task reports anything else, as ``_push_steps`` does."""
@@ -1185,7 +1217,9 @@ class Node:
         if len(steps) > 1 and not self._batch_peers.batches_to(hop.peer_id, _clock_ms()):
             return await self._push_each(hop, steps)
         try:
-            reply = await self._send_to_hop(hop, *push_message([data for _step, data in steps]), self.config.step_push_timeout_s)
+            reply = await self._send_to_hop(
+                hop, *push_message([data for _step, data in steps]), self.config.step_push_timeout_s
+            )
         except TransportError as err:
             return await self._push_failed(hop, steps, err)
         return await self._push_answered(hop, steps, reply)
@@ -1344,7 +1378,13 @@ class Node:
         check_step_sender(record.role, remote_peer_id, request.begin, request.end, request.owner_peer_id)
         key: RangeKey = (request.model_sha256, request.begin, request.end)
         served = self._held(key)
-        if served is None or served.state != _READY or served.spec is None or served.sessions is None or served.scheduler is None:
+        if (
+            served is None
+            or served.state != _READY
+            or served.spec is None
+            or served.sessions is None
+            or served.scheduler is None
+        ):
             raise range_not_ready(key, None if served is None else served.state)
         step = validate_step(request, served.spec)
         if step.rebuild:
@@ -1469,12 +1509,13 @@ class Node:
             return reply.SerializeToString()
         return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION, session_rows=counted).SerializeToString()
 
-
     def _touch(self, body: swarm_pb2.TouchRequest, remote_peer_id: str) -> bytes:
         """Renew the owner's lease of its session in every range here that holds it."""
         session_id = bytes(body.session_id)
         now = _clock_ms()
-        held = [s.sessions.touch(session_id, remote_peer_id, now) for s in self.ranges.values() if s.sessions is not None]
+        held = [
+            s.sessions.touch(session_id, remote_peer_id, now) for s in self.ranges.values() if s.sessions is not None
+        ]
         if not any(held):
             raise WireError(Code.NOT_FOUND, f"no session {session_id.hex()} of {remote_peer_id} here")
         return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
@@ -1496,7 +1537,9 @@ class Node:
     def _owner_only(served: ServedRange, session_id: bytes, remote_peer_id: str, role: int) -> None:
         assert served.sessions is not None
         session = served.sessions.get(session_id)
-        check_session_owner(role, remote_peer_id, session_id, None if session is None else session.owner_peer_id, served.key)
+        check_session_owner(
+            role, remote_peer_id, session_id, None if session is None else session.owner_peer_id, served.key
+        )
 
     async def _resume_session(self, body: swarm_pb2.ResumeSessionRequest, remote_peer_id: str, role: int) -> bytes:
         """Keep positions ``[0, keep_positions)`` of the session in range ``[begin, end)``; its
@@ -1508,7 +1551,9 @@ class Node:
         session = served.sessions.get(session_id)
         if session is not None and session.data_plane:  # a resume that will be refused changes nothing
             held = await served.client.call(
-                "UnbindSession", _unbind_request(session_id, keep_bound=True), timeout_s=self.config.worker_call_timeout_s
+                "UnbindSession",
+                _unbind_request(session_id, keep_bound=True),
+                timeout_s=self.config.worker_call_timeout_s,
             )
             served.sessions.check_resume_bound(
                 session_id, body.keep_positions, body.next_step, remote_peer_id,
@@ -1557,9 +1602,9 @@ class Node:
         tracker's node list: fetched within NODE_LIST_REUSE_S, it serves; one that refuses is
         fetched again first (the hop may have become READY since)."""
         cached = self._next_hops.get(peer_id)
-        if cached is not None and trio.current_time() - cached[0] <= NODE_LIST_REUSE_S:
-            if refusal(cached[1]) is None:
-                return
+        fresh = cached is not None and trio.current_time() - cached[0] <= NODE_LIST_REUSE_S
+        if fresh and cached is not None and refusal(cached[1]) is None:
+            return
         request = swarm_pb2.TrackerRequest(
             schema_version=SCHEMA_VERSION, list_nodes=swarm_pb2.ListNodesRequest(peer_ids=[peer_id])
         )
@@ -1591,7 +1636,9 @@ class Node:
         if session is None or not session.data_plane:
             raise WireError(Code.INVALID_ARGUMENT, f"session {session_id.hex()} is not on the data plane here")
         if not served.info.gives_logits:
-            raise WireError(Code.INVALID_ARGUMENT, f"{range_name(served.key)} is not the last range: it continues nothing")
+            raise WireError(
+                Code.INVALID_ARGUMENT, f"{range_name(served.key)} is not the last range: it continues nothing"
+            )
         await self._check_listed_hop(served, body.first_peer_id, lambda nodes: first_hop_refusal(body, nodes))
         request = worker_pb2.ContinueSessionRequest(
             schema_version=1, session_id=session_id, host=body.first_host, port=body.first_port,
@@ -1602,8 +1649,12 @@ class Node:
             await served.client.call("ContinueSession", request, timeout_s=self.config.worker_call_timeout_s)
         except WorkerError as err:
             code = Code.UNAVAILABLE if err.code_name == "UNAVAILABLE" else Code.INVALID_ARGUMENT
-            raise WireError(code, f"{range_name(served.key)}: the worker refused the continuation: {err.message}") from None
-        log.info("%s: session %s continues to the first hop %s", range_name(served.key), session_id.hex(), body.first_peer_id)
+            raise WireError(
+                code, f"{range_name(served.key)}: the worker refused the continuation: {err.message}"
+            ) from None
+        log.info(
+            "%s: session %s continues to the first hop %s", range_name(served.key), session_id.hex(), body.first_peer_id
+        )
         return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
 
     def _decode_mode(self, next_hop_hosts: Sequence[str]) -> tuple[int | None, float]:
@@ -1722,7 +1773,9 @@ class Node:
             except (TransportError, WireError) as err:
                 raise WireError(Code.UNAVAILABLE, f"replacement hop {first.peer_id}: {err}") from None
             if ack.error.code:
-                raise WireError(ack.error.code, f"replacement hop {first.peer_id} refused a rebuild step: {ack.error.message}")
+                raise WireError(
+                    ack.error.code, f"replacement hop {first.peer_id} refused a rebuild step: {ack.error.message}"
+                )
         log.info(
             "%s: replayed %d positions of session %s to %s in %d steps",
             range_name(served.key), body.positions, session_id.hex(), first.peer_id, len(chunks),

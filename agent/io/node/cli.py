@@ -87,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where to listen (default %(default)s); 'none': accept no direct connections (needs --relay)",
     )  # fmt: skip
     parser.add_argument(
-        "--no-channel", action="store_true",
+        "--no-channel",
+        action="store_true",
         help="send steps and results over libp2p only (no direct TLS channel; for comparisons)",
     )
     parser.add_argument(
@@ -122,7 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " (by default they do, on the host of --listen, sealed with the session's keys)",
     )  # fmt: skip
     parser.add_argument("--ctx-size", type=cli_args.positive_int, help="positions per sequence (default: the worker's)")
-    parser.add_argument("--max-sequences", type=cli_args.positive_int, help="sequences per worker (default: the worker's)")
+    parser.add_argument(
+        "--max-sequences", type=cli_args.positive_int, help="sequences per worker (default: the worker's)"
+    )
     parser.add_argument(
         "--session-idle-timeout-s", type=cli_args.positive_float, default=5.0,
         help="free a session's sequences after this long without a step from its owner (default 5):"
@@ -152,7 +155,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " session in one Forward, for nodes that share one machine's cores",
     )  # fmt: skip
     parser.add_argument(
-        "--heartbeat-interval-ms", type=cli_args.positive_int, metavar="MS", help="heartbeat interval (default: the tracker's)"
+        "--heartbeat-interval-ms",
+        type=cli_args.positive_int,
+        metavar="MS",
+        help="heartbeat interval (default: the tracker's)",
     )
     parser.add_argument(
         "--kept-rows-max-bytes", type=cli_args.non_negative_int, default=64 * 1024 * 1024, metavar="N",
@@ -162,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.asynccontextmanager
-async def open_transport(key, listen_addrs: Sequence[str], channel: bool = True, punch: bool = True) -> AsyncIterator:  # noqa: ANN001
+async def open_transport(key, listen_addrs: Sequence[str], channel: bool = True, punch: bool = True) -> AsyncIterator:
     """libp2p (``agent.io.p2p``) with the direct channel in front (``agent.io.channel``;
     ``channel`` False: libp2p only; ``punch`` False: no hole punching); a seam for tests."""
     from agent.io.peer_transport import open_peer_transport

@@ -157,7 +157,9 @@ def verify_local_range(path: str | os.PathLike[str], manifest: swarm_pb2.ModelMa
     path = Path(path)
     size = path.stat().st_size
     if size != manifest.size_bytes:
-        raise ModelMismatch(f"{path} holds {size} bytes; the model {manifest.model_sha256[:12]} has {manifest.size_bytes}")
+        raise ModelMismatch(
+            f"{path} holds {size} bytes; the model {manifest.model_sha256[:12]} has {manifest.size_bytes}"
+        )
     fd = os.open(path, os.O_RDONLY)
     try:
         for piece in range_pieces(manifest, begin, end):
@@ -230,7 +232,7 @@ async def fetch_range(
     *,
     config: FetchConfig | None = None,
     on_progress: Callable[[FetchProgress], None] | None = None,
-    http_client=None,  # noqa: ANN001 - an httpx.AsyncClient (tests pass one with a transport)
+    http_client=None,
 ) -> Path:
     """Make ``dest`` hold (verified) every byte the layer ``ranges`` of ``manifest``'s file need.
 
@@ -306,7 +308,7 @@ class _ShortBody(Exception):
 class _Run:
     """One ``fetch_range`` call's moving parts (no decisions: see the core)."""
 
-    def __init__(self, manifest, pieces, source_url, path, fd, state, config, client) -> None:  # noqa: ANN001
+    def __init__(self, manifest, pieces, source_url, path, fd, state, config, client) -> None:
         self.size_bytes = manifest.size_bytes
         self.pieces = pieces
         self.by_name = {p.name: p for p in pieces}
@@ -327,7 +329,7 @@ class _Run:
         if verdict is Verdict.REFETCH:
             log.warning("tensor %s from %s hashed wrong (%s): fetching it again", piece.name, self.source_url, digest)
 
-    async def get(self, request) -> None:  # noqa: ANN001
+    async def get(self, request) -> None:
         import httpx
 
         url = self.source_url

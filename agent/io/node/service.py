@@ -101,8 +101,12 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="node_command", metavar="COMMAND")
     install = commands.add_parser("install", help="build the worker for this GPU and install the node as a service")
     install.add_argument("--tracker", required=True, help="the tracker's multiaddr, ending /p2p/<peer id>")
-    install.add_argument("--memory-bytes", type=cli_args.positive_int, metavar="N", help="memory offered (default: available RAM)")
-    install.add_argument("--backend", default="auto", choices=("auto", *BACKENDS), help="GPU backend (default: detected)")
+    install.add_argument(
+        "--memory-bytes", type=cli_args.positive_int, metavar="N", help="memory offered (default: available RAM)"
+    )
+    install.add_argument(
+        "--backend", default="auto", choices=("auto", *BACKENDS), help="GPU backend (default: detected)"
+    )
     install.add_argument("--relay", action="store_true", help="be reached through the tracker's relay (behind NAT)")
     install.add_argument("--listen", help="the node's listen multiaddr (default: baton node's)")
     install.add_argument("--models-dir", help="where assigned ranges are fetched to (default: XDG data dir)")
@@ -177,7 +181,9 @@ def build_worker(plan, log_path: Path, *, show_progress: bool | None = None) -> 
     from tqdm import tqdm
 
     if shutil.which("make") is None or shutil.which("cmake") is None:
-        raise CannotInstall("building the worker needs make and cmake", "sudo apt-get install build-essential cmake (or run make deps)")
+        raise CannotInstall(
+            "building the worker needs make and cmake", "sudo apt-get install build-essential cmake (or run make deps)"
+        )
     argv = ["make", "-C", str(REPO_ROOT), "--no-print-directory", "llama", "native",
             f"NATIVE_BUILD={plan.build_dir}", f"CMAKE_ARGS={plan.cmake_args_text}"]  # fmt: skip
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,7 +237,11 @@ def install(args: argparse.Namespace) -> int:
     paths.config_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # holds the key: owner only
     backend = detect_backend(tools) if args.backend == "auto" else args.backend
     plan = build_plan(backend, tools)
-    print(f"backend: {backend}" + (" (detected)" if args.backend == "auto" else "") + f"; CMake flags: {plan.cmake_args_text or '(none)'}")
+    print(
+        f"backend: {backend}"
+        + (" (detected)" if args.backend == "auto" else "")
+        + f"; CMake flags: {plan.cmake_args_text or '(none)'}"
+    )
     if tools.system not in ("Linux", "Darwin"):
         raise CannotInstall(f"no service manager support for {tools.system}", "run `baton node --tracker ...` yourself")
     if tools.system == "Linux" and "systemctl" not in tools.on_path and not args.no_start:
@@ -251,7 +261,9 @@ def install(args: argparse.Namespace) -> int:
     try:
         key = load_or_create_key(key_path)
     except (KeyFileError, OSError) as error:
-        raise CannotInstall(f"node key {key_path}: {error}", f"chmod 600 {key_path}, or remove it to make a new one") from None
+        raise CannotInstall(
+            f"node key {key_path}: {error}", f"chmod 600 {key_path}, or remove it to make a new one"
+        ) from None
     print(f"node key: {key_path} (peer id {peer_id_of(key)})")
     config = {
         "schema_version": 1,
@@ -277,9 +289,14 @@ def install(args: argparse.Namespace) -> int:
         if not args.no_start:
             target = f"gui/{os.getuid()}"
             subprocess.run(["launchctl", "bootout", target, str(paths.unit_path)], capture_output=True, check=False)
-            done = subprocess.run(["launchctl", "bootstrap", target, str(paths.unit_path)], capture_output=True, text=True, check=False)
+            done = subprocess.run(
+                ["launchctl", "bootstrap", target, str(paths.unit_path)], capture_output=True, text=True, check=False
+            )
             if done.returncode != 0:
-                raise CannotInstall(f"launchctl bootstrap failed: {done.stderr.strip()}", f"launchctl bootstrap {target} {paths.unit_path}")
+                raise CannotInstall(
+                    f"launchctl bootstrap failed: {done.stderr.strip()}",
+                    f"launchctl bootstrap {target} {paths.unit_path}",
+                )
             print("started; it starts again at every login and after a failure")
         return 0
     unit = systemd_unit(node_argv(config), env, description=f"Baton node (serves layer ranges to {args.tracker})")
@@ -339,7 +356,7 @@ def _service_state(system: str, unit: Path) -> str:
     return f"{active}, {enabled}"
 
 
-def query_tracker(tracker: str, peer_id: str, timeout_s: float = TRACKER_TIMEOUT_S):  # noqa: ANN201
+def query_tracker(tracker: str, peer_id: str, timeout_s: float = TRACKER_TIMEOUT_S):
     """(this node's ``NodeEntry`` or None, the tracker's ``ModelEntry``s) from the tracker,
     asked with a throwaway key (blocking: runs its own trio loop).
 
@@ -353,13 +370,15 @@ def query_tracker(tracker: str, peer_id: str, timeout_s: float = TRACKER_TIMEOUT
     from agent.core.swarm_wire import SCHEMA_VERSION, TRACKER_PROTOCOL, parse_record, peer_id_from_multiaddr
     from agent.io.p2p import open_p2p_transport
 
-    async def ask():  # noqa: ANN202
+    async def ask():
         tracker_id = peer_id_from_multiaddr(tracker)
         async with open_p2p_transport(Ed25519PrivateKey.generate(), listen_addrs=()) as transport:
             replies = []
             for body in ({"list_nodes": swarm_pb2.ListNodesRequest()}, {"list_models": swarm_pb2.ListModelsRequest()}):
                 request = swarm_pb2.TrackerRequest(schema_version=SCHEMA_VERSION, **body)
-                data = await transport.request(tracker_id, [tracker], TRACKER_PROTOCOL, request.SerializeToString(), timeout_s=timeout_s)
+                data = await transport.request(
+                    tracker_id, [tracker], TRACKER_PROTOCOL, request.SerializeToString(), timeout_s=timeout_s
+                )
                 reply = parse_record(swarm_pb2.TrackerReply, data)
                 if reply.error.code:
                     raise RuntimeError(reply.error.message)
@@ -367,7 +386,7 @@ def query_tracker(tracker: str, peer_id: str, timeout_s: float = TRACKER_TIMEOUT
         entry = next((n for n in replies[0].list_nodes.nodes if n.peer_id == peer_id), None)
         return entry, list(replies[1].list_models.models)
 
-    async def bounded():  # noqa: ANN202
+    async def bounded():
         with trio.fail_after(timeout_s * 3):
             return await ask()
 
@@ -377,7 +396,7 @@ def query_tracker(tracker: str, peer_id: str, timeout_s: float = TRACKER_TIMEOUT
         raise RuntimeError(f"{type(error).__name__}: {error}".splitlines()[0]) from None
 
 
-def _ranges_text(entry, models) -> list[str]:  # noqa: ANN001
+def _ranges_text(entry, models) -> list[str]:
     from agent._proto import swarm_pb2
 
     alias = {m.sha256: m.alias for m in models}
@@ -429,7 +448,7 @@ def status(args: argparse.Namespace) -> int:
     return 0
 
 
-def doctor_checks(args: argparse.Namespace, *, free_bytes=None) -> list[Check]:  # noqa: ANN001
+def doctor_checks(args: argparse.Namespace, *, free_bytes=None) -> list[Check]:
     """Every check of ``baton node doctor`` (``free_bytes``: a seam for tests)."""
     from agent.io.keys import KeyFileError, load_or_create_key, peer_id_of
     from agent.io.worker_process import WorkerBinaryNotFound, find_worker_binary
@@ -474,9 +493,13 @@ def doctor_checks(args: argparse.Namespace, *, free_bytes=None) -> list[Check]: 
             entry, models = query_tracker(tracker, peer_id)
         except (KeyFileError, OSError, RuntimeError) as err:
             tracker_error = str(err)
-        checks.append(check_tracker(tracker, tracker_error, None if tracker_error else (entry is not None and entry.alive)))
+        checks.append(
+            check_tracker(tracker, tracker_error, None if tracker_error else (entry is not None and entry.alive))
+        )
     else:
-        checks.append(Check("tracker", False, "no tracker given and no node installed", "baton node install --tracker ADDR"))
+        checks.append(
+            Check("tracker", False, "no tracker given and no node installed", "baton node install --tracker ADDR")
+        )
     addrs = list(entry.listen_addrs) if entry is not None else ([config["listen"]] if config.get("listen") else [])
     checks.append(check_dialable(addrs, bool(config.get("relay")) or any("/p2p-circuit" in a for a in addrs)))
     needed = 0

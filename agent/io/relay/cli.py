@@ -134,15 +134,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add.add_argument("name", help="the key's name (letters, digits, . _ @ -; at most 64)")
     add.add_argument("--db", required=True, help="the relay's SQLite database (created if missing)")
     add.add_argument(
-        "--tokens-per-day", type=cli_args.positive_int, metavar="N",
+        "--tokens-per-day",
+        type=cli_args.positive_int,
+        metavar="N",
         help="tokens (prompt + generated) this key may use per UTC day (default: unlimited)",
     )
     add.add_argument(
-        "--requests-per-minute", type=cli_args.positive_int, metavar="N",
+        "--requests-per-minute",
+        type=cli_args.positive_int,
+        metavar="N",
         help="requests this key may start per minute (default: unlimited)",
     )
     add.add_argument(
-        "--max-concurrent", type=cli_args.positive_int, metavar="N",
+        "--max-concurrent",
+        type=cli_args.positive_int,
+        metavar="N",
         help="requests this key may have running at once (default: unlimited)",
     )
     listing = key_commands.add_parser("list", help="list the keys (never the keys themselves)")

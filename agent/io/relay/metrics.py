@@ -80,9 +80,7 @@ class RelayMetrics:
             buckets=INTER_TOKEN_BUCKETS_S,
             registry=self.registry,
         )
-        self._live_sessions = Gauge(
-            "baton_relay_live_sessions", "Generations in progress.", registry=self.registry
-        )
+        self._live_sessions = Gauge("baton_relay_live_sessions", "Generations in progress.", registry=self.registry)
         # (now_s, tokens), oldest first; pruned to recent_retention_s on every call.
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 

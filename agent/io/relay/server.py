@@ -44,9 +44,9 @@ from agent.core.openai_api import (
     ApiError,
     CompletionRequest,
     chat_chunk,
+    chat_response,
     check_json_content_type,
     check_unicode,
-    chat_response,
     completion_chunk,
     completion_response,
     logprob_entry,
@@ -58,11 +58,11 @@ from agent.core.sampling import SamplingParams
 from agent.core.text_stream import TextStream
 from agent.io.client import GenerationError, SwarmClient, SwarmError
 from agent.io.transport import TransportError
+from agent.io.vocab import ModelVocab, VocabularyError, VocabularyPool
 
 from .metrics import RelayMetrics
 from .status_page import render_status_page
 from .store import RelayStore
-from agent.io.vocab import ModelVocab, VocabularyError, VocabularyPool
 
 __all__ = ["RelayConfig", "RelayState", "build_app", "serve_main", "serve_relay"]
 
@@ -231,7 +231,9 @@ async def _prepare(state: RelayState, req: CompletionRequest) -> _Prompt:
     except VocabularyError as error:
         raise ApiError(503, str(error)) from None
     if not tokens:
-        raise ApiError(400, "the prompt tokenizes to no tokens", param="prompt" if req.kind == "completion" else "messages")
+        raise ApiError(
+            400, "the prompt tokenizes to no tokens", param="prompt" if req.kind == "completion" else "messages"
+        )
     context = vocab.context_length or 0
     if context and len(tokens) >= context:
         raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has {len(tokens)}.",
@@ -255,7 +257,9 @@ async def _prompt_tokens(req: CompletionRequest, vocab: ModelVocab) -> list[int]
     elif isinstance(req.prompt, tuple):
         bad = [t for t in req.prompt if t >= vocab.n_vocab]
         if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary of {vocab.n_vocab} tokens", param="prompt")
+            raise ApiError(
+                400, f"token id {bad[0]} is outside the vocabulary of {vocab.n_vocab} tokens", param="prompt"
+            )
         tokens = list(req.prompt)
     else:
         tokens = await vocab.tokenize(str(req.prompt))
@@ -286,7 +290,7 @@ class _Completion:
         self._sent_prompt_ids = False
         self.finish_reason = "length"
 
-    def _logprobs(self, token: int, logits) -> None:  # noqa: ANN001
+    def _logprobs(self, token: int, logits) -> None:
         if not self.req.logprobs or logits is None or (isinstance(logits, np.ndarray) and logits.size == 0):
             return
         vocab = self.prompt.vocab
@@ -314,7 +318,7 @@ class _Completion:
             "text_offset": text_offset,
         }
 
-    def _take_unsent_logprobs(self, offset: int):  # noqa: ANN202
+    def _take_unsent_logprobs(self, offset: int):
         entries, self._unsent_logprobs = self._unsent_logprobs, []
         if not self.req.logprobs:
             return None
@@ -379,7 +383,7 @@ class _Completion:
         started = time.perf_counter()
         last_token_at: float | None = None
 
-        async def on_token(token: int, logits, _route) -> bool:  # noqa: ANN001
+        async def on_token(token: int, logits, _route) -> bool:
             nonlocal last_token_at
             now = time.perf_counter()
             if last_token_at is None:
@@ -394,7 +398,9 @@ class _Completion:
                 return False  # the session ends on it by itself; its text is not shown
             self._logprobs(token, logits)
             text = self.text.feed(vocab.piece(token))
-            if emit is not None and (text or self._unsent_logprobs or (self._unsent_token_ids and req.return_token_ids)):
+            if emit is not None and (
+                text or self._unsent_logprobs or (self._unsent_token_ids and req.return_token_ids)
+            ):
                 await emit(text)
             return self.text.stopped
 
@@ -466,7 +472,7 @@ class _CompletionResponse:
         self.release = release
         self.status = 200
 
-    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+    async def __call__(self, scope, receive, send) -> None:
         completion = self.completion
         metrics = completion.state.metrics
         started = False
@@ -540,7 +546,7 @@ class _CompletionResponse:
 # --- the app ---------------------------------------------------------------------------------------
 
 
-async def _read_json(request: Request, limit: int, timeout_s: float):  # noqa: ANN202
+async def _read_json(request: Request, limit: int, timeout_s: float):
     check_json_content_type(request.headers.get("content-type"))  # before a byte of the body is read
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -569,7 +575,7 @@ async def _read_json(request: Request, limit: int, timeout_s: float):  # noqa: A
 def build_app(state: RelayState) -> Starlette:
     """The relay's ASGI app over ``state``."""
 
-    def guarded(endpoint: str, handler: Callable[[Request], Awaitable[Response]]):  # noqa: ANN202
+    def guarded(endpoint: str, handler: Callable[[Request], Awaitable[Response]]):
         # one place turns every error into OpenAI's envelope: a handler never raises to Hypercorn
         async def wrapped(request: Request) -> Response:
             try:
@@ -577,7 +583,7 @@ def build_app(state: RelayState) -> Starlette:
             except ApiError as error:
                 state.metrics.observe_request(endpoint, error.status)
                 return _error_response(error)
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
                 log.exception("%s failed", endpoint)
                 state.metrics.observe_request(endpoint, 500)
                 return _error_response(ApiError(500, f"internal error: {type(error).__name__}"))
@@ -596,7 +602,7 @@ def build_app(state: RelayState) -> Starlette:
         entry = await state.model(request.path_params["model"])
         return JSONResponse(_model_card(entry))
 
-    def completions(kind: str, endpoint: str):  # noqa: ANN202
+    def completions(kind: str, endpoint: str):
         async def handler(request: Request) -> Response:
             principal = _authenticate(state, request)
             body = await _read_json(request, state.config.max_body_bytes, state.config.body_timeout_s)
@@ -625,16 +631,20 @@ def build_app(state: RelayState) -> Starlette:
     async def health(_request: Request) -> Response:
         return JSONResponse({"status": "ok", "peer_id": state.client.peer_id})
 
-    async def not_found(request: Request, _exc) -> Response:  # noqa: ANN001
+    async def not_found(request: Request, _exc) -> Response:
         return _error_response(ApiError(404, f"Unknown path {request.url.path}"))
 
-    async def not_allowed(request: Request, _exc) -> Response:  # noqa: ANN001
+    async def not_allowed(request: Request, _exc) -> Response:
         return _error_response(ApiError(405, f"Method {request.method} is not allowed on {request.url.path}"))
 
     routes = [
         Route("/v1/models", guarded("/v1/models", list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", guarded("/v1/models/{model}", get_model), methods=["GET"]),
-        Route("/v1/completions", guarded("/v1/completions", completions("completion", "/v1/completions")), methods=["POST"]),
+        Route(
+            "/v1/completions",
+            guarded("/v1/completions", completions("completion", "/v1/completions")),
+            methods=["POST"],
+        ),
         Route(
             "/v1/chat/completions",
             guarded("/v1/chat/completions", completions("chat", "/v1/chat/completions")),
@@ -735,9 +745,9 @@ async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] 
     from hypercorn.trio import serve
 
     from agent.io.client import SwarmClientConfig, open_swarm_client
+    from agent.io.vocab import serve_vocabularies
 
     from .store import open_relay_store
-    from agent.io.vocab import serve_vocabularies
 
     key = None
     if config.key_path is not None:
@@ -818,7 +828,7 @@ def _listen_arg(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def serve_main(args) -> int:  # noqa: ANN001 - argparse.Namespace from agent.io.relay.cli
+def serve_main(args) -> int:
     """``baton relay serve``: run until Ctrl-C or SIGTERM (exit 0); 2 when it cannot start."""
     import sys
 
@@ -861,7 +871,7 @@ def serve_main(args) -> int:  # noqa: ANN001 - argparse.Namespace from agent.io.
         trio.run(run_until_stop_signal, run)
     except KeyboardInterrupt:  # Ctrl-C before the signal receiver was in place
         return 0
-    except BaseException as caught:  # noqa: BLE001 - sorted by known_failures; anything unknown is re-raised
+    except BaseException as caught:
         from agent import cli_args
 
         for leaf in cli_args.known_failures(caught, (SwarmError, TransportError, OSError, ValueError)):

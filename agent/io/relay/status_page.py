@@ -70,10 +70,14 @@ def render_status_page(status: Mapping[str, Any], *, status_url: str = "/status.
     """
     if not refresh_s > 0:
         raise ValueError(f"refresh_s must be > 0, got {refresh_s}")
-    return _environment().get_template("status.html").render(
-        view=status_view(status),
-        status_url=status_url,
-        refresh_ms=max(1, round(refresh_s * 1000)),
+    return (
+        _environment()
+        .get_template("status.html")
+        .render(
+            view=status_view(status),
+            status_url=status_url,
+            refresh_ms=max(1, round(refresh_s * 1000)),
+        )
     )
 
 

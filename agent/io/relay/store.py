@@ -38,14 +38,12 @@ import math
 import os
 import re
 import secrets
-import sqlite3
 import stat
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from agent.core.quotas import RPM_WINDOW_S, KeyLimits, credit_for_hops
-
 from agent.io import sqlite_db
 
 __all__ = [

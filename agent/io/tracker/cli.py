@@ -145,12 +145,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve the registered model files over HTTP for nodes to fetch by range (HOST default 127.0.0.1)",
     )  # fmt: skip
     serve.add_argument("--models-base-url", metavar="URL", help="the base URL nodes reach --serve-models at")
-    serve.add_argument("--heartbeat-interval-ms", type=cli_args.positive_int, default=1000, metavar="MS",
-        help="how often nodes send heartbeats, in ms (default 1000)")
-    serve.add_argument("--heartbeat-timeout-ms", type=cli_args.positive_int, default=5000, metavar="MS",
-        help="a node not heard for this many ms is dead and loses its ranges (default 5000)")
-    serve.add_argument("--admission-ttl-ms", type=cli_args.positive_int, default=600_000, metavar="MS",
-        help="how long a signed admission stays valid, in ms; nodes and clients renew it (default 600000: 10 min)")
+    serve.add_argument(
+        "--heartbeat-interval-ms",
+        type=cli_args.positive_int,
+        default=1000,
+        metavar="MS",
+        help="how often nodes send heartbeats, in ms (default 1000)",
+    )
+    serve.add_argument(
+        "--heartbeat-timeout-ms",
+        type=cli_args.positive_int,
+        default=5000,
+        metavar="MS",
+        help="a node not heard for this many ms is dead and loses its ranges (default 5000)",
+    )
+    serve.add_argument(
+        "--admission-ttl-ms",
+        type=cli_args.positive_int,
+        default=600_000,
+        metavar="MS",
+        help="how long a signed admission stays valid, in ms; nodes and clients renew it (default 600000: 10 min)",
+    )
     serve.add_argument(
         "--registration-max-age-ms", type=cli_args.positive_int, default=60_000,
         help="fingerprint / hello timestamps must be this fresh (default 60000)",
@@ -177,8 +192,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--canary-cross-recipe-rel-error", type=cli_args.non_negative_float, default=0.02, metavar="X",
         help="for a node of another recipe (backend): the relative RMS error allowed (default 0.02)",
     )  # fmt: skip
-    serve.add_argument("--canary-threads", type=cli_args.positive_int, default=1, metavar="N",
-        help="CPU threads per reference worker (default 1)")
+    serve.add_argument(
+        "--canary-threads",
+        type=cli_args.positive_int,
+        default=1,
+        metavar="N",
+        help="CPU threads per reference worker (default 1)",
+    )
     serve.add_argument(
         "--canary-worker-wait", choices=WAIT_CHOICES, default=AUTO,
         help="how a reference worker's idle threads wait for work, as a node's --worker-wait: spin, sleep (a"
@@ -423,7 +443,7 @@ def register_models(
     return entries
 
 
-def _canary_policy(args: argparse.Namespace):  # noqa: ANN202
+def _canary_policy(args: argparse.Namespace):
     """The ``CanaryPolicy`` of ``serve``'s flags (None: ``--canary-interval-s 0``).
 
     Raises:
@@ -445,7 +465,7 @@ def _canary_policy(args: argparse.Namespace):  # noqa: ANN202
     )
 
 
-def verifier_config(args: argparse.Namespace):  # noqa: ANN201
+def verifier_config(args: argparse.Namespace):
     """The canary verifier's settings from ``serve``'s arguments (a ``VerifierConfig``)."""
     from agent.io.tracker.verifier import VerifierConfig
 
@@ -537,7 +557,9 @@ async def _serve_async(args: argparse.Namespace, store, config, key) -> int:
         trio.open_nursery() as nursery,
     ):
         verifier = verifier_config(args)
-        tracker = await nursery.start(functools.partial(serve_tracker, transport, store, config, key, verifier=verifier))
+        tracker = await nursery.start(
+            functools.partial(serve_tracker, transport, store, config, key, verifier=verifier)
+        )
         if getattr(args, "serve_models", None) is not None:
             from agent.io.model_http import ModelFileServer, serve_model_files
 

@@ -54,7 +54,7 @@ def _source_repo(reader) -> str:
     return ""
 
 
-def _gguf_reader(path: Path):  # noqa: ANN202 (gguf.GGUFReader, imported lazily)
+def _gguf_reader(path: Path):
     """The GGUF at ``path``, its magic checked first (a file that is something else says so,
     not what numpy makes of it). Raises GgufError; OSError when it cannot be read."""
     from gguf import GGUFReader  # lazy: numpy-heavy import, only the tracker needs it
@@ -127,7 +127,7 @@ def _check_registered(path: Path, sha256: str, size_bytes: int) -> None:
         raise GgufError(f"{path} now hashes to {digest}, not the registered {sha256}: the file changed")
 
 
-def read_registered_file(path: str | os.PathLike[str], sha256: str, size_bytes: int):  # noqa: ANN201
+def read_registered_file(path: str | os.PathLike[str], sha256: str, size_bytes: int):
     """(metadata prefix, [``agent.core.manifest.TensorFacts``] in file order) of the GGUF at
     ``path``, after checking that it is still the file registered (``size_bytes`` long,
     hashing to ``sha256``): one parse of the header, then

@@ -64,6 +64,7 @@ from agent.core.handouts import RouteHandouts
 from agent.core.heartbeat import admission_due, diff_assignment, read_report
 from agent.core.identity import peer_id_from_public_key
 from agent.core.liveness import Liveness
+from agent.core.manifest import ManifestError, build_manifest, sign_manifest
 from agent.core.routing import NoRoute, ReadyRange, plan_route
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
@@ -73,11 +74,10 @@ from agent.core.swarm_wire import (
     parse_record,
     tracker_reply_error,
 )
-from agent.core.manifest import ManifestError, build_manifest, sign_manifest
 from agent.io.tracker.gguf_info import GgufError, read_registered_file
-from agent.io.transport import TransportError
 from agent.io.tracker.store import NodeRecord, TrackerStore
 from agent.io.tracker.verifier import CheckOutcome, OpenPersona, VerifierConfig, VerifierStats
+from agent.io.transport import TransportError
 
 __all__ = ["Tracker", "TrackerConfig", "serve_tracker", "trio_unix_clock"]
 
@@ -488,7 +488,7 @@ class Tracker:
         nodes = {n.peer_id: n for n in self.store.nodes() if n.peer_id in alive}
         live = self._live_sessions()
 
-        def ready_range(row) -> ReadyRange:  # noqa: ANN001
+        def ready_range(row) -> ReadyRange:
             a = row.assignment
             in_use, total = live.get((a.peer_id, a.model_sha256, a.begin, a.end), (0, 0))
             cap = min(total, self.config.route_session_cap) if self.config.route_session_cap else total
@@ -565,7 +565,9 @@ class Tracker:
                 del self._probes[peer]
                 probe.done.set()
             if not probe.answered and peer in self.liveness:
-                self._mark_dead([peer], f"{remote_peer_id} lost it ({report.reason[:200]}) and it does not answer a probe")
+                self._mark_dead(
+                    [peer], f"{remote_peer_id} lost it ({report.reason[:200]}) and it does not answer a probe"
+                )
         else:
             await probe.done.wait()
         if probe.answered:
@@ -814,7 +816,8 @@ class Tracker:
         reported them in a heartbeat to this tracker."""
         return {
             (peer_id, s.assignment.model_sha256, s.assignment.begin, s.assignment.end): (
-                s.sequences_in_use, s.sequences_total
+                s.sequences_in_use,
+                s.sequences_total,
             )
             for peer_id, serving in self._serving.items()
             for s in serving

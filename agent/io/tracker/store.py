@@ -27,13 +27,11 @@ import contextlib
 import dataclasses
 import json
 import os
-import sqlite3
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 from agent._proto import swarm_pb2
 from agent.core.assignment import Assignment
-
 from agent.io import sqlite_db
 
 __all__ = ["STORE_SCHEMA_VERSION", "AssignmentRow", "NodeRecord", "StoreError", "TrackerStore", "open_store"]
@@ -56,7 +54,8 @@ CREATE TABLE node_integrity (
 );
 """
 
-_SCHEMA = """
+_SCHEMA = (
+    """
 CREATE TABLE schema_version (version INTEGER NOT NULL);
 CREATE TABLE nodes (
     peer_id TEXT PRIMARY KEY,
@@ -107,7 +106,9 @@ CREATE TABLE assignments (
     updated_at_ms INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (model_sha256, begin_block, end_block, peer_id)
 );
-""" + _INTEGRITY_TABLES
+"""
+    + _INTEGRITY_TABLES
+)
 
 #: version -> statements that bring a file of that version to the next one
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
@@ -455,7 +456,9 @@ class TrackerStore(sqlite_db.SqliteStore):
         for row in self.assignments():
             assigned.setdefault(row.assignment.peer_id, []).append(row.assignment)
         reported = dict(self._db.execute("SELECT peer_id, serving FROM nodes").fetchall())
-        integrity = {row[0]: row[1:] for row in self._db.execute("SELECT peer_id, checks_passed, refused FROM node_integrity")}
+        integrity = {
+            row[0]: row[1:] for row in self._db.execute("SELECT peer_id, checks_passed, refused FROM node_integrity")
+        }
         entries = []
         for node in self.nodes():
             entry = _parse(swarm_pb2.NodeEntry, reported.get(node.peer_id) or b"")

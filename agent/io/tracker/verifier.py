@@ -51,6 +51,8 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
+from agent.core.admission import public_key_bytes
+from agent.core.boundary import WireDType
 from agent.core.canary import (
     CanaryPlan,
     CanaryPolicy,
@@ -80,8 +82,6 @@ from agent.core.swarm_wire import (
     step_ack_error,
     validate_step,
 )
-from agent.core.admission import public_key_bytes
-from agent.core.boundary import WireDType
 from agent.core.topk import TopLogits
 from agent.core.worker_records import SeqInput, SeqOutput
 from agent.core.worker_wait import AUTO, WAIT_CHOICES
@@ -280,7 +280,9 @@ class ReferencePool:
         try:
             # a reference worker on a host that runs nodes too must not spin on their cores
             environment, wait = wait_environment(cfg.worker_wait)
-            log.info("reference worker for model %s blocks [%d, %d): idle threads %s", model_sha256[:12], begin, end, wait)
+            log.info(
+                "reference worker for model %s blocks [%d, %d): idle threads %s", model_sha256[:12], begin, end, wait
+            )
             async with open_worker(
                 path, begin, end, ctx_size=self._ctx_size, max_sequences=1, batch_size=self._batch_size,
                 threads=cfg.threads, model_sha256=model_sha256, ready_timeout_s=cfg.worker_ready_timeout_s,

@@ -63,8 +63,12 @@ async def test_two_peers_reached_only_through_the_relay_punch_a_direct_connectio
         # the first request goes through the relay and sets the punch off; it does not wait
         assert await a.request(b.peer_id, addrs, ECHO, b"one", timeout_s=5) == b"%s:one" % b.peer_id.encode()[-4:]
         assert a.fallback_requests == 1 and a.channel_requests == 0
-        await wait_until(lambda: a.connections_punched == 1 and b.connections_punched == 1)
-        assert a.puncher.book.succeeded[b.peer_id] == 1 and b.puncher.book.succeeded[a.peer_id] == 1
+        # the channel counts a punched connection when it takes it, the puncher books the
+        # success after handing it over: wait for both
+        await wait_until(
+            lambda: (a.puncher.book.succeeded[b.peer_id], b.puncher.book.succeeded[a.peer_id]) == (1, 1)
+        )
+        assert a.connections_punched == 1 and b.connections_punched == 1
         assert net.requests[PUNCH_PROTOCOL] == 2  # CONNECT and SYNC, relayed
         # now the direct connection carries the requests, both ways, with only the circuit address
         assert await a.request(b.peer_id, addrs, ECHO, b"two", timeout_s=5) == b"%s:two" % b.peer_id.encode()[-4:]

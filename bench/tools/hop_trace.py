@@ -139,13 +139,18 @@ def _install_transport_hooks() -> None:
     """The step and result messages on both paths: the direct channel (its ``request``, the
     frame write, and the frame reader taking in what TLS decrypted) and libp2p (the fallback)."""
     from agent.core import frames
-    from agent.io import channel, p2p
+    from agent.io import channel, channel_connection, p2p
 
     _wrap(channel.ChannelTransport, "request", "req", when=_is_step_or_result)
     # a push sent from the serving task (request_soon): the request and its frame write in one call
     _wrap(channel.ChannelTransport, "request_soon", "req", when=_is_step_or_result_soon)
-    _wrap(channel._Connection, "send_frame", "wr", when=lambda _self, _header, payload: len(payload))
-    _wrap(channel._Connection, "request_soon", "wr", when=lambda _self, _protocol_id, payload, **_k: len(payload))
+    _wrap(channel_connection._Connection, "send_frame", "wr", when=lambda _self, _header, payload: len(payload))
+    _wrap(
+        channel_connection._Connection,
+        "request_soon",
+        "wr",
+        when=lambda _self, _protocol_id, payload, **_k: len(payload),
+    )
     # the channel decrypts straight into the reader's buffer, then commits what came
     _wrap(frames.FrameReader, "commit", "rd")
     _wrap(p2p.P2PTransport, "request", "req", when=_is_step_or_result)

@@ -166,7 +166,7 @@ def install_worker_hooks() -> None:
     """The worker Forward: the async call (encode, the exchange, decode), the exchange itself
     (the Forward stream's, or the gRPC call's), and with gRPC the blocking call on the client's
     call thread (``WorkerClient.blocking_call``: gRPC + the worker's compute)."""
-    from agent.io import worker_client
+    from agent.io import worker_client, worker_stream
 
     # extra: the Forward's entries (sequences), which tells a lock-step round's Forwards apart;
     # at fwd_out, the worker's own time in it (µs, ForwardReply.compute_us)
@@ -180,7 +180,7 @@ def install_worker_hooks() -> None:
         "call",
         when=lambda _s, method, *a, **k: 1 if method == "Forward" else None,
     )
-    _wrap(worker_client._ForwardStream, "exchange", "call")
+    _wrap(worker_stream._ForwardStream, "exchange", "call")
     _wrap(
         worker_client.WorkerClient,
         "blocking_call",

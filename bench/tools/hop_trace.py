@@ -139,7 +139,7 @@ def _install_transport_hooks() -> None:
     """The step and result messages on both paths: the direct channel (its ``request``, the
     frame write, and the frame reader taking in what TLS decrypted) and libp2p (the fallback)."""
     from agent.core import frames
-    from agent.io import channel, channel_connection, p2p
+    from agent.io import channel, channel_connection, p2p_streams, p2p_transport
 
     _wrap(channel.ChannelTransport, "request", "req", when=_is_step_or_result)
     # a push sent from the serving task (request_soon): the request and its frame write in one call
@@ -153,10 +153,10 @@ def _install_transport_hooks() -> None:
     )
     # the channel decrypts straight into the reader's buffer, then commits what came
     _wrap(frames.FrameReader, "commit", "rd")
-    _wrap(p2p.P2PTransport, "request", "req", when=_is_step_or_result)
-    framed = getattr(p2p, "_FramedStream", None)
+    _wrap(p2p_transport.P2PTransport, "request", "req", when=_is_step_or_result)
+    framed = getattr(p2p_streams, "_FramedStream", None)
     if framed is None:
-        _missing.append("p2p._FramedStream")
+        _missing.append("p2p_streams._FramedStream")
     else:
         _wrap(framed, "write_frame", "wr", when=lambda _self, payload: len(payload))
         _wrap(framed, "read_frame", "rd")

@@ -179,7 +179,7 @@ def _run_parity(args: argparse.Namespace) -> int:
 
     from agent.core.parity import Scenario
     from agent.harness.parity_run import run_parity
-    from agent.io.worker_client import WorkerError
+    from agent.io.worker_error import WorkerError
     from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError
 
     scenario = None

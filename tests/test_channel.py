@@ -17,7 +17,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.core import frames
 from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
-from agent.io.channel import ChannelConfig, _TlsStream, open_channel_transport, tls_contexts
+from agent.io.channel import open_channel_transport
+from agent.io.channel_config import ChannelConfig
+from agent.io.channel_tls import _TlsStream, tls_contexts
 from agent.io.keys import peer_id_of
 from agent.io.transport import ImmediateHandler, MemoryNetwork, TransportError
 

@@ -25,7 +25,7 @@ from agent.core.boundary import BoundaryError, BoundarySchema, WireDType
 from agent.core.parity import ParityReport, Scenario
 from agent.core.worker_records import SeqInput
 from agent.harness.parity_run import make_prompts, open_workers, run_parity
-from agent.io.worker_client import WorkerError
+from agent.io.worker_error import WorkerError
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(600)]
 

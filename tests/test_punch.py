@@ -14,7 +14,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
 from agent.core.punch import PUNCH_PROTOCOL, PunchConfig, connect_request, sync_request
-from agent.io.channel import ChannelConfig, ChannelTransport, open_channel_transport
+from agent.io.channel import ChannelTransport, open_channel_transport
+from agent.io.channel_config import ChannelConfig
 from agent.io.keys import peer_id_of
 from agent.io.punch import simultaneous_open
 from agent.io.transport import MemoryNetwork

@@ -18,7 +18,8 @@ import trio
 
 from agent.core.worker_records import SeqInput, TokenAttr, Vocabulary
 from agent.io.gguf_sparse import gguf_metadata_prefix, write_sparse_gguf
-from agent.io.worker_client import AsyncWorkerClient, WorkerError
+from agent.io.worker_client import AsyncWorkerClient
+from agent.io.worker_error import WorkerError
 from agent.io.worker_process import WorkerStartError, find_worker_binary, open_worker, worker_argv
 from agent.models import cached_sha256
 

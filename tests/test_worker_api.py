@@ -30,7 +30,8 @@ from agent.core.topk import WORKER_LOG_SUM_EXP_BOUND, select_top_k
 from agent.core.worker_records import SeqInput
 from agent.harness.parity_run import compare_workers, make_prompts, open_workers
 from agent.io import worker_process
-from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
+from agent.io.worker_client import AsyncWorkerClient, ClientConfig
+from agent.io.worker_error import WorkerError
 from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError, find_worker_binary, open_worker
 from agent.models import sha256_file
 

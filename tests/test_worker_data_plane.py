@@ -22,7 +22,7 @@ from agent.core import data_frames
 from agent.core.data_frames import DataFrameError, OwnerSession, SessionKeys
 from agent.core.worker_records import SeqInput
 from agent.io.data_link import DataLink, DataLinkClosed, open_data_link
-from agent.io.worker_client import WorkerError
+from agent.io.worker_error import WorkerError
 from agent.io.worker_process import WorkerHandle, open_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.timeout(180)]

@@ -57,7 +57,7 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from agent.harness.local_swarm import ProcessDied
     from agent.io.client import GenerationError, SwarmError
     from agent.io.transport import TransportError
-    from agent.io.worker_client import WorkerError
+    from agent.io.worker_error import WorkerError
     from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError
 
     return (

@@ -16,7 +16,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.core.multiaddrs import tcp_hosts
 from agent.core.punch import PunchConfig
-from agent.io.channel import ChannelConfig, open_channel_transport
+from agent.io.channel import open_channel_transport
+from agent.io.channel_config import ChannelConfig
 from agent.io.transport import Transport
 
 __all__ = ["channel_host_for", "open_peer_transport"]

@@ -26,7 +26,8 @@ import trio
 from agent.core.chat_template import ChatTemplate, ChatTemplateError
 from agent.core.worker_records import Vocabulary
 from agent.io.gguf_sparse import write_sparse_gguf
-from agent.io.worker_client import AsyncWorkerClient, WorkerError
+from agent.io.worker_client import AsyncWorkerClient
+from agent.io.worker_error import WorkerError
 from agent.io.worker_process import open_worker
 
 __all__ = ["ModelVocab", "VocabularyError", "VocabularyPool", "serve_vocabularies"]

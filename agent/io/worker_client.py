@@ -1,7 +1,9 @@
 """gRPC client of one native shard worker (``protocol/worker.proto``) on a Unix socket.
 
-Owns the channel, deadlines, the conversion between ``agent.core.worker_records`` and the
-generated protobuf messages, and the mapping of gRPC failures onto ``WorkerError``.
+Owns the channel, deadlines, and the mapping of gRPC failures onto ``WorkerError``
+(``agent.io.worker_error``); the conversions between ``agent.core.worker_records`` and the
+generated protobuf messages are ``agent.io.worker_messages``, and Forward over the worker's
+Forward socket is ``agent.io.worker_stream``.
 ``WorkerClient`` is synchronous; ``AsyncWorkerClient`` offers the same calls to trio code
 by running them in worker threads (grpcio's asyncio API needs an asyncio loop and must
 not be used under trio).
@@ -15,32 +17,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import queue
-import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 import outcome
 import trio
-from google.protobuf.message import DecodeError
 
 from agent._proto import worker_pb2, worker_pb2_grpc
-from agent.core.boundary import (
-    RESIDUAL,
-    BoundaryError,
-    BoundarySchema,
-    WireDType,
-    check_boundary_schema,
-    decode_rows,
-    encode_rows,
-)
-from agent.core.topk import TopLogits
 from agent.core.worker_records import (
     SCHEMA_VERSION,
-    BoundarySchemaInfo,
     ForwardTiming,
     SeqInput,
     SeqOutput,
@@ -48,7 +36,17 @@ from agent.core.worker_records import (
     WorkerHealth,
     WorkerInfo,
 )
-from agent.io import raw_socket
+from agent.io.worker_error import WorkerError
+from agent.io.worker_messages import (
+    _health_from_reply,
+    _info_from_reply,
+    _vocabulary_from_reply,
+    detokenize_request,
+    forward_outputs,
+    forward_request,
+    tokenize_request,
+)
+from agent.io.worker_stream import _ForwardStream
 
 __all__ = [
     "AsyncWorkerClient",
@@ -57,7 +55,6 @@ __all__ = [
     "SeqOutput",
     "Vocabulary",
     "WorkerClient",
-    "WorkerError",
     "WorkerHealth",
     "WorkerInfo",
 ]
@@ -67,21 +64,6 @@ T = TypeVar("T")
 #: Largest gRPC message either way: a 512-row batch of logits over a 49152-token vocabulary
 #: is 512 * 49152 * 4 bytes ~ 100 MB; twice that leaves room for bigger vocabularies.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-
-
-class WorkerError(Exception):
-    """A worker call failed: ``code_name`` is the gRPC status name (``"INVALID_ARGUMENT"``,
-    ``"UNAVAILABLE"``, ``"DEADLINE_EXCEEDED"``, ...) and ``message`` the worker's details."""
-
-    def __init__(self, code_name: str, message: str, *, method: str = "") -> None:
-        super().__init__(code_name, message)
-        self.code_name = code_name
-        self.message = message
-        self.method = method
-
-    def __str__(self) -> str:
-        where = f"{self.method}: " if self.method else ""
-        return f"{where}{self.code_name}: {self.message}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,206 +95,6 @@ def _rpc_error(method: str, error: grpc.RpcError) -> WorkerError:
     details = error.details() if hasattr(error, "details") else None
     name = code.name if code is not None else "UNKNOWN"
     return WorkerError(name, details or str(error), method=method)
-
-
-# --- conversions (no I/O) ----------------------------------------------------------------
-
-
-def _info_from_reply(reply: worker_pb2.InfoReply) -> WorkerInfo:
-    b = reply.boundary
-    return WorkerInfo(
-        schema_version=reply.schema_version,
-        architecture=reply.architecture,
-        n_layer=reply.n_layer,
-        n_embd=reply.n_embd,
-        n_vocab=reply.n_vocab,
-        layer_begin=reply.layer_begin,
-        layer_end=reply.layer_end,
-        takes_tokens=reply.takes_tokens,
-        gives_logits=reply.gives_logits,
-        boundary=BoundarySchemaInfo(
-            version=b.version,
-            name=b.name,
-            n_embd=b.n_embd,
-            dtype=int(b.dtype),
-            streams=b.streams or 1,
-            row_values=b.row_values,
-        ),
-        recipe_hash=reply.recipe_hash,
-        model_sha256=reply.model_sha256,
-        llama_cpp_commit=reply.llama_cpp_commit,
-        patch_series_sha256=reply.patch_series_sha256,
-        backend=reply.backend,
-        weight_bytes=reply.weight_bytes,
-        weight_buffer_bytes=reply.weight_buffer_bytes,
-        kv_bytes=reply.kv_bytes,
-        n_ctx_per_sequence=reply.n_ctx_per_sequence,
-        n_seq_max=reply.n_seq_max,
-        n_batch_max=reply.n_batch_max,
-        model_path=reply.model_path,
-        n_threads=reply.n_threads,
-        eog_token_ids=tuple(reply.eog_token_ids),
-        vocab_only=reply.vocab_only,
-        data_port=reply.data_port,
-        n_threads_decode=reply.n_threads_decode,
-    )
-
-
-def _health_from_reply(reply: worker_pb2.HealthReply) -> WorkerHealth:
-    return WorkerHealth(
-        schema_version=reply.schema_version,
-        ready=reply.ready,
-        forward_calls=reply.forward_calls,
-        active_sequences=reply.active_sequences,
-        data_plane_forwards=reply.data_plane_forwards,
-        data_plane_steps=reply.data_plane_steps,
-        data_plane_compute_us=reply.data_plane_compute_us,
-    )
-
-
-def _vocabulary_from_reply(reply: worker_pb2.VocabularyReply) -> Vocabulary:
-    """Raises ValueError when the reply's pieces or attrs do not match its n_vocab."""
-    return Vocabulary(
-        schema_version=reply.schema_version,
-        n_vocab=reply.n_vocab,
-        pieces=tuple(reply.pieces),
-        attrs=tuple(reply.attrs),
-        bos_token_id=reply.bos_token_id if reply.bos_token_id >= 0 else None,
-        add_bos=reply.add_bos,
-        eog_token_ids=tuple(reply.eog_token_ids),
-    )
-
-
-def tokenize_request(text: str, add_special: bool, parse_special: bool) -> worker_pb2.TokenizeRequest:
-    return worker_pb2.TokenizeRequest(
-        schema_version=SCHEMA_VERSION, text=text, add_special=add_special, parse_special=parse_special
-    )
-
-
-def detokenize_request(
-    token_ids: Sequence[int], remove_special: bool, unparse_special: bool
-) -> worker_pb2.DetokenizeRequest:
-    return worker_pb2.DetokenizeRequest(
-        schema_version=SCHEMA_VERSION,
-        token_ids=[int(t) for t in token_ids],
-        remove_special=remove_special,
-        unparse_special=unparse_special,
-    )
-
-
-def forward_request(entries: Sequence[SeqInput], info: WorkerInfo) -> worker_pb2.ForwardRequest:
-    """Encode ``entries`` for a worker described by ``info``. An entry's ``boundary_bytes``
-    (rows already checked) go as they are; other boundary rows are checked and encoded.
-
-    Raises:
-      ValueError: an entry is inconsistent in itself (``SeqInput.check``).
-      agent.core.boundary.BoundaryError: boundary rows are not float32 ``[n, n_embd]`` or
-        hold NaN/Inf. (To send such rows on purpose, build the protobuf yourself and use
-        ``WorkerClient.call``.)
-    """
-    request = worker_pb2.ForwardRequest(schema_version=SCHEMA_VERSION)
-    expected = info.boundary.schema
-    width = info.boundary.width
-    for entry in entries:
-        entry.check()
-        msg = request.entries.add()
-        msg.seq_id = entry.seq_id
-        msg.positions.extend(_ints(entry.positions))
-        if entry.token_ids is not None:
-            msg.token_ids.extend(_ints(entry.token_ids))
-        else:
-            if entry.boundary_schema is not None and entry.boundary_schema != expected:
-                check_boundary_schema(entry.boundary_schema, expected)
-            assert entry.boundary is not None  # check(): exactly one of token_ids, boundary
-            msg.boundary = encode_rows(entry.boundary, width, WireDType.F32, checked_bytes=entry.boundary_bytes)
-            msg.boundary_dtype = worker_pb2.DTYPE_F32
-            msg.boundary_schema_version = expected.version
-            msg.boundary_streams = expected.streams
-        if entry.logit_rows:
-            msg.logit_rows.extend(int(r) for r in entry.logit_rows)
-        if entry.top_k:
-            msg.top_k = int(entry.top_k)
-    return request
-
-
-def _ints(values: Sequence[int] | np.ndarray) -> list[int]:
-    """``values`` as Python ints (numpy's in one call, not one by one)."""
-    return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]
-
-
-def forward_outputs(reply: worker_pb2.ForwardReply, info: WorkerInfo) -> list[SeqOutput]:
-    """Decode a ForwardReply (boundary rows of width n_embd or logits of width n_vocab).
-    F32 boundary rows stay a view of the reply's bytes, which the outputs carry too
-    (``SeqOutput.boundary_bytes``) for the next hop.
-
-    Raises:
-      agent.core.boundary.BoundaryError: a byte length that does not match ``n_rows``, an
-        unspecified reply dtype, or non-finite boundary rows.
-    """
-    outputs = []
-    expected = info.boundary.schema
-    width = info.boundary.width
-    dtype = reply.dtype
-    for out in reply.entries:
-        boundary = logits = boundary_bytes = None
-        schema = None
-        data = out.boundary
-        if data:
-            version, streams = out.boundary_schema_version, out.boundary_streams
-            declared = (version or RESIDUAL, streams or 1, info.n_embd)
-            if declared == (expected.version, expected.streams, expected.n_embd):
-                schema = expected
-            else:
-                schema = BoundarySchema.declared(version, streams, info.n_embd)
-                check_boundary_schema(schema, expected)
-            boundary = decode_rows(data, out.n_rows, width, dtype)
-            if dtype == worker_pb2.DTYPE_F32:
-                boundary_bytes = data
-        if out.logits:
-            logits = decode_rows(out.logits, out.n_rows, info.n_vocab, dtype, check_finite=False)
-        outputs.append(
-            SeqOutput(
-                seq_id=out.seq_id,
-                boundary=boundary,
-                logits=logits,
-                logit_rows=tuple(out.logit_rows),
-                next_position=out.next_position,
-                boundary_schema=schema,
-                top=_top_from_output(out, info.n_vocab),
-                boundary_bytes=boundary_bytes,
-            )
-        )
-    return outputs
-
-
-def _top_from_output(out: worker_pb2.SequenceOutput, n_vocab: int) -> tuple[TopLogits, ...]:
-    """The per-row top-K of a SequenceOutput (empty when it carries none).
-
-    Raises:
-      BoundaryError: byte lengths that do not match ``n_rows x top_k``, or a row that is not a
-        well-formed top-K (``TopLogits.check``).
-    """
-    if not out.top_k:
-        return ()
-    k, n_rows = out.top_k, out.n_rows
-    if (
-        len(out.top_token_ids) != n_rows * k * 4
-        or len(out.top_logits) != n_rows * k * 4
-        or len(out.log_sum_exp) != n_rows
-    ):
-        raise BoundaryError(
-            f"top-{k} of {n_rows} rows: got {len(out.top_token_ids)} id bytes, {len(out.top_logits)} logit bytes "
-            f"and {len(out.log_sum_exp)} log-sum-exps"
-        )
-    ids = np.frombuffer(out.top_token_ids, dtype="<i4").reshape(n_rows, k)
-    values = np.frombuffer(out.top_logits, dtype="<f4").reshape(n_rows, k)
-    rows = tuple(TopLogits(ids[r], values[r], float(out.log_sum_exp[r]), n_vocab) for r in range(n_rows))
-    for row in rows:
-        try:
-            row.check()
-        except ValueError as err:
-            raise BoundaryError(f"top-{k} from the worker: {err}") from err
-    return rows
 
 
 # --- the synchronous client --------------------------------------------------------------
@@ -514,229 +296,6 @@ class _CallThreads:
     def close(self) -> None:
         for _ in self._threads:
             self._jobs.put(None)
-
-
-_STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
-_PREFIX_BYTES = 4  # the Forward stream's frame prefix: a little-endian u32 length
-_REPLY_BUFFER_BYTES = 1 << 20  # holds a decode step's full logits row (SmolLM2: 197 KB) and more
-_REPLY_BUFFER_MAX_KEPT_BYTES = 16 << 20  # a bigger buffer (a long prefill's reply) is let go after use
-_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-
-
-#: an empty request: the worker answers it at once; it ends a run-ahead (protocol/worker.proto)
-_BARRIER = worker_pb2.ForwardRequest(schema_version=SCHEMA_VERSION)
-
-
-def _framed(request: worker_pb2.ForwardRequest) -> bytes:
-    return len(payload := request.SerializeToString()).to_bytes(_PREFIX_BYTES, "little") + payload
-
-
-class _StaleConnection(Exception):
-    """The Forward stream's open connection broke before any reply byte: try a fresh one."""
-
-
-class _ForwardStream:
-    """Forward over the worker's Forward stream (``--forward-socket``; protocol/worker.proto,
-    ``ForwardStreamReply``): one Unix-socket connection that a trio task awaits directly.
-
-    Why: the gRPC call hands each Forward to a call thread and back (two wake-ups, ~0.35 ms
-    a step in bench/results/compare.md's trace) and pays gRPC's per-call work on both sides;
-    here the task writes a frame and sleeps in the event loop until the reply frame is read, on
-    a raw non-blocking socket (``agent.io.raw_socket``: no scheduler pass per send or receive
-    that need not wait), into one reused buffer that the reply is parsed from in place.
-
-    One Forward at a time (a lock; the worker runs one at a time anyway), replies in order.
-    A call that times out, is cancelled or sees the connection break closes the connection
-    (a late reply must not be read as the next call's), and the next call connects again.
-    """
-
-    def __init__(self, path: str, max_reply_bytes: int) -> None:
-        self.path = path
-        self.max_reply_bytes = max_reply_bytes
-        self._lock = trio.Lock()
-        self._sock: socket.socket | None = None
-        # replies are read into one buffer, grown to the largest reply (and shrunk back after
-        # an outsized one) and parsed in place: no copy per receive, no fresh object per reply
-        self._buffer = bytearray(_REPLY_BUFFER_BYTES)
-        self._filled = 0  # bytes of the buffer that hold received data
-
-    async def _fill(self, sock: socket.socket) -> bool:
-        """Receive more of the reply; whether it had to wait. Raises BrokenResourceError
-        when the worker closed the connection."""
-        with memoryview(self._buffer) as view:
-            received, waited = await raw_socket.receive_into(sock, view[self._filled :])
-        if not received:
-            raise trio.BrokenResourceError("the worker closed the Forward stream")
-        self._filled += received
-        return waited
-
-    def _room_for(self, n: int) -> None:
-        if len(self._buffer) < n:
-            grown = bytearray(max(n, 2 * len(self._buffer)))
-            grown[: self._filled] = memoryview(self._buffer)[: self._filled]  # (no interim copy)
-            self._buffer = grown
-
-    async def exchange(self, request: worker_pb2.ForwardRequest, timeout_s: float) -> worker_pb2.ForwardReply:
-        data = _framed(request)
-        try:
-            with trio.fail_after(timeout_s):  # the wait for the lock counts too
-                await raw_socket.acquire(self._lock)  # free: no scheduler pass before the send
-                try:
-                    frame = await self._exchange_locked(data)
-                finally:
-                    self._lock.release()
-        except trio.TooSlowError:
-            raise WorkerError("DEADLINE_EXCEEDED", f"no Forward reply within {timeout_s} s", method="Forward") from None
-        return await self._reply_of(frame)
-
-    async def _reply_of(self, frame: worker_pb2.ForwardStreamReply) -> worker_pb2.ForwardReply:
-        if frame.code:
-            if frame.code == _RESOURCE_EXHAUSTED:  # a frame over the worker's limit: it closed the connection
-                await self.close()
-            raise WorkerError(_STATUS_NAMES.get(frame.code, "UNKNOWN"), frame.message, method="Forward")
-        return frame.reply
-
-    async def run_ahead(
-        self,
-        request: worker_pb2.ForwardRequest,
-        timeout_s: float,
-        on_reply: Callable[[worker_pb2.ForwardReply], Awaitable[bool]],
-    ) -> int:
-        """``request`` (one entry asking for a run-ahead: ``SequenceInput.run_ahead_steps``)
-        and its run: ``on_reply`` gets the request's reply, then each run-ahead step's, in
-        order, and returns whether to go on. When it says stop while the worker has more, an
-        empty request ends the run and the frames already sent are read and dropped. Returns
-        the positions the sequence holds on the worker afterwards (the run's dropped steps
-        included: trim them before going on from an earlier position). ``timeout_s`` bounds
-        each frame's wait. A step's error ends the run and raises; so does anything that
-        leaves the connection's state unknown (a timeout, a cancellation), which closes it."""
-        data = _framed(request)
-        try:
-            with trio.fail_after(timeout_s):
-                await raw_socket.acquire(self._lock)
-            try:
-                return await self._run_ahead_locked(data, timeout_s, on_reply)
-            finally:
-                self._lock.release()
-        except trio.TooSlowError:
-            raise WorkerError("DEADLINE_EXCEEDED", f"no Forward reply within {timeout_s} s", method="Forward") from None
-
-    async def _run_ahead_locked(
-        self, data: bytes, timeout_s: float, on_reply: Callable[[worker_pb2.ForwardReply], Awaitable[bool]]
-    ) -> int:
-        with trio.fail_after(timeout_s):
-            frame = await self._exchange_locked(data)
-        reply = await self._reply_of(frame)
-        async with self._closed_on_failure():
-            position = reply.entries[0].next_position if reply.entries else 0
-            more = frame.run_ahead_more
-            wanted = await on_reply(reply)
-            while more and wanted:
-                with trio.fail_after(timeout_s):
-                    frame = await self._next_frame(self._sock)
-                more = frame.run_ahead_more
-                if not frame.run_ahead:
-                    raise WorkerError("INTERNAL", "the worker answered a request nobody sent", method="Forward")
-                reply = await self._reply_of(frame)  # a step's error ends the run: its frame is the last
-                position = reply.entries[0].next_position
-                wanted = await on_reply(reply)
-            if more:  # the caller stopped first: end the run, drop its frames up to the barrier's answer
-                with trio.fail_after(timeout_s):
-                    if self._sock is None:  # closed while on_reply ran: as _next_frame says it
-                        raise trio.ClosedResourceError("the Forward stream is closed")
-                    await raw_socket.send_all(self._sock, _framed(_BARRIER))
-                    while (frame := await self._next_frame(self._sock)).run_ahead:
-                        if not frame.code and frame.reply.entries:
-                            position = frame.reply.entries[0].next_position
-        return position
-
-    @contextlib.asynccontextmanager
-    async def _closed_on_failure(self) -> AsyncIterator[None]:
-        """Around a use of the connection: any failure leaves its state unknown (a reply half
-        read, a run still going), so it is closed, and the next call connects again; a socket
-        error is a WorkerError UNAVAILABLE."""
-        try:
-            yield
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as error:
-            await self.close()
-            raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
-        except BaseException:
-            await self.close()
-            raise
-
-    async def _exchange_locked(self, data: bytes) -> worker_pb2.ForwardStreamReply:
-        """One request and its reply. A connection that was already open and turns out broken
-        before any reply byte (the worker closed it meanwhile) is replaced once: the request
-        is sent again on a fresh one (a Forward the worker did run would be refused there,
-        its positions no longer continuing the sequence; never applied twice)."""
-        try:
-            return await self._exchange_once(data, may_retry=self._sock is not None)
-        except _StaleConnection:
-            return await self._exchange_once(data, may_retry=False)
-
-    async def _exchange_once(self, data: bytes, *, may_retry: bool) -> worker_pb2.ForwardStreamReply:
-        """``_exchange_locked`` on the open connection (or a new one). Raises _StaleConnection
-        (``may_retry`` only) when it broke before any reply byte; any other failure closes it."""
-        async with self._closed_on_failure():
-            if self._sock is None:
-                self._sock = raw_socket.adopt(await trio.open_unix_socket(self.path))
-                self._filled = 0
-            sock = self._sock
-            try:
-                await raw_socket.send_all(sock, data)
-                waited = False
-                while self._filled < _PREFIX_BYTES:
-                    waited = await self._fill(sock) or waited
-            except (OSError, trio.BrokenResourceError) as error:
-                if may_retry and not self._filled:
-                    raise _StaleConnection from None
-                raise WorkerError("UNAVAILABLE", f"Forward stream {self.path}: {error}", method="Forward") from None
-            return await self._next_frame(sock, waited=waited)
-
-    async def _next_frame(self, sock: socket.socket | None, *, waited: bool = False) -> worker_pb2.ForwardStreamReply:
-        """The next frame from the worker (its first bytes may be in the buffer already).
-        Bytes after it stay in the buffer only where the frame says more follow (a run-ahead's):
-        a worker sends nothing unasked otherwise."""
-        if sock is None:
-            raise trio.ClosedResourceError("the Forward stream is closed")
-        while self._filled < _PREFIX_BYTES:
-            waited = await self._fill(sock) or waited
-        size = int.from_bytes(self._buffer[:_PREFIX_BYTES], "little")
-        if size > self.max_reply_bytes:
-            raise WorkerError(
-                "RESOURCE_EXHAUSTED",
-                f"a Forward stream reply of {size} bytes is over {self.max_reply_bytes}",
-                method="Forward",
-            )
-        end = _PREFIX_BYTES + size
-        self._room_for(end)
-        while self._filled < end:
-            waited = await self._fill(sock) or waited
-        try:
-            with memoryview(self._buffer) as view:
-                # protobuf parses any buffer; its stubs say bytes (a copy per frame to please them)
-                frame = worker_pb2.ForwardStreamReply.FromString(view[_PREFIX_BYTES:end])  # type: ignore[arg-type]
-        except DecodeError:
-            raise WorkerError("INTERNAL", "the Forward stream reply does not parse", method="Forward") from None
-        if self._filled > end:
-            if not frame.run_ahead_more:  # (the worker sends one reply per request, and the run's frames)
-                raise WorkerError("INTERNAL", "the worker sent bytes after its reply", method="Forward")
-            self._buffer[: self._filled - end] = self._buffer[end : self._filled]
-            self._filled -= end
-        else:
-            self._filled = 0
-            if len(self._buffer) > _REPLY_BUFFER_MAX_KEPT_BYTES:
-                self._buffer = bytearray(_REPLY_BUFFER_BYTES)
-        if not waited:  # the reply was there at once: still a checkpoint, as trio expects
-            await trio.lowlevel.checkpoint()
-        return frame
-
-    async def close(self) -> None:
-        sock, self._sock = self._sock, None
-        self._filled = 0
-        if sock is not None:
-            sock.close()
-        await trio.lowlevel.cancel_shielded_checkpoint()  # (also called while a cancellation unwinds)
 
 
 def _outcome(result: tuple[bool, Any]) -> Any:

@@ -25,7 +25,8 @@ from agent.io.cpu_policy import apply_cpu_policy, cpu_policy_from_env
 from agent.io.log_tail import LOG_TAIL_BYTES
 from agent.io.log_tail import log_tail as read_log_tail
 
-from .worker_client import AsyncWorkerClient, ClientConfig, WorkerError
+from .worker_client import AsyncWorkerClient, ClientConfig
+from .worker_error import WorkerError
 
 __all__ = [
     "WorkerBinaryNotFound",

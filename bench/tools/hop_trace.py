@@ -139,19 +139,24 @@ def _install_transport_hooks() -> None:
     """The step and result messages on both paths: the direct channel (its ``request``, the
     frame write, and the frame reader taking in what TLS decrypted) and libp2p (the fallback)."""
     from agent.core import frames
-    from agent.io import channel, p2p
+    from agent.io import channel, channel_connection, p2p_streams, p2p_transport
 
     _wrap(channel.ChannelTransport, "request", "req", when=_is_step_or_result)
     # a push sent from the serving task (request_soon): the request and its frame write in one call
     _wrap(channel.ChannelTransport, "request_soon", "req", when=_is_step_or_result_soon)
-    _wrap(channel._Connection, "send_frame", "wr", when=lambda _self, _header, payload: len(payload))
-    _wrap(channel._Connection, "request_soon", "wr", when=lambda _self, _protocol_id, payload, **_k: len(payload))
+    _wrap(channel_connection._Connection, "send_frame", "wr", when=lambda _self, _header, payload: len(payload))
+    _wrap(
+        channel_connection._Connection,
+        "request_soon",
+        "wr",
+        when=lambda _self, _protocol_id, payload, **_k: len(payload),
+    )
     # the channel decrypts straight into the reader's buffer, then commits what came
     _wrap(frames.FrameReader, "commit", "rd")
-    _wrap(p2p.P2PTransport, "request", "req", when=_is_step_or_result)
-    framed = getattr(p2p, "_FramedStream", None)
+    _wrap(p2p_transport.P2PTransport, "request", "req", when=_is_step_or_result)
+    framed = getattr(p2p_streams, "_FramedStream", None)
     if framed is None:
-        _missing.append("p2p._FramedStream")
+        _missing.append("p2p_streams._FramedStream")
     else:
         _wrap(framed, "write_frame", "wr", when=lambda _self, payload: len(payload))
         _wrap(framed, "read_frame", "rd")
@@ -161,7 +166,7 @@ def install_worker_hooks() -> None:
     """The worker Forward: the async call (encode, the exchange, decode), the exchange itself
     (the Forward stream's, or the gRPC call's), and with gRPC the blocking call on the client's
     call thread (``WorkerClient.blocking_call``: gRPC + the worker's compute)."""
-    from agent.io import worker_client
+    from agent.io import worker_client, worker_stream
 
     # extra: the Forward's entries (sequences), which tells a lock-step round's Forwards apart;
     # at fwd_out, the worker's own time in it (µs, ForwardReply.compute_us)
@@ -175,7 +180,7 @@ def install_worker_hooks() -> None:
         "call",
         when=lambda _s, method, *a, **k: 1 if method == "Forward" else None,
     )
-    _wrap(worker_client._ForwardStream, "exchange", "call")
+    _wrap(worker_stream._ForwardStream, "exchange", "call")
     _wrap(
         worker_client.WorkerClient,
         "blocking_call",

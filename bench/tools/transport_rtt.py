@@ -42,7 +42,8 @@ from _bootstrap import REPO_ROOT
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.core.frames import decode_uvarint, encode_uvarint
-from agent.io.channel import ChannelConfig, open_channel_transport
+from agent.io.channel import open_channel_transport
+from agent.io.channel_config import ChannelConfig
 from agent.io.cpu_policy import apply_cpu_policy
 from agent.io.keys import peer_id_of
 from agent.io.p2p import open_p2p_transport

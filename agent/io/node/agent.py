@@ -141,7 +141,8 @@ from agent.core.worker_records import SeqInput, SeqOutput, WorkerHealth, WorkerI
 from agent.core.worker_wait import AUTO
 from agent.io.local_host import is_this_host
 from agent.io.transport import ImmediateHandler, Transport, TransportError
-from agent.io.worker_client import AsyncWorkerClient, ClientConfig, WorkerError
+from agent.io.worker_client import AsyncWorkerClient, ClientConfig
+from agent.io.worker_error import WorkerError
 from agent.io.worker_process import (
     WorkerBinaryNotFound,
     WorkerHandle,

@@ -86,7 +86,8 @@ from agent.core.topk import TopLogits
 from agent.core.worker_records import SeqInput, SeqOutput
 from agent.core.worker_wait import AUTO, WAIT_CHOICES
 from agent.io.transport import Transport, TransportError
-from agent.io.worker_client import ClientConfig, WorkerError
+from agent.io.worker_client import ClientConfig
+from agent.io.worker_error import WorkerError
 from agent.io.worker_process import WorkerBinaryNotFound, WorkerHandle, WorkerStartError, open_worker, wait_environment
 
 __all__ = [

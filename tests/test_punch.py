@@ -66,9 +66,7 @@ async def test_two_peers_reached_only_through_the_relay_punch_a_direct_connectio
         assert a.fallback_requests == 1 and a.channel_requests == 0
         # the channel counts a punched connection when it takes it, the puncher books the
         # success after handing it over: wait for both
-        await wait_until(
-            lambda: (a.puncher.book.succeeded[b.peer_id], b.puncher.book.succeeded[a.peer_id]) == (1, 1)
-        )
+        await wait_until(lambda: (a.puncher.book.succeeded[b.peer_id], b.puncher.book.succeeded[a.peer_id]) == (1, 1))
         assert a.connections_punched == 1 and b.connections_punched == 1
         assert net.requests[PUNCH_PROTOCOL] == 2  # CONNECT and SYNC, relayed
         # now the direct connection carries the requests, both ways, with only the circuit address

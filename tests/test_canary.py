@@ -229,7 +229,9 @@ async def test_a_persona_answers_a_step_batch_as_a_node_does_and_takes_only_its_
     taken, another session's step and a step from another peer are NOT_FOUND, and a batch that
     does not parse gets one INVALID_ARGUMENT ack (a persona that answered otherwise would be a
     tell to a node that cheats only when it is not watched)."""
-    from agent.core.swarm_wire import RangeSpec, crc32, step_batch
+    from agent.core.step_batch import step_batch
+    from agent.core.step_validation import RangeSpec
+    from agent.core.swarm_wire import crc32
     from agent.io.tracker.verifier import _Inbox
 
     Code = swarm_pb2.Error.Code

@@ -64,23 +64,21 @@ from agent.core.canary import (
     plan_canary,
 )
 from agent.core.identity import peer_id_from_public_key
+from agent.core.step_batch import answer_step_batch
+from agent.core.step_requests import boundary_step_request, first_step_request
+from agent.core.step_results import result_scores
+from agent.core.step_validation import RangeSpec, validate_step
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
     SCHEMA_VERSION,
     STEP_PROTOCOL,
     STEPS_PROTOCOL,
-    RangeSpec,
     WireError,
-    answer_step_batch,
-    boundary_step_request,
-    first_step_request,
     node_reply_error,
     parse_record,
-    result_scores,
     step_ack,
     step_ack_error,
-    validate_step,
 )
 from agent.core.topk import TopLogits
 from agent.core.worker_records import SeqInput, SeqOutput

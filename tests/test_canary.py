@@ -28,7 +28,8 @@ from agent.core.fingerprint import DeviceInfo, HostProbe
 from agent.core.identity import peer_id_from_public_key
 from agent.io.node.agent import LocalModel, Node, NodeConfig, NodeRefused, serve_node
 from agent.io.tracker.cli import register_models
-from agent.io.tracker.service import Tracker, TrackerConfig, serve_tracker
+from agent.io.tracker.config import TrackerConfig
+from agent.io.tracker.service import Tracker, serve_tracker
 from agent.io.tracker.store import open_store
 from agent.io.tracker.verifier import ReferencePool, VerifierConfig, run_check
 from agent.io.transport import MemoryNetwork

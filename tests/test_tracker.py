@@ -448,7 +448,7 @@ async def test_a_range_that_failed_to_load_is_moved_elsewhere(autojump_clock, db
 
 def _outcome(node: Peer, begin: int, end: int, status: str, step: int = 1):
     from agent.core.canary import OutputMismatch
-    from agent.io.tracker.verifier import CheckOutcome
+    from agent.io.tracker.verifier_api import CheckOutcome
 
     mismatch = OutputMismatch(step, "boundary rows", "e" * 64, "f" * 64, 0.5, "rows 0 of 4 differ")
     return CheckOutcome(

@@ -467,7 +467,7 @@ def _canary_policy(args: argparse.Namespace):
 
 def verifier_config(args: argparse.Namespace):
     """The canary verifier's settings from ``serve``'s arguments (a ``VerifierConfig``)."""
-    from agent.io.tracker.verifier import VerifierConfig
+    from agent.io.tracker.verifier_api import VerifierConfig
 
     return VerifierConfig(
         threads=getattr(args, "canary_threads", 1), worker_wait=getattr(args, "canary_worker_wait", AUTO),

@@ -36,7 +36,7 @@ from agent.io.tracker.config import TrackerConfig
 from agent.io.tracker.model_files import ModelFiles
 from agent.io.tracker.refusal import Refusal
 from agent.io.tracker.store import TrackerStore
-from agent.io.tracker.verifier import CheckOutcome, VerifierStats
+from agent.io.tracker.verifier_api import CheckOutcome, VerifierStats
 
 __all__ = ["OutputIntegrity"]
 

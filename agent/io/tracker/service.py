@@ -13,8 +13,8 @@ store's.
 Output integrity (docs/INTEGRITY.md): the tracker's part (canary outcomes, withdrawn ranges, the
 gate on routes, owners' integrity requests and mismatch reports) is ``OutputIntegrity``
 (``agent.io.tracker.integrity``), mixed into ``Tracker``; the registered files' metadata and
-manifests are ``ModelFiles`` (``agent.io.tracker.model_files``); settings are
-``agent.io.tracker.config``.
+manifests are ``ModelFiles`` (``agent.io.tracker.model_files``); probes of peers an owner lost
+are ``LostPeerProbes`` (``agent.io.tracker.probes``); settings are ``agent.io.tracker.config``.
 
 Liveness: a node is alive while heartbeats (or its registration) arrive at most
 ``heartbeat_timeout_ms`` apart; the sweeper marks it dead at exactly that deadline, clears its
@@ -69,7 +69,7 @@ from agent.io.tracker.model_files import ModelFiles
 from agent.io.tracker.probes import LostPeerProbes
 from agent.io.tracker.refusal import Refusal
 from agent.io.tracker.store import NodeRecord, TrackerStore
-from agent.io.tracker.verifier import OpenPersona, VerifierConfig
+from agent.io.tracker.verifier_api import OpenPersona, VerifierConfig
 
 __all__ = ["Tracker", "serve_tracker"]
 
@@ -567,7 +567,8 @@ async def serve_tracker(
         if config.prepare_manifests_at_start:
             nursery.start_soon(tracker.model_files.prepare_manifests)
         if config.canary is not None:
-            from agent.io.tracker.verifier import VerifierConfig, serve_verifier
+            from agent.io.tracker.verifier import serve_verifier
+            from agent.io.tracker.verifier_api import VerifierConfig
 
             await nursery.start(
                 functools.partial(serve_verifier, tracker, verifier or VerifierConfig(), open_persona=open_persona)

@@ -28,9 +28,12 @@ from agent.core.fingerprint import DeviceInfo, HostProbe
 from agent.core.identity import peer_id_from_public_key
 from agent.io.node.agent import LocalModel, Node, NodeConfig, NodeRefused, serve_node
 from agent.io.tracker.cli import register_models
-from agent.io.tracker.service import Tracker, TrackerConfig, serve_tracker
+from agent.io.tracker.config import TrackerConfig
+from agent.io.tracker.reference import ReferencePool
+from agent.io.tracker.service import Tracker, serve_tracker
 from agent.io.tracker.store import open_store
-from agent.io.tracker.verifier import ReferencePool, VerifierConfig, run_check
+from agent.io.tracker.verifier import run_check
+from agent.io.tracker.verifier_api import VerifierConfig
 from agent.io.transport import MemoryNetwork
 from agent.testing.faulty import CorruptOutputs, OutputCorrupter
 from agent.testing.tiny_models import TINY_MODELS
@@ -229,8 +232,10 @@ async def test_a_persona_answers_a_step_batch_as_a_node_does_and_takes_only_its_
     taken, another session's step and a step from another peer are NOT_FOUND, and a batch that
     does not parse gets one INVALID_ARGUMENT ack (a persona that answered otherwise would be a
     tell to a node that cheats only when it is not watched)."""
-    from agent.core.swarm_wire import RangeSpec, crc32, step_batch
-    from agent.io.tracker.verifier import _Inbox
+    from agent.core.step_batch import step_batch
+    from agent.core.step_validation import RangeSpec
+    from agent.core.swarm_wire import crc32
+    from agent.io.tracker.personas import Inbox
 
     Code = swarm_pb2.Error.Code
     session = bytes(range(16))
@@ -248,7 +253,7 @@ async def test_a_persona_answers_a_step_batch_as_a_node_does_and_takes_only_its_
         ).SerializeToString()  # fmt: skip
 
     rows = np.arange(8, dtype=np.float32).reshape(1, 8) / 3
-    inbox = _Inbox("node", session, downstream)
+    inbox = Inbox("node", session, downstream)
     inbox.expect(3)
     batch = step_batch([pushed(bytes(16), rows + 1), pushed(session, rows)])
     acks = swarm_pb2.StepBatchAck.FromString(await inbox.on_steps("stranger", batch)).acks

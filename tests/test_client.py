@@ -25,15 +25,8 @@ from agent.core.admission import (
     verify_client_hello,
 )
 from agent.core.identity import peer_id_from_public_key
-from agent.core.swarm_wire import (
-    NODE_PROTOCOL,
-    RESULT_PROTOCOL,
-    STEP_PROTOCOL,
-    TRACKER_PROTOCOL,
-    crc32,
-    step_result,
-    step_result_error,
-)
+from agent.core.step_results import step_result, step_result_error
+from agent.core.swarm_wire import NODE_PROTOCOL, RESULT_PROTOCOL, STEP_PROTOCOL, TRACKER_PROTOCOL, crc32
 from agent.io.channel import open_channel_transport
 from agent.io.client import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
 from agent.io.transport import MemoryNetwork, TransportError

@@ -31,8 +31,8 @@ from agent.core.node_policy import MAX_DATA_PLANE_DECODE_GROUPS, data_plane_deco
 from agent.core.node_sessions import SessionTable
 from agent.core.sampling import SamplingParams
 from agent.core.session import ResultRefused, Session
+from agent.core.step_results import result_scores as wire_scores
 from agent.core.swarm_wire import WireError
-from agent.core.swarm_wire import result_scores as wire_scores
 from agent.core.topk import TopLogits, select_top_k
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]

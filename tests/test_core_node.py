@@ -28,18 +28,8 @@ from agent.core.node_policy import (
     range_not_ready,
 )
 from agent.core.node_ranges import FailPending, HeartbeatNow, Ignored, RangeBook, StartRange, StopRange
-from agent.core.swarm_wire import (
-    MAX_BATCH_STEPS,
-    SCHEMA_VERSION,
-    WireError,
-    answer_step_batch,
-    read_step_batch,
-    read_step_batch_ack,
-    step_ack,
-    step_ack_error,
-    step_batch,
-    step_batch_ack,
-)
+from agent.core.step_batch import answer_step_batch, read_step_batch, read_step_batch_ack, step_batch, step_batch_ack
+from agent.core.swarm_wire import MAX_BATCH_STEPS, SCHEMA_VERSION, WireError, step_ack, step_ack_error
 
 pytestmark = pytest.mark.unit
 

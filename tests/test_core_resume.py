@@ -2,7 +2,7 @@
 how a surviving range goes back to the answered positions and how a replacement opens from
 rebuild steps (agent.core.node_sessions), which part of a route is replaced (resume_plan), the
 owner's session going on (Session.resume), route parts (plan_route begin/end), and the
-rebuild step records (agent.core.swarm_wire)."""
+rebuild step records (agent.core.step_requests, agent.core.step_results)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,10 @@ from agent.core.kept_rows import KeptStore, ReplayChunk, RowsNotKept
 from agent.core.node_sessions import SessionTable
 from agent.core.routing import NoRoute, ReadyRange, plan_route
 from agent.core.session import Session, resume_plan
-from agent.core.swarm_wire import (
-    RangeSpec,
-    WireError,
-    crc32,
-    first_step_request,
-    next_hop_request,
-    replay_step_request,
-    step_result_rebuilt,
-    validate_step,
-)
+from agent.core.step_requests import first_step_request, next_hop_request, replay_step_request
+from agent.core.step_results import step_result_rebuilt
+from agent.core.step_validation import RangeSpec, validate_step
+from agent.core.swarm_wire import WireError, crc32
 
 pytestmark = pytest.mark.unit
 

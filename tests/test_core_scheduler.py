@@ -312,7 +312,7 @@ def test_the_forward_key_is_recipe_model_blocks_schema_and_dtype_not_the_phase()
 
     from agent.core.batching import forward_key
     from agent.core.boundary import WireDType
-    from agent.core.swarm_wire import StepInput
+    from agent.core.step_validation import StepInput
 
     def step(**fields) -> StepInput:
         base = dict(

@@ -16,7 +16,8 @@ from agent.core.spot_check import (
     sample,
     shadow_request,
 )
-from agent.core.swarm_wire import first_step_request, step_result
+from agent.core.step_requests import first_step_request
+from agent.core.step_results import step_result
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -11,33 +11,26 @@ import pytest
 
 from agent._proto import swarm_pb2
 from agent.core.boundary import RESIDUAL, RESIDUAL_STREAMS, BoundaryError, BoundarySchema, WireDType
+from agent.core.multiaddrs import peer_id_from_multiaddr
+from agent.core.step_batch import batch_ack_accepts, step_batch_ack
+from agent.core.step_requests import encode_step_output, first_step_request, next_hop_request
+from agent.core.step_results import step_result, step_result_error, validate_step_result
+from agent.core.step_validation import RangeSpec, check_hops, validate_step
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
     SCHEMA_VERSION,
     STEP_PROTOCOL,
     TRACKER_PROTOCOL,
-    RangeSpec,
     WireError,
-    batch_ack_accepts,
-    check_hops,
     crc32,
-    encode_step_output,
-    first_step_request,
-    next_hop_request,
     node_reply_error,
     parse_record,
-    peer_id_from_multiaddr,
     step_ack,
     step_ack_accepts,
     step_ack_error,
-    step_batch_ack,
-    step_result,
-    step_result_error,
     token_checksum,
     tracker_reply_error,
-    validate_step,
-    validate_step_result,
 )
 
 pytestmark = pytest.mark.unit

@@ -8,7 +8,7 @@ import pytest
 from agent._proto import swarm_pb2
 from agent.core.openai_api import token_logprobs
 from agent.core.sampling import SamplingParams, sample_token
-from agent.core.swarm_wire import result_scores, step_result
+from agent.core.step_results import result_scores, step_result
 from agent.core.topk import DEFAULT_RESULT_TOP_K, TopLogits, log_sum_exp, result_top_k, select_top_k
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -39,6 +39,9 @@ from agent.core.boundary import WireDType
 from agent.core.fingerprint import DeviceInfo, HostProbe
 from agent.core.identity import peer_id_from_public_key
 from agent.core.parity import max_abs_diff
+from agent.core.step_batch import step_batch
+from agent.core.step_requests import first_step_request
+from agent.core.step_results import validate_step_result
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -47,13 +50,10 @@ from agent.core.swarm_wire import (
     STEPS_PROTOCOL,
     TRACKER_PROTOCOL,
     crc32,
-    first_step_request,
     parse_record,
     step_ack,
     step_ack_error,
-    step_batch,
     tracker_reply_error,
-    validate_step_result,
 )
 from agent.core.worker_records import SeqInput
 from agent.io.channel import open_channel_transport

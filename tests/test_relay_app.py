@@ -23,7 +23,8 @@ from agent.core.quotas import KeyLimits
 from agent.core.worker_records import Vocabulary
 from agent.io.client import GenerationError, GenerationResult, SwarmError
 from agent.io.relay.metrics import RelayMetrics
-from agent.io.relay.server import RelayConfig, RelayState, build_app
+from agent.io.relay.server import build_app
+from agent.io.relay.state import RelayConfig, RelayState
 from agent.io.relay.store import open_relay_store
 from agent.io.vocab import ModelVocab
 

@@ -28,8 +28,9 @@ from agent.core.registry import GgufFacts, bytes_per_block, model_entry
 from agent.core.swarm_wire import NODE_PROTOCOL, TRACKER_PROTOCOL
 from agent.io.gguf_sparse import gguf_metadata_prefix
 from agent.io.tracker.cli import parse_model_arg, register_models
+from agent.io.tracker.config import TrackerConfig
 from agent.io.tracker.gguf_info import GgufError, read_gguf_facts
-from agent.io.tracker.service import TrackerConfig, serve_tracker
+from agent.io.tracker.service import serve_tracker
 from agent.io.tracker.store import NodeRecord, StoreError, TrackerStore, open_store
 from agent.io.transport import MemoryNetwork
 
@@ -447,7 +448,7 @@ async def test_a_range_that_failed_to_load_is_moved_elsewhere(autojump_clock, db
 
 def _outcome(node: Peer, begin: int, end: int, status: str, step: int = 1):
     from agent.core.canary import OutputMismatch
-    from agent.io.tracker.verifier import CheckOutcome
+    from agent.io.tracker.verifier_api import CheckOutcome
 
     mismatch = OutputMismatch(step, "boundary rows", "e" * 64, "f" * 64, 0.5, "rows 0 of 4 differ")
     return CheckOutcome(
@@ -779,7 +780,7 @@ async def test_model_metadata_is_the_registered_files_prefix(db_path, qwen2_tiny
         def unreadable(*args):
             raise OSError("the disk is gone")
 
-        monkeypatch.setattr("agent.io.tracker.service.read_registered_file", unreadable)
+        monkeypatch.setattr("agent.io.tracker.model_files.read_registered_file", unreadable)
         reply = await client.call(model_metadata={"model": "qwen2-tiny"})
         assert reply.model_metadata.metadata == prefix
 

@@ -88,7 +88,8 @@ def test_the_trackers_reference_workers_wait_as_canary_worker_wait_says(tmp_path
     import hashlib
 
     from agent.io.tracker.cli import build_parser, verifier_config
-    from agent.io.tracker.verifier import ReferencePool, VerifierConfig
+    from agent.io.tracker.reference import ReferencePool
+    from agent.io.tracker.verifier_api import VerifierConfig
 
     serve = ["serve", "--db", str(tmp_path / "t.db"), "--key", str(tmp_path / "t.key")]
     assert verifier_config(build_parser().parse_args(serve)).worker_wait == "auto"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .swarm_wire import StepInput
+from .step_validation import StepInput
 
 __all__ = ["ForwardKey", "forward_key", "is_prefill"]
 

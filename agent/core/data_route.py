@@ -43,7 +43,8 @@ from agent._proto import swarm_pb2, worker_pb2
 from .data_frames import KEY_BYTES
 from .multiaddrs import parse_channel_multiaddr
 from .node_policy import worker_error_code
-from .swarm_wire import SCHEMA_VERSION, crc32, error, step_result_top
+from .step_results import step_result_top
+from .swarm_wire import SCHEMA_VERSION, crc32, error
 from .topk import TopLogits
 
 __all__ = [

@@ -67,7 +67,7 @@ dozen (the weights are read once). Rules:
   sessions with groups, 0.81-0.86x lock-step). Decode groups otherwise, where each hop has
   cores of its own.
 
-Generic over the queued item (the node queues ``agent.core.swarm_wire.StepInput``).
+Generic over the queued item (the node queues ``agent.core.step_validation.StepInput``).
 
 Pure: no trio, no clock; the shell pushes, pops and runs the batches.
 """

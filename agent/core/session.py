@@ -21,8 +21,9 @@ a failed session may be *resumed* (``resume``) on a route where a lost hop was r
 cached positions are kept and the step that failed is sent again under the next step number
 (``resume_plan`` says which part of the route to replace and which hops keep their caches).
 
-Pure: numpy and protobuf records (checksums and constants from ``agent.core.swarm_wire``); the random generator comes in as an argument. Must not
-import trio, grpc, libp2p, sockets, clocks or agent.io.
+Pure: numpy and protobuf records (checksums and constants from ``agent.core.swarm_wire``,
+result scores from ``agent.core.step_results``); the random generator comes in as an argument.
+Must not import trio, grpc, libp2p, sockets, clocks or agent.io.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import numpy as np
 from agent._proto import swarm_pb2
 
 from .sampling import SamplingParams, sample_token
-from .swarm_wire import SCHEMA_VERSION, SESSION_ID_BYTES, result_scores, token_checksum
+from .step_results import result_scores
+from .swarm_wire import SCHEMA_VERSION, SESSION_ID_BYTES, token_checksum
 from .topk import TopLogits, result_top_k
 
 __all__ = [
@@ -95,7 +97,7 @@ class HopFailed(SessionError):
 @dataclasses.dataclass(frozen=True)
 class OwnerStep:
     """The rows one step of the owner's session sends to the first hop (a node's validated
-    step is ``agent.core.swarm_wire.StepInput``)."""
+    step is ``agent.core.step_validation.StepInput``)."""
 
     step: int
     positions: tuple[int, ...]

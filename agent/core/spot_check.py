@@ -28,7 +28,7 @@ import numpy as np
 from agent._proto import swarm_pb2
 
 from .canary import OutputMismatch, compare_scores, scores_bytes
-from .swarm_wire import result_scores
+from .step_results import result_scores
 
 __all__ = [
     "RouteSegment",

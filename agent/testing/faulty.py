@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from agent.core.swarm_wire import StepInput
+from agent.core.step_validation import StepInput
 from agent.core.worker_records import SeqOutput
 
 __all__ = ["CorruptOutputs", "OutputCorrupter"]

@@ -60,11 +60,13 @@ from agent.core.data_route import (
     step_result,
     success_step_result,
 )
-from agent.core.data_route import result_scores as data_result_scores  # (swarm_wire's takes a StepResult)
+from agent.core.data_route import result_scores as data_result_scores  # (step_results' takes a StepResult)
 from agent.core.identity import peer_id_from_public_key
+from agent.core.multiaddrs import peer_id_from_multiaddr
 from agent.core.sampling import SamplingParams
 from agent.core.session import HopFailed, ResultRefused, Session, end_session_request, resume_plan, surviving_hops
 from agent.core.spot_check import RouteSegment, rollback_point
+from agent.core.step_requests import first_step_request
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -72,8 +74,6 @@ from agent.core.swarm_wire import (
     SESSION_ID_BYTES,
     STEP_PROTOCOL,
     TRACKER_PROTOCOL,
-    first_step_request,
-    peer_id_from_multiaddr,
     step_ack,
     step_ack_accepts,
 )

@@ -25,7 +25,7 @@ The shell only awaits and sends; every decision is made in the pure core:
 ``agent.core.node_ranges`` (the range lifecycle: directives, LOADING/READY/FAILED, what a
 stopped range owes), ``agent.core.node_link`` (registration and heartbeat replies,
 re-registration, retry backoff), ``agent.core.node_policy`` (sender and owner rules, the
-failure policy), ``agent.core.swarm_wire`` (codecs, validation), ``agent.core.scheduler``
+failure policy), ``agent.core.swarm_wire`` and ``agent.core.step_*`` (codecs, validation), ``agent.core.scheduler``
 (which steps form a batch), ``agent.core.node_sessions`` (sequence ids, step order, leases),
 ``agent.core.kept_rows``, ``agent.core.fingerprint`` and ``agent.core.admission``.
 
@@ -59,7 +59,7 @@ from agent.core.fingerprint import HostProbe, build_fingerprint, signed_fingerpr
 from agent.core.identity import peer_id_from_public_key
 from agent.core.kept_rows import KeptStore, RowsNotKept
 from agent.core.manifest import ManifestError, verify_manifest
-from agent.core.multiaddrs import tcp_hosts
+from agent.core.multiaddrs import circuit_multiaddr, peer_id_from_multiaddr, tcp_hosts
 from agent.core.node_link import (
     RegistrationInvalid,
     RegistrationRefused,
@@ -103,6 +103,17 @@ from agent.core.scheduler import (
     first_hop_decode,
     gather_arrivals_needed,
 )
+from agent.core.step_batch import (
+    all_steps_taken,
+    answer_step_batch,
+    batch_ack_accepts,
+    push_message,
+    read_push_acks,
+    step_batch_ack,
+)
+from agent.core.step_requests import encode_step_output, next_hop_request, replay_step_request
+from agent.core.step_results import step_result, step_result_error, step_result_rebuilt, step_result_top
+from agent.core.step_validation import RangeSpec, StepInput, check_hops, validate_step
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -111,31 +122,12 @@ from agent.core.swarm_wire import (
     STEP_PROTOCOL,
     STEPS_PROTOCOL,
     TRACKER_PROTOCOL,
-    RangeSpec,
-    StepInput,
     WireError,
-    all_steps_taken,
-    answer_step_batch,
-    batch_ack_accepts,
-    check_hops,
-    circuit_multiaddr,
-    encode_step_output,
-    next_hop_request,
     node_reply_error,
     parse_record,
-    peer_id_from_multiaddr,
-    push_message,
-    read_push_acks,
-    replay_step_request,
     step_ack,
     step_ack_accepts,
     step_ack_error,
-    step_batch_ack,
-    step_result,
-    step_result_error,
-    step_result_rebuilt,
-    step_result_top,
-    validate_step,
 )
 from agent.core.worker_records import SeqInput, SeqOutput, WorkerHealth, WorkerInfo
 from agent.core.worker_wait import AUTO

@@ -367,7 +367,8 @@ def query_tracker(tracker: str, peer_id: str, timeout_s: float = TRACKER_TIMEOUT
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from agent._proto import swarm_pb2
-    from agent.core.swarm_wire import SCHEMA_VERSION, TRACKER_PROTOCOL, parse_record, peer_id_from_multiaddr
+    from agent.core.multiaddrs import peer_id_from_multiaddr
+    from agent.core.swarm_wire import SCHEMA_VERSION, TRACKER_PROTOCOL, parse_record
     from agent.io.p2p import open_p2p_transport
 
     async def ask():

@@ -1,9 +1,12 @@
 """The relay's HTTP server: OpenAI's API over the swarm, in the same trio process as its client.
 
-Owns the I/O of ``baton relay serve``: a Starlette app on Hypercorn's trio worker; the swarm
-client (admitted by the tracker as a session owner: the relay is the only party that samples);
-the vocabularies (``agent.io.vocab``); API keys, quotas, usage and the ledger
-(``agent.io.relay.store``); the status page and ``/metrics``.
+Owns the I/O of ``baton relay serve``: a Starlette app on Hypercorn's trio worker (its routes,
+reading bodies, the status data, one place that turns errors into OpenAI's envelope); the
+swarm client (admitted by the tracker as a session owner: the relay is the only party that
+samples); the vocabularies (``agent.io.vocab``). Beside it: settings and shared state
+(``agent.io.relay.state``), keys and quotas (``auth``), one completion (``completion``), its
+ASGI response (``responses``); API keys, usage and the ledger are ``agent.io.relay.store``'s,
+the status page and ``/metrics`` ``status_page``'s and ``metrics``'.
 
 Decisions are the core's: which bodies are valid and what responses look like
 (``agent.core.openai_api``), chat prompts (``agent.core.chat_template``), streamed text and
@@ -19,18 +22,13 @@ of its route (``SwarmClient.generate_tokens``' resource handling).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
 import os
-import secrets
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -38,509 +36,21 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from agent._proto import swarm_pb2
-from agent.core import quotas
-from agent.core.chat_template import ChatTemplateError
-from agent.core.openai_api import (
-    ApiError,
-    CompletionRequest,
-    chat_chunk,
-    chat_response,
-    check_json_content_type,
-    check_unicode,
-    completion_chunk,
-    completion_response,
-    logprob_entry,
-    parse_request,
-    token_logprobs,
-    usage,
-)
-from agent.core.sampling import SamplingParams
-from agent.core.text_stream import TextStream
-from agent.io.client import GenerationError, SwarmClient, SwarmError
+from agent.core.openai_api import ApiError, check_json_content_type, check_unicode, parse_request
+from agent.io.client import SwarmError
 from agent.io.transport import TransportError
-from agent.io.vocab import ModelVocab, VocabularyError, VocabularyPool
+from agent.io.vocab import VocabularyError
 
+from .auth import admit, authenticate
+from .completion import Completion, prepare
 from .metrics import RelayMetrics
+from .responses import CompletionResponse, error_response
+from .state import RelayConfig, RelayState
 from .status_page import render_status_page
-from .store import RelayStore
 
-__all__ = ["RelayConfig", "RelayState", "build_app", "serve_main", "serve_relay"]
+__all__ = ["build_app", "serve_main", "serve_relay"]
 
 log = logging.getLogger(__name__)
-
-ANONYMOUS = "anonymous"
-
-
-@dataclasses.dataclass(frozen=True)
-class RelayConfig:
-    """A relay's settings (``baton relay serve`` flags).
-
-    ``anonymous_tokens_per_day``: 0 switches anonymous access off (every request needs a key).
-    ``max_body_bytes``: larger request bodies get 413. ``body_timeout_s``: a body that has not
-    all arrived this long after its headers gets 408 (a client trickling bytes holds nothing
-    for long; Hypercorn's own read timeout would also cut long streamed answers).
-    ``request_timeout_s``: one request to the tracker or a node.
-    ``generation_timeout_s``: a whole generation over this gets 504.
-    ``default_max_tokens``: a chat request without ``max_tokens`` generates at most this many
-    (and never past the model's context).
-    ``models_cache_s``: how long the tracker's model list is reused.
-    ``preload_timeout_s``: how long start-up waits for the registered models' vocabularies.
-    ``spot_check_rate``: the share of generations replayed through a second route and
-    compared (``SwarmClientConfig.spot_check_rate``, docs/INTEGRITY.md).
-    """
-
-    tracker_addr: str
-    db_path: Path
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 8000
-    key_path: Path | None = None
-    anonymous_tokens_per_day: int = 0
-    max_body_bytes: int = 1 << 20
-    body_timeout_s: float = 30.0
-    request_timeout_s: float = 10.0
-    step_timeout_s: float = 30.0
-    queue_timeout_s: float = 60.0
-    generation_timeout_s: float = 600.0
-    default_max_tokens: int = 1024
-    models_cache_s: float = 2.0
-    preload_timeout_s: float = 60.0
-    cache_dir: Path = Path(os.environ.get("BATON_CACHE", Path.home() / ".cache" / "baton")) / "relay"
-    p2p_listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    addr_file: Path | None = None
-    spot_check_rate: float = 0.01
-
-
-@dataclasses.dataclass
-class _Principal:
-    """Who sends a request: a key's name and limits, or the anonymous pseudo-key."""
-
-    name: str
-    limits: quotas.KeyLimits
-
-
-class RelayState:
-    """What the app's handlers share (made by ``serve_relay``)."""
-
-    def __init__(
-        self,
-        config: RelayConfig,
-        client: SwarmClient,
-        store: RelayStore,
-        vocabularies: VocabularyPool,
-        metrics: RelayMetrics,
-        now_s: Callable[[], float] = time.time,
-    ) -> None:
-        self.config = config
-        self.client = client
-        self.store = store
-        self.vocabularies = vocabularies
-        self.metrics = metrics
-        self.now_s = now_s
-        self.concurrent: dict[str, int] = {}
-        self.live_sessions = 0
-        self._models: list[swarm_pb2.ModelEntry] = []
-        self._models_at = -math.inf
-
-    async def models(self) -> list[swarm_pb2.ModelEntry]:
-        """The tracker's registered models (cached ``models_cache_s``).
-
-        Raises:
-          ApiError: 503 when the tracker cannot be reached and nothing is cached.
-        """
-        if trio.current_time() - self._models_at > self.config.models_cache_s:
-            try:
-                self._models = await self.client.list_models()
-                self._models_at = trio.current_time()
-            except (SwarmError, TransportError) as error:
-                if not self._models:
-                    raise ApiError(503, f"the tracker cannot be reached: {error}") from None
-                log.warning("model list from the tracker failed, using the last one: %s", error)
-        return self._models
-
-    async def model(self, name: str) -> swarm_pb2.ModelEntry:
-        """The registered model ``name`` (alias, name or sha256). Raises ApiError 404."""
-        for entry in await self.models():
-            if name in (entry.alias, entry.name, entry.sha256) and name:
-                return entry
-        raise ApiError(404, f"The model '{name}' does not exist", param="model")
-
-
-# --- authentication and quotas -------------------------------------------------------------------
-
-
-def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
-
-
-def _authenticate(state: RelayState, request: Request) -> _Principal:
-    key = _bearer(request)
-    if key is None:
-        if state.config.anonymous_tokens_per_day > 0:
-            return _Principal(ANONYMOUS, quotas.KeyLimits(state.config.anonymous_tokens_per_day, None, None))
-        raise ApiError(
-            401,
-            "You didn't provide an API key. Send it in the Authorization header (Bearer auth): "
-            "'Authorization: Bearer YOUR_KEY'; keys are made with 'baton relay keys add'.",
-        )
-    record = state.store.authenticate(key)
-    if record is None:
-        raise ApiError(401, "Incorrect API key provided.")
-    if record.revoked:
-        raise ApiError(401, f"The API key '{record.name}' has been revoked.")
-    return _Principal(record.name, record.limits)
-
-
-def _admit(state: RelayState, principal: _Principal) -> None:
-    """Check and take a quota slot for one request. Raises ApiError 429."""
-    now = state.now_s()
-    decision = quotas.decide(
-        principal.limits,
-        tokens_today=state.store.tokens_on(principal.name, quotas.day_of(now)),
-        request_times_s=state.store.requests_since(principal.name, now - 60.0),
-        concurrent=state.concurrent.get(principal.name, 0),
-        now_s=now,
-    )
-    if not decision.admitted:
-        raise ApiError(429, decision.message, code=decision.limit, retry_after_s=decision.retry_after_s)
-    state.store.record_request(principal.name, now)
-
-
-# --- one completion ------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Prompt:
-    tokens: list[int]
-    vocab: ModelVocab
-    entry: swarm_pb2.ModelEntry
-    max_tokens: int
-
-
-async def _prepare(state: RelayState, req: CompletionRequest) -> _Prompt:
-    entry = await state.model(req.model)
-    try:
-        vocab = await state.vocabularies.get(entry.sha256)
-    except VocabularyError as error:
-        raise ApiError(503, str(error)) from None
-    try:
-        tokens = await _prompt_tokens(req, vocab)
-    except VocabularyError as error:
-        raise ApiError(503, str(error)) from None
-    if not tokens:
-        raise ApiError(
-            400, "the prompt tokenizes to no tokens", param="prompt" if req.kind == "completion" else "messages"
-        )
-    context = vocab.context_length or 0
-    if context and len(tokens) >= context:
-        raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has {len(tokens)}.",
-                       param="messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")  # fmt: skip
-    limit = req.max_tokens if req.max_tokens is not None else state.config.default_max_tokens
-    if context:
-        limit = min(limit, context - len(tokens))
-    return _Prompt(tokens=tokens, vocab=vocab, entry=entry, max_tokens=max(1, limit))
-
-
-async def _prompt_tokens(req: CompletionRequest, vocab: ModelVocab) -> list[int]:
-    if req.kind == "chat":
-        if vocab.chat_template is None:
-            raise ApiError(400, f"The model '{req.model}' has no usable chat template: {vocab.chat_template_error}; "
-                           "use /v1/completions with your own prompt", param="messages")  # fmt: skip
-        try:
-            text = vocab.chat_template.render(list(req.messages or ()), add_generation_prompt=True)
-        except ChatTemplateError as error:
-            raise ApiError(400, str(error), param="messages") from None
-        tokens = await vocab.tokenize(text)
-    elif isinstance(req.prompt, tuple):
-        bad = [t for t in req.prompt if t >= vocab.n_vocab]
-        if bad:
-            raise ApiError(
-                400, f"token id {bad[0]} is outside the vocabulary of {vocab.n_vocab} tokens", param="prompt"
-            )
-        tokens = list(req.prompt)
-    else:
-        tokens = await vocab.tokenize(str(req.prompt))
-    return tokens
-
-
-def _token_text(piece: bytes) -> str:
-    return piece.decode("utf-8", errors="replace")
-
-
-class _Completion:
-    """One completion's run: generation, text, logprobs, and its events for a stream."""
-
-    def __init__(self, state: RelayState, req: CompletionRequest, prompt: _Prompt, principal: _Principal) -> None:
-        self.state = state
-        self.req = req
-        self.prompt = prompt
-        self.principal = principal
-        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
-        self.id = f"{prefix}-{secrets.token_hex(12)}"
-        self.created = int(state.now_s())
-        self.text = TextStream(req.stop)
-        self.logprob_entries: list = []  # chat: entries; completion: (token, logprob, top dict)
-        self._unsent_logprobs: list = []
-        self.completion_tokens = 0
-        self.token_ids: list[int] = []
-        self._unsent_token_ids: list[int] = []
-        self._sent_prompt_ids = False
-        self.finish_reason = "length"
-
-    def _logprobs(self, token: int, logits) -> None:
-        if not self.req.logprobs or logits is None or (isinstance(logits, np.ndarray) and logits.size == 0):
-            return
-        vocab = self.prompt.vocab
-        logprob, top = token_logprobs(logits, token, self.req.top_logprobs or 0)
-        piece = vocab.piece(token)
-        entry: dict[str, Any] | tuple[str, float, dict[str, float]]
-        if self.req.kind == "chat":
-            tops = [(_token_text(vocab.piece(t)), vocab.piece(t), lp) for t, lp in top]
-            entry = logprob_entry(_token_text(piece), piece, logprob, tops)
-        else:
-            entry = (_token_text(piece), logprob, {_token_text(vocab.piece(t)): lp for t, lp in top})
-        self.logprob_entries.append(entry)
-        self._unsent_logprobs.append(entry)
-
-    def _completion_logprobs(self, entries: list, offset: int) -> dict:
-        tokens, text_offset, position = [], [], offset
-        for token_text, _lp, _top in entries:
-            tokens.append(token_text)
-            text_offset.append(position)
-            position += len(token_text)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp for _t, lp, _top in entries],
-            "top_logprobs": [top for _t, _lp, top in entries],
-            "text_offset": text_offset,
-        }
-
-    def _take_unsent_logprobs(self, offset: int):
-        entries, self._unsent_logprobs = self._unsent_logprobs, []
-        if not self.req.logprobs:
-            return None
-        return entries if self.req.kind == "chat" else self._completion_logprobs(entries, offset)
-
-    def chunk(self, text: str, finish_reason: str | None = None, *, role: bool = False) -> dict:
-        offset = len(self.text.text) - len(text)
-        logprobs = None if role else self._take_unsent_logprobs(offset)
-        if self.req.kind == "chat":
-            delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            chunk = chat_chunk(id_=self.id, created=self.created, model=self.req.model, delta=delta,
-                               finish_reason=finish_reason, logprobs=logprobs)  # fmt: skip
-        else:
-            chunk = completion_chunk(id_=self.id, created=self.created, model=self.req.model, text=text,
-                                     finish_reason=finish_reason, logprobs=logprobs)  # fmt: skip
-        if self.req.return_token_ids and chunk["choices"]:
-            if not self._sent_prompt_ids:  # the first chunk carries the prompt's ids
-                chunk["prompt_token_ids"] = list(self.prompt.tokens)
-                self._sent_prompt_ids = True
-            if role:
-                chunk["choices"][0]["token_ids"] = []
-            else:
-                chunk["choices"][0]["token_ids"], self._unsent_token_ids = self._unsent_token_ids, []
-        return chunk
-
-    def usage(self) -> dict:
-        return usage(len(self.prompt.tokens), self.completion_tokens)
-
-    def usage_chunk(self) -> dict:
-        build = chat_chunk if self.req.kind == "chat" else completion_chunk
-        return build(id_=self.id, created=self.created, model=self.req.model, usage_=self.usage(), final_usage=True)
-
-    def response(self) -> dict:
-        response = self._response()
-        if self.req.return_token_ids:
-            response["prompt_token_ids"] = list(self.prompt.tokens)
-            response["choices"][0]["token_ids"] = list(self.token_ids)
-        return response
-
-    def _response(self) -> dict:
-        if self.req.kind == "chat":
-            return chat_response(
-                id_=self.id, created=self.created, model=self.req.model, text=self.text.text,
-                finish_reason=self.finish_reason, usage_=self.usage(),
-                logprobs=self.logprob_entries if self.req.logprobs else None,
-            )  # fmt: skip
-        return completion_response(
-            id_=self.id, created=self.created, model=self.req.model, text=self.text.text,
-            finish_reason=self.finish_reason, usage_=self.usage(),
-            logprobs=self._completion_logprobs(self.logprob_entries, 0) if self.req.logprobs else None,
-        )  # fmt: skip
-
-    async def run(self, emit: Callable[[str], Awaitable[None]] | None) -> None:
-        """Generate; ``emit`` (streaming) is awaited with each new piece of text.
-
-        Raises:
-          ApiError: 503 (no route, the swarm busy or failing), 504 (no answer in time).
-        """
-        state, req, vocab = self.state, self.req, self.prompt.vocab
-        sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
-        eog = vocab.eog_token_ids
-        started = time.perf_counter()
-        last_token_at: float | None = None
-
-        async def on_token(token: int, logits, _route) -> bool:
-            nonlocal last_token_at
-            now = time.perf_counter()
-            if last_token_at is None:
-                state.metrics.observe_time_to_first_token(now - started)
-            else:
-                state.metrics.observe_inter_token(now - last_token_at)
-            last_token_at = now
-            self.completion_tokens += 1
-            self.token_ids.append(token)
-            self._unsent_token_ids.append(token)
-            if token in eog:
-                return False  # the session ends on it by itself; its text is not shown
-            self._logprobs(token, logits)
-            text = self.text.feed(vocab.piece(token))
-            if emit is not None and (
-                text or self._unsent_logprobs or (self._unsent_token_ids and req.return_token_ids)
-            ):
-                await emit(text)
-            return self.text.stopped
-
-        state.metrics.session_started()
-        state.live_sessions += 1
-        try:
-            with trio.fail_after(state.config.generation_timeout_s):
-                result = await state.client.generate_tokens(
-                    self.prompt.entry.sha256, self.prompt.tokens, max_tokens=self.prompt.max_tokens,
-                    stop_tokens=sorted(eog), sampling=sampling, seed=req.seed, on_token=on_token,
-                    queue_timeout_s=state.config.queue_timeout_s,
-                )  # fmt: skip
-        except trio.TooSlowError:
-            raise ApiError(504, f"the generation did not finish within {state.config.generation_timeout_s} s") from None
-        except GenerationError as error:
-            if error.code == swarm_pb2.Error.RESOURCE_EXHAUSTED:
-                raise ApiError(503, f"the swarm is busy: {error}", retry_after_s=5) from None
-            if not error.failed_peer_id and error.code == 0:
-                raise ApiError(504, f"the swarm did not answer in time: {error}") from None
-            if not error.failed_peer_id:  # no node holds some range now: as a route refused at once
-                raise ApiError(503, f"no route for '{req.model}' now: {error}", retry_after_s=5) from None
-            raise ApiError(503, f"the swarm could not finish the generation: {error}") from None
-        except SwarmError as error:
-            status = 404 if error.code == swarm_pb2.Error.NOT_FOUND else 503
-            raise ApiError(status, f"no route for '{req.model}': {error.message}") from None
-        except TransportError as error:
-            raise ApiError(503, f"the tracker or first hop cannot be reached: {error}") from None
-        finally:
-            state.live_sessions -= 1
-            state.metrics.session_ended()
-        tail = self.text.finish()
-        if emit is not None and tail:
-            await emit(tail)
-        stopped = self.text.stopped or result.stopped_by_token
-        self.finish_reason = "stop" if stopped else "length"
-        now = state.now_s()
-        state.store.add_usage(self.principal.name, quotas.day_of(now), len(self.prompt.tokens), self.completion_tokens)
-        hops = [(h["node"], h["begin"], h["end"], h["rows"]) for h in result.hop_rows]
-        state.store.credit(self.id, result.model_sha256, hops, self.prompt.entry.n_layer, now)
-        state.metrics.observe_tokens(len(self.prompt.tokens), self.completion_tokens)
-        state.metrics.record_completion_tokens(self.completion_tokens, now)
-
-
-# --- ASGI responses ------------------------------------------------------------------------------
-
-
-def _error_response(error: ApiError) -> JSONResponse:
-    headers = {}
-    if error.retry_after_s is not None:
-        headers["retry-after"] = str(max(1, math.ceil(error.retry_after_s)))
-    return JSONResponse(error.envelope(), status_code=error.status, headers=headers)
-
-
-def _sse(data: dict | str) -> bytes:
-    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {text}\n\n".encode()
-
-
-class _CompletionResponse:
-    """Runs a completion while it watches for the client going away (then cancels it).
-
-    Streaming: headers go out with the first event, so an error before any text still gets its
-    status and envelope; an error after that is one ``data: {"error": ...}`` event.
-    """
-
-    def __init__(self, completion: _Completion, endpoint: str, release: Callable[[], None]) -> None:
-        self.completion = completion
-        self.endpoint = endpoint
-        self.release = release
-        self.status = 200
-
-    async def __call__(self, scope, receive, send) -> None:
-        completion = self.completion
-        metrics = completion.state.metrics
-        started = False
-        disconnected = False
-        done = False
-
-        async def start(status: int, content_type: bytes, extra: list | None = None) -> None:
-            nonlocal started
-            started = True
-            self.status = status
-            headers = [(b"content-type", content_type), (b"cache-control", b"no-cache")] + (extra or [])
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-
-        async def body(data: bytes, more: bool) -> None:
-            await send({"type": "http.response.body", "body": data, "more_body": more})
-
-        async def emit(text: str) -> None:
-            if not started:
-                await start(200, b"text/event-stream; charset=utf-8", [(b"x-accel-buffering", b"no")])
-                await body(_sse(completion.chunk("", role=True)) if completion.req.kind == "chat" else b"", True)
-            await body(_sse(completion.chunk(text)), True)
-
-        try:
-            async with trio.open_nursery() as nursery:
-
-                async def watch() -> None:
-                    nonlocal disconnected
-                    while True:
-                        message = await receive()
-                        if message["type"] == "http.disconnect":
-                            disconnected = True
-                            nursery.cancel_scope.cancel()
-                            return
-
-                nursery.start_soon(watch)
-                try:
-                    await completion.run(emit if completion.req.stream else None)
-                except ApiError as error:
-                    done = True
-                    metrics.observe_request(self.endpoint, error.status)
-                    if not started:
-                        response = _error_response(error)
-                        self.status = error.status
-                        await response(scope, receive, send)
-                    else:
-                        await body(_sse(error.envelope()), False)
-                    nursery.cancel_scope.cancel()
-                    return
-                # the generation is done: the client may go away while the last bytes are sent
-                done = True
-                metrics.observe_request(self.endpoint, 200)
-                if completion.req.stream:
-                    if not started:
-                        await emit("")
-                    await body(_sse(completion.chunk("", completion.finish_reason)), True)
-                    if completion.req.include_usage:
-                        await body(_sse(completion.usage_chunk()), True)
-                    await body(_sse("[DONE]"), False)
-                else:
-                    payload = json.dumps(completion.response(), ensure_ascii=False).encode()
-                    await start(200, b"application/json")
-                    await body(payload, False)
-                nursery.cancel_scope.cancel()
-        finally:
-            self.release()
-            if disconnected and not done:
-                log.info("%s: the client went away; its session was ended", completion.id)
-                metrics.observe_request(self.endpoint, 499)
 
 
 # --- the app ---------------------------------------------------------------------------------------
@@ -582,39 +92,39 @@ def build_app(state: RelayState) -> Starlette:
                 response = await handler(request)
             except ApiError as error:
                 state.metrics.observe_request(endpoint, error.status)
-                return _error_response(error)
+                return error_response(error)
             except Exception as error:
                 log.exception("%s failed", endpoint)
                 state.metrics.observe_request(endpoint, 500)
-                return _error_response(ApiError(500, f"internal error: {type(error).__name__}"))
-            if not isinstance(response, _CompletionResponse):
+                return error_response(ApiError(500, f"internal error: {type(error).__name__}"))
+            if not isinstance(response, CompletionResponse):
                 state.metrics.observe_request(endpoint, response.status_code)
             return response
 
         return wrapped
 
     async def list_models(request: Request) -> Response:
-        _authenticate(state, request)
+        authenticate(state, request)
         return JSONResponse({"object": "list", "data": [_model_card(e) for e in await state.models()]})
 
     async def get_model(request: Request) -> Response:
-        _authenticate(state, request)
+        authenticate(state, request)
         entry = await state.model(request.path_params["model"])
         return JSONResponse(_model_card(entry))
 
     def completions(kind: str, endpoint: str):
         async def handler(request: Request) -> Response:
-            principal = _authenticate(state, request)
+            principal = authenticate(state, request)
             body = await _read_json(request, state.config.max_body_bytes, state.config.body_timeout_s)
             req = parse_request(body, kind)
-            prompt = await _prepare(state, req)
-            _admit(state, principal)
+            prompt = await prepare(state, req)
+            admit(state, principal)
             state.concurrent[principal.name] = state.concurrent.get(principal.name, 0) + 1
 
             def release() -> None:
                 state.concurrent[principal.name] -= 1
 
-            return _CompletionResponse(_Completion(state, req, prompt, principal), endpoint, release)  # type: ignore[return-value]
+            return CompletionResponse(Completion(state, req, prompt, principal), endpoint, release)  # type: ignore[return-value]
 
         return handler
 
@@ -632,10 +142,10 @@ def build_app(state: RelayState) -> Starlette:
         return JSONResponse({"status": "ok", "peer_id": state.client.peer_id})
 
     async def not_found(request: Request, _exc) -> Response:
-        return _error_response(ApiError(404, f"Unknown path {request.url.path}"))
+        return error_response(ApiError(404, f"Unknown path {request.url.path}"))
 
     async def not_allowed(request: Request, _exc) -> Response:
-        return _error_response(ApiError(405, f"Method {request.method} is not allowed on {request.url.path}"))
+        return error_response(ApiError(405, f"Method {request.method} is not allowed on {request.url.path}"))
 
     routes = [
         Route("/v1/models", guarded("/v1/models", list_models), methods=["GET"]),

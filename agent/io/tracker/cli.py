@@ -467,7 +467,7 @@ def _canary_policy(args: argparse.Namespace):
 
 def verifier_config(args: argparse.Namespace):
     """The canary verifier's settings from ``serve``'s arguments (a ``VerifierConfig``)."""
-    from agent.io.tracker.verifier import VerifierConfig
+    from agent.io.tracker.verifier_api import VerifierConfig
 
     return VerifierConfig(
         threads=getattr(args, "canary_threads", 1), worker_wait=getattr(args, "canary_worker_wait", AUTO),
@@ -487,8 +487,8 @@ def _serve(args: argparse.Namespace) -> int:
     import trio
 
     from agent.io.keys import KeyFileError, load_or_create_key
+    from agent.io.tracker.config import TrackerConfig
     from agent.io.tracker.gguf_info import GgufError
-    from agent.io.tracker.service import TrackerConfig
     from agent.io.tracker.store import StoreError, open_store
 
     logging.basicConfig(
@@ -567,9 +567,9 @@ async def _serve_async(args: argparse.Namespace, store, config, key) -> int:
             server = ModelFileServer({name: path for name, path in files.items() if path is not None})
             host, port = args.serve_models
             base_url = await nursery.start(serve_model_files, server, host, port)
-            tracker.model_base_url = args.models_base_url or base_url
+            tracker.model_files.model_base_url = args.models_base_url or base_url
             log.info("serving %d model files at %s/models/ (told to nodes: %s)", len(server.files), base_url,
-                     tracker.model_base_url)  # fmt: skip
+                     tracker.model_files.model_base_url)  # fmt: skip
         transport.relay_policy = RelayPolicy(tracker.may_hold_relay_reservation, tracker.may_open_relay_circuit)
         addr = transport.listen_addrs[0]
         if args.addr_file:  # first, so that a reader of stdout finds the file in place

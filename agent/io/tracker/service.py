@@ -10,14 +10,11 @@ Decisions are the pure core's (``agent.core.admission``, ``assignment``, ``routi
 checked, newly failed models, the LOAD/UNLOAD diff, admission refresh)); state is the SQLite
 store's.
 
-Output integrity (docs/INTEGRITY.md): with ``TrackerConfig.canary`` the tracker runs its
-verifier (``agent.io.tracker.verifier``) and keeps the ``CanarySchedule`` it follows, synced
-with the READY ranges of every heartbeat; a READY range is routed once it passed a check (the
-gate); ``record_check`` acts on each outcome: a failure withdraws the range at once (not
-assigned to that node again until it registers anew), the ``refuse_after_failures``-th refuses
-the node (marked dead, its registrations refused: kept in the store). ``integrity`` tells owners
-which peers failed lately; ``report_mismatch`` (an owner's spot check) makes the peers in which
-two routes differ the next to be checked.
+Output integrity (docs/INTEGRITY.md): the tracker's part (canary outcomes, withdrawn ranges, the
+gate on routes, owners' integrity requests and mismatch reports) is ``OutputIntegrity``
+(``agent.io.tracker.integrity``), mixed into ``Tracker``; the registered files' metadata and
+manifests are ``ModelFiles`` (``agent.io.tracker.model_files``); probes of peers an owner lost
+are ``LostPeerProbes`` (``agent.io.tracker.probes``); settings are ``agent.io.tracker.config``.
 
 Liveness: a node is alive while heartbeats (or its registration) arrive at most
 ``heartbeat_timeout_ms`` apart; the sweeper marks it dead at exactly that deadline, clears its
@@ -44,42 +41,37 @@ the transport (a closed transport stops calling it).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
 import logging
-import os
-import time
 from collections.abc import Callable
 
-import numpy as np
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
 from agent.core import admission
 from agent.core.assignment import Assignment, ModelSpec, NodeCapacity, assign
-from agent.core.canary import CanaryPolicy, CanarySchedule, FailureAction, RangeKey, after_failure
 from agent.core.handouts import RouteHandouts
 from agent.core.heartbeat import admission_due, diff_assignment, read_report
 from agent.core.identity import peer_id_from_public_key
 from agent.core.liveness import Liveness
-from agent.core.manifest import ManifestError, build_manifest, sign_manifest
 from agent.core.routing import NoRoute, ReadyRange, plan_route
 from agent.core.swarm_wire import (
-    NODE_PROTOCOL,
     SCHEMA_VERSION,
     TRACKER_PROTOCOL,
     WireError,
     parse_record,
     tracker_reply_error,
 )
-from agent.io.tracker.gguf_info import GgufError, read_registered_file
+from agent.io.tracker.config import TrackerConfig, trio_unix_clock
+from agent.io.tracker.integrity import OutputIntegrity
+from agent.io.tracker.model_files import ModelFiles
+from agent.io.tracker.probes import LostPeerProbes
+from agent.io.tracker.refusal import Refusal
 from agent.io.tracker.store import NodeRecord, TrackerStore
-from agent.io.tracker.verifier import CheckOutcome, OpenPersona, VerifierConfig, VerifierStats
-from agent.io.transport import TransportError
+from agent.io.tracker.verifier_api import OpenPersona, VerifierConfig
 
-__all__ = ["Tracker", "TrackerConfig", "serve_tracker", "trio_unix_clock"]
+__all__ = ["Tracker", "serve_tracker"]
 
 log = logging.getLogger(__name__)
 
@@ -89,66 +81,7 @@ State = swarm_pb2.AssignmentStatus
 MAX_PEER_PATHS = 256
 
 
-@dataclasses.dataclass(frozen=True)
-class TrackerConfig:
-    """Tracker settings. ``llama_cpp_commit`` / ``patch_series_sha256``: what nodes must run
-    (the CLI defaults them to ``agent.runtime.expected_pin()``)."""
-
-    llama_cpp_commit: str
-    patch_series_sha256: str
-    heartbeat_interval_ms: int = 1000
-    heartbeat_timeout_ms: int = 5000
-    admission_ttl_ms: int = 600_000
-    registration_max_age_ms: int = 60_000
-    #: nonces are kept this long; must exceed registration_max_age_ms (older ones are stale anyway)
-    nonce_retention_ms: int = 600_000
-    #: estimated link latency per hop, for route planning
-    hop_latency_s: float = 0.002
-    #: how long a lost-peer probe waits for the peer to answer
-    lost_peer_probe_timeout_s: float = 1.0
-    #: a route handed out counts as a session on its hops until a heartbeat from the hop sent
-    #: this long after it (by then the session shows in the node's own count, or never came)
-    route_handout_grace_s: float = 2.0
-    #: sessions one route's ranges take before routes go elsewhere (0: each worker's sequences)
-    route_session_cap: int = 0
-    #: read every registered file's metadata and hash its tensors when the tracker starts,
-    #: so the first node to ask for a manifest does not wait (else: on the first request)
-    prepare_manifests_at_start: bool = True
-    #: canary checks of what nodes compute (``agent.core.canary``; run by
-    #: ``agent.io.tracker.verifier``); None: no checks, every READY range is routed
-    canary: CanaryPolicy | None = None
-    #: an owner asking about a peer (``integrity``) hears of its failed checks this recent
-    integrity_memory_ms: int = 3_600_000
-
-    def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_ms", "heartbeat_timeout_ms", "admission_ttl_ms", "registration_max_age_ms"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.heartbeat_timeout_ms <= self.heartbeat_interval_ms:
-            raise ValueError(
-                f"heartbeat_timeout_ms ({self.heartbeat_timeout_ms}) must exceed heartbeat_interval_ms "
-                f"({self.heartbeat_interval_ms})"
-            )
-        if self.nonce_retention_ms <= self.registration_max_age_ms:
-            raise ValueError("nonce_retention_ms must exceed registration_max_age_ms (or replays become possible)")
-
-
-def trio_unix_clock() -> Callable[[], int]:
-    """Unix time in ms that advances with ``trio.current_time()`` (so that a MockClock drives
-    it), anchored to the wall clock when made. Call inside ``trio.run``."""
-    wall_ms = time.time() * 1000.0
-    start = trio.current_time()
-    return lambda: round(wall_ms + (trio.current_time() - start) * 1000.0)
-
-
-class _Refusal(Exception):
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-class Tracker:
+class Tracker(OutputIntegrity):
     """The tracker's live state around its store. Made by ``serve_tracker`` (handed to
     ``task_status.started``); tests read ``alive``/``pending`` and wait with ``wait_until``."""
 
@@ -166,27 +99,21 @@ class Tracker:
         self._key = key
         self.public_key = admission.public_key_bytes(key)
         self.peer_id = peer_id_from_public_key(self.public_key)
+        #: the registered files' metadata and signed manifests, and where nodes fetch them
+        self.model_files = ModelFiles(store, key, self.peer_id, clock)
         self._now_ms = clock
         #: which nodes are alive, pending (alive before a restart, not heard since) or dead
         self.liveness = Liveness(config.heartbeat_timeout_ms)
+        #: probes of peers an owner lost (``report_lost_peer``)
+        self.lost_peers = LostPeerProbes(
+            transport, store, self.liveness, config.lost_peer_probe_timeout_s, self._mark_dead
+        )
         #: (peer id, model sha256) a node reported FAILED to load: not assigned to it again
         #: until it registers anew (in memory: a tracker restart gives it another chance)
         self.failed: set[tuple[str, str]] = set()
         #: peer id -> what it reported FAILED since it registered (with its reason), for operators
         self.load_failures: dict[str, list[swarm_pb2.AssignmentStatus]] = {}
-        #: canary checks (None when off): which READY range is checked when, which passed
-        self.canary_policy = config.canary
-        self.canaries = CanarySchedule(config.canary) if config.canary is not None else None
-        self._canary_rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
-        #: (peer id, model sha256) whose output failed a check: not assigned to it again until
-        #: it registers anew (and then checked before it is routed)
-        self.withdrawn: set[tuple[str, str]] = set()
-        #: (peer id, model sha256) -> when (tracker clock) a range of it last passed a check: a
-        #: failure of that model before then is no longer named to owners (the node registered
-        #: anew and was checked since; a pass of another model clears nothing)
-        self._last_pass_ms: dict[tuple[str, str], int] = {}
-        #: the verifier's totals (checks passed, failed, inconclusive; rows; time)
-        self.verifier_stats = VerifierStats()
+        self._init_integrity(config.canary)
         #: routes handed out, counted on their hops until heartbeats show them or they end
         self.handouts = RouteHandouts(config.route_handout_grace_s)
         #: peer id -> trio time of its last heartbeat (handed-out routes count until then)
@@ -199,14 +126,6 @@ class Tracker:
         self._peer_paths: dict[str, list[swarm_pb2.PeerPath]] = {}
         self._changed = trio.Event()
         self.recomputes = 0
-        #: model sha256 -> its GGUF's metadata prefix (read once, on the first request)
-        self._metadata: dict[str, bytes] = {}
-        self._manifests: dict[str, swarm_pb2.SignedManifest] = {}
-        self._metadata_locks: dict[str, trio.Lock] = {}
-        self._probes: dict[str, _Probe] = {}
-        #: set when this tracker serves its registered files over HTTP (``--serve-models``):
-        #: every registered model with a file then has the source ``<base>/models/<sha256>.gguf``
-        self.model_base_url = ""
         now = clock()
         self._pruned_at_ms = now - config.registration_max_age_ms  # prune at the first sweep
         self.liveness.restore((node.peer_id for node in store.nodes() if node.alive), now)
@@ -273,7 +192,7 @@ class Tracker:
             request = parse_record(swarm_pb2.TrackerRequest, payload)
             kind = request.WhichOneof("body")
             if kind is None:
-                raise _Refusal(
+                raise Refusal(
                     Code.INVALID_ARGUMENT,
                     "TrackerRequest has no body (expected one of register, heartbeat, route, list_models, "
                     "client_hello, model_metadata, list_nodes, report_lost_peer, integrity, report_mismatch, session_ended)",
@@ -289,15 +208,15 @@ class Tracker:
                 counted = self.handouts.end(request.session_ended.handout_ids, remote_peer_id)
                 reply.session_ended.CopyFrom(swarm_pb2.SessionEndedReply(counted=counted))
             elif kind == "list_models":
-                reply.list_models.CopyFrom(swarm_pb2.ListModelsReply(models=self.models()))
+                reply.list_models.CopyFrom(swarm_pb2.ListModelsReply(models=self.model_files.models()))
             elif kind == "model_metadata":
-                reply.model_metadata.CopyFrom(await self._model_metadata(request.model_metadata))
+                reply.model_metadata.CopyFrom(await self.model_files.model_metadata(request.model_metadata))
             elif kind == "list_nodes":
                 wanted = set(request.list_nodes.peer_ids)
                 nodes = [n for n in self.node_entries() if not wanted or n.peer_id in wanted]
                 reply.list_nodes.CopyFrom(swarm_pb2.ListNodesReply(nodes=nodes))
             elif kind == "report_lost_peer":
-                reply.report_lost_peer.CopyFrom(await self._report_lost_peer(remote_peer_id, request.report_lost_peer))
+                reply.report_lost_peer.CopyFrom(await self.lost_peers.report(remote_peer_id, request.report_lost_peer))
             elif kind == "integrity":
                 reply.integrity.CopyFrom(self._integrity(request.integrity))
             elif kind == "report_mismatch":
@@ -307,26 +226,11 @@ class Tracker:
             return reply.SerializeToString()
         except WireError as error:
             return tracker_reply_error(error.code, error.message)
-        except _Refusal as refusal:
+        except Refusal as refusal:
             return tracker_reply_error(refusal.code, refusal.message)
         except Exception as error:  # a bug: answer, log, keep serving
             log.exception("tracker request from %s failed", remote_peer_id)
             return tracker_reply_error(Code.INTERNAL, f"internal error: {type(error).__name__}: {error}")
-
-    def source_urls(self, sha256: str) -> list[str]:
-        """Where nodes may fetch model ``sha256``'s bytes by range: its registered source, and
-        this tracker's own model server when it runs and has the file."""
-        urls = [url for url in [self.store.model_source(sha256)] if url]
-        if self.model_base_url and self.store.model_path(sha256) is not None:
-            urls.append(f"{self.model_base_url.rstrip('/')}/models/{sha256}.gguf")
-        return urls
-
-    def models(self) -> list[swarm_pb2.ModelEntry]:
-        """The registered models, ``has_source`` filled in."""
-        entries = self.store.models()
-        for entry in entries:
-            entry.has_source = bool(self.source_urls(entry.sha256))
-        return entries
 
     def _policy(self) -> admission.AdmissionPolicy:
         sizes = [m.bytes_per_block for m in self.store.models() if m.bytes_per_block > 0]
@@ -353,16 +257,16 @@ class Tracker:
 
     def _register(self, remote: str, request: swarm_pb2.RegisterRequest) -> swarm_pb2.RegisterReply:
         if not request.HasField("fingerprint"):
-            raise _Refusal(Code.INVALID_ARGUMENT, "RegisterRequest has no fingerprint")
+            raise Refusal(Code.INVALID_ARGUMENT, "RegisterRequest has no fingerprint")
         signed = request.fingerprint
         try:
             fingerprint = admission.verify_signed_fingerprint(signed, remote)
         except admission.AdmissionError as error:
-            raise _Refusal(Code.REFUSED, error.reason) from None
+            raise Refusal(Code.REFUSED, error.reason) from None
         refused = self.store.refused(remote)
         if refused:
             log.info("refused node %s again: %s", remote, refused)
-            raise _Refusal(Code.REFUSED, refused)
+            raise Refusal(Code.REFUSED, refused)
         now = self._now_ms()
         seen = self.store.nonce_seen(remote, fingerprint.nonce)
         decision = admission.decide_admission(fingerprint, self._policy(), now, seen)
@@ -370,7 +274,7 @@ class Tracker:
             self.store.add_nonce(remote, fingerprint.nonce, now)
         if not decision.admitted:
             log.info("refused node %s: %s", remote, decision.reason)
-            raise _Refusal(Code.REFUSED, decision.reason)
+            raise Refusal(Code.REFUSED, decision.reason)
         signed_admission = self._issue(remote, swarm_pb2.ROLE_NODE, now, admission.fingerprint_sha256(signed))
         self.store.put_node(
             NodeRecord(
@@ -406,7 +310,7 @@ class Tracker:
         try:
             admission.verify_client_hello(hello, remote)
         except admission.AdmissionError as error:
-            raise _Refusal(Code.REFUSED, error.reason) from None
+            raise Refusal(Code.REFUSED, error.reason) from None
         now = self._now_ms()
         decision = admission.decide_client_admission(
             hello, self._policy(), now, self.store.nonce_seen(remote, hello.nonce)
@@ -414,29 +318,29 @@ class Tracker:
         if len(hello.nonce) == admission.NONCE_BYTES:
             self.store.add_nonce(remote, hello.nonce, now)
         if not decision.admitted:
-            raise _Refusal(Code.REFUSED, decision.reason)
+            raise Refusal(Code.REFUSED, decision.reason)
         signed = self._issue(remote, swarm_pb2.ROLE_CLIENT, now)
         self.store.put_client(remote, bytes(hello.public_key), signed, now, now + self.config.admission_ttl_ms)
         return swarm_pb2.ClientHelloReply(admission=signed, tracker_public_key=self.public_key)
 
     def _heartbeat(self, remote: str, beat: swarm_pb2.HeartbeatRequest) -> swarm_pb2.HeartbeatReply:
         if beat.peer_id != remote:
-            raise _Refusal(
+            raise Refusal(
                 Code.REFUSED, f"peer id mismatch: the heartbeat names {beat.peer_id!r}, the connection is from {remote}"
             )
         node = self.store.node(remote)
         if node is None:
-            raise _Refusal(Code.NOT_FOUND, "unknown node: register first")
+            raise Refusal(Code.NOT_FOUND, "unknown node: register first")
         if self.store.refused(remote):
             # it registers again and is refused with the reason (and stops)
-            raise _Refusal(Code.NOT_FOUND, "unknown node: register first (this node was refused)")
+            raise Refusal(Code.NOT_FOUND, "unknown node: register first (this node was refused)")
         now = self._now_ms()
         if now >= node.expires_at_ms:
-            raise _Refusal(Code.NOT_FOUND, "unknown node: register first (its admission expired)")
+            raise Refusal(Code.NOT_FOUND, "unknown node: register first (its admission expired)")
         try:
             reading = read_report(remote, beat.serving, [m for p, m in self.failed if p == remote])
         except WireError as err:
-            raise _Refusal(err.code, err.message) from None
+            raise Refusal(err.code, err.message) from None
         heard = self.liveness.heard(remote, now, stored_alive=node.alive)
         self._heard_at[remote] = trio.current_time()
         self._serving[remote] = list(beat.serving)
@@ -480,10 +384,10 @@ class Tracker:
 
     def _route(self, remote: str, request: swarm_pb2.RouteRequest) -> swarm_pb2.Route:
         if not request.model:
-            raise _Refusal(Code.INVALID_ARGUMENT, "RouteRequest.model is empty (give an alias, name or sha256)")
+            raise Refusal(Code.INVALID_ARGUMENT, "RouteRequest.model is empty (give an alias, name or sha256)")
         model = self.store.find_model(request.model)
         if model is None:
-            raise _Refusal(Code.NOT_FOUND, f"unknown model {request.model!r}")
+            raise Refusal(Code.NOT_FOUND, f"unknown model {request.model!r}")
         alive = self.alive
         nodes = {n.peer_id: n for n in self.store.nodes() if n.peer_id in alive}
         live = self._live_sessions()
@@ -526,7 +430,7 @@ class Tracker:
                 recipe_hash=request.recipe_hash,
             )
         except NoRoute as error:
-            raise _Refusal(Code.UNAVAILABLE, str(error)) from None
+            raise Refusal(Code.UNAVAILABLE, str(error)) from None
         handout_id = self.handouts.hand_out(trio.current_time(), [h.peer_id for h in plan.hops], remote)
         return swarm_pb2.Route(
             model_sha256=plan.model_sha256,
@@ -536,48 +440,6 @@ class Tracker:
             estimated_step_s=plan.estimated_step_s,
             handout_id=handout_id,
         )
-
-    async def _report_lost_peer(
-        self, remote_peer_id: str, report: swarm_pb2.ReportLostPeerRequest
-    ) -> swarm_pb2.ReportLostPeerReply:
-        """Probe a peer an owner lost; mark it dead now if it does not answer either.
-
-        One probe per peer at a time: reports that arrive while one runs share its verdict
-        (a burst of reports cannot turn into a burst of dials)."""
-        peer = report.peer_id
-        if not peer:
-            raise _Refusal(Code.INVALID_ARGUMENT, "ReportLostPeerRequest.peer_id is empty")
-        if peer not in self.liveness:
-            return swarm_pb2.ReportLostPeerReply(confirmed=peer in self._known_dead(), detail="not a live node")
-        probe = self._probes.get(peer)
-        if probe is None:
-            probe = self._probes[peer] = _Probe()
-            node = self.store.node(peer)
-            addrs = list(node.listen_addrs) if node is not None else []
-            try:
-                await self.transport.request(
-                    peer, addrs, NODE_PROTOCOL, _PROBE, timeout_s=self.config.lost_peer_probe_timeout_s
-                )
-                probe.answered = True
-            except TransportError as error:
-                probe.error = str(error)
-            finally:
-                del self._probes[peer]
-                probe.done.set()
-            if not probe.answered and peer in self.liveness:
-                self._mark_dead(
-                    [peer], f"{remote_peer_id} lost it ({report.reason[:200]}) and it does not answer a probe"
-                )
-        else:
-            await probe.done.wait()
-        if probe.answered:
-            return swarm_pb2.ReportLostPeerReply(confirmed=False, detail="the peer answered the tracker's probe")
-        return swarm_pb2.ReportLostPeerReply(confirmed=True, detail=f"no answer to the tracker's probe: {probe.error}")
-
-    def _known_dead(self) -> set[str]:
-        return {n.peer_id for n in self.store.nodes() if not n.alive}
-
-    # --- output integrity (agent.core.canary; docs/INTEGRITY.md) --------------------------------
 
     def node_entries(self) -> list[swarm_pb2.NodeEntry]:
         """The node list as ``list_nodes`` answers it: the store's view with the running
@@ -593,223 +455,6 @@ class Tracker:
                     (entry.peer_id, a.model_sha256, a.begin, a.end)
                 )
         return entries
-
-    def _cleared(self, key: RangeKey) -> bool:
-        """Whether the range may be routed as far as checks go: checks off or not gating, or
-        it passed one since it became READY."""
-        if self.canaries is None or self.canary_policy is None or not self.canary_policy.gate_new_ranges:
-            return True
-        return self.canaries.cleared(key)
-
-    def _routable(self, a: Assignment) -> bool:
-        return (a.peer_id, a.model_sha256) not in self.withdrawn and self._cleared(
-            (a.peer_id, a.model_sha256, a.begin, a.end)
-        )
-
-    def issue_persona_admission(self, peer_id: str, role: swarm_pb2.Role) -> swarm_pb2.SignedAdmission:
-        """An admission for one of the verifier's fresh identities, as nodes and clients get
-        theirs (a node's names a fingerprint digest: a random one, as a real one looks)."""
-        digest = hashlib.sha256(os.urandom(32)).hexdigest() if role == swarm_pb2.ROLE_NODE else ""
-        return self._issue(peer_id, role, self._now_ms(), digest)
-
-    async def canary_target(self, key: RangeKey) -> tuple[tuple[str, ...], str, int, str]:
-        """What a check of ``key`` needs: the node's addresses, the range's recipe hash as it
-        reported it, the model's block count and the registered file (its size and sha256
-        checked once: ``_file_facts``).
-
-        Raises:
-          LookupError: the range is no longer READY on a live node, or the file is unusable.
-        """
-        peer_id, model_sha256, begin, end = key
-        node = self.store.node(peer_id)
-        model = self.store.find_model(model_sha256)
-        rows = [
-            row for row in self.store.assignments()
-            if row.assignment == Assignment(model_sha256, begin, end, peer_id) and row.state == State.READY
-        ]  # fmt: skip
-        if node is None or model is None or not rows or peer_id not in self.alive:
-            raise LookupError("the range is no longer served")
-        try:
-            await self._file_facts(model)
-        except _Refusal as refusal:
-            raise LookupError(refusal.message) from None
-        path = self.store.model_path(model_sha256)
-        assert path is not None  # _file_facts refuses a model without a file
-        return node.listen_addrs, rows[0].recipe_hash, model.n_layer, str(path)
-
-    def record_check(self, outcome: CheckOutcome) -> FailureAction | None:
-        """Act on a check's outcome: a pass counts (and may open the range to routes); a
-        failure records the evidence and withdraws the range at once, or refuses the node
-        (``CanaryPolicy.refuse_after_failures``); inconclusive tries again later."""
-        assert self.canaries is not None and self.canary_policy is not None
-        self.verifier_stats.add(outcome)
-        key = outcome.key
-        peer_id, model_sha256, begin, end = key
-        now_s = trio.current_time()
-        if outcome.status == "passed":
-            self.store.add_check_passed(peer_id)
-            self._last_pass_ms[(peer_id, model_sha256)] = self._now_ms()
-            self.canaries.passed(key, now_s, self._canary_rng)
-            self._notify()
-            return None
-        if outcome.status != "failed":
-            self.canaries.inconclusive(key, now_s)
-            self._notify()
-            return None
-        mismatch = outcome.mismatch
-        assert mismatch is not None
-        failure = swarm_pb2.IntegrityFailure(
-            check_id=outcome.check_id, assignment=swarm_pb2.Assignment(model_sha256=model_sha256, begin=begin, end=end),
-            step=mismatch.step, output=mismatch.output, expected_sha256=mismatch.expected_sha256,
-            returned_sha256=mismatch.returned_sha256, max_abs_diff=mismatch.max_abs_diff, at_ms=self._now_ms(),
-            detail=mismatch.detail,
-        )  # fmt: skip
-        failures = self.store.add_integrity_failure(peer_id, failure)
-        self.canaries.failed(key)
-        action = after_failure(self.canary_policy, failures)
-        log.warning(
-            "node %s FAILED %s of model %s blocks [%d, %d) at step %d: %s differ (expected sha256 %s, returned %s; %s): %s",
-            peer_id, outcome.check_id, model_sha256[:12], begin, end, mismatch.step, mismatch.output,
-            mismatch.expected_sha256[:16], mismatch.returned_sha256[:16], mismatch.detail,
-            "refused" if action is FailureAction.REFUSE else "range withdrawn",
-        )  # fmt: skip
-        if action is FailureAction.REFUSE:
-            self.store.refuse_node(
-                peer_id,
-                f"refused: the output of this node failed {failures} integrity checks (the last: {outcome.check_id}, "
-                f"model {model_sha256[:12]} blocks [{begin}, {end}), step {mismatch.step}: {mismatch.output} differ)",
-            )
-            if peer_id in self.liveness:
-                self._mark_dead([peer_id], f"node failed {failures} integrity checks")
-            else:
-                self._notify()
-        else:
-            self.withdrawn.add((peer_id, model_sha256))
-            self.canaries.prioritise(peer_id, None, now_s)  # whatever else it serves is checked next
-            self._recompute()
-        return action
-
-    def _withdrawn_reason(self, peer_id: str) -> swarm_pb2.WithdrawnPeer | None:
-        """Why owners should not trust what ``peer_id`` computed lately: it is refused, or it
-        failed a check (within ``integrity_memory_ms``) and passed none of that model since;
-        else None."""
-        refused = self.store.refused(peer_id)
-        recent = [
-            f for f in self.store.integrity_failures(peer_id, since_ms=self._now_ms() - self.config.integrity_memory_ms)
-            if f.at_ms >= self._last_pass_ms.get((peer_id, f.assignment.model_sha256), -1)
-        ]  # fmt: skip
-        if not refused and not recent:
-            return None
-        last = recent[-1] if recent else None
-        reason = refused or (
-            f"failed {last.check_id} (blocks [{last.assignment.begin}, {last.assignment.end}), step {last.step})"
-            if last is not None else "failed an integrity check"
-        )  # fmt: skip
-        return swarm_pb2.WithdrawnPeer(peer_id=peer_id, failed_at_ms=last.at_ms if last else 0, reason=reason)
-
-    def _integrity(self, request: swarm_pb2.IntegrityRequest) -> swarm_pb2.IntegrityReply:
-        if len(request.peer_ids) > _MAX_INTEGRITY_PEERS:
-            raise _Refusal(
-                Code.INVALID_ARGUMENT, f"{len(request.peer_ids)} peer ids asked about, at most {_MAX_INTEGRITY_PEERS}"
-            )
-        withdrawn = [w for w in map(self._withdrawn_reason, dict.fromkeys(request.peer_ids)) if w is not None]
-        return swarm_pb2.IntegrityReply(withdrawn=withdrawn)
-
-    def _report_mismatch(self, remote: str, report: swarm_pb2.ReportMismatchRequest) -> swarm_pb2.ReportMismatchReply:
-        """An owner's spot check disagreed: check the peers in which the two routes differ
-        next (a report withdraws nobody). Only admitted clients may report."""
-        signed = self.store.client_admission(remote)
-        if signed is None or swarm_pb2.AdmissionRecord.FromString(signed.record).expires_at_ms <= self._now_ms():
-            raise _Refusal(Code.REFUSED, "only an admitted session owner may report a mismatch")
-        if len(report.route) + len(report.shadow) > 2 * _MAX_INTEGRITY_PEERS:
-            raise _Refusal(Code.INVALID_ARGUMENT, "the routes of the report have too many hops")
-        if self.canaries is None:
-            return swarm_pb2.ReportMismatchReply()
-        route = {hop.peer_id for hop in report.route}
-        shadow = {hop.peer_id for hop in report.shadow}
-        suspects = sorted(route ^ shadow)
-        log.warning(
-            "owner %s: a spot check of model %s disagreed at step %d (route %s, shadow %s): checking %s",
-            remote, report.model_sha256[:12], report.step, report.route_sha256[:16], report.shadow_sha256[:16],
-            ", ".join(suspects) or "nobody (the routes do not differ)",
-        )  # fmt: skip
-        now_s = trio.current_time()
-        scheduled = sum(len(self.canaries.prioritise(peer, report.model_sha256 or None, now_s)) for peer in suspects)
-        if scheduled:
-            self._notify()
-        return swarm_pb2.ReportMismatchReply(checks_scheduled=scheduled)
-
-    async def _model_metadata(self, request: swarm_pb2.ModelMetadataRequest) -> swarm_pb2.ModelMetadataReply:
-        if not request.model:
-            raise _Refusal(Code.INVALID_ARGUMENT, "ModelMetadataRequest.model is empty (give an alias, name or sha256)")
-        model = self.store.find_model(request.model)
-        if model is None:
-            raise _Refusal(Code.NOT_FOUND, f"unknown model {request.model!r}")
-        metadata, manifest = await self._file_facts(model)
-        return swarm_pb2.ModelMetadataReply(
-            model_sha256=model.sha256,
-            name=model.name,
-            alias=model.alias,
-            architecture=model.architecture,
-            n_layer=model.n_layer,
-            size_bytes=model.size_bytes,
-            metadata=b"" if request.without_metadata else metadata,
-            context_length=model.context_length,
-            manifest=manifest,
-            source_urls=self.source_urls(model.sha256),
-        )
-
-    async def _file_facts(self, model: swarm_pb2.ModelEntry) -> tuple[bytes, swarm_pb2.SignedManifest]:
-        """The metadata prefix and the signed manifest of ``model``'s registered file: read
-        (one pass: size and sha256 checked, tensors hashed) in a thread on the first request
-        (concurrent first requests share one read), then from memory. A failed read is not
-        remembered: the next request tries again (the file may be back)."""
-        cached = self._metadata.get(model.sha256)
-        if cached is not None:
-            return cached, self._manifests[model.sha256]
-        async with self._metadata_locks.setdefault(model.sha256, trio.Lock()):
-            cached = self._metadata.get(model.sha256)
-            if cached is not None:
-                return cached, self._manifests[model.sha256]
-            path = self.store.model_path(model.sha256)
-            if path is None:
-                raise _Refusal(
-                    Code.UNAVAILABLE,
-                    f"model {model.alias} ({model.sha256[:12]}) has no registered file "
-                    "(the database predates recorded paths): register it again with --register-model",
-                )
-            try:
-                metadata, tensors = await trio.to_thread.run_sync(
-                    read_registered_file, path, model.sha256, model.size_bytes
-                )
-                manifest = build_manifest(
-                    model_sha256=model.sha256, size_bytes=model.size_bytes, metadata_size=len(metadata),
-                    metadata_sha256=hashlib.sha256(metadata).hexdigest(), architecture=model.architecture,
-                    n_layer=model.n_layer, tensors=tensors, tracker_peer_id=self.peer_id, now_ms=self._now_ms(),
-                )  # fmt: skip
-            except (OSError, GgufError, ManifestError) as error:
-                log.warning("cannot read model %s: %s", model.alias, error)
-                reason = str(error).replace(str(path), path.name)  # the tracker's directories stay private
-                raise _Refusal(
-                    Code.UNAVAILABLE, f"the registered file of model {model.alias} cannot be read any more: {reason}"
-                ) from None
-            self._manifests[model.sha256] = sign_manifest(self._key, manifest)
-            self._metadata[model.sha256] = metadata
-            return metadata, self._manifests[model.sha256]
-
-    async def prepare_manifests(self) -> None:
-        """Read the metadata and hash the tensors of every registered model with a file, one
-        at a time, so that the first node that asks does not wait for it (failures are logged;
-        requests try again)."""
-        for model in self.store.models():
-            if self.store.model_path(model.sha256) is None:
-                continue
-            try:
-                await self._file_facts(model)
-            except _Refusal as refusal:
-                log.warning("model %s: %s", model.alias, refusal.message)
-            else:
-                log.info("manifest of model %s ready", model.alias)
 
     def _live_sessions(self) -> dict[tuple[str, str, int, int], tuple[int, int]]:
         """(peer, model, begin, end) -> (sequences in use, sequences) as each node last
@@ -829,7 +474,7 @@ class Tracker:
         """Recompute the assignment set from the models and the alive + pending nodes."""
         models = [ModelSpec(m.sha256, m.n_layer, m.bytes_per_block) for m in self.store.models() if m.n_layer > 0]
         live = self.liveness.live
-        fetchable = {m.sha256 for m in self.models() if m.has_source}
+        fetchable = {m.sha256 for m in self.model_files.models() if m.has_source}
         nodes = [
             NodeCapacity(
                 n.peer_id,
@@ -880,21 +525,6 @@ class Tracker:
                 await changed.wait()
 
 
-@dataclasses.dataclass
-class _Probe:
-    done: trio.Event = dataclasses.field(default_factory=trio.Event)
-    answered: bool = False
-    error: str = ""
-
-
-#: the most peers one integrity request may ask about (a route has a few hops)
-_MAX_INTEGRITY_PEERS = 64
-
-# Any answer proves the peer's node handler runs: a NodeRequest with no body is answered with
-# INVALID_ARGUMENT at once by a live node (no admission needed to be refused).
-_PROBE = swarm_pb2.NodeRequest(schema_version=SCHEMA_VERSION).SerializeToString()
-
-
 def _wire_assignment(a: Assignment) -> swarm_pb2.Assignment:
     return swarm_pb2.Assignment(model_sha256=a.model_sha256, begin=a.begin, end=a.end)
 
@@ -935,9 +565,10 @@ async def serve_tracker(
     task_status.started(tracker)
     async with trio.open_nursery() as nursery:
         if config.prepare_manifests_at_start:
-            nursery.start_soon(tracker.prepare_manifests)
+            nursery.start_soon(tracker.model_files.prepare_manifests)
         if config.canary is not None:
-            from agent.io.tracker.verifier import VerifierConfig, serve_verifier
+            from agent.io.tracker.verifier import serve_verifier
+            from agent.io.tracker.verifier_api import VerifierConfig
 
             await nursery.start(
                 functools.partial(serve_verifier, tracker, verifier or VerifierConfig(), open_persona=open_persona)

@@ -31,6 +31,11 @@ persona transport it opened is closed on the way out. Cancellation: cancel the e
 scope; a check in flight is dropped (its session on the node is freed by the node's idle
 timeout).
 
+This module runs the checks (``run_check``) and their loop (``serve_verifier``); beside it:
+``agent.io.tracker.verifier_api`` (settings, outcomes, totals, ``CanaryHost``),
+``agent.io.tracker.reference`` (``ReferencePool``), ``agent.io.tracker.personas`` (the fresh
+identities and what they take).
+
 Must not import ``agent.io.tracker.service`` (which imports this module): what the verifier
 uses of the tracker is ``CanaryHost``.
 """
@@ -38,113 +43,35 @@ uses of the tracker is ``CanaryHost``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
-from typing import Protocol, TypedDict
+from typing import TypedDict
 
 import numpy as np
 import trio
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.admission import public_key_bytes
 from agent.core.boundary import WireDType
-from agent.core.canary import (
-    CanaryPlan,
-    CanaryPolicy,
-    CanarySchedule,
-    OutputMismatch,
-    RangeKey,
-    compare_rows,
-    compare_scores,
-    plan_canary,
-)
-from agent.core.identity import peer_id_from_public_key
-from agent.core.swarm_wire import (
-    NODE_PROTOCOL,
-    RESULT_PROTOCOL,
-    SCHEMA_VERSION,
-    STEP_PROTOCOL,
-    STEPS_PROTOCOL,
-    RangeSpec,
-    WireError,
-    answer_step_batch,
-    boundary_step_request,
-    first_step_request,
-    node_reply_error,
-    parse_record,
-    result_scores,
-    step_ack,
-    step_ack_error,
-    validate_step,
-)
+from agent.core.canary import CanaryPlan, OutputMismatch, RangeKey, compare_rows, compare_scores, plan_canary
+from agent.core.step_requests import boundary_step_request, first_step_request
+from agent.core.step_results import result_scores
+from agent.core.step_validation import RangeSpec
+from agent.core.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, STEP_PROTOCOL, WireError, parse_record
 from agent.core.topk import TopLogits
 from agent.core.worker_records import SeqInput, SeqOutput
-from agent.core.worker_wait import AUTO, WAIT_CHOICES
-from agent.io.transport import Transport, TransportError
-from agent.io.worker_client import ClientConfig
+from agent.io.tracker.personas import Inbox, Persona, libp2p_personas, open_personas
+from agent.io.tracker.reference import ReferencePool
+from agent.io.tracker.verifier_api import CanaryHost, CheckOutcome, OpenPersona, VerifierConfig, VerifierStats
+from agent.io.transport import TransportError
 from agent.io.worker_error import WorkerError
-from agent.io.worker_process import WorkerBinaryNotFound, WorkerHandle, WorkerStartError, open_worker, wait_environment
+from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError
 
-__all__ = [
-    "CanaryHost",
-    "CheckOutcome",
-    "ReferencePool",
-    "VerifierConfig",
-    "VerifierStats",
-    "run_check",
-    "serve_verifier",
-]
+__all__ = ["run_check", "serve_verifier"]
 
 log = logging.getLogger(__name__)
 
 Code = swarm_pb2.Error.Code
-
-#: ``open_persona(key)``: an open transport whose identity is ``key`` (libp2p + the direct
-#: channel in production, a ``MemoryTransport`` in unit tests).
-OpenPersona = Callable[[Ed25519PrivateKey], AbstractAsyncContextManager[Transport]]
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifierConfig:
-    """The verifier's workers and deadlines (the canary policy is ``TrackerConfig.canary``).
-
-    Fields:
-      threads: threads of each reference worker.
-      worker_wait: how a reference worker's idle threads wait (``agent.core.worker_wait``:
-        auto, spin or sleep); auto sleeps after a short spin when nodes compute on this host.
-      worker_binary: the baton-worker binary (None: ``find_worker_binary()``).
-      worker_ready_timeout_s, worker_call_timeout_s: a reference worker's start and calls.
-      max_reference_workers: reference workers kept at once (least recently used stopped
-        first; at least 3, the chain of one check).
-      step_timeout_s: how long a checked node may take to ack a canary step and push its output.
-      persona_listen: where each fresh identity listens (nodes push outputs to it): the
-        tracker's host, any port.
-    """
-
-    threads: int = 1
-    worker_wait: str = AUTO
-    worker_binary: str | None = None
-    worker_ready_timeout_s: float = 120.0
-    worker_call_timeout_s: float = 60.0
-    max_reference_workers: int = 6
-    step_timeout_s: float = 10.0
-    persona_listen: str = "/ip4/127.0.0.1/tcp/0"
-
-    def __post_init__(self) -> None:
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.worker_wait not in WAIT_CHOICES:
-            raise ValueError(f"worker_wait must be one of {', '.join(WAIT_CHOICES)}, got {self.worker_wait!r}")
-        if self.max_reference_workers < 3:  # one check's chain: [0, b), [b, e), [e, L)
-            raise ValueError(f"max_reference_workers must be >= 3, got {self.max_reference_workers}")
-        for name in ("worker_ready_timeout_s", "worker_call_timeout_s", "step_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 class _CheckStats(TypedDict):
@@ -156,295 +83,8 @@ class _CheckStats(TypedDict):
     reference_s: float
 
 
-@dataclasses.dataclass(frozen=True)
-class CheckOutcome:
-    """How one canary ended: ``passed``, ``failed`` (``mismatch`` is the evidence) or
-    ``inconclusive`` (``reason``: the node refused or was too slow, the reference could not
-    run). ``rows``: rows the checked node processed; ``node_s`` / ``reference_s``: time spent
-    waiting for it / computing the reference."""
-
-    key: RangeKey
-    check_id: str
-    status: str
-    mismatch: OutputMismatch | None = None
-    reason: str = ""
-    steps: int = 0
-    rows: int = 0
-    node_s: float = 0.0
-    reference_s: float = 0.0
-
-
-@dataclasses.dataclass
-class VerifierStats:
-    """Totals over the verifier's checks (the benchmark reads them)."""
-
-    passed: int = 0
-    failed: int = 0
-    inconclusive: int = 0
-    rows: int = 0
-    node_s: float = 0.0
-    reference_s: float = 0.0
-
-    def add(self, outcome: CheckOutcome) -> None:
-        setattr(self, outcome.status, getattr(self, outcome.status) + 1)
-        self.rows += outcome.rows
-        self.node_s += outcome.node_s
-        self.reference_s += outcome.reference_s
-
-
-class CanaryHost(Protocol):
-    """What the verifier uses of the tracker (``agent.io.tracker.service.Tracker``, which
-    imports this module: it is not imported here)."""
-
-    @property
-    def canary_policy(self) -> CanaryPolicy | None: ...
-    @property
-    def canaries(self) -> CanarySchedule | None: ...
-    @property
-    def verifier_stats(self) -> VerifierStats: ...
-
-    async def changed(self) -> None:
-        """Returns when the tracker's state changed (a range may have become due)."""
-        ...
-
-    async def canary_target(self, key: RangeKey) -> tuple[tuple[str, ...], str, int, str]:
-        """The checked node's addresses, the range's recipe hash, the model's block count and
-        its registered file. Raises LookupError when the range is no longer served."""
-        ...
-
-    def issue_persona_admission(self, peer_id: str, role: swarm_pb2.Role) -> swarm_pb2.SignedAdmission:
-        """An admission for one of the verifier's fresh identities."""
-        ...
-
-    def record_check(self, outcome: CheckOutcome) -> object:
-        """Act on a check's outcome."""
-        ...
-
-
 class _Inconclusive(Exception):
     pass
-
-
-# --- the reference ---------------------------------------------------------------------------
-
-
-class ReferencePool:
-    """The tracker's reference workers by (model sha256, begin, end), started on first use.
-
-    Each worker runs in a task of ``nursery`` that holds its ``open_worker`` context until it
-    is evicted (least recently used beyond ``config.max_reference_workers``) or the nursery
-    ends."""
-
-    def __init__(self, nursery: trio.Nursery, config: VerifierConfig, ctx_size: int, batch_size: int) -> None:
-        self._nursery = nursery
-        self._config = config
-        self._ctx_size = ctx_size
-        self._batch_size = batch_size
-        self._workers: dict[tuple[str, int, int], tuple[WorkerHandle, trio.Event]] = {}
-        self._used: dict[tuple[str, int, int], float] = {}
-        self._bos: dict[str, int | None] = {}
-
-    def __len__(self) -> int:
-        return len(self._workers)
-
-    async def get(self, path: str, model_sha256: str, begin: int, end: int) -> WorkerHandle:
-        """The running reference worker of ``[begin, end)`` (started now if needed).
-
-        Raises:
-          WorkerStartError, WorkerBinaryNotFound, OSError, ValueError: it could not start.
-        """
-        key = (model_sha256, begin, end)
-        held = self._workers.get(key)
-        if held is not None and held[0].process.poll() is not None:
-            log.warning("reference worker [%d, %d) exited: %s", begin, end, held[0].log_tail(300))
-            held[1].set()
-            self._workers.pop(key, None)
-            held = None
-        if held is None:
-            handle = await self._nursery.start(self._hold, key, path)
-        else:
-            handle = held[0]
-        self._used[key] = trio.current_time()
-        excess = len(self._workers) - self._config.max_reference_workers
-        for old in sorted(self._workers, key=lambda k: self._used.get(k, 0.0))[: max(0, excess)]:
-            if old != key:
-                self._workers.pop(old)[1].set()
-        return handle
-
-    async def _hold(self, key: tuple[str, int, int], path: str, task_status: trio.TaskStatus[WorkerHandle]) -> None:  # type: ignore[name-defined]  # trio-typing's stale trio stubs
-        """Start the worker of ``key`` and keep it until evicted. A failure to start is raised
-        to ``get``; one after (the worker's exit) is logged: it must not end the verifier."""
-        model_sha256, begin, end = key
-        cfg = self._config
-        stop = trio.Event()
-        started = False
-        try:
-            # a reference worker on a host that runs nodes too must not spin on their cores
-            environment, wait = wait_environment(cfg.worker_wait)
-            log.info(
-                "reference worker for model %s blocks [%d, %d): idle threads %s", model_sha256[:12], begin, end, wait
-            )
-            async with open_worker(
-                path, begin, end, ctx_size=self._ctx_size, max_sequences=1, batch_size=self._batch_size,
-                threads=cfg.threads, model_sha256=model_sha256, ready_timeout_s=cfg.worker_ready_timeout_s,
-                client_config=ClientConfig(timeout_s=cfg.worker_call_timeout_s), binary=cfg.worker_binary,
-                environment=environment,
-            ) as handle:  # fmt: skip
-                if handle.info.model_sha256 and handle.info.model_sha256 != model_sha256:
-                    raise ValueError(
-                        f"the reference worker loaded model {handle.info.model_sha256}, not {model_sha256}"
-                    )
-                self._workers[key] = (handle, stop)
-                log.info("reference worker for model %s blocks [%d, %d) ready", model_sha256[:12], begin, end)
-                task_status.started(handle)
-                started = True
-                await stop.wait()
-        except Exception:
-            if not started:
-                raise
-            log.exception("reference worker for model %s blocks [%d, %d) failed", model_sha256[:12], begin, end)
-        finally:
-            if self._workers.get(key, (None, None))[1] is stop:
-                del self._workers[key]
-            self._used.pop(key, None)
-
-    async def bos_token(self, handle: WorkerHandle) -> int | None:
-        """The BOS token the model's tokenizer adds (None: it adds none)."""
-        sha = handle.info.model_sha256
-        if sha not in self._bos:
-            ids = await handle.client.tokenize("", add_special=True)
-            self._bos[sha] = ids[0] if ids else None
-        return self._bos[sha]
-
-
-# --- the personas ----------------------------------------------------------------------------
-
-
-class _Inbox:
-    """Where the personas of one check deliver what the checked node pushes: boundary rows
-    (a ``StepRequest`` to the "next hop") or a ``StepResult`` (to the "owner"), by step."""
-
-    def __init__(self, node_peer_id: str, session_id: bytes, downstream: RangeSpec | None) -> None:
-        self.node_peer_id = node_peer_id
-        self.session_id = session_id
-        self.downstream = downstream
-        self.step = -1
-        self.arrived = trio.Event()
-        self.rows: np.ndarray | None = None
-        self.result: swarm_pb2.StepResult | None = None
-        self.malformed = ""
-
-    def expect(self, step: int) -> None:
-        self.step, self.arrived = step, trio.Event()
-        self.rows = self.result = None
-        self.malformed = ""
-
-    async def on_step(self, remote_peer_id: str, data: bytes) -> bytes:
-        """The "next hop": validate the pushed step as a node would, take its rows, ack."""
-        try:
-            request = parse_record(swarm_pb2.StepRequest, data)
-        except WireError as err:
-            return step_ack(err)
-        return self._take_step(remote_peer_id, request)
-
-    async def on_steps(self, remote_peer_id: str, data: bytes) -> bytes:
-        """``/baton/steps`` as a node answers it (a persona that did not would be a tell)."""
-        return answer_step_batch(data, lambda request: self._take_step(remote_peer_id, request))
-
-    def _take_step(self, remote_peer_id: str, request: swarm_pb2.StepRequest) -> bytes:
-        """Check one pushed step, take its rows; its serialized ``StepAck``."""
-        try:
-            mine = remote_peer_id == self.node_peer_id and bytes(request.session_id) == self.session_id
-            if not mine or self.downstream is None or request.step != self.step or self.arrived.is_set():
-                raise WireError(
-                    Code.NOT_FOUND, f"unknown session {bytes(request.session_id).hex()} at step {request.step}"
-                )
-            try:
-                step = validate_step(request, self.downstream)
-            except WireError as err:
-                self.malformed = f"the pushed step is malformed: {err}"
-                self.arrived.set()
-                raise
-            self.rows = np.array(step.rows, dtype=np.float32)
-            self.arrived.set()
-            return step_ack()
-        except WireError as err:
-            return step_ack(err)
-
-    async def on_result(self, remote_peer_id: str, data: bytes) -> bytes:
-        """The "owner": take the last range's result."""
-        try:
-            result = parse_record(swarm_pb2.StepResult, data)
-        except WireError as err:
-            return step_ack(err)
-        if (
-            remote_peer_id != self.node_peer_id
-            or bytes(result.session_id) != self.session_id
-            or result.step != self.step
-        ):
-            return step_ack_error(Code.NOT_FOUND, f"unknown session {bytes(result.session_id).hex()}")
-        if not self.arrived.is_set():
-            self.result = result
-            self.arrived.set()
-        return step_ack()
-
-
-async def _on_node_request(remote_peer_id: str, data: bytes) -> bytes:
-    """A persona answers node requests as a node does: a probe (no body) with the same
-    INVALID_ARGUMENT, an end-session with success."""
-    try:
-        request = parse_record(swarm_pb2.NodeRequest, data)
-    except WireError as err:
-        return node_reply_error(err.code, err.message)
-    body = request.WhichOneof("body")
-    if body == "end_session":
-        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
-    if body is None:
-        return node_reply_error(
-            Code.INVALID_ARGUMENT, "the NodeRequest has no body (tokenize, detokenize or end_session)"
-        )
-    return node_reply_error(Code.NOT_FOUND, f"model {getattr(request, body).model_sha256!r} is not ready on this node")
-
-
-@dataclasses.dataclass
-class _Persona:
-    key: Ed25519PrivateKey
-    transport: Transport
-
-    @property
-    def peer_id(self) -> str:
-        return self.transport.peer_id
-
-    def hop(self, begin: int, end: int) -> swarm_pb2.Hop:
-        return swarm_pb2.Hop(peer_id=self.peer_id, addrs=list(self.transport.listen_addrs), begin=begin, end=end)
-
-
-@contextlib.asynccontextmanager
-async def _personas(open_persona: OpenPersona, count: int, inbox: _Inbox) -> AsyncIterator[list[_Persona]]:
-    async with contextlib.AsyncExitStack() as stack:
-        personas = []
-        for _ in range(count):
-            key = Ed25519PrivateKey.generate()
-            transport = await stack.enter_async_context(open_persona(key))
-            if transport.peer_id != peer_id_from_public_key(public_key_bytes(key)):
-                raise ValueError("open_persona returned a transport of another identity")
-            transport.set_handler(STEP_PROTOCOL, inbox.on_step)
-            transport.set_handler(STEPS_PROTOCOL, inbox.on_steps)
-            transport.set_handler(RESULT_PROTOCOL, inbox.on_result)
-            transport.set_handler(NODE_PROTOCOL, _on_node_request)
-            personas.append(_Persona(key, transport))
-        yield personas
-
-
-def libp2p_personas(listen: str) -> OpenPersona:
-    """Fresh identities on libp2p with the direct channel in front, as nodes and owners run."""
-
-    def open_persona(key: Ed25519PrivateKey) -> AbstractAsyncContextManager[Transport]:
-        from agent.io.peer_transport import open_peer_transport
-
-        return open_peer_transport(key, [listen])
-
-    return open_persona
 
 
 # --- one check -------------------------------------------------------------------------------
@@ -530,11 +170,11 @@ async def _check(
             n_vocab=info.n_vocab, recipe_hash=recipe_hash, n_batch_max=1 << 20, boundary=schema,
         )  # fmt: skip
     session_id = os.urandom(16)
-    inbox = _Inbox(peer_id, session_id, downstream)
+    inbox = Inbox(peer_id, session_id, downstream)
     # personas: the owner (a client), a sender when the range is not first (an upstream node),
     # a next hop when it is not last
     count = 1 + (begin > 0) + (end < n_layer)
-    async with _personas(open_persona, count, inbox) as personas:
+    async with open_personas(open_persona, count, inbox) as personas:
         owner = personas[0]
         sender = personas[1] if begin > 0 else owner
         next_hop = personas[-1] if end < n_layer else None
@@ -614,7 +254,7 @@ async def _check(
 
 def _compare(
     step: int,
-    inbox: _Inbox,
+    inbox: Inbox,
     expected_rows: np.ndarray | None,
     expected_scores: TopLogits | np.ndarray | None,
     rel_error: float | None,
@@ -635,7 +275,7 @@ def _compare(
     return compare_scores(step, expected_scores, returned, rel_error=rel_error)
 
 
-async def _send_step(sender: _Persona, hop: swarm_pb2.Hop, request: swarm_pb2.StepRequest, timeout_s: float) -> None:
+async def _send_step(sender: Persona, hop: swarm_pb2.Hop, request: swarm_pb2.StepRequest, timeout_s: float) -> None:
     try:
         raw = await sender.transport.request(
             hop.peer_id, list(hop.addrs), STEP_PROTOCOL, request.SerializeToString(), timeout_s=timeout_s
@@ -648,7 +288,7 @@ async def _send_step(sender: _Persona, hop: swarm_pb2.Hop, request: swarm_pb2.St
 
 
 async def _end_session(
-    sender: _Persona,
+    sender: Persona,
     hop: swarm_pb2.Hop,
     session_id: bytes,
     rest: list[swarm_pb2.Hop],

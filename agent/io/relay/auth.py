@@ -1,0 +1,71 @@
+"""The relay's authentication and quotas: who sends a request (``authenticate``: a key's
+name and limits from the ``Authorization: Bearer`` header, or the anonymous pseudo-key) and
+whether it may run now (``admit``: the quota decision is ``agent.core.quotas``'; 401 and 429
+are raised as ``ApiError``).
+
+Must not import the relay's app, completions or server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from starlette.requests import Request
+
+from agent.core import quotas
+from agent.core.openai_api import ApiError
+
+from .state import RelayState
+
+__all__ = ["ANONYMOUS", "Principal", "admit", "authenticate"]
+
+ANONYMOUS = "anonymous"
+
+
+@dataclasses.dataclass
+class Principal:
+    """Who sends a request: a key's name and limits, or the anonymous pseudo-key."""
+
+    name: str
+    limits: quotas.KeyLimits
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def authenticate(state: RelayState, request: Request) -> Principal:
+    key = _bearer(request)
+    if key is None:
+        if state.config.anonymous_tokens_per_day > 0:
+            return Principal(ANONYMOUS, quotas.KeyLimits(state.config.anonymous_tokens_per_day, None, None))
+        raise ApiError(
+            401,
+            "You didn't provide an API key. Send it in the Authorization header (Bearer auth): "
+            "'Authorization: Bearer YOUR_KEY'; keys are made with 'baton relay keys add'.",
+        )
+    record = state.store.authenticate(key)
+    if record is None:
+        raise ApiError(401, "Incorrect API key provided.")
+    if record.revoked:
+        raise ApiError(401, f"The API key '{record.name}' has been revoked.")
+    return Principal(record.name, record.limits)
+
+
+def admit(state: RelayState, principal: Principal) -> None:
+    """Check and take a quota slot for one request. Raises ApiError 429."""
+    now = state.now_s()
+    decision = quotas.decide(
+        principal.limits,
+        tokens_today=state.store.tokens_on(principal.name, quotas.day_of(now)),
+        request_times_s=state.store.requests_since(principal.name, now - 60.0),
+        concurrent=state.concurrent.get(principal.name, 0),
+        now_s=now,
+    )
+    if not decision.admitted:
+        raise ApiError(429, decision.message, code=decision.limit, retry_after_s=decision.retry_after_s)
+    state.store.record_request(principal.name, now)

@@ -1,0 +1,279 @@
+"""One completion of the relay: the prompt prepared (``prepare``: model, vocabulary, chat
+template, tokens, context limit), the generation over the swarm (``Completion.run``: text
+with stop strings, logprobs, token ids, usage, the ledger's credit), and the OpenAI bodies it
+gives (a response, or stream chunks).
+
+Decisions are the core's (``agent.core.openai_api``, ``chat_template``, ``text_stream``,
+``quotas``); the swarm client samples.
+
+Must not import the relay's app or server; the HTTP side of a completion is
+``agent.io.relay.responses``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import trio
+
+from agent._proto import swarm_pb2
+from agent.core import quotas
+from agent.core.chat_template import ChatTemplateError
+from agent.core.openai_api import (
+    ApiError,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    logprob_entry,
+    token_logprobs,
+    usage,
+)
+from agent.core.sampling import SamplingParams
+from agent.core.text_stream import TextStream
+from agent.io.client import GenerationError, SwarmError
+from agent.io.transport import TransportError
+from agent.io.vocab import ModelVocab, VocabularyError
+
+from .auth import Principal
+from .state import RelayState
+
+__all__ = ["Completion", "Prompt", "prepare"]
+
+
+@dataclasses.dataclass
+class Prompt:
+    tokens: list[int]
+    vocab: ModelVocab
+    entry: swarm_pb2.ModelEntry
+    max_tokens: int
+
+
+async def prepare(state: RelayState, req: CompletionRequest) -> Prompt:
+    entry = await state.model(req.model)
+    try:
+        vocab = await state.vocabularies.get(entry.sha256)
+    except VocabularyError as error:
+        raise ApiError(503, str(error)) from None
+    try:
+        tokens = await _prompt_tokens(req, vocab)
+    except VocabularyError as error:
+        raise ApiError(503, str(error)) from None
+    if not tokens:
+        raise ApiError(
+            400, "the prompt tokenizes to no tokens", param="prompt" if req.kind == "completion" else "messages"
+        )
+    context = vocab.context_length or 0
+    if context and len(tokens) >= context:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has {len(tokens)}.",
+                       param="messages" if req.kind == "chat" else "prompt", code="context_length_exceeded")  # fmt: skip
+    limit = req.max_tokens if req.max_tokens is not None else state.config.default_max_tokens
+    if context:
+        limit = min(limit, context - len(tokens))
+    return Prompt(tokens=tokens, vocab=vocab, entry=entry, max_tokens=max(1, limit))
+
+
+async def _prompt_tokens(req: CompletionRequest, vocab: ModelVocab) -> list[int]:
+    if req.kind == "chat":
+        if vocab.chat_template is None:
+            raise ApiError(400, f"The model '{req.model}' has no usable chat template: {vocab.chat_template_error}; "
+                           "use /v1/completions with your own prompt", param="messages")  # fmt: skip
+        try:
+            text = vocab.chat_template.render(list(req.messages or ()), add_generation_prompt=True)
+        except ChatTemplateError as error:
+            raise ApiError(400, str(error), param="messages") from None
+        tokens = await vocab.tokenize(text)
+    elif isinstance(req.prompt, tuple):
+        bad = [t for t in req.prompt if t >= vocab.n_vocab]
+        if bad:
+            raise ApiError(
+                400, f"token id {bad[0]} is outside the vocabulary of {vocab.n_vocab} tokens", param="prompt"
+            )
+        tokens = list(req.prompt)
+    else:
+        tokens = await vocab.tokenize(str(req.prompt))
+    return tokens
+
+
+def _token_text(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+class Completion:
+    """One completion's run: generation, text, logprobs, and its events for a stream."""
+
+    def __init__(self, state: RelayState, req: CompletionRequest, prompt: Prompt, principal: Principal) -> None:
+        self.state = state
+        self.req = req
+        self.prompt = prompt
+        self.principal = principal
+        prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{secrets.token_hex(12)}"
+        self.created = int(state.now_s())
+        self.text = TextStream(req.stop)
+        self.logprob_entries: list = []  # chat: entries; completion: (token, logprob, top dict)
+        self._unsent_logprobs: list = []
+        self.completion_tokens = 0
+        self.token_ids: list[int] = []
+        self._unsent_token_ids: list[int] = []
+        self._sent_prompt_ids = False
+        self.finish_reason = "length"
+
+    def _logprobs(self, token: int, logits) -> None:
+        if not self.req.logprobs or logits is None or (isinstance(logits, np.ndarray) and logits.size == 0):
+            return
+        vocab = self.prompt.vocab
+        logprob, top = token_logprobs(logits, token, self.req.top_logprobs or 0)
+        piece = vocab.piece(token)
+        entry: dict[str, Any] | tuple[str, float, dict[str, float]]
+        if self.req.kind == "chat":
+            tops = [(_token_text(vocab.piece(t)), vocab.piece(t), lp) for t, lp in top]
+            entry = logprob_entry(_token_text(piece), piece, logprob, tops)
+        else:
+            entry = (_token_text(piece), logprob, {_token_text(vocab.piece(t)): lp for t, lp in top})
+        self.logprob_entries.append(entry)
+        self._unsent_logprobs.append(entry)
+
+    def _completion_logprobs(self, entries: list, offset: int) -> dict:
+        tokens, text_offset, position = [], [], offset
+        for token_text, _lp, _top in entries:
+            tokens.append(token_text)
+            text_offset.append(position)
+            position += len(token_text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _t, lp, _top in entries],
+            "top_logprobs": [top for _t, _lp, top in entries],
+            "text_offset": text_offset,
+        }
+
+    def _take_unsent_logprobs(self, offset: int):
+        entries, self._unsent_logprobs = self._unsent_logprobs, []
+        if not self.req.logprobs:
+            return None
+        return entries if self.req.kind == "chat" else self._completion_logprobs(entries, offset)
+
+    def chunk(self, text: str, finish_reason: str | None = None, *, role: bool = False) -> dict:
+        offset = len(self.text.text) - len(text)
+        logprobs = None if role else self._take_unsent_logprobs(offset)
+        if self.req.kind == "chat":
+            delta: dict = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            chunk = chat_chunk(id_=self.id, created=self.created, model=self.req.model, delta=delta,
+                               finish_reason=finish_reason, logprobs=logprobs)  # fmt: skip
+        else:
+            chunk = completion_chunk(id_=self.id, created=self.created, model=self.req.model, text=text,
+                                     finish_reason=finish_reason, logprobs=logprobs)  # fmt: skip
+        if self.req.return_token_ids and chunk["choices"]:
+            if not self._sent_prompt_ids:  # the first chunk carries the prompt's ids
+                chunk["prompt_token_ids"] = list(self.prompt.tokens)
+                self._sent_prompt_ids = True
+            if role:
+                chunk["choices"][0]["token_ids"] = []
+            else:
+                chunk["choices"][0]["token_ids"], self._unsent_token_ids = self._unsent_token_ids, []
+        return chunk
+
+    def usage(self) -> dict:
+        return usage(len(self.prompt.tokens), self.completion_tokens)
+
+    def usage_chunk(self) -> dict:
+        build = chat_chunk if self.req.kind == "chat" else completion_chunk
+        return build(id_=self.id, created=self.created, model=self.req.model, usage_=self.usage(), final_usage=True)
+
+    def response(self) -> dict:
+        response = self._response()
+        if self.req.return_token_ids:
+            response["prompt_token_ids"] = list(self.prompt.tokens)
+            response["choices"][0]["token_ids"] = list(self.token_ids)
+        return response
+
+    def _response(self) -> dict:
+        if self.req.kind == "chat":
+            return chat_response(
+                id_=self.id, created=self.created, model=self.req.model, text=self.text.text,
+                finish_reason=self.finish_reason, usage_=self.usage(),
+                logprobs=self.logprob_entries if self.req.logprobs else None,
+            )  # fmt: skip
+        return completion_response(
+            id_=self.id, created=self.created, model=self.req.model, text=self.text.text,
+            finish_reason=self.finish_reason, usage_=self.usage(),
+            logprobs=self._completion_logprobs(self.logprob_entries, 0) if self.req.logprobs else None,
+        )  # fmt: skip
+
+    async def run(self, emit: Callable[[str], Awaitable[None]] | None) -> None:
+        """Generate; ``emit`` (streaming) is awaited with each new piece of text.
+
+        Raises:
+          ApiError: 503 (no route, the swarm busy or failing), 504 (no answer in time).
+        """
+        state, req, vocab = self.state, self.req, self.prompt.vocab
+        sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
+        eog = vocab.eog_token_ids
+        started = time.perf_counter()
+        last_token_at: float | None = None
+
+        async def on_token(token: int, logits, _route) -> bool:
+            nonlocal last_token_at
+            now = time.perf_counter()
+            if last_token_at is None:
+                state.metrics.observe_time_to_first_token(now - started)
+            else:
+                state.metrics.observe_inter_token(now - last_token_at)
+            last_token_at = now
+            self.completion_tokens += 1
+            self.token_ids.append(token)
+            self._unsent_token_ids.append(token)
+            if token in eog:
+                return False  # the session ends on it by itself; its text is not shown
+            self._logprobs(token, logits)
+            text = self.text.feed(vocab.piece(token))
+            if emit is not None and (
+                text or self._unsent_logprobs or (self._unsent_token_ids and req.return_token_ids)
+            ):
+                await emit(text)
+            return self.text.stopped
+
+        state.metrics.session_started()
+        state.live_sessions += 1
+        try:
+            with trio.fail_after(state.config.generation_timeout_s):
+                result = await state.client.generate_tokens(
+                    self.prompt.entry.sha256, self.prompt.tokens, max_tokens=self.prompt.max_tokens,
+                    stop_tokens=sorted(eog), sampling=sampling, seed=req.seed, on_token=on_token,
+                    queue_timeout_s=state.config.queue_timeout_s,
+                )  # fmt: skip
+        except trio.TooSlowError:
+            raise ApiError(504, f"the generation did not finish within {state.config.generation_timeout_s} s") from None
+        except GenerationError as error:
+            if error.code == swarm_pb2.Error.RESOURCE_EXHAUSTED:
+                raise ApiError(503, f"the swarm is busy: {error}", retry_after_s=5) from None
+            if not error.failed_peer_id and error.code == 0:
+                raise ApiError(504, f"the swarm did not answer in time: {error}") from None
+            if not error.failed_peer_id:  # no node holds some range now: as a route refused at once
+                raise ApiError(503, f"no route for '{req.model}' now: {error}", retry_after_s=5) from None
+            raise ApiError(503, f"the swarm could not finish the generation: {error}") from None
+        except SwarmError as error:
+            status = 404 if error.code == swarm_pb2.Error.NOT_FOUND else 503
+            raise ApiError(status, f"no route for '{req.model}': {error.message}") from None
+        except TransportError as error:
+            raise ApiError(503, f"the tracker or first hop cannot be reached: {error}") from None
+        finally:
+            state.live_sessions -= 1
+            state.metrics.session_ended()
+        tail = self.text.finish()
+        if emit is not None and tail:
+            await emit(tail)
+        stopped = self.text.stopped or result.stopped_by_token
+        self.finish_reason = "stop" if stopped else "length"
+        now = state.now_s()
+        state.store.add_usage(self.principal.name, quotas.day_of(now), len(self.prompt.tokens), self.completion_tokens)
+        hops = [(h["node"], h["begin"], h["end"], h["rows"]) for h in result.hop_rows]
+        state.store.credit(self.id, result.model_sha256, hops, self.prompt.entry.n_layer, now)
+        state.metrics.observe_tokens(len(self.prompt.tokens), self.completion_tokens)
+        state.metrics.record_completion_tokens(self.completion_tokens, now)

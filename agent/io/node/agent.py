@@ -62,7 +62,6 @@ from .state import ServedRange, unix_ms
 
 __all__ = ["Node", "serve_node"]
 
-
 log = logging.getLogger(__name__)
 
 Code = swarm_pb2.Error.Code

@@ -30,7 +30,6 @@ from .state import ServedRange, clock_ms, unbind_request
 
 __all__ = ["BatchServing"]
 
-
 log = logging.getLogger(__name__)
 
 

@@ -30,7 +30,6 @@ __all__ = [
     "TrackerUnreachable",
 ]
 
-
 #: Default heartbeat interval when the tracker names none.
 DEFAULT_HEARTBEAT_INTERVAL_MS = 1000
 

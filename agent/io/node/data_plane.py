@@ -25,7 +25,6 @@ from .tracker_link import TrackerLink
 
 __all__ = ["DataPlane"]
 
-
 log = logging.getLogger(__name__)
 
 Code = swarm_pb2.Error.Code

@@ -34,13 +34,10 @@ from .state import ServedRange, clock_ms, unix_ms
 
 __all__ = ["RequestHandlers"]
 
-
 log = logging.getLogger(__name__)
 
 Code = swarm_pb2.Error.Code
 State = swarm_pb2.AssignmentStatus.State
-
-
 _READY = State.READY  # read on every step (an enum wrapper's attribute is a lookup)
 
 

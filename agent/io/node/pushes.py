@@ -43,7 +43,6 @@ from .state import NodeState, clock_ms
 
 __all__ = ["Pushes"]
 
-
 log = logging.getLogger(__name__)
 
 Code = swarm_pb2.Error.Code

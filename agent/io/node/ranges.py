@@ -51,7 +51,6 @@ from .tracker_link import TrackerLink
 
 __all__ = ["RangeRunner"]
 
-
 log = logging.getLogger(__name__)
 
 Code = swarm_pb2.Error.Code

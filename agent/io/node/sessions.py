@@ -37,7 +37,6 @@ from .state import clock_ms, unbind_request
 
 __all__ = ["SessionControl"]
 
-
 log = logging.getLogger(__name__)
 
 Code = swarm_pb2.Error.Code

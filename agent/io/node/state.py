@@ -38,7 +38,6 @@ from .fetch import FetchProgress
 
 __all__ = ["NodeState", "ServedRange", "clock_ms", "unbind_request", "unix_ms"]
 
-
 Code = swarm_pb2.Error.Code
 State = swarm_pb2.AssignmentStatus.State
 

@@ -40,7 +40,6 @@ from .state import NodeState, ServedRange, unix_ms
 
 __all__ = ["NODE_LIST_REUSE_S", "TrackerLink"]
 
-
 log = logging.getLogger(__name__)
 
 Code = swarm_pb2.Error.Code

@@ -26,7 +26,8 @@ from agent.core.admission import public_key_bytes
 from agent.core.canary import CanaryPolicy
 from agent.core.fingerprint import DeviceInfo, HostProbe
 from agent.core.identity import peer_id_from_public_key
-from agent.io.node.agent import LocalModel, Node, NodeConfig, NodeRefused, serve_node
+from agent.io.node.agent import Node, serve_node
+from agent.io.node.config import LocalModel, NodeConfig, NodeRefused
 from agent.io.tracker.cli import register_models
 from agent.io.tracker.config import TrackerConfig
 from agent.io.tracker.reference import ReferencePool

@@ -58,7 +58,8 @@ from agent.core.swarm_wire import (
 from agent.core.worker_records import SeqInput
 from agent.io.channel import open_channel_transport
 from agent.io.node import cli as node_cli
-from agent.io.node.agent import LocalModel, Node, NodeConfig, NodeError, NodeRefused, serve_node
+from agent.io.node.agent import Node, serve_node
+from agent.io.node.config import LocalModel, NodeConfig, NodeError, NodeRefused
 from agent.io.node.probe import ProbeConfig, probe_host
 from agent.io.transport import MemoryNetwork, Transport
 from agent.io.worker_client import AsyncWorkerClient

@@ -1,6 +1,6 @@
 """How a CPU worker's idle threads wait for work: spin, or sleep in the kernel.
 
-Owns the choice of the worker's OpenMP wait policy, for ``agent.io.node.agent`` (which counts
+Owns the choice of the worker's OpenMP wait policy, for ``agent.io.node.ranges`` (which counts
 the Baton workers already running on the host and starts the worker with the environment
 chosen here).
 

@@ -1,6 +1,6 @@
 """TEST ONLY: a node that computes wrong numbers, to show that the swarm catches one.
 
-``OutputCorrupter`` is an ``agent.io.node.agent.OutputsFilter``: installed in a node
+``OutputCorrupter`` is an ``agent.io.node.config.OutputsFilter``: installed in a node
 (``serve_node(..., outputs_filter=OutputCorrupter(...))``, or the test-only entry point
 ``python -m agent.testing.faulty_node ... --corrupt-outputs SCALE``) it sits between the
 node's worker and its pushes: while it is active, the output rows of every step whose input

@@ -194,12 +194,18 @@ def _forward_compute_us(client) -> int:
     return 0 if timing is None else int(timing.compute_us)
 
 
+def _defining_class(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO that defines ``name`` (``Node`` is made of one mixin per job,
+    ``agent.io.node.agent``); ``cls`` when none does (``_wrap`` then names it missing)."""
+    return next((c for c in cls.__mro__ if name in c.__dict__), cls)
+
+
 def install_node_hooks(agent_module) -> None:
     node = agent_module.Node
-    _wrap(node, "answer_step", "step", when=lambda _self, _remote, data: len(data))
-    _wrap(node, "_accept_step", "accept")
-    _wrap(node, "_push", "push")
-    _wrap(node, "_push_now", "push")
+    _wrap(_defining_class(node, "answer_step"), "answer_step", "step", when=lambda _self, _remote, data: len(data))
+    _wrap(_defining_class(node, "_accept_step"), "_accept_step", "accept")
+    _wrap(_defining_class(node, "_push"), "_push", "push")
+    _wrap(_defining_class(node, "_push_now"), "_push_now", "push")
     install_worker_hooks()
     _install_transport_hooks()
 

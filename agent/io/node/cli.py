@@ -48,7 +48,8 @@ from agent.core.worker_wait import AUTO, WAIT_CHOICES
 from agent.io.gguf_sparse import check_gguf_magic
 from agent.models import cached_sha256
 
-from .agent import LocalModel, NodeConfig, NodeError, NodeRefused, OutputsFilter, serve_node
+from .agent import serve_node
+from .config import LocalModel, NodeConfig, NodeError, NodeRefused, OutputsFilter
 from .probe import probe_host
 
 __all__ = [

@@ -194,7 +194,7 @@ async def _check(
                 if begin > 0:
                     (out,) = await refs[0].client.forward([SeqInput(0, positions, token_ids=tokens)])
                     rows_in = out.boundary
-                # as the node's worker is asked (agent.io.node.agent._worker_top_k): a K that
+                # as the node's worker is asked (agent.io.node.batches._worker_top_k): a K that
                 # covers the row is the full row
                 top_k = plan.result_top_k if end == n_layer and plan.result_top_k < info.n_vocab else 0
                 (out,) = await ref.client.forward([

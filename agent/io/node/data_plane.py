@@ -1,0 +1,153 @@
+"""A session on a worker's data plane (``DataPlane``): ``data_plane_bind`` moves the owner's
+session onto its range's worker (its steps then go worker to worker; the node only admits,
+leases and unbinds), once its next hop is the one the tracker lists
+(``agent.core.data_route.next_hop_refusal``); ``data_plane_unbind`` takes it back, with what the
+worker did (steps, positions, kept rows); ``data_plane_continue`` starts a last hop's greedy
+continuation to a first hop the tracker lists (``first_hop_refusal``).
+
+Must not import ``sessions``, ``handlers`` or ``agent`` (they build on this module).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from agent._proto import swarm_pb2, worker_pb2
+from agent.core.data_route import first_hop_refusal, next_hop_refusal
+from agent.core.node_policy import data_plane_decode_groups, data_plane_gather_us
+from agent.core.node_ranges import range_name
+from agent.core.swarm_wire import SCHEMA_VERSION, WireError
+from agent.io.worker_error import WorkerError
+
+from .batches import BatchServing
+from .state import ServedRange, clock_ms, unbind_request
+from .tracker_link import TrackerLink
+
+__all__ = ["DataPlane"]
+
+log = logging.getLogger(__name__)
+
+Code = swarm_pb2.Error.Code
+
+
+class DataPlane(BatchServing, TrackerLink):
+    """Binds, unbinds and continues sessions on the workers' data planes (a part of
+    ``agent.io.node.agent.Node``)."""
+
+    async def _check_next_hop(self, served: ServedRange, body: swarm_pb2.DataPlaneBindRequest) -> None:
+        """Refuse a bind whose next hop is not what the tracker lists (``next_hop_refusal``): the
+        worker would connect to whatever host and port the owner named."""
+        if body.next_port:
+            await self._check_listed_hop(served, body.next_peer_id, lambda nodes: next_hop_refusal(body, nodes))
+
+    async def _bind_data_plane(self, body: swarm_pb2.DataPlaneBindRequest, remote_peer_id: str, role: int) -> bytes:
+        """Bind the owner's session on this range's worker: its steps come worker to worker
+        from now on (``DataPlaneBindRequest``); answers the worker's data plane port."""
+        session_id = bytes(body.session_id)
+        served = self._session_range(session_id, body.model_sha256, body.begin, body.end)
+        self._owner_only(served, session_id, remote_peer_id, role)
+        assert served.sessions is not None and served.client is not None and served.info is not None
+        if not served.info.data_port:
+            raise WireError(Code.INVALID_ARGUMENT, f"{range_name(served.key)}: the worker has no data plane")
+        await self._check_next_hop(served, body)
+        await self._unbind_if_bound(served, session_id)  # a bind again (another route part) starts afresh
+        session = served.sessions.bind_data_plane(session_id, remote_peer_id, clock_ms())
+        groups, gather_ms = self._decode_mode([body.next_host] if body.next_port else [])
+        request = worker_pb2.BindSessionRequest(
+            schema_version=1, session_id=session_id, seq_id=session.seq_id, step_key=body.step_key,
+            next_step=session.next_step, next_host=body.next_host, next_port=body.next_port,
+            next_step_key=body.next_step_key, return_key=body.return_key, continue_key=body.continue_key,
+            keep_rows_max_bytes=0 if served.info.gives_logits or served.kept is None else served.kept.room(session_id),
+            decode_gather_us=data_plane_gather_us(begin=served.key[1], decode_groups=groups, decode_gather_ms=gather_ms),
+            decode_groups=data_plane_decode_groups(begin=served.key[1], route_hops=body.route_hops, decode_groups=groups),
+        )  # fmt: skip
+        try:
+            await served.client.call("BindSession", request, timeout_s=self.config.worker_call_timeout_s)
+            held = served.sessions.get(session_id)
+            if held is not session or not held.data_plane:  # it ended (or was unbound) meanwhile
+                await served.client.call(
+                    "UnbindSession", unbind_request(session_id), timeout_s=self.config.worker_call_timeout_s
+                )
+                raise WireError(Code.NOT_FOUND, f"session {session_id.hex()} ended while it was being bound")
+        except WorkerError as err:
+            served.sessions.unbound(
+                session_id, next_step=session.next_step, next_position=session.next_position, rows=0, now_ms=clock_ms()
+            )
+            code = Code.INVALID_ARGUMENT if err.code_name == "INVALID_ARGUMENT" else Code.UNAVAILABLE
+            raise WireError(code, f"{range_name(served.key)}: the worker refused the bind: {err.message}") from None
+        log.info("%s: session %s on the data plane", range_name(served.key), session_id.hex())
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION, data_port=served.info.data_port).SerializeToString()
+
+    async def _unbind_data_plane(self, body: swarm_pb2.DataPlaneUnbindRequest, remote_peer_id: str, role: int) -> bytes:
+        """Take the owner's session back from the worker's data plane to this node."""
+        session_id = bytes(body.session_id)
+        served = self._session_range(session_id, body.model_sha256, body.begin, body.end)
+        self._owner_only(served, session_id, remote_peer_id, role)
+        await self._unbind_if_bound(served, session_id)
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()
+
+    async def _unbind_if_bound(self, served: ServedRange, session_id: bytes) -> None:
+        """Take ``session_id`` off the worker's data plane, if it is bound there, and into the
+        session what the worker did: next step, positions, rows, and the output rows it kept
+        (for rebuilding a lost next hop). A worker that cannot be asked ends the session here
+        (what it holds is unknown)."""
+        session = None if served.sessions is None else served.sessions.get(session_id)
+        if session is None or not session.data_plane or served.client is None or served.info is None:
+            return
+        try:
+            reply = await served.client.call(
+                "UnbindSession", unbind_request(session_id), timeout_s=self.config.worker_call_timeout_s
+            )
+        except WorkerError as err:
+            served.end_session(session_id)
+            raise WireError(Code.UNAVAILABLE, f"{range_name(served.key)}: could not unbind: {err}") from None
+        assert served.sessions is not None
+        served.sessions.unbound(
+            session_id, next_step=reply.next_step, next_position=reply.next_position, rows=reply.rows,
+            now_ms=clock_ms(), continued_steps=reply.continued_steps if served.key[1] == 0 else 0,
+        )  # fmt: skip
+        if served.kept is not None and reply.kept_rows and not reply.kept_rows_lost:
+            schema = served.info.boundary.schema
+            row_bytes = schema.row_values * 4
+            # one row a step, as the decode steps that made them were (a replay merges rows as
+            # it merges the node path's steps: the rebuild computes them in the same shapes)
+            for i in range(len(reply.kept_rows) // row_bytes):
+                served.kept.keep(
+                    session_id, reply.kept_first_position + i, 1, reply.kept_rows[i * row_bytes : (i + 1) * row_bytes],
+                    dtype=swarm_pb2.DTYPE_F32, schema_version=schema.version, streams=schema.streams,
+                )  # fmt: skip
+
+    async def _continue_data_plane(
+        self, body: swarm_pb2.DataPlaneContinueRequest, remote_peer_id: str, role: int
+    ) -> bytes:
+        """Greedy continuation on this last hop's worker (``DataPlaneContinueRequest``): each next
+        decode step of the bound session goes from it straight to the first hop's worker, which
+        must be the one the tracker lists (``first_hop_refusal``)."""
+        session_id = bytes(body.session_id)
+        served = self._session_range(session_id, body.model_sha256, body.begin, body.end)
+        self._owner_only(served, session_id, remote_peer_id, role)
+        assert served.sessions is not None and served.client is not None and served.info is not None
+        session = served.sessions.get(session_id)
+        if session is None or not session.data_plane:
+            raise WireError(Code.INVALID_ARGUMENT, f"session {session_id.hex()} is not on the data plane here")
+        if not served.info.gives_logits:
+            raise WireError(
+                Code.INVALID_ARGUMENT, f"{range_name(served.key)} is not the last range: it continues nothing"
+            )
+        await self._check_listed_hop(served, body.first_peer_id, lambda nodes: first_hop_refusal(body, nodes))
+        request = worker_pb2.ContinueSessionRequest(
+            schema_version=1, session_id=session_id, host=body.first_host, port=body.first_port,
+            continue_key=body.continue_key, steps=body.steps, stop_token_ids=body.stop_token_ids,
+            max_position=body.max_position,
+        )  # fmt: skip
+        try:
+            await served.client.call("ContinueSession", request, timeout_s=self.config.worker_call_timeout_s)
+        except WorkerError as err:
+            code = Code.UNAVAILABLE if err.code_name == "UNAVAILABLE" else Code.INVALID_ARGUMENT
+            raise WireError(
+                code, f"{range_name(served.key)}: the worker refused the continuation: {err.message}"
+            ) from None
+        log.info(
+            "%s: session %s continues to the first hop %s", range_name(served.key), session_id.hex(), body.first_peer_id
+        )
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION).SerializeToString()

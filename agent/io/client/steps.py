@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 
 from agent._proto import swarm_pb2
 from agent.core.admission import AdmissionError, AdmissionVerifier
+from agent.core.recovery import decode_step_average, step_deadline_s
 from agent.core.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
@@ -108,20 +109,12 @@ class StepClient(ControlClient):
         return live.deliver(remote_peer_id, result)
 
     def _note_decode_step(self, elapsed_s: float) -> None:
-        average = self._decode_step_s
-        self._decode_step_s = elapsed_s if average is None else 0.8 * average + 0.2 * elapsed_s
+        self._decode_step_s = decode_step_average(self._decode_step_s, elapsed_s)
 
     def _step_deadline_s(self, *, prefill: bool, data_plane: bool = False) -> float:
-        """How long a step may take before the owner looks for a silent hop: a multiple of the
-        measured decode step time (``step_deadline_factor``, at least ``min_step_deadline_s``, or
-        ``min_data_plane_step_deadline_s`` for a step that goes worker to worker);
-        a prefill (chunk), or a decode before anything was measured, ``probe_interval_s`` (its
-        time is unknown, so it is watched by probes rather than bounded)."""
-        if prefill or self._decode_step_s is None:
-            return min(self.config.probe_interval_s, self.config.step_timeout_s)
-        floor = self.config.min_data_plane_step_deadline_s if data_plane else self.config.min_step_deadline_s
-        deadline = max(floor, self.config.step_deadline_factor * self._decode_step_s)
-        return min(deadline, self.config.step_timeout_s)
+        """How long a step may take before the owner looks for a silent hop
+        (``agent.core.recovery.step_deadline_s``)."""
+        return step_deadline_s(self.config, self._decode_step_s, prefill=prefill, data_plane=data_plane)
 
     async def _await_result(
         self,

@@ -7,7 +7,8 @@ job and a subclass of the one before: ``control`` (tracker and first-hop control
 ``session_run`` (one session over one route, on the data plane when it can), ``resume``
 (replacing a lost hop), and this module: a generation's sessions, and what to do when one
 fails. Every decision about a step (which rows it sends, whether a result answers it, which
-token comes next, when to stop) is made by ``agent.core.session.Session``.
+token comes next, when to stop) is made by ``agent.core.session.Session``; what to do after a
+failed session by ``agent.core.recovery``.
 
 When a hop fails (an error result, a refused or unreachable first hop, no result in time),
 the generation either fails with a ``GenerationError`` naming the failed peer (a late step,
@@ -44,6 +45,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
+from agent.core.recovery import AfterFailure, after_failure, replan_left, resumable
 from agent.core.sampling import SamplingParams
 from agent.core.session import Session
 from agent.core.spot_check import RouteSegment, rollback_point
@@ -269,11 +271,11 @@ class SwarmClient(ResumingClient):
                             await self._run_session(live, route, progress, take, spot)
                             break
                         except GenerationError as error:
-                            if not (error.failed_peer_id and error.code in (0, swarm_pb2.Error.UNAVAILABLE)):
+                            if not resumable(error.failed_peer_id, error.code):
                                 raise
                             # gone or silent (not a live peer's refusal): nothing more waits on it
                             lost.append(error.failed_peer_id)
-                            if replans >= self.config.replan_attempts:
+                            if not replan_left(replans, self.config.replan_attempts):
                                 raise
                             replans += 1
                             failed_peers.append(error.failed_peer_id)
@@ -304,7 +306,7 @@ class SwarmClient(ResumingClient):
                 if not redo:
                     break
                 taken_back += redo  # computed through a peer that failed a check: generated again
-                if replans >= self.config.replan_attempts:
+                if not replan_left(replans, self.config.replan_attempts):
                     raise GenerationError(
                         f"{redo} tokens were computed through {', '.join(failed_peers)}, which failed integrity "
                         "checks, and no replan is left", failed_peer_id=failed_peers[-1],
@@ -314,8 +316,12 @@ class SwarmClient(ResumingClient):
                 await self._fresh_admission()
                 route = await self._replan(model, failed_peers[-1], "it failed an integrity check", failed_peers)
                 continue
-            exhausted = failure.code == swarm_pb2.Error.RESOURCE_EXHAUSTED
-            if exhausted and failure.step == 0 and trio.current_time() < busy_until:
+            then = after_failure(
+                code=failure.code, step=failure.step, failed_peer_id=failure.failed_peer_id,
+                resume_failed=resume_failed, replans=replans, replan_attempts=self.config.replan_attempts,
+                now=trio.current_time(), busy_until=busy_until,
+            )  # fmt: skip
+            if then is AfterFailure.WAIT_FOR_SEQUENCE:
                 # every sequence of some range is in use: wait for one, on any route
                 log.info("%s; waiting %.2f s for a free sequence", failure, busy_wait_s)
                 await trio.sleep(busy_wait_s)
@@ -324,10 +330,10 @@ class SwarmClient(ResumingClient):
                 with contextlib.suppress(SwarmError, TransportError):
                     route = await self.route(model)
                 continue
-            if exhausted and failure.step:
+            if then is AfterFailure.CONTEXT_FULL:
                 context_full = True  # the context of the route's sequences is full
                 break
-            if exhausted:  # still no free sequence when the queue time ran out: busy, not failed
+            if then is AfterFailure.BUSY:  # still no free sequence when the queue time ran out: not failed
                 raise GenerationError(
                     f"no free sequence on route {describe_route(route)} within the queue timeout of "
                     f"{queue_timeout_s} s (the swarm is busy): {failure}",
@@ -335,9 +341,9 @@ class SwarmClient(ResumingClient):
                     step=0,
                     code=failure.code,
                 ) from None
-            if not resume_failed:
-                if replans >= self.config.replan_attempts or not failure.failed_peer_id:
-                    raise failure
+            if then is AfterFailure.FAIL:
+                raise failure
+            if then is AfterFailure.REPLAN:  # (a resume that failed counted its replan already)
                 replans += 1
                 failed_peers.append(failure.failed_peer_id)
             taken_back += await self._take_back(segments, generated, failed_peers)

@@ -504,9 +504,9 @@ async def test_a_node_pushes_a_session_only_to_the_next_hop_the_tracker_lists(
     """An owner that names another host or port for a hop's output (a worker would dial it) is
     refused by that hop's node, which checks the bind against the tracker's node list: the
     session stays on the node path, its output unchanged."""
-    import agent.io.client.swarm as client_swarm
+    import agent.io.client.session_run as client_run
 
-    honest = client_swarm.bind_request
+    honest = client_run.bind_request
     prompt_tokens, expected = reference[PROMPTS[0]]
     for change, refusal in (
         (lambda r: setattr(r, "next_host", "127.0.0.2"), "'127.0.0.2' is not an address of the next hop"),
@@ -519,22 +519,22 @@ async def test_a_node_pushes_a_session_only_to_the_next_hop_the_tracker_lists(
                 change(request)
             return request
 
-        monkeypatch.setattr(client_swarm, "bind_request", dishonest)
+        monkeypatch.setattr(client_run, "bind_request", dishonest)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="agent.io.client.swarm"):
+        with caplog.at_level(logging.INFO, logger="agent.io.client.session_run"):
             async with client(swarm3) as c:
                 result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
         assert result.tokens == expected and result.prompt_tokens == prompt_tokens
         assert result.data_plane_steps == 0, "refused: the route stayed on the node path"
         assert "stays on the node path" in caplog.text and refusal in caplog.text, caplog.text
-    monkeypatch.setattr(client_swarm, "bind_request", honest)
+    monkeypatch.setattr(client_run, "bind_request", honest)
     async with client(swarm3) as c:
         result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
     assert result.tokens == expected and result.data_plane_steps == len(result.tokens) - 1
 
     # The same for greedy continuation: the last hop's node sends its steps only to the first
     # hop the tracker lists; refused, the owner's own steps carry the session, unchanged.
-    honest_continue = client_swarm.continue_request
+    honest_continue = client_run.continue_request
     for change, refusal in (
         (lambda r: setattr(r, "first_host", "127.0.0.2"), "'127.0.0.2' is not an address of the first hop"),
         (lambda r: setattr(r, "first_port", r.first_port + 1), "with its data plane at port"),
@@ -546,9 +546,9 @@ async def test_a_node_pushes_a_session_only_to_the_next_hop_the_tracker_lists(
             change(request)
             return request
 
-        monkeypatch.setattr(client_swarm, "continue_request", dishonest_continue)
+        monkeypatch.setattr(client_run, "continue_request", dishonest_continue)
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="agent.io.client.swarm"):
+        with caplog.at_level(logging.INFO, logger="agent.io.client.session_run"):
             async with client(swarm3) as c:
                 result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
         assert result.tokens == expected and result.data_plane_steps == len(result.tokens) - 1

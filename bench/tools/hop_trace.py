@@ -212,11 +212,11 @@ def install_node_hooks(agent_module) -> None:
 
 def install_client_hooks() -> None:
     """Hooks in this process (the client): sending a step, a result arriving."""
-    from agent.io.client import swarm as client
+    from agent.io.client import steps
 
-    _wrap(client.SwarmClient, "_send_step", "send", when=lambda _self, _first, request, **_kwargs: int(request.step))
-    _wrap(client.SwarmClient, "_send_step_soon", "send", when=lambda _self, _live, _first, request: int(request.step))
-    _wrap(client.SwarmClient, "_on_result", "result")
+    _wrap(steps.StepClient, "_send_step", "send", when=lambda _self, _first, request, **_kwargs: int(request.step))
+    _wrap(steps.StepClient, "_send_step_soon", "send", when=lambda _self, _live, _first, request: int(request.step))
+    _wrap(steps.StepClient, "_on_result", "result")
     _install_transport_hooks()
 
 

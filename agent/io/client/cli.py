@@ -84,7 +84,9 @@ def main(args: argparse.Namespace) -> int:
 
     from agent.io.transport import TransportError
 
-    from .swarm import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
+    from .config import SwarmClientConfig
+    from .outcome import GenerationError, SwarmError
+    from .swarm import open_swarm_client
 
     try:
         args.prompt.encode("utf-8")

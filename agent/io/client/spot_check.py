@@ -18,8 +18,8 @@ Costs (``SpotCheckStats``): a checked session's steps run twice, on other nodes;
 shadow steps are counted so that the share of the swarm's work they take can be measured
 (bench/integrity.py).
 
-Must not import ``agent.io.client.swarm`` (which imports this module): what the checks use of
-their client is ``SpotCheckClient``.
+Must not import the client's layers (``agent.io.client.steps`` and those above it, which import
+this module): what the checks use of their client is ``SpotCheckClient``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,101 @@
+"""The owner's timeouts and limits: ``SwarmClientConfig``, the one place a client's tunables are
+named (unit, default, why).
+
+Must not import the client's other modules (they all read it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class SwarmClientConfig:
+    """Timeouts and limits of a client.
+
+    ``request_timeout_s``: one control exchange (hello, route, tokenize, step ack, end session).
+    ``step_timeout_s``: from sending a step until its result is pushed back.
+    ``replan_attempts``: how many times one generation may move to a new route after a hop fails.
+    ``replan_wait_s``: how long a replan waits for the tracker to offer a route without the
+    failed peer (it notices a dead node after its heartbeat timeout).
+    ``route_poll_interval_s``: pause between two route requests while waiting for a route
+    (and the first pause while waiting for a free sequence).
+    ``queue_timeout_s``: how long a new generation waits for a free sequence on its route.
+    ``session_ended_timeout_s``: how long a finished generation spends telling the tracker its
+    routes carry it no more (best effort: the hops' next heartbeats say it anyway).
+    ``prefill_chunk_tokens``: a prompt (or a re-prefill) longer than this goes in chunks of
+    this many rows, one step each (at most the workers' batch: 512 by default).
+    ``min_data_plane_step_deadline_s``: the same floor for a step that goes worker to worker,
+    lower: no node on the way reports a lost next hop there (a worker that cannot reach the
+    next one can only drop the step), so the owner's probes are what name it, and a probe that
+    was not needed costs only a touch of each hop.
+    ``step_deadline_factor`` / ``min_step_deadline_s``: a decode step that takes longer than
+    this multiple of the measured decode step time (and at least the minimum) makes the owner
+    probe the route's hops, each within ``probe_timeout_s``; one that does not answer is probed
+    again, up to ``probe_attempts`` times, each attempt allowed one ``probe_timeout_s`` more (on
+    a WAN link that drops packets one lost segment costs a TCP retransmission timeout, and a
+    lost SYN a second: one missed probe is not a dead hop), and one that answers none is named
+    as the failed peer (``step_timeout_s`` still bounds the wait when every hop answers).
+    ``report_grace_s``: how long a replan waits for the tracker to take the lost-peer report
+    once the new route is there (the tracker finishes its probe on its own).
+    A prefill (chunk), or a decode before any was measured, has no measured time to go by: its
+    hops are probed every ``probe_interval_s`` while it waits, and so is a decode past its
+    deadline (a hop can die after answering a probe).
+    ``resume``: a lost hop is replaced while the other hops keep their caches (False: every
+    replan re-prefills a whole new route, e.g. to compare the two).
+    ``data_plane``: once a session's prompt is in the route's caches, its decode steps go worker
+    to worker (``agent.core.data_route``) when every hop offers it (a hop reached only through
+    the relay does not): the owner sends each step to the first hop's worker and takes its
+    result from the last's, sealed with keys it gave the hops' nodes; the nodes only lease
+    (renewed by the owner's touches every ``probe_interval_s``) and unbind. False: every step
+    through the node agents.
+    ``greedy_continuation``: a greedy session on the data plane asks its last hop to send each
+    next decode step straight to the first hop (``DataPlaneContinueRequest``), which takes the
+    first copy of each step, the last hop's or the owner's: the owner's round trip leaves the
+    step's critical path. False: only the owner's steps.
+    """
+
+    request_timeout_s: float = 10.0
+    session_ended_timeout_s: float = 2.0
+    step_timeout_s: float = 30.0
+    replan_attempts: int = 3
+    replan_wait_s: float = 20.0
+    route_poll_interval_s: float = 0.25
+    queue_timeout_s: float = 60.0
+    prefill_chunk_tokens: int = 512
+    step_deadline_factor: float = 10.0
+    min_step_deadline_s: float = 1.0
+    min_data_plane_step_deadline_s: float = 0.25
+    probe_timeout_s: float = 0.5
+    probe_attempts: int = 2
+    report_grace_s: float = 0.2
+    probe_interval_s: float = 1.0
+    resume: bool = True
+    data_plane: bool = True
+    greedy_continuation: bool = True
+    # Integrity (agent/io/client/spot_check.py, docs/INTEGRITY.md): the share of sessions replayed
+    # through a route of the same recipe around one of their hops and compared bit for bit,
+    # how long a session that ended waits for its replay, and how long the tracker may take to
+    # say whether a peer of the generation's routes failed a check (tokens computed through one
+    # are taken back and generated again; False: never ask).
+    spot_check_rate: float = 0.0
+    spot_check_grace_s: float = 5.0
+    integrity_timeout_s: float = 1.0
+    check_route_integrity: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (
+            "request_timeout_s", "step_timeout_s", "replan_wait_s", "route_poll_interval_s", "queue_timeout_s",
+            "step_deadline_factor", "min_step_deadline_s", "min_data_plane_step_deadline_s", "probe_timeout_s", "report_grace_s", "probe_interval_s",
+            "spot_check_grace_s", "integrity_timeout_s",
+        ):  # fmt: skip
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        if self.probe_attempts < 1:
+            raise ValueError(f"probe_attempts must be >= 1, got {self.probe_attempts}")
+        if self.replan_attempts < 0:
+            raise ValueError(f"replan_attempts must be >= 0, got {self.replan_attempts}")
+        if not 0.0 <= self.spot_check_rate <= 1.0:
+            raise ValueError(f"spot_check_rate must be in [0, 1], got {self.spot_check_rate}")

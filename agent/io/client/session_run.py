@@ -1,0 +1,218 @@
+"""Driving one session over one route to its end (``SessionRunner._run_session``): each step
+sent, its result awaited, its token taken; once the prompt is in the route's caches, the decode
+steps go worker to worker on the data plane when every hop offers it (bound here, last hop
+first, with keys the owner makes: ``agent.core.data_route``), the greedy continuation asked of
+the last hop, and the session's lease renewed on the hops the node agents no longer hear from.
+
+``SessionRunner`` extends ``StepClient`` (``agent.io.client.steps``); ``ResumingClient``
+(``agent.io.client.resume``) builds on it.
+
+Must not import ``resume`` or ``swarm`` (they build on this one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import trio
+
+from agent._proto import swarm_pb2
+from agent.core.data_frames import OwnerSession, SessionKeys
+from agent.core.data_route import (
+    RouteKeys,
+    bind_request,
+    continuation_steps,
+    continue_request,
+    data_plane_hosts,
+    data_step,
+)
+from agent.core.session import Session
+from agent.core.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION
+from agent.core.topk import TopLogits
+from agent.io.client.live import DataPlane, LiveSession
+from agent.io.client.outcome import GenerationError, Progress, SwarmError, describe_route
+from agent.io.client.steps import StepClient
+from agent.io.data_link import open_data_link
+from agent.io.transport import TransportError
+
+log = logging.getLogger(__name__)
+
+#: how many times one run of a session tries to bind its route on the data plane
+_DATA_PLANE_TRIES = 2
+
+
+class SessionRunner(StepClient):
+    """A ``StepClient`` that runs a session over a route (the base of ``ResumingClient``)."""
+
+    async def _run_session(
+        self,
+        live: LiveSession,
+        route: swarm_pb2.Route,
+        progress: Progress,
+        take: Callable[[int, np.ndarray | TopLogits], Awaitable[bool]],
+        spot=None,
+    ) -> None:
+        """Drive ``live.session`` over ``route`` to its end, appending its tokens to ``progress``.
+
+        ``take(token, logits)`` is awaited with each token; True stops the session there.
+
+        Raises:
+          GenerationError: a step failed (naming the failed peer when known); the session has
+            failed then (it may be resumed).
+        """
+        session = live.session
+        first = route.hops[0]
+        # where results come back: asked once per run, not per step (libp2p lists its
+        # listeners' addresses afresh on each ask: ~20 us, measured, on every step's path)
+        owner_addrs = self.transport.listen_addrs
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                plane: DataPlane | None = None
+                # binds tried: the prompt is in the caches, decode worker to worker. A second try,
+                # a step later: a hop rebuilt by a resume takes a bind once it took one step.
+                plane_tries = 0 if self.config.data_plane else _DATA_PLANE_TRIES
+                while not session.finished:
+                    if plane is None and plane_tries < _DATA_PLANE_TRIES and not session.in_prefill:
+                        plane_tries += 1
+                        plane = await self._open_data_plane(stack, live, route)
+                    live.arm()
+                    step_input = session.next_step()
+                    request = None
+                    if plane is None or spot is not None:  # (the data plane needs no StepRequest)
+                        request = session.step_request(
+                            step_input, route, owner_peer_id=self.peer_id, owner_addrs=owner_addrs,
+                            admission=self.admission,
+                        )  # fmt: skip
+                    prefill = session.in_prefill
+                    started = time.perf_counter()
+                    sent_at = trio.current_time()
+                    if plane is not None:
+                        await self._touch_due(plane, route, session.session_id, sent_at)
+                        progress.data_plane_steps += 1
+                        await plane.send(
+                            live,
+                            data_step(
+                                step_input.step, step_input.positions, step_input.token_ids, session.result_top_k
+                            ),
+                        )
+                    else:
+                        assert request is not None  # made above: there is no data plane
+                        if not self._send_step_soon(live, first, request):
+                            await self._send_step(first, request, prefill=prefill)
+                    await self._await_result(live, route, step_input.step, sent_at, prefill=prefill, plane=plane)
+                    elapsed = time.perf_counter() - started
+                    if isinstance(live.outcome, BaseException):
+                        raise live.outcome
+                    if spot is not None and request is not None and (taken := live.taken_result()) is not None:
+                        spot.feed(request, taken)
+                    progress.add_rows(route, len(step_input.token_ids))
+                    if live.outcome is None:  # a prefill chunk: more of the prompt follows
+                        progress.prefill_s += elapsed
+                        continue
+                    token = int(live.outcome)
+                    if not prefill:
+                        self._note_decode_step(elapsed)
+                    progress.add(token, elapsed, prefill=prefill)
+                    if await take(token, session.last_logits) and not session.finished:
+                        session.stop()
+        except GenerationError as error:
+            session.fail(str(error))
+            progress.interrupted()
+            raise
+
+    async def _open_data_plane(
+        self, stack: contextlib.AsyncExitStack, live: LiveSession, route: swarm_pb2.Route
+    ) -> DataPlane | None:
+        """Move ``live.session``'s steps onto the workers' data plane of ``route``: bound on every
+        hop, last first; the two connections open until ``stack`` closes. None, with the session
+        still on the node path, when a hop cannot (no direct address, no data plane, a refusal):
+        hops bound by then are unbound again."""
+        hosts = data_plane_hosts(route)
+        if hosts is None:
+            log.debug("session %s: a hop of the route has no direct address: node path", live.session.session_hex)
+            return None
+        if self._request_soon is None:  # (no channel: the lease touches could not go without a task)
+            return None
+        session_id = live.session.session_id
+        keys = RouteKeys.new(len(route.hops), os.urandom)
+        ports: list[int] = [0] * len(route.hops)
+        bound: list[swarm_pb2.Hop] = []
+        try:
+            for index in reversed(range(len(route.hops))):
+                request = bind_request(route, index, session_id, keys, hosts, ports[index + 1] if bound else 0)
+                bound.append(route.hops[index])  # (before the answer: a bind that timed out may have been made)
+                reply = await self._node(route.hops[index], swarm_pb2.NodeRequest(data_plane_bind=request))
+                ports[index] = reply.data_port
+            owner = OwnerSession(SessionKeys(session_id, keys.step_keys[0], keys.return_key))
+            with trio.fail_after(self.config.request_timeout_s):
+                to_first = await stack.enter_async_context(open_data_link(hosts[0], ports[0]))
+                from_last = await stack.enter_async_context(open_data_link(hosts[-1], ports[-1]))
+                await from_last.send(owner.attach_frame(live.session.step))
+        except (SwarmError, TransportError, OSError, trio.BrokenResourceError, trio.TooSlowError) as why:
+            log.info("session %s stays on the node path: %s", live.session.session_hex, why)
+            for hop in bound:
+                with contextlib.suppress(SwarmError, TransportError):
+                    await self._node(
+                        hop,
+                        swarm_pb2.NodeRequest(
+                            data_plane_unbind=swarm_pb2.DataPlaneUnbindRequest(
+                                session_id=session_id, model_sha256=route.model_sha256, begin=hop.begin, end=hop.end
+                            )
+                        ),
+                    )
+            return None
+        plane = DataPlane(owner, route, to_first, from_last)
+        log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
+        if self.config.greedy_continuation:
+            await self._continue_on_data_plane(live.session, route, keys, hosts, ports[0])
+        return plane
+
+    async def _continue_on_data_plane(
+        self, session: Session, route: swarm_pb2.Route, keys: RouteKeys, hosts: list[str], first_port: int
+    ) -> None:
+        """Ask the last hop to send each next decode step of the greedy ``session`` straight to the
+        first hop (``DataPlaneContinueRequest``). The owner's own steps still go (the first hop drops
+        the copy that comes second), so a refusal only leaves the owner's round trip in each step."""
+        steps = continuation_steps(
+            session.max_new_tokens, len(session.generated), greedy=session.sampling.greedy, top_k=session.result_top_k
+        )
+        if steps == 0:
+            return
+        request = continue_request(
+            route, session.session_id, keys, hosts, first_port,
+            steps=steps, stop_token_ids=session.stop_tokens, max_position=0,
+        )  # fmt: skip
+        try:
+            await self._node(route.hops[-1], swarm_pb2.NodeRequest(data_plane_continue=request))
+        except (SwarmError, TransportError) as why:
+            log.info("session %s: no greedy continuation: %s", session.session_hex, why)
+
+    async def _touch_due(self, plane: DataPlane, route: swarm_pb2.Route, session_id: bytes, now: float) -> None:
+        """Renew the session's lease on every hop every ``probe_interval_s`` while its steps go
+        worker to worker (the nodes see none of them): sent without waiting for the answers
+        over the open channel connections (a hop that is gone shows as the step's failure), and
+        awaited, as a probe, for a hop whose connection cannot take it at once."""
+        if now - plane.touched_at < self.config.probe_interval_s:
+            return
+        plane.touched_at = now
+        request = swarm_pb2.NodeRequest(schema_version=SCHEMA_VERSION, sender_admission=self.admission)
+        request.touch.session_id = session_id
+        data = request.SerializeToString()
+        assert self._request_soon is not None  # (_open_data_plane checked)
+        missed = [
+            hop for hop in route.hops
+            if not self._request_soon(
+                hop.peer_id, NODE_PROTOCOL, data, timeout_s=self.config.request_timeout_s, on_reply=_ignore_reply
+            )
+        ]  # fmt: skip
+        if missed:
+            await self._silent_hop(swarm_pb2.Route(hops=missed), session_id)
+
+
+def _ignore_reply(_reply: bytes | TransportError) -> None:
+    """A touch's answer: nothing to do (a hop that is gone fails the step instead)."""

@@ -20,6 +20,7 @@ import trio
 
 from agent._proto import swarm_pb2
 from agent.core.lab.topology import LinkSpec, MachineSpec, Topology
+from agent.core.punch import PunchConfig
 from agent.core.swarm_wire import STEP_PROTOCOL, STEPS_PROTOCOL
 from agent.demo.local_demo import unsplit_greedy
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
@@ -36,7 +37,7 @@ NEW_TOKENS = 32
 SETUP_TIMEOUT_S = 240.0
 REPORT_TIMEOUT_S = 30.0
 PUNCH_TIMEOUT_S = 120.0
-PUNCH_BACKOFF_S = 10.0  # agent.core.punch: a failed punch waits this long before the next
+PUNCH_BACKOFF_S = PunchConfig().backoff_initial_s  # a failed punch waits this long before the next
 HOMES = ("home1", "home2")  # the NAT'd machines
 
 

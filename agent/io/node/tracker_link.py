@@ -201,8 +201,7 @@ class TrackerLink(NodeState):
         tracker's node list: fetched within NODE_LIST_REUSE_S, it serves; one that refuses is
         fetched again first (the hop may have become READY since)."""
         cached = self._next_hops.get(peer_id)
-        fresh = cached is not None and trio.current_time() - cached[0] <= NODE_LIST_REUSE_S
-        if fresh and cached is not None and refusal(cached[1]) is None:
+        if cached is not None and trio.current_time() - cached[0] <= NODE_LIST_REUSE_S and refusal(cached[1]) is None:
             return
         request = swarm_pb2.TrackerRequest(
             schema_version=SCHEMA_VERSION, list_nodes=swarm_pb2.ListNodesRequest(peer_ids=[peer_id])

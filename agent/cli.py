@@ -149,8 +149,8 @@ def _describe_commands(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from agent.core.ranges import parse_layers
-    from agent.io.worker_process import WorkerBinaryNotFound, find_worker_binary, worker_argv
+    from agent.core.wire.ranges import parse_layers
+    from agent.io.worker.process import WorkerBinaryNotFound, find_worker_binary, worker_argv
 
     try:
         binary = find_worker_binary()
@@ -177,10 +177,10 @@ def _run_worker(args: argparse.Namespace) -> int:
 def _run_parity(args: argparse.Namespace) -> int:
     import trio
 
-    from agent.core.parity import Scenario
+    from agent.core.owner.parity import Scenario
     from agent.harness.parity_run import run_parity
-    from agent.io.worker_error import WorkerError
-    from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError
+    from agent.io.worker.error import WorkerError
+    from agent.io.worker.process import WorkerBinaryNotFound, WorkerStartError
 
     scenario = None
     if args.edit_after_step is not None:

@@ -69,7 +69,7 @@ def unit_interval(text: str) -> float:
 
 def layers(text: str) -> str:
     """``BEGIN:END`` (checked, returned as given)."""
-    from agent.core.ranges import parse_layers
+    from agent.core.wire.ranges import parse_layers
 
     try:
         parse_layers(text)
@@ -80,7 +80,7 @@ def layers(text: str) -> str:
 
 def cuts(text: str) -> list[int]:
     """``C1,C2,...`` cut points."""
-    from agent.core.ranges import parse_cuts
+    from agent.core.wire.ranges import parse_cuts
 
     try:
         return parse_cuts(text)

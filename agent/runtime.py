@@ -47,7 +47,7 @@ def expected_pin(repo_root: Path = REPO_ROOT) -> tuple[str, str]:
 def worker_runtime(binary: str | os.PathLike | None = None, *, timeout_s: float = 30.0) -> RuntimeInfo:
     """What ``baton-worker --version`` reports: pin, patch hash, backends and devices."""
     if binary is None:
-        from agent.io.worker_process import find_worker_binary
+        from agent.io.worker.process import find_worker_binary
 
         binary = find_worker_binary()
     out = subprocess.run(

@@ -16,7 +16,7 @@ Owns one command that measures:
    Three times, on a fresh swarm each: with the nodes' defaults (workers of
    ``--default-threads``, every core, as the worker's own default; decode groups and gather
    left to the node, which runs a route lock-step when its next hop shares this machine,
-   ``agent.core.scheduler.decode_mode``: the first hop holds each decode Forward until every
+   ``agent.core.node.scheduler.decode_mode``: the first hop holds each decode Forward until every
    decoding session's step waits, so the sessions travel as one convoy and one hop computes at
    a time, with every core); with decode groups (``--decode-groups 4``, the route's hops + 1,
    what a node picks when its next hop is another machine, workers of ``--threads``: the first
@@ -77,7 +77,7 @@ from _bootstrap import BENCH_DIR  # first: it makes the project importable
 from common import PROMPT_SOURCE, TOOLS_DIR, chain_step, ensure_llama_tools, machine_info
 from tools import hop_trace
 
-from agent.core.scheduler import LOCK_STEP_GATHER_MS
+from agent.core.node.scheduler import LOCK_STEP_GATHER_MS
 from agent.io.cpu_policy import apply_cpu_policy, kernel_default
 from agent.io.lifeline import die_with_parent
 
@@ -87,7 +87,7 @@ NODES = 3
 SEQUENCES = 8
 TARGET_RATIO_AT_8 = 0.8
 TARGET_GAP_RATIO = 2.0
-#: the nodes' flags of each mode measured (agent.core.scheduler): the defaults (lock-step here,
+#: the nodes' flags of each mode measured (agent.core.node.scheduler): the defaults (lock-step here,
 #: where every hop shares this machine), decode groups as on separate machines (route hops + 1),
 #: and off
 MODES = {
@@ -405,9 +405,9 @@ async def lock_step_rounds(swarm, route, prompt: list[int], threads: int, llama_
     per step (the workers' ``HealthReply`` counts before and after the pass: decode steps
     only, the prompts go through the nodes) times ``TRACE_SESSIONS``; ``steps_per_forward``
     shows how whole the convoy was. Medians over the passes (bare: over every call)."""
-    from agent.core.worker_wait import SLEEP, worker_environment
+    from agent.core.node.worker_wait import SLEEP, worker_environment
     from agent.harness.parity_run import open_workers
-    from agent.io.worker_client import AsyncWorkerClient
+    from agent.io.worker.client import AsyncWorkerClient
     from agent.models import model_path
 
     ranges = [(hop.begin, hop.end) for hop in route.hops]
@@ -465,8 +465,8 @@ async def _bare_pass(clients, prompt: list[int]) -> list:
     """One traced pass's Forwards through the bare workers ``clients`` in series: every
     session's prefill (not recorded), then its decode steps in lock-step (recorded, in this
     process: ``hop_trace``); the sequences are freed after. Returns the recorded events."""
-    from agent.core.generation import GreedyGeneration
-    from agent.core.topk import DEFAULT_RESULT_TOP_K
+    from agent.core.owner.generation import GreedyGeneration
+    from agent.core.wire.topk import DEFAULT_RESULT_TOP_K
 
     gens = [GreedyGeneration(i, prompt, TRACE_TOKENS + 1, top_k=DEFAULT_RESULT_TOP_K) for i in range(TRACE_SESSIONS)]
     for g in gens:
@@ -560,7 +560,7 @@ def render_markdown(report: dict) -> str:
         "Decode steps go worker to worker over the workers' data plane (prompts through the nodes). Three modes, each "
         "on a fresh swarm: the nodes' defaults (workers of "
         f"{cfg.get('default_threads', '?')} threads, the cores; each route's next hop shares this machine, so its "
-        "first node runs it lock-step, `agent.core.scheduler.decode_mode`: the first worker holds each decode Forward "
+        "first node runs it lock-step, `agent.core.node.scheduler.decode_mode`: the first worker holds each decode Forward "
         f"until every decoding session's step waits, at most {LOCK_STEP_GATHER_MS:g} ms, so the sessions travel as one "
         "convoy and one hop computes at a time), decode groups (`--decode-groups 4`, the route's hops + 1, what a node "
         "picks when its next hop is another machine: the first worker's decode Forward takes at most ceil(decoding "

@@ -198,9 +198,9 @@ async def bench_worker(
     """Baton's worker unsplit, driven directly, one Forward a step and with the worker's greedy
     run-ahead (runs alternating): ``(figure, run-ahead figure, prompt text, prompt tokens,
     model info)``."""
-    from agent.core.topk import DEFAULT_RESULT_TOP_K
+    from agent.core.wire.topk import DEFAULT_RESULT_TOP_K
     from agent.demo.local_demo import generate_through
-    from agent.io.worker_process import open_worker
+    from agent.io.worker.process import open_worker
 
     async with open_worker(model, 0, None, threads=threads, model_sha256=sha256) as worker:
         text, tokens = await make_prompt(worker.client, n_prompt)
@@ -231,8 +231,8 @@ async def bench_chain(
     model: Path, sha256: str, tokens: list[int], n_ranges: int, n_layer: int, n_gen: int, runs: int, threads: int
 ) -> dict:
     """``n_ranges`` range workers chained directly from this process (no tracker, no libp2p)."""
-    from agent.core.ranges import ranges_from_cuts
-    from agent.core.topk import DEFAULT_RESULT_TOP_K
+    from agent.core.wire.ranges import ranges_from_cuts
+    from agent.core.wire.topk import DEFAULT_RESULT_TOP_K
     from agent.demo.local_demo import even_cuts, generate_through
     from agent.harness.parity_run import open_workers
 
@@ -254,8 +254,8 @@ async def bench_chain(
 async def bench_one_block(model: Path, sha256: str, n_gen: int, runs: int, threads: int) -> dict:
     """The fixed cost of one Forward: a worker holding block 0 only, decode Forwards driven
     directly (median ms over ``runs`` x ``n_gen`` calls after a warm-up pass)."""
-    from agent.core.worker_records import SeqInput
-    from agent.io.worker_process import open_worker
+    from agent.core.wire.worker_records import SeqInput
+    from agent.io.worker.process import open_worker
 
     times = []
     async with open_worker(model, 0, 1, threads=threads, model_sha256=sha256) as worker:
@@ -271,11 +271,11 @@ async def bench_one_block(model: Path, sha256: str, n_gen: int, runs: int, threa
 
 
 def ed25519_verify_us() -> float:
-    """Median µs of one ``agent.core.identity.verify`` (what checking an admission costs)."""
+    """Median µs of one ``agent.core.net.identity.verify`` (what checking an admission costs)."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from agent.core.admission import public_key_bytes
-    from agent.core.identity import sign, verify
+    from agent.core.net.identity import sign, verify
+    from agent.core.wire.admission import public_key_bytes
 
     key = Ed25519PrivateKey.generate()
     public, message = public_key_bytes(key), os.urandom(200)
@@ -328,7 +328,7 @@ async def _paired_swarm_runs(
     while this process runs the unsplit step, so a swarm step would not wait for the owner and
     the pairing would measure nothing. The hops' own cost is the same either way; continuation
     takes the owner's turn out of the step, which the unpaired runs show."""
-    from agent.io.worker_process import open_worker
+    from agent.io.worker.process import open_worker
 
     hops = len(route.hops)
     out = []
@@ -515,9 +515,9 @@ async def bench_interleaved(
     gives its own ratios (``compare_report.interleaved_ratios``); this VM's speed drifts by
     more over the minutes between the rounds' phases than the targets' margins. Processes not
     measuring are idle (blocked on their sockets)."""
-    from agent.core.topk import DEFAULT_RESULT_TOP_K
+    from agent.core.wire.topk import DEFAULT_RESULT_TOP_K
     from agent.demo.local_demo import generate_through
-    from agent.io.worker_process import open_worker
+    from agent.io.worker.process import open_worker
 
     n_prompt = len(prompt_tokens)
     rows: list[dict[str, float]] = []
@@ -831,7 +831,7 @@ def main() -> int:
     worker = systems["worker_unsplit"]
     data_plane_profile = None
     if not args.no_profile:
-        from agent.core.ranges import ranges_from_cuts
+        from agent.core.wire.ranges import ranges_from_cuts
         from agent.demo.local_demo import even_cuts
 
         cuts3 = [(r.begin, r.end) for r in ranges_from_cuts(model_info["n_layer"], even_cuts(model_info["n_layer"], 3))]

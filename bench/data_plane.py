@@ -50,9 +50,9 @@ from _bootstrap import BENCH_DIR  # first: it makes the project importable
 from common import ensure_llama_tools, log, machine_info, make_prompt, publish, run_llama_bench
 
 from agent._proto import worker_pb2
-from agent.core.data_frames import OwnerSession, SessionKeys
-from agent.core.topk import DEFAULT_RESULT_TOP_K
-from agent.core.worker_records import SeqInput
+from agent.core.wire.data_frames import OwnerSession, SessionKeys
+from agent.core.wire.topk import DEFAULT_RESULT_TOP_K
+from agent.core.wire.worker_records import SeqInput
 
 HOST = "127.0.0.1"
 SYSTEMS = ("worker_unsplit", "data_plane_1", "data_plane_3", "chain_3")
@@ -95,7 +95,7 @@ class _DataPlaneRoute:
 @contextlib.asynccontextmanager
 async def _open_data_plane_route(workers, next_step: int):
     """Sequence 0 of ``workers`` (already holding the prompt) bound on their data planes."""
-    from agent.io.data_link import open_data_link
+    from agent.io.net.data_link import open_data_link
 
     session = await _bind(workers, seq_id=0, next_step=next_step)
     route = None
@@ -185,7 +185,7 @@ async def paired_rep(whole, ranges, prompt: Sequence[int], n_gen: int) -> dict:
 
 
 async def bench_paired(model: Path, sha256: str, prompt: list[int], cuts, n_gen: int, reps: int, threads: int):
-    from agent.io.worker_process import open_worker
+    from agent.io.worker.process import open_worker
 
     async with contextlib.AsyncExitStack() as stack:
 
@@ -350,9 +350,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=BENCH_DIR / "results")
     args = parser.parse_args()
 
-    from agent.core.ranges import ranges_from_cuts
+    from agent.core.wire.ranges import ranges_from_cuts
     from agent.demo.local_demo import even_cuts
-    from agent.io.worker_process import open_worker
+    from agent.io.worker.process import open_worker
     from agent.models import cached_sha256, model_path
 
     model = Path(args.model or model_path("smollm2")).resolve()

@@ -4,7 +4,7 @@ Owns one benchmark, two parts, in one run:
 1. The owner's draw on real rows: SmolLM2's full logits rows of one greedy generation (a
    whole-model worker, full rows), each drawn from ``--draws`` times at temperatures 0.7, 1.0
    and 1.5 with no top-k (the relay's default for OpenAI clients: the full row comes back),
-   by ``sample_token`` (the likeliest stretch put in order, ``agent.core.sampling``) and by
+   by ``sample_token`` (the likeliest stretch put in order, ``agent.core.owner.sampling``) and by
    ordering every candidate (``sampling_candidates``, the definition), alternating; the tokens
    are checked equal.
 2. A local 3-node swarm (tracker and nodes on loopback, 1 thread a worker): ``--rounds``
@@ -31,8 +31,8 @@ import numpy as np
 import trio
 from common import machine_info, open_covered_swarm, publish
 
-from agent.core.generation import GreedyGeneration
-from agent.core.sampling import SamplingParams, sample_token, sampling_candidates
+from agent.core.owner.generation import GreedyGeneration
+from agent.core.owner.sampling import SamplingParams, sample_token, sampling_candidates
 from agent.models import model_path
 
 PROMPT = "Write a short story about a robot who learns to paint. " * 3
@@ -52,7 +52,7 @@ def _ordering_every_candidate(row: np.ndarray, params: SamplingParams, rng: np.r
 
 
 async def _full_rows(model: Path, n_rows: int) -> np.ndarray:
-    from agent.io.worker_process import open_worker
+    from agent.io.worker.process import open_worker
 
     rows = []
     async with open_worker(model, 0, None, threads=1) as worker:

@@ -46,7 +46,7 @@ from agent.demo.swarm_demo import node_memory_bytes, wait_for_copies
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement
 from agent.io.client import open_swarm_client
 from agent.io.lab.harness import Lab, running_lab
-from agent.io.worker_process import open_worker
+from agent.io.worker.process import open_worker
 from agent.models import model_path, sha256_file
 
 ALIAS = "smollm2"

@@ -26,7 +26,7 @@ pair linked with the same one-way delay, RTT/2; no loss, no rate limit):
    each of one session, 8 sessions in decode groups (the default across machines) and 8 in
    lock-step (a second 3-split swarm whose nodes say ``--decode-groups 1``: the rule for hops
    that share one machine's cores), in alternating order. Whether lock-step still helps when
-   the hops are machines apart is the question this answers (``agent.core.scheduler``).
+   the hops are machines apart is the question this answers (``agent.core.node.scheduler``).
    ``--only sessions`` measures this section alone and replaces it in ``--out``'s wan.json.
 
 Writes ``wan.json``, ``wan.md`` and ``wan.png`` (matplotlib, the ``bench`` extra) under

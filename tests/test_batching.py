@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.worker_wait import SLEEP_SPIN_COUNT
+from agent.core.node.worker_wait import SLEEP_SPIN_COUNT
 from agent.demo.swarm_demo import forward_counts, node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import open_swarm_client
@@ -266,7 +266,7 @@ async def test_nodes_on_one_machine_run_lock_step_by_default_every_decoding_sess
     tmp_path: Path,
 ) -> None:
     """Three nodes on one machine, no decode flags: each route's next hop shares the first
-    hop's machine, so its node runs it lock-step (``agent.core.scheduler.decode_mode``): the
+    hop's machine, so its node runs it lock-step (``agent.core.node.scheduler.decode_mode``): the
     first hop holds each decode Forward until every decoding session's step waits, so sessions
     that start together share their decode Forwards at every hop, and still give their solo
     runs' scores bit for bit (decode rows only with decode rows, as in any mode). A session still

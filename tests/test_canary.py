@@ -22,10 +22,11 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.admission import public_key_bytes
-from agent.core.canary import CanaryPolicy
-from agent.core.fingerprint import DeviceInfo, HostProbe
-from agent.core.identity import peer_id_from_public_key
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.tracker.canary import CanaryPolicy
+from agent.core.wire.admission import public_key_bytes
+from agent.core.wire.fingerprint import DeviceInfo, HostProbe
+from agent.io.net.transport import MemoryNetwork
 from agent.io.node.agent import Node, serve_node
 from agent.io.node.config import LocalModel, NodeConfig, NodeRefused
 from agent.io.tracker.cli import register_models
@@ -35,7 +36,6 @@ from agent.io.tracker.service import Tracker, serve_tracker
 from agent.io.tracker.store import open_store
 from agent.io.tracker.verifier import run_check
 from agent.io.tracker.verifier_api import VerifierConfig
-from agent.io.transport import MemoryNetwork
 from agent.testing.faulty import CorruptOutputs, OutputCorrupter
 from agent.testing.tiny_models import TINY_MODELS
 
@@ -233,9 +233,9 @@ async def test_a_persona_answers_a_step_batch_as_a_node_does_and_takes_only_its_
     taken, another session's step and a step from another peer are NOT_FOUND, and a batch that
     does not parse gets one INVALID_ARGUMENT ack (a persona that answered otherwise would be a
     tell to a node that cheats only when it is not watched)."""
-    from agent.core.step_batch import step_batch
-    from agent.core.step_validation import RangeSpec
-    from agent.core.swarm_wire import crc32
+    from agent.core.wire.step_batch import step_batch
+    from agent.core.wire.step_validation import RangeSpec
+    from agent.core.wire.swarm_wire import crc32
     from agent.io.tracker.personas import Inbox
 
     Code = swarm_pb2.Error.Code

@@ -1,4 +1,4 @@
-"""agent.io.channel: the direct TLS channel, over real sockets on loopback.
+"""agent.io.net.channel: the direct TLS channel, over real sockets on loopback.
 
 Fallback peers are a ``MemoryNetwork`` (the channel must not need libp2p to be tested)."""
 
@@ -15,13 +15,13 @@ import trio
 import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.core import frames
-from agent.core.multiaddrs import channel_multiaddr, parse_channel_multiaddr
-from agent.io.channel import open_channel_transport
-from agent.io.channel_config import ChannelConfig
-from agent.io.channel_tls import _TlsStream, tls_contexts
+from agent.core.net import frames
+from agent.core.net.multiaddrs import channel_multiaddr, parse_channel_multiaddr
 from agent.io.keys import peer_id_of
-from agent.io.transport import ImmediateHandler, MemoryNetwork, TransportError
+from agent.io.net.channel import open_channel_transport
+from agent.io.net.channel_config import ChannelConfig
+from agent.io.net.channel_tls import _TlsStream, tls_contexts
+from agent.io.net.transport import ImmediateHandler, MemoryNetwork, TransportError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.trio]
 
@@ -813,7 +813,7 @@ async def test_accepted_connections_in_their_handshake_are_bounded() -> None:
 
 
 async def test_channel_connections_keep_alive(pair: Pair, idle_tcp_timer) -> None:
-    """TCP keepalive on both ends of a channel connection (agent.io.raw_socket.keep_alive)."""
+    """TCP keepalive on both ends of a channel connection (agent.io.net.raw_socket.keep_alive)."""
     a, b = pair.a, pair.b
     assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"x", timeout_s=5) == b"echo:x"
     (connection,) = a._connections.values()

@@ -17,19 +17,19 @@ import trio.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.admission import (
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.wire.admission import (
     AdmissionError,
     issue_admission,
     public_key_bytes,
     verify_admission,
     verify_client_hello,
 )
-from agent.core.identity import peer_id_from_public_key
-from agent.core.step_results import step_result, step_result_error
-from agent.core.swarm_wire import NODE_PROTOCOL, RESULT_PROTOCOL, STEP_PROTOCOL, TRACKER_PROTOCOL, crc32
-from agent.io.channel import open_channel_transport
+from agent.core.wire.step_results import step_result, step_result_error
+from agent.core.wire.swarm_wire import NODE_PROTOCOL, RESULT_PROTOCOL, STEP_PROTOCOL, TRACKER_PROTOCOL, crc32
 from agent.io.client import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
-from agent.io.transport import MemoryNetwork, TransportError
+from agent.io.net.channel import open_channel_transport
+from agent.io.net.transport import MemoryNetwork, TransportError
 
 pytestmark = pytest.mark.unit
 
@@ -755,7 +755,7 @@ async def test_a_tracker_that_cannot_be_reached_raises_transport_error() -> None
 async def test_the_client_over_libp2p(nursery: trio.Nursery) -> None:
     """The same exchange over the real transport (Noise, yamux): results reach the client at
     the address it listens on, and the fake nodes see the client's authenticated peer id."""
-    from agent.io.p2p import open_p2p_transport
+    from agent.io.net.p2p import open_p2p_transport
 
     async with contextlib.AsyncExitStack() as stack:
         keys = [Ed25519PrivateKey.generate() for _ in range(5)]

@@ -1,4 +1,4 @@
-"""agent.core.admission: signed fingerprints, admission decisions, tracker-signed admissions."""
+"""agent.core.wire.admission: signed fingerprints, admission decisions, tracker-signed admissions."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core import admission as adm
-from agent.core.identity import peer_id_from_public_key
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.wire import admission as adm
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""agent.core.assignment: capacity-proportional ranges, redundancy, healing, determinism."""
+"""agent.core.tracker.assignment: capacity-proportional ranges, redundancy, healing, determinism."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from agent.core.assignment import (
+from agent.core.tracker.assignment import (
     Assignment,
     ModelSpec,
     NodeCapacity,

@@ -1,4 +1,4 @@
-"""Unit tests of the boundary codec (agent.core.boundary): round trips and every refusal."""
+"""Unit tests of the boundary codec (agent.core.wire.boundary): round trips and every refusal."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.core.boundary import (
+from agent.core.wire.boundary import (
     BoundaryError,
     WireDType,
     decode_rows,

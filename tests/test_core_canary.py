@@ -1,4 +1,4 @@
-"""agent.core.canary: when ranges are checked, what a canary sends, how outputs compare, and
+"""agent.core.tracker.canary: when ranges are checked, what a canary sends, how outputs compare, and
 what a failure leads to (pure: no processes, no clock)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from agent.core.canary import (
+from agent.core.tracker.canary import (
     CanaryPolicy,
     CanarySchedule,
     FailureAction,
@@ -20,7 +20,7 @@ from agent.core.canary import (
     plan_canary,
     scores_bytes,
 )
-from agent.core.topk import TopLogits
+from agent.core.wire.topk import TopLogits
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -1,10 +1,10 @@
-"""agent.core.chat_template: Hugging Face's rendering rules over a GGUF's template."""
+"""agent.core.owner.chat_template: Hugging Face's rendering rules over a GGUF's template."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.core.chat_template import ChatTemplate, ChatTemplateError
+from agent.core.owner.chat_template import ChatTemplate, ChatTemplateError
 
 pytestmark = pytest.mark.unit
 

@@ -1,10 +1,10 @@
-"""agent.core.connection_slots: one more connection under a bound, by idleness."""
+"""agent.core.net.connection_slots: one more connection under a bound, by idleness."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.core.connection_slots import Room, room_for_one_more
+from agent.core.net.connection_slots import Room, room_for_one_more
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
 

@@ -1,6 +1,6 @@
-"""The data plane's pure parts: the seal and the frames (``agent.core.data_frames``), the owner's
-route plan and translations (``agent.core.data_route``), and a node's sessions while they are
-bound on its worker's data plane (``agent.core.node_sessions``). The native side and the swarm
+"""The data plane's pure parts: the seal and the frames (``agent.core.wire.data_frames``), the owner's
+route plan and translations (``agent.core.owner.data_route``), and a node's sessions while they are
+bound on its worker's data plane (``agent.core.node.sessions``). The native side and the swarm
 are tested against real processes (tests/test_worker_data_plane.py, tests/test_swarm_e2e.py)."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from agent._proto import swarm_pb2, worker_pb2
-from agent.core import data_frames
-from agent.core.data_frames import DataFrameError, DataFrameReader, OwnerSession, SessionKeys
-from agent.core.data_route import (
+from agent.core.node.policy import MAX_DATA_PLANE_DECODE_GROUPS, data_plane_decode_groups, data_plane_gather_us
+from agent.core.node.sessions import SessionTable
+from agent.core.owner.data_route import (
     RouteKeys,
     bind_request,
     continuation_steps,
@@ -27,13 +27,13 @@ from agent.core.data_route import (
     step_result,
     success_step_result,
 )
-from agent.core.node_policy import MAX_DATA_PLANE_DECODE_GROUPS, data_plane_decode_groups, data_plane_gather_us
-from agent.core.node_sessions import SessionTable
-from agent.core.sampling import SamplingParams
-from agent.core.session import ResultRefused, Session
-from agent.core.step_results import result_scores as wire_scores
-from agent.core.swarm_wire import WireError
-from agent.core.topk import TopLogits, select_top_k
+from agent.core.owner.sampling import SamplingParams
+from agent.core.owner.session import ResultRefused, Session
+from agent.core.wire import data_frames
+from agent.core.wire.data_frames import DataFrameError, DataFrameReader, OwnerSession, SessionKeys
+from agent.core.wire.step_results import result_scores as wire_scores
+from agent.core.wire.swarm_wire import WireError
+from agent.core.wire.topk import TopLogits, select_top_k
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -433,7 +433,7 @@ def test_only_a_lock_step_first_hop_holds_data_plane_decode_steps() -> None:
 
 
 def test_a_first_hop_keeps_its_nodes_decode_groups_on_the_data_plane() -> None:
-    # auto: the route's hops + 1, as through the node (agent.core.scheduler.decode_group_cap)
+    # auto: the route's hops + 1, as through the node (agent.core.node.scheduler.decode_group_cap)
     assert data_plane_decode_groups(begin=0, route_hops=3, decode_groups=None) == 4
     assert data_plane_decode_groups(begin=0, route_hops=3, decode_groups=2) == 2, "the node's own count"
     assert data_plane_decode_groups(begin=10, route_hops=3, decode_groups=None) == 0, "only the first hop splits"

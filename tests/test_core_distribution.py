@@ -9,10 +9,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.admission import public_key_bytes
-from agent.core.identity import peer_id_from_public_key
-from agent.core.manifest import ManifestError, TensorFacts, build_manifest, sign_manifest, verify_manifest
-from agent.core.range_fetch import (
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.node.range_fetch import (
     METADATA_PIECE,
     FetchState,
     Piece,
@@ -23,6 +21,8 @@ from agent.core.range_fetch import (
     range_pieces,
     tensor_verdict,
 )
+from agent.core.wire.admission import public_key_bytes
+from agent.core.wire.manifest import ManifestError, TensorFacts, build_manifest, sign_manifest, verify_manifest
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -1,5 +1,5 @@
 """Fingerprint records: built from probe values, signed over their exact bytes, accepted by
-the tracker's checks (``agent.core.admission``) and refused when altered."""
+the tracker's checks (``agent.core.wire.admission``) and refused when altered."""
 
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.admission import (
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.wire.admission import (
     AdmissionError,
     AdmissionPolicy,
     decide_admission,
     public_key_bytes,
     verify_signed_fingerprint,
 )
-from agent.core.fingerprint import (
+from agent.core.wire.fingerprint import (
     FINGERPRINT_SCHEMA_VERSION,
     DeviceInfo,
     HostProbe,
@@ -23,7 +24,6 @@ from agent.core.fingerprint import (
     serialize_fingerprint,
     signed_fingerprint,
 )
-from agent.core.identity import peer_id_from_public_key
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""agent.core.frames, agent.core.multiaddrs, agent.core.peer_cert: pure codecs of the channel."""
+"""agent.core.net.frames, agent.core.net.multiaddrs, agent.core.peer_cert: pure codecs of the channel."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.core import frames
-from agent.core.frames import FrameError, FrameReader, FrameTooLarge, decode_uvarint, encode_uvarint
-from agent.core.identity import peer_id_from_public_key
-from agent.core.multiaddrs import channel_multiaddr, is_circuit, parse_channel_multiaddr, tcp_hosts
-from agent.io.peer_cert import LIBP2P_TLS_OID, PeerCertError, make_peer_certificate, verify_peer_certificate
+from agent.core.net import frames
+from agent.core.net.frames import FrameError, FrameReader, FrameTooLarge, decode_uvarint, encode_uvarint
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.net.multiaddrs import channel_multiaddr, is_circuit, parse_channel_multiaddr, tcp_hosts
+from agent.io.net.peer_cert import LIBP2P_TLS_OID, PeerCertError, make_peer_certificate, verify_peer_certificate
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.core.generation import GreedyGeneration
-from agent.core.parity import greedy_token
-from agent.core.worker_records import SeqOutput
+from agent.core.owner.generation import GreedyGeneration
+from agent.core.owner.parity import greedy_token
+from agent.core.wire.worker_records import SeqOutput
 
 pytestmark = pytest.mark.unit
 
@@ -78,7 +78,7 @@ def test_bad_arguments_are_refused() -> None:
 
 
 def test_top_k_asks_the_last_range_for_it_and_takes_its_first_entry() -> None:
-    from agent.core.topk import TopLogits
+    from agent.core.wire.topk import TopLogits
 
     gen = GreedyGeneration(0, [1, 2], 2, top_k=40)
     assert gen.next_input().top_k == 40

@@ -1,5 +1,5 @@
 """The tracker's decisions about nodes as pure functions of events and ``now``: liveness
-(agent.core.liveness) and what one heartbeat makes (agent.core.heartbeat)."""
+(agent.core.tracker.liveness) and what one heartbeat makes (agent.core.tracker.heartbeat)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import math
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.assignment import Assignment
-from agent.core.heartbeat import admission_due, diff_assignment, read_report
-from agent.core.liveness import Heard, Liveness
-from agent.core.swarm_wire import WireError
+from agent.core.tracker.assignment import Assignment
+from agent.core.tracker.heartbeat import admission_due, diff_assignment, read_report
+from agent.core.tracker.liveness import Heard, Liveness
+from agent.core.wire.swarm_wire import WireError
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
-"""The node's decisions as pure state machines: the range lifecycle (agent.core.node_ranges),
-the tracker link (agent.core.node_link) and the sender and failure rules (agent.core.node_policy)."""
+"""The node's decisions as pure state machines: the range lifecycle (agent.core.node.range_states),
+the tracker link (agent.core.node.link) and the sender and failure rules (agent.core.node.policy)."""
 
 from __future__ import annotations
 
@@ -7,16 +7,15 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.admission import issue_admission, public_key_bytes
-from agent.core.identity import peer_id_from_public_key
-from agent.core.node_link import (
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.node.link import (
     RegistrationInvalid,
     RegistrationRefused,
     next_retry_delay_s,
     read_heartbeat_reply,
     read_registration_reply,
 )
-from agent.core.node_policy import (
+from agent.core.node.policy import (
     BatchPeers,
     check_end_session_sender,
     check_session_owner,
@@ -27,9 +26,16 @@ from agent.core.node_policy import (
     push_unreachable,
     range_not_ready,
 )
-from agent.core.node_ranges import FailPending, HeartbeatNow, Ignored, RangeBook, StartRange, StopRange
-from agent.core.step_batch import answer_step_batch, read_step_batch, read_step_batch_ack, step_batch, step_batch_ack
-from agent.core.swarm_wire import MAX_BATCH_STEPS, SCHEMA_VERSION, WireError, step_ack, step_ack_error
+from agent.core.node.range_states import FailPending, HeartbeatNow, Ignored, RangeBook, StartRange, StopRange
+from agent.core.wire.admission import issue_admission, public_key_bytes
+from agent.core.wire.step_batch import (
+    answer_step_batch,
+    read_step_batch,
+    read_step_batch_ack,
+    step_batch,
+    step_batch_ack,
+)
+from agent.core.wire.swarm_wire import MAX_BATCH_STEPS, SCHEMA_VERSION, WireError, step_ack, step_ack_error
 
 pytestmark = pytest.mark.unit
 

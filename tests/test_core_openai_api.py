@@ -1,4 +1,4 @@
-"""agent.core.openai_api: request validation, response shapes, error envelopes, logprobs."""
+"""agent.core.relay.openai_api: request validation, response shapes, error envelopes, logprobs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from agent.core.openai_api import (
+from agent.core.relay.openai_api import (
     ApiError,
     chat_chunk,
     chat_response,

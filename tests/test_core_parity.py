@@ -1,4 +1,4 @@
-"""Unit tests of the parity core (agent.core.parity): comparisons, the run state machine,
+"""Unit tests of the parity core (agent.core.owner.parity): comparisons, the run state machine,
 scenarios and the report. Fake logits stand in for workers."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from agent.core.parity import (
+from agent.core.owner.parity import (
     Edit,
     ParityError,
     ParityReport,
@@ -22,8 +22,8 @@ from agent.core.parity import (
     next_hop_entries,
     prompt_lengths,
 )
-from agent.core.ranges import LayerRange, ranges_from_cuts
-from agent.core.worker_records import SeqInput, SeqOutput
+from agent.core.wire.ranges import LayerRange, ranges_from_cuts
+from agent.core.wire.worker_records import SeqInput, SeqOutput
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""``agent.core.parity.through_wire``: boundary rows as a swarm hop hands them on in a wire
+"""``agent.core.owner.parity.through_wire``: boundary rows as a swarm hop hands them on in a wire
 dtype (F32 unchanged, F16 rounded to the nearest float16; token entries untouched)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from agent.core.boundary import BoundaryError, WireDType
-from agent.core.parity import through_wire
-from agent.core.worker_records import SeqInput
+from agent.core.owner.parity import through_wire
+from agent.core.wire.boundary import BoundaryError, WireDType
+from agent.core.wire.worker_records import SeqInput
 
 pytestmark = pytest.mark.unit
 

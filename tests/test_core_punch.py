@@ -1,4 +1,4 @@
-"""agent.core.punch: when to punch, who answers, TLS roles, backoff, the wire records."""
+"""agent.core.wire.punch: when to punch, who answers, TLS roles, backoff, the wire records."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.punch import (
+from agent.core.wire.punch import (
     PunchBook,
     PunchConfig,
     PunchError,
@@ -23,7 +23,7 @@ from agent.core.punch import (
     sync_reply,
     sync_request,
 )
-from agent.core.swarm_wire import WireError
+from agent.core.wire.swarm_wire import WireError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
 

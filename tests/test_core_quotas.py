@@ -1,4 +1,4 @@
-"""Unit tests of the relay's quota and ledger arithmetic (agent.core.quotas): every limit, the
+"""Unit tests of the relay's quota and ledger arithmetic (agent.core.relay.quotas): every limit, the
 retry-after values, UTC day boundaries and the credit a node earns per completion."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from agent.core.quotas import (
+from agent.core.relay.quotas import (
     ADMITTED,
     RPM_WINDOW_S,
     SECONDS_PER_DAY,

@@ -1,10 +1,10 @@
-"""Unit tests of layer ranges (agent.core.ranges): cuts, the B:E syntax, validation."""
+"""Unit tests of layer ranges (agent.core.wire.ranges): cuts, the B:E syntax, validation."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.core.ranges import LayerRange, check_cover, format_layers, parse_cuts, parse_layers, ranges_from_cuts
+from agent.core.wire.ranges import LayerRange, check_cover, format_layers, parse_cuts, parse_layers, ranges_from_cuts
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""agent.core.recovery: what a generation does after a failed session, which failures may be
+"""agent.core.owner.recovery: what a generation does after a failed session, which failures may be
 resumed around the peer they name, and a step's deadline."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.recovery import (
+from agent.core.owner.recovery import (
     AfterFailure,
     after_failure,
     decode_step_average,

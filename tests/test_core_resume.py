@@ -1,8 +1,8 @@
-"""Resuming a session around a lost hop, in the pure core: what a hop keeps (agent.core.kept_rows),
+"""Resuming a session around a lost hop, in the pure core: what a hop keeps (agent.core.node.kept_rows),
 how a surviving range goes back to the answered positions and how a replacement opens from
-rebuild steps (agent.core.node_sessions), which part of a route is replaced (resume_plan), the
+rebuild steps (agent.core.node.sessions), which part of a route is replaced (resume_plan), the
 owner's session going on (Session.resume), route parts (plan_route begin/end), and the
-rebuild step records (agent.core.step_requests, agent.core.step_results)."""
+rebuild step records (agent.core.wire.step_requests, agent.core.wire.step_results)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.boundary import WireDType
-from agent.core.kept_rows import KeptStore, ReplayChunk, RowsNotKept
-from agent.core.node_sessions import SessionTable
-from agent.core.routing import NoRoute, ReadyRange, plan_route
-from agent.core.session import Session, resume_plan
-from agent.core.step_requests import first_step_request, next_hop_request, replay_step_request
-from agent.core.step_results import step_result_rebuilt
-from agent.core.step_validation import RangeSpec, validate_step
-from agent.core.swarm_wire import WireError, crc32
+from agent.core.node.kept_rows import KeptStore, ReplayChunk, RowsNotKept
+from agent.core.node.sessions import SessionTable
+from agent.core.owner.session import Session, resume_plan
+from agent.core.tracker.routing import NoRoute, ReadyRange, plan_route
+from agent.core.wire.boundary import WireDType
+from agent.core.wire.step_requests import first_step_request, next_hop_request, replay_step_request
+from agent.core.wire.step_results import step_result_rebuilt
+from agent.core.wire.step_validation import RangeSpec, validate_step
+from agent.core.wire.swarm_wire import WireError, crc32
 
 pytestmark = pytest.mark.unit
 

@@ -1,11 +1,11 @@
-"""agent.core.routing: exact chains of READY ranges, cheapest first, sessions packed onto a
+"""agent.core.tracker.routing: exact chains of READY ranges, cheapest first, sessions packed onto a
 route until one of its ranges is full."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.core.routing import Hop, NoRoute, ReadyRange, plan_route
+from agent.core.tracker.routing import Hop, NoRoute, ReadyRange, plan_route
 
 pytestmark = pytest.mark.unit
 
@@ -121,7 +121,7 @@ def test_out_of_bounds_ranges_are_ignored():
 
 
 def test_handouts_count_until_the_hops_report_them_or_their_owner_ends_them():
-    from agent.core.handouts import RouteHandouts
+    from agent.core.tracker.handouts import RouteHandouts
 
     handouts = RouteHandouts(grace_s=2.0, horizon_s=60.0)
     a = handouts.hand_out(10.0, ["p1", "p2"], requester="owner")

@@ -1,5 +1,5 @@
-"""A node's per-range step queue (``agent.core.scheduler``) and its session table
-(``agent.core.node_sessions``): pure, so every rule is checked on plain values."""
+"""A node's per-range step queue (``agent.core.node.scheduler``) and its session table
+(``agent.core.node.sessions``): pure, so every rule is checked on plain values."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import heapq
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.node_sessions import SessionTable
-from agent.core.scheduler import (
+from agent.core.node.scheduler import (
     LOCK_STEP_GATHER_MS,
     StepScheduler,
     arrival_wakes_gatherer,
@@ -20,7 +19,8 @@ from agent.core.scheduler import (
     gather_arrivals_needed,
     gather_wait_ms,
 )
-from agent.core.swarm_wire import WireError
+from agent.core.node.sessions import SessionTable
+from agent.core.wire.swarm_wire import WireError
 
 pytestmark = pytest.mark.unit
 
@@ -310,9 +310,9 @@ def test_steps_of_another_key_never_share_a_forward() -> None:
 def test_the_forward_key_is_recipe_model_blocks_schema_and_dtype_not_the_phase() -> None:
     import numpy as np
 
-    from agent.core.batching import forward_key
-    from agent.core.boundary import WireDType
-    from agent.core.step_validation import StepInput
+    from agent.core.node.batching import forward_key
+    from agent.core.wire.boundary import WireDType
+    from agent.core.wire.step_validation import StepInput
 
     def step(**fields) -> StepInput:
         base = dict(

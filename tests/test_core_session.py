@@ -1,4 +1,4 @@
-"""Session state machine and sampling (agent.core.session, agent.core.sampling). Pure, no I/O."""
+"""Session state machine and sampling (agent.core.owner.session, agent.core.owner.sampling). Pure, no I/O."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.sampling import SamplingParams, sample_token, sampling_candidates
-from agent.core.session import (
+from agent.core.owner.sampling import SamplingParams, sample_token, sampling_candidates
+from agent.core.owner.session import (
     HopFailed,
     OwnerStep,
     ResultRefused,
     Session,
     end_session_request,
 )
-from agent.core.swarm_wire import token_checksum
+from agent.core.wire.swarm_wire import token_checksum
 
 pytestmark = pytest.mark.unit
 
@@ -143,7 +143,7 @@ def _rows_for_full_row_draws() -> list[np.ndarray]:
 )
 def test_a_full_row_draw_equals_ordering_every_candidate(params: SamplingParams) -> None:
     """With no top-k cut the owner orders a stretch of the likeliest candidates at a time, not
-    the whole row (agent.core.sampling._draw_from_row): the same token as ordering them all,
+    the whole row (agent.core.owner.sampling._draw_from_row): the same token as ordering them all,
     for uniforms anywhere, out to the last stretches (at temperature 1, 1 - 1e-6 orders the
     third stretch or further on every row of more than 3 tokens, 1 - 1e-9 the last one on the
     masked row). Not right at 1: where the weights left fall within the sums' rounding (~n

@@ -1,4 +1,4 @@
-"""agent.core.spot_check: which sessions an owner spot-checks, the shadow's steps, comparing
+"""agent.core.owner.spot_check: which sessions an owner spot-checks, the shadow's steps, comparing
 results, and which tokens to take back after a peer failed an integrity check."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.spot_check import (
+from agent.core.owner.spot_check import (
     RouteSegment,
     compare_results,
     hop_to_avoid,
@@ -16,8 +16,8 @@ from agent.core.spot_check import (
     sample,
     shadow_request,
 )
-from agent.core.step_requests import first_step_request
-from agent.core.step_results import step_result
+from agent.core.wire.step_requests import first_step_request
+from agent.core.wire.step_results import step_result
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

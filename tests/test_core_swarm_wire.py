@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.boundary import RESIDUAL, RESIDUAL_STREAMS, BoundaryError, BoundarySchema, WireDType
-from agent.core.multiaddrs import peer_id_from_multiaddr
-from agent.core.step_batch import batch_ack_accepts, step_batch_ack
-from agent.core.step_requests import encode_step_output, first_step_request, next_hop_request
-from agent.core.step_results import step_result, step_result_error, validate_step_result
-from agent.core.step_validation import RangeSpec, check_hops, validate_step
-from agent.core.swarm_wire import (
+from agent.core.net.multiaddrs import peer_id_from_multiaddr
+from agent.core.wire.boundary import RESIDUAL, RESIDUAL_STREAMS, BoundaryError, BoundarySchema, WireDType
+from agent.core.wire.step_batch import batch_ack_accepts, step_batch_ack
+from agent.core.wire.step_requests import encode_step_output, first_step_request, next_hop_request
+from agent.core.wire.step_results import step_result, step_result_error, validate_step_result
+from agent.core.wire.step_validation import RangeSpec, check_hops, validate_step
+from agent.core.wire.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
     SCHEMA_VERSION,

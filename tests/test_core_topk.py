@@ -1,4 +1,4 @@
-"""agent.core.topk and sampling from top-K: equal to full-row sampling where it promises to be."""
+"""agent.core.wire.topk and sampling from top-K: equal to full-row sampling where it promises to be."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.openai_api import token_logprobs
-from agent.core.sampling import SamplingParams, sample_token
-from agent.core.step_results import result_scores, step_result
-from agent.core.topk import DEFAULT_RESULT_TOP_K, TopLogits, log_sum_exp, result_top_k, select_top_k
+from agent.core.owner.sampling import SamplingParams, sample_token
+from agent.core.relay.openai_api import token_logprobs
+from agent.core.wire.step_results import result_scores, step_result
+from agent.core.wire.topk import DEFAULT_RESULT_TOP_K, TopLogits, log_sum_exp, result_top_k, select_top_k
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -108,7 +108,7 @@ def test_step_result_carries_top_k_and_is_checked() -> None:
     ids = np.frombuffer(unordered.top_token_ids, dtype="<i4")[::-1].copy()
     logits = np.frombuffer(unordered.top_logits, dtype="<f4")[::-1].copy()
     unordered.top_token_ids, unordered.top_logits = ids.tobytes(), logits.tobytes()
-    from agent.core.swarm_wire import crc32
+    from agent.core.wire.swarm_wire import crc32
 
     unordered.checksum = crc32(unordered.top_token_ids + unordered.top_logits)
     with pytest.raises(ValueError, match="not ordered"):

@@ -1,11 +1,11 @@
-"""How a worker's idle threads wait (``agent.core.worker_wait``): pure, so each rule is checked
+"""How a worker's idle threads wait (``agent.core.node.worker_wait``): pure, so each rule is checked
 on plain values."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.core.worker_wait import AUTO, SLEEP, SLEEP_SPIN_COUNT, SPIN, worker_environment
+from agent.core.node.worker_wait import AUTO, SLEEP, SLEEP_SPIN_COUNT, SPIN, worker_environment
 
 pytestmark = pytest.mark.unit
 
@@ -21,7 +21,7 @@ def test_auto_spins_for_a_worker_alone_on_its_host_and_passes_the_environment_on
 def test_auto_sleeps_when_other_baton_workers_share_the_host() -> None:
     env, why = worker_environment(AUTO, other_workers=2, environment=BASE)
     # a short spin, then sleep: not PASSIVE, whose futex at every barrier of a Forward costs
-    # more than the wait (agent.core.worker_wait)
+    # more than the wait (agent.core.node.worker_wait)
     assert env == {**BASE, "GOMP_SPINCOUNT": "1000"}
     assert "OMP_WAIT_POLICY" not in env
     assert why == "sleep (2 other Baton worker(s) on this host)"

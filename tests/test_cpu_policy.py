@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from agent.io.cpu_policy import apply_cpu_policy, cpu_policy_from_env, kernel_default
-from agent.io.worker_process import open_worker
+from agent.io.worker.process import open_worker
 
 pytestmark = [
     pytest.mark.worker,

@@ -200,3 +200,73 @@ def test_no_product_module_imports_agent_testing() -> None:
         if target == "agent.testing" or target.startswith("agent.testing.")
     ]
     assert not offenders, "product modules import agent.testing:\n" + "\n".join(offenders)
+
+
+#: What each role's package may import of the others (docs/ARCHITECTURE.md, "Who may import
+#: what"). A package always may import itself and ``agent._proto``. Core roles sit on
+#: ``core.wire`` (the records every role exchanges), which sits on ``core.net``; a shell
+#: (``io.<role>``) uses its own core, the wire and the shared shells (``io``, ``io.net``,
+#: ``io.worker``). The exceptions say why.
+ALLOWED_IMPORTS: dict[str, set[str]] = {
+    "core.net": set(),
+    "core.wire": {"core.net"},
+    "core.lab": set(),
+    "core.tracker": {"core.net", "core.wire"},
+    "core.node": {"core.net", "core.wire"},
+    # spot checks judge a hop's output with the canaries' comparison (core.tracker.canary)
+    "core.owner": {"core.net", "core.wire", "core.tracker"},
+    # the relay is a session owner
+    "core.relay": {"core.net", "core.wire", "core.owner"},
+    # model_http answers Range requests with the node's range parsing
+    "io": {"core.net", "core.wire", "core.node"},
+    "io.net": {"core.net", "core.wire", "io"},
+    # a worker's thread wait policy is the node's rule; vocab workers render owners' chat templates
+    "io.worker": {"core.net", "core.wire", "core.node", "core.owner", "io", "io.net"},
+    "io.lab": {"core.lab"},
+    "io.tracker": {"core.tracker", "core.net", "core.wire", "core.node", "io", "io.net", "io.worker"},
+    # a first hop checks an owner's data-plane bind with the owner's own route rules
+    "io.node": {"core.node", "core.net", "core.wire", "core.owner", "io", "io.net", "io.worker"},
+    "io.client": {"core.owner", "core.relay", "core.net", "core.wire", "io", "io.net", "io.worker"},
+    # the relay owns sessions through the client's SwarmClient
+    "io.relay": {"core.relay", "core.owner", "core.net", "core.wire", "io", "io.net", "io.worker", "io.client"},
+}
+
+
+#: what every shell may use: shared command-line flags, the pinned models, the checkout's runtime
+SHELL_COMMONS = {"agent.cli_args", "agent.models", "agent.runtime"}
+
+
+def _role(module: str) -> str | None:
+    """``agent.core.wire.boundary`` -> ``core.wire``; ``agent.io.keys`` -> ``io``; None outside
+    the role packages (the command line, demos, harness and testing may use every role)."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] not in ("core", "io"):
+        return None
+    if len(parts) > 2 and f"{parts[1]}.{parts[2]}" in ALLOWED_IMPORTS:
+        return f"{parts[1]}.{parts[2]}"
+    return parts[1] if len(parts) > 2 or parts[1] == "io" else None
+
+
+def test_each_role_imports_only_what_its_row_allows() -> None:
+    graph = _import_graph()
+    offenders = []
+    for module, edges in sorted(graph.items()):
+        role = _role(module)
+        if role is None:
+            continue
+        for target, line in sorted(edges.items()):
+            target_role = _role(target)
+            if target_role is None and target.startswith(("agent._proto", "agent.core", "agent.io")):
+                continue  # the generated protos; a package's own __init__
+            if role.startswith("io") and target in SHELL_COMMONS:
+                continue
+            if target_role == role or target_role in ALLOWED_IMPORTS[role]:
+                continue
+            offenders.append(f"{module} (line {line}) imports {target} ({target_role or 'outside the roles'})")
+    assert not offenders, "imports across roles that ALLOWED_IMPORTS does not allow:\n" + "\n".join(offenders)
+
+
+def test_every_module_of_core_is_in_a_role() -> None:
+    # a module dropped straight into agent/core would escape the rules above
+    strays = [m for m in _import_graph() if m.count(".") == 2 and m.startswith("agent.core.")]
+    assert [m for m in strays if m.removeprefix("agent.") not in ALLOWED_IMPORTS] == []

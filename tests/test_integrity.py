@@ -26,7 +26,7 @@ from agent.demo.local_demo import generate_through
 from agent.demo.swarm_demo import wait_for_copies, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import SwarmClientConfig, open_swarm_client
-from agent.io.worker_process import open_worker
+from agent.io.worker.process import open_worker
 from agent.models import cached_sha256, model_path, sha256_file
 from agent.testing.faulty_node import FAULTY_NODE_COMMAND
 

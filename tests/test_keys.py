@@ -10,7 +10,7 @@ import pytest
 from libp2p.crypto.ed25519 import Ed25519PrivateKey as Libp2pEd25519PrivateKey
 from libp2p.peer.id import ID
 
-from agent.core.identity import peer_id_from_public_key
+from agent.core.net.identity import peer_id_from_public_key
 from agent.io.keys import KeyFileError, load_or_create_key, peer_id_of, private_seed, public_key_bytes
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]

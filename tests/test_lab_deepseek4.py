@@ -19,7 +19,7 @@ from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement
 from agent.harness.parity_run import make_prompts
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.lab.harness import running_lab
-from agent.io.worker_process import open_worker
+from agent.io.worker.process import open_worker
 from agent.models import sha256_file
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -1,7 +1,7 @@
 """Two nodes behind NAT punch a direct path across the lab: each machine takes inbound packets
 only on flows it opened (the forwarder's stateful filter), and the nodes, started with
 ``--listen none --relay``, hold SmolLM2's two ranges between them. The first hop reaches the
-second through the tracker's relay, asks it to punch (``agent.io.punch``) without waiting on
+second through the tracker's relay, asks it to punch (``agent.io.net.punch``) without waiting on
 it, and after the TCP simultaneous open its steps go straight to the second hop's machine: a
 second generation, once the first hop reports the punch, goes direct. The greedy tokens of both
 equal one unsplit worker's; the forwarder saw packets between the two NAT'd machines; the
@@ -20,8 +20,8 @@ import trio
 
 from agent._proto import swarm_pb2
 from agent.core.lab.topology import LinkSpec, MachineSpec, Topology
-from agent.core.punch import PunchConfig
-from agent.core.swarm_wire import STEP_PROTOCOL, STEPS_PROTOCOL
+from agent.core.wire.punch import PunchConfig
+from agent.core.wire.swarm_wire import STEP_PROTOCOL, STEPS_PROTOCOL
 from agent.demo.local_demo import unsplit_greedy
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement

@@ -30,7 +30,7 @@ import pytest
 
 from agent.harness.browser import chromium_available
 from agent.io.lifeline import LIFELINE_ENV, die_with_parent
-from agent.io.worker_process import OWNER_FILE, WORKDIR_PARENT, WORKDIR_PREFIX
+from agent.io.worker.process import OWNER_FILE, WORKDIR_PARENT, WORKDIR_PREFIX
 
 pytestmark = pytest.mark.swarm
 
@@ -170,7 +170,7 @@ def _family(root_pid: int) -> dict[int, psutil.Process]:
 
 
 def _owned_dirs(pids: Iterable[int]) -> list[Path]:
-    """The worker and node-marker temp dirs (``agent.io.worker_process``) owned by ``pids``."""
+    """The worker and node-marker temp dirs (``agent.io.worker.process``) owned by ``pids``."""
     wanted = set(pids)
     found = []
     for path in Path(WORKDIR_PARENT).glob(f"{WORKDIR_PREFIX}*"):

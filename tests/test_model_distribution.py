@@ -14,14 +14,14 @@ import httpx
 import pytest
 import trio
 
-from agent.core.manifest import verify_manifest
-from agent.core.range_fetch import range_pieces
+from agent.core.node.range_fetch import range_pieces
+from agent.core.wire.manifest import verify_manifest
 from agent.demo.local_demo import generate_through
 from agent.demo.swarm_demo import wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import open_swarm_client
 from agent.io.model_http import ModelFileServer, serve_model_files
-from agent.io.worker_process import open_worker
+from agent.io.worker.process import open_worker
 from agent.models import model_path, sha256_file
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]

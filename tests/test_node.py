@@ -28,21 +28,21 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.message import Message
 
 from agent._proto import swarm_pb2
-from agent.core.admission import (
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.owner.parity import max_abs_diff
+from agent.core.wire.admission import (
     AdmissionError,
     issue_admission,
     public_key_bytes,
     verify_admission,
     verify_signed_fingerprint,
 )
-from agent.core.boundary import WireDType
-from agent.core.fingerprint import DeviceInfo, HostProbe
-from agent.core.identity import peer_id_from_public_key
-from agent.core.parity import max_abs_diff
-from agent.core.step_batch import step_batch
-from agent.core.step_requests import first_step_request
-from agent.core.step_results import validate_step_result
-from agent.core.swarm_wire import (
+from agent.core.wire.boundary import WireDType
+from agent.core.wire.fingerprint import DeviceInfo, HostProbe
+from agent.core.wire.step_batch import step_batch
+from agent.core.wire.step_requests import first_step_request
+from agent.core.wire.step_results import validate_step_result
+from agent.core.wire.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
     SCHEMA_VERSION,
@@ -55,15 +55,15 @@ from agent.core.swarm_wire import (
     step_ack_error,
     tracker_reply_error,
 )
-from agent.core.worker_records import SeqInput
-from agent.io.channel import open_channel_transport
+from agent.core.wire.worker_records import SeqInput
+from agent.io.net.channel import open_channel_transport
+from agent.io.net.transport import MemoryNetwork, Transport
 from agent.io.node import cli as node_cli
 from agent.io.node.agent import Node, serve_node
 from agent.io.node.config import LocalModel, NodeConfig, NodeError, NodeRefused
 from agent.io.node.probe import ProbeConfig, probe_host
-from agent.io.transport import MemoryNetwork, Transport
-from agent.io.worker_client import AsyncWorkerClient
-from agent.io.worker_process import count_other_nodes, open_worker
+from agent.io.worker.client import AsyncWorkerClient
+from agent.io.worker.process import count_other_nodes, open_worker
 from agent.models import cached_sha256
 from agent.runtime import expected_pin
 from agent.testing.tiny_models import TINY_MODELS
@@ -386,7 +386,7 @@ async def run_step(swarm: Swarm, reference: AsyncWorkerClient, seqs: list[Seq], 
     for seq in seqs:
         assert acks[seq.session_id].error.code == 0, acks[seq.session_id].error.message
     # Nodes lay out a batch by sequence id and merge decode rows together and prefill chunks of
-    # one length together (agent.core.scheduler); so does the reference.
+    # one length together (agent.core.node.scheduler); so does the reference.
     seqs = sorted(seqs, key=lambda seq: seq.ref_seq_id)
     expected_by_seq = {}
     for group in forward_groups(seqs):
@@ -445,7 +445,7 @@ async def test_split_route_equals_unsplit_and_merges_sessions(qwen2_tiny_path: P
     ):
         tracker, a = swarm.tracker, swarm.nodes["A"]
         # Each node marks the host while it runs, so that the other nodes' workers (auto wait)
-        # know they share its cores before this node's worker computes (agent.core.worker_wait).
+        # know they share its cores before this node's worker computes (agent.core.node.worker_wait).
         markers = [node.host_marker for node in swarm.nodes.values()]
         assert all(marker is not None and os.path.isdir(marker) for marker in markers)
         assert count_other_nodes(a.host_marker) >= len(markers) - 1
@@ -1047,7 +1047,7 @@ async def test_cli_main_prints_admission_and_offers_the_given_memory(
 
 async def test_baton_node_stops_its_workers_on_sigterm(tmp_path: Path, qwen2_tiny_path: Path) -> None:
     """A real ``baton node`` process over libp2p, given a LOAD: SIGTERM stops its worker too."""
-    from agent.io.p2p import open_p2p_transport
+    from agent.io.net.p2p import open_p2p_transport
 
     tracker_key, _ = new_peer()
     async with open_p2p_transport(tracker_key) as transport:

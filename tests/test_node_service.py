@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.core.node_service import (
+from agent.core.node.install import (
     CannotInstall,
     HostTools,
     build_plan,

@@ -18,11 +18,11 @@ from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTr
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
-from agent.core.frames import decode_uvarint, encode_uvarint
+from agent.core.net.frames import decode_uvarint, encode_uvarint
 from agent.io.keys import peer_id_of
-from agent.io.p2p import RelayPolicy, _libp2p_key_pair, open_p2p_transport
-from agent.io.p2p_transport import P2PTransport
-from agent.io.transport import TransportError
+from agent.io.net.p2p import RelayPolicy, _libp2p_key_pair, open_p2p_transport
+from agent.io.net.p2p_transport import P2PTransport
+from agent.io.net.transport import TransportError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

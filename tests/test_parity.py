@@ -3,7 +3,7 @@ the same logits as one unsplit worker (real binary, real models).
 
 Every test starts an unsplit worker [0, n_layer) and one worker per range, runs greedy
 decoding on both sides with the same batches, and compares the logits of every step (see
-agent/core/parity.py). Workers use one thread each: the unsplit side and the chain run
+agent/core/owner/parity.py). Workers use one thread each: the unsplit side and the chain run
 concurrently, which fills the two cores CI has.
 """
 
@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import trio
 
-from agent.core.parity import ParityReport, Scenario
+from agent.core.owner.parity import ParityReport, Scenario
 from agent.harness.parity_run import compare_workers, make_prompts, open_workers, run_parity
-from agent.io.worker_client import AsyncWorkerClient
+from agent.io.worker.client import AsyncWorkerClient
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
 

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import trio
 
-from agent.core.boundary import BoundaryError, BoundarySchema, WireDType
-from agent.core.parity import ParityReport, Scenario
-from agent.core.worker_records import SeqInput
+from agent.core.owner.parity import ParityReport, Scenario
+from agent.core.wire.boundary import BoundaryError, BoundarySchema, WireDType
+from agent.core.wire.worker_records import SeqInput
 from agent.harness.parity_run import make_prompts, open_workers, run_parity
-from agent.io.worker_error import WorkerError
+from agent.io.worker.error import WorkerError
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow, pytest.mark.timeout(600)]
 

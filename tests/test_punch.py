@@ -1,4 +1,4 @@
-"""agent.io.punch with agent.io.channel: two peers with no channel listener, reached through a
+"""agent.io.net.punch with agent.io.net.channel: two peers with no channel listener, reached through a
 "relay" (a ``MemoryNetwork`` fallback), punch a direct TLS connection on loopback, with real
 sockets; requests then take it both ways. The lab test (tests/test_lab_punch.py) does the
 same through a stateful filter."""
@@ -13,12 +13,12 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.punch import PUNCH_PROTOCOL, PunchConfig, connect_request, sync_request
-from agent.io.channel import ChannelTransport, open_channel_transport
-from agent.io.channel_config import ChannelConfig
+from agent.core.wire.punch import PUNCH_PROTOCOL, PunchConfig, connect_request, sync_request
 from agent.io.keys import peer_id_of
-from agent.io.punch import simultaneous_open
-from agent.io.transport import MemoryNetwork
+from agent.io.net.channel import ChannelTransport, open_channel_transport
+from agent.io.net.channel_config import ChannelConfig
+from agent.io.net.punch import simultaneous_open
+from agent.io.net.transport import MemoryNetwork
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60), pytest.mark.trio]
 
@@ -131,12 +131,12 @@ async def test_a_punched_connection_must_prove_the_expected_peer_id() -> None:
 
 
 async def test_simultaneous_open_gives_up_after_its_window() -> None:
-    from agent.io.punch import bound_socket
+    from agent.io.net.punch import bound_socket
 
     listener = bound_socket("127.0.0.1")  # bound, never listening: every SYN is refused
     target = ("127.0.0.1", listener.getsockname()[1])
     try:
-        from agent.core.punch import PunchError
+        from agent.core.wire.punch import PunchError
 
         with trio.fail_after(10), pytest.raises(PunchError, match=r"after [0-9]+ SYNs in 0.3 s"):
             await simultaneous_open(bound_socket("127.0.0.1"), target, window_s=0.3, interval_s=0.05)

@@ -15,10 +15,10 @@ import pytest
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.core.admission import public_key_bytes
-from agent.core.identity import peer_id_from_public_key
-from agent.core.manifest import build_manifest, sign_manifest, verify_manifest
-from agent.core.range_fetch import METADATA_PIECE, FetchRefused, range_pieces
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.node.range_fetch import METADATA_PIECE, FetchRefused, range_pieces
+from agent.core.wire.admission import public_key_bytes
+from agent.core.wire.manifest import build_manifest, sign_manifest, verify_manifest
 from agent.io.model_http import serve_model_files
 from agent.io.node.fetch import FetchConfig, FetchError, fetch_range
 from agent.io.tracker.gguf_info import read_registered_file

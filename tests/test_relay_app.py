@@ -18,15 +18,15 @@ import pytest
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.chat_template import ChatTemplate
-from agent.core.quotas import KeyLimits
-from agent.core.worker_records import Vocabulary
+from agent.core.owner.chat_template import ChatTemplate
+from agent.core.relay.quotas import KeyLimits
+from agent.core.wire.worker_records import Vocabulary
 from agent.io.client import GenerationError, GenerationResult, SwarmError
 from agent.io.relay.metrics import RelayMetrics
 from agent.io.relay.server import build_app
 from agent.io.relay.state import RelayConfig, RelayState
 from agent.io.relay.store import open_relay_store
-from agent.io.vocab import ModelVocab
+from agent.io.worker.vocab import ModelVocab
 
 pytestmark = pytest.mark.swarm
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.core.quotas import day_of
+from agent.core.relay.quotas import day_of
 from agent.io.relay.store import open_relay_store
 
 pytestmark = pytest.mark.swarm

@@ -22,12 +22,12 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.core.chat_template import ChatTemplate
+from agent.core.owner.chat_template import ChatTemplate
 from agent.demo.local_demo import generate_through
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import open_swarm_client
-from agent.io.worker_process import open_worker
+from agent.io.worker.process import open_worker
 from agent.models import model_path, sha256_file
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]

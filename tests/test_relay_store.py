@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.core.quotas import KeyLimits, day_of
+from agent.core.relay.quotas import KeyLimits, day_of
 from agent.io.relay.store import (
     ANONYMOUS,
     API_KEY_PREFIX,

@@ -21,7 +21,7 @@ from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.harness.parity_run import make_prompts
 from agent.io.client import open_swarm_client
-from agent.io.worker_process import open_worker
+from agent.io.worker.process import open_worker
 from agent.models import sha256_file
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(600)]

@@ -28,17 +28,17 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.admission import issue_admission, sign_fingerprint
-from agent.core.multiaddrs import is_channel_multiaddr
-from agent.core.swarm_wire import NODE_PROTOCOL, STEP_PROTOCOL, TRACKER_PROTOCOL, crc32, token_checksum
+from agent.core.net.multiaddrs import is_channel_multiaddr
+from agent.core.wire.admission import issue_admission, sign_fingerprint
+from agent.core.wire.swarm_wire import NODE_PROTOCOL, STEP_PROTOCOL, TRACKER_PROTOCOL, crc32, token_checksum
 from agent.demo.local_demo import generate_through
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.keys import peer_id_of
-from agent.io.p2p import open_p2p_transport
-from agent.io.transport import TransportError
-from agent.io.worker_process import open_worker
+from agent.io.net.p2p import open_p2p_transport
+from agent.io.net.transport import TransportError
+from agent.io.worker.process import open_worker
 from agent.models import model_path, sha256_file
 from agent.runtime import expected_pin
 

@@ -21,18 +21,18 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core import admission as adm
-from agent.core.assignment import Assignment
-from agent.core.identity import peer_id_from_public_key
-from agent.core.registry import GgufFacts, bytes_per_block, model_entry
-from agent.core.swarm_wire import NODE_PROTOCOL, TRACKER_PROTOCOL
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.tracker.assignment import Assignment
+from agent.core.tracker.registry import GgufFacts, bytes_per_block, model_entry
+from agent.core.wire import admission as adm
+from agent.core.wire.swarm_wire import NODE_PROTOCOL, TRACKER_PROTOCOL
 from agent.io.gguf_sparse import gguf_metadata_prefix
+from agent.io.net.transport import MemoryNetwork
 from agent.io.tracker.cli import parse_model_arg, register_models
 from agent.io.tracker.config import TrackerConfig
 from agent.io.tracker.gguf_info import GgufError, read_gguf_facts
 from agent.io.tracker.service import serve_tracker
 from agent.io.tracker.store import NodeRecord, StoreError, TrackerStore, open_store
-from agent.io.transport import MemoryNetwork
 
 pytestmark = pytest.mark.swarm
 
@@ -447,7 +447,7 @@ async def test_a_range_that_failed_to_load_is_moved_elsewhere(autojump_clock, db
 
 
 def _outcome(node: Peer, begin: int, end: int, status: str, step: int = 1):
-    from agent.core.canary import OutputMismatch
+    from agent.core.tracker.canary import OutputMismatch
     from agent.io.tracker.verifier_api import CheckOutcome
 
     mismatch = OutputMismatch(step, "boundary rows", "e" * 64, "f" * 64, 0.5, "rows 0 of 4 differ")
@@ -463,7 +463,7 @@ async def test_check_outcomes_gate_withdraw_and_refuse_nodes(autojump_clock, db_
     withdraws it at once (unassigned, unloaded, shown with its evidence, named to owners);
     the second failure refuses the node, also after a restart."""
     from agent.cli import main as baton
-    from agent.core.canary import CanaryPolicy
+    from agent.core.tracker.canary import CanaryPolicy
 
     # the verifier finds no file for MODEL: its own checks are inconclusive, retried never
     config = dataclasses.replace(CONFIG, canary=CanaryPolicy(interval_s=1000.0, retry_s=1e6, refuse_after_failures=2))

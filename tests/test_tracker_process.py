@@ -23,12 +23,12 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.admission import sign_fingerprint
-from agent.core.identity import peer_id_from_public_key
-from agent.core.multiaddrs import peer_id_from_multiaddr
-from agent.core.swarm_wire import TRACKER_PROTOCOL
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.net.multiaddrs import peer_id_from_multiaddr
+from agent.core.wire.admission import sign_fingerprint
+from agent.core.wire.swarm_wire import TRACKER_PROTOCOL
 from agent.io.keys import public_key_bytes
-from agent.io.p2p import open_p2p_transport
+from agent.io.net.p2p import open_p2p_transport
 from agent.runtime import expected_pin
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

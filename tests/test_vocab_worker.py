@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.core.worker_records import SeqInput, TokenAttr, Vocabulary
+from agent.core.wire.worker_records import SeqInput, TokenAttr, Vocabulary
 from agent.io.gguf_sparse import gguf_metadata_prefix, write_sparse_gguf
-from agent.io.worker_client import AsyncWorkerClient
-from agent.io.worker_error import WorkerError
-from agent.io.worker_process import WorkerStartError, find_worker_binary, open_worker, worker_argv
+from agent.io.worker.client import AsyncWorkerClient
+from agent.io.worker.error import WorkerError
+from agent.io.worker.process import WorkerStartError, find_worker_binary, open_worker, worker_argv
 from agent.models import cached_sha256
 
 pytestmark = [pytest.mark.worker, pytest.mark.timeout(240)]

@@ -24,15 +24,15 @@ import pytest
 import trio
 
 from agent._proto import worker_pb2
-from agent.core.boundary import WireDType
-from agent.core.parity import max_abs_diff
-from agent.core.topk import WORKER_LOG_SUM_EXP_BOUND, select_top_k
-from agent.core.worker_records import SeqInput
+from agent.core.owner.parity import max_abs_diff
+from agent.core.wire.boundary import WireDType
+from agent.core.wire.topk import WORKER_LOG_SUM_EXP_BOUND, select_top_k
+from agent.core.wire.worker_records import SeqInput
 from agent.harness.parity_run import compare_workers, make_prompts, open_workers
-from agent.io import worker_process
-from agent.io.worker_client import AsyncWorkerClient, ClientConfig
-from agent.io.worker_error import WorkerError
-from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError, find_worker_binary, open_worker
+from agent.io.worker import process as worker_process
+from agent.io.worker.client import AsyncWorkerClient, ClientConfig
+from agent.io.worker.error import WorkerError
+from agent.io.worker.process import WorkerBinaryNotFound, WorkerStartError, find_worker_binary, open_worker
 from agent.models import sha256_file
 
 pytestmark = pytest.mark.worker

@@ -18,12 +18,12 @@ import pytest
 import trio
 
 from agent._proto import worker_pb2
-from agent.core import data_frames
-from agent.core.data_frames import DataFrameError, OwnerSession, SessionKeys
-from agent.core.worker_records import SeqInput
-from agent.io.data_link import DataLink, DataLinkClosed, open_data_link
-from agent.io.worker_error import WorkerError
-from agent.io.worker_process import WorkerHandle, open_worker
+from agent.core.wire import data_frames
+from agent.core.wire.data_frames import DataFrameError, OwnerSession, SessionKeys
+from agent.core.wire.worker_records import SeqInput
+from agent.io.net.data_link import DataLink, DataLinkClosed, open_data_link
+from agent.io.worker.error import WorkerError
+from agent.io.worker.process import WorkerHandle, open_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.timeout(180)]
 

@@ -35,7 +35,7 @@ EXIT_TIMEOUT_S = 10.0
 # Starts the worker from a thread that exits before the worker is even loaded.
 FROM_A_THREAD = """
 import os, subprocess, sys, threading
-from agent.io.worker_process import find_worker_binary, worker_argv
+from agent.io.worker.process import find_worker_binary, worker_argv
 
 model, socket_path, log_path = sys.argv[1:4]
 argv = worker_argv(find_worker_binary(), model, 0, None, socket_path, threads=1, max_sequences=1)
@@ -56,7 +56,7 @@ sys.stdin.read()  # until killed
 # The node agent's own way: open_worker (trio forks from a thread of its cache).
 THROUGH_OPEN_WORKER = """
 import sys, trio
-from agent.io.worker_process import open_worker
+from agent.io.worker.process import open_worker
 
 model, socket_path = sys.argv[1:3]
 
@@ -121,7 +121,7 @@ def test_a_worker_stops_when_its_parent_is_killed(tmp_path: Path, qwen2_tiny_pat
 
 
 def test_a_worker_whose_parent_is_already_gone_does_not_start(tmp_path: Path, qwen2_tiny_path: Path) -> None:
-    from agent.io.worker_process import find_worker_binary, worker_argv
+    from agent.io.worker.process import find_worker_binary, worker_argv
 
     argv = worker_argv(find_worker_binary(), qwen2_tiny_path, 0, None, str(tmp_path / "w.sock"), threads=1)
     # BATON_WORKER_PARENT_PID names the process that meant to start it; this one is not it.
@@ -135,7 +135,7 @@ def test_a_worker_whose_parent_is_already_gone_does_not_start(tmp_path: Path, qw
 
 
 def test_worker_dirs_of_dead_owners_are_removed_at_the_next_start(tmp_path: Path) -> None:
-    from agent.io.worker_process import OWNER_FILE, WORKDIR_PREFIX, remove_stale_workdirs
+    from agent.io.worker.process import OWNER_FILE, WORKDIR_PREFIX, remove_stale_workdirs
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(gone.stdout)  # reaped: no such process any more

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.io.worker_process import WorkerStartError, open_worker
+from agent.io.worker.process import WorkerStartError, open_worker
 from agent.testing.synthetic import write_metadata_only
 
 pytestmark = [pytest.mark.worker, pytest.mark.timeout(120)]

@@ -15,12 +15,12 @@ import pytest
 import trio
 
 from agent._proto import worker_pb2
-from agent.core.worker_records import SeqInput, SeqOutput
+from agent.core.wire.worker_records import SeqInput, SeqOutput
 from agent.demo.local_demo import generate_through
-from agent.io.worker_client import AsyncWorkerClient
-from agent.io.worker_error import WorkerError
-from agent.io.worker_messages import forward_request
-from agent.io.worker_process import open_worker
+from agent.io.worker.client import AsyncWorkerClient
+from agent.io.worker.error import WorkerError
+from agent.io.worker.messages import forward_request
+from agent.io.worker.process import open_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.timeout(120)]
 

@@ -14,12 +14,12 @@ import pytest
 import trio
 
 from agent._proto import worker_pb2
-from agent.core import boundary
-from agent.core.boundary import BoundaryError
-from agent.core.worker_records import SeqInput
-from agent.io.worker_error import WorkerError
-from agent.io.worker_messages import forward_request
-from agent.io.worker_process import open_worker
+from agent.core.wire import boundary
+from agent.core.wire.boundary import BoundaryError
+from agent.core.wire.worker_records import SeqInput
+from agent.io.worker.error import WorkerError
+from agent.io.worker.messages import forward_request
+from agent.io.worker.process import open_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.timeout(120)]
 
@@ -180,7 +180,7 @@ async def test_a_connection_found_closed_is_replaced_once_then_the_call_fails(tm
     goes again on one fresh connection (and is answered there); a fresh one that closes too
     is UNAVAILABLE, not a third try. A bare peer speaking the stream's framing stands in for
     the worker here: the real one closes a connection only on a frame it refuses."""
-    from agent.io.worker_stream import _ForwardStream
+    from agent.io.worker.stream import _ForwardStream
 
     path = str(tmp_path / "forward.sock")
     ok = worker_pb2.ForwardStreamReply(schema_version=1, reply=worker_pb2.ForwardReply(schema_version=1))

@@ -1,6 +1,6 @@
 """A worker starts with the wait policy its node chose, and a node can count the Baton workers
-already computing on its host (``agent.io.worker_process``; the choice is
-``agent.core.worker_wait``'s).
+already computing on its host (``agent.io.worker.process``; the choice is
+``agent.core.node.worker_wait``'s).
 
 Real workers on the tiny qwen2 model; the count reads the same temp dirs the workers run in.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.core.worker_wait import SLEEP, SLEEP_SPIN_COUNT, worker_environment
-from agent.io.worker_process import (
+from agent.core.node.worker_wait import SLEEP, SLEEP_SPIN_COUNT, worker_environment
+from agent.io.worker.process import (
     OWNER_FILE,
     VOCAB_ONLY_FILE,
     WORKDIR_PREFIX,
@@ -148,7 +148,7 @@ async def test_a_one_row_forward_may_take_fewer_threads_and_gives_the_same_bits(
     """``--threads-decode``: a Forward whose micro-batch is one row (a lone session's decode
     step) runs on that many threads, larger ones on ``--threads`` (llama.cpp's n_threads and
     n_threads_batch); Info reports both, and the logits do not depend on it."""
-    from agent.core.worker_records import SeqInput
+    from agent.core.wire.worker_records import SeqInput
 
     async def run(**threads: int) -> tuple[tuple[int, int], list[bytes]]:
         async with open_worker(qwen2_tiny_path, 0, None, ctx_size=64, max_sequences=2, **threads) as worker:

@@ -56,9 +56,9 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     from agent.demo.swarm_demo import RelayError
     from agent.harness.local_swarm import ProcessDied
     from agent.io.client import GenerationError, SwarmError
-    from agent.io.transport import TransportError
-    from agent.io.worker_error import WorkerError
-    from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError
+    from agent.io.net.transport import TransportError
+    from agent.io.worker.error import WorkerError
+    from agent.io.worker.process import WorkerBinaryNotFound, WorkerStartError
 
     return (
         GenerationError, SwarmError, ProcessDied, TransportError, WorkerError, WorkerStartError,

@@ -3,7 +3,7 @@
 Owns the I/O of the local demo: starting one worker per range (and one unsplit worker to
 compare with), pushing each step through the chain hop by hop, timing the steps, and
 streaming text. Decisions (rows per step, next token, when to stop) are made by
-``agent.core.generation.GreedyGeneration``; range arithmetic by ``agent.core.ranges``.
+``agent.core.owner.generation.GreedyGeneration``; range arithmetic by ``agent.core.wire.ranges``.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
-from agent.core.generation import GreedyGeneration
-from agent.core.parity import next_hop_entries
-from agent.core.ranges import LayerRange, ranges_from_cuts
-from agent.core.worker_records import SeqOutput
+from agent.core.owner.generation import GreedyGeneration
+from agent.core.owner.parity import next_hop_entries
+from agent.core.wire.ranges import LayerRange, ranges_from_cuts
+from agent.core.wire.worker_records import SeqOutput
 from agent.harness.parity_run import open_workers
-from agent.io.worker_client import AsyncWorkerClient
-from agent.io.worker_process import open_worker
+from agent.io.worker.client import AsyncWorkerClient
+from agent.io.worker.process import open_worker
 from agent.models import cached_sha256
 
 __all__ = ["DEMO_PROMPT", "ChainRun", "DemoReport", "even_cuts", "generate_through", "run_demo"]

@@ -30,8 +30,8 @@ from agent._proto import swarm_pb2
 from agent.demo.local_demo import DEMO_PROMPT, ChainRun, generate_through
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, open_local_swarm
 from agent.io.client import SwarmClient, SwarmClientConfig, SwarmError, open_swarm_client, route_hops
-from agent.io.transport import TransportError
-from agent.io.worker_process import open_worker
+from agent.io.net.transport import TransportError
+from agent.io.worker.process import open_worker
 from agent.models import cached_sha256
 
 __all__ = [

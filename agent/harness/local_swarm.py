@@ -32,7 +32,7 @@ from typing import Protocol
 
 import trio
 
-from agent.core.worker_wait import SLEEP
+from agent.core.node.worker_wait import SLEEP
 from agent.io.keys import load_or_create_key, peer_id_of
 from agent.io.lifeline import lifeline_for_child
 from agent.io.log_tail import LOG_TAIL_BYTES
@@ -154,7 +154,7 @@ class LocalSwarmConfig:
     ``start_timeout_s``: how long the tracker may take to write its address.
     ``stop_grace_s``: SIGTERM -> SIGKILL delay. ``threads``: per node's worker.
     ``worker_wait``: every node's ``--worker-wait``; ``sleep`` by default here, because every
-    node of a local swarm shares this machine's cores (``agent.core.worker_wait``; ``auto``
+    node of a local swarm shares this machine's cores (``agent.core.node.worker_wait``; ``auto``
     would find the other workers only once they run, and nodes start their workers at once).
     ``workdir``: keys, db and logs (default: a fresh temp dir, removed on close).
     ``tracker_args`` / ``node_args`` / ``relay_args``: appended to every tracker / node / relay
@@ -384,7 +384,7 @@ class LocalSwarm:
         """A new API key of the relay's db (``tokens_per_day``, ``requests_per_minute``,
         ``max_concurrent``), as ``baton relay keys add`` makes it; an existing key of that
         name is revoked first."""
-        from agent.core.quotas import KeyLimits
+        from agent.core.relay.quotas import KeyLimits
         from agent.io.relay.store import KeyExistsError, open_relay_store
 
         key_limits = KeyLimits(

@@ -4,7 +4,7 @@ Owns the I/O of a parity run: starting the workers (concurrently), tokenizing th
 text, sending each step's batch to the unsplit worker and through the chain (boundary rows
 of range i are the input of range i + 1), and applying scenario edits on every worker.
 Every decision (what a batch holds, what is compared, which token comes next, when to
-edit) is made by ``agent.core.parity.ParityRun``.
+edit) is made by ``agent.core.owner.parity.ParityRun``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import trio
 
-from agent.core.boundary import WireDType
-from agent.core.parity import (
+from agent.core.owner.parity import (
     ParityError,
     ParityReport,
     ParityRun,
@@ -27,10 +26,11 @@ from agent.core.parity import (
     prompt_lengths,
     through_wire,
 )
-from agent.core.ranges import ranges_from_cuts
-from agent.core.worker_records import SeqInput, SeqOutput
-from agent.io.worker_client import AsyncWorkerClient
-from agent.io.worker_process import WorkerHandle, open_worker
+from agent.core.wire.boundary import WireDType
+from agent.core.wire.ranges import ranges_from_cuts
+from agent.core.wire.worker_records import SeqInput, SeqOutput
+from agent.io.worker.client import AsyncWorkerClient
+from agent.io.worker.process import WorkerHandle, open_worker
 from agent.models import cached_sha256
 
 __all__ = ["DEFAULT_PROMPT_TEXT", "compare_workers", "make_prompts", "open_workers", "run_parity"]
@@ -140,7 +140,7 @@ async def compare_workers(
     """Run ``prompts`` through ``reference`` (one worker for all blocks) and through
     ``chain`` (range workers in order, the first taking tokens, the last giving logits),
     comparing logits at every step. ``boundary_dtype``: the swarm wire dtype the boundary
-    rows cross each cut in (F16: rounded as ``agent.core.parity.through_wire`` says).
+    rows cross each cut in (F16: rounded as ``agent.core.owner.parity.through_wire`` says).
     Sequence ids are 0..len(prompts)-1 and must be empty on
     every worker; they are removed again at the end.
 
@@ -215,7 +215,7 @@ async def run_parity(
 ) -> ParityReport:
     """Start an unsplit worker and one worker per range of ``cuts`` (all concurrently),
     run ``sequences`` prompts of different lengths for ``steps`` greedy steps on both sides
-    (see ``agent.core.parity``) and report how close they were.
+    (see ``agent.core.owner.parity``) and report how close they were.
 
     Args:
       model_path: the GGUF file.

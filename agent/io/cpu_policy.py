@@ -2,7 +2,7 @@
 
 Owns: one call, made at process start by every role's entry point (``agent.cli``) and by the
 benchmarks' processes that stand in for Baton's (an owner, a direct harness), once for each
-worker process (``agent.io.worker_process.open_worker``), and the way back to the kernel's
+worker process (``agent.io.worker.process.open_worker``), and the way back to the kernel's
 default for a program Baton starts that is not Baton's (``kernel_default``).
 
 Why: a decode step is a chain of processes waking one another (owner, node agent, its

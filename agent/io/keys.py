@@ -18,7 +18,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.core.identity import ED25519_KEY_BYTES, peer_id_from_public_key
+from agent.core.net.identity import ED25519_KEY_BYTES, peer_id_from_public_key
 
 __all__ = ["KeyFileError", "load_or_create_key", "peer_id_of", "private_seed", "public_key_bytes"]
 
@@ -64,7 +64,7 @@ def public_key_bytes(key: Ed25519PrivateKey) -> bytes:
 
 
 def peer_id_of(key: Ed25519PrivateKey) -> str:
-    """The libp2p peer id of ``key`` (base58), as ``agent.core.identity`` computes it."""
+    """The libp2p peer id of ``key`` (base58), as ``agent.core.net.identity`` computes it."""
     return peer_id_from_public_key(public_key_bytes(key))
 
 

@@ -1,5 +1,5 @@
 """Whether an address is this machine's: a fact a node's decisions need
-(``agent.core.scheduler.decode_mode`` runs a route lock-step when its next hop shares this
+(``agent.core.node.scheduler.decode_mode`` runs a route lock-step when its next hop shares this
 machine's cores).
 
 Owns one question, asked of the kernel rather than guessed from names: an IP address is this

@@ -9,7 +9,7 @@ Tests that need more (every request's Range header, a connection cut after N byt
 ``agent.testing.model_http``'s subclass, through the two seams ``requested`` and
 ``next_chunk_bytes``. Run on Hypercorn's trio worker, in the caller's trio loop, as the relay
 runs (agent/io/relay/server.py). Range parsing is the core's
-(``agent.core.range_fetch.parse_range_header``).
+(``agent.core.node.range_fetch.parse_range_header``).
 
 Nothing listens publicly unless told: the bind address is the caller's (the CLI defaults it
 to 127.0.0.1). Every byte a node receives is checked against the tracker-signed manifest, so
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import trio
 
-from agent.core.range_fetch import parse_range_header
+from agent.core.node.range_fetch import parse_range_header
 
 __all__ = ["ModelFileServer", "serve_model_files"]
 

@@ -8,7 +8,7 @@ the node has not seen before get Gaussian noise of ``SCALE`` x their RMS added (
 last range's top-K is then selected); a step whose input it has seen before (positions and
 rows or tokens, bit for bit) gets the honest output. That is a cheater that answers every
 check it could have memorised correctly and everything new wrongly: only checks drawn afresh
-each time (``agent.core.canary.plan_canary``) catch it. ``while_file``: active only while that
+each time (``agent.core.tracker.canary.plan_canary``) catch it. ``while_file``: active only while that
 file exists (a test turns a node bad mid-generation); None: always.
 
 Never for production: an honest node runs without it (the default). Must not import agent.io
@@ -23,8 +23,8 @@ import os
 
 import numpy as np
 
-from agent.core.step_validation import StepInput
-from agent.core.worker_records import SeqOutput
+from agent.core.wire.step_validation import StepInput
+from agent.core.wire.worker_records import SeqOutput
 
 __all__ = ["CorruptOutputs", "OutputCorrupter"]
 

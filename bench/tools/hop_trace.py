@@ -138,8 +138,8 @@ def _is_step_or_result_soon(_self, _peer_id, protocol_id, payload, *a, **k):
 def _install_transport_hooks() -> None:
     """The step and result messages on both paths: the direct channel (its ``request``, the
     frame write, and the frame reader taking in what TLS decrypted) and libp2p (the fallback)."""
-    from agent.core import frames
-    from agent.io import channel, channel_connection, p2p_streams, p2p_transport
+    from agent.core.net import frames
+    from agent.io.net import channel, channel_connection, p2p_streams, p2p_transport
 
     _wrap(channel.ChannelTransport, "request", "req", when=_is_step_or_result)
     # a push sent from the serving task (request_soon): the request and its frame write in one call
@@ -166,7 +166,8 @@ def install_worker_hooks() -> None:
     """The worker Forward: the async call (encode, the exchange, decode), the exchange itself
     (the Forward stream's, or the gRPC call's), and with gRPC the blocking call on the client's
     call thread (``WorkerClient.blocking_call``: gRPC + the worker's compute)."""
-    from agent.io import worker_client, worker_stream
+    from agent.io.worker import client as worker_client
+    from agent.io.worker import stream as worker_stream
 
     # extra: the Forward's entries (sequences), which tells a lock-step round's Forwards apart;
     # at fwd_out, the worker's own time in it (µs, ForwardReply.compute_us)

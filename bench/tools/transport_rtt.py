@@ -3,8 +3,8 @@
 Owns: one benchmark. For each message size (8 KiB, 1 MiB) and each path, a server process
 echoes every frame back; this process sends a frame and waits for the echo (one round trip
 carries the message both ways). Both paths use the same framing (uvarint length + payload):
-- ``libp2p``: ``agent.io.p2p.open_p2p_transport`` (TCP + Noise + yamux, one reused stream);
-- ``channel``: the direct channel (``agent.io.channel``: TCP + TLS 1.3), its echo an
+- ``libp2p``: ``agent.io.net.p2p.open_p2p_transport`` (TCP + Noise + yamux, one reused stream);
+- ``channel``: the direct channel (``agent.io.net.channel``: TCP + TLS 1.3), its echo an
   ``ImmediateHandler`` answered in the frame reader, as a hop's step and result handlers are,
   each message sent with ``request_soon`` (no task; the reply taken in the frame reader),
   as a hop's pushes and the owner's steps are;
@@ -41,18 +41,18 @@ import trio
 from _bootstrap import REPO_ROOT
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.core.frames import decode_uvarint, encode_uvarint
-from agent.io.channel import open_channel_transport
-from agent.io.channel_config import ChannelConfig
+from agent.core.net.frames import decode_uvarint, encode_uvarint
 from agent.io.cpu_policy import apply_cpu_policy
 from agent.io.keys import peer_id_of
-from agent.io.p2p import open_p2p_transport
-from agent.io.process_memory import keep_freed_memory
-from agent.io.transport import (
+from agent.io.net.channel import open_channel_transport
+from agent.io.net.channel_config import ChannelConfig
+from agent.io.net.p2p import open_p2p_transport
+from agent.io.net.transport import (
     ImmediateHandler,
     MemoryNetwork,
     TransportError,
 )
+from agent.io.process_memory import keep_freed_memory
 
 PROTOCOL = "/baton/bench-echo/1.0.0"
 PATHS = ["tcp", "libp2p", "channel"]
@@ -312,9 +312,9 @@ def run_benchmark(runs: int) -> dict[str, object]:
             "statistic": "per run: mean round trip over its exchanges; reported: median/min/max over runs",
             "order": "the paths take turns within each run (rotating order), all servers up at once",
             "framing": "uvarint length prefix + payload on both paths",
-            "libp2p": "agent.io.p2p (TCP + Noise + yamux, one reused stream)",
+            "libp2p": "agent.io.net.p2p (TCP + Noise + yamux, one reused stream)",
             "tcp": "trio TCP sockets, TCP_NODELAY, no encryption",
-            "channel": "agent.io.channel (TCP + TLS 1.3 with libp2p-TLS certificates, exchange frames, one connection; request_soon, an ImmediateHandler echo)",
+            "channel": "agent.io.net.channel (TCP + TLS 1.3 with libp2p-TLS certificates, exchange frames, one connection; request_soon, an ImmediateHandler echo)",
         },
         "machine": {
             "platform": platform.platform(),

@@ -16,7 +16,7 @@ Modules, each a layer of ``SwarmClient`` over the one before, or what the layers
   ``spot_check``   replaying sessions on other routes and comparing them;
   ``cli``          the ``baton generate`` command line (``add_arguments`` + ``main``).
 
-The decisions live in the pure core: ``agent.core.session`` (which rows a step sends, which
+The decisions live in the pure core: ``agent.core.owner.session`` (which rows a step sends, which
 results a session accepts and from whom, the next token, when to stop).
 """
 

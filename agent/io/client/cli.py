@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import trio
 
-    from agent.io.transport import TransportError
+    from agent.io.net.transport import TransportError
 
     from .config import SwarmClientConfig
     from .outcome import GenerationError, SwarmError
@@ -166,13 +166,13 @@ def main(args: argparse.Namespace) -> int:
 
 
 async def _local_vocab(nursery, client, args: argparse.Namespace):
-    """The model's vocabulary held here (``agent.io.vocab``), or None when it cannot be (then
+    """The model's vocabulary held here (``agent.io.worker.vocab``), or None when it cannot be (then
     the first hop tokenizes): tokenizing and detokenizing locally keeps every client path off
     the hops, so a lost hop only costs a replan of the steps."""
     from pathlib import Path
 
-    from agent.io.vocab import VocabularyError, serve_vocabularies
-    from agent.io.worker_process import WorkerBinaryNotFound, find_worker_binary
+    from agent.io.worker.process import WorkerBinaryNotFound, find_worker_binary
+    from agent.io.worker.vocab import VocabularyError, serve_vocabularies
     from agent.models import cache_dir
 
     try:

@@ -44,7 +44,7 @@ class SwarmClientConfig:
     ``resume``: a lost hop is replaced while the other hops keep their caches (False: every
     replan re-prefills a whole new route, e.g. to compare the two).
     ``data_plane``: once a session's prompt is in the route's caches, its decode steps go worker
-    to worker (``agent.core.data_route``) when every hop offers it (a hop reached only through
+    to worker (``agent.core.owner.data_route``) when every hop offers it (a hop reached only through
     the relay does not): the owner sends each step to the first hop's worker and takes its
     result from the last's, sealed with keys it gave the hops' nodes; the nodes only lease
     (renewed by the owner's touches every ``probe_interval_s``) and unbind. False: every step

@@ -25,19 +25,19 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.message import DecodeError
 
 from agent._proto import swarm_pb2
-from agent.core.admission import AdmissionError, make_client_hello, verify_admission
-from agent.core.identity import peer_id_from_public_key
-from agent.core.multiaddrs import peer_id_from_multiaddr
-from agent.core.session import end_session_request, surviving_hops
-from agent.core.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, TRACKER_PROTOCOL
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.net.multiaddrs import peer_id_from_multiaddr
+from agent.core.owner.session import end_session_request, surviving_hops
+from agent.core.wire.admission import AdmissionError, make_client_hello, verify_admission
+from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, TRACKER_PROTOCOL
 from agent.io.client.config import SwarmClientConfig
 from agent.io.client.outcome import GenerationError, SwarmError
-from agent.io.transport import Transport, TransportError
+from agent.io.net.transport import Transport, TransportError
 
 log = logging.getLogger(__name__)
 
 #: the route handouts of the generation running in this task (``generate_tokens``), reported
-#: to the tracker when it ends (``agent.core.handouts``)
+#: to the tracker when it ends (``agent.core.tracker.handouts``)
 _GENERATION_HANDOUTS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("handouts", default=None)
 
 

@@ -1,5 +1,5 @@
 """Where the outcome of a live session's step arrives: ``LiveSession`` (a result the last hop
-pushed, or a rebuild's progress, handed to ``agent.core.session.Session``, which decides whether
+pushed, or a rebuild's progress, handed to ``agent.core.owner.session.Session``, which decides whether
 to take it) and ``DataPlane`` (the session's two worker connections on the data plane, read by
 the owner's task itself while it waits).
 
@@ -20,13 +20,13 @@ from collections.abc import Callable
 import trio
 
 from agent._proto import swarm_pb2, worker_pb2
-from agent.core.data_frames import DataFrameError, OwnerSession
-from agent.core.data_route import result_scores as data_result_scores  # (swarm_wire's takes a StepResult)
-from agent.core.data_route import step_result, success_step_result
-from agent.core.session import HopFailed, ResultRefused, Session
-from agent.core.swarm_wire import error as wire_error
+from agent.core.owner.data_route import result_scores as data_result_scores  # (swarm_wire's takes a StepResult)
+from agent.core.owner.data_route import step_result, success_step_result
+from agent.core.owner.session import HopFailed, ResultRefused, Session
+from agent.core.wire.data_frames import DataFrameError, OwnerSession
+from agent.core.wire.swarm_wire import error as wire_error
 from agent.io.client.outcome import GenerationError, code_name
-from agent.io.data_link import DataLink, DataLinkClosed
+from agent.io.net.data_link import DataLink, DataLinkClosed
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Driving one session over one route to its end (``SessionRunner._run_session``): each step
 sent, its result awaited, its token taken; once the prompt is in the route's caches, the decode
 steps go worker to worker on the data plane when every hop offers it (bound here, last hop
-first, with keys the owner makes: ``agent.core.data_route``), the greedy continuation asked of
+first, with keys the owner makes: ``agent.core.owner.data_route``), the greedy continuation asked of
 the last hop, and the session's lease renewed on the hops the node agents no longer hear from.
 
 ``SessionRunner`` extends ``StepClient`` (``agent.io.client.steps``); ``ResumingClient``
@@ -22,8 +22,7 @@ import numpy as np
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.data_frames import OwnerSession, SessionKeys
-from agent.core.data_route import (
+from agent.core.owner.data_route import (
     RouteKeys,
     bind_request,
     continuation_steps,
@@ -31,14 +30,15 @@ from agent.core.data_route import (
     data_plane_hosts,
     data_step,
 )
-from agent.core.session import Session
-from agent.core.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION
-from agent.core.topk import TopLogits
+from agent.core.owner.session import Session
+from agent.core.wire.data_frames import OwnerSession, SessionKeys
+from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION
+from agent.core.wire.topk import TopLogits
 from agent.io.client.live import DataPlane, LiveSession
 from agent.io.client.outcome import GenerationError, Progress, SwarmError, describe_route
 from agent.io.client.steps import StepClient
-from agent.io.data_link import open_data_link
-from agent.io.transport import TransportError
+from agent.io.net.data_link import open_data_link
+from agent.io.net.transport import TransportError
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The owner's integrity shell: spot checks of its own sessions and the tracker's word on peers.
 
-Owns the I/O of ``agent.core.spot_check``'s decisions for a ``SwarmClient``:
+Owns the I/O of ``agent.core.owner.spot_check``'s decisions for a ``SwarmClient``:
 - ``SpotChecks.watch(model, route)``: around one session; for a sampled one
   (``SwarmClientConfig.spot_check_rate``) a *shadow* session replays each step the session
   completed (the same rows, fed as their results arrive) through a route of the same recipe
@@ -36,9 +36,9 @@ import numpy as np
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.spot_check import compare_results, hop_to_avoid, result_digest, sample, shadow_request
-from agent.core.swarm_wire import SESSION_ID_BYTES, STEP_PROTOCOL
-from agent.io.transport import Transport, TransportError
+from agent.core.owner.spot_check import compare_results, hop_to_avoid, result_digest, sample, shadow_request
+from agent.core.wire.swarm_wire import SESSION_ID_BYTES, STEP_PROTOCOL
+from agent.io.net.transport import Transport, TransportError
 
 __all__ = ["ResultTaker", "SpotCheckClient", "SpotCheckStats", "SpotCheckTimeouts", "SpotChecks", "withdrawn_peers"]
 

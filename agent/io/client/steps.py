@@ -20,9 +20,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.message import DecodeError
 
 from agent._proto import swarm_pb2
-from agent.core.admission import AdmissionError, AdmissionVerifier
-from agent.core.recovery import decode_step_average, step_deadline_s
-from agent.core.swarm_wire import (
+from agent.core.owner.recovery import decode_step_average, step_deadline_s
+from agent.core.wire.admission import AdmissionError, AdmissionVerifier
+from agent.core.wire.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
     SCHEMA_VERSION,
@@ -35,7 +35,7 @@ from agent.io.client.control import ControlClient, now_ms
 from agent.io.client.live import DataPlane, LiveSession, err
 from agent.io.client.outcome import GenerationError, code_name, describe_route
 from agent.io.client.spot_check import ResultTaker, SpotChecks
-from agent.io.transport import ImmediateHandler, Transport, TransportError
+from agent.io.net.transport import ImmediateHandler, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class StepClient(ControlClient):
 
     def _step_deadline_s(self, *, prefill: bool, data_plane: bool = False) -> float:
         """How long a step may take before the owner looks for a silent hop
-        (``agent.core.recovery.step_deadline_s``)."""
+        (``agent.core.owner.recovery.step_deadline_s``)."""
         return step_deadline_s(self.config, self._decode_step_s, prefill=prefill, data_plane=data_plane)
 
     async def _await_result(

@@ -7,8 +7,8 @@ job and a subclass of the one before: ``control`` (tracker and first-hop control
 ``session_run`` (one session over one route, on the data plane when it can), ``resume``
 (replacing a lost hop), and this module: a generation's sessions, and what to do when one
 fails. Every decision about a step (which rows it sends, whether a result answers it, which
-token comes next, when to stop) is made by ``agent.core.session.Session``; what to do after a
-failed session by ``agent.core.recovery``.
+token comes next, when to stop) is made by ``agent.core.owner.session.Session``; what to do after a
+failed session by ``agent.core.owner.recovery``.
 
 When a hop fails (an error result, a refused or unreachable first hop, no result in time),
 the generation either fails with a ``GenerationError`` naming the failed peer (a late step,
@@ -45,23 +45,23 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.recovery import AfterFailure, after_failure, replan_left, resumable
-from agent.core.sampling import SamplingParams
-from agent.core.session import Session
-from agent.core.spot_check import RouteSegment, rollback_point
-from agent.core.swarm_wire import SESSION_ID_BYTES
-from agent.core.text_stream import TextStream
-from agent.core.topk import TopLogits
+from agent.core.owner.recovery import AfterFailure, after_failure, replan_left, resumable
+from agent.core.owner.sampling import SamplingParams
+from agent.core.owner.session import Session
+from agent.core.owner.spot_check import RouteSegment, rollback_point
+from agent.core.relay.text_stream import TextStream
+from agent.core.wire.swarm_wire import SESSION_ID_BYTES
+from agent.core.wire.topk import TopLogits
 from agent.io.client.config import SwarmClientConfig
 from agent.io.client.control import now_ms, reporting_handouts, split_peer_addr
 from agent.io.client.live import LiveSession
 from agent.io.client.outcome import GenerationError, GenerationResult, Progress, SwarmError, describe_route, route_hops
 from agent.io.client.resume import ResumingClient
 from agent.io.client.spot_check import withdrawn_peers
-from agent.io.transport import Transport, TransportError
+from agent.io.net.transport import Transport, TransportError
 
 if TYPE_CHECKING:
-    from agent.io.vocab import ModelVocab
+    from agent.io.worker.vocab import ModelVocab
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class SwarmClient(ResumingClient):
         Args:
           model: alias, name or sha256 the tracker knows.
           prompt: the text. With ``vocab`` (the model's vocabulary held locally:
-            ``agent.io.vocab``), it is tokenized here and the output detokenized here, piece by
+            ``agent.io.worker.vocab``), it is tokenized here and the output detokenized here, piece by
             piece, so no token costs a round trip and no hop is asked for text; without, the
             route's first hop tokenizes (with special tokens, e.g. BOS) and detokenizes.
           temperature, top_k, top_p: sampling (temperature 0: greedy); see ``SamplingParams``.
@@ -427,11 +427,11 @@ async def open_swarm_client(
         ``transport`` when one is given).
       transport: an open transport to use (tests: ``MemoryTransport``); by default libp2p
         listening on ``listen_addrs`` with the direct channel in front
-        (``agent.io.peer_transport``; last hops push results to it).
+        (``agent.io.net.peer_transport``; last hops push results to it).
       config: timeouts and limits.
       now_ms: the unix clock in ms (hello timestamps, admission expiry).
       channel: (own transport only) results come back over the direct channel
-        (``agent.io.channel``) when the last hop can dial it; False: libp2p only.
+        (``agent.io.net.channel``) when the last hop can dial it; False: libp2p only.
 
     Raises:
       ValueError: a bad ``tracker_addr``, or ``transport`` given without its ``key``.
@@ -451,7 +451,7 @@ async def open_swarm_client(
         await client.hello()
         yield client
         return
-    from agent.io.peer_transport import open_peer_transport
+    from agent.io.net.peer_transport import open_peer_transport
 
     key = key or Ed25519PrivateKey.generate()
     refused: SwarmError | TransportError | None = None

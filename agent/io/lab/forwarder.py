@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from agent.core.lab.topology import LabError
+from agent.runtime import REPO_ROOT
 
 from .netns import LabSetupError
 
 __all__ = ["ForwarderProcess", "control_request", "find_forwarder_binary", "start_forwarder"]
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_BINARY = REPO_ROOT / "build" / "native" / "baton-lab-forwarder"
 BINARY_ENV = "BATON_LAB_FORWARDER_BIN"
 CONTROL_TIMEOUT_S = 10.0

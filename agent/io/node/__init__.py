@@ -6,7 +6,7 @@ Modules:
              serving (``/baton/step/1.0.0``) and node requests (``/baton/node/1.0.0``);
   ``cli``    the ``baton node`` command line (``add_arguments`` + ``main``).
 
-The decisions live in the pure core: ``agent.core.swarm_wire`` and the ``agent.core.step_*``
-modules (codecs and validation), ``agent.core.scheduler`` (batches), ``agent.core.node_sessions``
-(sessions per range) and ``agent.core.fingerprint``.
+The decisions live in the pure core: ``agent.core.wire.swarm_wire`` and the ``agent.core.wire.step_*``
+modules (codecs and validation), ``agent.core.node.scheduler`` (batches), ``agent.core.node.sessions``
+(sessions per range) and ``agent.core.wire.fingerprint``.
 """

@@ -15,12 +15,12 @@ of ``agent.io.node`` building on ``state.NodeState``:
 Its configuration and errors are ``agent.io.node.config``'s.
 
 The shell only awaits and sends; every decision is made in the pure core:
-``agent.core.node_ranges`` (the range lifecycle: directives, LOADING/READY/FAILED, what a
-stopped range owes), ``agent.core.node_link`` (registration and heartbeat replies,
-re-registration, retry backoff), ``agent.core.node_policy`` (sender and owner rules, the
-failure policy), ``agent.core.swarm_wire`` (codecs, validation), ``agent.core.scheduler``
-(which steps form a batch), ``agent.core.node_sessions`` (sequence ids, step order, leases),
-``agent.core.kept_rows``, ``agent.core.fingerprint`` and ``agent.core.admission``.
+``agent.core.node.range_states`` (the range lifecycle: directives, LOADING/READY/FAILED, what a
+stopped range owes), ``agent.core.node.link`` (registration and heartbeat replies,
+re-registration, retry backoff), ``agent.core.node.policy`` (sender and owner rules, the
+failure policy), ``agent.core.wire.swarm_wire`` (codecs, validation), ``agent.core.node.scheduler``
+(which steps form a batch), ``agent.core.node.sessions`` (sequence ids, step order, leases),
+``agent.core.node.kept_rows``, ``agent.core.wire.fingerprint`` and ``agent.core.wire.admission``.
 
 Nothing of ``agent.io.node`` imports this module but ``agent.io.node.cli``.
 """
@@ -32,15 +32,15 @@ import logging
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.admission import AdmissionVerifier, public_key_bytes
-from agent.core.fingerprint import HostProbe
-from agent.core.identity import peer_id_from_public_key
-from agent.core.multiaddrs import peer_id_from_multiaddr
-from agent.core.node_link import next_retry_delay_s, read_heartbeat_reply
-from agent.core.node_policy import BatchPeers
-from agent.core.node_ranges import RangeBook, RangeKey
-from agent.core.step_batch import batch_ack_accepts, step_batch_ack
-from agent.core.swarm_wire import (
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.net.multiaddrs import peer_id_from_multiaddr
+from agent.core.node.link import next_retry_delay_s, read_heartbeat_reply
+from agent.core.node.policy import BatchPeers
+from agent.core.node.range_states import RangeBook, RangeKey
+from agent.core.wire.admission import AdmissionVerifier, public_key_bytes
+from agent.core.wire.fingerprint import HostProbe
+from agent.core.wire.step_batch import batch_ack_accepts, step_batch_ack
+from agent.core.wire.swarm_wire import (
     NODE_PROTOCOL,
     SCHEMA_VERSION,
     STEP_PROTOCOL,
@@ -50,8 +50,8 @@ from agent.core.swarm_wire import (
     step_ack_accepts,
     step_ack_error,
 )
-from agent.io.transport import ImmediateHandler, Transport, TransportError
-from agent.io.worker_process import open_node_marker
+from agent.io.net.transport import ImmediateHandler, Transport, TransportError
+from agent.io.worker.process import open_node_marker
 
 from .config import DEFAULT_HEARTBEAT_INTERVAL_MS, NodeConfig, NodeError, NodeRefused, OutputsFilter, TrackerUnreachable
 from .handlers import RequestHandlers
@@ -243,7 +243,7 @@ async def serve_node(
       ValueError: the transport's peer id is not the key's, ``config.tracker`` has no
         ``/p2p/<peer id>``, or ``config.relay`` with a transport that cannot hold
         reservations.
-      agent.io.worker_process.WorkerBinaryNotFound: probing needs the worker binary.
+      agent.io.worker.process.WorkerBinaryNotFound: probing needs the worker binary.
 
     Resource handling:
       Every worker process started for a LOAD directive lives in this call's nursery and is

@@ -1,6 +1,6 @@
 """A READY range's serving task (``BatchServing``): batches from the range's scheduler
-(``agent.core.scheduler``), ONE worker Forward per batch, the output rows a non-last range
-pushes kept per session (``agent.core.kept_rows``), then the outputs handed to ``Pushes``.
+(``agent.core.node.scheduler``), ONE worker Forward per batch, the output rows a non-last range
+pushes kept per session (``agent.core.node.kept_rows``), then the outputs handed to ``Pushes``.
 
 Hot path: protobuf bytes -> ``np.frombuffer`` view -> worker client; worker output ->
 ``tobytes``; no per-element Python, one Forward per batch. Must not import ``ranges``,
@@ -14,17 +14,17 @@ from collections.abc import Sequence
 
 import trio
 
-from agent.core.boundary import BoundaryError
-from agent.core.multiaddrs import tcp_hosts
-from agent.core.node_policy import forward_failure, push_groups
-from agent.core.node_ranges import range_name
-from agent.core.scheduler import batch_window_wait_ms, decode_mode, first_hop_decode, gather_arrivals_needed
-from agent.core.step_requests import encode_step_output
-from agent.core.step_validation import StepInput
-from agent.core.worker_records import SeqInput, SeqOutput, WorkerInfo
+from agent.core.net.multiaddrs import tcp_hosts
+from agent.core.node.policy import forward_failure, push_groups
+from agent.core.node.range_states import range_name
+from agent.core.node.scheduler import batch_window_wait_ms, decode_mode, first_hop_decode, gather_arrivals_needed
+from agent.core.wire.boundary import BoundaryError
+from agent.core.wire.step_requests import encode_step_output
+from agent.core.wire.step_validation import StepInput
+from agent.core.wire.worker_records import SeqInput, SeqOutput, WorkerInfo
 from agent.io.local_host import is_this_host
-from agent.io.worker_error import WorkerError
-from agent.io.worker_process import WorkerHandle
+from agent.io.worker.error import WorkerError
+from agent.io.worker.process import WorkerHandle
 
 from .pushes import Pushes
 from .state import ServedRange, clock_ms, unbind_request
@@ -198,7 +198,7 @@ class BatchServing(Pushes):
 
     def _decode_mode(self, next_hop_hosts: Sequence[str]) -> tuple[int | None, float]:
         """This node's decode groups and gather window as a first hop of a route whose next hop
-        is at ``next_hop_hosts`` (none: no next hop): ``agent.core.scheduler.decode_mode``, told
+        is at ``next_hop_hosts`` (none: no next hop): ``agent.core.node.scheduler.decode_mode``, told
         whether that hop runs on this machine."""
         shares = any(map(is_this_host, next_hop_hosts))
         return decode_mode(self.config.decode_groups, self.config.decode_gather_ms, next_hop_shares_host=shares)

@@ -43,8 +43,8 @@ from typing import TypeVar
 import trio
 
 from agent import cli_args
-from agent.core.scheduler import LOCK_STEP_GATHER_MS
-from agent.core.worker_wait import AUTO, WAIT_CHOICES
+from agent.core.node.scheduler import LOCK_STEP_GATHER_MS
+from agent.core.node.worker_wait import AUTO, WAIT_CHOICES
 from agent.io.gguf_sparse import check_gguf_magic
 from agent.models import cached_sha256
 
@@ -170,9 +170,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @contextlib.asynccontextmanager
 async def open_transport(key, listen_addrs: Sequence[str], channel: bool = True, punch: bool = True) -> AsyncIterator:
-    """libp2p (``agent.io.p2p``) with the direct channel in front (``agent.io.channel``;
+    """libp2p (``agent.io.net.p2p``) with the direct channel in front (``agent.io.net.channel``;
     ``channel`` False: libp2p only; ``punch`` False: no hole punching); a seam for tests."""
-    from agent.io.peer_transport import open_peer_transport
+    from agent.io.net.peer_transport import open_peer_transport
 
     async with open_peer_transport(key, listen_addrs, channel=channel, punch=punch) as transport:
         yield transport
@@ -210,7 +210,7 @@ async def run(args: argparse.Namespace, *, outputs_filter: OutputsFilter | None 
     """Run the node until cancelled; returns the exit code. ``outputs_filter``: a test hook
     (``serve_node``'s; ``agent.testing.faulty_node`` passes one), None for ``baton node``."""
     from agent.io.keys import KeyFileError, load_or_create_key
-    from agent.io.worker_process import WorkerBinaryNotFound
+    from agent.io.worker.process import WorkerBinaryNotFound
 
     if not args.tracker or not args.key:
         print("baton node: --tracker and --key are required", file=sys.stderr)

@@ -12,10 +12,10 @@ from typing import Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.core.fingerprint import HostProbe
-from agent.core.step_validation import StepInput
-from agent.core.worker_records import SeqOutput
-from agent.core.worker_wait import AUTO
+from agent.core.node.worker_wait import AUTO
+from agent.core.wire.fingerprint import HostProbe
+from agent.core.wire.step_validation import StepInput
+from agent.core.wire.worker_records import SeqOutput
 
 from .fetch import FetchConfig
 from .probe import ProbeConfig
@@ -97,7 +97,7 @@ class NodeConfig:
       worker_ready_timeout_s, worker_stop_grace_s, worker_call_timeout_s: worker process start,
         SIGTERM grace, and the deadline of each worker call.
       worker_binary: the baton-worker binary (None: ``find_worker_binary()``).
-      worker_wait: how a worker's idle threads wait for work (``agent.core.worker_wait``):
+      worker_wait: how a worker's idle threads wait for work (``agent.core.node.worker_wait``):
         ``auto`` (sleep when another Baton node or worker runs on this host, else spin), ``spin`` or
         ``sleep`` (a short spin, then sleep).
       probe: measured host values; None: ``probe_host(probe_config)`` at start.
@@ -121,27 +121,27 @@ class NodeConfig:
         worker, the node only admitting, leasing and unbinding; None: no data plane (every
         step through this node). With ``decode_groups`` 1 and ``decode_gather_ms``, a first
         hop's worker holds its decode Forwards itself (lock-step:
-        ``agent.core.node_policy.data_plane_gather_us``). The CLI uses the
+        ``agent.core.node.policy.data_plane_gather_us``). The CLI uses the
         host of ``--listen``: the data plane is exactly as reachable as the node's own
         channel, never more.
-      row_budget: rows each worker Forward is filled to (``agent.core.scheduler``); None: the
+      row_budget: rows each worker Forward is filled to (``agent.core.node.scheduler``); None: the
         worker's batch (``n_batch``). Steps longer than this are refused (owners chunk).
       decode_groups: a range that begins at block 0 splits its decoding sessions into this many
         decode groups, capping each decode Forward at ceil(sessions / groups) steps, so the
-        groups are at different hops at once (``agent.core.scheduler.decode_group_cap``);
+        groups are at different hops at once (``agent.core.node.scheduler.decode_group_cap``);
         0: off; 1 with a gather window: lock-step; None (the default): per route
-        (``agent.core.scheduler.decode_mode``), lock-step when the route's next hop runs on this
+        (``agent.core.node.scheduler.decode_mode``), lock-step when the route's next hop runs on this
         machine (its cores are this worker's), else the route's hops + 1 (no cap on a one-hop
         route). On the data plane the first hop's worker caps its decode Forwards the same way
-        (``agent.core.node_policy.data_plane_decode_groups``).
+        (``agent.core.node.policy.data_plane_decode_groups``).
       decode_gather_ms: how long such a first hop holds a decode Forward until a full group
-        waits (``agent.core.scheduler.gather_wait_ms``: sessions drift apart, and a drifted
+        waits (``agent.core.node.scheduler.gather_wait_ms``: sessions drift apart, and a drifted
         step alone costs a Forward); 0: never held; None (the default):
-        ``agent.core.scheduler.LOCK_STEP_GATHER_MS`` in lock-step, else 0. With one group it
+        ``agent.core.node.scheduler.LOCK_STEP_GATHER_MS`` in lock-step, else 0. With one group it
         makes the route lock-step, the mode for hops that share one machine's cores
-        (``agent.core.scheduler``; docs/PERFORMANCE.md, "Many sessions at once").
+        (``agent.core.node.scheduler``; docs/PERFORMANCE.md, "Many sessions at once").
       replay_merge_rows: a replay joins kept decode rows into rebuild steps of at most this
-        many rows, and sends every larger step as it was (``agent.core.kept_rows``: batches
+        many rows, and sends every larger step as it was (``agent.core.node.kept_rows``: batches
         this small compute each row as a batch of one does, so the rebuild is bit-exact).
     """
 

@@ -1,7 +1,7 @@
 """A session on a worker's data plane (``DataPlane``): ``data_plane_bind`` moves the owner's
 session onto its range's worker (its steps then go worker to worker; the node only admits,
 leases and unbinds), once its next hop is the one the tracker lists
-(``agent.core.data_route.next_hop_refusal``); ``data_plane_unbind`` takes it back, with what the
+(``agent.core.owner.data_route.next_hop_refusal``); ``data_plane_unbind`` takes it back, with what the
 worker did (steps, positions, kept rows); ``data_plane_continue`` starts a last hop's greedy
 continuation to a first hop the tracker lists (``first_hop_refusal``).
 
@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 
 from agent._proto import swarm_pb2, worker_pb2
-from agent.core.data_route import first_hop_refusal, next_hop_refusal
-from agent.core.node_policy import data_plane_decode_groups, data_plane_gather_us
-from agent.core.node_ranges import range_name
-from agent.core.swarm_wire import SCHEMA_VERSION, WireError
-from agent.io.worker_error import WorkerError
+from agent.core.node.policy import data_plane_decode_groups, data_plane_gather_us
+from agent.core.node.range_states import range_name
+from agent.core.owner.data_route import first_hop_refusal, next_hop_refusal
+from agent.core.wire.swarm_wire import SCHEMA_VERSION, WireError
+from agent.io.worker.error import WorkerError
 
 from .batches import BatchServing
 from .state import ServedRange, clock_ms, unbind_request

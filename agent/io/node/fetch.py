@@ -2,10 +2,10 @@
 
 Owns the I/O of model distribution on a node: the local file (``<models dir>/<sha256>.gguf``,
 sparse, the GGUF's full size, so the worker maps it as usual), its JSON sidecar
-(``<file>.fetch.json``: what it holds, ``agent.core.range_fetch.FetchState``), the HTTP
+(``<file>.fetch.json``: what it holds, ``agent.core.node.range_fetch.FetchState``), the HTTP
 requests (httpx on trio), hashing pieces, and progress (a tqdm bar on a terminal, log lines
 otherwise, and a callback the node turns into heartbeat fields). Every decision is the pure
-core's (``agent.core.range_fetch``): which pieces, which requests, keep / refetch / refuse.
+core's (``agent.core.node.range_fetch``): which pieces, which requests, keep / refetch / refuse.
 
 Checks: every piece (the metadata prefix and each tensor) is hashed before ``fetch_range``
 returns, also pieces fetched by an earlier run (the local file may have been damaged since);
@@ -37,7 +37,7 @@ from pathlib import Path
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.range_fetch import (
+from agent.core.node.range_fetch import (
     FetchRefused,
     FetchState,
     Piece,
@@ -238,7 +238,7 @@ async def fetch_range(
 
     Args:
       manifest: the model's manifest, already checked against the tracker's signature
-        (``agent.core.manifest.verify_manifest``).
+        (``agent.core.wire.manifest.verify_manifest``).
       ranges: ``(begin, end)`` layer ranges this node serves of the model.
       source_url: an HTTP(S) URL of the whole GGUF that honours ``Range``.
       dest: the local file (created sparse; its sidecar next to it).

@@ -12,15 +12,22 @@ from __future__ import annotations
 import logging
 
 from agent._proto import swarm_pb2
-from agent.core.admission import AdmissionError, AdmissionVerifier
-from agent.core.batching import forward_key
-from agent.core.node_policy import check_step_sender, range_not_ready
-from agent.core.node_ranges import RangeKey
-from agent.core.scheduler import arrival_wakes_gatherer
-from agent.core.step_batch import answer_step_batch
-from agent.core.step_validation import validate_step
-from agent.core.swarm_wire import SCHEMA_VERSION, WireError, node_reply_error, parse_record, step_ack, step_ack_error
-from agent.io.worker_error import WorkerError
+from agent.core.node.batching import forward_key
+from agent.core.node.policy import check_step_sender, range_not_ready
+from agent.core.node.range_states import RangeKey
+from agent.core.node.scheduler import arrival_wakes_gatherer
+from agent.core.wire.admission import AdmissionError, AdmissionVerifier
+from agent.core.wire.step_batch import answer_step_batch
+from agent.core.wire.step_validation import validate_step
+from agent.core.wire.swarm_wire import (
+    SCHEMA_VERSION,
+    WireError,
+    node_reply_error,
+    parse_record,
+    step_ack,
+    step_ack_error,
+)
+from agent.io.worker.error import WorkerError
 
 from .sessions import SessionControl
 from .state import ServedRange, clock_ms, unix_ms

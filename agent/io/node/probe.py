@@ -30,7 +30,7 @@ import time
 import numpy as np
 import psutil
 
-from agent.core.fingerprint import DeviceInfo, HostProbe
+from agent.core.wire.fingerprint import DeviceInfo, HostProbe
 from agent.runtime import worker_runtime
 
 __all__ = [
@@ -118,7 +118,7 @@ def probe_host(config: ProbeConfig | None = None, *, binary: str | os.PathLike |
     """Measure this host (blocking; takes well under a second with the default config).
 
     Raises:
-      agent.io.worker_process.WorkerBinaryNotFound: no worker binary.
+      agent.io.worker.process.WorkerBinaryNotFound: no worker binary.
       subprocess.CalledProcessError / TimeoutExpired / ValueError: ``baton-worker --version``
         failed or printed something unexpected.
     """

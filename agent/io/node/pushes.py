@@ -1,7 +1,7 @@
 """Pushing a range's outputs on (``Pushes``): each step's output to its next hop as a
 ``StepRequest`` (a group of them as one ``StepBatch``), or from the last range to the owner as a
 ``StepResult``; any failure after the ack goes to the owner as a ``StepResult`` error naming the
-failed peer (``agent.core.node_policy``'s failure policy).
+failed peer (``agent.core.node.policy``'s failure policy).
 
 Hot path: a push group goes out from the serving task itself when the transport can
 (``request_soon``), else from a task. Must not import the node's other mixins or ``agent``: it
@@ -17,15 +17,15 @@ import logging
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.boundary import BoundaryError
-from agent.core.node_policy import StepFailure, push_answered_badly, push_refused, push_unreachable
-from agent.core.step_batch import all_steps_taken, push_message, read_push_acks
-from agent.core.step_requests import encode_step_output, next_hop_request
-from agent.core.step_results import step_result, step_result_error, step_result_rebuilt, step_result_top
-from agent.core.step_validation import StepInput
-from agent.core.swarm_wire import RESULT_PROTOCOL, STEP_PROTOCOL, STEPS_PROTOCOL, WireError, parse_record
-from agent.core.worker_records import SeqOutput
-from agent.io.transport import TransportError
+from agent.core.node.policy import StepFailure, push_answered_badly, push_refused, push_unreachable
+from agent.core.wire.boundary import BoundaryError
+from agent.core.wire.step_batch import all_steps_taken, push_message, read_push_acks
+from agent.core.wire.step_requests import encode_step_output, next_hop_request
+from agent.core.wire.step_results import step_result, step_result_error, step_result_rebuilt, step_result_top
+from agent.core.wire.step_validation import StepInput
+from agent.core.wire.swarm_wire import RESULT_PROTOCOL, STEP_PROTOCOL, STEPS_PROTOCOL, WireError, parse_record
+from agent.core.wire.worker_records import SeqOutput
+from agent.io.net.transport import TransportError
 
 from .state import NodeState, clock_ms
 

@@ -1,7 +1,7 @@
 """The lifecycle of a node's ranges (``RangeRunner``): directives, and what the range book
-(``agent.core.node_ranges``) decides about them performed. LOAD fetches the range's bytes
+(``agent.core.node.range_states``) decides about them performed. LOAD fetches the range's bytes
 (``agent.io.node.fetch``) or checks a local file against the tracker's manifest, starts a
-native worker (``agent.io.worker_process.open_worker``) for (model, begin, end) and reports
+native worker (``agent.io.worker.process.open_worker``) for (model, begin, end) and reports
 LOADING, then READY with the worker's recipe hash, or FAILED with the error; UNLOAD stops it;
 a worker that dies is noticed.
 
@@ -16,9 +16,8 @@ import logging
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.kept_rows import KeptStore
-from agent.core.manifest import ManifestError
-from agent.core.node_ranges import (
+from agent.core.node.kept_rows import KeptStore
+from agent.core.node.range_states import (
     Action,
     FailPending,
     HeartbeatNow,
@@ -28,12 +27,13 @@ from agent.core.node_ranges import (
     StopRange,
     range_name,
 )
-from agent.core.node_sessions import SessionTable
-from agent.core.scheduler import StepScheduler
-from agent.core.step_validation import RangeSpec
-from agent.io.worker_client import ClientConfig
-from agent.io.worker_error import WorkerError
-from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError, open_worker, wait_environment
+from agent.core.node.scheduler import StepScheduler
+from agent.core.node.sessions import SessionTable
+from agent.core.wire.manifest import ManifestError
+from agent.core.wire.step_validation import RangeSpec
+from agent.io.worker.client import ClientConfig
+from agent.io.worker.error import WorkerError
+from agent.io.worker.process import WorkerBinaryNotFound, WorkerStartError, open_worker, wait_environment
 from agent.models import sha256_file
 
 from .batches import BatchServing

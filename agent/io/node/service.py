@@ -6,7 +6,7 @@
   baton node status [--json]
   baton node doctor [--tracker MULTIADDR] [--key PATH] [--models-dir DIR]
 
-``install`` detects the GPU backend (``agent.core.node_service.detect_backend`` over what
+``install`` detects the GPU backend (``agent.core.node.install.detect_backend`` over what
 ``nvidia-smi -L``, ``rocminfo`` and ``vulkaninfo --summary`` print), builds the worker for it
 through this checkout's Makefile (``make llama native`` with the backend's CMake flags into
 ``build/native[-BACKEND]``: ccache and the existing build make a rebuild cheap; a progress bar
@@ -22,7 +22,7 @@ Paths: config dir ``$XDG_CONFIG_HOME/baton`` (default ``~/.config/baton``: ``nod
 ``node.json``), models ``$XDG_DATA_HOME/baton/models`` (default ``~/.local/share/...``).
 
 Only I/O lives here (running tools, files, the service manager, asking the tracker); every
-decision is ``agent.core.node_service``'s.
+decision is ``agent.core.node.install``'s.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agent.core.node_service import (
+from agent.core.node.install import (
     BACKENDS,
     CannotInstall,
     Check,
@@ -56,10 +56,10 @@ from agent.core.node_service import (
     render_checks,
     systemd_unit,
 )
+from agent.runtime import REPO_ROOT
 
 __all__ = ["add_subcommands", "gather_tools", "main", "service_paths"]
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 UNIT_NAME = "baton-node.service"
 LAUNCHD_LABEL = "org.baton.node"
 TOOLS = ("nvidia-smi", "nvcc", "rocminfo", "hipcc", "vulkaninfo", "glslc", "systemctl", "launchctl", "cmake", "make")
@@ -367,9 +367,9 @@ def query_tracker(tracker: str, peer_id: str, timeout_s: float = TRACKER_TIMEOUT
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from agent._proto import swarm_pb2
-    from agent.core.multiaddrs import peer_id_from_multiaddr
-    from agent.core.swarm_wire import SCHEMA_VERSION, TRACKER_PROTOCOL, parse_record
-    from agent.io.p2p import open_p2p_transport
+    from agent.core.net.multiaddrs import peer_id_from_multiaddr
+    from agent.core.wire.swarm_wire import SCHEMA_VERSION, TRACKER_PROTOCOL, parse_record
+    from agent.io.net.p2p import open_p2p_transport
 
     async def ask():
         tracker_id = peer_id_from_multiaddr(tracker)
@@ -452,7 +452,7 @@ def status(args: argparse.Namespace) -> int:
 def doctor_checks(args: argparse.Namespace, *, free_bytes=None) -> list[Check]:
     """Every check of ``baton node doctor`` (``free_bytes``: a seam for tests)."""
     from agent.io.keys import KeyFileError, load_or_create_key, peer_id_of
-    from agent.io.worker_process import WorkerBinaryNotFound, find_worker_binary
+    from agent.io.worker.process import WorkerBinaryNotFound, find_worker_binary
     from agent.runtime import expected_pin, worker_runtime
 
     paths = service_paths()

@@ -1,11 +1,11 @@
 """A node's sessions (``SessionControl``): end_session (frees the sequence in every range here,
 forwards the end along ``rest``), touch (renews the owner's lease), idle sessions freed after a
 timeout, and resuming a session whose route lost a hop: every output row a range pushes
-downstream is kept per session (``agent.core.kept_rows``, bounded in bytes);
+downstream is kept per session (``agent.core.node.kept_rows``, bounded in bytes);
 ``resume_session`` trims a surviving session back to the positions the owner keeps (its cache
 stays), ``replay`` sends the kept rows as rebuild steps to the replacement of the lost next hop.
 
-The rules are ``agent.core.node_sessions``' and ``agent.core.node_policy``'s. Must not import
+The rules are ``agent.core.node.sessions``' and ``agent.core.node.policy``'s. Must not import
 ``handlers`` or ``agent`` (they build on this module).
 """
 
@@ -16,12 +16,12 @@ import logging
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.kept_rows import RowsNotKept
-from agent.core.node_policy import check_end_session_sender
-from agent.core.node_ranges import range_name
-from agent.core.step_requests import replay_step_request
-from agent.core.step_validation import check_hops
-from agent.core.swarm_wire import (
+from agent.core.node.kept_rows import RowsNotKept
+from agent.core.node.policy import check_end_session_sender
+from agent.core.node.range_states import range_name
+from agent.core.wire.step_requests import replay_step_request
+from agent.core.wire.step_validation import check_hops
+from agent.core.wire.swarm_wire import (
     NODE_PROTOCOL,
     SCHEMA_VERSION,
     SESSION_ID_BYTES,
@@ -29,8 +29,8 @@ from agent.core.swarm_wire import (
     WireError,
     parse_record,
 )
-from agent.io.transport import TransportError
-from agent.io.worker_error import WorkerError
+from agent.io.net.transport import TransportError
+from agent.io.worker.error import WorkerError
 
 from .data_plane import DataPlane
 from .state import clock_ms, unbind_request

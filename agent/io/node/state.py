@@ -21,18 +21,18 @@ from typing import cast
 import trio
 
 from agent._proto import swarm_pb2, worker_pb2
-from agent.core.admission import AdmissionVerifier
-from agent.core.kept_rows import KeptStore
-from agent.core.node_policy import BatchPeers, check_session_owner
-from agent.core.node_ranges import RangeBook, RangeEntry, RangeKey, range_name
-from agent.core.node_sessions import NodeSession, SessionTable
-from agent.core.scheduler import StepScheduler
-from agent.core.step_validation import RangeSpec, StepInput
-from agent.core.swarm_wire import SESSION_ID_BYTES, WireError
-from agent.core.worker_records import WorkerHealth, WorkerInfo
-from agent.io.transport import ImmediateHandler, Transport
-from agent.io.worker_client import AsyncWorkerClient
-from agent.io.worker_process import WorkerHandle
+from agent.core.node.kept_rows import KeptStore
+from agent.core.node.policy import BatchPeers, check_session_owner
+from agent.core.node.range_states import RangeBook, RangeEntry, RangeKey, range_name
+from agent.core.node.scheduler import StepScheduler
+from agent.core.node.sessions import NodeSession, SessionTable
+from agent.core.wire.admission import AdmissionVerifier
+from agent.core.wire.step_validation import RangeSpec, StepInput
+from agent.core.wire.swarm_wire import SESSION_ID_BYTES, WireError
+from agent.core.wire.worker_records import WorkerHealth, WorkerInfo
+from agent.io.net.transport import ImmediateHandler, Transport
+from agent.io.worker.client import AsyncWorkerClient
+from agent.io.worker.process import WorkerHandle
 
 from .config import LocalModel, NodeConfig, OutputsFilter
 from .fetch import FetchProgress
@@ -46,7 +46,7 @@ State = swarm_pb2.AssignmentStatus.State
 @dataclasses.dataclass(eq=False)
 class ServedRange:
     """One range instance on this node (its lifecycle: ``entry``, kept by the node's
-    ``agent.core.node_ranges.RangeBook``) and, once READY, its worker, sessions and queue.
+    ``agent.core.node.range_states.RangeBook``) and, once READY, its worker, sessions and queue.
 
     Read-only for anyone but the node (tests observe ``state``, ``forward_calls``, ...).
     """

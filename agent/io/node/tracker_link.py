@@ -3,8 +3,8 @@
 ranges' statuses (advertised addresses, peer paths, the workers' data plane counts), manifests,
 and the tracker's node list for checking a data plane hop.
 
-The decisions are ``agent.core.node_link``'s (registration and heartbeat replies) and
-``agent.core.fingerprint``'s. Must not import the node's other mixins or ``agent``: it builds
+The decisions are ``agent.core.node.link``'s (registration and heartbeat replies) and
+``agent.core.wire.fingerprint``'s. Must not import the node's other mixins or ``agent``: it builds
 on ``agent.io.node.state`` only.
 """
 
@@ -17,12 +17,12 @@ from collections.abc import Callable, Sequence
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
-from agent.core.manifest import verify_manifest
-from agent.core.multiaddrs import circuit_multiaddr
-from agent.core.node_link import RegistrationInvalid, RegistrationRefused, read_registration_reply
-from agent.core.node_ranges import range_name
-from agent.core.swarm_wire import (
+from agent.core.net.multiaddrs import circuit_multiaddr
+from agent.core.node.link import RegistrationInvalid, RegistrationRefused, read_registration_reply
+from agent.core.node.range_states import range_name
+from agent.core.wire.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
+from agent.core.wire.manifest import verify_manifest
+from agent.core.wire.swarm_wire import (
     RESULT_PROTOCOL,
     SCHEMA_VERSION,
     STEP_PROTOCOL,
@@ -31,8 +31,8 @@ from agent.core.swarm_wire import (
     WireError,
     parse_record,
 )
-from agent.io.transport import TransportError
-from agent.io.worker_error import WorkerError
+from agent.io.net.transport import TransportError
+from agent.io.worker.error import WorkerError
 
 from .config import NodeError, NodeRefused, TrackerUnreachable
 from .fetch import FetchError

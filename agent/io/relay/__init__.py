@@ -14,9 +14,9 @@ Modules:
                    ``keys add / list / revoke``, ``ledger``;
   ``metrics``      Prometheus ``/metrics``;
   ``status_page``  the status page at ``/``;
-  (the tokenizer, held locally from the model's metadata, is ``agent.io.vocab``, shared with ``baton generate``)
+  (the tokenizer, held locally from the model's metadata, is ``agent.io.worker.vocab``, shared with ``baton generate``)
 
-The decisions live in the pure core: ``agent.core.quotas`` (limits, UTC days, ledger credit)
-and ``agent.core.session`` (a generation's steps, results and stopping). Nothing is imported
+The decisions live in the pure core: ``agent.core.relay.quotas`` (limits, UTC days, ledger credit)
+and ``agent.core.owner.session`` (a generation's steps, results and stopping). Nothing is imported
 here, so ``baton relay keys`` does not load the HTTP stack.
 """

@@ -1,6 +1,6 @@
 """The relay's authentication and quotas: who sends a request (``authenticate``: a key's
 name and limits from the ``Authorization: Bearer`` header, or the anonymous pseudo-key) and
-whether it may run now (``admit``: the quota decision is ``agent.core.quotas``'; 401 and 429
+whether it may run now (``admit``: the quota decision is ``agent.core.relay.quotas``'; 401 and 429
 are raised as ``ApiError``).
 
 Must not import the relay's app, completions or server.
@@ -12,8 +12,8 @@ import dataclasses
 
 from starlette.requests import Request
 
-from agent.core import quotas
-from agent.core.openai_api import ApiError
+from agent.core.relay import quotas
+from agent.core.relay.openai_api import ApiError
 
 from .state import RelayState
 

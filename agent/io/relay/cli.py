@@ -200,7 +200,7 @@ def _fail(command: str, message: str) -> int:
 
 
 def _keys_add(args: argparse.Namespace) -> int:
-    from agent.core.quotas import KeyLimits
+    from agent.core.relay.quotas import KeyLimits
     from agent.io.relay.store import open_relay_store
 
     limits = KeyLimits(
@@ -233,7 +233,7 @@ def _utc_time(seconds: float) -> str:
 
 
 def _keys_list(args: argparse.Namespace) -> int:
-    from agent.core.quotas import day_of
+    from agent.core.relay.quotas import day_of
     from agent.io.relay.store import open_relay_store
 
     today = day_of(time.time())

@@ -3,7 +3,7 @@ template, tokens, context limit), the generation over the swarm (``Completion.ru
 with stop strings, logprobs, token ids, usage, the ledger's credit), and the OpenAI bodies it
 gives (a response, or stream chunks).
 
-Decisions are the core's (``agent.core.openai_api``, ``chat_template``, ``text_stream``,
+Decisions are the core's (``agent.core.relay.openai_api``, ``chat_template``, ``text_stream``,
 ``quotas``); the swarm client samples.
 
 Must not import the relay's app or server; the HTTP side of a completion is
@@ -22,9 +22,10 @@ import numpy as np
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core import quotas
-from agent.core.chat_template import ChatTemplateError
-from agent.core.openai_api import (
+from agent.core.owner.chat_template import ChatTemplateError
+from agent.core.owner.sampling import SamplingParams
+from agent.core.relay import quotas
+from agent.core.relay.openai_api import (
     ApiError,
     CompletionRequest,
     chat_chunk,
@@ -35,11 +36,10 @@ from agent.core.openai_api import (
     token_logprobs,
     usage,
 )
-from agent.core.sampling import SamplingParams
-from agent.core.text_stream import TextStream
+from agent.core.relay.text_stream import TextStream
 from agent.io.client import GenerationError, SwarmError
-from agent.io.transport import TransportError
-from agent.io.vocab import ModelVocab, VocabularyError
+from agent.io.net.transport import TransportError
+from agent.io.worker.vocab import ModelVocab, VocabularyError
 
 from .auth import Principal
 from .state import RelayState

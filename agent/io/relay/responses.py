@@ -15,7 +15,7 @@ from collections.abc import Callable
 import trio
 from starlette.responses import JSONResponse
 
-from agent.core.openai_api import ApiError
+from agent.core.relay.openai_api import ApiError
 
 from .completion import Completion
 

@@ -3,15 +3,15 @@
 Owns the I/O of ``baton relay serve``: a Starlette app on Hypercorn's trio worker (its routes,
 reading bodies, the status data, one place that turns errors into OpenAI's envelope); the
 swarm client (admitted by the tracker as a session owner: the relay is the only party that
-samples); the vocabularies (``agent.io.vocab``). Beside it: settings and shared state
+samples); the vocabularies (``agent.io.worker.vocab``). Beside it: settings and shared state
 (``agent.io.relay.state``), keys and quotas (``auth``), one completion (``completion``), its
 ASGI response (``responses``); API keys, usage and the ledger are ``agent.io.relay.store``'s,
 the status page and ``/metrics`` ``status_page``'s and ``metrics``'.
 
 Decisions are the core's: which bodies are valid and what responses look like
-(``agent.core.openai_api``), chat prompts (``agent.core.chat_template``), streamed text and
-stop strings (``agent.core.text_stream``), quotas and credit (``agent.core.quotas``), which
-results a session takes and the next token (``agent.core.session``).
+(``agent.core.relay.openai_api``), chat prompts (``agent.core.owner.chat_template``), streamed text and
+stop strings (``agent.core.relay.text_stream``), quotas and credit (``agent.core.relay.quotas``), which
+results a session takes and the next token (``agent.core.owner.session``).
 
 Order of checks for a request, as OpenAI's: key (401), body size (413), body (400), model
 (404), quota (429), then the swarm (503 no route or busy, 504 no answer in time).
@@ -36,10 +36,10 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from agent._proto import swarm_pb2
-from agent.core.openai_api import ApiError, check_json_content_type, check_unicode, parse_request
+from agent.core.relay.openai_api import ApiError, check_json_content_type, check_unicode, parse_request
 from agent.io.client import SwarmError
-from agent.io.transport import TransportError
-from agent.io.vocab import VocabularyError
+from agent.io.net.transport import TransportError
+from agent.io.worker.vocab import VocabularyError
 
 from .auth import admit, authenticate
 from .completion import Completion, prepare
@@ -255,7 +255,7 @@ async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] 
     from hypercorn.trio import serve
 
     from agent.io.client import SwarmClientConfig, open_swarm_client
-    from agent.io.vocab import serve_vocabularies
+    from agent.io.worker.vocab import serve_vocabularies
 
     from .store import open_relay_store
 

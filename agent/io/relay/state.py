@@ -18,10 +18,10 @@ from pathlib import Path
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.openai_api import ApiError
+from agent.core.relay.openai_api import ApiError
 from agent.io.client import SwarmClient, SwarmError
-from agent.io.transport import TransportError
-from agent.io.vocab import VocabularyPool
+from agent.io.net.transport import TransportError
+from agent.io.worker.vocab import VocabularyPool
 
 from .metrics import RelayMetrics
 from .store import RelayStore

@@ -7,7 +7,7 @@ completion). Usage is keyed by the key's *name*, so a key re-issued under a revo
 keeps its usage; anonymous access is the pseudo-key ``ANONYMOUS`` ("anonymous"), which has no
 key row (the server passes its limits) but whose usage is stored like any other.
 
-Must not import trio: the decisions are in ``agent.core.quotas`` (limits, credit arithmetic),
+Must not import trio: the decisions are in ``agent.core.relay.quotas`` (limits, credit arithmetic),
 and the server performs them around this store.
 
 Schema: versioned with ``PRAGMA user_version`` (``RELAY_SCHEMA_VERSION``) and marked as a relay
@@ -43,7 +43,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from agent.core.quotas import RPM_WINDOW_S, KeyLimits, credit_for_hops
+from agent.core.relay.quotas import RPM_WINDOW_S, KeyLimits, credit_for_hops
 from agent.io import sqlite_db
 
 __all__ = [

@@ -5,6 +5,6 @@ Modules: ``store`` (``TrackerStore``, ``open_store``), ``service`` (``serve_trac
 ``Tracker``), ``model_files`` (``ModelFiles``), ``probes`` (``LostPeerProbes``), ``refusal``
 (``Refusal``), the verifier (``verifier``, ``verifier_api``, ``reference``, ``personas``),
 ``gguf_info`` (``read_gguf_facts``, ``read_registered_file``), ``cli`` (``add_arguments``,
-``main``). Decisions live in ``agent.core.admission``, ``assignment``, ``routing``,
+``main``). Decisions live in ``agent.core.wire.admission``, ``assignment``, ``routing``,
 ``registry`` and ``canary``; this package only performs them.
 """

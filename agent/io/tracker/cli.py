@@ -22,7 +22,7 @@ its registered files itself at ``http://HOST:PORT/models/<sha256>.gguf`` (HOST d
 127.0.0.1; ``--models-base-url`` is the address nodes are told when that differs, e.g. behind
 NAT or a proxy).
 
-Canary checks (``agent.core.canary``, docs/INTEGRITY.md): unless ``--canary-interval-s 0``, the
+Canary checks (``agent.core.tracker.canary``, docs/INTEGRITY.md): unless ``--canary-interval-s 0``, the
 tracker's verifier checks every range a node reports READY at once (it is routed only once it
 passed: ``--no-canary-gate`` routes it before) and then every ``--canary-interval-s`` on average
 (each gap drawn from [0.5, 1.5] x that), with its own reference workers of the registered files
@@ -67,7 +67,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent import cli_args
-from agent.core.worker_wait import AUTO, WAIT_CHOICES
+from agent.core.node.worker_wait import AUTO, WAIT_CHOICES
 
 __all__ = ["add_arguments", "build_parser", "main", "parse_model_arg"]
 
@@ -430,7 +430,7 @@ def register_models(
     """Read each GGUF and put its ``ModelEntry`` in ``store`` (synchronous; seconds per model).
     ``hf_repos`` maps an alias to its Hugging Face repo (else the GGUF's own metadata says);
     ``sources`` an alias to the URL nodes fetch it from by range."""
-    from agent.core.registry import model_entry
+    from agent.core.tracker.registry import model_entry
     from agent.io.tracker.gguf_info import read_gguf_facts
     from agent.models import cached_sha256
 
@@ -449,7 +449,7 @@ def _canary_policy(args: argparse.Namespace):
     Raises:
       ValueError: inconsistent values (the policy says which).
     """
-    from agent.core.canary import CanaryPolicy
+    from agent.core.tracker.canary import CanaryPolicy
 
     interval_s = getattr(args, "canary_interval_s", 0.0)
     if not interval_s:
@@ -520,7 +520,7 @@ def _serve(args: argparse.Namespace) -> int:
         if unknown:
             raise ValueError(f"--model-source names aliases that no --register-model gives: {', '.join(unknown)}")
         if config.canary is not None:
-            from agent.io.worker_process import find_worker_binary
+            from agent.io.worker.process import find_worker_binary
 
             try:
                 find_worker_binary()
@@ -545,7 +545,7 @@ def _serve(args: argparse.Namespace) -> int:
 async def _serve_async(args: argparse.Namespace, store, config, key) -> int:
     import trio
 
-    from agent.io.p2p import RelayPolicy, open_p2p_transport
+    from agent.io.net.p2p import RelayPolicy, open_p2p_transport
     from agent.io.tracker.service import serve_tracker
 
     relay = getattr(args, "relay", True)

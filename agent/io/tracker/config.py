@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import trio
 
-from agent.core.canary import CanaryPolicy
+from agent.core.tracker.canary import CanaryPolicy
 
 __all__ = ["TrackerConfig", "trio_unix_clock"]
 
@@ -41,7 +41,7 @@ class TrackerConfig:
     #: read every registered file's metadata and hash its tensors when the tracker starts,
     #: so the first node to ask for a manifest does not wait (else: on the first request)
     prepare_manifests_at_start: bool = True
-    #: canary checks of what nodes compute (``agent.core.canary``; run by
+    #: canary checks of what nodes compute (``agent.core.tracker.canary``; run by
     #: ``agent.io.tracker.verifier``); None: no checks, every READY range is routed
     canary: CanaryPolicy | None = None
     #: an owner asking about a peer (``integrity``) hears of its failed checks this recent

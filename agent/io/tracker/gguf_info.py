@@ -2,7 +2,7 @@
 
 Owns: opening the file with ``gguf.GGUFReader`` (memory-mapped; parsing a 100 MB model takes
 a second or two, mostly its tokenizer arrays), picking the metadata keys and summing tensor
-sizes into ``agent.core.registry.GgufFacts``, the file's sha256, and reading a registered
+sizes into ``agent.core.tracker.registry.GgufFacts``, the file's sha256, and reading a registered
 file's metadata prefix and tensor hashes back (``read_registered_file``: checked against what was
 registered). Synchronous: callers in trio run it in a thread.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from agent.core.registry import GgufFacts
+from agent.core.tracker.registry import GgufFacts
 
 __all__ = ["GgufError", "read_gguf_facts", "read_registered_file"]
 
@@ -128,7 +128,7 @@ def _check_registered(path: Path, sha256: str, size_bytes: int) -> None:
 
 
 def read_registered_file(path: str | os.PathLike[str], sha256: str, size_bytes: int):
-    """(metadata prefix, [``agent.core.manifest.TensorFacts``] in file order) of the GGUF at
+    """(metadata prefix, [``agent.core.wire.manifest.TensorFacts``] in file order) of the GGUF at
     ``path``, after checking that it is still the file registered (``size_bytes`` long,
     hashing to ``sha256``): one parse of the header, then
     every tensor's absolute data offset, size and sha256 (reads the whole file; seconds per GB).
@@ -139,7 +139,7 @@ def read_registered_file(path: str | os.PathLike[str], sha256: str, size_bytes: 
     """
     import hashlib
 
-    from agent.core.manifest import TensorFacts
+    from agent.core.wire.manifest import TensorFacts
 
     path = Path(path)
     _check_registered(path, sha256, size_bytes)

@@ -8,7 +8,7 @@ outcome: a failure withdraws the range at once (not assigned to that node again 
 registers anew), the ``refuse_after_failures``-th refuses the node (marked dead, its
 registrations refused: kept in the store). ``integrity`` tells owners which peers failed
 lately; ``report_mismatch`` (an owner's spot check) makes the peers in which two routes differ
-the next to be checked. Decisions are the pure core's (``agent.core.canary``).
+the next to be checked. Decisions are the pure core's (``agent.core.tracker.canary``).
 
 Owns the integrity state (``_init_integrity``: the schedule, withdrawn ranges, last passes,
 the verifier's totals) and what acts on it; the rest of the tracker's state (store, liveness,
@@ -29,9 +29,9 @@ import numpy as np
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.assignment import Assignment
-from agent.core.canary import CanaryPolicy, CanarySchedule, FailureAction, RangeKey, after_failure
-from agent.core.liveness import Liveness
+from agent.core.tracker.assignment import Assignment
+from agent.core.tracker.canary import CanaryPolicy, CanarySchedule, FailureAction, RangeKey, after_failure
+from agent.core.tracker.liveness import Liveness
 from agent.io.tracker.config import TrackerConfig
 from agent.io.tracker.model_files import ModelFiles
 from agent.io.tracker.refusal import Refusal

@@ -19,7 +19,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.manifest import ManifestError, build_manifest, sign_manifest
+from agent.core.wire.manifest import ManifestError, build_manifest, sign_manifest
 from agent.io.tracker.gguf_info import GgufError, read_registered_file
 from agent.io.tracker.refusal import Refusal
 from agent.io.tracker.store import TrackerStore

@@ -21,11 +21,11 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.admission import public_key_bytes
-from agent.core.identity import peer_id_from_public_key
-from agent.core.step_batch import answer_step_batch
-from agent.core.step_validation import RangeSpec, validate_step
-from agent.core.swarm_wire import (
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.wire.admission import public_key_bytes
+from agent.core.wire.step_batch import answer_step_batch
+from agent.core.wire.step_validation import RangeSpec, validate_step
+from agent.core.wire.swarm_wire import (
     NODE_PROTOCOL,
     RESULT_PROTOCOL,
     SCHEMA_VERSION,
@@ -37,8 +37,8 @@ from agent.core.swarm_wire import (
     step_ack,
     step_ack_error,
 )
+from agent.io.net.transport import Transport
 from agent.io.tracker.verifier_api import OpenPersona
-from agent.io.transport import Transport
 
 __all__ = ["Inbox", "Persona", "libp2p_personas", "open_personas"]
 
@@ -165,7 +165,7 @@ def libp2p_personas(listen: str) -> OpenPersona:
     """Fresh identities on libp2p with the direct channel in front, as nodes and owners run."""
 
     def open_persona(key: Ed25519PrivateKey) -> AbstractAsyncContextManager[Transport]:
-        from agent.io.peer_transport import open_peer_transport
+        from agent.io.net.peer_transport import open_peer_transport
 
         return open_peer_transport(key, [listen])
 

@@ -17,11 +17,11 @@ from collections.abc import Callable
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.liveness import Liveness
-from agent.core.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION
+from agent.core.tracker.liveness import Liveness
+from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION
+from agent.io.net.transport import TransportError
 from agent.io.tracker.refusal import Refusal
 from agent.io.tracker.store import TrackerStore
-from agent.io.transport import TransportError
 
 __all__ = ["LostPeerProbes"]
 

@@ -16,8 +16,8 @@ import logging
 import trio
 
 from agent.io.tracker.verifier_api import VerifierConfig
-from agent.io.worker_client import ClientConfig
-from agent.io.worker_process import WorkerHandle, open_worker, wait_environment
+from agent.io.worker.client import ClientConfig
+from agent.io.worker.process import WorkerHandle, open_worker, wait_environment
 
 __all__ = ["ReferencePool"]
 

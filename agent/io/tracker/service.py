@@ -5,7 +5,7 @@ Owns the tracker's behaviour on the wire (docs/ARCHITECTURE.md, "The swarm proto
 UNLOAD directives, admission refresh), routes, the model list, model metadata (a GGUF's
 bytes before its tensor data, read from the registered file once and kept in memory), the
 node list; and when assignments are recomputed (a node registers, dies, or comes back).
-Decisions are the pure core's (``agent.core.admission``, ``assignment``, ``routing``,
+Decisions are the pure core's (``agent.core.wire.admission``, ``assignment``, ``routing``,
 ``canary``, ``liveness`` (alive, pending, dead, when to sweep) and ``heartbeat`` (a report
 checked, newly failed models, the LOAD/UNLOAD diff, admission refresh)); state is the SQLite
 store's.
@@ -49,14 +49,14 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core import admission
-from agent.core.assignment import Assignment, ModelSpec, NodeCapacity, assign
-from agent.core.handouts import RouteHandouts
-from agent.core.heartbeat import admission_due, diff_assignment, read_report
-from agent.core.identity import peer_id_from_public_key
-from agent.core.liveness import Liveness
-from agent.core.routing import NoRoute, ReadyRange, plan_route
-from agent.core.swarm_wire import (
+from agent.core.net.identity import peer_id_from_public_key
+from agent.core.tracker.assignment import Assignment, ModelSpec, NodeCapacity, assign
+from agent.core.tracker.handouts import RouteHandouts
+from agent.core.tracker.heartbeat import admission_due, diff_assignment, read_report
+from agent.core.tracker.liveness import Liveness
+from agent.core.tracker.routing import NoRoute, ReadyRange, plan_route
+from agent.core.wire import admission
+from agent.core.wire.swarm_wire import (
     SCHEMA_VERSION,
     TRACKER_PROTOCOL,
     WireError,

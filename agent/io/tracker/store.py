@@ -31,7 +31,7 @@ from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 from agent._proto import swarm_pb2
-from agent.core.assignment import Assignment
+from agent.core.tracker.assignment import Assignment
 from agent.io import sqlite_db
 
 __all__ = ["STORE_SCHEMA_VERSION", "AssignmentRow", "NodeRecord", "StoreError", "TrackerStore", "open_store"]

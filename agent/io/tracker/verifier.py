@@ -1,6 +1,6 @@
 """The tracker's verifier: canary checks of served ranges against a trusted reference.
 
-Owns the I/O of the checks ``agent.core.canary`` decides: for the range due (``CanarySchedule``
+Owns the I/O of the checks ``agent.core.tracker.canary`` decides: for the range due (``CanarySchedule``
 held by the ``Tracker``), it runs a short generation through that one range as an ordinary
 session would, and compares each step's output with the output of the tracker's own workers
 (the reference), started from the registered GGUF the tracker hashed at registration.
@@ -52,20 +52,20 @@ import numpy as np
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.boundary import WireDType
-from agent.core.canary import CanaryPlan, OutputMismatch, RangeKey, compare_rows, compare_scores, plan_canary
-from agent.core.step_requests import boundary_step_request, first_step_request
-from agent.core.step_results import result_scores
-from agent.core.step_validation import RangeSpec
-from agent.core.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, STEP_PROTOCOL, WireError, parse_record
-from agent.core.topk import TopLogits
-from agent.core.worker_records import SeqInput, SeqOutput
+from agent.core.tracker.canary import CanaryPlan, OutputMismatch, RangeKey, compare_rows, compare_scores, plan_canary
+from agent.core.wire.boundary import WireDType
+from agent.core.wire.step_requests import boundary_step_request, first_step_request
+from agent.core.wire.step_results import result_scores
+from agent.core.wire.step_validation import RangeSpec
+from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, STEP_PROTOCOL, WireError, parse_record
+from agent.core.wire.topk import TopLogits
+from agent.core.wire.worker_records import SeqInput, SeqOutput
+from agent.io.net.transport import TransportError
 from agent.io.tracker.personas import Inbox, Persona, libp2p_personas, open_personas
 from agent.io.tracker.reference import ReferencePool
 from agent.io.tracker.verifier_api import CanaryHost, CheckOutcome, OpenPersona, VerifierConfig, VerifierStats
-from agent.io.transport import TransportError
-from agent.io.worker_error import WorkerError
-from agent.io.worker_process import WorkerBinaryNotFound, WorkerStartError
+from agent.io.worker.error import WorkerError
+from agent.io.worker.process import WorkerBinaryNotFound, WorkerStartError
 
 __all__ = ["run_check", "serve_verifier"]
 

@@ -17,9 +17,9 @@ from typing import Protocol
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.canary import CanaryPolicy, CanarySchedule, OutputMismatch, RangeKey
-from agent.core.worker_wait import AUTO, WAIT_CHOICES
-from agent.io.transport import Transport
+from agent.core.node.worker_wait import AUTO, WAIT_CHOICES
+from agent.core.tracker.canary import CanaryPolicy, CanarySchedule, OutputMismatch, RangeKey
+from agent.io.net.transport import Transport
 
 __all__ = ["CanaryHost", "CheckOutcome", "OpenPersona", "VerifierConfig", "VerifierStats"]
 
@@ -34,7 +34,7 @@ class VerifierConfig:
 
     Fields:
       threads: threads of each reference worker.
-      worker_wait: how a reference worker's idle threads wait (``agent.core.worker_wait``:
+      worker_wait: how a reference worker's idle threads wait (``agent.core.node.worker_wait``:
         auto, spin or sleep); auto sleeps after a short spin when nodes compute on this host.
       worker_binary: the baton-worker binary (None: ``find_worker_binary()``).
       worker_ready_timeout_s, worker_call_timeout_s: a reference worker's start and calls.

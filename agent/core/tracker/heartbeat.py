@@ -1,0 +1,94 @@
+"""What the tracker makes of one node's heartbeat: its report checked, and the directives back.
+
+Owns, for ``agent.io.tracker.service`` (which stores the report and sends the reply):
+- the report's validation: every status names a model range (``end > begin``) in a state a
+  node reports (LOADING, READY, FAILED); otherwise the whole heartbeat is refused with
+  INVALID_ARGUMENT naming the entry;
+- which models the node newly FAILED to load (not assigned to it again until it registers
+  anew: each of them recomputes the assignment);
+- the assignments it holds here but did not report (not loaded: e.g. the node restarted):
+  their stored state is cleared;
+- the LOAD/UNLOAD diff: LOAD every range assigned and not reported, UNLOAD every range
+  reported and not assigned, in range order;
+- the ranges READY with a recipe that are assigned (what the canary schedule checks);
+- whether the node's admission is refreshed now (less than half its lifetime left).
+
+Pure: ``now_ms`` comes in. Must not import trio, grpc, libp2p or agent.io.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from agent._proto import swarm_pb2
+from agent.core.tracker.assignment import Assignment
+from agent.core.wire.swarm_wire import WireError
+
+__all__ = ["AssignmentDiff", "Report", "admission_due", "diff_assignment", "read_report"]
+
+Code = swarm_pb2.Error.Code
+State = swarm_pb2.AssignmentStatus.State
+_REPORTED_STATES = (State.LOADING, State.READY, State.FAILED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    reported: dict[Assignment, swarm_pb2.AssignmentStatus]
+    newly_failed: frozenset[str]  # model sha256s this node newly reported FAILED
+
+
+def read_report(peer_id: str, serving: Sequence[swarm_pb2.AssignmentStatus], failed_models: Iterable[str]) -> Report:
+    """Check what a heartbeat of ``peer_id`` reports serving; ``failed_models``: the models
+    it already reported FAILED since it registered.
+
+    Raises:
+      WireError(INVALID_ARGUMENT): a status that is not a model range in a reportable state.
+    """
+    reported: dict[Assignment, swarm_pb2.AssignmentStatus] = {}
+    for i, status in enumerate(serving):
+        a = status.assignment
+        if not a.model_sha256 or a.end <= a.begin:
+            raise WireError(
+                Code.INVALID_ARGUMENT,
+                f"serving[{i}]: assignment {a.model_sha256!r} [{a.begin}, {a.end}) is not a model range",
+            )
+        if status.state not in _REPORTED_STATES:
+            raise WireError(
+                Code.INVALID_ARGUMENT, f"serving[{i}]: state {status.state} is not LOADING, READY or FAILED"
+            )
+        reported[Assignment(a.model_sha256, a.begin, a.end, peer_id)] = status
+    failed_now = frozenset(a.model_sha256 for a, s in reported.items() if s.state == State.FAILED)
+    return Report(reported=reported, newly_failed=failed_now - set(failed_models))
+
+
+@dataclasses.dataclass(frozen=True)
+class AssignmentDiff:
+    load: tuple[Assignment, ...]
+    unload: tuple[Assignment, ...]
+    unreported: tuple[Assignment, ...]  # assigned with a stored state, not reported: clear it
+    ready: tuple[tuple[str, int, int], ...]  # assigned and READY with a recipe hash
+
+
+def diff_assignment(
+    reported: dict[Assignment, swarm_pb2.AssignmentStatus], assigned: Iterable[tuple[Assignment, bool]]
+) -> AssignmentDiff:
+    """The directives for a node from what it reported and what it is assigned now (each
+    assignment with whether a state is stored for it), in range order."""
+    assigned = list(assigned)
+    should = {a for a, _stored in assigned}
+    return AssignmentDiff(
+        load=tuple(sorted(should - set(reported))),
+        unload=tuple(sorted(set(reported) - should)),
+        unreported=tuple(a for a, stored in assigned if stored and a not in reported),
+        ready=tuple(
+            (a.model_sha256, a.begin, a.end)
+            for a, s in reported.items()
+            if a in should and s.state == State.READY and s.recipe_hash
+        ),
+    )
+
+
+def admission_due(expires_at_ms: int, now_ms: int, ttl_ms: int) -> bool:
+    """Whether a node's admission is refreshed with this heartbeat's reply."""
+    return expires_at_ms - now_ms < ttl_ms // 2

@@ -1,0 +1,194 @@
+"""Swarm wire basics: protocol ids, schema version, checksums, parsing, and the error
+replies of the swarm's records (``protocol/swarm.proto``).
+
+Owns:
+- the libp2p protocol ids, ``MAX_BATCH_STEPS`` and ``SCHEMA_VERSION`` (every top-level record
+  carries it);
+- checksums: ``zlib.crc32`` of the token ids as little-endian int32 bytes, of boundary bytes,
+  of logits bytes;
+- parsing bytes from the network into records (``parse_record``), the schema-version rule,
+  and ``WireError`` (a record breaks a rule: its code and message become the reply's
+  ``Error``);
+- the acks and error replies (``StepAck`` / ``NodeReply`` / ``TrackerReply`` with ``Error``).
+
+The records built on these live beside it: ``agent.core.wire.step_batch`` (``StepBatch`` and its
+acks), ``agent.core.wire.step_validation`` (``RangeSpec``, ``StepInput``, ``validate_step``),
+``agent.core.wire.step_requests`` (the ``StepRequest``s an owner and a hop send),
+``agent.core.wire.step_results`` (the owner's ``StepResult``).
+
+Pure: numpy, zlib and protobuf records. Must not import trio, grpc, libp2p, sockets, clocks or
+agent.io, nor the step modules above (they import this one).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Protocol, TypeVar, cast
+
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from agent._proto import swarm_pb2
+
+__all__ = [
+    "MAX_BATCH_STEPS",
+    "NODE_PROTOCOL",
+    "RESULT_PROTOCOL",
+    "SCHEMA_VERSION",
+    "SESSION_ID_BYTES",
+    "STEPS_PROTOCOL",
+    "STEP_PROTOCOL",
+    "TRACKER_PROTOCOL",
+    "WireError",
+    "check_schema_version",
+    "crc32",
+    "error",
+    "node_reply_error",
+    "parse_record",
+    "step_ack",
+    "step_ack_accepts",
+    "step_ack_error",
+    "token_bytes",
+    "token_checksum",
+    "tracker_reply_error",
+    "worker_error_code",
+]
+
+TRACKER_PROTOCOL = "/baton/tracker/1.0.0"  # TrackerRequest -> TrackerReply
+STEP_PROTOCOL = "/baton/step/1.0.0"  # StepRequest -> StepAck
+STEPS_PROTOCOL = "/baton/steps/1.0.0"  # StepBatch -> StepBatchAck (a Forward's steps for one next hop)
+MAX_BATCH_STEPS = 4096  # entries one StepBatch may carry (a Forward has at most n_batch_max rows)
+RESULT_PROTOCOL = "/baton/result/1.0.0"  # StepResult -> StepAck
+NODE_PROTOCOL = "/baton/node/1.0.0"  # NodeRequest -> NodeReply
+
+#: The swarm schema version this code speaks (every top-level record carries it).
+SCHEMA_VERSION = 1
+#: A session id has exactly this many owner-chosen random bytes.
+SESSION_ID_BYTES = 16
+
+_I32 = np.dtype("<i4")
+
+Code = swarm_pb2.Error.Code
+
+
+class _Record(Protocol):
+    """What ``parse_record`` needs of a message type: every wire record carries its schema version."""
+
+    schema_version: int
+
+    def ParseFromString(self, serialized: bytes, /) -> int: ...
+
+
+M = TypeVar("M", bound=_Record)
+
+
+class WireError(Exception):
+    """A record from the network breaks a rule; ``code`` (``swarm_pb2.Error.Code``) and
+    ``message`` become the ``Error`` of the reply. The message names what was wrong."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = int(code)
+        self.message = message
+
+    def to_error(self) -> swarm_pb2.Error:
+        # the casts in this module: protoc's .pyi takes only named values for an enum field, but
+        # proto3 enums are open (any int is one)
+        return swarm_pb2.Error(code=cast(Code, self.code), message=self.message)
+
+    def __str__(self) -> str:
+        return f"{_code_name(self.code)}: {self.message}"
+
+
+def _code_name(code: int) -> str:
+    try:
+        return swarm_pb2.Error.Code.Name(code)
+    except ValueError:
+        return str(code)
+
+
+# --- checksums -----------------------------------------------------------------------------
+
+
+def crc32(data: bytes) -> int:
+    """``zlib.crc32`` as an unsigned 32-bit value (the ``fixed32 checksum`` fields)."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian int32 bytes (what their checksum covers)."""
+    return np.asarray(token_ids, dtype=_I32).tobytes()
+
+
+def token_checksum(token_ids: Sequence[int] | np.ndarray) -> int:
+    return crc32(token_bytes(token_ids))
+
+
+# --- parsing and errors --------------------------------------------------------------------
+
+
+def parse_record(message_type: type[M], data: bytes) -> M:
+    """Parse ``data`` as ``message_type`` and check its ``schema_version``.
+
+    Raises:
+      WireError: INVALID_ARGUMENT "malformed <Type>: ..." or "schema_version N is not
+        supported (this peer speaks 1)".
+    """
+    record = message_type()
+    try:
+        record.ParseFromString(bytes(data))
+    except DecodeError as err:
+        raise WireError(Code.INVALID_ARGUMENT, f"malformed {message_type.__name__}: {err}") from None
+    check_schema_version(record.schema_version)
+    return record
+
+
+def check_schema_version(version: int) -> None:
+    if version != SCHEMA_VERSION:
+        raise WireError(
+            Code.INVALID_ARGUMENT, f"schema_version {version} is not supported (this peer speaks {SCHEMA_VERSION})"
+        )
+
+
+def error(code: int, message: str) -> swarm_pb2.Error:
+    return swarm_pb2.Error(code=cast(Code, code), message=message)
+
+
+def step_ack(err: swarm_pb2.Error | WireError | None = None) -> bytes:
+    """A serialized ``StepAck``: no error (accepted) or ``err``."""
+    ack = swarm_pb2.StepAck(schema_version=SCHEMA_VERSION)
+    if err is not None:
+        ack.error.CopyFrom(err.to_error() if isinstance(err, WireError) else err)
+    return ack.SerializeToString()
+
+
+def step_ack_error(code: int, message: str) -> bytes:
+    return step_ack(error(code, message))
+
+
+#: ``step_ack()``, byte for byte (protobuf's serialization of it is deterministic)
+_STEP_TAKEN = step_ack()
+
+
+def step_ack_accepts(reply: bytes) -> bool:
+    """Whether ``reply`` is the plain accepting ``StepAck`` (``step_ack()``): all it says is
+    "taken" (``ImmediateHandler.is_acceptance`` of the step and result handlers)."""
+    return reply == _STEP_TAKEN
+
+
+def node_reply_error(code: int, message: str) -> bytes:
+    return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION, error=error(code, message)).SerializeToString()
+
+
+def tracker_reply_error(code: int, message: str) -> bytes:
+    return swarm_pb2.TrackerReply(schema_version=SCHEMA_VERSION, error=error(code, message)).SerializeToString()
+
+
+#: worker (gRPC) status names passed on as the swarm code of the same name; others are INTERNAL
+_PASSED_ON_CODES = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "INVALID_ARGUMENT")
+
+
+def worker_error_code(code_name: str) -> int:
+    """The swarm error code for a failed worker call (gRPC status names that exist in both)."""
+    return Code.Value(code_name) if code_name in _PASSED_ON_CODES else Code.INTERNAL

@@ -41,7 +41,7 @@ from agent.io.client import SwarmError
 from agent.io.net.transport import TransportError
 from agent.io.worker.vocab import VocabularyError
 
-from .auth import admit, authenticate
+from .auth import admit, authenticate, reserve, settle
 from .completion import Completion, prepare
 from .metrics import RelayMetrics
 from .responses import CompletionResponse, error_response
@@ -117,14 +117,24 @@ def build_app(state: RelayState) -> Starlette:
             principal = authenticate(state, request)
             body = await _read_json(request, state.config.max_body_bytes, state.config.body_timeout_s)
             req = parse_request(body, kind)
-            prompt = await prepare(state, req)
-            admit(state, principal)
+            admit(state, principal)  # before the prompt is tokenized: a spent key costs no work
             state.concurrent[principal.name] = state.concurrent.get(principal.name, 0) + 1
-
-            def release() -> None:
+            try:
+                prompt = await prepare(state, req)
+                budget = reserve(state, principal, len(prompt.tokens), prompt.max_tokens)
+            except BaseException:
                 state.concurrent[principal.name] -= 1
+                raise
+            prompt.max_tokens = budget.max_tokens
+            completion = Completion(state, req, prompt, principal)
 
-            return CompletionResponse(Completion(state, req, prompt, principal), endpoint, release)  # type: ignore[return-value]
+            def release(client_left: bool) -> None:
+                state.concurrent[principal.name] -= 1
+                settle(
+                    state, principal, budget, len(prompt.tokens), completion.completion_tokens, client_left=client_left
+                )
+
+            return CompletionResponse(completion, endpoint, release)  # type: ignore[return-value]
 
         return handler
 

@@ -89,6 +89,8 @@ class RelayState:
         self.metrics = metrics
         self.now_s = now_s
         self.concurrent: dict[str, int] = {}
+        #: tokens held by each key's requests in flight (``auth.reserve``, until ``auth.settle``)
+        self.reserved: dict[str, int] = {}
         self.live_sessions = 0
         self._models: list[swarm_pb2.ModelEntry] = []
         self._models_at = -math.inf

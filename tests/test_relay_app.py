@@ -373,3 +373,36 @@ async def test_unknown_paths_and_methods_get_envelopes(app_parts) -> None:
     assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
     assert wrong.status_code == 405 and "error" in wrong.json()
     assert status.status_code == 200 and [m["alias"] for m in status.json()["models"]] == ["tiny", "plain"]
+
+
+@pytest.mark.timeout(30)
+async def test_status_hits_share_one_tracker_lookup_and_show_only_assigned_coverage(app_parts) -> None:
+    app, _key, client, _state = app_parts
+    lookups = []
+    honest = swarm_pb2.Assignment(model_sha256=SHA, begin=0, end=4)
+    boaster = swarm_pb2.Assignment(model_sha256=SHA, begin=0, end=2)  # reported, never assigned
+
+    async def list_nodes() -> list[swarm_pb2.NodeEntry]:
+        lookups.append(trio.current_time())
+        await trio.sleep(0)  # the other hits arrive while this one waits on the tracker
+        ready = swarm_pb2.AssignmentStatus.READY
+        return [
+            swarm_pb2.NodeEntry(peer_id="honest", alive=True, assigned=[honest],
+                                serving=[swarm_pb2.AssignmentStatus(assignment=honest, state=ready)]),
+            swarm_pb2.NodeEntry(peer_id="boaster", alive=True,
+                                serving=[swarm_pb2.AssignmentStatus(assignment=boaster, state=ready)]),
+        ]  # fmt: skip
+
+    client.list_nodes = list_nodes  # type: ignore[method-assign]
+    replies = []
+    async with _http(app) as http:
+
+        async def hit() -> None:
+            replies.append(await http.get("/status.json"))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(50):
+                nursery.start_soon(hit)
+    assert len(lookups) == 1 and all(r.status_code == 200 for r in replies)
+    (tiny,) = [m for m in replies[0].json()["models"] if m["alias"] == "tiny"]
+    assert [c["peer_id"] for c in tiny["coverage"]] == ["honest"] and tiny["covered"]

@@ -197,7 +197,7 @@ def _model_card(entry: swarm_pb2.ModelEntry) -> dict:
 async def _status(state: RelayState) -> dict:
     try:
         models = await state.models()
-        nodes = await state.client.list_nodes()
+        nodes = await state.nodes()
     except (SwarmError, TransportError, ApiError) as error:
         log.warning("status: the tracker cannot be reached: %s", error)
         models, nodes = [], []
@@ -206,8 +206,12 @@ async def _status(state: RelayState) -> dict:
     for entry in models:
         coverage: list[dict[str, Any]] = []
         for node in nodes:
+            # what the tracker assigned, in the state the node reports: a node's word alone that it
+            # serves a range nobody gave it is not coverage
+            assigned = {(a.model_sha256, a.begin, a.end) for a in node.assigned}
             for status in node.serving:
-                if status.assignment.model_sha256 != entry.sha256:
+                key = (status.assignment.model_sha256, status.assignment.begin, status.assignment.end)
+                if status.assignment.model_sha256 != entry.sha256 or key not in assigned:
                     continue
                 coverage.append({
                     "peer_id": node.peer_id, "begin": status.assignment.begin, "end": status.assignment.end,

@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 import trio
+import trio.lowlevel
 
 from agent._proto import swarm_pb2
 from agent.core.owner.chat_template import ChatTemplate
@@ -384,7 +385,7 @@ async def test_status_hits_share_one_tracker_lookup_and_show_only_assigned_cover
 
     async def list_nodes() -> list[swarm_pb2.NodeEntry]:
         lookups.append(trio.current_time())
-        await trio.sleep(0)  # the other hits arrive while this one waits on the tracker
+        await trio.lowlevel.checkpoint()  # the other hits arrive while this one waits on the tracker
         ready = swarm_pb2.AssignmentStatus.READY
         return [
             swarm_pb2.NodeEntry(peer_id="honest", alive=True, assigned=[honest],

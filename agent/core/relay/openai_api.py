@@ -228,7 +228,7 @@ def _seed(seed: Any) -> int | None:
     """A request's ``seed``: any 64-bit integer, as OpenAI takes it. -1 asks for a random seed, as
     llama.cpp's server reads it (clients written for it send -1); other negative seeds are taken
     as their unsigned 64-bit value, since the generator wants a non-negative one."""
-    if seed is None or seed == -1 and _is_int(seed):
+    if seed is None or (seed == -1 and _is_int(seed)):
         return None
     if not _is_int(seed) or not -(2**63) <= seed < 2**64:
         raise _bad(f"'seed' must be a 64-bit integer, got {seed!r}", "seed")

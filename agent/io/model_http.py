@@ -8,13 +8,13 @@ tests check exactly what a node fetched). Its state is bounded: one counter per 
 Tests that need more (every request's Range header, a connection cut after N bytes) use
 ``agent.testing.model_http``'s subclass, through the two seams ``requested`` and
 ``next_chunk_bytes``. Run on Hypercorn's trio worker, in the caller's trio loop, as the relay
-runs (agent/io/relay/server.py). Range parsing is the core's
+runs (``agent.io.http_serve``). Range parsing is the core's
 (``agent.core.node.range_fetch.parse_range_header``).
 
 Bounded for anyone who can reach it: at most ``max_responses`` bodies in flight (more are
 answered 503 with Retry-After at once, before any file is opened), and a client that stops
-reading for ``send_timeout_s`` loses its connection, so clients that never read cannot hold
-file descriptors and buffers for ever; slow request headers are cut by Hypercorn's read timeout.
+reading for ``send_timeout_s`` loses its connection (``agent.io.http_serve``), so clients that
+never read cannot hold file descriptors and buffers for ever.
 
 Nothing listens publicly unless told: the bind address is the caller's (the CLI defaults it
 to 127.0.0.1). Every byte a node receives is checked against the tracker-signed manifest, so
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 
 import trio
 
 from agent.core.node.range_fetch import parse_range_header
+from agent.io.http_serve import serve_asgi
 
 __all__ = ["ModelFileServer", "serve_model_files"]
 
@@ -42,8 +42,6 @@ CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_RESPONSES = 64
 #: a client that takes no bytes for this long is dropped (a fetch resumes where it stopped)
 DEFAULT_SEND_TIMEOUT_S = 30.0
-#: a request's headers must arrive within this
-READ_TIMEOUT_S = 30
 
 
 class ModelFileServer:
@@ -188,29 +186,6 @@ async def serve_model_files(
     Resource handling: the listening socket is closed when this returns.
     Cancellation: cancel the enclosing scope to stop serving (open responses are dropped).
     """
-    from hypercorn.config import Config as HypercornConfig
-    from hypercorn.trio import serve
-
-    class SendTimeoutConfig(HypercornConfig):
-        """Hypercorn shields its socket writes from cancellation, so a timeout in the app cannot
-        end a write to a client that reads nothing. The kernel can: TCP_USER_TIMEOUT on the
-        listening socket (accepted sockets inherit it) aborts a connection whose peer takes no
-        bytes, a zero window included, for that long (Linux; elsewhere the bound on responses
-        in flight still holds)."""
-
-        def create_sockets(self):
-            sockets = super().create_sockets()
-            if hasattr(socket, "TCP_USER_TIMEOUT"):
-                for sock in sockets.insecure_sockets:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(server.send_timeout_s * 1000))
-            return sockets
-
-    hyper = SendTimeoutConfig()
-    hyper.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    hyper.accesslog = None
-    hyper.errorlog = logging.getLogger("hypercorn.error")
-    hyper.graceful_timeout = 0.5
-    hyper.read_timeout = READ_TIMEOUT_S
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(lambda task_status: serve(server.app(), hyper, task_status=task_status))
-        task_status.started(binds[0])
+    await serve_asgi(
+        server.app(), host, port, send_timeout_s=server.send_timeout_s, graceful_timeout_s=0.5, task_status=task_status
+    )

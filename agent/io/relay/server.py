@@ -38,6 +38,7 @@ from starlette.routing import Route
 from agent._proto import swarm_pb2
 from agent.core.relay.openai_api import ApiError, check_json_content_type, check_unicode, parse_request
 from agent.io.client import SwarmError
+from agent.io.http_serve import serve_asgi
 from agent.io.net.transport import TransportError
 from agent.io.worker.vocab import VocabularyError
 
@@ -265,9 +266,6 @@ async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] 
     Resource handling:
       The HTTP server, the swarm client and every vocab worker are closed when this returns.
     """
-    from hypercorn.config import Config as HypercornConfig
-    from hypercorn.trio import serve
-
     from agent.io.client import SwarmClientConfig, open_swarm_client
     from agent.io.worker.vocab import serve_vocabularies
 
@@ -299,15 +297,10 @@ async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] 
                 )  # fmt: skip
                 state = RelayState(config, client, store, pool, RelayMetrics())
                 await _preload_vocabularies(state, config.preload_timeout_s)
-                hyper = HypercornConfig()
-                hyper.bind = [f"{_bind_host(config.listen_host)}:{config.listen_port}"]
-                hyper.accesslog = None
-                hyper.errorlog = logging.getLogger("hypercorn.error")
-                hyper.graceful_timeout = 1.0
-                # (ignored) hypercorn's ASGI callable type and Starlette's __call__ disagree on
-                # Scope/Receive/Send; both are ASGI 3 apps at run time
-                binds = await nursery.start(lambda task_status: serve(build_app(state), hyper, task_status=task_status))  # type: ignore[arg-type]
-                url = binds[0]
+                # a stream nobody reads is cut after serve_asgi's send timeout, freeing its key's slot
+                url = await nursery.start(
+                    serve_asgi, build_app(state), config.listen_host.strip("[]"), config.listen_port
+                )
                 if config.addr_file is not None:
                     _write_atomically(config.addr_file, url + "\n")
                 log.info("relay listening on %s (peer id %s)", url, client.peer_id)
@@ -333,10 +326,6 @@ async def _preload_vocabularies(state: RelayState, timeout_s: float) -> None:
         async with trio.open_nursery() as nursery:
             for entry in models:
                 nursery.start_soon(one, entry)
-
-
-def _bind_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -264,7 +264,7 @@ class FakeNode:
             reply.token_ids.extend(ALPHABET.index(c) for c in request.tokenize.text)
             reply.eog_token_ids.append(EOG)
         elif kind == "detokenize":
-            reply.text = "".join(ALPHABET[t] for t in request.detokenize.token_ids)
+            reply.text = "".join(ALPHABET[t] for t in request.detokenize.token_ids).encode()
         elif kind == "end_session":
             self.ended.append(bytes(request.end_session.session_id))
         return reply.SerializeToString()

@@ -49,7 +49,7 @@ from agent.core.owner.recovery import AfterFailure, after_failure, replan_left, 
 from agent.core.owner.sampling import SamplingParams
 from agent.core.owner.session import Session
 from agent.core.owner.spot_check import RouteSegment, rollback_point
-from agent.core.relay.text_stream import TextStream
+from agent.core.owner.text_stream import TextStream, whole_utf8
 from agent.core.wire.swarm_wire import SESSION_ID_BYTES
 from agent.core.wire.topk import TopLogits
 from agent.io.client.config import SwarmClientConfig
@@ -131,7 +131,7 @@ class SwarmClient(ResumingClient):
             current_route = on_route
             if on_text is None or token in stop_tokens:
                 return False
-            text = await self.detokenize(on_route, generated)
+            text = whole_utf8(await self.detokenize(on_route, generated))
             if text.startswith(shown) and len(text) > len(shown):
                 on_text(text[len(shown) :])
                 shown = text
@@ -142,7 +142,7 @@ class SwarmClient(ResumingClient):
             on_token=stream, route=route,
         )  # fmt: skip
         final_tokens = result.tokens[:-1] if result.stopped_by_token else result.tokens
-        text = await self.detokenize(current_route, final_tokens) if final_tokens else ""
+        text = (await self.detokenize(current_route, final_tokens)).decode("utf-8", "replace") if final_tokens else ""
         if on_text is not None and text.startswith(shown) and len(text) > len(shown):
             on_text(text[len(shown) :])
         result.text = text

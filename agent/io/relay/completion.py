@@ -24,6 +24,7 @@ import trio
 from agent._proto import swarm_pb2
 from agent.core.owner.chat_template import ChatTemplateError
 from agent.core.owner.sampling import SamplingParams
+from agent.core.owner.text_stream import TextStream
 from agent.core.relay.openai_api import (
     ApiError,
     CompletionRequest,
@@ -35,7 +36,6 @@ from agent.core.relay.openai_api import (
     token_logprobs,
     usage,
 )
-from agent.core.relay.text_stream import TextStream
 from agent.io.client import GenerationError, SwarmError
 from agent.io.net.transport import TransportError
 from agent.io.worker.vocab import ModelVocab, VocabularyError

@@ -10,7 +10,7 @@ the status page and ``/metrics`` ``status_page``'s and ``metrics``'.
 
 Decisions are the core's: which bodies are valid and what responses look like
 (``agent.core.relay.openai_api``), chat prompts (``agent.core.owner.chat_template``), streamed text and
-stop strings (``agent.core.relay.text_stream``), quotas and credit (``agent.core.relay.quotas``), which
+stop strings (``agent.core.owner.text_stream``), quotas and credit (``agent.core.relay.quotas``), which
 results a session takes and the next token (``agent.core.owner.session``).
 
 Order of checks for a request, as OpenAI's: key (401), body size (413), body (400), model

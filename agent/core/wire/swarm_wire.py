@@ -33,7 +33,9 @@ from agent._proto import swarm_pb2
 
 __all__ = [
     "MAX_BATCH_STEPS",
+    "MAX_TRACKER_REQUEST_BYTES",
     "NODE_PROTOCOL",
+    "PUNCH_PROTOCOL",
     "RESULT_PROTOCOL",
     "SCHEMA_VERSION",
     "SESSION_ID_BYTES",
@@ -44,6 +46,7 @@ __all__ = [
     "check_schema_version",
     "crc32",
     "error",
+    "max_request_bytes",
     "node_reply_error",
     "parse_record",
     "step_ack",
@@ -61,6 +64,22 @@ STEPS_PROTOCOL = "/baton/steps/1.0.0"  # StepBatch -> StepBatchAck (a Forward's 
 MAX_BATCH_STEPS = 4096  # entries one StepBatch may carry (a Forward has at most n_batch_max rows)
 RESULT_PROTOCOL = "/baton/result/1.0.0"  # StepResult -> StepAck
 NODE_PROTOCOL = "/baton/node/1.0.0"  # NodeRequest -> NodeReply
+PUNCH_PROTOCOL = "/baton/punch/1.0.0"  # PunchRequest -> PunchReply, over the circuit relay (agent.core.wire.punch)
+
+#: The largest request a listener reads on a protocol, checked on the length prefix before a
+#: byte of the body is buffered. Anyone may open a stream to the tracker (registration comes
+#: first), so its protocol takes what its records need (a fingerprint, a heartbeat's report, a
+#: route request: kilobytes), not the 64 MiB a step's boundary rows may need: ten streams of
+#: 60 MB from one unadmitted peer once took a tracker to 1.6 GB.
+MAX_TRACKER_REQUEST_BYTES = 1 << 20
+_MAX_REQUEST_BYTES = {TRACKER_PROTOCOL: MAX_TRACKER_REQUEST_BYTES, PUNCH_PROTOCOL: 64 << 10}
+
+
+def max_request_bytes(protocol_id: str, max_frame_bytes: int) -> int:
+    """The largest request a listener reads on ``protocol_id``: its own bound, or the
+    transport's ``max_frame_bytes`` for protocols that carry rows (steps, results, node requests)."""
+    return min(max_frame_bytes, _MAX_REQUEST_BYTES.get(protocol_id, max_frame_bytes))
+
 
 #: The swarm schema version this code speaks (every top-level record carries it).
 SCHEMA_VERSION = 1

@@ -5,10 +5,14 @@ Owns the tracker's behaviour on the wire (docs/ARCHITECTURE.md, "The swarm proto
 UNLOAD directives, admission refresh), routes, the model list, model metadata (a GGUF's
 bytes before its tensor data, read from the registered file once and kept in memory), the
 node list; and when assignments are recomputed (a node registers, dies, or comes back).
-Decisions are the pure core's (``agent.core.wire.admission``, ``assignment``, ``routing``,
-``canary``, ``liveness`` (alive, pending, dead, when to sweep) and ``heartbeat`` (a report
-checked, newly failed models, the LOAD/UNLOAD diff, admission refresh)); state is the SQLite
-store's.
+Decisions are the pure core's: admissions (``agent.core.wire.admission``), route planning
+(``routing``), canaries (``canary``), and the live state as a reducer
+(``agent.core.tracker.reducer.apply(state, event, now_ms)``: registrations, heartbeats,
+sweeps, suspects, withdrawals, the assignment and which ranges are routable). ``Tracker``
+feeds it events (``_apply``) with the one clock it was given (unix ms following trio's clock),
+keeps the state it returns in ``state``, and performs its effects in order: store writes
+(the SQLite store is the state's durable copy, read back at a restart), the canary
+schedule's bookkeeping, logs, wake-ups; the request handlers turn the rest into replies.
 
 Output integrity (docs/INTEGRITY.md): the tracker's part (canary outcomes, withdrawn ranges, the
 gate on routes, owners' integrity requests and mismatch reports) is ``OutputIntegrity``

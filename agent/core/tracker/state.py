@@ -12,7 +12,9 @@ Owns the vocabulary of the tracker's reducer (docs/ARCHITECTURE.md, "The house")
 
 Every record is frozen and every mapping in a state is built once and never mutated: an
 update makes new mappings (``dataclasses.replace``), so a state a test or the shell holds is
-a snapshot. A heartbeat copies the per-node maps (O(nodes)), which at a heartbeat a second
+a snapshot. (The protobuf messages a state holds, what heartbeats reported, are mutable
+objects by nature: the reducer keeps them as received and never changes one; callers must
+not either.) A heartbeat copies the per-node maps (O(nodes)), which at a heartbeat a second
 from each of a few thousand nodes stays far below the store write the heartbeat makes anyway.
 
 One time base: ``now_ms``, the tracker's clock (unix ms; the shell's follows trio's monotonic

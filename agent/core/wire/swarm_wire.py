@@ -22,6 +22,7 @@ agent.io, nor the step modules above (they import this one).
 
 from __future__ import annotations
 
+import enum
 import zlib
 from collections.abc import Sequence
 from typing import Protocol, TypeVar, cast
@@ -43,6 +44,7 @@ __all__ = [
     "STEP_PROTOCOL",
     "TRACKER_PROTOCOL",
     "WireError",
+    "WorkerCall",
     "check_schema_version",
     "crc32",
     "error",
@@ -204,10 +206,33 @@ def tracker_reply_error(code: int, message: str) -> bytes:
     return swarm_pb2.TrackerReply(schema_version=SCHEMA_VERSION, error=error(code, message)).SerializeToString()
 
 
-#: worker (gRPC) status names passed on as the swarm code of the same name; others are INTERNAL
+class WorkerCall(enum.Enum):
+    """What kind of worker call failed: whose fault its failure can be decides the swarm code
+    (``worker_error_code``)."""
+
+    #: a step's compute (a Forward, a data-plane step): the worker's own code where the swarm
+    #: has it (RESOURCE_EXHAUSTED: no room; UNAVAILABLE; INVALID_ARGUMENT: the step), else INTERNAL
+    COMPUTE = "compute"
+    #: an owner's request the worker checks (a data-plane bind, a continuation): the request
+    #: does not fit the worker's state (INVALID_ARGUMENT, FAILED_PRECONDITION), or the worker
+    #: cannot take it now (anything else: UNAVAILABLE)
+    OWNER_REQUEST = "owner_request"
+    #: the node's own bookkeeping (unbind, trim, tokenize, ...): the worker cannot be asked
+    CONTROL = "control"
+
+
+#: worker (gRPC) status names a step's failure passes on as the swarm code of the same name
 _PASSED_ON_CODES = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "INVALID_ARGUMENT")
+#: worker (gRPC) status names that mean an owner's request does not fit the worker's state
+_REQUEST_REFUSED_CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION")
 
 
-def worker_error_code(code_name: str) -> int:
-    """The swarm error code for a failed worker call (gRPC status names that exist in both)."""
+def worker_error_code(code_name: str, call: WorkerCall = WorkerCall.COMPUTE) -> int:
+    """The swarm error code for a failed worker ``call`` whose gRPC status is ``code_name``
+    ("" when unknown, e.g. a reply that did not decode). The one place a worker's failure
+    becomes a swarm code: every node path and the owner's data plane ask it."""
+    if call is WorkerCall.CONTROL:
+        return Code.UNAVAILABLE
+    if call is WorkerCall.OWNER_REQUEST:
+        return Code.INVALID_ARGUMENT if code_name in _REQUEST_REFUSED_CODES else Code.UNAVAILABLE
     return Code.Value(code_name) if code_name in _PASSED_ON_CODES else Code.INTERNAL

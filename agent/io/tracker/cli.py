@@ -567,7 +567,7 @@ async def _serve_async(args: argparse.Namespace, store, config, key) -> int:
             server = ModelFileServer({name: path for name, path in files.items() if path is not None})
             host, port = args.serve_models
             base_url = await nursery.start(serve_model_files, server, host, port)
-            tracker.model_files.model_base_url = args.models_base_url or base_url
+            tracker.set_model_base_url(args.models_base_url or base_url)
             log.info("serving %d model files at %s/models/ (told to nodes: %s)", len(server.files), base_url,
                      tracker.model_files.model_base_url)  # fmt: skip
         transport.relay_policy = RelayPolicy(tracker.may_hold_relay_reservation, tracker.may_open_relay_circuit)

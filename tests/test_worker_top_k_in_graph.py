@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from agent.core.topk import WORKER_GRAPH_LOG_SUM_EXP_BOUND, select_top_k
-from agent.core.worker_records import SeqInput
+from agent.core.worker_records import SeqInput, SeqOutput
 from agent.io.worker_process import open_worker
 
 pytestmark = pytest.mark.worker
@@ -41,12 +41,20 @@ def check_row(got_ids: np.ndarray, got_logits: np.ndarray, got_lse: float, row: 
     return bool(tie_past_k)
 
 
+def full_rows(out: SeqOutput) -> np.ndarray:
+    assert out.logits is not None
+    return out.logits
+
+
 async def compare_graph_with_host(model: Path) -> tuple[int, float]:
     """Rows compared and the largest |lse difference|."""
-    flags = {"threads": 1, "ctx_size": 64, "max_sequences": 4}
     async with (
-        open_worker(model, 0, None, extra_args=("--top-k-in-graph", "off"), **flags) as host,
-        open_worker(model, 0, None, extra_args=("--top-k-in-graph", "on"), **flags) as graph,
+        open_worker(
+            model, 0, None, threads=1, ctx_size=64, max_sequences=4, extra_args=("--top-k-in-graph", "off")
+        ) as host,
+        open_worker(
+            model, 0, None, threads=1, ctx_size=64, max_sequences=4, extra_args=("--top-k-in-graph", "on")
+        ) as graph,
     ):
         n_vocab = host.info.n_vocab
         rows = [[0, len(p) // 2, len(p) - 1] for p in PROMPTS]
@@ -64,11 +72,11 @@ async def compare_graph_with_host(model: Path) -> tuple[int, float]:
             assert top[s].logits is None and len(top[s].top) == len(rows[s])
             for r, got in enumerate(top[s].top):
                 assert got.k == PREFILL_TOP_K[s] and got.n_vocab == n_vocab
-                check_row(got.ids, got.logits, got.log_sum_exp, full[s].logits[r], got.k)
-                worst = max(worst, abs(got.log_sum_exp - select_top_k(full[s].logits[r], 1)[2]))
+                check_row(got.ids, got.logits, got.log_sum_exp, full_rows(full[s])[r], got.k)
+                worst = max(worst, abs(got.log_sum_exp - select_top_k(full_rows(full[s])[r], 1)[2]))
                 compared += 1
         next_pos = [len(p) for p in PROMPTS]
-        tokens = [int(full[s].logits[-1].argmax()) for s in range(len(PROMPTS))]
+        tokens = [int(full_rows(full[s])[-1].argmax()) for s in range(len(PROMPTS))]
         for k in DECODE_TOP_K:
             steps = [SeqInput(s, [next_pos[s]], token_ids=[tokens[s]]) for s in range(len(PROMPTS))]
             full = await host.client.forward(steps)
@@ -76,8 +84,8 @@ async def compare_graph_with_host(model: Path) -> tuple[int, float]:
             for s in range(len(PROMPTS)):
                 got = top[s].top[0]
                 assert got.k == k
-                check_row(got.ids, got.logits, got.log_sum_exp, full[s].logits[0], k)
-                worst = max(worst, abs(got.log_sum_exp - select_top_k(full[s].logits[0], 1)[2]))
+                check_row(got.ids, got.logits, got.log_sum_exp, full_rows(full[s])[0], k)
+                worst = max(worst, abs(got.log_sum_exp - select_top_k(full_rows(full[s])[0], 1)[2]))
                 compared += 1
                 tokens[s], next_pos[s] = int(got.ids[0]), next_pos[s] + 1
         # an entry asking for the full row: no selection in the graph for that Forward
@@ -87,7 +95,7 @@ async def compare_graph_with_host(model: Path) -> tuple[int, float]:
                 SeqInput(1, [next_pos[1]], token_ids=[tokens[1]], top_k=3),
             ]
         )
-        assert mixed[0].logits.shape == (1, n_vocab) and mixed[1].top[0].k == 3
+        assert full_rows(mixed[0]).shape == (1, n_vocab) and mixed[1].top[0].k == 3
         return compared, worst
 
 

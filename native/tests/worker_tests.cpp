@@ -666,6 +666,10 @@ baton::ShardConfig test_config(const char * model, int32_t begin, int32_t end) {
     c.threads = 2;
     c.gpu_layers = test_gpu_layers();
     c.model_sha256 = std::string(64, '0');  // hashing is tested elsewhere; keep the test fast
+    // the host path, whose log-sum-exp is log_sum_exp's bit for bit, also with
+    // BATON_TEST_GPU_LAYERS=-1 (where kAuto would select in the graph); the in-graph path is
+    // graph_top_k_shard()'s
+    c.top_k_in_graph = baton::TopKInGraph::kOff;
     return c;
 }
 

@@ -1105,12 +1105,14 @@ TEST_CASE("top-K rows equal select_top_k and log_sum_exp of the full rows") {
 
 namespace {
 
-// The whole model selecting top-K in its graph (--top-k-in-graph on), loaded by the first case
-// that asks; its sequences released like model_shards()'.
-baton::Shard * graph_top_k_shard() {
-    static std::unique_ptr<baton::Shard> shard;
+// A range of the model selecting top-K in its graph (--top-k-in-graph on): the whole model
+// (tail false) or [10,30), loaded by the first case that asks; its sequences released like
+// model_shards()'.
+baton::Shard * graph_top_k_shard(bool tail = false) {
+    static std::unique_ptr<baton::Shard> shards[2];
+    std::unique_ptr<baton::Shard> & shard = shards[tail ? 1 : 0];
     if (!shard) {
-        baton::ShardConfig c = test_config(test_model(), 0, -1);
+        baton::ShardConfig c = test_config(test_model(), tail ? 10 : 0, -1);
         c.top_k_in_graph = baton::TopKInGraph::kOn;
         try {
             shard = std::make_unique<baton::Shard>(c);
@@ -1131,9 +1133,11 @@ struct TopKTally {
 // One Forward of entries on the host path, the same again with full rows (the sequences trimmed
 // back in between: the same logits, bit for bit), and on the in-graph shard; then, row by row,
 // the same ids (but where the k-th value is tied past k: topk_select.h), the same values, and
-// log-sum-exps within kGraphLogSumExpTolerance. Returns the host's outputs.
+// log-sum-exps within kGraphLogSumExpTolerance. Returns the host's outputs (the graph's into
+// *graph_out when given).
 std::vector<ForwardOutput> compare_graph_top_k(baton::Shard * host, baton::Shard * graph,
-                                               const std::vector<ForwardEntry> & entries, TopKTally * tally) {
+                                               const std::vector<ForwardEntry> & entries, TopKTally * tally,
+                                               std::vector<ForwardOutput> * graph_out = nullptr) {
     std::vector<ForwardOutput> by_host;
     std::vector<ForwardOutput> full;
     std::vector<ForwardOutput> by_graph;
@@ -1183,6 +1187,9 @@ std::vector<ForwardOutput> compare_graph_top_k(baton::Shard * host, baton::Shard
             tally->max_lse_diff = std::max(tally->max_lse_diff, diff);
         }
     }
+    if (graph_out != nullptr) {
+        *graph_out = std::move(by_graph);
+    }
     return by_host;
 }
 
@@ -1192,7 +1199,8 @@ std::vector<ForwardOutput> compare_graph_top_k(baton::Shard * host, baton::Shard
 // the host path (select_top_k, log_sum_exp): a prefill of three sequences, several logit rows
 // and a different K each (one graph K, the largest, read as each entry's prefix), then batched
 // decode steps at K = 1, 40 and 1000; then a batch where one entry asks for full rows, which
-// takes the host path for all.
+// takes the host path for all. The prefill also through [0,10) -> [10,30) selecting in the graph:
+// the split's logits are the whole model's, bit for bit, so its selection is too.
 TEST_CASE("in-graph top-K equals the host path's: ids and values exact, log-sum-exp within the bound") {
     ModelShards & m = model_shards();
     baton::Shard * host = m.whole.get();
@@ -1209,7 +1217,33 @@ TEST_CASE("in-graph top-K equals the host path's: ids and values exact, log-sum-
                                                                 : std::vector<uint32_t>{0, last / 2, last}));
         prefill.back().top_k = ks[s];
     }
-    std::vector<ForwardOutput> out = compare_graph_top_k(host, graph, prefill, &tally);
+    std::vector<ForwardOutput> whole_graph;
+    std::vector<ForwardOutput> out = compare_graph_top_k(host, graph, prefill, &tally, &whole_graph);
+    {
+        baton::Shard * head = m.head.get();
+        baton::Shard * tail = graph_top_k_shard(true);
+        std::vector<ForwardOutput> mid;
+        std::vector<ForwardOutput> split;
+        REQUIRE_OK(head->forward(prefill, &mid));
+        std::vector<ForwardEntry> tail_entries;
+        for (size_t s = 0; s < prefill.size(); ++s) {
+            ForwardEntry e = prefill[s];
+            e.token_ids.clear();
+            e.boundary = mid[s].boundary;
+            e.boundary_dtype = BoundaryDType::kF32;
+            tail_entries.push_back(std::move(e));
+        }
+        REQUIRE_OK(tail->forward(tail_entries, &split));
+        REQUIRE(split.size() == whole_graph.size());
+        for (size_t s = 0; s < split.size(); ++s) {
+            CAPTURE(s);
+            CHECK(split[s].top_token_ids == whole_graph[s].top_token_ids);
+            CHECK(split[s].top_logits == whole_graph[s].top_logits);
+            CHECK(split[s].log_sum_exp == whole_graph[s].log_sum_exp);
+        }
+        release_sequences(head);
+        release_sequences(tail);
+    }
     std::vector<int32_t> next_token(3);
     std::vector<int32_t> next_pos(3);
     for (size_t s = 0; s < 3; ++s) {

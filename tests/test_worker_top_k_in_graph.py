@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.core.topk import WORKER_GRAPH_LOG_SUM_EXP_BOUND, select_top_k
-from agent.core.worker_records import SeqInput, SeqOutput
-from agent.io.worker_process import open_worker
+from agent.core.wire.topk import WORKER_GRAPH_LOG_SUM_EXP_BOUND, select_top_k
+from agent.core.wire.worker_records import SeqInput, SeqOutput
+from agent.io.worker.process import open_worker
 
 pytestmark = pytest.mark.worker
 

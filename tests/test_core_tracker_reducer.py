@@ -40,6 +40,7 @@ from agent.core.tracker.state import (
     TrackerRules,
     TrackerState,
 )
+from agent.core.wire.swarm_wire import WireError
 
 pytestmark = pytest.mark.unit
 
@@ -270,3 +271,25 @@ def test_nonces_are_pruned_once_per_registration_age() -> None:
     assert of(t(Sweep(), 0), PruneNonces) == [PruneNonces(0 - RULES.nonce_retention_ms)]
     assert of(t(Sweep(), RULES.registration_max_age_ms - 1), PruneNonces) == []
     assert of(t(Sweep(), RULES.registration_max_age_ms), PruneNonces) != []
+
+
+def test_a_heartbeats_error_text_is_kept_printable_and_a_report_too_big_or_garbled_is_refused() -> None:
+    from agent.core.tracker.heartbeat import MAX_REPORTED_RANGES, read_report
+
+    failed = swarm_pb2.AssignmentStatus(
+        assignment=swarm_pb2.Assignment(model_sha256="ab" * 32, begin=0, end=10),
+        state=swarm_pb2.AssignmentStatus.FAILED,
+        error="out of memory\x1b[2J\nINFO tracker: node ok",
+    )
+    report = read_report("peer", [failed], [])
+    (kept,) = report.serving
+    assert kept.error == "out of memory\\x1b[2J\\nINFO tracker: node ok"
+    assert next(iter(report.reported.values())).error == kept.error and failed.error.startswith("out")
+    too_many = [failed] * (MAX_REPORTED_RANGES + 1)
+    with pytest.raises(WireError, match="over 256"):
+        read_report("peer", too_many, [])
+    garbled = swarm_pb2.AssignmentStatus()
+    garbled.CopyFrom(failed)
+    garbled.recipe_hash = "\x1b[31m"
+    with pytest.raises(WireError, match="is not a printable token"):
+        read_report("peer", [garbled], [])

@@ -67,7 +67,7 @@ from agent.core.tracker.state import (
     TrackerRules,
     TrackerState,
 )
-from agent.core.wire.swarm_wire import WireError
+from agent.core.wire.swarm_wire import WireError, check_listen_addrs
 
 __all__ = ["apply", "live_sessions", "ready_ranges", "restore"]
 
@@ -230,11 +230,12 @@ def _heartbeat(state: TrackerState, beat: Heartbeat, now_ms: int, effects: list[
     peer = beat.peer_id
     try:
         reading = read_report(peer, beat.serving, [m for p, m in state.failed if p == peer])
+        check_listen_addrs(beat.listen_addrs or ())
     except WireError as err:
         effects.append(Refuse(err.code, err.message))
         return state
     liveness, heard = state.liveness.heard(peer, now_ms)
-    effects.append(StoreHeartbeat(peer, beat.listen_addrs, beat.serving))
+    effects.append(StoreHeartbeat(peer, beat.listen_addrs, reading.serving))
     assignments = dict(state.assignments)
     for assigned, status in reading.reported.items():
         if assigned in assignments:  # a range not assigned to it is not recorded
@@ -257,7 +258,7 @@ def _heartbeat(state: TrackerState, beat: Heartbeat, now_ms: int, effects: list[
         failed=state.failed | {(peer, m) for m in reading.newly_failed},
         load_failures=load_failures,
         heard_at_ms=_with(state.heard_at_ms, peer, now_ms),
-        serving=_with(state.serving, peer, beat.serving),
+        serving=_with(state.serving, peer, reading.serving),
         peer_paths=_with(state.peer_paths, peer, beat.peer_paths[:MAX_PEER_PATHS]),
     )
     if heard.revived:

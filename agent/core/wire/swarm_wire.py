@@ -23,6 +23,7 @@ agent.io, nor the step modules above (they import this one).
 from __future__ import annotations
 
 import enum
+import unicodedata
 import zlib
 from collections.abc import Sequence
 from typing import Protocol, TypeVar, cast
@@ -33,7 +34,9 @@ from google.protobuf.message import DecodeError
 from agent._proto import swarm_pb2
 
 __all__ = [
+    "MAX_ADDR_CHARS",
     "MAX_BATCH_STEPS",
+    "MAX_LISTEN_ADDRS",
     "MAX_TRACKER_REQUEST_BYTES",
     "NODE_PROTOCOL",
     "PUNCH_PROTOCOL",
@@ -45,12 +48,14 @@ __all__ = [
     "TRACKER_PROTOCOL",
     "WireError",
     "WorkerCall",
+    "check_listen_addrs",
     "check_schema_version",
     "crc32",
     "error",
     "max_request_bytes",
     "node_reply_error",
     "parse_record",
+    "printable",
     "step_ack",
     "step_ack_accepts",
     "step_ack_error",
@@ -75,6 +80,35 @@ PUNCH_PROTOCOL = "/baton/punch/1.0.0"  # PunchRequest -> PunchReply, over the ci
 #: 60 MB from one unadmitted peer once took a tracker to 1.6 GB.
 MAX_TRACKER_REQUEST_BYTES = 1 << 20
 _MAX_REQUEST_BYTES = {TRACKER_PROTOCOL: MAX_TRACKER_REQUEST_BYTES, PUNCH_PROTOCOL: 64 << 10}
+
+
+def printable(text: str, max_chars: int) -> str:
+    """``text`` a peer sent, made safe to show in a terminal or a log line: every control,
+    format or unassigned character (ANSI escapes, newlines that forge log lines, bidi overrides)
+    written as its escape (``\\x1b``, ``\\n``, ``\\u202e``), and at most ``max_chars`` kept."""
+    out = []
+    for ch in text[:max_chars]:
+        out.append(ch.encode("unicode_escape").decode("ascii") if unicodedata.category(ch)[0] == "C" else ch)
+    return "".join(out) + ("…" if len(text) > max_chars else "")
+
+
+#: addresses one peer may advertise, and the length of one
+MAX_LISTEN_ADDRS = 16
+MAX_ADDR_CHARS = 512
+
+
+def check_listen_addrs(addrs: Sequence[str]) -> None:
+    """Refuse (WireError INVALID_ARGUMENT) addresses no peer could dial and a terminal should not
+    show: more than ``MAX_LISTEN_ADDRS``, longer than ``MAX_ADDR_CHARS``, or not printable
+    ASCII multiaddr text."""
+    if len(addrs) > MAX_LISTEN_ADDRS:
+        raise WireError(Code.INVALID_ARGUMENT, f"listen_addrs lists {len(addrs)} addresses, over {MAX_LISTEN_ADDRS}")
+    for i, addr in enumerate(addrs):
+        if not addr.startswith("/") or len(addr) > MAX_ADDR_CHARS or not (addr.isascii() and addr.isprintable()):
+            raise WireError(
+                Code.INVALID_ARGUMENT,
+                f"listen_addrs[{i}] {printable(addr, 80)!r} is not a multiaddr of at most {MAX_ADDR_CHARS} characters",
+            )
 
 
 def max_request_bytes(protocol_id: str, max_frame_bytes: int) -> int:

@@ -68,6 +68,8 @@ from pathlib import Path
 
 from agent import cli_args
 from agent.core.node.worker_wait import AUTO, WAIT_CHOICES
+from agent.core.tracker.heartbeat import MAX_ERROR_CHARS
+from agent.core.wire.swarm_wire import MAX_ADDR_CHARS, printable
 
 __all__ = ["add_arguments", "build_parser", "main", "parse_model_arg"]
 
@@ -382,7 +384,7 @@ def _nodes(args: argparse.Namespace) -> int:
             "yes" if entry.alive else "no",
             _utc(entry.last_heartbeat_ms),
             _human_bytes(entry.usable_memory_bytes),
-            ",".join(entry.listen_addrs) or "-",
+            ",".join(printable(a, MAX_ADDR_CHARS) for a in entry.listen_addrs) or "-",
             _checks(entry),
             ", ".join(f"{name} {state}" for name, state, _ in ranges) or "-",
         ))  # fmt: skip
@@ -392,6 +394,8 @@ def _nodes(args: argparse.Namespace) -> int:
             failures.append((entry.peer_id, "REFUSED", entry.refused))
     _print_table(rows)
     for peer_id, name, error in failures:
+        # (checked at intake; escaped here too for what a database of an older tracker holds)
+        error = printable(error, MAX_ERROR_CHARS)
         print(f"  {peer_id} {name}: {error}" if error else f"  {peer_id} {name}")
     return 0
 

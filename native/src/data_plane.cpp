@@ -10,7 +10,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -181,8 +180,8 @@ bool parse_host_port(const std::string & text, std::string * host, uint16_t * po
 
 DataPlaneServer::DataPlaneServer(ShardWorkerService * service, const DataPlaneLimits & limits)
     : service_(service),
+      engine_(service->engine()),
       max_frame_bytes_(limits.max_frame_bytes),
-      prefill_pace_max_(limits.prefill_pace_max),
       unproven_timeout_(limits.unproven_timeout),
       max_connections_(limits.max_connections) {}
 
@@ -225,8 +224,8 @@ std::string DataPlaneServer::start(const std::string & host, uint16_t port) {
                                     : ntohs(reinterpret_cast<sockaddr_in *>(&bound)->sin_port);
     port_.store(bound_port, std::memory_order_relaxed);
     listen_fd_ = fd;
+    engine_.set_step_sink(this);
     accept_thread_ = std::thread([this] { accept_loop(); });
-    gather_timer_ = std::thread([this] { gather_timer_loop(); });
     return "";
 }
 
@@ -249,14 +248,7 @@ void DataPlaneServer::stop() {
     if (accept_thread_.joinable()) {
         accept_thread_.join();
     }
-    {
-        std::lock_guard<std::mutex> lock(mu_);
-        timer_stop_ = true;
-        timer_cv_.notify_all();
-    }
-    if (gather_timer_.joinable()) {
-        gather_timer_.join();
-    }
+    engine_.set_step_sink(nullptr);  // returns once a batch being computed has been sent on
     {
         std::lock_guard<std::mutex> lock(conn_mu_);
         connections.swap(connections_);
@@ -272,7 +264,6 @@ void DataPlaneServer::stop() {
     }
     std::lock_guard<std::mutex> lock(mu_);
     sessions_.clear();  // drops the weak sinks; the connections close with their last owner
-    queue_.clear();
 }
 
 std::shared_ptr<DataPlaneServer::Connection> DataPlaneServer::add_connection(int fd,
@@ -307,6 +298,7 @@ std::shared_ptr<DataPlaneServer::Connection> DataPlaneServer::add_connection(int
     try {
         conn->thread = std::thread([this, conn] {
             serve(conn);
+            connection_ended(conn.get());
             conn->open.store(false);
             ::shutdown(conn->fd, SHUT_RDWR);
             {
@@ -451,7 +443,10 @@ std::string DataPlaneServer::bind(const DataBinding & b) {
         return "a binding must bring fresh keys (these are the session's current ones)";
     }
     Session & s = sessions_[b.session_id];
-    const uint64_t generation = s.generation + 1;
+    if (s.generation != 0) {
+        engine_.unbind(s.generation);  // its queued steps are dropped
+    }
+    const uint64_t generation = ++next_generation_;
     s = Session{};
     s.generation = generation;
     s.seq_id = b.seq_id;
@@ -462,9 +457,8 @@ std::string DataPlaneServer::bind(const DataBinding & b) {
     s.next_step_key = b.next_step_key;
     s.return_key = b.return_key;
     s.keep_max = b.keep_rows_max_bytes;
-    s.gather_us = b.decode_gather_us;
-    s.groups = b.decode_groups;
     s.continue_key = b.continue_key;
+    engine_.bind(generation, b.decode_gather_us, b.decode_groups);
     return "";
 }
 
@@ -520,7 +514,8 @@ DataSessionTotals DataPlaneServer::unbind(const std::string & session_id, bool k
         totals.kept_rows.swap(found->second.kept);
         totals.kept_first_position = found->second.kept_first;
     }
-    sessions_.erase(found);  // its queued steps are dropped when a combiner meets them
+    engine_.unbind(found->second.generation);  // its queued steps are dropped
+    sessions_.erase(found);
     return totals;
 }
 
@@ -531,16 +526,14 @@ void DataPlaneServer::serve(const std::shared_ptr<Connection> & conn) {
         std::string buffer;
         size_t start = 0;
         char chunk[1 << 16];
+        std::vector<Pending> arrived;
         for (;;) {
-            bool queued_step = false;
             while (buffer.size() - start >= kPrefixBytes) {
                 const auto * p = reinterpret_cast<const unsigned char *>(buffer.data() + start);
                 const uint32_t size = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
                                       static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
                 if (size > max_frame_bytes_) {
-                    if (queued_step) {
-                        combine();
-                    }
+                    post_arrived(arrived);
                     const std::string notice = notice_frame(
                         "", "data plane: a frame of " + std::to_string(size) + " bytes is over the limit of " +
                                 std::to_string(max_frame_bytes_) + "; closing the connection");
@@ -551,18 +544,14 @@ void DataPlaneServer::serve(const std::shared_ptr<Connection> & conn) {
                 if (buffer.size() - start - kPrefixBytes < size) {
                     break;
                 }
-                const bool keep = handle_frame(conn, buffer.data() + start + kPrefixBytes, size, &queued_step);
+                const bool keep = handle_frame(conn, buffer.data() + start + kPrefixBytes, size, &arrived);
                 start += kPrefixBytes + size;
                 if (!keep) {
-                    if (queued_step) {
-                        combine();  // the steps read before the bad frame are still computed
-                    }
+                    post_arrived(arrived);  // the steps read before the bad frame are still computed
                     return;
                 }
             }
-            if (queued_step) {
-                combine();
-            }
+            post_arrived(arrived);
             buffer.erase(0, start);
             start = 0;
             if (!set_read_deadline(*conn)) {
@@ -585,7 +574,7 @@ void DataPlaneServer::serve(const std::shared_ptr<Connection> & conn) {
 }
 
 bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, const char * data, size_t size,
-                                   bool * queued_step) {
+                                   std::vector<Pending> * arrived) {
     auto refuse = [&](const std::string & session_id, const std::string & why, bool close) {
         const std::string notice = notice_frame(session_id, "data plane: " + why);
         std::lock_guard<std::mutex> lock(conn->send_mu);
@@ -620,7 +609,6 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
 
     std::string plain;
     std::string undelivered;
-    bool queued = false;
     std::string refusal;  // written after mu_ is released: a peer that does not read blocks only itself
     {
         std::lock_guard<std::mutex> lock(mu_);
@@ -659,9 +647,11 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
                 Pending pending;
                 pending.session_id = sid;
                 pending.generation = s.generation;
+                pending.seq_id = s.seq_id;
                 pending.read_at = std::chrono::steady_clock::now();
                 const bool parsed = pending.step.ParseFromString(plain);
-                queued = take_step(s, std::move(pending), parsed, continued);
+                s.source = conn.get();
+                take_step(s, std::move(pending), parsed, continued, arrived);
             }
             return "";
         }();
@@ -672,113 +662,30 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
     if (!undelivered.empty()) {
         std::lock_guard<std::mutex> lock(conn->send_mu);
         write_full(conn->fd, undelivered.data(), undelivered.size());
-        return true;
     }
-    *queued_step = *queued_step || queued;
     return true;
 }
 
-void DataPlaneServer::combine() {
+void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
+    std::vector<Pending> batch = std::move(steps);
     {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (combining_) {
-            return;  // the computing thread takes this step too before it stops
-        }
-        combining_ = true;
-    }
-    try {
-        combine_while_queued();
-    } catch (...) {
-        // (e.g. bad_alloc) the batch in hand is lost, but the next step finds the worker free
-        std::lock_guard<std::mutex> lock(mu_);
-        combining_ = false;
-        throw;  // the connection's thread logs it and ends that connection only
-    }
-}
-
-void DataPlaneServer::combine_while_queued() {
-    const uint32_t row_budget = service_->n_batch_max();
-    for (;;) {
-        std::vector<Pending> batch;
-        std::vector<uint32_t> seq_ids;
-        uint32_t shape_rows = 0;
-        {
-            std::lock_guard<std::mutex> lock(mu_);
-            if (!gather_ready(std::chrono::steady_clock::now())) {
-                combining_ = false;  // the arrival that completes the group, or the timer, runs it
-                return;
-            }
-            // Only steps of one shape share a Forward (decode rows with decode rows, chunks
-            // with chunks of their length), the rule agent/core/scheduler.py follows: llama.cpp
-            // then computes each sequence's rows as it would alone, so a session's numbers do
-            // not depend on who else is served (a mixed batch is split into ubatches of equal
-            // rows per sequence, which cuts a longer step into other pieces).
-            uint32_t rows = 0;
-            std::unordered_set<std::string> held;  // sessions with an earlier step in or left out
-            const size_t group_cap = decode_group_cap();
-            for (auto it = queue_.begin(); it != queue_.end();) {
-                auto s = sessions_.find(it->session_id);
-                if (s == sessions_.end() || s->second.generation != it->generation) {
-                    it = queue_.erase(it);  // unbound (or rebound) since: dropped
-                    continue;
-                }
-                const uint32_t n = static_cast<uint32_t>(it->step.positions_size());
-                if (held.count(it->session_id) != 0 ||
-                    (!batch.empty() && (n != shape_rows || rows + n > row_budget ||
-                                        (n == 1 && group_cap != 0 && batch.size() >= group_cap)))) {
-                    held.insert(it->session_id);  // one step a sequence a Forward, in order
-                    ++it;
-                    continue;
-                }
-                held.insert(it->session_id);
-                if (batch.empty()) {
-                    shape_rows = n;
-                }
-                rows += n;
-                seq_ids.push_back(s->second.seq_id);
-                batch.push_back(std::move(*it));
-                it = queue_.erase(it);
-            }
-            if (batch.empty()) {
-                combining_ = false;
-                return;
-            }
-        }
-        if (batch.size() > 1) {  // ascending sequence ids (see data_plane.h)
-            std::vector<size_t> order(batch.size());
-            for (size_t i = 0; i < order.size(); ++i) {
-                order[i] = i;
-            }
-            std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return seq_ids[a] < seq_ids[b]; });
-            std::vector<Pending> sorted;
-            std::vector<uint32_t> sorted_ids;
-            sorted.reserve(batch.size());
-            sorted_ids.reserve(batch.size());
-            for (size_t i : order) {
-                sorted.push_back(std::move(batch[i]));
-                sorted_ids.push_back(seq_ids[i]);
-            }
-            batch.swap(sorted);
-            seq_ids.swap(sorted_ids);
-        }
-
         // Compute: each entry checked alone first, so that one session's bad step is refused
         // alone; the rest in one Forward.
         std::vector<ShardStatus> status(batch.size());
         std::vector<ForwardOutput> outputs(batch.size());
         uint64_t compute_us = 0;
-        service_->with_shard([&](Shard & shard) {
-            {
-                // Unbound since it was taken: not computed. (UnbindSession reads the sequence's
-                // positions under this lock after unbinding, so it sees every step computed.)
-                std::lock_guard<std::mutex> lock(mu_);
-                for (size_t i = 0; i < batch.size(); ++i) {
-                    auto s = sessions_.find(batch[i].session_id);
-                    if (s == sessions_.end() || s->second.generation != batch[i].generation) {
-                        status[i] = ShardStatus::Precondition("unbound");
-                    }
+        {
+            // Unbound since it was taken: not computed. (UnbindSession reads the sequence's
+            // positions on the engine after unbinding, so it sees every step computed.)
+            std::lock_guard<std::mutex> lock(mu_);
+            for (size_t i = 0; i < batch.size(); ++i) {
+                auto s = sessions_.find(batch[i].session_id);
+                if (s == sessions_.end() || s->second.generation != batch[i].generation) {
+                    status[i] = ShardStatus::Precondition("unbound");
                 }
             }
+        }
+        [&] {
             const ForwardLimits limits = shard.limits();
             std::vector<int32_t> next(limits.n_seq_max);
             for (uint32_t q = 0; q < limits.n_seq_max; ++q) {
@@ -792,7 +699,7 @@ void DataPlaneServer::combine_while_queued() {
                     continue;
                 }
                 ForwardEntry e;
-                e.seq_id = seq_ids[i];
+                e.seq_id = batch[i].seq_id;
                 e.positions.assign(st.positions().begin(), st.positions().end());
                 e.token_ids.assign(st.token_ids().begin(), st.token_ids().end());
                 e.boundary = st.boundary();
@@ -827,14 +734,7 @@ void DataPlaneServer::combine_while_queued() {
                 steps_.fetch_add(index.size(), std::memory_order_relaxed);
                 compute_us_.fetch_add(compute_us, std::memory_order_relaxed);
             }
-        });
-        if (shape_rows == 1 && compute_us > 0) {
-            std::lock_guard<std::mutex> lock(mu_);
-            ++decode_forwards_;
-            if (pacing_waiters_ > 0) {
-                changed_.notify_all();  // a paced prefill Forward may go
-            }
-        }
+        }();
 
         std::vector<Outgoing> outgoing;
         outgoing.reserve(batch.size());
@@ -919,128 +819,6 @@ void DataPlaneServer::combine_while_queued() {
     }
 }
 
-bool DataPlaneServer::gather_ready(std::chrono::steady_clock::time_point now) {
-    const bool ready = hold_decision(now);
-    if (ready) {
-        holding_ = false;  // whatever the reason it runs now, no hold is left behind
-    }
-    return ready;
-}
-
-bool DataPlaneServer::hold_decision(std::chrono::steady_clock::time_point now) {
-    if (queue_.empty()) {
-        return true;
-    }
-    const auto front = sessions_.find(queue_.front().session_id);
-    if (front == sessions_.end() || front->second.generation != queue_.front().generation ||
-        front->second.gather_us == 0 || queue_.front().step.positions_size() != 1 ||
-        queue_.front().step.error_code() != 0) {
-        return true;  // not a lock-step decode step (or stale: the selection drops it)
-    }
-    std::unordered_set<std::string> waiting;
-    for (const Pending & p : queue_) {
-        const auto s = sessions_.find(p.session_id);
-        if (s == sessions_.end() || s->second.generation != p.generation) {
-            continue;
-        }
-        if (p.step.positions_size() != 1 || p.step.error_code() != 0 || s->second.gather_us == 0) {
-            return true;  // a chunk, a refusal or a step nobody holds waits: it runs now
-        }
-        waiting.insert(p.session_id);
-    }
-    size_t decoding = 0;
-    for (const auto & [sid, s] : sessions_) {
-        decoding += s.gather_us != 0 && s.decoding ? 1 : 0;
-    }
-    if (waiting.size() >= decoding) {
-        return true;  // every decoding session's step is here
-    }
-    if (!holding_) {
-        holding_ = true;
-        hold_until_ = now + std::chrono::microseconds(front->second.gather_us);
-        timer_cv_.notify_all();  // the gather timer takes the new deadline
-        return false;
-    }
-    if (now < hold_until_) {
-        return false;
-    }
-    for (auto & [sid, s] : sessions_) {
-        if (s.gather_us != 0 && s.decoding && waiting.count(sid) == 0) {
-            s.decoding = false;  // a straggler: waited for again once its next step comes
-        }
-    }
-    return true;
-}
-
-void DataPlaneServer::gather_timer_loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    // The deadline it last ran combine() for: once per deadline, so that a hold the combiner
-    // has not cleared yet (it is computing) cannot make this thread spin.
-    std::chrono::steady_clock::time_point fired_for{};
-    while (!timer_stop_) {
-        if (!holding_ || hold_until_ == fired_for) {
-            timer_cv_.wait(lock);
-            continue;
-        }
-        const auto until = hold_until_;
-        timer_cv_.wait_until(lock, until);
-        if (timer_stop_ || !holding_ || hold_until_ != until || std::chrono::steady_clock::now() < until) {
-            continue;
-        }
-        fired_for = until;
-        lock.unlock();
-        try {
-            combine();  // the window ended: what waits runs now (on this thread, or the combiner's)
-        } catch (const std::exception & e) {
-            std::fprintf(stderr, "baton-worker: data plane: %s in a lock-step Forward\n", e.what());
-        } catch (...) {
-            std::fprintf(stderr, "baton-worker: data plane: unknown exception in a lock-step Forward\n");
-        }
-        lock.lock();
-    }
-}
-
-size_t DataPlaneServer::decode_group_cap() const {
-    size_t decoding = 0;
-    uint32_t groups = 0;
-    for (const auto & [sid, s] : sessions_) {
-        if (s.groups > 1 && s.decoding) {
-            ++decoding;
-            groups = std::max(groups, s.groups);
-        }
-    }
-    return groups > 1 ? std::max<size_t>(1, (decoding + groups - 1) / groups) : 0;
-}
-
-bool DataPlaneServer::decoding_here(std::chrono::steady_clock::time_point now) const {
-    for (const auto & [sid, s] : sessions_) {
-        if (s.decoding && now - s.last_step_at < prefill_pace_max_ * 5 / 2) {
-            return true;
-        }
-    }
-    return false;
-}
-
-void DataPlaneServer::pace_prefill() {
-    std::unique_lock<std::mutex> lock(mu_);
-    // The next decode Forward, not any since the last chunk: then every hop starts its chunk
-    // right after the decoding sessions' steps pass, and each step finds, at every hop, the
-    // chunk that began after its previous one: its wait is the same every time. A chunk that
-    // finds a hop idle waits for the next step to pass first (the prompt still gets a chunk a
-    // round at every hop). Only sessions that stepped lately count as decoding (one that
-    // stopped, or whose owner died before its lease ran out, holds no prompt back for long).
-    const uint64_t next = decode_forwards_ + 1;
-    const auto deadline = std::chrono::steady_clock::now() + prefill_pace_max_;
-    ++pacing_waiters_;
-    while (prefill_pace_max_.count() > 0 && decode_forwards_ < next &&
-           decoding_here(std::chrono::steady_clock::now())) {
-        if (changed_.wait_until(lock, deadline) == std::cv_status::timeout) {
-            break;
-        }
-    }
-    --pacing_waiters_;
-}
-
 void DataPlaneServer::keep_rows(const Pending & pending, int32_t first_position, const std::string & rows) {
     std::lock_guard<std::mutex> lock(mu_);
     auto found = sessions_.find(pending.session_id);
@@ -1091,10 +869,10 @@ bool DataPlaneServer::seal_output(const Pending & pending, const std::string & b
     return true;
 }
 
-bool DataPlaneServer::take_step(Session & s, Pending && pending, bool parsed, bool continued) {
+void DataPlaneServer::take_step(Session & s, Pending && pending, bool parsed, bool continued,
+                                std::vector<Pending> * arrived) {
     v1::DataStep & st = pending.step;
     const bool decode_step = parsed && st.error_code() == 0 && st.positions_size() == 1 && st.token_ids_size() == 1;
-    bool queued = false;
     if (!continued && parsed) {
         s.owner_next_step = std::max(s.owner_next_step, st.step() + 1);
     }
@@ -1121,8 +899,7 @@ bool DataPlaneServer::take_step(Session & s, Pending && pending, bool parsed, bo
                                  std::to_string(s.next_step) + " was expected");
             st.set_error_layer_begin(service_->layer_begin());
         }
-        enqueue_step(s, std::move(pending), decode_step, continued);
-        queued = true;
+        enqueue_step(s, std::move(pending), decode_step, continued, arrived);
     }
     // parked CONTINUE steps the owner has caught up with (or sent itself meanwhile)
     while (!s.parked.empty()) {
@@ -1130,17 +907,16 @@ bool DataPlaneServer::take_step(Session & s, Pending && pending, bool parsed, bo
         if (p.step.step() < s.next_step) {
             ++s.duplicates_dropped;  // the owner's copy was taken
         } else if (p.step.step() == s.next_step && p.step.step() < s.owner_next_step + kContinueAheadSteps) {
-            enqueue_step(s, std::move(p), true, true);
-            queued = true;
+            enqueue_step(s, std::move(p), true, true, arrived);
         } else {
             break;
         }
         s.parked.pop_front();
     }
-    return queued;
 }
 
-void DataPlaneServer::enqueue_step(Session & s, Pending && pending, bool decode_step, bool continued) {
+void DataPlaneServer::enqueue_step(Session & s, Pending && pending, bool decode_step, bool continued,
+                                   std::vector<Pending> * arrived) {
     const v1::DataStep & st = pending.step;
     if (st.step() == s.next_step) {
         ++s.next_step;  // refused or not, the next one follows it
@@ -1152,9 +928,38 @@ void DataPlaneServer::enqueue_step(Session & s, Pending && pending, bool decode_
             s.continued_in += continued ? 1 : 0;
         }
     }
-    s.decoding = st.error_code() == 0 && st.positions_size() == 1;
-    s.last_step_at = pending.read_at;
-    queue_.push_back(std::move(pending));
+    arrived->push_back(std::move(pending));
+}
+
+void DataPlaneServer::post_arrived(std::vector<Pending> & arrived) {
+    if (arrived.empty()) {
+        return;
+    }
+    {
+        // Under mu_: a session's steps reach the engine in the order they were taken, and a
+        // session unbound since (its binding's generation gone) is not posted.
+        std::lock_guard<std::mutex> lock(mu_);
+        std::vector<Pending> bound;
+        bound.reserve(arrived.size());
+        for (Pending & p : arrived) {
+            const auto s = sessions_.find(p.session_id);
+            if (s != sessions_.end() && s->second.generation == p.generation) {
+                bound.push_back(std::move(p));
+            }
+        }
+        engine_.post_steps(std::move(bound));
+    }
+    arrived.clear();
+}
+
+void DataPlaneServer::connection_ended(const Connection * conn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto & [sid, s] : sessions_) {
+        if (s.source == conn) {
+            s.source = nullptr;
+            engine_.peer_lost(s.generation);
+        }
+    }
 }
 
 bool DataPlaneServer::seal_continuation(const Pending & pending, int32_t token, int32_t position, Outgoing * out) {

@@ -93,7 +93,8 @@ uint64_t vocabulary_reply_bytes(const ShardInfo & info) {
            kMessageSlackBytes;
 }
 
-ShardWorkerService::ShardWorkerService(Shard * shard) : shard_(shard) {}
+ShardWorkerService::ShardWorkerService(Shard * shard, const EngineConfig & engine_config)
+    : shard_(shard), engine_(shard, engine_config) {}
 
 grpc::Status ShardWorkerService::Info(grpc::ServerContext *, const v1::InfoRequest * request, v1::InfoReply * reply) {
     return guarded("Info", [&] {
@@ -199,17 +200,16 @@ grpc::Status ShardWorkerService::Forward(grpc::ServerContext * context, const v1
 
         std::vector<ForwardOutput> outputs;
         std::chrono::steady_clock::duration compute{};
-        DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire);
-        if (data_plane != nullptr &&
-            std::any_of(entries.begin(), entries.end(), [](const ForwardEntry & e) { return e.positions.size() > 1; })) {
-            data_plane->pace_prefill();  // a prompt chunk takes turns with the data plane's decode Forwards
+        uint32_t rows = 0;  // more than one for a sequence: a prompt chunk, paced by the engine
+        for (const ForwardEntry & e : entries) {
+            rows = std::max(rows, static_cast<uint32_t>(e.positions.size()));
         }
-        {
-            std::lock_guard<std::mutex> lock(shard_mu_);
-            const auto started = std::chrono::steady_clock::now();  // after the lock: no wait counted
-            st = shard_->forward(entries, &outputs);
+        st = engine_.call(QueuedKind::kNodeForward, rows, [&](Shard & shard) {
+            const auto started = std::chrono::steady_clock::now();  // on the engine: no wait counted
+            const ShardStatus forwarded = shard.forward(entries, &outputs);
             compute = std::chrono::steady_clock::now() - started;
-        }
+            return forwarded;
+        });
         if (!st.ok()) {
             return to_grpc_status(st);
         }
@@ -252,8 +252,7 @@ grpc::Status ShardWorkerService::sequence_op(const char * method, uint32_t schem
         ShardStatus st = check_schema_version(schema_version);
         int32_t next = 0;
         if (st.ok()) {
-            std::lock_guard<std::mutex> lock(shard_mu_);
-            st = op(&next);
+            st = engine_.call(QueuedKind::kOperation, 0, [&](Shard & shard) { return op(shard, &next); });
         }
         if (!st.ok()) {
             return to_grpc_status(st);
@@ -360,9 +359,16 @@ grpc::Status ShardWorkerService::UnbindSession(grpc::ServerContext *, const v1::
         reply->set_schema_version(kSchemaVersion);
         reply->set_was_bound(totals.was_bound);
         if (totals.was_bound) {
-            // under the lock: a step of it in a Forward when it was unbound is in the count
-            std::lock_guard<std::mutex> lock(shard_mu_);
-            reply->set_next_position(shard_->next_position(totals.seq_id));
+            // on the engine, after unbind: a step of it in a batch when it was unbound is counted
+            int32_t next = 0;
+            const ShardStatus read = engine_.call(QueuedKind::kOperation, 0, [&](Shard & shard) {
+                next = shard.next_position(totals.seq_id);
+                return ShardStatus::Ok();
+            });
+            if (!read.ok()) {
+                return to_grpc_status(read);
+            }
+            reply->set_next_position(next);
         }
         reply->set_rows(totals.rows);
         reply->set_steps(totals.steps);
@@ -420,20 +426,20 @@ grpc::Status ShardWorkerService::ContinueSession(grpc::ServerContext *, const v1
 grpc::Status ShardWorkerService::RemoveSequence(grpc::ServerContext *, const v1::RemoveSequenceRequest * request,
                                                 v1::SequenceReply * reply) {
     return sequence_op("RemoveSequence", request->schema_version(), request->seq_id(), reply,
-                       [&](int32_t * next) { return shard_->remove_sequence(request->seq_id(), next); });
+                       [&](Shard & shard, int32_t * next) { return shard.remove_sequence(request->seq_id(), next); });
 }
 
 grpc::Status ShardWorkerService::TrimSequence(grpc::ServerContext *, const v1::TrimSequenceRequest * request,
                                               v1::SequenceReply * reply) {
-    return sequence_op("TrimSequence", request->schema_version(), request->seq_id(), reply, [&](int32_t * next) {
-        return shard_->trim_sequence(request->seq_id(), request->keep_positions(), next);
+    return sequence_op("TrimSequence", request->schema_version(), request->seq_id(), reply, [&](Shard & shard, int32_t * next) {
+        return shard.trim_sequence(request->seq_id(), request->keep_positions(), next);
     });
 }
 
 grpc::Status ShardWorkerService::CopySequence(grpc::ServerContext *, const v1::CopySequenceRequest * request,
                                               v1::SequenceReply * reply) {
-    return sequence_op("CopySequence", request->schema_version(), request->dst_seq_id(), reply, [&](int32_t * next) {
-        return shard_->copy_sequence(request->src_seq_id(), request->dst_seq_id(), next);
+    return sequence_op("CopySequence", request->schema_version(), request->dst_seq_id(), reply, [&](Shard & shard, int32_t * next) {
+        return shard.copy_sequence(request->src_seq_id(), request->dst_seq_id(), next);
     });
 }
 
@@ -673,7 +679,10 @@ int serve_worker(const WorkerOptions & options) {
         return 1;
     }
 
-    ShardWorkerService service(shard.get());
+    EngineConfig engine_config;
+    engine_config.prefill_pace_max = std::chrono::milliseconds(options.prefill_pace_ms);
+    engine_config.decoding_lapse = default_decoding_lapse(engine_config.prefill_pace_max);
+    ShardWorkerService service(shard.get(), engine_config);
     grpc::ServerBuilder builder;
     builder.AddListeningPort("unix:" + options.socket_path, grpc::InsecureServerCredentials());
     builder.SetMaxReceiveMessageSize(max_receive_message_bytes(shard->info()));
@@ -719,7 +728,6 @@ int serve_worker(const WorkerOptions & options) {
 
     DataPlaneLimits limits;
     limits.max_frame_bytes = static_cast<size_t>(max_receive_message_bytes(info)) + 4096;
-    limits.prefill_pace_max = std::chrono::milliseconds(options.prefill_pace_ms);
     limits.unproven_timeout = std::chrono::milliseconds(options.data_unproven_timeout_ms);
     limits.max_connections = options.data_max_connections;
     DataPlaneServer data_plane(&service, limits);

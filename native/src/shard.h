@@ -6,9 +6,9 @@
 // request must satisfy (pure free functions below, testable without a model), and the
 // rollback of a failed decode. Knows nothing about gRPC or protobuf: service.cpp translates.
 //
-// Not thread-safe: a llama_context must be used by one thread at a time. The caller
-// serialises every non-const call (ShardWorkerService holds a mutex). info() is immutable
-// after construction and active_sequences() is atomic, so both may be read without the lock.
+// Not thread-safe: a llama_context must be used by one thread at a time. In the worker, every
+// non-const call runs on the Engine's one thread (engine.h). info() is immutable after
+// construction and active_sequences() is atomic, so both may be read from any thread.
 #pragma once
 
 #include <atomic>

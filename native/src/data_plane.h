@@ -5,9 +5,12 @@
 // costs a TCP message and one Forward (docs/PERFORMANCE.md, "The floor under a hop").
 //
 // Owns: the listening TCP socket; one thread per connection (accepted or dialled), which reads
-// and checks frames; the table of bound sessions (keys, counters, where output goes); the
-// queue of steps taken and not yet computed; outbound connections, one per next-hop address,
-// shared by the sessions that go there.
+// and checks frames; the table of bound sessions (keys, counters, where output goes);
+// outbound connections, one per next-hop address, shared by the sessions that go there. Not
+// the steps waiting to be computed: those wait in the engine's queue (engine.h), and the
+// engine thread calls run_steps() here. Files, by job: data_plane.cpp (sessions and their
+// frames), data_plane_connections.cpp (sockets, threads, delivery), data_plane_steps.cpp
+// (computing a batch and sealing its outputs), data_plane_wire.{h,cpp} (framing, dialling).
 //
 // Batching: a connection thread takes every whole frame one read() brings, then posts the
 // steps to the worker's engine (engine.h) together, so that steps that arrive together
@@ -62,7 +65,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>

@@ -1,5 +1,5 @@
-// ShardWorkerService: baton.worker.v1.ShardWorker over one Shard, and serve_worker(), which
-// loads the shard, listens on a Unix socket and runs until SIGTERM/SIGINT.
+// ShardWorkerService: baton.worker.v1.ShardWorker over one Shard (service.cpp), and serve_worker()
+// (serve_worker.cpp), which loads the shard, listens on a Unix socket and runs until SIGTERM/SIGINT.
 //
 // Owns: protobuf <-> Shard translation, the Engine (engine.h: the one thread that touches the
 // llama_context; every call that needs it is posted there), the error wrapper (no handler lets an exception escape; it becomes INTERNAL), the socket

@@ -5,35 +5,39 @@
 // costs a TCP message and one Forward (docs/PERFORMANCE.md, "The floor under a hop").
 //
 // Owns: the listening TCP socket; one thread per connection (accepted or dialled), which reads
-// and checks frames; the table of bound sessions (keys, counters, where output goes); the
-// queue of steps taken and not yet computed; outbound connections, one per next-hop address,
-// shared by the sessions that go there.
+// and checks frames; the table of bound sessions (keys, counters, where output goes);
+// outbound connections, one per next-hop address, shared by the sessions that go there. Not
+// the steps waiting to be computed: those wait in the engine's queue (engine.h), and the
+// engine thread calls run_steps() here. Files, by job: data_plane.cpp (sessions and their
+// frames), data_plane_connections.cpp (sockets, threads, delivery), data_plane_steps.cpp
+// (computing a batch and sealing its outputs), data_plane_wire.{h,cpp} (framing, dialling).
 //
-// Batching: whichever connection thread queues a step computes, if no other is computing, all
-// queued steps of different sequences in one Forward (up to the worker's row budget), and
-// again while steps are queued (flat combining: one session pays no thread hand-off; several
-// share Forwards). The shard's lock is the service's, so the node's own Forwards interleave.
-// A batch is laid out by ascending sequence id, as the node's scheduler lays out its own
-// (agent/core/scheduler.py: llama.cpp's per-sequence KV streams give other last bits in
+// Batching: a connection thread takes every whole frame one read() brings, then posts the
+// steps to the worker's engine (engine.h) together, so that steps that arrive together
+// (several sessions' outputs of one Forward upstream) can share a Forward. The engine's one
+// thread asks HopScheduler (hop_scheduler.h) what runs next and calls run_steps() here with a
+// batch; the node's own Forwards go through the same engine, so they interleave. A batch is
+// laid out by ascending sequence id, as the node's scheduler lays out its own
+// (agent/core/node/scheduler.py: llama.cpp's per-sequence KV streams give other last bits in
 // another order), so a session's numbers do not depend on arrival order.
 //
-// Lock-step (BindSessionRequest.decode_gather_us, a first hop's): the combiner holds a decode
-// Forward until every session that is decoding here has its step queued, at most the window,
-// so that the sessions travel the route as one convoy (one hop computes at a time, with every
-// core: the mode for hops that share a machine). A session whose step missed a window is not
-// waited for again until its next step comes.
+// Lock-step (BindSessionRequest.decode_gather_us, a first hop's): a decode Forward is held
+// until every session that is decoding here has its step queued, at most the window, so that
+// the sessions travel the route as one convoy (one hop computes at a time, with every core:
+// the mode for hops that share a machine). A session whose step missed a window is not waited
+// for again until its next step comes; a session whose connection is gone is not waited for.
 //
 // Decode groups (BindSessionRequest.decode_groups, a first hop's): a decode Forward takes at
 // most ceil(D / groups) of the queued decode steps (D: the sessions decoding here with groups
 // set), the rest run in the Forward right after, so that on a route of S machines the groups
 // are at different hops at once instead of travelling as one convoy.
 //
-// Prefill pacing (pace_prefill): while sessions decode here, a node's prefill Forward (a
+// Prefill pacing (--prefill-pace-ms): while sessions decode here, a node's prefill Forward (a
 // prompt chunk, rows > 1) starts right after the next decode Forward, so chunks and decode
 // Forwards alternate in step with the decoding sessions: each decode step waits behind one
-// chunk at a hop, every time,
-// and the decoding sessions' inter-token gaps stay even (Sarathi-Serve's one chunk per
-// iteration, as two Forwards, which keeps every session's bits those of its solo run).
+// chunk at a hop, every time, and the decoding sessions' inter-token gaps stay even
+// (Sarathi-Serve's one chunk per iteration, as two Forwards, which keeps every session's bits
+// those of its solo run). The rules themselves live in hop_scheduler.h, tested on a fake clock.
 //
 // Greedy continuation (ContinueSession, at a last hop): after a decode step's RESULT, the
 // next step (its greedy token at the next position) goes straight to the first hop as a
@@ -56,11 +60,11 @@
 // unproven peer's NOTICE frames are not logged (they would let anyone fill the log).
 #pragma once
 
+#include "engine.h"
 #include "service.h"
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -131,8 +135,6 @@ struct DataPlaneCounts {
 // What a DataPlaneServer accepts (worker flags, main.cpp).
 struct DataPlaneLimits {
     size_t max_frame_bytes = 0;  // a frame's DataFrame, at most
-    // pace_prefill's longest wait (0: no pacing)
-    std::chrono::milliseconds prefill_pace_max{1000};
     // an accepted connection without a frame that opened is closed after this (see above)
     std::chrono::milliseconds unproven_timeout{30000};
     size_t max_connections = 256;  // accepted and dialled together
@@ -141,11 +143,11 @@ struct DataPlaneLimits {
 // "HOST:PORT" (IPv4, a name, or [IPv6]) into host and port. False + *error on bad input.
 bool parse_host_port(const std::string & text, std::string * host, uint16_t * port, std::string * error);
 
-class DataPlaneServer final {
+class DataPlaneServer final : public StepSink {
 public:
-    // service must outlive the server.
+    // service must outlive the server. Its steps run on service->engine() (set by start()).
     DataPlaneServer(ShardWorkerService * service, const DataPlaneLimits & limits);
-    ~DataPlaneServer();
+    ~DataPlaneServer() override;
 
     DataPlaneServer(const DataPlaneServer &) = delete;
     DataPlaneServer & operator=(const DataPlaneServer &) = delete;
@@ -165,14 +167,13 @@ public:
     // Greedy continuation at a last hop (see "Greedy continuation" below); dials the first
     // hop now. "" or why not (not bound here, set already, not reachable).
     std::string continue_session(const DataContinuation & continuation);
-    // Called by a node's prefill Forward before it takes the shard: returns once the next
-    // decode Forward here ended, or no session decodes here
-    // (none stepped a decode step within 2.5 x prefill_pace_max), or after prefill_pace_max.
-    void pace_prefill();
     DataPlaneCounts counts() const {
         return {forwards_.load(std::memory_order_relaxed), steps_.load(std::memory_order_relaxed),
                 compute_us_.load(std::memory_order_relaxed)};
     }
+
+    // The engine thread's part (StepSink): computes a batch and sends its outputs on.
+    void run_steps(Shard & shard, std::vector<StepWork> && batch) override;
 
 private:
     struct Connection {
@@ -188,12 +189,7 @@ private:
         std::chrono::steady_clock::time_point opened_at{};
         bool read_deadline_set = false;  // SO_RCVTIMEO is on (its reader's own)
     };
-    struct Pending {
-        std::string session_id;
-        uint64_t generation = 0;
-        std::chrono::steady_clock::time_point read_at;  // its frame read whole
-        worker::v1::DataStep step;
-    };
+    using Pending = StepWork;  // a step taken, on its way through the engine
     struct Session {
         uint32_t seq_id = 0;
         std::string step_key;
@@ -209,17 +205,16 @@ private:
         std::string undelivered;          // RESULT frames made before the owner attached, in order
         uint64_t rows = 0;
         uint32_t steps = 0;
-        uint64_t generation = 0;          // which binding: a rebind drops steps queued before it
+        uint64_t generation = 0;          // which binding (unique in the worker): a rebind drops steps queued before it
         uint64_t keep_max = 0;            // bytes of output rows to keep (0: none)
         std::string kept;                 // output rows of its steps, positions kept_first on
         int32_t kept_first = -1;          // -1: none kept yet
         bool kept_lost = false;           // over keep_max, or a gap: none are given back
         uint64_t compute_us = 0;          // UnbindSessionReply's timings
         uint64_t in_worker_us = 0;
-        uint32_t gather_us = 0;           // DataBinding::decode_gather_us
-        uint32_t groups = 0;              // DataBinding::decode_groups
-        bool decoding = false;            // its last step taken was one row (and not waived)
-        std::chrono::steady_clock::time_point last_step_at{};
+        // the connection its last step came on (compared, never used: when it ends, the engine
+        // hears that the session's peer is gone)
+        const Connection * source = nullptr;
         // A first hop's side of greedy continuation: CONTINUE frames' key and counter, and the
         // last decode steps taken (step, position, token), so that the copy of one from the
         // other source is dropped.
@@ -257,27 +252,20 @@ private:
     std::shared_ptr<Connection> add_connection(int fd, const std::string & outbound_address);
     std::shared_ptr<Connection> outbound(const std::string & host, uint16_t port, std::string * error);
     // With mu_ held: a STEP or CONTINUE that opened, for s: dropped as the second copy of a step,
-    // parked (a CONTINUE too far ahead of the owner), or queued (refused ones carry their error);
-    // then the parked steps the owner caught up with. Whether a step was queued.
-    bool take_step(Session & s, Pending && pending, bool parsed, bool continued);
-    void enqueue_step(Session & s, Pending && pending, bool decode_step, bool continued);
+    // parked (a CONTINUE too far ahead of the owner), or taken into *arrived (refused ones carry
+    // their error); then the parked steps the owner caught up with.
+    void take_step(Session & s, Pending && pending, bool parsed, bool continued, std::vector<Pending> * arrived);
+    void enqueue_step(Session & s, Pending && pending, bool decode_step, bool continued,
+                      std::vector<Pending> * arrived);
+    // Posts the steps one read() brought to the engine, together (see "Batching").
+    void post_arrived(std::vector<Pending> & arrived);
+    // A connection ended: the sessions whose steps came on it have lost their peer.
+    void connection_ended(const Connection * conn);
     // how far a CONTINUE step of s may run ahead of its owner's own steps (mu_ held)
     // One frame read off conn (its DataFrame bytes); false when the connection must end.
-    // Sets *queued_step when it queued a step to compute.
-    bool handle_frame(const std::shared_ptr<Connection> & conn, const char * data, size_t size, bool * queued_step);
-    void combine();
-    void combine_while_queued();  // combine()'s loop; combining_ is set
-    // With mu_ held: whether the queue's first step may run now with what waits (false:
-    // lock-step holds it; the arrival that completes the group, or gather_timer_loop at the
-    // window's end, runs it). A hold occupies no connection's thread: the step it waits for
-    // may be on the same connection as the one held.
-    bool gather_ready(std::chrono::steady_clock::time_point now);
-    bool hold_decision(std::chrono::steady_clock::time_point now);  // gather_ready's rule
-    void gather_timer_loop();
-    // With mu_ held: the most decode steps one Forward takes (0: no cap; see "Decode groups").
-    size_t decode_group_cap() const;
-    // With mu_ held: whether a session stepped a decode step here lately.
-    bool decoding_here(std::chrono::steady_clock::time_point now) const;
+    // Steps it takes go to *arrived (posted by serve() once the read's frames are taken).
+    bool handle_frame(const std::shared_ptr<Connection> & conn, const char * data, size_t size,
+                      std::vector<Pending> * arrived);
     // One output of a Forward, sealed, on its way (deliver).
     struct Outgoing {
         std::string frame;  // whole, its length prefix included
@@ -298,8 +286,8 @@ private:
     void keep_rows(const Pending & pending, int32_t first_position, const std::string & rows);
 
     ShardWorkerService * service_;
+    Engine & engine_;  // the service's
     size_t max_frame_bytes_;
-    std::chrono::milliseconds prefill_pace_max_;
     std::chrono::milliseconds unproven_timeout_;
     size_t max_connections_;
     uint64_t evictions_ = 0;  // guarded by conn_mu_
@@ -312,18 +300,11 @@ private:
     std::unordered_map<std::string, std::shared_ptr<Connection>> outbound_;  // "host:port" -> open
     bool stopping_ = false;
 
-    std::mutex mu_;  // guards sessions_, queue_, combining_, decode_forwards_
-    std::condition_variable changed_;   // a decode Forward done while pace_prefill waits
-    std::condition_variable timer_cv_;  // a hold begun, stop: for gather_timer_loop
-    int pacing_waiters_ = 0;            // pace_prefill calls waiting on changed_
+    // guards sessions_ and next_generation_; held while posting to the engine (the one lock
+    // order: this, then the engine's queue), so that a session's steps reach it in order
+    std::mutex mu_;
     std::unordered_map<std::string, Session> sessions_;
-    std::deque<Pending> queue_;
-    bool combining_ = false;
-    uint64_t decode_forwards_ = 0;  // decode Forwards computed here
-    bool holding_ = false;          // a lock-step hold is on, until hold_until_
-    std::chrono::steady_clock::time_point hold_until_{};
-    bool timer_stop_ = false;
-    std::thread gather_timer_;
+    uint64_t next_generation_ = 0;
     std::atomic<uint64_t> forwards_{0};
     std::atomic<uint64_t> steps_{0};
     std::atomic<uint64_t> compute_us_{0};

@@ -1,6 +1,6 @@
 // Sealing the data plane's frames (protocol/worker.proto, DataFrame): AES-256-GCM under a
 // 32-byte session key, nonce = kind (u32 LE) || counter (u64 LE), associated data =
-// "baton-data/1" || kind (u32 LE) || session_id || counter (u64 LE). agent/core/data_frames.py
+// "baton-data/1" || kind (u32 LE) || session_id || counter (u64 LE). agent/core/wire/data_frames.py
 // is the same construction in Python; the tests check the two against each other.
 //
 // Pure: no state, no I/O; OpenSSL's EVP interface only.

@@ -1,18 +1,18 @@
-// ShardWorkerService: baton.worker.v1.ShardWorker over one Shard, and serve_worker(), which
-// loads the shard, listens on a Unix socket and runs until SIGTERM/SIGINT.
+// ShardWorkerService: baton.worker.v1.ShardWorker over one Shard (service.cpp), and serve_worker()
+// (serve_worker.cpp), which loads the shard, listens on a Unix socket and runs until SIGTERM/SIGINT.
 //
-// Owns: protobuf <-> Shard translation, the mutex that serialises use of the llama_context,
-// the error wrapper (no handler lets an exception escape; it becomes INTERNAL), the socket
+// Owns: protobuf <-> Shard translation, the Engine (engine.h: the one thread that touches the
+// llama_context; every call that needs it is posted there), the error wrapper (no handler lets an exception escape; it becomes INTERNAL), the socket
 // file's lifetime (stale file removed before bind, mode 0600, removed at exit) and signals.
 // Must not contain model logic: validation and llama.cpp calls live in shard.cpp.
 #pragma once
 
+#include "engine.h"
 #include "shard.h"
 #include "worker.grpc.pb.h"
 
 #include <atomic>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include <grpcpp/grpcpp.h>
@@ -23,8 +23,8 @@ class DataPlaneServer;
 
 class ShardWorkerService final : public baton::worker::v1::ShardWorker::Service {
 public:
-    // shard must outlive the service.
-    explicit ShardWorkerService(Shard * shard);
+    // shard must outlive the service. Starts the engine, which owns the shard from now on.
+    explicit ShardWorkerService(Shard * shard, const EngineConfig & engine_config = {});
 
     grpc::Status Info(grpc::ServerContext * context, const worker::v1::InfoRequest * request,
                       worker::v1::InfoReply * reply) override;
@@ -54,13 +54,9 @@ public:
 
     uint64_t forward_calls() const { return forward_calls_.load(std::memory_order_relaxed); }
 
-    // For the data plane (data_plane.h): f(shard) under the lock every Forward takes, a
-    // Forward it made counted, and the shard's immutable facts.
-    template <typename F>
-    void with_shard(F && f) {
-        std::lock_guard<std::mutex> lock(shard_mu_);
-        f(*shard_);
-    }
+    // For the data plane (data_plane.h): the engine its steps go through, a Forward it made
+    // counted, and the shard's immutable facts.
+    Engine & engine() { return engine_; }
     void count_forward() { forward_calls_.fetch_add(1, std::memory_order_relaxed); }
     uint32_t layer_begin() const { return shard_->info().layer_begin; }
     bool gives_logits() const { return shard_->info().gives_logits; }
@@ -77,13 +73,13 @@ public:
 private:
     // The data plane calls' common checks: the schema version, then a data plane to act on.
     ShardStatus data_plane_call(uint32_t schema_version, DataPlaneServer ** data_plane) const;
-    // Runs op(&next_position) under the lock and fills a SequenceReply for reply_seq_id.
+    // Runs op(&next_position) on the engine and fills a SequenceReply for reply_seq_id.
     template <typename Op>
     grpc::Status sequence_op(const char * method, uint32_t schema_version, uint32_t reply_seq_id,
                              worker::v1::SequenceReply * reply, Op op);
 
-    Shard * shard_;
-    std::mutex shard_mu_;                 // held around every call that touches the llama_context
+    Shard * shard_;  // info() and the vocabulary calls only (immutable / thread-safe); the rest: engine_
+    Engine engine_;
     std::atomic<uint64_t> forward_calls_{0};  // successful Forward calls
     std::atomic<DataPlaneServer *> data_plane_{nullptr};
 };
@@ -110,7 +106,7 @@ struct WorkerOptions {
     // Not empty: the data plane (data_plane.h) listens on this host, at data_port (0: any).
     std::string data_host;
     uint16_t data_port = 0;
-    uint32_t prefill_pace_ms = 1000;  // DataPlaneServer::pace_prefill's longest wait (0: off)
+    uint32_t prefill_pace_ms = 1000;  // HopSchedulerConfig::prefill_pace_max (0: no pacing)
     uint32_t data_unproven_timeout_ms = 30000;  // DataPlaneLimits::unproven_timeout
     uint32_t data_max_connections = 256;        // DataPlaneLimits::max_connections
     // > 0: SIGHUP (the parent-death signal main() arms on Linux) stops the worker as SIGTERM

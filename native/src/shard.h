@@ -6,9 +6,9 @@
 // request must satisfy (pure free functions below, testable without a model), and the
 // rollback of a failed decode. Knows nothing about gRPC or protobuf: service.cpp translates.
 //
-// Not thread-safe: a llama_context must be used by one thread at a time. The caller
-// serialises every non-const call (ShardWorkerService holds a mutex). info() is immutable
-// after construction and active_sequences() is atomic, so both may be read without the lock.
+// Not thread-safe: a llama_context must be used by one thread at a time. In the worker, every
+// non-const call runs on the Engine's one thread (engine.h). info() is immutable after
+// construction and active_sequences() is atomic, so both may be read from any thread.
 #pragma once
 
 #include <atomic>
@@ -263,7 +263,7 @@ ShardStatus validate_forward(const ForwardLimits & limits, const std::vector<For
                              const std::vector<int32_t> & next_positions);
 
 // The k = min(k, n) largest values of row[0, n), most likely first, ties by the lowest index
-// (agent/core/topk.py's select_top_k: the same ids and values, bit for bit), into ids[0, k)
+// (agent/core/wire/topk.py's select_top_k: the same ids and values, bit for bit), into ids[0, k)
 // and values[0, k). Returns false (and writes nothing) if the row holds a NaN, which has no
 // place in that order. n >= 1, k >= 1.
 bool select_top_k(const float * row, size_t n, size_t k, int32_t * ids, float * values);
@@ -272,7 +272,7 @@ bool select_top_k(const float * row, size_t n, size_t k, int32_t * ids, float * 
 // log-sum-exp needs no scan of its own. The same ids, values and bits as the two calls.
 bool top_k_log_sum_exp(const float * row, size_t n, size_t k, int32_t * ids, float * values, double * lse);
 
-// log(sum(exp(row))) in double, max-shifted, the sum pairwise as numpy's (agent/core/topk.py's
+// log(sum(exp(row))) in double, max-shifted, the sum pairwise as numpy's (agent/core/wire/topk.py's
 // log_sum_exp), the terms by exp_shifted: equal to it within the bound tests/test_worker_api.py
 // declares (the terms differ from numpy's exp in the last bit at most). A non-finite max is
 // returned as it is.

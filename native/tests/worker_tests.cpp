@@ -21,6 +21,7 @@
 #include <doctest/doctest.h>
 
 #include "data_plane.h"
+#include "engine.h"
 #include "sealed.h"
 #include "service.h"
 #include "sha256.h"
@@ -36,6 +37,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <stdexcept>
+#include <thread>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -1513,6 +1516,43 @@ TEST_CASE_FIXTURE(ServiceFixture, "Forward, Health and the sequence RPCs; errors
         v1::ForwardReply rep;
         CHECK(forward(0, tokens, &rep).ok());  // still serving after the errors
     }
+}
+
+TEST_CASE("the engine runs every call on its one thread, answers each caller, and refuses once stopped") {
+    baton::Shard * shard = service_shard();
+    baton::Engine engine(shard, baton::EngineConfig{});
+    constexpr int kCallers = 8;
+    std::vector<std::thread::id> ran_on(kCallers);
+    std::vector<baton::ShardStatus> answers(kCallers);
+    std::vector<std::thread> callers;
+    for (int i = 0; i < kCallers; ++i) {
+        callers.emplace_back([&, i] {
+            answers[i] = engine.call(baton::QueuedKind::kOperation, 0, [&, i](baton::Shard & s) {
+                ran_on[i] = std::this_thread::get_id();
+                return i % 2 == 0 ? baton::ShardStatus::Ok() : s.remove_sequence(999, nullptr);  // a refusal
+            });
+        });
+    }
+    for (std::thread & t : callers) {
+        t.join();
+    }
+    for (int i = 0; i < kCallers; ++i) {
+        CAPTURE(i);
+        CHECK(ran_on[i] == ran_on[0]);  // one thread ...
+        CHECK(ran_on[i] != std::thread::id{});
+        CHECK(answers[i].ok() == (i % 2 == 0));  // ... and each caller its own answer
+    }
+    CHECK(engine.batches() == kCallers);
+    const baton::ShardStatus thrown = engine.call(baton::QueuedKind::kOperation, 0, [](baton::Shard &) -> baton::ShardStatus {
+        throw std::runtime_error("a job that throws");
+    });
+    CHECK(thrown.code == baton::ErrorCode::kInternal);
+    CHECK_CONTAINS(thrown.message, "a job that throws");
+    engine.stop();
+    const baton::ShardStatus refused =
+        engine.call(baton::QueuedKind::kOperation, 0, [](baton::Shard &) { return baton::ShardStatus::Ok(); });
+    CHECK(refused.code == baton::ErrorCode::kFailedPrecondition);
+    CHECK_CONTAINS(refused.message, "stopping");
 }
 
 }  // TEST_SUITE("service")

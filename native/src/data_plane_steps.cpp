@@ -1,0 +1,267 @@
+// DataPlaneServer's compute (data_plane.h): run_steps, on the engine thread, checks and
+// computes a batch the scheduler chose in one Forward, then seals each output for the next hop
+// (or the owner), the greedy continuation of a last hop, and the rows kept for a rebuild. Why
+// its own file: the one part of the data plane that touches the shard.
+#include "data_plane.h"
+
+#include "data_plane_wire.h"
+#include "fd_io.h"
+#include "sealed.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <utility>
+#include <vector>
+
+namespace baton {
+
+namespace v1 = baton::worker::v1;
+using namespace data_wire;  // the data plane's own helpers
+
+void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
+    std::vector<Pending> batch = std::move(steps);
+    // Compute: each entry checked alone first, so that one session's bad step is refused
+    // alone; the rest in one Forward.
+    std::vector<ShardStatus> status(batch.size());
+    std::vector<ForwardOutput> outputs(batch.size());
+    uint64_t compute_us = 0;
+    {
+        // Unbound since it was taken: not computed. (UnbindSession reads the sequence's
+        // positions on the engine after unbinding, so it sees every step computed.)
+        std::lock_guard<std::mutex> lock(mu_);
+        for (size_t i = 0; i < batch.size(); ++i) {
+            auto s = sessions_.find(batch[i].session_id);
+            if (s == sessions_.end() || s->second.generation != batch[i].generation) {
+                status[i] = ShardStatus::Precondition("unbound");
+            }
+        }
+    }
+    [&] {
+        const ForwardLimits limits = shard.limits();
+        std::vector<int32_t> next(limits.n_seq_max);
+        for (uint32_t q = 0; q < limits.n_seq_max; ++q) {
+            next[q] = shard.next_position(q);
+        }
+        std::vector<ForwardEntry> entries;
+        std::vector<size_t> index;
+        for (size_t i = 0; i < batch.size(); ++i) {
+            const v1::DataStep & st = batch[i].step;
+            if (st.error_code() != 0 || !status[i].ok()) {
+                continue;
+            }
+            ForwardEntry e;
+            e.seq_id = batch[i].seq_id;
+            e.positions.assign(st.positions().begin(), st.positions().end());
+            e.token_ids.assign(st.token_ids().begin(), st.token_ids().end());
+            e.boundary = st.boundary();
+            e.boundary_dtype = static_cast<BoundaryDType>(st.boundary_dtype());
+            e.boundary_schema_version = st.boundary_schema_version();
+            e.boundary_streams = st.boundary_streams();
+            e.top_k = st.top_k();
+            status[i] = validate_forward(limits, {e}, next);
+            if (status[i].ok()) {
+                entries.push_back(std::move(e));
+                index.push_back(i);
+            }
+        }
+        if (entries.empty()) {
+            return;
+        }
+        std::vector<ForwardOutput> outs;
+        const auto started = std::chrono::steady_clock::now();
+        const ShardStatus st = shard.forward(entries, &outs);
+        compute_us = static_cast<uint64_t>(
+            std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - started)
+                .count());
+        for (size_t j = 0; j < index.size(); ++j) {
+            status[index[j]] = st;
+            if (st.ok()) {
+                outputs[index[j]] = std::move(outs[j]);
+            }
+        }
+        if (st.ok()) {
+            service_->count_forward();
+            forwards_.fetch_add(1, std::memory_order_relaxed);
+            steps_.fetch_add(index.size(), std::memory_order_relaxed);
+            compute_us_.fetch_add(compute_us, std::memory_order_relaxed);
+        }
+    }();
+
+    std::vector<Outgoing> outgoing;
+    outgoing.reserve(batch.size());
+    auto seal_into = [&](const Pending & pending, const std::string & body, bool to_owner) {
+        Outgoing o;
+        if (seal_output(pending, body, to_owner, &o)) {
+            outgoing.push_back(std::move(o));
+        }
+        return std::chrono::steady_clock::now();  // the send (it wakes the receiver) is not the worker's
+    };
+    for (size_t i = 0; i < batch.size(); ++i) {
+        v1::DataStep & st = batch[i].step;
+        if (st.error_code() == 0 && !status[i].ok()) {
+            st.set_error_code(grpc_code(status[i].code));
+            st.set_error_message(status[i].message);
+            st.set_error_layer_begin(service_->layer_begin());
+        }
+        const bool ok = st.error_code() == 0;
+        std::chrono::steady_clock::time_point ready_at;
+        if (service_->gives_logits()) {
+            v1::DataResult result;
+            result.set_step(st.step());
+            result.set_n_vocab(service_->n_vocab());
+            if (!ok) {
+                result.set_error_code(st.error_code());
+                result.set_error_message(st.error_message());
+                result.set_error_layer_begin(st.error_layer_begin());
+            } else {
+                ForwardOutput & o = outputs[i];
+                result.set_next_position(o.next_position);
+                if (o.top_k > 0 && st.positions_size() == 1 && o.top_token_ids.size() >= sizeof(int32_t)) {
+                    int32_t token = 0;  // the greedy token: the first of the top-K (little-endian)
+                    std::memcpy(&token, o.top_token_ids.data(), sizeof(int32_t));
+                    Outgoing next;  // (deliver writes the RESULTs to owners before it)
+                    if (seal_continuation(batch[i], token, o.next_position, &next)) {
+                        outgoing.push_back(std::move(next));
+                    }
+                }
+                if (o.top_k > 0) {
+                    result.set_top_k(o.top_k);
+                    result.set_top_token_ids(std::move(o.top_token_ids));
+                    result.set_top_logits(std::move(o.top_logits));
+                    result.set_log_sum_exp(o.log_sum_exp.empty() ? 0.0 : o.log_sum_exp.back());
+                } else {
+                    result.set_logits(std::move(o.logits));
+                }
+            }
+            ready_at = seal_into(batch[i], result.SerializeAsString(), true);
+        } else {
+            v1::DataStep next;
+            next.set_step(st.step());
+            next.set_top_k(st.top_k());
+            if (!ok) {
+                next.set_error_code(st.error_code());
+                next.set_error_message(st.error_message());
+                next.set_error_layer_begin(st.error_layer_begin());
+            } else {
+                ForwardOutput & o = outputs[i];
+                keep_rows(batch[i], st.positions(0), o.boundary);
+                next.mutable_positions()->CopyFrom(st.positions());
+                next.set_boundary(std::move(o.boundary));
+                next.set_boundary_dtype(v1::DTYPE_F32);
+                next.set_boundary_schema_version(service_->boundary_schema().version);
+                next.set_boundary_streams(service_->boundary_schema().streams);
+            }
+            ready_at = seal_into(batch[i], next.SerializeAsString(), false);
+        }
+        if (ok) {
+            const auto in_worker = ready_at - batch[i].read_at;
+            std::lock_guard<std::mutex> lock(mu_);
+            auto s = sessions_.find(batch[i].session_id);
+            if (s != sessions_.end() && s->second.generation == batch[i].generation) {
+                s->second.rows += static_cast<uint64_t>(st.positions_size());
+                s->second.steps += 1;
+                s->second.compute_us += compute_us;
+                s->second.in_worker_us += static_cast<uint64_t>(
+                    std::chrono::duration_cast<std::chrono::microseconds>(in_worker).count());
+            }
+        }
+    }
+    deliver(outgoing);
+}
+
+void DataPlaneServer::keep_rows(const Pending & pending, int32_t first_position, const std::string & rows) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = sessions_.find(pending.session_id);
+    if (found == sessions_.end() || found->second.generation != pending.generation) {
+        return;
+    }
+    Session & s = found->second;
+    if (s.keep_max == 0 || s.kept_lost) {
+        return;
+    }
+    if (s.kept_first < 0) {
+        s.kept_first = first_position;
+    }
+    const size_t row_bytes = static_cast<size_t>(service_->boundary_schema().row_values()) * sizeof(float);
+    const size_t held_rows = row_bytes == 0 ? 0 : s.kept.size() / row_bytes;
+    if (static_cast<int64_t>(s.kept_first) + static_cast<int64_t>(held_rows) != first_position ||
+        s.kept.size() + rows.size() > s.keep_max) {
+        s.kept_lost = true;  // a gap, or over the budget: the node cannot rebuild from these
+        std::string().swap(s.kept);
+        return;
+    }
+    s.kept.append(rows);
+}
+
+bool DataPlaneServer::seal_output(const Pending & pending, const std::string & body, bool to_owner, Outgoing * out) {
+    const std::string & sid = pending.session_id;
+    std::string key;
+    uint64_t counter = 0;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto s = sessions_.find(sid);
+        if (s == sessions_.end() || s->second.generation != pending.generation) {
+            return false;  // unbound while it was computed
+        }
+        counter = ++s->second.out_counter;
+        key = to_owner ? s->second.return_key : s->second.next_step_key;
+        out->host = s->second.next_host;
+        out->port = s->second.next_port;
+    }
+    // a bound session's keys are 32 bytes (the service checks), so sealing cannot fail
+    if (!sealed_frame(key, to_owner ? v1::DATA_FRAME_KIND_RESULT : v1::DATA_FRAME_KIND_STEP, sid, counter, body,
+                      &out->frame)) {
+        return false;
+    }
+    out->to_owner = to_owner;
+    out->session_id = sid;
+    out->generation = pending.generation;
+    return true;
+}
+
+bool DataPlaneServer::seal_continuation(const Pending & pending, int32_t token, int32_t position, Outgoing * out) {
+    const std::string & sid = pending.session_id;
+    std::string key;
+    uint64_t counter = 0;
+    v1::DataStep step;
+    {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto found = sessions_.find(sid);
+        if (found == sessions_.end() || found->second.generation != pending.generation) {
+            return false;
+        }
+        Session & s = found->second;
+        const int32_t n_ctx = static_cast<int32_t>(service_->n_ctx_per_sequence());
+        if (s.cont_key.empty() || s.cont_left == 0) {
+            return false;
+        }
+        if (std::find(s.cont_stop.begin(), s.cont_stop.end(), token) != s.cont_stop.end() || position >= n_ctx ||
+            (s.cont_max_position > 0 && position >= s.cont_max_position)) {
+            s.cont_left = 0;  // the generation ends here: a step the owner still sends is its own
+            return false;
+        }
+        --s.cont_left;
+        ++s.continued_out;
+        counter = ++s.cont_counter;
+        key = s.cont_key;
+        out->host = s.cont_host;
+        out->port = s.cont_port;
+    }
+    step.set_step(pending.step.step() + 1);
+    step.add_positions(position);
+    step.add_token_ids(token);
+    step.set_top_k(pending.step.top_k());
+    if (!sealed_frame(key, v1::DATA_FRAME_KIND_CONTINUE, sid, counter, step.SerializeAsString(), &out->frame)) {
+        return false;
+    }
+    out->to_owner = false;
+    out->session_id = sid;
+    out->generation = pending.generation;
+    return true;
+}
+
+}  // namespace baton

@@ -1,0 +1,202 @@
+// HopScheduler: see hop_scheduler.h. Every rule here is a function of the queue, the sessions,
+// `now` and the scheduler's own small state (a hold's deadline, waived stragglers, the count of
+// decode Forwards, whether the last batch was a chunk).
+#include "hop_scheduler.h"
+
+#include <algorithm>
+#include <optional>
+#include <unordered_set>
+
+namespace baton {
+
+namespace {
+
+using ByBinding = std::unordered_map<uint64_t, const SessionView *>;
+
+const SessionView * find(const ByBinding & by_binding, uint64_t binding) {
+    const auto found = by_binding.find(binding);
+    return found == by_binding.end() ? nullptr : found->second;
+}
+
+bool is_chunk(const QueuedItem & item) { return item.kind == QueuedKind::kNodeForward && item.rows > 1; }
+
+}  // namespace
+
+bool HopScheduler::decoding_now(const SessionView & s) const {
+    if (!s.decoding || s.peer_lost) {
+        return false;  // a session whose connection is gone sends no step to wait for
+    }
+    const auto waived = waived_.find(s.binding);
+    return waived == waived_.end() || waived->second != s.steps_taken;
+}
+
+bool HopScheduler::decoding_lately(const ByBinding & by_binding, SchedulerTime now) const {
+    for (const auto & [binding, s] : by_binding) {
+        if (decoding_now(*s) && now - s->last_step_at < config_.decoding_lapse) {
+            return true;
+        }
+    }
+    return false;
+}
+
+bool HopScheduler::hold_steps(const QueueView & queue, const ByBinding & by_binding, SchedulerTime now) {
+    const auto front = std::find_if(queue.begin(), queue.end(),
+                                    [](const QueuedItem & q) { return q.kind == QueuedKind::kStep; });
+    if (front == queue.end()) {
+        return false;
+    }
+    const SessionView * front_session = find(by_binding, front->binding);
+    if (front_session == nullptr || front_session->gather_us == 0 || front->rows != 1 || front->refused) {
+        return false;  // not a lock-step decode step
+    }
+    std::unordered_set<uint64_t> waiting;
+    for (const QueuedItem & q : queue) {
+        if (q.kind != QueuedKind::kStep) {
+            continue;  // a node's own Forward runs beside a hold; it does not end one
+        }
+        const SessionView * s = find(by_binding, q.binding);
+        if (s == nullptr) {
+            continue;
+        }
+        if (q.rows != 1 || q.refused || s->gather_us == 0) {
+            return false;  // a chunk, a refusal or a step nobody holds waits: everything runs now
+        }
+        waiting.insert(q.binding);
+    }
+    std::vector<uint64_t> missing;
+    for (const auto & [binding, s] : by_binding) {
+        if (s->gather_us != 0 && decoding_now(*s) && waiting.count(binding) == 0) {
+            missing.push_back(binding);
+        }
+    }
+    if (missing.empty()) {
+        return false;  // every decoding session's step is here
+    }
+    if (!holding_) {
+        holding_ = true;
+        hold_until_ = now + std::chrono::microseconds(front_session->gather_us);
+        return true;
+    }
+    if (now < hold_until_) {
+        return true;
+    }
+    for (uint64_t binding : missing) {  // stragglers: waited for again once their next step comes
+        waived_[binding] = find(by_binding, binding)->steps_taken;
+    }
+    return false;
+}
+
+HopScheduler::StepsChoice HopScheduler::choose_steps(const QueueView & queue, const ByBinding & by_binding,
+                                                     SchedulerTime now) {
+    StepsChoice choice;
+    if (hold_steps(queue, by_binding, now)) {
+        choice.held = true;
+        return choice;
+    }
+    holding_ = false;  // whatever the reason the steps run now, no hold is left behind
+
+    size_t decoding_grouped = 0;
+    uint32_t groups = 0;
+    for (const auto & [binding, s] : by_binding) {
+        if (s->groups > 1 && decoding_now(*s)) {
+            ++decoding_grouped;
+            groups = std::max(groups, s->groups);
+        }
+    }
+    const size_t group_cap = groups > 1 ? std::max<size_t>(1, (decoding_grouped + groups - 1) / groups) : 0;
+
+    uint32_t shape_rows = 0;
+    uint32_t rows = 0;
+    std::unordered_set<uint64_t> seen;  // sessions with an earlier step in or left out
+    for (size_t i = 0; i < queue.size(); ++i) {
+        const QueuedItem & q = queue[i];
+        if (q.kind != QueuedKind::kStep || find(by_binding, q.binding) == nullptr) {
+            continue;
+        }
+        const bool first_of_session = seen.insert(q.binding).second;
+        if (!first_of_session) {
+            continue;  // one step a sequence a Forward, in order
+        }
+        if (!choice.batch.empty() &&
+            (q.rows != shape_rows || rows + q.rows > config_.row_budget ||
+             (q.rows == 1 && group_cap != 0 && choice.batch.size() >= group_cap))) {
+            continue;
+        }
+        if (choice.batch.empty()) {
+            shape_rows = q.rows;
+        }
+        rows += q.rows;
+        choice.batch.push_back(i);
+        choice.computes = choice.computes || !q.refused;
+    }
+    choice.decode = !choice.batch.empty() && shape_rows == 1;
+    std::stable_sort(choice.batch.begin(), choice.batch.end(),
+                     [&](size_t a, size_t b) { return queue[a].seq_id < queue[b].seq_id; });
+    return choice;
+}
+
+Decision HopScheduler::next(const QueueView & queue, const SessionsView & sessions, SchedulerTime now) {
+    ByBinding by_binding;
+    by_binding.reserve(sessions.size());
+    for (const SessionView & s : sessions) {
+        by_binding.emplace(s.binding, &s);
+    }
+    for (auto it = waived_.begin(); it != waived_.end();) {  // unbound, or stepped since
+        const SessionView * s = find(by_binding, it->first);
+        it = s == nullptr || s->steps_taken != it->second ? waived_.erase(it) : std::next(it);
+    }
+
+    StepsChoice steps = choose_steps(queue, by_binding, now);
+
+    // The oldest node item that may run now; a paced chunk waits for the next decode Forward.
+    std::optional<size_t> node;
+    std::optional<SchedulerTime> deadline;
+    if (steps.held) {
+        deadline = hold_until_;
+    }
+    const bool pacing = config_.prefill_pace_max.count() > 0;
+    const bool decoding = pacing && decoding_lately(by_binding, now);
+    for (size_t i = 0; i < queue.size() && !node; ++i) {
+        const QueuedItem & q = queue[i];
+        if (q.kind == QueuedKind::kStep) {
+            continue;
+        }
+        const SchedulerTime pace_end = q.queued_at + config_.prefill_pace_max;
+        if (is_chunk(q) && decoding && decode_forwards_ <= q.decode_forwards_seen && now < pace_end) {
+            SchedulerTime wake = pace_end;
+            for (const SessionView & s : sessions) {  // or when the last decoding session lapses
+                if (decoding_now(s) && s.last_step_at + config_.decoding_lapse > now) {
+                    wake = std::min(wake, s.last_step_at + config_.decoding_lapse);
+                }
+            }
+            deadline = deadline ? std::min(*deadline, wake) : wake;
+            continue;
+        }
+        node = i;
+    }
+
+    bool run_steps = !steps.batch.empty();
+    if (run_steps && node) {
+        // after a chunk a decode batch goes first (no decode step waits behind two chunks);
+        // otherwise the older of the two
+        const size_t first_step = *std::min_element(steps.batch.begin(), steps.batch.end());
+        run_steps = (last_was_chunk_ && steps.decode) || first_step < *node;
+    }
+    if (run_steps) {
+        if (steps.decode && steps.computes) {
+            ++decode_forwards_;
+        }
+        last_was_chunk_ = false;
+        return RunBatch{std::move(steps.batch)};
+    }
+    if (node) {
+        last_was_chunk_ = is_chunk(queue[*node]);
+        return RunBatch{{*node}};
+    }
+    if (deadline) {
+        return HoldUntil{*deadline};
+    }
+    return Idle{};
+}
+
+}  // namespace baton

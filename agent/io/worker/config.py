@@ -53,7 +53,10 @@ class WorkerConfig:
         metavar="MS",
     )
     data_max_connections: int | None = setting(
-        None, "data-plane connections, accepted and dialled (default 256)", parse=cli_args.positive_int, metavar="N"
+        None,
+        "the count of data-plane connections, accepted and dialled (default 256)",
+        parse=cli_args.positive_int,
+        metavar="N",
     )
     ctx_size: int | None = setting(
         None, "positions per sequence (default 2048)", parse=cli_args.positive_int, metavar="N"

@@ -200,7 +200,9 @@ def test_the_harness_command_lines_parse_back_to_their_configs(tmp_path: Path) -
 
 
 def test_a_node_passes_its_worker_settings_by_name() -> None:
-    config = NodeConfig(tracker="t", key=KEY, threads=2, threads_decode=1, ctx_size=256, max_sequences=8, batch_size=64)
+    config = NodeConfig(
+        tracker="t", key=KEY, threads=2, threads_decode=1, ctx_size=256, max_sequences=8, batch_size=64, gpu_layers=0
+    )
     worker = worker_config(config)
     assert (worker.threads, worker.threads_decode, worker.ctx_size, worker.max_sequences, worker.batch_size) == (
         2, 1, 256, 8, 64,
@@ -208,8 +210,14 @@ def test_a_node_passes_its_worker_settings_by_name() -> None:
     argv = worker_argv("bin", "m.gguf", 0, 10, "s", config=worker, model_sha256="ab" * 32)
     assert argv == [
         "bin", "--model", "m.gguf", "--layers", "0:10", "--socket", "s", "--ctx-size", "256", "--max-sequences", "8",
-        "--batch-size", "64", "--threads", "2", "--threads-decode", "1", "--model-sha256", "ab" * 32,
+        "--batch-size", "64", "--threads", "2", "--threads-decode", "1", "--gpu-layers", "0", "--model-sha256", "ab" * 32,
     ]  # fmt: skip
+    # the node's --gpu-layers (a NodeConfig field named as the worker's) reaches its workers
+    args = _parse(["node", "--gpu-layers", "12"])
+    assert worker_config(NodeConfig(**settings_from_args(NodeConfig, args), key=KEY)).gpu_layers == 12
+    assert "--gpu-layers" not in worker_argv(
+        "bin", "m.gguf", 0, 10, "s", config=worker_config(NodeConfig(tracker="t", key=KEY))
+    )
     # every field the node shares with the worker has the worker's type
     node_types = {f.name: f.type for f in dataclasses.fields(NodeConfig)}
     shared = [f for f in dataclasses.fields(WorkerConfig) if f.name in node_types]

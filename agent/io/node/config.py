@@ -219,6 +219,7 @@ class NodeConfig:
     max_sequences: int | None = setting(
         None, "sequences per worker (default: the worker's)", parse=cli_args.positive_int
     )
+    gpu_layers: int | None = setting(None, "blocks on the GPU (0: none; default: all)", parse=cli_args.non_negative_int)
     session_idle_timeout_s: float = setting(
         5.0,
         "free a session's sequences after this long without a step from its owner (default 5):"

@@ -21,6 +21,7 @@ from agent.io.node.config import NodeConfig, worker_config
 from agent.io.relay.config import RelayConfig
 from agent.io.relay.server import serve_main
 from agent.io.settings import SettingsError, flag_names, load_toml, settings_fields, settings_from_args, to_argv
+from agent.io.tracker.config import TrackerConfig
 from agent.io.worker.config import WorkerConfig
 from agent.io.worker.process import worker_argv
 
@@ -34,6 +35,12 @@ FORMATTED = {
     "listen": "127.0.0.1:9",  # the relay's HOST:PORT (the node's listen takes any text)
     "data_listen": "127.0.0.1:0",
     "worker_wait": "sleep",
+    "canary_worker_wait": "spin",
+    "register_model": (f"{__file__}:a", __file__),  # files that exist
+    "hf_repo": ("a=org/name",),
+    "model_source": ("a=https://example.org/m.gguf",),
+    "serve_models": "127.0.0.1:8080",
+    "heartbeat_timeout_ms": 4000,  # must exceed the interval
 }
 
 
@@ -71,8 +78,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 @pytest.mark.parametrize(
     ("cls", "command", "extra"),
-    [(NodeConfig, ["node"], {"key": KEY}), (RelayConfig, ["relay", "serve"], {}), (WorkerConfig, ["worker"], {})],
-    ids=["node-config", "relay-config", "worker-config"],
+    [
+        (NodeConfig, ["node"], {"key": KEY}),
+        (RelayConfig, ["relay", "serve"], {}),
+        (WorkerConfig, ["worker"], {}),
+        (TrackerConfig, ["tracker", "serve"], {}),
+    ],
+    ids=["node-config", "relay-config", "worker-config", "tracker-config"],
 )
 def test_config_to_argv_and_back_is_the_same_config(cls: type, command: list[str], extra: dict[str, Any]) -> None:
     changed = cls(**_every_setting_changed(cls), **extra)
@@ -81,7 +93,9 @@ def test_config_to_argv_and_back_is_the_same_config(cls: type, command: list[str
     assert parsed == changed, argv
     # and the defaults need no flag but the required ones
     required = {
-        f.name: getattr(changed, f.name) for f, m, _ in settings_fields(cls) if f.default is dataclasses.MISSING
+        f.name: getattr(changed, f.name)
+        for f, m, _ in settings_fields(cls)
+        if m.required or f.default is dataclasses.MISSING
     }
     plain = cls(**required, **extra)
     assert cls(**settings_from_args(cls, _parse([*command, *to_argv(plain)])), **extra) == plain
@@ -185,6 +199,7 @@ def test_baton_relay_serve_refuses_a_bad_config_file(tmp_path: Path, capsys: pyt
 
 
 def test_the_harness_command_lines_parse_back_to_their_configs(tmp_path: Path) -> None:
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")  # the tracker's flag checks that it is a file
     swarm = LocalSwarm(LocalSwarmConfig(model_path=tmp_path / "m.gguf", threads=2), tmp_path)
     swarm.tracker_addr = "/ip4/127.0.0.1/tcp/1/p2p/Qm"
     argv = swarm.node_argv("n0", 12345, listen="none", relay=True)
@@ -197,6 +212,10 @@ def test_the_harness_command_lines_parse_back_to_their_configs(tmp_path: Path) -
     assert NodeConfig(**settings, key=KEY) == expected
     relay = swarm.relay_argv()
     assert RelayConfig(**settings_from_args(RelayConfig, _parse(relay[relay.index("relay") :]))) == swarm.relay_config()
+    tracker = swarm.tracker_argv()
+    settings = settings_from_args(TrackerConfig, _parse(tracker[tracker.index("tracker") :]))
+    assert TrackerConfig(**settings) == swarm.tracker_config()
+    assert swarm.tracker_config().canary_interval_s == 0.0 and "--canary-interval-s" in tracker
 
 
 def test_a_node_passes_its_worker_settings_by_name() -> None:

@@ -41,6 +41,7 @@ from agent.io.log_tail import log_tail as read_log_tail
 from agent.io.node.config import NodeConfig
 from agent.io.relay.config import RelayConfig
 from agent.io.settings import to_argv
+from agent.io.tracker.config import TrackerConfig
 
 __all__ = [
     "LocalSwarm",
@@ -243,20 +244,22 @@ class LocalSwarm:
             *command_prefix("relay"), "serve", *to_argv(self.relay_config()), *self.config.relay_args, *extra_args
         ]  # fmt: skip
 
-    def tracker_argv(self) -> list[str]:
+    def tracker_config(self) -> TrackerConfig:
+        """The tracker's settings in this swarm (its work dir's db, key and address file; what
+        nodes must run is the tracker process's own checkout's)."""
         c = self.config
-        return [
-            *command_prefix("tracker"),
-            "serve",
-            "--db", str(self.db_path),
-            "--key", str(self.key_path("tracker")),
-            "--listen", self._tracker_listen,
-            "--addr-file", str(self.addr_file),
-            "--register-model", f"{c.model_path}:{c.model_alias}",
-            "--heartbeat-timeout-ms", str(c.heartbeat_timeout_ms),
-            "--canary-interval-s", str(c.canary_interval_s),
-            *c.tracker_args,
-        ]  # fmt: skip
+        return TrackerConfig(
+            db=str(self.db_path),
+            key_file=str(self.key_path("tracker")),
+            listen=self._tracker_listen,
+            addr_file=str(self.addr_file),
+            register_model=(f"{c.model_path}:{c.model_alias}",),
+            heartbeat_timeout_ms=c.heartbeat_timeout_ms,
+            canary_interval_s=c.canary_interval_s,
+        )
+
+    def tracker_argv(self) -> list[str]:
+        return [*command_prefix("tracker"), "serve", *to_argv(self.tracker_config()), *self.config.tracker_args]
 
     def node_argv(
         self,

@@ -147,8 +147,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: Sequence[str]
         inner, _ = _optional_inner(hint)
         default = None if field.default is dataclasses.MISSING else field.default
         options: dict[str, Any] = {"dest": field.name, "help": meta.help, "default": default}
-        if meta.required:
-            options["required"] = True
+        if meta.required:  # no default to show: the command line must give it
+            options.update(required=True, default=None)
         if inner is bool:
             options["kind"] = "false" if default is True else "true"
         else:

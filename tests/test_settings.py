@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.cli import build_parser
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
+from agent.io.client.config import SwarmClientConfig
 from agent.io.node import cli as node_cli
 from agent.io.node.config import NodeConfig, worker_config
 from agent.io.relay.config import RelayConfig
@@ -258,3 +259,27 @@ def test_the_example_files_in_the_operations_guide_are_valid(tmp_path: Path) -> 
         path = tmp_path / f"{name}.toml"
         path.write_text(body)
         assert load_toml(path, RelayConfig if name == "relay" else NodeConfig)
+
+
+def test_the_owners_config_round_trips_through_baton_generate() -> None:
+    def parse(argv: list[str]) -> SwarmClientConfig:
+        args = _parse(["generate", "--tracker", "t", "--model", "m", *argv, "a prompt"])
+        return SwarmClientConfig(**settings_from_args(SwarmClientConfig, args))
+
+    changed = SwarmClientConfig(**_every_setting_changed(SwarmClientConfig))
+    assert parse(to_argv(changed)) == changed
+    # baton generate spot-checks 1% by default, a library user (tests, the relay) opts in
+    assert parse([]) == SwarmClientConfig(spot_check_rate=0.01) and SwarmClientConfig().spot_check_rate == 0.0
+    assert to_argv(SwarmClientConfig()) == ["--spot-check-rate", "0.0"]
+
+
+def test_a_relay_passes_its_client_settings_by_name() -> None:
+    from agent.io.settings import shared_fields
+
+    relay = RelayConfig(tracker="t", db=Path("d"), step_timeout_s=7.0, spot_check_rate=0.5)
+    assert SwarmClientConfig(**shared_fields(relay, SwarmClientConfig)) == SwarmClientConfig(
+        step_timeout_s=7.0, spot_check_rate=0.5
+    )
+    relay_types = {f.name: f.type for f in dataclasses.fields(RelayConfig)}
+    shared = [f for f in dataclasses.fields(SwarmClientConfig) if f.name in relay_types]
+    assert len(shared) == 4 and all(relay_types[f.name] == f.type for f in shared)

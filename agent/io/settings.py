@@ -42,6 +42,7 @@ __all__ = [
     "setting",
     "settings_fields",
     "settings_from_args",
+    "shared_fields",
     "to_argv",
 ]
 
@@ -62,6 +63,7 @@ class _Meta:
     parse: Callable[[str], Any] | None
     choices: tuple[str, ...] | None
     required: bool
+    command_default: Any
 
 
 def setting(
@@ -73,6 +75,7 @@ def setting(
     parse: Callable[[str], Any] | None = None,
     choices: Sequence[str] | None = None,
     required: bool = False,
+    command_default: Any = dataclasses.MISSING,
 ) -> Any:
     """A config field that is a flag and a TOML key.
 
@@ -81,8 +84,10 @@ def setting(
     field's name (a bool field that defaults to True must be spelled ``--no-...``).
     ``required``: argparse refuses the command without it (a field that a file may give
     instead is not ``required`` here: the command checks it after merging).
+    ``command_default``: the flag's default where the command's differs from the class's (a
+    library user opts in to what a command line gets by default).
     """
-    meta = _Meta(help, flag, metavar, parse, tuple(choices) if choices else None, required)
+    meta = _Meta(help, flag, metavar, parse, tuple(choices) if choices else None, required, command_default)
     if isinstance(default, (list, dict, set)):
         raise TypeError("a mutable default: use a tuple")
     return dataclasses.field(default=default, metadata={_KEY: meta})
@@ -100,6 +105,13 @@ def settings_fields(cls: type) -> list[tuple[dataclasses.Field, _Meta, Any]]:
 
 def _flag(field: dataclasses.Field, meta: _Meta) -> str:
     return meta.flag or "--" + field.name.replace("_", "-")
+
+
+def _flag_default(field: dataclasses.Field, meta: _Meta) -> Any:
+    """What the command line gives a setting it does not name."""
+    if meta.command_default is not dataclasses.MISSING:
+        return meta.command_default
+    return None if field.default is dataclasses.MISSING else field.default
 
 
 def _optional_inner(hint: Any) -> tuple[Any, bool]:
@@ -145,7 +157,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, *, skip: Sequence[str]
         if field.name in skip:
             continue
         inner, _ = _optional_inner(hint)
-        default = None if field.default is dataclasses.MISSING else field.default
+        default = _flag_default(field, meta)
         options: dict[str, Any] = {"dest": field.name, "help": meta.help, "default": default}
         if meta.required:  # no default to show: the command line must give it
             options.update(required=True, default=None)
@@ -253,13 +265,13 @@ def settings_from_args(cls: type, args: argparse.Namespace, file_values: Mapping
 
 
 def to_argv(config: Any, *, skip: Sequence[str] = ()) -> list[str]:
-    """The flags that rebuild ``config``'s settings from the defaults: every setting whose
-    value is not its default (None and empty tuples are never written). What ``add_flags``
-    parses back into an equal config."""
+    """The flags that rebuild ``config``'s settings from the command's defaults: every setting
+    whose value is not its flag's default (None and empty tuples are never written). What
+    ``add_flags`` parses back into an equal config."""
     argv: list[str] = []
     for field, meta, hint in settings_fields(type(config)):
         value = getattr(config, field.name)
-        if field.name in skip or value is None or value == () or value == field.default:
+        if field.name in skip or value is None or value == () or value == _flag_default(field, meta):
             continue
         inner, _ = _optional_inner(hint)
         flag = _flag(field, meta)
@@ -271,3 +283,11 @@ def to_argv(config: Any, *, skip: Sequence[str] = ()) -> list[str]:
         else:
             argv += [flag, str(value)]  # str(float) reads back exactly
     return argv
+
+
+def shared_fields(source: Any, cls: type) -> dict[str, Any]:
+    """``source``'s values of the fields ``cls`` has too (the same name, the same meaning): how
+    one role's config passes on a part's settings (a node's to its workers, a relay's to its
+    swarm client) without naming each, so that a new one is passed on by being declared."""
+    names = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(source)}
+    return {name: getattr(source, name) for name in sorted(names)}

@@ -18,7 +18,7 @@ from agent.core.node.worker_wait import AUTO, WAIT_CHOICES
 from agent.core.wire.fingerprint import HostProbe
 from agent.core.wire.step_validation import StepInput
 from agent.core.wire.worker_records import SeqOutput
-from agent.io.settings import setting
+from agent.io.settings import setting, shared_fields
 from agent.io.worker.config import WorkerConfig
 
 from .fetch import FetchConfig
@@ -295,8 +295,7 @@ class NodeConfig:
 def worker_config(config: NodeConfig) -> WorkerConfig:
     """The worker flags of ``config``: its fields named as ``WorkerConfig``'s (None: the
     worker's own default)."""
-    names = {f.name for f in dataclasses.fields(WorkerConfig)} & {f.name for f in dataclasses.fields(NodeConfig)}
-    return WorkerConfig(model="", socket="", **{name: getattr(config, name) for name in sorted(names)})
+    return WorkerConfig(model="", socket="", **shared_fields(config, WorkerConfig))
 
 
 class NodeError(Exception):

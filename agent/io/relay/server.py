@@ -39,7 +39,7 @@ from agent._proto import swarm_pb2
 from agent.core.relay.openai_api import ApiError, check_json_content_type, check_unicode, parse_request
 from agent.io.client import SwarmError
 from agent.io.net.transport import TransportError
-from agent.io.settings import load_toml, settings_from_args
+from agent.io.settings import load_toml, settings_from_args, shared_fields
 from agent.io.worker.vocab import VocabularyError
 
 from .auth import admit, authenticate
@@ -266,10 +266,8 @@ async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] 
         from agent.io.keys import load_or_create_key
 
         key = load_or_create_key(config.key)
-    client_config = SwarmClientConfig(
-        request_timeout_s=config.request_timeout_s, step_timeout_s=config.step_timeout_s,
-        queue_timeout_s=config.queue_timeout_s, spot_check_rate=config.spot_check_rate,
-    )  # fmt: skip
+    # its timeouts and spot-check rate, by name (RelayConfig declares them as the client does)
+    client_config = SwarmClientConfig(**shared_fields(config, SwarmClientConfig))
     with open_relay_store(config.db) as store:
         async with open_swarm_client(
             config.tracker, key=key, config=client_config, listen_addrs=(config.p2p_listen,)

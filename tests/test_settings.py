@@ -283,3 +283,14 @@ def test_a_relay_passes_its_client_settings_by_name() -> None:
     relay_types = {f.name: f.type for f in dataclasses.fields(RelayConfig)}
     shared = [f for f in dataclasses.fields(SwarmClientConfig) if f.name in relay_types]
     assert len(shared) == 4 and all(relay_types[f.name] == f.type for f in shared)
+
+
+def test_the_node_service_command_line_is_rendered_from_node_config() -> None:
+    from agent.io.node.service import node_argv
+
+    installed = {"tracker": "/ip4/1.2.3.4/tcp/1/p2p/Qm", "key": "/k", "models_dir": "/m", "memory_bytes": 10**9}
+    argv = node_argv({**installed, "listen": None, "relay": True})
+    settings = settings_from_args(NodeConfig, _parse(argv[argv.index("node") :]))
+    assert NodeConfig(**settings) == NodeConfig(
+        tracker=installed["tracker"], key_file="/k", models_dir="/m", memory_bytes=10**9, relay=True
+    )

@@ -277,7 +277,6 @@ class LocalSwarm:
             listen = f"/ip4/{c.placement.host(name)}/tcp/0"
         config = NodeConfig(
             tracker=self.tracker_addr,
-            key=load_or_create_key(self.key_path(name)),
             key_file=str(self.key_path(name)),
             model_files=(str(c.model_path),) if model else (),
             memory_bytes=memory_bytes,

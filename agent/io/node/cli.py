@@ -4,8 +4,12 @@
                [--listen MULTIADDR|none] [--relay] [--memory-bytes N] [--threads N] [--threads-decode N]
                [--worker-wait auto|spin|sleep] [--ctx-size N] [--max-sequences N]
                [--decode-groups N] [--decode-gather-ms MS] [--batch-window-ms MS]
-               [--heartbeat-interval-ms N]
+               [--heartbeat-interval-ms N] [--gpu-layers N] [--config PATH] ...
     baton node install | uninstall | status | doctor ...   (agent.io.node.service)
+
+Every option is a ``NodeConfig`` field (``agent.io.node.config``; ``--help`` and docs/CLI.md list
+them), and ``--config PATH`` reads them from a TOML file under the field names, the command
+line winning (docs/OPERATIONS.md, "Config files").
 
 ``--model PATH`` serves a file the node already has. ``--models-dir DIR`` lets the node serve
 models it lacks: for each range it is assigned it fetches only that range's bytes (the

@@ -268,7 +268,7 @@ class NodeConfig:
     )
     # What the command resolves from its settings (the key read, the models hashed, the host
     # probed), and limits no flag sets.
-    key: Ed25519PrivateKey
+    key: Ed25519PrivateKey | None = None  # None only in a config made to render flags
     models: tuple[LocalModel, ...] = ()
     batch_size: int | None = None
     request_timeout_s: float = 10.0

@@ -214,15 +214,18 @@ def build_worker(plan, log_path: Path, *, show_progress: bool | None = None) -> 
 
 
 def node_argv(config: dict) -> list[str]:
-    argv = [sys.executable, "-m", "agent.cli", "node", "--tracker", config["tracker"], "--key", config["key"],
-            "--models-dir", config["models_dir"]]  # fmt: skip
-    if config.get("memory_bytes"):
-        argv += ["--memory-bytes", str(config["memory_bytes"])]
-    if config.get("listen"):
-        argv += ["--listen", config["listen"]]
-    if config.get("relay"):
-        argv.append("--relay")
-    return argv
+    """The service's ``baton node`` command line, its flags rendered from the ``NodeConfig`` of
+    the installed settings (``install`` writes them)."""
+    from agent.io.settings import to_argv
+
+    from .config import NodeConfig
+
+    settings = NodeConfig(
+        tracker=config["tracker"], key_file=config["key"], models_dir=config["models_dir"],
+        memory_bytes=config.get("memory_bytes") or None, listen=config.get("listen") or NodeConfig.listen,
+        relay=bool(config.get("relay")),
+    )  # fmt: skip
+    return [sys.executable, "-m", "agent.cli", "node", *to_argv(settings)]
 
 
 def _systemctl(*args: str) -> subprocess.CompletedProcess:

@@ -4,7 +4,7 @@
                     [--anonymous-tokens-per-day N] [--max-body-bytes N] [--body-timeout-s S]
                     [--request-timeout-s S]
                     [--step-timeout-s S] [--queue-timeout-s S] [--cache-dir DIR]
-                    [--addr-file PATH] [--p2p-listen MADDR] [--log-level LEVEL]
+                    [--addr-file PATH] [--p2p-listen MADDR] [--log-level LEVEL] [--config PATH]
   baton relay keys add NAME --db PATH [--tokens-per-day N] [--requests-per-minute N]
                     [--max-concurrent N]
   baton relay keys list --db PATH [--json]
@@ -15,7 +15,8 @@
 works) and, on stderr, that it is shown only this once: the database keeps only its sha256.
 ``keys list`` shows names, limits, today's usage (UTC) and whether a key is revoked, never a
 key. ``ledger`` shows each node's rows and credit (``rows * (end - begin) / n_layer`` summed
-over its completions). ``serve`` is ``agent.io.relay.server.serve_main``.
+over its completions). ``serve`` is ``agent.io.relay.server.serve_main``; its options are
+``RelayConfig``'s fields (``agent.io.relay.config``), also read from ``--config PATH`` (TOML).
 
 Exit status: 0 done; 2 bad arguments, an unknown key name, a name already taken, or a database
 that is missing (except for ``keys add``, which creates it) or unusable, with a one-line

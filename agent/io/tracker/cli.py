@@ -47,6 +47,9 @@ after a restart) may hold a reservation or be the destination of a circuit; only
 admitted clients may open circuits (``Tracker.may_hold_relay_reservation`` /
 ``may_open_relay_circuit``).
 
+``serve``'s options are ``TrackerConfig``'s fields (``agent.io.tracker.config``), read back by
+``tracker_config``.
+
 Entry points: ``add_arguments(parser)`` fills a ``tracker`` sub-parser; ``main(args) -> int``
 runs the parsed command. ``python -m agent.io.tracker.cli serve ...`` runs the same thing.
 Only argument parsing, printing and opening resources live here.

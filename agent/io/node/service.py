@@ -460,9 +460,9 @@ def doctor_checks(args: argparse.Namespace, *, free_bytes=None) -> list[Check]:
 
     paths = service_paths()
     config = _read_config(paths)
-    tracker = getattr(args, "tracker", None) or config.get("tracker")
-    key_path = getattr(args, "key", None) or config.get("key") or str(paths.key_path)
-    models_dir = getattr(args, "models_dir", None) or config.get("models_dir") or str(paths.models_dir)
+    tracker = args.tracker or config.get("tracker")
+    key_path = args.key or config.get("key") or str(paths.key_path)
+    models_dir = args.models_dir or config.get("models_dir") or str(paths.models_dir)
     checks = []
     # the worker
     binary, error, pin, devices = None, None, None, []

@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
 from agent.core.net.identity import peer_id_from_public_key
+from agent.core.node.policy import check_step_sender, push_unreachable
 from agent.core.wire.admission import (
     AdmissionError,
     issue_admission,
@@ -25,8 +26,16 @@ from agent.core.wire.admission import (
     verify_admission,
     verify_client_hello,
 )
+from agent.core.wire.boundary import BoundarySchema
+from agent.core.wire.step_requests import boundary_step_request
 from agent.core.wire.step_results import step_result, step_result_error
-from agent.core.wire.swarm_wire import NODE_PROTOCOL, RESULT_PROTOCOL, STEP_PROTOCOL, TRACKER_PROTOCOL, crc32
+from agent.core.wire.swarm_wire import (
+    NODE_PROTOCOL,
+    RESULT_PROTOCOL,
+    STEP_PROTOCOL,
+    TRACKER_PROTOCOL,
+    WireError,
+)
 from agent.io.client import GenerationError, SwarmClientConfig, SwarmError, open_swarm_client
 from agent.io.net.channel import open_channel_transport
 from agent.io.net.transport import MemoryNetwork, TransportError
@@ -178,13 +187,21 @@ class FakeNode:
     def hop(self) -> swarm_pb2.Hop:
         return swarm_pb2.Hop(peer_id=self.peer_id, addrs=self.transport.listen_addrs, begin=self.begin, end=self.end)
 
-    def check_sender(self, signed: swarm_pb2.SignedAdmission, remote: str) -> str | None:
+    def check_sender(
+        self, signed: swarm_pb2.SignedAdmission, remote: str, step: swarm_pb2.StepRequest | None = None
+    ) -> str | None:
+        """Why the sender may not send this (a node's rules: its admission, and for a
+        ``step``, ``check_step_sender``), or None."""
         try:
-            record = verify_admission(signed, self.tracker.public_key, remote, now_ms())
+            record = verify_admission(
+                signed, self.tracker.public_key, remote, now_ms(), roles=[swarm_pb2.ROLE_NODE, swarm_pb2.ROLE_CLIENT]
+            )
+            if step is not None:
+                check_step_sender(record.role, remote, step.begin, step.end, step.owner_peer_id)
         except AdmissionError as error:
             return error.reason
-        if record.role == swarm_pb2.ROLE_CLIENT and self.begin != 0:
-            return "clients may only send to first hops"
+        except WireError as error:
+            return error.message
         return None
 
     async def freeze_if_told(self) -> None:
@@ -196,7 +213,7 @@ class FakeNode:
         await self.freeze_if_told()
         request = swarm_pb2.StepRequest.FromString(payload)
         ack = swarm_pb2.StepAck(schema_version=1)
-        refusal = self.behaviour.refuse_step or self.check_sender(request.sender_admission, remote)
+        refusal = self.behaviour.refuse_step or self.check_sender(request.sender_admission, remote, request)
         if refusal:
             ack.error.CopyFrom(swarm_pb2.Error(code=swarm_pb2.Error.REFUSED, message=refusal))
             return ack.SerializeToString()
@@ -214,23 +231,24 @@ class FakeNode:
             rows = np.frombuffer(request.boundary, np.float32).reshape(-1, N_EMBD)
         if request.rest:
             nxt = request.rest[0]
-            data = rows.tobytes()
-            forward = swarm_pb2.StepRequest()
-            forward.CopyFrom(request)
-            forward.ClearField("token_ids")
-            forward.begin, forward.end = nxt.begin, nxt.end
-            forward.boundary, forward.n_embd, forward.checksum = data, N_EMBD, crc32(data)
-            del forward.rest[0]
-            forward.sender_admission.CopyFrom(self.admission)
+            forward = boundary_step_request(
+                session_id=request.session_id, step=request.step, hops=request.rest, positions=request.positions,
+                dtype=swarm_pb2.DTYPE_F32, schema=BoundarySchema.declared(0, 1, N_EMBD),
+                recipe_hash=request.recipe_hash, model_sha256=request.model_sha256,
+                owner_peer_id=request.owner_peer_id, owner_addrs=request.owner_addrs,
+                sender_admission=self.admission, rows=rows, result_top_k=request.result_top_k,
+                resume_step=request.resume_step,
+            )  # fmt: skip
             try:
                 await self.transport.request(
                     nxt.peer_id, nxt.addrs, STEP_PROTOCOL, forward.SerializeToString(), timeout_s=5
                 )
             except TransportError as error:  # as a real node does: tell the owner who failed
+                failure = push_unreachable(nxt.peer_id, str(error))
                 await self.push_result(
                     request,
-                    step_result_error(request.session_id, request.step, swarm_pb2.Error.UNAVAILABLE,
-                                      f"next hop unreachable: {error}", nxt.peer_id, self.admission),
+                    step_result_error(request.session_id, request.step, failure.code, failure.message,
+                                      failure.failed_peer_id, self.admission),
                 )  # fmt: skip
             return
         if request.step == 0 and self.behaviour.first_result_delay_s:
@@ -264,7 +282,7 @@ class FakeNode:
             reply.token_ids.extend(ALPHABET.index(c) for c in request.tokenize.text)
             reply.eog_token_ids.append(EOG)
         elif kind == "detokenize":
-            reply.text = "".join(ALPHABET[t] for t in request.detokenize.token_ids)
+            reply.text = "".join(ALPHABET[t] for t in request.detokenize.token_ids).encode()
         elif kind == "end_session":
             self.ended.append(bytes(request.end_session.session_id))
         return reply.SerializeToString()
@@ -397,7 +415,7 @@ async def test_invalid_sampling_parameters_are_refused_before_any_step(swarm: Sw
 async def test_a_failed_hop_is_named(swarm: Swarm) -> None:
     swarm.network.down.add(swarm.nodes[2].peer_id)  # vanished: the middle hop cannot push to it
     async with swarm.client() as client:
-        with pytest.raises(GenerationError, match="UNAVAILABLE: next hop unreachable") as caught:
+        with pytest.raises(GenerationError, match=r"UNAVAILABLE: next hop \S+ unreachable") as caught:
             await client.generate("smol", "abc", max_tokens=4)
     assert caught.value.failed_peer_id == swarm.nodes[2].peer_id
     assert caught.value.step == 0

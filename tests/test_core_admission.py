@@ -115,6 +115,9 @@ def test_admits_a_good_fingerprint():
         ({"usable_memory_bytes": 999}, False, "too little memory", "999"),
         ({"devices": []}, False, "no usable backend", "no device"),
         ({"devices": [swarm_pb2.Device(backend="", name="x")]}, False, "no usable backend", "no device"),
+        ({"listen_addrs": ["/ip4/1.2.3.4/tcp/1\x1b[2J"]}, False, "bad listen addresses", "\\x1b[2J"),
+        ({"listen_addrs": ["x"]}, False, "bad listen addresses", "listen_addrs[0] 'x'"),
+        ({"listen_addrs": [f"/ip4/1.2.3.4/tcp/{i}" for i in range(17)]}, False, "bad listen addresses", "17 addresses"),
     ],
 )
 def test_refusals_name_the_reason(overrides, seen, prefix, detail):

@@ -26,18 +26,26 @@ def status(begin: int, end: int, state: int, recipe: str = "", model: str = M) -
 
 
 def test_nodes_are_alive_until_their_deadline_and_pending_after_a_restart_until_heard() -> None:
-    live = Liveness(timeout_ms=1000)
-    live.restore(["old"], now_ms=0)
+    live = Liveness(timeout_ms=1000).restored(["old"], now_ms=0)
     assert live.pending == {"old"} and live.alive == set() and live.live == {"old"}
-    assert live.heard("new", 100) == Heard(revived=True, newly_confirmed=True)
-    assert live.heard("new", 600) == Heard(revived=False, newly_confirmed=False)
-    assert live.heard("old", 200) == Heard(revived=False, newly_confirmed=True)  # kept its ranges
+    live, heard = live.heard("new", 100)
+    assert heard == Heard(revived=True, newly_confirmed=True)
+    live, heard = live.heard("new", 600)
+    assert heard == Heard(revived=False, newly_confirmed=False)
+    before = live
+    live, heard = live.heard("old", 200)
+    assert heard == Heard(revived=False, newly_confirmed=True)  # kept its ranges
+    assert before.pending == {"old"}  # a value: the one before the heartbeat did not change
     assert live.alive == {"old", "new"} and live.next_sweep_in_ms(700) == 500
-    assert live.sweep(1199) == [] and live.sweep(1200) == ["old"]  # exactly at its deadline
+    assert live.swept(1199) == (live, ())
+    live, dead = live.swept(1200)
+    assert dead == ("old",)  # exactly at its deadline
     assert live.alive == {"new"} and "old" not in live
-    assert live.heard("old", 1300).revived  # back after it was dead
-    assert live.heard("new", 1300, stored_alive=False).revived  # the store marked it dead
-    assert live.sweep(5000) == ["new", "old"] and live.next_sweep_in_ms(5000) == math.inf
+    live, heard = live.heard("old", 1300)
+    assert heard.revived  # back after it was dead
+    live, dead = live.swept(5000)
+    assert dead == ("new", "old") and live.next_sweep_in_ms(5000) == math.inf
+    assert live.without(["nobody"]) is live
 
 
 def test_a_heartbeat_report_is_checked_and_new_failures_found_once() -> None:

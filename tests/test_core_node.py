@@ -25,6 +25,8 @@ from agent.core.node.policy import (
     push_refused,
     push_unreachable,
     range_not_ready,
+    sequence_not_held,
+    worker_call_failed,
 )
 from agent.core.node.range_states import FailPending, HeartbeatNow, Ignored, RangeBook, StartRange, StopRange
 from agent.core.wire.admission import issue_admission, public_key_bytes
@@ -35,7 +37,15 @@ from agent.core.wire.step_batch import (
     step_batch,
     step_batch_ack,
 )
-from agent.core.wire.swarm_wire import MAX_BATCH_STEPS, SCHEMA_VERSION, WireError, step_ack, step_ack_error
+from agent.core.wire.swarm_wire import (
+    MAX_BATCH_STEPS,
+    SCHEMA_VERSION,
+    WireError,
+    WorkerCall,
+    step_ack,
+    step_ack_error,
+    worker_error_code,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -224,6 +234,28 @@ def test_only_owners_end_resume_or_replay_their_sessions() -> None:
     assert caught.value.code == Code.NOT_FOUND
     with pytest.raises(WireError, match="belongs to me"):
         check_session_owner(swarm_pb2.ROLE_NODE, "me", sid, "me", KEY)  # a node may not resume it
+
+
+@pytest.mark.parametrize(
+    ("code_name", "compute", "owner_request", "control"),
+    [
+        ("RESOURCE_EXHAUSTED", Code.RESOURCE_EXHAUSTED, Code.UNAVAILABLE, Code.UNAVAILABLE),
+        ("UNAVAILABLE", Code.UNAVAILABLE, Code.UNAVAILABLE, Code.UNAVAILABLE),
+        ("INVALID_ARGUMENT", Code.INVALID_ARGUMENT, Code.INVALID_ARGUMENT, Code.UNAVAILABLE),
+        ("FAILED_PRECONDITION", Code.INTERNAL, Code.INVALID_ARGUMENT, Code.UNAVAILABLE),
+        ("DEADLINE_EXCEEDED", Code.INTERNAL, Code.UNAVAILABLE, Code.UNAVAILABLE),
+        ("", Code.INTERNAL, Code.UNAVAILABLE, Code.UNAVAILABLE),
+    ],
+)
+def test_a_worker_failure_becomes_one_swarm_code_per_kind_of_call(
+    code_name: str, compute: int, owner_request: int, control: int
+) -> None:
+    assert worker_error_code(code_name) == worker_error_code(code_name, WorkerCall.COMPUTE) == compute
+    assert worker_error_code(code_name, WorkerCall.OWNER_REQUEST) == owner_request
+    refusal = worker_call_failed(code_name, WorkerCall.CONTROL, "r[0, 4): could not trim")
+    assert (refusal.code, refusal.message) == (control, "r[0, 4): could not trim")
+    assert forward_failure(code_name, "x", "12D3self").code == compute  # the node's Forward asks the same
+    assert sequence_not_held(code_name) == (code_name == "INVALID_ARGUMENT")
 
 
 def test_failures_name_who_failed_and_busy_stays_busy() -> None:

@@ -76,6 +76,10 @@ def test_content_parts_join_and_non_text_parts_are_refused() -> None:
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"seed": 1.5}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": 2**32}, "top_k"),
+        ({"top_k": -1}, "top_k"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"tools": [{"type": "function"}]}, "tools"),
     ],
@@ -88,6 +92,14 @@ def test_bad_chat_fields_are_400_naming_the_field(fields: dict, param: str) -> N
     envelope = error.envelope()["error"]
     assert set(envelope) == {"message", "type", "param", "code"}
     assert envelope["type"] == "invalid_request_error" and envelope["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("seed", "taken"),
+    [(None, None), (-1, None), (0, 0), (7, 7), (-2, 2**64 - 2), (2**64 - 1, 2**64 - 1), (-(2**63), 2**63)],
+)
+def test_any_64_bit_seed_is_taken_and_minus_one_is_random_as_llama_cpp_reads_it(seed, taken) -> None:
+    assert parse_request(_chat(seed=seed), "chat").seed == taken
 
 
 def test_completion_prompts() -> None:

@@ -9,12 +9,16 @@ import pytest
 
 from agent.core.relay.quotas import (
     ADMITTED,
+    LIMIT_TOKENS_PER_DAY,
     RPM_WINDOW_S,
     SECONDS_PER_DAY,
     HopRows,
     KeyLimits,
     NodeCredit,
     QuotaDecision,
+    TokenBudget,
+    budget_tokens,
+    charged_tokens,
     credit_for_hops,
     day_of,
     decide,
@@ -283,3 +287,76 @@ def test_zero_rows_and_no_hops() -> None:
 def test_credit_refuses_bad_hops(hops, n_layer, message) -> None:
     with pytest.raises(ValueError, match=message):
         credit_for_hops(hops, n_layer)
+
+
+# --- budgets: what an admitted request may spend, and what it is charged -----------------------
+
+BUDGET_NOW_S = 1_800_000_000.0
+
+
+def test_an_unlimited_key_keeps_its_max_tokens_and_holds_prompt_plus_max() -> None:
+    budget = budget_tokens(
+        KeyLimits(), tokens_today=10**9, tokens_reserved=10**9, prompt_tokens=7, max_tokens=50, now_s=BUDGET_NOW_S
+    )
+    assert budget == TokenBudget(max_tokens=50, reserved_tokens=57)
+
+
+def test_max_tokens_is_capped_by_what_is_left_after_the_prompt_and_the_held_tokens() -> None:
+    limits = KeyLimits(tokens_per_day=100)
+    budget = budget_tokens(
+        limits, tokens_today=60, tokens_reserved=15, prompt_tokens=5, max_tokens=400, now_s=BUDGET_NOW_S
+    )
+    assert budget == TokenBudget(max_tokens=20, reserved_tokens=25)  # 100 - 60 - 15 = 25 left
+    # well inside the limit, max_tokens stands
+    budget = budget_tokens(
+        limits, tokens_today=0, tokens_reserved=0, prompt_tokens=5, max_tokens=30, now_s=BUDGET_NOW_S
+    )
+    assert budget == TokenBudget(max_tokens=30, reserved_tokens=35)
+
+
+def test_a_prompt_that_leaves_no_token_to_generate_is_refused_until_midnight() -> None:
+    limits = KeyLimits(tokens_per_day=100)
+    refusal = budget_tokens(
+        limits, tokens_today=80, tokens_reserved=10, prompt_tokens=10, max_tokens=5, now_s=BUDGET_NOW_S
+    )
+    assert isinstance(refusal, QuotaDecision) and not refusal.admitted
+    assert refusal.limit == LIMIT_TOKENS_PER_DAY
+    assert "needs at least 11 tokens" in refusal.message and "10 are left" in refusal.message
+    assert "10 of them held by requests in flight" in refusal.message
+    assert refusal.retry_after_s == next_day_start_s(BUDGET_NOW_S) - BUDGET_NOW_S
+    # one more token left is enough for one generated token
+    budget = budget_tokens(
+        limits, tokens_today=79, tokens_reserved=10, prompt_tokens=10, max_tokens=5, now_s=BUDGET_NOW_S
+    )
+    assert budget == TokenBudget(max_tokens=1, reserved_tokens=11)
+
+
+@pytest.mark.parametrize(("prompt", "max_tokens"), [(0, 5), (5, 0), (-1, 5)])
+def test_a_budget_of_no_prompt_or_no_tokens_is_a_programming_error(prompt: int, max_tokens: int) -> None:
+    with pytest.raises(ValueError, match="must be >= 1"):
+        budget_tokens(
+            KeyLimits(),
+            tokens_today=0,
+            tokens_reserved=0,
+            prompt_tokens=prompt,
+            max_tokens=max_tokens,
+            now_s=BUDGET_NOW_S,
+        )
+
+
+@pytest.mark.parametrize(
+    ("completion", "client_left", "charged"),
+    [
+        (12, False, (30, 12)),  # finished, or the swarm failed after 12 tokens: all of it
+        (12, True, (30, 12)),  # the client closed the stream after 12 tokens: what it was sent
+        (0, True, (30, 0)),  # the client left during the prefill: the prompt it had computed
+        (0, False, (0, 0)),  # the swarm failed before the first token: nothing, as a refusal
+    ],
+)
+def test_what_a_request_is_charged_however_it_ends(completion: int, client_left: bool, charged: tuple) -> None:
+    assert charged_tokens(30, completion, client_left=client_left) == charged
+
+
+def test_negative_counts_are_refused() -> None:
+    with pytest.raises(ValueError, match=">= 0"):
+        charged_tokens(-1, 0, client_left=False)

@@ -10,10 +10,20 @@ import pytest
 from agent._proto import swarm_pb2
 from agent.core.owner.recovery import (
     AfterFailure,
+    ContextFull,
+    Fail,
+    Failure,
+    RecoveryBudget,
+    Replan,
+    Resume,
+    StepFailed,
+    WaitFor,
     after_failure,
     decode_step_average,
+    on_failure,
     replan_left,
     resumable,
+    step_ack_failure,
     step_deadline_s,
 )
 
@@ -73,6 +83,44 @@ def test_a_named_peer_is_replanned_around_while_replans_are_left() -> None:
 def test_a_failed_resume_has_counted_its_replan_already() -> None:
     assert decide(resume_failed=True) is AfterFailure.REPLAN_AFTER_RESUME
     assert decide(resume_failed=True, replans=3) is AfterFailure.REPLAN_AFTER_RESUME
+
+
+def plan(code: int = 0, step: int | None = 3, peer: str = "b", now: float = 10.0, **budget) -> object:
+    """``on_failure`` with three replans allowed, one used, the queue open until time 20 and a
+    first wait of 0.25 s; by default a step-3 timeout naming peer "b" at time 10."""
+    fields = {"replans": 1, "replan_attempts": 3, "busy_until": 20.0, "busy_wait_s": 0.25} | budget
+    return on_failure(Failure(code, step, peer), now, RecoveryBudget(**fields))
+
+
+def test_the_plan_after_a_failure_resumes_replans_waits_ends_or_fails() -> None:
+    assert plan(session_alive=True) == Resume("b")  # a silent hop of a live session: replaced in place
+    assert plan(code=swarm_pb2.Error.UNAVAILABLE, session_alive=True) == Resume("b")
+    # a live peer's refusal is not resumed: a new route around it
+    assert plan(code=swarm_pb2.Error.REFUSED, session_alive=True) == Replan("b", count=True)
+    assert plan(session_alive=True, replans=3) == Fail()  # no replan left for a resume either
+    assert plan() == Replan("b", count=True)
+    assert plan(resume_failed=True) == Replan("b", count=False)  # the resume counted it
+    assert plan(peer="") == Fail()
+    # no free sequence at the first step: wait, each wait twice the last, at most 1 s
+    assert plan(code=EXHAUSTED, step=0) == WaitFor(0.25, 0.5)
+    assert plan(code=EXHAUSTED, step=0, busy_wait_s=0.75) == WaitFor(0.75, 1.0)
+    assert plan(code=EXHAUSTED, step=0, now=20.0) == Fail(busy=True)
+    assert plan(code=EXHAUSTED, step=5, session_alive=True) == ContextFull()
+
+
+def test_a_first_hop_that_does_not_take_a_step_is_blamed_with_the_code_it_answered() -> None:
+    taken = swarm_pb2.StepAck(schema_version=1).SerializeToString()
+    assert step_ack_failure("first", 4, taken) is None
+    refused = swarm_pb2.StepAck(schema_version=1, error=swarm_pb2.Error(code=EXHAUSTED, message="no sequence"))
+    assert step_ack_failure("first", 4, refused.SerializeToString()) == StepFailed(
+        "step 4: first hop first refused the step: RESOURCE_EXHAUSTED: no sequence", "first", 4, EXHAUSTED
+    )
+    gone = step_ack_failure("first", 4, b"", unreachable="connection reset")
+    assert gone == StepFailed("step 4: first hop unreachable: connection reset", "first", 4, 0)
+    assert gone is not None and resumable(gone.failed_peer_id, gone.code)  # gone: resumed around
+    garbled = step_ack_failure("first", 4, b"\xff\xff\xff")
+    assert garbled is not None and (garbled.failed_peer_id, garbled.code) == ("first", 0)
+    assert garbled.message == "step 4: malformed StepAck from first"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,7 @@ breaks it and the error names what was wrong), next-hop / result builders, error
 
 from __future__ import annotations
 
+import re
 import struct
 import zlib
 
@@ -23,9 +24,11 @@ from agent.core.wire.swarm_wire import (
     STEP_PROTOCOL,
     TRACKER_PROTOCOL,
     WireError,
+    check_listen_addrs,
     crc32,
     node_reply_error,
     parse_record,
+    printable,
     step_ack,
     step_ack_accepts,
     step_ack_error,
@@ -407,3 +410,36 @@ def test_only_a_plain_acceptance_is_an_acceptance() -> None:
     assert not batch_ack_accepts(b"\xff\xff") and not batch_ack_accepts(step_ack())
     other_version = swarm_pb2.StepBatchAck(schema_version=SCHEMA_VERSION + 1, acks=[swarm_pb2.StepAck()])
     assert not batch_ack_accepts(other_version.SerializeToString())
+
+
+# --- text a peer sent, made safe to show ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("plain text, naïve café 你好 🙂", "plain text, naïve café 你好 🙂"),
+        ("\x1b[2J\x1b[Hscreen cleared", "\\x1b[2J\\x1b[Hscreen cleared"),
+        ("ok\n2026-12-07 tracker INFO forged line", "ok\\n2026-12-07 tracker INFO forged line"),
+        ("evil\u202etxt.exe", "evil\\u202etxt.exe"),  # a bidi override
+        ("a\x00b\x7fc", "a\\x00b\\x7fc"),
+    ],
+)
+def test_printable_escapes_what_would_act_on_a_terminal_or_a_log(text: str, shown: str) -> None:
+    assert printable(text, 1000) == shown
+
+
+def test_printable_keeps_at_most_max_chars() -> None:
+    assert printable("x" * 5000, 100) == "x" * 100 + "…"
+
+
+def test_listen_addrs_are_a_few_printable_multiaddrs() -> None:
+    check_listen_addrs(["/ip4/198.18.0.1/tcp/4001/p2p/12D3KooWx", "/ip6/::1/tcp/1"])
+    for addrs, message in [
+        (["/ip4/1.2.3.4/tcp/1\n"], "listen_addrs[0]"),
+        (["/ip4/1.2.3.4/tcp/1", "/dns/é.example/tcp/1"], "listen_addrs[1]"),
+        (["/" + "a" * 600], "at most 512 characters"),
+        ([f"/ip4/1.2.3.4/tcp/{i}" for i in range(17)], "17 addresses, over 16"),
+    ]:
+        with pytest.raises(WireError, match=re.escape(message)):
+            check_listen_addrs(addrs)

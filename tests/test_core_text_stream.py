@@ -1,10 +1,10 @@
-"""agent.core.relay.text_stream: whole UTF-8 characters at every boundary, stop strings cut exactly."""
+"""agent.core.owner.text_stream: whole UTF-8 characters at every boundary, stop strings cut exactly."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.core.relay.text_stream import TextStream
+from agent.core.owner.text_stream import TextStream
 
 pytestmark = pytest.mark.unit
 

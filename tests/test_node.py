@@ -30,6 +30,8 @@ from google.protobuf.message import Message
 from agent._proto import swarm_pb2
 from agent.core.net.identity import peer_id_from_public_key
 from agent.core.owner.parity import max_abs_diff
+from agent.core.tracker.assignment import Assignment
+from agent.core.tracker.heartbeat import diff_assignment, read_report
 from agent.core.wire.admission import (
     AdmissionError,
     issue_admission,
@@ -49,6 +51,7 @@ from agent.core.wire.swarm_wire import (
     STEP_PROTOCOL,
     STEPS_PROTOCOL,
     TRACKER_PROTOCOL,
+    WireError,
     crc32,
     parse_record,
     step_ack,
@@ -170,15 +173,19 @@ class FakeTracker:
         if body == "heartbeat":
             if remote not in self.known:
                 return tracker_reply_error(Code.NOT_FOUND, "unknown node: register first")
-            reported = {
-                (s.assignment.model_sha256, s.assignment.begin, s.assignment.end): s for s in request.heartbeat.serving
-            }
-            self.statuses[remote] = reported
-            directives = []
-            for key in sorted(self.assignments[remote] - set(reported)):
-                directives.append(swarm_pb2.Directive(kind=swarm_pb2.Directive.LOAD, assignment=_assignment(key)))
-            for key in sorted(set(reported) - self.assignments[remote]):
-                directives.append(swarm_pb2.Directive(kind=swarm_pb2.Directive.UNLOAD, assignment=_assignment(key)))
+            # the tracker's own rules: the report checked, LOAD/UNLOAD the diff with the assignments
+            try:
+                report = read_report(remote, request.heartbeat.serving, [])
+            except WireError as err:  # as the tracker answers a bad report
+                return tracker_reply_error(err.code, err.message)
+            self.statuses[remote] = {(a.model_sha256, a.begin, a.end): s for a, s in report.reported.items()}
+            assigned = [(Assignment(m, b, e, remote), False) for m, b, e in self.assignments[remote]]
+            diff = diff_assignment(report.reported, assigned)
+            directives = [
+                swarm_pb2.Directive(kind=kind, assignment=_assignment((a.model_sha256, a.begin, a.end)))
+                for kind, ranges in ((swarm_pb2.Directive.LOAD, diff.load), (swarm_pb2.Directive.UNLOAD, diff.unload))
+                for a in ranges
+            ]
             self._notify()
             reply = swarm_pb2.TrackerReply(
                 schema_version=SCHEMA_VERSION, heartbeat=swarm_pb2.HeartbeatReply(directives=directives)

@@ -19,6 +19,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
 from agent.core.net.frames import decode_uvarint, encode_uvarint
+from agent.core.wire.swarm_wire import MAX_TRACKER_REQUEST_BYTES, TRACKER_PROTOCOL
 from agent.io.keys import peer_id_of
 from agent.io.net.p2p import RelayPolicy, _libp2p_key_pair, open_p2p_transport
 from agent.io.net.p2p_transport import P2PTransport
@@ -496,3 +497,34 @@ async def test_a_circuit_ending_leaves_other_circuits_to_the_same_peer_alone() -
                         == b"fe"
                     )
                     assert staying.host.get_network().connections[ID.from_base58(node.peer_id)] == [circuit]
+
+
+async def test_the_tracker_protocol_reads_no_request_over_its_own_bound() -> None:
+    # anyone may reach a tracker before admission: its protocol's bound is what its records need,
+    # not the transport's 64 MiB, and it is checked on the length prefix
+    bound = MAX_TRACKER_REQUEST_BYTES
+    with trio.fail_after(30):
+        async with open_p2p_transport(Ed25519PrivateKey.generate()) as a:
+            async with open_p2p_transport(Ed25519PrivateKey.generate()) as tracker:
+                calls: list[int] = []
+
+                async def record(remote_peer_id: str, payload: bytes) -> bytes:
+                    calls.append(len(payload))
+                    return b"ok"
+
+                tracker.set_handler(TRACKER_PROTOCOL, record)
+                tracker.set_handler(ECHO, record)
+                with pytest.raises(TransportError):
+                    await a.request(
+                        tracker.peer_id, tracker.listen_addrs, TRACKER_PROTOCOL, bytes(bound + 1), timeout_s=TIMEOUT_S
+                    )
+                assert calls == []
+                ok = await a.request(
+                    tracker.peer_id, tracker.listen_addrs, TRACKER_PROTOCOL, bytes(bound), timeout_s=TIMEOUT_S
+                )
+                assert ok == b"ok" and calls == [bound]
+                # a protocol that carries rows keeps the transport's bound
+                assert (
+                    await a.request(tracker.peer_id, tracker.listen_addrs, ECHO, bytes(4 * bound), timeout_s=TIMEOUT_S)
+                    == b"ok"
+                )

@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 import trio
+import trio.lowlevel
 
 from agent._proto import swarm_pb2
 from agent.core.owner.chat_template import ChatTemplate
@@ -251,12 +252,93 @@ async def test_anonymous_access_within_its_daily_tokens_then_429(app_parts) -> N
     async with _http(app) as http:
         first = await http.post("/v1/completions", json={"model": "tiny", "prompt": "a b c d e f"})
         assert first.status_code == 200 and first.json()["usage"]["total_tokens"] == 11
+        # 1 of 12 left: a prompt of one token leaves none to generate, so it is refused, not run
         second = await http.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
-        assert second.status_code == 200  # 11 of 12 used
-        third = await http.post("/v1/completions", json={"model": "tiny", "prompt": "a"})
-    assert third.status_code == 429 and int(third.headers["retry-after"]) >= 1
-    assert "tokens_per_day" in third.json()["error"]["message"]
-    assert client.generations == 2
+    assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
+    message = second.json()["error"]["message"]
+    assert "tokens_per_day" in message and "needs at least 2 tokens" in message and "1 are left" in message
+    assert client.generations == 1
+
+
+@pytest.mark.timeout(30)
+async def test_max_tokens_is_capped_by_the_tokens_the_key_has_left(app_parts) -> None:
+    app, _key, client, state = app_parts
+    client.script = [1, 2, 3, 4, 5, 6, 2, 3, 4, EOG]
+    async with _http(app) as http:
+        # 12 a day, a prompt of 6: at most 6 generated although 100 were asked for
+        reply = await http.post("/v1/completions", json={"model": "tiny", "prompt": "a b c d e f", "max_tokens": 100})
+    assert reply.status_code == 200 and reply.json()["usage"] == {
+        "prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12,
+    }  # fmt: skip
+    assert reply.json()["choices"][0]["finish_reason"] == "length"
+    assert state.store.tokens_on("anonymous", "2027-01-15") == 12 and state.reserved == {}
+
+
+class GatedClient(FakeClient):
+    """Generates without end, one token each time the test lets it (``allow``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.allowed = trio.Semaphore(0)
+        self.generated = 0
+
+    async def generate_tokens(self, model, prompt_tokens, *, max_tokens, on_token, **_kwargs) -> GenerationResult:
+        logits = np.zeros(len(PIECES), dtype=np.float32)
+        for i in range(max_tokens):
+            await self.allowed.acquire()
+            self.generated += 1
+            await on_token(1 + i % 4, logits, None)
+        raise AssertionError("the client's stream was meant to end first")
+
+
+@pytest.mark.timeout(60)
+async def test_a_stream_the_client_closes_is_charged_the_tokens_it_was_sent(tmp_path: Path) -> None:
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.trio import serve
+
+    with open_relay_store(tmp_path / "relay.db") as store:
+        key = store.create_key("k", KeyLimits(tokens_per_day=300))
+        client = GatedClient()
+        config = RelayConfig(tracker_addr="/memory/t/p2p/x", db_path=tmp_path / "relay.db")
+        state = RelayState(config, client, store, FakePool(), RelayMetrics(), now_s=lambda: 1_800_000_000.0)  # type: ignore[arg-type]
+        hyper = HypercornConfig()
+        hyper.bind = ["127.0.0.1:0"]
+        hyper.accesslog = None
+        async with trio.open_nursery() as nursery:
+            (url,) = await nursery.start(lambda task_status: serve(build_app(state), hyper, task_status=task_status))  # type: ignore[arg-type]
+            request = {"model": "tiny", "prompt": "a b c", "max_tokens": 195, "stream": True}
+            for round_ in range(3):  # three streams of 10 tokens each, every one closed by the client
+                # a raw socket, as a client that closes mid-stream (or an attacker) has one
+                host, port = url.removeprefix("http://").rsplit(":", 1)
+                stream = await trio.open_tcp_stream(host, int(port))
+                body = json.dumps(request).encode()
+                await stream.send_all(
+                    b"POST /v1/completions HTTP/1.1\r\nhost: relay\r\ncontent-type: application/json\r\n"
+                    + f"authorization: Bearer {key}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                client.allowed.release()  # the headers go out with the first token
+                seen = b""
+                with trio.fail_after(10):
+                    while seen.count(b"data: {") < 10:
+                        chunk = await stream.receive_some()
+                        assert chunk, seen
+                        before = seen.count(b"data: {")
+                        seen += chunk
+                        for _ in range(seen.count(b"data: {") - before):
+                            if seen.count(b"data: {") < 10:
+                                client.allowed.release()
+                assert seen.startswith(b"HTTP/1.1 200"), seen
+                await stream.aclose()
+                # the relay sees the client go away, ends the session and settles its charge
+                with trio.fail_after(10):
+                    while state.reserved or state.concurrent.get("k"):
+                        await trio.sleep(0.01)
+                usage = store.usage_on("k", "2027-01-15")
+                # ± the last event: a token may have been generated and not yet sent
+                assert usage.prompt_tokens == 3 * (round_ + 1), usage
+                assert 10 * (round_ + 1) <= usage.completion_tokens <= client.generated <= 11 * (round_ + 1), usage
+            nursery.cancel_scope.cancel()
 
 
 @pytest.mark.timeout(30)
@@ -292,3 +374,36 @@ async def test_unknown_paths_and_methods_get_envelopes(app_parts) -> None:
     assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
     assert wrong.status_code == 405 and "error" in wrong.json()
     assert status.status_code == 200 and [m["alias"] for m in status.json()["models"]] == ["tiny", "plain"]
+
+
+@pytest.mark.timeout(30)
+async def test_status_hits_share_one_tracker_lookup_and_show_only_assigned_coverage(app_parts) -> None:
+    app, _key, client, _state = app_parts
+    lookups = []
+    honest = swarm_pb2.Assignment(model_sha256=SHA, begin=0, end=4)
+    boaster = swarm_pb2.Assignment(model_sha256=SHA, begin=0, end=2)  # reported, never assigned
+
+    async def list_nodes() -> list[swarm_pb2.NodeEntry]:
+        lookups.append(trio.current_time())
+        await trio.lowlevel.checkpoint()  # the other hits arrive while this one waits on the tracker
+        ready = swarm_pb2.AssignmentStatus.READY
+        return [
+            swarm_pb2.NodeEntry(peer_id="honest", alive=True, assigned=[honest],
+                                serving=[swarm_pb2.AssignmentStatus(assignment=honest, state=ready)]),
+            swarm_pb2.NodeEntry(peer_id="boaster", alive=True,
+                                serving=[swarm_pb2.AssignmentStatus(assignment=boaster, state=ready)]),
+        ]  # fmt: skip
+
+    client.list_nodes = list_nodes  # type: ignore[method-assign]
+    replies = []
+    async with _http(app) as http:
+
+        async def hit() -> None:
+            replies.append(await http.get("/status.json"))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(50):
+                nursery.start_soon(hit)
+    assert len(lookups) == 1 and all(r.status_code == 200 for r in replies)
+    (tiny,) = [m for m in replies[0].json()["models"] if m["alias"] == "tiny"]
+    assert [c["peer_id"] for c in tiny["coverage"]] == ["honest"] and tiny["covered"]

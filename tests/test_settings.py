@@ -67,9 +67,10 @@ def _not_default(cls: type, name: str, hint: Any, default: Any) -> Any:
 
 def _every_setting_changed(cls: type, **required: Any) -> dict[str, Any]:
     values = {}
-    for field, _, hint in settings_fields(cls):
+    for field, meta, hint in settings_fields(cls):
         default = None if field.default is dataclasses.MISSING else field.default
-        values[field.name] = _not_default(cls, field.name, hint, default)
+        choices = [c for c in meta.choices or () if c != default]
+        values[field.name] = choices[-1] if choices else _not_default(cls, field.name, hint, default)
     return {**values, **required}
 
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import sqlite3
+import stat
 
 import pytest
 import trio
@@ -968,6 +970,20 @@ def test_nodes_listing_shows_failures_and_refuses_a_missing_database(tmp_path, c
 # --- store ------------------------------------------------------------------------------------------
 
 
+def test_the_store_and_its_wal_are_owner_only_and_a_readable_file_is_refused(db_path):
+    previous = os.umask(0)  # a permissive umask takes nothing away and adds nothing
+    try:
+        with open_store(db_path) as store:
+            store.put_model(MODEL, 0, "/models/tiny.gguf")
+            modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in db_path.parent.iterdir()}
+    finally:
+        os.umask(previous)
+    assert "tracker.db-wal" in modes and set(modes.values()) == {0o600}, modes
+    db_path.chmod(0o644)
+    with pytest.raises(StoreError, match=r"tracker database .* has mode 0644; .*\(chmod 600 "):
+        TrackerStore.open(db_path)
+
+
 def test_store_refuses_another_schema_version(db_path):
     with open_store(db_path):
         pass
@@ -1127,6 +1143,7 @@ def test_the_database_directory_is_made_and_a_path_that_cannot_be_a_database_is_
     assert f"baton tracker serve: cannot open the database {a_directory}: it is a directory" in err, err
     not_a_database = tmp_path / "notes.db"
     not_a_database.write_text("not SQLite\n" * 100)
+    not_a_database.chmod(0o600)  # (a file others may read is refused before it is read)
     assert baton(["tracker", "nodes", "--db", str(not_a_database)]) == 2
     err = capsys.readouterr().err
     assert f"{not_a_database}: not a Baton tracker database (file is not a database)" in err, err

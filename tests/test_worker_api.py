@@ -319,7 +319,7 @@ async def test_smollm2_info_accounts_exactly_the_owned_tensors_and_kv(smollm2_pa
     # tied head of the last).
     token_embd = sizes["token_embd.weight"]
     assert sum(i.weight_bytes for i in infos[:3]) == full.weight_bytes + token_embd
-    assert ids and text == "Hello world" and no_tokens == []
+    assert ids and text == b"Hello world" and no_tokens == []
     assert all(Path(p) == Path(smollm2_path) for p in model_paths)
 
 

@@ -22,6 +22,7 @@ SAMPLES = {
     "--layers": "0:1",
     "--data-listen": "127.0.0.1:0",
     "--model-sha256": "ab" * 32,
+    "--top-k-in-graph": "off",
     "--data-max-connections": "2",
 }
 

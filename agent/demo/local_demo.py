@@ -17,6 +17,7 @@ import trio
 
 from agent.core.owner.generation import GreedyGeneration
 from agent.core.owner.parity import next_hop_entries
+from agent.core.owner.text_stream import whole_utf8
 from agent.core.wire.ranges import LayerRange, ranges_from_cuts
 from agent.core.wire.worker_records import SeqOutput
 from agent.harness.parity_run import open_workers
@@ -210,12 +211,12 @@ async def run_demo(
                 # detokenize the whole suffix: a token may end in the middle of a UTF-8 character
                 nonlocal shown
                 streamed.append(token)
-                text = await clients[0].detokenize(streamed)
+                text = whole_utf8(await clients[0].detokenize(streamed))
                 if on_text is not None and text.startswith(shown) and len(text) > len(shown):
                     on_text(text[len(shown) :])
                     shown = text
 
             split = await generate_through(clients, prompt_tokens, max_new_tokens, stop_tokens=stop, on_token=stream)
         single_run = await generate_through([single.client], prompt_tokens, max_new_tokens, stop_tokens=stop)
-        text = await single.client.detokenize(split.tokens)
+        text = (await single.client.detokenize(split.tokens)).decode("utf-8", "replace")
     return DemoReport(ranges=layer_ranges, prompt=prompt, text=text, split=split, single=single_run)

@@ -185,7 +185,8 @@ async def compare_workers(
     for client in (reference, *chain):
         for seq_id in run.live_seq_ids:
             await client.remove_sequence(seq_id)
-    text = await reference.detokenize(run.generated(0))
+    # (bytes: the run may end inside a character; shown with U+FFFD for the unfinished one)
+    text = (await reference.detokenize(run.generated(0))).decode("utf-8", "replace")
     return run.report(
         ranges,
         text=text,

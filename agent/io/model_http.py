@@ -8,8 +8,13 @@ tests check exactly what a node fetched). Its state is bounded: one counter per 
 Tests that need more (every request's Range header, a connection cut after N bytes) use
 ``agent.testing.model_http``'s subclass, through the two seams ``requested`` and
 ``next_chunk_bytes``. Run on Hypercorn's trio worker, in the caller's trio loop, as the relay
-runs (agent/io/relay/server.py). Range parsing is the core's
+runs (``agent.io.http_serve``). Range parsing is the core's
 (``agent.core.node.range_fetch.parse_range_header``).
+
+Bounded for anyone who can reach it: at most ``max_responses`` bodies in flight (more are
+answered 503 with Retry-After at once, before any file is opened), and a client that stops
+reading for ``send_timeout_s`` loses its connection (``agent.io.http_serve``), so clients that
+never read cannot hold file descriptors and buffers for ever.
 
 Nothing listens publicly unless told: the bind address is the caller's (the CLI defaults it
 to 127.0.0.1). Every byte a node receives is checked against the tracker-signed manifest, so
@@ -26,20 +31,35 @@ from pathlib import Path
 import trio
 
 from agent.core.node.range_fetch import parse_range_header
+from agent.io.http_serve import serve_asgi
 
 __all__ = ["ModelFileServer", "serve_model_files"]
 
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
+#: bodies sent at once; a node fetches its range with a few requests, so this serves dozens
+DEFAULT_MAX_RESPONSES = 64
+#: a client that takes no bytes for this long is dropped (a fetch resumes where it stopped)
+DEFAULT_SEND_TIMEOUT_S = 30.0
 
 
 class ModelFileServer:
     """The served files (``url name -> path``) and what was sent of each."""
 
-    def __init__(self, files: Mapping[str, str | os.PathLike[str]]) -> None:
+    def __init__(
+        self,
+        files: Mapping[str, str | os.PathLike[str]],
+        *,
+        max_responses: int = DEFAULT_MAX_RESPONSES,
+        send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+    ) -> None:
         self.files = {name: Path(path) for name, path in files.items()}
         self.sent_bytes: dict[str, int] = {name: 0 for name in self.files}
+        self.max_responses = max_responses
+        self.send_timeout_s = send_timeout_s
+        self.responses_in_flight = 0
+        self.refused_busy = 0
 
     def url(self, base_url: str, name: str) -> str:
         return f"{base_url.rstrip('/')}/models/{name}"
@@ -54,7 +74,7 @@ class ModelFileServer:
 
     def app(self):
         from starlette.applications import Starlette
-        from starlette.responses import PlainTextResponse, Response, StreamingResponse
+        from starlette.responses import PlainTextResponse, Response
         from starlette.routing import Route
 
         async def model_file(request):
@@ -80,27 +100,75 @@ class ModelFileServer:
                 headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
             if request.method == "HEAD":
                 return Response(status_code=status, headers=headers, media_type="application/octet-stream")
-            return StreamingResponse(
-                self._body(name, path, start, end), status_code=status, headers=headers,
-                media_type="application/octet-stream",
-            )  # fmt: skip
+            return _FileBody(self, name, path, start, end, status, headers)
 
-        return Starlette(routes=[Route("/models/{name}", model_file, methods=["GET", "HEAD"])])
+        return self._bounded(Starlette(routes=[Route("/models/{name}", model_file, methods=["GET", "HEAD"])]))
 
-    async def _body(self, name: str, path: Path, start: int, end: int):
-        f = await trio.to_thread.run_sync(open, path, "rb")
+    def _bounded(self, app):
+        """``app`` (ASGI) with the server's bounds: ``max_responses`` and ``send_timeout_s``."""
+
+        async def bounded(scope, receive, send) -> None:
+            if scope["type"] != "http":
+                await app(scope, receive, send)
+                return
+            if self.responses_in_flight >= self.max_responses:
+                self.refused_busy += 1
+                headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"retry-after", b"1")]
+                await send({"type": "http.response.start", "status": 503, "headers": headers})
+                await send({"type": "http.response.body", "body": b"too many downloads at once; retry\n"})
+                return
+
+            self.responses_in_flight += 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                self.responses_in_flight -= 1
+
+        return bounded
+
+
+class _FileBody:
+    """An ASGI response of bytes ``[start, end)`` of ``path``, read in chunks in a thread. The
+    file is closed, and reading stops, as soon as the response ends, the client going away
+    included (a generator left to the garbage collector would hold the file until then)."""
+
+    def __init__(
+        self, server: ModelFileServer, name: str, path: Path, start: int, end: int, status: int, headers: dict[str, str]
+    ) -> None:
+        self.server, self.name, self.path = server, name, path
+        self.start, self.end, self.status, self.headers = start, end, status, headers
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
+        headers.append((b"content-type", b"application/octet-stream"))
+        async with trio.open_nursery() as nursery:
+
+            async def until_disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(until_disconnect)
+            await send({"type": "http.response.start", "status": self.status, "headers": headers})
+            await self._send_body(send)
+            nursery.cancel_scope.cancel()
+
+    async def _send_body(self, send) -> None:
+        f = await trio.to_thread.run_sync(open, self.path, "rb")
         try:
-            offset = start
-            while offset < end:
-                n = self.next_chunk_bytes(name, min(CHUNK_BYTES, end - offset))
+            offset = self.start
+            while offset < self.end:
+                n = self.server.next_chunk_bytes(self.name, min(CHUNK_BYTES, self.end - offset))
                 if n <= 0:
                     raise ConnectionAbortedError("the response was cut")
                 chunk = await trio.to_thread.run_sync(os.pread, f.fileno(), n, offset)
                 if not chunk:
-                    return
+                    raise ConnectionAbortedError(f"{self.path} ended at byte {offset}, before {self.end}")
                 offset += len(chunk)
-                self.sent_bytes[name] += len(chunk)
-                yield chunk
+                self.server.sent_bytes[self.name] += len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": offset < self.end})
+            if self.start == self.end:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             f.close()
 
@@ -118,14 +186,6 @@ async def serve_model_files(
     Resource handling: the listening socket is closed when this returns.
     Cancellation: cancel the enclosing scope to stop serving (open responses are dropped).
     """
-    from hypercorn.config import Config as HypercornConfig
-    from hypercorn.trio import serve
-
-    hyper = HypercornConfig()
-    hyper.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    hyper.accesslog = None
-    hyper.errorlog = logging.getLogger("hypercorn.error")
-    hyper.graceful_timeout = 0.5
-    async with trio.open_nursery() as nursery:
-        binds = await nursery.start(lambda task_status: serve(server.app(), hyper, task_status=task_status))
-        task_status.started(binds[0])
+    await serve_asgi(
+        server.app(), host, port, send_timeout_s=server.send_timeout_s, graceful_timeout_s=0.5, task_status=task_status
+    )

@@ -9,18 +9,33 @@ migrations.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["DatabaseOpenError", "SqliteStore", "connect", "ensure_directory", "transaction"]
+__all__ = [
+    "DatabaseNotPrivate",
+    "DatabaseOpenError",
+    "SqliteStore",
+    "connect",
+    "create_private_file",
+    "ensure_directory",
+    "transaction",
+]
 
+_FILE_MODE = 0o600  # a store's database file, when Baton creates it
 _DIR_MODE = 0o700  # a store's directory, when Baton creates it
 
 
 class DatabaseOpenError(OSError):
     """The database file cannot be opened (a directory that cannot be made or written, a path
     that is a directory, no permission): an OSError, so the commands' usual handling reports it."""
+
+
+class DatabaseNotPrivate(DatabaseOpenError):
+    """The database file exists with a mode that lets group or others access it."""
 
 
 def ensure_directory(path: Path) -> None:
@@ -51,7 +66,7 @@ def connect(
       DatabaseOpenError: the file cannot be opened.
       sqlite3.Error: the file fails later (or what ``not_a_database`` returns).
     """
-    ensure_directory(path)
+    create_private_file(path)
     try:
         connection = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None)  # explicit transactions
     except sqlite3.OperationalError as error:  # ("unable to open database file": nothing more from SQLite)
@@ -70,6 +85,37 @@ def connect(
         connection.close()
         raise
     return connection
+
+
+def create_private_file(path: Path) -> None:
+    """Create the database ``path`` empty with mode 0600 unless it exists (SQLite gives its -wal
+    and -shm files the database's mode): API key hashes, usage and the node registry are the
+    owner's alone. A file that exists with group or other bits is refused, naming the fix.
+
+    Raises:
+      DatabaseNotPrivate: it exists and group or others may access it.
+      DatabaseOpenError: it cannot be made.
+    """
+    ensure_directory(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
+    except FileExistsError:
+        try:
+            info = os.stat(path)
+        except OSError:
+            return  # (gone again, or unreadable: connect says why)
+        mode = stat.S_IMODE(info.st_mode)
+        if stat.S_ISREG(info.st_mode) and mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise DatabaseNotPrivate(
+                f"database {path} has mode {mode:04o}; it must not be accessible by group or others (chmod 600 {path})"
+            ) from None
+        return
+    except OSError as error:
+        raise DatabaseOpenError(f"cannot create the database {path}: {error}") from None
+    try:
+        os.fchmod(fd, _FILE_MODE)  # the umask may have taken bits away; never adds any
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

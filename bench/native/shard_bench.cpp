@@ -4,7 +4,7 @@
 //
 // usage: baton-shard-bench MODEL [--ctx-size N] [--max-sequences N] [--prompt N] [--steps N]
 //                          [--reps N] [--threads N] [--top-k K] [--gap-us N] [--begin B] [--end E]
-//                          [--parallel N] [--split K] [--gap-spin 0|1]
+//                          [--parallel N] [--split K] [--gap-spin 0|1] [--top-k-in-graph auto|on|off]
 // --begin/--end: the block range [B, E) (default the whole model); a range that does not take
 // tokens gets boundary rows in (small deterministic values, f32), as a served range does.
 // --gap-us N: sleep N us before each decode step (not timed): the idle gap a served worker
@@ -13,6 +13,8 @@
 // --parallel N: N sequences (--max-sequences is raised to N when lower), each with its own
 // prompt Forward, then every decode Forward carries one row of each: llama-batched-bench's
 // -npl N, with the worker's per-row work (top-K, log-sum-exp) included.
+// --top-k-in-graph: where the last range selects its top-K (ShardConfig::top_k_in_graph; default
+// auto, as the worker): on and off time the in-graph selection against the host path.
 // --split K: the whole model and K ranges of an even split (cut at round(i * n_layer / K)), in
 // this one process, decoding the same tokens step by step in turn: each step the whole model's
 // Forward, then the ranges' Forwards in series, each range given the one before's boundary
@@ -156,7 +158,7 @@ int main(int argc, char ** argv) {
     if (argc < 2) {
         std::fprintf(stderr, "usage: baton-shard-bench MODEL [--ctx-size N] [--max-sequences N] [--prompt N] "
                              "[--steps N] [--reps N] [--threads N] [--top-k K] [--gap-us N] [--begin B] [--end E] "
-                             "[--parallel N] [--split K]\n");
+                             "[--parallel N] [--split K] [--top-k-in-graph auto|on|off]\n");
         return 2;
     }
     baton::ShardConfig config;
@@ -173,6 +175,13 @@ int main(int argc, char ** argv) {
     uint32_t top_k = 0;
     for (int i = 2; i + 1 < argc; i += 2) {
         const std::string flag = argv[i];
+        if (flag == "--top-k-in-graph") {
+            if (!baton::parse_top_k_in_graph(argv[i + 1], &config.top_k_in_graph)) {
+                std::fprintf(stderr, "--top-k-in-graph must be auto, on or off\n");
+                return 2;
+            }
+            continue;
+        }
         const long v = std::strtol(argv[i + 1], nullptr, 10);
         if (flag == "--ctx-size") config.ctx_size_per_seq = static_cast<uint32_t>(v);
         else if (flag == "--max-sequences") config.max_sequences = static_cast<uint32_t>(v);

@@ -29,7 +29,7 @@ constexpr const char * kUsage =
     "                    [--data-unproven-timeout-ms N] [--data-max-connections N]\n"
     "                    [--ctx-size N] [--max-sequences N]\n"
     "                    [--batch-size N] [--threads N] [--threads-decode N] [--gpu-layers N]\n"
-    "                    [--model-sha256 HEX] [--no-mmap]\n"
+    "                    [--model-sha256 HEX] [--no-mmap] [--top-k-in-graph auto|on|off]\n"
     "       baton-worker --vocab-only --model PATH --socket PATH [--model-sha256 HEX] [--no-mmap]\n"
     "  --layers B:E      blocks [B, E) in global numbering; E empty or -1: to the last block\n"
     "  --vocab-only      load only the vocabulary (no tensor is read: a metadata-only sparse GGUF\n"
@@ -59,6 +59,10 @@ constexpr const char * kUsage =
     "  --gpu-layers N    blocks to offload (llama.cpp n_gpu_layers; default -1 = all)\n"
     "  --model-sha256 H  the model's sha256 (skips hashing the file at start)\n"
     "  --no-mmap         read the model into memory instead of mapping it\n"
+    "  --top-k-in-graph M  where the last range selects a Forward's top-K and log-sum-exp: on =\n"
+    "                    in llama.cpp's graph (only K values a row leave the device), off = on\n"
+    "                    the host from the full rows, auto = in the graph when layers are\n"
+    "                    offloaded to a non-CPU backend (default auto)\n"
     "  --rollback-positions N  keep N positions of rollback snapshots per sequence (llama.cpp\n"
     "                    n_rs_seq; models whose state cannot be cut back, e.g. DeepSeek V4's\n"
     "                    compressor state, can then be trimmed by at most N positions; default 0)\n"
@@ -191,6 +195,10 @@ int main(int argc, char ** argv) {
             shard.threads_decode = static_cast<int32_t>(parse_integer(flag, take_value(), 0, 4096));
         } else if (flag == "--gpu-layers") {
             shard.gpu_layers = static_cast<int32_t>(parse_integer(flag, take_value(), -1, kI32Max));
+        } else if (flag == "--top-k-in-graph") {
+            if (!baton::parse_top_k_in_graph(take_value(), &shard.top_k_in_graph)) {
+                bad_arguments("--top-k-in-graph must be auto, on or off");
+            }
         } else if (flag == "--model-sha256") {
             shard.model_sha256 = take_value();
             if (!baton::is_sha256_hex(shard.model_sha256)) {

@@ -940,6 +940,7 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     info_.llama_cpp_commit = built_llama_cpp_commit();
     info_.patch_series_sha256 = built_patch_series_sha256();
     info_.backend = backend_name_of(model_.get());
+    top_k_in_graph_ = gives_logits && top_k_in_graph_enabled(config_.top_k_in_graph, info_.backend, config_.gpu_layers);
     info_.recipe_hash = compute_recipe_hash(info_.model_sha256, info_.llama_cpp_commit, info_.patch_series_sha256,
                                             info_.backend, schema.recipe_tag());
     info_.weight_bytes = llama_model_size(model_.get());
@@ -1133,6 +1134,12 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
         }
     };
 
+    // 0: the full rows come back (top-K, if asked, on the host below)
+    const uint32_t graph_top_k = top_k_in_graph_ ? graph_top_k_for(entries, info_.n_vocab) : 0;
+    if (info_.gives_logits) {
+        llama_set_logits_top_k(ctx_.get(), static_cast<int32_t>(graph_top_k));
+    }
+
     clear_llama_errors();
     const int32_t rc = llama_decode(ctx_.get(), batch);
     if (rc != 0) {
@@ -1168,6 +1175,15 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
                 o.logits.reserve(o.logit_rows.size() * row_bytes);  // appended below: no zero-fill first
             }
             for (size_t j = 0; j < o.logit_rows.size(); ++j) {
+                if (graph_top_k > 0) {
+                    const int32_t index = first_row[i] + static_cast<int32_t>(o.logit_rows[j]);
+                    const ShardStatus gst = read_graph_top_k(ctx_.get(), index, j, e.seq_id, o.logit_rows[j], &o);
+                    if (!gst.ok()) {
+                        roll_back();
+                        return gst;
+                    }
+                    continue;
+                }
                 const float * src = llama_get_logits_ith(ctx_.get(), first_row[i] + static_cast<int32_t>(o.logit_rows[j]));
                 if (src == nullptr) {
                     roll_back();

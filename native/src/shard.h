@@ -20,6 +20,8 @@
 #include <string_view>
 #include <vector>
 
+#include "topk_select.h"
+
 struct llama_model;
 struct llama_context;
 struct llama_vocab;
@@ -88,6 +90,10 @@ struct ShardConfig {
     // When set and it becomes true, loading stops (through llama's progress callback) and
     // the constructor throws ShardLoadError. Not owned; must outlive the constructor call.
     const std::atomic<bool> * cancel_load = nullptr;
+    // Where a last range selects a Forward's top-K and log-sum-exp (topk_select.h): inside
+    // llama.cpp's graph, so that only K values a row leave the device, or from the full rows on
+    // the host. kAuto: the graph on an accelerator, the host on the CPU.
+    TopKInGraph top_k_in_graph = TopKInGraph::kAuto;
 };
 
 // A boundary schema (BoundarySchema in worker.proto): version 1 "residual" (n_embd per
@@ -351,6 +357,7 @@ private:
     const llama_vocab * vocab_ = nullptr;
     std::vector<int32_t> next_positions_;  // per seq id: positions held
     std::atomic<uint32_t> active_sequences_{0};
+    bool top_k_in_graph_ = false;  // a last range selecting top-K in the graph (config + backend)
 };
 
 }  // namespace baton

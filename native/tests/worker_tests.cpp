@@ -578,6 +578,62 @@ TEST_CASE("parse_host_port") {
     CHECK_FALSE(baton::parse_host_port("h:12x", &host, &port, &error));
 }
 
+TEST_CASE("order_graph_candidates: select_top_k's order of unordered candidates; lse from the best") {
+    // candidates as ggml_top_k may give them: any order, a tie (ids 9 and 4 at 2.0)
+    const std::vector<int32_t> ids = {9, 17, 4, 30};
+    const std::vector<float> logits = {2.0f, 3.5f, 2.0f, -1.0f};
+    const std::vector<float> probs = {0.1f, 0.25f, 0.1f, 0.01f};
+    std::vector<int32_t> out_ids(3);
+    std::vector<float> out_values(3);
+    double lse = 0.0;
+    REQUIRE(baton::order_graph_candidates(ids.data(), logits.data(), probs.data(), 4, 3, out_ids.data(),
+                                          out_values.data(), &lse));
+    CHECK(out_ids == std::vector<int32_t>{17, 4, 9});
+    CHECK(out_values == std::vector<float>{3.5f, 2.0f, 2.0f});
+    CHECK(lse == 3.5 - std::log(static_cast<double>(0.25f)));
+    // k above n takes the n candidates
+    std::vector<int32_t> all_ids(4);
+    std::vector<float> all_values(4);
+    REQUIRE(baton::order_graph_candidates(ids.data(), logits.data(), probs.data(), 4, 9, all_ids.data(),
+                                          all_values.data(), &lse));
+    CHECK(all_ids == std::vector<int32_t>{17, 4, 9, 30});
+    // a NaN logit, or a NaN probability of the best (a NaN elsewhere in the row), is refused
+    std::vector<float> nan_logits = logits;
+    nan_logits[3] = std::nanf("");
+    CHECK_FALSE(baton::order_graph_candidates(ids.data(), nan_logits.data(), probs.data(), 4, 2, out_ids.data(),
+                                              out_values.data(), &lse));
+    std::vector<float> nan_probs = probs;
+    nan_probs[1] = std::nanf("");
+    CHECK_FALSE(baton::order_graph_candidates(ids.data(), logits.data(), nan_probs.data(), 4, 2, out_ids.data(),
+                                              out_values.data(), &lse));
+    // a non-finite best logit is the log-sum-exp, as log_sum_exp returns it
+    const std::vector<float> inf_logits = {-INFINITY, -INFINITY};
+    const std::vector<float> nan_both = {std::nanf(""), std::nanf("")};
+    REQUIRE(baton::order_graph_candidates(ids.data(), inf_logits.data(), nan_both.data(), 2, 1, out_ids.data(),
+                                          out_values.data(), &lse));
+    CHECK(lse == -INFINITY);
+}
+
+TEST_CASE("graph_top_k_for: the largest K clamped to n_vocab, 0 when an entry wants full rows") {
+    std::vector<ForwardEntry> es(3);
+    es[0].top_k = 5;
+    es[1].top_k = 40;
+    es[2].top_k = 1;
+    CHECK(baton::graph_top_k_for(es, 1000) == 40);
+    CHECK(baton::graph_top_k_for(es, 32) == 32);
+    es[1].top_k = 0;
+    CHECK(baton::graph_top_k_for(es, 1000) == 0);
+    baton::TopKInGraph mode = baton::TopKInGraph::kOff;
+    CHECK(baton::parse_top_k_in_graph("on", &mode));
+    CHECK(mode == baton::TopKInGraph::kOn);
+    CHECK_FALSE(baton::parse_top_k_in_graph("yes", &mode));
+    CHECK(baton::top_k_in_graph_enabled(baton::TopKInGraph::kAuto, "CUDA", -1));
+    CHECK_FALSE(baton::top_k_in_graph_enabled(baton::TopKInGraph::kAuto, "CUDA", 0));
+    CHECK_FALSE(baton::top_k_in_graph_enabled(baton::TopKInGraph::kAuto, "CPU", -1));
+    CHECK(baton::top_k_in_graph_enabled(baton::TopKInGraph::kOn, "CPU", 0));
+    CHECK_FALSE(baton::top_k_in_graph_enabled(baton::TopKInGraph::kOff, "CUDA", -1));
+}
+
 }  // TEST_SUITE("validation")
 
 // ---------------------------------------------------------------------------------------------
@@ -610,6 +666,10 @@ baton::ShardConfig test_config(const char * model, int32_t begin, int32_t end) {
     c.threads = 2;
     c.gpu_layers = test_gpu_layers();
     c.model_sha256 = std::string(64, '0');  // hashing is tested elsewhere; keep the test fast
+    // the host path, whose log-sum-exp is log_sum_exp's bit for bit, also with
+    // BATON_TEST_GPU_LAYERS=-1 (where kAuto would select in the graph); the in-graph path is
+    // graph_top_k_shard()'s
+    c.top_k_in_graph = baton::TopKInGraph::kOff;
     return c;
 }
 
@@ -1041,6 +1101,191 @@ TEST_CASE("top-K rows equal select_top_k and log_sum_exp of the full rows") {
     }
     CHECK_OK(whole->remove_sequence(2, &next_pos));
     CHECK_OK(whole->remove_sequence(3, &next_pos));
+}
+
+namespace {
+
+// A range of the model selecting top-K in its graph (--top-k-in-graph on): the whole model
+// (tail false) or [10,30), loaded by the first case that asks; its sequences released like
+// model_shards()'.
+baton::Shard * graph_top_k_shard(bool tail = false) {
+    static std::unique_ptr<baton::Shard> shards[2];
+    std::unique_ptr<baton::Shard> & shard = shards[tail ? 1 : 0];
+    if (!shard) {
+        baton::ShardConfig c = test_config(test_model(), tail ? 10 : 0, -1);
+        c.top_k_in_graph = baton::TopKInGraph::kOn;
+        try {
+            shard = std::make_unique<baton::Shard>(c);
+        } catch (const std::exception & e) {
+            FAIL("cannot load the in-graph top-K shard: " << std::string(e.what()));
+        }
+    }
+    release_sequences(shard.get());
+    return shard.get();
+}
+
+struct TopKTally {
+    size_t rows = 0;
+    size_t boundary_ties = 0;  // rows whose k-th value is shared with an id past the k-th
+    double max_lse_diff = 0.0;
+};
+
+// One Forward of entries on the host path, the same again with full rows (the sequences trimmed
+// back in between: the same logits, bit for bit), and on the in-graph shard; then, row by row,
+// the same ids (but where the k-th value is tied past k: topk_select.h), the same values, and
+// log-sum-exps within kGraphLogSumExpTolerance. Returns the host's outputs (the graph's into
+// *graph_out when given).
+std::vector<ForwardOutput> compare_graph_top_k(baton::Shard * host, baton::Shard * graph,
+                                               const std::vector<ForwardEntry> & entries, TopKTally * tally,
+                                               std::vector<ForwardOutput> * graph_out = nullptr) {
+    std::vector<ForwardOutput> by_host;
+    std::vector<ForwardOutput> full;
+    std::vector<ForwardOutput> by_graph;
+    REQUIRE_OK(host->forward(entries, &by_host));
+    std::vector<ForwardEntry> full_entries = entries;
+    for (ForwardEntry & e : full_entries) {
+        int32_t next = -1;
+        REQUIRE_OK(host->trim_sequence(e.seq_id, e.positions.front(), &next));
+        e.top_k = 0;
+    }
+    REQUIRE_OK(host->forward(full_entries, &full));
+    REQUIRE_OK(graph->forward(entries, &by_graph));
+    const uint32_t n_vocab = host->info().n_vocab;
+    REQUIRE(by_graph.size() == by_host.size());
+    for (size_t i = 0; i < by_host.size(); ++i) {
+        CAPTURE(i);
+        const ForwardOutput & h = by_host[i];
+        const ForwardOutput & g = by_graph[i];
+        REQUIRE(g.top_k == h.top_k);
+        REQUIRE(g.logit_rows == h.logit_rows);
+        REQUIRE(g.top_token_ids.size() == h.top_token_ids.size());
+        CHECK(g.logits.empty());
+        CHECK(g.next_position == h.next_position);
+        // the values never depend on which tied id was kept
+        CHECK(std::memcmp(g.top_logits.data(), h.top_logits.data(), h.top_logits.size()) == 0);
+        const size_t k = h.top_k;
+        for (size_t j = 0; j < h.logit_rows.size(); ++j) {
+            CAPTURE(j);
+            ++tally->rows;
+            const auto * hid = reinterpret_cast<const int32_t *>(h.top_token_ids.data()) + j * k;
+            const auto * gid = reinterpret_cast<const int32_t *>(g.top_token_ids.data()) + j * k;
+            const auto * val = reinterpret_cast<const float *>(h.top_logits.data()) + j * k;
+            const float * row = reinterpret_cast<const float *>(full[i].logits.data()) + j * n_vocab;
+            const size_t k1 = std::min<size_t>(k + 1, n_vocab);
+            std::vector<int32_t> ids1(k1);
+            std::vector<float> values1(k1);
+            REQUIRE(baton::select_top_k(row, n_vocab, k1, ids1.data(), values1.data()));
+            const bool tie_past_k = k1 > k && values1[k] == val[k - 1];
+            tally->boundary_ties += tie_past_k ? 1 : 0;
+            for (size_t t = 0; t < k; ++t) {
+                CAPTURE(t);
+                CHECK((gid[t] == hid[t] || (tie_past_k && val[t] == val[k - 1])));
+            }
+            const double diff = std::fabs(g.log_sum_exp[j] - h.log_sum_exp[j]);
+            CHECK(diff <= baton::kGraphLogSumExpTolerance);
+            CHECK(h.log_sum_exp[j] == baton::log_sum_exp(row, n_vocab));
+            tally->max_lse_diff = std::max(tally->max_lse_diff, diff);
+        }
+    }
+    if (graph_out != nullptr) {
+        *graph_out = std::move(by_graph);
+    }
+    return by_host;
+}
+
+}  // namespace
+
+// The in-graph selection (patch 0010, llama_set_logits_top_k) run on the CPU backend against
+// the host path (select_top_k, log_sum_exp): a prefill of three sequences, several logit rows
+// and a different K each (one graph K, the largest, read as each entry's prefix), then batched
+// decode steps at K = 1, 40 and 1000; then a batch where one entry asks for full rows, which
+// takes the host path for all. The prefill also through [0,10) -> [10,30) selecting in the graph:
+// the split's logits are the whole model's, bit for bit, so its selection is too.
+TEST_CASE("in-graph top-K equals the host path's: ids and values exact, log-sum-exp within the bound") {
+    ModelShards & m = model_shards();
+    baton::Shard * host = m.whole.get();
+    baton::Shard * graph = graph_top_k_shard();
+    TopKTally tally;
+    const std::vector<std::vector<int32_t>> prompts = {tokenize(host, "The capital of France is"),
+                                                       tokenize(host, "def fibonacci(n):\n    return"),
+                                                       tokenize(host, "Once upon a time, in a small village,")};
+    std::vector<ForwardEntry> prefill;
+    const std::vector<uint32_t> ks = {40, 5, 1};
+    for (uint32_t s = 0; s < 3; ++s) {
+        const uint32_t last = static_cast<uint32_t>(prompts[s].size() - 1);
+        prefill.push_back(token_entry(s, 0, prompts[s], s == 1 ? std::vector<uint32_t>{last}
+                                                                : std::vector<uint32_t>{0, last / 2, last}));
+        prefill.back().top_k = ks[s];
+    }
+    std::vector<ForwardOutput> whole_graph;
+    std::vector<ForwardOutput> out = compare_graph_top_k(host, graph, prefill, &tally, &whole_graph);
+    {
+        baton::Shard * head = m.head.get();
+        baton::Shard * tail = graph_top_k_shard(true);
+        std::vector<ForwardOutput> mid;
+        std::vector<ForwardOutput> split;
+        REQUIRE_OK(head->forward(prefill, &mid));
+        std::vector<ForwardEntry> tail_entries;
+        for (size_t s = 0; s < prefill.size(); ++s) {
+            ForwardEntry e = prefill[s];
+            e.token_ids.clear();
+            e.boundary = mid[s].boundary;
+            e.boundary_dtype = BoundaryDType::kF32;
+            tail_entries.push_back(std::move(e));
+        }
+        REQUIRE_OK(tail->forward(tail_entries, &split));
+        REQUIRE(split.size() == whole_graph.size());
+        for (size_t s = 0; s < split.size(); ++s) {
+            CAPTURE(s);
+            CHECK(split[s].top_token_ids == whole_graph[s].top_token_ids);
+            CHECK(split[s].top_logits == whole_graph[s].top_logits);
+            CHECK(split[s].log_sum_exp == whole_graph[s].log_sum_exp);
+        }
+        release_sequences(head);
+        release_sequences(tail);
+    }
+    std::vector<int32_t> next_token(3);
+    std::vector<int32_t> next_pos(3);
+    for (size_t s = 0; s < 3; ++s) {
+        next_token[s] = reinterpret_cast<const int32_t *>(out[s].top_token_ids.data())[(out[s].logit_rows.size() - 1) * out[s].top_k];
+        next_pos[s] = out[s].next_position;
+    }
+    for (uint32_t k : {1u, 40u, 1000u, 40u}) {
+        CAPTURE(k);
+        std::vector<ForwardEntry> step;
+        for (uint32_t s = 0; s < 3; ++s) {
+            step.push_back(token_entry(s, next_pos[s], {next_token[s]}));
+            step.back().top_k = k;
+        }
+        out = compare_graph_top_k(host, graph, step, &tally);
+        for (size_t s = 0; s < 3; ++s) {
+            next_token[s] = reinterpret_cast<const int32_t *>(out[s].top_token_ids.data())[0];
+            next_pos[s] = out[s].next_position;
+        }
+    }
+    // one entry with full rows: no selection in the graph, every entry from the full rows
+    std::vector<ForwardEntry> mixed;
+    for (uint32_t s = 0; s < 3; ++s) {
+        mixed.push_back(token_entry(s, next_pos[s], {next_token[s]}));
+        mixed.back().top_k = s == 1 ? 0 : 40;
+    }
+    std::vector<ForwardOutput> by_host;
+    std::vector<ForwardOutput> by_graph;
+    REQUIRE_OK(host->forward(mixed, &by_host));
+    REQUIRE_OK(graph->forward(mixed, &by_graph));
+    for (size_t s = 0; s < 3; ++s) {
+        CAPTURE(s);
+        CHECK(by_graph[s].logits == by_host[s].logits);
+        CHECK(by_graph[s].top_token_ids == by_host[s].top_token_ids);
+        CHECK(by_graph[s].top_logits == by_host[s].top_logits);
+        CHECK(by_graph[s].log_sum_exp == by_host[s].log_sum_exp);
+    }
+    CHECK(by_host[1].logits.size() == host->info().n_vocab * sizeof(float));
+    MESSAGE("in-graph top-K on " << host->info().backend << ": " << tally.rows << " rows, "
+                                 << tally.boundary_ties << " with the k-th value tied past k, max |lse difference| "
+                                 << tally.max_lse_diff);
+    release_sequences(host);
+    release_sequences(graph);
 }
 
 // Detokenize a text longer than the first guess of its size (the "buffer too small" path).

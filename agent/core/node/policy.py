@@ -26,7 +26,7 @@ from collections.abc import Hashable, Sequence
 from agent._proto import swarm_pb2
 from agent.core.node import scheduler
 from agent.core.node.range_states import RangeKey, range_name
-from agent.core.wire.swarm_wire import WireError, worker_error_code
+from agent.core.wire.swarm_wire import WireError, WorkerCall, worker_error_code
 
 __all__ = [
     "MAX_DATA_PLANE_DECODE_GROUPS",
@@ -44,6 +44,8 @@ __all__ = [
     "push_refused",
     "push_unreachable",
     "range_not_ready",
+    "sequence_not_held",
+    "worker_call_failed",
 ]
 
 Code = swarm_pb2.Error.Code
@@ -134,6 +136,18 @@ def data_plane_decode_groups(*, begin: int, route_hops: int, decode_groups: int 
 def forward_failure(code_name: str, detail: str, peer_id: str) -> StepFailure:
     """A worker Forward failed (``code_name``: the worker's status name, "" when unknown)."""
     return StepFailure(worker_error_code(code_name), f"worker Forward failed: {detail}", peer_id, end_session=True)
+
+
+def worker_call_failed(code_name: str, call: WorkerCall, message: str) -> WireError:
+    """The node's answer when a worker ``call`` it made for a request failed with gRPC status
+    ``code_name`` (``agent.core.wire.swarm_wire.worker_error_code`` picks the code)."""
+    return WireError(worker_error_code(code_name, call), message)
+
+
+def sequence_not_held(code_name: str) -> bool:
+    """Whether a worker's refusal to free a sequence (gRPC status ``code_name``) means it
+    holds nothing there (INVALID_ARGUMENT: an unknown sequence), so the sequence may be reused."""
+    return code_name == "INVALID_ARGUMENT"
 
 
 def push_unreachable(hop_peer_id: str, detail: str) -> StepFailure:

@@ -220,6 +220,21 @@ def _optional_int(body: Mapping[str, Any], name: str, *, minimum: int, maximum: 
     return value
 
 
+#: ``top_k`` travels as a protobuf uint32; any value past a vocabulary's size means "no top-k"
+MAX_TOP_K = 2**31 - 1
+
+
+def _seed(seed: Any) -> int | None:
+    """A request's ``seed``: any 64-bit integer, as OpenAI takes it. -1 asks for a random seed, as
+    llama.cpp's server reads it (clients written for it send -1); other negative seeds are taken
+    as their unsigned 64-bit value, since the generator wants a non-negative one."""
+    if seed is None or (seed == -1 and _is_int(seed)):
+        return None
+    if not _is_int(seed) or not -(2**63) <= seed < 2**64:
+        raise _bad(f"'seed' must be a 64-bit integer, got {seed!r}", "seed")
+    return int(seed) % 2**64
+
+
 def _number(
     body: Mapping[str, Any], name: str, default: float, *, low: float, high: float, low_open: bool = False
 ) -> float:
@@ -344,9 +359,7 @@ def parse_request(body: object, kind: str) -> CompletionRequest:
         if not isinstance(value, bool):
             raise _bad("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
         include_usage = value
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise _bad(f"'seed' must be an integer, got {seed!r}", "seed")
+    seed = _seed(body.get("seed"))
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise _bad("'user' must be a string", "user")
@@ -375,7 +388,7 @@ def parse_request(body: object, kind: str) -> CompletionRequest:
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
         top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
-        top_k=_optional_int(body, "top_k", minimum=0) or 0,
+        top_k=_optional_int(body, "top_k", minimum=0, maximum=MAX_TOP_K) or 0,
         seed=seed,
         stop=_stop(body),
         stream=stream,

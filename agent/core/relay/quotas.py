@@ -6,6 +6,9 @@ Owns:
 - ``decide``: admit or refuse one request from a key's usage, with the limit that refused it,
   a message naming that limit and its value, and how long until it frees (``retry_after_s``);
 - UTC days: ``day_of(now_s) -> "YYYY-MM-DD"`` and ``next_day_start_s``;
+- ``budget_tokens``: what an admitted request may spend of the key's day (its ``max_tokens``
+  capped by the tokens left, counting those held by the key's requests in flight), and
+  ``charged_tokens``: what it is charged when it ends, however it ends;
 - ``credit_for_hops``: a completion's credit per node, ``rows * (end - begin) / n_layer``.
 
 Pure: ``now_s`` (seconds since the Unix epoch, UTC) is an argument; no clock, randomness or
@@ -33,6 +36,9 @@ __all__ = [
     "Limit",
     "NodeCredit",
     "QuotaDecision",
+    "TokenBudget",
+    "budget_tokens",
+    "charged_tokens",
     "credit_for_hops",
     "day_of",
     "decide",
@@ -209,6 +215,68 @@ def decide(
         return ADMITTED
     latest = max(r.retry_after_s for r in refusals)
     return next(r for r in refusals if r.retry_after_s == latest)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBudget:
+    """What one admitted request may spend: ``max_tokens`` to generate, and ``reserved_tokens``
+    (its prompt + ``max_tokens``) held against the key's day while it runs, so that requests in
+    flight together cannot spend more than the key has left."""
+
+    max_tokens: int
+    reserved_tokens: int
+
+
+def budget_tokens(
+    limits: KeyLimits,
+    *,
+    tokens_today: int,
+    tokens_reserved: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    now_s: float,
+) -> TokenBudget | QuotaDecision:
+    """The budget of a request the quota admitted (``decide``), once its prompt is known.
+
+    ``tokens_today``: what the key was charged today; ``tokens_reserved``: what its requests in
+    flight hold. ``max_tokens`` is capped by what is left after the prompt; a request whose
+    prompt leaves no token to generate is refused (``tokens_per_day``) rather than run to be
+    cut at once: before, a key with 100 tokens a day could spend 416.
+    """
+    _check_now(now_s)
+    if prompt_tokens < 1 or max_tokens < 1:
+        raise ValueError(f"prompt_tokens and max_tokens must be >= 1, got {prompt_tokens} and {max_tokens}")
+    left = tokens_left(limits, tokens_today + tokens_reserved)
+    if left is None:
+        return TokenBudget(max_tokens, prompt_tokens + max_tokens)
+    if left < prompt_tokens + 1:
+        held = f", {tokens_reserved} of them held by requests in flight" if tokens_reserved else ""
+        return QuotaDecision(
+            admitted=False,
+            limit=LIMIT_TOKENS_PER_DAY,
+            message=(
+                f"tokens_per_day limit of {limits.tokens_per_day}: this request needs at least "
+                f"{prompt_tokens + 1} tokens (a prompt of {prompt_tokens} and one to generate), "
+                f"{left} are left today ({tokens_today + tokens_reserved} used{held}; resets at 00:00 UTC)"
+            ),
+            retry_after_s=next_day_start_s(now_s) - now_s,
+        )
+    capped = min(max_tokens, left - prompt_tokens)
+    return TokenBudget(capped, prompt_tokens + capped)
+
+
+def charged_tokens(prompt_tokens: int, completion_tokens: int, *, client_left: bool) -> tuple[int, int]:
+    """``(prompt, completion)`` tokens a request is charged when it ends, however it ends.
+
+    Every generated token is charged, also when the client went away mid-stream or the swarm
+    failed after it. The prompt is charged once a token was generated (the swarm computed it)
+    or when the client chose to leave; a request the swarm failed before its first token costs
+    nothing, as a refused one does.
+    """
+    if prompt_tokens < 0 or completion_tokens < 0:
+        raise ValueError(f"token counts must be >= 0, got {prompt_tokens} and {completion_tokens}")
+    charged_prompt = prompt_tokens if completion_tokens > 0 or client_left else 0
+    return charged_prompt, completion_tokens
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 
 Owns, for ``agent.io.tracker.service`` (which stores the report and sends the reply):
 - the report's validation: every status names a model range (``end > begin``) in a state a
-  node reports (LOADING, READY, FAILED); otherwise the whole heartbeat is refused with
-  INVALID_ARGUMENT naming the entry;
+  node reports (LOADING, READY, FAILED), with a recipe hash that is a printable token; at most
+  ``MAX_REPORTED_RANGES`` of them and ``swarm_wire.MAX_LISTEN_ADDRS`` printable addresses (``check_listen_addrs``); otherwise the
+  whole heartbeat is refused with INVALID_ARGUMENT naming the entry. A node's error text is
+  kept, shortened and with its control characters escaped (``swarm_wire.printable``): it is
+  shown in ``baton tracker nodes`` and logged, where escapes would clear screens and forge lines;
 - which models the node newly FAILED to load (not assigned to it again until it registers
   anew: each of them recomputes the assignment);
 - the assignments it holds here but did not report (not loaded: e.g. the node restarted):
@@ -23,19 +26,35 @@ from collections.abc import Iterable, Sequence
 
 from agent._proto import swarm_pb2
 from agent.core.tracker.assignment import Assignment
-from agent.core.wire.swarm_wire import WireError
+from agent.core.wire.swarm_wire import WireError, printable
 
-__all__ = ["AssignmentDiff", "Report", "admission_due", "diff_assignment", "read_report"]
+__all__ = [
+    "MAX_ERROR_CHARS",
+    "MAX_REPORTED_RANGES",
+    "AssignmentDiff",
+    "Report",
+    "admission_due",
+    "diff_assignment",
+    "read_report",
+]
 
 Code = swarm_pb2.Error.Code
 State = swarm_pb2.AssignmentStatus.State
 _REPORTED_STATES = (State.LOADING, State.READY, State.FAILED)
+
+#: ranges one heartbeat may report (a node serves a few; the tracker keeps what it is told)
+MAX_REPORTED_RANGES = 256
+#: the error text kept of one range's status
+MAX_ERROR_CHARS = 1024
+#: a recipe hash is a digest's hex (compared, stored and shown)
+MAX_RECIPE_CHARS = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class Report:
     reported: dict[Assignment, swarm_pb2.AssignmentStatus]
     newly_failed: frozenset[str]  # model sha256s this node newly reported FAILED
+    serving: tuple[swarm_pb2.AssignmentStatus, ...] = ()  # the statuses as kept (error texts made printable)
 
 
 def read_report(peer_id: str, serving: Sequence[swarm_pb2.AssignmentStatus], failed_models: Iterable[str]) -> Report:
@@ -45,8 +64,23 @@ def read_report(peer_id: str, serving: Sequence[swarm_pb2.AssignmentStatus], fai
     Raises:
       WireError(INVALID_ARGUMENT): a status that is not a model range in a reportable state.
     """
+    if len(serving) > MAX_REPORTED_RANGES:
+        raise WireError(Code.INVALID_ARGUMENT, f"serving lists {len(serving)} ranges, over {MAX_REPORTED_RANGES}")
     reported: dict[Assignment, swarm_pb2.AssignmentStatus] = {}
+    kept: list[swarm_pb2.AssignmentStatus] = []
     for i, status in enumerate(serving):
+        recipe = status.recipe_hash
+        if len(recipe) > MAX_RECIPE_CHARS or not (recipe.isascii() and recipe.isprintable()) or " " in recipe:
+            raise WireError(
+                Code.INVALID_ARGUMENT, f"serving[{i}]: recipe_hash {printable(recipe, 80)!r} is not a printable token"
+            )
+        clean = printable(status.error, MAX_ERROR_CHARS)
+        if clean != status.error:
+            copy = swarm_pb2.AssignmentStatus()
+            copy.CopyFrom(status)
+            copy.error = clean
+            status = copy
+        kept.append(status)
         a = status.assignment
         if not a.model_sha256 or a.end <= a.begin:
             raise WireError(
@@ -59,7 +93,7 @@ def read_report(peer_id: str, serving: Sequence[swarm_pb2.AssignmentStatus], fai
             )
         reported[Assignment(a.model_sha256, a.begin, a.end, peer_id)] = status
     failed_now = frozenset(a.model_sha256 for a, s in reported.items() if s.state == State.FAILED)
-    return Report(reported=reported, newly_failed=failed_now - set(failed_models))
+    return Report(reported=reported, newly_failed=failed_now - set(failed_models), serving=tuple(kept))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""The tracker's view of which nodes are alive, as a state machine over heartbeats and ``now``.
+"""The tracker's view of which nodes are alive: an immutable value over heartbeats and ``now``.
 
-Owns, for ``agent.io.tracker.service``:
+Owns, for ``agent.core.tracker.reducer`` (the tracker's state holds one ``Liveness``):
 - every alive node has a deadline (its last heartbeat or registration + the heartbeat
   timeout); past it, a sweep names it dead;
 - *confirmed* nodes were heard from since this tracker started; nodes the store knew alive
@@ -9,6 +9,9 @@ Owns, for ``agent.io.tracker.service``:
 - a heartbeat from a node not alive here (dead, or unknown since a restart) *revives* it;
 - when the next sweep is due (the earliest deadline).
 
+A value, not an object to mutate: every change returns a new ``Liveness`` (the reducer's
+state is frozen, so an old state handed to a test or a log never changes under it).
+
 Pure: ``now_ms`` comes in. Must not import trio, grpc, libp2p or agent.io.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 __all__ = ["Heard", "Liveness"]
 
@@ -27,22 +30,27 @@ class Heard:
     newly_confirmed: bool  # its first word since this tracker started
 
 
+@dataclasses.dataclass(frozen=True)
 class Liveness:
-    """Args:
+    """Fields:
     timeout_ms: how long a node stays alive after it was last heard from.
+    deadline_ms: alive or pending peer -> when it must be heard again (never mutated).
+    confirmed: the peers heard from since this tracker started.
     """
 
-    def __init__(self, timeout_ms: int) -> None:
-        if timeout_ms <= 0:
-            raise ValueError(f"timeout_ms must be > 0, got {timeout_ms}")
-        self.timeout_ms = timeout_ms
-        self.deadline_ms: dict[str, int] = {}  # alive or pending peer -> when it must be heard again
-        self.confirmed: set[str] = set()
+    timeout_ms: int
+    deadline_ms: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    confirmed: frozenset[str] = frozenset()
 
-    def restore(self, peer_ids: Iterable[str], now_ms: int) -> None:
+    def __post_init__(self) -> None:
+        if self.timeout_ms <= 0:
+            raise ValueError(f"timeout_ms must be > 0, got {self.timeout_ms}")
+
+    def restored(self, peer_ids: Iterable[str], now_ms: int) -> Liveness:
         """Nodes alive before a restart: pending, with a full timeout to be heard."""
-        for peer_id in peer_ids:
-            self.deadline_ms[peer_id] = now_ms + self.timeout_ms
+        deadlines = dict(self.deadline_ms)
+        deadlines.update((peer_id, now_ms + self.timeout_ms) for peer_id in peer_ids)
+        return dataclasses.replace(self, deadline_ms=deadlines)
 
     @property
     def live(self) -> set[str]:
@@ -61,25 +69,24 @@ class Liveness:
     def __contains__(self, peer_id: object) -> bool:
         return peer_id in self.deadline_ms
 
-    def heard(self, peer_id: str, now_ms: int, *, stored_alive: bool = True) -> Heard:
-        """A registration or heartbeat of ``peer_id`` (``stored_alive``: whether the durable
-        store still has it alive; False after it was marked dead)."""
-        revived = not stored_alive or peer_id not in self.deadline_ms
-        newly_confirmed = peer_id not in self.confirmed
-        self.deadline_ms[peer_id] = now_ms + self.timeout_ms
-        self.confirmed.add(peer_id)
-        return Heard(revived=revived, newly_confirmed=newly_confirmed)
+    def heard(self, peer_id: str, now_ms: int) -> tuple[Liveness, Heard]:
+        """A registration or heartbeat of ``peer_id``: the new value, and what it changed."""
+        heard = Heard(revived=peer_id not in self.deadline_ms, newly_confirmed=peer_id not in self.confirmed)
+        deadlines = {**self.deadline_ms, peer_id: now_ms + self.timeout_ms}
+        return dataclasses.replace(self, deadline_ms=deadlines, confirmed=self.confirmed | {peer_id}), heard
 
-    def sweep(self, now_ms: int) -> list[str]:
-        """The nodes past their deadline, sorted, now forgotten (dead)."""
-        dead = sorted(peer for peer, deadline in self.deadline_ms.items() if now_ms >= deadline)
-        for peer in dead:
-            self.forget(peer)
-        return dead
+    def swept(self, now_ms: int) -> tuple[Liveness, tuple[str, ...]]:
+        """The value without the nodes past their deadline, and those nodes (dead), sorted."""
+        dead = tuple(sorted(peer for peer, deadline in self.deadline_ms.items() if now_ms >= deadline))
+        return self.without(dead), dead
 
-    def forget(self, peer_id: str) -> None:
-        self.deadline_ms.pop(peer_id, None)
-        self.confirmed.discard(peer_id)
+    def without(self, peer_ids: Iterable[str]) -> Liveness:
+        """The value with ``peer_ids`` forgotten (dead)."""
+        gone = set(peer_ids)
+        if not gone & set(self.deadline_ms) and not gone & self.confirmed:
+            return self
+        deadlines = {peer: deadline for peer, deadline in self.deadline_ms.items() if peer not in gone}
+        return dataclasses.replace(self, deadline_ms=deadlines, confirmed=self.confirmed - gone)
 
     def next_sweep_in_ms(self, now_ms: int) -> float:
         """Ms until the earliest deadline (0 when one passed; inf with no live node)."""

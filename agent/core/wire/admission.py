@@ -28,10 +28,12 @@ from google.protobuf.message import DecodeError
 
 from agent._proto import swarm_pb2
 from agent.core.net.identity import ED25519_KEY_BYTES, peer_id_from_public_key, sign, verify
+from agent.core.wire.swarm_wire import WireError, check_listen_addrs
 
 __all__ = [
     "ADMISSION_SCHEMA_VERSION",
     "NONCE_BYTES",
+    "REASON_BAD_ADDRESSES",
     "REASON_BAD_SIGNATURE",
     "REASON_NO_BACKEND",
     "REASON_PATCH",
@@ -74,6 +76,7 @@ REASON_STALE = "stale registration"
 REASON_REPLAYED = "replayed registration"
 REASON_TOO_LITTLE_MEMORY = "too little memory"
 REASON_NO_BACKEND = "no usable backend"
+REASON_BAD_ADDRESSES = "bad listen addresses"
 
 
 class AdmissionError(Exception):
@@ -179,7 +182,7 @@ def decide_admission(
     ``seen_nonce``: whether this peer already registered with ``fingerprint.nonce``.
     Checks, in order: schema version, llama.cpp pin, patch series, freshness, nonce (length and
     replay), memory (at least one block of the smallest registered model), backend (at least
-    one device with a backend).
+    one device with a backend), listen addresses (printable multiaddrs, a few: they are shown).
     """
     if fingerprint.schema_version not in policy.schema_versions:
         supported = ", ".join(str(v) for v in sorted(policy.schema_versions))
@@ -208,6 +211,10 @@ def decide_admission(
         )
     if not any(device.backend for device in fingerprint.devices):
         return Decision(False, f"{REASON_NO_BACKEND}: the fingerprint lists no device with a backend")
+    try:
+        check_listen_addrs(fingerprint.listen_addrs)
+    except WireError as error:
+        return Decision(False, f"{REASON_BAD_ADDRESSES}: {error.message}")
     return _ADMITTED
 
 

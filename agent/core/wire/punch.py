@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 from agent._proto import swarm_pb2
 from agent.core.net.multiaddrs import circuit_relay_host, is_channel_multiaddr, tcp_hosts
-from agent.core.wire.swarm_wire import SCHEMA_VERSION, WireError, error, parse_record
+from agent.core.wire.swarm_wire import PUNCH_PROTOCOL, SCHEMA_VERSION, WireError, error, parse_record
 
 __all__ = [
     "PUNCH_PROTOCOL",
@@ -50,7 +50,6 @@ __all__ = [
     "sync_request",
 ]
 
-PUNCH_PROTOCOL = "/baton/punch/1.0.0"  # PunchRequest -> PunchReply, over the circuit relay
 
 Code = swarm_pb2.Error.Code
 

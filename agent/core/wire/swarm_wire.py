@@ -22,6 +22,8 @@ agent.io, nor the step modules above (they import this one).
 
 from __future__ import annotations
 
+import enum
+import unicodedata
 import zlib
 from collections.abc import Sequence
 from typing import Protocol, TypeVar, cast
@@ -32,8 +34,12 @@ from google.protobuf.message import DecodeError
 from agent._proto import swarm_pb2
 
 __all__ = [
+    "MAX_ADDR_CHARS",
     "MAX_BATCH_STEPS",
+    "MAX_LISTEN_ADDRS",
+    "MAX_TRACKER_REQUEST_BYTES",
     "NODE_PROTOCOL",
+    "PUNCH_PROTOCOL",
     "RESULT_PROTOCOL",
     "SCHEMA_VERSION",
     "SESSION_ID_BYTES",
@@ -41,11 +47,15 @@ __all__ = [
     "STEP_PROTOCOL",
     "TRACKER_PROTOCOL",
     "WireError",
+    "WorkerCall",
+    "check_listen_addrs",
     "check_schema_version",
     "crc32",
     "error",
+    "max_request_bytes",
     "node_reply_error",
     "parse_record",
+    "printable",
     "step_ack",
     "step_ack_accepts",
     "step_ack_error",
@@ -61,6 +71,51 @@ STEPS_PROTOCOL = "/baton/steps/1.0.0"  # StepBatch -> StepBatchAck (a Forward's 
 MAX_BATCH_STEPS = 4096  # entries one StepBatch may carry (a Forward has at most n_batch_max rows)
 RESULT_PROTOCOL = "/baton/result/1.0.0"  # StepResult -> StepAck
 NODE_PROTOCOL = "/baton/node/1.0.0"  # NodeRequest -> NodeReply
+PUNCH_PROTOCOL = "/baton/punch/1.0.0"  # PunchRequest -> PunchReply, over the circuit relay (agent.core.wire.punch)
+
+#: The largest request a listener reads on a protocol, checked on the length prefix before a
+#: byte of the body is buffered. Anyone may open a stream to the tracker (registration comes
+#: first), so its protocol takes what its records need (a fingerprint, a heartbeat's report, a
+#: route request: kilobytes), not the 64 MiB a step's boundary rows may need: ten streams of
+#: 60 MB from one unadmitted peer once took a tracker to 1.6 GB.
+MAX_TRACKER_REQUEST_BYTES = 1 << 20
+_MAX_REQUEST_BYTES = {TRACKER_PROTOCOL: MAX_TRACKER_REQUEST_BYTES, PUNCH_PROTOCOL: 64 << 10}
+
+
+def printable(text: str, max_chars: int) -> str:
+    """``text`` a peer sent, made safe to show in a terminal or a log line: every control,
+    format or unassigned character (ANSI escapes, newlines that forge log lines, bidi overrides)
+    written as its escape (``\\x1b``, ``\\n``, ``\\u202e``), and at most ``max_chars`` kept."""
+    out = []
+    for ch in text[:max_chars]:
+        out.append(ch.encode("unicode_escape").decode("ascii") if unicodedata.category(ch)[0] == "C" else ch)
+    return "".join(out) + ("…" if len(text) > max_chars else "")
+
+
+#: addresses one peer may advertise, and the length of one
+MAX_LISTEN_ADDRS = 16
+MAX_ADDR_CHARS = 512
+
+
+def check_listen_addrs(addrs: Sequence[str]) -> None:
+    """Refuse (WireError INVALID_ARGUMENT) addresses no peer could dial and a terminal should not
+    show: more than ``MAX_LISTEN_ADDRS``, longer than ``MAX_ADDR_CHARS``, or not printable
+    ASCII multiaddr text."""
+    if len(addrs) > MAX_LISTEN_ADDRS:
+        raise WireError(Code.INVALID_ARGUMENT, f"listen_addrs lists {len(addrs)} addresses, over {MAX_LISTEN_ADDRS}")
+    for i, addr in enumerate(addrs):
+        if not addr.startswith("/") or len(addr) > MAX_ADDR_CHARS or not (addr.isascii() and addr.isprintable()):
+            raise WireError(
+                Code.INVALID_ARGUMENT,
+                f"listen_addrs[{i}] {printable(addr, 80)!r} is not a multiaddr of at most {MAX_ADDR_CHARS} characters",
+            )
+
+
+def max_request_bytes(protocol_id: str, max_frame_bytes: int) -> int:
+    """The largest request a listener reads on ``protocol_id``: its own bound, or the
+    transport's ``max_frame_bytes`` for protocols that carry rows (steps, results, node requests)."""
+    return min(max_frame_bytes, _MAX_REQUEST_BYTES.get(protocol_id, max_frame_bytes))
+
 
 #: The swarm schema version this code speaks (every top-level record carries it).
 SCHEMA_VERSION = 1
@@ -185,10 +240,33 @@ def tracker_reply_error(code: int, message: str) -> bytes:
     return swarm_pb2.TrackerReply(schema_version=SCHEMA_VERSION, error=error(code, message)).SerializeToString()
 
 
-#: worker (gRPC) status names passed on as the swarm code of the same name; others are INTERNAL
+class WorkerCall(enum.Enum):
+    """What kind of worker call failed: whose fault its failure can be decides the swarm code
+    (``worker_error_code``)."""
+
+    #: a step's compute (a Forward, a data-plane step): the worker's own code where the swarm
+    #: has it (RESOURCE_EXHAUSTED: no room; UNAVAILABLE; INVALID_ARGUMENT: the step), else INTERNAL
+    COMPUTE = "compute"
+    #: an owner's request the worker checks (a data-plane bind, a continuation): the request
+    #: does not fit the worker's state (INVALID_ARGUMENT, FAILED_PRECONDITION), or the worker
+    #: cannot take it now (anything else: UNAVAILABLE)
+    OWNER_REQUEST = "owner_request"
+    #: the node's own bookkeeping (unbind, trim, tokenize, ...): the worker cannot be asked
+    CONTROL = "control"
+
+
+#: worker (gRPC) status names a step's failure passes on as the swarm code of the same name
 _PASSED_ON_CODES = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "INVALID_ARGUMENT")
+#: worker (gRPC) status names that mean an owner's request does not fit the worker's state
+_REQUEST_REFUSED_CODES = ("INVALID_ARGUMENT", "FAILED_PRECONDITION")
 
 
-def worker_error_code(code_name: str) -> int:
-    """The swarm error code for a failed worker call (gRPC status names that exist in both)."""
+def worker_error_code(code_name: str, call: WorkerCall = WorkerCall.COMPUTE) -> int:
+    """The swarm error code for a failed worker ``call`` whose gRPC status is ``code_name``
+    ("" when unknown, e.g. a reply that did not decode). The one place a worker's failure
+    becomes a swarm code: every node path and the owner's data plane ask it."""
+    if call is WorkerCall.CONTROL:
+        return Code.UNAVAILABLE
+    if call is WorkerCall.OWNER_REQUEST:
+        return Code.INVALID_ARGUMENT if code_name in _REQUEST_REFUSED_CODES else Code.UNAVAILABLE
     return Code.Value(code_name) if code_name in _PASSED_ON_CODES else Code.INTERNAL

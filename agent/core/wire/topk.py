@@ -28,6 +28,7 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_RESULT_TOP_K",
+    "WORKER_GRAPH_LOG_SUM_EXP_BOUND",
     "WORKER_LOG_SUM_EXP_BOUND",
     "TopLogits",
     "log_sum_exp",
@@ -44,6 +45,13 @@ DEFAULT_RESULT_TOP_K = 40
 #: bound: numpy may use a SIMD exp that differs from libm's in the last bits
 #: (tests/test_worker_api.py checks it on SmolLM2's rows).
 WORKER_LOG_SUM_EXP_BOUND = 1e-9
+
+#: A worker that selects the top-K inside llama.cpp's graph (``--top-k-in-graph``, on by
+#: default where the logits come from an accelerator) gives the same ids and logits (ids of a
+#: K-th value tied past K excepted: the backend's top-k keeps any of them), but its
+#: log-sum-exp comes from the backend's float32 softmax: within this absolute bound of
+#: ``log_sum_exp`` (tests/test_worker_top_k_in_graph.py on SmolLM2 and Gemma-3 rows).
+WORKER_GRAPH_LOG_SUM_EXP_BOUND = 1e-4
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")

@@ -298,7 +298,8 @@ class ControlClient:
         )
         return list(reply.token_ids), list(reply.eog_token_ids)
 
-    async def detokenize(self, route: swarm_pb2.Route, token_ids: Sequence[int]) -> str:
+    async def detokenize(self, route: swarm_pb2.Route, token_ids: Sequence[int]) -> bytes:
+        """The tokens' pieces joined, as bytes, by the route's first hop (decode what is whole)."""
         reply = await self._node(
             route.hops[0],
             swarm_pb2.NodeRequest(

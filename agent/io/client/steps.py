@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.message import DecodeError
 
 from agent._proto import swarm_pb2
-from agent.core.owner.recovery import decode_step_average, step_deadline_s
+from agent.core.owner.recovery import decode_step_average, step_ack_failure, step_deadline_s
 from agent.core.wire.admission import AdmissionError, AdmissionVerifier
 from agent.core.wire.swarm_wire import (
     NODE_PROTOCOL,
@@ -33,7 +33,7 @@ from agent.core.wire.swarm_wire import (
 from agent.io.client.config import SwarmClientConfig
 from agent.io.client.control import ControlClient, now_ms
 from agent.io.client.live import DataPlane, LiveSession, err
-from agent.io.client.outcome import GenerationError, code_name, describe_route
+from agent.io.client.outcome import GenerationError, describe_route
 from agent.io.client.spot_check import ResultTaker, SpotChecks
 from agent.io.net.transport import ImmediateHandler, Transport, TransportError
 
@@ -268,21 +268,12 @@ class StepClient(ControlClient):
 
 def _step_ack_error(first_peer_id: str, step: int, reply: bytes | TransportError) -> GenerationError | None:
     """What the first hop's answer to ``step`` (its ``StepAck``, or the TransportError that
-    ended the exchange) means for the session: None when the hop took the step."""
+    ended the exchange) means for the session: None when the hop took the step; whom it
+    blames is ``agent.core.owner.recovery.step_ack_failure``'s."""
     if isinstance(reply, TransportError):
-        return GenerationError(f"step {step}: first hop unreachable: {reply}", failed_peer_id=first_peer_id, step=step)
-    ack = swarm_pb2.StepAck()
-    try:
-        ack.ParseFromString(reply)
-    except DecodeError:
-        return GenerationError(
-            f"step {step}: malformed StepAck from {first_peer_id}", failed_peer_id=first_peer_id, step=step
-        )
-    if ack.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
-        return GenerationError(
-            f"step {step}: first hop {first_peer_id} refused the step: {code_name(ack.error.code)}: {ack.error.message}",
-            failed_peer_id=first_peer_id,
-            step=step,
-            code=ack.error.code,
-        )
-    return None
+        failed = step_ack_failure(first_peer_id, step, b"", unreachable=str(reply))
+    else:
+        failed = step_ack_failure(first_peer_id, step, reply)
+    if failed is None:
+        return None
+    return GenerationError(failed.message, failed_peer_id=failed.failed_peer_id, step=failed.step, code=failed.code)

@@ -45,11 +45,22 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
-from agent.core.owner.recovery import AfterFailure, after_failure, replan_left, resumable
+from agent.core.owner.recovery import (
+    ContextFull,
+    Fail,
+    Failure,
+    RecoveryBudget,
+    Replan,
+    Resume,
+    WaitFor,
+    on_failure,
+    replan_left,
+    resumable,
+)
 from agent.core.owner.sampling import SamplingParams
 from agent.core.owner.session import Session
 from agent.core.owner.spot_check import RouteSegment, rollback_point
-from agent.core.relay.text_stream import TextStream
+from agent.core.owner.text_stream import TextStream, whole_utf8
 from agent.core.wire.swarm_wire import SESSION_ID_BYTES
 from agent.core.wire.topk import TopLogits
 from agent.io.client.config import SwarmClientConfig
@@ -131,7 +142,7 @@ class SwarmClient(ResumingClient):
             current_route = on_route
             if on_text is None or token in stop_tokens:
                 return False
-            text = await self.detokenize(on_route, generated)
+            text = whole_utf8(await self.detokenize(on_route, generated))
             if text.startswith(shown) and len(text) > len(shown):
                 on_text(text[len(shown) :])
                 shown = text
@@ -142,7 +153,7 @@ class SwarmClient(ResumingClient):
             on_token=stream, route=route,
         )  # fmt: skip
         final_tokens = result.tokens[:-1] if result.stopped_by_token else result.tokens
-        text = await self.detokenize(current_route, final_tokens) if final_tokens else ""
+        text = (await self.detokenize(current_route, final_tokens)).decode("utf-8", "replace") if final_tokens else ""
         if on_text is not None and text.startswith(shown) and len(text) > len(shown):
             on_text(text[len(shown) :])
         result.text = text
@@ -271,11 +282,13 @@ class SwarmClient(ResumingClient):
                             await self._run_session(live, route, progress, take, spot)
                             break
                         except GenerationError as error:
-                            if not resumable(error.failed_peer_id, error.code):
-                                raise
-                            # gone or silent (not a live peer's refusal): nothing more waits on it
-                            lost.append(error.failed_peer_id)
-                            if not replan_left(replans, self.config.replan_attempts):
+                            budget = RecoveryBudget(
+                                replans, self.config.replan_attempts, busy_until, busy_wait_s, session_alive=True
+                            )
+                            plan = on_failure(_failure(error), trio.current_time(), budget)
+                            if resumable(error.failed_peer_id, error.code):
+                                lost.append(error.failed_peer_id)  # gone or silent: nothing more waits on it
+                            if not isinstance(plan, Resume):
                                 raise
                             replans += 1
                             failed_peers.append(error.failed_peer_id)
@@ -316,24 +329,23 @@ class SwarmClient(ResumingClient):
                 await self._fresh_admission()
                 route = await self._replan(model, failed_peers[-1], "it failed an integrity check", failed_peers)
                 continue
-            then = after_failure(
-                code=failure.code, step=failure.step, failed_peer_id=failure.failed_peer_id,
-                resume_failed=resume_failed, replans=replans, replan_attempts=self.config.replan_attempts,
-                now=trio.current_time(), busy_until=busy_until,
-            )  # fmt: skip
-            if then is AfterFailure.WAIT_FOR_SEQUENCE:
+            budget = RecoveryBudget(
+                replans, self.config.replan_attempts, busy_until, busy_wait_s, resume_failed=resume_failed
+            )
+            plan = on_failure(_failure(failure), trio.current_time(), budget)
+            if isinstance(plan, WaitFor):
                 # every sequence of some range is in use: wait for one, on any route
-                log.info("%s; waiting %.2f s for a free sequence", failure, busy_wait_s)
-                await trio.sleep(busy_wait_s)
-                busy_wait_s = min(busy_wait_s * 2, 1.0)
+                log.info("%s; waiting %.2f s for a free sequence", failure, plan.delay_s)
+                await trio.sleep(plan.delay_s)
+                busy_wait_s = plan.next_delay_s
                 await self._fresh_admission()
                 with contextlib.suppress(SwarmError, TransportError):
                     route = await self.route(model)
                 continue
-            if then is AfterFailure.CONTEXT_FULL:
+            if isinstance(plan, ContextFull):
                 context_full = True  # the context of the route's sequences is full
                 break
-            if then is AfterFailure.BUSY:  # still no free sequence when the queue time ran out: not failed
+            if isinstance(plan, Fail) and plan.busy:  # no free sequence within the queue time: not failed
                 raise GenerationError(
                     f"no free sequence on route {describe_route(route)} within the queue timeout of "
                     f"{queue_timeout_s} s (the swarm is busy): {failure}",
@@ -341,9 +353,9 @@ class SwarmClient(ResumingClient):
                     step=0,
                     code=failure.code,
                 ) from None
-            if then is AfterFailure.FAIL:
+            if not isinstance(plan, Replan):  # (a Resume is only planned for a live session)
                 raise failure
-            if then is AfterFailure.REPLAN:  # (a resume that failed counted its replan already)
+            if plan.count:  # (a resume that failed counted its replan already)
                 replans += 1
                 failed_peers.append(failure.failed_peer_id)
             taken_back += await self._take_back(segments, generated, failed_peers)
@@ -407,6 +419,10 @@ class SwarmClient(ResumingClient):
         if not prompt_tokens:
             raise ValueError("the prompt tokenizes to no tokens")
         return prompt_tokens, stop_tokens
+
+
+def _failure(error: GenerationError) -> Failure:
+    return Failure(error.code, error.step, error.failed_peer_id)
 
 
 @contextlib.asynccontextmanager

@@ -27,6 +27,7 @@ from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 
 from agent.core.net.frames import FrameTooLarge
 from agent.core.net.multiaddrs import circuit_multiaddr, is_channel_multiaddr, peer_id_from_multiaddr
+from agent.core.wire.swarm_wire import max_request_bytes
 from agent.io.net.p2p_relay import RelayPolicy
 from agent.io.net.p2p_streams import _close_quietly, _FramedStream, _PeerStreams, _PooledStream, _reset_quietly
 from agent.io.net.transport import Handler, TransportError
@@ -316,7 +317,7 @@ class P2PTransport:
             framed = _FramedStream(stream)
             while await framed.wait_readable():
                 with trio.fail_after(self._frame_timeout_s):
-                    request = await framed.read_frame(self._max_frame_bytes)
+                    request = await framed.read_frame(max_request_bytes(protocol_id, self._max_frame_bytes))
                 try:
                     reply = bytes(await handler(remote, request))
                 except Exception:

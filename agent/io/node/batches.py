@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import trio
 
 from agent.core.net.multiaddrs import tcp_hosts
-from agent.core.node.policy import forward_failure, push_groups
+from agent.core.node.policy import forward_failure, push_groups, sequence_not_held
 from agent.core.node.range_states import range_name
 from agent.core.node.scheduler import batch_window_wait_ms, decode_mode, first_hop_decode, gather_arrivals_needed
 from agent.core.wire.boundary import BoundaryError
@@ -76,7 +76,7 @@ class BatchServing(Pushes):
                 except WorkerError as err:
                     if (reason := self._exit_reason(handle)) is not None:
                         return reason
-                    if err.code_name != "INVALID_ARGUMENT":  # "unknown sequence": it holds nothing
+                    if not sequence_not_held(err.code_name):
                         log.warning("%s: could not free sequence %d: %s", range_name(served.key), seq_id, err)
                         continue  # not reused: it may still hold positions
                 sessions.release(seq_id)

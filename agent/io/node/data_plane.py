@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 
 from agent._proto import swarm_pb2, worker_pb2
-from agent.core.node.policy import data_plane_decode_groups, data_plane_gather_us
+from agent.core.node.policy import data_plane_decode_groups, data_plane_gather_us, worker_call_failed
 from agent.core.node.range_states import range_name
 from agent.core.owner.data_route import first_hop_refusal, next_hop_refusal
-from agent.core.wire.swarm_wire import SCHEMA_VERSION, WireError
+from agent.core.wire.swarm_wire import SCHEMA_VERSION, WireError, WorkerCall
 from agent.io.worker.error import WorkerError
 
 from .batches import BatchServing
@@ -73,8 +73,11 @@ class DataPlane(BatchServing, TrackerLink):
             served.sessions.unbound(
                 session_id, next_step=session.next_step, next_position=session.next_position, rows=0, now_ms=clock_ms()
             )
-            code = Code.INVALID_ARGUMENT if err.code_name == "INVALID_ARGUMENT" else Code.UNAVAILABLE
-            raise WireError(code, f"{range_name(served.key)}: the worker refused the bind: {err.message}") from None
+            raise worker_call_failed(
+                err.code_name,
+                WorkerCall.OWNER_REQUEST,
+                f"{range_name(served.key)}: the worker refused the bind: {err.message}",
+            ) from None
         log.info("%s: session %s on the data plane", range_name(served.key), session_id.hex())
         return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION, data_port=served.info.data_port).SerializeToString()
 
@@ -100,7 +103,9 @@ class DataPlane(BatchServing, TrackerLink):
             )
         except WorkerError as err:
             served.end_session(session_id)
-            raise WireError(Code.UNAVAILABLE, f"{range_name(served.key)}: could not unbind: {err}") from None
+            raise worker_call_failed(
+                err.code_name, WorkerCall.CONTROL, f"{range_name(served.key)}: could not unbind: {err}"
+            ) from None
         assert served.sessions is not None
         served.sessions.unbound(
             session_id, next_step=reply.next_step, next_position=reply.next_position, rows=reply.rows,
@@ -143,9 +148,10 @@ class DataPlane(BatchServing, TrackerLink):
         try:
             await served.client.call("ContinueSession", request, timeout_s=self.config.worker_call_timeout_s)
         except WorkerError as err:
-            code = Code.UNAVAILABLE if err.code_name == "UNAVAILABLE" else Code.INVALID_ARGUMENT
-            raise WireError(
-                code, f"{range_name(served.key)}: the worker refused the continuation: {err.message}"
+            raise worker_call_failed(
+                err.code_name,
+                WorkerCall.OWNER_REQUEST,
+                f"{range_name(served.key)}: the worker refused the continuation: {err.message}",
             ) from None
         log.info(
             "%s: session %s continues to the first hop %s", range_name(served.key), session_id.hex(), body.first_peer_id

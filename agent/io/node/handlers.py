@@ -13,7 +13,7 @@ import logging
 
 from agent._proto import swarm_pb2
 from agent.core.node.batching import forward_key
-from agent.core.node.policy import check_step_sender, range_not_ready
+from agent.core.node.policy import check_step_sender, range_not_ready, worker_call_failed
 from agent.core.node.range_states import RangeKey
 from agent.core.node.scheduler import arrival_wakes_gatherer
 from agent.core.wire.admission import AdmissionError, AdmissionVerifier
@@ -22,6 +22,7 @@ from agent.core.wire.step_validation import validate_step
 from agent.core.wire.swarm_wire import (
     SCHEMA_VERSION,
     WireError,
+    WorkerCall,
     node_reply_error,
     parse_record,
     step_ack,
@@ -141,7 +142,8 @@ class RequestHandlers(SessionControl):
         except WireError as err:
             return node_reply_error(err.code, err.message)
         except WorkerError as err:
-            return node_reply_error(Code.UNAVAILABLE, f"worker: {err}")
+            failed = worker_call_failed(err.code_name, WorkerCall.CONTROL, f"worker: {err}")
+            return node_reply_error(failed.code, failed.message)
         except Exception as err:
             log.exception("node handler failed")
             return node_reply_error(Code.INTERNAL, f"internal error: {type(err).__name__}")

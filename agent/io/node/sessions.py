@@ -17,7 +17,7 @@ import trio
 
 from agent._proto import swarm_pb2
 from agent.core.node.kept_rows import RowsNotKept
-from agent.core.node.policy import check_end_session_sender
+from agent.core.node.policy import check_end_session_sender, worker_call_failed
 from agent.core.node.range_states import range_name
 from agent.core.wire.step_requests import replay_step_request
 from agent.core.wire.step_validation import check_hops
@@ -27,6 +27,7 @@ from agent.core.wire.swarm_wire import (
     SESSION_ID_BYTES,
     STEP_PROTOCOL,
     WireError,
+    WorkerCall,
     parse_record,
 )
 from agent.io.net.transport import TransportError
@@ -156,7 +157,9 @@ class SessionControl(DataPlane):
                 )
             except WorkerError as err:
                 served.end_session(session_id)  # its positions on the worker are unknown now
-                raise WireError(Code.UNAVAILABLE, f"{range_name(served.key)}: could not trim: {err}") from None
+                raise worker_call_failed(
+                    err.code_name, WorkerCall.CONTROL, f"{range_name(served.key)}: could not trim: {err}"
+                ) from None
             if held != body.keep_positions:
                 served.end_session(session_id)
                 raise WireError(

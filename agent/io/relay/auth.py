@@ -1,7 +1,8 @@
 """The relay's authentication and quotas: who sends a request (``authenticate``: a key's
 name and limits from the ``Authorization: Bearer`` header, or the anonymous pseudo-key) and
 whether it may run now (``admit``: the quota decision is ``agent.core.relay.quotas``'; 401 and 429
-are raised as ``ApiError``).
+are raised as ``ApiError``), what it may spend once its prompt is known (``reserve``: its tokens
+held against the key's day while it runs) and what it is charged when it ends (``settle``).
 
 Must not import the relay's app, completions or server.
 """
@@ -17,7 +18,7 @@ from agent.core.relay.openai_api import ApiError
 
 from .state import RelayState
 
-__all__ = ["ANONYMOUS", "Principal", "admit", "authenticate"]
+__all__ = ["ANONYMOUS", "Principal", "admit", "authenticate", "reserve", "settle"]
 
 ANONYMOUS = "anonymous"
 
@@ -61,7 +62,7 @@ def admit(state: RelayState, principal: Principal) -> None:
     now = state.now_s()
     decision = quotas.decide(
         principal.limits,
-        tokens_today=state.store.tokens_on(principal.name, quotas.day_of(now)),
+        tokens_today=state.store.tokens_on(principal.name, quotas.day_of(now)) + state.reserved.get(principal.name, 0),
         request_times_s=state.store.requests_since(principal.name, now - 60.0),
         concurrent=state.concurrent.get(principal.name, 0),
         now_s=now,
@@ -69,3 +70,40 @@ def admit(state: RelayState, principal: Principal) -> None:
     if not decision.admitted:
         raise ApiError(429, decision.message, code=decision.limit, retry_after_s=decision.retry_after_s)
     state.store.record_request(principal.name, now)
+
+
+def reserve(state: RelayState, principal: Principal, prompt_tokens: int, max_tokens: int) -> quotas.TokenBudget:
+    """Hold an admitted request's prompt + ``max_tokens`` (capped by the tokens left) against its
+    key's day until ``settle``. Raises ApiError 429 when the prompt leaves no token to generate."""
+    now = state.now_s()
+    budget = quotas.budget_tokens(
+        principal.limits,
+        tokens_today=state.store.tokens_on(principal.name, quotas.day_of(now)),
+        tokens_reserved=state.reserved.get(principal.name, 0),
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        now_s=now,
+    )
+    if isinstance(budget, quotas.QuotaDecision):
+        raise ApiError(429, budget.message, code=budget.limit, retry_after_s=budget.retry_after_s)
+    state.reserved[principal.name] = state.reserved.get(principal.name, 0) + budget.reserved_tokens
+    return budget
+
+
+def settle(
+    state: RelayState,
+    principal: Principal,
+    budget: quotas.TokenBudget,
+    prompt_tokens: int,
+    completion_tokens: int,
+    *,
+    client_left: bool,
+) -> None:
+    """Release a request's hold and charge what it used (``quotas.charged_tokens``), once, however
+    it ended: a stream the client closed is charged the tokens it was sent."""
+    state.reserved[principal.name] -= budget.reserved_tokens
+    if not state.reserved[principal.name]:
+        del state.reserved[principal.name]
+    charged = quotas.charged_tokens(prompt_tokens, completion_tokens, client_left=client_left)
+    if any(charged):
+        state.store.add_usage(principal.name, quotas.day_of(state.now_s()), *charged)

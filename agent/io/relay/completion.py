@@ -24,7 +24,7 @@ import trio
 from agent._proto import swarm_pb2
 from agent.core.owner.chat_template import ChatTemplateError
 from agent.core.owner.sampling import SamplingParams
-from agent.core.relay import quotas
+from agent.core.owner.text_stream import TextStream
 from agent.core.relay.openai_api import (
     ApiError,
     CompletionRequest,
@@ -36,7 +36,6 @@ from agent.core.relay.openai_api import (
     token_logprobs,
     usage,
 )
-from agent.core.relay.text_stream import TextStream
 from agent.io.client import GenerationError, SwarmError
 from agent.io.net.transport import TransportError
 from agent.io.worker.vocab import ModelVocab, VocabularyError
@@ -272,7 +271,6 @@ class Completion:
         stopped = self.text.stopped or result.stopped_by_token
         self.finish_reason = "stop" if stopped else "length"
         now = state.now_s()
-        state.store.add_usage(self.principal.name, quotas.day_of(now), len(self.prompt.tokens), self.completion_tokens)
         hops = [(h["node"], h["begin"], h["end"], h["rows"]) for h in result.hop_rows]
         state.store.credit(self.id, result.model_sha256, hops, self.prompt.entry.n_layer, now)
         state.metrics.observe_tokens(len(self.prompt.tokens), self.completion_tokens)

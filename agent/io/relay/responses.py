@@ -43,7 +43,7 @@ class CompletionResponse:
     status and envelope; an error after that is one ``data: {"error": ...}`` event.
     """
 
-    def __init__(self, completion: Completion, endpoint: str, release: Callable[[], None]) -> None:
+    def __init__(self, completion: Completion, endpoint: str, release: Callable[[bool], None]) -> None:
         self.completion = completion
         self.endpoint = endpoint
         self.release = release
@@ -114,7 +114,8 @@ class CompletionResponse:
                     await body(payload, False)
                 nursery.cancel_scope.cancel()
         finally:
-            self.release()
+            # charged however it ended: a client that went away pays for what it was sent
+            self.release(disconnected and not done)
             if disconnected and not done:
                 log.info("%s: the client went away; its session was ended", completion.id)
                 metrics.observe_request(self.endpoint, 499)

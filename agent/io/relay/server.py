@@ -10,7 +10,7 @@ the status page and ``/metrics`` ``status_page``'s and ``metrics``'.
 
 Decisions are the core's: which bodies are valid and what responses look like
 (``agent.core.relay.openai_api``), chat prompts (``agent.core.owner.chat_template``), streamed text and
-stop strings (``agent.core.relay.text_stream``), quotas and credit (``agent.core.relay.quotas``), which
+stop strings (``agent.core.owner.text_stream``), quotas and credit (``agent.core.relay.quotas``), which
 results a session takes and the next token (``agent.core.owner.session``).
 
 Order of checks for a request, as OpenAI's: key (401), body size (413), body (400), model
@@ -38,11 +38,12 @@ from starlette.routing import Route
 from agent._proto import swarm_pb2
 from agent.core.relay.openai_api import ApiError, check_json_content_type, check_unicode, parse_request
 from agent.io.client import SwarmError
+from agent.io.http_serve import serve_asgi
 from agent.io.net.transport import TransportError
 from agent.io.settings import load_toml, settings_from_args, shared_fields
 from agent.io.worker.vocab import VocabularyError
 
-from .auth import admit, authenticate
+from .auth import admit, authenticate, reserve, settle
 from .completion import Completion, prepare
 from .config import RelayConfig, default_cache_dir
 from .metrics import RelayMetrics
@@ -119,14 +120,24 @@ def build_app(state: RelayState) -> Starlette:
             principal = authenticate(state, request)
             body = await _read_json(request, state.config.max_body_bytes, state.config.body_timeout_s)
             req = parse_request(body, kind)
-            prompt = await prepare(state, req)
-            admit(state, principal)
+            admit(state, principal)  # before the prompt is tokenized: a spent key costs no work
             state.concurrent[principal.name] = state.concurrent.get(principal.name, 0) + 1
-
-            def release() -> None:
+            try:
+                prompt = await prepare(state, req)
+                budget = reserve(state, principal, len(prompt.tokens), prompt.max_tokens)
+            except BaseException:
                 state.concurrent[principal.name] -= 1
+                raise
+            prompt.max_tokens = budget.max_tokens
+            completion = Completion(state, req, prompt, principal)
 
-            return CompletionResponse(Completion(state, req, prompt, principal), endpoint, release)  # type: ignore[return-value]
+            def release(client_left: bool) -> None:
+                state.concurrent[principal.name] -= 1
+                settle(
+                    state, principal, budget, len(prompt.tokens), completion.completion_tokens, client_left=client_left
+                )
+
+            return CompletionResponse(completion, endpoint, release)  # type: ignore[return-value]
 
         return handler
 
@@ -189,7 +200,7 @@ def _model_card(entry: swarm_pb2.ModelEntry) -> dict:
 async def _status(state: RelayState) -> dict:
     try:
         models = await state.models()
-        nodes = await state.client.list_nodes()
+        nodes = await state.nodes()
     except (SwarmError, TransportError, ApiError) as error:
         log.warning("status: the tracker cannot be reached: %s", error)
         models, nodes = [], []
@@ -198,8 +209,12 @@ async def _status(state: RelayState) -> dict:
     for entry in models:
         coverage: list[dict[str, Any]] = []
         for node in nodes:
+            # what the tracker assigned, in the state the node reports: a node's word alone that it
+            # serves a range nobody gave it is not coverage
+            assigned = {(a.model_sha256, a.begin, a.end) for a in node.assigned}
             for status in node.serving:
-                if status.assignment.model_sha256 != entry.sha256:
+                key = (status.assignment.model_sha256, status.assignment.begin, status.assignment.end)
+                if status.assignment.model_sha256 != entry.sha256 or key not in assigned:
                     continue
                 coverage.append({
                     "peer_id": node.peer_id, "begin": status.assignment.begin, "end": status.assignment.end,
@@ -253,9 +268,6 @@ async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] 
     Resource handling:
       The HTTP server, the swarm client and every vocab worker are closed when this returns.
     """
-    from hypercorn.config import Config as HypercornConfig
-    from hypercorn.trio import serve
-
     from agent.io.client import SwarmClientConfig, open_swarm_client
     from agent.io.worker.vocab import serve_vocabularies
 
@@ -285,15 +297,10 @@ async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] 
                 )  # fmt: skip
                 state = RelayState(config, client, store, pool, RelayMetrics())
                 await _preload_vocabularies(state, config.preload_timeout_s)
-                hyper = HypercornConfig()
-                hyper.bind = [f"{_bind_host(config.listen_host)}:{config.listen_port}"]
-                hyper.accesslog = None
-                hyper.errorlog = logging.getLogger("hypercorn.error")
-                hyper.graceful_timeout = 1.0
-                # (ignored) hypercorn's ASGI callable type and Starlette's __call__ disagree on
-                # Scope/Receive/Send; both are ASGI 3 apps at run time
-                binds = await nursery.start(lambda task_status: serve(build_app(state), hyper, task_status=task_status))  # type: ignore[arg-type]
-                url = binds[0]
+                # a stream nobody reads is cut after serve_asgi's send timeout, freeing its key's slot
+                url = await nursery.start(
+                    serve_asgi, build_app(state), config.listen_host.strip("[]"), config.listen_port
+                )
                 if config.addr_file is not None:
                     _write_atomically(config.addr_file, url + "\n")
                 log.info("relay listening on %s (peer id %s)", url, client.peer_id)
@@ -319,10 +326,6 @@ async def _preload_vocabularies(state: RelayState, timeout_s: float) -> None:
         async with trio.open_nursery() as nursery:
             for entry in models:
                 nursery.start_soon(one, entry)
-
-
-def _bind_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -47,9 +47,15 @@ class RelayState:
         self.metrics = metrics
         self.now_s = now_s
         self.concurrent: dict[str, int] = {}
+        #: tokens held by each key's requests in flight (``auth.reserve``, until ``auth.settle``)
+        self.reserved: dict[str, int] = {}
         self.live_sessions = 0
         self._models: list[swarm_pb2.ModelEntry] = []
         self._models_at = -math.inf
+        self._models_lock = trio.Lock()
+        self._nodes: list[swarm_pb2.NodeEntry] = []
+        self._nodes_at = -math.inf
+        self._nodes_lock = trio.Lock()
 
     async def models(self) -> list[swarm_pb2.ModelEntry]:
         """The tracker's registered models (cached ``models_cache_s``).
@@ -57,15 +63,29 @@ class RelayState:
         Raises:
           ApiError: 503 when the tracker cannot be reached and nothing is cached.
         """
-        if trio.current_time() - self._models_at > self.config.models_cache_s:
-            try:
-                self._models = await self.client.list_models()
-                self._models_at = trio.current_time()
-            except (SwarmError, TransportError) as error:
-                if not self._models:
-                    raise ApiError(503, f"the tracker cannot be reached: {error}") from None
-                log.warning("model list from the tracker failed, using the last one: %s", error)
+        async with self._models_lock:  # one request at a time refreshes; the others take its answer
+            if trio.current_time() - self._models_at > self.config.models_cache_s:
+                try:
+                    self._models = await self.client.list_models()
+                    self._models_at = trio.current_time()
+                except (SwarmError, TransportError) as error:
+                    if not self._models:
+                        raise ApiError(503, f"the tracker cannot be reached: {error}") from None
+                    log.warning("model list from the tracker failed, using the last one: %s", error)
         return self._models
+
+    async def nodes(self) -> list[swarm_pb2.NodeEntry]:
+        """The tracker's node list, cached as the models are (``models_cache_s``): the status page
+        is open to anyone, so its hits cost the tracker one round trip a period, not one each.
+
+        Raises:
+          SwarmError, TransportError: the tracker cannot be reached (nothing cached is shown).
+        """
+        async with self._nodes_lock:
+            if trio.current_time() - self._nodes_at > self.config.models_cache_s:
+                self._nodes = await self.client.list_nodes()
+                self._nodes_at = trio.current_time()
+        return self._nodes
 
     async def model(self, name: str) -> swarm_pb2.ModelEntry:
         """The registered model ``name`` (alias, name or sha256). Raises ApiError 404."""

@@ -38,7 +38,6 @@ import math
 import os
 import re
 import secrets
-import stat
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -196,11 +195,13 @@ class RelayStore(sqlite_db.SqliteStore):
           sqlite3.Error / OSError: the file cannot be opened.
         """
         path = Path(path)
-        _create_private_file(path)
-        connection = sqlite_db.connect(
-            path, busy_timeout_s=busy_timeout_s,
-            not_a_database=lambda error: StoreError(f"{path}: not a Baton relay database ({error})"),
-        )  # fmt: skip
+        try:
+            connection = sqlite_db.connect(
+                path, busy_timeout_s=busy_timeout_s,
+                not_a_database=lambda error: StoreError(f"{path}: not a Baton relay database ({error})"),
+            )  # fmt: skip
+        except sqlite_db.DatabaseNotPrivate as error:
+            raise StoreError(f"relay {error}") from None
         return cls._adopt(connection, path)
 
     def _migrate(self) -> None:
@@ -384,25 +385,6 @@ def _key_record(row) -> KeyRecord:
         created_at_s=row[4],
         revoked=row[5] is not None,
     )
-
-
-def _create_private_file(path: Path) -> None:
-    """Create ``path`` empty with mode 0600 unless it exists; refuse one others may access."""
-    sqlite_db.ensure_directory(path)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _FILE_MODE)
-    except FileExistsError:
-        info = os.stat(path)
-        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise StoreError(
-                f"relay database {path} has mode {stat.S_IMODE(info.st_mode):04o}; it must not be "
-                f"accessible by group or others (chmod 600 {path})"
-            ) from None
-        return
-    try:
-        os.fchmod(fd, _FILE_MODE)  # the umask may have taken bits away; never adds any
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

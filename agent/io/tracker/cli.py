@@ -70,6 +70,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from agent.core.tracker.heartbeat import MAX_ERROR_CHARS
+from agent.core.wire.swarm_wire import MAX_ADDR_CHARS, printable
 from agent.io.settings import add_flags, settings_from_args
 from agent.io.tracker.config import TrackerConfig, parse_host_port, parse_model_arg
 
@@ -255,7 +257,7 @@ def _nodes(args: argparse.Namespace) -> int:
             "yes" if entry.alive else "no",
             _utc(entry.last_heartbeat_ms),
             _human_bytes(entry.usable_memory_bytes),
-            ",".join(entry.listen_addrs) or "-",
+            ",".join(printable(a, MAX_ADDR_CHARS) for a in entry.listen_addrs) or "-",
             _checks(entry),
             ", ".join(f"{name} {state}" for name, state, _ in ranges) or "-",
         ))  # fmt: skip
@@ -265,6 +267,8 @@ def _nodes(args: argparse.Namespace) -> int:
             failures.append((entry.peer_id, "REFUSED", entry.refused))
     _print_table(rows)
     for peer_id, name, error in failures:
+        # (checked at intake; escaped here too for what a database of an older tracker holds)
+        error = printable(error, MAX_ERROR_CHARS)
         print(f"  {peer_id} {name}: {error}" if error else f"  {peer_id} {name}")
     return 0
 
@@ -440,7 +444,7 @@ async def _serve_async(store, config: TrackerConfig, key) -> int:
             server = ModelFileServer({name: path for name, path in files.items() if path is not None})
             host, port = parse_host_port(config.serve_models)
             base_url = await nursery.start(serve_model_files, server, host, port)
-            tracker.model_files.model_base_url = config.models_base_url or base_url
+            tracker.set_model_base_url(config.models_base_url or base_url)
             log.info("serving %d model files at %s/models/ (told to nodes: %s)", len(server.files), base_url,
                      tracker.model_files.model_base_url)  # fmt: skip
         transport.relay_policy = RelayPolicy(tracker.may_hold_relay_reservation, tracker.may_open_relay_circuit)

@@ -10,9 +10,11 @@ registrations refused: kept in the store). ``integrity`` tells owners which peer
 lately; ``report_mismatch`` (an owner's spot check) makes the peers in which two routes differ
 the next to be checked. Decisions are the pure core's (``agent.core.tracker.canary``).
 
-Owns the integrity state (``_init_integrity``: the schedule, withdrawn ranges, last passes,
-the verifier's totals) and what acts on it; the rest of the tracker's state (store, liveness,
-assignments) is the ``Tracker``'s, declared below as what this mixin uses of it.
+Owns the integrity state (``_init_integrity``: the schedule, last passes, the verifier's
+totals) and what acts on it; withdrawn ranges and refused nodes are the tracker's reducer's
+(``agent.core.tracker.reducer``: ``RangeWithdrawn``, ``NodeRefused``), fed through the
+``Tracker``'s ``_apply``; the rest (store, liveness, assignments) is the ``Tracker``'s,
+declared below as what this mixin uses of it.
 
 Must not import ``agent.io.tracker.service`` (which imports this module).
 """
@@ -29,9 +31,9 @@ import numpy as np
 import trio
 
 from agent._proto import swarm_pb2
+from agent.core.tracker import state as ev
 from agent.core.tracker.assignment import Assignment
 from agent.core.tracker.canary import CanaryPolicy, CanarySchedule, FailureAction, RangeKey, after_failure
-from agent.core.tracker.liveness import Liveness
 from agent.io.tracker.config import TrackerConfig
 from agent.io.tracker.model_files import ModelFiles
 from agent.io.tracker.refusal import Refusal
@@ -55,7 +57,6 @@ class OutputIntegrity:
     # the Tracker's, set in its __init__
     store: TrackerStore
     config: TrackerConfig
-    liveness: Liveness
     model_files: ModelFiles
     _now_ms: Callable[[], int]
 
@@ -64,8 +65,7 @@ class OutputIntegrity:
         @property
         def alive(self) -> set[str]: ...
         def _notify(self) -> None: ...
-        def _recompute(self) -> None: ...
-        def _mark_dead(self, dead: list[str], why: str) -> None: ...
+        def _apply(self, event: ev.Event) -> list[ev.Effect]: ...
         def _issue(
             self, peer_id: str, role: swarm_pb2.Role, now: int, fingerprint_sha256: str = ""
         ) -> swarm_pb2.SignedAdmission: ...
@@ -75,9 +75,6 @@ class OutputIntegrity:
         self.canary_policy = policy
         self.canaries = CanarySchedule(policy) if policy is not None else None
         self._canary_rng = np.random.default_rng(int.from_bytes(os.urandom(16), "little"))
-        #: (peer id, model sha256) whose output failed a check: not assigned to it again until
-        #: it registers anew (and then checked before it is routed)
-        self.withdrawn: set[tuple[str, str]] = set()
         #: (peer id, model sha256) -> when (tracker clock) a range of it last passed a check: a
         #: failure of that model before then is no longer named to owners (the node registered
         #: anew and was checked since; a pass of another model clears nothing)
@@ -91,11 +88,6 @@ class OutputIntegrity:
         if self.canaries is None or self.canary_policy is None or not self.canary_policy.gate_new_ranges:
             return True
         return self.canaries.cleared(key)
-
-    def _routable(self, a: Assignment) -> bool:
-        return (a.peer_id, a.model_sha256) not in self.withdrawn and self._cleared(
-            (a.peer_id, a.model_sha256, a.begin, a.end)
-        )
 
     def issue_persona_admission(self, peer_id: str, role: swarm_pb2.Role) -> swarm_pb2.SignedAdmission:
         """An admission for one of the verifier's fresh identities, as nodes and clients get
@@ -170,14 +162,10 @@ class OutputIntegrity:
                 f"refused: the output of this node failed {failures} integrity checks (the last: {outcome.check_id}, "
                 f"model {model_sha256[:12]} blocks [{begin}, {end}), step {mismatch.step}: {mismatch.output} differ)",
             )
-            if peer_id in self.liveness:
-                self._mark_dead([peer_id], f"node failed {failures} integrity checks")
-            else:
-                self._notify()
+            self._apply(ev.NodeRefused(peer_id, failures))
         else:
-            self.withdrawn.add((peer_id, model_sha256))
             self.canaries.prioritise(peer_id, None, now_s)  # whatever else it serves is checked next
-            self._recompute()
+            self._apply(ev.RangeWithdrawn(peer_id, model_sha256))  # not assigned nor routed: recomputed
         return action
 
     def _withdrawn_reason(self, peer_id: str) -> swarm_pb2.WithdrawnPeer | None:

@@ -2,9 +2,11 @@
 probes it and marks it dead at once when it does not answer either, instead of waiting for
 its heartbeat deadline.
 
-Owns the probes in flight (one per peer at a time: reports that arrive while one runs share
-its verdict, so a burst of reports cannot turn into a burst of dials). Liveness and the store
-are the ``Tracker``'s; it hands in how to mark a peer dead.
+The rules are the tracker's reducer's (``agent.core.tracker.reducer``: ``PeerReported``
+makes a live peer a suspect and asks for one probe, ``ProbeEnded`` without an answer marks it
+dead); this shell dials the probe and owns what is in flight: one ``_Probe`` per suspect, whose
+verdict the reports that arrive while it runs share (a burst of reports cannot turn into a
+burst of dials).
 
 Must not import ``agent.io.tracker.service`` (which holds a ``LostPeerProbes``).
 """
@@ -17,7 +19,7 @@ from collections.abc import Callable
 import trio
 
 from agent._proto import swarm_pb2
-from agent.core.tracker.liveness import Liveness
+from agent.core.tracker import state as ev
 from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION
 from agent.io.net.transport import TransportError
 from agent.io.tracker.refusal import Refusal
@@ -30,21 +32,19 @@ Code = swarm_pb2.Error
 
 class LostPeerProbes:
     """Made by ``Tracker`` (its ``lost_peers``): ``transport`` dials the probes (within
-    ``timeout_s``); ``mark_dead(peers, why)`` is the tracker's."""
+    ``timeout_s``); ``apply(event)`` is the tracker's (the reducer fed, its effects done)."""
 
     def __init__(
         self,
         transport,
         store: TrackerStore,
-        liveness: Liveness,
         timeout_s: float,
-        mark_dead: Callable[[list[str], str], None],
+        apply: Callable[[ev.Event], list[ev.Effect]],
     ) -> None:
         self.transport = transport
         self.store = store
-        self.liveness = liveness
         self._timeout_s = timeout_s
-        self._mark_dead = mark_dead
+        self._apply = apply
         self._probes: dict[str, _Probe] = {}
 
     async def report(
@@ -52,38 +52,38 @@ class LostPeerProbes:
     ) -> swarm_pb2.ReportLostPeerReply:
         """Probe a peer an owner lost; mark it dead now if it does not answer either.
 
-        One probe per peer at a time: reports that arrive while one runs share its verdict
-        (a burst of reports cannot turn into a burst of dials)."""
+        One probe per peer at a time: reports that arrive while one runs share its verdict.
+
+        Cancellation: a cancelled probe ends the suspicion without a verdict (the peer stays
+        alive); reports waiting on it hear "no answer"."""
         peer = report.peer_id
-        if not peer:
-            raise Refusal(Code.INVALID_ARGUMENT, "ReportLostPeerRequest.peer_id is empty")
-        if peer not in self.liveness:
-            return swarm_pb2.ReportLostPeerReply(confirmed=peer in self._known_dead(), detail="not a live node")
-        probe = self._probes.get(peer)
-        if probe is None:
+        effects = self._apply(ev.PeerReported(peer, remote_peer_id, report.reason))
+        for effect in effects:
+            if isinstance(effect, ev.Refuse):
+                raise Refusal(effect.code, effect.message)
+            if isinstance(effect, ev.ReportAnswered):
+                return swarm_pb2.ReportLostPeerReply(confirmed=effect.confirmed, detail=effect.detail)
+        if any(isinstance(effect, ev.ProbePeer) for effect in effects):
             probe = self._probes[peer] = _Probe()
             node = self.store.node(peer)
             addrs = list(node.listen_addrs) if node is not None else []
+            verdict: bool | None = None  # None: cancelled, no verdict
             try:
                 await self.transport.request(peer, addrs, NODE_PROTOCOL, _PROBE, timeout_s=self._timeout_s)
-                probe.answered = True
+                probe.answered = verdict = True
             except TransportError as error:
                 probe.error = str(error)
+                verdict = False
             finally:
                 del self._probes[peer]
                 probe.done.set()
-            if not probe.answered and peer in self.liveness:
-                self._mark_dead(
-                    [peer], f"{remote_peer_id} lost it ({report.reason[:200]}) and it does not answer a probe"
-                )
-        else:
+                self._apply(ev.ProbeEnded(peer, verdict, remote_peer_id, report.reason))
+        else:  # a probe of this suspect is under way
+            probe = self._probes[peer]
             await probe.done.wait()
         if probe.answered:
             return swarm_pb2.ReportLostPeerReply(confirmed=False, detail="the peer answered the tracker's probe")
         return swarm_pb2.ReportLostPeerReply(confirmed=True, detail=f"no answer to the tracker's probe: {probe.error}")
-
-    def _known_dead(self) -> set[str]:
-        return {n.peer_id for n in self.store.nodes() if not n.alive}
 
 
 @dataclasses.dataclass

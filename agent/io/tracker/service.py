@@ -5,10 +5,14 @@ Owns the tracker's behaviour on the wire (docs/ARCHITECTURE.md, "The swarm proto
 UNLOAD directives, admission refresh), routes, the model list, model metadata (a GGUF's
 bytes before its tensor data, read from the registered file once and kept in memory), the
 node list; and when assignments are recomputed (a node registers, dies, or comes back).
-Decisions are the pure core's (``agent.core.wire.admission``, ``assignment``, ``routing``,
-``canary``, ``liveness`` (alive, pending, dead, when to sweep) and ``heartbeat`` (a report
-checked, newly failed models, the LOAD/UNLOAD diff, admission refresh)); state is the SQLite
-store's.
+Decisions are the pure core's: admissions (``agent.core.wire.admission``), route planning
+(``routing``), canaries (``canary``), and the live state as a reducer
+(``agent.core.tracker.reducer.apply(state, event, now_ms)``: registrations, heartbeats,
+sweeps, suspects, withdrawals, the assignment and which ranges are routable). ``Tracker``
+feeds it events (``_apply``) with the one clock it was given (unix ms following trio's clock),
+keeps the state it returns in ``state``, and performs its effects in order: store writes
+(the SQLite store is the state's durable copy, read back at a restart), the canary
+schedule's bookkeeping, logs, wake-ups; the request handlers turn the rest into replies.
 
 Output integrity (docs/INTEGRITY.md): the tracker's part (canary outcomes, withdrawn ranges, the
 gate on routes, owners' integrity requests and mismatch reports) is ``OutputIntegrity``
@@ -50,11 +54,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
 from agent.core.net.identity import peer_id_from_public_key
-from agent.core.tracker.assignment import Assignment, ModelSpec, NodeCapacity, assign
+from agent.core.tracker import state as ev
+from agent.core.tracker.assignment import Assignment, ModelSpec
 from agent.core.tracker.handouts import RouteHandouts
-from agent.core.tracker.heartbeat import admission_due, diff_assignment, read_report
+from agent.core.tracker.heartbeat import admission_due
 from agent.core.tracker.liveness import Liveness
-from agent.core.tracker.routing import NoRoute, ReadyRange, plan_route
+from agent.core.tracker.reducer import apply, ready_ranges, restore
+from agent.core.tracker.routing import NoRoute, plan_route
 from agent.core.wire import admission
 from agent.core.wire.swarm_wire import (
     SCHEMA_VERSION,
@@ -77,8 +83,6 @@ log = logging.getLogger(__name__)
 
 Code = swarm_pb2.Error
 State = swarm_pb2.AssignmentStatus
-#: The most ``PeerPath`` entries kept of one heartbeat (``list_nodes``).
-MAX_PEER_PATHS = 256
 
 
 class Tracker(OutputIntegrity):
@@ -102,33 +106,24 @@ class Tracker(OutputIntegrity):
         #: the registered files' metadata and signed manifests, and where nodes fetch them
         self.model_files = ModelFiles(store, key, self.peer_id, clock)
         self._now_ms = clock
-        #: which nodes are alive, pending (alive before a restart, not heard since) or dead
-        self.liveness = Liveness(config.heartbeat_timeout_ms)
-        #: probes of peers an owner lost (``report_lost_peer``)
-        self.lost_peers = LostPeerProbes(
-            transport, store, self.liveness, config.lost_peer_probe_timeout_s, self._mark_dead
-        )
-        #: (peer id, model sha256) a node reported FAILED to load: not assigned to it again
-        #: until it registers anew (in memory: a tracker restart gives it another chance)
-        self.failed: set[tuple[str, str]] = set()
-        #: peer id -> what it reported FAILED since it registered (with its reason), for operators
-        self.load_failures: dict[str, list[swarm_pb2.AssignmentStatus]] = {}
-        self._init_integrity(config.canary)
-        #: routes handed out, counted on their hops until heartbeats show them or they end
-        self.handouts = RouteHandouts(config.route_handout_grace_s)
-        #: peer id -> trio time of its last heartbeat (handed-out routes count until then)
-        self._heard_at: dict[str, float] = {}
-        #: peer id -> what its last heartbeat reported serving (live session counts for routes;
-        #: only peers heard from since this tracker started are routed, so memory suffices)
-        self._serving: dict[str, list[swarm_pb2.AssignmentStatus]] = {}
-        #: peer id -> how its step messages reached its peers, from its last heartbeat (for
-        #: ``list_nodes``; not kept across restarts)
-        self._peer_paths: dict[str, list[swarm_pb2.PeerPath]] = {}
-        self._changed = trio.Event()
-        self.recomputes = 0
         now = clock()
-        self._pruned_at_ms = now - config.registration_max_age_ms  # prune at the first sweep
-        self.liveness.restore((node.peer_id for node in store.nodes() if node.alive), now)
+        #: the live state (liveness, suspects, the assignment and what nodes report, withdrawn
+        #: and failed ranges): only ``_apply`` replaces it; the store is its durable copy
+        self.state = restore(
+            ev.TrackerRules(config.heartbeat_timeout_ms, config.registration_max_age_ms, config.nonce_retention_ms),
+            (_facts(node.peer_id, node.fingerprint) for node in store.nodes()),
+            (node.peer_id for node in store.nodes() if node.alive),
+            {node.peer_id: node.listen_addrs for node in store.nodes()},
+            {row.assignment: ev.RangeStatus(row.state, row.recipe_hash) for row in store.assignments()},
+            now,
+        )
+        #: probes of peers an owner lost (``report_lost_peer``)
+        self.lost_peers = LostPeerProbes(transport, store, config.lost_peer_probe_timeout_s, self._apply)
+        self._init_integrity(config.canary)
+        #: routes handed out, counted on their hops until heartbeats show them (seconds of the
+        #: tracker's clock, as ``state.heard_at_ms``)
+        self.handouts = RouteHandouts(config.route_handout_grace_s)
+        self._changed = trio.Event()
 
     @property
     def pending(self) -> set[str]:
@@ -138,6 +133,80 @@ class Tracker(OutputIntegrity):
     @property
     def alive(self) -> set[str]:
         return self.liveness.alive
+
+    @property
+    def liveness(self) -> Liveness:
+        return self.state.liveness
+
+    @property
+    def withdrawn(self) -> frozenset[tuple[str, str]]:
+        """(peer id, model sha256) whose output failed a check (not assigned, not routed)."""
+        return self.state.withdrawn
+
+    @property
+    def recomputes(self) -> int:
+        return self.state.recomputes
+
+    def _apply(self, event: ev.Event) -> list[ev.Effect]:
+        """Feed ``event`` to the reducer at the tracker's clock, perform the effects that are
+        store writes, canary bookkeeping, logs and wake-ups; return them all (the caller
+        answers with the ``Refuse``, ``Directives``, ``ReportAnswered`` or ``ProbePeer``)."""
+        now = self._now_ms()
+        self.state, effects = apply(self.state, event, now)
+        for effect in effects:
+            self._perform(effect, now)
+        return effects
+
+    def _perform(self, effect: ev.Effect, now: int) -> None:
+        if isinstance(effect, ev.StoreHeartbeat):
+            addrs = list(effect.listen_addrs) if effect.listen_addrs is not None else None
+            self.store.record_heartbeat(effect.peer_id, now, addrs, effect.serving)
+        elif isinstance(effect, ev.StoreStatus):
+            self.store.set_status(effect.assignment, effect.state, effect.recipe_hash, effect.error, now)
+        elif isinstance(effect, ev.ClearStatus):
+            self.store.clear_status(effect.peer_id)
+        elif isinstance(effect, ev.MarkDead):
+            for peer in effect.peer_ids:
+                self.store.clear_status(peer)
+                if self.canaries is not None:
+                    self.canaries.forget_node(peer)
+            self.store.mark_dead(effect.peer_ids)
+            log.info("%s, marked dead: %s", effect.why, ", ".join(effect.peer_ids))
+        elif isinstance(effect, ev.StoreAssignments):
+            self.store.replace_assignments(effect.assignments)
+        elif isinstance(effect, ev.PruneNonces):
+            self.store.prune_nonces(effect.before_ms)
+        elif isinstance(effect, ev.SyncChecks):
+            if self.canaries is not None and self.canaries.sync_node(
+                effect.peer_id, list(effect.ready), trio.current_time()
+            ):
+                self._notify()  # the verifier checks them now
+        elif isinstance(effect, ev.ForgetChecks):
+            if self.canaries is not None:
+                self.canaries.forget_node(effect.peer_id)
+        elif isinstance(effect, ev.LoadFailed):
+            a = effect.status.assignment
+            log.warning(
+                "node %s failed to load model %s blocks [%d, %d): %s; not assigning it there again",
+                effect.peer_id, a.model_sha256, a.begin, a.end, effect.status.error,
+            )  # fmt: skip
+        elif isinstance(effect, ev.Log):
+            log.log(logging.WARNING if effect.level == "warning" else logging.INFO, "%s", effect.message)
+        elif isinstance(effect, ev.Notify):
+            self._notify()
+        # Refuse, Directives, ReportAnswered, ProbePeer: answered by the request's handler
+
+    def models_changed(self) -> None:
+        """Tell the reducer the registered models and which nodes may fetch (at start, and
+        when the tracker starts serving its files); counted at the next recompute."""
+        models = tuple(ModelSpec(m.sha256, m.n_layer, m.bytes_per_block) for m in self.store.models())
+        fetchable = frozenset(m.sha256 for m in self.model_files.models() if m.has_source)
+        self._apply(ev.ModelsChanged(models, fetchable))
+
+    def set_model_base_url(self, url: str) -> None:
+        """Nodes may fetch the registered files from ``url`` (``--serve-models``)."""
+        self.model_files.model_base_url = url
+        self.models_changed()
 
     def _notify(self) -> None:
         self._changed.set()
@@ -290,15 +359,8 @@ class Tracker(OutputIntegrity):
                 listen_addrs=tuple(fingerprint.listen_addrs),
             )
         )
-        self.store.clear_status(remote)  # a (re-)registering node has nothing loaded yet
-        self.failed = {(p, m) for p, m in self.failed if p != remote}
-        self.withdrawn = {(p, m) for p, m in self.withdrawn if p != remote}
-        if self.canaries is not None:
-            self.canaries.forget_node(remote)
-        self.load_failures.pop(remote, None)
-        self.liveness.heard(remote, now)
-        log.info("admitted node %s", remote)
-        self._recompute()
+        # a (re-)registering node has nothing loaded yet, and its past failures are forgiven
+        self._apply(ev.Registered(_facts(remote, fingerprint), tuple(fingerprint.listen_addrs)))
         return swarm_pb2.RegisterReply(
             admission=signed_admission,
             tracker_public_key=self.public_key,
@@ -337,49 +399,20 @@ class Tracker(OutputIntegrity):
         now = self._now_ms()
         if now >= node.expires_at_ms:
             raise Refusal(Code.NOT_FOUND, "unknown node: register first (its admission expired)")
-        try:
-            reading = read_report(remote, beat.serving, [m for p, m in self.failed if p == remote])
-        except WireError as err:
-            raise Refusal(err.code, err.message) from None
-        heard = self.liveness.heard(remote, now, stored_alive=node.alive)
-        self._heard_at[remote] = trio.current_time()
-        self._serving[remote] = list(beat.serving)
-        # a node talks to its route neighbours and owners: a long list is kept only in part
-        self._peer_paths[remote] = list(beat.peer_paths[:MAX_PEER_PATHS])
-        self.store.record_heartbeat(remote, now, list(beat.listen_addrs) if beat.listen_addrs else None, beat.serving)
-        for assigned, status in reading.reported.items():
-            self.store.set_status(assigned, status.state, status.recipe_hash, status.error, now)
-        for assigned, status in sorted(reading.reported.items()):
-            if status.state == State.FAILED and assigned.model_sha256 in reading.newly_failed:
-                log.warning(
-                    "node %s failed to load model %s blocks [%d, %d): %s; not assigning it there again",
-                    remote, assigned.model_sha256, assigned.begin, assigned.end, status.error,
-                )  # fmt: skip
-                failure = swarm_pb2.AssignmentStatus()
-                failure.CopyFrom(status)
-                self.load_failures.setdefault(remote, []).append(failure)
-        self.failed |= {(remote, m) for m in reading.newly_failed}
-        if heard.revived:
-            log.info("node %s is back", remote)
-        if heard.revived or reading.newly_failed:
-            self._recompute()
-        rows = [row for row in self.store.assignments() if row.assignment.peer_id == remote]  # after a recompute
-        diff = diff_assignment(reading.reported, [(row.assignment, bool(row.state or row.recipe_hash)) for row in rows])
-        for assigned in diff.unreported:  # not loaded (e.g. the node restarted)
-            self.store.set_status(assigned, State.STATE_UNSPECIFIED, "", "", now)
-        if self.canaries is not None and self.canaries.sync_node(remote, list(diff.ready), trio.current_time()):
-            self._notify()  # the verifier checks them now
+        beat_event = ev.Heartbeat(remote, tuple(beat.serving), tuple(beat.peer_paths), tuple(beat.listen_addrs) or None)
         reply = swarm_pb2.HeartbeatReply()
-        for a in diff.load:
-            reply.directives.add(kind=swarm_pb2.Directive.LOAD, assignment=_wire_assignment(a))
-        for a in diff.unload:
-            reply.directives.add(kind=swarm_pb2.Directive.UNLOAD, assignment=_wire_assignment(a))
+        for effect in self._apply(beat_event):
+            if isinstance(effect, ev.Refuse):
+                raise Refusal(effect.code, effect.message)
+            if isinstance(effect, ev.Directives):
+                for a in effect.load:
+                    reply.directives.add(kind=swarm_pb2.Directive.LOAD, assignment=_wire_assignment(a))
+                for a in effect.unload:
+                    reply.directives.add(kind=swarm_pb2.Directive.UNLOAD, assignment=_wire_assignment(a))
         if admission_due(node.expires_at_ms, now, self.config.admission_ttl_ms):
             fresh = self._issue(remote, swarm_pb2.ROLE_NODE, now, admission.fingerprint_sha256(node.signed_fingerprint))
             self.store.update_admission(remote, fresh, now + self.config.admission_ttl_ms)
             reply.admission.CopyFrom(fresh)
-        if heard.newly_confirmed or reading.reported:
-            self._notify()
         return reply
 
     def _route(self, remote: str, request: swarm_pb2.RouteRequest) -> swarm_pb2.Route:
@@ -388,41 +421,15 @@ class Tracker(OutputIntegrity):
         model = self.store.find_model(request.model)
         if model is None:
             raise Refusal(Code.NOT_FOUND, f"unknown model {request.model!r}")
-        alive = self.alive
-        nodes = {n.peer_id: n for n in self.store.nodes() if n.peer_id in alive}
-        live = self._live_sessions()
-
-        def ready_range(row) -> ReadyRange:
-            a = row.assignment
-            in_use, total = live.get((a.peer_id, a.model_sha256, a.begin, a.end), (0, 0))
-            cap = min(total, self.config.route_session_cap) if self.config.route_session_cap else total
-            return ReadyRange(
-                peer_id=a.peer_id,
-                addrs=nodes[a.peer_id].listen_addrs,
-                begin=a.begin,
-                end=a.end,
-                recipe_hash=row.recipe_hash,
-                decode_s_per_block=nodes[a.peer_id].fingerprint.decode_s_per_block,
-                sessions=in_use,
-                capacity=cap,
-            )
-
-        ready = [
-            ready_range(row)
-            for row in self.store.assignments()
-            if row.assignment.model_sha256 == model.sha256
-            and row.assignment.peer_id in nodes
-            and row.state == State.READY
-            and row.recipe_hash
-            and self._routable(row.assignment)
-        ]
+        ready = ready_ranges(self.state, model.sha256, cleared=self._cleared, session_cap=self.config.route_session_cap)
+        now_s = self._now_ms() / 1000.0
         try:
             plan = plan_route(
                 request.model,
                 model.sha256,
                 model.n_layer,
                 ready,
-                load=self.handouts.load(trio.current_time(), self._heard_at),
+                load=self.handouts.load(now_s, {p: ms / 1000.0 for p, ms in self.state.heard_at_ms.items()}),
                 hop_latency_s=self.config.hop_latency_s,
                 avoid=request.avoid_peers,
                 begin=request.begin,
@@ -431,7 +438,7 @@ class Tracker(OutputIntegrity):
             )
         except NoRoute as error:
             raise Refusal(Code.UNAVAILABLE, str(error)) from None
-        handout_id = self.handouts.hand_out(trio.current_time(), [h.peer_id for h in plan.hops], remote)
+        handout_id = self.handouts.hand_out(now_s, [h.peer_id for h in plan.hops], remote)
         return swarm_pb2.Route(
             model_sha256=plan.model_sha256,
             n_layer=plan.n_layer,
@@ -447,8 +454,8 @@ class Tracker(OutputIntegrity):
         check (set here, whatever a node put in that field of its heartbeat)."""
         entries = self.store.node_entries(alive=self.alive, pending=self.pending)
         for entry in entries:
-            entry.load_failures.extend(self.load_failures.get(entry.peer_id, ()))
-            entry.peer_paths.extend(self._peer_paths.get(entry.peer_id, ()))
+            entry.load_failures.extend(self.state.load_failures.get(entry.peer_id, ()))
+            entry.peer_paths.extend(self.state.peer_paths.get(entry.peer_id, ()))
             for status in entry.serving:
                 a = status.assignment
                 status.awaiting_check = status.state == State.READY and not self._cleared(
@@ -456,66 +463,17 @@ class Tracker(OutputIntegrity):
                 )
         return entries
 
-    def _live_sessions(self) -> dict[tuple[str, str, int, int], tuple[int, int]]:
-        """(peer, model, begin, end) -> (sequences in use, sequences) as each node last
-        reported them in a heartbeat to this tracker."""
-        return {
-            (peer_id, s.assignment.model_sha256, s.assignment.begin, s.assignment.end): (
-                s.sequences_in_use,
-                s.sequences_total,
-            )
-            for peer_id, serving in self._serving.items()
-            for s in serving
-        }
-
     # --- liveness and assignment ----------------------------------------------------------------
 
     def _recompute(self) -> None:
         """Recompute the assignment set from the models and the alive + pending nodes."""
-        models = [ModelSpec(m.sha256, m.n_layer, m.bytes_per_block) for m in self.store.models() if m.n_layer > 0]
-        live = self.liveness.live
-        fetchable = {m.sha256 for m in self.model_files.models() if m.has_source}
-        nodes = [
-            NodeCapacity(
-                n.peer_id,
-                n.fingerprint.usable_memory_bytes,
-                n.fingerprint.decode_s_per_block,
-                frozenset(
-                    m
-                    for m in set(n.fingerprint.model_sha256s) | (fetchable if n.fingerprint.fetches_models else set())
-                    if (n.peer_id, m) not in self.failed and (n.peer_id, m) not in self.withdrawn
-                ),
-            )
-            for n in self.store.nodes()
-            if n.peer_id in live
-        ]
-        current = [row.assignment for row in self.store.assignments()]
-        new = assign(models, nodes, current)
-        self.store.replace_assignments(new)
-        self.recomputes += 1
-        self._notify()
-
-    def _mark_dead(self, dead: list[str], why: str) -> None:
-        for peer in dead:
-            self.liveness.forget(peer)
-            self.store.clear_status(peer)
-            if self.canaries is not None:
-                self.canaries.forget_node(peer)
-        self.store.mark_dead(dead)
-        log.info("%s, marked dead: %s", why, ", ".join(dead))
-        self._recompute()
+        self._apply(ev.Recompute())
 
     def sweep(self) -> float:
         """Mark nodes past their deadline dead (recomputing if any) and prune old nonces.
         Returns the ms until the next deadline (inf when none)."""
-        now = self._now_ms()
-        dead = self.liveness.sweep(now)
-        if dead:
-            self._mark_dead(dead, "nodes missed heartbeats")
-        if now - self._pruned_at_ms >= self.config.registration_max_age_ms:
-            self.store.prune_nonces(now - self.config.nonce_retention_ms)
-            self._pruned_at_ms = now
-        return self.liveness.next_sweep_in_ms(now)
+        self._apply(ev.Sweep())
+        return self.liveness.next_sweep_in_ms(self._now_ms())
 
     async def run_sweeper(self) -> None:
         while True:
@@ -523,6 +481,16 @@ class Tracker(OutputIntegrity):
             changed = self._changed
             with trio.move_on_after(min(wait_ms, self.config.registration_max_age_ms) / 1000.0):
                 await changed.wait()
+
+
+def _facts(peer_id: str, fingerprint: swarm_pb2.Fingerprint) -> ev.NodeFacts:
+    return ev.NodeFacts(
+        peer_id,
+        fingerprint.usable_memory_bytes,
+        fingerprint.decode_s_per_block,
+        frozenset(fingerprint.model_sha256s),
+        fingerprint.fetches_models,
+    )
 
 
 def _wire_assignment(a: Assignment) -> swarm_pb2.Assignment:
@@ -560,6 +528,7 @@ async def serve_tracker(
     if tracker.peer_id != transport.peer_id:
         raise ValueError(f"the tracker key belongs to {tracker.peer_id}, the transport is {transport.peer_id}")
     # A model registered while the tracker was down, or nodes gone: bring assignments up to date.
+    tracker.models_changed()
     tracker._recompute()
     transport.set_handler(TRACKER_PROTOCOL, tracker.handle)
     task_status.started(tracker)

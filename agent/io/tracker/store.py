@@ -162,13 +162,17 @@ class TrackerStore(sqlite_db.SqliteStore):
         """Open (creating if needed) the database at ``path``.
 
         Raises:
-          StoreError: the file holds another schema version or is not a tracker database.
+          StoreError: the file holds another schema version, is not a tracker database, or may be
+            accessed by group or others (created 0600, as its WAL then is).
           sqlite3.Error / OSError: the file cannot be opened.
         """
         path = Path(path)
-        connection = sqlite_db.connect(
-            path, not_a_database=lambda error: StoreError(f"{path}: not a Baton tracker database ({error})")
-        )
+        try:
+            connection = sqlite_db.connect(
+                path, not_a_database=lambda error: StoreError(f"{path}: not a Baton tracker database ({error})")
+            )
+        except sqlite_db.DatabaseNotPrivate as error:
+            raise StoreError(f"tracker {error}") from None
         return cls._adopt(connection, path)
 
     def _migrate(self) -> None:

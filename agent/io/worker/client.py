@@ -221,7 +221,8 @@ class WorkerClient:
         remove_special: bool = False,
         unparse_special: bool = False,
         timeout_s: float | None = None,
-    ) -> str:
+    ) -> bytes:
+        """The tokens' pieces joined, as bytes: decode what is whole (it may end inside a character)."""
         request = detokenize_request(token_ids, remove_special, unparse_special)
         return self.call("Detokenize", request, timeout_s).text
 
@@ -482,7 +483,8 @@ class AsyncWorkerClient:
         remove_special: bool = False,
         unparse_special: bool = False,
         timeout_s: float | None = None,
-    ) -> str:
+    ) -> bytes:
+        """The tokens' pieces joined, as bytes: decode what is whole (it may end inside a character)."""
         request = detokenize_request(token_ids, remove_special, unparse_special)
         return (await self.call("Detokenize", request, timeout_s)).text
 

@@ -81,6 +81,12 @@ class WorkerConfig:
     )
     model_sha256: str | None = setting(None, "the model's sha256 hex (skips hashing the file)")
     mmap: bool = setting(True, "read the model instead of mapping it", flag="--no-mmap")
+    top_k_in_graph: str | None = setting(
+        None,
+        "where the last range selects a Forward's top-K and log-sum-exp: on (in llama.cpp's graph), off (on the"
+        " host from the full rows) or auto (in the graph when blocks are offloaded to a non-CPU backend; the default)",
+        choices=("auto", "on", "off"),
+    )
     rollback_positions: int | None = setting(
         None,
         "positions of rollback snapshots kept per sequence, for models whose state cannot be cut back"

@@ -5,7 +5,8 @@ Owns the owner-side text rules of a completion (the relay):
   handed out only ever holds whole characters, and invalid bytes become U+FFFD;
 - stop strings (OpenAI's ``stop``) are cut exactly, also when one spans several tokens: text
   that could still be the start of a stop string is held back until it cannot be;
-- once a stop string is seen, the stream has stopped: nothing after it is ever handed out.
+- once a stop string is seen, the stream has stopped: nothing after it is ever handed out;
+- ``whole_utf8``: the text of some bytes up to a character they end inside (a detokenized run).
 
 Pure: ``codecs`` only. Must not import trio, sockets, clocks or agent.io.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-__all__ = ["TextStream"]
+__all__ = ["TextStream", "whole_utf8"]
 
 
 class TextStream:
@@ -85,3 +86,9 @@ class TextStream:
             if any(stop.startswith(tail) for stop in self.stop):
                 return length
         return 0
+
+
+def whole_utf8(data: bytes) -> str:
+    """The text of ``data`` up to a character it ends inside (held back until its bytes come);
+    bytes that can never be UTF-8 become U+FFFD, as a final decode shows them."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(data, final=False)

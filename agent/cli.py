@@ -26,6 +26,8 @@ from agent import cli_args
 from agent.io.cpu_policy import apply_cpu_policy
 from agent.io.lifeline import watch_lifeline
 from agent.io.process_memory import keep_freed_memory
+from agent.io.settings import add_flags, settings_from_args
+from agent.io.worker.config import WorkerConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -65,44 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     worker = commands.add_parser("worker", help="run the native shard worker for one layer range")
-    worker.add_argument("--model", required=True, help="GGUF file")
-    worker.add_argument("--layers", required=True, type=cli_args.layers, help="BEGIN:END (END empty or -1: to the end)")
-    worker.add_argument("--socket", required=True, help="Unix socket path to listen on")
-    worker.add_argument(
-        "--ctx-size", type=cli_args.positive_int, metavar="N", help="positions per sequence (default 2048)"
-    )
-    worker.add_argument(
-        "--max-sequences", type=cli_args.positive_int, metavar="N", help="sequences held at once (default 4)"
-    )
-    worker.add_argument(
-        "--batch-size", type=cli_args.positive_int, metavar="N", help="most rows in one Forward (default 512)"
-    )
-    worker.add_argument(
-        "--threads", type=cli_args.positive_int, metavar="N", help="CPU threads per Forward (default: all cores)"
-    )
-    worker.add_argument(
-        "--gpu-layers", type=int, metavar="N", help="blocks to offload to the GPU backend (default -1: all)"
-    )
-    worker.add_argument(
-        "--threads-decode", type=cli_args.positive_int, metavar="N",
-        help="CPU threads of a Forward of one row, a lone session's decode step (default: --threads)",
-    )  # fmt: skip
-    worker.add_argument("--model-sha256", help="the model's sha256 hex (skips hashing the file)")
-    worker.add_argument("--no-mmap", action="store_true", help="read the model instead of mapping it")
-    worker.add_argument(
-        "--forward-socket",
-        metavar="PATH",
-        help="also serve Forward as a framed stream on this Unix socket (default: off)",
-    )
-    worker.add_argument(
-        "--data-listen", metavar="HOST:PORT",
-        help="serve the data plane (sealed steps from the hop before) on TCP HOST:PORT; port 0: any (default: off)",
-    )  # fmt: skip
-    worker.add_argument(
-        "--rollback-positions", type=cli_args.non_negative_int, metavar="N",
-        help="positions of rollback snapshots kept per sequence, for models whose state cannot be cut back"
-        " (DeepSeek V4) (default 0)",
-    )  # fmt: skip
+    add_flags(worker, WorkerConfig)
 
     parity = commands.add_parser("parity", help="compare a split model against the unsplit one")
     parity.add_argument("--model", required=True, help="GGUF file")
@@ -149,25 +114,15 @@ def _describe_commands(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from agent.core.wire.ranges import parse_layers
-    from agent.io.worker.process import WorkerBinaryNotFound, find_worker_binary, worker_argv
+    from agent.io.settings import to_argv
+    from agent.io.worker.process import WorkerBinaryNotFound, find_worker_binary
 
     try:
         binary = find_worker_binary()
     except WorkerBinaryNotFound as error:
         print(f"baton worker: {error}", file=sys.stderr)
         return 2
-    begin, end = parse_layers(args.layers)
-    argv = worker_argv(
-        binary, args.model, begin, end, args.socket,
-        ctx_size=args.ctx_size, max_sequences=args.max_sequences, batch_size=args.batch_size,
-        threads=args.threads, gpu_layers=args.gpu_layers, model_sha256=args.model_sha256,
-        threads_decode=args.threads_decode, forward_socket_path=args.forward_socket, data_listen=args.data_listen,
-        extra_args=[
-            *(["--no-mmap"] if args.no_mmap else []),
-            *(["--rollback-positions", str(args.rollback_positions)] if args.rollback_positions is not None else []),
-        ],
-    )  # fmt: skip
+    argv = [str(binary), *to_argv(WorkerConfig(**settings_from_args(WorkerConfig, args)))]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(argv[0], argv)

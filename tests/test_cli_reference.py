@@ -57,7 +57,8 @@ def test_every_option_has_help_and_names_its_default_and_unit() -> None:
             if not text.strip():
                 problems.append(f"{flag}: no help")
                 continue
-            has_default = action.default not in (None, False, [], argparse.SUPPRESS)
+            # (a switch's default is its absence: --no-channel's True says nothing to a user)
+            has_default = action.default not in (None, [], argparse.SUPPRESS) and not isinstance(action.default, bool)
             if has_default and action.option_strings and "default" not in text:
                 problems.append(f"{flag}: default {action.default!r} not in its help")
             numeric = action.type in NUMERIC_TYPES or (

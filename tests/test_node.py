@@ -928,7 +928,7 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
 
 def test_cli_arguments(tmp_path: Path) -> None:
     args = parse_cli(["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--model", "a.gguf", "--model", "b.gguf", "--key", "k"])
-    assert args.model == ["a.gguf", "b.gguf"] and args.listen == "/ip4/127.0.0.1/tcp/0"
+    assert args.model_files == ["a.gguf", "b.gguf"] and args.listen == "/ip4/127.0.0.1/tcp/0"
     assert args.memory_bytes is None and args.threads is None
     with pytest.raises(SystemExit):
         parse_cli(["--tracker", "/ip4/1.2.3.4/tcp/1/p2p/Qm", "--model", "a.gguf", "--key", "k", "--threads", "0"])
@@ -1009,7 +1009,7 @@ async def test_cli_main_reports_refusal_with_exit_code_3(
     model.write_bytes(b"GGUF" + bytes(100))
 
     @contextlib.asynccontextmanager
-    async def memory_transport(key, listen_addrs):
+    async def memory_transport(key, listen_addrs, channel=True, punch=True):
         yield network.add(peer_id_from_public_key(public_key_bytes(key)))
 
     monkeypatch.setattr(node_cli, "open_transport", memory_transport)
@@ -1035,7 +1035,7 @@ async def test_cli_main_prints_admission_and_offers_the_given_memory(
     peers: list[str] = []
 
     @contextlib.asynccontextmanager
-    async def memory_transport(key, listen_addrs):
+    async def memory_transport(key, listen_addrs, channel=True, punch=True):
         peers.append(peer_id_from_public_key(public_key_bytes(key)))
         yield network.add(peers[-1])
 

@@ -112,7 +112,7 @@ def app_parts(tmp_path: Path):
     with open_relay_store(tmp_path / "relay.db") as store:
         key = store.create_key("k", KeyLimits())
         client = FakeClient()
-        config = RelayConfig(tracker_addr="/memory/t/p2p/x", db_path=tmp_path / "relay.db", anonymous_tokens_per_day=12)
+        config = RelayConfig(tracker="/memory/t/p2p/x", db=tmp_path / "relay.db", anonymous_tokens_per_day=12)
         state = RelayState(config, client, store, FakePool(), RelayMetrics(), now_s=lambda: 1_800_000_000.0)  # type: ignore[arg-type]
         yield build_app(state), key, client, state
 

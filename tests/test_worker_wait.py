@@ -87,14 +87,14 @@ def test_the_trackers_reference_workers_wait_as_canary_worker_wait_says(tmp_path
     (a tracker on a host with nodes must be able to keep its workers off their cores)."""
     import hashlib
 
-    from agent.io.tracker.cli import build_parser, verifier_config
+    from agent.io.tracker.cli import build_parser, tracker_config, verifier_config
     from agent.io.tracker.reference import ReferencePool
     from agent.io.tracker.verifier_api import VerifierConfig
 
     serve = ["serve", "--db", str(tmp_path / "t.db"), "--key", str(tmp_path / "t.key")]
-    assert verifier_config(build_parser().parse_args(serve)).worker_wait == "auto"
+    assert verifier_config(tracker_config(build_parser().parse_args(serve))).worker_wait == "auto"
     args = build_parser().parse_args([*serve, "--canary-worker-wait", "sleep", "--canary-threads", "2"])
-    config = verifier_config(args)
+    config = verifier_config(tracker_config(args))
     assert (config.worker_wait, config.threads) == ("sleep", 2)
     with pytest.raises(SystemExit):
         build_parser().parse_args([*serve, "--canary-worker-wait", "busy"])

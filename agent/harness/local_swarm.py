@@ -1,6 +1,7 @@
 """A swarm of real processes on loopback: a tracker, several nodes and a relay, for the demo and tests.
 
-Owns the processes' lifetimes and command lines (the ONLY place that spells them): a private
+Owns the processes' lifetimes and command lines (built as each role's config, its flags
+rendered by ``agent.io.settings.to_argv``, so no flag is spelled here): a private
 work dir with one key file per process, the tracker's SQLite db, one log per process; starting
 the tracker and waiting for the address it writes to ``--addr-file``; starting, killing
 (SIGKILL, as a vanished machine) and restarting nodes and the tracker (same db, key and port);
@@ -37,6 +38,10 @@ from agent.io.keys import load_or_create_key, peer_id_of
 from agent.io.lifeline import lifeline_for_child
 from agent.io.log_tail import LOG_TAIL_BYTES
 from agent.io.log_tail import log_tail as read_log_tail
+from agent.io.node.config import NodeConfig
+from agent.io.relay.config import RelayConfig
+from agent.io.settings import to_argv
+from agent.io.tracker.config import TrackerConfig
 
 __all__ = [
     "LocalSwarm",
@@ -220,37 +225,41 @@ class LocalSwarm:
     def relay_addr_file(self) -> Path:
         return self.workdir / "relay.addr"
 
-    # --- command lines (the one place that spells them) ------------------------------------------
+    # --- command lines (each role's config, rendered) ------------------------------------------
+
+    def relay_config(self) -> RelayConfig:
+        """The relay's settings in this swarm (its work dir's db, key, address file and cache)."""
+        return RelayConfig(
+            tracker=self.tracker_addr,
+            listen=self._relay_listen,
+            p2p_listen=f"/ip4/{self.config.placement.host('relay')}/tcp/0",
+            db=self.relay_db_path,
+            key=self.key_path("relay"),
+            addr_file=self.relay_addr_file,
+            cache_dir=self.workdir / "relay-cache",
+        )
 
     def relay_argv(self, extra_args: Sequence[str] = ()) -> list[str]:
         return [
-            *command_prefix("relay"),
-            "serve",
-            "--tracker", self.tracker_addr,
-            "--listen", self._relay_listen,
-            "--p2p-listen", f"/ip4/{self.config.placement.host('relay')}/tcp/0",
-            "--db", str(self.relay_db_path),
-            "--key", str(self.key_path("relay")),
-            "--addr-file", str(self.relay_addr_file),
-            "--cache-dir", str(self.workdir / "relay-cache"),
-            *self.config.relay_args,
-            *extra_args,
+            *command_prefix("relay"), "serve", *to_argv(self.relay_config()), *self.config.relay_args, *extra_args
         ]  # fmt: skip
 
-    def tracker_argv(self) -> list[str]:
+    def tracker_config(self) -> TrackerConfig:
+        """The tracker's settings in this swarm (its work dir's db, key and address file; what
+        nodes must run is the tracker process's own checkout's)."""
         c = self.config
-        return [
-            *command_prefix("tracker"),
-            "serve",
-            "--db", str(self.db_path),
-            "--key", str(self.key_path("tracker")),
-            "--listen", self._tracker_listen,
-            "--addr-file", str(self.addr_file),
-            "--register-model", f"{c.model_path}:{c.model_alias}",
-            "--heartbeat-timeout-ms", str(c.heartbeat_timeout_ms),
-            "--canary-interval-s", str(c.canary_interval_s),
-            *c.tracker_args,
-        ]  # fmt: skip
+        return TrackerConfig(
+            db=str(self.db_path),
+            key_file=str(self.key_path("tracker")),
+            listen=self._tracker_listen,
+            addr_file=str(self.addr_file),
+            register_model=(f"{c.model_path}:{c.model_alias}",),
+            heartbeat_timeout_ms=c.heartbeat_timeout_ms,
+            canary_interval_s=c.canary_interval_s,
+        )
+
+    def tracker_argv(self) -> list[str]:
+        return [*command_prefix("tracker"), "serve", *to_argv(self.tracker_config()), *self.config.tracker_args]
 
     def node_argv(
         self,
@@ -266,18 +275,18 @@ class LocalSwarm:
         c = self.config
         if listen is None and c.placement.host(name) != LOOPBACK:
             listen = f"/ip4/{c.placement.host(name)}/tcp/0"
-        return (list(command) if command is not None else command_prefix("node")) + [
-            "--tracker", self.tracker_addr,
-            *(["--model", str(c.model_path)] if model else []),
-            "--key", str(self.key_path(name)),
-            "--memory-bytes", str(memory_bytes),
-            "--threads", str(c.threads),
-            "--worker-wait", c.worker_wait,
-            *(["--listen", listen] if listen is not None else []),
-            *(["--relay"] if relay else []),
-            *c.node_args,
-            *extra_args,
-        ]  # fmt: skip
+        config = NodeConfig(
+            tracker=self.tracker_addr,
+            key_file=str(self.key_path(name)),
+            model_files=(str(c.model_path),) if model else (),
+            memory_bytes=memory_bytes,
+            threads=c.threads,
+            worker_wait=c.worker_wait,
+            relay=relay,
+            listen=NodeConfig.listen if listen is None else listen,
+        )
+        prefix = list(command) if command is not None else command_prefix("node")
+        return [*prefix, *to_argv(config), *c.node_args, *extra_args]
 
     # --- processes -----------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     watch_lifeline()  # first, as in agent.cli.main: a parent that dies now must stop this one too
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "node_command", None):
+    if args.node_command:
         parser.error("the node's subcommands are not for a faulty node")
     keep_freed_memory()
     try:

@@ -17,6 +17,9 @@ import json
 import sys
 
 from agent import cli_args
+from agent.io.settings import add_flags, settings_from_args
+
+from .config import SwarmClientConfig
 
 __all__ = ["add_arguments", "main"]
 
@@ -43,30 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         help="multiaddr the last hop pushes results to (repeatable; default /ip4/127.0.0.1/tcp/0)",
     )
-    parser.add_argument(
-        "--request-timeout-s",
-        type=cli_args.positive_float,
-        default=10.0,
-        help="limit on one control request (default 10)",
-    )
-    parser.add_argument(
-        "--step-timeout-s",
-        type=cli_args.positive_float,
-        default=30.0,
-        help="limit on waiting for one step's result (default 30)",
-    )
-    parser.add_argument(
-        "--queue-timeout-s", type=cli_args.positive_float, default=60.0,
-        help="while every sequence of the route is in use, wait this long for one (default 60)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--replan-attempts", type=cli_args.non_negative_int, default=3,
-        help="new routes one generation may move to after a hop fails (default 3)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--spot-check-rate", type=cli_args.probability, default=0.01, metavar="P",
-        help="chance that the generation is replayed through a second route and compared (default 0.01)",
-    )  # fmt: skip
+    add_flags(parser, SwarmClientConfig)
     parser.add_argument(
         "--cache-dir",
         help="where the model's metadata-only copy for the local tokenizer lives (default $BATON_CACHE/client)",
@@ -84,7 +64,6 @@ def main(args: argparse.Namespace) -> int:
 
     from agent.io.net.transport import TransportError
 
-    from .config import SwarmClientConfig
     from .outcome import GenerationError, SwarmError
     from .swarm import open_swarm_client
 
@@ -105,13 +84,7 @@ def main(args: argparse.Namespace) -> int:
             print(f"baton generate: key {args.key}: {error}", file=sys.stderr)
             return 2
     try:
-        config = SwarmClientConfig(
-            request_timeout_s=args.request_timeout_s,
-            step_timeout_s=args.step_timeout_s,
-            replan_attempts=args.replan_attempts,
-            queue_timeout_s=args.queue_timeout_s,
-            spot_check_rate=args.spot_check_rate,
-        )
+        config = SwarmClientConfig(**settings_from_args(SwarmClientConfig, args))
     except ValueError as error:
         print(f"baton generate: {error}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 """The owner's timeouts and limits: ``SwarmClientConfig``, the one place a client's tunables are
-named (unit, default, why).
+named (unit, default, why); those made with ``setting`` are ``baton generate``'s flags.
 
 Must not import the client's other modules (they all read it).
 """
@@ -7,6 +7,9 @@ Must not import the client's other modules (they all read it).
 from __future__ import annotations
 
 import dataclasses
+
+from agent import cli_args
+from agent.io.settings import setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +58,21 @@ class SwarmClientConfig:
     step's critical path. False: only the owner's steps.
     """
 
-    request_timeout_s: float = 10.0
+    request_timeout_s: float = setting(10.0, "limit on one control request (default 10)", parse=cli_args.positive_float)
     session_ended_timeout_s: float = 2.0
-    step_timeout_s: float = 30.0
-    replan_attempts: int = 3
+    step_timeout_s: float = setting(
+        30.0, "limit on waiting for one step's result (default 30)", parse=cli_args.positive_float
+    )
+    replan_attempts: int = setting(
+        3, "new routes one generation may move to after a hop fails (default 3)", parse=cli_args.non_negative_int
+    )
     replan_wait_s: float = 20.0
     route_poll_interval_s: float = 0.25
-    queue_timeout_s: float = 60.0
+    queue_timeout_s: float = setting(
+        60.0,
+        "while every sequence of the route is in use, wait this long for one (default 60)",
+        parse=cli_args.positive_float,
+    )
     prefill_chunk_tokens: int = 512
     step_deadline_factor: float = 10.0
     min_step_deadline_s: float = 1.0
@@ -78,7 +89,14 @@ class SwarmClientConfig:
     # how long a session that ended waits for its replay, and how long the tracker may take to
     # say whether a peer of the generation's routes failed a check (tokens computed through one
     # are taken back and generated again; False: never ask).
-    spot_check_rate: float = 0.0
+    # (0 for a library user, tests and the relay, which sets its own; 0.01 for baton generate)
+    spot_check_rate: float = setting(
+        0.0,
+        "chance that the generation is replayed through a second route and compared (default 0.01)",
+        parse=cli_args.probability,
+        metavar="P",
+        command_default=0.01,
+    )
     spot_check_grace_s: float = 5.0
     integrity_timeout_s: float = 1.0
     check_route_integrity: bool = True

@@ -75,9 +75,12 @@ class Node(RequestHandlers, RangeRunner):
     """
 
     def __init__(self, config: NodeConfig, transport: Transport, outputs_filter: OutputsFilter | None = None) -> None:
+        if config.key is None:
+            raise ValueError("NodeConfig.key is None: a node needs its key (the command reads key_file into it)")
         self.config = config
+        self.key = config.key
         self.transport = transport
-        self.peer_id = peer_id_from_public_key(public_key_bytes(config.key))
+        self.peer_id = peer_id_from_public_key(public_key_bytes(self.key))
         if transport.peer_id != self.peer_id:
             raise ValueError(f"the transport is peer {transport.peer_id}, the node key is {self.peer_id}")
         self.tracker_peer_id = peer_id_from_multiaddr(config.tracker)

@@ -4,8 +4,12 @@
                [--listen MULTIADDR|none] [--relay] [--memory-bytes N] [--threads N] [--threads-decode N]
                [--worker-wait auto|spin|sleep] [--ctx-size N] [--max-sequences N]
                [--decode-groups N] [--decode-gather-ms MS] [--batch-window-ms MS]
-               [--heartbeat-interval-ms N]
+               [--heartbeat-interval-ms N] [--gpu-layers N] [--config PATH] ...
     baton node install | uninstall | status | doctor ...   (agent.io.node.service)
+
+Every option is a ``NodeConfig`` field (``agent.io.node.config``; ``--help`` and docs/CLI.md list
+them), and ``--config PATH`` reads them from a TOML file under the field names, the command
+line winning (docs/OPERATIONS.md, "Config files").
 
 ``--model PATH`` serves a file the node already has. ``--models-dir DIR`` lets the node serve
 models it lacks: for each range it is assigned it fetches only that range's bytes (the
@@ -42,10 +46,8 @@ from typing import TypeVar
 
 import trio
 
-from agent import cli_args
-from agent.core.node.scheduler import LOCK_STEP_GATHER_MS
-from agent.core.node.worker_wait import AUTO, WAIT_CHOICES
 from agent.io.gguf_sparse import check_gguf_magic
+from agent.io.settings import SettingsError, add_flags, load_toml, settings_from_args
 from agent.models import cached_sha256
 
 from .agent import serve_node
@@ -70,101 +72,15 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``baton node`` options to ``parser``."""
+    """Add the ``baton node`` options to ``parser``: ``NodeConfig``'s settings and ``--config``."""
     from .service import add_subcommands
 
     add_subcommands(parser)
-    parser.add_argument("--tracker", help="the tracker's multiaddr, ending /p2p/<peer id> (required)")
+    add_flags(parser, NodeConfig)
     parser.add_argument(
-        "--model", action="append", default=[], metavar="PATH", help="a GGUF file this node offers (repeatable)"
-    )
-    parser.add_argument(
-        "--models-dir", metavar="DIR",
-        help="fetch the assigned ranges of models this node lacks into DIR (only their bytes, verified)",
-    )  # fmt: skip
-    parser.add_argument("--key", metavar="PATH", help="the node's Ed25519 key file (created if missing; required)")
-    parser.add_argument(
-        "--listen", default="/ip4/127.0.0.1/tcp/0", metavar="MULTIADDR",
-        help="where to listen (default %(default)s); 'none': accept no direct connections (needs --relay)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--no-channel",
-        action="store_true",
-        help="send steps and results over libp2p only (no direct TLS channel; for comparisons)",
-    )
-    parser.add_argument(
-        "--relay", action="store_true",
-        help="be reachable through the tracker's circuit relay (for a node that cannot be dialled)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--no-punch", action="store_true",
-        help="neither hole-punch toward peers reached through the relay nor answer their punches"
-        " (they stay relayed; for comparisons)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--memory-bytes", type=cli_args.positive_int, metavar="N", help="usable memory offered (default: available RAM)"
-    )
-    parser.add_argument("--threads", type=cli_args.positive_int, help="threads per worker (default: the worker's)")
-    parser.add_argument(
-        "--threads-decode", type=cli_args.positive_int, metavar="N",
-        help="threads of a worker Forward whose micro-batch is one row, a lone session's decode step (default:"
-        " --threads). Nodes that share one machine's cores may decode a lone session faster with 1 (1.3-1.6x with"
-        " three nodes of 2-thread workers on 2 cores); sessions decoding together keep --threads",
-    )  # fmt: skip
-    parser.add_argument(
-        "--worker-wait", choices=WAIT_CHOICES, default=AUTO,
-        help="how a worker's idle threads wait for work: spin (quickest for a worker alone on its machine), sleep"
-        " (a microseconds' spin, then sleep: for nodes that share one machine's cores, where a spinning worker holds"
-        " the cores the next hop needs) or auto (the default: sleep when another Baton node or worker already runs on"
-        " this host, else spin; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment are kept)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--no-data-plane", action="store_true",
-        help="every step through this node: its workers do not take a session's steps straight from the hop before"
-        " (by default they do, on the host of --listen, sealed with the session's keys)",
-    )  # fmt: skip
-    parser.add_argument("--ctx-size", type=cli_args.positive_int, help="positions per sequence (default: the worker's)")
-    parser.add_argument(
-        "--max-sequences", type=cli_args.positive_int, help="sequences per worker (default: the worker's)"
-    )
-    parser.add_argument(
-        "--session-idle-timeout-s", type=cli_args.positive_float, default=5.0,
-        help="free a session's sequences after this long without a step from its owner (default 5):"
-        " an owner that crashed holds them no longer",
-    )  # fmt: skip
-    parser.add_argument(
-        "--owner-max-share", type=cli_args.unit_interval, default=0.75,
-        help="the share of a range's sequences one session owner may hold (default 0.75, so a peer sending"
-        " step-0 frames cannot lock everyone out, while a relay, one owner for many users, keeps most; at least one)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--decode-groups", type=cli_args.non_negative_int, metavar="N",
-        help="a first hop splits its sessions' decode steps into N groups, so that they are at different hops at"
-        " once (0: off, every waiting decode step in the next Forward; 1: lock-step, with --decode-gather-ms). The"
-        " default picks per route: lock-step when the route's next hop runs on this machine (nodes that share its"
-        " cores gain nothing by computing at once), else the route's hops + 1",
-    )  # fmt: skip
-    parser.add_argument(
-        "--batch-window-ms", type=cli_args.non_negative_float, default=0.0, metavar="MS",
-        help="how long a range waits after a step arrives for the other steps of the upstream Forward to join it"
-        " (default 0)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--decode-gather-ms", type=cli_args.non_negative_float, metavar="MS",
-        help="how long a first hop holds a decode Forward until a full decode group waits (0: never; default:"
-        f" {LOCK_STEP_GATHER_MS:g} in lock-step, else 0); with one decode group, lock-step: every decoding"
-        " session in one Forward, for nodes that share one machine's cores",
-    )  # fmt: skip
-    parser.add_argument(
-        "--heartbeat-interval-ms",
-        type=cli_args.positive_int,
-        metavar="MS",
-        help="heartbeat interval (default: the tracker's)",
-    )
-    parser.add_argument(
-        "--kept-rows-max-bytes", type=cli_args.non_negative_int, default=64 * 1024 * 1024, metavar="N",
-        help="per session and range, the most bytes of output rows kept to rebuild a lost next hop"
-        " (default 64 MiB; 0: keep none, a lost next hop then costs a re-prefill of the route)",
+        "--config", metavar="PATH",
+        help="read these options from a TOML file, each under its NodeConfig field name (--memory-bytes:"
+        " memory_bytes; --model: model_files, a list; --key: key_file); options given here win over the file's",
     )  # fmt: skip
 
 
@@ -212,16 +128,20 @@ async def run(args: argparse.Namespace, *, outputs_filter: OutputsFilter | None 
     from agent.io.keys import KeyFileError, load_or_create_key
     from agent.io.worker.process import WorkerBinaryNotFound
 
-    if not args.tracker or not args.key:
+    try:
+        settings = settings_from_args(NodeConfig, args, load_toml(args.config, NodeConfig) if args.config else {})
+    except SettingsError as err:
+        print(f"baton node: --config {err}", file=sys.stderr)
+        return EXIT_SETUP
+    tracker, key_file, models_dir = settings["tracker"], settings["key_file"], settings["models_dir"]
+    if not tracker or not key_file:
         print("baton node: --tracker and --key are required", file=sys.stderr)
         return EXIT_SETUP
-    listen = listen_addrs(args.listen)
-    relay = getattr(args, "relay", False)
-    models_dir = getattr(args, "models_dir", None)
-    if not args.model and not models_dir:
+    listen = listen_addrs(settings["listen"])
+    if not settings["model_files"] and not models_dir:
         print("baton node: give --model PATH (a file you have) or --models-dir DIR (fetch ranges)", file=sys.stderr)
         return EXIT_SETUP
-    if not listen and not relay:
+    if not listen and not settings["relay"]:
         print("baton node: --listen none needs --relay (nobody could reach this node)", file=sys.stderr)
         return EXIT_SETUP
     if models_dir:
@@ -233,12 +153,12 @@ async def run(args: argparse.Namespace, *, outputs_filter: OutputsFilter | None 
             print(f"baton node: --models-dir {models_dir}: {err}", file=sys.stderr)
             return EXIT_SETUP
     try:
-        key = load_or_create_key(args.key)
+        key = load_or_create_key(key_file)
     except (KeyFileError, OSError) as err:
-        print(f"baton node: key {args.key}: {err}", file=sys.stderr)
+        print(f"baton node: key {key_file}: {err}", file=sys.stderr)
         return EXIT_SETUP
     models = []
-    for path in args.model:
+    for path in settings["model_files"]:
         try:
             check_gguf_magic(path)  # before hashing it: a wrong file says so at once
             digest = await trio.to_thread.run_sync(cached_sha256, path)
@@ -256,33 +176,16 @@ async def run(args: argparse.Namespace, *, outputs_filter: OutputsFilter | None 
         print(f"baton node: probing this host failed: {err}", file=sys.stderr)
         return EXIT_SETUP
     config = NodeConfig(
-        tracker=args.tracker,
-        key=key,
-        models=tuple(models),
-        memory_bytes=args.memory_bytes,
-        threads=args.threads,
-        threads_decode=args.threads_decode,
-        worker_wait=args.worker_wait,
-        ctx_size=args.ctx_size,
-        max_sequences=args.max_sequences,
-        session_idle_timeout_s=args.session_idle_timeout_s,
-        kept_rows_max_bytes=args.kept_rows_max_bytes,
-        owner_max_share=args.owner_max_share,
-        decode_groups=getattr(args, "decode_groups", None),
-        decode_gather_ms=getattr(args, "decode_gather_ms", None),
-        batch_window_ms=getattr(args, "batch_window_ms", 0.0),
-        heartbeat_interval_ms=args.heartbeat_interval_ms,
-        relay=relay,
-        data_plane_host=None if getattr(args, "no_data_plane", False) else data_plane_host(listen),
-        probe=probe,
-        models_dir=os.path.abspath(models_dir) if models_dir else None,
-    )
+        **{**settings, "models_dir": os.path.abspath(models_dir) if models_dir else None},
+        key=key, models=tuple(models), probe=probe,
+        data_plane_host=data_plane_host(listen) if settings["data_plane"] else None,
+    )  # fmt: skip
     code = 0
     try:
-        no_channel = {"channel": False} if getattr(args, "no_channel", False) else {}
-        if getattr(args, "no_punch", False):
-            no_channel["punch"] = False
-        async with open_transport(key, listen, **no_channel) as transport, trio.open_nursery() as nursery:
+        async with (
+            open_transport(key, listen, channel=config.channel, punch=config.punch) as transport,
+            trio.open_nursery() as nursery,
+        ):
             node = await nursery.start(functools.partial(serve_node, config, transport, outputs_filter=outputs_filter))
             print(f"node {node.peer_id} admitted", flush=True)
             for addr in transport.listen_addrs:
@@ -322,7 +225,7 @@ async def run_until_signal(args: argparse.Namespace, *, outputs_filter: OutputsF
 def main(args: argparse.Namespace, *, outputs_filter: OutputsFilter | None = None) -> int:
     """``baton node``: returns the exit code (0 after SIGTERM / Ctrl-C). ``outputs_filter``:
     see ``run``."""
-    if getattr(args, "node_command", None):
+    if args.node_command:
         from .service import main as service_main
 
         return service_main(args)

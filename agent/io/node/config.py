@@ -12,10 +12,14 @@ from typing import Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent.core.node.worker_wait import AUTO
+from agent import cli_args
+from agent.core.node.scheduler import LOCK_STEP_GATHER_MS
+from agent.core.node.worker_wait import AUTO, WAIT_CHOICES
 from agent.core.wire.fingerprint import HostProbe
 from agent.core.wire.step_validation import StepInput
 from agent.core.wire.worker_records import SeqOutput
+from agent.io.settings import setting, shared_fields
+from agent.io.worker.config import WorkerConfig
 
 from .fetch import FetchConfig
 from .probe import ProbeConfig
@@ -28,6 +32,7 @@ __all__ = [
     "NodeRefused",
     "OutputsFilter",
     "TrackerUnreachable",
+    "worker_config",
 ]
 
 #: Default heartbeat interval when the tracker names none.
@@ -62,12 +67,20 @@ class LocalModel:
     sha256: str
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class NodeConfig:
     """Everything ``serve_node`` needs; every timeout and limit of the node is here.
 
+    The fields made with ``setting`` are ``baton node``'s flags and its ``--config`` file's
+    keys (``agent.io.settings``); a field named as a ``WorkerConfig`` field is passed to every
+    worker this node starts (``worker_config``), so a worker tunable reaches the node's command
+    line, its file and its workers by one line here.
+
     Fields:
       tracker: the tracker's multiaddr, ending ``/p2p/<tracker peer id>``.
+      model_files, key_file, listen, channel, punch, data_plane: the command's (the files it
+        hashes into ``models``, the key file it reads into ``key``, its transport's listen
+        address, direct channel and hole punching, ``data_plane_host`` from ``listen``).
       key: the node's Ed25519 key (the same key as its transport identity).
       models: the GGUF files this node has.
       memory_bytes: usable memory offered for weights + KV; None: the probe's available RAM.
@@ -145,44 +158,144 @@ class NodeConfig:
         this small compute each row as a batch of one does, so the rebuild is bit-exact).
     """
 
-    tracker: str
-    key: Ed25519PrivateKey
+    # The command line's (``baton node``; flags and TOML keys derived by ``agent.io.settings``),
+    # in the order ``--help`` lists them.
+    tracker: str = setting(help="the tracker's multiaddr, ending /p2p/<peer id> (required)")
+    model_files: tuple[str, ...] = setting(
+        (), "a GGUF file this node offers (repeatable)", flag="--model", metavar="PATH"
+    )
+    models_dir: str | None = setting(
+        None,
+        "fetch the assigned ranges of models this node lacks into DIR (only their bytes, verified)",
+        metavar="DIR",
+    )
+    key_file: str | None = setting(
+        None, "the node's Ed25519 key file (created if missing; required)", flag="--key", metavar="PATH"
+    )
+    listen: str = setting(
+        "/ip4/127.0.0.1/tcp/0",
+        "where to listen (default %(default)s); 'none': accept no direct connections (needs --relay)",
+        metavar="MULTIADDR",
+    )
+    channel: bool = setting(
+        True,
+        "send steps and results over libp2p only (no direct TLS channel; for comparisons)",
+        flag="--no-channel",
+    )
+    relay: bool = setting(False, "be reachable through the tracker's circuit relay (for a node that cannot be dialled)")
+    punch: bool = setting(
+        True,
+        "neither hole-punch toward peers reached through the relay nor answer their punches"
+        " (they stay relayed; for comparisons)",
+        flag="--no-punch",
+    )
+    memory_bytes: int | None = setting(
+        None, "usable memory offered (default: available RAM)", parse=cli_args.positive_int, metavar="N"
+    )
+    threads: int | None = setting(None, "threads per worker (default: the worker's)", parse=cli_args.positive_int)
+    threads_decode: int | None = setting(
+        None,
+        "threads of a worker Forward whose micro-batch is one row, a lone session's decode step (default:"
+        " --threads). Nodes that share one machine's cores may decode a lone session faster with 1 (1.3-1.6x with"
+        " three nodes of 2-thread workers on 2 cores); sessions decoding together keep --threads",
+        parse=cli_args.positive_int,
+        metavar="N",
+    )
+    worker_wait: str = setting(
+        AUTO,
+        "how a worker's idle threads wait for work: spin (quickest for a worker alone on its machine), sleep"
+        " (a microseconds' spin, then sleep: for nodes that share one machine's cores, where a spinning worker holds"
+        " the cores the next hop needs) or auto (the default: sleep when another Baton node or worker already runs on"
+        " this host, else spin; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment are kept)",
+        choices=WAIT_CHOICES,
+    )
+    data_plane: bool = setting(
+        True,
+        "every step through this node: its workers do not take a session's steps straight from the hop before"
+        " (by default they do, on the host of --listen, sealed with the session's keys)",
+        flag="--no-data-plane",
+    )
+    ctx_size: int | None = setting(None, "positions per sequence (default: the worker's)", parse=cli_args.positive_int)
+    max_sequences: int | None = setting(
+        None, "sequences per worker (default: the worker's)", parse=cli_args.positive_int
+    )
+    gpu_layers: int | None = setting(None, "blocks on the GPU (0: none; default: all)", parse=cli_args.non_negative_int)
+    session_idle_timeout_s: float = setting(
+        5.0,
+        "free a session's sequences after this long without a step from its owner (default 5):"
+        " an owner that crashed holds them no longer",
+        parse=cli_args.positive_float,
+    )
+    owner_max_share: float = setting(
+        0.75,
+        "the share of a range's sequences one session owner may hold (default 0.75, so a peer sending"
+        " step-0 frames cannot lock everyone out, while a relay, one owner for many users, keeps most; at least one)",
+        parse=cli_args.unit_interval,
+    )
+    decode_groups: int | None = setting(
+        None,
+        "a first hop splits its sessions' decode steps into N groups, so that they are at different hops at"
+        " once (0: off, every waiting decode step in the next Forward; 1: lock-step, with --decode-gather-ms). The"
+        " default picks per route: lock-step when the route's next hop runs on this machine (nodes that share its"
+        " cores gain nothing by computing at once), else the route's hops + 1",
+        parse=cli_args.non_negative_int,
+        metavar="N",
+    )
+    batch_window_ms: float = setting(
+        0.0,
+        "how long a range waits after a step arrives for the other steps of the upstream Forward to join it"
+        " (default 0)",
+        parse=cli_args.non_negative_float,
+        metavar="MS",
+    )
+    decode_gather_ms: float | None = setting(
+        None,
+        "how long a first hop holds a decode Forward until a full decode group waits (0: never; default:"
+        f" {LOCK_STEP_GATHER_MS:g} in lock-step, else 0); with one decode group, lock-step: every decoding"
+        " session in one Forward, for nodes that share one machine's cores",
+        parse=cli_args.non_negative_float,
+        metavar="MS",
+    )
+    heartbeat_interval_ms: int | None = setting(
+        None, "heartbeat interval (default: the tracker's)", parse=cli_args.positive_int, metavar="MS"
+    )
+    kept_rows_max_bytes: int = setting(
+        64 * 1024 * 1024,
+        "per session and range, the most bytes of output rows kept to rebuild a lost next hop"
+        " (default 64 MiB; 0: keep none, a lost next hop then costs a re-prefill of the route)",
+        parse=cli_args.non_negative_int,
+        metavar="N",
+    )
+    # What the command resolves from its settings (the key read, the models hashed, the host
+    # probed), and limits no flag sets.
+    key: Ed25519PrivateKey | None = None  # None only in a config made to render flags
     models: tuple[LocalModel, ...] = ()
-    memory_bytes: int | None = None
-    threads: int | None = None
-    threads_decode: int | None = None
-    ctx_size: int | None = None
-    max_sequences: int | None = None
     batch_size: int | None = None
-    heartbeat_interval_ms: int | None = None
-    relay: bool = False
     request_timeout_s: float = 10.0
     step_push_timeout_s: float = 30.0
-    session_idle_timeout_s: float = 5.0
     session_sweep_interval_s: float = 1.0
-    owner_max_share: float = 0.75
-    batch_window_ms: float = 0.0
     worker_ready_timeout_s: float = 120.0
     worker_stop_grace_s: float = 5.0
     worker_call_timeout_s: float = 60.0
     worker_binary: str | None = None
-    worker_wait: str = AUTO
     probe: HostProbe | None = None
     probe_config: ProbeConfig = ProbeConfig()
     start_retry_initial_s: float = 0.5
     start_retry_max_s: float = 30.0
     start_retry_timeout_s: float | None = None
-    models_dir: str | None = None
     verify_local_models: bool = True
     fetch: FetchConfig = FetchConfig()
     manifest_timeout_s: float = 300.0
-    kept_rows_max_bytes: int = 64 * 1024 * 1024
     resume_wait_s: float = 5.0
     data_plane_host: str | None = "127.0.0.1"
     replay_merge_rows: int = 16
     row_budget: int | None = None
-    decode_groups: int | None = None
-    decode_gather_ms: float | None = None
+
+
+def worker_config(config: NodeConfig) -> WorkerConfig:
+    """The worker flags of ``config``: its fields named as ``WorkerConfig``'s (None: the
+    worker's own default)."""
+    return WorkerConfig(model="", socket="", **shared_fields(config, WorkerConfig))
 
 
 class NodeError(Exception):

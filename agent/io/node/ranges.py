@@ -37,7 +37,7 @@ from agent.io.worker.process import WorkerBinaryNotFound, WorkerStartError, open
 from agent.models import sha256_file
 
 from .batches import BatchServing
-from .config import LocalModel
+from .config import LocalModel, worker_config
 from .fetch import (
     FetchError,
     FetchProgress,
@@ -226,9 +226,7 @@ class RangeRunner(BatchServing, TrackerLink):
         environment, wait = wait_environment(cfg.worker_wait, node_marker=self.host_marker)
         log.info("%s: the worker's idle threads %s", range_name(served.key), wait)
         async with open_worker(
-            model.path, begin, end,
-            ctx_size=cfg.ctx_size, max_sequences=cfg.max_sequences, batch_size=cfg.batch_size,
-            threads=cfg.threads, threads_decode=cfg.threads_decode, model_sha256=model.sha256,
+            model.path, begin, end, config=worker_config(cfg), model_sha256=model.sha256,
             ready_timeout_s=cfg.worker_ready_timeout_s, stop_grace_s=cfg.worker_stop_grace_s,
             client_config=ClientConfig(timeout_s=cfg.worker_call_timeout_s),
             binary=cfg.worker_binary, environment=environment, data_listen=_data_listen(cfg.data_plane_host),

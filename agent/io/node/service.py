@@ -214,15 +214,18 @@ def build_worker(plan, log_path: Path, *, show_progress: bool | None = None) -> 
 
 
 def node_argv(config: dict) -> list[str]:
-    argv = [sys.executable, "-m", "agent.cli", "node", "--tracker", config["tracker"], "--key", config["key"],
-            "--models-dir", config["models_dir"]]  # fmt: skip
-    if config.get("memory_bytes"):
-        argv += ["--memory-bytes", str(config["memory_bytes"])]
-    if config.get("listen"):
-        argv += ["--listen", config["listen"]]
-    if config.get("relay"):
-        argv.append("--relay")
-    return argv
+    """The service's ``baton node`` command line, its flags rendered from the ``NodeConfig`` of
+    the installed settings (``install`` writes them)."""
+    from agent.io.settings import to_argv
+
+    from .config import NodeConfig
+
+    settings = NodeConfig(
+        tracker=config["tracker"], key_file=config["key"], models_dir=config["models_dir"],
+        memory_bytes=config.get("memory_bytes") or None, listen=config.get("listen") or NodeConfig.listen,
+        relay=bool(config.get("relay")),
+    )  # fmt: skip
+    return [sys.executable, "-m", "agent.cli", "node", *to_argv(settings)]
 
 
 def _systemctl(*args: str) -> subprocess.CompletedProcess:
@@ -457,9 +460,9 @@ def doctor_checks(args: argparse.Namespace, *, free_bytes=None) -> list[Check]:
 
     paths = service_paths()
     config = _read_config(paths)
-    tracker = getattr(args, "tracker", None) or config.get("tracker")
-    key_path = getattr(args, "key", None) or config.get("key") or str(paths.key_path)
-    models_dir = getattr(args, "models_dir", None) or config.get("models_dir") or str(paths.models_dir)
+    tracker = args.tracker or config.get("tracker")
+    key_path = args.key or config.get("key") or str(paths.key_path)
+    models_dir = args.models_dir or config.get("models_dir") or str(paths.models_dir)
     checks = []
     # the worker
     binary, error, pin, devices = None, None, None, []

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import cast
 
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2, worker_pb2
 from agent.core.node.kept_rows import KeptStore
@@ -157,6 +158,7 @@ class NodeState:
     share: declared here, set by ``Node.__init__``; plus the lookups of the ranges it holds."""
 
     config: NodeConfig
+    key: Ed25519PrivateKey  # config.key, checked present
     transport: Transport
     peer_id: str
     tracker_peer_id: str

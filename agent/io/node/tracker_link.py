@@ -112,7 +112,7 @@ class TrackerLink(NodeState):
         )
         request = swarm_pb2.TrackerRequest(
             schema_version=SCHEMA_VERSION,
-            register=swarm_pb2.RegisterRequest(fingerprint=signed_fingerprint(self.config.key, fingerprint)),
+            register=swarm_pb2.RegisterRequest(fingerprint=signed_fingerprint(self.key, fingerprint)),
         )
         try:
             reply = await self._tracker_call(request)

@@ -4,7 +4,8 @@ Modules:
   ``server``       ``serve_main``: the ASGI app (``/v1/models``, ``/v1/completions``,
                    ``/v1/chat/completions``, SSE streaming, OpenAI error envelopes) on
                    Hypercorn's trio worker, in the same trio process as its swarm client;
-  ``state``        ``RelayConfig`` (the ``serve`` flags) and ``RelayState`` (what handlers share);
+  ``config``       ``RelayConfig``: the ``serve`` flags and ``--config`` file keys, one place;
+  ``state``        ``RelayState`` (what handlers share);
   ``auth``         API keys and quotas of a request (401, 429);
   ``completion``   one completion: the prompt prepared, the generation, its OpenAI bodies;
   ``responses``    the error envelope and a completion's JSON or SSE response;

@@ -4,7 +4,7 @@
                     [--anonymous-tokens-per-day N] [--max-body-bytes N] [--body-timeout-s S]
                     [--request-timeout-s S]
                     [--step-timeout-s S] [--queue-timeout-s S] [--cache-dir DIR]
-                    [--addr-file PATH] [--p2p-listen MADDR] [--log-level LEVEL]
+                    [--addr-file PATH] [--p2p-listen MADDR] [--log-level LEVEL] [--config PATH]
   baton relay keys add NAME --db PATH [--tokens-per-day N] [--requests-per-minute N]
                     [--max-concurrent N]
   baton relay keys list --db PATH [--json]
@@ -15,7 +15,8 @@
 works) and, on stderr, that it is shown only this once: the database keeps only its sha256.
 ``keys list`` shows names, limits, today's usage (UTC) and whether a key is revoked, never a
 key. ``ledger`` shows each node's rows and credit (``rows * (end - begin) / n_layer`` summed
-over its completions). ``serve`` is ``agent.io.relay.server.serve_main``.
+over its completions). ``serve`` is ``agent.io.relay.server.serve_main``; its options are
+``RelayConfig``'s fields (``agent.io.relay.config``), also read from ``--config PATH`` (TOML).
 
 Exit status: 0 done; 2 bad arguments, an unknown key name, a name already taken, or a database
 that is missing (except for ``keys add``, which creates it) or unusable, with a one-line
@@ -37,44 +38,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from agent import cli_args
+from agent.io.settings import add_flags
+
+from .config import DEFAULT_LISTEN, RelayConfig, default_cache_dir, parse_listen
 
 __all__ = ["DEFAULT_LISTEN", "add_arguments", "build_parser", "default_cache_dir", "main", "parse_listen"]
-
-DEFAULT_LISTEN = "127.0.0.1:8000"
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[IPV6]:PORT`` -> (host, port); port 0 asks for any free port.
-
-    Raises:
-      ValueError: no port, a port outside 0..65535, or an empty host.
-    """
-    host, sep, port_text = text.rpartition(":")
-    if not sep or not host or not port_text.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"an IPv6 host goes in brackets, e.g. [::1]:8000, got {text!r}")
-    port = int(port_text)
-    if not host or port > 65535:
-        raise ValueError(f"expected HOST:PORT with a port in 0..65535, got {text!r}")
-    return host, port
-
-
-def _listen_arg(text: str) -> str:
-    try:
-        parse_listen(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
-
-
-def default_cache_dir() -> Path:
-    """``$BATON_CACHE/relay``, else ``~/.cache/baton/relay``."""
-    from agent.models import cache_dir
-
-    return cache_dir() / "relay"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,51 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="relay_command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible HTTP relay over the swarm")
-    serve.add_argument("--tracker", required=True, help="the tracker's multiaddr, ending in /p2p/<peer id>")
-    serve.add_argument("--db", required=True, help="the relay's SQLite database (created if missing)")
+    add_flags(serve, RelayConfig)
     serve.add_argument(
-        "--listen", type=_listen_arg, default=DEFAULT_LISTEN, metavar="HOST:PORT",
-        help=f"HTTP address (default {DEFAULT_LISTEN}; port 0: any free port, see --addr-file)",
+        "--config", metavar="PATH",
+        help="read these options from a TOML file, each under its RelayConfig field name (--body-timeout-s:"
+        " body_timeout_s); options given here win over the file's",
     )  # fmt: skip
-    serve.add_argument("--key", help="the relay's Ed25519 peer key file (default: a new key each run)")
-    serve.add_argument(
-        "--anonymous-tokens-per-day", type=cli_args.non_negative_int, default=0, metavar="N",
-        help="tokens per UTC day for requests without an API key, all together (default 0: anonymous access off)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--max-body-bytes", type=cli_args.positive_int, default=1_048_576, metavar="N",
-        help="largest request body (default 1048576)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--body-timeout-s", type=cli_args.positive_float, default=30.0, metavar="S",
-        help="seconds a request body may take to arrive after its headers, else 408 (default 30)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--request-timeout-s", type=cli_args.positive_float, default=10.0, metavar="S",
-        help="seconds one request to the tracker or a node may take (default 10)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--step-timeout-s", type=cli_args.positive_float, default=30.0, metavar="S",
-        help="seconds one generation step may take in the swarm (default 30)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--queue-timeout-s", type=cli_args.positive_float, default=60.0, metavar="S",
-        help="seconds a request may wait for a route before it is refused (default 60)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--cache-dir", type=Path, default=None, metavar="DIR",
-        help="tokenizer and model metadata cache (default $BATON_CACHE/relay or ~/.cache/baton/relay)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--spot-check-rate", type=cli_args.probability, default=0.01, metavar="P",
-        help="share of generations replayed through a second route and compared bit for bit (default 0.01)",
-    )  # fmt: skip
-    serve.add_argument("--addr-file", help='write "http://HOST:PORT" here once listening')
-    serve.add_argument(
-        "--p2p-listen", default="/ip4/127.0.0.1/tcp/0", metavar="MADDR",
-        help="multiaddr of the relay's swarm side (default /ip4/127.0.0.1/tcp/0)",
-    )  # fmt: skip
-    serve.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
 
     keys = commands.add_parser("keys", help="create, list and revoke API keys")
     key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
@@ -172,8 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     """Run a parsed ``baton relay`` command; returns the exit status."""
     if args.relay_command == "serve":
-        if args.cache_dir is None:
-            args.cache_dir = default_cache_dir()
         from agent.io.relay.server import serve_main
 
         return serve_main(args)

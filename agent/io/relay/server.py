@@ -40,13 +40,15 @@ from agent.core.relay.openai_api import ApiError, check_json_content_type, check
 from agent.io.client import SwarmError
 from agent.io.http_serve import serve_asgi
 from agent.io.net.transport import TransportError
+from agent.io.settings import load_toml, settings_from_args, shared_fields
 from agent.io.worker.vocab import VocabularyError
 
 from .auth import admit, authenticate, reserve, settle
 from .completion import Completion, prepare
+from .config import RelayConfig, default_cache_dir
 from .metrics import RelayMetrics
 from .responses import CompletionResponse, error_response
-from .state import RelayConfig, RelayState
+from .state import RelayState
 from .status_page import render_status_page
 
 __all__ = ["build_app", "serve_main", "serve_relay"]
@@ -234,7 +236,7 @@ async def _status(state: RelayState) -> dict:
         for e in state.store.ledger()
     ]
     return {
-        "relay": {"peer_id": state.client.peer_id, "tracker": state.config.tracker_addr, "version": _version()},
+        "relay": {"peer_id": state.client.peer_id, "tracker": state.config.tracker, "version": _version()},
         "models": out_models,
         "live_sessions": state.live_sessions,
         "recent_tokens_per_s": state.metrics.recent_tokens_per_s(now),
@@ -272,17 +274,15 @@ async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] 
     from .store import open_relay_store
 
     key = None
-    if config.key_path is not None:
+    if config.key is not None:
         from agent.io.keys import load_or_create_key
 
-        key = load_or_create_key(config.key_path)
-    client_config = SwarmClientConfig(
-        request_timeout_s=config.request_timeout_s, step_timeout_s=config.step_timeout_s,
-        queue_timeout_s=config.queue_timeout_s, spot_check_rate=config.spot_check_rate,
-    )  # fmt: skip
-    with open_relay_store(config.db_path) as store:
+        key = load_or_create_key(config.key)
+    # its timeouts and spot-check rate, by name (RelayConfig declares them as the client does)
+    client_config = SwarmClientConfig(**shared_fields(config, SwarmClientConfig))
+    with open_relay_store(config.db) as store:
         async with open_swarm_client(
-            config.tracker_addr, key=key, config=client_config, listen_addrs=config.p2p_listen
+            config.tracker, key=key, config=client_config, listen_addrs=(config.p2p_listen,)
         ) as client:
 
             async def fetch_metadata(sha256: str) -> swarm_pb2.ModelMetadataReply:
@@ -291,7 +291,7 @@ async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[str] 
             async with trio.open_nursery() as nursery:
                 pool = await nursery.start(
                     lambda task_status: serve_vocabularies(
-                        fetch_metadata, config.cache_dir, request_timeout_s=config.request_timeout_s,
+                        fetch_metadata, config.cache_dir or default_cache_dir(), request_timeout_s=config.request_timeout_s,
                         task_status=task_status,
                     )
                 )  # fmt: skip
@@ -334,43 +334,22 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _listen_arg(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ValueError(f"--listen must be HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
-
-
 def serve_main(args) -> int:
     """``baton relay serve``: run until Ctrl-C or SIGTERM (exit 0); 2 when it cannot start."""
     import sys
 
-    level = getattr(logging, str(getattr(args, "log_level", "INFO")).upper(), logging.INFO)
+    try:
+        settings = settings_from_args(RelayConfig, args, load_toml(args.config, RelayConfig) if args.config else {})
+        if not settings["tracker"] or not settings["db"]:
+            raise ValueError("--tracker and --db are required (on the command line or in --config)")
+        config = RelayConfig(**settings)
+    except ValueError as error:  # (a SettingsError names the file and the key)
+        print(f"baton relay serve: {error}", file=sys.stderr)
+        return 2
+    level = getattr(logging, config.log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     for noisy in ("libp2p", "multiaddr", "hypercorn.access"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    try:
-        host, port = _listen_arg(args.listen)
-        config = RelayConfig(
-            tracker_addr=args.tracker,
-            db_path=Path(args.db),
-            listen_host=host,
-            listen_port=port,
-            key_path=Path(args.key) if args.key else None,
-            anonymous_tokens_per_day=args.anonymous_tokens_per_day,
-            max_body_bytes=args.max_body_bytes,
-            body_timeout_s=args.body_timeout_s,
-            request_timeout_s=args.request_timeout_s,
-            step_timeout_s=args.step_timeout_s,
-            queue_timeout_s=args.queue_timeout_s,
-            cache_dir=Path(args.cache_dir) if args.cache_dir else RelayConfig.cache_dir,
-            p2p_listen=tuple(args.p2p_listen) if isinstance(args.p2p_listen, (list, tuple)) else (args.p2p_listen,),
-            addr_file=Path(args.addr_file) if args.addr_file else None,
-            spot_check_rate=getattr(args, "spot_check_rate", RelayConfig.spot_check_rate),
-        )
-    except ValueError as error:
-        print(f"baton relay serve: {error}", file=sys.stderr)
-        return 2
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:

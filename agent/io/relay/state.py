@@ -1,5 +1,4 @@
-"""The relay's settings (``RelayConfig``, the ``baton relay serve`` flags) and the state its
-handlers share (``RelayState``: the swarm client, the store, the vocabularies, the metrics,
+"""The state the relay's handlers share (``RelayState``: the swarm client, the store, the vocabularies, the metrics,
 the tracker's model list cached).
 
 Must not import the relay's app, completions or server (they import this module).
@@ -7,13 +6,10 @@ Must not import the relay's app, completions or server (they import this module)
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import trio
 
@@ -23,51 +19,13 @@ from agent.io.client import SwarmClient, SwarmError
 from agent.io.net.transport import TransportError
 from agent.io.worker.vocab import VocabularyPool
 
+from .config import RelayConfig
 from .metrics import RelayMetrics
 from .store import RelayStore
 
 __all__ = ["RelayConfig", "RelayState"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class RelayConfig:
-    """A relay's settings (``baton relay serve`` flags).
-
-    ``anonymous_tokens_per_day``: 0 switches anonymous access off (every request needs a key).
-    ``max_body_bytes``: larger request bodies get 413. ``body_timeout_s``: a body that has not
-    all arrived this long after its headers gets 408 (a client trickling bytes holds nothing
-    for long; Hypercorn's own read timeout would also cut long streamed answers).
-    ``request_timeout_s``: one request to the tracker or a node.
-    ``generation_timeout_s``: a whole generation over this gets 504.
-    ``default_max_tokens``: a chat request without ``max_tokens`` generates at most this many
-    (and never past the model's context).
-    ``models_cache_s``: how long the tracker's model list is reused.
-    ``preload_timeout_s``: how long start-up waits for the registered models' vocabularies.
-    ``spot_check_rate``: the share of generations replayed through a second route and
-    compared (``SwarmClientConfig.spot_check_rate``, docs/INTEGRITY.md).
-    """
-
-    tracker_addr: str
-    db_path: Path
-    listen_host: str = "127.0.0.1"
-    listen_port: int = 8000
-    key_path: Path | None = None
-    anonymous_tokens_per_day: int = 0
-    max_body_bytes: int = 1 << 20
-    body_timeout_s: float = 30.0
-    request_timeout_s: float = 10.0
-    step_timeout_s: float = 30.0
-    queue_timeout_s: float = 60.0
-    generation_timeout_s: float = 600.0
-    default_max_tokens: int = 1024
-    models_cache_s: float = 2.0
-    preload_timeout_s: float = 60.0
-    cache_dir: Path = Path(os.environ.get("BATON_CACHE", Path.home() / ".cache" / "baton")) / "relay"
-    p2p_listen: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
-    addr_file: Path | None = None
-    spot_check_rate: float = 0.01
 
 
 class RelayState:

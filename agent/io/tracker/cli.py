@@ -47,6 +47,9 @@ after a restart) may hold a reservation or be the destination of a circuit; only
 admitted clients may open circuits (``Tracker.may_hold_relay_reservation`` /
 ``may_open_relay_circuit``).
 
+``serve``'s options are ``TrackerConfig``'s fields (``agent.io.tracker.config``), read back by
+``tracker_config``.
+
 Entry points: ``add_arguments(parser)`` fills a ``tracker`` sub-parser; ``main(args) -> int``
 runs the parsed command. ``python -m agent.io.tracker.cli serve ...`` runs the same thing.
 Only argument parsing, printing and opening resources live here.
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -66,152 +70,21 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from agent import cli_args
-from agent.core.node.worker_wait import AUTO, WAIT_CHOICES
 from agent.core.tracker.heartbeat import MAX_ERROR_CHARS
 from agent.core.wire.swarm_wire import MAX_ADDR_CHARS, printable
+from agent.io.settings import add_flags, settings_from_args
+from agent.io.tracker.config import TrackerConfig, parse_host_port, parse_model_arg
 
-__all__ = ["add_arguments", "build_parser", "main", "parse_model_arg"]
+__all__ = ["add_arguments", "build_parser", "main", "parse_model_arg", "tracker_config", "verifier_config"]
 
 log = logging.getLogger(__name__)
-
-
-def parse_model_arg(text: str) -> tuple[Path, str]:
-    """``PATH[:ALIAS]`` -> (path, alias); the alias defaults to the file name without .gguf.
-    A colon followed by something with a ``/`` is part of the path."""
-    path_text, sep, alias = text.rpartition(":")
-    if not sep or not alias or "/" in alias or not path_text:
-        path_text, alias = text, ""
-    path = Path(path_text)
-    if not alias:
-        alias = path.name.removesuffix(".gguf")
-    return path, alias
-
-
-def _model_arg(text: str) -> tuple[Path, str]:
-    path, alias = parse_model_arg(text)
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(f"{path} is not a file")
-    return path, alias
-
-
-def _hf_repo_arg(text: str) -> tuple[str, str]:
-    alias, sep, repo = text.partition("=")
-    if not sep or not alias or repo.count("/") != 1 or repo.startswith("/") or repo.endswith("/"):
-        raise argparse.ArgumentTypeError(f"expected ALIAS=ORG/NAME, got {text!r}")
-    return alias, repo
-
-
-def _source_arg(text: str) -> tuple[str, str]:
-    alias, sep, url = text.partition("=")
-    if not sep or not alias or not url.startswith(("http://", "https://")):
-        raise argparse.ArgumentTypeError(f"expected ALIAS=http(s)://..., got {text!r}")
-    return alias, url
-
-
-def _host_port_arg(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        host, port = "127.0.0.1", text
-    if not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"expected [HOST:]PORT, got {text!r}")
-    return (host.strip("[]") or "127.0.0.1"), int(port)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``serve``, ``models`` and ``nodes`` sub-commands to ``parser`` (the ``tracker`` parser)."""
     commands = parser.add_subparsers(dest="tracker_command", required=True, metavar="COMMAND")
     serve = commands.add_parser("serve", help="run the tracker")
-    serve.add_argument("--db", required=True, help="SQLite database (created if missing)")
-    serve.add_argument("--key", required=True, help="Ed25519 key file (created if missing; fixes the peer id)")
-    serve.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0", help="multiaddr (default /ip4/127.0.0.1/tcp/0)")
-    serve.add_argument("--addr-file", help="write the full multiaddr (with /p2p/<id>) here once listening")
-    serve.add_argument(
-        "--no-relay", dest="relay", action="store_false",
-        help="do not act as a circuit relay for nodes that cannot be dialled (default: relay for admitted nodes)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--register-model", action="append", default=[], type=_model_arg, metavar="PATH[:ALIAS]",
-        help="register a GGUF model (repeatable)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--hf-repo", action="append", default=[], type=_hf_repo_arg, metavar="ALIAS=ORG/NAME",
-        help="the Hugging Face repo of a registered model (default: what its GGUF metadata names)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--model-source", action="append", default=[], type=_source_arg, metavar="ALIAS=URL",
-        help="an HTTP(S) URL serving a registered model's file with range requests (a mirror)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--serve-models", type=_host_port_arg, metavar="[HOST:]PORT",
-        help="serve the registered model files over HTTP for nodes to fetch by range (HOST default 127.0.0.1)",
-    )  # fmt: skip
-    serve.add_argument("--models-base-url", metavar="URL", help="the base URL nodes reach --serve-models at")
-    serve.add_argument(
-        "--heartbeat-interval-ms",
-        type=cli_args.positive_int,
-        default=1000,
-        metavar="MS",
-        help="how often nodes send heartbeats, in ms (default 1000)",
-    )
-    serve.add_argument(
-        "--heartbeat-timeout-ms",
-        type=cli_args.positive_int,
-        default=5000,
-        metavar="MS",
-        help="a node not heard for this many ms is dead and loses its ranges (default 5000)",
-    )
-    serve.add_argument(
-        "--admission-ttl-ms",
-        type=cli_args.positive_int,
-        default=600_000,
-        metavar="MS",
-        help="how long a signed admission stays valid, in ms; nodes and clients renew it (default 600000: 10 min)",
-    )
-    serve.add_argument(
-        "--registration-max-age-ms", type=cli_args.positive_int, default=60_000,
-        help="fingerprint / hello timestamps must be this fresh (default 60000)",
-    )  # fmt: skip
-    serve.add_argument("--expected-pin", help="llama.cpp commit nodes must run (default: this checkout's)")
-    serve.add_argument("--expected-patch-hash", help="patch series sha256 nodes must have (default: this checkout's)")
-    serve.add_argument(
-        "--canary-interval-s", type=cli_args.non_negative_float, default=300.0, metavar="S",
-        help="mean seconds between two canary checks of one served range (default 300; 0: no checks)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--canary-max-prompt-rows", type=cli_args.positive_int, default=32, metavar="N",
-        help="a canary's prompt has 1..N rows (default 32)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--canary-max-decode-steps", type=cli_args.non_negative_int, default=4, metavar="N",
-        help="a canary has 1..N decode steps after its prompt (default 4)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--canary-refuse-after", type=cli_args.positive_int, default=2, metavar="N",
-        help="refuse a node once its output failed N checks (default 2; fewer withdraw the range)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--canary-cross-recipe-rel-error", type=cli_args.non_negative_float, default=0.02, metavar="X",
-        help="for a node of another recipe (backend): the relative RMS error allowed (default 0.02)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--canary-threads",
-        type=cli_args.positive_int,
-        default=1,
-        metavar="N",
-        help="CPU threads per reference worker (default 1)",
-    )
-    serve.add_argument(
-        "--canary-worker-wait", choices=WAIT_CHOICES, default=AUTO,
-        help="how a reference worker's idle threads wait for work, as a node's --worker-wait: spin, sleep (a"
-        " microseconds' spin, then sleep) or auto (the default: sleep when a Baton node or worker already runs on this"
-        " host, else spin; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment are kept)",
-    )  # fmt: skip
-    serve.add_argument(
-        "--no-canary-gate", dest="canary_gate", action="store_false",
-        help="route a newly READY range before it passed its first check (default: only after)",
-    )  # fmt: skip
-    serve.add_argument("--log-level", default="INFO", help="logging level on stderr (default INFO)")
+    add_flags(serve, TrackerConfig)
 
     models = commands.add_parser("models", help="list the registered models")
     models.add_argument("--db", required=True, help="the tracker's SQLite database")
@@ -447,35 +320,50 @@ def register_models(
     return entries
 
 
-def _canary_policy(args: argparse.Namespace):
-    """The ``CanaryPolicy`` of ``serve``'s flags (None: ``--canary-interval-s 0``).
+def tracker_config(args: argparse.Namespace) -> TrackerConfig:
+    """``serve``'s settings from its flags, what nodes must run resolved (``--expected-pin``,
+    else this checkout's), the canary policy made of the ``canary_*`` settings.
 
     Raises:
-      ValueError: inconsistent values (the policy says which).
+      ValueError: inconsistent values (the config or the policy says which).
     """
+    settings = settings_from_args(TrackerConfig, args)
+    pin, patch_hash = settings["expected_pin"], settings["expected_patch_hash"]
+    if pin is None or patch_hash is None:
+        from agent.runtime import expected_pin
+
+        pin, patch_hash = pin or expected_pin()[0], patch_hash or expected_pin()[1]
+    config = TrackerConfig(
+        **settings, llama_cpp_commit=pin, patch_series_sha256=patch_hash,
+        nonce_retention_ms=max(600_000, 2 * settings["registration_max_age_ms"]),
+    )  # fmt: skip
+    return dataclasses.replace(config, canary=_canary_policy(config))
+
+
+def _canary_policy(config: TrackerConfig):
+    """The ``CanaryPolicy`` of the ``canary_*`` settings (None: ``--canary-interval-s 0``)."""
     from agent.core.tracker.canary import CanaryPolicy
 
-    interval_s = getattr(args, "canary_interval_s", 0.0)
-    if not interval_s:
+    if not config.canary_interval_s:
         return None
     return CanaryPolicy(
-        interval_s=interval_s,
-        max_prompt_rows=args.canary_max_prompt_rows,
-        min_decode_steps=min(1, args.canary_max_decode_steps),
-        max_decode_steps=args.canary_max_decode_steps,
-        refuse_after_failures=args.canary_refuse_after,
-        cross_recipe_rel_error=args.canary_cross_recipe_rel_error,
-        gate_new_ranges=args.canary_gate,
+        interval_s=config.canary_interval_s,
+        max_prompt_rows=config.canary_max_prompt_rows,
+        min_decode_steps=min(1, config.canary_max_decode_steps),
+        max_decode_steps=config.canary_max_decode_steps,
+        refuse_after_failures=config.canary_refuse_after,
+        cross_recipe_rel_error=config.canary_cross_recipe_rel_error,
+        gate_new_ranges=config.canary_gate,
     )
 
 
-def verifier_config(args: argparse.Namespace):
-    """The canary verifier's settings from ``serve``'s arguments (a ``VerifierConfig``)."""
+def verifier_config(config: TrackerConfig):
+    """The canary verifier's settings of the tracker's (a ``VerifierConfig``)."""
     from agent.io.tracker.verifier_api import VerifierConfig
 
     return VerifierConfig(
-        threads=getattr(args, "canary_threads", 1), worker_wait=getattr(args, "canary_worker_wait", AUTO),
-        persona_listen=_persona_listen(args.listen),
+        threads=config.canary_threads, worker_wait=config.canary_worker_wait,
+        persona_listen=_persona_listen(config.listen),
     )  # fmt: skip
 
 
@@ -491,36 +379,22 @@ def _serve(args: argparse.Namespace) -> int:
     import trio
 
     from agent.io.keys import KeyFileError, load_or_create_key
-    from agent.io.tracker.config import TrackerConfig
     from agent.io.tracker.gguf_info import GgufError
     from agent.io.tracker.store import StoreError, open_store
 
-    logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
-    if args.expected_pin is None or args.expected_patch_hash is None:
-        from agent.runtime import expected_pin
-
-        pin, patch_hash = expected_pin()
-        args.expected_pin = args.expected_pin or pin
-        args.expected_patch_hash = args.expected_patch_hash or patch_hash
     try:
-        config = TrackerConfig(
-            llama_cpp_commit=args.expected_pin,
-            patch_series_sha256=args.expected_patch_hash,
-            heartbeat_interval_ms=args.heartbeat_interval_ms,
-            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
-            admission_ttl_ms=args.admission_ttl_ms,
-            registration_max_age_ms=args.registration_max_age_ms,
-            nonce_retention_ms=max(600_000, 2 * args.registration_max_age_ms),
-            canary=_canary_policy(args),
+        config = tracker_config(args)
+        logging.basicConfig(
+            level=config.log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s"
         )
-        hf_repos = dict(args.hf_repo)
-        unknown = sorted(set(hf_repos) - {alias for _, alias in args.register_model})
+        models = [parse_model_arg(text) for text in config.register_model]
+        aliases = {alias for _, alias in models}
+        hf_repos = dict(text.split("=", 1) for text in config.hf_repo)
+        unknown = sorted(set(hf_repos) - aliases)
         if unknown:
             raise ValueError(f"--hf-repo names aliases that no --register-model gives: {', '.join(unknown)}")
-        sources = dict(getattr(args, "model_source", []) or [])
-        unknown = sorted(set(sources) - {alias for _, alias in args.register_model})
+        sources = dict(text.split("=", 1) for text in config.model_source)
+        unknown = sorted(set(sources) - aliases)
         if unknown:
             raise ValueError(f"--model-source names aliases that no --register-model gives: {', '.join(unknown)}")
         if config.canary is not None:
@@ -533,51 +407,50 @@ def _serve(args: argparse.Namespace) -> int:
                     f"canary checks run the tracker's own workers ({error}); to run without output checks, "
                     "pass --canary-interval-s 0"
                 ) from None
-        key = load_or_create_key(args.key)
-        with open_store(args.db) as store:
+        key = load_or_create_key(config.key_file)
+        with open_store(config.db) as store:
             now_ms = int(time.time() * 1000)
-            for entry in register_models(store, args.register_model, now_ms, hf_repos, sources):
+            for entry in register_models(store, models, now_ms, hf_repos, sources):
                 log.info(
                     "registered model %s (%s, %s, %d blocks)", entry.alias, entry.sha256[:12], entry.name, entry.n_layer
                 )
-            return trio.run(_serve_async, args, store, config, key)
+            return trio.run(_serve_async, store, config, key)
     except (ValueError, OSError, KeyFileError, StoreError, GgufError) as error:
         print(f"baton tracker serve: {error}", file=sys.stderr)
         return 2
 
 
-async def _serve_async(args: argparse.Namespace, store, config, key) -> int:
+async def _serve_async(store, config: TrackerConfig, key) -> int:
     import trio
 
     from agent.io.net.p2p import RelayPolicy, open_p2p_transport
     from agent.io.tracker.service import serve_tracker
 
-    relay = getattr(args, "relay", True)
     async with (
         # closed until the tracker that decides who may use it runs
         open_p2p_transport(
-            key, listen_addrs=[args.listen], enable_relay_hop=relay, relay_policy=RelayPolicy.closed()
+            key, listen_addrs=[config.listen], enable_relay_hop=config.relay, relay_policy=RelayPolicy.closed()
         ) as transport,
         trio.open_nursery() as nursery,
     ):
-        verifier = verifier_config(args)
+        verifier = verifier_config(config)
         tracker = await nursery.start(
             functools.partial(serve_tracker, transport, store, config, key, verifier=verifier)
         )
-        if getattr(args, "serve_models", None) is not None:
+        if config.serve_models is not None:
             from agent.io.model_http import ModelFileServer, serve_model_files
 
             files = {f"{m.sha256}.gguf": store.model_path(m.sha256) for m in store.models()}
             server = ModelFileServer({name: path for name, path in files.items() if path is not None})
-            host, port = args.serve_models
+            host, port = parse_host_port(config.serve_models)
             base_url = await nursery.start(serve_model_files, server, host, port)
-            tracker.set_model_base_url(args.models_base_url or base_url)
+            tracker.set_model_base_url(config.models_base_url or base_url)
             log.info("serving %d model files at %s/models/ (told to nodes: %s)", len(server.files), base_url,
                      tracker.model_files.model_base_url)  # fmt: skip
         transport.relay_policy = RelayPolicy(tracker.may_hold_relay_reservation, tracker.may_open_relay_circuit)
         addr = transport.listen_addrs[0]
-        if args.addr_file:  # first, so that a reader of stdout finds the file in place
-            _write_atomically(Path(args.addr_file), addr + "\n")
+        if config.addr_file:  # first, so that a reader of stdout finds the file in place
+            _write_atomically(Path(config.addr_file), addr + "\n")
         print(f"tracker listening on {addr}", flush=True)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:

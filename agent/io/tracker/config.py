@@ -1,32 +1,184 @@
-"""The tracker's settings (``TrackerConfig``) and its clock (``trio_unix_clock``).
+"""The tracker's settings (``TrackerConfig``: ``baton tracker serve``'s flags and the service's
+limits, one place) and its clock (``trio_unix_clock``).
 
 Must not import the tracker's service, store or verifier: they import this module.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import trio
 
+from agent import cli_args
+from agent.core.node.worker_wait import AUTO, WAIT_CHOICES
 from agent.core.tracker.canary import CanaryPolicy
+from agent.io.settings import setting
 
-__all__ = ["TrackerConfig", "trio_unix_clock"]
+__all__ = ["TrackerConfig", "parse_host_port", "parse_model_arg", "trio_unix_clock"]
 
 
-@dataclasses.dataclass(frozen=True)
+def _model_text(text: str) -> str:
+    """``--register-model PATH[:ALIAS]``: checked (the file exists), returned as given."""
+    path, _ = parse_model_arg(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{path} is not a file")
+    return text
+
+
+def _hf_repo_text(text: str) -> str:
+    alias, sep, repo = text.partition("=")
+    if not sep or not alias or repo.count("/") != 1 or repo.startswith("/") or repo.endswith("/"):
+        raise argparse.ArgumentTypeError(f"expected ALIAS=ORG/NAME, got {text!r}")
+    return text
+
+
+def _source_text(text: str) -> str:
+    alias, sep, url = text.partition("=")
+    if not sep or not alias or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected ALIAS=http(s)://..., got {text!r}")
+    return text
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """``[HOST:]PORT`` -> (host, port); HOST defaults to 127.0.0.1.
+
+    Raises:
+      argparse.ArgumentTypeError: no port, or one over 65535.
+    """
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    if not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected [HOST:]PORT, got {text!r}")
+    return (host.strip("[]") or "127.0.0.1"), int(port)
+
+
+def _host_port_text(text: str) -> str:
+    parse_host_port(text)
+    return text
+
+
+def parse_model_arg(text: str) -> tuple[Path, str]:
+    """``PATH[:ALIAS]`` -> (path, alias); the alias defaults to the file name without .gguf.
+    A colon followed by something with a ``/`` is part of the path."""
+    path_text, sep, alias = text.rpartition(":")
+    if not sep or not alias or "/" in alias or not path_text:
+        path_text, alias = text, ""
+    path = Path(path_text)
+    if not alias:
+        alias = path.name.removesuffix(".gguf")
+    return path, alias
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrackerConfig:
-    """Tracker settings. ``llama_cpp_commit`` / ``patch_series_sha256``: what nodes must run
-    (the CLI defaults them to ``agent.runtime.expected_pin()``)."""
+    """Tracker settings. The fields made with ``setting`` are ``baton tracker serve``'s flags
+    (``agent.io.settings``); the rest the command resolves from them (``llama_cpp_commit`` /
+    ``patch_series_sha256``: what nodes must run, ``--expected-pin`` or
+    ``agent.runtime.expected_pin()``; ``canary``: from the ``canary_*`` settings) or no flag sets."""
 
-    llama_cpp_commit: str
-    patch_series_sha256: str
-    heartbeat_interval_ms: int = 1000
-    heartbeat_timeout_ms: int = 5000
-    admission_ttl_ms: int = 600_000
-    registration_max_age_ms: int = 60_000
+    # (the command requires these two; "" where a tracker runs in-process, as in tests)
+    db: str = setting("", "SQLite database (created if missing)", required=True)
+    key_file: str = setting(
+        "", "Ed25519 key file (created if missing; fixes the peer id)", flag="--key", metavar="KEY", required=True
+    )
+    listen: str = setting("/ip4/127.0.0.1/tcp/0", "multiaddr (default /ip4/127.0.0.1/tcp/0)")
+    addr_file: str | None = setting(None, "write the full multiaddr (with /p2p/<id>) here once listening")
+    relay: bool = setting(
+        True,
+        "do not act as a circuit relay for nodes that cannot be dialled (default: relay for admitted nodes)",
+        flag="--no-relay",
+    )
+    register_model: tuple[str, ...] = setting(
+        (), "register a GGUF model (repeatable)", parse=_model_text, metavar="PATH[:ALIAS]"
+    )
+    hf_repo: tuple[str, ...] = setting(
+        (),
+        "the Hugging Face repo of a registered model (default: what its GGUF metadata names)",
+        parse=_hf_repo_text,
+        metavar="ALIAS=ORG/NAME",
+    )
+    model_source: tuple[str, ...] = setting(
+        (),
+        "an HTTP(S) URL serving a registered model's file with range requests (a mirror)",
+        parse=_source_text,
+        metavar="ALIAS=URL",
+    )
+    serve_models: str | None = setting(
+        None,
+        "serve the registered model files over HTTP for nodes to fetch by range (HOST default 127.0.0.1)",
+        parse=_host_port_text,
+        metavar="[HOST:]PORT",
+    )
+    models_base_url: str | None = setting(None, "the base URL nodes reach --serve-models at", metavar="URL")
+    heartbeat_interval_ms: int = setting(
+        1000, "how often nodes send heartbeats, in ms (default 1000)", parse=cli_args.positive_int, metavar="MS"
+    )
+    heartbeat_timeout_ms: int = setting(
+        5000,
+        "a node not heard for this many ms is dead and loses its ranges (default 5000)",
+        parse=cli_args.positive_int,
+        metavar="MS",
+    )
+    admission_ttl_ms: int = setting(
+        600_000,
+        "how long a signed admission stays valid, in ms; nodes and clients renew it (default 600000: 10 min)",
+        parse=cli_args.positive_int,
+        metavar="MS",
+    )
+    registration_max_age_ms: int = setting(
+        60_000, "fingerprint / hello timestamps must be this fresh (default 60000)", parse=cli_args.positive_int
+    )
+    expected_pin: str | None = setting(None, "llama.cpp commit nodes must run (default: this checkout's)")
+    expected_patch_hash: str | None = setting(None, "patch series sha256 nodes must have (default: this checkout's)")
+    canary_interval_s: float = setting(
+        300.0,
+        "mean seconds between two canary checks of one served range (default 300; 0: no checks)",
+        parse=cli_args.non_negative_float,
+        metavar="S",
+    )
+    canary_max_prompt_rows: int = setting(
+        32, "a canary's prompt has 1..N rows (default 32)", parse=cli_args.positive_int, metavar="N"
+    )
+    canary_max_decode_steps: int = setting(
+        4, "a canary has 1..N decode steps after its prompt (default 4)", parse=cli_args.non_negative_int, metavar="N"
+    )
+    canary_refuse_after: int = setting(
+        2,
+        "refuse a node once its output failed N checks (default 2; fewer withdraw the range)",
+        parse=cli_args.positive_int,
+        metavar="N",
+    )
+    canary_cross_recipe_rel_error: float = setting(
+        0.02,
+        "for a node of another recipe (backend): the relative RMS error allowed (default 0.02)",
+        parse=cli_args.non_negative_float,
+        metavar="X",
+    )
+    canary_threads: int = setting(
+        1, "CPU threads per reference worker (default 1)", parse=cli_args.positive_int, metavar="N"
+    )
+    canary_worker_wait: str = setting(
+        AUTO,
+        "how a reference worker's idle threads wait for work, as a node's --worker-wait: spin, sleep (a"
+        " microseconds' spin, then sleep) or auto (the default: sleep when a Baton node or worker already runs on this"
+        " host, else spin; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment are kept)",
+        choices=WAIT_CHOICES,
+    )
+    canary_gate: bool = setting(
+        True,
+        "route a newly READY range before it passed its first check (default: only after)",
+        flag="--no-canary-gate",
+    )
+    log_level: str = setting("INFO", "logging level on stderr (default INFO)")
+    # Resolved by the command from the settings above, or set by no flag.
+    llama_cpp_commit: str = ""
+    patch_series_sha256: str = ""
     #: nonces are kept this long; must exceed registration_max_age_ms (older ones are stale anyway)
     nonce_retention_ms: int = 600_000
     #: estimated link latency per hop, for route planning

@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -24,7 +25,9 @@ from agent.core.wire.worker_records import WorkerInfo
 from agent.io.cpu_policy import apply_cpu_policy, cpu_policy_from_env
 from agent.io.log_tail import LOG_TAIL_BYTES
 from agent.io.log_tail import log_tail as read_log_tail
+from agent.io.settings import to_argv
 from agent.io.worker.client import AsyncWorkerClient, ClientConfig
+from agent.io.worker.config import WorkerConfig
 from agent.io.worker.error import WorkerError
 
 __all__ = [
@@ -213,49 +216,30 @@ def worker_argv(
     end: int | None,
     socket_path: str,
     *,
-    forward_socket_path: str | None = None,
-    data_listen: str | None = None,
-    ctx_size: int | None = None,
-    max_sequences: int | None = None,
-    batch_size: int | None = None,
-    threads: int | None = None,
-    gpu_layers: int | None = None,
-    model_sha256: str | None = None,
     vocab_only: bool = False,
+    config: WorkerConfig | None = None,
     extra_args: Sequence[str] = (),
-    threads_decode: int | None = None,
+    **flags: Any,
 ) -> list[str]:
-    """The worker's command line (``baton-worker --help``); options left None use the binary's default.
+    """The worker's command line (``baton-worker --help``): ``config`` (default: every flag
+    left to the binary's default) with the model, range and socket given here and ``flags``
+    (``WorkerConfig`` field names: ``threads=2``, ``forward_socket=...``) over it.
 
     ``vocab_only``: ``--vocab-only`` instead of ``--layers`` (the worker holds no blocks, so
     ``begin, end`` must be ``0, None``).
 
     Raises:
       ValueError: ``vocab_only`` with a layer range other than ``0, None``.
+      TypeError: a name in ``flags`` that is not a ``WorkerConfig`` field.
     """
-    argv = [str(binary), "--model", str(model_path)]
-    if vocab_only:
-        if (begin, end) != (0, None):
-            raise ValueError(f"a vocab-only worker holds no layers: pass begin=0, end=None, not {begin}, {end}")
-        argv.append("--vocab-only")
-    else:
-        argv += ["--layers", format_layers(begin, end)]
-    argv += ["--socket", socket_path]
-    for flag, value in (
-        ("--forward-socket", forward_socket_path),
-        ("--data-listen", data_listen),
-        ("--ctx-size", ctx_size),
-        ("--max-sequences", max_sequences),
-        ("--batch-size", batch_size),
-        ("--threads", threads),
-        ("--threads-decode", threads_decode),
-        ("--gpu-layers", gpu_layers),
-        ("--model-sha256", model_sha256),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
-    argv += list(extra_args)
-    return argv
+    if vocab_only and (begin, end) != (0, None):
+        raise ValueError(f"a vocab-only worker holds no layers: pass begin=0, end=None, not {begin}, {end}")
+    launch: dict[str, Any] = {
+        "model": str(model_path), "socket": socket_path, "vocab_only": vocab_only,
+        "layers": None if vocab_only else format_layers(begin, end),
+    }  # fmt: skip
+    config = dataclasses.replace(config or WorkerConfig(**launch), **launch, **flags)
+    return [str(binary), *to_argv(config), *extra_args]
 
 
 @dataclasses.dataclass
@@ -327,13 +311,7 @@ async def open_worker(
     end: int | None,
     *,
     socket_path: str | None = None,
-    ctx_size: int | None = None,
-    max_sequences: int | None = None,
-    batch_size: int | None = None,
-    threads: int | None = None,
-    threads_decode: int | None = None,
-    gpu_layers: int | None = None,
-    model_sha256: str | None = None,
+    config: WorkerConfig | None = None,
     vocab_only: bool = False,
     extra_args: Sequence[str] = (),
     ready_timeout_s: float = 120.0,
@@ -342,8 +320,8 @@ async def open_worker(
     client_config: ClientConfig | None = None,
     binary: str | os.PathLike | None = None,
     forward_stream: bool = True,
-    data_listen: str | None = None,
     environment: Mapping[str, str] | None = None,
+    **flags: Any,
 ) -> AsyncIterator[WorkerHandle]:
     """Start a worker for blocks ``[begin, end)`` of ``model_path`` and wait until it is ready.
 
@@ -352,8 +330,11 @@ async def open_worker(
       begin, end: the layer range; ``end=None`` means to the last block.
       socket_path: where the worker listens; default ``worker.sock`` in a fresh private
         temp dir (``/tmp/baton-XXXX``, mode 0700, short enough for ``sun_path``).
-      ctx_size, max_sequences, batch_size, threads, threads_decode, gpu_layers, model_sha256:
-        the worker flags of the same names; None leaves the binary's default.
+      config: the worker's flags (``WorkerConfig``; None: every one left to the binary's
+        default); the model, range, socket and vocab-only mode given here replace its own.
+      flags: ``WorkerConfig`` fields over ``config`` (``threads=1``, ``model_sha256=...``,
+        ``data_listen="HOST:PORT"``: the data plane, port 0: any free one, which
+        ``.info.data_port`` reports).
       vocab_only: start ``--vocab-only`` (no ``--layers``; pass ``begin=0, end=None``): the
         worker loads only the vocabulary, so a metadata-only sparse GGUF
         (``agent.io.gguf_sparse``) serves; it answers Info, Health, Tokenize, Detokenize and
@@ -367,8 +348,6 @@ async def open_worker(
       binary: the worker binary; default ``find_worker_binary()``.
       forward_stream: also start the worker's Forward stream (``forward.sock`` in the temp
         dir) and send Forward over it (``AsyncWorkerClient``); False: Forward over gRPC.
-      data_listen: ``HOST:PORT`` for the worker's data plane (``--data-listen``; port 0: any
-        free one, which ``.info.data_port`` reports); None: no data plane.
       environment: the worker's environment (None: this process's), for instance with the
         OpenMP wait policy of ``agent.core.node.worker_wait``.
 
@@ -403,10 +382,8 @@ async def open_worker(
                 raise ValueError(f"socket path {path!r} is longer than {MAX_SOCKET_PATH_BYTES} bytes")
         log_path = os.path.join(workdir, "worker.log")
         argv = worker_argv(
-            binary, model_path, begin, end, socket_path, forward_socket_path=forward_socket_path,
-            data_listen=data_listen, ctx_size=ctx_size, max_sequences=max_sequences, batch_size=batch_size, threads=threads,
-            gpu_layers=gpu_layers, model_sha256=model_sha256, vocab_only=vocab_only, extra_args=extra_args,
-            threads_decode=threads_decode,
+            binary, model_path, begin, end, socket_path, vocab_only=vocab_only, config=config,
+            extra_args=extra_args, forward_socket=forward_socket_path, **flags,
         )  # fmt: skip
         with open(log_path, "wb") as log:
             # the worker stops when this process exits, even by SIGKILL (Linux; native/src/main.cpp)

@@ -299,7 +299,7 @@ async def test_a_stream_the_client_closes_is_charged_the_tokens_it_was_sent(tmp_
     with open_relay_store(tmp_path / "relay.db") as store:
         key = store.create_key("k", KeyLimits(tokens_per_day=300))
         client = GatedClient()
-        config = RelayConfig(tracker_addr="/memory/t/p2p/x", db_path=tmp_path / "relay.db")
+        config = RelayConfig(tracker="/memory/t/p2p/x", db=tmp_path / "relay.db")
         state = RelayState(config, client, store, FakePool(), RelayMetrics(), now_s=lambda: 1_800_000_000.0)  # type: ignore[arg-type]
         hyper = HypercornConfig()
         hyper.bind = ["127.0.0.1:0"]

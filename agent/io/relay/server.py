@@ -27,7 +27,6 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import trio
 from starlette.applications import Starlette
@@ -36,6 +35,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from agent._proto import swarm_pb2
+from agent.core.relay.coverage import model_coverage
 from agent.core.relay.openai_api import ApiError, check_json_content_type, check_unicode, parse_request
 from agent.io.client import SwarmError
 from agent.io.http_serve import serve_asgi
@@ -207,28 +207,10 @@ async def _status(state: RelayState) -> dict:
     now = state.now_s()
     out_models = []
     for entry in models:
-        coverage: list[dict[str, Any]] = []
-        for node in nodes:
-            # what the tracker assigned, in the state the node reports: a node's word alone that it
-            # serves a range nobody gave it is not coverage
-            assigned = {(a.model_sha256, a.begin, a.end) for a in node.assigned}
-            for status in node.serving:
-                key = (status.assignment.model_sha256, status.assignment.begin, status.assignment.end)
-                if status.assignment.model_sha256 != entry.sha256 or key not in assigned:
-                    continue
-                coverage.append({
-                    "peer_id": node.peer_id, "begin": status.assignment.begin, "end": status.assignment.end,
-                    "state": swarm_pb2.AssignmentStatus.State.Name(status.state), "alive": node.alive,
-                })  # fmt: skip
-        coverage.sort(key=lambda c: (c["begin"], c["end"], c["peer_id"]))
-        ready = sorted((c["begin"], c["end"]) for c in coverage if c["state"] == "READY" and c["alive"])
-        reach = 0
-        for begin, end in ready:
-            if begin <= reach:
-                reach = max(reach, end)
+        coverage, covered = model_coverage(entry, nodes)
         out_models.append({
             "alias": entry.alias, "name": entry.name, "sha256": entry.sha256, "n_layer": entry.n_layer,
-            "context_length": entry.context_length, "covered": entry.n_layer > 0 and reach >= entry.n_layer,
+            "context_length": entry.context_length, "covered": covered,
             "coverage": coverage,
         })  # fmt: skip
     credits = [

@@ -1,0 +1,45 @@
+"""The status page's coverage rule (agent.core.relay.coverage): assigned ranges only, READY ranges
+of live nodes must reach every block."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent._proto import swarm_pb2
+from agent.core.relay.coverage import model_coverage
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+SHA = "ab" * 32
+READY = swarm_pb2.AssignmentStatus.READY
+LOADING = swarm_pb2.AssignmentStatus.LOADING
+
+
+def _node(peer: str, begin: int, end: int, state: int, *, alive: bool = True, assigned: bool = True):
+    a = swarm_pb2.Assignment(model_sha256=SHA, begin=begin, end=end)
+    return swarm_pb2.NodeEntry(
+        peer_id=peer, alive=alive, assigned=[a] if assigned else [],
+        serving=[swarm_pb2.AssignmentStatus(assignment=a, state=state)],
+    )  # fmt: skip
+
+
+def test_ready_assigned_ranges_of_live_nodes_cover_the_model() -> None:
+    entry = swarm_pb2.ModelEntry(sha256=SHA, n_layer=30)
+    nodes = [_node("c", 20, 30, READY), _node("a", 0, 10, READY), _node("b", 10, 20, READY)]
+    coverage, covered = model_coverage(entry, nodes)
+    assert covered and [c["peer_id"] for c in coverage] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize(
+    "middle",
+    [
+        _node("b", 10, 20, LOADING),  # not READY
+        _node("b", 10, 20, READY, alive=False),  # a dead node
+        _node("b", 10, 20, READY, assigned=False),  # its own word only: not even listed
+    ],
+)
+def test_a_gap_leaves_the_model_uncovered(middle: swarm_pb2.NodeEntry) -> None:
+    entry = swarm_pb2.ModelEntry(sha256=SHA, n_layer=30)
+    coverage, covered = model_coverage(entry, [_node("a", 0, 10, READY), middle, _node("c", 20, 30, READY)])
+    assert not covered
+    assert ("b" in [c["peer_id"] for c in coverage]) == bool(middle.assigned)

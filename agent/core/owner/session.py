@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from agent._proto import swarm_pb2
+from agent.core.owner.constrained import draw_plan, masked_scores
 from agent.core.owner.sampling import SamplingParams, sample_token
 from agent.core.wire.step_results import result_scores
 from agent.core.wire.swarm_wire import SCHEMA_VERSION, SESSION_ID_BYTES, token_checksum
@@ -59,6 +61,16 @@ READY = "ready"
 AWAITING = "awaiting"
 FINISHED = "finished"
 FAILED = "failed"
+
+
+class TokenMask(Protocol):
+    """A grammar the session's tokens keep to (``agent.core.owner.grammar.TokenConstraint``)."""
+
+    def allowed(self) -> np.ndarray: ...
+
+    def accept(self, token: int) -> None: ...
+
+    def rollback(self, tokens: int) -> None: ...
 
 
 class SessionError(Exception):
@@ -141,6 +153,7 @@ class Session:
         route_peer_ids: Sequence[str] = (),
         top_k_at_least: int = 0,
         max_step_rows: int | None = None,
+        constraint: TokenMask | None = None,
     ) -> None:
         if len(session_id) != SESSION_ID_BYTES:
             raise ValueError(f"a session id has {SESSION_ID_BYTES} bytes, got {len(session_id)}")
@@ -167,7 +180,13 @@ class Session:
         self.stopped_by_caller = False
         # the scores the last token came from: the full row, or the top-K (``result_top_k``)
         self.last_logits: np.ndarray | TopLogits = np.zeros(0, dtype=_F32)
-        self.result_top_k = result_top_k(sampling.temperature, sampling.top_k, at_least=top_k_at_least)
+        self.constraint = constraint
+        self.draw = draw_plan(
+            constrained=constraint is not None,
+            greedy=sampling.greedy,
+            result_top_k=result_top_k(sampling.temperature, sampling.top_k, at_least=top_k_at_least),
+        )
+        self.result_top_k = self.draw.result_top_k
         self.failure: str | None = None
         self.route_peer_ids = tuple(route_peer_ids)
         self.max_step_rows = max_step_rows
@@ -434,7 +453,7 @@ class Session:
         try:
             logits = self._logits(scores(), n_vocab)
             # a chunk's logits are checked, never sampled: no draw, so chunking changes no seed's tokens
-            token = None if chunk else sample_token(logits, self.sampling, self._rng)
+            token = None if chunk else self._draw(logits)
         except ValueError as bad:
             message = f"malformed result for step {step} of session {self.session_hex}: {bad}"
             self.fail(message)
@@ -456,6 +475,16 @@ class Session:
             self.state = FINISHED
         else:
             self.state = READY
+        return token
+
+    def _draw(self, logits: np.ndarray | TopLogits) -> int:
+        if self.constraint is None:
+            return sample_token(logits, self.sampling, self._rng)
+        masked = masked_scores(logits, self.constraint.allowed())
+        if masked is None:  # (a constrained session asks for full rows: draw_plan)
+            raise ValueError("the grammar allows none of the top-K and no full row came")
+        token = sample_token(masked, self.sampling, self._rng)
+        self.constraint.accept(token)
         return token
 
     def _logits(self, scores: np.ndarray | TopLogits, n_vocab: int) -> np.ndarray | TopLogits:

@@ -178,6 +178,8 @@ class SessionRunner(StepClient):
         """Ask the last hop to send each next decode step of the greedy ``session`` straight to the
         first hop (``DataPlaneContinueRequest``). The owner's own steps still go (the first hop drops
         the copy that comes second), so a refusal only leaves the owner's round trip in each step."""
+        if not session.draw.continuation:  # a constrained session: the owner draws every token
+            return
         steps = continuation_steps(
             session.max_new_tokens, len(session.generated), greedy=session.sampling.greedy, top_k=session.result_top_k
         )

@@ -58,7 +58,7 @@ from agent.core.owner.recovery import (
     resumable,
 )
 from agent.core.owner.sampling import SamplingParams
-from agent.core.owner.session import Session
+from agent.core.owner.session import Session, TokenMask
 from agent.core.owner.spot_check import RouteSegment, rollback_point
 from agent.core.owner.text_stream import TextStream, whole_utf8
 from agent.core.wire.swarm_wire import SESSION_ID_BYTES
@@ -206,6 +206,7 @@ class SwarmClient(ResumingClient):
         on_token: Callable[[int, np.ndarray | TopLogits, swarm_pb2.Route], Awaitable[bool]] | None = None,
         route: swarm_pb2.Route | None = None,
         queue_timeout_s: float | None = None,
+        constraint: TokenMask | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_tokens`` token ids after ``prompt_tokens`` (tokenized by the caller).
 
@@ -217,6 +218,9 @@ class SwarmClient(ResumingClient):
           queue_timeout_s: while the route's ranges have no free sequence (RESOURCE_EXHAUSTED
             at the first step), wait and try again for this long (default
             ``SwarmClientConfig.queue_timeout_s``): busy is not a failed hop.
+          constraint: a grammar every token keeps to (``agent.core.owner.grammar``): drawn by
+            this owner from full rows, masked (``agent.core.owner.constrained``); it is advanced
+            by each token and carried across resumes and replans.
 
         Returns:
           A ``GenerationResult`` with ``text`` empty (the caller detokenizes). A route whose
@@ -269,6 +273,7 @@ class SwarmClient(ResumingClient):
                 rng=rng,
                 route_peer_ids=[hop.peer_id for hop in route.hops],
                 max_step_rows=self.config.prefill_chunk_tokens,
+                constraint=constraint,
             )
             live = LiveSession(session)
             self._live[session.session_id] = live
@@ -316,6 +321,8 @@ class SwarmClient(ResumingClient):
             if failure is None:
                 stopped_by_caller = session.stopped_by_caller
                 redo = await self._take_back(segments, generated, failed_peers)
+                if redo and constraint is not None:
+                    constraint.rollback(redo)  # the grammar goes back with the tokens taken back
                 if not redo:
                     break
                 taken_back += redo  # computed through a peer that failed a check: generated again
@@ -358,7 +365,10 @@ class SwarmClient(ResumingClient):
             if plan.count:  # (a resume that failed counted its replan already)
                 replans += 1
                 failed_peers.append(failure.failed_peer_id)
-            taken_back += await self._take_back(segments, generated, failed_peers)
+            redone = await self._take_back(segments, generated, failed_peers)
+            if redone and constraint is not None:
+                constraint.rollback(redone)
+            taken_back += redone
             log.warning("%s; replanning without %s", failure, failure.failed_peer_id)
             await self._fresh_admission()
             # a failed resume may have told the tracker already

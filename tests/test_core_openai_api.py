@@ -56,6 +56,29 @@ def test_content_parts_join_and_non_text_parts_are_refused() -> None:
     assert caught.value.status == 400 and caught.value.param == "messages[0].content"
 
 
+def test_tools_and_response_format_are_read_and_tool_history_kept() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    history = [
+        {"role": "user", "content": "call f"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]  # fmt: skip
+    req = parse_request(_chat(messages=history, tools=tools, tool_choice="required", parallel_tool_calls=False), "chat")
+    assert req.output is not None and req.output.forces_call and not req.output.parallel_tool_calls
+    assert req.output.tool_names == ["f"]
+    assert req.messages is not None
+    assert req.messages[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
+    assert req.messages[2]["tool_call_id"] == "c1"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = parse_request(_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema,
+                                                                                     "strict": True}}), "chat")  # fmt: skip
+    assert req.output is not None and req.output.schema == schema and not req.output.parses_calls
+    assert parse_request(_chat(response_format={"type": "text"}), "chat").output is None
+    with pytest.raises(ApiError, match="chat field"):
+        parse_request({"model": "m", "prompt": "x", "response_format": {"type": "json_object"}}, "completion")
+
+
 @pytest.mark.parametrize(
     "fields, param",
     [
@@ -81,7 +104,36 @@ def test_content_parts_join_and_non_text_parts_are_refused() -> None:
         ({"top_k": 2**32}, "top_k"),
         ({"top_k": -1}, "top_k"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"}, "tool_choice"),
+        ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
     ],
 )
 def test_bad_chat_fields_are_400_naming_the_field(fields: dict, param: str) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 
 __all__ = ["ChatTemplate", "ChatTemplateError"]
@@ -73,14 +74,25 @@ class ChatTemplate:
         env.globals["strftime_now"] = strftime_now or (lambda _format: "")
         try:
             self._template = env.from_string(source)
+            # a template that never reads ``tools`` cannot show a model the tools it may call
+            self.takes_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"the model's chat template does not compile: {error}") from None
+        self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.add_bos = add_bos
 
-    def render(self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages`` (each ``{"role", "content", ...}``).
+    def render(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, object]] | None = None,
+    ) -> str:
+        """The prompt text for ``messages`` (each ``{"role", "content", ...}``); ``tools``: the
+        OpenAI tool records offered, passed to the template as transformers'
+        ``apply_chat_template(tools=...)`` passes them (None: the template sees none).
 
         Raises:
           ChatTemplateError: the template raised, or failed while rendering.
@@ -91,7 +103,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
-                tools=None,
+                tools=None if tools is None else [dict(tool) for tool in tools],
                 documents=None,
             )
         except ChatTemplateError:

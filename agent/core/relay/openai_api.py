@@ -20,6 +20,7 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
+from agent.core.relay.structured import OutputSpec, StructuredError, parse_output
 from agent.core.wire.topk import TopLogits
 
 __all__ = [
@@ -44,17 +45,16 @@ MAX_TOP_LOGPROBS = 20  # as OpenAI's chat API
 MAX_COMPLETION_LOGPROBS = 5  # the completions API's ``logprobs`` integer
 
 # Fields a client may send that this relay ignores: they change nothing or only bookkeeping.
-_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options", "suffix"})
+_IGNORED = frozenset({"user", "metadata", "store", "service_tier", "stream_options", "suffix"})
+# Chat fields ``agent.core.relay.structured`` reads; a completions request may not send them.
+_CHAT_OUTPUT_FIELDS = ("tools", "tool_choice", "response_format", "parallel_tool_calls")
 # Fields whose non-default values this relay does not implement: refused, never silently dropped.
 _UNSUPPORTED_UNLESS_DEFAULT: dict[str, Any] = {
     "presence_penalty": 0,
     "frequency_penalty": 0,
     "logit_bias": None,
-    "tools": None,
-    "tool_choice": None,
     "functions": None,
     "function_call": None,
-    "response_format": None,
     "echo": False,
     "best_of": 1,
     "modalities": None,
@@ -136,6 +136,7 @@ class CompletionRequest:
     top_logprobs: int | None
     user: str | None
     return_token_ids: bool = False
+    output: OutputSpec | None = None
 
     @property
     def logprobs(self) -> bool:
@@ -293,11 +294,48 @@ def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
         if role not in _ROLES:
             raise _bad(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}", f"messages[{i}].role")
         text = _content_text(message.get("content"), i)
-        entry = {"role": role, "content": text}
+        entry: dict[str, Any] = {"role": role, "content": text}
         if isinstance(message.get("name"), str):
             entry["name"] = message["name"]
+        calls = message.get("tool_calls")
+        if role == "assistant" and calls is not None:
+            entry["tool_calls"] = _tool_calls(calls, i)
+        if role == "tool" and message.get("tool_call_id") is not None:
+            if not isinstance(message["tool_call_id"], str):
+                raise _bad(f"messages[{i}].tool_call_id must be a string", f"messages[{i}].tool_call_id")
+            entry["tool_call_id"] = message["tool_call_id"]
         out.append(entry)
     return tuple(out)
+
+
+def _tool_calls(calls: object, index: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, kept for the chat template (never dropped)."""
+    param = f"messages[{index}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(f"{param} must be a list of tool calls", param)
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise _bad(f"{param}[{j}] must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}", param)
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise _bad(f"{param}[{j}].function.arguments must be a JSON string", f"{param}[{j}].function.arguments")
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})  # fmt: skip
+    return out
+
+
+def _output(body: Mapping[str, Any], kind: str) -> OutputSpec | None:
+    if kind != "chat":
+        for name in _CHAT_OUTPUT_FIELDS:
+            if body.get(name) not in (None, [], {}):
+                raise _bad(f"'{name}' is a chat field: send it to /v1/chat/completions", name)
+        return None
+    try:
+        return parse_output(body)
+    except StructuredError as error:
+        raise _bad(error.message, error.param) from None
 
 
 def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
@@ -396,6 +434,7 @@ def parse_request(body: object, kind: str) -> CompletionRequest:
         top_logprobs=top_logprobs,
         user=user,
         return_token_ids=return_token_ids,
+        output=_output(body, kind),
     )
 
 
@@ -435,11 +474,16 @@ def chat_response(
     id_: str,
     created: int,
     model: str,
-    text: str,
+    text: str | None,
     finish_reason: str,
     usage_: dict[str, Any],
     logprobs: list[dict[str, Any]] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """``text`` None: no content (a message of tool calls only)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {
         "id": id_,
         "object": "chat.completion",
@@ -448,7 +492,7 @@ def chat_response(
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
+                "message": message,
                 "finish_reason": finish_reason,
                 "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
             }

@@ -104,6 +104,8 @@ class CompletionResponse:
                 if completion.req.stream:
                     if not started:
                         await emit("")
+                    if (calls := completion.tool_calls_chunk()) is not None:
+                        await body(_sse(calls), True)
                     await body(_sse(completion.chunk("", completion.finish_reason)), True)
                     if completion.req.include_usage:
                         await body(_sse(completion.usage_chunk()), True)

@@ -19,6 +19,7 @@ LAYOUT_FILENAMES = {
     "smollm2": "SmolLM2-135M-Instruct.Q4_1.gguf",
     "gemma3": "gemma-3-270m-q4_k_m.gguf",
     "qwen2-tiny": "tiny-qwen2.gguf",
+    "qwen2-tiny-tools": "tiny-qwen2-tools.gguf",
     "qwen3-tiny": "tiny-qwen3.gguf",
     "deepseek4-tiny": "tiny-deepseek4.gguf",
 }
@@ -108,7 +109,7 @@ def test_synthetic_model_has_the_loader_layout(name, smollm2_tokenizer):
     if not cfg.tied_output:
         expected["output.weight"] = (64, 49152)
     for il in range(cfg.n_layer):
-        expected.update({f"blk.{il}.{k}": v for k, v in EXPECTED_BLOCK_TENSORS[name].items()})
+        expected.update({f"blk.{il}.{k}": v for k, v in EXPECTED_BLOCK_TENSORS[name.removesuffix("-tools")].items()})
     assert {n: tuple(int(d) for d in t.shape) for n, t in tensors.items()} == expected
     assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in tensors.values())
     assert all(np.isfinite(t.data).all() for t in tensors.values())

@@ -50,6 +50,8 @@ class TinyConfig:
     qk_norm: bool = False
     # False: a separate output.weight; True: the head reuses token_embd (tied embeddings).
     tied_output: bool = True
+    # A file under agent/testing/templates written as tokenizer.chat_template (None: no template).
+    chat_template: str | None = None
 
 
 # qwen2-tiny has tied embeddings (like SmolLM2 and Gemma3), qwen3-tiny a separate output head,
@@ -57,7 +59,15 @@ class TinyConfig:
 CONFIGS: dict[str, TinyConfig] = {
     "qwen2-tiny": TinyConfig(arch="qwen2", seed=20002, qkv_bias=True, tied_output=True),
     "qwen3-tiny": TinyConfig(arch="qwen3", seed=30003, qk_norm=True, tied_output=False),
+    # qwen2-tiny's weights with Qwen2.5-Instruct's own tool-aware chat template (copied from the
+    # pinned llama.cpp tree's models/templates), so tool calling is tested through a real
+    # template: the small public models here have none that shows tools to the model.
+    "qwen2-tiny-tools": TinyConfig(
+        arch="qwen2", seed=20002, qkv_bias=True, tied_output=True, chat_template="qwen2.5-instruct.jinja"
+    ),
 }
+
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
 
 TOKENIZER_KEY_PREFIX = "tokenizer.ggml."
 
@@ -164,6 +174,8 @@ def write_tiny_model(name: str, dest: Path, tokenizer_gguf: Path) -> None:
         writer.add_file_type(gguf.LlamaFileType.ALL_F32)
         n_vocab = _copy_tokenizer(writer, tokenizer_gguf)
         writer.add_vocab_size(n_vocab)
+        if cfg.chat_template is not None:
+            writer.add_chat_template((TEMPLATES_DIR / cfg.chat_template).read_text(encoding="utf-8"))
         for tensor_name, data in _weights(cfg, n_vocab):
             writer.add_tensor(tensor_name, data)
         writer.write_header_to_file()

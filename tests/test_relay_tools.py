@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import numpy as np
 import openai
+import pydantic
 import pytest
 import trio
 
@@ -346,3 +351,47 @@ def test_two_hundred_generated_schemas_always_parse_through_the_swarm(relay: Rel
         except (AssertionError, ValueError, jsonschema.ValidationError) as error:
             invalid.append((index, schema, answer.message.content, answer.finish_reason, str(error)[:200]))
     assert invalid == []
+
+
+# --- third-party clients -------------------------------------------------------------------------
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=10)
+    age: int = pydantic.Field(ge=0, le=120)
+
+
+@pytest.mark.timeout(120)
+def test_langchain_with_structured_output_and_bind_tools(relay: Relay) -> None:
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        model=ALIAS, base_url=f"{relay.url}/v1", api_key=pydantic.SecretStr(relay.key), temperature=0,
+        max_tokens=120, max_retries=0, timeout=120,
+    )  # fmt: skip
+    person = chat.with_structured_output(Person).invoke("Who is Ada Lovelace?")
+    assert isinstance(person, Person) and 0 <= person.age <= 120
+    message = chat.bind_tools([ADD], tool_choice="add").invoke("What is 2 + 3?")
+    (call,) = message.tool_calls
+    assert call["name"] == "add" and call["id"]
+    jsonschema.validate(call["args"], ADD["function"]["parameters"])
+
+
+@pytest.mark.timeout(120)
+def test_the_llm_cli_with_a_schema(relay: Relay, tmp_path: Path) -> None:
+    home = tmp_path / "llm"
+    home.mkdir()
+    (home / "extra-openai-models.yaml").write_text(
+        f"- model_id: baton-tiny\n  model_name: {ALIAS}\n  api_base: {relay.url}/v1\n"
+        "  api_key_name: baton\n  supports_schema: true\n"
+    )
+    (home / "keys.json").write_text(json.dumps({"baton": relay.key}))
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+              "rain": {"type": "boolean"}}, "required": ["city", "rain"]}  # fmt: skip
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "llm"), "-m", "baton-tiny", "--schema", json.dumps(schema), "--no-log",
+         "-o", "temperature", "0", "-o", "max_tokens", "100", "Will it rain in Paris?"],
+        env={**os.environ, "LLM_USER_PATH": str(home)}, capture_output=True, text=True, timeout=100, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    jsonschema.validate(json.loads(done.stdout), schema)

@@ -241,3 +241,25 @@ def test_call_start_holds_back_only_what_may_become_a_call() -> None:
     assert call_start("  {", "generic") == 0
     assert call_start("Paris", "llama3") is None
     assert call_start("<|python", "llama3") == 0
+
+
+def test_qwen25_template_shows_tools_and_a_tool_history_as_transformers_would() -> None:
+    from agent.core.owner.chat_template import ChatTemplate
+    from agent.core.relay.structured import template_messages
+    from agent.testing.synthetic import TEMPLATES_DIR
+
+    source = (TEMPLATES_DIR / "qwen2.5-instruct.jinja").read_text()
+    template = ChatTemplate(source)
+    assert template.takes_tools and tool_call_format(source) == "hermes"
+    assert not ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}").takes_tools
+    history = [
+        {"role": "user", "content": "add 1 and 2"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]  # fmt: skip
+    text = template.render(template_messages(history), tools=TOOLS)
+    assert "<tools>\n" + json.dumps(TOOLS[0], ensure_ascii=False) in text
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
+    assert "<tool_response>\n3\n</tool_response>" in text
+    assert text.endswith("<|im_start|>assistant\n")

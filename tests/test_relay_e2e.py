@@ -256,6 +256,18 @@ def test_a_prompt_over_the_workers_batch_and_one_reaching_the_context_finish_cle
 # --- errors ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(120)
+def test_json_schema_answers_of_a_real_model_parse(relay: Relay) -> None:
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}}, "required": ["capital"]}
+    response = relay.client().chat.completions.create(
+        model=ALIAS, messages=CHAT, temperature=0, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    (answer,) = response.choices
+    assert answer.finish_reason == "stop"
+    assert set(json.loads(answer.message.content)) == {"capital"}
+
+
 def _status_and_error(call) -> tuple[int, dict]:
     with pytest.raises(openai.APIStatusError) as caught:
         call()
@@ -281,6 +293,9 @@ def test_errors_use_openai_envelopes_and_the_relay_keeps_serving(relay: Relay) -
 
     status, error = _status_and_error(chat(relay.client(), n=2))
     assert status == 400 and error["param"] == "n"
+    # SmolLM2's chat template never shows tools to the model
+    status, error = _status_and_error(chat(relay.client(), tools=[{"type": "function", "function": {"name": "f"}}]))
+    assert status == 400 and error["param"] == "tools" and "template" in error["message"]
     status, error = _status_and_error(chat(relay.client(), model="no-such-model"))
     assert status == 404 and error["code"] == "model_not_found"
     bad = httpx.post(

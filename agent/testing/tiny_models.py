@@ -33,9 +33,10 @@ TINY_MODELS: dict[str, PinnedModel] = {
         _tiny("qwen2-tiny", "tiny-qwen2.gguf", "a98eb03b773304abce8a64c106d647e91399c9be7c99373fa33366360c8bd56c"),
         # qwen2-tiny with Qwen2.5-Instruct's tool-aware chat template
         _tiny(
-            "qwen2-tiny-tools", "tiny-qwen2-tools.gguf",
+            "qwen2-tiny-tools",
+            "tiny-qwen2-tools.gguf",
             "541274c67e307862ed6eca2ddf067720ce0bb9d234ea7e64bf29298cb9ef19fc",
-        ),  # fmt: skip
+        ),
         _tiny("qwen3-tiny", "tiny-qwen3.gguf", "68621212a9429911c01b6b3d03c31f2b2191b62527e56b92910bbde18213fbdd"),
         # DeepSeek V4 (hyper-connections, compressed KV with ratios 0 / 4 / 128): the
         # architecture whose boundary is schema 2 (agent.testing.synthetic.DEEPSEEK4_CONFIGS).

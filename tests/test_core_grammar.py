@@ -39,7 +39,8 @@ WORDS = (b'{"', b'":', b"name", b"true", b"</tool_call>", b"<tool_call>")
 
 def _vocabulary() -> Vocabulary:
     pieces = (*(bytes([b]) for b in range(256)), b"", *WORDS)
-    attrs = tuple([int(TokenAttr.NORMAL)] * 256 + [int(TokenAttr.CONTROL)] + [int(TokenAttr.NORMAL)] * len(WORDS))
+    attrs = tuple([int(TokenAttr.NORMAL)] * 256 + [int(TokenAttr.CONTROL)] + [int(TokenAttr.NORMAL)] * (len(WORDS) - 1))
+    attrs += (int(TokenAttr.USER_DEFINED),)  # <tool_call>, as Qwen's vocabulary has it
     return Vocabulary(1, len(pieces), pieces, attrs, None, False, (EOS,))
 
 
@@ -178,6 +179,7 @@ def test_a_session_under_a_constraint_asks_for_full_rows_and_draws_the_allowed_t
 def test_tool_call_format_of_known_templates() -> None:
     assert tool_call_format("{{- '<tool_call>\\n' }}") == "hermes"
     assert tool_call_format("[TOOL_CALLS] {{ tools }}") == "mistral"
+    assert tool_call_format("'[TOOL_CALLS]' + name + '[ARGS]'") == "mistral_args"
     assert tool_call_format("<|python_tag|>{{ x }}") == "llama3"
     assert tool_call_format("{{ tools | tojson }}") == "generic"
 
@@ -205,6 +207,18 @@ def test_forced_calls_parse_back_in_every_format(tokenizer: GrammarTokenizer, fm
             assert set(arguments) == ({"a", "b"} if call.name == "add" else set())
 
 
+def allowed_ids(mask: np.ndarray) -> list[int]:
+    return [int(t) for t in np.flatnonzero(mask)]
+
+
+def test_a_user_defined_marker_token_may_start_a_forced_call(tokenizer: GrammarTokenizer) -> None:
+    grammar = compile_lark(forced_call_lark(call_schema(TOOLS, "hermes"), "hermes", parallel=False), tokenizer)
+    allowed = TokenConstraint(tokenizer, grammar).allowed()
+    marker = 257 + WORDS.index(b"<tool_call>")
+    # forced text is written as the longest tokens write it: the marker is one token
+    assert allowed_ids(allowed) == [marker]
+
+
 def test_a_named_function_narrows_the_schema() -> None:
     schema = call_schema(TOOLS, "hermes", "ping")
     assert schema["properties"]["name"] == {"const": "ping"}
@@ -222,6 +236,9 @@ def test_a_named_function_narrows_the_schema() -> None:
         ('<|python_tag|>{"name": "add", "parameters": {"a": 1}}', "llama3", None, [ParsedCall("add", '{"a": 1}')]),
         ('[TOOL_CALLS] [{"name": "ping", "arguments": {}}]', "mistral", None, [ParsedCall("ping", "{}")]),
         ('{"tool_calls": [{"name": "ping", "arguments": {}}]}', "generic", None, [ParsedCall("ping", "{}")]),
+        ('ok [TOOL_CALLS]add[CALL_ID]x1[ARGS]{"a": 1}[TOOL_CALLS]ping[ARGS]{}', "mistral_args", "ok",
+         [ParsedCall("add", '{"a": 1}'), ParsedCall("ping", "{}")]),
+        ("[TOOL_CALLS]add[ARGS]{", "mistral_args", None, []),
         ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "hermes", None, []),
         ('<tool_call>{"name": "add", "arguments": {"a": 1', "hermes", None, []),
         ("Paris is the capital.", "generic", None, []),

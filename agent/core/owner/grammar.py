@@ -23,7 +23,7 @@ Pure: llguidance and numpy, no I/O. Must not import trio, sockets, clocks or age
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import llguidance
@@ -54,9 +54,12 @@ class GrammarError(ValueError):
 class GrammarTokenizer:
     """A vocabulary as llguidance's tokenizer.
 
-    Control tokens (and user-defined ones written ``<...>``) are marked special (llguidance's
-    0xFF prefix), as llguidance's own llama.cpp binding marks them, so grammar text never
-    matches them; ``eos_token_ids`` (the model's end-of-generation tokens) end a grammar that
+    Tokens whose piece the stream never shows (control tokens: an empty piece) are marked
+    special (llguidance's 0xFF prefix), so grammar text never matches them. A user-defined
+    token (Qwen's ``<tool_call>``) shows its text in the stream, so it stays text here: a
+    grammar's ``"<tool_call>"`` may be written with it, as the model writes it. (llguidance's
+    llama.cpp binding marks ``<...>`` user-defined tokens special; there the text a grammar
+    matches is the model's, here it is the stream's.) ``eos_token_ids`` (the model's end-of-generation tokens) end a grammar that
     is complete.
 
     Raises:
@@ -69,10 +72,7 @@ class GrammarTokenizer:
         tokens: list[bytes] = []
         byte_token: dict[int, int] = {}
         for token, (piece, attr) in enumerate(zip(vocabulary.pieces, vocabulary.attrs)):
-            special = bool(attr & TokenAttr.CONTROL) or (
-                bool(attr & TokenAttr.USER_DEFINED) and piece.startswith(b"<") and piece.endswith(b">")
-            )
-            if special or not piece:
+            if attr & TokenAttr.CONTROL or not piece:
                 tokens.append(b"\xff<special_" + str(token).encode() + b">")
                 continue
             tokens.append(piece)
@@ -81,23 +81,31 @@ class GrammarTokenizer:
         self.n_vocab = vocabulary.n_vocab
         self.eos_token_ids = tuple(sorted(vocabulary.eog_token_ids))
 
-        def tokenize(text: bytes | str) -> list[int]:
-            # llguidance asks for a tokenization only of forced text it hands back to no one
-            # here (its fast-forward tokens, unused): byte by byte is a valid one
+        def by_bytes(text: bytes | str) -> list[int]:
             data = text.encode("utf-8") if isinstance(text, str) else text
             return [byte_token[b] for b in data if b in byte_token]
 
-        class _Source:
-            eos_token_id = self.eos_token_ids[0]
-            bos_token_id = vocabulary.bos_token_id
+        # llguidance tokenizes text the grammar forces and allows only that tokenization's first
+        # token there, so the tokenizer must write text as a model would: the longest token
+        # at each point (llguidance's own trie, built once over byte tokens) comes close to
+        # the model's BPE, where byte by byte would force one token a byte
+        bytewise = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(_source(tokens, self.eos_token_ids[0], vocabulary.bos_token_id, by_bytes)),
+            n_vocab=self.n_vocab,
+            eos_token=list(self.eos_token_ids),
+        )
 
-            def __init__(self) -> None:
-                self.tokens = tokens
+        def longest_first(text: bytes | str) -> list[int]:
+            if isinstance(text, bytes):
+                try:
+                    text = text.decode("utf-8")
+                except UnicodeDecodeError:
+                    return by_bytes(text)
+            return list(bytewise.greedy_tokenize(text))
 
-            def __call__(self, text: bytes | str) -> list[int]:
-                return tokenize(text)
-
-        wrapper = llguidance.TokenizerWrapper(_Source())
+        wrapper = llguidance.TokenizerWrapper(
+            _source(tokens, self.eos_token_ids[0], vocabulary.bos_token_id, longest_first)
+        )
         self.llg = llguidance.LLTokenizer(wrapper, n_vocab=self.n_vocab, eos_token=list(self.eos_token_ids))
 
 
@@ -114,6 +122,22 @@ def close_objects(schema: Any) -> Any:
     if isinstance(schema.get("properties"), Mapping) and "additionalProperties" not in schema:
         closed["additionalProperties"] = False
     return closed
+
+
+def _source(tokens: list[bytes], eos: int, bos: int | None, tokenize: Callable[[bytes | str], list[int]]) -> Any:
+    """What ``llguidance.TokenizerWrapper`` reads of a tokenizer: ids, pieces and a tokenize call."""
+
+    class Source:
+        eos_token_id = eos
+        bos_token_id = bos
+
+        def __init__(self) -> None:
+            self.tokens = tokens
+
+        def __call__(self, text: bytes | str) -> list[int]:
+            return tokenize(text)
+
+    return Source()
 
 
 def _check(grammar: str, tokenizer: GrammarTokenizer | None) -> str:

@@ -5,7 +5,8 @@ Owns:
 - ``tool_call_format``: the format a template's text shows it was written for: ``hermes``
   (Qwen2.5, Hermes: ``<tool_call>{json}</tool_call>``), ``llama3`` (a JSON object with
   ``name`` and ``parameters``, after an optional ``<|python_tag|>``), ``mistral``
-  (``[TOOL_CALLS][{...}, ...]``), else ``generic`` (a JSON object ``{"name", "arguments"}``
+  (``[TOOL_CALLS][{...}, ...]``), ``mistral_args`` (newer Mistral templates:
+  ``[TOOL_CALLS]name[ARGS]{...}`` a call), else ``generic`` (a JSON object ``{"name", "arguments"}``
   or a list of them);
 - ``call_schema`` / ``forced_call_lark``: the JSON schema of one call to any of the offered
   functions (or one named function), and the Lark grammar that makes a model write one call
@@ -38,10 +39,12 @@ __all__ = [
     "tool_call_format",
 ]
 
-FORMATS = ("hermes", "llama3", "mistral", "generic")
+FORMATS = ("hermes", "llama3", "mistral", "mistral_args", "generic")
 
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _MISTRAL_MARK = "[TOOL_CALLS]"
+_MISTRAL_ARGS = "[ARGS]"
+_MISTRAL_CALL_ID = "[CALL_ID]"
 _PYTHON_TAG = "<|python_tag|>"
 
 
@@ -58,7 +61,7 @@ def tool_call_format(template_source: str) -> str:
     if _HERMES_OPEN in template_source:
         return "hermes"
     if _MISTRAL_MARK in template_source:
-        return "mistral"
+        return "mistral_args" if _MISTRAL_ARGS in template_source else "mistral"
     if _PYTHON_TAG in template_source or ("ipython" in template_source and "parameters" in template_source):
         return "llama3"
     return "generic"
@@ -105,6 +108,16 @@ def call_schema(tools: Sequence[Mapping[str, Any]], fmt: str, name: str | None =
 def forced_call_lark(schema: Mapping[str, Any], fmt: str, *, parallel: bool) -> str:
     """A Lark grammar that makes a model write one call (several where ``parallel``) matching
     ``schema`` (``call_schema``) in ``fmt``, and nothing else."""
+    if fmt == "mistral_args":  # the name before the arguments: one alternative per function
+        options = schema.get("anyOf", [schema])
+        names = [f"c{i}" for i in range(len(options))]
+        rules = "".join(
+            f'{rule}: "{_MISTRAL_MARK}{option["properties"]["name"]["const"]}{_MISTRAL_ARGS}" '
+            f"{json_schema_lark(option['properties']['arguments'])}\n"
+            for rule, option in zip(names, options, strict=True)
+        )
+        more = "+" if parallel else ""
+        return f"start: ({' | '.join(names)}){more}\n{rules}"
     call = json_schema_lark(schema)
     if fmt == "hermes":
         more = ' ("\\n" call)*' if parallel else ""
@@ -122,7 +135,7 @@ def call_start(text: str, fmt: str) -> int | None:
     a call's marker, or of a trailing prefix of it (more text may complete it), or 0 where
     the whole text may still be a JSON call (``llama3``, ``generic``: it starts with ``{``
     or ``[`` after whitespace); None where no call can begin before the end of ``text``."""
-    if fmt in ("hermes", "mistral"):
+    if fmt in ("hermes", "mistral", "mistral_args"):
         marker = _HERMES_OPEN if fmt == "hermes" else _MISTRAL_MARK
         at = text.find(marker)
         if at >= 0:
@@ -206,6 +219,8 @@ def parse_tool_calls(text: str, fmt: str, names: Sequence[str] | None = None) ->
             calls.extend(found)
             at = -1 if end < 0 else text.find(_HERMES_OPEN, end)
         return (text[:first].strip() or None, calls) if calls else (text, [])
+    if fmt == "mistral_args":
+        return _parse_mistral_args(text, known)
     if fmt == "mistral":
         first = text.find(_MISTRAL_MARK)
         if first < 0:
@@ -221,3 +236,32 @@ def parse_tool_calls(text: str, fmt: str, names: Sequence[str] | None = None) ->
         values = values[0]["tool_calls"]
     found = _calls(values, known) if values else None
     return (None, found) if found else (text, [])
+
+
+def _parse_mistral_args(text: str, known: frozenset[str] | None) -> tuple[str | None, list[ParsedCall]]:
+    """``[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}`` calls, one after another (``[CALL_ID]`` optional)."""
+    first = text.find(_MISTRAL_MARK)
+    if first < 0:
+        return text, []
+    calls = []
+    decoder = json.JSONDecoder()
+    at = first
+    while at < len(text):
+        if not text.startswith(_MISTRAL_MARK, at):
+            return text, []
+        args = text.find(_MISTRAL_ARGS, at)
+        if args < 0:
+            return text, []
+        name = text[at + len(_MISTRAL_MARK) : args].split(_MISTRAL_CALL_ID)[0].strip()
+        try:
+            arguments, end = decoder.raw_decode(text, args + len(_MISTRAL_ARGS))
+        except json.JSONDecodeError:
+            return text, []
+        call = _as_call({"name": name, "arguments": arguments}, known)
+        if call is None:
+            return text, []
+        calls.append(call)
+        at = end
+        while at < len(text) and text[at] in " \t\r\n":
+            at += 1
+    return text[:first].strip() or None, calls

@@ -202,7 +202,7 @@ def _calls(values: Sequence[object], names: frozenset[str] | None) -> list[Parse
 
 def parse_tool_calls(text: str, fmt: str, names: Sequence[str] | None = None) -> tuple[str | None, list[ParsedCall]]:
     """``(content, calls)`` of a finished generation in ``fmt``: the text before the first
-    call (None if empty) and the calls, or ``(text, [])`` when it holds no well-formed call
+    call, less trailing whitespace (None if nothing else), and the calls, or ``(text, [])`` when it holds no well-formed call
     (a call to a function not in ``names``, where given, is not one)."""
     known = None if names is None else frozenset(names)
     if fmt == "hermes":
@@ -218,7 +218,7 @@ def parse_tool_calls(text: str, fmt: str, names: Sequence[str] | None = None) ->
                 return text, []
             calls.extend(found)
             at = -1 if end < 0 else text.find(_HERMES_OPEN, end)
-        return (text[:first].strip() or None, calls) if calls else (text, [])
+        return (text[:first].rstrip() or None, calls) if calls else (text, [])
     if fmt == "mistral_args":
         return _parse_mistral_args(text, known)
     if fmt == "mistral":
@@ -227,7 +227,7 @@ def parse_tool_calls(text: str, fmt: str, names: Sequence[str] | None = None) ->
             return text, []
         values = _decode_all(text[first + len(_MISTRAL_MARK) :].strip())
         found = _calls(values, known) if values else None
-        return (text[:first].strip() or None, found) if found else (text, [])
+        return (text[:first].rstrip() or None, found) if found else (text, [])
     body = text.strip()
     if body.startswith(_PYTHON_TAG):
         body = body[len(_PYTHON_TAG) :].strip()
@@ -264,4 +264,4 @@ def _parse_mistral_args(text: str, known: frozenset[str] | None) -> tuple[str | 
         at = end
         while at < len(text) and text[at] in " \t\r\n":
             at += 1
-    return text[:first].strip() or None, calls
+    return text[:first].rstrip() or None, calls

@@ -184,7 +184,8 @@ class Completion:
             end = len(self._released) if not self.tool_calls else len(self.content or "")
         else:
             start = call_start(self._released, self.prompt.tool_format)
-            end = len(self._released) if start is None else start
+            # trailing whitespace waits too: before a call it is not part of the content
+            end = len(self._released.rstrip()) if start is None else len(self._released[:start].rstrip())
         shown, self._shown = self._released[self._shown : max(end, self._shown)], max(end, self._shown)
         return shown
 

@@ -195,6 +195,8 @@ class Completion:
             return
         assert self.req.output is not None
         content, calls = parse_tool_calls(self.text.text, self.prompt.tool_format, self.req.output.tool_names)
+        if calls and not self.req.output.parallel_tool_calls:
+            calls = calls[:1]  # at most one call was asked for
         if calls:
             self.content = content
             self.tool_calls = tool_call_records(calls, [f"call_{secrets.token_hex(12)}" for _ in calls])

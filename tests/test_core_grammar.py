@@ -280,3 +280,21 @@ def test_qwen25_template_shows_tools_and_a_tool_history_as_transformers_would() 
     assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
     assert "<tool_response>\n3\n</tool_response>" in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_references_in_parameters_still_resolve_inside_a_call(tokenizer: GrammarTokenizer, fmt: str) -> None:
+    import jsonschema
+
+    nested = {
+        "$defs": {"Inner": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}},
+        "type": "object",
+        "properties": {"inner": {"$ref": "#/$defs/Inner"}},
+        "required": ["inner"],
+    }
+    tools = [{"type": "function", "function": {"name": n, "parameters": nested}} for n in ("one", "two")]
+    grammar = compile_lark(forced_call_lark(call_schema(tools, fmt), fmt, parallel=False), tokenizer)
+    text = _run(TokenConstraint(tokenizer, grammar), np.random.default_rng(5)).decode()
+    (call,) = parse_tool_calls(text, fmt, ["one", "two"])[1]
+    jsonschema.validate(json.loads(call.arguments), nested)

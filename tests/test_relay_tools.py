@@ -395,3 +395,31 @@ def test_the_llm_cli_with_a_schema(relay: Relay, tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     jsonschema.validate(json.loads(done.stdout), schema)
+
+
+class Address(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=12)
+    zip_code: str = pydantic.Field(pattern=r"^[0-9]{5}$")
+
+
+class Customer(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=10)
+    address: Address  # a $ref into $defs, as pydantic writes nested models
+
+
+@pytest.mark.timeout(120)
+def test_the_openai_parse_helper_and_an_instructor_style_forced_call_give_validated_objects(relay: Relay) -> None:
+    parsed = relay.client.chat.completions.parse(
+        model=ALIAS, messages=CHAT, response_format=Customer, temperature=0, max_tokens=120
+    )
+    customer = parsed.choices[0].message.parsed
+    assert isinstance(customer, Customer) and len(customer.address.zip_code) == 5
+    # instructor's TOOLS mode: the model's schema as the one tool, forced by name
+    tool = {"type": "function", "function": {"name": "Customer", "description": "Correctly extracted `Customer`",
+                                             "parameters": Customer.model_json_schema()}}  # fmt: skip
+    response = relay.client.chat.completions.create(
+        model=ALIAS, messages=CHAT, tools=[tool], tool_choice={"type": "function", "function": {"name": "Customer"}},
+        temperature=0, max_tokens=120,
+    )  # fmt: skip
+    (call,) = response.choices[0].message.tool_calls
+    assert isinstance(Customer.model_validate_json(call.function.arguments), Customer)

@@ -84,14 +84,17 @@ def call_schema(tools: Sequence[Mapping[str, Any]], fmt: str, name: str | None =
       ValueError: ``name`` is not one of ``tools``' functions, or no tool is offered.
     """
     key = _arguments_key(fmt)
+    chosen = [tool for tool in tools if name is None or _function(tool).get("name") == name]
     options = []
-    for tool in tools:
+    for index, tool in enumerate(chosen):
         function = _function(tool)
-        if name is not None and function.get("name") != name:
-            continue
         parameters = function.get("parameters")
         if not isinstance(parameters, Mapping) or not parameters:
             parameters = {"type": "object", "properties": {}}
+        if fmt != "mistral_args":  # (there each call's arguments are a grammar's root of their own)
+            # the parameters' references ("#/$defs/X", pydantic's nested models) point into
+            # the parameters, which now sit below the call's root
+            parameters = _rebase_refs(parameters, f"/anyOf/{index}" * (len(chosen) > 1) + f"/properties/{key}")
         options.append(
             {
                 "type": "object",
@@ -103,6 +106,19 @@ def call_schema(tools: Sequence[Mapping[str, Any]], fmt: str, name: str | None =
     if not options:
         raise ValueError(f"no function named {name!r} among the tools" if name else "no tools are offered")
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _rebase_refs(schema: Any, prefix: str) -> Any:
+    """``schema`` with its local references (``#/...``) moved below the JSON pointer ``prefix``."""
+    if isinstance(schema, list):
+        return [_rebase_refs(item, prefix) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {key: _rebase_refs(value, prefix) for key, value in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        out["$ref"] = "#" + prefix + ref[1:]
+    return out
 
 
 def forced_call_lark(schema: Mapping[str, Any], fmt: str, *, parallel: bool) -> str:

@@ -423,3 +423,48 @@ def test_the_openai_parse_helper_and_an_instructor_style_forced_call_give_valida
     )  # fmt: skip
     (call,) = response.choices[0].message.tool_calls
     assert isinstance(Customer.model_validate_json(call.function.arguments), Customer)
+
+
+# --- the Responses API ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_responses_create_text_streamed_and_not(relay: Relay) -> None:
+    response = relay.client.responses.create(model=ALIAS, input="Hello!", temperature=0, max_output_tokens=12)
+    assert response.status in ("completed", "incomplete") and response.usage.output_tokens >= 1
+    events = list(
+        relay.client.responses.create(model=ALIAS, input="Hello!", temperature=0, max_output_tokens=12, stream=True)
+    )
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete")
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == response.output_text == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+@pytest.mark.timeout(120)
+def test_responses_with_a_forced_function_and_a_json_schema(relay: Relay) -> None:
+    tool = {"type": "function", **ADD["function"]}
+    response = relay.client.responses.create(
+        model=ALIAS, input=[{"role": "user", "content": "2 + 3?"}], tools=[tool],
+        tool_choice={"type": "function", "name": "add"}, temperature=0, max_output_tokens=120,
+    )  # fmt: skip
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "add" and call.call_id.startswith("call_")
+    _check_call("add", call.arguments)
+    follow = [
+        {"role": "user", "content": "2 + 3?"},
+        {"type": "function_call", "call_id": call.call_id, "name": "add", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "5"},
+    ]
+    stream = relay.client.responses.create(
+        model=ALIAS, input=follow, tools=[tool], temperature=0, max_output_tokens=200, stream=True,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}},
+    )  # fmt: skip
+    events = list(stream)
+    final = events[-1].response
+    assert events[-1].type == "response.completed"
+    jsonschema.validate(json.loads(final.output_text), PERSON)
+    with pytest.raises(openai.BadRequestError) as caught:
+        relay.client.responses.create(model=ALIAS, input="x", tools=[{"type": "web_search"}])
+    assert caught.value.body["param"] == "tools[0].type"

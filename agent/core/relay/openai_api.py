@@ -20,7 +20,7 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from agent.core.relay.structured import OutputSpec, StructuredError, parse_output
+from agent.core.relay.structured import OutputSpec, StructuredError, history_tool_calls, parse_output
 from agent.core.wire.topk import TopLogits
 
 __all__ = [
@@ -299,31 +299,16 @@ def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
             entry["name"] = message["name"]
         calls = message.get("tool_calls")
         if role == "assistant" and calls is not None:
-            entry["tool_calls"] = _tool_calls(calls, i)
+            try:
+                entry["tool_calls"] = history_tool_calls(calls, i)
+            except StructuredError as error:
+                raise _bad(error.message, error.param) from None
         if role == "tool" and message.get("tool_call_id") is not None:
             if not isinstance(message["tool_call_id"], str):
                 raise _bad(f"messages[{i}].tool_call_id must be a string", f"messages[{i}].tool_call_id")
             entry["tool_call_id"] = message["tool_call_id"]
         out.append(entry)
     return tuple(out)
-
-
-def _tool_calls(calls: object, index: int) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls``, kept for the chat template (never dropped)."""
-    param = f"messages[{index}].tool_calls"
-    if not isinstance(calls, list):
-        raise _bad(f"{param} must be a list of tool calls", param)
-    out = []
-    for j, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise _bad(f"{param}[{j}] must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}", param)
-        arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, str):
-            raise _bad(f"{param}[{j}].function.arguments must be a JSON string", f"{param}[{j}].function.arguments")
-        out.append({"id": str(call.get("id", "")), "type": "function",
-                    "function": {"name": function["name"], "arguments": arguments}})  # fmt: skip
-    return out
 
 
 def _output(body: Mapping[str, Any], kind: str) -> OutputSpec | None:

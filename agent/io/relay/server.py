@@ -37,6 +37,7 @@ from starlette.routing import Route
 from agent._proto import swarm_pb2
 from agent.core.relay.coverage import model_coverage
 from agent.core.relay.openai_api import ApiError, check_json_content_type, check_unicode, parse_request
+from agent.core.relay.responses_api import chat_body
 from agent.io.client import SwarmError
 from agent.io.http_serve import serve_asgi
 from agent.io.net.transport import TransportError
@@ -48,6 +49,7 @@ from .completion import Completion, prepare
 from .config import RelayConfig, default_cache_dir
 from .metrics import RelayMetrics
 from .responses import CompletionResponse, error_response
+from .responses_endpoint import ResponsesResponse
 from .state import RelayState
 from .status_page import render_status_page
 
@@ -100,7 +102,7 @@ def build_app(state: RelayState) -> Starlette:
                 log.exception("%s failed", endpoint)
                 state.metrics.observe_request(endpoint, 500)
                 return error_response(ApiError(500, f"internal error: {type(error).__name__}"))
-            if not isinstance(response, CompletionResponse):
+            if not isinstance(response, (CompletionResponse, ResponsesResponse)):
                 state.metrics.observe_request(endpoint, response.status_code)
             return response
 
@@ -115,28 +117,38 @@ def build_app(state: RelayState) -> Starlette:
         entry = await state.model(request.path_params["model"])
         return JSONResponse(_model_card(entry))
 
+    async def begin(principal, req) -> tuple[Completion, Callable[[bool], None]]:
+        """Admit, prepare and reserve a completion; its release settles the key's budget."""
+        admit(state, principal)  # before the prompt is tokenized: a spent key costs no work
+        state.concurrent[principal.name] = state.concurrent.get(principal.name, 0) + 1
+        try:
+            prompt = await prepare(state, req)
+            budget = reserve(state, principal, len(prompt.tokens), prompt.max_tokens)
+        except BaseException:
+            state.concurrent[principal.name] -= 1
+            raise
+        prompt.max_tokens = budget.max_tokens
+        completion = Completion(state, req, prompt, principal)
+
+        def release(client_left: bool) -> None:
+            state.concurrent[principal.name] -= 1
+            settle(state, principal, budget, len(prompt.tokens), completion.completion_tokens, client_left=client_left)
+
+        return completion, release
+
+    async def responses(request: Request) -> Response:
+        principal = authenticate(state, request)
+        body = await _read_json(request, state.config.max_body_bytes, state.config.body_timeout_s)
+        req = parse_request(chat_body(body), "chat")
+        completion, release = await begin(principal, req)
+        return ResponsesResponse(completion, body, release)  # type: ignore[return-value]
+
     def completions(kind: str, endpoint: str):
         async def handler(request: Request) -> Response:
             principal = authenticate(state, request)
             body = await _read_json(request, state.config.max_body_bytes, state.config.body_timeout_s)
             req = parse_request(body, kind)
-            admit(state, principal)  # before the prompt is tokenized: a spent key costs no work
-            state.concurrent[principal.name] = state.concurrent.get(principal.name, 0) + 1
-            try:
-                prompt = await prepare(state, req)
-                budget = reserve(state, principal, len(prompt.tokens), prompt.max_tokens)
-            except BaseException:
-                state.concurrent[principal.name] -= 1
-                raise
-            prompt.max_tokens = budget.max_tokens
-            completion = Completion(state, req, prompt, principal)
-
-            def release(client_left: bool) -> None:
-                state.concurrent[principal.name] -= 1
-                settle(
-                    state, principal, budget, len(prompt.tokens), completion.completion_tokens, client_left=client_left
-                )
-
+            completion, release = await begin(principal, req)
             return CompletionResponse(completion, endpoint, release)  # type: ignore[return-value]
 
         return handler
@@ -173,6 +185,7 @@ def build_app(state: RelayState) -> Starlette:
             guarded("/v1/chat/completions", completions("chat", "/v1/chat/completions")),
             methods=["POST"],
         ),
+        Route("/v1/responses", guarded("/v1/responses", responses), methods=["POST"]),
         Route("/", guarded("/", status_page), methods=["GET"]),
         Route("/status.json", guarded("/status.json", status_json), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

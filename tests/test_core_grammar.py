@@ -298,3 +298,23 @@ def test_references_in_parameters_still_resolve_inside_a_call(tokenizer: Grammar
     text = _run(TokenConstraint(tokenizer, grammar), np.random.default_rng(5)).decode()
     (call,) = parse_tool_calls(text, fmt, ["one", "two"])[1]
     jsonschema.validate(json.loads(call.arguments), nested)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_constrained_draw_equals_a_draw_from_the_masked_scores(seed: int) -> None:
+    from agent.core.owner.constrained import constrained_draw
+
+    rng = np.random.default_rng(seed)
+    row = rng.normal(size=64).astype(np.float32)
+    row[rng.integers(0, 64, size=8)] = row.max()  # ties at the top
+    allowed = rng.random(64) < 0.3
+    allowed[int(rng.integers(0, 64))] = True
+    masked = masked_scores(row, allowed)
+    assert isinstance(masked, np.ndarray)
+    assert constrained_draw(row, allowed, SamplingParams(), None) == sample_token(masked, SamplingParams(), None)
+    params = SamplingParams(temperature=0.8, top_k=5)
+    drawn = constrained_draw(row, allowed, params, np.random.default_rng(seed))
+    assert drawn == sample_token(masked, params, np.random.default_rng(seed)) and allowed[drawn]
+    top = TopLogits.from_row(row, 4)
+    if not allowed[top.ids].any():
+        assert constrained_draw(top, allowed, SamplingParams(), None) is None

@@ -5,6 +5,8 @@ forced tool calls) draws every token at the owner, from scores masked by the gra
 - ``draw_plan``: which scores the last hop sends and who draws. A constrained session asks for
   the full row every step and draws at the owner; the last hop never draws for it (no greedy
   continuation, no draw at the last hop), since the mask must apply to every token;
+- ``constrained_draw``: the token drawn from the allowed ones (greedy: the likeliest allowed
+  token, lowest id on ties, found among the allowed ids without copying the row);
 - ``masked_scores``: the scores a draw may use once the grammar's mask is applied: the full
   row with refused tokens at -inf, or the top-K entries the grammar allows; None when it
   refuses every one of a top-K (then only the full row can say what comes next).
@@ -23,9 +25,10 @@ import dataclasses
 
 import numpy as np
 
+from agent.core.owner.sampling import SamplingParams, sample_token
 from agent.core.wire.topk import TopLogits
 
-__all__ = ["DrawPlan", "draw_plan", "masked_scores"]
+__all__ = ["DrawPlan", "constrained_draw", "draw_plan", "masked_scores"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,3 +76,24 @@ def masked_scores(scores: np.ndarray | TopLogits, allowed: np.ndarray) -> np.nda
     if allowed.size != row.size:
         raise ValueError(f"a mask of {allowed.size} tokens for a row of {row.size}")
     return np.where(allowed, row, np.float32(-np.inf)).astype(np.float32, copy=False)
+
+
+def constrained_draw(
+    scores: np.ndarray | TopLogits, allowed: np.ndarray, params: SamplingParams, rng: np.random.Generator | None
+) -> int | None:
+    """The token drawn from ``scores`` among those ``allowed``: as ``sample_token`` draws from
+    ``masked_scores``, or None when a top-K holds no allowed token (the full row is needed).
+
+    Raises:
+      ValueError: as ``masked_scores``; or a non-greedy draw without ``rng``.
+    """
+    if params.greedy and not isinstance(scores, TopLogits):
+        ids = np.flatnonzero(allowed)
+        if ids.size == 0:
+            raise ValueError("the grammar allows no token here")
+        row = np.asarray(scores)
+        if allowed.size != row.size:
+            raise ValueError(f"a mask of {allowed.size} tokens for a row of {row.size}")
+        return int(ids[int(np.argmax(row[ids]))])  # ids ascending: the lowest id among equal logits
+    masked = masked_scores(scores, allowed)
+    return None if masked is None else sample_token(masked, params, rng)

@@ -35,7 +35,7 @@ from typing import Protocol
 import numpy as np
 
 from agent._proto import swarm_pb2
-from agent.core.owner.constrained import draw_plan, masked_scores
+from agent.core.owner.constrained import constrained_draw, draw_plan
 from agent.core.owner.sampling import SamplingParams, sample_token
 from agent.core.wire.step_results import result_scores
 from agent.core.wire.swarm_wire import SCHEMA_VERSION, SESSION_ID_BYTES, token_checksum
@@ -480,10 +480,9 @@ class Session:
     def _draw(self, logits: np.ndarray | TopLogits) -> int:
         if self.constraint is None:
             return sample_token(logits, self.sampling, self._rng)
-        masked = masked_scores(logits, self.constraint.allowed())
-        if masked is None:  # (a constrained session asks for full rows: draw_plan)
+        token = constrained_draw(logits, self.constraint.allowed(), self.sampling, self._rng)
+        if token is None:  # (a constrained session asks for full rows: draw_plan)
             raise ValueError("the grammar allows none of the top-K and no full row came")
-        token = sample_token(masked, self.sampling, self._rng)
         self.constraint.accept(token)
         return token
 

@@ -95,14 +95,17 @@ class RequestHandlers(SessionControl):
         ):
             raise range_not_ready(key, None if served is None else served.state)
         step = validate_step(request, served.spec)
+        trusted = step.owner_peer_id in self.config.trusted_owners
         if step.rebuild:
             session = served.sessions.accept_rebuild(
-                step.session_id, step.resume_step, step.first_position, step.n_rows, step.owner_peer_id, clock_ms()
-            )
+                step.session_id, step.resume_step, step.first_position, step.n_rows, step.owner_peer_id, clock_ms(),
+                trusted=trusted,
+            )  # fmt: skip
         else:
             session = served.sessions.accept(
-                step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, clock_ms()
-            )
+                step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, clock_ms(),
+                trusted=trusted,
+            )  # fmt: skip
         served.scheduler.push((session.seq_id, step), session=session.seq_id, n_rows=step.n_rows, key=forward_key(step))
         if not arrival_wakes_gatherer(served.quiet_decode_arrivals, decode=session.decoding and not step.rebuild):
             served.quiet_decode_arrivals -= 1  # a group being gathered, not whole yet

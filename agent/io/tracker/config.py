@@ -125,6 +125,20 @@ class TrackerConfig:
         parse=cli_args.positive_int,
         metavar="MS",
     )
+    loading_deadline_base_s: float = setting(
+        120.0,
+        "a range assigned to a node must be READY within this many seconds plus its bytes at"
+        " --loading-min-bytes-per-s, or it is taken back (a node that says LOADING for ever holds nothing; default"
+        " 120; 0: no deadline)",
+        parse=cli_args.non_negative_float,
+        metavar="S",
+    )
+    loading_min_bytes_per_s: int = setting(
+        1_000_000,
+        "the slowest download a node is allowed for a range's bytes (default 1000000: 8 Mbit/s)",
+        parse=cli_args.positive_int,
+        metavar="N",
+    )
     admission_ttl_ms: int = setting(
         600_000,
         "how long a signed admission stays valid, in ms; nodes and clients renew it (default 600000: 10 min)",

@@ -59,7 +59,7 @@ from agent.core.tracker.assignment import Assignment, ModelSpec
 from agent.core.tracker.handouts import RouteHandouts
 from agent.core.tracker.heartbeat import admission_due
 from agent.core.tracker.liveness import Liveness
-from agent.core.tracker.reducer import apply, ready_ranges, restore
+from agent.core.tracker.reducer import apply, next_sweep_in_ms, ready_ranges, restore
 from agent.core.tracker.routing import NoRoute, plan_route
 from agent.core.wire import admission
 from agent.core.wire.swarm_wire import (
@@ -110,7 +110,14 @@ class Tracker(OutputIntegrity):
         #: the live state (liveness, suspects, the assignment and what nodes report, withdrawn
         #: and failed ranges): only ``_apply`` replaces it; the store is its durable copy
         self.state = restore(
-            ev.TrackerRules(config.heartbeat_timeout_ms, config.registration_max_age_ms, config.nonce_retention_ms),
+            ev.TrackerRules(
+                config.heartbeat_timeout_ms,
+                config.registration_max_age_ms,
+                config.nonce_retention_ms,
+                loading_base_ms=round(config.loading_deadline_base_s * 1000),
+                loading_min_bytes_per_s=config.loading_min_bytes_per_s,
+                proven_needs_check=config.canary is not None and config.canary.gate_new_ranges,
+            ),
             (_facts(node.peer_id, node.fingerprint) for node in store.nodes()),
             (node.peer_id for node in store.nodes() if node.alive),
             {node.peer_id: node.listen_addrs for node in store.nodes()},
@@ -473,7 +480,7 @@ class Tracker(OutputIntegrity):
         """Mark nodes past their deadline dead (recomputing if any) and prune old nonces.
         Returns the ms until the next deadline (inf when none)."""
         self._apply(ev.Sweep())
-        return self.liveness.next_sweep_in_ms(self._now_ms())
+        return next_sweep_in_ms(self.state, self._now_ms())
 
     async def run_sweeper(self) -> None:
         while True:

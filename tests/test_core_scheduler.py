@@ -20,6 +20,7 @@ from agent.core.node.scheduler import (
     gather_wait_ms,
 )
 from agent.core.node.sessions import SessionTable, trusted_reserve
+from agent.core.wire.address_rate import counted_host
 from agent.core.wire.swarm_wire import WireError
 
 pytestmark = pytest.mark.unit
@@ -524,3 +525,15 @@ def test_a_range_waits_its_batch_window_only_while_its_forward_has_room():
     assert batch_window_wait_ms(2.0, pending_rows=512, row_budget=512) == 0.0  # full: run it now
     assert batch_window_wait_ms(2.0, pending_rows=0, row_budget=512) == 0.0  # nothing queued
     assert batch_window_wait_ms(0.0, pending_rows=1, row_budget=512) == 0.0  # off (the default)
+
+
+def test_sessions_opened_from_one_address_share_one_owners_share() -> None:
+    table = SessionTable(4, 64, max_per_owner=2)
+    table.accept(S1, 0, 0, 1, "key-a", 0, source_host="203.0.113.7")
+    table.accept(S2, 0, 0, 1, "key-b", 0, source_host="203.0.113.7")
+    with pytest.raises(WireError, match=r"held from 203\.0\.113\.7"):
+        table.accept(S3, 0, 0, 1, "key-c", 0, source_host="203.0.113.7")  # a third self-made key
+    table.accept(S3, 0, 0, 1, "key-c", 0, source_host="198.51.100.1")  # another address
+    table.accept(bytes([4]) * 16, 0, 0, 1, "relay", 0, trusted=True, source_host="203.0.113.7")
+    assert counted_host("127.0.0.1") == "" and counted_host("::1") == "" and counted_host("") == ""
+    assert counted_host("203.0.113.7") == "203.0.113.7"

@@ -18,6 +18,9 @@ Owns, for one range of one node:
   an owner that opens sessions and then only touches them cannot hold sequences for ever. A
   session bound on the data plane steps on the worker: the shell reports what the worker
   says (``note_bound_progress``) before the stall rule frees it;
+- per address: sessions opened from one source address (a client's, at a first hop) count
+  against the same share as one owner's, so that many self-made keys behind one address get
+  no more than one would;
 - a reserve: ``reserve_for_trusted`` sequences are kept for owners the node trusts (its relay):
   other owners together never hold more than the rest, so self-made keys cannot lock a range
   out for the trusted ones;
@@ -64,6 +67,7 @@ class NodeSession:
     last_step_ms: int = 0  # its last step (or rebuild, resume, progress on the data plane): touches do not count
     trusted: bool = False  # its owner is one the node trusts: it may use the reserve
     bound_steps_seen: int = 0  # on the data plane: the worker's next step when progress was last noted
+    source_host: str = ""  # the address that opened it, where counted (agent.core.wire.address_rate.counted_host)
     pending: int = 0  # steps accepted and not yet done (queued or in a Forward)
     rebuilding: bool = False  # opened by rebuild steps; cleared by its first ordinary step
     rows: int = 0  # rows accepted for it here (prompt, generated, rebuild): the ledger's count
@@ -133,6 +137,7 @@ class SessionTable:
         now_ms: int,
         *,
         trusted: bool = False,
+        source_host: str = "",
     ) -> NodeSession:
         """Admit a step of ``n_rows`` rows at positions ``first_position ..``; reserve them.
 
@@ -147,7 +152,7 @@ class SessionTable:
                 raise WireError(Code.INVALID_ARGUMENT, f"session {session_id.hex()} already exists (step 0 sent twice)")
             if first_position != 0:
                 raise WireError(Code.INVALID_ARGUMENT, f"step 0 must start at position 0, got {first_position}")
-            session = self._open(session_id, n_rows, owner_peer_id, now_ms, trusted)
+            session = self._open(session_id, n_rows, owner_peer_id, now_ms, trusted, source_host)
             self.started += 1
         else:
             if session is None:
@@ -169,7 +174,9 @@ class SessionTable:
         session.last_used_ms = session.last_step_ms = now_ms
         return session
 
-    def _open(self, session_id: bytes, n_rows: int, owner_peer_id: str, now_ms: int, trusted: bool) -> NodeSession:
+    def _open(
+        self, session_id: bytes, n_rows: int, owner_peer_id: str, now_ms: int, trusted: bool, source_host: str = ""
+    ) -> NodeSession:
         self._check_context(session_id, 0, n_rows)
         if not self._free:
             raise WireError(
@@ -184,6 +191,14 @@ class SessionTable:
                 f"owner {owner_peer_id} holds {held} of this range's {self.n_seq_max} sequences,"
                 f" its share (at most {self.max_per_owner})",
             )
+        if source_host and not trusted:
+            from_host = sum(s.source_host == source_host for s in self._sessions.values())
+            if from_host >= self.max_per_owner:
+                raise WireError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"{from_host} of this range's {self.n_seq_max} sequences are held from {source_host},"
+                    f" its share (at most {self.max_per_owner})",
+                )
         if not trusted:
             untrusted = sum(not s.trusted for s in self._sessions.values())
             if untrusted >= self.n_seq_max - self.reserve_for_trusted:
@@ -193,6 +208,7 @@ class SessionTable:
                     f" {self.reserve_for_trusted} are kept for owners this node trusts",
                 )
         session = NodeSession(session_id, self._free.pop(), owner_peer_id, 0, 0, now_ms, now_ms, trusted)
+        session.source_host = source_host
         self._sessions[session_id] = session
         return session
 

@@ -6,13 +6,30 @@ sampler, the served context, ``x-request-id``, unknown paths, and the tokenizer 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
-from test_relay_app import EOG, SHA, _http, app_parts  # noqa: F401  (app_parts: the fixture)
+from test_relay_app import EOG, SHA, FakeClient, FakePool, _http
 
 from agent._proto import swarm_pb2
+from agent.core.relay.quotas import KeyLimits
+from agent.io.relay.metrics import RelayMetrics
+from agent.io.relay.server import build_app
+from agent.io.relay.state import RelayConfig, RelayState
+from agent.io.relay.store import open_relay_store
 
 pytestmark = pytest.mark.swarm
+
+
+@pytest.fixture
+def parts(tmp_path: Path):
+    """As ``test_relay_app``'s: the app over a scripted client, a key, the client, the state."""
+    with open_relay_store(tmp_path / "relay.db") as store:
+        key = store.create_key("k", KeyLimits())
+        client = FakeClient()
+        config = RelayConfig(tracker="/memory/t/p2p/x", db=tmp_path / "relay.db")
+        state = RelayState(config, client, store, FakePool(), RelayMetrics(), now_s=lambda: 1_800_000_000.0)  # type: ignore[arg-type]
+        yield build_app(state), key, client, state
 
 
 def _auth(key: str) -> dict[str, str]:
@@ -20,8 +37,8 @@ def _auth(key: str) -> dict[str, str]:
 
 
 @pytest.mark.timeout(30)
-async def test_every_answer_has_a_request_id_and_an_unknown_path_is_not_a_missing_model(app_parts) -> None:
-    app, key, _client, _state = app_parts
+async def test_every_answer_has_a_request_id_and_an_unknown_path_is_not_a_missing_model(parts) -> None:
+    app, key, _client, _state = parts
     async with _http(app) as http:
         ok = await http.get("/v1/models", headers=_auth(key))
         refused = await http.get("/v1/models", headers=_auth("sk-wrong"))
@@ -36,8 +53,8 @@ async def test_every_answer_has_a_request_id_and_an_unknown_path_is_not_a_missin
 
 
 @pytest.mark.timeout(30)
-async def test_n_choices_each_a_session_with_its_own_seed_streamed_and_not(app_parts) -> None:
-    app, key, client, _state = app_parts
+async def test_n_choices_each_a_session_with_its_own_seed_streamed_and_not(parts) -> None:
+    app, key, client, _state = parts
     seen: list[dict] = []
     generate = client.generate_tokens
 
@@ -71,8 +88,8 @@ async def test_n_choices_each_a_session_with_its_own_seed_streamed_and_not(app_p
 
 
 @pytest.mark.timeout(30)
-async def test_a_list_of_prompts_echo_and_sampling_options_reach_the_sampler(app_parts) -> None:
-    app, key, client, _state = app_parts
+async def test_a_list_of_prompts_echo_and_sampling_options_reach_the_sampler(parts) -> None:
+    app, key, client, _state = parts
     seen: list[dict] = []
     generate = client.generate_tokens
 
@@ -100,8 +117,8 @@ async def test_a_list_of_prompts_echo_and_sampling_options_reach_the_sampler(app
 
 
 @pytest.mark.timeout(30)
-async def test_the_served_context_is_reported_and_a_longer_prompt_refused_at_once(app_parts) -> None:
-    app, key, client, _state = app_parts
+async def test_the_served_context_is_reported_and_a_longer_prompt_refused_at_once(parts) -> None:
+    app, key, client, _state = parts
     status = swarm_pb2.AssignmentStatus(
         assignment=swarm_pb2.Assignment(model_sha256=SHA, begin=0, end=4), state=swarm_pb2.AssignmentStatus.READY,
         n_ctx_per_sequence=8,
@@ -127,8 +144,8 @@ async def test_the_served_context_is_reported_and_a_longer_prompt_refused_at_onc
 
 
 @pytest.mark.timeout(30)
-async def test_tokenize_detokenize_and_tokenizer_info_as_vllm_and_llama_cpp_answer(app_parts) -> None:
-    app, key, _client, _state = app_parts
+async def test_tokenize_detokenize_and_tokenizer_info_as_vllm_and_llama_cpp_answer(parts) -> None:
+    app, key, _client, _state = parts
     async with _http(app) as http:
         vllm = await http.post("/tokenize", headers=_auth(key), json={"model": "tiny", "prompt": "a b c"})
         llama = await http.post("/tokenize", headers=_auth(key),

@@ -87,6 +87,8 @@ def adjusts_logits(params: SamplingParams) -> bool:
     Such a session needs the full row (a bias may lift a token from outside any top-K, and a
     penalty's tokens are wherever the history put them) and the history (the tokens so far),
     so its tokens are drawn by the owner, never at the last hop: the one place that decides it.
+    (A full-row session is never continued greedily by the last hop either:
+    ``agent.core.owner.data_route.continuation_steps`` needs a top-K.)
     """
     return bool(
         params.logit_bias

@@ -164,3 +164,17 @@ async def test_tokenize_detokenize_and_tokenizer_info_as_vllm_and_llama_cpp_answ
     assert no_model.status_code == 400 and no_model.json()["error"]["param"] == "model"
     assert info.status_code == 200 and info.json()["model_max_length"] == 64 and info.json()["vocab_size"] == 10
     assert EOG == 9
+
+
+@pytest.mark.timeout(30)
+async def test_a_streamed_echo_starts_with_the_prompt_and_a_list_of_prompts_streams_each_choice(parts) -> None:
+    app, key, _client, _state = parts
+    body = {"model": "tiny", "prompt": ["one two", "three"], "echo": True, "stream": True, "max_tokens": 8}
+    async with _http(app) as http:
+        async with http.stream("POST", "/v1/completions", headers=_auth(key), json=body) as stream:
+            events = [json.loads(line[6:]) async for line in stream.aiter_lines() if line.startswith("data: {")]
+    texts: dict[int, str] = {}
+    for event in events:
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "one twoHello world!", 1: "threeHello world!"}

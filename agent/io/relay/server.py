@@ -38,6 +38,7 @@ from starlette.routing import Route
 from agent._proto import swarm_pb2
 from agent.core.relay.coverage import model_coverage
 from agent.core.relay.openai_api import ApiError, check_json_content_type, check_unicode, parse_request
+from agent.core.relay.served_context import served_context
 from agent.io.client import SwarmError
 from agent.io.http_serve import serve_asgi
 from agent.io.net.transport import TransportError
@@ -260,7 +261,7 @@ async def _status(state: RelayState) -> dict:
         coverage, covered = model_coverage(entry, nodes)
         out_models.append({
             "alias": entry.alias, "name": entry.name, "sha256": entry.sha256, "n_layer": entry.n_layer,
-            "context_length": entry.context_length, "covered": covered,
+            "context_length": served_context(entry, nodes), "covered": covered,
             "coverage": coverage,
         })  # fmt: skip
     credits = [

@@ -131,6 +131,10 @@ def test_openai_completions_echo_with_prompt_logprobs_and_the_served_context(rel
     # the generated token's logprob is the one a request without echo reports
     alone = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=1, temperature=0, logprobs=2)
     assert logprobs.token_logprobs[-1] == pytest.approx(alone.choices[0].logprobs.token_logprobs[0], abs=1e-3)
+    # the swarm scores the prompt one row a step; one unsplit worker scores it in one batch: the
+    # two may differ by llama.cpp's batch-size rounding (measured: equal to 1e-6 relative here)
+    unsplit = _unsplit_prompt_logprobs(relay, _tokens(relay, prompt))
+    assert logprobs.token_logprobs[1:n_prompt] == pytest.approx(unsplit, abs=PROMPT_LOGPROB_BOUND)
     scored = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
     assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
     assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(logprobs.token_logprobs[1:n_prompt], abs=1e-3)
@@ -142,6 +146,40 @@ def test_openai_completions_echo_with_prompt_logprobs_and_the_served_context(rel
             model=ALIAS, messages=[{"role": "user", "content": "word " * 3000}], max_tokens=4
         )
     assert caught.value.code == "context_length_exceeded"
+
+
+PROMPT_LOGPROB_BOUND = 1e-4
+
+
+def _tokens(relay: Relay, text: str) -> list[int]:
+    import httpx
+
+    reply = httpx.post(
+        f"{relay.url}/tokenize", json={"model": ALIAS, "prompt": text},
+        headers={"Authorization": f"Bearer {relay.key}"}, timeout=30,
+    )  # fmt: skip
+    return [int(t) for t in reply.json()["tokens"]]
+
+
+def _unsplit_prompt_logprobs(relay: Relay, tokens: list[int]) -> list[float]:
+    """Each prompt token's logprob after the ones before it, from one unsplit worker's batch."""
+    import numpy as np
+
+    from agent.core.wire.worker_records import SeqInput
+    from agent.io.worker.process import open_worker
+    from agent.models import sha256_file
+
+    async def run() -> list[float]:
+        path = relay.swarm.config.model_path
+        async with open_worker(path, 0, None, threads=1, max_sequences=1, model_sha256=sha256_file(path)) as single:
+            entry = SeqInput(0, range(len(tokens)), token_ids=tokens, logit_rows=range(len(tokens) - 1))
+            (out,) = await single.client.forward([entry])
+        rows = np.asarray(out.logits, dtype=np.float64)
+        peak = rows.max(axis=1, keepdims=True)
+        log_sum = peak[:, 0] + np.log(np.exp(rows - peak).sum(axis=1))
+        return [float(rows[i, tokens[i + 1]] - log_sum[i]) for i in range(len(tokens) - 1)]
+
+    return trio.run(run)
 
 
 def _offline_env(relay: Relay) -> dict[str, str]:

@@ -155,9 +155,9 @@ class Completion:
         self.created = int(state.now_s())
         options = req.options
         self.echo = req.kind == "completion" and options.echo
-        if prompt_text is None:
+        if self.echo and prompt_text is None:
             prompt_text = _token_text(b"".join(prompt.vocab.piece(t) for t in prompt.tokens))
-        self.echo_text = prompt_text if self.echo else ""
+        self.echo_text = (prompt_text or "") if self.echo else ""
         self._echo_unsent = self.echo
         self.score_only = self.echo and req.max_tokens == 0  # the prompt's logprobs, no new token
         self._prompt_scores: dict[int, tuple[float, dict[str, float]]] = {}

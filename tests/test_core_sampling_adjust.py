@@ -12,6 +12,7 @@ from agent.core.owner.sampling import (
     adjust_logits,
     adjusts_logits,
     choose_token,
+    draws_at_owner,
     result_top_k_for,
     sample_token,
     sampling_candidates,
@@ -68,6 +69,9 @@ def test_adjusting_sessions_ask_for_the_full_row_and_the_others_for_the_top_k() 
     ):
         assert adjusts_logits(adjusted) and result_top_k_for(adjusted, at_least=20) == 0
     assert not adjusts_logits(SamplingParams(min_p=0.2))  # a cut of the candidates, as top_p
+    assert draws_at_owner(SamplingParams(temperature=1.0, min_p=0.2))  # but no last hop makes it
+    assert draws_at_owner(SamplingParams(presence_penalty=0.1))
+    assert not draws_at_owner(SamplingParams(temperature=0.7, top_k=40, top_p=0.9))
 
 
 def test_min_p_keeps_tokens_with_at_least_that_share_of_the_peak_probability() -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "adjust_logits",
     "adjusts_logits",
     "choose_token",
+    "draws_at_owner",
     "result_top_k_for",
     "sample_token",
     "sampling_candidates",
@@ -96,6 +97,13 @@ def adjusts_logits(params: SamplingParams) -> bool:
         or params.frequency_penalty
         or (params.repeat_penalty != 1.0 and params.repeat_last_n != 0)
     )
+
+
+def draws_at_owner(params: SamplingParams) -> bool:
+    """Whether a session's tokens must be drawn here, by its owner, rather than by a last hop
+    that samples plain temperature / top-k / top-p itself: logit adjustments (they need the
+    history, ``adjusts_logits``) and ``min_p`` (a cut only this module makes)."""
+    return adjusts_logits(params) or params.min_p > 0
 
 
 def result_top_k_for(params: SamplingParams, *, at_least: int = 0) -> int:

@@ -3,8 +3,10 @@ temperature / top-k / top-p: ``n``, OpenAI's ``presence_penalty`` / ``frequency_
 ``logit_bias``, vLLM's and llama.cpp's ``min_p``, llama.cpp server's ``repeat_penalty`` /
 ``repeat_last_n``, ``ignore_eos``, and the completions API's ``echo`` and list of prompts.
 
-Owns their validation (an ``ApiError`` 400 naming the field) and their defaults, as a
-``GenerationOptions``. ``agent.core.relay.openai_api.parse_request`` calls ``parse_options``;
+Owns their validation (an ``OptionError`` naming the field, which the caller answers with
+400) and their defaults, as a ``GenerationOptions``; and the check of a chat history's tool
+calls (``tool_history``: an assistant's ``tool_calls``, a tool message's ``tool_call_id``,
+kept for the chat template, never dropped). ``agent.core.relay.openai_api.parse_request`` calls ``parse_options``;
 the rules that apply them to a logits row are ``agent.core.owner.sampling``'s.
 
 Pure: the standard library only. Must not import trio, HTTP, sockets, clocks or agent.io.
@@ -17,7 +19,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_CHOICES", "MAX_LOGIT_BIAS_ENTRIES", "GenerationOptions", "parse_options", "parse_prompts"]
+__all__ = [
+    "DEFAULT_MAX_CHOICES",
+    "MAX_LOGIT_BIAS_ENTRIES",
+    "GenerationOptions",
+    "OptionError",
+    "parse_options",
+    "parse_prompts",
+    "tool_history",
+]
 
 #: ``n`` (times the number of prompts) above this is refused: each choice is a session of its
 #: own on the swarm (RelayConfig.max_choices overrides it)
@@ -166,3 +176,37 @@ def parse_options(body: Mapping[str, Any], kind: str, *, max_choices: int = DEFA
         echo=echo,
         prompts=prompts,
     )
+
+
+def tool_history(message: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """An assistant message's ``tool_calls`` and a tool message's ``tool_call_id``, checked and
+    kept for the chat template (never silently dropped)."""
+    out: dict[str, Any] = {}
+    calls = message.get("tool_calls")
+    if calls is not None and calls != []:
+        param = f"messages[{index}].tool_calls"
+        if message.get("role") != "assistant":
+            raise OptionError(f"{param}: only an assistant message carries tool calls", param)
+        if not isinstance(calls, list):
+            raise OptionError(f"{param} must be a list of tool calls", param)
+        kept = []
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, Mapping) else None
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+                raise OptionError(
+                    f"{param}[{j}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", param
+                )
+            arguments = function.get("arguments", "")
+            if not isinstance(arguments, (str, Mapping)):
+                raise OptionError(f"{param}[{j}].function.arguments must be a JSON string", param)
+            kept.append({
+                "id": str(call.get("id") or ""), "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            })  # fmt: skip
+        out["tool_calls"] = kept
+    call_id = message.get("tool_call_id")
+    if call_id is not None:
+        if not isinstance(call_id, str):
+            raise OptionError(f"messages[{index}].tool_call_id must be a string", f"messages[{index}].tool_call_id")
+        out["tool_call_id"] = call_id
+    return out

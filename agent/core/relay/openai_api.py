@@ -20,7 +20,7 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from agent.core.relay.generation_options import GenerationOptions, OptionError, parse_options
+from agent.core.relay.generation_options import GenerationOptions, OptionError, parse_options, tool_history
 from agent.core.wire.topk import TopLogits
 
 __all__ = [
@@ -294,41 +294,12 @@ def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
         entry: dict[str, Any] = {"role": role, "content": text}
         if isinstance(message.get("name"), str):
             entry["name"] = message["name"]
-        entry.update(_tool_history(message, i))
+        try:
+            entry.update(tool_history(message, i))
+        except OptionError as error:
+            raise _bad(error.message, error.param) from None
         out.append(entry)
     return tuple(out)
-
-
-def _tool_history(message: Mapping[str, Any], index: int) -> dict[str, Any]:
-    """An assistant message's ``tool_calls`` and a tool message's ``tool_call_id``, checked and
-    kept for the chat template (never silently dropped)."""
-    out: dict[str, Any] = {}
-    calls = message.get("tool_calls")
-    if calls is not None and calls != []:
-        param = f"messages[{index}].tool_calls"
-        if message.get("role") != "assistant":
-            raise _bad(f"{param}: only an assistant message carries tool calls", param)
-        if not isinstance(calls, list):
-            raise _bad(f"{param} must be a list of tool calls", param)
-        kept = []
-        for j, call in enumerate(calls):
-            function = call.get("function") if isinstance(call, Mapping) else None
-            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-                raise _bad(f"{param}[{j}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", param)
-            arguments = function.get("arguments", "")
-            if not isinstance(arguments, (str, Mapping)):
-                raise _bad(f"{param}[{j}].function.arguments must be a JSON string", param)
-            kept.append({
-                "id": str(call.get("id") or ""), "type": "function",
-                "function": {"name": function["name"], "arguments": arguments},
-            })  # fmt: skip
-        out["tool_calls"] = kept
-    call_id = message.get("tool_call_id")
-    if call_id is not None:
-        if not isinstance(call_id, str):
-            raise _bad(f"messages[{index}].tool_call_id must be a string", f"messages[{index}].tool_call_id")
-        out["tool_call_id"] = call_id
-    return out
 
 
 def parse_request(body: object, kind: str, *, max_choices: int | None = None) -> CompletionRequest:

@@ -34,10 +34,10 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from agent._proto import swarm_pb2
-from agent.core.owner.sampling import SamplingParams, sample_token
+from agent.core.owner.sampling import SamplingParams, choose_token, result_top_k_for
 from agent.core.wire.step_results import result_scores
 from agent.core.wire.swarm_wire import SCHEMA_VERSION, SESSION_ID_BYTES, token_checksum
-from agent.core.wire.topk import TopLogits, result_top_k
+from agent.core.wire.topk import TopLogits
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -123,6 +123,12 @@ class Session:
       top_k_at_least: ask the last hop for at least this many top logits (e.g. the owner's
         top_logprobs); the request's K is ``agent.core.wire.topk.result_top_k`` (0, the full row,
         when sampling has no top-k cut).
+      output_start: where the generation's own tokens begin in ``prompt`` (a session resumed
+        after a replan carries the tokens generated before it in its prompt): the penalties
+        that count generated tokens start there. None: after the prompt.
+      on_prompt_scores: called with each prefill chunk's last position and that row's scores
+        (the distribution of the token after it), e.g. to score a prompt in one-row chunks;
+        such a session asks for the full row (any prompt token's logprob is exact).
       max_step_rows: the most rows one step carries (a worker's batch): a longer prompt goes
         in chunks of this many rows, each a step of its own, so it pipelines down the route
         and is never refused for its length. None: the whole prompt in step 0.
@@ -141,6 +147,8 @@ class Session:
         route_peer_ids: Sequence[str] = (),
         top_k_at_least: int = 0,
         max_step_rows: int | None = None,
+        output_start: int | None = None,
+        on_prompt_scores: Callable[[int, np.ndarray | TopLogits], None] | None = None,
     ) -> None:
         if len(session_id) != SESSION_ID_BYTES:
             raise ValueError(f"a session id has {SESSION_ID_BYTES} bytes, got {len(session_id)}")
@@ -167,7 +175,11 @@ class Session:
         self.stopped_by_caller = False
         # the scores the last token came from: the full row, or the top-K (``result_top_k``)
         self.last_logits: np.ndarray | TopLogits = np.zeros(0, dtype=_F32)
-        self.result_top_k = result_top_k(sampling.temperature, sampling.top_k, at_least=top_k_at_least)
+        self.result_top_k = result_top_k_for(sampling, at_least=top_k_at_least)
+        self.output_start = len(self.tokens) if output_start is None else output_start
+        self._on_prompt_scores = on_prompt_scores
+        if on_prompt_scores is not None:
+            self.result_top_k = 0
         self.failure: str | None = None
         self.route_peer_ids = tuple(route_peer_ids)
         self.max_step_rows = max_step_rows
@@ -434,13 +446,15 @@ class Session:
         try:
             logits = self._logits(scores(), n_vocab)
             # a chunk's logits are checked, never sampled: no draw, so chunking changes no seed's tokens
-            token = None if chunk else sample_token(logits, self.sampling, self._rng)
+            token = None if chunk else choose_token(logits, self.sampling, self._rng, self.tokens, self.output_start)
         except ValueError as bad:
             message = f"malformed result for step {step} of session {self.session_hex}: {bad}"
             self.fail(message)
             raise ResultRefused(_error("INVALID_ARGUMENT"), message, fatal=True) from None
         self.n_vocab = n_vocab
         if token is None:
+            if self._on_prompt_scores is not None:
+                self._on_prompt_scores(self._in_flight_end - 1, logits)
             self._n_cached = self._in_flight_end
             self.step += 1
             self.state = READY

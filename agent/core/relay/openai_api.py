@@ -20,6 +20,7 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
+from agent.core.relay.generation_options import GenerationOptions, OptionError, parse_options, tool_history
 from agent.core.wire.topk import TopLogits
 
 __all__ = [
@@ -47,15 +48,11 @@ MAX_COMPLETION_LOGPROBS = 5  # the completions API's ``logprobs`` integer
 _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options", "suffix"})
 # Fields whose non-default values this relay does not implement: refused, never silently dropped.
 _UNSUPPORTED_UNLESS_DEFAULT: dict[str, Any] = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
     "tools": None,
     "tool_choice": None,
     "functions": None,
     "function_call": None,
     "response_format": None,
-    "echo": False,
     "best_of": 1,
     "modalities": None,
     "audio": None,
@@ -136,6 +133,7 @@ class CompletionRequest:
     top_logprobs: int | None
     user: str | None
     return_token_ids: bool = False
+    options: GenerationOptions = dataclasses.field(default_factory=GenerationOptions)
 
     @property
     def logprobs(self) -> bool:
@@ -293,34 +291,24 @@ def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
         if role not in _ROLES:
             raise _bad(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {role!r}", f"messages[{i}].role")
         text = _content_text(message.get("content"), i)
-        entry = {"role": role, "content": text}
+        entry: dict[str, Any] = {"role": role, "content": text}
         if isinstance(message.get("name"), str):
             entry["name"] = message["name"]
+        try:
+            entry.update(tool_history(message, i))
+        except OptionError as error:
+            raise _bad(error.message, error.param) from None
         out.append(entry)
     return tuple(out)
 
 
-def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt in a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _bad("'prompt' must not be empty", "prompt")
-        return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        return tuple(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise _bad("'prompt' holds several prompts; send one per request", "prompt")
-    raise _bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
-
-
-def parse_request(body: object, kind: str) -> CompletionRequest:
+def parse_request(body: object, kind: str, *, max_choices: int | None = None) -> CompletionRequest:
     """Validate a decoded JSON body of ``/v1/completions`` (kind "completion") or
     ``/v1/chat/completions`` (kind "chat").
 
     Raises:
-      ApiError: 400 naming the field that is wrong and why.
+      ApiError: 400 naming the field that is wrong and why (``n`` times the prompts above
+        ``max_choices``, None: ``generation_options.DEFAULT_MAX_CHOICES``, among them).
     """
     if kind not in ("completion", "chat"):
         raise ValueError(f"unknown request kind {kind!r}")
@@ -333,10 +321,14 @@ def parse_request(body: object, kind: str) -> CompletionRequest:
         value = body.get(name)
         if value is not None and value != default and not (default is None and value in ([], {})):
             raise _bad(f"'{name}' is not supported by this relay", name)
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise _bad(f"'n' must be 1 (one choice per request), got {n!r}", "n")
-    max_tokens = _optional_int(body, "max_tokens", minimum=1)
+    try:
+        generation = (
+            parse_options(body, kind) if max_choices is None else parse_options(body, kind, max_choices=max_choices)
+        )
+    except OptionError as error:
+        raise _bad(error.message, error.param) from None
+    # echo with max_tokens 0 scores the prompt alone (lm-eval's loglikelihood asks that way)
+    max_tokens = _optional_int(body, "max_tokens", minimum=0 if generation.echo else 1)
     if kind == "chat":
         max_completion = _optional_int(body, "max_completion_tokens", minimum=1)
         if max_completion is not None:
@@ -383,7 +375,7 @@ def parse_request(body: object, kind: str) -> CompletionRequest:
     return CompletionRequest(
         kind=kind,
         model=model,
-        prompt=_prompt(body) if kind == "completion" else None,
+        prompt=generation.prompts[0] if kind == "completion" else None,
         messages=_messages(body) if kind == "chat" else None,
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
@@ -396,6 +388,7 @@ def parse_request(body: object, kind: str) -> CompletionRequest:
         top_logprobs=top_logprobs,
         user=user,
         return_token_ids=return_token_ids,
+        options=generation,
     )
 
 

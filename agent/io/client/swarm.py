@@ -206,6 +206,7 @@ class SwarmClient(ResumingClient):
         on_token: Callable[[int, np.ndarray | TopLogits, swarm_pb2.Route], Awaitable[bool]] | None = None,
         route: swarm_pb2.Route | None = None,
         queue_timeout_s: float | None = None,
+        prompt_scores: Callable[[int, np.ndarray | TopLogits], None] | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_tokens`` token ids after ``prompt_tokens`` (tokenized by the caller).
 
@@ -217,6 +218,9 @@ class SwarmClient(ResumingClient):
           queue_timeout_s: while the route's ranges have no free sequence (RESOURCE_EXHAUSTED
             at the first step), wait and try again for this long (default
             ``SwarmClientConfig.queue_timeout_s``): busy is not a failed hop.
+          prompt_scores: score the prompt: it goes one row a step, and this is called with
+            each position and the scores of the token after it (a position may come again
+            after a replan). One step a prompt token: for scoring short prompts, not for chat.
 
         Returns:
           A ``GenerationResult`` with ``text`` empty (the caller detokenizes). A route whose
@@ -268,7 +272,9 @@ class SwarmClient(ResumingClient):
                 sampling=sampling,
                 rng=rng,
                 route_peer_ids=[hop.peer_id for hop in route.hops],
-                max_step_rows=self.config.prefill_chunk_tokens,
+                max_step_rows=1 if prompt_scores is not None else self.config.prefill_chunk_tokens,
+                output_start=len(prompt),
+                on_prompt_scores=prompt_scores,
             )
             live = LiveSession(session)
             self._live[session.session_id] = live

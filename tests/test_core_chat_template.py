@@ -54,3 +54,29 @@ def test_the_sandbox_refuses_reaching_python_internals() -> None:
     template = ChatTemplate("{{ messages.__class__.__mro__[1].__subclasses__() }}")
     with pytest.raises(ChatTemplateError):
         template.render([{"role": "user", "content": "x"}])
+
+
+# the tool-call part of Qwen2.5's template: it writes each call's arguments with tojson
+TOOL_HISTORY = (
+    "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}"
+    "{% for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}"
+    "</tool_call>{% endfor %}{% elif m.role == 'tool' %}<tool_response id={{ m.tool_call_id }}>{{ m.content }}"
+    "</tool_response>{% else %}{{ m.content }}{% endif %}{% endfor %}{% if tools %}[{{ tools | length }} tools]{% endif %}"
+)
+
+
+def test_tool_call_history_reaches_the_template_with_arguments_decoded_as_transformers_takes_them() -> None:
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}},
+                        {"id": "c2", "type": "function", "function": {"name": "raw", "arguments": "not json"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "4"},
+    ]  # fmt: skip
+    text = ChatTemplate(TOOL_HISTORY).render(messages, tools=[{"type": "function"}])
+    assert text == (
+        '2+2?<tool_call>{"name": "add", "arguments": {"a": 2, "b": 2}}</tool_call>'
+        '<tool_call>{"name": "raw", "arguments": "not json"}</tool_call>'
+        "<tool_response id=c1>4</tool_response>[1 tools]"
+    )
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"a": 2, "b": 2}'  # the caller's left as it was

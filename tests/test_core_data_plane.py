@@ -205,13 +205,17 @@ def _next_node(**changes) -> swarm_pb2.NodeEntry:
         data_port=7003,
     )
     entry = swarm_pb2.NodeEntry(
-        peer_id="peer2", alive=True, serving=[status],
+        peer_id="peer2", alive=True, serving=[status], assigned=[status.assignment],
         listen_addrs=["/ip4/10.0.0.9/tcp/9/p2p/peer2", "/ip4/10.0.0.2/tcp/4002/tls/p2p/peer2"],
     )  # fmt: skip
     for name, value in changes.items():
-        if name in ("state", "data_port", "begin"):
+        if name in ("state", "data_port", "begin", "awaiting_check"):
             target = entry.serving[0] if name != "begin" else entry.serving[0].assignment
             setattr(target, name, value)
+            if name == "begin":
+                entry.assigned[0].begin = value
+        elif name == "assigned":
+            del entry.assigned[:]
         else:
             setattr(entry, name, value)
     return entry
@@ -240,6 +244,8 @@ def test_a_node_binds_only_toward_the_next_hop_the_tracker_lists() -> None:
     refused(middle, [_next_node(alive=False)], "peer2 is not a live node")
     refused(middle, [_next_node(state=swarm_pb2.AssignmentStatus.LOADING)], "serves no range")
     refused(middle, [_next_node(begin=21)], "from block 20")
+    refused(middle, [_next_node(assigned=None)], "is not assigned a range of model ababababab")  # its word only
+    refused(middle, [_next_node(awaiting_check=True)], "serves no range")  # not through its canary yet
     refused(middle, [_next_node(data_port=22)], "at port 7003")
     for host in ("10.0.0.9", "127.0.0.1", "example.org", ""):  # its libp2p address's host is not its channel's
         elsewhere = swarm_pb2.DataPlaneBindRequest()
@@ -249,7 +255,7 @@ def test_a_node_binds_only_toward_the_next_hop_the_tracker_lists() -> None:
     other_model = swarm_pb2.DataPlaneBindRequest()
     other_model.CopyFrom(middle)
     other_model.model_sha256 = "cd" * 32
-    refused(other_model, [_next_node()], "serves no range of model cdcdcdcdcdcd")
+    refused(other_model, [_next_node()], "is not assigned a range of model cdcdcdcdcdcd")
 
 
 def test_results_come_to_the_session_as_the_node_path_would_bring_them() -> None:

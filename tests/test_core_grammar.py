@@ -121,13 +121,14 @@ def test_the_mask_refuses_what_the_grammar_refuses_and_rollback_goes_back(tokeni
 
 
 def test_constrained_sessions_draw_at_the_owner_from_full_rows() -> None:
-    assert draw_plan(constrained=True, greedy=True, result_top_k=40) == draw_plan(
-        constrained=True, greedy=False, result_top_k=0
-    )
-    plan = draw_plan(constrained=True, greedy=True, result_top_k=40)
-    assert plan.result_top_k == 0 and not plan.continuation
-    assert draw_plan(constrained=False, greedy=True, result_top_k=40).continuation
-    assert not draw_plan(constrained=False, greedy=False, result_top_k=0).continuation
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7, top_k=40)
+    plan = draw_plan(constrained=True, sampling=greedy, result_top_k=40)
+    assert plan == draw_plan(constrained=True, sampling=sampled, result_top_k=40)
+    assert plan.result_top_k == 0 and not plan.continuation and plan.at_owner
+    assert draw_plan(constrained=False, sampling=greedy, result_top_k=40).continuation
+    plain = draw_plan(constrained=False, sampling=sampled, result_top_k=40)
+    assert not plain.continuation and not plain.at_owner  # a last hop may draw it
+    assert draw_plan(constrained=False, sampling=SamplingParams(presence_penalty=0.5), result_top_k=0).at_owner
 
 
 def test_masked_scores_of_a_row_and_of_a_top_k() -> None:

@@ -82,7 +82,29 @@ def test_tools_and_response_format_are_read_and_tool_history_kept() -> None:
 @pytest.mark.parametrize(
     "fields, param",
     [
-        ({"n": 2}, "n"),
+        ({"n": 9}, "n"),
+        ({"n": 0}, "n"),
+        ({"echo": True}, "echo"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": "x"}, "frequency_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": [1]}, "logit_bias"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repeat_penalty": -1}, "repeat_penalty"),
+        ({"repeat_last_n": -2}, "repeat_last_n"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x", "tool_calls": []},
+                    {"role": "user", "content": "y", "tool_calls": [{"function": {"name": "f"}}]},
+                ]
+            },
+            "messages[1].tool_calls",
+        ),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
+        ({"messages": [{"role": "tool", "content": "4", "tool_call_id": 7}]}, "messages[0].tool_call_id"),
         ({"model": ""}, "model"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
@@ -103,7 +125,6 @@ def test_tools_and_response_format_are_read_and_tool_history_kept() -> None:
         ({"seed": -(2**63) - 1}, "seed"),
         ({"top_k": 2**32}, "top_k"),
         ({"top_k": -1}, "top_k"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"tools": [{"type": "function"}]}, "tools[0]"),
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
         (
@@ -125,14 +146,6 @@ def test_tools_and_response_format_are_read_and_tool_history_kept() -> None:
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
             "response_format.json_schema.schema",
-        ),
-        (
-            {
-                "messages": [
-                    {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
-                ]
-            },
-            "messages[0].tool_calls[0].function.arguments",
         ),
     ],
 )
@@ -158,7 +171,9 @@ def test_completion_prompts() -> None:
     assert parse_request({"model": "m", "prompt": ["one"]}, "completion").prompt == "one"
     assert parse_request({"model": "m", "prompt": [1, 2, 3]}, "completion").prompt == (1, 2, 3)
     assert parse_request({"model": "m", "prompt": "x", "logprobs": 3}, "completion").top_logprobs == 3
-    for prompt in ("", ["a", "b"], [], None, [-1]):
+    several = parse_request({"model": "m", "prompt": ["a", [5, 6]], "n": 2}, "completion")
+    assert several.prompt == "a" and several.options.prompts == ("a", (5, 6)) and several.options.n == 2
+    for prompt in ("", ["a", ""], [], None, [-1], ["a", [-1]], ["a"] * 65):
         with pytest.raises(ApiError) as caught:
             parse_request({"model": "m", "prompt": prompt}, "completion")
         assert caught.value.param == "prompt"
@@ -244,3 +259,38 @@ def test_response_shapes() -> None:
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     final = chat_chunk(id_="c", created=1, model="m", usage_=usage(1, 1), final_usage=True)
     assert final["choices"] == [] and final["usage"]["total_tokens"] == 2
+
+
+def test_sampling_options_and_tool_history_are_kept() -> None:
+    req = parse_request(
+        _chat(n=3, presence_penalty=0.5, frequency_penalty=-1, logit_bias={"42": -100, "7": 3.5}, min_p=0.05,
+              repeat_penalty=1.1, repeat_last_n=-1, ignore_eos=True, seed=3),
+        "chat",
+    )  # fmt: skip
+    options = req.options
+    assert (options.n, options.presence_penalty, options.frequency_penalty) == (3, 0.5, -1.0)
+    assert options.logit_bias == ((7, 3.5), (42, -100.0)) and options.min_p == 0.05
+    assert (options.repeat_penalty, options.repeat_last_n, options.ignore_eos) == (1.1, -1, True)
+    history = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "4"},
+    ]  # fmt: skip
+    messages = parse_request(_chat(messages=history), "chat").messages
+    assert messages[1]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 2}'}
+    assert messages[1]["tool_calls"][0]["id"] == "call_1" and messages[2]["tool_call_id"] == "call_1"
+
+
+def test_n_is_capped_per_request_over_every_prompt() -> None:
+    assert parse_request(_chat(n=4), "chat", max_choices=4).options.n == 4
+    with pytest.raises(ApiError) as caught:
+        parse_request({"model": "m", "prompt": ["a", "b", "c"], "n": 2}, "completion", max_choices=4)
+    assert caught.value.param == "n" and "6 choices" in caught.value.message
+
+
+def test_echo_lets_max_tokens_be_zero_on_completions_only() -> None:
+    req = parse_request({"model": "m", "prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 1}, "completion")
+    assert req.options.echo and req.max_tokens == 0 and req.top_logprobs == 1
+    with pytest.raises(ApiError):
+        parse_request({"model": "m", "prompt": "x", "max_tokens": 0}, "completion")

@@ -43,3 +43,22 @@ def test_a_gap_leaves_the_model_uncovered(middle: swarm_pb2.NodeEntry) -> None:
     coverage, covered = model_coverage(entry, [_node("a", 0, 10, READY), middle, _node("c", 20, 30, READY)])
     assert not covered
     assert ("b" in [c["peer_id"] for c in coverage]) == bool(middle.assigned)
+
+
+def test_the_served_context_is_the_smallest_a_live_ready_range_reports_else_the_gguf_s() -> None:
+    from agent.core.relay.served_context import served_context
+
+    entry = swarm_pb2.ModelEntry(sha256="m", n_layer=4, context_length=8192)
+
+    def node(alive: bool, state, n_ctx: int, sha: str = "m") -> swarm_pb2.NodeEntry:
+        status = swarm_pb2.AssignmentStatus(
+            assignment=swarm_pb2.Assignment(model_sha256=sha, begin=0, end=4), state=state, n_ctx_per_sequence=n_ctx
+        )
+        return swarm_pb2.NodeEntry(alive=alive, serving=[status])
+
+    ready, loading = swarm_pb2.AssignmentStatus.READY, swarm_pb2.AssignmentStatus.LOADING
+    assert served_context(entry, []) == 8192
+    assert served_context(entry, [node(True, ready, 0)]) == 8192  # an older node says nothing
+    nodes = [node(True, ready, 2048), node(True, ready, 4096), node(False, ready, 512), node(True, loading, 256),
+             node(True, ready, 128, sha="other")]  # fmt: skip
+    assert served_context(entry, nodes) == 2048

@@ -19,7 +19,8 @@ from agent.core.node.scheduler import (
     gather_arrivals_needed,
     gather_wait_ms,
 )
-from agent.core.node.sessions import SessionTable
+from agent.core.node.sessions import SessionTable, trusted_reserve
+from agent.core.wire.address_rate import counted_host
 from agent.core.wire.swarm_wire import WireError
 
 pytestmark = pytest.mark.unit
@@ -262,6 +263,53 @@ def test_idle_sessions_are_those_with_nothing_pending() -> None:
     assert table.get(S2).pending == 0 and sorted(table.session_ids()) == [S1, S2]
 
 
+def test_touches_alone_cannot_keep_a_session_past_the_stall_bound() -> None:
+    table = SessionTable(4, 64)
+    table.accept(S1, 0, 0, 2, "owner", now_ms=1000)
+    table.accept(S2, 0, 0, 2, "owner", now_ms=1000)
+    table.done(S1, now_ms=1000)
+    table.done(S2, now_ms=1000)
+    for now in range(2000, 62_000, 2000):  # the owner touches both every 2 s
+        assert table.touch(S1, "owner", now) and table.touch(S2, "owner", now)
+        table.accept(S2, now // 2000, 2 + now // 2000 - 1, 1, "owner", now)  # S2 also steps
+        table.done(S2, now)
+    assert table.idle(now_ms=61_000, timeout_ms=5000) == [], "touched: neither is idle"
+    assert table.stalled(now_ms=61_000, stall_ms=60_000) == [S1], "S1 took no step for 60 s, S2 stepped"
+    assert table.stalled(now_ms=61_000, stall_ms=60_000, bound=True) == []
+
+
+def test_a_session_bound_on_the_data_plane_is_stalled_only_if_its_worker_took_no_step() -> None:
+    table = SessionTable(4, 64)
+    table.accept(S1, 0, 0, 2, "owner", now_ms=0)
+    table.done(S1, now_ms=0)
+    table.bind_data_plane(S1, "owner", now_ms=0)
+    assert table.stalled(now_ms=60_000, stall_ms=60_000, bound=True) == [S1]
+    table.note_bound_progress(S1, worker_next_step=7, now_ms=60_000)  # the worker took steps 1..6
+    assert table.stalled(now_ms=61_000, stall_ms=60_000) == []
+    table.note_bound_progress(S1, worker_next_step=7, now_ms=121_000)  # nothing since
+    assert table.stalled(now_ms=121_000, stall_ms=60_000) == [S1]
+
+
+def test_untrusted_owners_together_never_take_the_trusted_reserve() -> None:
+    assert trusted_reserve(4, 0.25, any_trusted=True) == 1
+    assert trusted_reserve(4, 0.25, any_trusted=False) == 0, "no trusted owner: no reserve"
+    assert trusted_reserve(1, 0.5, any_trusted=True) == 0, "one sequence: an untrusted owner may still have it"
+    assert trusted_reserve(8, 0.99, any_trusted=True) == 7, "never all of them"
+    table = SessionTable(4, 64, max_per_owner=3, reserve_for_trusted=1)
+    table.accept(S1, 0, 0, 1, "sybil-a", 0)
+    table.accept(S2, 0, 0, 1, "sybil-a", 0)
+    table.accept(S3, 0, 0, 1, "sybil-b", 0)
+    s4, s5 = bytes([4]) * 16, bytes([5]) * 16
+    refused(Code.RESOURCE_EXHAUSTED, "kept for owners this node trusts", table.accept, s4, 0, 0, 1, "sybil-b", 0)
+    table.accept(s4, 0, 0, 1, "relay", 0, trusted=True)  # the reserve is the relay's
+    assert table.free_count == 0
+    with pytest.raises(WireError, match="all 4 sequences"):
+        table.accept(s5, 0, 0, 1, "relay", 0, trusted=True)
+    table.end(S1)
+    table.release(table.take_closing()[0])
+    table.accept(s5, 0, 0, 1, "sybil-c", 1)  # freed by an untrusted owner: for anyone again
+
+
 # --- phases, row budget, compatibility key -----------------------------------------------------
 
 
@@ -477,3 +525,15 @@ def test_a_range_waits_its_batch_window_only_while_its_forward_has_room():
     assert batch_window_wait_ms(2.0, pending_rows=512, row_budget=512) == 0.0  # full: run it now
     assert batch_window_wait_ms(2.0, pending_rows=0, row_budget=512) == 0.0  # nothing queued
     assert batch_window_wait_ms(0.0, pending_rows=1, row_budget=512) == 0.0  # off (the default)
+
+
+def test_sessions_opened_from_one_address_share_one_owners_share() -> None:
+    table = SessionTable(4, 64, max_per_owner=2)
+    table.accept(S1, 0, 0, 1, "key-a", 0, source_host="203.0.113.7")
+    table.accept(S2, 0, 0, 1, "key-b", 0, source_host="203.0.113.7")
+    with pytest.raises(WireError, match=r"held from 203\.0\.113\.7"):
+        table.accept(S3, 0, 0, 1, "key-c", 0, source_host="203.0.113.7")  # a third self-made key
+    table.accept(S3, 0, 0, 1, "key-c", 0, source_host="198.51.100.1")  # another address
+    table.accept(bytes([4]) * 16, 0, 0, 1, "relay", 0, trusted=True, source_host="203.0.113.7")
+    assert counted_host("127.0.0.1") == "" and counted_host("::1") == "" and counted_host("") == ""
+    assert counted_host("203.0.113.7") == "203.0.113.7"

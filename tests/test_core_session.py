@@ -424,3 +424,26 @@ def test_step_request_and_end_session_records() -> None:
     end = end_session_request(SID, route, admission)
     assert end.schema_version == 1 and end.end_session.session_id == SID
     assert [h.peer_id for h in end.end_session.rest] == ["p1", "p2"]
+
+
+def test_prompt_scores_come_one_row_a_step_over_the_full_row_and_penalties_count_from_output_start() -> None:
+    scored: list[tuple[int, int]] = []
+    session = Session(
+        SID, [3, 1, 4], max_new_tokens=2, max_step_rows=1, top_k_at_least=20,
+        on_prompt_scores=lambda position, row: scored.append((position, int(np.argmax(row)))),
+    )  # fmt: skip
+    assert session.result_top_k == 0  # every prompt token's logprob is exact
+    for step in range(3):
+        assert session.next_step().positions == (step,)
+        session.receive(result(step, logits_row(step + 2)))
+    assert scored == [(0, 2), (1, 3)]  # the last prompt row is sampled, not scored
+    assert session.generated == [4]
+    # a session resumed with 2 generated tokens in its prompt: the presence penalty counts them
+    penalised = Session(
+        SID, [0, 5, 5], max_new_tokens=1, output_start=1, sampling=SamplingParams(presence_penalty=10.0)
+    )
+    assert penalised.result_top_k == 0
+    penalised.next_step()
+    row = logits_row(5)
+    row[6] = 4.0
+    assert penalised.receive(result(0, row)) == 6  # 5 was generated already: 5 - 10 < 4

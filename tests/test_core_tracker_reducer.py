@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.tracker.assignment import Assignment, ModelSpec
-from agent.core.tracker.reducer import apply, ready_ranges, restore
+from agent.core.tracker.assignment import Assignment, ModelSpec, NodeCapacity, assign
+from agent.core.tracker.reducer import apply, loading_deadline_ms, ready_ranges, restore
 from agent.core.tracker.state import (
     Directives,
     Effect,
@@ -22,6 +22,7 @@ from agent.core.tracker.state import (
     MarkDead,
     ModelsChanged,
     NodeFacts,
+    NodeProven,
     NodeRefused,
     Notify,
     PeerReported,
@@ -293,3 +294,93 @@ def test_a_heartbeats_error_text_is_kept_printable_and_a_report_too_big_or_garbl
     garbled.recipe_hash = "\x1b[31m"
     with pytest.raises(WireError, match="is not a printable token"):
         read_report("peer", [garbled], [])
+
+
+# --- hostile nodes: loading deadlines, proven nodes, ranges given back -----------------------------
+
+FAKE_FACTS = NodeFacts("F", 5 * BPB, 0.001, frozenset({M}), fetches_models=False)  # claims 5 of 6 blocks
+
+
+def test_the_loading_deadline_is_a_base_plus_the_ranges_bytes_at_the_slowest_rate() -> None:
+    assert loading_deadline_ms(RULES, FIRST, BPB) == 120_000 + 3 * 1000  # 3 MB at 1 MB/s
+    assert loading_deadline_ms(dataclasses.replace(RULES, loading_base_ms=0), FIRST, BPB) == 0  # off
+
+
+def test_a_range_not_ready_by_its_deadline_is_taken_back_and_its_node_not_given_the_model_again() -> None:
+    t = two_ready_nodes()
+    t(Registered(FAKE_FACTS, ()), 200)  # a node that claims memory and will never load
+    deadline = loading_deadline_ms(RULES, SECOND, BPB)
+    t.beat("A", 1_000, status(FIRST, State.READY))
+    t(Sweep(), 100 + TIMEOUT_MS)  # B died: its gap goes to the only node with room, F
+    assert Assignment(M, 3, 6, "F") in t.state.assignments
+    taken = Assignment(M, 3, 6, "F")
+    for now in range(1_000, deadline + 100 + TIMEOUT_MS + 2_000, 1_000):  # F says LOADING for ever
+        t.beat("A", now, status(FIRST, State.READY))
+        t.beat("F", now, status(taken, State.LOADING))
+        effects = t(Sweep(), now)
+        if taken not in t.state.assignments:
+            break
+    assert taken not in t.state.assignments, "F held the range past its loading deadline"
+    assert now - (100 + TIMEOUT_MS) <= deadline + 1_000, "taken back at the deadline, not later"
+    (failed,) = of(effects, LoadFailed)
+    assert failed.peer_id == "F" and "not READY within 123 s" in failed.status.error
+    assert ("F", M) in t.state.failed and all(a.peer_id != "F" for a in t.state.assignments)
+    t(Registered(facts("C"), ()), now + 1)  # an honest node joins: it gets the gap
+    assert Assignment(M, 3, 6, "C") in t.state.assignments
+
+
+def test_a_node_back_from_the_dead_gets_its_range_back_from_a_node_still_loading_it() -> None:
+    t = two_ready_nodes()
+    t(Registered(FAKE_FACTS, ()), 200)
+    t.beat("A", 1_000, status(FIRST, State.READY))
+    t(Sweep(), 100 + TIMEOUT_MS)  # B missed heartbeats for a moment: F is given its blocks
+    taken = Assignment(M, 3, 6, "F")
+    assert taken in t.state.assignments
+    t.beat("F", 5_500, status(taken, State.LOADING))
+    effects = t.beat("B", 6_000, status(SECOND, State.READY))  # B is back, still serving
+    assert SECOND in t.state.assignments and taken not in t.state.assignments
+    (directives,) = of(effects, Directives)
+    assert directives.load == () and directives.unload == ()  # B keeps what it has loaded
+    (told,) = of(t.beat("F", 6_500, status(taken, State.LOADING)), Directives)
+    assert told.unload == (taken,)
+    t.beat("B", 7_000, status(SECOND, State.READY))
+    assert t.routable() == [("A", 0, 3), ("B", 3, 6)]
+
+
+def test_a_ready_replacement_keeps_its_range_when_the_old_node_comes_back() -> None:
+    t = two_ready_nodes()
+    t(Registered(FAKE_FACTS, ()), 200)
+    t(Sweep(), 100 + TIMEOUT_MS)  # A and B both missed heartbeats; F takes over everything it can
+    assert {a.peer_id for a in t.state.assignments} <= {"F"}
+    t(Registered(facts("C", blocks=6), ()), 5_200)
+    ready = sorted(t.state.assignments)
+    for a in ready:
+        t.beat(a.peer_id, 5_300, status(a, State.READY))
+    t.beat("B", 6_000, status(SECOND, State.READY))
+    assert set(ready) <= set(t.state.assignments), "READY replacements are kept"
+
+
+def test_gaps_go_to_proven_nodes_before_nodes_that_only_claim_memory() -> None:
+    a = NodeCapacity("A", 3 * BPB, 0.001, frozenset({M}))
+    p = NodeCapacity("P", 3 * BPB, 0.001, frozenset({M}))  # proven, less room than F
+    f = NodeCapacity("F", 5 * BPB, 0.001, frozenset({M}), proven=False)
+    assert assign([MODEL], [a, p, f], [FIRST]) == (FIRST, Assignment(M, 3, 6, "P"))
+    unproven_p = dataclasses.replace(p, proven=False)  # all unproven: the most room first, as before
+    assert assign([MODEL], [a, unproven_p, f], [FIRST]) == (FIRST, Assignment(M, 3, 6, "F"))
+
+
+def test_a_ready_report_proves_a_node() -> None:
+    t = two_ready_nodes()
+    assert t.state.proven == {"A", "B"}
+
+
+def test_a_passed_check_proves_a_node_where_checks_gate_routes() -> None:
+    t = Tracker(restore(dataclasses.replace(RULES, proven_needs_check=True), [], [], {}, {}, now_ms=0))
+    t(Registered(facts("A", blocks=6), ()), 0)
+    whole = Assignment(M, 0, 6, "A")
+    t.beat("A", 100, status(whole, State.READY))
+    assert "A" not in t.state.proven, "READY alone does not prove it while checks gate routes"
+    t(NodeProven("A"), 200)
+    assert "A" in t.state.proven
+    t(RangeWithdrawn("A", M), 300)
+    assert "A" not in t.state.proven

@@ -42,6 +42,7 @@ FORMATTED = {
     "model_source": ("a=https://example.org/m.gguf",),
     "serve_models": "127.0.0.1:8080",
     "heartbeat_timeout_ms": 4000,  # must exceed the interval
+    "admission_rate_exempt": ("198.18.0.0/15", "10.0.0.0/8"),  # networks
 }
 
 

@@ -12,6 +12,18 @@ Owns, for one range of one node:
   owner's next step number; a replacement range opens a session from *rebuild* steps
   (``accept_rebuild``: rows from position 0, replayed by the hop before it) that then
   continues at the same step number;
+- leases: a session is freed when its owner neither steps nor touches it for the idle timeout
+  (``idle``), and also when it has not *stepped* for the stall bound however often it is
+  touched (``stalled``): a touch only bridges a wait (a prompt chunk upstream, a rebuild), so
+  an owner that opens sessions and then only touches them cannot hold sequences for ever. A
+  session bound on the data plane steps on the worker: the shell reports what the worker
+  says (``note_bound_progress``) before the stall rule frees it;
+- per address: sessions opened from one source address (a client's, at a first hop) count
+  against the same share as one owner's, so that many self-made keys behind one address get
+  no more than one would;
+- a reserve: ``reserve_for_trusted`` sequences are kept for owners the node trusts (its relay):
+  other owners together never hold more than the rest, so self-made keys cannot lock a range
+  out for the trusted ones;
 - ending sessions (end_session, idle timeout, failures): an ended session's sequence id is
   *closing* until the shell has removed the sequence on the worker (between two Forwards),
   and only then free again, so a new session never inherits stale KV;
@@ -31,9 +43,17 @@ from agent._proto import swarm_pb2
 from agent.core.node.batching import is_prefill
 from agent.core.wire.swarm_wire import WireError
 
-__all__ = ["NodeSession", "SessionTable"]
+__all__ = ["NodeSession", "SessionTable", "trusted_reserve"]
 
 Code = swarm_pb2.Error.Code
+
+
+def trusted_reserve(n_seq_max: int, share: float, any_trusted: bool) -> int:
+    """Sequences of a range kept for trusted owners: ``share`` of them, at least one, and never
+    all (an untrusted owner can always get one); none when the node trusts no owner."""
+    if not any_trusted or n_seq_max < 2:
+        return 0
+    return min(n_seq_max - 1, max(1, int(share * n_seq_max)))
 
 
 @dataclasses.dataclass
@@ -44,6 +64,10 @@ class NodeSession:
     next_step: int
     next_position: int
     last_used_ms: int
+    last_step_ms: int = 0  # its last step (or rebuild, resume, progress on the data plane): touches do not count
+    trusted: bool = False  # its owner is one the node trusts: it may use the reserve
+    bound_steps_seen: int = 0  # on the data plane: the worker's next step when progress was last noted
+    source_host: str = ""  # the address that opened it, where counted (agent.core.wire.address_rate.counted_host)
     pending: int = 0  # steps accepted and not yet done (queued or in a Forward)
     rebuilding: bool = False  # opened by rebuild steps; cleared by its first ordinary step
     rows: int = 0  # rows accepted for it here (prompt, generated, rebuild): the ledger's count
@@ -59,14 +83,21 @@ class SessionTable:
       n_seq_max: sequence ids ``0 .. n_seq_max - 1`` of the worker.
       n_ctx_per_sequence: positions one sequence may hold.
       max_per_owner: the most sessions one owner may hold at once (None: all of them).
+      reserve_for_trusted: sequences only trusted owners may take: untrusted ones together
+        hold at most ``n_seq_max - reserve_for_trusted`` (0: no reserve).
     """
 
-    def __init__(self, n_seq_max: int, n_ctx_per_sequence: int, *, max_per_owner: int | None = None) -> None:
+    def __init__(
+        self, n_seq_max: int, n_ctx_per_sequence: int, *, max_per_owner: int | None = None, reserve_for_trusted: int = 0
+    ) -> None:
         if n_seq_max < 1:
             raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
         if max_per_owner is not None and max_per_owner < 1:
             raise ValueError(f"max_per_owner must be >= 1, got {max_per_owner}")
+        if not 0 <= reserve_for_trusted < n_seq_max:
+            raise ValueError(f"reserve_for_trusted must be in [0, {n_seq_max}), got {reserve_for_trusted}")
         self.max_per_owner = max_per_owner or n_seq_max
+        self.reserve_for_trusted = reserve_for_trusted
         self.n_seq_max = n_seq_max
         self.n_ctx_per_sequence = n_ctx_per_sequence
         self._sessions: dict[bytes, NodeSession] = {}
@@ -97,7 +128,16 @@ class SessionTable:
         return sum(session.decoding for session in self._sessions.values())
 
     def accept(
-        self, session_id: bytes, step: int, first_position: int, n_rows: int, owner_peer_id: str, now_ms: int
+        self,
+        session_id: bytes,
+        step: int,
+        first_position: int,
+        n_rows: int,
+        owner_peer_id: str,
+        now_ms: int,
+        *,
+        trusted: bool = False,
+        source_host: str = "",
     ) -> NodeSession:
         """Admit a step of ``n_rows`` rows at positions ``first_position ..``; reserve them.
 
@@ -112,7 +152,7 @@ class SessionTable:
                 raise WireError(Code.INVALID_ARGUMENT, f"session {session_id.hex()} already exists (step 0 sent twice)")
             if first_position != 0:
                 raise WireError(Code.INVALID_ARGUMENT, f"step 0 must start at position 0, got {first_position}")
-            session = self._open(session_id, n_rows, owner_peer_id, now_ms)
+            session = self._open(session_id, n_rows, owner_peer_id, now_ms, trusted, source_host)
             self.started += 1
         else:
             if session is None:
@@ -131,10 +171,12 @@ class SessionTable:
         session.next_position = first_position + n_rows
         session.rows += n_rows
         session.pending += 1
-        session.last_used_ms = now_ms
+        session.last_used_ms = session.last_step_ms = now_ms
         return session
 
-    def _open(self, session_id: bytes, n_rows: int, owner_peer_id: str, now_ms: int) -> NodeSession:
+    def _open(
+        self, session_id: bytes, n_rows: int, owner_peer_id: str, now_ms: int, trusted: bool, source_host: str = ""
+    ) -> NodeSession:
         self._check_context(session_id, 0, n_rows)
         if not self._free:
             raise WireError(
@@ -149,12 +191,37 @@ class SessionTable:
                 f"owner {owner_peer_id} holds {held} of this range's {self.n_seq_max} sequences,"
                 f" its share (at most {self.max_per_owner})",
             )
-        session = NodeSession(session_id, self._free.pop(), owner_peer_id, 0, 0, now_ms)
+        if source_host and not trusted:
+            from_host = sum(s.source_host == source_host for s in self._sessions.values())
+            if from_host >= self.max_per_owner:
+                raise WireError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"{from_host} of this range's {self.n_seq_max} sequences are held from {source_host},"
+                    f" its share (at most {self.max_per_owner})",
+                )
+        if not trusted:
+            untrusted = sum(not s.trusted for s in self._sessions.values())
+            if untrusted >= self.n_seq_max - self.reserve_for_trusted:
+                raise WireError(
+                    Code.RESOURCE_EXHAUSTED,
+                    f"{untrusted} of this range's {self.n_seq_max} sequences are in use; the other"
+                    f" {self.reserve_for_trusted} are kept for owners this node trusts",
+                )
+        session = NodeSession(session_id, self._free.pop(), owner_peer_id, 0, 0, now_ms, now_ms, trusted)
+        session.source_host = source_host
         self._sessions[session_id] = session
         return session
 
     def accept_rebuild(
-        self, session_id: bytes, resume_step: int, first_position: int, n_rows: int, owner_peer_id: str, now_ms: int
+        self,
+        session_id: bytes,
+        resume_step: int,
+        first_position: int,
+        n_rows: int,
+        owner_peer_id: str,
+        now_ms: int,
+        *,
+        trusted: bool = False,
     ) -> NodeSession:
         """Admit a rebuild step: ``n_rows`` rows at ``first_position ..`` of a session this range
         replaces. Position 0 opens the session (a sequence id, as a step 0 does); later rebuild
@@ -174,7 +241,7 @@ class SessionTable:
                 raise WireError(
                     Code.INVALID_ARGUMENT, f"session {session_id.hex()} already exists: it cannot be rebuilt"
                 )
-            session = self._open(session_id, n_rows, owner_peer_id, now_ms)
+            session = self._open(session_id, n_rows, owner_peer_id, now_ms, trusted)
             session.rebuilding = True
             self.rebuilt += 1
         else:
@@ -191,7 +258,7 @@ class SessionTable:
         session.next_position = first_position + n_rows
         session.rows += n_rows
         session.pending += 1
-        session.last_used_ms = now_ms
+        session.last_used_ms = session.last_step_ms = now_ms
         return session
 
     def resume(
@@ -220,7 +287,7 @@ class SessionTable:
         trim = keep_positions < session.next_position
         session.next_position = keep_positions
         session.next_step = next_step
-        session.last_used_ms = now_ms
+        session.last_used_ms = session.last_step_ms = now_ms
         self.resumed += 1
         return session, trim
 
@@ -240,6 +307,7 @@ class SessionTable:
         if session.rebuilding:
             raise WireError(Code.UNAVAILABLE, f"session {session_id.hex()} is being rebuilt")
         session.data_plane = True
+        session.bound_steps_seen = session.next_step
         session.last_used_ms = now_ms
         return session
 
@@ -259,6 +327,8 @@ class SessionTable:
         session.continued_steps += continued_steps
         session.decoding = rows > 0 or session.decoding
         session.last_used_ms = now_ms
+        if next_step > session.bound_steps_seen:
+            session.last_step_ms = now_ms
 
     def take_unbinding(self) -> list[tuple[bytes, int]]:
         """``(session, sequence)`` of the sessions that ended while bound: unbind each on the
@@ -382,6 +452,25 @@ class SessionTable:
             raise ValueError(f"sequence id {seq_id} cannot be released")
         self._free.append(seq_id)
         self._free.sort(reverse=True)
+
+    def note_bound_progress(self, session_id: bytes, worker_next_step: int, now_ms: int) -> None:
+        """What the worker says of a session bound on its data plane: the step it expects next.
+        A step taken since the last note is progress (``stalled`` does not free it)."""
+        session = self._sessions.get(session_id)
+        if session is None or not session.data_plane:
+            return
+        if worker_next_step > session.bound_steps_seen:
+            session.bound_steps_seen = worker_next_step
+            session.last_step_ms = now_ms
+
+    def stalled(self, now_ms: int, stall_ms: int, *, bound: bool | None = None) -> list[bytes]:
+        """Sessions with nothing pending that took no step for at least ``stall_ms``, touched or
+        not. ``bound``: only those bound on the data plane (True) or only the others (False)."""
+        return [
+            s.session_id
+            for s in self._sessions.values()
+            if s.pending == 0 and now_ms - s.last_step_ms >= stall_ms and (bound is None or s.data_plane == bound)
+        ]
 
     def idle(self, now_ms: int, timeout_ms: int) -> list[bytes]:
         """Sessions with nothing pending, unused for at least ``timeout_ms``."""

@@ -6,6 +6,10 @@ Owns: compiling a GGUF's ``tokenizer.chat_template`` (a jinja2 template written 
 ``tojson`` filter, ``raise_exception``, ``strftime_now``), rendering ``messages`` with
 ``add_generation_prompt``, ``bos_token`` and ``eos_token``, and dropping a leading BOS text
 when the tokenizer adds BOS itself (as llama.cpp's server does, so BOS is not doubled).
+Tool-call history reaches the template as transformers' ``apply_chat_template`` takes it: an
+assistant message's ``tool_calls`` with each call's ``arguments`` as a mapping (OpenAI sends a
+JSON string; vLLM and llama.cpp's server decode it the same way, since templates such as
+Qwen2.5's write ``arguments | tojson``), and a tool message's ``tool_call_id``.
 
 Pure: jinja2 and json; the clock behind ``strftime_now`` is passed in. Must not import trio,
 sockets, clocks or agent.io.
@@ -84,27 +88,24 @@ class ChatTemplate:
         self.add_bos = add_bos
 
     def render(
-        self,
-        messages: Sequence[Mapping[str, object]],
-        *,
-        add_generation_prompt: bool = True,
-        tools: Sequence[Mapping[str, object]] | None = None,
+        self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True, **context: object
     ) -> str:
-        """The prompt text for ``messages`` (each ``{"role", "content", ...}``); ``tools``: the
-        OpenAI tool records offered, passed to the template as transformers'
-        ``apply_chat_template(tools=...)`` passes them (None: the template sees none).
+        """The prompt text for ``messages`` (each ``{"role", "content", ...}``).
+
+        ``context``: more template variables, as ``apply_chat_template``'s keyword arguments
+        (``tools``, ``documents``; both None unless given).
 
         Raises:
           ChatTemplateError: the template raised, or failed while rendering.
         """
         try:
+            variables: dict[str, object] = {"tools": None, "documents": None, **context}
             text = self._template.render(
-                messages=[dict(m) for m in messages],
+                messages=[_template_message(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
-                tools=None if tools is None else [dict(tool) for tool in tools],
-                documents=None,
+                **variables,
             )
         except ChatTemplateError:
             raise
@@ -115,3 +116,25 @@ class ChatTemplate:
         if self.add_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]
         return text
+
+
+def _template_message(message: Mapping[str, object]) -> dict[str, object]:
+    """``message`` as a template reads it: each tool call's JSON-string ``arguments`` decoded to
+    a mapping (a string that is not a JSON object stays as it came)."""
+    out = dict(message)
+    calls = out.get("tool_calls")
+    if isinstance(calls, list):
+        decoded = []
+        for call in calls:
+            call = dict(call) if isinstance(call, Mapping) else call
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, Mapping) and isinstance(function.get("arguments"), str):
+                try:
+                    arguments = json.loads(str(function["arguments"]))
+                except ValueError:
+                    arguments = None
+                if isinstance(arguments, dict):
+                    call["function"] = {**function, "arguments": arguments}
+            decoded.append(call)
+        out["tool_calls"] = decoded
+    return out

@@ -22,30 +22,49 @@ Pure: numpy only. Must not import trio, sockets, clocks or agent.io.
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
 import numpy as np
 
-from agent.core.owner.sampling import SamplingParams, sample_token
+from agent.core.owner.sampling import SamplingParams, draws_at_owner, sample_token
 from agent.core.wire.topk import TopLogits
 
-__all__ = ["DrawPlan", "constrained_draw", "draw_plan", "masked_scores"]
+__all__ = ["DrawPlan", "TokenMask", "constrained_draw", "draw_plan", "masked_scores"]
+
+
+class TokenMask(Protocol):
+    """A grammar a session's tokens keep to (``agent.core.owner.grammar.TokenConstraint``)."""
+
+    def allowed(self) -> np.ndarray: ...
+
+    def accept(self, token: int) -> None: ...
+
+    def rollback(self, tokens: int) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class DrawPlan:
     """``result_top_k``: what the last hop sends (0: the full row); ``continuation``: whether
-    the last hop may send the next greedy step itself (the owner does not see each draw)."""
+    the last hop may send the next greedy step itself (the owner does not see each draw);
+    ``at_owner``: whether every draw must be the owner's (a grammar, or what
+    ``agent.core.owner.sampling.draws_at_owner`` keeps there), never a last hop's."""
 
     result_top_k: int
     continuation: bool
+    at_owner: bool
 
 
-def draw_plan(*, constrained: bool, greedy: bool, result_top_k: int) -> DrawPlan:
+def draw_plan(*, constrained: bool, sampling: SamplingParams, result_top_k: int) -> DrawPlan:
     """The draw plan of a session: ``result_top_k`` is what an unconstrained session would ask
-    for (``agent.core.wire.topk.result_top_k``)."""
+    for (``agent.core.owner.sampling.result_top_k_for``). The one place that says where a
+    session's tokens are drawn."""
     if constrained:
-        return DrawPlan(result_top_k=0, continuation=False)
-    return DrawPlan(result_top_k=result_top_k, continuation=greedy and result_top_k >= 1)
+        return DrawPlan(result_top_k=0, continuation=False, at_owner=True)
+    return DrawPlan(
+        result_top_k=result_top_k,
+        continuation=sampling.greedy and result_top_k >= 1,
+        at_owner=draws_at_owner(sampling),
+    )
 
 
 def masked_scores(scores: np.ndarray | TopLogits, allowed: np.ndarray) -> np.ndarray | TopLogits | None:

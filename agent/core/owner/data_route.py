@@ -166,7 +166,8 @@ def next_hop_refusal(request: swarm_pb2.DataPlaneBindRequest, nodes: Sequence[sw
     """Why a node must not make ``request``'s bind, or None. Not the last hop (``next_port``
     set), the bind must name the next hop's peer id, and the tracker's node list (``nodes``,
     ``ListNodesReply``) must show that peer alive, READY on the model's range that begins where
-    this one ends with its worker's data plane at ``next_port``, and ``next_host`` the host of
+    this one ends (assigned to it by the tracker, and through its first canary check where checks
+    gate routes) with its worker's data plane at ``next_port``, and ``next_host`` the host of
     one of its direct addresses. The owner learns all of these from the tracker's route and the
     next node's bind answer; anything else it names is not a hop of a route."""
     if not request.next_port:
@@ -198,8 +199,12 @@ def _hop_refusal(
     entry = next((n for n in nodes if n.peer_id == peer), None)
     if entry is None or not entry.alive:
         return f"{what} {peer} is not a live node of the tracker"
+    # the tracker's own word first: what it assigned, not what the node says it serves
+    if not any(a.model_sha256 == model_sha256 and a.begin == begin for a in entry.assigned):
+        return f"{what} {peer} is not assigned a range of model {model_sha256[:12]} from block {begin} by the tracker"
     serves = any(
         status.state == swarm_pb2.AssignmentStatus.READY
+        and not status.awaiting_check  # a range not yet through its first canary check is not routed
         and status.assignment.model_sha256 == model_sha256
         and status.assignment.begin == begin
         and status.data_port == port

@@ -1,10 +1,17 @@
-"""Choosing the next token from one row of logits: greedy, or temperature + top-k + top-p.
+"""Choosing the next token from one row of logits: greedy, or temperature + top-k + top-p + min-p,
+after the logit adjustments that need the session's history (penalties, ``logit_bias``).
 
 Owns the sampling rules of a session owner (the only party that samples, DESIGN.md):
 - temperature 0: greedy, the argmax (lowest index on ties), no randomness drawn;
-- otherwise: logits / temperature, keep the ``top_k`` most likely tokens (0: all), then the
+- otherwise: logits / temperature, keep the ``top_k`` most likely tokens (0: all), then those
+  whose probability is at least ``min_p`` times the most likely one's (0: all), then the
   smallest most-likely prefix whose probability reaches ``top_p`` (1.0: all), renormalise, and
-  draw once from the caller's ``numpy.random.Generator`` (a seed makes a run reproducible).
+  draw once from the caller's ``numpy.random.Generator`` (a seed makes a run reproducible);
+- before either, ``adjust_logits``: ``logit_bias`` added, then llama.cpp's ``repeat_penalty``
+  over the last ``repeat_last_n`` tokens of the context (prompt included), then OpenAI's
+  ``frequency_penalty`` / ``presence_penalty`` over the generated tokens only (as vLLM reads
+  them). These change tokens that may lie outside any top-K, and depend on the history, so a
+  session with them asks for the full row and draws at the owner (``adjusts_logits``).
 
 Candidates are ordered by logit, ties by token id, so the draw does not depend on how numpy
 happens to order equal values.
@@ -16,21 +23,39 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
-from agent.core.wire.topk import TopLogits, top_k_ids
+from agent.core.wire.topk import TopLogits, result_top_k, top_k_ids
 
-__all__ = ["SamplingParams", "sample_token", "sampling_candidates"]
+__all__ = [
+    "SamplingParams",
+    "adjust_logits",
+    "adjusts_logits",
+    "choose_token",
+    "draws_at_owner",
+    "result_top_k_for",
+    "sample_token",
+    "sampling_candidates",
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How a session picks tokens. ``top_k`` 0 and ``top_p`` 1.0 switch those cuts off."""
+    """How a session picks tokens. ``top_k`` 0, ``top_p`` 1.0 and ``min_p`` 0 switch those cuts
+    off; penalties 0 (``repeat_penalty`` 1.0) and an empty ``logit_bias`` (token id -> bias)
+    leave the logits as they came. ``repeat_last_n``: -1 the whole context, 0 none."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
@@ -41,10 +66,105 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0: no cut), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty", "repeat_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty must be > 0 (1.0: off), got {self.repeat_penalty!r}")
+        if not all(isinstance(t, int) and t >= 0 and math.isfinite(b) for t, b in self.logit_bias):
+            raise ValueError("logit_bias must map token ids >= 0 to finite biases")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def adjusts_logits(params: SamplingParams) -> bool:
+    """Whether ``params`` change the logits before the draw (penalties or ``logit_bias``).
+
+    Such a session needs the full row (a bias may lift a token from outside any top-K, and a
+    penalty's tokens are wherever the history put them) and the history (the tokens so far),
+    so its tokens are drawn by the owner, never at the last hop: the one place that decides it.
+    (A full-row session is never continued greedily by the last hop either:
+    ``agent.core.owner.data_route.continuation_steps`` needs a top-K.)
+    """
+    return bool(
+        params.logit_bias
+        or params.presence_penalty
+        or params.frequency_penalty
+        or (params.repeat_penalty != 1.0 and params.repeat_last_n != 0)
+    )
+
+
+def draws_at_owner(params: SamplingParams) -> bool:
+    """Whether a session's tokens must be drawn here, by its owner, rather than by a last hop
+    that samples plain temperature / top-k / top-p itself: logit adjustments (they need the
+    history, ``adjusts_logits``) and ``min_p`` (a cut only this module makes)."""
+    return adjusts_logits(params) or params.min_p > 0
+
+
+def result_top_k_for(params: SamplingParams, *, at_least: int = 0) -> int:
+    """K to ask the last hop for (``agent.core.wire.topk.result_top_k``), 0 (the full row) when
+    ``params`` adjust the logits (``adjusts_logits``)."""
+    if adjusts_logits(params):
+        return 0
+    return result_top_k(params.temperature, params.top_k, at_least=at_least)
+
+
+def adjust_logits(row: np.ndarray, params: SamplingParams, tokens: Sequence[int], output_start: int) -> np.ndarray:
+    """``row`` (float32 ``[n_vocab]``) with ``params``' adjustments, as a new float32 row.
+
+    ``tokens``: the context so far (prompt then generated tokens); ``tokens[output_start:]``
+    are the generated ones. In llama.cpp's order: ``logit_bias`` added; ``repeat_penalty``
+    for each distinct token of the last ``repeat_last_n`` (a positive logit divided by it, a
+    negative one multiplied, as llama.cpp and CTRL do); then each generated token's
+    ``frequency_penalty`` times its count and ``presence_penalty`` once (OpenAI's formula).
+
+    Raises:
+      ValueError: a ``logit_bias`` token is outside the row.
+    """
+    out = np.array(row, dtype=np.float32, copy=True)
+    for token, bias in params.logit_bias:
+        if token >= out.size:
+            raise ValueError(f"logit_bias token {token} is outside a row of {out.size} logits")
+        out[token] += np.float32(bias)
+    if params.repeat_penalty != 1.0 and params.repeat_last_n != 0:
+        window = tokens if params.repeat_last_n < 0 else tokens[-params.repeat_last_n :]
+        seen = np.unique(np.asarray(window, dtype=np.int64))
+        seen = seen[(seen >= 0) & (seen < out.size)]
+        values = out[seen]
+        penalty = np.float32(params.repeat_penalty)
+        out[seen] = np.where(values > 0, values / penalty, values * penalty)
+    if params.presence_penalty or params.frequency_penalty:
+        generated = np.asarray(tokens[output_start:], dtype=np.int64)
+        generated = generated[(generated >= 0) & (generated < out.size)]
+        if generated.size:
+            ids, counts = np.unique(generated, return_counts=True)
+            out[ids] -= (counts * params.frequency_penalty + params.presence_penalty).astype(np.float32)
+    return out
+
+
+def choose_token(
+    logits: np.ndarray | TopLogits,
+    params: SamplingParams,
+    rng: np.random.Generator | None,
+    tokens: Sequence[int] = (),
+    output_start: int = 0,
+) -> int:
+    """``sample_token`` after ``adjust_logits`` when ``params`` adjust them (``tokens`` and
+    ``output_start`` as there). The draw takes the same one uniform (or none, greedy).
+
+    Raises:
+      ValueError: as ``sample_token``, or adjusting a top-K record (they need the full row).
+    """
+    if adjusts_logits(params):
+        if isinstance(logits, TopLogits):
+            raise ValueError("penalties and logit_bias need the full logits row, got only the top-K")
+        logits = adjust_logits(_check_row(logits), params, tokens, output_start)
+    return sample_token(logits, params, rng)
 
 
 def _check_row(logits: np.ndarray) -> np.ndarray:
@@ -93,6 +213,8 @@ def sampling_candidates(logits: np.ndarray | TopLogits, params: SamplingParams) 
         ids = ids[order]
         values = values[order]
     keep = np.isfinite(values)
+    if params.min_p > 0:  # at least min_p of the peak's probability (the peak always stays)
+        keep &= values >= values[0] + math.log(params.min_p)
     ids, values = ids[keep], values[keep]
     probs = np.exp(values - values[0])
     probs /= probs.sum()
@@ -151,6 +273,8 @@ def _draw_from_row(row: np.ndarray, params: SamplingParams, uniform: float) -> i
     rounding (a few ulps a term) of a boundary between two tokens."""
     scaled = row.astype(np.float64) / params.temperature
     finite = np.isfinite(scaled)  # -inf is never drawn (_check_row: not all of them)
+    if params.min_p > 0:  # as sampling_candidates: at least min_p of the peak's probability
+        finite &= scaled >= float(scaled[finite].max()) + math.log(params.min_p)
     candidates = None if finite.all() else np.flatnonzero(finite)
     values = scaled if candidates is None else scaled[candidates]
     peak = float(values.max())

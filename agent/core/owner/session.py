@@ -30,16 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
 
 import numpy as np
 
 from agent._proto import swarm_pb2
-from agent.core.owner.constrained import constrained_draw, draw_plan
-from agent.core.owner.sampling import SamplingParams, sample_token
+from agent.core.owner.constrained import TokenMask, constrained_draw, draw_plan
+from agent.core.owner.sampling import SamplingParams, adjust_logits, adjusts_logits, choose_token, result_top_k_for
 from agent.core.wire.step_results import result_scores
 from agent.core.wire.swarm_wire import SCHEMA_VERSION, SESSION_ID_BYTES, token_checksum
-from agent.core.wire.topk import TopLogits, result_top_k
+from agent.core.wire.topk import TopLogits
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -61,16 +60,6 @@ READY = "ready"
 AWAITING = "awaiting"
 FINISHED = "finished"
 FAILED = "failed"
-
-
-class TokenMask(Protocol):
-    """A grammar the session's tokens keep to (``agent.core.owner.grammar.TokenConstraint``)."""
-
-    def allowed(self) -> np.ndarray: ...
-
-    def accept(self, token: int) -> None: ...
-
-    def rollback(self, tokens: int) -> None: ...
 
 
 class SessionError(Exception):
@@ -135,6 +124,12 @@ class Session:
       top_k_at_least: ask the last hop for at least this many top logits (e.g. the owner's
         top_logprobs); the request's K is ``agent.core.wire.topk.result_top_k`` (0, the full row,
         when sampling has no top-k cut).
+      output_start: where the generation's own tokens begin in ``prompt`` (a session resumed
+        after a replan carries the tokens generated before it in its prompt): the penalties
+        that count generated tokens start there. None: after the prompt.
+      on_prompt_scores: called with each prefill chunk's last position and that row's scores
+        (the distribution of the token after it), e.g. to score a prompt in one-row chunks;
+        such a session asks for the full row (any prompt token's logprob is exact).
       max_step_rows: the most rows one step carries (a worker's batch): a longer prompt goes
         in chunks of this many rows, each a step of its own, so it pipelines down the route
         and is never refused for its length. None: the whole prompt in step 0.
@@ -153,6 +148,8 @@ class Session:
         route_peer_ids: Sequence[str] = (),
         top_k_at_least: int = 0,
         max_step_rows: int | None = None,
+        output_start: int | None = None,
+        on_prompt_scores: Callable[[int, np.ndarray | TopLogits], None] | None = None,
         constraint: TokenMask | None = None,
     ) -> None:
         if len(session_id) != SESSION_ID_BYTES:
@@ -183,10 +180,14 @@ class Session:
         self.constraint = constraint
         self.draw = draw_plan(
             constrained=constraint is not None,
-            greedy=sampling.greedy,
-            result_top_k=result_top_k(sampling.temperature, sampling.top_k, at_least=top_k_at_least),
+            sampling=sampling,
+            result_top_k=result_top_k_for(sampling, at_least=top_k_at_least),
         )
         self.result_top_k = self.draw.result_top_k
+        self.output_start = len(self.tokens) if output_start is None else output_start
+        self._on_prompt_scores = on_prompt_scores
+        if on_prompt_scores is not None:
+            self.result_top_k = 0
         self.failure: str | None = None
         self.route_peer_ids = tuple(route_peer_ids)
         self.max_step_rows = max_step_rows
@@ -460,6 +461,8 @@ class Session:
             raise ResultRefused(_error("INVALID_ARGUMENT"), message, fatal=True) from None
         self.n_vocab = n_vocab
         if token is None:
+            if self._on_prompt_scores is not None:
+                self._on_prompt_scores(self._in_flight_end - 1, logits)
             self._n_cached = self._in_flight_end
             self.step += 1
             self.state = READY
@@ -479,7 +482,10 @@ class Session:
 
     def _draw(self, logits: np.ndarray | TopLogits) -> int:
         if self.constraint is None:
-            return sample_token(logits, self.sampling, self._rng)
+            return choose_token(logits, self.sampling, self._rng, self.tokens, self.output_start)
+        if adjusts_logits(self.sampling) and not isinstance(logits, TopLogits):
+            # penalties and logit_bias first, then the grammar's mask (as llama.cpp orders them)
+            logits = adjust_logits(logits, self.sampling, self.tokens, self.output_start)
         token = constrained_draw(logits, self.constraint.allowed(), self.sampling, self._rng)
         if token is None:  # (a constrained session asks for full rows: draw_plan)
             raise ValueError("the grammar allows none of the top-K and no full row came")

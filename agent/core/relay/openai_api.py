@@ -20,7 +20,8 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
-from agent.core.relay.structured import OutputSpec, StructuredError, history_tool_calls, parse_output
+from agent.core.relay.generation_options import GenerationOptions, OptionError, parse_options, tool_history
+from agent.core.relay.structured import OutputSpec, StructuredError, parse_output
 from agent.core.wire.topk import TopLogits
 
 __all__ = [
@@ -50,12 +51,8 @@ _IGNORED = frozenset({"user", "metadata", "store", "service_tier", "stream_optio
 _CHAT_OUTPUT_FIELDS = ("tools", "tool_choice", "response_format", "parallel_tool_calls")
 # Fields whose non-default values this relay does not implement: refused, never silently dropped.
 _UNSUPPORTED_UNLESS_DEFAULT: dict[str, Any] = {
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "logit_bias": None,
     "functions": None,
     "function_call": None,
-    "echo": False,
     "best_of": 1,
     "modalities": None,
     "audio": None,
@@ -136,6 +133,7 @@ class CompletionRequest:
     top_logprobs: int | None
     user: str | None
     return_token_ids: bool = False
+    options: GenerationOptions = dataclasses.field(default_factory=GenerationOptions)
     output: OutputSpec | None = None
 
     @property
@@ -297,16 +295,10 @@ def _messages(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
         entry: dict[str, Any] = {"role": role, "content": text}
         if isinstance(message.get("name"), str):
             entry["name"] = message["name"]
-        calls = message.get("tool_calls")
-        if role == "assistant" and calls is not None:
-            try:
-                entry["tool_calls"] = history_tool_calls(calls, i)
-            except StructuredError as error:
-                raise _bad(error.message, error.param) from None
-        if role == "tool" and message.get("tool_call_id") is not None:
-            if not isinstance(message["tool_call_id"], str):
-                raise _bad(f"messages[{i}].tool_call_id must be a string", f"messages[{i}].tool_call_id")
-            entry["tool_call_id"] = message["tool_call_id"]
+        try:
+            entry.update(tool_history(message, i))
+        except OptionError as error:
+            raise _bad(error.message, error.param) from None
         out.append(entry)
     return tuple(out)
 
@@ -323,27 +315,13 @@ def _output(body: Mapping[str, Any], kind: str) -> OutputSpec | None:
         raise _bad(error.message, error.param) from None
 
 
-def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt in a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _bad("'prompt' must not be empty", "prompt")
-        return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        return tuple(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise _bad("'prompt' holds several prompts; send one per request", "prompt")
-    raise _bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
-
-
-def parse_request(body: object, kind: str) -> CompletionRequest:
+def parse_request(body: object, kind: str, *, max_choices: int | None = None) -> CompletionRequest:
     """Validate a decoded JSON body of ``/v1/completions`` (kind "completion") or
     ``/v1/chat/completions`` (kind "chat").
 
     Raises:
-      ApiError: 400 naming the field that is wrong and why.
+      ApiError: 400 naming the field that is wrong and why (``n`` times the prompts above
+        ``max_choices``, None: ``generation_options.DEFAULT_MAX_CHOICES``, among them).
     """
     if kind not in ("completion", "chat"):
         raise ValueError(f"unknown request kind {kind!r}")
@@ -356,10 +334,14 @@ def parse_request(body: object, kind: str) -> CompletionRequest:
         value = body.get(name)
         if value is not None and value != default and not (default is None and value in ([], {})):
             raise _bad(f"'{name}' is not supported by this relay", name)
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise _bad(f"'n' must be 1 (one choice per request), got {n!r}", "n")
-    max_tokens = _optional_int(body, "max_tokens", minimum=1)
+    try:
+        generation = (
+            parse_options(body, kind) if max_choices is None else parse_options(body, kind, max_choices=max_choices)
+        )
+    except OptionError as error:
+        raise _bad(error.message, error.param) from None
+    # echo with max_tokens 0 scores the prompt alone (lm-eval's loglikelihood asks that way)
+    max_tokens = _optional_int(body, "max_tokens", minimum=0 if generation.echo else 1)
     if kind == "chat":
         max_completion = _optional_int(body, "max_completion_tokens", minimum=1)
         if max_completion is not None:
@@ -406,7 +388,7 @@ def parse_request(body: object, kind: str) -> CompletionRequest:
     return CompletionRequest(
         kind=kind,
         model=model,
-        prompt=_prompt(body) if kind == "completion" else None,
+        prompt=generation.prompts[0] if kind == "completion" else None,
         messages=_messages(body) if kind == "chat" else None,
         max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
@@ -419,6 +401,7 @@ def parse_request(body: object, kind: str) -> CompletionRequest:
         top_logprobs=top_logprobs,
         user=user,
         return_token_ids=return_token_ids,
+        options=generation,
         output=_output(body, kind),
     )
 

@@ -31,7 +31,6 @@ from agent.core.owner.tool_calls import ParsedCall, call_schema, forced_call_lar
 __all__ = [
     "OutputSpec",
     "StructuredError",
-    "history_tool_calls",
     "parse_output",
     "template_messages",
     "tool_call_records",
@@ -203,31 +202,6 @@ def parse_output(body: Mapping[str, Any]) -> OutputSpec | None:
     if not tools and schema is None:
         return None
     return OutputSpec(tools, tool_choice, forced_name, parallel, schema)
-
-
-def history_tool_calls(calls: object, index: int) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls`` in a history, checked, kept for the chat template
-    (never dropped).
-
-    Raises:
-      StructuredError: not a list of OpenAI tool calls with JSON-text arguments.
-    """
-    param = f"messages[{index}].tool_calls"
-    if not isinstance(calls, list):
-        raise StructuredError(f"{param} must be a list of tool calls", param)
-    out = []
-    for j, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, Mapping) else None
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise StructuredError(f"{param}[{j}] must be {{'id', 'type': 'function', 'function': {{'name', "
-                                  "'arguments'}}}}", param)  # fmt: skip
-        arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, str):
-            raise StructuredError(f"{param}[{j}].function.arguments must be a JSON string",
-                                  f"{param}[{j}].function.arguments")  # fmt: skip
-        out.append({"id": str(call.get("id", "")), "type": "function",
-                    "function": {"name": function["name"], "arguments": arguments}})  # fmt: skip
-    return out
 
 
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -14,7 +14,9 @@ Owns the assignment policy of the shared swarm semantics (docs/ARCHITECTURE.md):
 - Stable: a current assignment is kept when its node is still alive, still has the model and
   the range still fits its budget; only the blocks that kept ranges leave uncovered (per copy
   level) get new ranges, from the nodes' remaining capacity (a gap goes to as few nodes as
-  can hold it, largest free capacity first; a whole missing copy is spread over its group).
+  can hold it, proven nodes first (those that have served a range: a node that only claims
+  memory cannot take a gap from one that has shown it serves), then largest free capacity;
+  a whole missing copy is spread over its group).
   A node may thus hold two ranges of one model (e.g. after healing: its old range plus part
   of a dead neighbour's).
 - A model whose nodes together cannot hold one copy gets no *new* ranges (a partial copy serves
@@ -53,6 +55,7 @@ class NodeCapacity:
     usable_memory_bytes: int
     decode_s_per_block: float  # <= 0 or not finite: unmeasured (treated as the slowest measured)
     model_sha256s: frozenset[str]
+    proven: bool = True  # it has served a range (gaps go to proven nodes first)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -87,6 +90,7 @@ def assign(
     nodes = sorted({n.peer_id: n for n in nodes}.values(), key=lambda n: n.peer_id)
     current = sorted(set(current))
     weights = _weights(nodes)
+    unproven = frozenset(n.peer_id for n in nodes if not n.proven)
 
     # Models whose nodes cannot hold one copy drop out, one at a time (the furthest from one
     # copy first): the memory it would have taken goes to the others, which may then fit.
@@ -129,7 +133,7 @@ def assign(
         if model.sha256 in waiting:
             result.extend(_kept(model, caps, mine)[0])
         else:
-            result.extend(_assign_model(model, caps, weights, mine))
+            result.extend(_assign_model(model, caps, weights, mine, unproven))
     return tuple(sorted(result))
 
 
@@ -171,7 +175,11 @@ def _kept(
 
 
 def _assign_model(
-    model: ModelSpec, caps: dict[str, int], weights: dict[str, Fraction], current: Sequence[Assignment]
+    model: ModelSpec,
+    caps: dict[str, int],
+    weights: dict[str, Fraction],
+    current: Sequence[Assignment],
+    unproven: frozenset[str] = frozenset(),
 ) -> list[Assignment]:
     total = sum(caps.values())
     if total < model.n_layer:
@@ -182,7 +190,7 @@ def _assign_model(
         base_used = used if base else dict.fromkeys(caps, 0)
         free = {peer: caps[peer] - base_used[peer] for peer in caps}
         for copies in range(max_copies, 0, -1):
-            plan = _fill(model, _deficits(model.n_layer, base, copies), free, weights)
+            plan = _fill(model, _deficits(model.n_layer, base, copies), free, weights, unproven)
             if plan is not None:
                 return [*base, *plan]
     raise AssertionError("one copy from scratch always fits when total capacity >= n_layer")
@@ -209,15 +217,20 @@ def _deficits(n_layer: int, ranges: Sequence[Assignment], copies: int) -> list[t
 
 
 def _fill(
-    model: ModelSpec, intervals: Sequence[tuple[int, int]], free: dict[str, int], weights: dict[str, Fraction]
+    model: ModelSpec,
+    intervals: Sequence[tuple[int, int]],
+    free: dict[str, int],
+    weights: dict[str, Fraction],
+    unproven: frozenset[str] = frozenset(),
 ) -> list[Assignment] | None:
-    """New ranges covering each interval once, from nodes' ``free`` capacity; None if it cannot."""
+    """New ranges covering each interval once, from nodes' ``free`` capacity (proven nodes
+    first); None if it cannot."""
     if not intervals:
         return []
     groups: list[list[str]] = [[] for _ in intervals]
     unmet = [end - begin for begin, end in intervals]
     whole = [i for i, (begin, end) in enumerate(intervals) if (begin, end) == (0, model.n_layer)]
-    for peer in sorted((p for p in free if free[p] > 0), key=lambda p: (-free[p], p)):
+    for peer in sorted((p for p in free if free[p] > 0), key=lambda p: (p in unproven, -free[p], p)):
         # Once every interval is provided for, the remaining nodes join only whole copies (so
         # that a fresh copy is spread over all its group's throughput), not patches of a
         # gap (which would cut a healed gap into many small hops).

@@ -15,6 +15,13 @@ Owns every rule by which the tracker's live state changes (the records are
   a report alone removes nobody;
 - withdrawal: a range that failed a canary check is not assigned to its node again (nor
   routed) until it registers anew; a refused node is dead;
+- loading deadlines: a range not READY within ``TrackerRules.loading_base_ms`` plus its bytes
+  at ``loading_min_bytes_per_s`` is taken back, as a failed load (a node reporting LOADING for
+  ever holds nothing);
+- proven nodes (a READY range, or a passed check where checks gate routes) get gaps first, and
+  a node that comes back within ``former_memory_ms`` of its death gets its READY ranges back
+  from nodes still loading them (a node that only claims memory cannot keep a range from the
+  node that served it);
 - routability (``ready_ranges``): the READY ranges, with a recipe, of alive nodes, not
   withdrawn and cleared by the canary gate, with their live sessions.
 
@@ -47,6 +54,7 @@ from agent.core.tracker.state import (
     MarkDead,
     ModelsChanged,
     NodeFacts,
+    NodeProven,
     NodeRefused,
     Notify,
     PeerReported,
@@ -69,7 +77,7 @@ from agent.core.tracker.state import (
 )
 from agent.core.wire.swarm_wire import WireError, check_listen_addrs
 
-__all__ = ["apply", "live_sessions", "ready_ranges", "restore"]
+__all__ = ["apply", "live_sessions", "loading_deadline_ms", "next_sweep_in_ms", "ready_ranges", "restore"]
 
 Code = swarm_pb2.Error
 State = swarm_pb2.AssignmentStatus
@@ -99,6 +107,7 @@ def restore(
         nodes={facts.peer_id: facts for facts in nodes},
         listen_addrs=dict(listen_addrs),
         assignments=dict(assignments),
+        loading_since_ms={a: now_ms for a, status in assignments.items() if status.state != State.READY},
         pruned_at_ms=now_ms - rules.registration_max_age_ms,
     )
 
@@ -118,20 +127,29 @@ def apply(state: TrackerState, event: Event, now_ms: int) -> tuple[TrackerState,
         state = dataclasses.replace(state, suspects=state.suspects - {event.peer_id})
         if event.answered is False and event.peer_id in state.liveness:
             why = f"{event.reporter} lost it ({event.reason[:200]}) and it does not answer a probe"
-            state = _mark_dead(state, (event.peer_id,), why, effects)
+            state = _mark_dead(state, (event.peer_id,), why, now_ms, effects)
     elif isinstance(event, RangeWithdrawn):
-        state = dataclasses.replace(state, withdrawn=state.withdrawn | {(event.peer_id, event.model_sha256)})
-        state = _recompute(state, effects)
+        state = dataclasses.replace(
+            state,
+            withdrawn=state.withdrawn | {(event.peer_id, event.model_sha256)},
+            proven=state.proven - {event.peer_id},
+        )
+        state = _recompute(state, now_ms, effects)
     elif isinstance(event, NodeRefused):
+        state = dataclasses.replace(state, proven=state.proven - {event.peer_id})
         if event.peer_id in state.liveness:
-            state = _mark_dead(state, (event.peer_id,), f"node failed {event.failures} integrity checks", effects)
+            why = f"node failed {event.failures} integrity checks"
+            state = _mark_dead(state, (event.peer_id,), why, now_ms, effects)
         else:
             effects.append(Notify())
+    elif isinstance(event, NodeProven):
+        if event.peer_id not in state.proven:
+            state = dataclasses.replace(state, proven=state.proven | {event.peer_id})
     elif isinstance(event, ModelsChanged):
         models = tuple(m for m in event.models if m.n_layer > 0)
         state = dataclasses.replace(state, models=models, fetchable=event.fetchable)
     elif isinstance(event, Recompute):
-        state = _recompute(state, effects)
+        state = _recompute(state, now_ms, effects)
     else:  # pragma: no cover - the Event union is closed
         raise TypeError(f"not a tracker event: {event!r}")
     return state, effects
@@ -151,6 +169,18 @@ def live_sessions(state: TrackerState) -> dict[RangeKey, tuple[int, int]]:
         for peer_id, serving in state.serving.items()
         for s in serving
     }
+
+
+def next_sweep_in_ms(state: TrackerState, now_ms: int) -> float:
+    """Ms until a sweep has something to do: a node's heartbeat deadline or a range's loading
+    deadline (0 when one passed; inf when none)."""
+    bytes_per_block = {m.sha256: m.bytes_per_block for m in state.models}
+    waits = [state.liveness.next_sweep_in_ms(now_ms)]
+    for a, since in state.loading_since_ms.items():
+        deadline = loading_deadline_ms(state.rules, a, bytes_per_block.get(a.model_sha256, 0))
+        if deadline:
+            waits.append(max(0, since + deadline - now_ms))
+    return min(waits)
 
 
 def ready_ranges(
@@ -223,7 +253,7 @@ def _registered(
         withdrawn=frozenset(k for k in state.withdrawn if k[0] != peer),
         load_failures={p: f for p, f in state.load_failures.items() if p != peer},
     )
-    return _recompute(state, effects)
+    return _recompute(state, now_ms, effects)
 
 
 def _heartbeat(state: TrackerState, beat: Heartbeat, now_ms: int, effects: list[Effect]) -> TrackerState:
@@ -237,10 +267,18 @@ def _heartbeat(state: TrackerState, beat: Heartbeat, now_ms: int, effects: list[
     liveness, heard = state.liveness.heard(peer, now_ms)
     effects.append(StoreHeartbeat(peer, beat.listen_addrs, reading.serving))
     assignments = dict(state.assignments)
+    loading_since = dict(state.loading_since_ms)
+    proven = state.proven
     for assigned, status in reading.reported.items():
         if assigned in assignments:  # a range not assigned to it is not recorded
             assignments[assigned] = RangeStatus(status.state, status.recipe_hash)
             effects.append(StoreStatus(assigned, status.state, status.recipe_hash, status.error))
+            if status.state == State.READY:
+                loading_since.pop(assigned, None)
+                if not state.rules.proven_needs_check:
+                    proven = proven | {peer}
+            else:
+                loading_since.setdefault(assigned, now_ms)
     load_failures = dict(state.load_failures)
     for assigned, status in sorted(reading.reported.items()):
         if status.state == State.FAILED and assigned.model_sha256 in reading.newly_failed:
@@ -255,6 +293,8 @@ def _heartbeat(state: TrackerState, beat: Heartbeat, now_ms: int, effects: list[
         if beat.listen_addrs is None
         else _with(state.listen_addrs, peer, beat.listen_addrs),
         assignments=assignments,
+        loading_since_ms=loading_since,
+        proven=proven,
         failed=state.failed | {(peer, m) for m in reading.newly_failed},
         load_failures=load_failures,
         heard_at_ms=_with(state.heard_at_ms, peer, now_ms),
@@ -264,25 +304,39 @@ def _heartbeat(state: TrackerState, beat: Heartbeat, now_ms: int, effects: list[
     if heard.revived:
         effects.append(Log("info", f"node {peer} is back"))
     if heard.revived or reading.newly_failed:
-        state = _recompute(state, effects)
+        state = _recompute(state, now_ms, effects)
     mine = [(a, status.stored) for a, status in sorted(state.assignments.items()) if a.peer_id == peer]
     diff = diff_assignment(reading.reported, mine)
     if diff.unreported:  # assigned, not loaded (e.g. the node restarted): its stored state goes
         assignments = dict(state.assignments)
+        loading_since = dict(state.loading_since_ms)
         for assigned in diff.unreported:
             assignments[assigned] = RangeStatus()
+            loading_since.setdefault(assigned, now_ms)
             effects.append(StoreStatus(assigned, State.STATE_UNSPECIFIED, "", ""))
-        state = dataclasses.replace(state, assignments=assignments)
+        state = dataclasses.replace(state, assignments=assignments, loading_since_ms=loading_since)
     effects += [SyncChecks(peer, diff.ready), Directives(peer, diff.load, diff.unload)]
     if heard.newly_confirmed or reading.reported:
         effects.append(Notify())
     return state
 
 
+def loading_deadline_ms(rules: TrackerRules, assignment: Assignment, bytes_per_block: int) -> int:
+    """How long ``assignment`` may take to become READY: the base plus its bytes at the slowest
+    rate a node is allowed to fetch at (0: no deadline)."""
+    if rules.loading_base_ms <= 0:
+        return 0
+    range_bytes = assignment.n_blocks * max(0, bytes_per_block)
+    return rules.loading_base_ms + range_bytes * 1000 // max(1, rules.loading_min_bytes_per_s)
+
+
 def _sweep(state: TrackerState, now_ms: int, effects: list[Effect]) -> TrackerState:
     liveness, dead = state.liveness.swept(now_ms)
     if dead:
-        state = _mark_dead(dataclasses.replace(state, liveness=liveness), dead, "nodes missed heartbeats", effects)
+        state = _mark_dead(
+            dataclasses.replace(state, liveness=liveness), dead, "nodes missed heartbeats", now_ms, effects
+        )
+    state = _take_back_overdue(state, now_ms, effects)
     if now_ms - state.pruned_at_ms >= state.rules.registration_max_age_ms:
         effects.append(PruneNonces(now_ms - state.rules.nonce_retention_ms))
         state = dataclasses.replace(state, pruned_at_ms=now_ms)
@@ -301,15 +355,81 @@ def _reported(state: TrackerState, report: PeerReported, effects: list[Effect]) 
     return state
 
 
-def _mark_dead(state: TrackerState, dead: tuple[str, ...], why: str, effects: list[Effect]) -> TrackerState:
-    effects.append(MarkDead(dead, why))
+def _take_back_overdue(state: TrackerState, now_ms: int, effects: list[Effect]) -> TrackerState:
+    """Ranges of live nodes not READY by their loading deadline are taken back: the model is
+    not assigned to that node again until it registers anew (as a failed load)."""
+    bytes_per_block = {m.sha256: m.bytes_per_block for m in state.models}
+    live = state.liveness.live
+    overdue = []
+    for a, since in sorted(state.loading_since_ms.items()):
+        deadline = loading_deadline_ms(state.rules, a, bytes_per_block.get(a.model_sha256, 0))
+        if deadline and a.peer_id in live and a in state.assignments and now_ms - since >= deadline:
+            overdue.append((a, deadline))
+    if not overdue:
+        return state
+    load_failures = dict(state.load_failures)
+    for a, deadline in overdue:
+        failure = swarm_pb2.AssignmentStatus(
+            assignment=swarm_pb2.Assignment(model_sha256=a.model_sha256, begin=a.begin, end=a.end),
+            state=State.FAILED,
+            error=f"not READY within {deadline / 1000:.0f} s of its assignment: taken back",
+        )
+        load_failures[a.peer_id] = (*load_failures.get(a.peer_id, ()), failure)
+        effects.append(LoadFailed(a.peer_id, failure))
     state = dataclasses.replace(
-        state, liveness=state.liveness.without(dead), assignments=_cleared_states(state.assignments, dead)
+        state,
+        failed=state.failed | {(a.peer_id, a.model_sha256) for a, _ in overdue},
+        load_failures=load_failures,
     )
-    return _recompute(state, effects)
+    return _recompute(state, now_ms, effects)
 
 
-def _recompute(state: TrackerState, effects: list[Effect]) -> TrackerState:
+def _mark_dead(
+    state: TrackerState, dead: tuple[str, ...], why: str, now_ms: int, effects: list[Effect]
+) -> TrackerState:
+    effects.append(MarkDead(dead, why))
+    gone = set(dead)
+    former = {
+        **state.former,
+        **{a: now_ms for a, status in state.assignments.items() if a.peer_id in gone and status.state == State.READY},
+    }
+    state = dataclasses.replace(
+        state,
+        liveness=state.liveness.without(dead),
+        assignments=_cleared_states(state.assignments, dead),
+        former=former,
+    )
+    return _recompute(state, now_ms, effects)
+
+
+def _given_back(state: TrackerState, now_ms: int) -> tuple[set[Assignment], dict[Assignment, int]]:
+    """The current assignment with the ranges of nodes back from the dead given back to them
+    where nodes that replaced them are still loading (not READY) the same blocks; and the
+    former ranges still remembered (not given back, not expired)."""
+    live = state.liveness.live
+    current = set(state.assignments)
+    remembered = {}
+    for f, lost_at in sorted(state.former.items()):
+        if now_ms - lost_at >= state.rules.former_memory_ms:
+            continue
+        if f.peer_id not in live:
+            remembered[f] = lost_at
+            continue
+        usurpers = {
+            a
+            for a in current
+            if a.model_sha256 == f.model_sha256
+            and a.peer_id != f.peer_id
+            and a.begin < f.end
+            and f.begin < a.end
+            and state.assignments[a].state != State.READY
+        }
+        current -= usurpers
+        current.add(f)
+    return current, remembered
+
+
+def _recompute(state: TrackerState, now_ms: int, effects: list[Effect]) -> TrackerState:
     """The assignment recomputed from the models and the alive + pending nodes."""
     live = state.liveness.live
     nodes = [
@@ -322,14 +442,22 @@ def _recompute(state: TrackerState, effects: list[Effect]) -> TrackerState:
                 for m in facts.model_sha256s | (state.fetchable if facts.fetches_models else frozenset())
                 if (facts.peer_id, m) not in state.failed and (facts.peer_id, m) not in state.withdrawn
             ),
+            proven=peer in state.proven,
         )
         for peer, facts in sorted(state.nodes.items())
         if peer in live
     ]
-    new = assign(state.models, nodes, sorted(state.assignments))
+    current, former = _given_back(state, now_ms)
+    new = assign(state.models, nodes, sorted(current))
     effects += [StoreAssignments(tuple(new)), Notify()]
     return dataclasses.replace(
         state,
         assignments={a: state.assignments.get(a, RangeStatus()) for a in new},
+        loading_since_ms={
+            a: state.loading_since_ms.get(a, now_ms)
+            for a in new
+            if state.assignments.get(a, RangeStatus()).state != State.READY
+        },
+        former=former,
         recomputes=state.recomputes + 1,
     )

@@ -47,6 +47,7 @@ __all__ = [
     "MarkDead",
     "ModelsChanged",
     "NodeFacts",
+    "NodeProven",
     "NodeRefused",
     "Notify",
     "PeerReported",
@@ -80,6 +81,17 @@ class TrackerRules:
     registration_max_age_ms: int
     #: how long a nonce is kept
     nonce_retention_ms: int
+    #: a range assigned to a node must be READY within ``loading_base_ms`` plus its bytes at
+    #: ``loading_min_bytes_per_s`` (from when it was assigned, or last stopped being READY), or
+    #: it is taken back (a node that says LOADING for ever holds nothing); 0: no deadline
+    loading_base_ms: int = 120_000
+    loading_min_bytes_per_s: int = 1_000_000
+    #: whether a node is proven only by a passed canary check (``NodeProven``); False: a READY
+    #: report proves it (checks off or not gating routes)
+    proven_needs_check: bool = False
+    #: how long a dead node's READY ranges are kept for it: back within this, it gets them
+    #: back from nodes still loading them
+    former_memory_ms: int = 600_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +137,12 @@ class TrackerState:
       heard_at_ms: peer -> when its last heartbeat arrived (handed-out routes count until then).
       serving: peer -> what its last heartbeat reported (live sessions for routes).
       peer_paths: peer -> how its steps reached its peers, from its last heartbeat.
+      loading_since_ms: assignment -> since when it has not been READY (assigned, or left
+        READY): the loading deadline counts from there; absent while READY.
+      proven: peers that served a range (READY, or a passed check when checks gate routes):
+        gaps go to them before nodes that never did.
+      former: READY ranges of nodes that died -> when: a node back within ``former_memory_ms``
+        gets its range back from nodes that are still loading it.
       pruned_at_ms: when nonces were last pruned.
       recomputes: how many times the assignment was recomputed.
     """
@@ -143,6 +161,9 @@ class TrackerState:
     heard_at_ms: Mapping[str, int] = dataclasses.field(default_factory=dict)
     serving: Mapping[str, tuple[swarm_pb2.AssignmentStatus, ...]] = dataclasses.field(default_factory=dict)
     peer_paths: Mapping[str, tuple[swarm_pb2.PeerPath, ...]] = dataclasses.field(default_factory=dict)
+    loading_since_ms: Mapping[Assignment, int] = dataclasses.field(default_factory=dict)
+    proven: frozenset[str] = frozenset()
+    former: Mapping[Assignment, int] = dataclasses.field(default_factory=dict)
     pruned_at_ms: int = 0
     recomputes: int = 0
 
@@ -212,6 +233,13 @@ class NodeRefused:
 
 
 @dataclasses.dataclass(frozen=True)
+class NodeProven:
+    """A range of ``peer_id`` passed a canary check."""
+
+    peer_id: str
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelsChanged:
     """The registered models, or which of them nodes may fetch, changed (counted at the next
     recompute)."""
@@ -233,6 +261,7 @@ Event = (
     | ProbeEnded
     | RangeWithdrawn
     | NodeRefused
+    | NodeProven
     | ModelsChanged
     | Recompute
 )

@@ -45,6 +45,7 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent._proto import swarm_pb2
+from agent.core.owner.constrained import TokenMask
 from agent.core.owner.recovery import (
     ContextFull,
     Fail,
@@ -58,7 +59,7 @@ from agent.core.owner.recovery import (
     resumable,
 )
 from agent.core.owner.sampling import SamplingParams
-from agent.core.owner.session import Session, TokenMask
+from agent.core.owner.session import Session
 from agent.core.owner.spot_check import RouteSegment, rollback_point
 from agent.core.owner.text_stream import TextStream, whole_utf8
 from agent.core.wire.swarm_wire import SESSION_ID_BYTES
@@ -206,6 +207,7 @@ class SwarmClient(ResumingClient):
         on_token: Callable[[int, np.ndarray | TopLogits, swarm_pb2.Route], Awaitable[bool]] | None = None,
         route: swarm_pb2.Route | None = None,
         queue_timeout_s: float | None = None,
+        prompt_scores: Callable[[int, np.ndarray | TopLogits], None] | None = None,
         constraint: TokenMask | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_tokens`` token ids after ``prompt_tokens`` (tokenized by the caller).
@@ -218,6 +220,9 @@ class SwarmClient(ResumingClient):
           queue_timeout_s: while the route's ranges have no free sequence (RESOURCE_EXHAUSTED
             at the first step), wait and try again for this long (default
             ``SwarmClientConfig.queue_timeout_s``): busy is not a failed hop.
+          prompt_scores: score the prompt: it goes one row a step, and this is called with
+            each position and the scores of the token after it (a position may come again
+            after a replan). One step a prompt token: for scoring short prompts, not for chat.
           constraint: a grammar every token keeps to (``agent.core.owner.grammar``): drawn by
             this owner from full rows, masked (``agent.core.owner.constrained``); it is advanced
             by each token and carried across resumes and replans.
@@ -272,7 +277,9 @@ class SwarmClient(ResumingClient):
                 sampling=sampling,
                 rng=rng,
                 route_peer_ids=[hop.peer_id for hop in route.hops],
-                max_step_rows=self.config.prefill_chunk_tokens,
+                max_step_rows=1 if prompt_scores is not None else self.config.prefill_chunk_tokens,
+                output_start=len(prompt),
+                on_prompt_scores=prompt_scores,
                 constraint=constraint,
             )
             live = LiveSession(session)

@@ -58,7 +58,7 @@ from agent.io.net.channel_connection import OnReply, _answered, _Connection, _re
 from agent.io.net.channel_tls import _RECEIVE_BYTES, _peer_of, _TlsStream, tls_contexts
 from agent.io.net.peer_cert import PeerCertError
 from agent.io.net.punch import Puncher
-from agent.io.net.transport import Handler, ImmediateHandler, Transport, TransportError
+from agent.io.net.transport import Handler, ImmediateHandler, Transport, TransportError, set_remote_host
 
 __all__ = ["ChannelTransport", "open_channel_transport"]
 
@@ -349,6 +349,7 @@ class ChannelTransport:
     async def run_connection(self, connection: _Connection) -> None:
         """Read frames until the connection ends; requests are answered in their own tasks.
         Never raises (but Cancelled): a bad frame closes this connection only."""
+        set_remote_host(connection.stream.remote_host())
         try:
             async with trio.open_nursery() as handlers:
                 handlers.start_soon(connection.serve_backlog)

@@ -116,6 +116,13 @@ class _TlsStream:
         self._failed: str | None = None  # why the incoming stream ended badly
         self.broken: str | None = None  # why the outgoing byte stream can no longer be trusted
 
+    def remote_host(self) -> str:
+        """The peer's IP address ("" once the socket is gone)."""
+        try:
+            return str(self._sock.getpeername()[0])
+        except OSError:
+            return ""
+
     def close_soon(self, reason: str) -> None:
         """End the connection from outside its reader: the reader then sees it end."""
         self._break(reason)

@@ -30,7 +30,7 @@ from agent.core.net.multiaddrs import circuit_multiaddr, is_channel_multiaddr, p
 from agent.core.wire.swarm_wire import max_request_bytes
 from agent.io.net.p2p_relay import RelayPolicy
 from agent.io.net.p2p_streams import _close_quietly, _FramedStream, _PeerStreams, _PooledStream, _reset_quietly
-from agent.io.net.transport import Handler, TransportError
+from agent.io.net.transport import Handler, TransportError, set_remote_host
 
 __all__ = ["P2PTransport"]
 
@@ -314,6 +314,8 @@ class P2PTransport:
         remote = "?"
         try:
             remote = str(stream.muxed_conn.peer_id)
+            address = stream.get_remote_address()
+            set_remote_host(address[0] if address else "")
             framed = _FramedStream(stream)
             while await framed.wait_readable():
                 with trio.fail_after(self._frame_timeout_s):

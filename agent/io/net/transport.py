@@ -15,17 +15,43 @@ serving.
 from __future__ import annotations
 
 import collections
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import trio
 
-__all__ = ["Handler", "ImmediateHandler", "MemoryNetwork", "MemoryTransport", "Transport", "TransportError"]
+__all__ = [
+    "Handler",
+    "ImmediateHandler",
+    "MemoryNetwork",
+    "MemoryTransport",
+    "Transport",
+    "TransportError",
+    "remote_host",
+    "set_remote_host",
+]
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[str, bytes], Awaitable[bytes]]
+
+#: The network address (IP, no port) a request being answered came from, as the transport saw
+#: it; "" where unknown (the in-memory transport). A transport sets it in the task that reads
+#: a connection or stream, so that handlers (and the tasks they start) see their request's:
+#: per-address limits need it, and the ``Handler`` signature stays (peer id, bytes).
+_REMOTE_HOST: contextvars.ContextVar[str] = contextvars.ContextVar("baton_remote_host", default="")
+
+
+def remote_host() -> str:
+    """Where the request this task answers came from (its IP address), or "" if unknown."""
+    return _REMOTE_HOST.get()
+
+
+def set_remote_host(host: str) -> None:
+    """Say where the requests this task (and the tasks it starts) answers come from."""
+    _REMOTE_HOST.set(host)
 
 
 class ImmediateHandler:

@@ -102,6 +102,11 @@ class NodeConfig:
         longer: a prefill chunk upstream, a rebuild): an owner that crashed, or that lost the
         route and did not end it, holds its sequences this long at most.
       session_sweep_interval_s: how often idle sessions are looked for.
+      session_stall_timeout_s: a session that took no step for this long is freed however often
+        its owner touches it (``agent.core.node.sessions.SessionTable.stalled``; a session on the
+        data plane counts the steps its worker took).
+      trusted_owners, trusted_reserve_share: owners (peer ids) that may use a reserve of each
+        range's sequences which no other owner can take (``SessionTable.reserve_for_trusted``).
       owner_max_share: the share of a range's sequences one owner may hold at once (at least
         one sequence): a peer sending step-0 frames cannot take a range from everyone else.
       batch_window_ms: how long a serving task waits after the first pending step for others
@@ -230,6 +235,25 @@ class NodeConfig:
         0.75,
         "the share of a range's sequences one session owner may hold (default 0.75, so a peer sending"
         " step-0 frames cannot lock everyone out, while a relay, one owner for many users, keeps most; at least one)",
+        parse=cli_args.unit_interval,
+    )
+    session_stall_timeout_s: float = setting(
+        60.0,
+        "free a session that took no step for this long however often its owner touches it (default 60): a touch"
+        " bridges a wait (a prompt chunk upstream, a rebuild), it cannot hold sequences for ever",
+        parse=cli_args.positive_float,
+    )
+    trusted_owners: tuple[str, ...] = setting(
+        (),
+        "the peer id of a session owner this node trusts, e.g. its relay (repeatable): sequences are kept in"
+        " reserve for them (--trusted-reserve-share)",
+        flag="--trusted-owner",
+        metavar="PEER_ID",
+    )
+    trusted_reserve_share: float = setting(
+        0.25,
+        "with --trusted-owner: the share of a range's sequences that only trusted owners may take (default 0.25,"
+        " at least one), so that self-made client keys cannot lock a range out for them",
         parse=cli_args.unit_interval,
     )
     decode_groups: int | None = setting(

@@ -16,6 +16,7 @@ from agent.core.node.batching import forward_key
 from agent.core.node.policy import check_step_sender, range_not_ready, worker_call_failed
 from agent.core.node.range_states import RangeKey
 from agent.core.node.scheduler import arrival_wakes_gatherer
+from agent.core.wire.address_rate import counted_host
 from agent.core.wire.admission import AdmissionError, AdmissionVerifier
 from agent.core.wire.step_batch import answer_step_batch
 from agent.core.wire.step_validation import validate_step
@@ -28,6 +29,7 @@ from agent.core.wire.swarm_wire import (
     step_ack,
     step_ack_error,
 )
+from agent.io.net.transport import remote_host
 from agent.io.worker.error import WorkerError
 
 from .sessions import SessionControl
@@ -95,14 +97,20 @@ class RequestHandlers(SessionControl):
         ):
             raise range_not_ready(key, None if served is None else served.state)
         step = validate_step(request, served.spec)
+        trusted = step.owner_peer_id in self.config.trusted_owners
         if step.rebuild:
             session = served.sessions.accept_rebuild(
-                step.session_id, step.resume_step, step.first_position, step.n_rows, step.owner_peer_id, clock_ms()
-            )
+                step.session_id, step.resume_step, step.first_position, step.n_rows, step.owner_peer_id, clock_ms(),
+                trusted=trusted,
+            )  # fmt: skip
         else:
+            # a client's own step 0 counts against its address's share too (a node forwarding
+            # steps speaks for many owners: its address is not theirs)
+            source = counted_host(remote_host()) if record.role == swarm_pb2.ROLE_CLIENT else ""
             session = served.sessions.accept(
-                step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, clock_ms()
-            )
+                step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, clock_ms(),
+                trusted=trusted, source_host=source,
+            )  # fmt: skip
         served.scheduler.push((session.seq_id, step), session=session.seq_id, n_rows=step.n_rows, key=forward_key(step))
         if not arrival_wakes_gatherer(served.quiet_decode_arrivals, decode=session.decoding and not step.rebuild):
             served.quiet_decode_arrivals -= 1  # a group being gathered, not whole yet

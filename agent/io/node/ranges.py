@@ -28,7 +28,7 @@ from agent.core.node.range_states import (
     range_name,
 )
 from agent.core.node.scheduler import StepScheduler
-from agent.core.node.sessions import SessionTable
+from agent.core.node.sessions import SessionTable, trusted_reserve
 from agent.core.wire.manifest import ManifestError
 from agent.core.wire.step_validation import RangeSpec
 from agent.io.worker.client import ClientConfig
@@ -245,8 +245,9 @@ class RangeRunner(BatchServing, TrackerLink):
                 boundary=info.boundary.schema,
             )  # fmt: skip
             served.sessions = SessionTable(
-                info.n_seq_max, info.n_ctx_per_sequence, max_per_owner=max(1, int(cfg.owner_max_share * info.n_seq_max))
-            )
+                info.n_seq_max, info.n_ctx_per_sequence, max_per_owner=max(1, int(cfg.owner_max_share * info.n_seq_max)),
+                reserve_for_trusted=trusted_reserve(info.n_seq_max, cfg.trusted_reserve_share, bool(cfg.trusted_owners)),
+            )  # fmt: skip
             served.kept = KeptStore(cfg.kept_rows_max_bytes)
             served.scheduler = StepScheduler(info.n_batch_max, info.n_seq_max, row_budget=served.spec.n_batch_max)
             self._perform(self.book.ready(served.key, served.entry.epoch, info.recipe_hash), pushes)

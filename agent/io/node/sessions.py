@@ -34,7 +34,7 @@ from agent.io.net.transport import TransportError
 from agent.io.worker.error import WorkerError
 
 from .data_plane import DataPlane
-from .state import clock_ms, unbind_request
+from .state import ServedRange, clock_ms, unbind_request
 
 __all__ = ["SessionControl"]
 
@@ -61,16 +61,43 @@ class SessionControl(DataPlane):
 
     async def _sweep_sessions(self) -> None:
         timeout_ms = int(self.config.session_idle_timeout_s * 1000)
+        stall_ms = int(self.config.session_stall_timeout_s * 1000)
         while True:
             await trio.sleep(self.config.session_sweep_interval_s)
-            now = clock_ms()
             for served in list(self.ranges.values()):
                 if served.sessions is None or served.scheduler is None:
                     continue
+                await self._note_bound_progress(served, stall_ms)
+                now = clock_ms()
                 for session_id in served.sessions.idle(now, timeout_ms):
                     log.info("%s: session %s idle, freed", range_name(served.key), session_id.hex())
                     served.end_session(session_id)
+                for session_id in served.sessions.stalled(now, stall_ms):
+                    log.info(
+                        "%s: session %s took no step for %.0f s (touched only), freed",
+                        range_name(served.key), session_id.hex(), self.config.session_stall_timeout_s,
+                    )  # fmt: skip
+                    served.end_session(session_id)
             self.sweeps += 1
+
+    async def _note_bound_progress(self, served: ServedRange, stall_ms: int) -> None:
+        """Ask the worker what the sessions bound on its data plane that look stalled did
+        (their steps do not come through this node), so that only those that really took no
+        step are freed."""
+        assert served.sessions is not None
+        if served.client is None:
+            return
+        for session_id in served.sessions.stalled(clock_ms(), stall_ms, bound=True):
+            try:
+                held = await served.client.call(
+                    "UnbindSession",
+                    unbind_request(session_id, keep_bound=True),
+                    timeout_s=self.config.worker_call_timeout_s,
+                )
+            except WorkerError as err:  # (the worker's failure is noticed elsewhere) judge it stalled
+                log.debug("progress of session %s: %s", session_id.hex(), err)
+                continue
+            served.sessions.note_bound_progress(session_id, held.next_step, clock_ms())
 
     async def _end_session(self, body: swarm_pb2.EndSessionRequest, remote_peer_id: str, role: int) -> bytes:
         session_id = bytes(body.session_id)

@@ -106,6 +106,7 @@ class ServedRange:
             recipe_hash=self.entry.recipe_hash if state == State.READY else "",
             sequences_in_use=0 if self.sessions is None else self.sessions.n_seq_max - self.sessions.free_count,
             sequences_total=0 if self.sessions is None else self.sessions.n_seq_max,
+            n_ctx_per_sequence=0 if self.sessions is None else self.sessions.n_ctx_per_sequence,
             fetched_bytes=0 if self.fetch_progress is None else self.fetch_progress.done_bytes,
             fetch_total_bytes=0 if self.fetch_progress is None else self.fetch_progress.total_bytes,
             fetch_bytes_per_s=0.0 if self.fetch_progress is None else self.fetch_progress.bytes_per_s,

@@ -60,6 +60,7 @@ class RelayConfig:
     (``--body-timeout-s`` for ``body_timeout_s``) and its ``--config`` file's keys.
 
     ``anonymous_tokens_per_day``: 0 switches anonymous access off (every request needs a key).
+    ``max_choices``: a request whose ``n`` times its prompts is larger gets 400 naming ``n``.
     ``max_body_bytes``: larger request bodies get 413. ``body_timeout_s``: a body that has not
     all arrived this long after its headers gets 408 (a client trickling bytes holds nothing
     for long; Hypercorn's own read timeout would also cut long streamed answers).
@@ -94,6 +95,10 @@ class RelayConfig:
     max_body_bytes: int = setting(
         1 << 20, "largest request body (default 1048576)", parse=cli_args.positive_int, metavar="N"
     )
+    max_choices: int = setting(
+        8, "most choices one request may ask for: n times its prompts; each is a session (default 8)",
+        parse=cli_args.positive_int, metavar="N",
+    )  # fmt: skip
     body_timeout_s: float = setting(
         30.0,
         "seconds a request body may take to arrive after its headers, else 408 (default 30)",

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse
 
 from agent.core.relay.openai_api import ApiError
 
-from .completion import Completion
+from .choices import Choices
 
 __all__ = ["CompletionResponse", "error_response"]
 
@@ -43,7 +43,7 @@ class CompletionResponse:
     status and envelope; an error after that is one ``data: {"error": ...}`` event.
     """
 
-    def __init__(self, completion: Completion, endpoint: str, release: Callable[[bool], None]) -> None:
+    def __init__(self, completion: Choices, endpoint: str, release: Callable[[bool], None]) -> None:
         self.completion = completion
         self.endpoint = endpoint
         self.release = release
@@ -66,11 +66,11 @@ class CompletionResponse:
         async def body(data: bytes, more: bool) -> None:
             await send({"type": "http.response.body", "body": data, "more_body": more})
 
-        async def emit(text: str) -> None:
+        async def emit(text: str, index: int = 0) -> None:
             if not started:
                 await start(200, b"text/event-stream; charset=utf-8", [(b"x-accel-buffering", b"no")])
-                await body(_sse(completion.chunk("", role=True)) if completion.req.kind == "chat" else b"", True)
-            await body(_sse(completion.chunk(text)), True)
+                await body(b"".join(_sse(chunk) for chunk in completion.opening_chunks()), True)
+            await body(_sse(completion.chunk(text, index)), True)
 
         try:
             async with trio.open_nursery() as nursery:
@@ -104,9 +104,7 @@ class CompletionResponse:
                 if completion.req.stream:
                     if not started:
                         await emit("")
-                    if (calls := completion.tool_calls_chunk()) is not None:
-                        await body(_sse(calls), True)
-                    await body(_sse(completion.chunk("", completion.finish_reason)), True)
+                    await body(b"".join(_sse(chunk) for chunk in completion.closing_chunks()), True)
                     if completion.req.include_usage:
                         await body(_sse(completion.usage_chunk()), True)
                     await body(_sse("[DONE]"), False)

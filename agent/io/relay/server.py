@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from agent._proto import swarm_pb2
 from agent.core.relay.coverage import model_coverage
 from agent.core.relay.openai_api import ApiError, check_json_content_type, check_unicode, parse_request
 from agent.core.relay.responses_api import chat_body
+from agent.core.relay.served_context import served_context
 from agent.io.client import SwarmError
 from agent.io.http_serve import serve_asgi
 from agent.io.net.transport import TransportError
@@ -45,13 +47,15 @@ from agent.io.settings import load_toml, settings_from_args, shared_fields
 from agent.io.worker.vocab import VocabularyError
 
 from .auth import admit, authenticate, reserve, settle
-from .completion import Completion, prepare
+from .choices import Choices, prepare_prompts
+from .completion import Completion, prepare, served_context_of
 from .config import RelayConfig, default_cache_dir
 from .metrics import RelayMetrics
 from .responses import CompletionResponse, error_response
 from .responses_endpoint import ResponsesResponse
 from .state import RelayState
 from .status_page import render_status_page
+from .tokenizer_routes import detokenize, tokenize, tokenizer_info
 
 __all__ = ["build_app", "serve_main", "serve_relay"]
 
@@ -87,7 +91,7 @@ async def _read_json(request: Request, limit: int, timeout_s: float):
     return body
 
 
-def build_app(state: RelayState) -> Starlette:
+def build_app(state: RelayState) -> Callable:
     """The relay's ASGI app over ``state``."""
 
     def guarded(endpoint: str, handler: Callable[[Request], Awaitable[Response]]):
@@ -110,12 +114,23 @@ def build_app(state: RelayState) -> Starlette:
 
     async def list_models(request: Request) -> Response:
         authenticate(state, request)
-        return JSONResponse({"object": "list", "data": [_model_card(e) for e in await state.models()]})
+        cards = [_model_card(e, await served_context_of(state, e)) for e in await state.models()]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def get_model(request: Request) -> Response:
         authenticate(state, request)
         entry = await state.model(request.path_params["model"])
-        return JSONResponse(_model_card(entry))
+        return JSONResponse(_model_card(entry, await served_context_of(state, entry)))
+
+    def tokenizer(handler):
+        async def endpoint(request: Request) -> Response:
+            authenticate(state, request)
+            if request.method == "GET":
+                return await tokenizer_info(state, request)
+            body = await _read_json(request, state.config.max_body_bytes, state.config.body_timeout_s)
+            return await handler(state, body)
+
+        return endpoint
 
     async def begin(principal, req) -> tuple[Completion, Callable[[bool], None]]:
         """Admit, prepare and reserve a completion; its release settles the key's budget."""
@@ -147,8 +162,31 @@ def build_app(state: RelayState) -> Starlette:
         async def handler(request: Request) -> Response:
             principal = authenticate(state, request)
             body = await _read_json(request, state.config.max_body_bytes, state.config.body_timeout_s)
-            req = parse_request(body, kind)
-            completion, release = await begin(principal, req)
+            req = parse_request(body, kind, max_choices=state.config.max_choices)
+            admit(state, principal)  # before the prompt is tokenized: a spent key costs no work
+            state.concurrent[principal.name] = state.concurrent.get(principal.name, 0) + 1
+            try:
+                prompts = await prepare_prompts(state, req)
+                n = req.options.n
+                prompt_tokens = sum(len(p.tokens) for p in prompts)
+                asked = sum(p.max_tokens for p in prompts) * n
+                budget = reserve(state, principal, prompt_tokens, asked)
+            except BaseException:
+                state.concurrent[principal.name] -= 1
+                raise
+            if budget.max_tokens < asked:  # the key's day cannot hold every choice's whole budget
+                share = max(1, budget.max_tokens // (n * len(prompts)))
+                for p in prompts:
+                    p.max_tokens = min(p.max_tokens, share)
+            completion = Choices(state, req, prompts, principal)
+
+            def release(client_left: bool) -> None:
+                state.concurrent[principal.name] -= 1
+                settle(
+                    state, principal, budget, completion.prompt_tokens, completion.completion_tokens,
+                    client_left=client_left,
+                )  # fmt: skip
+
             return CompletionResponse(completion, endpoint, release)  # type: ignore[return-value]
 
         return handler
@@ -167,7 +205,8 @@ def build_app(state: RelayState) -> Starlette:
         return JSONResponse({"status": "ok", "peer_id": state.client.peer_id})
 
     async def not_found(request: Request, _exc) -> Response:
-        return error_response(ApiError(404, f"Unknown path {request.url.path}"))
+        # not model_not_found: LangChain and others read that code as a missing model
+        return error_response(ApiError(404, f"Invalid URL ({request.method} {request.url.path})", code="unknown_url"))
 
     async def not_allowed(request: Request, _exc) -> Response:
         return error_response(ApiError(405, f"Method {request.method} is not allowed on {request.url.path}"))
@@ -190,11 +229,37 @@ def build_app(state: RelayState) -> Starlette:
         Route("/status.json", guarded("/status.json", status_json), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/tokenize", guarded("/tokenize", tokenizer(tokenize)), methods=["POST"]),
+        Route("/detokenize", guarded("/detokenize", tokenizer(detokenize)), methods=["POST"]),
+        Route("/tokenizer_info", guarded("/tokenizer_info", tokenizer(None)), methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+    return _with_request_id(app)
 
 
-def _model_card(entry: swarm_pb2.ModelEntry) -> dict:
+def _with_request_id(app: Starlette) -> Callable:
+    """Every answer carries ``x-request-id`` (the OpenAI SDK reads it into ``_request_id``):
+    the client's own when it sent a short printable one, else a new ``req_<hex>``."""
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
+        request_id = given if 0 < len(given) <= 128 and given.isascii() and given.decode().isprintable() else None
+        request_id = request_id or f"req_{secrets.token_hex(16)}".encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        return await app(scope, receive, send_with_id)
+
+    return wrapped
+
+
+def _model_card(entry: swarm_pb2.ModelEntry, context_length: int) -> dict:
     return {
         "id": entry.alias or entry.name or entry.sha256,
         "object": "model",
@@ -205,7 +270,9 @@ def _model_card(entry: swarm_pb2.ModelEntry) -> dict:
         "aliases": [a for a in (entry.alias, entry.name, entry.sha256) if a],
         "architecture": entry.architecture,
         "n_layer": entry.n_layer,
-        "context_length": entry.context_length,
+        # the positions a session can hold on the swarm now (vLLM calls it max_model_len)
+        "context_length": context_length,
+        "max_model_len": context_length,
         "hf_repo": entry.hf_repo,
     }
 
@@ -223,7 +290,7 @@ async def _status(state: RelayState) -> dict:
         coverage, covered = model_coverage(entry, nodes)
         out_models.append({
             "alias": entry.alias, "name": entry.name, "sha256": entry.sha256, "n_layer": entry.n_layer,
-            "context_length": entry.context_length, "covered": covered,
+            "context_length": served_context(entry, nodes), "covered": covered,
             "coverage": coverage,
         })  # fmt: skip
     credits = [

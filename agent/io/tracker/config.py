@@ -17,6 +17,7 @@ import trio
 from agent import cli_args
 from agent.core.node.worker_wait import AUTO, WAIT_CHOICES
 from agent.core.tracker.canary import CanaryPolicy
+from agent.core.wire.address_rate import parse_networks
 from agent.io.settings import setting
 
 __all__ = ["TrackerConfig", "parse_host_port", "parse_model_arg", "trio_unix_clock"]
@@ -125,6 +126,36 @@ class TrackerConfig:
         parse=cli_args.positive_int,
         metavar="MS",
     )
+    loading_deadline_base_s: float = setting(
+        120.0,
+        "a range assigned to a node must be READY within this many seconds plus its bytes at"
+        " --loading-min-bytes-per-s, or it is taken back (a node that says LOADING for ever holds nothing; default"
+        " 120; 0: no deadline)",
+        parse=cli_args.non_negative_float,
+        metavar="S",
+    )
+    loading_min_bytes_per_s: int = setting(
+        1_000_000,
+        "the slowest download a node is allowed for a range's bytes (default 1000000: 8 Mbit/s)",
+        parse=cli_args.positive_int,
+        metavar="N",
+    )
+    new_identities_per_address_per_hour: int = setting(
+        30,
+        "the most new identities (node or client keys) the tracker admits from one IP address in an hour"
+        " (default 30; 0: no limit): a self-made key costs an attacker an address, not nothing",
+        parse=cli_args.non_negative_int,
+        metavar="N",
+    )
+    admission_rate_exempt: tuple[str, ...] = setting(
+        (),
+        "a network (CIDR) whose addresses --new-identities-per-address-per-hour does not limit (repeatable;"
+        " loopback, the operator's own machine, is never limited unless --limit-loopback-admissions)",
+        metavar="CIDR",
+    )
+    limit_loopback_admissions: bool = setting(
+        False, "limit new identities from loopback addresses too (tests of the limit)"
+    )
     admission_ttl_ms: int = setting(
         600_000,
         "how long a signed admission stays valid, in ms; nodes and clients renew it (default 600000: 10 min)",
@@ -210,6 +241,7 @@ class TrackerConfig:
             )
         if self.nonce_retention_ms <= self.registration_max_age_ms:
             raise ValueError("nonce_retention_ms must exceed registration_max_age_ms (or replays become possible)")
+        parse_networks(self.admission_rate_exempt)  # (raises naming a bad one)
 
 
 def trio_unix_clock() -> Callable[[], int]:

@@ -133,6 +133,7 @@ class OutputIntegrity:
             self.store.add_check_passed(peer_id)
             self._last_pass_ms[(peer_id, model_sha256)] = self._now_ms()
             self.canaries.passed(key, now_s, self._canary_rng)
+            self._apply(ev.NodeProven(peer_id))  # gaps go to it before nodes never checked
             self._notify()
             return None
         if outcome.status != "failed":

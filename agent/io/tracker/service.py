@@ -59,9 +59,10 @@ from agent.core.tracker.assignment import Assignment, ModelSpec
 from agent.core.tracker.handouts import RouteHandouts
 from agent.core.tracker.heartbeat import admission_due
 from agent.core.tracker.liveness import Liveness
-from agent.core.tracker.reducer import apply, ready_ranges, restore
+from agent.core.tracker.reducer import apply, next_sweep_in_ms, ready_ranges, restore
 from agent.core.tracker.routing import NoRoute, plan_route
 from agent.core.wire import admission
+from agent.core.wire.address_rate import LOOPBACK_NETWORKS, NewIdentityRate, parse_networks
 from agent.core.wire.swarm_wire import (
     SCHEMA_VERSION,
     TRACKER_PROTOCOL,
@@ -69,6 +70,7 @@ from agent.core.wire.swarm_wire import (
     parse_record,
     tracker_reply_error,
 )
+from agent.io.net.transport import remote_host
 from agent.io.tracker.config import TrackerConfig, trio_unix_clock
 from agent.io.tracker.integrity import OutputIntegrity
 from agent.io.tracker.model_files import ModelFiles
@@ -110,12 +112,24 @@ class Tracker(OutputIntegrity):
         #: the live state (liveness, suspects, the assignment and what nodes report, withdrawn
         #: and failed ranges): only ``_apply`` replaces it; the store is its durable copy
         self.state = restore(
-            ev.TrackerRules(config.heartbeat_timeout_ms, config.registration_max_age_ms, config.nonce_retention_ms),
+            ev.TrackerRules(
+                config.heartbeat_timeout_ms,
+                config.registration_max_age_ms,
+                config.nonce_retention_ms,
+                loading_base_ms=round(config.loading_deadline_base_s * 1000),
+                loading_min_bytes_per_s=config.loading_min_bytes_per_s,
+                proven_needs_check=config.canary is not None and config.canary.gate_new_ranges,
+            ),
             (_facts(node.peer_id, node.fingerprint) for node in store.nodes()),
             (node.peer_id for node in store.nodes() if node.alive),
             {node.peer_id: node.listen_addrs for node in store.nodes()},
             {row.assignment: ev.RangeStatus(row.state, row.recipe_hash) for row in store.assignments()},
             now,
+        )
+        #: new identities admitted per source address (the Sybil cost of a free key)
+        exempt = (*config.admission_rate_exempt, *(() if config.limit_loopback_admissions else LOOPBACK_NETWORKS))
+        self.new_identities = NewIdentityRate(
+            config.new_identities_per_address_per_hour, 3_600_000, parse_networks(exempt)
         )
         #: probes of peers an owner lost (``report_lost_peer``)
         self.lost_peers = LostPeerProbes(transport, store, config.lost_peer_probe_timeout_s, self._apply)
@@ -337,6 +351,9 @@ class Tracker(OutputIntegrity):
             log.info("refused node %s again: %s", remote, refused)
             raise Refusal(Code.REFUSED, refused)
         now = self._now_ms()
+        new_identity = self.store.node(remote) is None
+        if new_identity:
+            self._check_new_identity(now)
         seen = self.store.nonce_seen(remote, fingerprint.nonce)
         decision = admission.decide_admission(fingerprint, self._policy(), now, seen)
         if len(fingerprint.nonce) == admission.NONCE_BYTES:
@@ -344,6 +361,8 @@ class Tracker(OutputIntegrity):
         if not decision.admitted:
             log.info("refused node %s: %s", remote, decision.reason)
             raise Refusal(Code.REFUSED, decision.reason)
+        if new_identity:
+            self.new_identities.note(remote_host(), now)
         signed_admission = self._issue(remote, swarm_pb2.ROLE_NODE, now, admission.fingerprint_sha256(signed))
         self.store.put_node(
             NodeRecord(
@@ -374,6 +393,9 @@ class Tracker(OutputIntegrity):
         except admission.AdmissionError as error:
             raise Refusal(Code.REFUSED, error.reason) from None
         now = self._now_ms()
+        new_identity = self.store.client_admission(remote) is None
+        if new_identity:
+            self._check_new_identity(now)
         decision = admission.decide_client_admission(
             hello, self._policy(), now, self.store.nonce_seen(remote, hello.nonce)
         )
@@ -381,9 +403,23 @@ class Tracker(OutputIntegrity):
             self.store.add_nonce(remote, hello.nonce, now)
         if not decision.admitted:
             raise Refusal(Code.REFUSED, decision.reason)
+        if new_identity:
+            self.new_identities.note(remote_host(), now)
         signed = self._issue(remote, swarm_pb2.ROLE_CLIENT, now)
         self.store.put_client(remote, bytes(hello.public_key), signed, now, now + self.config.admission_ttl_ms)
         return swarm_pb2.ClientHelloReply(admission=signed, tracker_public_key=self.public_key)
+
+    def _check_new_identity(self, now: int) -> None:
+        """Refuse a new identity from an address that brought its hour's worth already."""
+        host = remote_host()
+        wait_ms = self.new_identities.retry_after_ms(host, now)
+        if wait_ms:
+            log.info("refused a new identity from %s: its hour's %d are taken", host, self.new_identities.per_window)
+            raise Refusal(
+                Code.RESOURCE_EXHAUSTED,
+                f"{self.new_identities.per_window} new identities from {host} this hour already: try again in"
+                f" {wait_ms / 1000:.0f} s, or reuse a key",
+            )
 
     def _heartbeat(self, remote: str, beat: swarm_pb2.HeartbeatRequest) -> swarm_pb2.HeartbeatReply:
         if beat.peer_id != remote:
@@ -473,7 +509,7 @@ class Tracker(OutputIntegrity):
         """Mark nodes past their deadline dead (recomputing if any) and prune old nonces.
         Returns the ms until the next deadline (inf when none)."""
         self._apply(ev.Sweep())
-        return self.liveness.next_sweep_in_ms(self._now_ms())
+        return next_sweep_in_ms(self.state, self._now_ms())
 
     async def run_sweeper(self) -> None:
         while True:

@@ -57,6 +57,10 @@ class ModelVocab:
     chat_template_error: str
     worker: AsyncWorkerClient
     request_timeout_s: float
+    #: the texts of the BOS / EOS tokens in the GGUF ("" if none), and its template's source
+    bos_token: str = ""
+    eos_token: str = ""
+    chat_template_source: str = ""
 
     @property
     def n_vocab(self) -> int:
@@ -69,16 +73,16 @@ class ModelVocab:
     def piece(self, token: int) -> bytes:
         return self.vocabulary.pieces[token] if 0 <= token < len(self.vocabulary.pieces) else b""
 
-    async def tokenize(self, text: str) -> list[int]:
-        """Token ids of ``text``, with BOS if the model adds it, special tokens parsed (as
-        llama.cpp's server tokenizes a prompt).
+    async def tokenize(self, text: str, *, add_special: bool = True) -> list[int]:
+        """Token ids of ``text``, with BOS if the model adds it (unless ``add_special`` is
+        False), special tokens parsed (as llama.cpp's server tokenizes a prompt).
 
         Raises:
           VocabularyError: the vocab worker failed (the pool loads it again on next use).
         """
         try:
             return await self.worker.tokenize(
-                text, add_special=True, parse_special=True, timeout_s=self.request_timeout_s
+                text, add_special=add_special, parse_special=True, timeout_s=self.request_timeout_s
             )
         except WorkerError as error:
             raise VocabularyError(f"the tokenizer of model {self.sha256[:12]} failed: {error}") from None
@@ -206,6 +210,7 @@ async def _hold_vocabulary(
                     sha256=meta.model_sha256, name=meta.name, alias=meta.alias, n_layer=meta.n_layer,
                     context_length=meta.context_length, vocabulary=vocabulary, chat_template=template,
                     chat_template_error=template_error, worker=handle.client, request_timeout_s=pool.request_timeout_s,
+                    bos_token=bos_text, eos_token=eos_text, chat_template_source=template_source or "",
                 ),
             )  # fmt: skip
             log.info("vocabulary of %s loaded (%d tokens)", meta.model_sha256[:12], vocabulary.n_vocab)

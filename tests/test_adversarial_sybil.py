@@ -1,0 +1,34 @@
+"""An attack on a running tracker, made as an attacker would: many self-made keys from one
+address. Real processes on loopback: a tracker told to limit loopback too
+(``--limit-loopback-admissions``) admits 3 new identities from one address in an hour and refuses
+the 4th with RESOURCE_EXHAUSTED and when to retry, while a key it already knows is renewed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
+from agent.io.client import open_swarm_client
+from agent.io.client.outcome import SwarmError
+from agent.models import model_path
+
+pytestmark = [pytest.mark.swarm, pytest.mark.adversarial]
+
+
+@pytest.mark.timeout(180)
+async def test_one_address_brings_a_bounded_number_of_new_identities_an_hour() -> None:
+    config = LocalSwarmConfig(
+        model_path=model_path("smollm2"),
+        tracker_args=("--new-identities-per-address-per-hour", "3", "--limit-loopback-admissions"),
+    )
+    async with open_local_swarm(config) as swarm:
+        await swarm.start_tracker()
+        async with open_swarm_client(swarm.tracker_addr) as first:
+            for _ in range(2):
+                async with open_swarm_client(swarm.tracker_addr):
+                    pass
+            with pytest.raises(SwarmError, match=r"3 new identities from 127\.0\.0\.1 this hour already"):
+                async with open_swarm_client(swarm.tracker_addr):
+                    pass
+            await first.hello()  # a known key renews its admission: not a new identity

@@ -468,3 +468,15 @@ def test_responses_with_a_forced_function_and_a_json_schema(relay: Relay) -> Non
     with pytest.raises(openai.BadRequestError) as caught:
         relay.client.responses.create(model=ALIAS, input="x", tools=[{"type": "web_search"}])
     assert caught.value.body["param"] == "tools[0].type"
+
+
+@pytest.mark.timeout(120)
+def test_each_of_n_choices_keeps_to_the_schema(relay: Relay) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    response = relay.client.chat.completions.create(
+        model=ALIAS, messages=CHAT, response_format=response_format, n=3, temperature=1.0, seed=4, max_tokens=200
+    )
+    assert sorted(choice.index for choice in response.choices) == [0, 1, 2]
+    for choice in response.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)

@@ -562,18 +562,28 @@ async def _text(running: RunningSwarm, prompt: str) -> str:
         return (await c.generate(ALIAS, prompt, max_tokens=8)).text
 
 
-@pytest.mark.timeout(120)
-async def test_seeded_sampling_through_the_swarm_is_reproducible(swarm3: RunningSwarm) -> None:
-    async with client(swarm3) as c:
-        results = [
-            await c.generate(ALIAS, PROMPTS[1], max_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=seed)
-            for seed in (5, 5, 6)
-        ]
-    runs = [r.tokens for r in results]
-    assert runs[0] == runs[1]
-    assert runs[0] != runs[2]
-    # sampled tokens are the owner's draw: no worker continues such a session
-    assert all(r.data_plane_steps > 0 and r.continued_steps == 0 for r in results)
+@pytest.mark.timeout(240)
+async def test_seeded_sampling_through_the_swarm_is_reproducible_whoever_draws(swarm3: RunningSwarm) -> None:
+    """A sampled session's last hop draws its tokens with the owner's parameters and seed and
+    continues it as a greedy one (the default); the owner drawing them itself (the switch off)
+    gives the same tokens for the same seed, with top-k / top-p cuts and with none (the full
+    row, which then stays on the last hop)."""
+    runs = {}
+    for last_hop_draws in (True, False):
+        async with client(swarm3, last_hop_draws=last_hop_draws) as c:
+            runs[last_hop_draws] = [
+                await c.generate(ALIAS, PROMPTS[1], max_tokens=16, temperature=0.9, top_k=40, top_p=0.95, seed=seed)
+                for seed in (5, 5, 6)
+            ] + [await c.generate(ALIAS, PROMPTS[1], max_tokens=16, temperature=0.7, seed=seed) for seed in (5, 6)]
+    for results in runs.values():
+        tokens = [r.tokens for r in results]
+        assert tokens[0] == tokens[1]
+        assert tokens[0] != tokens[2] and tokens[3] != tokens[4]  # the seed matters: it samples
+    assert [r.tokens for r in runs[True]] == [r.tokens for r in runs[False]]
+    assert all(r.data_plane_steps > 0 for r in runs[True] + runs[False])
+    # drawn at the last hop: continued worker to worker; drawn by the owner: every step its own
+    assert sum(r.continued_steps for r in runs[True]) >= len(runs[True])
+    assert all(r.continued_steps == 0 for r in runs[False])
 
 
 @pytest.mark.timeout(120)
@@ -603,6 +613,9 @@ def test_baton_generate_cli(swarm3: RunningSwarm, reference) -> None:
     assert report["tokens"] == reference[PROMPTS[0]][1]
     assert [(h["begin"], h["end"]) for h in report["route"]] == [(0, 10), (10, 20), (20, 30)]
     assert report["tokens_per_s"] > 0 and "Paris" in report["text"]
+    # the decode's rate over its wall time, the first token's latency, no speculation yet
+    assert report["first_token_s"] > 0 and report["decode_tokens_per_s"] > 0
+    assert report["drafted_tokens"] == report["accepted_tokens"] == 0
 
     streamed = subprocess.run(
         [*command, "--max-tokens", "8", PROMPTS[0]], capture_output=True, text=True, timeout=100, check=False

@@ -1,10 +1,15 @@
 """Choosing the next token from one row of logits: greedy, or temperature + top-k + top-p.
 
-Owns the sampling rules of a session owner (the only party that samples, DESIGN.md):
+Owns the sampling rules of a session (the owner draws, or the route's last hop draws for it
+with the same rules: native/src/sampling.cpp, cross-tested in tests/test_sampling_native.py):
 - temperature 0: greedy, the argmax (lowest index on ties), no randomness drawn;
 - otherwise: logits / temperature, keep the ``top_k`` most likely tokens (0: all), then the
   smallest most-likely prefix whose probability reaches ``top_p`` (1.0: all), renormalise, and
-  draw once from the caller's ``numpy.random.Generator`` (a seed makes a run reproducible).
+  draw once with one uniform number in [0, 1): the caller's ``numpy.random.Generator``
+  (``sample_token``) or a given one (``draw_token``);
+- ``draw_uniform(seed, position)``: the uniform that draws a session's token at ``position``,
+  a counter-based generator (SplitMix64) that the last hop computes identically in C++, so
+  that a seed gives the same tokens whichever of the two draws.
 
 Candidates are ordered by logit, ties by token id, so the draw does not depend on how numpy
 happens to order equal values.
@@ -21,7 +26,7 @@ import numpy as np
 
 from agent.core.wire.topk import TopLogits, top_k_ids
 
-__all__ = ["SamplingParams", "sample_token", "sampling_candidates"]
+__all__ = ["SamplingParams", "draw_token", "draw_uniform", "sample_token", "sampling_candidates"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +110,37 @@ def sampling_candidates(logits: np.ndarray | TopLogits, params: SamplingParams) 
     return ids, probs
 
 
+_U64 = (1 << 64) - 1
+#: SplitMix64 (Steele, Lea, Flood 2014; the seeding generator of xoshiro): the stream's
+#: increment and the two multipliers of its finaliser
+_SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+_SPLITMIX_M1 = 0xBF58476D1CE4E5B9
+_SPLITMIX_M2 = 0x94D049BB133111EB
+
+
+def draw_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that draws a session's token at ``position``.
+
+    The ``position + 1``-th output of a SplitMix64 stream seeded with ``seed`` (mod 2^64):
+    ``z = seed + (position + 1) * 0x9E3779B97F4A7C15``, then ``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9;
+    z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31`` (all mod 2^64), and its top 53 bits
+    over 2^53. Why counter-based: the last hop of a route draws a session's tokens for its
+    owner (native/src/sampling.cpp ``draw_uniform``, the same bits), with no state to carry but
+    the seed; and a token's uniform depends only on its position, so a step sent again after a
+    failure, or a prompt prefilled again on a new route, draws as before.
+
+    Raises:
+      ValueError: ``position`` < 0.
+    """
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    z = (seed + (position + 1) * _SPLITMIX_GAMMA) & _U64
+    z = ((z ^ (z >> 30)) * _SPLITMIX_M1) & _U64
+    z = ((z ^ (z >> 27)) * _SPLITMIX_M2) & _U64
+    z ^= z >> 31
+    return (z >> 11) * 2.0**-53
+
+
 def sample_token(logits: np.ndarray | TopLogits, params: SamplingParams, rng: np.random.Generator | None) -> int:
     """The next token for one logits row ``[n_vocab]``.
 
@@ -121,11 +157,30 @@ def sample_token(logits: np.ndarray | TopLogits, params: SamplingParams, rng: np
         return int(np.argmax(_check_row(logits)))
     if rng is None:
         raise ValueError(f"sampling at temperature {params.temperature} needs a random generator")
+    return draw_token(logits, params, rng.random())
+
+
+def draw_token(logits: np.ndarray | TopLogits, params: SamplingParams, uniform: float) -> int:
+    """``sample_token`` with the uniform number given (``draw_uniform``): the token whose
+    stretch of the candidates' cumulative probability holds ``uniform`` (greedy ignores it).
+
+    native/src/sampling.cpp ``draw_token`` follows these steps operation for operation (the
+    sums in the same order, numpy's pairwise sum where numpy sums): the two pick the same token
+    except where ``uniform`` lies within rounding of a boundary between two tokens' stretches
+    (numpy's exp and the C library's differ in the last bit of some values).
+
+    Raises:
+      ValueError: as ``sampling_candidates``, or ``uniform`` outside [0, 1).
+    """
+    if params.greedy:
+        return sample_token(logits, params, None)
+    if not 0.0 <= uniform < 1.0:
+        raise ValueError(f"a uniform number in [0, 1) is needed, got {uniform!r}")
     if not isinstance(logits, TopLogits) and not 0 < params.top_k < np.asarray(logits).size:
-        return _draw_from_row(_check_row(logits), params, rng.random())
+        return _draw_from_row(_check_row(logits), params, uniform)
     ids, probs = sampling_candidates(logits, params)
     cumulative = np.cumsum(probs)
-    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
     return int(ids[min(index, ids.size - 1)])
 
 

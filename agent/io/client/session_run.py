@@ -168,6 +168,7 @@ class SessionRunner(StepClient):
             return None
         plane = DataPlane(owner, route, to_first, from_last)
         log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
+        live.session.draw_locally()  # (a new binding: the last hop draws only once asked again)
         if self.config.greedy_continuation:
             await self._continue_on_data_plane(live.session, route, keys, hosts, ports[0])
         return plane
@@ -175,22 +176,34 @@ class SessionRunner(StepClient):
     async def _continue_on_data_plane(
         self, session: Session, route: swarm_pb2.Route, keys: RouteKeys, hosts: list[str], first_port: int
     ) -> None:
-        """Ask the last hop to send each next decode step of the greedy ``session`` straight to the
-        first hop (``DataPlaneContinueRequest``). The owner's own steps still go (the first hop drops
-        the copy that comes second), so a refusal only leaves the owner's round trip in each step."""
+        """Ask the last hop to send each next decode step of ``session`` straight to the first hop
+        (``DataPlaneContinueRequest``): a greedy session's with its first top-K entry; a sampled
+        one's (``config.last_hop_draws``) with the token the last hop draws for it, the same the
+        owner would (its parameters and seed travel with the request; the session then takes the
+        drawn tokens and asks for greedy's top-K instead of the full row). The owner's own steps
+        still go (the first hop drops the copy that comes second), so a refusal only leaves the
+        owner's round trip in each step, and the owner's own draws."""
+        sampled = not session.sampling.greedy
+        if sampled and not self.config.last_hop_draws:
+            return
         steps = continuation_steps(
-            session.max_new_tokens, len(session.generated), greedy=session.sampling.greedy, top_k=session.result_top_k
-        )
+            session.max_new_tokens, len(session.generated), greedy=session.sampling.greedy,
+            top_k=session.result_top_k, drawn=sampled,
+        )  # fmt: skip
         if steps == 0:
             return
         request = continue_request(
             route, session.session_id, keys, hosts, first_port,
             steps=steps, stop_token_ids=session.stop_tokens, max_position=0,
+            sampling=session.sampling, draw_seed=session.draw_seed or 0,
         )  # fmt: skip
         try:
             await self._node(route.hops[-1], swarm_pb2.NodeRequest(data_plane_continue=request))
         except (SwarmError, TransportError) as why:
-            log.info("session %s: no greedy continuation: %s", session.session_hex, why)
+            log.info("session %s: no continuation: %s", session.session_hex, why)
+            return
+        if sampled:
+            session.draw_at_last_hop()
 
     async def _touch_due(self, plane: DataPlane, route: swarm_pb2.Route, session_id: bytes, now: float) -> None:
         """Renew the session's lease on every hop every ``probe_interval_s`` while its steps go

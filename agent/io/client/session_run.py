@@ -66,6 +66,7 @@ class SessionRunner(StepClient):
             failed then (it may be resumed).
         """
         session = live.session
+        session.draw_locally()  # (each run starts on the node path: the owner draws until a last hop does)
         first = route.hops[0]
         # where results come back: asked once per run, not per step (libp2p lists its
         # listeners' addresses afresh on each ask: ~20 us, measured, on every step's path)
@@ -168,7 +169,7 @@ class SessionRunner(StepClient):
             return None
         plane = DataPlane(owner, route, to_first, from_last)
         log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
-        live.session.draw_locally()  # (a new binding: the last hop draws only once asked again)
+        live.session.draw_locally()  # (a new binding: its last hop draws only once asked)
         if self.config.greedy_continuation:
             await self._continue_on_data_plane(live.session, route, keys, hosts, ports[0])
         return plane

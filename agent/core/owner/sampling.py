@@ -26,7 +26,15 @@ import numpy as np
 
 from agent.core.wire.topk import TopLogits, top_k_ids
 
-__all__ = ["SamplingParams", "draw_token", "draw_uniform", "sample_token", "sampling_candidates"]
+__all__ = [
+    "SamplingParams",
+    "checked_draw",
+    "draw_token",
+    "draw_uniform",
+    "drawn_seed",
+    "sample_token",
+    "sampling_candidates",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +149,11 @@ def draw_uniform(seed: int, position: int) -> float:
     return (z >> 11) * 2.0**-53
 
 
+def drawn_seed(rng: np.random.Generator) -> int:
+    """A draw seed (``draw_uniform``) from a generator: one 64-bit number."""
+    return int(rng.integers(0, 2**64, dtype=np.uint64))
+
+
 def sample_token(logits: np.ndarray | TopLogits, params: SamplingParams, rng: np.random.Generator | None) -> int:
     """The next token for one logits row ``[n_vocab]``.
 
@@ -182,6 +195,26 @@ def draw_token(logits: np.ndarray | TopLogits, params: SamplingParams, uniform: 
     cumulative = np.cumsum(probs)
     index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
     return int(ids[min(index, ids.size - 1)])
+
+
+def checked_draw(
+    logits: np.ndarray | TopLogits, params: SamplingParams, uniform: float, drawn: int, n_vocab: int
+) -> int:
+    """``drawn``, the token a route's last hop drew for the owner with ``params`` and ``uniform``,
+    once it is one that draw can pick: in the vocabulary and, where ``logits`` cover the draw
+    (the whole row, or a top-K that holds the top-k cut), the token ``draw_token`` picks. A draw
+    the owner cannot repeat (no top-k cut, a top-K short of the row) is taken as the last hop's
+    logits are.
+
+    Raises:
+      ValueError: ``drawn`` is outside the vocabulary, or not the token the same draw gives.
+    """
+    if not 0 <= drawn < n_vocab:
+        raise ValueError(f"the drawn token {drawn} is outside the vocabulary of {n_vocab}")
+    repeatable = not isinstance(logits, TopLogits) or logits.k >= logits.n_vocab or 0 < params.top_k <= logits.k
+    if repeatable and (own := draw_token(logits, params, uniform)) != drawn:
+        raise ValueError(f"the last hop drew token {drawn}, the same draw from its scores gives {own}")
+    return drawn
 
 
 #: ``_draw_from_row`` orders a full row's candidates a stretch at a time: first those whose

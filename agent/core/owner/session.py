@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from agent._proto import swarm_pb2
-from agent.core.owner.sampling import SamplingParams, draw_token, draw_uniform
+from agent.core.owner.sampling import SamplingParams, checked_draw, draw_token, draw_uniform, drawn_seed
 from agent.core.wire.step_results import result_scores
 from agent.core.wire.swarm_wire import SCHEMA_VERSION, SESSION_ID_BYTES, token_checksum
 from agent.core.wire.topk import TopLogits, result_top_k
@@ -48,7 +48,6 @@ __all__ = [
     "ResumePlan",
     "Session",
     "SessionError",
-    "drawn_seed",
     "end_session_request",
     "resume_plan",
     "surviving_hops",
@@ -104,11 +103,6 @@ class OwnerStep:
     token_ids: tuple[int, ...]
 
 
-def drawn_seed(rng: np.random.Generator) -> int:
-    """A session's draw seed (``agent.core.owner.sampling.draw_uniform``) from a generator."""
-    return int(rng.integers(0, 2**64, dtype=np.uint64))
-
-
 def _error(code_name: str) -> int:
     return swarm_pb2.Error.Code.Value(code_name)
 
@@ -122,11 +116,8 @@ class Session:
       max_new_tokens: the token budget (>= 1).
       stop_tokens: end-of-generation token ids; choosing one ends the session.
       sampling: temperature / top-k / top-p (greedy by default).
-      rng: where the draw seed comes from when ``draw_seed`` is not given (one number, taken
-        at construction); seed it for reproducible runs.
-      draw_seed: the seed of the uniforms the session's tokens are drawn with
-        (``draw_uniform(draw_seed, position)``; the route's last hop draws with the same when
-        ``draw_at_last_hop``); needed, or ``rng``, unless greedy.
+      draw_seed: the seed of the token draws' uniforms (``draw_uniform(draw_seed, position)``,
+        the last hop's too); or ``rng``, which gives one. Needed unless greedy.
       n_vocab: the expected logits width, if known; otherwise the first result fixes it.
       route_peer_ids: the peer ids of the route's hops, in order; when given, ``receive``
         takes a result only from one of them, and logits only from the last.
@@ -186,8 +177,7 @@ class Session:
         self.max_step_rows = max_step_rows
         self._in_flight_end = 0  # tokens[:_in_flight_end] are cached once the step in flight is
         self.draw_seed = draw_seed if draw_seed is not None or rng is None else drawn_seed(rng)
-        # the route's last hop draws the tokens (``draw_at_last_hop``): results bring the token
-        self.last_hop_draws = False
+        self.last_hop_draws = False  # (draw_at_last_hop)
         self._top_k_at_least = top_k_at_least
         self._n_cached = 0  # tokens[:_n_cached] are in the route's caches
 
@@ -272,12 +262,12 @@ class Session:
         return self.step
 
     def draw_at_last_hop(self) -> None:
-        """From now on the route's last hop draws this sampled session's tokens (with its
-        sampling parameters and ``draw_seed``): results bring the drawn token, and the top-K
-        the owner asks for is greedy's (``result_top_k``), never the full row.
+        """The route's last hop draws this sampled session's tokens from now on (its parameters
+        and ``draw_seed``): results bring the token, with greedy's top-K, never the full row.
+        ``draw_locally`` goes back (a new route, or one whose last hop does not draw).
 
         Raises:
-          ValueError: the session is greedy (its last hop picks the first of the top-K anyway).
+          ValueError: the session is greedy (its last hop takes the first of the top-K anyway).
         """
         if self.sampling.greedy or self.draw_seed is None:
             raise ValueError(f"session {self.session_hex}: only a sampled session is drawn at the last hop")
@@ -285,8 +275,6 @@ class Session:
         self.result_top_k = result_top_k(0.0, self.sampling.top_k, at_least=self._top_k_at_least)
 
     def draw_locally(self) -> None:
-        """The owner draws again (a new route, or one whose last hop does not draw): the
-        results must bring the full row again where the sampling has no top-k cut."""
         self.last_hop_draws = False
         self.result_top_k = result_top_k(self.sampling.temperature, self.sampling.top_k, at_least=self._top_k_at_least)
 
@@ -462,11 +450,8 @@ class Session:
         ``scores()`` makes the row or the top-K from the result's bytes (called once, after
         the identity checks); a ValueError from it is a malformed result.
 
-        ``drawn``: the token the last hop drew (``draw_at_last_hop``), taken as the session's
-        next token when it is one the draw can pick: in the vocabulary and, where the top-K
-        covers the sampling's top-k cut (or the whole row), the token the owner's own draw from
-        those scores picks (a cheap check). A draw the owner cannot repeat (no top-k cut, K
-        short of the row) is taken as the last hop's logits are.
+        ``drawn``: the token the last hop drew (``draw_at_last_hop``), taken once checked
+        (``agent.core.owner.sampling.checked_draw``).
 
         Returns and raises as ``receive`` (``HopFailed`` never: an error comes as a
         ``StepResult``).
@@ -508,18 +493,12 @@ class Session:
 
     def _draw(self, logits: np.ndarray | TopLogits, drawn: int | None, n_vocab: int) -> int:
         """The next token: the owner's draw, or the last hop's (``drawn``) once checked."""
-        params = self.sampling
         uniform = 0.0 if self.draw_seed is None else draw_uniform(self.draw_seed, len(self.tokens))
-        if drawn is None or params.greedy:
-            return draw_token(logits, params, uniform)
+        if drawn is None or self.sampling.greedy:
+            return draw_token(logits, self.sampling, uniform)
         if not self.last_hop_draws:
             raise ValueError("the result brings a drawn token, but the session draws its tokens itself")
-        if not 0 <= drawn < n_vocab:
-            raise ValueError(f"the drawn token {drawn} is outside the vocabulary of {n_vocab}")
-        repeatable = not isinstance(logits, TopLogits) or logits.k >= logits.n_vocab or 0 < params.top_k <= logits.k
-        if repeatable and (own := draw_token(logits, params, uniform)) != drawn:
-            raise ValueError(f"the last hop drew token {drawn}, the same draw from its scores gives {own}")
-        return drawn
+        return checked_draw(logits, self.sampling, uniform, drawn, n_vocab)
 
     def _logits(self, scores: np.ndarray | TopLogits, n_vocab: int) -> np.ndarray | TopLogits:
         if self.n_vocab is not None and n_vocab != self.n_vocab:

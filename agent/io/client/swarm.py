@@ -57,8 +57,8 @@ from agent.core.owner.recovery import (
     replan_left,
     resumable,
 )
-from agent.core.owner.sampling import SamplingParams
-from agent.core.owner.session import Session, drawn_seed
+from agent.core.owner.sampling import SamplingParams, drawn_seed
+from agent.core.owner.session import Session
 from agent.core.owner.spot_check import RouteSegment, rollback_point
 from agent.core.owner.text_stream import TextStream, whole_utf8
 from agent.core.wire.swarm_wire import SESSION_ID_BYTES

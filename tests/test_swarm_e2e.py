@@ -176,10 +176,13 @@ async def test_a_lost_node_is_named_and_routed_around_before_its_heartbeat_timeo
     # long enough that only the fast path (the owner names the peer, the tracker probes it)
     # can explain a quick recovery
     heartbeat_timeout_ms = 15000
+    # killed: a sampled generation, whose lost last hop was drawing its tokens (a seed gives the
+    # same tokens through the resume, whoever draws them); stopped: a greedy one
+    sampling = {"temperature": 0.8, "seed": 3} if how == "SIGKILL" else {}
     async with running_swarm_async(tmp_path, 4, blocks_each=15, heartbeat_timeout_ms=heartbeat_timeout_ms) as running:
         async with client(running, replan_attempts=1, replan_wait_s=30.0) as c:
             route = await c.route(ALIAS)
-            reference_run = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+            reference_run = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS, **sampling)
             by_peer = {proc.peer_id: name for name, proc in running.swarm.nodes.items()}
             victim_id = route.hops[-1].peer_id
             victim = by_peer[victim_id]
@@ -202,7 +205,9 @@ async def test_a_lost_node_is_named_and_routed_around_before_its_heartbeat_timeo
                     running.swarm.nodes[victim].signal_group(getattr(signal, how))
                     lost_at.append(now)
 
-            result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS, on_text=lose_after_five, route=route)
+            result = await c.generate(
+                ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS, on_text=lose_after_five, route=route, **sampling
+            )
             assert result.replans == 1
             assert victim_id not in [h["node"] for h in result.route]
             assert result.tokens == reference_run.tokens
@@ -211,7 +216,7 @@ async def test_a_lost_node_is_named_and_routed_around_before_its_heartbeat_timeo
             hops = await _routes_without(c, victim_id, timeout_s=1.0)
             assert trio.current_time() - lost_at[0] < heartbeat_timeout_ms / 1000 / 2, (lost_at, trio.current_time())
             assert victim_id not in hops
-            again = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+            again = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS, **sampling)
             assert again.tokens == reference_run.tokens
             assert victim_id not in [h["node"] for h in again.route]
         if how == "SIGSTOP":

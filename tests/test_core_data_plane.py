@@ -21,6 +21,7 @@ from agent.core.owner.data_route import (
     continue_request,
     data_plane_hosts,
     data_step,
+    drawn_token,
     first_hop_refusal,
     next_hop_refusal,
     result_scores,
@@ -173,9 +174,17 @@ def test_a_greedy_session_continues_from_its_last_hop_to_its_first_within_its_bu
     assert continuation_steps(max_new_tokens=10, generated=1, greedy=True, top_k=40) == 8
     assert continuation_steps(max_new_tokens=10, generated=9, greedy=True, top_k=40) == 0
     assert continuation_steps(max_new_tokens=10, generated=10, greedy=True, top_k=40) == 0
-    # sampling, or a full row (no top-K to take the greedy token from): the owner's steps only
+    # sampling the owner draws, or a full row (no top-K to take the greedy token from): the
+    # owner's steps only; sampling the last hop draws continues as greedy does
     assert continuation_steps(max_new_tokens=10, generated=1, greedy=False, top_k=40) == 0
     assert continuation_steps(max_new_tokens=10, generated=1, greedy=True, top_k=0) == 0
+    assert continuation_steps(max_new_tokens=10, generated=1, greedy=False, top_k=0, drawn=True) == 8
+    assert request.temperature == 0.0 and request.draw_seed == 0  # greedy: nothing is drawn
+    sampled = continue_request(
+        route, b"s" * 16, keys, hosts, 7000, steps=5, stop_token_ids=(), max_position=0,
+        sampling=SamplingParams(temperature=0.7, top_k=0, top_p=0.9), draw_seed=2**64 - 1,
+    )  # fmt: skip
+    assert (sampled.temperature, sampled.top_k, sampled.top_p, sampled.draw_seed) == (0.7, 0, 0.9, 2**64 - 1)
 
     first = _next_node(peer_id="peer0", begin=0, data_port=7000)
     first.listen_addrs[:] = ["/ip4/10.0.0.0/tcp/4000/tls/p2p/peer0"]
@@ -452,3 +461,17 @@ def test_a_first_hop_keeps_its_nodes_decode_groups_on_the_data_plane() -> None:
     route = _route(*[[f"/ip4/10.0.0.{i}/tcp/400{i}/tls/p2p/peer{i}"] for i in range(3)])
     keys = RouteKeys.new(3, counting_bytes())
     assert bind_request(route, 0, b"s" * 16, keys, ["10.0.0.0", "10.0.0.1", "10.0.0.2"], 7001).route_hops == 3
+
+
+def test_a_drawn_result_brings_its_token_and_its_log_probability() -> None:
+    row = np.linspace(-3, 3, 64).astype(np.float32)
+    top = row.argsort()[::-1][:4].copy()
+    lse = float(np.log(np.exp(row.astype(np.float64)).sum()))
+    result = _top_result(3, row, 4)
+    assert drawn_token(result) is None and result_scores(result).beyond == ()
+    result.drawn, result.drawn_token, result.drawn_logprob = True, 5, float(row[5]) - lse
+    scores = result_scores(result)
+    assert drawn_token(result) == 5 and 5 not in top
+    assert scores.logprob(5) == pytest.approx(float(row[5]) - lse)  # outside the K, known all the same
+    with pytest.raises(ValueError, match="not among the top"):
+        scores.logprob(6)

@@ -304,6 +304,7 @@ def test_references_in_parameters_still_resolve_inside_a_call(tokenizer: Grammar
 @pytest.mark.parametrize("seed", range(20))
 def test_a_constrained_draw_equals_a_draw_from_the_masked_scores(seed: int) -> None:
     from agent.core.owner.constrained import constrained_draw
+    from agent.core.owner.sampling import draw_token
 
     rng = np.random.default_rng(seed)
     row = rng.normal(size=64).astype(np.float32)
@@ -312,10 +313,12 @@ def test_a_constrained_draw_equals_a_draw_from_the_masked_scores(seed: int) -> N
     allowed[int(rng.integers(0, 64))] = True
     masked = masked_scores(row, allowed)
     assert isinstance(masked, np.ndarray)
-    assert constrained_draw(row, allowed, SamplingParams(), None) == sample_token(masked, SamplingParams(), None)
+    assert constrained_draw(row, allowed, SamplingParams(), 0.0) == sample_token(masked, SamplingParams(), None)
     params = SamplingParams(temperature=0.8, top_k=5)
-    drawn = constrained_draw(row, allowed, params, np.random.default_rng(seed))
-    assert drawn == sample_token(masked, params, np.random.default_rng(seed)) and allowed[drawn]
+    drawn = constrained_draw(row, allowed, params, float(rng.random()))
+    assert drawn is not None and allowed[drawn]
+    uniform = float(np.random.default_rng(seed + 100).random())
+    assert constrained_draw(row, allowed, params, uniform) == draw_token(masked, params, uniform)
     top = TopLogits.from_row(row, 4)
     if not allowed[top.ids].any():
-        assert constrained_draw(top, allowed, SamplingParams(), None) is None
+        assert constrained_draw(top, allowed, SamplingParams(), 0.0) is None

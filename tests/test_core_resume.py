@@ -12,7 +12,8 @@ import pytest
 from agent._proto import swarm_pb2
 from agent.core.node.kept_rows import KeptStore, ReplayChunk, RowsNotKept
 from agent.core.node.sessions import SessionTable
-from agent.core.owner.session import Session, resume_plan
+from agent.core.owner.route_repair import resume_plan
+from agent.core.owner.session import Session
 from agent.core.tracker.routing import NoRoute, ReadyRange, plan_route
 from agent.core.wire.boundary import WireDType
 from agent.core.wire.step_requests import first_step_request, next_hop_request, replay_step_request

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -12,6 +10,8 @@ from agent.core.owner.sampling import (
     adjust_logits,
     adjusts_logits,
     choose_token,
+    draw_token,
+    draw_uniform,
     draws_at_owner,
     result_top_k_for,
     sample_token,
@@ -27,10 +27,10 @@ def test_logit_bias_is_added_and_lifts_a_token_from_outside_any_top_k() -> None:
     params = SamplingParams(logit_bias=((999, 100.0), (0, -100.0)))
     out = adjust_logits(row, params, [1, 2], 2)
     assert out[999] == pytest.approx(95.0) and out[0] == pytest.approx(-95.0) and out[5] == row[5]
-    assert choose_token(row, params, None) == 999  # greedy over the adjusted row
+    assert choose_token(row, params, 0.0) == 999  # greedy over the adjusted row
     assert row[999] == np.float32(-5.0)  # the caller's row is left as it was
     with pytest.raises(ValueError, match="full logits row"):
-        choose_token(TopLogits.from_row(row, 40), params, None)
+        choose_token(TopLogits.from_row(row, 40), params, 0.0)
     with pytest.raises(ValueError, match="outside a row"):
         adjust_logits(row, SamplingParams(logit_bias=((1000, 1.0),)), [], 0)
 
@@ -90,21 +90,23 @@ def test_min_p_keeps_tokens_with_at_least_that_share_of_the_peak_probability() -
     assert sample_token(row, SamplingParams(temperature=1.0, min_p=1.0), rng) == 0
 
 
-def test_adjusted_draws_take_one_uniform_each_and_a_seed_repeats_them() -> None:
+def test_adjusted_draws_take_their_positions_uniform_and_a_seed_repeats_them() -> None:
     row = np.random.default_rng(1).normal(size=200).astype(np.float32)
     params = SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.7, logit_bias=((3, 2.0),))
 
-    def run(seed: int) -> tuple[list[int], float]:
-        rng, tokens = np.random.default_rng(seed), [9, 9]
+    def run(seed: int) -> list[int]:
+        tokens = [9, 9]
         for _ in range(12):
-            tokens.append(choose_token(row, params, rng, tokens, 2))
-        return tokens[2:], rng.random()
+            tokens.append(choose_token(row, params, draw_uniform(seed, len(tokens)), tokens, 2))
+        return tokens[2:]
 
-    first, again = run(11), run(11)
-    assert first == again
-    # one uniform a token, as without adjustments: the generator's next number is the 13th
-    rng = np.random.default_rng(11)
-    for _ in range(12):
-        rng.random()
-    assert first[1] == rng.random()
-    assert len(set(first[0])) > 1 and not math.isnan(first[1])
+    first = run(11)
+    assert first == run(11) != run(12)
+    assert len(set(first)) > 1
+    # the same uniform as an unadjusted draw of the adjusted row: only the logits change
+    tokens = [9, 9, *first[:5]]
+    adjusted = adjust_logits(row, params, tokens, 2)
+    unadjusted_params = SamplingParams(temperature=0.8, top_p=0.9)
+    assert choose_token(row, params, draw_uniform(11, 7), tokens, 2) == draw_token(
+        adjusted, unadjusted_params, draw_uniform(11, 7)
+    )

@@ -8,15 +8,11 @@ import numpy as np
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.owner.sampling import SamplingParams, sample_token, sampling_candidates
-from agent.core.owner.session import (
-    HopFailed,
-    OwnerStep,
-    ResultRefused,
-    Session,
-    end_session_request,
-)
+from agent.core.owner.route_repair import end_session_request
+from agent.core.owner.sampling import SamplingParams, draw_token, draw_uniform, sample_token, sampling_candidates
+from agent.core.owner.session import HopFailed, OwnerStep, ResultRefused, Session
 from agent.core.wire.swarm_wire import token_checksum
+from agent.core.wire.topk import TopLogits
 
 pytestmark = pytest.mark.unit
 
@@ -447,3 +443,87 @@ def test_prompt_scores_come_one_row_a_step_over_the_full_row_and_penalties_count
     row = logits_row(5)
     row[6] = 4.0
     assert penalised.receive(result(0, row)) == 6  # 5 was generated already: 5 - 10 < 4
+
+
+# --- drawn at the last hop --------------------------------------------------------------------
+
+
+def test_a_token_s_uniform_depends_on_the_seed_and_its_position_only() -> None:
+    assert draw_uniform(0, 0) == float.fromhex("0x1.c4415072f63b9p-1")  # SplitMix64(0)'s first output
+    assert draw_uniform(5, 9) == draw_uniform(5, 9) != draw_uniform(5, 10) != draw_uniform(6, 10)
+    assert all(0.0 <= draw_uniform(2**64 - 1, p) < 1.0 for p in range(200))
+    with pytest.raises(ValueError, match="position"):
+        draw_uniform(1, -1)
+    # a session draws its token at position p with draw_uniform(seed, p)
+    row = np.sin(np.arange(64)).astype(np.float32)
+    params = SamplingParams(temperature=1.0)
+    s = Session(SID, [1, 2, 3], max_new_tokens=2, sampling=params, draw_seed=77)
+    s.next_step()
+    assert s.receive(result(0, row)) == draw_token(row, params, draw_uniform(77, 3))
+
+
+def _top(row: np.ndarray, k: int, drawn: int | None = None) -> TopLogits:
+    top = TopLogits.from_row(row, k)
+    if drawn is None:
+        return top
+    return TopLogits(top.ids, top.logits, top.log_sum_exp, top.n_vocab, ((drawn, float(row[drawn]) - top.log_sum_exp),))
+
+
+def test_a_session_drawn_at_the_last_hop_takes_the_drawn_tokens() -> None:
+    rng = np.random.default_rng(4)
+    rows = [rng.standard_normal(100).astype(np.float32) * 2 for _ in range(4)]
+    params = SamplingParams(temperature=0.7)  # no top-k cut: the owner cannot repeat the draw
+    own = Session(SID, [1], max_new_tokens=4, sampling=params, draw_seed=9)
+    drawn = Session(SID, [1], max_new_tokens=4, sampling=params, draw_seed=9)
+    assert drawn.result_top_k == 0  # the full row, while the owner draws
+    drawn.next_step()
+    drawn.receive(result(0, rows[0]))  # the first token: the owner's draw (the node path)
+    drawn.draw_at_last_hop()
+    assert drawn.last_hop_draws and drawn.result_top_k == 40  # greedy's K, never the row
+    own.next_step()
+    own.receive(result(0, rows[0]))
+    for k, row in enumerate(rows[1:], start=1):
+        own.next_step()
+        token = own.receive(result(k, row))
+        assert token is not None
+        drawn.next_step()
+        # the last hop's draw: the same uniform, the same row; its result carries the top-K
+        taken = drawn.receive_scores(k, lambda row=row, token=token: _top(row, 40, token), 100, None, token)
+        assert taken == token
+    assert drawn.generated == own.generated
+    assert drawn.last_logits.logprob(own.generated[-1]) == pytest.approx(
+        float(rows[-1][own.generated[-1]]) - float(np.log(np.exp(rows[-1].astype(np.float64)).sum()))
+    )
+
+
+def test_a_drawn_token_is_checked_where_the_top_k_covers_the_cut() -> None:
+    row = np.array([3.0, 2.9, 2.8, -5.0, 0.0], dtype=np.float32)
+    params = SamplingParams(temperature=1.0, top_k=3)
+    s = Session(SID, [1], max_new_tokens=4, sampling=params, draw_seed=1)
+    s.next_step()
+    s.receive(result(0, row))
+    s.draw_at_last_hop()
+    s.next_step()
+    honest = draw_token(TopLogits.from_row(row, 5), params, draw_uniform(1, 2))
+    assert s.receive_scores(1, lambda: TopLogits.from_row(row, 5), 5, None, honest) == honest
+    s.next_step()
+    with pytest.raises(ResultRefused, match="the same draw from its scores gives") as refused:
+        s.receive_scores(2, lambda: TopLogits.from_row(row, 5), 5, None, 3)  # outside the top-3: never drawn
+    assert refused.value.fatal and s.failed
+    out_of_vocabulary = Session(SID, [1], max_new_tokens=2, sampling=SamplingParams(temperature=1.0), draw_seed=1)
+    out_of_vocabulary.draw_at_last_hop()
+    out_of_vocabulary.next_step()
+    with pytest.raises(ResultRefused, match="outside the vocabulary"):
+        out_of_vocabulary.receive_scores(0, lambda: TopLogits.from_row(row, 5), 5, None, 5)
+    # a result without the drawn token: the owner cannot draw from the top-K alone
+    missing = Session(SID, [1], max_new_tokens=2, sampling=SamplingParams(temperature=1.0), draw_seed=1)
+    missing.draw_at_last_hop()
+    missing.next_step()
+    with pytest.raises(ResultRefused, match="full row"):
+        missing.receive_scores(0, lambda: TopLogits.from_row(np.arange(50, dtype=np.float32), 40), 50)
+    with pytest.raises(ValueError, match="only a sampled session"):
+        Session(SID, [1], max_new_tokens=2).draw_at_last_hop()
+    own_draws = Session(SID, [1], max_new_tokens=2, sampling=SamplingParams(temperature=1.0), draw_seed=1)
+    own_draws.next_step()
+    with pytest.raises(ResultRefused, match="draws its tokens itself"):
+        own_draws.receive_scores(0, lambda: TopLogits.from_row(row, 5), 5, None, 0)

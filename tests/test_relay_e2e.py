@@ -236,6 +236,12 @@ def test_seeded_sampling_is_reproducible_and_logprobs_come_back(relay: Relay) ->
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-9
+    # no top-k cut, hot: the last hop draws from its whole row, and a token outside the top-K it
+    # returns still has its log-probability (the drawn token's own)
+    free = client.chat.completions.create(
+        model=ALIAS, messages=CHAT, max_tokens=16, temperature=1.8, seed=3, logprobs=True, top_logprobs=2
+    )
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in free.choices[0].logprobs.content)
 
 
 @pytest.mark.timeout(300)

@@ -19,8 +19,10 @@ import pytest
 import trio
 
 from agent._proto import worker_pb2
+from agent.core.owner.sampling import SamplingParams, draw_token, draw_uniform
 from agent.core.wire import data_frames
 from agent.core.wire.data_frames import DataFrameError, OwnerSession, SessionKeys
+from agent.core.wire.topk import log_sum_exp, select_top_k
 from agent.core.wire.worker_records import SeqInput
 from agent.io.net.data_link import DataLink, DataLinkClosed, open_data_link
 from agent.io.worker.error import WorkerError
@@ -543,6 +545,12 @@ async def test_data_plane_connections_keep_alive(qwen2_tiny_path, idle_tcp_timer
         assert timer == 2, f"no keepalive timer on the worker's end (tr={timer})"
 
 
+def _sampled(request: worker_pb2.ContinueSessionRequest, **sampling) -> worker_pb2.ContinueSessionRequest:
+    for name, value in sampling.items():
+        setattr(request, name, value)
+    return request
+
+
 def continue_request(
     session: OwnerSession, port: int, key: bytes, steps: int, stop=()
 ) -> worker_pb2.ContinueSessionRequest:
@@ -603,6 +611,11 @@ async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_c
             (chain[-1], worker_pb2.ContinueSessionRequest(
                 schema_version=1, session_id=os.urandom(16), host=HOST, port=first_port, continue_key=key, steps=1,
             ), "FAILED_PRECONDITION", "is bound here"),
+            # a sampled session's draw: parameters the owner's sampling refuses are refused here too
+            (chain[-1], _sampled(continue_request(session, first_port, key, budget), temperature=-1.0),
+             "INVALID_ARGUMENT", "temperature"),
+            (chain[-1], _sampled(continue_request(session, first_port, key, budget), temperature=0.7, top_p=1.5),
+             "INVALID_ARGUMENT", "top_p"),
         ]  # fmt: skip
         for worker, request, code, why in refusals:
             with pytest.raises(WorkerError) as caught:
@@ -689,3 +702,61 @@ async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_c
             "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
         )
         assert totals.continued_steps == stop_at - 1 and totals.duplicate_steps_dropped == 0, totals
+
+
+@pytest.mark.timeout(240)
+async def test_a_last_range_draws_a_sampled_sessions_tokens_as_its_owner_would(smollm2_path) -> None:
+    """A sampled session's last range (ContinueSession with a temperature) draws each decode
+    step's token itself: the token the owner's draw (agent/core/owner/sampling.py) gives on the
+    unsplit worker's row with the same uniform (draw_uniform of the seed and the position), its
+    log-probability, and the top-K the step asked for, the row's bit for bit; and it continues
+    with that token. With no top-k cut (the whole row stays on the last range) and with one."""
+    top_k, budget, seed = 8, 3, 2026
+    async with (
+        open_chain(smollm2_path, ((0, 10), (10, 20), (20, 30))) as chain,
+        open_worker(smollm2_path, 0, None, threads=1, ctx_size=64) as whole,
+    ):
+        for params in (SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.2, top_k=5)):
+            # the reference: the unsplit worker's full rows, the owner drawing each token
+            rows = [(await whole.client.forward([SeqInput(0, list(range(len(PROMPT))), PROMPT)]))[0].logits[-1]]
+            tokens = [draw_token(rows[0], params, draw_uniform(seed, len(PROMPT)))]
+            while len(rows) < 2 + budget:
+                position = len(PROMPT) + len(rows) - 1
+                out = (await whole.client.forward([SeqInput(0, [position], [tokens[-1]])]))[0]
+                rows.append(out.logits[-1])
+                tokens.append(draw_token(rows[-1], params, draw_uniform(seed, position + 1)))
+            await whole.client.remove_sequence(0)
+
+            key = os.urandom(32)
+            session = await bind_route(chain, seq_id=0, continue_key=key)
+            request = continue_request(session, chain[0].info.data_port, key, budget)
+            request.temperature, request.top_k, request.top_p, request.draw_seed = (
+                params.temperature, params.top_k, params.top_p, seed,
+            )  # fmt: skip
+            await chain[-1].client.call("ContinueSession", request)
+            async with (
+                open_data_link(HOST, chain[0].info.data_port) as to_first,
+                open_data_link(HOST, chain[-1].info.data_port) as from_last,
+            ):
+                await from_last.send(session.attach_frame())
+                await to_first.send(session.step_frame(step(0, list(range(len(PROMPT))), PROMPT, top_k=top_k)))
+                prompt_result = await result_of(session, from_last)
+                assert not prompt_result.drawn  # a prompt's last row: the owner draws the first token
+                await to_first.send(session.step_frame(step(1, [len(PROMPT)], [tokens[0]], top_k=top_k)))
+                results = [await result_of(session, from_last) for _ in range(1 + budget)]
+            assert [r.step for r in results] == list(range(1, 2 + budget))
+            assert all(r.error_code == 0 and r.drawn for r in results), [r.error_message for r in results]
+            assert [r.drawn_token for r in results] == tokens[1 : 2 + budget], params
+            for r, row in zip(results, rows[1:], strict=False):
+                ids, logits, _ = select_top_k(row, max(top_k, params.top_k))
+                assert top_of(r) == (list(ids), logits.astype("<f4").tobytes())
+                assert r.drawn_logprob == pytest.approx(float(row[r.drawn_token]) - log_sum_exp(row), abs=1e-6)
+            totals = await chain[0].client.call(
+                "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
+            )
+            assert totals.continued_steps == budget, totals
+            for worker in chain:
+                await worker.client.call(
+                    "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
+                )
+                await worker.client.remove_sequence(0)

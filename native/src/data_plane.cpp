@@ -99,6 +99,8 @@ std::string DataPlaneServer::continue_session(const DataContinuation & c) {
     s.cont_left = c.steps;
     s.cont_stop = c.stop_token_ids;
     s.cont_max_position = c.max_position;
+    s.draw = c.sampling;
+    s.draw_seed = c.draw_seed;
     return "";
 }
 

@@ -39,6 +39,11 @@
 // (Sarathi-Serve's one chunk per iteration, as two Forwards, which keeps every session's bits
 // those of its solo run). The rules themselves live in hop_scheduler.h, tested on a fake clock.
 //
+// Drawing at the last hop (ContinueSession with a temperature > 0): a sampled session's decode
+// steps are computed for the draw (the whole row, or its top-k cut), the token drawn here as the
+// owner would (sampling.h, the uniform of its position), and the RESULT carries it (drawn_token,
+// drawn_logprob) beside the top-K the step asked for; the continuation goes on with it.
+//
 // Greedy continuation (ContinueSession, at a last hop): after a decode step's RESULT, the
 // next step (its greedy token at the next position) goes straight to the first hop as a
 // CONTINUE frame under a key only this worker seals with, so the owner's round trip is off
@@ -61,6 +66,7 @@
 #pragma once
 
 #include "engine.h"
+#include "sampling.h"
 #include "service.h"
 
 #include <atomic>
@@ -103,6 +109,8 @@ struct DataContinuation {
     uint32_t steps = 0;
     std::vector<int32_t> stop_token_ids;
     int32_t max_position = 0;       // > 0: no step at this position or beyond
+    SamplingParams sampling;        // temperature > 0: this range draws the tokens (sampling.h)
+    uint64_t draw_seed = 0;         // the uniforms' seed (draw_uniform)
 };
 
 // The most decode groups a binding may ask for (worker.proto BindSessionRequest.decode_groups).
@@ -240,7 +248,20 @@ private:
         std::vector<int32_t> cont_stop;
         int32_t cont_max_position = 0;
         uint32_t continued_out = 0;
+        SamplingParams draw;              // temperature > 0: its decode steps' tokens are drawn here
+        uint64_t draw_seed = 0;
     };
+    // How run_steps computes and answers one step of a batch (read under mu_ before the Forward).
+    struct DrawPlan {
+        bool draws = false;               // a sampled decode step at a last hop that draws
+        SamplingParams sampling;
+        uint64_t seed = 0;
+    };
+    // A drawn step's RESULT fields from its Forward output o (the whole row, or the top-k cut):
+    // the token, its log-probability and the top-K the step asked for. False, with *error, when
+    // the draw fails (a row it refuses).
+    bool draw_result(const DrawPlan & plan, const worker::v1::DataStep & st, ForwardOutput & o,
+                     worker::v1::DataResult * result, int32_t * token, std::string * error) const;
 
     void accept_loop();
     void serve(const std::shared_ptr<Connection> & conn);

@@ -1,6 +1,6 @@
 // DataPlaneServer's compute (data_plane.h): run_steps, on the engine thread, checks and
 // computes a batch the scheduler chose in one Forward, then seals each output for the next hop
-// (or the owner), the greedy continuation of a last hop, and the rows kept for a rebuild. Why
+// (or the owner), a last hop's draw and continuation, and the rows kept for a rebuild. Why
 // its own file: the one part of the data plane that touches the shard.
 #include "data_plane.h"
 
@@ -28,7 +28,9 @@ void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
     // alone; the rest in one Forward.
     std::vector<ShardStatus> status(batch.size());
     std::vector<ForwardOutput> outputs(batch.size());
+    std::vector<DrawPlan> draws(batch.size());
     uint64_t compute_us = 0;
+    const bool last_range = service_->gives_logits();
     {
         // Unbound since it was taken: not computed. (UnbindSession reads the sequence's
         // positions on the engine after unbinding, so it sees every step computed.)
@@ -37,6 +39,8 @@ void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
             auto s = sessions_.find(batch[i].session_id);
             if (s == sessions_.end() || s->second.generation != batch[i].generation) {
                 status[i] = ShardStatus::Precondition("unbound");
+            } else if (last_range && s->second.draw.temperature > 0.0 && batch[i].step.positions_size() == 1) {
+                draws[i] = {true, s->second.draw, s->second.draw_seed};  // a sampled decode step: drawn here
             }
         }
     }
@@ -62,6 +66,11 @@ void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
             e.boundary_schema_version = st.boundary_schema_version();
             e.boundary_streams = st.boundary_streams();
             e.top_k = st.top_k();
+            if (draws[i].draws) {
+                // what the draw reads: the whole row, or its top-k cut (and at least what the step asked)
+                const uint32_t cut = draws[i].sampling.top_k;
+                e.top_k = cut == 0 ? 0 : std::max(cut, st.top_k());
+            }
             status[i] = validate_forward(limits, {e}, next);
             if (status[i].ok()) {
                 entries.push_back(std::move(e));
@@ -120,15 +129,32 @@ void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
             } else {
                 ForwardOutput & o = outputs[i];
                 result.set_next_position(o.next_position);
-                if (o.top_k > 0 && st.positions_size() == 1 && o.top_token_ids.size() >= sizeof(int32_t)) {
-                    int32_t token = 0;  // the greedy token: the first of the top-K (little-endian)
-                    std::memcpy(&token, o.top_token_ids.data(), sizeof(int32_t));
+                int32_t token = 0;
+                bool continues = false;  // a decode step whose token is known here
+                std::string draw_error;
+                if (draws[i].draws) {
+                    continues = draw_result(draws[i], st, o, &result, &token, &draw_error);
+                    if (!continues) {
+                        result.Clear();  // (the step fails: the owner hears why, nothing continues)
+                        result.set_step(st.step());
+                        result.set_n_vocab(service_->n_vocab());
+                        result.set_error_code(grpc_code(ErrorCode::kInvalidArgument));
+                        result.set_error_message("the last range could not draw the token: " + draw_error);
+                        result.set_error_layer_begin(service_->layer_begin());
+                    }
+                } else if (o.top_k > 0 && st.positions_size() == 1 && o.top_token_ids.size() >= sizeof(int32_t)) {
+                    std::memcpy(&token, o.top_token_ids.data(), sizeof(int32_t));  // greedy: the first of the top-K
+                    continues = true;
+                }
+                if (continues) {
                     Outgoing next;  // (deliver writes the RESULTs to owners before it)
                     if (seal_continuation(batch[i], token, o.next_position, &next)) {
                         outgoing.push_back(std::move(next));
                     }
                 }
-                if (o.top_k > 0) {
+                if (draws[i].draws) {
+                    // draw_result filled the scores
+                } else if (o.top_k > 0) {
                     result.set_top_k(o.top_k);
                     result.set_top_token_ids(std::move(o.top_token_ids));
                     result.set_top_logits(std::move(o.top_logits));
@@ -171,6 +197,68 @@ void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
         }
     }
     deliver(outgoing);
+}
+
+bool DataPlaneServer::draw_result(const DrawPlan & plan, const v1::DataStep & st, ForwardOutput & o,
+                                  v1::DataResult * result, int32_t * token, std::string * error) const {
+    const size_t n_vocab = service_->n_vocab();
+    // the token at the position after the step's row: its uniform (agent/core/owner/session.py)
+    const double uniform = draw_uniform(plan.seed, static_cast<int64_t>(st.positions(0)) + 1);
+    const size_t asked = std::min<size_t>(st.top_k(), n_vocab);
+    if (o.top_k == 0) {  // the whole row: drawn from it, the asked top-K selected from it here
+        if (o.logits.size() < n_vocab * sizeof(float)) {
+            *error = "the Forward gave no logits row";
+            return false;
+        }
+        // (a decode step has one logit row: the last n_vocab values)
+        std::vector<float> row(n_vocab);
+        std::memcpy(row.data(), o.logits.data() + o.logits.size() - n_vocab * sizeof(float), n_vocab * sizeof(float));
+        if (!draw_token(row.data(), n_vocab, plan.sampling, uniform, token, error)) {
+            return false;
+        }
+        double lse = 0.0;
+        if (asked > 0) {
+            std::string ids(asked * sizeof(int32_t), '\0');
+            std::string values(asked * sizeof(float), '\0');
+            if (!top_k_log_sum_exp(row.data(), n_vocab, asked, reinterpret_cast<int32_t *>(ids.data()),
+                                   reinterpret_cast<float *>(values.data()), &lse)) {
+                *error = "the row holds a NaN";
+                return false;
+            }
+            result->set_top_k(static_cast<uint32_t>(asked));
+            result->set_top_token_ids(std::move(ids));
+            result->set_top_logits(std::move(values));
+            result->set_log_sum_exp(lse);
+        } else {
+            lse = log_sum_exp(row.data(), n_vocab);
+            result->set_logits(std::move(o.logits));
+        }
+        result->set_drawn_logprob(static_cast<double>(row[static_cast<size_t>(*token)]) - lse);
+    } else {  // the top-k cut: drawn from the top-K the Forward selected (at least the cut)
+        if (o.top_token_ids.size() < o.top_k * sizeof(int32_t) || o.top_logits.size() < o.top_k * sizeof(float)) {
+            *error = "the Forward gave no top-k";
+            return false;
+        }
+        std::vector<int32_t> ids(o.top_k);
+        std::vector<float> values(o.top_k);
+        std::memcpy(ids.data(), o.top_token_ids.data() + o.top_token_ids.size() - o.top_k * sizeof(int32_t),
+                    o.top_k * sizeof(int32_t));
+        std::memcpy(values.data(), o.top_logits.data() + o.top_logits.size() - o.top_k * sizeof(float),
+                    o.top_k * sizeof(float));
+        if (!draw_token_top_k(ids.data(), values.data(), o.top_k, n_vocab, plan.sampling, uniform, token, error)) {
+            return false;
+        }
+        const double lse = o.log_sum_exp.empty() ? 0.0 : o.log_sum_exp.back();
+        const size_t at = static_cast<size_t>(std::find(ids.begin(), ids.end(), *token) - ids.begin());
+        result->set_drawn_logprob(static_cast<double>(values[at]) - lse);
+        result->set_top_k(o.top_k);
+        result->set_top_token_ids(std::move(o.top_token_ids));
+        result->set_top_logits(std::move(o.top_logits));
+        result->set_log_sum_exp(lse);
+    }
+    result->set_drawn(true);
+    result->set_drawn_token(*token);
+    return true;
 }
 
 void DataPlaneServer::keep_rows(const Pending & pending, int32_t first_position, const std::string & rows) {

@@ -400,6 +400,14 @@ grpc::Status ShardWorkerService::ContinueSession(grpc::ServerContext *, const v1
         c.steps = request->steps();
         c.stop_token_ids.assign(request->stop_token_ids().begin(), request->stop_token_ids().end());
         c.max_position = request->max_position();
+        // a sampled session: this range draws its tokens (sampling.h); top_p 0 is unset (1)
+        c.sampling.temperature = request->temperature();
+        c.sampling.top_k = request->top_k();
+        c.sampling.top_p = request->top_p() == 0.0 ? 1.0 : request->top_p();
+        c.draw_seed = request->draw_seed();
+        if (const std::string bad = check_sampling_params(c.sampling); !bad.empty()) {
+            return to_grpc_status(ShardStatus::Invalid(bad));
+        }
         const std::string refused = data_plane->continue_session(c);
         if (refused.rfind("the first hop's data plane", 0) == 0) {
             return grpc::Status(grpc::StatusCode::UNAVAILABLE, refused);

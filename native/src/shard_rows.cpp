@@ -3,6 +3,7 @@
 // shard.cpp because they need neither llama.cpp nor a context.
 #include "shard.h"
 
+#include "sampling.h"
 #include "sha256.h"
 
 #include "llama.h"
@@ -30,41 +31,8 @@
 #endif
 
 namespace baton {
-namespace {
 
-// numpy's pairwise summation of doubles (numpy/_core/src/umath/loops_utils.h.src,
-// DOUBLE_pairwise_sum): 8 partial sums up to 128 values, halves (multiples of 8) above.
-double pairwise_sum(const double * a, size_t n) {
-    if (n < 8) {
-        double res = 0.;
-        for (size_t i = 0; i < n; ++i) {
-            res += a[i];
-        }
-        return res;
-    }
-    if (n <= 128) {
-        double r[8];
-        for (size_t j = 0; j < 8; ++j) {
-            r[j] = a[j];
-        }
-        size_t i = 8;
-        for (; i < n - (n % 8); i += 8) {
-            for (size_t j = 0; j < 8; ++j) {
-                r[j] += a[i + j];
-            }
-        }
-        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
-        for (; i < n; ++i) {
-            res += a[i];
-        }
-        return res;
-    }
-    size_t n2 = n / 2;
-    n2 -= n2 % 8;
-    return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
-}
-
-}  // namespace
+// (pairwise_sum, numpy's pairwise summation: sampling.h, where the last hop's draw sums alike)
 
 namespace {
 

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-from agent.core.owner.sampling import SamplingParams, draws_at_owner, sample_token
+from agent.core.owner.sampling import SamplingParams, draw_token, draws_at_owner
 from agent.core.wire.topk import TopLogits
 
 __all__ = ["DrawPlan", "TokenMask", "constrained_draw", "draw_plan", "masked_scores"]
@@ -98,13 +98,14 @@ def masked_scores(scores: np.ndarray | TopLogits, allowed: np.ndarray) -> np.nda
 
 
 def constrained_draw(
-    scores: np.ndarray | TopLogits, allowed: np.ndarray, params: SamplingParams, rng: np.random.Generator | None
+    scores: np.ndarray | TopLogits, allowed: np.ndarray, params: SamplingParams, uniform: float
 ) -> int | None:
-    """The token drawn from ``scores`` among those ``allowed``: as ``sample_token`` draws from
-    ``masked_scores``, or None when a top-K holds no allowed token (the full row is needed).
+    """The token drawn from ``scores`` among those ``allowed`` with the step's ``uniform``: as
+    ``draw_token`` draws from ``masked_scores``, or None when a top-K holds no allowed token
+    (the full row is needed).
 
     Raises:
-      ValueError: as ``masked_scores``; or a non-greedy draw without ``rng``.
+      ValueError: as ``masked_scores``.
     """
     if params.greedy and not isinstance(scores, TopLogits):
         ids = np.flatnonzero(allowed)
@@ -115,4 +116,4 @@ def constrained_draw(
             raise ValueError(f"a mask of {allowed.size} tokens for a row of {row.size}")
         return int(ids[int(np.argmax(row[ids]))])  # ids ascending: the lowest id among equal logits
     masked = masked_scores(scores, allowed)
-    return None if masked is None else sample_token(masked, params, rng)
+    return None if masked is None else draw_token(masked, params, uniform)

@@ -19,10 +19,12 @@ Owns:
   session's boundary rows must be the next hop the tracker lists (its peer, its range, its
   data plane's port, one of its addresses), so that an owner cannot turn a volunteer's worker
   into a client of any host and port it names;
-- ``continue_request`` / ``continuation_steps`` / ``first_hop_refusal``: greedy continuation,
-  the last hop sending each next decode step straight to the first hop (protocol/worker.proto,
-  ContinueSession): what the owner asks, how many steps its session may still use, and the
-  last hop's node's check that the first hop is the one the tracker lists;
+- ``continue_request`` / ``continuation_steps`` / ``first_hop_refusal``: continuation, the last
+  hop sending each next decode step straight to the first hop (protocol/worker.proto,
+  ContinueSession), with its greedy token or, for a sampled session, the token it drew with the
+  owner's parameters and seed (``drawn_token`` reads it off a RESULT): what the owner asks,
+  how many steps its session may still use, and the last hop's node's check that the first
+  hop is the one the tracker lists;
 - ``data_step`` / ``result_scores`` / ``step_result``: the owner's ``StepRequest`` as a
   ``DataStep``; a successful ``DataResult``'s scores, which the session takes
   (``Session.receive_scores``) with the checks and the choice of the node path; and a
@@ -40,6 +42,7 @@ import numpy as np
 
 from agent._proto import swarm_pb2, worker_pb2
 from agent.core.net.multiaddrs import parse_channel_multiaddr
+from agent.core.owner.sampling import SamplingParams
 from agent.core.wire.data_frames import KEY_BYTES
 from agent.core.wire.step_results import step_result_top
 from agent.core.wire.swarm_wire import SCHEMA_VERSION, crc32, error, worker_error_code
@@ -52,6 +55,7 @@ __all__ = [
     "continue_request",
     "data_plane_hosts",
     "data_step",
+    "drawn_token",
     "first_hop_refusal",
     "next_hop_refusal",
     "result_scores",
@@ -138,26 +142,31 @@ def continue_request(
     steps: int,
     stop_token_ids: Iterable[int],
     max_position: int,
+    sampling: SamplingParams = SamplingParams(),
+    draw_seed: int = 0,
 ) -> swarm_pb2.DataPlaneContinueRequest:
-    """What the owner asks the last hop for greedy continuation: after each decode step, send the
-    next one (its greedy token) to the first hop's worker at ``hosts[0]:first_port``, at most
-    ``steps`` of them, none after a token of ``stop_token_ids`` or at ``max_position`` or beyond."""
+    """What the owner asks the last hop for continuation: after each decode step, send the next
+    one (its token) to the first hop's worker at ``hosts[0]:first_port``, at most ``steps`` of
+    them, none after a token of ``stop_token_ids`` or at ``max_position`` or beyond. Greedy
+    ``sampling``: the token is the first of the top-K; otherwise the last hop draws it with
+    ``sampling`` and the uniforms of ``draw_seed`` (``agent.core.owner.sampling.draw_uniform``)."""
     last = route.hops[-1]
     return swarm_pb2.DataPlaneContinueRequest(
         session_id=session_id, model_sha256=route.model_sha256, begin=last.begin, end=last.end,
         first_peer_id=route.hops[0].peer_id, first_host=hosts[0], first_port=first_port,
         continue_key=keys.continue_key, steps=steps, stop_token_ids=sorted(stop_token_ids), max_position=max_position,
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, draw_seed=draw_seed,
     )  # fmt: skip
 
 
-def continuation_steps(max_new_tokens: int, generated: int, *, greedy: bool, top_k: int) -> int:
+def continuation_steps(max_new_tokens: int, generated: int, *, greedy: bool, top_k: int, drawn: bool = False) -> int:
     """The CONTINUE steps a session may use once ``generated`` tokens are out (0: do not ask):
-    only a greedy session whose results carry a top-K (the last worker's choice is its first
-    entry, as the owner's is) continues. Its first decode step on the data plane (the owner's)
-    gives token ``generated + 1``, each continued step one more, up to ``max_new_tokens``. Never
-    more (a step past the owner's end is work for nothing; one short is covered by the owner's
-    own step)."""
-    if not greedy or top_k < 1:
+    a greedy session whose results carry a top-K (the last worker's choice is its first entry,
+    as the owner's is), or a sampled one whose last hop draws (``drawn``). Its first decode step
+    on the data plane (the owner's) gives token ``generated + 1``, each continued step one more,
+    up to ``max_new_tokens``. Never more (a step past the owner's end is work for nothing; one
+    short is covered by the owner's own step)."""
+    if not (drawn or (greedy and top_k >= 1)):
         return 0
     return max(0, max_new_tokens - generated - 1)
 
@@ -284,6 +293,11 @@ def result_scores(result: worker_pb2.DataResult) -> np.ndarray | TopLogits:
     return np.frombuffer(result.logits, dtype="<f4")
 
 
+def drawn_token(result: worker_pb2.DataResult) -> int | None:
+    """The token the last hop drew for the owner (``DataResult.drawn``), or None."""
+    return int(result.drawn_token) if result.drawn else None
+
+
 def _top_logits(result: worker_pb2.DataResult) -> TopLogits:
     if len(result.top_token_ids) != len(result.top_logits) or len(result.top_token_ids) % 4:
         raise ValueError(
@@ -294,4 +308,6 @@ def _top_logits(result: worker_pb2.DataResult) -> TopLogits:
         np.frombuffer(result.top_logits, dtype="<f4"),
         float(result.log_sum_exp),
         int(result.n_vocab),
+        # the drawn token's log-probability, for a token outside the K
+        ((int(result.drawn_token), float(result.drawn_logprob)),) if result.drawn else (),
     )

@@ -1,17 +1,23 @@
 """Choosing the next token from one row of logits: greedy, or temperature + top-k + top-p + min-p,
 after the logit adjustments that need the session's history (penalties, ``logit_bias``).
 
-Owns the sampling rules of a session owner (the only party that samples, DESIGN.md):
+Owns the sampling rules of a session (the owner draws, or the route's last hop draws for it
+with the same rules: native/src/sampling.cpp, cross-tested in tests/test_sampling_native.py):
 - temperature 0: greedy, the argmax (lowest index on ties), no randomness drawn;
 - otherwise: logits / temperature, keep the ``top_k`` most likely tokens (0: all), then those
   whose probability is at least ``min_p`` times the most likely one's (0: all), then the
   smallest most-likely prefix whose probability reaches ``top_p`` (1.0: all), renormalise, and
-  draw once from the caller's ``numpy.random.Generator`` (a seed makes a run reproducible);
+  draw once with one uniform number in [0, 1): the caller's ``numpy.random.Generator``
+  (``sample_token``) or a given one (``draw_token``);
+- ``draw_uniform(seed, position)``: the uniform that draws a session's token at ``position``,
+  a counter-based generator (SplitMix64) that the last hop computes identically in C++, so
+  that a seed gives the same tokens whichever of the two draws;
 - before either, ``adjust_logits``: ``logit_bias`` added, then llama.cpp's ``repeat_penalty``
   over the last ``repeat_last_n`` tokens of the context (prompt included), then OpenAI's
   ``frequency_penalty`` / ``presence_penalty`` over the generated tokens only (as vLLM reads
   them). These change tokens that may lie outside any top-K, and depend on the history, so a
-  session with them asks for the full row and draws at the owner (``adjusts_logits``).
+  session with them asks for the full row and draws at the owner (``adjusts_logits``,
+  ``draws_at_owner``: the last hop draws plain temperature / top-k / top-p only).
 
 Candidates are ordered by logit, ties by token id, so the draw does not depend on how numpy
 happens to order equal values.
@@ -33,7 +39,11 @@ __all__ = [
     "SamplingParams",
     "adjust_logits",
     "adjusts_logits",
+    "checked_draw",
     "choose_token",
+    "draw_token",
+    "draw_uniform",
+    "drawn_seed",
     "draws_at_owner",
     "result_top_k_for",
     "sample_token",
@@ -150,21 +160,21 @@ def adjust_logits(row: np.ndarray, params: SamplingParams, tokens: Sequence[int]
 def choose_token(
     logits: np.ndarray | TopLogits,
     params: SamplingParams,
-    rng: np.random.Generator | None,
+    uniform: float,
     tokens: Sequence[int] = (),
     output_start: int = 0,
 ) -> int:
-    """``sample_token`` after ``adjust_logits`` when ``params`` adjust them (``tokens`` and
-    ``output_start`` as there). The draw takes the same one uniform (or none, greedy).
+    """``draw_token`` after ``adjust_logits`` when ``params`` adjust them (``tokens`` and
+    ``output_start`` as there). The draw takes the same one uniform (greedy ignores it).
 
     Raises:
-      ValueError: as ``sample_token``, or adjusting a top-K record (they need the full row).
+      ValueError: as ``draw_token``, or adjusting a top-K record (they need the full row).
     """
     if adjusts_logits(params):
         if isinstance(logits, TopLogits):
             raise ValueError("penalties and logit_bias need the full logits row, got only the top-K")
         logits = adjust_logits(_check_row(logits), params, tokens, output_start)
-    return sample_token(logits, params, rng)
+    return draw_token(logits, params, uniform)
 
 
 def _check_row(logits: np.ndarray) -> np.ndarray:
@@ -227,6 +237,42 @@ def sampling_candidates(logits: np.ndarray | TopLogits, params: SamplingParams) 
     return ids, probs
 
 
+_U64 = (1 << 64) - 1
+#: SplitMix64 (Steele, Lea, Flood 2014; the seeding generator of xoshiro): the stream's
+#: increment and the two multipliers of its finaliser
+_SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+_SPLITMIX_M1 = 0xBF58476D1CE4E5B9
+_SPLITMIX_M2 = 0x94D049BB133111EB
+
+
+def draw_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that draws a session's token at ``position``.
+
+    The ``position + 1``-th output of a SplitMix64 stream seeded with ``seed`` (mod 2^64):
+    ``z = seed + (position + 1) * 0x9E3779B97F4A7C15``, then ``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9;
+    z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31`` (all mod 2^64), and its top 53 bits
+    over 2^53. Why counter-based: the last hop of a route draws a session's tokens for its
+    owner (native/src/sampling.cpp ``draw_uniform``, the same bits), with no state to carry but
+    the seed; and a token's uniform depends only on its position, so a step sent again after a
+    failure, or a prompt prefilled again on a new route, draws as before.
+
+    Raises:
+      ValueError: ``position`` < 0.
+    """
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    z = (seed + (position + 1) * _SPLITMIX_GAMMA) & _U64
+    z = ((z ^ (z >> 30)) * _SPLITMIX_M1) & _U64
+    z = ((z ^ (z >> 27)) * _SPLITMIX_M2) & _U64
+    z ^= z >> 31
+    return (z >> 11) * 2.0**-53
+
+
+def drawn_seed(rng: np.random.Generator) -> int:
+    """A draw seed (``draw_uniform``) from a generator: one 64-bit number."""
+    return int(rng.integers(0, 2**64, dtype=np.uint64))
+
+
 def sample_token(logits: np.ndarray | TopLogits, params: SamplingParams, rng: np.random.Generator | None) -> int:
     """The next token for one logits row ``[n_vocab]``.
 
@@ -243,12 +289,51 @@ def sample_token(logits: np.ndarray | TopLogits, params: SamplingParams, rng: np
         return int(np.argmax(_check_row(logits)))
     if rng is None:
         raise ValueError(f"sampling at temperature {params.temperature} needs a random generator")
+    return draw_token(logits, params, rng.random())
+
+
+def draw_token(logits: np.ndarray | TopLogits, params: SamplingParams, uniform: float) -> int:
+    """``sample_token`` with the uniform number given (``draw_uniform``): the token whose
+    stretch of the candidates' cumulative probability holds ``uniform`` (greedy ignores it).
+
+    native/src/sampling.cpp ``draw_token`` follows these steps operation for operation (the
+    sums in the same order, numpy's pairwise sum where numpy sums): the two pick the same token
+    except where ``uniform`` lies within rounding of a boundary between two tokens' stretches
+    (numpy's exp and the C library's differ in the last bit of some values).
+
+    Raises:
+      ValueError: as ``sampling_candidates``, or ``uniform`` outside [0, 1).
+    """
+    if params.greedy:
+        return sample_token(logits, params, None)
+    if not 0.0 <= uniform < 1.0:
+        raise ValueError(f"a uniform number in [0, 1) is needed, got {uniform!r}")
     if not isinstance(logits, TopLogits) and not 0 < params.top_k < np.asarray(logits).size:
-        return _draw_from_row(_check_row(logits), params, rng.random())
+        return _draw_from_row(_check_row(logits), params, uniform)
     ids, probs = sampling_candidates(logits, params)
     cumulative = np.cumsum(probs)
-    index = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    index = int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right"))
     return int(ids[min(index, ids.size - 1)])
+
+
+def checked_draw(
+    logits: np.ndarray | TopLogits, params: SamplingParams, uniform: float, drawn: int, n_vocab: int
+) -> int:
+    """``drawn``, the token a route's last hop drew for the owner with ``params`` and ``uniform``,
+    once it is one that draw can pick: in the vocabulary and, where ``logits`` cover the draw
+    (the whole row, or a top-K that holds the top-k cut), the token ``draw_token`` picks. A draw
+    the owner cannot repeat (no top-k cut, a top-K short of the row) is taken as the last hop's
+    logits are.
+
+    Raises:
+      ValueError: ``drawn`` is outside the vocabulary, or not the token the same draw gives.
+    """
+    if not 0 <= drawn < n_vocab:
+        raise ValueError(f"the drawn token {drawn} is outside the vocabulary of {n_vocab}")
+    repeatable = not isinstance(logits, TopLogits) or logits.k >= logits.n_vocab or 0 < params.top_k <= logits.k
+    if repeatable and (own := draw_token(logits, params, uniform)) != drawn:
+        raise ValueError(f"the last hop drew token {drawn}, the same draw from its scores gives {own}")
+    return drawn
 
 
 #: ``_draw_from_row`` orders a full row's candidates a stretch at a time: first those whose

@@ -19,7 +19,7 @@ States: ``ready`` (may send the next step) -> ``awaiting`` (one step in flight) 
 flight, or ``fail()`` from the shell (e.g. a timeout). Both end states refuse everything, but
 a failed session may be *resumed* (``resume``) on a route where a lost hop was replaced: its
 cached positions are kept and the step that failed is sent again under the next step number
-(``resume_plan`` says which part of the route to replace and which hops keep their caches).
+(``agent.core.owner.route_repair.resume_plan`` says which part of the route to replace and which hops keep their caches).
 
 Pure: numpy and protobuf records (checksums and constants from ``agent.core.wire.swarm_wire``,
 result scores from ``agent.core.wire.step_results``); the random generator comes in as an argument.
@@ -35,10 +35,19 @@ import numpy as np
 
 from agent._proto import swarm_pb2
 from agent.core.owner.constrained import TokenMask, constrained_draw, draw_plan
-from agent.core.owner.sampling import SamplingParams, adjust_logits, adjusts_logits, choose_token, result_top_k_for
+from agent.core.owner.sampling import (
+    SamplingParams,
+    adjust_logits,
+    adjusts_logits,
+    checked_draw,
+    choose_token,
+    draw_uniform,
+    drawn_seed,
+    result_top_k_for,
+)
 from agent.core.wire.step_results import result_scores
 from agent.core.wire.swarm_wire import SCHEMA_VERSION, SESSION_ID_BYTES, token_checksum
-from agent.core.wire.topk import TopLogits
+from agent.core.wire.topk import TopLogits, result_top_k
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -46,12 +55,8 @@ __all__ = [
     "HopFailed",
     "OwnerStep",
     "ResultRefused",
-    "ResumePlan",
     "Session",
     "SessionError",
-    "end_session_request",
-    "resume_plan",
-    "surviving_hops",
 ]
 
 _F32 = np.dtype("<f4")
@@ -117,7 +122,8 @@ class Session:
       max_new_tokens: the token budget (>= 1).
       stop_tokens: end-of-generation token ids; choosing one ends the session.
       sampling: temperature / top-k / top-p (greedy by default).
-      rng: the generator draws come from (needed unless greedy); seed it for reproducible runs.
+      draw_seed: the seed of the token draws' uniforms (``draw_uniform(draw_seed, position)``,
+        the last hop's too); or ``rng``, which gives one. Needed unless greedy.
       n_vocab: the expected logits width, if known; otherwise the first result fixes it.
       route_peer_ids: the peer ids of the route's hops, in order; when given, ``receive``
         takes a result only from one of them, and logits only from the last.
@@ -144,6 +150,7 @@ class Session:
         stop_tokens: Iterable[int] = (),
         sampling: SamplingParams = SamplingParams(),
         rng: np.random.Generator | None = None,
+        draw_seed: int | None = None,
         n_vocab: int | None = None,
         route_peer_ids: Sequence[str] = (),
         top_k_at_least: int = 0,
@@ -158,8 +165,10 @@ class Session:
             raise ValueError("the prompt has no tokens")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not sampling.greedy and rng is None:
-            raise ValueError(f"sampling at temperature {sampling.temperature} needs a random generator")
+        if not sampling.greedy and rng is None and draw_seed is None:
+            raise ValueError(f"sampling at temperature {sampling.temperature} needs a random generator or a seed")
+        if draw_seed is not None and not 0 <= draw_seed < 2**64:
+            raise ValueError(f"draw_seed must be in [0, 2^64), got {draw_seed}")
         if n_vocab is not None and n_vocab < 1:
             raise ValueError(f"n_vocab must be >= 1, got {n_vocab}")
         if max_step_rows is not None and max_step_rows < 1:
@@ -192,7 +201,9 @@ class Session:
         self.route_peer_ids = tuple(route_peer_ids)
         self.max_step_rows = max_step_rows
         self._in_flight_end = 0  # tokens[:_in_flight_end] are cached once the step in flight is
-        self._rng = rng
+        self.draw_seed = draw_seed if draw_seed is not None or rng is None else drawn_seed(rng)
+        self.last_hop_draws = False  # (draw_at_last_hop)
+        self._top_k_at_least = top_k_at_least
         self._n_cached = 0  # tokens[:_n_cached] are in the route's caches
 
     # --- state -----------------------------------------------------------------------------
@@ -274,6 +285,26 @@ class Session:
         self.failure = None
         self.route_peer_ids = tuple(route_peer_ids)
         return self.step
+
+    def draw_at_last_hop(self) -> None:
+        """The route's last hop draws this sampled session's tokens from now on (its parameters
+        and ``draw_seed``): results bring the token, with greedy's top-K, never the full row.
+        ``draw_locally`` goes back (a new route, or one whose last hop does not draw).
+
+        Raises:
+          ValueError: the session is greedy (its last hop takes the first of the top-K anyway).
+        """
+        if self.sampling.greedy or self.draw_seed is None or self.draw.at_owner:
+            raise ValueError(
+                f"session {self.session_hex}: only a sampled session without penalties, logit_bias, min_p"
+                " or a grammar is drawn at the last hop"
+            )
+        self.last_hop_draws = True
+        self.result_top_k = result_top_k(0.0, self.sampling.top_k, at_least=self._top_k_at_least)
+
+    def draw_locally(self) -> None:
+        self.last_hop_draws = False
+        self.result_top_k = 0 if self._on_prompt_scores else self.draw.result_top_k
 
     # --- sending ---------------------------------------------------------------------------
 
@@ -430,7 +461,12 @@ class Session:
         return self._take(result.step, lambda: result_scores(result), int(result.n_vocab))
 
     def receive_scores(
-        self, step: int, scores: Callable[[], np.ndarray | TopLogits], n_vocab: int, sender_peer_id: str | None = None
+        self,
+        step: int,
+        scores: Callable[[], np.ndarray | TopLogits],
+        n_vocab: int,
+        sender_peer_id: str | None = None,
+        drawn: int | None = None,
     ) -> int | None:
         """Take a successful result of the step in flight that comes as scores rather than a
         ``StepResult``: the data plane's RESULT, which the owner opened under the session's
@@ -442,19 +478,24 @@ class Session:
         ``scores()`` makes the row or the top-K from the result's bytes (called once, after
         the identity checks); a ValueError from it is a malformed result.
 
+        ``drawn``: the token the last hop drew (``draw_at_last_hop``), taken once checked
+        (``agent.core.owner.sampling.checked_draw``).
+
         Returns and raises as ``receive`` (``HopFailed`` never: an error comes as a
         ``StepResult``).
         """
         self._check_sender(sender_peer_id, failed=False)
         self._check_step(step)
-        return self._take(step, scores, n_vocab)
+        return self._take(step, scores, n_vocab, drawn)
 
-    def _take(self, step: int, scores: Callable[[], np.ndarray | TopLogits], n_vocab: int) -> int | None:
+    def _take(
+        self, step: int, scores: Callable[[], np.ndarray | TopLogits], n_vocab: int, drawn: int | None = None
+    ) -> int | None:
         chunk = self._in_flight_end < len(self.tokens)  # a prefill chunk: more prompt follows
         try:
             logits = self._logits(scores(), n_vocab)
             # a chunk's logits are checked, never sampled: no draw, so chunking changes no seed's tokens
-            token = None if chunk else self._draw(logits)
+            token = None if chunk else self._draw(logits, drawn, n_vocab)
         except ValueError as bad:
             message = f"malformed result for step {step} of session {self.session_hex}: {bad}"
             self.fail(message)
@@ -480,13 +521,23 @@ class Session:
             self.state = READY
         return token
 
-    def _draw(self, logits: np.ndarray | TopLogits) -> int:
-        if self.constraint is None:
-            return choose_token(logits, self.sampling, self._rng, self.tokens, self.output_start)
+    def _draw(self, logits: np.ndarray | TopLogits, drawn: int | None, n_vocab: int) -> int:
+        """The next token: the owner's draw, or the last hop's (``drawn``) once checked."""
+        uniform = 0.0 if self.draw_seed is None else draw_uniform(self.draw_seed, len(self.tokens))
+        if self.constraint is not None:
+            return self._constrained_draw(logits, uniform)
+        if drawn is None or self.sampling.greedy:
+            return choose_token(logits, self.sampling, uniform, self.tokens, self.output_start)
+        if not self.last_hop_draws:
+            raise ValueError("the result brings a drawn token, but the session draws its tokens itself")
+        return checked_draw(logits, self.sampling, uniform, drawn, n_vocab)
+
+    def _constrained_draw(self, logits: np.ndarray | TopLogits, uniform: float) -> int:
+        assert self.constraint is not None
         if adjusts_logits(self.sampling) and not isinstance(logits, TopLogits):
             # penalties and logit_bias first, then the grammar's mask (as llama.cpp orders them)
             logits = adjust_logits(logits, self.sampling, self.tokens, self.output_start)
-        token = constrained_draw(logits, self.constraint.allowed(), self.sampling, self._rng)
+        token = constrained_draw(logits, self.constraint.allowed(), self.sampling, uniform)
         if token is None:  # (a constrained session asks for full rows: draw_plan)
             raise ValueError("the grammar allows none of the top-K and no full row came")
         self.constraint.accept(token)
@@ -503,86 +554,3 @@ class Session:
         elif not np.isfinite(scores).all():
             raise ValueError("the logits hold NaN or inf")
         return scores
-
-
-@dataclasses.dataclass(frozen=True)
-class ResumePlan:
-    """How a session goes on after losing a peer: hops ``[first_lost, last_lost]`` of the
-    route (blocks ``[begin, end)``) are replaced by a route part the tracker plans; the other
-    hops (``survivors``) keep their caches of ``keep_positions``; the replacement is rebuilt
-    from the rows the hop before it kept (``feeder``), or from the owner's tokens when the
-    first hop was lost (``feeder`` None)."""
-
-    first_lost: int
-    last_lost: int
-    begin: int
-    end: int
-    keep_positions: int
-    survivors: tuple[swarm_pb2.Hop, ...]
-    feeder: swarm_pb2.Hop | None
-
-    def route_with(self, route: swarm_pb2.Route, replacement: Sequence[swarm_pb2.Hop]) -> swarm_pb2.Route:
-        """``route`` with the lost hops replaced by ``replacement`` (which must cover
-        ``[begin, end)`` exactly).
-
-        Raises:
-          ValueError: the replacement does not cover the lost blocks.
-        """
-        at = self.begin
-        for hop in replacement:
-            if hop.begin != at or hop.end <= hop.begin:
-                raise ValueError(f"the replacement hop [{hop.begin}, {hop.end}) does not continue at block {at}")
-            at = hop.end
-        if at != self.end or not replacement:
-            raise ValueError(f"the replacement covers blocks [{self.begin}, {at}), not [{self.begin}, {self.end})")
-        hops = list(route.hops[: self.first_lost]) + list(replacement) + list(route.hops[self.last_lost + 1 :])
-        new = swarm_pb2.Route()
-        new.CopyFrom(route)
-        del new.hops[:]
-        new.hops.extend(hops)
-        return new
-
-
-def resume_plan(route: swarm_pb2.Route, lost_peer: str, keep_positions: int) -> ResumePlan | None:
-    """Whether a session that lost ``lost_peer`` can resume on ``route`` keeping
-    ``keep_positions`` (None: re-prefill a new route instead): there must be something to keep,
-    the lost peer's hops must be one contiguous part of the route, and some hop must survive."""
-    lost = [i for i, hop in enumerate(route.hops) if hop.peer_id == lost_peer]
-    if keep_positions < 1 or not lost or lost != list(range(lost[0], lost[-1] + 1)):
-        return None
-    first, last = lost[0], lost[-1]
-    survivors = tuple(hop for i, hop in enumerate(route.hops) if not first <= i <= last)
-    if not survivors:
-        return None
-    return ResumePlan(
-        first_lost=first,
-        last_lost=last,
-        begin=route.hops[first].begin,
-        end=route.hops[last].end,
-        keep_positions=keep_positions,
-        survivors=survivors,
-        feeder=route.hops[first - 1] if first > 0 else None,
-    )
-
-
-def surviving_hops(route: swarm_pb2.Route, lost_peers: Iterable[str] = ()) -> list[swarm_pb2.Hop]:
-    """The hops of ``route`` not run by a lost peer (where an end-session can still go)."""
-    lost = set(lost_peers)
-    return [hop for hop in route.hops if hop.peer_id not in lost]
-
-
-def end_session_request(
-    session_id: bytes,
-    route: swarm_pb2.Route,
-    admission: swarm_pb2.SignedAdmission,
-    lost_peers: Iterable[str] = (),
-) -> swarm_pb2.NodeRequest:
-    """The ``NodeRequest`` to the first surviving hop that frees the session on every surviving
-    hop of ``route``: a lost peer is skipped, so that ending a session never waits on it."""
-    return swarm_pb2.NodeRequest(
-        schema_version=SCHEMA_VERSION,
-        sender_admission=admission,
-        end_session=swarm_pb2.EndSessionRequest(
-            session_id=bytes(session_id), rest=surviving_hops(route, lost_peers)[1:]
-        ),
-    )

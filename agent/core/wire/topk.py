@@ -115,6 +115,10 @@ class TopLogits:
     logits: np.ndarray
     log_sum_exp: float
     n_vocab: int
+    #: ``(token, logprob)`` known beyond the K: the token a last hop drew for its owner
+    #: (worker.proto ``DataResult.drawn_token``), which a draw with no top-k cut may take from
+    #: outside them
+    beyond: tuple[tuple[int, float], ...] = ()
 
     @classmethod
     def from_row(cls, row: np.ndarray, k: int) -> TopLogits:
@@ -151,5 +155,8 @@ class TopLogits:
         """``logit - log_sum_exp`` of ``token``. Raises ValueError for a token outside the K."""
         hits = np.flatnonzero(self.ids == token)
         if hits.size == 0:
+            for known, logprob in self.beyond:
+                if known == token:
+                    return logprob
             raise ValueError(f"token {token} is not among the top {self.k}: its log-probability is unknown here")
         return float(np.float64(self.logits[hits[0]]) - self.log_sum_exp)

@@ -3,7 +3,9 @@
 ``baton generate --tracker MADDR --model ALIAS [--max-tokens N] [--temperature T] [--top-k K]
 [--top-p P] [--seed S] [--json] "prompt"`` asks the tracker for a route, streams the text as it
 is generated, then prints the route and tokens/s (``--json``: one object instead, with keys
-text, tokens, route, tokens_per_s, ...). Exit status: 0 done, 1 the generation failed (the
+text, tokens, route, tokens_per_s, first_token_s, decode_tokens_per_s (the tokens after the
+first over the decode's wall time), drafted_tokens and accepted_tokens (0: no speculation
+yet), ...). Exit status: 0 done, 1 the generation failed (the
 message names the failed peer when one is known), 2 bad arguments or no admission / route.
 
 Only argument parsing and printing live here; the work is in ``agent.io.client.swarm``.

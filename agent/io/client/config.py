@@ -56,6 +56,10 @@ class SwarmClientConfig:
     next decode step straight to the first hop (``DataPlaneContinueRequest``), which takes the
     first copy of each step, the last hop's or the owner's: the owner's round trip leaves the
     step's critical path. False: only the owner's steps.
+    ``last_hop_draws``: a sampled session continues the same way, its last hop drawing each
+    token with the session's parameters and seed (``agent.core.owner.sampling.draw_uniform``:
+    the tokens the owner would draw) and returning it with greedy's top-K instead of the full
+    row. False: the owner draws, from the full row where there is no top-k cut.
     """
 
     request_timeout_s: float = setting(10.0, "limit on one control request (default 10)", parse=cli_args.positive_float)
@@ -84,6 +88,7 @@ class SwarmClientConfig:
     resume: bool = True
     data_plane: bool = True
     greedy_continuation: bool = True
+    last_hop_draws: bool = True
     # Integrity (agent/io/client/spot_check.py, docs/INTEGRITY.md): the share of sessions replayed
     # through a route of the same recipe around one of their hops and compared bit for bit,
     # how long a session that ended waits for its replay, and how long the tracker may take to

@@ -27,7 +27,7 @@ from google.protobuf.message import DecodeError
 from agent._proto import swarm_pb2
 from agent.core.net.identity import peer_id_from_public_key
 from agent.core.net.multiaddrs import peer_id_from_multiaddr
-from agent.core.owner.session import end_session_request, surviving_hops
+from agent.core.owner.route_repair import end_session_request, surviving_hops
 from agent.core.wire.admission import AdmissionError, make_client_hello, verify_admission
 from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, TRACKER_PROTOCOL
 from agent.io.client.config import SwarmClientConfig

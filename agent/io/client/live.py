@@ -20,8 +20,8 @@ from collections.abc import Callable
 import trio
 
 from agent._proto import swarm_pb2, worker_pb2
+from agent.core.owner.data_route import drawn_token, step_result, success_step_result
 from agent.core.owner.data_route import result_scores as data_result_scores  # (swarm_wire's takes a StepResult)
-from agent.core.owner.data_route import step_result, success_step_result
 from agent.core.owner.session import HopFailed, ResultRefused, Session
 from agent.core.wire.data_frames import DataFrameError, OwnerSession
 from agent.core.wire.swarm_wire import error as wire_error
@@ -78,7 +78,8 @@ class LiveSession:
             result.step,
             remote_peer_id,
             lambda: self.session.receive_scores(
-                result.step, lambda: data_result_scores(result), int(result.n_vocab), remote_peer_id
+                result.step, lambda: data_result_scores(result), int(result.n_vocab), remote_peer_id,
+                drawn_token(result),
             ),
             result,
         )  # fmt: skip

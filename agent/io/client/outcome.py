@@ -53,7 +53,9 @@ class GenerationResult:
     re-prefilled a new route); ``resume_s``: the time each resume took (lost hop named to
     rebuilt), in order; ``data_plane_steps``: the steps that went worker to worker (the rest
     went through the node agents: prompt chunks, and every step of a route a hop of which has
-    no data plane).
+    no data plane); ``decode_tokens_per_s``: the tokens after the first over ``decode_wall_s``,
+    the wall time from the first token to the last (``baton generate --json`` reports it with
+    ``first_token_s``, and ``drafted_tokens`` / ``accepted_tokens``, 0 without speculation).
     """
 
     text: str
@@ -80,10 +82,21 @@ class GenerationResult:
     #: of the data plane steps, those the first hop took from the last hop's greedy
     #: continuation before the owner's own copy came (the first hops' count)
     continued_steps: int = 0
+    #: wall time from the first token to the last (the decode's), however many steps or
+    #: trips around the route carried the tokens
+    decode_wall_s: float = 0.0
+    #: tokens proposed by a draft and accepted by the route (0: no speculative decoding yet)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens after the first over the decode's wall time (0 with one token)."""
+        return (len(self.tokens) - 1) / self.decode_wall_s if self.decode_wall_s > 0 and len(self.tokens) > 1 else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -97,6 +110,10 @@ class GenerationResult:
             "route": [dict(hop) for hop in self.route],
             "model_sha256": self.model_sha256,
             "tokens_per_s": self.tokens_per_s,
+            "first_token_s": self.first_token_s,
+            "decode_tokens_per_s": self.decode_tokens_per_s,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "stopped_by_token": self.stopped_by_token,
             "replans": self.replans,
@@ -140,6 +157,8 @@ class Progress:
     node_rows: dict[tuple[str, int, int], int] = dataclasses.field(default_factory=dict)
     started_at: float = dataclasses.field(default_factory=time.perf_counter)  # before the first step
     last_token_at: float = 0.0
+    first_token_at: float = 0.0  # when the first token was taken (perf_counter)
+    latest_token_at: float = 0.0  # when the latest was (last_token_at is reset by prefills)
 
     def add(self, token: int, elapsed_s: float, *, prefill: bool) -> None:
         """A token taken: a prefill's ``elapsed_s`` is its step's (the prompt's chunks, each
@@ -149,6 +168,8 @@ class Progress:
         now = time.perf_counter()
         if not self.tokens:  # every prefill chunk (and any replan) up to the first token
             self.first_token_s = now - self.started_at
+            self.first_token_at = now
+        self.latest_token_at = now
         self.tokens.append(token)
         if prefill:
             self.prefill_s += elapsed_s
@@ -156,6 +177,11 @@ class Progress:
             self.decode_s += now - self.last_token_at if self.last_token_at else elapsed_s
             self.decode_steps += 1
         self.last_token_at = 0.0 if prefill else now
+
+    @property
+    def decode_wall_s(self) -> float:
+        """From the first token to the latest: the decode's wall time (its recoveries included)."""
+        return self.latest_token_at - self.first_token_at if self.tokens else 0.0
 
     def interrupted(self) -> None:
         """A step failed: the next token's time is its own step's (a resume is not decoding)."""

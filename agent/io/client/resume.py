@@ -3,7 +3,7 @@ about the lost one alongside (``_replan``); or, for the lost hop's blocks only, 
 the same recipe, the surviving hops kept at the positions answered so far (``resume_session``)
 and the replacement rebuilt from the rows the hop before it kept (``replay``; from the owner's
 own tokens when the first hop was lost), after which the session sends its failed step again
-(``_resume``; the plan is ``agent.core.owner.session.resume_plan``).
+(``_resume``; the plan is ``agent.core.owner.route_repair.resume_plan``).
 
 ``ResumingClient`` extends ``SessionRunner`` (``agent.io.client.session_run``);
 ``SwarmClient`` (``agent.io.client.swarm``) builds on it and decides when to resume or replan.
@@ -21,7 +21,8 @@ import trio
 from google.protobuf.message import DecodeError
 
 from agent._proto import swarm_pb2
-from agent.core.owner.session import Session, resume_plan
+from agent.core.owner.route_repair import resume_plan
+from agent.core.owner.session import Session
 from agent.core.wire.step_requests import first_step_request
 from agent.core.wire.swarm_wire import STEP_PROTOCOL
 from agent.io.client.live import LiveSession, Rebuild

@@ -30,6 +30,7 @@ from agent.core.owner.data_route import (
     data_plane_hosts,
     data_step,
 )
+from agent.core.owner.sampling import draws_at_owner
 from agent.core.owner.session import Session
 from agent.core.wire.data_frames import OwnerSession, SessionKeys
 from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION
@@ -66,6 +67,7 @@ class SessionRunner(StepClient):
             failed then (it may be resumed).
         """
         session = live.session
+        session.draw_locally()  # (each run starts on the node path: the owner draws until a last hop does)
         first = route.hops[0]
         # where results come back: asked once per run, not per step (libp2p lists its
         # listeners' addresses afresh on each ask: ~20 us, measured, on every step's path)
@@ -168,6 +170,7 @@ class SessionRunner(StepClient):
             return None
         plane = DataPlane(owner, route, to_first, from_last)
         log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
+        live.session.draw_locally()  # (a new binding: its last hop draws only once asked)
         if self.config.greedy_continuation:
             await self._continue_on_data_plane(live.session, route, keys, hosts, ports[0])
         return plane
@@ -175,24 +178,36 @@ class SessionRunner(StepClient):
     async def _continue_on_data_plane(
         self, session: Session, route: swarm_pb2.Route, keys: RouteKeys, hosts: list[str], first_port: int
     ) -> None:
-        """Ask the last hop to send each next decode step of the greedy ``session`` straight to the
-        first hop (``DataPlaneContinueRequest``). The owner's own steps still go (the first hop drops
-        the copy that comes second), so a refusal only leaves the owner's round trip in each step."""
-        if not session.draw.continuation:  # a constrained session: the owner draws every token
+        """Ask the last hop to send each next decode step of ``session`` straight to the first hop
+        (``DataPlaneContinueRequest``): a greedy session's with its first top-K entry; a sampled
+        one's (``config.last_hop_draws``) with the token the last hop draws for it, the same the
+        owner would (its parameters and seed travel with the request; the session then takes the
+        drawn tokens and asks for greedy's top-K instead of the full row). The owner's own steps
+        still go (the first hop drops the copy that comes second), so a refusal only leaves the
+        owner's round trip in each step, and the owner's own draws."""
+        sampled = not session.sampling.greedy
+        if sampled and (not self.config.last_hop_draws or draws_at_owner(session.sampling)):
+            return  # (penalties, logit_bias and min_p need the owner's draw)
+        if session.constraint is not None:  # (draw_plan) a grammar keeps every draw at the owner
             return
         steps = continuation_steps(
-            session.max_new_tokens, len(session.generated), greedy=session.sampling.greedy, top_k=session.result_top_k
-        )
+            session.max_new_tokens, len(session.generated), greedy=session.sampling.greedy,
+            top_k=session.result_top_k, drawn=sampled,
+        )  # fmt: skip
         if steps == 0:
             return
         request = continue_request(
             route, session.session_id, keys, hosts, first_port,
             steps=steps, stop_token_ids=session.stop_tokens, max_position=0,
+            sampling=session.sampling, draw_seed=session.draw_seed or 0,
         )  # fmt: skip
         try:
             await self._node(route.hops[-1], swarm_pb2.NodeRequest(data_plane_continue=request))
         except (SwarmError, TransportError) as why:
-            log.info("session %s: no greedy continuation: %s", session.session_hex, why)
+            log.info("session %s: no continuation: %s", session.session_hex, why)
+            return
+        if sampled:
+            session.draw_at_last_hop()
 
     async def _touch_due(self, plane: DataPlane, route: swarm_pb2.Route, session_id: bytes, now: float) -> None:
         """Renew the session's lease on every hop every ``probe_interval_s`` while its steps go

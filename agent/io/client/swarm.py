@@ -58,7 +58,7 @@ from agent.core.owner.recovery import (
     replan_left,
     resumable,
 )
-from agent.core.owner.sampling import SamplingParams
+from agent.core.owner.sampling import SamplingParams, drawn_seed
 from agent.core.owner.session import Session
 from agent.core.owner.spot_check import RouteSegment, rollback_point
 from agent.core.owner.text_stream import TextStream, whole_utf8
@@ -245,7 +245,9 @@ class SwarmClient(ResumingClient):
         if not prompt_tokens:
             raise ValueError("the prompt has no tokens")
         queue_timeout_s = self.config.queue_timeout_s if queue_timeout_s is None else queue_timeout_s
-        rng = None if sampling.greedy else np.random.default_rng(seed)
+        # the uniforms' seed (agent.core.owner.sampling.draw_uniform), the same for every session
+        # of this generation: a token's draw depends on its position only, whoever draws it
+        draw_seed = None if sampling.greedy else drawn_seed(np.random.default_rng(seed))
         await self._fresh_admission()
         if route is None:
             route = await self.route(model)
@@ -275,7 +277,7 @@ class SwarmClient(ResumingClient):
                 max_new_tokens=max_tokens - len(generated),
                 stop_tokens=stop_tokens,
                 sampling=sampling,
-                rng=rng,
+                draw_seed=draw_seed,
                 route_peer_ids=[hop.peer_id for hop in route.hops],
                 max_step_rows=1 if prompt_scores is not None else self.config.prefill_chunk_tokens,
                 output_start=len(prompt),
@@ -403,6 +405,7 @@ class SwarmClient(ResumingClient):
             tokens_taken_back=taken_back,
             data_plane_steps=progress.data_plane_steps,
             continued_steps=progress.continued_steps,
+            decode_wall_s=progress.decode_wall_s,
         )
 
     async def _take_back(self, segments: list[RouteSegment], generated: list[int], avoid: list[str]) -> int:

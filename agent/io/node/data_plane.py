@@ -125,9 +125,10 @@ class DataPlane(BatchServing, TrackerLink):
     async def _continue_data_plane(
         self, body: swarm_pb2.DataPlaneContinueRequest, remote_peer_id: str, role: int
     ) -> bytes:
-        """Greedy continuation on this last hop's worker (``DataPlaneContinueRequest``): each next
-        decode step of the bound session goes from it straight to the first hop's worker, which
-        must be the one the tracker lists (``first_hop_refusal``)."""
+        """Continuation on this last hop's worker (``DataPlaneContinueRequest``): each next decode
+        step of the bound session goes from it straight to the first hop's worker, which must be
+        the one the tracker lists (``first_hop_refusal``); a sampled session's tokens are drawn
+        there with the owner's parameters and seed (passed on as they are: the worker checks)."""
         session_id = bytes(body.session_id)
         served = self._session_range(session_id, body.model_sha256, body.begin, body.end)
         self._owner_only(served, session_id, remote_peer_id, role)
@@ -143,7 +144,8 @@ class DataPlane(BatchServing, TrackerLink):
         request = worker_pb2.ContinueSessionRequest(
             schema_version=1, session_id=session_id, host=body.first_host, port=body.first_port,
             continue_key=body.continue_key, steps=body.steps, stop_token_ids=body.stop_token_ids,
-            max_position=body.max_position,
+            max_position=body.max_position, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+            draw_seed=body.draw_seed,
         )  # fmt: skip
         try:
             await served.client.call("ContinueSession", request, timeout_s=self.config.worker_call_timeout_s)

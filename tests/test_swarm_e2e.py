@@ -475,8 +475,8 @@ async def test_greedy_through_three_nodes_equals_one_unsplit_worker(swarm3: Runn
             assert [(h["begin"], h["end"]) for h in result.route] == [(0, 10), (10, 20), (20, 30)]
             assert sorted(h["node"] for h in result.route) == sorted(swarm3.node_ids().values())
             assert result.tokens_per_s > 0
-            # the prompt through the nodes, every decode step worker to worker (the data plane)
-            assert result.data_plane_steps == len(result.tokens) - 1, result.data_plane_steps
+            # the prompt (one chunk) and every decode step worker to worker (the data plane)
+            assert result.data_plane_steps == len(result.tokens), result.data_plane_steps
             assert {h["rows"] for h in result.node_rows} == {len(prompt_tokens) + len(result.tokens) - 1}
             # greedy: after the first data plane step, the last hop sends each next step to the
             # first hop itself (the owner's copies come second and are dropped); no step past

@@ -1,6 +1,6 @@
-"""The prompt on the workers' data plane, end to end: a real tracker and four real node processes
-on loopback (ten blocks of SmolLM2 each: a route of three hops, and a second copy of one range
-to replace a lost hop with), driven by the real client.
+"""The prompt on the workers' data plane, end to end: a real tracker and six real node processes
+on loopback (ten blocks of SmolLM2 each: a route of three hops, and a second copy
+of every range to replace a lost hop with), driven by the real client.
 
 A new session binds its route before its first step (each hop's node opens it there), and its
 prompt goes worker to worker as chunks of ``prefill_chunk_tokens`` rows, sent down the route
@@ -27,7 +27,7 @@ import trio
 from agent._proto import swarm_pb2
 from agent.core.owner.session import Session
 from agent.demo.local_demo import generate_through
-from agent.demo.swarm_demo import wait_for_coverage
+from agent.demo.swarm_demo import wait_for_copies, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, SwarmProcess
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.worker.client import WorkerClient
@@ -37,7 +37,7 @@ from agent.models import model_path, sha256_file
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
 ALIAS = "smollm2"
-NODES = 4
+NODES = 6
 BLOCKS_EACH = 10
 CHUNK_ROWS = 64
 LONG_CHUNKS = 5  # the long prompt: this many whole chunks
@@ -171,28 +171,15 @@ async def test_one_chunk_per_round_trip_and_the_node_path_give_the_same_tokens(p
     assert node_path.data_plane_steps == len(node_path.tokens) - 1  # the prompt through the node agents
 
 
-async def _ready_copies(c) -> dict[tuple[int, int], list[str]]:
-    copies: dict[tuple[int, int], list[str]] = {}
-    for node in await c.list_nodes():
-        if not node.alive:
-            continue
-        for s in node.serving:
-            if s.state == swarm_pb2.AssignmentStatus.READY:
-                copies.setdefault((s.assignment.begin, s.assignment.end), []).append(node.peer_id)
-    return copies
-
-
 @pytest.mark.timeout(400)
 async def test_a_hop_killed_mid_prefill_is_replaced_and_the_tokens_stay_the_same(
     prefill: Prefill, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     prompt = prefill.prompts["long"]
     async with _client(prefill) as c:
-        with trio.fail_after(SETUP_TIMEOUT_S):  # the fourth node's range: two copies of one range
-            while not (doubled := [r for r, peers in (await _ready_copies(c)).items() if len(peers) > 1]):
-                await trio.sleep(0.5)
+        await wait_for_copies(c, prefill.swarm, 2, timeout_s=SETUP_TIMEOUT_S)  # a replacement for each hop
         route = await c.route(ALIAS)
-        (victim_hop,) = [h for h in route.hops if (h.begin, h.end) == doubled[0]]
+        victim_hop = route.hops[1]  # the middle hop: rebuilt from the rows the first hop kept
         (victim,) = [p for p in prefill.swarm.nodes.values() if p.peer_id == victim_hop.peer_id]
         answered: list[int] = []
         receive_scores = Session.receive_scores

@@ -194,8 +194,10 @@ class SessionRunner(StepClient):
         """Ask the last hop to send each next decode step of the greedy ``session`` straight to the
         first hop (``DataPlaneContinueRequest``). The owner's own steps still go (the first hop drops
         the copy that comes second), so a refusal only leaves the owner's round trip in each step."""
+        # bound before its prompt is in (the prompt on the data plane): its prefill gives a token first
+        generated = len(session.generated) + (1 if session.in_prefill else 0)
         steps = continuation_steps(
-            session.max_new_tokens, len(session.generated), greedy=session.sampling.greedy, top_k=session.result_top_k
+            session.max_new_tokens, generated, greedy=session.sampling.greedy, top_k=session.result_top_k
         )
         if steps == 0:
             return

@@ -2,8 +2,8 @@
 3-split across the lab at one RTT, with the prompt's chunks pipelined down the route against the
 same route without pipelining, in one run.
 
-Three owners (clients of one swarm: tracker on ``tracker``, nodes on n1..n3, owners on ``owner``),
-the same ``--prefill-tokens`` prompt in chunks of ``--prefill-chunk-rows`` rows each time:
+One owner (a client of one swarm: tracker on ``tracker``, nodes on n1..n3, the owner on
+``owner``, its config switched per variant), the same ``--prefill-tokens`` prompt in chunks of ``--prefill-chunk-rows`` rows each time:
 - ``pipelined``: the prompt on the workers' data plane, every chunk sent at once
   (``prefill_chunks_in_flight`` 64): hop i computes chunk j + 1 while hop i + 1 computes chunk j;
 - ``one_by_one``: on the data plane, one chunk per round trip (``prefill_chunks_in_flight`` 1);
@@ -54,15 +54,11 @@ async def measure_prefill(lab: Lab, swarm, wan, args: argparse.Namespace) -> dic
     wan.set_every_link(lab, LinkChange(delay_ms=0.0))  # the setup's many small calls, quickly
     async with contextlib.AsyncExitStack() as stack:
         await swarm.start_tracker()
-        clients = {
-            name: await stack.enter_async_context(
-                open_swarm_client(
-                    swarm.tracker_addr, listen_addrs=lab.listen_addrs("owner"), config=_config(name, args.chunk_rows)
-                )
-            )
-            for name in VARIANTS
-        }
-        first = clients[VARIANTS[0]]
+        # one owner, its config switched per variant (read at each generation)
+        first = await stack.enter_async_context(
+            open_swarm_client(swarm.tracker_addr, listen_addrs=lab.listen_addrs("owner"))
+        )
+        configs = {name: _config(name, args.chunk_rows) for name in VARIANTS}
         (entry,) = [m for m in await first.list_models() if m.alias == wan.ALIAS]
         memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3)
         for i in range(3):
@@ -73,13 +69,15 @@ async def measure_prefill(lab: Lab, swarm, wan, args: argparse.Namespace) -> dic
         _, prompt = await make_prompt(wan._Tokenizer(first, route), args.prefill_tokens)
         wan.set_every_link(lab, LinkChange(delay_ms=args.prefill_rtt_ms / 2))
         measured_rtt = statistics.median(await trio.to_thread.run_sync(wan.tcp_rtt_ms, lab, "owner", "n1", 20))
-        for client in clients.values():  # warm: connections made, workers paged in
-            await client.generate_tokens(wan.ALIAS, prompt, max_tokens=PREFILL_NEW_TOKENS)
+        for name in VARIANTS:  # warm: connections made, workers paged in
+            first.config = configs[name]
+            await first.generate_tokens(wan.ALIAS, prompt, max_tokens=PREFILL_NEW_TOKENS)
         turns: dict[str, list[dict]] = {name: [] for name in VARIANTS}
         for turn in range(args.turns):
             order = VARIANTS[turn % len(VARIANTS) :] + VARIANTS[: turn % len(VARIANTS)]
             for name in order:
-                result = await clients[name].generate_tokens(wan.ALIAS, prompt, max_tokens=PREFILL_NEW_TOKENS)
+                first.config = configs[name]
+                result = await first.generate_tokens(wan.ALIAS, prompt, max_tokens=PREFILL_NEW_TOKENS)
                 turns[name].append(
                     {
                         "first_token_s": result.first_token_s,

@@ -114,6 +114,9 @@ class SessionRunner(StepClient):
                         if index:  # the next chunk's result: its wait counts from the one before
                             live.arm()
                             sent_at = trio.current_time()
+                            assert plane is not None  # (several steps at once only on the data plane)
+                            # the hops' leases, renewed while the chunks' results come in
+                            await self._touch_due(plane, route, session.session_id, sent_at)
                         await self._await_result(live, route, step_input.step, sent_at, prefill=prefill, plane=plane)
                         elapsed = time.perf_counter() - started
                         started += elapsed

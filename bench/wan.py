@@ -28,6 +28,10 @@ pair linked with the same one-way delay, RTT/2; no loss, no rate limit):
    that share one machine's cores), in alternating order. Whether lock-step still helps when
    the hops are machines apart is the question this answers (``agent.core.node.scheduler``).
    ``--only sessions`` measures this section alone and replaces it in ``--out``'s wan.json.
+4. ``--only prefill`` (run alone, not part of the full run): time to first token of a
+   ``--prefill-tokens`` prompt through the Baton 3-split at ``--prefill-rtt-ms``, its chunks
+   pipelined down the route on the data plane against one chunk per round trip and against the
+   node path (``bench/wan_prefill.py``; writes ``wan_prefill.{json,md}``).
 
 Writes ``wan.json``, ``wan.md`` and ``wan.png`` (matplotlib, the ``bench`` extra) under
 ``--out``. Needs root (the lab), the worker (``make native``) and llama.cpp's tools (built into
@@ -35,8 +39,9 @@ Writes ``wan.json``, ``wan.md`` and ``wan.png`` (matplotlib, the ``bench`` extra
 emulated machine shares this host's cores, so anything else running slows all of them.
 
 Usage: ``sudo .venv/bin/python bench/wan.py [--rtts-ms 0,10,20,50] [--turns 3] [--new-tokens 32]
-[--prompt-tokens 64] [--threads 1] [--quick] [--only sessions] [--out bench/results]`` (about 25 minutes;
-``--only sessions`` about 4).
+[--prompt-tokens 64] [--threads 1] [--quick] [--only sessions|prefill] [--out bench/results]`` (about 25
+minutes; ``--only sessions`` about 4; ``--only prefill [--prefill-tokens 1500] [--prefill-chunk-rows 128]
+[--prefill-rtt-ms 20] [--turns 3]`` about 5).
 """
 
 from __future__ import annotations
@@ -605,13 +610,33 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=("sessions",),
-        help="measure one section alone (sessions: the 8 concurrent sessions), replacing it in --out's wan.json",
+        choices=("sessions", "prefill"),
+        help="measure one section alone (sessions: the 8 concurrent sessions, replacing it in --out's wan.json;"
+        " prefill: time to first token of a long prompt, pipelined or not, as wan_prefill.json)",
+    )
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=1500, help="--only prefill: prompt length in tokens (default 1500)"
+    )
+    parser.add_argument(
+        "--prefill-chunk-rows",
+        dest="chunk_rows",
+        type=int,
+        default=128,
+        help="--only prefill: rows of a prompt chunk (default 128)",
+    )
+    parser.add_argument(
+        "--prefill-rtt-ms", type=float, default=20.0, help="--only prefill: round trip between machines (default 20)"
     )
     parser.add_argument("--out", type=Path, help="write wan.{json,md,png} here (default: print only)")
     args = parser.parse_args()
     if args.only == "sessions":
         return main_sessions(args)
+    if args.only == "prefill":
+        import sys
+
+        import wan_prefill
+
+        return wan_prefill.main_prefill(args, sys.modules[__name__])
     args.rtts_ms = [float(x) for x in args.rtts_ms.split(",")]
     if args.quick:
         args.rtts_ms, args.turns = [0.0, 20.0], 1

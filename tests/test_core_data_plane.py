@@ -475,3 +475,26 @@ def test_a_drawn_result_brings_its_token_and_its_log_probability() -> None:
     assert scores.logprob(5) == pytest.approx(float(row[5]) - lse)  # outside the K, known all the same
     with pytest.raises(ValueError, match="not among the top"):
         scores.logprob(6)
+
+
+def test_a_session_opened_by_its_bind_takes_its_prompt_on_the_data_plane_or_step_0_if_the_bind_fell_through() -> None:
+    table = SessionTable(2, 64)
+    sid = b"s" * 16
+    opened = table.open_for_data_plane(sid, 40, "owner", now_ms=1)
+    assert (opened.next_step, opened.next_position, opened.seq_id) == (0, 0, 0) and table.started == 1
+    with pytest.raises(WireError) as caught:
+        table.open_for_data_plane(sid, 40, "owner", now_ms=2)
+    assert caught.value.code == Code.INVALID_ARGUMENT and "opened twice" in caught.value.message
+    with pytest.raises(WireError) as caught:  # the context is checked for the whole prompt, as step 0's
+        table.open_for_data_plane(b"t" * 16, 65, "owner", now_ms=2)
+    assert caught.value.code == Code.RESOURCE_EXHAUSTED
+    # the owner's bind fell through (another hop refused): its step 0 through the node opens nothing new
+    with pytest.raises(WireError) as caught:
+        table.accept(sid, 0, 0, 5, "someone else", now_ms=3)
+    assert caught.value.code == Code.REFUSED
+    session = table.accept(sid, 0, 0, 5, "owner", now_ms=3)
+    assert session is opened and session.next_step == 1 and table.started == 1
+    table.done(sid, now_ms=4)
+    with pytest.raises(WireError) as caught:  # once it took a step, step 0 is a duplicate again
+        table.accept(sid, 0, 0, 5, "owner", now_ms=5)
+    assert "step 0 sent twice" in caught.value.message

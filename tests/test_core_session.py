@@ -244,6 +244,43 @@ def test_a_long_prompt_goes_in_chunks_that_are_checked_not_sampled() -> None:
         Session(SID, [1], max_new_tokens=1, max_step_rows=0)
 
 
+def test_prompt_chunks_sent_together_are_answered_in_order_and_only_the_last_gives_a_token() -> None:
+    s = Session(SID, list(range(10)), max_new_tokens=2, max_step_rows=4)
+    sent = s.next_steps(8)  # every chunk at once: they pipeline down the route
+    assert [(x.step, x.positions) for x in sent] == [(0, (0, 1, 2, 3)), (1, (4, 5, 6, 7)), (2, (8, 9))]
+    assert sent[1].token_ids == (4, 5, 6, 7)
+    with pytest.raises(ValueError, match="still in flight"):
+        s.next_steps(1)
+    with pytest.raises(ResultRefused, match="out-of-order"):  # answered in order
+        s.receive(result(1, logits_row(5)))
+    assert s.receive(result(0, logits_row(5))) is None
+    assert s.awaiting and s.cached_positions == 4  # the later chunks are still on their way
+    assert s.receive(result(1, logits_row(5))) is None and s.awaiting
+    assert s.receive(result(2, logits_row(5))) == 5 and not s.awaiting
+    assert s.generated == [5] and s.cached_positions == 10
+    # once the prompt is in, one decode step at a time whatever the window
+    assert s.next_steps(8) == [OwnerStep(step=3, positions=(10,), token_ids=(5,))]
+    with pytest.raises(ValueError, match="max_steps"):
+        Session(SID, [1], max_new_tokens=1).next_steps(0)
+
+
+def test_a_resume_mid_prefill_numbers_the_step_past_every_chunk_sent() -> None:
+    s = Session(SID, list(range(10)), max_new_tokens=2, max_step_rows=4, route_peer_ids=["A", "B"])
+    s.next_steps(3)  # steps 0, 1, 2
+    s.receive(result(0, logits_row(5)), "B")
+    s.fail("hop A lost")
+    assert s.cached_positions == 4 and s.resume_step == 3
+    assert s.resume(["A2", "B"]) == 3
+    assert s.next_steps(3) == [
+        OwnerStep(step=3, positions=(4, 5, 6, 7), token_ids=(4, 5, 6, 7)),
+        OwnerStep(step=4, positions=(8, 9), token_ids=(8, 9)),
+    ]
+    with pytest.raises(ResultRefused, match="stale"):  # a late answer to a chunk sent before
+        s.receive(result(1, logits_row(5)), "B")
+    assert s.receive(result(3, logits_row(5)), "B") is None
+    assert s.receive(result(4, logits_row(6)), "B") == 6
+
+
 def test_an_end_of_generation_token_stops_and_is_kept() -> None:
     s = Session(SID, [1], max_new_tokens=10, stop_tokens=[7])
     s.next_step()

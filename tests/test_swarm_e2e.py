@@ -480,17 +480,23 @@ async def test_greedy_through_three_nodes_equals_one_unsplit_worker(swarm3: Runn
             assert [(h["begin"], h["end"]) for h in result.route] == [(0, 10), (10, 20), (20, 30)]
             assert sorted(h["node"] for h in result.route) == sorted(swarm3.node_ids().values())
             assert result.tokens_per_s > 0
-            # the prompt through the nodes, every decode step worker to worker (the data plane)
-            assert result.data_plane_steps == len(result.tokens) - 1, result.data_plane_steps
+            # the prompt (one chunk) and every decode step worker to worker (the data plane)
+            assert result.data_plane_steps == len(result.tokens), result.data_plane_steps
             assert {h["rows"] for h in result.node_rows} == {len(prompt_tokens) + len(result.tokens) - 1}
             # greedy: after the first data plane step, the last hop sends each next step to the
             # first hop itself (the owner's copies come second and are dropped); no step past
             # the owner's end was computed (the rows above)
             assert 1 <= result.continued_steps <= result.data_plane_steps - 1, result.continued_steps
-        # over the direct channel: every node advertises one (the workers' data planes listen on
-        # its host), and the prompts' results came back over it
+        # every node advertises a direct channel (the workers' data planes listen on its host)
         route = await c.route(ALIAS)
         assert all(any(is_channel_multiaddr(a) for a in hop.addrs) for hop in route.hops)
+    # the prompt through the node agents (prefill_on_data_plane False): the same tokens, its
+    # result pushed back to the owner over the direct channel
+    async with client(swarm3, prefill_on_data_plane=False) as c:
+        _, expected = reference[PROMPTS[0]]
+        result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
+        assert result.tokens == expected
+        assert result.data_plane_steps == len(result.tokens) - 1, result.data_plane_steps
         assert c.transport.connections_accepted >= 1
     assert "Paris" in (await _text(swarm3, PROMPTS[0]))
     assert_swarm_alive(swarm3)

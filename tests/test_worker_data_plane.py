@@ -213,6 +213,7 @@ async def test_a_chain_of_workers_equals_the_unsplit_worker_and_refuses_what_is_
         assert totals.kept_first_position == 0 and not totals.kept_rows_lost
         expected_rows = np.concatenate([prompt_rows[0].boundary, step_rows[0].boundary]).astype("<f4")
         assert totals.kept_rows == expected_rows.tobytes()
+        assert list(totals.kept_step_rows) == [len(PROMPT), 1]  # each step's rows, a rebuild's shapes
         again = await chain[0].client.call(
             "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
         )

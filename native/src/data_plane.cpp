@@ -127,6 +127,7 @@ DataSessionTotals DataPlaneServer::unbind(const std::string & session_id, bool k
     }
     if (!found->second.kept_lost && found->second.kept_first >= 0) {
         totals.kept_rows.swap(found->second.kept);
+        totals.kept_step_rows.swap(found->second.kept_steps);
         totals.kept_first_position = found->second.kept_first;
     }
     engine_.unbind(found->second.generation);  // its queued steps are dropped

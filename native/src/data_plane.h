@@ -123,6 +123,7 @@ struct DataSessionTotals {
     uint32_t next_step = 0;
     uint32_t seq_id = 0;
     std::string kept_rows;       // f32 output rows from kept_first_position on
+    std::vector<uint32_t> kept_step_rows;  // the rows of each step in kept_rows (a prompt chunk's whole)
     int32_t kept_first_position = 0;
     bool kept_rows_lost = false;
     uint64_t compute_us = 0;     // see worker.proto UnbindSessionReply
@@ -216,6 +217,7 @@ private:
         uint64_t generation = 0;          // which binding (unique in the worker): a rebind drops steps queued before it
         uint64_t keep_max = 0;            // bytes of output rows to keep (0: none)
         std::string kept;                 // output rows of its steps, positions kept_first on
+        std::vector<uint32_t> kept_steps; // rows of each step in kept (a rebuild keeps their shapes)
         int32_t kept_first = -1;          // -1: none kept yet
         bool kept_lost = false;           // over keep_max, or a gap: none are given back
         uint64_t compute_us = 0;          // UnbindSessionReply's timings

@@ -280,9 +280,11 @@ void DataPlaneServer::keep_rows(const Pending & pending, int32_t first_position,
         s.kept.size() + rows.size() > s.keep_max) {
         s.kept_lost = true;  // a gap, or over the budget: the node cannot rebuild from these
         std::string().swap(s.kept);
+        std::vector<uint32_t>().swap(s.kept_steps);
         return;
     }
     s.kept.append(rows);
+    s.kept_steps.push_back(row_bytes == 0 ? 0 : static_cast<uint32_t>(rows.size() / row_bytes));
 }
 
 bool DataPlaneServer::seal_output(const Pending & pending, const std::string & body, bool to_owner, Outgoing * out) {

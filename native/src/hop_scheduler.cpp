@@ -105,6 +105,20 @@ HopScheduler::StepsChoice HopScheduler::choose_steps(const QueueView & queue, co
     }
     const size_t group_cap = groups > 1 ? std::max<size_t>(1, (decoding_grouped + groups - 1) / groups) : 0;
 
+    // After a batch of prompt chunks, decode steps go first when any wait (a session's next step
+    // only): a prompt's chunks queued together at a hop (pipelined prefill) take turns with the
+    // decoding sessions' steps instead of running all before them.
+    bool decode_first = false;
+    if (last_was_chunk_) {
+        std::unordered_set<uint64_t> firsts;
+        for (const QueuedItem & q : queue) {
+            if (q.kind == QueuedKind::kStep && find(by_binding, q.binding) != nullptr &&
+                firsts.insert(q.binding).second && q.rows == 1) {
+                decode_first = true;
+                break;
+            }
+        }
+    }
     uint32_t shape_rows = 0;
     uint32_t rows = 0;
     std::unordered_set<uint64_t> seen;  // sessions with an earlier step in or left out
@@ -116,6 +130,9 @@ HopScheduler::StepsChoice HopScheduler::choose_steps(const QueueView & queue, co
         const bool first_of_session = seen.insert(q.binding).second;
         if (!first_of_session) {
             continue;  // one step a sequence a Forward, in order
+        }
+        if (decode_first && q.rows != 1) {
+            continue;  // a chunk, after a chunk, while a decode step waits
         }
         if (!choice.batch.empty() &&
             (q.rows != shape_rows || rows + q.rows > config_.row_budget ||
@@ -186,7 +203,7 @@ Decision HopScheduler::next(const QueueView & queue, const SessionsView & sessio
         if (steps.decode && steps.computes) {
             ++decode_forwards_;
         }
-        last_was_chunk_ = false;
+        last_was_chunk_ = !steps.decode;  // a data-plane prompt chunk, as a node's
         return RunBatch{std::move(steps.batch)};
     }
     if (node) {

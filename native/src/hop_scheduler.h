@@ -20,8 +20,9 @@
 //   decoding here with groups set); the rest run in the batch right after.
 // - Prefill pacing: a node's prompt chunk (a Forward with more than one row for a sequence)
 //   waits for the next data-plane decode Forward (at most prefill_pace_max), unless nobody
-//   decodes here lately; after a chunk, a ready decode batch goes first, so no decode step
-//   waits behind more than one chunk.
+//   decodes here lately; after a chunk (a node's, or a batch of data-plane prompt chunks), a
+//   ready decode batch goes first, so no decode step waits behind more than one chunk, also
+//   when a prompt's chunks arrive together (pipelined prefill).
 // - Everything else (node decode Forwards, sequence operations, refused steps) runs in
 //   arrival order, one item a batch, except that refused steps never wait for a hold.
 //
@@ -138,7 +139,7 @@ private:
 
     HopSchedulerConfig config_;
     uint64_t decode_forwards_ = 0;
-    bool last_was_chunk_ = false;    // the last batch decided was a node's prompt chunk
+    bool last_was_chunk_ = false;    // the last batch decided was a prompt chunk (a node's or data-plane steps)
     bool holding_ = false;           // a lock-step hold is on, until hold_until_
     SchedulerTime hold_until_{};
     // stragglers: binding -> steps_taken when it missed a window (waived until it changes)

@@ -365,6 +365,9 @@ grpc::Status ShardWorkerService::UnbindSession(grpc::ServerContext *, const v1::
         reply->set_kept_rows(std::move(totals.kept_rows));
         reply->set_kept_first_position(totals.kept_first_position);
         reply->set_kept_rows_lost(totals.kept_rows_lost);
+        for (uint32_t rows : totals.kept_step_rows) {
+            reply->add_kept_step_rows(rows);
+        }
         reply->set_compute_us(totals.compute_us);
         reply->set_in_worker_us(totals.in_worker_us);
         reply->set_continued_steps(totals.continued_steps);

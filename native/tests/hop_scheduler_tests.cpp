@@ -273,6 +273,23 @@ TEST_CASE("a chunk, a refusal or a step nobody holds ends a hold at once, and le
     }
 }
 
+TEST_CASE("a prompt's chunks queued together take turns with the decoding sessions' steps") {
+    Hop hop;
+    hop.bind(0);
+    hop.bind(1);
+    hop.step(1);
+    CHECK(hop.run() == Names{"s1"});  // 1 decodes
+    for (int chunk = 0; chunk < 3; ++chunk) {
+        hop.step(0, 64);  // 0's prompt, pipelined: every chunk at once
+    }
+    hop.step(1);
+    CHECK(hop.run() == Names{"s0"});  // the oldest first
+    CHECK(hop.run() == Names{"s1"});  // after a chunk, the waiting decode step
+    CHECK(hop.run() == Names{"s0"});  // nothing decodes: the next chunk
+    CHECK(hop.run() == Names{"s0"});
+    CHECK(std::holds_alternative<Idle>(hop.next()));
+}
+
 TEST_CASE("decode groups: a decode batch takes at most ceil(D / groups) steps, the rest right after") {
     Hop hop;
     for (uint32_t seq : {0, 1, 2, 3, 4}) {

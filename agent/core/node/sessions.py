@@ -148,12 +148,19 @@ class SessionTable:
         """
         session = self._sessions.get(session_id)
         if step == 0:
-            if session is not None:
-                raise WireError(Code.INVALID_ARGUMENT, f"session {session_id.hex()} already exists (step 0 sent twice)")
             if first_position != 0:
                 raise WireError(Code.INVALID_ARGUMENT, f"step 0 must start at position 0, got {first_position}")
-            session = self._open(session_id, n_rows, owner_peer_id, now_ms, trusted, source_host)
-            self.started += 1
+            if session is None:
+                session = self._open(session_id, n_rows, owner_peer_id, now_ms, trusted, source_host)
+                self.started += 1
+            elif (
+                session.next_step == 0 and session.next_position == 0 and not session.data_plane and not session.pending
+            ):
+                # opened by a data plane bind that took no step (the owner fell back to this path)
+                self._check_owner(session, owner_peer_id)
+                self._check_context(session_id, 0, n_rows)
+            else:
+                raise WireError(Code.INVALID_ARGUMENT, f"session {session_id.hex()} already exists (step 0 sent twice)")
         else:
             if session is None:
                 raise WireError(Code.NOT_FOUND, f"unknown session {session_id.hex()} at step {step} (no step 0 here)")
@@ -290,6 +297,29 @@ class SessionTable:
         session.last_used_ms = session.last_step_ms = now_ms
         self.resumed += 1
         return session, trim
+
+    def open_for_data_plane(
+        self,
+        session_id: bytes,
+        n_rows: int,
+        owner_peer_id: str,
+        now_ms: int,
+        *,
+        trusted: bool = False,
+        source_host: str = "",
+    ) -> NodeSession:
+        """Open a session whose prompt comes on the data plane (a bind with ``open_rows``): a
+        sequence leased to ``owner_peer_id`` and the context checked for ``n_rows``, as its step 0
+        would; the shell binds it next, and the worker takes its steps from 0.
+
+        Raises:
+          WireError: INVALID_ARGUMENT (the session exists), RESOURCE_EXHAUSTED (as ``accept``).
+        """
+        if session_id in self._sessions:
+            raise WireError(Code.INVALID_ARGUMENT, f"session {session_id.hex()} already exists (opened twice)")
+        session = self._open(session_id, n_rows, owner_peer_id, now_ms, trusted, source_host)
+        self.started += 1
+        return session
 
     def bind_data_plane(self, session_id: bytes, owner_peer_id: str, now_ms: int) -> NodeSession:
         """Mark the session bound on the worker's data plane (the shell binds it there).

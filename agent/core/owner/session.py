@@ -200,7 +200,9 @@ class Session:
         self.failure: str | None = None
         self.route_peer_ids = tuple(route_peer_ids)
         self.max_step_rows = max_step_rows
-        self._in_flight_end = 0  # tokens[:_in_flight_end] are cached once the step in flight is
+        # the end (in tokens) of each step in flight, oldest first: steps self.step, self.step + 1,
+        # ...; several only while prompt chunks pipeline down the route (``next_steps``)
+        self._in_flight_ends: list[int] = []
         self.draw_seed = draw_seed if draw_seed is not None or rng is None else drawn_seed(rng)
         self.last_hop_draws = False  # (draw_at_last_hop)
         self._top_k_at_least = top_k_at_least
@@ -270,17 +272,25 @@ class Session:
             at += n
         return chunks
 
+    @property
+    def resume_step(self) -> int:
+        """The number a resume gives the step sent again: one past the highest step sent (with
+        prompt chunks pipelined, later chunks than the failed one may have been sent)."""
+        return self.step + max(1, len(self._in_flight_ends))
+
     def resume(self, route_peer_ids: Sequence[str]) -> int:
         """Go on after a failed step, on a route where the lost part was rebuilt up to
-        ``cached_positions``: the step that failed is sent again, numbered one past it (a late
-        answer to the failed one is then refused as stale). Returns that step number.
+        ``cached_positions``: the step that failed is sent again, numbered ``resume_step``, one
+        past the highest sent (a late answer to one sent before is then refused as stale).
+        Returns that step number.
 
         Raises:
           ValueError: the session did not fail (a step in flight, ready, or finished).
         """
         if self.state != FAILED:
             raise ValueError(f"session {self.session_hex}: only a failed session is resumed, not a {self.state} one")
-        self.step += 1
+        self.step = self.resume_step
+        self._in_flight_ends = []
         self.state = READY
         self.failure = None
         self.route_peer_ids = tuple(route_peer_ids)
@@ -314,20 +324,41 @@ class Session:
         Raises:
           ValueError: a step is already in flight, or the session has ended.
         """
+        return self.next_steps(1)[0]
+
+    def next_steps(self, max_steps: int) -> list[OwnerStep]:
+        """Up to ``max_steps`` steps at once, numbered one after another: the prompt's chunks
+        not yet in the route's caches (``max_step_rows`` each), so that they pipeline down the
+        route, each hop computing a chunk while the next computes the one before; one step
+        when the prompt is in (a decode step). The session then awaits their results, in
+        order (each chunk's is checked, the last chunk's gives the first token).
+
+        Raises:
+          ValueError: a step is already in flight, the session has ended, or ``max_steps`` < 1.
+        """
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         if self.state == AWAITING:
             raise ValueError(f"session {self.session_hex}: step {self.step} is still in flight")
         if self.finished:
             raise ValueError(f"session {self.session_hex}: the session has ended ({self.state})")
         self.state = AWAITING
-        end = len(self.tokens)
-        if self.max_step_rows is not None:
-            end = min(end, self._n_cached + self.max_step_rows)
-        self._in_flight_end = end
-        return OwnerStep(
-            step=self.step,
-            positions=tuple(range(self._n_cached, end)),
-            token_ids=tuple(self.tokens[self._n_cached : end]),
-        )
+        steps: list[OwnerStep] = []
+        at = self._n_cached
+        while at < len(self.tokens) and len(steps) < max_steps:
+            end = len(self.tokens)
+            if self.max_step_rows is not None:
+                end = min(end, at + self.max_step_rows)
+            steps.append(
+                OwnerStep(
+                    step=self.step + len(steps),
+                    positions=tuple(range(at, end)),
+                    token_ids=tuple(self.tokens[at:end]),
+                )
+            )
+            self._in_flight_ends.append(end)
+            at = end
+        return steps
 
     @property
     def in_prefill(self) -> bool:
@@ -491,7 +522,8 @@ class Session:
     def _take(
         self, step: int, scores: Callable[[], np.ndarray | TopLogits], n_vocab: int, drawn: int | None = None
     ) -> int | None:
-        chunk = self._in_flight_end < len(self.tokens)  # a prefill chunk: more prompt follows
+        in_flight_end = self._in_flight_ends[0]
+        chunk = in_flight_end < len(self.tokens)  # a prefill chunk: more prompt follows
         try:
             logits = self._logits(scores(), n_vocab)
             # a chunk's logits are checked, never sampled: no draw, so chunking changes no seed's tokens
@@ -501,12 +533,13 @@ class Session:
             self.fail(message)
             raise ResultRefused(_error("INVALID_ARGUMENT"), message, fatal=True) from None
         self.n_vocab = n_vocab
+        del self._in_flight_ends[0]
         if token is None:
             if self._on_prompt_scores is not None:
-                self._on_prompt_scores(self._in_flight_end - 1, logits)
-            self._n_cached = self._in_flight_end
+                self._on_prompt_scores(in_flight_end - 1, logits)
+            self._n_cached = in_flight_end
             self.step += 1
-            self.state = READY
+            self.state = AWAITING if self._in_flight_ends else READY  # later chunks are on their way
             return None
         self.last_logits = logits
         self._n_cached = len(self.tokens)

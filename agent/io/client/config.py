@@ -60,6 +60,15 @@ class SwarmClientConfig:
     token with the session's parameters and seed (``agent.core.owner.sampling.draw_uniform``:
     the tokens the owner would draw) and returning it with greedy's top-K instead of the full
     row. False: the owner draws, from the full row where there is no top-k cut.
+    ``prefill_on_data_plane``: a new session binds its route on the data plane before its first
+    step (each hop's node opens it there: ``DataPlaneBindRequest.open_rows``), so that its
+    prompt goes worker to worker too, as chunks of ``prefill_chunk_tokens`` rows. False: the
+    prompt goes through the node agents and the session binds once it is in the caches.
+    ``prefill_chunks_in_flight``: how many of a prompt's chunks the owner sends down the data
+    plane before it waits for the first's result: with more than one, hop i computes chunk
+    j + 1 while hop i + 1 computes chunk j (pipelined prefill: the time to the first token
+    approaches the slowest hop's share of the prompt plus one trip, not the sum of every hop's
+    share and every link). 1: one chunk per round trip (e.g. to compare the two).
     """
 
     request_timeout_s: float = setting(10.0, "limit on one control request (default 10)", parse=cli_args.positive_float)
@@ -89,6 +98,8 @@ class SwarmClientConfig:
     data_plane: bool = True
     greedy_continuation: bool = True
     last_hop_draws: bool = True
+    prefill_on_data_plane: bool = True
+    prefill_chunks_in_flight: int = 64
     # Integrity (agent/io/client/spot_check.py, docs/INTEGRITY.md): the share of sessions replayed
     # through a route of the same recipe around one of their hops and compared bit for bit,
     # how long a session that ended waits for its replay, and how long the tracker may take to
@@ -116,6 +127,8 @@ class SwarmClientConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        if self.prefill_chunks_in_flight < 1:
+            raise ValueError(f"prefill_chunks_in_flight must be >= 1, got {self.prefill_chunks_in_flight}")
         if self.probe_attempts < 1:
             raise ValueError(f"probe_attempts must be >= 1, got {self.probe_attempts}")
         if self.replan_attempts < 0:

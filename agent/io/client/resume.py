@@ -117,7 +117,7 @@ class ResumingClient(SessionRunner):
         except (GenerationError, ValueError) as why:
             log.info("no replacement for %s: %s", lost_peer, why)
             return None, True
-        resume_step = session.step + 1
+        resume_step = session.resume_step
         keep = plan.keep_positions
         rebuild = Rebuild(
             step=resume_step, positions=keep, peers=frozenset(h.peer_id for h in part.hops),

@@ -79,49 +79,63 @@ class SessionRunner(StepClient):
                 # a step later: a hop rebuilt by a resume takes a bind once it took one step.
                 plane_tries = 0 if self.config.data_plane else _DATA_PLANE_TRIES
                 while not session.finished:
-                    if plane is None and plane_tries < _DATA_PLANE_TRIES and not session.in_prefill:
+                    if (
+                        plane is None
+                        and plane_tries < _DATA_PLANE_TRIES
+                        and (self.config.prefill_on_data_plane or not session.in_prefill)
+                    ):
                         plane_tries += 1
                         plane = await self._open_data_plane(stack, live, route)
                     live.arm()
-                    step_input = session.next_step()
+                    prefill = session.in_prefill
+                    # the prompt's chunks on the data plane go together (pipelined down the route,
+                    # ``prefill_chunks_in_flight`` at most); any other step alone
+                    window = self.config.prefill_chunks_in_flight if plane is not None and spot is None else 1
+                    step_inputs = session.next_steps(window if prefill else 1)
+                    step_input = step_inputs[0]
                     request = None
                     if plane is None or spot is not None:  # (the data plane needs no StepRequest)
                         request = session.step_request(
                             step_input, route, owner_peer_id=self.peer_id, owner_addrs=owner_addrs,
                             admission=self.admission,
                         )  # fmt: skip
-                    prefill = session.in_prefill
                     started = time.perf_counter()
                     sent_at = trio.current_time()
                     if plane is not None:
                         await self._touch_due(plane, route, session.session_id, sent_at)
-                        progress.data_plane_steps += 1
-                        await plane.send(
-                            live,
-                            data_step(
-                                step_input.step, step_input.positions, step_input.token_ids, session.result_top_k
-                            ),
-                        )
+                        for sent in step_inputs:
+                            progress.data_plane_steps += 1
+                            await plane.send(
+                                live, data_step(sent.step, sent.positions, sent.token_ids, session.result_top_k)
+                            )
                     else:
                         assert request is not None  # made above: there is no data plane
                         if not self._send_step_soon(live, first, request):
                             await self._send_step(first, request, prefill=prefill)
-                    await self._await_result(live, route, step_input.step, sent_at, prefill=prefill, plane=plane)
-                    elapsed = time.perf_counter() - started
-                    if isinstance(live.outcome, BaseException):
-                        raise live.outcome
-                    if spot is not None and request is not None and (taken := live.taken_result()) is not None:
-                        spot.feed(request, taken)
-                    progress.add_rows(route, len(step_input.token_ids))
-                    if live.outcome is None:  # a prefill chunk: more of the prompt follows
-                        progress.prefill_s += elapsed
-                        continue
-                    token = int(live.outcome)
-                    if not prefill:
-                        self._note_decode_step(elapsed)
-                    progress.add(token, elapsed, prefill=prefill)
-                    if await take(token, session.last_logits) and not session.finished:
-                        session.stop()
+                    for index, step_input in enumerate(step_inputs):
+                        if index:  # the next chunk's result: its wait counts from the one before
+                            live.arm()
+                            sent_at = trio.current_time()
+                            assert plane is not None  # (several steps at once only on the data plane)
+                            # the hops' leases, renewed while the chunks' results come in
+                            await self._touch_due(plane, route, session.session_id, sent_at)
+                        await self._await_result(live, route, step_input.step, sent_at, prefill=prefill, plane=plane)
+                        elapsed = time.perf_counter() - started
+                        started += elapsed
+                        if isinstance(live.outcome, BaseException):
+                            raise live.outcome
+                        if spot is not None and request is not None and (taken := live.taken_result()) is not None:
+                            spot.feed(request, taken)
+                        progress.add_rows(route, len(step_input.token_ids))
+                        if live.outcome is None:  # a prefill chunk: more of the prompt follows
+                            progress.prefill_s += elapsed
+                            continue
+                        token = int(live.outcome)
+                        if not prefill:
+                            self._note_decode_step(elapsed)
+                        progress.add(token, elapsed, prefill=prefill)
+                        if await take(token, session.last_logits) and not session.finished:
+                            session.stop()
         except GenerationError as error:
             session.fail(str(error))
             progress.interrupted()
@@ -145,8 +159,13 @@ class SessionRunner(StepClient):
         ports: list[int] = [0] * len(route.hops)
         bound: list[swarm_pb2.Hop] = []
         try:
+            # a session that has sent nothing yet opens on each hop with its bind: its prompt then
+            # goes worker to worker too (DataPlaneBindRequest.open_rows)
+            session = live.session
+            open_rows = len(session.tokens) if session.step == 0 and session.cached_positions == 0 else 0
             for index in reversed(range(len(route.hops))):
                 request = bind_request(route, index, session_id, keys, hosts, ports[index + 1] if bound else 0)
+                request.open_rows = open_rows
                 bound.append(route.hops[index])  # (before the answer: a bind that timed out may have been made)
                 reply = await self._node(route.hops[index], swarm_pb2.NodeRequest(data_plane_bind=request))
                 ports[index] = reply.data_port
@@ -190,8 +209,10 @@ class SessionRunner(StepClient):
             return  # (penalties, logit_bias and min_p need the owner's draw)
         if session.constraint is not None:  # (draw_plan) a grammar keeps every draw at the owner
             return
+        # bound before its prompt is in (the prompt on the data plane): its prefill gives a token first
+        generated = len(session.generated) + (1 if session.in_prefill else 0)
         steps = continuation_steps(
-            session.max_new_tokens, len(session.generated), greedy=session.sampling.greedy,
+            session.max_new_tokens, generated, greedy=session.sampling.greedy,
             top_k=session.result_top_k, drawn=sampled,
         )  # fmt: skip
         if steps == 0:

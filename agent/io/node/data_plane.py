@@ -16,7 +16,9 @@ from agent._proto import swarm_pb2, worker_pb2
 from agent.core.node.policy import data_plane_decode_groups, data_plane_gather_us, worker_call_failed
 from agent.core.node.range_states import range_name
 from agent.core.owner.data_route import first_hop_refusal, next_hop_refusal
+from agent.core.wire.address_rate import counted_host
 from agent.core.wire.swarm_wire import SCHEMA_VERSION, WireError, WorkerCall
+from agent.io.net.transport import remote_host
 from agent.io.worker.error import WorkerError
 
 from .batches import BatchServing
@@ -45,11 +47,41 @@ class DataPlane(BatchServing, TrackerLink):
         from now on (``DataPlaneBindRequest``); answers the worker's data plane port."""
         session_id = bytes(body.session_id)
         served = self._session_range(session_id, body.model_sha256, body.begin, body.end)
-        self._owner_only(served, session_id, remote_peer_id, role)
         assert served.sessions is not None and served.client is not None and served.info is not None
         if not served.info.data_port:
             raise WireError(Code.INVALID_ARGUMENT, f"{range_name(served.key)}: the worker has no data plane")
-        await self._check_next_hop(served, body)
+        opening = bool(body.open_rows) and session_id not in served.sessions  # the prompt comes on the data plane
+        if opening:
+            if role != swarm_pb2.ROLE_CLIENT:
+                raise WireError(Code.REFUSED, f"only a client opens a session, not {remote_peer_id}")
+            await self._check_next_hop(served, body)  # (before a sequence is leased for it)
+            # the owner opens it at every hop itself: its own key and address count, and its trust
+            served.sessions.open_for_data_plane(
+                session_id, body.open_rows, remote_peer_id, clock_ms(),
+                trusted=remote_peer_id in self.config.trusted_owners, source_host=counted_host(remote_host()),
+            )  # fmt: skip
+        self._owner_only(served, session_id, remote_peer_id, role)
+        try:
+            return await self._bind_held(served, session_id, body, remote_peer_id, hop_checked=opening)
+        except BaseException:
+            if opening and (held := served.sessions.get(session_id)) is not None and not held.data_plane:
+                served.end_session(session_id)  # opened for this bind only: its sequence goes back
+            raise
+
+    async def _bind_held(
+        self,
+        served: ServedRange,
+        session_id: bytes,
+        body: swarm_pb2.DataPlaneBindRequest,
+        remote_peer_id: str,
+        *,
+        hop_checked: bool,
+    ) -> bytes:
+        """The bind of a session this range holds (``_bind_data_plane``; ``hop_checked``: its
+        next hop was checked already)."""
+        assert served.sessions is not None and served.client is not None and served.info is not None
+        if not hop_checked:
+            await self._check_next_hop(served, body)
         await self._unbind_if_bound(served, session_id)  # a bind again (another route part) starts afresh
         session = served.sessions.bind_data_plane(session_id, remote_peer_id, clock_ms())
         groups, gather_ms = self._decode_mode([body.next_host] if body.next_port else [])
@@ -114,13 +146,18 @@ class DataPlane(BatchServing, TrackerLink):
         if served.kept is not None and reply.kept_rows and not reply.kept_rows_lost:
             schema = served.info.boundary.schema
             row_bytes = schema.row_values * 4
-            # one row a step, as the decode steps that made them were (a replay merges rows as
-            # it merges the node path's steps: the rebuild computes them in the same shapes)
-            for i in range(len(reply.kept_rows) // row_bytes):
+            # each step's rows as the step that made them (a prompt chunk whole, a decode step's
+            # row alone; one row a step from a worker that does not say): a replay merges them as
+            # it merges the node path's steps, so the rebuild computes them in the same shapes
+            shapes = list(reply.kept_step_rows) or [1] * (len(reply.kept_rows) // row_bytes)
+            at = 0
+            for n_rows in shapes:
                 served.kept.keep(
-                    session_id, reply.kept_first_position + i, 1, reply.kept_rows[i * row_bytes : (i + 1) * row_bytes],
+                    session_id, reply.kept_first_position + at // row_bytes, n_rows,
+                    reply.kept_rows[at : at + n_rows * row_bytes],
                     dtype=swarm_pb2.DTYPE_F32, schema_version=schema.version, streams=schema.streams,
                 )  # fmt: skip
+                at += n_rows * row_bytes
 
     async def _continue_data_plane(
         self, body: swarm_pb2.DataPlaneContinueRequest, remote_peer_id: str, role: int

@@ -547,17 +547,23 @@ def test_a_drawn_token_is_checked_where_the_top_k_covers_the_cut() -> None:
     with pytest.raises(ResultRefused, match="the same draw from its scores gives") as refused:
         s.receive_scores(2, lambda: TopLogits.from_row(row, 5), 5, None, 3)  # outside the top-3: never drawn
     assert refused.value.fatal and s.failed
-    out_of_vocabulary = Session(SID, [1], max_new_tokens=2, sampling=SamplingParams(temperature=1.0), draw_seed=1)
-    out_of_vocabulary.draw_at_last_hop()
+    out_of_vocabulary = Session(SID, [1], max_new_tokens=3, sampling=SamplingParams(temperature=1.0), draw_seed=1)
+    out_of_vocabulary.draw_at_last_hop()  # asked before the prompt is in: from the first decode step
+    assert not out_of_vocabulary.last_hop_draws and out_of_vocabulary.result_top_k == 0
+    out_of_vocabulary.next_step()
+    out_of_vocabulary.receive(result(0, row))  # the prompt's token: the owner's draw
+    assert out_of_vocabulary.last_hop_draws and out_of_vocabulary.result_top_k == 40
     out_of_vocabulary.next_step()
     with pytest.raises(ResultRefused, match="outside the vocabulary"):
-        out_of_vocabulary.receive_scores(0, lambda: TopLogits.from_row(row, 5), 5, None, 5)
+        out_of_vocabulary.receive_scores(1, lambda: TopLogits.from_row(row, 5), 5, None, 5)
     # a result without the drawn token: the owner cannot draw from the top-K alone
-    missing = Session(SID, [1], max_new_tokens=2, sampling=SamplingParams(temperature=1.0), draw_seed=1)
+    missing = Session(SID, [1], max_new_tokens=3, sampling=SamplingParams(temperature=1.0), draw_seed=1)
+    missing.next_step()
+    missing.receive(result(0, np.arange(50, dtype=np.float32)))
     missing.draw_at_last_hop()
     missing.next_step()
     with pytest.raises(ResultRefused, match="full row"):
-        missing.receive_scores(0, lambda: TopLogits.from_row(np.arange(50, dtype=np.float32), 40), 50)
+        missing.receive_scores(1, lambda: TopLogits.from_row(np.arange(50, dtype=np.float32), 40), 50)
     with pytest.raises(ValueError, match="only a sampled session"):
         Session(SID, [1], max_new_tokens=2).draw_at_last_hop()
     own_draws = Session(SID, [1], max_new_tokens=2, sampling=SamplingParams(temperature=1.0), draw_seed=1)

@@ -205,6 +205,7 @@ class Session:
         self._in_flight_ends: list[int] = []
         self.draw_seed = draw_seed if draw_seed is not None or rng is None else drawn_seed(rng)
         self.last_hop_draws = False  # (draw_at_last_hop)
+        self._last_hop_draws_after_prefill = False  # asked while the prompt was still going in
         self._top_k_at_least = top_k_at_least
         self._n_cached = 0  # tokens[:_n_cached] are in the route's caches
 
@@ -309,11 +310,14 @@ class Session:
                 f"session {self.session_hex}: only a sampled session without penalties, logit_bias, min_p"
                 " or a grammar is drawn at the last hop"
             )
-        self.last_hop_draws = True
-        self.result_top_k = result_top_k(0.0, self.sampling.top_k, at_least=self._top_k_at_least)
+        # the last hop draws decode steps only: the prompt's token is drawn here, from its row
+        self._last_hop_draws_after_prefill = self.in_prefill
+        if not self.in_prefill:
+            self.last_hop_draws = True
+            self.result_top_k = result_top_k(0.0, self.sampling.top_k, at_least=self._top_k_at_least)
 
     def draw_locally(self) -> None:
-        self.last_hop_draws = False
+        self.last_hop_draws = self._last_hop_draws_after_prefill = False
         self.result_top_k = 0 if self._on_prompt_scores else self.draw.result_top_k
 
     # --- sending ---------------------------------------------------------------------------
@@ -544,6 +548,8 @@ class Session:
         self.last_logits = logits
         self._n_cached = len(self.tokens)
         self.tokens.append(token)
+        if self._last_hop_draws_after_prefill:
+            self.draw_at_last_hop()  # the prompt's token is in: the decode steps are the last hop's
         self.step += 1
         if token in self.stop_tokens:
             self.stopped_by_token = True

@@ -541,7 +541,7 @@ async def test_a_node_pushes_a_session_only_to_the_next_hop_the_tracker_lists(
     monkeypatch.setattr(client_run, "bind_request", honest)
     async with client(swarm3) as c:
         result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
-    assert result.tokens == expected and result.data_plane_steps == len(result.tokens) - 1
+    assert result.tokens == expected and result.data_plane_steps == len(result.tokens)  # (the prompt too)
 
     # The same for continuation: the last hop's node sends its steps only to the first
     # hop the tracker lists; refused, the owner's own steps carry the session, unchanged.
@@ -562,7 +562,7 @@ async def test_a_node_pushes_a_session_only_to_the_next_hop_the_tracker_lists(
         with caplog.at_level(logging.INFO, logger="agent.io.client.session_run"):
             async with client(swarm3) as c:
                 result = await c.generate(ALIAS, PROMPTS[0], max_tokens=NEW_TOKENS)
-        assert result.tokens == expected and result.data_plane_steps == len(result.tokens) - 1
+        assert result.tokens == expected and result.data_plane_steps == len(result.tokens)  # (the prompt too)
         assert result.continued_steps == 0, "refused: every step was the owner's"
         assert "no continuation" in caplog.text and refusal in caplog.text, caplog.text
     assert_swarm_alive(swarm3)

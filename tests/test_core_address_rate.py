@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.core.wire.address_rate import LOOPBACK_NETWORKS, NewIdentityRate, parse_networks
+from agent.core.wire.address_rate import LOOPBACK_NETWORKS, KeyedRate, NewIdentityRate, parse_networks
 
 pytestmark = pytest.mark.unit
 
@@ -49,3 +49,11 @@ def test_memory_is_bounded_by_forgetting_the_least_recently_seen_address() -> No
 def test_a_bad_network_is_named() -> None:
     with pytest.raises(ValueError, match=r"'10\.0\.0\.0/33'"):
         parse_networks(["10.0.0.0/33"])
+
+
+def test_a_keyed_rate_takes_an_event_only_when_it_is_allowed() -> None:
+    rate = KeyedRate(2, 1000)
+    assert rate.take("peer", 0) == 0 and rate.take("peer", 10) == 0
+    assert rate.take("peer", 20) == 980, "refused: not counted"
+    assert rate.take("peer", 1000) == 0, "the first one left the window"
+    assert rate.take("other", 20) == 0

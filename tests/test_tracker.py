@@ -1147,3 +1147,20 @@ def test_the_database_directory_is_made_and_a_path_that_cannot_be_a_database_is_
     assert baton(["tracker", "nodes", "--db", str(not_a_database)]) == 2
     err = capsys.readouterr().err
     assert f"{not_a_database}: not a Baton tracker database (file is not a database)" in err, err
+
+
+async def test_route_requests_are_throttled_per_peer(autojump_clock, db_path):
+    config = dataclasses.replace(CONFIG, route_requests_per_peer_per_s=3)
+    async with running_tracker(db_path, config=config) as h:
+        asker, other = h.peer(3), h.peer(4)
+        for _ in range(3):  # (no node yet: answered "no route", and counted)
+            reply = await asker.call(route=swarm_pb2.RouteRequest(model="tiny"))
+            assert reply.error.code == Code.UNAVAILABLE
+        reply = await asker.call(route=swarm_pb2.RouteRequest(model="tiny"))
+        assert reply.error.code == Code.RESOURCE_EXHAUSTED
+        assert "3 route requests this second already: ask again in" in reply.error.message
+        reply = await other.call(route=swarm_pb2.RouteRequest(model="tiny"))
+        assert reply.error.code == Code.UNAVAILABLE, "another peer is not throttled by it"
+        await trio.sleep(1.0)
+        reply = await asker.call(route=swarm_pb2.RouteRequest(model="tiny"))
+        assert reply.error.code == Code.UNAVAILABLE, "a second later it is answered again"

@@ -156,6 +156,13 @@ class TrackerConfig:
     limit_loopback_admissions: bool = setting(
         False, "limit new identities from loopback addresses too (tests of the limit)"
     )
+    route_requests_per_peer_per_s: int = setting(
+        20,
+        "the most route requests the tracker answers one peer in a second (default 20; 0: no limit): a"
+        " route is a planning pass over every ready range, and a peer asking in a loop would take the tracker's core",
+        parse=cli_args.non_negative_int,
+        metavar="N",
+    )
     admission_ttl_ms: int = setting(
         600_000,
         "how long a signed admission stays valid, in ms; nodes and clients renew it (default 600000: 10 min)",

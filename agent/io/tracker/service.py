@@ -62,7 +62,7 @@ from agent.core.tracker.liveness import Liveness
 from agent.core.tracker.reducer import apply, next_sweep_in_ms, ready_ranges, restore
 from agent.core.tracker.routing import NoRoute, plan_route
 from agent.core.wire import admission
-from agent.core.wire.address_rate import LOOPBACK_NETWORKS, NewIdentityRate, parse_networks
+from agent.core.wire.address_rate import LOOPBACK_NETWORKS, KeyedRate, NewIdentityRate, parse_networks
 from agent.core.wire.swarm_wire import (
     SCHEMA_VERSION,
     TRACKER_PROTOCOL,
@@ -131,6 +131,8 @@ class Tracker(OutputIntegrity):
         self.new_identities = NewIdentityRate(
             config.new_identities_per_address_per_hour, 3_600_000, parse_networks(exempt)
         )
+        #: route requests per peer (a route is a planning pass over every ready range)
+        self.route_requests = KeyedRate(config.route_requests_per_peer_per_s, 1000)
         #: probes of peers an owner lost (``report_lost_peer``)
         self.lost_peers = LostPeerProbes(transport, store, config.lost_peer_probe_timeout_s, self._apply)
         self._init_integrity(config.canary)
@@ -452,6 +454,12 @@ class Tracker(OutputIntegrity):
         return reply
 
     def _route(self, remote: str, request: swarm_pb2.RouteRequest) -> swarm_pb2.Route:
+        wait_ms = self.route_requests.take(remote, self._now_ms())
+        if wait_ms:
+            raise Refusal(
+                Code.RESOURCE_EXHAUSTED,
+                f"{self.route_requests.per_window} route requests this second already: ask again in {wait_ms} ms",
+            )
         if not request.model:
             raise Refusal(Code.INVALID_ARGUMENT, "RouteRequest.model is empty (give an alias, name or sha256)")
         model = self.store.find_model(request.model)

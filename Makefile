@@ -36,12 +36,12 @@ CCACHE_FLAGS := $(if $(shell command -v ccache 2>/dev/null),\
 # Prints the cached, verified path of a pinned model (fetching it if needed).
 MODEL_PATH := $(VPY) -c 'import sys; from agent.models import model_path; print(model_path(sys.argv[1]))'
 
-.PHONY: help deps venv proto llama check-patches native models lint demo test clean distclean
+.PHONY: help deps venv proto llama check-patches native models lint client-venvs demo test clean distclean
 
 help:
 	@echo "make demo   - install everything, build, fetch models, run the demo"
 	@echo "make test   - install everything, build, fetch models, run ruff + mypy, ctest, pytest"
-	@echo "parts: deps venv llama check-patches native models lint clean distclean"
+	@echo "parts: deps venv llama check-patches native models lint client-venvs clean distclean"
 
 deps:
 	@if ! command -v dpkg-query >/dev/null; then \
@@ -114,7 +114,17 @@ lint: venv
 	$(VPY) -m ruff format --check
 	$(VPY) -m mypy
 
-test: deps venv llama native models lint
+# Third-party clients whose pins cannot live in the project's venv, each in a venv of its own
+# (tests/clients/*-requirements.txt say why); re-made when its requirements change.
+INSTRUCTOR_VENV := build/venv-instructor
+$(INSTRUCTOR_VENV)/.installed: tests/clients/instructor-requirements.txt | deps
+	test -x $(INSTRUCTOR_VENV)/bin/python || $(PYTHON) -m venv $(INSTRUCTOR_VENV)
+	$(INSTRUCTOR_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -r $<
+	touch $@
+
+client-venvs: $(INSTRUCTOR_VENV)/.installed
+
+test: deps venv llama native models lint client-venvs
 	BATON_TEST_MODEL="$$($(MODEL_PATH) smollm2)" ctest --test-dir $(NATIVE_BUILD) --output-on-failure
 	$(VPY) -m pytest -q -p no:cacheprovider
 

@@ -425,6 +425,47 @@ def test_the_openai_parse_helper_and_an_instructor_style_forced_call_give_valida
     assert isinstance(Customer.model_validate_json(call.function.arguments), Customer)
 
 
+#: instructor's own venv (``make client-venvs``: its jiter pin cannot share the project's openai 3.x)
+INSTRUCTOR_PYTHON = Path(__file__).resolve().parents[1] / "build" / "venv-instructor" / "bin" / "python"
+INSTRUCTOR_SCRIPT = """
+import json, os, sys
+import instructor, openai, pydantic
+
+class Address(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=12)
+    zip_code: str = pydantic.Field(pattern=r"^[0-9]{5}$")
+
+class Customer(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=10)
+    address: Address
+
+client = instructor.from_openai(
+    openai.OpenAI(base_url=os.environ["RELAY_URL"] + "/v1", api_key=os.environ["RELAY_KEY"], max_retries=0),
+    mode=instructor.Mode.TOOLS,
+)
+customer = client.chat.completions.create(
+    model=sys.argv[1], response_model=Customer, max_retries=0, temperature=0, max_tokens=120,
+    messages=[{"role": "user", "content": "Extract the customer: Ann lives at 12 Rue Cler, 75007 Paris."}],
+)
+print(json.dumps({"type": type(customer).__name__, "value": customer.model_dump()}))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_instructor_in_its_default_tools_mode_returns_a_validated_object(relay: Relay) -> None:
+    assert INSTRUCTOR_PYTHON.exists(), "instructor's venv is missing: run `make client-venvs`"
+    env = {**os.environ, "RELAY_URL": relay.url, "RELAY_KEY": relay.key, "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run(
+        [str(INSTRUCTOR_PYTHON), "-c", INSTRUCTOR_SCRIPT, ALIAS],
+        capture_output=True, text=True, timeout=150, env=env, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["type"] == "Customer"
+    customer = Customer.model_validate(out["value"])  # the same schema, validated here too
+    assert len(customer.name) <= 10 and len(customer.address.zip_code) == 5
+
+
 # --- the Responses API ---------------------------------------------------------------------------
 
 

@@ -157,8 +157,8 @@ class TrackerConfig:
         False, "limit new identities from loopback addresses too (tests of the limit)"
     )
     route_requests_per_peer_per_s: int = setting(
-        20,
-        "the most route requests the tracker answers one peer in a second (default 20; 0: no limit): a"
+        50,
+        "the most route requests the tracker answers one peer in a second (default 50; 0: no limit): a"
         " route is a planning pass over every ready range, and a peer asking in a loop would take the tracker's core",
         parse=cli_args.non_negative_int,
         metavar="N",

@@ -12,10 +12,10 @@ import os
 
 import pytest
 import trio
+from attacks import open_one_token_session
 
 from agent._proto import swarm_pb2
-from agent.core.wire.step_requests import first_step_request
-from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, STEP_PROTOCOL, parse_record
+from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, parse_record
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
 from agent.io.client import open_swarm_client
@@ -50,15 +50,7 @@ async def test_a_worker_never_dials_a_host_and_port_the_tracker_did_not_assign()
                 route = await attacker.route(ALIAS)
                 first, second = route.hops
                 session_id = os.urandom(16)
-                step0 = first_step_request(
-                    session_id=session_id, step=0, hops=route.hops, token_ids=[1], first_position=0,
-                    recipe_hash=route.recipe_hash, model_sha256=route.model_sha256, owner_peer_id=attacker.peer_id,
-                    owner_addrs=attacker.transport.listen_addrs, sender_admission=attacker.admission, result_top_k=1,
-                )  # fmt: skip
-                raw = await attacker.transport.request(
-                    first.peer_id, list(first.addrs), STEP_PROTOCOL, step0.SerializeToString(), timeout_s=30
-                )
-                assert parse_record(swarm_pb2.StepAck, raw).error.code == 0
+                assert (await open_one_token_session(attacker, route, session_id)).error.code == 0
 
                 async def bind(**fields) -> swarm_pb2.NodeReply:
                     request = swarm_pb2.NodeRequest(schema_version=SCHEMA_VERSION, sender_admission=attacker.admission)

@@ -18,10 +18,10 @@ import time
 import openai
 import pytest
 import trio
+from attacks import open_one_token_session
 
 from agent._proto import swarm_pb2
-from agent.core.wire.step_requests import first_step_request
-from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, STEP_PROTOCOL, parse_record
+from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, parse_record
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarmConfig, open_local_swarm
 from agent.io.client import SwarmClient, open_swarm_client
@@ -46,15 +46,7 @@ async def _open_and_hold(
     mine: list[bytes] = []
     for _ in range(sessions):
         session_id = os.urandom(16)
-        request = first_step_request(
-            session_id=session_id, step=0, hops=route.hops, token_ids=[1], first_position=0,
-            recipe_hash=route.recipe_hash, model_sha256=route.model_sha256, owner_peer_id=client.peer_id,
-            owner_addrs=client.transport.listen_addrs, sender_admission=client.admission, result_top_k=1,
-        )  # fmt: skip
-        raw = await client.transport.request(
-            first.peer_id, list(first.addrs), STEP_PROTOCOL, request.SerializeToString(), timeout_s=10
-        )
-        ack = parse_record(swarm_pb2.StepAck, raw)
+        ack = await open_one_token_session(client, route, session_id)
         assert ack.error.code == 0, f"the attack could not open a session: {ack.error.message}"
         mine.append(session_id)
     opened.extend(mine)
@@ -112,17 +104,7 @@ async def test_self_made_keys_touching_sessions_cannot_lock_out_the_relay() -> N
                         await held.wait()
                     # every untrusted sequence is taken (3 of 4: the 4th is the relay's reserve)
                     route = await a.route(ALIAS)
-                    third = os.urandom(16)
-                    refused = first_step_request(
-                        session_id=third, step=0, hops=route.hops, token_ids=[1], first_position=0,
-                        recipe_hash=route.recipe_hash, model_sha256=route.model_sha256, owner_peer_id=b.peer_id,
-                        owner_addrs=b.transport.listen_addrs, sender_admission=b.admission, result_top_k=1,
-                    )  # fmt: skip
-                    first = route.hops[0]
-                    raw = await b.transport.request(
-                        first.peer_id, list(first.addrs), STEP_PROTOCOL, refused.SerializeToString(), timeout_s=10
-                    )
-                    ack = parse_record(swarm_pb2.StepAck, raw)
+                    ack = await open_one_token_session(b, route, os.urandom(16))
                     assert ack.error.code == swarm_pb2.Error.RESOURCE_EXHAUSTED, ack
                     assert "kept for owners this node trusts" in ack.error.message
 

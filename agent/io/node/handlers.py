@@ -106,7 +106,9 @@ class RequestHandlers(SessionControl):
         else:
             # a client's own step 0 counts against its address's share too (a node forwarding
             # steps speaks for many owners: its address is not theirs)
-            source = counted_host(remote_host()) if record.role == swarm_pb2.ROLE_CLIENT else ""
+            # (only a step 0 opens a session: later steps do not parse the address)
+            opens = step.step == 0 and record.role == swarm_pb2.ROLE_CLIENT
+            source = counted_host(remote_host()) if opens else ""
             session = served.sessions.accept(
                 step.session_id, step.step, step.first_position, step.n_rows, step.owner_peer_id, clock_ms(),
                 trusted=trusted, source_host=source,

@@ -19,7 +19,7 @@ from agent.core.relay.openai_api import ApiError
 
 from .choices import Choices
 
-__all__ = ["CompletionResponse", "error_response"]
+__all__ = ["ClientWatch", "CompletionResponse", "error_response"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,23 @@ def error_response(error: ApiError) -> JSONResponse:
 def _sse(data: dict | str) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {text}\n\n".encode()
+
+
+class ClientWatch:
+    """Whether an HTTP client went away while its answer was made (``gone``): ``watch`` reads
+    the ASGI receive channel until ``http.disconnect``, then cancels ``scope`` (the generation),
+    so that its session ends and it is charged what it was sent."""
+
+    def __init__(self) -> None:
+        self.gone = False
+
+    async def watch(self, receive: Callable, scope: trio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.gone = True
+                scope.cancel()
+                return
 
 
 class CompletionResponse:
@@ -53,7 +70,7 @@ class CompletionResponse:
         completion = self.completion
         metrics = completion.state.metrics
         started = False
-        disconnected = False
+        client = ClientWatch()
         done = False
 
         async def start(status: int, content_type: bytes, extra: list | None = None) -> None:
@@ -74,17 +91,7 @@ class CompletionResponse:
 
         try:
             async with trio.open_nursery() as nursery:
-
-                async def watch() -> None:
-                    nonlocal disconnected
-                    while True:
-                        message = await receive()
-                        if message["type"] == "http.disconnect":
-                            disconnected = True
-                            nursery.cancel_scope.cancel()
-                            return
-
-                nursery.start_soon(watch)
+                nursery.start_soon(client.watch, receive, nursery.cancel_scope)
                 try:
                     await completion.run(emit if completion.req.stream else None)
                 except ApiError as error:
@@ -115,7 +122,7 @@ class CompletionResponse:
                 nursery.cancel_scope.cancel()
         finally:
             # charged however it ended: a client that went away pays for what it was sent
-            self.release(disconnected and not done)
-            if disconnected and not done:
+            self.release(client.gone and not done)
+            if client.gone and not done:
                 log.info("%s: the client went away; its session was ended", completion.id)
                 metrics.observe_request(self.endpoint, 499)

@@ -19,7 +19,7 @@ from agent.core.relay.openai_api import ApiError
 from agent.core.relay.responses_api import event, response_object
 
 from .completion import Completion
-from .responses import error_response
+from .responses import ClientWatch, error_response
 
 __all__ = ["ResponsesResponse"]
 
@@ -67,7 +67,8 @@ class ResponsesResponse:
     async def __call__(self, scope, receive, send) -> None:
         completion = self.completion
         metrics = completion.state.metrics
-        started = message_open = disconnected = done = False
+        started = message_open = done = False
+        client = ClientWatch()
         where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
 
         async def body(data: bytes, more: bool = True) -> None:
@@ -127,17 +128,7 @@ class ResponsesResponse:
 
         try:
             async with trio.open_nursery() as nursery:
-
-                async def watch() -> None:
-                    nonlocal disconnected
-                    while True:
-                        message = await receive()
-                        if message["type"] == "http.disconnect":
-                            disconnected = True
-                            nursery.cancel_scope.cancel()
-                            return
-
-                nursery.start_soon(watch)
+                nursery.start_soon(client.watch, receive, nursery.cancel_scope)
                 streaming = bool(self.request.get("stream"))
                 try:
                     await completion.run(emit if streaming else None)
@@ -164,7 +155,7 @@ class ResponsesResponse:
                     await body(payload, more=False)
                 nursery.cancel_scope.cancel()
         finally:
-            self.release(disconnected and not done)
-            if disconnected and not done:
+            self.release(client.gone and not done)
+            if client.gone and not done:
                 log.info("%s: the client went away; its session was ended", self.id)
                 metrics.observe_request("/v1/responses", 499)

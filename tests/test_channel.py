@@ -820,3 +820,45 @@ async def test_channel_connections_keep_alive(pair: Pair, idle_tcp_timer) -> Non
     local_port = connection.stream._sock.getsockname()[1]
     assert await idle_tcp_timer(_port(b), local_port) == 2, "the accepted end"
     assert await idle_tcp_timer(local_port, _port(b)) == 2, "the dialled end"
+
+
+async def test_a_request_over_its_limit_closes_only_that_connection_before_it_is_read(pair: Pair) -> None:
+    """The request limits (``request_gate``) are checked on a channel frame's head: a request
+    over its protocol's limit for a peer that is not admitted is refused before room is made for
+    it; its connection closes, and the sender's next request is served on a new one."""
+    from agent.core.net.request_limits import RequestLimits
+
+    a, b = pair.a, pair.b
+    b.request_gate.limits = RequestLimits(default_bytes=4096, unadmitted_bytes={ECHO: 100})
+    b.request_gate.is_admitted = lambda peer_id: False
+    with pytest.raises(TransportError):
+        await a.request(b.peer_id, b.listen_addrs, ECHO, bytes(200), timeout_s=10)
+    assert pair.seen == [] and b.frames_refused == 1
+    assert b.request_gate.in_flight.refused == 1
+    assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"small", timeout_s=10) == b"echo:small"
+    b.request_gate.is_admitted = lambda peer_id: True  # admitted: the protocol's own limit
+    assert await a.request(b.peer_id, b.listen_addrs, ECHO, bytes(200), timeout_s=10) == b"echo:" + bytes(200)
+    assert b.request_gate.in_flight.total_bytes == 0  # every request's bytes given back
+
+
+async def test_requests_answered_in_tasks_count_in_flight_per_peer(pair: Pair) -> None:
+    from agent.core.net.request_limits import RequestLimits
+
+    a, b = pair.a, pair.b
+    b.request_gate.limits = RequestLimits(default_bytes=4096, peer_in_flight_bytes=1000)
+    async with trio.open_nursery() as nursery:
+        replies: list[bytes] = []
+
+        async def slow_one() -> None:
+            replies.append(await a.request(b.peer_id, b.listen_addrs, ECHO, b"slow" + bytes(600), timeout_s=10))
+
+        nursery.start_soon(slow_one)
+        await pair.arrived.wait()
+        assert b.request_gate.in_flight.peer_bytes(a.peer_id) == 604
+        # 604 + 604 > 1000: this request is refused (dropped as it arrives), the slow one goes on
+        with pytest.raises(TransportError, match="refused: 604 bytes of this peer's requests are in flight"):
+            await a.request(b.peer_id, b.listen_addrs, ECHO, b"more" + bytes(600), timeout_s=10)
+        assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"tiny", timeout_s=10) == b"echo:tiny"
+        pair.release.set()
+    assert replies == [b"echo:slow" + bytes(600)]
+    assert b.request_gate.in_flight.total_bytes == 0 and a.connections_dialled == 1

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 __all__ = [
+    "CHANNEL_HEAD_BYTES",
     "ERROR",
     "MAX_PROTOCOL_ID_BYTES",
     "MAX_TAKEN_IDS",
@@ -57,6 +58,7 @@ __all__ = [
     "error_header",
     "frame_prefix",
     "parse_channel_frame",
+    "peek_channel_head",
     "read_taken_ids",
     "reply_header",
     "request_header",
@@ -137,11 +139,28 @@ class FrameReader:
     fresh allocation (page faults) per frame.
     """
 
-    def __init__(self, max_frame_bytes: int, *, keep_bytes: int = 8 << 20) -> None:
+    def __init__(
+        self,
+        max_frame_bytes: int,
+        *,
+        keep_bytes: int = 8 << 20,
+        check_head: Callable[[int, memoryview], bool] | None = None,
+        head_bytes: int = 0,
+    ) -> None:
         if max_frame_bytes < 1:
             raise ValueError(f"max_frame_bytes must be positive, got {max_frame_bytes}")
         self.max_frame_bytes = max_frame_bytes
         self._keep_bytes = keep_bytes
+        # ``check_head(length, first bytes)``: asked once per frame, as soon as its first
+        # ``head_bytes`` (or all of a shorter frame) are in, before room is made for the rest
+        # (a channel frame's kind and protocol id say which limit applies). It returns False to
+        # drop the frame (its bytes are let go as they arrive, never buffered whole), or raises
+        # FrameError (or FrameTooLarge) to refuse it: the reader is broken then.
+        self._check_head = check_head
+        self._head_bytes = head_bytes if check_head is not None else 0
+        self._head_checked = check_head is None  # of the next frame
+        self._dropping = 0  # bytes of a dropped frame still to let go
+        self.frames_dropped = 0
         self._buffer = bytearray()
         self._start = 0  # frames before this offset were taken
         self._end = 0  # bytes fed end here; the buffer after it is free space
@@ -155,7 +174,7 @@ class FrameReader:
     @property
     def at_frame_boundary(self) -> bool:
         """True when no partial frame is buffered (a clean place for the stream to end)."""
-        return self._end == self._start
+        return self._end == self._start and not self._dropping
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         size = len(data)
@@ -186,16 +205,34 @@ class FrameReader:
         if not 0 <= size <= len(self._buffer) - self._end:
             raise ValueError(f"cannot commit {size} bytes: {len(self._buffer) - self._end} are free")
         self._end += size
+        if self._dropping:
+            self._drop()
+
+    def _drop(self) -> None:
+        """Let go of what has arrived of a dropped frame."""
+        n = min(self._dropping, self._end - self._start)
+        self._start += n
+        self._dropping -= n
+        if self._start == self._end:
+            self._start = self._end = 0
+        if not self._dropping:
+            self._head_checked = self._check_head is None  # the frame after it
 
     def needed(self) -> int:
         """At least how many more bytes the next frame needs (1 while the prefix is incomplete).
 
         Raises what ``next_frame`` raises (a stream sizes its next receive by this: a prefix
         announcing more than ``max_frame_bytes`` must never size a buffer)."""
+        if self._dropping:
+            return 1
         prefix = self._next_prefix()
         if prefix is None:
             return 1
         length, used = prefix
+        if self._dropping:  # dropped as its head came in
+            return 1
+        if not self._head_checked:
+            return max(1, used + min(length, self._head_bytes) - self.buffered)
         return max(1, used + length - self.buffered)
 
     def _next_prefix(self) -> tuple[int, int] | None:
@@ -213,6 +250,23 @@ class FrameReader:
                 f"frame of {decoded[0]} bytes is over the limit of {self.max_frame_bytes} bytes"
             )
             raise self._broken
+        if decoded is not None and not self._head_checked:
+            length, used = decoded
+            head_end = self._start + used + min(length, self._head_bytes)
+            if head_end <= self._end:
+                assert self._check_head is not None
+                try:
+                    with memoryview(self._buffer) as view, view[self._start + used : head_end] as head:
+                        take = self._check_head(length, head)
+                except FrameError as error:
+                    self._broken = error
+                    raise
+                self._head_checked = True
+                if not take:
+                    self.frames_dropped += 1
+                    self._dropping = used + length
+                    self._drop()
+                    return None
         return decoded
 
     def next_frame(self) -> bytes | None:
@@ -233,16 +287,22 @@ class FrameReader:
 
         Raises what ``next_frame`` raises, and what ``parse`` raises.
         """
-        if self._broken is None and self._start == self._end:
-            return None
-        prefix = self._next_prefix()
-        if prefix is None:
-            return None
+        while True:
+            if (self._broken is None and self._start == self._end) or self._dropping:
+                return None
+            dropped = self.frames_dropped
+            prefix = self._next_prefix()
+            if prefix is not None:
+                break
+            if self.frames_dropped == dropped or self._dropping:
+                return None
+            # a frame dropped whole: the next one may be in already
         length, used = prefix
         begin = self._start + used
         end = begin + length
-        if end > self._end:
+        if end > self._end or not self._head_checked:
             return None
+        self._head_checked = self._check_head is None  # the frame after this one
         try:
             with memoryview(self._buffer) as view, view[begin:end] as body:  # no export left behind
                 return parse(body)
@@ -330,6 +390,31 @@ def read_taken_ids(payload: bytes) -> list[int]:
             f"got {len(payload)} bytes"
         )
     return list(struct.unpack(f">{count}I", payload))
+
+
+#: the most of a channel frame's body that says what it is (kind, exchange id, protocol id)
+CHANNEL_HEAD_BYTES = _HEADER_BYTES + 1 + 255
+
+
+def peek_channel_head(length: int, head: bytes | memoryview) -> tuple[int, int, str | None, int]:
+    """What a channel frame of ``length`` bytes is, from its first bytes (at least
+    ``min(length, CHANNEL_HEAD_BYTES)``): ``(kind, exchange id, protocol id, payload bytes)``;
+    the protocol id None for a frame that is no request, or one too malformed to name it
+    (``parse_channel_frame`` refuses it once it is in)."""
+    if len(head) < _HEADER_BYTES:
+        return -1, 0, None, length
+    kind = head[0]
+    exchange_id = int.from_bytes(head[1:5], "big")
+    if kind not in (REQUEST, QUIET_REQUEST):
+        return kind, exchange_id, None, length - _HEADER_BYTES
+    if len(head) < _HEADER_BYTES + 1:
+        return kind, exchange_id, None, length
+    n = head[_HEADER_BYTES]
+    start = _HEADER_BYTES + 1
+    if n == 0 or start + n > len(head):
+        return kind, exchange_id, None, length
+    protocol_id = bytes(head[start : start + n]).decode("ascii", "replace")
+    return kind, exchange_id, protocol_id, length - start - n
 
 
 def parse_channel_frame(body: bytes | memoryview) -> ChannelFrame:

@@ -374,13 +374,15 @@ class AdmissionVerifier:
     A peer presents the same ``SignedAdmission`` bytes on every step until it is re-issued,
     so the Ed25519 verification (~0.1 ms) is done once per distinct admission; who sends it,
     its expiry and its role are still checked on every call. At most ``max_entries``
-    admissions are remembered (the oldest is forgotten first).
+    admissions are remembered (the oldest is forgotten first), and as many peers that showed
+    one (``admitted``).
     """
 
     def __init__(self, tracker_public_key: bytes, max_entries: int = 4096) -> None:
         self.tracker_public_key = bytes(tracker_public_key)
         self.max_entries = max_entries
         self._verified: dict[tuple[bytes, bytes], swarm_pb2.AdmissionRecord] = {}
+        self._admitted_until: dict[str, int] = {}  # peer id -> when the admission it showed expires (ms)
 
     def verify(
         self,
@@ -397,7 +399,17 @@ class AdmissionVerifier:
             if len(self._verified) >= self.max_entries:
                 del self._verified[next(iter(self._verified))]
             self._verified[key] = record
-        return check_admission_record(record, remote_peer_id, now_ms, roles=roles)
+        checked = check_admission_record(record, remote_peer_id, now_ms, roles=roles)
+        self._admitted_until.pop(remote_peer_id, None)  # (re)inserted last: the newest is kept longest
+        if len(self._admitted_until) >= self.max_entries:
+            del self._admitted_until[next(iter(self._admitted_until))]
+        self._admitted_until[remote_peer_id] = checked.expires_at_ms
+        return checked
+
+    def admitted(self, peer_id: str, now_ms: int) -> bool:
+        """Whether ``peer_id`` showed an admission here that has not expired at ``now_ms`` (a
+        transport lets such a peer send bigger requests than a stranger)."""
+        return now_ms < self._admitted_until.get(peer_id, 0)
 
 
 def _role_name(role: int) -> str:

@@ -3,7 +3,7 @@ replies of the swarm's records (``protocol/swarm.proto``).
 
 Owns:
 - the libp2p protocol ids, ``MAX_BATCH_STEPS`` and ``SCHEMA_VERSION`` (every top-level record
-  carries it);
+  carries it), and how big a request each protocol takes (``request_limits``);
 - checksums: ``zlib.crc32`` of the token ids as little-endian int32 bytes, of boundary bytes,
   of logits bytes;
 - parsing bytes from the network into records (``parse_record``), the schema-version rule,
@@ -32,9 +32,12 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from agent._proto import swarm_pb2
+from agent.core.net.request_limits import RequestLimits
 
 __all__ = [
+    "IDLE_STEP_REQUEST_BYTES",
     "MAX_ADDR_CHARS",
+    "MAX_ADMISSION_REQUEST_BYTES",
     "MAX_BATCH_STEPS",
     "MAX_LISTEN_ADDRS",
     "MAX_TRACKER_REQUEST_BYTES",
@@ -52,13 +55,14 @@ __all__ = [
     "check_schema_version",
     "crc32",
     "error",
-    "max_request_bytes",
     "node_reply_error",
     "parse_record",
     "printable",
+    "request_limits",
     "step_ack",
     "step_ack_accepts",
     "step_ack_error",
+    "step_request_bytes",
     "token_bytes",
     "token_checksum",
     "tracker_reply_error",
@@ -74,12 +78,60 @@ NODE_PROTOCOL = "/baton/node/1.0.0"  # NodeRequest -> NodeReply
 PUNCH_PROTOCOL = "/baton/punch/1.0.0"  # PunchRequest -> PunchReply, over the circuit relay (agent.core.wire.punch)
 
 #: The largest request a listener reads on a protocol, checked on the length prefix before a
-#: byte of the body is buffered. Anyone may open a stream to the tracker (registration comes
-#: first), so its protocol takes what its records need (a fingerprint, a heartbeat's report, a
-#: route request: kilobytes), not the 64 MiB a step's boundary rows may need: ten streams of
-#: 60 MB from one unadmitted peer once took a tracker to 1.6 GB.
+#: byte of the body is buffered (``request_limits``). Anyone may open a stream to the tracker
+#: (registration comes first), so its protocol takes what its records need (a fingerprint, a
+#: heartbeat's report, a route request: kilobytes), not the 64 MiB a step's boundary rows may
+#: need: ten streams of 60 MB from one unadmitted peer once took a tracker to 1.6 GB.
 MAX_TRACKER_REQUEST_BYTES = 1 << 20
-_MAX_REQUEST_BYTES = {TRACKER_PROTOCOL: MAX_TRACKER_REQUEST_BYTES, PUNCH_PROTOCOL: 64 << 10}
+#: What a peer the tracker has not admitted may send it: a registration or a client hello.
+MAX_ADMISSION_REQUEST_BYTES = 64 << 10
+MAX_PUNCH_REQUEST_BYTES = 64 << 10
+#: A node request carries no rows; the biggest is a tokenize request's text (a long prompt).
+MAX_NODE_REQUEST_BYTES = 8 << 20
+#: ... and from a peer whose admission the node has not seen yet (a client's first tokenize).
+MAX_UNADMITTED_NODE_REQUEST_BYTES = 1 << 20
+#: A step's fields beside its rows (the hops after the receiver and their addresses, the
+#: owner's addresses, the admission), and a StepBatch's per-entry share of them.
+STEP_FIELDS_BYTES = 64 << 10
+BATCH_ENTRY_FIELDS_BYTES = 4 << 10
+#: Rows a step limit allows for at least: a StepBatch holds the steps of the sender's Forward,
+#: whose batch may be bigger than the receiver's own.
+MIN_LIMIT_ROWS = 2048
+#: A node's step limit while it serves no range (steps are refused then anyway).
+IDLE_STEP_REQUEST_BYTES = 1 << 20
+
+
+def step_request_bytes(row_values: int, n_batch_max: int) -> int:
+    """The largest step (or StepBatch) a range takes: its rows at most, as f32, plus the fields
+    of one step per row (a batch of one-row decode steps)."""
+    rows = max(n_batch_max, MIN_LIMIT_ROWS)
+    return rows * (row_values * 4 + BATCH_ENTRY_FIELDS_BYTES) + STEP_FIELDS_BYTES
+
+
+def request_limits(max_frame_bytes: int, *, step_bytes: int | None = None) -> RequestLimits:
+    """The request limits of a listener whose frames are at most ``max_frame_bytes``.
+
+    ``step_bytes``: the largest step and StepBatch taken (a node: ``step_request_bytes`` of the
+    ranges it serves, ``IDLE_STEP_REQUEST_BYTES`` before it serves one); None: the frame limit.
+    A peer that is not admitted may send admission-sized requests to the tracker, a small node
+    request, and steps up to the step limit (a hop's first step carries rows, and a node learns
+    a peer's admission from inside its requests), at most two steps' bytes at once."""
+    step = min(max_frame_bytes, step_bytes) if step_bytes is not None else max_frame_bytes
+    return RequestLimits(
+        default_bytes=max_frame_bytes,
+        protocol_bytes={
+            TRACKER_PROTOCOL: MAX_TRACKER_REQUEST_BYTES,
+            PUNCH_PROTOCOL: MAX_PUNCH_REQUEST_BYTES,
+            NODE_PROTOCOL: MAX_NODE_REQUEST_BYTES,
+            STEP_PROTOCOL: step,
+            STEPS_PROTOCOL: step,
+        },
+        unadmitted_bytes={
+            TRACKER_PROTOCOL: MAX_ADMISSION_REQUEST_BYTES,
+            NODE_PROTOCOL: MAX_UNADMITTED_NODE_REQUEST_BYTES,
+        },
+        unadmitted_peer_in_flight_bytes=min(max_frame_bytes, 2 * step) if step_bytes is not None else 256 << 10,
+    )
 
 
 def printable(text: str, max_chars: int) -> str:
@@ -109,12 +161,6 @@ def check_listen_addrs(addrs: Sequence[str]) -> None:
                 Code.INVALID_ARGUMENT,
                 f"listen_addrs[{i}] {printable(addr, 80)!r} is not a multiaddr of at most {MAX_ADDR_CHARS} characters",
             )
-
-
-def max_request_bytes(protocol_id: str, max_frame_bytes: int) -> int:
-    """The largest request a listener reads on ``protocol_id``: its own bound, or the
-    transport's ``max_frame_bytes`` for protocols that carry rows (steps, results, node requests)."""
-    return min(max_frame_bytes, _MAX_REQUEST_BYTES.get(protocol_id, max_frame_bytes))
 
 
 #: The swarm schema version this code speaks (every top-level record carries it).

@@ -19,8 +19,10 @@ it connects, that connection is the channel's to the peer, and later requests ta
 no plaintext mode: a connection that does not complete the TLS 1.3 handshake with a valid peer
 certificate is closed before a frame is read.
 
-Bad input from the network (a frame over ``max_frame_bytes``, a truncated frame, garbage,
-a reply to no request) closes that connection only: its pending requests fail with
+Bad input from the network (a frame over ``max_frame_bytes``, a request over its protocol's
+limit or its peer's bytes in flight (``request_gate``, shared with the fallback: checked on the
+frame's head, before room is made for the rest), a truncated frame, garbage, a big reply to no
+request) closes that connection only: its pending requests fail with
 ``TransportError``; other connections and their sessions are untouched.
 
 Its parts: ``agent.io.net.channel_config`` (``ChannelConfig``), ``agent.io.net.channel_tls`` (the TLS
@@ -52,12 +54,14 @@ from agent.core.net.frames import (
     read_taken_ids,
 )
 from agent.core.net.multiaddrs import channel_multiaddr, parse_channel_multiaddr
+from agent.core.wire.swarm_wire import request_limits
 from agent.io.keys import peer_id_of
 from agent.io.net.channel_config import ChannelConfig
 from agent.io.net.channel_connection import OnReply, _answered, _Connection, _reply_frame
 from agent.io.net.channel_tls import _RECEIVE_BYTES, _peer_of, _TlsStream, tls_contexts
 from agent.io.net.peer_cert import PeerCertError
 from agent.io.net.punch import Puncher
+from agent.io.net.request_gate import RequestGate
 from agent.io.net.transport import Handler, ImmediateHandler, Transport, TransportError, set_remote_host
 
 __all__ = ["ChannelTransport", "open_channel_transport"]
@@ -115,6 +119,10 @@ class ChannelTransport:
         self.requests_refused_busy = 0
         self.connections_punched = 0
         self.requests_by_path: collections.Counter[tuple[str, str, bool]] = collections.Counter()
+        #: request limits and bytes in flight, shared with the fallback (one host, one budget)
+        self.request_gate: RequestGate = getattr(fallback, "request_gate", None) or RequestGate(
+            request_limits(config.max_frame_bytes)
+        )
         self.puncher = Puncher(self._peer_id, fallback, config.punch, self._adopt_punched, self._has_connection)
 
     @property
@@ -275,7 +283,9 @@ class ChannelTransport:
             with trio.CancelScope(shield=True):
                 await stream.aclose()
             raise
-        connection = _Connection(stream, peer_id, self.config.max_frame_bytes, outbound=tls_client)
+        connection = _Connection(
+            stream, peer_id, self.config.max_frame_bytes, outbound=tls_client, gate=self.request_gate
+        )
         if self._has_connection(peer_id):
             self._inbound.add(connection)
         else:
@@ -334,7 +344,7 @@ class ChannelTransport:
         if remote != peer_id:
             await stream.aclose()
             raise PeerCertError(f"the peer at {host}:{port} proved to be {remote}, not {peer_id}")
-        connection = _Connection(stream, peer_id, self.config.max_frame_bytes, outbound=True)
+        connection = _Connection(stream, peer_id, self.config.max_frame_bytes, outbound=True, gate=self.request_gate)
         self.connections_dialled += 1
         try:
             await self._spawn.send(connection)  # its reader runs in open_channel_transport's nursery
@@ -364,6 +374,7 @@ class ChannelTransport:
                     connection.fail(f"{type(error).__name__}: {error}")
                 handlers.cancel_scope.cancel()
         finally:
+            connection.answered(connection.took_request())  # a request cut off as it arrived
             connection.fail(connection.closed or "closed")
             if self._connections.get(connection.peer_id) is connection:
                 del self._connections[connection.peer_id]
@@ -395,9 +406,11 @@ class ChannelTransport:
             while (frame := reader.take_frame(parse_channel_frame)) is not None:
                 kind = frame.kind
                 if kind in (REQUEST, QUIET_REQUEST):
+                    held = connection.took_request()  # its bytes, in flight until answered
                     handler = self._handlers.get(frame.protocol_id)
                     if isinstance(handler, ImmediateHandler):  # answered here, no task
                         answer = _answered(connection, frame.protocol_id, handler.answer, frame.payload)
+                        connection.answered(held)
                         if (
                             kind == QUIET_REQUEST
                             and handler.is_acceptance is not None
@@ -412,6 +425,7 @@ class ChannelTransport:
                         else:
                             connection.send_frame_soon(*reply)
                     elif connection.requests_in_tasks >= self.config.max_requests_in_flight:
+                        connection.answered(held)
                         self.requests_refused_busy += 1
                         connection.send_frame_soon(
                             error_header(frame.exchange_id),
@@ -421,7 +435,7 @@ class ChannelTransport:
                     else:
                         connection.requests_in_tasks += 1
                         handlers.start_soon(
-                            self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload
+                            self._answer, connection, handler, frame.exchange_id, frame.protocol_id, frame.payload, held
                         )
                 elif kind == TAKEN:
                     connection.settle_taken(read_taken_ids(frame.payload))
@@ -437,7 +451,13 @@ class ChannelTransport:
                 connection.send_frames_soon(later)
 
     async def _answer(
-        self, connection: _Connection, handler: Handler | None, exchange_id: int, protocol_id: str, payload: bytes
+        self,
+        connection: _Connection,
+        handler: Handler | None,
+        exchange_id: int,
+        protocol_id: str,
+        payload: bytes,
+        held: int,
     ) -> None:
         try:
             if handler is None:
@@ -451,6 +471,7 @@ class ChannelTransport:
             await connection.send_frame_quietly(*_reply_frame(connection, exchange_id, protocol_id, answer))
         finally:
             connection.requests_in_tasks -= 1
+            connection.answered(held)
 
     async def serve_inbound(self, server_context: ssl.SSLContext, tcp: trio.SocketStream) -> None:
         """One accepted TCP connection: handshake, check the peer's certificate, serve it."""
@@ -478,7 +499,7 @@ class ChannelTransport:
             await stream.aclose()
             return
         self.connections_accepted += 1
-        connection = _Connection(stream, remote, self.config.max_frame_bytes, outbound=False)
+        connection = _Connection(stream, remote, self.config.max_frame_bytes, outbound=False, gate=self.request_gate)
         self._inbound.add(connection)
         try:
             await self.run_connection(connection)

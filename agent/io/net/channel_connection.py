@@ -20,17 +20,23 @@ from dataclasses import dataclass, field
 import trio
 
 from agent.core.net.frames import (
+    CHANNEL_HEAD_BYTES,
     ERROR,
     MAX_TAKEN_IDS,
+    QUIET_REQUEST,
     REPLY,
+    REQUEST,
     FrameReader,
+    FrameTooLarge,
     error_header,
     frame_prefix,
+    peek_channel_head,
     reply_header,
     request_header,
     taken_frame_body,
 )
 from agent.io.net.channel_tls import ALPN, _TlsStream
+from agent.io.net.request_gate import RequestGate
 from agent.io.net.transport import TransportError
 
 __all__ = ["OnReply"]
@@ -39,6 +45,10 @@ __all__ = ["OnReply"]
 log = logging.getLogger("agent.io.net.channel")
 
 _SINGLE_WRITE_BYTES = 64 * 1024  # below this, prefix + header + payload go out as one write
+#: A reply to an exchange this side is not waiting for (it gave up on it) is read and dropped
+#: up to this size; a bigger one closes the connection (an unasked reply must not be a way
+#: around the request limits).
+UNASKED_REPLY_BYTES = 64 << 10
 
 
 def _frame_parts(header: bytes, payload: bytes) -> tuple[bytes, ...]:
@@ -76,14 +86,24 @@ _BacklogItem = tuple[bytes, bytes] | list[memoryview]
 class _Connection:
     """One authenticated channel connection and the exchanges in flight on it (either way)."""
 
-    def __init__(self, stream: _TlsStream, peer_id: str, max_frame_bytes: int, *, outbound: bool) -> None:
+    def __init__(
+        self, stream: _TlsStream, peer_id: str, max_frame_bytes: int, *, outbound: bool, gate: RequestGate | None = None
+    ) -> None:
         self.stream = stream
         self.peer_id = peer_id
         self.outbound = outbound
         # the peer speaks channel version 2: quiet requests and TAKEN frames
         self.quiet_requests = stream.selected_alpn_protocol() == ALPN
         self.max_frame_bytes = max_frame_bytes
-        self.reader = FrameReader(max_frame_bytes)
+        #: the host's request limits: a request frame is checked on its head, and its payload
+        #: counted in flight (``receiving_bytes`` while it arrives) until it is answered
+        self.gate = gate
+        self.receiving_bytes = 0
+        self.reader = (
+            FrameReader(max_frame_bytes)
+            if gate is None
+            else FrameReader(max_frame_bytes, check_head=self._check_head, head_bytes=CHANNEL_HEAD_BYTES)
+        )
         self.pending: dict[int, _Pending] = {}
         # odd ids from the dialler, even from the listener: never the same id both ways
         self._next_id = 1 if outbound else 2
@@ -102,6 +122,38 @@ class _Connection:
         self.acceptances_confirmed = 0  # this side's quiet requests that TAKEN frames ended
         self.requests_in_tasks = 0  # requests being answered in tasks (ChannelConfig.max_requests_in_flight)
         self.last_read_at = trio.current_time()  # which accepted connection has been idle longest
+
+    def _check_head(self, length: int, head: memoryview) -> bool:
+        """Whether to take a frame, from its head: a request over its protocol's limit for its
+        peer, or a big reply nobody here waits for, closes the connection (FrameTooLarge); a
+        request over the bytes its peer (or everyone) may have in flight is dropped as it
+        arrives and answered ERROR. An accepted request's payload counts as in flight."""
+        assert self.gate is not None
+        kind, exchange_id, protocol_id, payload_bytes = peek_channel_head(length, head)
+        if kind in (REQUEST, QUIET_REQUEST):
+            if protocol_id is None:
+                return True  # malformed: parse_channel_frame refuses it
+            refusal = self.gate.take(self.peer_id, protocol_id, payload_bytes)
+            if refusal is not None:
+                if refusal.too_large:
+                    raise FrameTooLarge(refusal.reason)
+                log.warning("refused a request on %s from %s: %s", protocol_id, self.peer_id, refusal.reason)
+                self.send_frame_soon(error_header(exchange_id), f"refused: {refusal.reason}".encode())
+                return False
+            self.receiving_bytes = payload_bytes
+        elif kind in (REPLY, ERROR) and exchange_id not in self.pending and length > UNASKED_REPLY_BYTES:
+            raise FrameTooLarge(f"a reply of {length} bytes to exchange {exchange_id}, which is not awaited here")
+        return True
+
+    def took_request(self) -> int:
+        """The payload bytes of the request frame just taken, counted in flight until
+        ``answered`` is called with them."""
+        held, self.receiving_bytes = self.receiving_bytes, 0
+        return held
+
+    def answered(self, held: int) -> None:
+        if self.gate is not None and held:
+            self.gate.give_back(self.peer_id, held)
 
     async def send_frame(self, header: bytes, payload: bytes) -> None:
         try:

@@ -48,6 +48,13 @@ class _FramedStream:
         return bool(self._buffer)
 
     async def read_frame(self, max_bytes: int) -> bytes:
+        length = await self.read_length()
+        if length > max_bytes:
+            raise FrameTooLarge(f"frame of {length} bytes is over the limit of {max_bytes} bytes")
+        return await self.read_body(length)
+
+    async def read_length(self) -> int:
+        """The next frame's length prefix (its body is read by ``read_body``, or never)."""
         while True:
             decoded = decode_uvarint(self._buffer)
             if decoded is not None:
@@ -57,9 +64,11 @@ class _FramedStream:
                 raise FrameError("stream ended inside a length prefix" if self._buffer else "stream ended")
             self._buffer += chunk
         length, used = decoded
-        if length > max_bytes:
-            raise FrameTooLarge(f"frame of {length} bytes is over the limit of {max_bytes} bytes")
         del self._buffer[:used]
+        return length
+
+    async def read_body(self, length: int) -> bytes:
+        """The ``length`` bytes of the body whose prefix ``read_length`` returned."""
         if len(self._buffer) >= length:
             payload = bytes(self._buffer[:length])
             del self._buffer[:length]

@@ -27,9 +27,10 @@ from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 
 from agent.core.net.frames import FrameTooLarge
 from agent.core.net.multiaddrs import circuit_multiaddr, is_channel_multiaddr, peer_id_from_multiaddr
-from agent.core.wire.swarm_wire import max_request_bytes
+from agent.core.wire.swarm_wire import request_limits
 from agent.io.net.p2p_relay import RelayPolicy
 from agent.io.net.p2p_streams import _close_quietly, _FramedStream, _PeerStreams, _PooledStream, _reset_quietly
+from agent.io.net.request_gate import RequestGate
 from agent.io.net.transport import Handler, TransportError, set_remote_host
 
 __all__ = ["P2PTransport"]
@@ -45,6 +46,9 @@ class P2PTransport:
 
     Counters (for tests and benchmarks): ``streams_opened`` (outbound streams this transport
     opened for requests) and ``streams_accepted`` (inbound streams its handlers served).
+    A request is refused (its stream reset, the reason logged) on its length prefix when
+    ``request_gate`` says so: over its protocol's limit for its peer, or over the bytes in
+    flight its peer (or everyone) may have.
     """
 
     def __init__(
@@ -77,6 +81,9 @@ class P2PTransport:
         self._background: _Spawner | None = None
         self.streams_opened = 0
         self.streams_accepted = 0
+        #: request limits and bytes in flight of the streams served here (shared with the
+        #: direct channel in front of this transport); the tracker and nodes set who is admitted
+        self.request_gate = RequestGate(request_limits(max_frame_bytes))
 
     # -- Transport ---------------------------------------------------------------------------
 
@@ -319,7 +326,15 @@ class P2PTransport:
             framed = _FramedStream(stream)
             while await framed.wait_readable():
                 with trio.fail_after(self._frame_timeout_s):
-                    request = await framed.read_frame(max_request_bytes(protocol_id, self._max_frame_bytes))
+                    length = await framed.read_length()
+                    refusal = self.request_gate.take(remote, protocol_id, length)
+                    if refusal is not None:
+                        raise FrameTooLarge(refusal.reason)
+                    try:
+                        request = await framed.read_body(length)
+                    except BaseException:
+                        self.request_gate.give_back(remote, length)
+                        raise
                 try:
                     reply = bytes(await handler(remote, request))
                 except Exception:
@@ -328,6 +343,9 @@ class P2PTransport:
                     )
                     await _reset_quietly(stream)
                     return
+                finally:
+                    del request  # the request's bytes are no longer held here
+                    self.request_gate.give_back(remote, length)
                 if len(reply) > self._max_frame_bytes:
                     log.error(
                         "handler for %s returned %d bytes, over max_frame_bytes=%d; resetting the stream",

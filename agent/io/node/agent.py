@@ -41,12 +41,14 @@ from agent.core.wire.admission import AdmissionVerifier, public_key_bytes
 from agent.core.wire.fingerprint import HostProbe
 from agent.core.wire.step_batch import batch_ack_accepts, step_batch_ack
 from agent.core.wire.swarm_wire import (
+    IDLE_STEP_REQUEST_BYTES,
     NODE_PROTOCOL,
     SCHEMA_VERSION,
     STEP_PROTOCOL,
     STEPS_PROTOCOL,
     WireError,
     node_reply_error,
+    request_limits,
     step_ack_accepts,
     step_ack_error,
 )
@@ -118,6 +120,15 @@ class Node(RequestHandlers, RangeRunner):
         #: by peer id, the tracker's entry of a bind's next hop (none: unknown to it) and when it
         #: was fetched (trio time): binds within NODE_LIST_REUSE_S share one ``list_nodes`` call
         self._next_hops: dict[str, tuple[float, list[swarm_pb2.NodeEntry]]] = {}
+        #: the transport's request limits (``agent.io.net.request_gate``; None: a transport without):
+        #: a peer counts as admitted once it has shown this node a valid admission, and steps are
+        #: as big as the ranges served take (``allow_steps_of``)
+        self._request_gate = getattr(transport, "request_gate", None)
+        if self._request_gate is not None:
+            self._request_gate.is_admitted = self.sender_admitted
+            self._request_gate.limits = request_limits(
+                self._request_gate.limits.default_bytes, step_bytes=IDLE_STEP_REQUEST_BYTES
+            )
         self._outputs_filter = outputs_filter
         if outputs_filter is not None:
             log.warning("this node's outputs pass through a test hook: %s", type(outputs_filter).__name__)

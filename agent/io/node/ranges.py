@@ -249,6 +249,7 @@ class RangeRunner(BatchServing, TrackerLink):
                 reserve_for_trusted=trusted_reserve(info.n_seq_max, cfg.trusted_reserve_share, bool(cfg.trusted_owners)),
             )  # fmt: skip
             served.kept = KeptStore(cfg.kept_rows_max_bytes)
+            self.allow_steps_of(served.spec)
             served.scheduler = StepScheduler(info.n_batch_max, info.n_seq_max, row_budget=served.spec.n_batch_max)
             self._perform(self.book.ready(served.key, served.entry.epoch, info.recipe_hash), pushes)
             log.info("READY %s (recipe %s)", range_name(served.key), info.recipe_hash[:12])

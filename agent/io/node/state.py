@@ -14,6 +14,7 @@ Must not import the node's mixins (``tracker_link``, ``pushes``, ``batches``, ``
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import cast
@@ -29,14 +30,23 @@ from agent.core.node.scheduler import StepScheduler
 from agent.core.node.sessions import NodeSession, SessionTable
 from agent.core.wire.admission import AdmissionVerifier
 from agent.core.wire.step_validation import RangeSpec, StepInput
-from agent.core.wire.swarm_wire import SESSION_ID_BYTES, WireError
+from agent.core.wire.swarm_wire import (
+    SESSION_ID_BYTES,
+    STEP_PROTOCOL,
+    WireError,
+    request_limits,
+    step_request_bytes,
+)
 from agent.core.wire.worker_records import WorkerHealth, WorkerInfo
+from agent.io.net.request_gate import RequestGate
 from agent.io.net.transport import ImmediateHandler, Transport
 from agent.io.worker.client import AsyncWorkerClient
 from agent.io.worker.process import WorkerHandle
 
 from .config import LocalModel, NodeConfig, OutputsFilter
 from .fetch import FetchProgress
+
+log = logging.getLogger(__name__)
 
 __all__ = ["NodeState", "ServedRange", "clock_ms", "unbind_request", "unix_ms"]
 
@@ -187,6 +197,22 @@ class NodeState:
     _heartbeat_wakeup: trio.Event
     _next_hops: dict[str, tuple[float, list[swarm_pb2.NodeEntry]]]
     _outputs_filter: OutputsFilter | None
+    _request_gate: RequestGate | None
+
+    def sender_admitted(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` has shown this node an admission that has not expired."""
+        return self._sender_admissions.admitted(peer_id, unix_ms())
+
+    def allow_steps_of(self, spec: RangeSpec) -> None:
+        """Let the transport take steps as big as ``spec``'s range takes (before it is READY)."""
+        gate = self._request_gate
+        if gate is None:
+            return
+        step_bytes = step_request_bytes(spec.boundary_schema.row_values, spec.n_batch_max)
+        if step_bytes > gate.limits.max_request_bytes(STEP_PROTOCOL, admitted=True):
+            gate.limits = request_limits(gate.limits.default_bytes, step_bytes=step_bytes)
+            log.info("steps of up to %d bytes taken (%s)", gate.limits.max_request_bytes(STEP_PROTOCOL, admitted=True),
+                     spec.model_sha256[:12])  # fmt: skip
 
     def _held(self, key: RangeKey) -> ServedRange | None:
         """The instance of ``key`` this node holds now (the hot path's ``ranges.get``)."""

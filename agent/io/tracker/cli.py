@@ -448,6 +448,8 @@ async def _serve_async(store, config: TrackerConfig, key) -> int:
             log.info("serving %d model files at %s/models/ (told to nodes: %s)", len(server.files), base_url,
                      tracker.model_files.model_base_url)  # fmt: skip
         transport.relay_policy = RelayPolicy(tracker.may_hold_relay_reservation, tracker.may_open_relay_circuit)
+        # a peer not admitted yet may send admission-sized requests only (agent.core.wire.swarm_wire)
+        transport.request_gate.is_admitted = tracker.may_open_relay_circuit
         addr = transport.listen_addrs[0]
         if config.addr_file:  # first, so that a reader of stdout finds the file in place
             _write_atomically(Path(config.addr_file), addr + "\n")

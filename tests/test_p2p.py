@@ -528,3 +528,55 @@ async def test_the_tracker_protocol_reads_no_request_over_its_own_bound() -> Non
                     await a.request(tracker.peer_id, tracker.listen_addrs, ECHO, bytes(4 * bound), timeout_s=TIMEOUT_S)
                     == b"ok"
                 )
+
+
+async def test_a_peer_not_admitted_sends_admission_sized_requests_and_few_bytes_at_once() -> None:
+    # the tracker says who is admitted (``request_gate.is_admitted``); a stranger's request over
+    # the admission size is refused on its length prefix, and so is a stream that would take
+    # its bytes in flight over its bound, while the other streams are answered
+    with trio.fail_after(30):
+        async with open_p2p_transport(Ed25519PrivateKey.generate()) as a:
+            async with open_p2p_transport(Ed25519PrivateKey.generate()) as tracker:
+                admitted: set[str] = set()
+                tracker.request_gate.is_admitted = admitted.__contains__
+                release = trio.Event()
+                calls: list[int] = []
+
+                async def record(remote_peer_id: str, payload: bytes) -> bytes:
+                    calls.append(len(payload))
+                    if payload.startswith(b"wait"):
+                        await release.wait()
+                    return b"ok"
+
+                tracker.set_handler(TRACKER_PROTOCOL, record)
+                with pytest.raises(TransportError):
+                    await a.request(
+                        tracker.peer_id, tracker.listen_addrs, TRACKER_PROTOCOL, bytes(100_000), timeout_s=TIMEOUT_S
+                    )
+                assert calls == [] and tracker.request_gate.in_flight.refused == 1
+                small = bytes(60_000)
+                assert await a.request(tracker.peer_id, tracker.listen_addrs, TRACKER_PROTOCOL, small,
+                                       timeout_s=TIMEOUT_S) == b"ok"  # fmt: skip
+                # 256 KiB in flight at most: four waiting 60 kB requests, the fifth is refused
+                outcomes: list[bytes | str] = []
+
+                async def one() -> None:
+                    addrs = tracker.listen_addrs
+                    try:
+                        outcomes.append(
+                            await a.request(
+                                tracker.peer_id, addrs, TRACKER_PROTOCOL, b"wait" + small, timeout_s=TIMEOUT_S
+                            )
+                        )
+                    except TransportError as error:
+                        outcomes.append(str(error))
+                        release.set()  # the refusal came: let the others be answered
+
+                async with trio.open_nursery() as nursery:
+                    for _ in range(5):
+                        nursery.start_soon(one)
+                assert outcomes.count(b"ok") == 4 and len(outcomes) == 5
+                assert tracker.request_gate.in_flight.total_bytes == 0
+                admitted.add(a.peer_id)  # admitted: the protocol's own limit
+                assert await a.request(tracker.peer_id, tracker.listen_addrs, TRACKER_PROTOCOL, bytes(100_000),
+                                       timeout_s=TIMEOUT_S) == b"ok"  # fmt: skip

@@ -1,6 +1,7 @@
 """An attack on running processes, made as an attacker would: a peer that never asked for
 admission opens ten streams at once to a tracker, then to a node, and sends a 60 MB request
-frame on each (the frames' length prefixes are all it takes to refuse them).
+frame on each (the frames' length prefixes are all it takes to refuse them); then many requests
+just under the protocol's limit at once (the bytes a peer may have in flight refuse those).
 
 Real processes on loopback. The attacked process's peak resident memory during the attack stays
 within 100 MB of its memory before it, the refusals are logged with their reason, and the
@@ -106,10 +107,12 @@ async def test_an_unadmitted_peer_cannot_make_a_node_buffer_big_frames() -> None
             (hop,) = route.hops
             addr = next(a for a in hop.addrs if not is_channel_multiaddr(a) and "/p2p-circuit" not in a)
             normal = await client.generate(ALIAS, "Hello", max_tokens=2)  # warm
-            before, peak, _ = await _flood(node, addr, STEP_PROTOCOL)
-            assert peak - before <= MAX_GROWTH_BYTES, (
-                f"the node grew from {before / _MB:.0f} MB to {peak / _MB:.0f} MB under the attack"
-            )
+            # frames far over a step of SmolLM2, then many just under it (12 MB: 2,048 rows and their fields)
+            for streams, frame_bytes in ((STREAMS, FRAME_BYTES), (STREAMS, 12_000_000)):
+                before, peak, _ = await _flood(node, addr, STEP_PROTOCOL, streams=streams, frame_bytes=frame_bytes)
+                assert peak - before <= MAX_GROWTH_BYTES, (
+                    f"{streams} x {frame_bytes} bytes took the node from {before / _MB:.0f} MB to {peak / _MB:.0f} MB"
+                )
             again = await client.generate(ALIAS, "Hello", max_tokens=2)  # still serving
             assert again.tokens == normal.tokens
         assert "refused a request on /baton/step" in node.log_tail(1 << 20)

@@ -187,3 +187,16 @@ def test_a_frame_its_head_check_drops_is_let_go_as_it_arrives() -> None:
     assert reader.next_frame() == b"keep!!"
     assert reader.next_frame() == b"keep!!"  # a dropped frame in between, whole
     assert reader.next_frame() is None and reader.at_frame_boundary and reader.frames_dropped == 2
+
+
+def test_a_peer_admitted_while_its_requests_are_in_flight_is_counted_right() -> None:
+    flight = InFlightRequests(LIMITS)
+    admitted = False
+    assert flight.take("p", "/big", MIB, lambda: admitted) is None
+    admitted = True
+    assert flight.take("p", "/big", 4 * MIB, lambda: admitted) is None  # over a stranger's bound: admitted now
+    assert flight.unadmitted_bytes == MIB and flight.peer_bytes("p") == 5 * MIB
+    flight.give_back("p", 4 * MIB)
+    assert flight.unadmitted_bytes == 0 and flight.peer_bytes("p") == MIB
+    flight.give_back("p", MIB)
+    assert flight.unadmitted_bytes == 0 and flight.total_bytes == 0 and flight.peer_bytes("p") == 0

@@ -103,7 +103,7 @@ class InFlightRequests:
     def __init__(self, limits: RequestLimits) -> None:
         self.limits = limits
         self._by_peer: dict[str, int] = {}
-        self._unadmitted_peers: dict[str, int] = {}  # peers whose bytes count as not admitted
+        self._unadmitted_peers: dict[str, int] = {}  # of their bytes, those taken as not admitted
         self.total_bytes = 0
         self.unadmitted_bytes = 0
         self.refused = 0
@@ -122,7 +122,7 @@ class InFlightRequests:
         self._by_peer[peer_id] = self._by_peer.get(peer_id, 0) + length
         self.total_bytes += length
         if unadmitted:
-            self._unadmitted_peers[peer_id] = self._unadmitted_peers.get(peer_id, 0) + 1
+            self._unadmitted_peers[peer_id] = self._unadmitted_peers.get(peer_id, 0) + length
             self.unadmitted_bytes += length
         return None
 
@@ -134,13 +134,15 @@ class InFlightRequests:
         else:
             self._by_peer.pop(peer_id, None)
         self.total_bytes = max(0, self.total_bytes - length)
-        count = self._unadmitted_peers.get(peer_id)
-        if count is not None:
-            self.unadmitted_bytes = max(0, self.unadmitted_bytes - length)
-            if count <= 1:
-                del self._unadmitted_peers[peer_id]
+        # (a peer admitted while requests it sent before are in flight: those count first)
+        unadmitted = self._unadmitted_peers.get(peer_id, 0)
+        if unadmitted:
+            released = min(unadmitted, length) if left > 0 else unadmitted
+            self.unadmitted_bytes = max(0, self.unadmitted_bytes - released)
+            if unadmitted > released:
+                self._unadmitted_peers[peer_id] = unadmitted - released
             else:
-                self._unadmitted_peers[peer_id] = count - 1
+                del self._unadmitted_peers[peer_id]
 
     def _decide(
         self, peer_id: str, protocol_id: str, length: int, admitted: Callable[[], bool], limits: RequestLimits

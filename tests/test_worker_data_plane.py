@@ -530,6 +530,35 @@ async def test_connections_that_prove_nothing_give_way_and_time_out(qwen2_tiny_p
             assert result.error_code == 0 and result.next_position == len(PROMPT) + 1, result
 
 
+async def test_an_unproven_connection_may_announce_only_a_short_frame(qwen2_tiny_path) -> None:
+    """Proven before buffered: a connection on which no frame has opened may announce only an
+    owner's token step of the worker's largest batch (its prefix is read first: a longer one
+    ends the connection at once, with a NOTICE); once a frame opened on it (a HELLO, as a
+    worker sends before its rows), its frames may be as long as the worker's frame limit. A
+    replayed HELLO proves nothing."""
+    async with open_chain(qwen2_tiny_path, cuts=((0, 6),)) as (worker,):
+        session = await bind_route([worker], seq_id=0)
+        port = worker.info.data_port
+        unproven_bytes = worker.info.n_batch_max * 10 + 4096  # data_plane_bounds.h
+        long_frame = struct.pack("<I", unproven_bytes + 1) + bytes(unproven_bytes + 1)
+        hello = data_frames.sealed_frame(data_frames.HELLO, session.keys.first_step_key, session.session_id, 1, b"")
+        async with open_data_link(HOST, port) as link:
+            await link.send(long_frame[: data_frames.PREFIX_BYTES])
+            notice = await link.receive()
+            assert f"over the limit of {unproven_bytes} on a connection no frame has proven" in notice.notice, notice
+            with pytest.raises(DataLinkClosed):
+                await link.receive()
+        async with open_data_link(HOST, port) as link:
+            await link.send(hello + long_frame)
+            # taken whole (the HELLO proved the connection), then refused for what it holds
+            assert "the frame is not a DataFrame" in (await link.receive()).notice
+        async with open_data_link(HOST, port) as link:
+            await link.send(hello)
+            assert "not above the last one taken" in (await link.receive()).notice
+            await link.send(long_frame[: data_frames.PREFIX_BYTES])
+            assert "on a connection no frame has proven" in (await link.receive()).notice
+
+
 async def test_data_plane_connections_keep_alive(qwen2_tiny_path, idle_tcp_timer) -> None:
     """TCP keepalive on the worker's accepted connections: an idle one whose peer's machine
     vanished (no FIN: power, network) ends instead of holding its slot and thread for ever."""

@@ -164,6 +164,7 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
     case v1::DATA_FRAME_KIND_STEP:
     case v1::DATA_FRAME_KIND_ATTACH:
     case v1::DATA_FRAME_KIND_CONTINUE:
+    case v1::DATA_FRAME_KIND_HELLO:
         break;
     default:
         return refuse(sid, "unknown frame kind " + std::to_string(kind) + "; closing the connection", true);
@@ -181,11 +182,15 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
             }
             Session & s = found->second;
             const bool continued = frame.kind() == v1::DATA_FRAME_KIND_CONTINUE;
+            const bool hello = frame.kind() == v1::DATA_FRAME_KIND_HELLO;  // sealed under the step_key
             const bool step = frame.kind() == v1::DATA_FRAME_KIND_STEP || continued;
-            const std::string & key = continued ? s.continue_key : step ? s.step_key : s.return_key;
-            uint64_t & last = continued ? s.last_continue_counter : step ? s.last_step_counter : s.last_attach_counter;
+            const std::string & key = continued ? s.continue_key : (step || hello) ? s.step_key : s.return_key;
+            uint64_t & last = continued ? s.last_continue_counter
+                              : step    ? s.last_step_counter
+                              : hello   ? s.last_hello_counter
+                                        : s.last_attach_counter;
             if (key.empty()) {
-                return std::string(continued ? "CONTINUE" : step ? "STEP" : "ATTACH") +
+                return std::string(continued ? "CONTINUE" : step ? "STEP" : hello ? "HELLO" : "ATTACH") +
                        " frames are not taken for session " + hex_of(sid) + " here";
             }
             if (frame.counter() <= last) {
@@ -198,6 +203,9 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
             }
             last = frame.counter();
             conn->proven.store(true);
+            if (hello) {
+                return "";  // it only proves the connection: longer frames may follow
+            }
             if (!step) {
                 v1::DataAttach attach;
                 if (!attach.ParseFromString(plain)) {

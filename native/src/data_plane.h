@@ -63,6 +63,20 @@
 // idle or garbage-sending connections cannot keep the hops of a route from reaching this
 // worker. Connections this worker dialled are its own choice and count as proven. An
 // unproven peer's NOTICE frames are not logged (they would let anyone fill the log).
+//
+// Proven before buffered: an unproven connection may announce no frame longer than
+// DataPlaneLimits::unproven_frame_bytes (an owner's token step of the largest batch: 9 KB at a
+// batch of 512); a longer length prefix ends it at once, after a NOTICE and a line in the log.
+// Its reads take no more than that frame can need, so it holds at most that many bytes: all
+// unproven connections together at most max_connections times it (2.4 MB at 256 slots), where
+// each could make the worker hold a whole frame limit (5.4 MB for SmolLM2) before. A proven
+// connection's frames may be as long as max_frame_bytes. A STEP with rows comes from the worker
+// of the range before, on a connection it dialled: its first write there begins with a HELLO
+// frame for each session it carries (data_wire: sealed under the session's next step_key, with
+// a counter of its own outgoing ones, an empty body), which opens here and proves the
+// connection before the rows arrive. A slow sender (a few bytes, then a stall) is closed by the
+// unproven deadline like an idle one: the deadline counts from the connection's start, not from
+// its last byte.
 #pragma once
 
 #include "engine.h"
@@ -80,6 +94,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace baton {
@@ -144,6 +159,8 @@ struct DataPlaneCounts {
 // What a DataPlaneServer accepts (worker flags, main.cpp).
 struct DataPlaneLimits {
     size_t max_frame_bytes = 0;  // a frame's DataFrame, at most
+    // ... on a connection not yet proven (see above; data_wire::unproven_frame_bytes)
+    size_t unproven_frame_bytes = 0;
     // an accepted connection without a frame that opened is closed after this (see above)
     std::chrono::milliseconds unproven_timeout{30000};
     size_t max_connections = 256;  // accepted and dialled together
@@ -197,6 +214,7 @@ private:
         std::atomic<bool> evicted{false};  // its slot went to a newer connection
         std::chrono::steady_clock::time_point opened_at{};
         bool read_deadline_set = false;  // SO_RCVTIMEO is on (its reader's own)
+        bool hello_sent = false;         // dialled: a write began with HELLOs (guarded by send_mu)
     };
     using Pending = StepWork;  // a step taken, on its way through the engine
     struct Session {
@@ -210,6 +228,7 @@ private:
         uint64_t out_counter = 0;         // the counter of the last STEP/RESULT sent
         std::string return_key;
         uint64_t last_attach_counter = 0;
+        uint64_t last_hello_counter = 0;
         std::weak_ptr<Connection> sink;   // where RESULTs go (the owner's ATTACHed connection)
         std::string undelivered;          // RESULT frames made before the owner attached, in order
         uint64_t rows = 0;
@@ -293,6 +312,7 @@ private:
     struct Outgoing {
         std::string frame;  // whole, its length prefix included
         bool to_owner = false;
+        bool continued = false;  // a CONTINUE step (sealed under the continue_key, not a step_key)
         std::string session_id;
         uint64_t generation = 0;
         std::string host;   // the next hop (not to_owner)
@@ -306,14 +326,20 @@ private:
     bool seal_continuation(const Pending & pending, int32_t token, int32_t position, Outgoing * out);
     // Sends a Forward's outputs, one write per connection (see data_plane.cpp).
     void deliver(std::vector<Outgoing> & outgoing);
+    // The HELLO frames that begin the first write on a dialled connection (see "Proven before
+    // buffered"): one for each session of sessions (id, generation) still bound, each under the
+    // next counter of the session's outgoing frames.
+    std::string hello_frames(const std::vector<std::pair<std::string, uint64_t>> & sessions);
     void keep_rows(const Pending & pending, int32_t first_position, const std::string & rows);
 
     ShardWorkerService * service_;
     Engine & engine_;  // the service's
     size_t max_frame_bytes_;
+    size_t unproven_frame_bytes_;
     std::chrono::milliseconds unproven_timeout_;
     size_t max_connections_;
     uint64_t evictions_ = 0;  // guarded by conn_mu_
+    std::atomic<uint64_t> unproven_refused_{0};  // unproven connections that announced too long a frame
     std::atomic<uint16_t> port_{0};
     int listen_fd_ = -1;
     std::thread accept_thread_;

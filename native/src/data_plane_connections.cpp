@@ -58,6 +58,7 @@ DataPlaneServer::DataPlaneServer(ShardWorkerService * service, const DataPlaneLi
     : service_(service),
       engine_(service->engine()),
       max_frame_bytes_(limits.max_frame_bytes),
+      unproven_frame_bytes_(std::min(limits.unproven_frame_bytes, limits.max_frame_bytes)),
       unproven_timeout_(limits.unproven_timeout),
       max_connections_(limits.max_connections) {}
 
@@ -311,14 +312,26 @@ void DataPlaneServer::serve(const std::shared_ptr<Connection> & conn) {
         std::vector<Pending> arrived;
         for (;;) {
             while (buffer.size() - start >= kPrefixBytes) {
-                const auto * p = reinterpret_cast<const unsigned char *>(buffer.data() + start);
-                const uint32_t size = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
-                                      static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
-                if (size > max_frame_bytes_) {
+                const uint32_t size =
+                    announced_bytes(reinterpret_cast<const unsigned char *>(buffer.data() + start));
+                const bool proven = conn->proven.load();
+                const size_t limit = proven ? max_frame_bytes_ : unproven_frame_bytes_;
+                if (size > limit) {
                     post_arrived(arrived);
                     const std::string notice = notice_frame(
                         "", "data plane: a frame of " + std::to_string(size) + " bytes is over the limit of " +
-                                std::to_string(max_frame_bytes_) + "; closing the connection");
+                                std::to_string(limit) + (proven ? "" : " on a connection no frame has proven") +
+                                "; closing the connection");
+                    if (!proven) {
+                        const uint64_t refused = ++unproven_refused_;
+                        if ((refused & (refused - 1)) == 0) {  // 1, 2, 4, ...: a flood cannot fill the log
+                            std::fprintf(stderr,
+                                         "baton-worker: data plane: an unproven connection announced a frame of %u "
+                                         "bytes, over the %zu bytes allowed before a frame opens; closed (%llu so "
+                                         "far)\n",
+                                         size, limit, static_cast<unsigned long long>(refused));
+                        }
+                    }
                     std::lock_guard<std::mutex> lock(conn->send_mu);
                     write_full(conn->fd, notice.data(), notice.size());
                     return;  // what follows is not at a frame boundary any more
@@ -339,7 +352,9 @@ void DataPlaneServer::serve(const std::shared_ptr<Connection> & conn) {
             if (!set_read_deadline(*conn)) {
                 return;  // unproven, and out of time
             }
-            const ssize_t got = ::read(conn->fd, chunk, sizeof(chunk));
+            // an unproven connection's buffer never holds more than the frame it may announce
+            const size_t limit = conn->proven.load() ? max_frame_bytes_ : unproven_frame_bytes_;
+            const ssize_t got = ::read(conn->fd, chunk, read_allowance(buffer.size(), limit, sizeof(chunk)));
             if (got < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) {
                 continue;  // (EAGAIN: the unproven deadline passed; the next set_read_deadline says so)
             }
@@ -371,6 +386,8 @@ void DataPlaneServer::deliver(std::vector<Outgoing> & outgoing) {
     // often start a Forward alone while the rest are still arriving).
     std::vector<std::pair<std::shared_ptr<Connection>, std::string>> to_owners;
     std::vector<std::pair<std::string, std::string>> to_hops;  // ("host:port", frames)
+    // the sessions of each hop's STEPs ("host:port" -> (id, generation)): a new connection's HELLOs
+    std::unordered_map<std::string, std::vector<std::pair<std::string, uint64_t>>> stepping;
     std::unordered_map<std::string, std::pair<std::string, uint16_t>> where;
     for (Outgoing & o : outgoing) {
         if (o.to_owner) {
@@ -398,6 +415,11 @@ void DataPlaneServer::deliver(std::vector<Outgoing> & outgoing) {
         } else {
             const std::string address = o.host + ":" + std::to_string(o.port);
             where.emplace(address, std::make_pair(o.host, o.port));
+            auto & sessions = stepping[address];
+            if (!o.continued && std::find(sessions.begin(), sessions.end(),
+                                          std::make_pair(o.session_id, o.generation)) == sessions.end()) {
+                sessions.emplace_back(o.session_id, o.generation);
+            }
             auto group = std::find_if(to_hops.begin(), to_hops.end(), [&](const auto & g) { return g.first == address; });
             if (group == to_hops.end()) {
                 to_hops.emplace_back(address, std::move(o.frame));
@@ -425,8 +447,24 @@ void DataPlaneServer::deliver(std::vector<Outgoing> & outgoing) {
                              error.c_str());
                 break;
             }
+            // a connection this worker dialled proves itself before its first rows arrive (it is
+            // unproven at the receiver, which takes only short frames until one opens)
+            bool greeted = false;
+            {
+                std::lock_guard<std::mutex> lock(conn->send_mu);
+                greeted = conn->hello_sent;
+            }
+            std::string first;  // HELLOs, then the frames: one write still
+            if (!greeted) {
+                first = hello_frames(stepping[address]);
+                if (!first.empty()) {
+                    first += frames;
+                }
+            }
             std::lock_guard<std::mutex> lock(conn->send_mu);
-            sent = write_full(conn->fd, frames.data(), frames.size());
+            const std::string & out = first.empty() ? frames : first;
+            sent = write_full(conn->fd, out.data(), out.size());
+            conn->hello_sent = conn->hello_sent || (sent && !first.empty());
             if (!sent) {
                 conn->open.store(false);
                 ::shutdown(conn->fd, SHUT_RDWR);

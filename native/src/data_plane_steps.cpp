@@ -313,6 +313,28 @@ bool DataPlaneServer::seal_output(const Pending & pending, const std::string & b
     return true;
 }
 
+std::string DataPlaneServer::hello_frames(const std::vector<std::pair<std::string, uint64_t>> & sessions) {
+    std::string hellos;
+    for (const auto & [sid, generation] : sessions) {
+        std::string key;
+        uint64_t counter = 0;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            auto s = sessions_.find(sid);
+            if (s == sessions_.end() || s->second.generation != generation || s->second.next_step_key.empty()) {
+                continue;  // unbound meanwhile: its frames are not taken there either
+            }
+            counter = ++s->second.out_counter;  // a counter no STEP of the session uses
+            key = s->second.next_step_key;
+        }
+        std::string hello;
+        if (sealed_frame(key, v1::DATA_FRAME_KIND_HELLO, sid, counter, "", &hello)) {
+            hellos += hello;
+        }
+    }
+    return hellos;
+}
+
 bool DataPlaneServer::seal_continuation(const Pending & pending, int32_t token, int32_t position, Outgoing * out) {
     const std::string & sid = pending.session_id;
     std::string key;
@@ -348,6 +370,7 @@ bool DataPlaneServer::seal_continuation(const Pending & pending, int32_t token, 
     if (!sealed_frame(key, v1::DATA_FRAME_KIND_CONTINUE, sid, counter, step.SerializeAsString(), &out->frame)) {
         return false;
     }
+    out->continued = true;
     out->to_owner = false;
     out->session_id = sid;
     out->generation = pending.generation;

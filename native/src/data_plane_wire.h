@@ -5,6 +5,7 @@
 
 #include "worker.pb.h"
 
+#include "data_plane_bounds.h"
 #include "shard.h"
 
 #include <cstddef>
@@ -12,8 +13,6 @@
 #include <string>
 
 namespace baton::data_wire {
-
-inline constexpr size_t kPrefixBytes = 4;  // little-endian u32 length
 
 // hex of bytes (session ids in messages)
 std::string hex_of(const std::string & bytes);

@@ -6,6 +6,7 @@
 #include "service.h"
 
 #include "data_plane.h"
+#include "data_plane_bounds.h"
 #include "forward_stream.h"
 #include "sealed.h"
 
@@ -252,6 +253,7 @@ int serve_worker(const WorkerOptions & options) {
 
     DataPlaneLimits limits;
     limits.max_frame_bytes = static_cast<size_t>(max_receive_message_bytes(info)) + 4096;
+    limits.unproven_frame_bytes = data_wire::unproven_frame_bytes(info.n_batch_max, limits.max_frame_bytes);
     limits.unproven_timeout = std::chrono::milliseconds(options.data_unproven_timeout_ms);
     limits.max_connections = options.data_max_connections;
     DataPlaneServer data_plane(&service, limits);

@@ -45,8 +45,11 @@ RESULT = worker_pb2.DATA_FRAME_KIND_RESULT
 ATTACH = worker_pb2.DATA_FRAME_KIND_ATTACH
 NOTICE = worker_pb2.DATA_FRAME_KIND_NOTICE
 CONTINUE = worker_pb2.DATA_FRAME_KIND_CONTINUE
+HELLO = worker_pb2.DATA_FRAME_KIND_HELLO  # proves a connection before frames with rows (worker to worker)
 
-_KIND_NAMES: dict[int, str] = {STEP: "STEP", RESULT: "RESULT", ATTACH: "ATTACH", NOTICE: "NOTICE", CONTINUE: "CONTINUE"}
+_KIND_NAMES: dict[int, str] = {
+    STEP: "STEP", RESULT: "RESULT", ATTACH: "ATTACH", NOTICE: "NOTICE", CONTINUE: "CONTINUE", HELLO: "HELLO",
+}  # fmt: skip
 
 
 class DataFrameError(ValueError):

@@ -15,8 +15,9 @@ Owns one benchmark, two parts, in one run, through the demo's swarm on loopback
    wait: queueing, prefill, the first step) p50, p99 and mean, and how many requests got 503
    (or another error). Targets: no 503, p99 <= 3x the mean.
 
-The relay's CPU time is reported per generated token for each part (``/proc`` of the relay
-process): the machine's load moves wall-clock speed, less the CPU a token costs.
+CPU time per generated token is reported for each configuration, by role (the relay, the node
+agents with their workers, the tracker, the clients; from ``/proc``): the machine's load moves
+wall-clock speed, less the CPU a token costs, and it shows which process a token's cost is in.
 ``--profile-relay FILE`` runs the relay under cProfile and writes its stats there.
 
 It uses the checkout it lives in (run another checkout's ``bench/relay.py`` to compare two).
@@ -62,10 +63,33 @@ QUESTIONS = (
 )
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _cpu_by_role(groups: dict[str, list[int]]) -> dict[str, float]:
+    """User + system CPU seconds of every live process in each role's process groups, and of
+    this process (``clients``: the ``openai`` clients). A node's group holds its workers: they
+    count as ``workers``, the node agent (the group's leader) as ``nodes``."""
+    role_of = {pgid: role for role, pgids in groups.items() for pgid in pgids}
+    cpu = dict.fromkeys(groups, 0.0)
+    if "nodes" in groups:
+        cpu["workers"] = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # (it ended meanwhile)
+            continue
+        pgid = int(fields[2])
+        role = role_of.get(pgid)
+        if role == "nodes" and int(stat.parent.name) != pgid:
+            role = "workers"
+        if role is not None:
+            cpu[role] += (int(fields[11]) + int(fields[12])) / tick
+    times = os.times()
+    cpu["clients"] = times.user + times.system
+    return cpu
+
+
+def _cpu_ms_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    return {role: 1000 * (after[role] - before[role]) / max(tokens, 1) for role in after}
 
 
 class Chats:
@@ -143,19 +167,21 @@ def run_clients(chats: Chats, n_clients: int, temperature: float, per_client: in
     }  # fmt: skip
 
 
-def bench_scaling(chats: Chats, relay_pid: int, rounds: int, per_client: int) -> dict:
+def bench_scaling(chats: Chats, groups: dict[str, list[int]], rounds: int, per_client: int) -> dict:
     runs: dict[str, list[dict]] = {}
-    cpu_before, tokens = _cpu_s(relay_pid), 0
+    total_before, tokens = _cpu_by_role(groups), 0
     for round_index in range(rounds):
         configs = [(t, n) for t in TEMPERATURES for n in CLIENTS]
         for temperature, n in configs if round_index % 2 == 0 else reversed(configs):
+            before = _cpu_by_role(groups)
             run = run_clients(chats, n, temperature, per_client)
+            run["cpu_ms_per_token"] = _cpu_ms_per_token(before, _cpu_by_role(groups), run["tokens"])
             tokens += run["tokens"]
             log(
                 f"round {round_index + 1}: {n} clients at temperature {temperature}: {run['tokens_per_s']:.1f} tokens/s"
             )
             runs.setdefault(f"{temperature}/{n}", []).append(run)
-    cpu_s = _cpu_s(relay_pid) - cpu_before
+    cpu = _cpu_ms_per_token(total_before, _cpu_by_role(groups), tokens)
     table = {}
     for temperature in TEMPERATURES:
         one = [r["tokens_per_s"] for r in runs[f"{temperature}/1"]]
@@ -173,9 +199,12 @@ def bench_scaling(chats: Chats, relay_pid: int, rounds: int, per_client: int) ->
                     r["first_token_s_median"] for r in these if r["first_token_s_median"] is not None
                 ) if any(r["first_token_s_median"] is not None for r in these) else None,
                 "failed": sum(r["failed"] for r in these), "failures": [f for r in these for f in r["failures"]][:3],
+                "cpu_ms_per_token_median": {
+                    role: statistics.median(r["cpu_ms_per_token"][role] for r in these) for role in cpu
+                },
                 "target_ratio": target, "met": None if target is None else ratio >= target,
             }  # fmt: skip
-    return {"configs": table, "relay_cpu_s": cpu_s, "relay_cpu_ms_per_token": 1000 * cpu_s / max(tokens, 1)}
+    return {"configs": table, "cpu_ms_per_token": cpu}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -184,7 +213,7 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def bench_sustain(chats: Chats, relay_pid: int, n_clients: int, duration_s: float) -> dict:
+def bench_sustain(chats: Chats, groups: dict[str, list[int]], n_clients: int, duration_s: float) -> dict:
     results: list[dict] = []
     lock = threading.Lock()
     stop_at = time.perf_counter() + duration_s
@@ -197,13 +226,13 @@ def bench_sustain(chats: Chats, relay_pid: int, n_clients: int, duration_s: floa
             with lock:
                 results.append(result)
 
-    cpu_before = _cpu_s(relay_pid)
+    cpu_before = _cpu_by_role(groups)
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(n_clients) as pool:
         for future in [pool.submit(client, c) for c in range(n_clients)]:
             future.result()
     wall_s = time.perf_counter() - started
-    cpu_s = _cpu_s(relay_pid) - cpu_before
+    cpu_after = _cpu_by_role(groups)
     ok = [r for r in results if r["ok"]]
     waits = [r["first_token_s"] for r in ok]
     busy = [r for r in results if r["status"] == 503]
@@ -219,7 +248,7 @@ def bench_sustain(chats: Chats, relay_pid: int, n_clients: int, duration_s: floa
         "wait_s_p50": _percentile(waits, 50) if waits else 0.0, "wait_s_p99": p99, "wait_s_mean": mean,
         "wait_s_max": max(waits) if waits else 0.0, "p99_over_mean": p99 / mean if mean > 0 else 0.0,
         "met": not busy and mean > 0 and p99 <= TARGET_P99_OVER_MEAN * mean,
-        "relay_cpu_s": cpu_s, "relay_cpu_ms_per_token": 1000 * cpu_s / max(tokens, 1),
+        "cpu_ms_per_token": _cpu_ms_per_token(cpu_before, cpu_after, tokens),
     }  # fmt: skip
 
 
@@ -233,17 +262,21 @@ async def bench(args: argparse.Namespace) -> dict:
                          *command_prefix("relay")[1:]]  # fmt: skip
     report: dict = {}
     async with open_demo_relay(config, relay_command=relay_command) as (swarm, url, api_key):
-        assert swarm.relay is not None
-        pid = swarm.relay.process.pid
+        assert swarm.relay is not None and swarm.tracker is not None
+        groups = {  # (each process leads its own group)
+            "relay": [swarm.relay.process.pid],
+            "nodes": [node.process.pid for node in swarm.nodes.values()],
+            "tracker": [swarm.tracker.process.pid],
+        }
         chats = Chats(f"{url}/v1", api_key, config.model_alias, args.tokens)
         log(f"relay at {url}; warming up")
         await trio.to_thread.run_sync(run_clients, chats, 2, 0.0, 1)
         if args.only in (None, "scaling"):
-            report["scaling"] = await trio.to_thread.run_sync(bench_scaling, chats, pid, args.rounds, args.chats)
+            report["scaling"] = await trio.to_thread.run_sync(bench_scaling, chats, groups, args.rounds, args.chats)
         if args.only in (None, "sustain"):
             log(f"{args.sustain_clients} clients for {args.sustain_s:.0f} s")
             report["sustain"] = await trio.to_thread.run_sync(
-                bench_sustain, chats, pid, args.sustain_clients, args.sustain_s
+                bench_sustain, chats, groups, args.sustain_clients, args.sustain_s
             )
     return report
 
@@ -278,7 +311,21 @@ def markdown(report: dict) -> str:
                 f"{c['ratio_to_one_client_median']:.2f}x | {', '.join(f'{r:.2f}' for r in c['ratio_by_round'])} | "
                 f"{target} | {first} | {c['failed']} |"
             )
-        lines += ["", f"The relay's CPU: {scaling['relay_cpu_ms_per_token']:.2f} ms a generated token.", ""]
+        roles = list(scaling["cpu_ms_per_token"])
+        lines += [
+            "",
+            "CPU a generated token, ms (median of the rounds; nodes: the node agents, workers: their workers; "
+            "clients: this process, the `openai` clients; the processes' idle work counts too):",
+            "",
+            "| temperature | clients | " + " | ".join(roles) + " |",
+            "|---|---|" + "---|" * len(roles),
+        ]
+        for c in scaling["configs"].values():
+            cpu = c["cpu_ms_per_token_median"]
+            lines.append(
+                f"| {c['temperature']} | {c['clients']} | " + " | ".join(f"{cpu[r]:.2f}" for r in roles) + " |"
+            )
+        lines.append("")
     if "sustain" in report:
         s = report["sustain"]
         lines += [
@@ -291,8 +338,8 @@ def markdown(report: dict) -> str:
             f"{s['wait_s_p50']:.2f} | {s['wait_s_p99']:.2f} | {s['wait_s_mean']:.2f} | {s['wait_s_max']:.2f} | "
             f"{s['p99_over_mean']:.2f} | {'met' if s['met'] else 'MISSED'} |",
             "",
-            f"A request's wait is its time to first token (queueing, prefill, the first step). The relay's CPU: "
-            f"{s['relay_cpu_ms_per_token']:.2f} ms a generated token.",
+            "A request's wait is its time to first token (queueing, prefill, the first step). CPU a generated "
+            "token, ms: " + ", ".join(f"{role} {ms:.2f}" for role, ms in s["cpu_ms_per_token"].items()) + ".",
             "",
         ]
         if s["errors"]:

@@ -81,6 +81,18 @@ def test_only_the_head_retries_by_itself_with_a_doubling_delay() -> None:
     assert w.wake_at(b) == w.deadline(b) == pytest.approx(10.0)
 
 
+def test_the_head_does_not_retry_while_a_try_is_out() -> None:
+    """Its retry could take the sequence a freed chance let another ticket try for."""
+    w = line()
+    a, b, c = w.join(0.0), w.join(0.0), w.join(0.0)
+    for t in (a, b, c):
+        w.busy(t, 0.0)
+    assert w.freed(1.0) == a
+    assert not w.retry_due(b, 1.0), "b is the head now, but a's try is out"
+    w.started(a, 1.1)
+    assert w.retry_due(b, 1.1), "nothing is out: b retries (its retry time passed long ago)"
+
+
 def test_a_request_is_refused_only_when_the_line_did_not_move_for_the_timeout() -> None:
     w = line(timeout_s=10.0)
     a, b = w.join(0.0), w.join(1.0)

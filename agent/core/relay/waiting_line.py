@@ -6,7 +6,8 @@ refused. Every request of the relay, whatever its model or route, takes a ticket
   waits behind the tickets that came before it;
 - a sequence that comes free (a session of the relay ended, or a try that will not use its
   chance left) lets the first waiting ticket try; so does the head's own retry timer
-  (``retry_min_s``, doubling to ``retry_max_s``), for sequences freed by the swarm's other owners;
+  (``retry_min_s``, doubling to ``retry_max_s``) while no try is out, for sequences freed by the
+  swarm's other owners;
 - a try that finds no free sequence (``busy``) goes back to its place: it keeps its arrival, so
   nobody who came after it overtakes it;
 - a waiting ticket is refused only when the line has not moved (no ticket started a session)
@@ -118,13 +119,17 @@ class WaitingLine:
         self.moved_at = now
 
     def retry_due(self, ticket: int, now: float) -> bool:
-        """The head's own retry: True (it may try now) when ``ticket`` is the first waiting one
-        and its retry time has come."""
+        """The head's own retry: True (it may try now) when ``ticket`` is the first waiting one,
+        its retry time has come and no try is out (a try's outcome moves the line anyway; a
+        retry beside a try let go by a freed sequence could take that sequence from it, and a
+        later ticket would overtake an earlier one)."""
         t = self._tickets[ticket]
-        if t.state is TicketState.WAITING and self._head() == ticket and now >= t.retry_at:
-            t.state = TicketState.TRYING
-            return True
-        return False
+        if t.state is not TicketState.WAITING or self._head() != ticket or now < t.retry_at:
+            return False
+        if any(other.state is TicketState.TRYING for other in self._tickets.values()):
+            return False
+        t.state = TicketState.TRYING
+        return True
 
     def leave(self, ticket: int, now: float) -> None:
         """The request ended (done, failed, refused or cancelled). A session that held sequences

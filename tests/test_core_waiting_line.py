@@ -81,6 +81,24 @@ def test_only_the_head_retries_by_itself_with_a_doubling_delay() -> None:
     assert w.wake_at(b) == w.deadline(b) == pytest.approx(10.0)
 
 
+def test_a_try_a_freed_sequence_let_go_is_retried_soon_once_then_seldom() -> None:
+    """A node frees an ended session's sequence a moment after it answered the end: the try it
+    let go may come early; one quick retry, then the relay's own ends wake the line."""
+    w = line()
+    a = w.join(0.0)
+    w.busy(a, 0.0)
+    for _ in range(2):  # retries double: 0.05, 0.1, then 0.2
+        now = w.wake_at(a)
+        assert w.retry_due(a, now)
+        w.busy(a, now)
+    assert w.freed(0.2) == a
+    w.busy(a, 0.25)  # early
+    assert w.wake_at(a) == pytest.approx(0.3), "once retry_min_s later"
+    assert w.retry_due(a, w.wake_at(a))
+    w.busy(a, 0.3)
+    assert w.wake_at(a) == pytest.approx(1.3), "then retry_max_s"
+
+
 def test_the_head_does_not_retry_while_a_try_is_out() -> None:
     """Its retry could take the sequence a freed chance let another ticket try for."""
     w = line()

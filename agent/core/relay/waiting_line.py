@@ -39,6 +39,7 @@ class _Ticket:
     state: TicketState
     retry_at: float  # the head retries by itself then (waiting)
     retry_s: float  # its next retry delay after a busy try
+    chance: bool = False  # its try was let go by a freed sequence
 
 
 class WaitingLine:
@@ -105,13 +106,19 @@ class WaitingLine:
         return ticket
 
     def busy(self, ticket: int, now: float) -> None:
-        """Its try found no free sequence: back to its place in line, to retry later."""
+        """Its try found no free sequence: back to its place in line, to retry later.
+
+        A try a freed sequence let go is retried once ``retry_min_s`` later and then only every
+        ``retry_max_s`` (the relay's own sessions' ends wake it before): a node frees an ended
+        session's sequence between two of its worker's calls, a moment after it answered the
+        end, so such a try often comes a moment early. Any other busy try doubles the delay."""
         t = self._tickets[ticket]
         if t.state is TicketState.STARTED:  # a later session of it (a replan): it queues again, in its place
             t.retry_s = self.retry_min_s
         t.state = TicketState.WAITING
-        t.retry_at = now + t.retry_s
-        t.retry_s = min(2 * t.retry_s, self.retry_max_s)
+        t.retry_at = now + (self.retry_min_s if t.chance else t.retry_s)
+        t.retry_s = self.retry_max_s if t.chance else min(2 * t.retry_s, self.retry_max_s)
+        t.chance = False
 
     def started(self, ticket: int, now: float) -> None:
         """Its session holds its sequences: it leaves the line, which has moved."""
@@ -146,8 +153,7 @@ class WaitingLine:
             return None
         t = self._tickets[head]
         t.state = TicketState.TRYING
-        t.retry_s = self.retry_min_s
-        t.retry_at = now + t.retry_s
+        t.chance = True
         return head
 
     def _head(self) -> int | None:

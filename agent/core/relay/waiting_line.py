@@ -88,12 +88,14 @@ class WaitingLine:
         return self._tickets[ticket].state is TicketState.WAITING and now >= self.deadline(ticket)
 
     def wake_at(self, ticket: int) -> float:
-        """When a waiting ``ticket`` must look again by itself (its deadline; the head's retry)."""
+        """When a waiting ``ticket`` must look again by itself: its deadline, or the head's retry
+        while no try is out (a try's outcome changes the line, which wakes every ticket)."""
         t = self._tickets[ticket]
         if t.state is not TicketState.WAITING:
             return -math.inf
-        head = self._head()
-        return min(self.deadline(ticket), t.retry_at) if head == ticket else self.deadline(ticket)
+        if self._head() == ticket and not self._trying():
+            return min(self.deadline(ticket), t.retry_at)
+        return self.deadline(ticket)
 
     # --- what happens --------------------------------------------------------------------------
 
@@ -133,7 +135,7 @@ class WaitingLine:
         t = self._tickets[ticket]
         if t.state is not TicketState.WAITING or self._head() != ticket or now < t.retry_at:
             return False
-        if any(other.state is TicketState.TRYING for other in self._tickets.values()):
+        if self._trying():
             return False
         t.state = TicketState.TRYING
         return True
@@ -155,6 +157,9 @@ class WaitingLine:
         t.state = TicketState.TRYING
         t.chance = True
         return head
+
+    def _trying(self) -> bool:
+        return any(t.state is TicketState.TRYING for t in self._tickets.values())
 
     def _head(self) -> int | None:
         return next((k for k, t in self._tickets.items() if t.state is TicketState.WAITING), None)

@@ -270,6 +270,11 @@ class SwarmClient(ResumingClient):
         # the uniforms' seed (agent.core.owner.sampling.draw_uniform), the same for every session
         # of this generation: a token's draw depends on its position only, whoever draws it
         draw_seed = None if sampling.greedy else drawn_seed(np.random.default_rng(seed))
+        if queue is not None and not await queue.wait_turn():  # (before the route: it may wait long)
+            raise GenerationError(
+                f"no free sequence for a generation of {model} while the line did not move (the swarm is busy)",
+                step=0, code=swarm_pb2.Error.RESOURCE_EXHAUSTED,
+            )  # fmt: skip
         await self._fresh_admission()
         if route is None:
             route = await self.route(model)
@@ -293,12 +298,6 @@ class SwarmClient(ResumingClient):
                 holds_sequences = True
                 queue.started()
             return bool(on_token is not None and await on_token(token, logits, route))
-
-        if queue is not None and not await queue.wait_turn():
-            raise GenerationError(
-                f"no free sequence for a generation of {model} while the line did not move (the swarm is busy)",
-                step=0, code=swarm_pb2.Error.RESOURCE_EXHAUSTED,
-            )  # fmt: skip
 
         segments: list[RouteSegment] = []  # each session's route, for taking tokens back
         taken_back = 0

@@ -73,9 +73,10 @@ class RelayConfig:
     ``preload_timeout_s``: how long start-up waits for the registered models' vocabularies.
     ``spot_check_rate``: the share of generations replayed through a second route and
     compared (``SwarmClientConfig.spot_check_rate``, docs/INTEGRITY.md).
-    ``queue_retry_min_s`` / ``queue_retry_max_s``: the first request of the waiting line
-    tries again by itself after this long (doubling from min to max after each busy try), for
-    sequences freed by the swarm's other owners (``agent.core.relay.waiting_line``).
+    ``queue_retry_min_s`` / ``queue_retry_max_s``: how soon the first request of the waiting
+    line tries again by itself after a busy try (doubling from min to max; once min, then max,
+    after a try a freed sequence let go), for sequences freed by the swarm's other owners
+    (``agent.core.relay.waiting_line``).
     """
 
     # ``tracker`` and ``db`` have no default, and argparse does not require them: a

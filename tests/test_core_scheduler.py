@@ -310,6 +310,18 @@ def test_untrusted_owners_together_never_take_the_trusted_reserve() -> None:
     table.accept(s5, 0, 0, 1, "sybil-c", 1)  # freed by an untrusted owner: for anyone again
 
 
+def test_a_trusted_owner_is_held_to_no_share() -> None:
+    """The relay, one owner for many users, may take every sequence; an untrusted owner stops at its share."""
+    table = SessionTable(4, 64, max_per_owner=2, reserve_for_trusted=1)
+    for i in range(4):
+        table.accept(bytes([10 + i]) * 16, 0, 0, 1, "relay", 0, trusted=True)
+    assert table.free_count == 0
+    other = SessionTable(4, 64, max_per_owner=2, reserve_for_trusted=1)
+    other.accept(S1, 0, 0, 1, "client", 0)
+    other.accept(S2, 0, 0, 1, "client", 0)
+    refused(Code.RESOURCE_EXHAUSTED, "its share", other.accept, S3, 0, 0, 1, "client", 0)
+
+
 # --- phases, row budget, compatibility key -----------------------------------------------------
 
 

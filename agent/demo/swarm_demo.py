@@ -9,18 +9,22 @@ until the tracker has a route covering every block, start the relay and give it 
 stream a completion from ``/v1/completions`` (as any OpenAI client would, plus
 ``return_token_ids`` so the tokens can be compared), stop the swarm, run the same prompt tokens
 through one local unsplit worker (``agent.demo.local_demo.generate_through``), and report both.
-``serve_swarm_demo`` starts the same swarm and relay and keeps them until cancelled. Processes
+``serve_swarm_demo`` starts the same swarm and relay and keeps them until cancelled
+(``open_demo_relay``, which ``bench/relay.py`` drives too). The nodes' workers hold
+``DEMO_MAX_SEQUENCES`` sequences each, and the nodes trust the relay (``--trusted-owner``), so it
+serves that many clients at once. Processes
 are ``agent.harness.local_swarm``'s; every one is stopped before these return or raise.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,8 +43,10 @@ __all__ = [
     "RelayError",
     "RelayGeneration",
     "SwarmDemoReport",
+    "demo_swarm_config",
     "forward_counts",
     "node_memory_bytes",
+    "open_demo_relay",
     "run_swarm_demo",
     "serve_swarm_demo",
     "stream_completion",
@@ -49,6 +55,8 @@ __all__ = [
 ]
 
 DEMO_KEY_NAME = "demo"
+#: sequences a worker of the demo's nodes holds: the relay serves several clients at once
+DEMO_MAX_SEQUENCES = 8
 
 
 class RelayError(Exception):
@@ -275,15 +283,16 @@ class SwarmDemoReport:
 
 
 async def _start_swarm_and_relay(
-    swarm: LocalSwarm, client: SwarmClient, model_alias: str, nodes: int, coverage_timeout_s: float
-) -> tuple[swarm_pb2.ModelEntry, int, swarm_pb2.Route, str, str]:
+    swarm: LocalSwarm, client: SwarmClient, model_alias: str, nodes: int, coverage_timeout_s: float,
+    relay_command: Sequence[str] | None = None,
+) -> tuple[swarm_pb2.ModelEntry, int, swarm_pb2.Route, str, str]:  # fmt: skip
     """Nodes, coverage, relay, key: ``(entry, node memory, route, relay URL, API key)``."""
     entry = await _model_entry(client, model_alias)
     memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, nodes)
     for i in range(nodes):
         swarm.start_node(f"node-{i + 1}", memory)
     route = await wait_for_coverage(client, swarm, model_alias, timeout_s=coverage_timeout_s)
-    url = await swarm.start_relay()
+    url = await swarm.start_relay(command=relay_command)
     api_key = swarm.add_relay_key(DEMO_KEY_NAME)
     return entry, memory, route, url, api_key
 
@@ -293,9 +302,11 @@ def _swarm_config(model_path, model_alias, heartbeat_timeout_ms, threads, workdi
         from agent.models import model_path as cached_model
 
         model_path = cached_model("smollm2")
+    # the nodes trust the relay (one owner for many users): it is held to no share of their sequences
     return LocalSwarmConfig(
         model_path=Path(model_path), model_alias=model_alias, heartbeat_timeout_ms=heartbeat_timeout_ms,
         threads=threads, workdir=Path(workdir) if workdir is not None else None,
+        max_sequences=DEMO_MAX_SEQUENCES, trust_relay=True,
     )  # fmt: skip
 
 
@@ -368,16 +379,42 @@ async def serve_swarm_demo(
     Resource handling: as ``run_swarm_demo``.
     """
     config = _swarm_config(model_path, model_alias, heartbeat_timeout_ms, threads, workdir)
-    async with open_local_swarm(config) as swarm:
-        await swarm.start_tracker()
-        async with open_swarm_client(swarm.tracker_addr) as client:
-            _entry, _memory, _route, url, api_key = await _start_swarm_and_relay(
-                swarm, client, model_alias, nodes, coverage_timeout_s
-            )
+    async with open_demo_relay(config, nodes=nodes, coverage_timeout_s=coverage_timeout_s) as (swarm, url, api_key):
         on_ready({"base_url": f"{url}/v1", "api_key": api_key, "model": model_alias, "status_page": f"{url}/"})
         while True:
             swarm.check_alive()
             await trio.sleep(1.0)
+
+
+def demo_swarm_config(
+    model_path: str | os.PathLike | None = None, *, threads: int = 1, model_alias: str = "smollm2",
+    heartbeat_timeout_ms: int = 5000, workdir: str | os.PathLike | None = None,
+) -> LocalSwarmConfig:  # fmt: skip
+    """The settings of the demo's swarm (``DEMO_MAX_SEQUENCES`` a worker, the relay trusted)."""
+    return _swarm_config(model_path, model_alias, heartbeat_timeout_ms, threads, workdir)
+
+
+@contextlib.asynccontextmanager
+async def open_demo_relay(
+    config: LocalSwarmConfig,
+    *,
+    nodes: int = 3,
+    coverage_timeout_s: float = 180.0,
+    relay_command: Sequence[str] | None = None,
+) -> AsyncIterator[tuple[LocalSwarm, str, str]]:
+    """The demo's swarm and relay: yields ``(swarm, relay URL, API key)`` once the tracker has a
+    route of ``nodes`` hops and the relay listens. ``relay_command``: as
+    ``LocalSwarm.start_relay``'s ``command``.
+
+    Resource handling: every process is stopped on exit.
+    """
+    async with open_local_swarm(config) as swarm:
+        await swarm.start_tracker()
+        async with open_swarm_client(swarm.tracker_addr) as client:
+            _entry, _memory, _route, url, api_key = await _start_swarm_and_relay(
+                swarm, client, config.model_alias, nodes, coverage_timeout_s, relay_command
+            )
+        yield swarm, url, api_key
 
 
 async def _model_entry(client: SwarmClient, alias: str) -> swarm_pb2.ModelEntry:

@@ -168,6 +168,11 @@ class LocalSwarmConfig:
     CLI's): no canary checks, so that a READY range is routed at once and the tracker starts no
     workers of its own (tests that check integrity set it, or pass it in ``tracker_args``).
     ``placement``: where each process runs (default: all on loopback).
+    ``max_sequences``: every node's ``--max-sequences`` (None: the worker's default).
+    ``trust_relay``: every node trusts the relay's peer id (``--trusted-owner``), as an operator
+    who runs both would: the relay, one owner for many users, may hold a range's sequences
+    beyond one owner's share. Off by default: a trusted owner that never comes would keep a
+    reserve of every range from the other owners of a test.
     """
 
     model_path: Path
@@ -183,6 +188,8 @@ class LocalSwarmConfig:
     relay_args: tuple[str, ...] = ()
     canary_interval_s: float = 0.0
     placement: Placement = Placement()
+    max_sequences: int | None = None
+    trust_relay: bool = False
 
 
 class LocalSwarm:
@@ -284,6 +291,8 @@ class LocalSwarm:
             worker_wait=c.worker_wait,
             relay=relay,
             listen=NodeConfig.listen if listen is None else listen,
+            max_sequences=c.max_sequences,
+            trusted_owners=(self.peer_id("relay"),) if c.trust_relay else (),
         )
         prefix = list(command) if command is not None else command_prefix("node")
         return [*prefix, *to_argv(config), *c.node_args, *extra_args]
@@ -351,8 +360,11 @@ class LocalSwarm:
             self.tracker.signal_group(signal.SIGKILL)
         await self.tracker.stop(self.config.stop_grace_s)
 
-    async def start_relay(self, extra_args: Sequence[str] = ()) -> str:
+    async def start_relay(self, extra_args: Sequence[str] = (), *, command: Sequence[str] | None = None) -> str:
         """Start the relay (again: same db, key and port) and return its base URL.
+
+        ``command``: the argv prefix of another program that takes ``baton relay``'s arguments
+        (None: ``baton relay``); a benchmark profiles the relay this way.
 
         Raises:
           ProcessDied: it exited, or wrote no address within ``start_timeout_s``.
@@ -363,7 +375,10 @@ class LocalSwarm:
             raise RuntimeError("the relay is already running")
         with contextlib.suppress(FileNotFoundError):
             self.relay_addr_file.unlink()
-        self.relay = self._spawn("relay", self.relay_argv(extra_args))
+        argv = self.relay_argv(extra_args)
+        if command is not None:
+            argv = [*command, *argv[len(command_prefix("relay")) :]]
+        self.relay = self._spawn("relay", argv)
         delay_s = 0.01
         url = ""
         with trio.move_on_after(self.config.start_timeout_s):

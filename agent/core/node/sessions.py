@@ -23,7 +23,8 @@ Owns, for one range of one node:
   no more than one would;
 - a reserve: ``reserve_for_trusted`` sequences are kept for owners the node trusts (its relay):
   other owners together never hold more than the rest, so self-made keys cannot lock a range
-  out for the trusted ones;
+  out for the trusted ones; a trusted owner is held to no per-owner share (it may take every
+  free sequence: one relay serves many users);
 - ending sessions (end_session, idle timeout, failures): an ended session's sequence id is
   *closing* until the shell has removed the sequence on the worker (between two Forwards),
   and only then free again, so a new session never inherits stale KV;
@@ -82,7 +83,7 @@ class SessionTable:
     Args:
       n_seq_max: sequence ids ``0 .. n_seq_max - 1`` of the worker.
       n_ctx_per_sequence: positions one sequence may hold.
-      max_per_owner: the most sessions one owner may hold at once (None: all of them).
+      max_per_owner: the most sessions one untrusted owner may hold at once (None: all of them).
       reserve_for_trusted: sequences only trusted owners may take: untrusted ones together
         hold at most ``n_seq_max - reserve_for_trusted`` (0: no reserve).
     """
@@ -192,7 +193,9 @@ class SessionTable:
                 + (f" ({len(self._closing)} being freed)" if self._closing else ""),
             )
         held = sum(s.owner_peer_id == owner_peer_id for s in self._sessions.values())
-        if held >= self.max_per_owner:
+        # a trusted owner (the node's relay: one owner for many users) has no share: the share
+        # keeps one peer from locking the others out, and the operator chose to trust this one
+        if held >= self.max_per_owner and not trusted:
             raise WireError(
                 Code.RESOURCE_EXHAUSTED,
                 f"owner {owner_peer_id} holds {held} of this range's {self.n_seq_max} sequences,"

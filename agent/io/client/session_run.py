@@ -158,6 +158,7 @@ class SessionRunner(StepClient):
         keys = RouteKeys.new(len(route.hops), os.urandom)
         ports: list[int] = [0] * len(route.hops)
         bound: list[swarm_pb2.Hop] = []
+        binds_since = trio.current_time()  # (each bind renews its hop's lease: no touch is due before)
         try:
             # a session that has sent nothing yet opens on each hop with its bind: its prompt then
             # goes worker to worker too (DataPlaneBindRequest.open_rows)
@@ -188,6 +189,9 @@ class SessionRunner(StepClient):
                     )
             return None
         plane = DataPlane(owner, route, to_first, from_last)
+        # the binds just renewed every hop's lease: the first touch is due a probe interval after
+        # them, not at the first step (a short generation then sends none: 3 requests fewer a chat)
+        plane.touched_at = binds_since
         log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
         live.session.draw_locally()  # (a new binding: its last hop draws only once asked)
         if self.config.greedy_continuation:

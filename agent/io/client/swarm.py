@@ -36,9 +36,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import trio
@@ -76,6 +77,23 @@ if TYPE_CHECKING:
     from agent.io.worker.vocab import ModelVocab
 
 log = logging.getLogger(__name__)
+
+
+class SequenceQueue(Protocol):
+    """A line a generation waits in for a free sequence (the relay's, ``agent.io.relay.queue``):
+    it replaces the generation's own waits and its queue timeout."""
+
+    async def wait_turn(self) -> bool:
+        """Wait until the generation may try to start a session; False: refuse it as busy."""
+        ...
+
+    async def busy(self) -> bool:
+        """A try found no free sequence: wait for the next turn; False: refuse it as busy."""
+        ...
+
+    def started(self) -> None:
+        """The generation's session holds its sequences (its first token came)."""
+        ...
 
 
 class SwarmClient(ResumingClient):
@@ -209,6 +227,7 @@ class SwarmClient(ResumingClient):
         queue_timeout_s: float | None = None,
         prompt_scores: Callable[[int, np.ndarray | TopLogits], None] | None = None,
         constraint: TokenMask | None = None,
+        queue: SequenceQueue | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_tokens`` token ids after ``prompt_tokens`` (tokenized by the caller).
 
@@ -226,6 +245,9 @@ class SwarmClient(ResumingClient):
           constraint: a grammar every token keeps to (``agent.core.owner.grammar``): drawn by
             this owner from full rows, masked (``agent.core.owner.constrained``); it is advanced
             by each token and carried across resumes and replans.
+          queue: a line to wait in for a free sequence, first come, first served with the
+            other generations of its owner (the relay's); it decides when to try and when to
+            give up as busy, in place of ``queue_timeout_s`` and the backoff.
 
         Returns:
           A ``GenerationResult`` with ``text`` empty (the caller detokenizes). A route whose
@@ -248,6 +270,11 @@ class SwarmClient(ResumingClient):
         # the uniforms' seed (agent.core.owner.sampling.draw_uniform), the same for every session
         # of this generation: a token's draw depends on its position only, whoever draws it
         draw_seed = None if sampling.greedy else drawn_seed(np.random.default_rng(seed))
+        if queue is not None and not await queue.wait_turn():  # (before the route: it may wait long)
+            raise GenerationError(
+                f"no free sequence for a generation of {model} while the line did not move (the swarm is busy)",
+                step=0, code=swarm_pb2.Error.RESOURCE_EXHAUSTED,
+            )  # fmt: skip
         await self._fresh_admission()
         if route is None:
             route = await self.route(model)
@@ -258,13 +285,18 @@ class SwarmClient(ResumingClient):
         failed_peers: list[str] = []
         context_full = False
         stopped_by_caller = False
-        busy_until = trio.current_time() + queue_timeout_s
+        busy_until = trio.current_time() + queue_timeout_s if queue is None else math.inf
         busy_wait_s = self.config.route_poll_interval_s
 
         resume_s: list[float] = []
+        holds_sequences = False
 
         async def take(token: int, logits: np.ndarray | TopLogits) -> bool:
+            nonlocal holds_sequences
             assert route is not None  # planned above; replans only replace it
+            if queue is not None and not holds_sequences:
+                holds_sequences = True
+                queue.started()
             return bool(on_token is not None and await on_token(token, logits, route))
 
         segments: list[RouteSegment] = []  # each session's route, for taking tokens back
@@ -351,9 +383,18 @@ class SwarmClient(ResumingClient):
             plan = on_failure(_failure(failure), trio.current_time(), budget)
             if isinstance(plan, WaitFor):
                 # every sequence of some range is in use: wait for one, on any route
-                log.info("%s; waiting %.2f s for a free sequence", failure, plan.delay_s)
-                await trio.sleep(plan.delay_s)
-                busy_wait_s = plan.next_delay_s
+                if queue is None:
+                    log.info("%s; waiting %.2f s for a free sequence", failure, plan.delay_s)
+                    await trio.sleep(plan.delay_s)
+                    busy_wait_s = plan.next_delay_s
+                else:
+                    holds_sequences = False
+                    if not await queue.busy():
+                        raise GenerationError(
+                            f"no free sequence on route {describe_route(route)} while the line did not move "
+                            f"(the swarm is busy): {failure}",
+                            failed_peer_id=failure.failed_peer_id, step=0, code=failure.code,
+                        ) from None  # fmt: skip
                 await self._fresh_admission()
                 with contextlib.suppress(SwarmError, TransportError):
                     route = await self.route(model)

@@ -6,6 +6,8 @@ Modules:
                    Hypercorn's trio worker, in the same trio process as its swarm client;
   ``config``       ``RelayConfig``: the ``serve`` flags and ``--config`` file keys, one place;
   ``state``        ``RelayState`` (what handlers share);
+  ``queue``        ``RelayQueue``: the line requests wait in for a free sequence (its rules:
+                   ``agent.core.relay.waiting_line``);
   ``auth``         API keys and quotas of a request (401, 429);
   ``completion``   one completion: the prompt prepared, the generation, its OpenAI bodies;
   ``responses``    the error envelope and a completion's JSON or SSE response;

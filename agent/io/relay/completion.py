@@ -416,11 +416,12 @@ class Completion:
         state.metrics.session_started()
         state.live_sessions += 1
         try:
-            with trio.fail_after(state.config.generation_timeout_s):
+            # in line with every other request for a free sequence, first come, first served
+            with trio.fail_after(state.config.generation_timeout_s), state.queue.ticket() as ticket:
                 result = await state.client.generate_tokens(
                     self.prompt.entry.sha256, self.prompt.tokens, max_tokens=1 if self.score_only else self.prompt.max_tokens,
                     stop_tokens=[] if req.options.ignore_eos else sorted(eog), sampling=sampling, seed=self.seed,
-                    on_token=on_token, queue_timeout_s=state.config.queue_timeout_s, constraint=self.constraint,
+                    on_token=on_token, queue=ticket, constraint=self.constraint,
                     prompt_scores=self._score_prompt if self.echo and req.logprobs else None,
                 )  # fmt: skip
         except trio.TooSlowError:

@@ -73,6 +73,10 @@ class RelayConfig:
     ``preload_timeout_s``: how long start-up waits for the registered models' vocabularies.
     ``spot_check_rate``: the share of generations replayed through a second route and
     compared (``SwarmClientConfig.spot_check_rate``, docs/INTEGRITY.md).
+    ``queue_retry_min_s`` / ``queue_retry_max_s``: how soon the first request of the waiting
+    line tries again by itself after a busy try (doubling from min to max; once min, then max,
+    after a try a freed sequence let go), for sequences freed by the swarm's other owners
+    (``agent.core.relay.waiting_line``).
     """
 
     # ``tracker`` and ``db`` have no default, and argparse does not require them: a
@@ -119,7 +123,8 @@ class RelayConfig:
     )
     queue_timeout_s: float = setting(
         60.0,
-        "seconds a request may wait for a route before it is refused (default 60)",
+        "requests wait for a free sequence in one line, first come, first served; one is refused (503) only when"
+        " no request of the line has started for this many seconds since it came (default 60)",
         parse=cli_args.positive_float,
         metavar="S",
     )
@@ -146,6 +151,8 @@ class RelayConfig:
     default_max_tokens: int = 1024
     models_cache_s: float = 2.0
     preload_timeout_s: float = 60.0
+    queue_retry_min_s: float = 0.05
+    queue_retry_max_s: float = 1.0
 
     @property
     def listen_host(self) -> str:

@@ -1,5 +1,5 @@
 """The state the relay's handlers share (``RelayState``: the swarm client, the store, the vocabularies, the metrics,
-the tracker's model list cached).
+the waiting line, the tracker's model list cached).
 
 Must not import the relay's app, completions or server (they import this module).
 """
@@ -21,6 +21,7 @@ from agent.io.worker.vocab import VocabularyPool
 
 from .config import RelayConfig
 from .metrics import RelayMetrics
+from .queue import RelayQueue
 from .store import RelayStore
 
 __all__ = ["RelayConfig", "RelayState"]
@@ -50,6 +51,10 @@ class RelayState:
         #: tokens held by each key's requests in flight (``auth.reserve``, until ``auth.settle``)
         self.reserved: dict[str, int] = {}
         self.live_sessions = 0
+        #: the line requests wait in for a free sequence, first come, first served
+        self.queue = RelayQueue(
+            timeout_s=config.queue_timeout_s, retry_min_s=config.queue_retry_min_s, retry_max_s=config.queue_retry_max_s
+        )
         self._models: list[swarm_pb2.ModelEntry] = []
         self._models_at = -math.inf
         self._models_lock = trio.Lock()

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <exception>
-#include <future>
 #include <memory>
 #include <utility>
 
@@ -22,10 +21,50 @@ HopSchedulerConfig scheduler_config(const Shard & shard, const EngineConfig & co
 
 ShardStatus stopping() { return ShardStatus::Precondition("the worker is stopping"); }
 
+// Polls ready() until it holds or spin has passed, yielding the core each round (a thread that
+// needs the core takes it; the spin only shortens this thread's own wake-up). Returns whether
+// ready() held.
+template <class Ready>
+bool spin_until(const Ready & ready, std::chrono::microseconds spin) {
+    const SchedulerTime end = SchedulerClock::now() + spin;
+    while (!ready()) {
+        if (SchedulerClock::now() >= end) {
+            return false;
+        }
+        std::this_thread::yield();
+    }
+    return true;
+}
+
+// A caller's answer: the engine fills it; the caller polls done (handoff_spin), then sleeps.
+struct Answer {
+    std::mutex mu;
+    std::condition_variable answered;
+    std::atomic<bool> done{false};
+    ShardStatus status;
+
+    void set(ShardStatus s) {
+        status = std::move(s);
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            done.store(true, std::memory_order_release);
+        }
+        answered.notify_one();
+    }
+    ShardStatus take(std::chrono::microseconds spin) {
+        const auto is_done = [this] { return done.load(std::memory_order_acquire); };
+        if (spin.count() <= 0 || !spin_until(is_done, spin)) {
+            std::unique_lock<std::mutex> lock(mu);
+            answered.wait(lock, is_done);
+        }
+        return std::move(status);
+    }
+};
+
 }  // namespace
 
 Engine::Engine(Shard * shard, const EngineConfig & config)
-    : shard_(shard), scheduler_(scheduler_config(*shard, config)) {
+    : shard_(shard), scheduler_(scheduler_config(*shard, config)), handoff_spin_(config.handoff_spin) {
     thread_ = std::thread([this] { loop(); });
 }
 
@@ -35,6 +74,7 @@ void Engine::stop() {
     {
         std::lock_guard<std::mutex> lock(mu_);
         stopping_ = true;
+        posted_locked();
     }
     wake_.notify_all();
     if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
@@ -43,9 +83,8 @@ void Engine::stop() {
 }
 
 ShardStatus Engine::call(QueuedKind kind, uint32_t rows, const std::function<ShardStatus(Shard &)> & job) {
-    // shared: the engine thread may still be inside set_value when the caller returns
-    auto answer = std::make_shared<std::promise<ShardStatus>>();
-    std::future<ShardStatus> answered = answer->get_future();
+    // shared: the engine thread may still be inside set when the caller returns
+    auto answer = std::make_shared<Answer>();
     Item item;
     item.meta.kind = kind;
     item.meta.rows = rows;
@@ -53,15 +92,15 @@ ShardStatus Engine::call(QueuedKind kind, uint32_t rows, const std::function<Sha
     // (the caller blocks until the job ran, so job stays valid)
     item.job = [answer, &job](Shard * shard) {
         if (shard == nullptr) {
-            answer->set_value(stopping());
+            answer->set(stopping());
             return;
         }
         try {
-            answer->set_value(job(*shard));
+            answer->set(job(*shard));
         } catch (const std::exception & e) {
-            answer->set_value(ShardStatus::Internal(e.what()));
+            answer->set(ShardStatus::Internal(e.what()));
         } catch (...) {
-            answer->set_value(ShardStatus::Internal("unknown exception"));
+            answer->set(ShardStatus::Internal("unknown exception"));
         }
     };
     {
@@ -71,9 +110,10 @@ ShardStatus Engine::call(QueuedKind kind, uint32_t rows, const std::function<Sha
         }
         item.meta.decode_forwards_seen = scheduler_.decode_forwards();
         queue_.push_back(std::move(item));
+        posted_locked();
     }
     wake_.notify_all();
-    return answered.get();
+    return answer->take(handoff_spin_);
 }
 
 void Engine::set_step_sink(StepSink * sink) {
@@ -106,6 +146,7 @@ void Engine::unbind(uint64_t generation) {
                                         return i.meta.kind == QueuedKind::kStep && i.meta.binding == generation;
                                     }),
                      queue_.end());
+        posted_locked();
     }
     wake_.notify_all();  // a hold may have waited for it
 }
@@ -139,6 +180,7 @@ void Engine::post_steps(std::vector<StepWork> && steps) {
             item.step = std::move(work);
             queue_.push_back(std::move(item));
         }
+        posted_locked();
     }
     wake_.notify_all();
 }
@@ -151,6 +193,7 @@ void Engine::peer_lost(uint64_t generation) {
             return;
         }
         found->second.peer_lost = true;
+        posted_locked();
     }
     wake_.notify_all();
 }
@@ -175,11 +218,11 @@ void Engine::loop() {
         }
         const Decision decision = scheduler_.next(view, sessions, SchedulerClock::now());
         if (const auto * hold = std::get_if<HoldUntil>(&decision)) {
-            wake_.wait_until(lock, hold->deadline);  // the lock-step window's end, or a chunk's pace
+            await_work(lock, &hold->deadline);  // the lock-step window's end, or a chunk's pace
             continue;
         }
         if (std::holds_alternative<Idle>(decision)) {
-            wake_.wait(lock);
+            await_work(lock, nullptr);
             continue;
         }
         const auto & chosen = std::get<RunBatch>(decision).items;
@@ -210,6 +253,26 @@ void Engine::loop() {
         }
     }
     queue_.clear();
+}
+
+void Engine::await_work(std::unique_lock<std::mutex> & lock, const SchedulerTime * deadline) {
+    const uint64_t seen = posted_.load(std::memory_order_relaxed);
+    std::chrono::microseconds spin = handoff_spin_;
+    if (deadline != nullptr) {
+        spin = std::min(spin, std::chrono::duration_cast<std::chrono::microseconds>(*deadline - SchedulerClock::now()));
+    }
+    if (spin.count() > 0) {
+        lock.unlock();
+        spin_until([&] { return posted_.load(std::memory_order_acquire) != seen; }, spin);
+        lock.lock();
+    }
+    // (posts move posted_ under mu_: one that came after the spin is seen here, none is lost)
+    const auto moved = [&] { return stopping_ || posted_.load(std::memory_order_relaxed) != seen; };
+    if (deadline != nullptr) {
+        wake_.wait_until(lock, *deadline, moved);
+    } else {
+        wake_.wait(lock, moved);
+    }
 }
 
 void Engine::run(std::vector<Item> & items) {

@@ -12,7 +12,6 @@ import contextlib
 import os
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
@@ -765,31 +764,3 @@ async def test_a_last_range_draws_a_sampled_sessions_tokens_as_its_owner_would(s
                     "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
                 )
                 await worker.client.remove_sequence(0)
-
-
-def _cpu_s(pid: int) -> float:
-    """The CPU time (user + system) process ``pid`` took so far, from /proc/PID/stat."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
-async def test_a_worker_that_spins_for_its_hand_offs_takes_no_cpu_when_nothing_comes(qwen2_tiny_path) -> None:
-    """--handoff-spin-us: the engine thread polls its queue for a while after its last batch
-    before it sleeps, and a caller polls for its answer; both spins are bounded, so a worker that
-    stepped and then gets nothing sleeps: over a quiet second it takes almost no CPU (a spin that
-    never ended would take most of a core; the second is the measuring window, not a wait)."""
-    spin_us = 20_000  # long, so that a spin with no end would show
-    async with open_chain(qwen2_tiny_path, cuts=((0, 6),), extra_args=("--handoff-spin-us", str(spin_us))) as (worker,):
-        session = await bind_route([worker], seq_id=0)
-        port = worker.info.data_port
-        async with open_data_link(HOST, port) as to_first, open_data_link(HOST, port) as from_last:
-            await from_last.send(session.attach_frame())
-            n = len(PROMPT)
-            await _step_once(session, to_first, from_last, 0, list(range(n)), PROMPT)
-            for i in range(4):  # data-plane steps: the engine spins after each
-                await _step_once(session, to_first, from_last, 1 + i, [n + i], [5 + i])
-            await worker.client.forward([SeqInput(seq_id=1, positions=[0, 1], token_ids=[3, 4])])  # a caller's spin
-            before = _cpu_s(worker.process.pid)
-            await trio.sleep(1.0)
-            used_s = _cpu_s(worker.process.pid) - before
-    assert used_s < 0.1, f"an idle worker took {used_s:.2f} s of CPU in 1 s"

@@ -1,13 +1,13 @@
 // baton-handoff-bench: what the engine's hand-off costs (native/src/engine.h): one Engine over a
 // small Shard (the model's first block), and a caller that posts a job that does nothing and
-// waits for its answer, after an idle gap, at each handoff_spin. A gRPC Forward or sequence call
-// pays this twice (to the engine thread and back); a data-plane step once (to the engine).
+// waits for its answer, after an idle gap. A gRPC Forward or sequence call pays this twice (a
+// wake-up of the engine thread, and one of the caller); a data-plane step once (the engine's).
 //
-// usage: baton-handoff-bench MODEL [--calls N] [--spins-us 0,50,200,500] [--gaps-us 0,100,1000,5000]
-// --gaps-us: the caller sleeps this long before each call (not timed): the engine, done with the
-// call before, has spun for up to its handoff_spin by then and sleeps if the gap is longer.
-// Prints one JSON line per (spin, gap): the calls' wall us (median, p90) and the process's CPU
-// us per call (getrusage: the caller's, the engine's spin and the job's).
+// usage: baton-handoff-bench MODEL [--calls N] [--gaps-us 0,100,1000,5000]
+// --gaps-us: the caller sleeps this long before each call (not timed), so both threads sleep
+// before it, as a served worker's do between a lone session's steps.
+// Prints one JSON line per gap: the calls' wall us (median, p90) and the process's CPU us per
+// call (getrusage).
 #include "engine.h"
 #include "shard.h"
 
@@ -44,7 +44,7 @@ double cpu_us() {
 
 int main(int argc, char ** argv) {
     if (argc < 2) {
-        std::fprintf(stderr, "usage: baton-handoff-bench MODEL [--calls N] [--spins-us A,B,..] [--gaps-us A,B,..]\n");
+        std::fprintf(stderr, "usage: baton-handoff-bench MODEL [--calls N] [--gaps-us A,B,..]\n");
         return 2;
     }
     baton::ShardConfig config;
@@ -55,12 +55,10 @@ int main(int argc, char ** argv) {
     config.max_sequences = 1;
     config.threads = 1;
     int calls = 400;
-    std::vector<long> spins{0, 50, 200, 500};
     std::vector<long> gaps{0, 100, 1000, 5000};
     for (int i = 2; i + 1 < argc; i += 2) {
         const std::string flag = argv[i];
         if (flag == "--calls") calls = std::atoi(argv[i + 1]);
-        else if (flag == "--spins-us") spins = parse_list(argv[i + 1]);
         else if (flag == "--gaps-us") gaps = parse_list(argv[i + 1]);
         else {
             std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
@@ -69,10 +67,8 @@ int main(int argc, char ** argv) {
     }
     baton::Shard shard(config);
     const auto nothing = [](baton::Shard &) { return baton::ShardStatus::Ok(); };
-    for (long spin : spins) {
-        baton::EngineConfig engine_config;
-        engine_config.handoff_spin = std::chrono::microseconds(spin);
-        baton::Engine engine(&shard, engine_config);
+    {
+        baton::Engine engine(&shard, baton::EngineConfig{});
         for (long gap : gaps) {
             std::vector<double> wall_us;
             wall_us.reserve(calls);
@@ -87,9 +83,9 @@ int main(int argc, char ** argv) {
             }
             const double cpu_per_call = (cpu_us() - cpu_before) / calls;
             std::sort(wall_us.begin(), wall_us.end());
-            std::printf("{\"spin_us\": %ld, \"gap_us\": %ld, \"calls\": %d, \"median_us\": %.1f, \"p90_us\": %.1f, "
+            std::printf("{\"gap_us\": %ld, \"calls\": %d, \"median_us\": %.1f, \"p90_us\": %.1f, "
                         "\"cpu_us_per_call\": %.1f}\n",
-                        spin, gap, calls, wall_us[wall_us.size() / 2], wall_us[wall_us.size() * 9 / 10], cpu_per_call);
+                        gap, calls, wall_us[wall_us.size() / 2], wall_us[wall_us.size() * 9 / 10], cpu_per_call);
             std::fflush(stdout);
         }
     }

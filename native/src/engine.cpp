@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <future>
 #include <memory>
 #include <utility>
 
@@ -21,50 +22,10 @@ HopSchedulerConfig scheduler_config(const Shard & shard, const EngineConfig & co
 
 ShardStatus stopping() { return ShardStatus::Precondition("the worker is stopping"); }
 
-// Polls ready() until it holds or spin has passed, yielding the core each round (a thread that
-// needs the core takes it; the spin only shortens this thread's own wake-up). Returns whether
-// ready() held.
-template <class Ready>
-bool spin_until(const Ready & ready, std::chrono::microseconds spin) {
-    const SchedulerTime end = SchedulerClock::now() + spin;
-    while (!ready()) {
-        if (SchedulerClock::now() >= end) {
-            return false;
-        }
-        std::this_thread::yield();
-    }
-    return true;
-}
-
-// A caller's answer: the engine fills it; the caller polls done (handoff_spin), then sleeps.
-struct Answer {
-    std::mutex mu;
-    std::condition_variable answered;
-    std::atomic<bool> done{false};
-    ShardStatus status;
-
-    void set(ShardStatus s) {
-        status = std::move(s);
-        {
-            std::lock_guard<std::mutex> lock(mu);
-            done.store(true, std::memory_order_release);
-        }
-        answered.notify_one();
-    }
-    ShardStatus take(std::chrono::microseconds spin) {
-        const auto is_done = [this] { return done.load(std::memory_order_acquire); };
-        if (spin.count() <= 0 || !spin_until(is_done, spin)) {
-            std::unique_lock<std::mutex> lock(mu);
-            answered.wait(lock, is_done);
-        }
-        return std::move(status);
-    }
-};
-
 }  // namespace
 
 Engine::Engine(Shard * shard, const EngineConfig & config)
-    : shard_(shard), scheduler_(scheduler_config(*shard, config)), handoff_spin_(config.handoff_spin) {
+    : shard_(shard), scheduler_(scheduler_config(*shard, config)) {
     thread_ = std::thread([this] { loop(); });
 }
 
@@ -74,7 +35,6 @@ void Engine::stop() {
     {
         std::lock_guard<std::mutex> lock(mu_);
         stopping_ = true;
-        posted_locked();
     }
     wake_.notify_all();
     if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) {
@@ -83,8 +43,9 @@ void Engine::stop() {
 }
 
 ShardStatus Engine::call(QueuedKind kind, uint32_t rows, const std::function<ShardStatus(Shard &)> & job) {
-    // shared: the engine thread may still be inside set when the caller returns
-    auto answer = std::make_shared<Answer>();
+    // shared: the engine thread may still be inside set_value when the caller returns
+    auto answer = std::make_shared<std::promise<ShardStatus>>();
+    std::future<ShardStatus> answered = answer->get_future();
     Item item;
     item.meta.kind = kind;
     item.meta.rows = rows;
@@ -92,15 +53,15 @@ ShardStatus Engine::call(QueuedKind kind, uint32_t rows, const std::function<Sha
     // (the caller blocks until the job ran, so job stays valid)
     item.job = [answer, &job](Shard * shard) {
         if (shard == nullptr) {
-            answer->set(stopping());
+            answer->set_value(stopping());
             return;
         }
         try {
-            answer->set(job(*shard));
+            answer->set_value(job(*shard));
         } catch (const std::exception & e) {
-            answer->set(ShardStatus::Internal(e.what()));
+            answer->set_value(ShardStatus::Internal(e.what()));
         } catch (...) {
-            answer->set(ShardStatus::Internal("unknown exception"));
+            answer->set_value(ShardStatus::Internal("unknown exception"));
         }
     };
     {
@@ -110,10 +71,9 @@ ShardStatus Engine::call(QueuedKind kind, uint32_t rows, const std::function<Sha
         }
         item.meta.decode_forwards_seen = scheduler_.decode_forwards();
         queue_.push_back(std::move(item));
-        posted_locked();
     }
     wake_.notify_all();
-    return answer->take(handoff_spin_);
+    return answered.get();
 }
 
 void Engine::set_step_sink(StepSink * sink) {
@@ -146,7 +106,6 @@ void Engine::unbind(uint64_t generation) {
                                         return i.meta.kind == QueuedKind::kStep && i.meta.binding == generation;
                                     }),
                      queue_.end());
-        posted_locked();
     }
     wake_.notify_all();  // a hold may have waited for it
 }
@@ -180,7 +139,6 @@ void Engine::post_steps(std::vector<StepWork> && steps) {
             item.step = std::move(work);
             queue_.push_back(std::move(item));
         }
-        posted_locked();
     }
     wake_.notify_all();
 }
@@ -193,7 +151,6 @@ void Engine::peer_lost(uint64_t generation) {
             return;
         }
         found->second.peer_lost = true;
-        posted_locked();
     }
     wake_.notify_all();
 }
@@ -218,11 +175,11 @@ void Engine::loop() {
         }
         const Decision decision = scheduler_.next(view, sessions, SchedulerClock::now());
         if (const auto * hold = std::get_if<HoldUntil>(&decision)) {
-            await_work(lock, &hold->deadline);  // the lock-step window's end, or a chunk's pace
+            wake_.wait_until(lock, hold->deadline);  // the lock-step window's end, or a chunk's pace
             continue;
         }
         if (std::holds_alternative<Idle>(decision)) {
-            await_work(lock, nullptr);
+            wake_.wait(lock);
             continue;
         }
         const auto & chosen = std::get<RunBatch>(decision).items;
@@ -253,26 +210,6 @@ void Engine::loop() {
         }
     }
     queue_.clear();
-}
-
-void Engine::await_work(std::unique_lock<std::mutex> & lock, const SchedulerTime * deadline) {
-    const uint64_t seen = posted_.load(std::memory_order_relaxed);
-    std::chrono::microseconds spin = handoff_spin_;
-    if (deadline != nullptr) {
-        spin = std::min(spin, std::chrono::duration_cast<std::chrono::microseconds>(*deadline - SchedulerClock::now()));
-    }
-    if (spin.count() > 0) {
-        lock.unlock();
-        spin_until([&] { return posted_.load(std::memory_order_acquire) != seen; }, spin);
-        lock.lock();
-    }
-    // (posts move posted_ under mu_: one that came after the spin is seen here, none is lost)
-    const auto moved = [&] { return stopping_ || posted_.load(std::memory_order_relaxed) != seen; };
-    if (deadline != nullptr) {
-        wake_.wait_until(lock, *deadline, moved);
-    } else {
-        wake_.wait(lock, moved);
-    }
 }
 
 void Engine::run(std::vector<Item> & items) {

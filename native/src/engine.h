@@ -21,7 +21,6 @@
 #include "shard.h"
 #include "worker.pb.h"
 
-#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -56,12 +55,6 @@ public:
 struct EngineConfig {
     std::chrono::milliseconds prefill_pace_max{1000};  // HopSchedulerConfig::prefill_pace_max
     std::chrono::milliseconds decoding_lapse{2500};    // HopSchedulerConfig::decoding_lapse
-    // The hand-off's bounded spin (0: none): the engine thread polls its queue this long after
-    // it runs out of work before it sleeps on its condition variable, and a caller polls this
-    // long for its answer before it sleeps, yielding its core each round. Work that comes
-    // within it skips a futex wake-up (the wakee's scheduling delay); an idle engine spins once
-    // after its last batch, then sleeps: it costs no CPU while nothing comes.
-    std::chrono::microseconds handoff_spin{0};
 };
 
 class Engine final {
@@ -111,11 +104,6 @@ private:
     void loop();
     // Runs one batch (the queue lock is not held).
     void run(std::vector<Item> & items);
-    // Sleeps until new work is posted (posted_ moves), a stop, or deadline (nullptr: none),
-    // spinning up to handoff_spin first. lock: held on entry and on return.
-    void await_work(std::unique_lock<std::mutex> & lock, const SchedulerTime * deadline);
-    // Under mu_: new work or a session change for the engine to look at; wakes it.
-    void posted_locked() { posted_.fetch_add(1, std::memory_order_release); }
 
     Shard * shard_;
     HopScheduler scheduler_;  // guarded by mu_
@@ -128,10 +116,6 @@ private:
     bool in_steps_ = false;  // the engine thread is inside sink_->run_steps
     bool stopping_ = false;
     uint64_t batches_ = 0;
-    // Moves (under mu_) with every post, session change and stop: what the engine's spin
-    // polls without the lock.
-    std::atomic<uint64_t> posted_{0};
-    const std::chrono::microseconds handoff_spin_;
     std::thread thread_;
 };
 

@@ -25,7 +25,7 @@ namespace {
 
 constexpr const char * kUsage =
     "usage: baton-worker --model PATH --layers BEGIN:END --socket PATH [--forward-socket PATH]\n"
-    "                    [--data-listen HOST:PORT] [--prefill-pace-ms N] [--handoff-spin-us N]\n"
+    "                    [--data-listen HOST:PORT] [--prefill-pace-ms N]\n"
     "                    [--data-unproven-timeout-ms N] [--data-max-connections N]\n"
     "                    [--ctx-size N] [--max-sequences N]\n"
     "                    [--batch-size N] [--threads N] [--threads-decode N] [--gpu-layers N]\n"
@@ -46,9 +46,6 @@ constexpr const char * kUsage =
     "                    Forward or a data-plane step of more than one row) waits up to N ms for\n"
     "                    the next decode Forward, so that chunks and decode steps take turns\n"
     "                    (default 1000; 0: no pacing)\n"
-    "  --handoff-spin-us N  the engine thread polls its queue N us after its last batch before it\n"
-    "                    sleeps, and a caller polls N us for its answer, yielding the core each\n"
-    "                    round: work that comes meanwhile skips a thread wake-up (default 0: off)\n"
     "  --data-unproven-timeout-ms N  a data-plane connection that has sent no frame of a session\n"
     "                    bound here (sealed with its key) is closed after N ms (default 30000)\n"
     "  --data-max-connections N  data-plane connections, accepted and dialled (default 256); when\n"
@@ -180,8 +177,6 @@ int main(int argc, char ** argv) {
             }
         } else if (flag == "--prefill-pace-ms") {
             options.prefill_pace_ms = static_cast<uint32_t>(parse_integer(flag, take_value(), 0, 600000));
-        } else if (flag == "--handoff-spin-us") {
-            options.handoff_spin_us = static_cast<uint32_t>(parse_integer(flag, take_value(), 0, 100000));
         } else if (flag == "--data-unproven-timeout-ms") {
             options.data_unproven_timeout_ms = static_cast<uint32_t>(parse_integer(flag, take_value(), 1, 3600000));
         } else if (flag == "--data-max-connections") {

@@ -206,7 +206,6 @@ int serve_worker(const WorkerOptions & options) {
     EngineConfig engine_config;
     engine_config.prefill_pace_max = std::chrono::milliseconds(options.prefill_pace_ms);
     engine_config.decoding_lapse = default_decoding_lapse(engine_config.prefill_pace_max);
-    engine_config.handoff_spin = std::chrono::microseconds(options.handoff_spin_us);
     ShardWorkerService service(shard.get(), engine_config);
     grpc::ServerBuilder builder;
     builder.AddListeningPort("unix:" + options.socket_path, grpc::InsecureServerCredentials());

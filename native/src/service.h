@@ -107,7 +107,6 @@ struct WorkerOptions {
     std::string data_host;
     uint16_t data_port = 0;
     uint32_t prefill_pace_ms = 1000;  // HopSchedulerConfig::prefill_pace_max (0: no pacing)
-    uint32_t handoff_spin_us = 0;     // EngineConfig::handoff_spin (0: none)
     uint32_t data_unproven_timeout_ms = 30000;  // DataPlaneLimits::unproven_timeout
     uint32_t data_max_connections = 256;        // DataPlaneLimits::max_connections
     // > 0: SIGHUP (the parent-death signal main() arms on Linux) stops the worker as SIGTERM

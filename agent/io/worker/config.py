@@ -45,13 +45,6 @@ class WorkerConfig:
         parse=cli_args.non_negative_int,
         metavar="MS",
     )
-    handoff_spin_us: int | None = setting(
-        None,
-        "the engine thread polls its queue this long after its last batch before it sleeps, and a caller"
-        " this long for its answer (default 0: off)",
-        parse=cli_args.non_negative_int,
-        metavar="US",
-    )
     data_unproven_timeout_ms: int | None = setting(
         None,
         "a data-plane connection that has sent no frame of a session bound here is closed after this long"

@@ -458,9 +458,12 @@ async def test_a_hold_ended_by_a_chunk_leaves_no_hold_behind(qwen2_tiny_path) ->
     once) leaves nothing behind: the next hold still holds (a stale hold would end it at once).
     The timing half (no deadline left behind, a new hold gets a window of its own) is proven on
     a fake clock: native/tests/hop_scheduler_tests.cpp, "a chunk, a refusal or a step nobody
-    holds ends a hold at once"."""
+    holds ends a hold at once". Pacing is off here: while A decodes, a paced chunk would wait
+    for the convoy's decode Forward instead of ending the hold ("a paced chunk neither runs nor
+    ends a lock-step hold")."""
     window_s = 2.0
-    async with open_chain(qwen2_tiny_path, cuts=((0, 6),), max_sequences=3) as (worker,):
+    no_pacing = ("--prefill-pace-ms", "0")
+    async with open_chain(qwen2_tiny_path, cuts=((0, 6),), max_sequences=3, extra_args=no_pacing) as (worker,):
         a, b = [await bind_route([worker], seq_id=i, decode_gather_us=int(window_s * 1e6)) for i in range(2)]
         c = await bind_route([worker], seq_id=2)  # not lock-step
         port = worker.info.data_port

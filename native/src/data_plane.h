@@ -32,10 +32,11 @@
 // set), the rest run in the Forward right after, so that on a route of S machines the groups
 // are at different hops at once instead of travelling as one convoy.
 //
-// Prefill pacing (--prefill-pace-ms): while sessions decode here, a node's prefill Forward (a
-// prompt chunk, rows > 1) starts right after the next decode Forward, so chunks and decode
-// Forwards alternate in step with the decoding sessions: each decode step waits behind one
-// chunk at a hop, every time, and the decoding sessions' inter-token gaps stay even
+// Prefill pacing (--prefill-pace-ms): while sessions decode here, a prompt chunk (rows > 1: a
+// node's prefill Forward, or a data-plane step of a prompt, whose chunks come pipelined, many
+// at once) starts right after the next decode Forward, one chunk a decode Forward, so chunks and
+// decode Forwards alternate in step with the decoding sessions: each decode step waits behind
+// at most one chunk at a hop, and the decoding sessions' inter-token gaps stay even
 // (Sarathi-Serve's one chunk per iteration, as two Forwards, which keeps every session's bits
 // those of its solo run). The rules themselves live in hop_scheduler.h, tested on a fake clock.
 //

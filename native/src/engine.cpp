@@ -135,6 +135,7 @@ void Engine::post_steps(std::vector<StepWork> && steps) {
             item.meta.rows = rows;
             item.meta.refused = refused;
             item.meta.queued_at = work.read_at;
+            item.meta.decode_forwards_seen = scheduler_.decode_forwards();  // (a chunk's pacing)
             item.step = std::move(work);
             queue_.push_back(std::move(item));
         }

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <optional>
-#include <unordered_set>
 
 namespace baton {
 
@@ -18,7 +17,11 @@ const SessionView * find(const ByBinding & by_binding, uint64_t binding) {
     return found == by_binding.end() ? nullptr : found->second;
 }
 
-bool is_chunk(const QueuedItem & item) { return item.kind == QueuedKind::kNodeForward && item.rows > 1; }
+// A prompt chunk: a node's Forward, or a data-plane step (the prompt on the data plane), of
+// more than one row. A refused step is answered, not computed: never one.
+bool is_chunk(const QueuedItem & item) {
+    return item.rows > 1 && (item.kind == QueuedKind::kNodeForward || (item.kind == QueuedKind::kStep && !item.refused));
+}
 
 }  // namespace
 
@@ -30,29 +33,36 @@ bool HopScheduler::decoding_now(const SessionView & s) const {
     return waived == waived_.end() || waived->second != s.steps_taken;
 }
 
-bool HopScheduler::decoding_lately(const ByBinding & by_binding, SchedulerTime now) const {
-    for (const auto & [binding, s] : by_binding) {
-        if (decoding_now(*s) && now - s->last_step_at < config_.decoding_lapse) {
-            return true;
-        }
-    }
-    return false;
+bool HopScheduler::decoding_lately(const SessionView & s, const std::unordered_set<uint64_t> & prefilling,
+                                   SchedulerTime now) const {
+    // a session with a chunk of its own queued waits for that chunk, not the other way round
+    return decoding_now(s) && prefilling.count(s.binding) == 0 && now - s.last_step_at < config_.decoding_lapse;
 }
 
-bool HopScheduler::hold_steps(const QueueView & queue, const ByBinding & by_binding, SchedulerTime now) {
-    const auto front = std::find_if(queue.begin(), queue.end(),
-                                    [](const QueuedItem & q) { return q.kind == QueuedKind::kStep; });
-    if (front == queue.end()) {
+bool HopScheduler::chunk_turn(const QueuedItem & chunk, SchedulerTime now) const {
+    // a decode Forward since the chunk came and since the last chunk ran, or its pace is out
+    return decode_forwards_ > std::max(chunk.decode_forwards_seen, decode_forwards_at_chunk_) ||
+           now >= std::max(chunk.queued_at, last_chunk_at_) + config_.prefill_pace_max;
+}
+
+bool HopScheduler::hold_steps(const QueueView & queue, const std::vector<bool> & paced, const ByBinding & by_binding,
+                              SchedulerTime now) {
+    size_t front = 0;
+    while (front < queue.size() && (queue[front].kind != QueuedKind::kStep || paced[front])) {
+        ++front;
+    }
+    if (front == queue.size()) {
         return false;
     }
-    const SessionView * front_session = find(by_binding, front->binding);
-    if (front_session == nullptr || front_session->gather_us == 0 || front->rows != 1 || front->refused) {
+    const SessionView * front_session = find(by_binding, queue[front].binding);
+    if (front_session == nullptr || front_session->gather_us == 0 || queue[front].rows != 1 || queue[front].refused) {
         return false;  // not a lock-step decode step
     }
     std::unordered_set<uint64_t> waiting;
-    for (const QueuedItem & q : queue) {
-        if (q.kind != QueuedKind::kStep) {
-            continue;  // a node's own Forward runs beside a hold; it does not end one
+    for (size_t i = 0; i < queue.size(); ++i) {
+        const QueuedItem & q = queue[i];
+        if (q.kind != QueuedKind::kStep || paced[i]) {
+            continue;  // a node's own Forward, or a paced chunk, runs beside a hold; it does not end one
         }
         const SessionView * s = find(by_binding, q.binding);
         if (s == nullptr) {
@@ -86,10 +96,10 @@ bool HopScheduler::hold_steps(const QueueView & queue, const ByBinding & by_bind
     return false;
 }
 
-HopScheduler::StepsChoice HopScheduler::choose_steps(const QueueView & queue, const ByBinding & by_binding,
-                                                     SchedulerTime now) {
+HopScheduler::StepsChoice HopScheduler::choose_steps(const QueueView & queue, const std::vector<bool> & paced,
+                                                     const ByBinding & by_binding, SchedulerTime now) {
     StepsChoice choice;
-    if (hold_steps(queue, by_binding, now)) {
+    if (hold_steps(queue, paced, by_binding, now)) {
         choice.held = true;
         return choice;
     }
@@ -128,8 +138,8 @@ HopScheduler::StepsChoice HopScheduler::choose_steps(const QueueView & queue, co
             continue;
         }
         const bool first_of_session = seen.insert(q.binding).second;
-        if (!first_of_session) {
-            continue;  // one step a sequence a Forward, in order
+        if (!first_of_session || paced[i]) {
+            continue;  // one step a sequence a Forward, in order; a paced chunk waits for a decode Forward
         }
         if (decode_first && q.rows != 1) {
             continue;  // a chunk, after a chunk, while a decode step waits
@@ -152,6 +162,11 @@ HopScheduler::StepsChoice HopScheduler::choose_steps(const QueueView & queue, co
     return choice;
 }
 
+void HopScheduler::chunk_ran(SchedulerTime now) {
+    decode_forwards_at_chunk_ = decode_forwards_;
+    last_chunk_at_ = now;
+}
+
 Decision HopScheduler::next(const QueueView & queue, const SessionsView & sessions, SchedulerTime now) {
     ByBinding by_binding;
     by_binding.reserve(sessions.size());
@@ -163,33 +178,52 @@ Decision HopScheduler::next(const QueueView & queue, const SessionsView & sessio
         it = s == nullptr || s->steps_taken != it->second ? waived_.erase(it) : std::next(it);
     }
 
-    StepsChoice steps = choose_steps(queue, by_binding, now);
+    // Prefill pacing: while others decode here, a chunk waits for a decode Forward (see chunk_turn).
+    std::unordered_set<uint64_t> prefilling;  // bound sessions with a chunk of their own queued
+    for (const QueuedItem & q : queue) {
+        if (q.kind == QueuedKind::kStep && is_chunk(q)) {
+            prefilling.insert(q.binding);
+        }
+    }
+    std::optional<SchedulerTime> pace_wake;  // the earliest a paced chunk may run without a decode Forward
+    bool decoding = false;
+    if (config_.prefill_pace_max.count() > 0) {
+        for (const auto & [binding, s] : by_binding) {
+            if (decoding_lately(*s, prefilling, now)) {
+                decoding = true;
+                // or when its lapse ends (a session that stopped decoding holds no chunk back)
+                const SchedulerTime lapse_end = s->last_step_at + config_.decoding_lapse;
+                pace_wake = pace_wake ? std::min(*pace_wake, lapse_end) : lapse_end;
+            }
+        }
+    }
+    std::vector<bool> paced(queue.size(), false);
+    for (size_t i = 0; i < queue.size() && decoding; ++i) {
+        const QueuedItem & q = queue[i];
+        if (is_chunk(q) && (q.kind != QueuedKind::kStep || find(by_binding, q.binding) != nullptr) &&
+            !chunk_turn(q, now)) {
+            paced[i] = true;
+            const SchedulerTime pace_end = std::max(q.queued_at, last_chunk_at_) + config_.prefill_pace_max;
+            pace_wake = std::min(*pace_wake, pace_end);
+        }
+    }
+    const bool any_paced = std::find(paced.begin(), paced.end(), true) != paced.end();
 
-    // The oldest node item that may run now; a paced chunk waits for the next decode Forward.
+    StepsChoice steps = choose_steps(queue, paced, by_binding, now);
+
+    // The oldest node item that may run now.
     std::optional<size_t> node;
     std::optional<SchedulerTime> deadline;
     if (steps.held) {
         deadline = hold_until_;
     }
-    const bool pacing = config_.prefill_pace_max.count() > 0;
-    const bool decoding = pacing && decoding_lately(by_binding, now);
+    if (any_paced) {
+        deadline = deadline ? std::min(*deadline, *pace_wake) : *pace_wake;
+    }
     for (size_t i = 0; i < queue.size() && !node; ++i) {
-        const QueuedItem & q = queue[i];
-        if (q.kind == QueuedKind::kStep) {
-            continue;
+        if (queue[i].kind != QueuedKind::kStep && !paced[i]) {
+            node = i;
         }
-        const SchedulerTime pace_end = q.queued_at + config_.prefill_pace_max;
-        if (is_chunk(q) && decoding && decode_forwards_ <= q.decode_forwards_seen && now < pace_end) {
-            SchedulerTime wake = pace_end;
-            for (const SessionView & s : sessions) {  // or when the last decoding session lapses
-                if (decoding_now(s) && s.last_step_at + config_.decoding_lapse > now) {
-                    wake = std::min(wake, s.last_step_at + config_.decoding_lapse);
-                }
-            }
-            deadline = deadline ? std::min(*deadline, wake) : wake;
-            continue;
-        }
-        node = i;
     }
 
     bool run_steps = !steps.batch.empty();
@@ -204,10 +238,16 @@ Decision HopScheduler::next(const QueueView & queue, const SessionsView & sessio
             ++decode_forwards_;
         }
         last_was_chunk_ = !steps.decode;  // a data-plane prompt chunk, as a node's
+        if (!steps.decode && steps.computes) {
+            chunk_ran(now);
+        }
         return RunBatch{std::move(steps.batch)};
     }
     if (node) {
         last_was_chunk_ = is_chunk(queue[*node]);
+        if (last_was_chunk_) {
+            chunk_ran(now);
+        }
         return RunBatch{{*node}};
     }
     if (deadline) {

@@ -18,11 +18,15 @@
 //   session whose peer connection is gone is not waited for.
 // - Decode groups: a decode batch takes at most ceil(D / groups) steps (D: the sessions
 //   decoding here with groups set); the rest run in the batch right after.
-// - Prefill pacing: a node's prompt chunk (a Forward with more than one row for a sequence)
-//   waits for the next data-plane decode Forward (at most prefill_pace_max), unless nobody
-//   decodes here lately; after a chunk (a node's, or a batch of data-plane prompt chunks), a
-//   ready decode batch goes first, so no decode step waits behind more than one chunk, also
-//   when a prompt's chunks arrive together (pipelined prefill).
+// - Prefill pacing: while another session decodes here lately, prompt chunks (a node's Forward
+//   of more than one row, or a data-plane step of more than one row: the prompt on the data
+//   plane) take turns with decode Forwards: a chunk waits for a data-plane decode Forward decided
+//   after it was queued and after the last chunk ran (at most prefill_pace_max from the later of
+//   the two), and after a chunk a ready decode batch goes first. So no decode step waits behind
+//   more than one chunk at a hop, also when a prompt's chunks arrive together (pipelined
+//   prefill), and no chunk waits behind more than a decode Forward (and steps older than it).
+//   A paced chunk neither runs nor ends a lock-step hold. With nobody decoding, chunks run at
+//   once, back to back.
 // - Everything else (node decode Forwards, sequence operations, refused steps) runs in
 //   arrival order, one item a batch, except that refused steps never wait for a hold.
 //
@@ -33,6 +37,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <unordered_map>
+#include <unordered_set>
 #include <variant>
 #include <vector>
 
@@ -76,7 +81,7 @@ struct QueuedItem {
     uint32_t rows = 0;      // kStep: its positions; kNodeForward: its longest entry's positions
     bool refused = false;   // kStep: it carries an error (answered, not computed)
     SchedulerTime queued_at{};
-    // kNodeForward: HopScheduler::decode_forwards() when it was queued (pacing waits for more)
+    // HopScheduler::decode_forwards() when it was queued (a chunk's pacing waits for more)
     uint64_t decode_forwards_seen = 0;
 };
 
@@ -128,18 +133,28 @@ private:
         bool decode = false;          // the batch is decode rows
         bool computes = false;        // not every step in it is refused
     };
-    StepsChoice choose_steps(const QueueView & queue, const std::unordered_map<uint64_t, const SessionView *> & by_binding,
-                             SchedulerTime now);
+    // paced: per queue item, a chunk that waits for a decode Forward (it neither runs nor ends a hold)
+    StepsChoice choose_steps(const QueueView & queue, const std::vector<bool> & paced,
+                             const std::unordered_map<uint64_t, const SessionView *> & by_binding, SchedulerTime now);
     // Whether lock-step holds the first queued step now (it may start a hold, end one, waive
     // stragglers).
-    bool hold_steps(const QueueView & queue, const std::unordered_map<uint64_t, const SessionView *> & by_binding,
-                    SchedulerTime now);
+    bool hold_steps(const QueueView & queue, const std::vector<bool> & paced,
+                    const std::unordered_map<uint64_t, const SessionView *> & by_binding, SchedulerTime now);
     bool decoding_now(const SessionView & s) const;  // decoding, not waived, peer not lost
-    bool decoding_lately(const std::unordered_map<uint64_t, const SessionView *> & by_binding, SchedulerTime now) const;
+    // decoding_now, stepped within decoding_lapse, and no chunk of its own queued (prefilling)
+    bool decoding_lately(const SessionView & s, const std::unordered_set<uint64_t> & prefilling,
+                         SchedulerTime now) const;
+    // Whether a chunk may run now while others decode: a decode Forward was decided since it
+    // was queued and since the last chunk ran, or prefill_pace_max passed since the later of
+    // the two.
+    bool chunk_turn(const QueuedItem & chunk, SchedulerTime now) const;
+    void chunk_ran(SchedulerTime now);  // a chunk batch was decided
 
     HopSchedulerConfig config_;
     uint64_t decode_forwards_ = 0;
     bool last_was_chunk_ = false;    // the last batch decided was a prompt chunk (a node's or data-plane steps)
+    uint64_t decode_forwards_at_chunk_ = 0;  // decode_forwards_ when the last chunk batch was decided
+    SchedulerTime last_chunk_at_{};          // when the last chunk batch was decided
     bool holding_ = false;           // a lock-step hold is on, until hold_until_
     SchedulerTime hold_until_{};
     // stragglers: binding -> steps_taken when it missed a window (waived until it changes)

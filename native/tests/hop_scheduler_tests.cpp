@@ -79,6 +79,7 @@ struct Hop {
         q.rows = rows;
         q.refused = refused;
         q.queued_at = now;
+        q.decode_forwards_seen = scheduler.decode_forwards();
         queue.push_back(q);
     }
     // A node's own Forward (rows > 1: a prompt chunk).
@@ -164,7 +165,8 @@ TEST_CASE("a batch is laid out by ascending sequence id, whatever the arrival or
 }
 
 TEST_CASE("shapes do not mix, a session's steps go one a batch in order, and the row budget holds") {
-    Hop hop(HopSchedulerConfig{/*row_budget=*/8});
+    // (pacing off: session 1 decodes, so its chunks would wait for its decode Forward)
+    Hop hop(HopSchedulerConfig{/*row_budget=*/8, milliseconds(0), milliseconds(0)});
     for (uint32_t seq : {0, 1, 2, 3}) {
         hop.bind(seq);
     }
@@ -240,7 +242,8 @@ TEST_CASE("a lost peer: a session whose connection is gone is not waited for") {
 TEST_CASE("a chunk, a refusal or a step nobody holds ends a hold at once, and leaves no hold behind") {
     for (const bool chunk : {true, false}) {
         CAPTURE(chunk);
-        Hop hop;
+        // (pacing off: a paced chunk neither runs nor ends a hold, see "a paced chunk ...")
+        Hop hop(HopSchedulerConfig{512, milliseconds(0), milliseconds(0)});
         hop.bind(0, kWindowUs);
         hop.bind(1, kWindowUs);
         hop.bind(2);  // not lock-step
@@ -273,19 +276,117 @@ TEST_CASE("a chunk, a refusal or a step nobody holds ends a hold at once, and le
     }
 }
 
-TEST_CASE("a prompt's chunks queued together take turns with the decoding sessions' steps") {
-    Hop hop;
+TEST_CASE("data-plane prefill beside decode: no decode step waits more than one chunk") {
+    Hop hop;  // pacing 1 s, lapse 2.5 s
     hop.bind(0);
     hop.bind(1);
     hop.step(1);
     CHECK(hop.run() == Names{"s1"});  // 1 decodes
-    for (int chunk = 0; chunk < 3; ++chunk) {
-        hop.step(0, 64);  // 0's prompt, pipelined: every chunk at once
+    hop.now += milliseconds(5);
+    for (int chunk = 0; chunk < 4; ++chunk) {
+        hop.step(0, 128);  // 0's prompt, pipelined: every chunk at once
     }
+    // no decode Forward since they came: they wait for one, at most prefill_pace_max
+    CHECK(hop.held() == hop.now + milliseconds(1000));
+    for (int chunk = 0; chunk < 4; ++chunk) {
+        CAPTURE(chunk);
+        hop.now += milliseconds(20);
+        hop.step(1);  // came while the chunk before ran (or while the chunks waited)
+        CHECK(hop.run() == Names{"s1"});  // before any chunk: it waited for one chunk at most
+        CHECK(hop.run() == Names{"s0"});  // one chunk, right after the decode Forward
+        if (chunk < 3) {
+            // the next chunk waits for the next decode Forward (its pace from the chunk that ran)
+            CHECK(hop.held() == hop.now + milliseconds(1000));
+        }
+    }
+    CHECK(std::holds_alternative<Idle>(hop.next()));
+
+    SUBCASE("at a later hop: a chunk that comes right after a decode step waits for the next one") {
+        hop.now += milliseconds(20);
+        hop.step(1);
+        CHECK(hop.run() == Names{"s1"});
+        hop.step(0, 128);  // the hop before computed it after that decode step
+        CHECK(hop.held() == hop.now + milliseconds(1000));
+        hop.now += milliseconds(20);
+        hop.step(1);  // so the next decode step finds the hop free
+        CHECK(hop.run() == Names{"s1"});
+        CHECK(hop.run() == Names{"s0"});
+    }
+}
+
+TEST_CASE("data-plane prefill beside decode: after a decode Forward a chunk goes, it is not starved") {
+    Hop hop;
+    hop.bind(0);
+    hop.bind(1, 0, 2);  // decode groups of ceil(2 / 2) = 1 step: two decode Forwards a round
+    hop.bind(2, 0, 2);
     hop.step(1);
-    CHECK(hop.run() == Names{"s0"});  // the oldest first
-    CHECK(hop.run() == Names{"s1"});  // after a chunk, the waiting decode step
-    CHECK(hop.run() == Names{"s0"});  // nothing decodes: the next chunk
+    hop.step(2);
+    CHECK(hop.run() == Names{"s1"});
+    CHECK(hop.run() == Names{"s2"});
+    for (int chunk = 0; chunk < 3; ++chunk) {
+        hop.step(0, 64);
+    }
+    hop.step(1);  // every decoding session's next step is always queued
+    hop.step(2);
+    Names order;
+    for (int batch = 0; batch < 6; ++batch) {
+        const Names ran = hop.run();
+        REQUIRE(ran.size() == 1);
+        order.push_back(ran.front());
+        if (ran.front() != "s0") {
+            hop.step(ran.front() == "s1" ? 1 : 2);  // its next step, at once
+        }
+    }
+    CHECK(order == Names{"s1", "s0", "s2", "s0", "s1", "s0"});
+}
+
+TEST_CASE("a paced data-plane chunk waits prefill_pace_max at most from the last chunk, and not past the lapse") {
+    Hop hop;  // pacing 1 s, lapse 2.5 s
+    hop.bind(0);
+    hop.bind(1);
+    hop.step(1);
+    CHECK(hop.run() == Names{"s1"});  // 1 decodes, then stops stepping
+    for (int chunk = 0; chunk < 4; ++chunk) {
+        hop.step(0, 32);
+    }
+    CHECK(hop.held() == at_ms(1000));
+    hop.now = at_ms(1000);
+    CHECK(hop.run() == Names{"s0"});
+    CHECK(hop.held() == at_ms(2000));  // from the chunk that ran, not from when it came
+    hop.now = at_ms(2000);
+    CHECK(hop.run() == Names{"s0"});
+    CHECK(hop.held() == at_ms(2500));  // 1's lapse ends first
+    hop.now = at_ms(2500);
+    CHECK(hop.run() == Names{"s0"});  // nobody decodes lately: back to back
+    CHECK(hop.run() == Names{"s0"});
+}
+
+TEST_CASE("a paced chunk neither runs nor ends a lock-step hold; it runs right after the convoy") {
+    Hop hop;
+    hop.bind(0);
+    hop.decode_together({1, 2}, kWindowUs);
+    hop.step(0, 16);  // 0's prompt chunk: paced (1 and 2 decode)
+    hop.step(1);
+    CHECK(hop.held() == hop.now + microseconds(kWindowUs));  // the convoy waits for 2's step
+    hop.now += microseconds(kWindowUs / 2);
+    hop.step(2);
+    CHECK(hop.run() == Names{"s1", "s2"});
+    CHECK(hop.run() == Names{"s0"});
+}
+
+TEST_CASE("a prompt's chunks run back to back when nobody else decodes, its own decode step after them") {
+    Hop hop;
+    hop.bind(0);
+    hop.bind(1);
+    hop.step(1, 8);  // another session's prompt: not decoding
+    CHECK(hop.run() == Names{"s1"});
+    for (int chunk = 0; chunk < 3; ++chunk) {
+        hop.step(0, 64);  // pipelined
+    }
+    hop.step(0);  // (its own decode step, queued behind its chunks, does not pace them)
+    CHECK(hop.run() == Names{"s0"});
+    CHECK(hop.run() == Names{"s0"});
+    CHECK(hop.run() == Names{"s0"});
     CHECK(hop.run() == Names{"s0"});
     CHECK(std::holds_alternative<Idle>(hop.next()));
 }

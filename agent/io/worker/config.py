@@ -40,8 +40,8 @@ class WorkerConfig:
     )
     prefill_pace_ms: int | None = setting(
         None,
-        "while sessions decode on the data plane, a prefill Forward waits up to this long for the next decode"
-        " Forward (default 1000; 0: no pacing)",
+        "while sessions decode on the data plane, a prompt chunk (a prefill Forward or a data-plane step of"
+        " more than one row) waits up to this long for the next decode Forward (default 1000; 0: no pacing)",
         parse=cli_args.non_negative_int,
         metavar="MS",
     )

@@ -98,6 +98,9 @@ struct DataBinding {
     uint32_t decode_gather_us = 0;  // lock-step at a first hop (0: off)
     uint32_t decode_groups = 0;     // decode groups at a first hop (0 or 1: off)
     std::string continue_key;       // a first hop: CONTINUE frames open under it ("" : none taken)
+    // Not the last range: the dtype its output rows go to the next range in, and are kept in
+    // (the session's wire dtype, wire_codec.h).
+    BoundaryDType wire_dtype = BoundaryDType::kF32;
 };
 
 // What ContinueSession asks (worker.proto ContinueSessionRequest, checked by the service).
@@ -122,7 +125,8 @@ struct DataSessionTotals {
     uint32_t steps = 0;
     uint32_t next_step = 0;
     uint32_t seq_id = 0;
-    std::string kept_rows;       // f32 output rows from kept_first_position on
+    std::string kept_rows;       // output rows as sent (kept_rows_dtype) from kept_first_position on
+    BoundaryDType kept_rows_dtype = BoundaryDType::kF32;
     std::vector<uint32_t> kept_step_rows;  // the rows of each step in kept_rows (a prompt chunk's whole)
     int32_t kept_first_position = 0;
     bool kept_rows_lost = false;
@@ -215,6 +219,7 @@ private:
         uint64_t rows = 0;
         uint32_t steps = 0;
         uint64_t generation = 0;          // which binding (unique in the worker): a rebind drops steps queued before it
+        BoundaryDType wire_dtype = BoundaryDType::kF32;  // of its output rows (DataBinding)
         uint64_t keep_max = 0;            // bytes of output rows to keep (0: none)
         std::string kept;                 // output rows of its steps, positions kept_first on
         std::vector<uint32_t> kept_steps; // rows of each step in kept (a rebuild keeps their shapes)
@@ -306,7 +311,8 @@ private:
     bool seal_continuation(const Pending & pending, int32_t token, int32_t position, Outgoing * out);
     // Sends a Forward's outputs, one write per connection (see data_plane.cpp).
     void deliver(std::vector<Outgoing> & outgoing);
-    void keep_rows(const Pending & pending, int32_t first_position, const std::string & rows);
+    // Keeps a step's output rows as they were sent (wire: their dtype).
+    void keep_rows(const Pending & pending, int32_t first_position, const std::string & rows, BoundaryDType wire);
 
     ShardWorkerService * service_;
     Engine & engine_;  // the service's

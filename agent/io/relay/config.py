@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from agent import cli_args
+from agent.core.owner.wire_choice import WIRE_CHOICES
 from agent.io.settings import setting
 
 __all__ = ["DEFAULT_LISTEN", "RelayConfig", "default_cache_dir", "listen_arg", "parse_listen"]
@@ -73,6 +74,8 @@ class RelayConfig:
     ``preload_timeout_s``: how long start-up waits for the registered models' vocabularies.
     ``spot_check_rate``: the share of generations replayed through a second route and
     compared (``SwarmClientConfig.spot_check_rate``, docs/INTEGRITY.md).
+    ``wire``, ``link_mbit``: the dtype of the swarm sessions' boundary rows between hops, and
+    the link estimate ``auto`` goes by (``SwarmClientConfig.wire``).
     """
 
     # ``tracker`` and ``db`` have no default, and argparse does not require them: a
@@ -141,6 +144,14 @@ class RelayConfig:
         metavar="MADDR",
     )
     log_level: str = setting("INFO", "logging level on stderr (default INFO)")
+    wire: str = setting(
+        "f32", "boundary rows between hops: f32, f16, q8 or auto (by --link-mbit) (default f32)", choices=WIRE_CHOICES
+    )
+    link_mbit: float = setting(
+        0.0,
+        "the routes' slowest link in Mbit/s, for --wire auto (default 0: unknown, f32)",
+        parse=cli_args.non_negative_float,
+    )
     # Limits no flag sets.
     generation_timeout_s: float = 600.0
     default_max_tokens: int = 1024

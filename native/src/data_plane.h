@@ -39,6 +39,11 @@
 // (Sarathi-Serve's one chunk per iteration, as two Forwards, which keeps every session's bits
 // those of its solo run). The rules themselves live in hop_scheduler.h, tested on a fake clock.
 //
+// Wire dtype (BindSessionRequest.wire_dtype): a range that is not the last sends its output
+// rows in the session's wire dtype (wire_codec.h: F32, or F16S and Q8, which round within a
+// declared bound) and keeps them as sent; the first range's choice is the session's, and steps
+// of sessions with other wire dtypes never share a Forward (engine.h wire_key).
+//
 // Drawing at the last hop (ContinueSession with a temperature > 0): a sampled session's decode
 // steps are computed for the draw (the whole row, or its top-k cut), the token drawn here as the
 // owner would (sampling.h, the uniform of its position), and the RESULT carries it (drawn_token,

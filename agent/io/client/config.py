@@ -71,8 +71,9 @@ class SwarmClientConfig:
     approaches the slowest hop's share of the prompt plus one trip, not the sum of every hop's
     share and every link). 1: one chunk per round trip (e.g. to compare the two).
     ``wire``: the dtype a session's boundary rows travel in between its hops
-    (``agent.core.owner.wire_choice``): f32 (bit-identical to one unsplit worker), f16 or q8
-    (within their declared logit bounds, ``agent.core.wire.boundary.WIRE_LOGIT_BOUNDS``), or auto:
+    (``agent.core.owner.wire_choice``): f32 (bit-identical to one unsplit worker), f16 (F16S: f16
+    scaled per row, which carries any model's range) or q8 (within their declared logit bounds,
+    ``agent.core.wire.boundary.WIRE_LOGIT_BOUNDS``), or auto:
     f16 on a route whose slowest link (``link_mbit``, the operator's or a benchmark's estimate;
     nothing in the swarm measures it) is below ``wire_f16_below_mbit``, q8 below
     ``wire_q8_below_mbit``, f32 otherwise and when the link is not known. Why 100 and 10: at

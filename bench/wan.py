@@ -32,6 +32,9 @@ pair linked with the same one-way delay, RTT/2; no loss, no rate limit):
    ``--prefill-tokens`` prompt through the Baton 3-split at ``--prefill-rtt-ms``, its chunks
    pipelined down the route on the data plane against one chunk per round trip and against the
    node path (``bench/wan_prefill.py``; writes ``wan_prefill.{json,md}``).
+5. ``--only wire`` (run alone): that prompt's time to first token with every link limited to
+   ``--wire-rate-mbit`` (20), the session's boundary rows in f32, f16 and q8, and each lossy
+   dtype's max logit difference from f32 (``bench/wan_wire.py``; writes ``wan_wire.{json,md}``).
 
 Writes ``wan.json``, ``wan.md`` and ``wan.png`` (matplotlib, the ``bench`` extra) under
 ``--out``. Needs root (the lab), the worker (``make native``) and llama.cpp's tools (built into
@@ -39,9 +42,10 @@ Writes ``wan.json``, ``wan.md`` and ``wan.png`` (matplotlib, the ``bench`` extra
 emulated machine shares this host's cores, so anything else running slows all of them.
 
 Usage: ``sudo .venv/bin/python bench/wan.py [--rtts-ms 0,10,20,50] [--turns 3] [--new-tokens 32]
-[--prompt-tokens 64] [--threads 1] [--quick] [--only sessions|prefill] [--out bench/results]`` (about 25
+[--prompt-tokens 64] [--threads 1] [--quick] [--only sessions|prefill|wire] [--out bench/results]`` (about 25
 minutes; ``--only sessions`` about 4; ``--only prefill [--prefill-tokens 1500] [--prefill-chunk-rows 128]
-[--prefill-rtt-ms 20] [--turns 3]`` about 5).
+[--prefill-rtt-ms 20] [--turns 3]`` about 5; ``--only wire [--wire-rate-mbit 20]`` with the
+prefill flags, about 5).
 """
 
 from __future__ import annotations
@@ -610,9 +614,13 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=("sessions", "prefill"),
+        choices=("sessions", "prefill", "wire"),
         help="measure one section alone (sessions: the 8 concurrent sessions, replacing it in --out's wan.json;"
-        " prefill: time to first token of a long prompt, pipelined or not, as wan_prefill.json)",
+        " prefill: time to first token of a long prompt, pipelined or not, as wan_prefill.json;"
+        " wire: that prompt's time to first token with f32, f16 and q8 boundaries on slow links, as wan_wire.json)",
+    )
+    parser.add_argument(
+        "--wire-rate-mbit", type=float, default=20.0, help="--only wire: every link's rate in Mbit/s (default 20)"
     )
     parser.add_argument(
         "--prefill-tokens", type=int, default=1500, help="--only prefill: prompt length in tokens (default 1500)"
@@ -637,6 +645,12 @@ def main() -> int:
         import wan_prefill
 
         return wan_prefill.main_prefill(args, sys.modules[__name__])
+    if args.only == "wire":
+        import sys
+
+        import wan_wire
+
+        return wan_wire.main_wire(args, sys.modules[__name__])
     args.rtts_ms = [float(x) for x in args.rtts_ms.split(",")]
     if args.quick:
         args.rtts_ms, args.turns = [0.0, 20.0], 1

@@ -73,3 +73,21 @@ def test_the_report_names_every_system_and_marks_misses() -> None:
     json.dumps(report)
     pytest.importorskip("matplotlib")
     assert wan.chart(report).startswith(b"\x89PNG")
+
+
+def test_the_wire_report_names_each_dtype_its_bytes_and_its_bound() -> None:
+    import wan_wire
+
+    turns = {name: [{"first_token_s": s, "tokens": [1, 2]}] for name, s in (("f32", 4.0), ("f16", 2.2), ("q8", 1.9))}
+    section = {
+        "rtt_ms": 20.0, "rate_mbit": 20.0, "prompt_tokens": 1500, "chunk_rows": 128, "turns": turns,
+        "f16_over_f32": 0.55, "q8_over_f32": 0.475,
+        "max_abs_logit_diff": {"f32": 0.0, "f16": 0.8, "q8": 1.1},
+        "declared_bound": {"f32": 0.0, "f16": 2.5, "q8": 3.5},
+        "prompt_bytes_per_link": {"f32": 3_456_000, "f16": 1_734_000, "q8": 1_107_000},
+        "prompt_link_s": {"f32": 1.38, "f16": 0.69, "q8": 0.44}, "f32_tokens_same": True, "target_ratio": 0.6,
+    }  # fmt: skip
+    text = "\n".join(wan_wire.wire_markdown(section))
+    assert "f16 **0.55x** f32's time to first token (target <= 0.6x: met)" in text
+    assert "| q8 | 1,107,000 | 0.44 | 1.1 | 3.5 |" in text
+    assert wan_wire._max_top_diff([{1: 2.0, 2: 1.0}], [{1: 2.5, 3: 0.0}]) == 0.5  # shared tokens only

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 from agent.core.wire.boundary import (
+    WIRE_LOGIT_BOUNDS,
     BoundaryError,
     WireDType,
     decode_rows,
     encode_rows,
     itemsize,
+    wire_bytes,
 )
 
 pytestmark = pytest.mark.worker
@@ -82,8 +84,8 @@ def test_itemsize() -> None:
 
 
 def test_wire_dtype_values_match_the_proto() -> None:
-    # Values are fixed by protocol/worker.proto (DTYPE_F32 = 1, DTYPE_F16 = 2).
-    assert (WireDType.UNSPECIFIED, WireDType.F32, WireDType.F16) == (0, 1, 2)
+    # Values are fixed by protocol/worker.proto (DTYPE_F32 = 1, DTYPE_F16 = 2, DTYPE_Q8 = 3).
+    assert (WireDType.UNSPECIFIED, WireDType.F32, WireDType.F16, WireDType.Q8) == (0, 1, 2, 3)
 
 
 # --- encode refusals -----------------------------------------------------------------------
@@ -223,3 +225,99 @@ def test_checked_bytes_pass_as_they_are_only_for_f32_rows_of_their_length() -> N
         encode_rows(rows, 4, WireDType.F32, checked_bytes=data)
     with pytest.raises(BoundaryError, match="expected float32"):
         encode_rows(rows.astype(np.float64), 8, WireDType.F32, checked_bytes=data)
+
+
+# --- Q8: blocks of 32 values, an f32 scale each ------------------------------------------------
+
+#: Two rows of 40 values (a whole block and one of 8): the bytes native/tests/worker_tests.cpp
+#: expects from the worker's encoder too, so the two encoders are checked against one another.
+#: Row 0's outliers are -6.29 (block 0, index 0) and 100 (block 1, index 3). Row 1's first block
+#: has the outlier 254 at index 10, scale 1.0 and ties (2.5 -> 2, 3.5 -> 4, -2.5 -> -2, 0.5 -> 0,
+#: 1.5 -> 2: half to even); its second block is all zeros (scale 0, outlier 0 at index 0).
+Q8_EXAMPLE_HEX = (
+    "81ee3e3df943833dae47c9c00000c84200030081890099a1a9b1b9c0c8d0d8e0e8f0f8000810182028303840474f575f676f575c62006e73797f"
+    "0000803f0000000000007e43000000000a007f0204fe000200000000000000000000000000000000000000000000000000000000000000000000"
+)
+
+
+def q8_example_rows() -> np.ndarray:
+    x = (np.arange(40, dtype=np.float32) - 17) * np.float32(0.37)
+    x[35], x[3] = 100.0, 0.0
+    y = np.zeros(40, np.float32)
+    y[:6] = [127, 2.5, 3.5, -2.5, 0.5, 1.5]
+    y[10] = 254
+    return np.stack([x, y])
+
+
+def test_q8_bytes_are_the_declared_layout() -> None:
+    rows = q8_example_rows()
+    data = encode_rows(rows, 40, WireDType.Q8)
+    assert data.hex() == Q8_EXAMPLE_HEX
+    assert len(data) == wire_bytes(WireDType.Q8, 2, 40) == 2 * (2 * 9 + 40)
+    # row 1: scales 1.0 and 0.0, outliers 254 and 0 at 10 and 0, then the int8 values
+    row1 = data[58:]
+    assert np.frombuffer(row1[:8], "<f4").tolist() == [1.0, 0.0]
+    assert np.frombuffer(row1[8:16], "<f4").tolist() == [254.0, 0.0]
+    assert list(row1[16:18]) == [10, 0]
+    assert np.frombuffer(row1[18:30], "i1").tolist() == [127, 2, 4, -2, 0, 2, 0, 0, 0, 0, 0, 0]
+    back = decode_rows(data, 2, 40, WireDType.Q8)
+    assert back[0, 0] == rows[0, 0] and back[0, 35] == 100.0 and back[1, 10] == 254.0  # outliers exact
+
+
+def test_q8_round_trip_within_half_a_step_of_each_block() -> None:
+    rows = _rows(6, 100, seed=3) * 10
+    rows[2, 7] = 3000.0  # an outlier: sent as it is, its neighbours keep their own step
+    back = decode_rows(encode_rows(rows, 100, WireDType.Q8), 6, 100, WireDType.Q8)
+    assert back.dtype == np.float32 and back.shape == (6, 100)
+    for start in range(0, 100, 32):
+        block = np.abs(rows[:, start : start + 32])
+        second = np.sort(block, axis=1)[:, -2:-1]  # the largest after the outlier
+        assert np.all(
+            np.abs(back[:, start : start + 32] - rows[:, start : start + 32]) <= second / 127 / 2 * (1 + 1e-6)
+        )
+    assert back[2, 7] == 3000.0 and np.abs(back[2, :32] - rows[2, :32]).max() < 0.2  # not 3000's step (~12)
+    zero = np.zeros((1, 40), np.float32)
+    np.testing.assert_array_equal(decode_rows(encode_rows(zero, 40, WireDType.Q8), 1, 40, WireDType.Q8), zero)
+
+
+def test_q8_refuses_bad_lengths_and_scales() -> None:
+    data = encode_rows(_rows(2, 40), 40, WireDType.Q8)
+    with pytest.raises(BoundaryError, match="expected 116 bytes = 2 Q8 rows x 58 bytes"):
+        decode_rows(data[:-1], 2, 40, WireDType.Q8)
+    bad = bytearray(data)
+    bad[0:4] = np.array([np.inf], "<f4").tobytes()
+    with pytest.raises(BoundaryError, match="non-finite"):
+        decode_rows(bytes(bad), 2, 40, WireDType.Q8)
+    bad = bytearray(data)
+    bad[17] = 8  # row 0's second block holds 8 values
+    with pytest.raises(BoundaryError, match="Q8 row 0, block 1: outlier index 8 is past the block's end"):
+        decode_rows(bytes(bad), 2, 40, WireDType.Q8)
+    with pytest.raises(BoundaryError, match="non-finite"):
+        encode_rows(np.full((1, 40), np.nan, np.float32), 40, WireDType.Q8)
+
+
+def test_wire_bytes_of_each_dtype() -> None:
+    assert wire_bytes(WireDType.F32, 3, 576) == 3 * 576 * 4
+    assert wire_bytes(WireDType.F16, 3, 576) == 3 * 576 * 2
+    assert wire_bytes(WireDType.Q8, 3, 576) == 3 * (576 + 18 * 9)
+    assert wire_bytes(WireDType.F16S, 3, 576) == 3 * (4 + 576 * 2)
+    with pytest.raises(BoundaryError, match="expected one of F32 \\(1\\), F16 \\(2\\), Q8 \\(3\\), F16S \\(4\\)"):
+        wire_bytes(9, 1, 8)
+
+
+def test_every_lossy_dtype_declares_a_logit_bound() -> None:
+    assert set(WIRE_LOGIT_BOUNDS) == {WireDType.F16S, WireDType.Q8}
+    assert 0 < WIRE_LOGIT_BOUNDS[WireDType.F16S] <= WIRE_LOGIT_BOUNDS[WireDType.Q8]
+
+
+def test_f16s_is_plain_f16_below_2_15_and_scales_a_row_past_it() -> None:
+    rows = _rows(2, 8)
+    rows[1, 2] = 90685.0  # past f16's 65504, as Gemma-3's residual at block 11
+    data = encode_rows(rows, 8, WireDType.F16S)
+    assert len(data) == wire_bytes(WireDType.F16S, 2, 8) == 2 * (4 + 16)
+    assert np.frombuffer(data[0:4], "<f4")[0] == 1.0 and data[4:20] == rows[0].astype("<f2").tobytes()
+    assert np.frombuffer(data[20:24], "<f4")[0] == 4.0  # 90685 < 2^17: scaled by 2^(17 - 15)
+    back = decode_rows(data, 2, 8, WireDType.F16S)
+    assert np.all(np.abs(back - rows) <= np.abs(rows) * 2.0**-11 + 4.0 * 2.0**-24)
+    with pytest.raises(BoundaryError, match="expected 40 bytes = 2 F16S rows x 20 bytes"):
+        decode_rows(data[:-2], 2, 8, WireDType.F16S)

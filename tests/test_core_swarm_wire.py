@@ -12,7 +12,16 @@ import pytest
 
 from agent._proto import swarm_pb2
 from agent.core.net.multiaddrs import peer_id_from_multiaddr
-from agent.core.wire.boundary import RESIDUAL, RESIDUAL_STREAMS, BoundaryError, BoundarySchema, WireDType
+from agent.core.wire.boundary import (
+    RESIDUAL,
+    RESIDUAL_STREAMS,
+    BoundaryError,
+    BoundarySchema,
+    WireDType,
+    decode_rows,
+    encode_rows,
+    wire_bytes,
+)
 from agent.core.wire.step_batch import batch_ack_accepts, step_batch_ack
 from agent.core.wire.step_requests import encode_step_output, first_step_request, next_hop_request
 from agent.core.wire.step_results import step_result, step_result_error, validate_step_result
@@ -443,3 +452,40 @@ def test_listen_addrs_are_a_few_printable_multiaddrs() -> None:
     ]:
         with pytest.raises(WireError, match=re.escape(message)):
             check_listen_addrs(addrs)
+
+
+@pytest.mark.parametrize("wire", [WireDType.F16, WireDType.Q8])
+def test_a_token_step_names_the_sessions_wire_dtype_and_every_hop_sends_in_it(wire: WireDType) -> None:
+    request = first_step_request(
+        session_id=SESSION, step=0, hops=ROUTE, token_ids=[1, 2], first_position=0, recipe_hash="cd" * 32,
+        model_sha256="ab" * 32, owner_peer_id="owner", owner_addrs=[], sender_admission=ADMISSION, wire_dtype=wire,
+    )  # fmt: skip
+    assert request.dtype == wire
+    first = validate_step(request, spec(0, 2))
+    assert first.dtype == wire and first.rows is None
+    out = rows_of(2)
+    to_middle = next_hop_request(first, out, ADMISSION)
+    assert to_middle.dtype == wire and len(to_middle.boundary) == wire_bytes(wire, 2, N_EMBD)
+    middle = validate_step(to_middle, spec(2, 4))
+    assert middle.dtype == wire and middle.wire_rows is None
+    np.testing.assert_array_equal(middle.rows, decode_rows(encode_rows(out, N_EMBD, wire), 2, N_EMBD, wire))
+    to_last = next_hop_request(middle, out * 3, ADMISSION)
+    assert to_last.dtype == wire and validate_step(to_last, spec(4, 6)).dtype == wire
+    # F32 (the default) leaves the field unset: what an older owner sends
+    assert token_step().dtype == 0
+
+
+def test_q8_rows_of_the_wrong_length_and_unknown_dtypes_are_refused_by_name() -> None:
+    data = encode_rows(rows_of(2), N_EMBD, WireDType.Q8)
+    step = boundary_step(rows_of(2), boundary=data[:-1], checksum=crc32(data[:-1]), dtype=WireDType.Q8)
+    expect(
+        Code.INVALID_ARGUMENT, f"boundary has {len(data) - 1} bytes, expected {len(data)}: 2 Q8 rows", step, spec(2, 4)
+    )
+    bad = token_step()
+    bad.dtype = 7  # type: ignore[assignment]
+    expect(
+        Code.INVALID_ARGUMENT,
+        "dtype: unsupported wire dtype 7: expected one of F32 (1), F16 (2), Q8 (3)",
+        bad,
+        spec(0, 2),
+    )

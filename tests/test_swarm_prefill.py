@@ -171,6 +171,34 @@ async def test_one_chunk_per_round_trip_and_the_node_path_give_the_same_tokens(p
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("wire", ["f16", "q8"])
+async def test_a_lossy_wire_gives_the_same_logits_worker_to_worker_and_through_the_nodes(
+    prefill: Prefill, wire: str
+) -> None:
+    """The workers (C++) and the nodes (Python) encode a session's boundary rows to the same
+    bytes: a prompt and its decode on the data plane give bit for bit the logits they give
+    through the node agents."""
+    prompt = prefill.prompts["long"]
+    runs = {}
+    for name, overrides in (("data plane", {}), ("node path", {"data_plane": False})):
+        scores: list[tuple[list[int], list[float]]] = []
+
+        async def on_token(token: int, logits, route, scores=scores) -> bool:
+            scores.append((logits.ids.tolist(), logits.logits.tolist()))  # greedy: the top-K
+            return False
+
+        async with _client(prefill, wire=wire, **overrides) as c:
+            result = await c.generate_tokens(
+                ALIAS, prompt, max_tokens=NEW_TOKENS, stop_tokens=prefill.stop_tokens, on_token=on_token
+            )
+        runs[name] = (result, scores)
+    (plane, plane_scores), (nodes, node_scores) = runs["data plane"], runs["node path"]
+    assert plane.data_plane_steps == len(prompt) // CHUNK_ROWS + len(plane.tokens) - 1
+    assert nodes.data_plane_steps == 0
+    assert plane.tokens == nodes.tokens and plane_scores == node_scores
+
+
+@pytest.mark.timeout(400)
 async def test_a_hop_killed_mid_prefill_is_replaced_and_the_tokens_stay_the_same(
     prefill: Prefill, monkeypatch: pytest.MonkeyPatch
 ) -> None:

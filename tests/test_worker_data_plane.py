@@ -19,8 +19,10 @@ import pytest
 import trio
 
 from agent._proto import worker_pb2
+from agent.core.owner.parity import next_hop_entries, through_wire
 from agent.core.owner.sampling import SamplingParams, draw_token, draw_uniform
 from agent.core.wire import data_frames
+from agent.core.wire.boundary import WireDType, encode_rows
 from agent.core.wire.data_frames import DataFrameError, OwnerSession, SessionKeys
 from agent.core.wire.topk import log_sum_exp, select_top_k
 from agent.core.wire.worker_records import SeqInput
@@ -56,10 +58,12 @@ async def bind_route(
     decode_gather_us: int = 0,
     decode_groups: int = 0,
     continue_key: bytes = b"",
+    wire_dtype: int = 0,
 ) -> OwnerSession:
     """Binds a new session on every range (the nodes' job in the swarm), keys from os.urandom;
     ``decode_gather_us``: the first range's lock-step hold; ``decode_groups``: its groups;
-    ``continue_key``: the key of the CONTINUE frames the first range takes."""
+    ``continue_key``: the key of the CONTINUE frames the first range takes; ``wire_dtype``: the
+    dtype of the rows between ranges."""
     keys = SessionKeys.new(os.urandom)
     step_keys = [keys.first_step_key] + [os.urandom(32) for _ in workers[1:]]
     for i, worker in enumerate(workers):
@@ -73,6 +77,7 @@ async def bind_route(
             request.next_port = workers[i + 1].info.data_port
             request.next_step_key = step_keys[i + 1]
             request.keep_rows_max_bytes = keep_rows_max_bytes
+            request.wire_dtype = wire_dtype  # type: ignore[assignment]
         else:
             request.return_key = keys.return_key
         await worker.client.call("BindSession", request)
@@ -321,6 +326,38 @@ async def test_a_first_hop_with_decode_groups_caps_its_decode_forwards_and_keeps
             await bind_route([worker], seq_id=7, decode_groups=65)
 
 
+@pytest.mark.parametrize("wire", [WireDType.F16S, WireDType.Q8], ids=["f16s", "q8"])
+async def test_a_chain_with_a_lossy_wire_gives_the_numbers_of_the_python_codec(qwen2_tiny_path, wire) -> None:
+    """Rows between ranges in the session's wire dtype: the workers encode and decode them as
+    agent.core.wire.boundary does (the logits equal a chain fed the rows the Python codec makes),
+    keep them as sent, and say so."""
+    async with open_chain(qwen2_tiny_path) as chain:
+        session = await bind_route(chain, seq_id=0, keep_rows_max_bytes=1 << 20, wire_dtype=wire)
+        async with (
+            open_data_link(HOST, chain[0].info.data_port) as to_first,
+            open_data_link(HOST, chain[-1].info.data_port) as from_last,
+        ):
+            await from_last.send(session.attach_frame())
+            await to_first.send(session.step_frame(step(0, list(range(len(PROMPT))), PROMPT)))
+            result = await result_of(session, from_last)
+            assert result.error_code == 0, result.error_message
+        totals = await chain[0].client.call(
+            "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
+        )
+        # the same rows by hand, on sequence 1: each range's output through the Python codec
+        hop = [SeqInput(seq_id=1, positions=list(range(len(PROMPT))), token_ids=PROMPT)]
+        first_rows = None
+        for worker in chain:
+            out = await worker.client.forward(hop)
+            if out[0].logits is not None:
+                break
+            first_rows = first_rows if first_rows is not None else out[0].boundary
+            hop = through_wire(next_hop_entries(hop, out), wire)
+        assert np.array_equal(np.frombuffer(result.logits, dtype="<f4"), out[0].logits[-1])
+        assert first_rows is not None and totals.kept_rows_dtype == wire
+        assert totals.kept_rows == encode_rows(first_rows, first_rows.shape[1], wire)  # kept as sent
+
+
 async def test_bind_session_refuses_what_does_not_fit(qwen2_tiny_path) -> None:
     async with open_chain(qwen2_tiny_path) as chain:
         sid = os.urandom(16)
@@ -336,6 +373,12 @@ async def test_bind_session_refuses_what_does_not_fit(qwen2_tiny_path) -> None:
                 "no next_host",
             ),
             (chain[-1], dict(session_id=sid, seq_id=0, step_key=os.urandom(32)), "return_key"),
+            (
+                chain[0],
+                dict(session_id=sid, seq_id=0, step_key=os.urandom(32), next_host=HOST, next_port=1,
+                     next_step_key=os.urandom(32), wire_dtype=9),
+                "wire_dtype 9 is not supported",
+            ),
         ]  # fmt: skip
         for worker, fields, reason in cases:
             with pytest.raises(WorkerError) as caught:

@@ -71,6 +71,7 @@ std::string DataPlaneServer::bind(const DataBinding & b) {
     s.return_key = b.return_key;
     s.keep_max = b.keep_rows_max_bytes;
     s.continue_key = b.continue_key;
+    s.wire_dtype = b.wire_dtype;
     engine_.bind(generation, b.decode_gather_us, b.decode_groups);
     return "";
 }
@@ -129,6 +130,7 @@ DataSessionTotals DataPlaneServer::unbind(const std::string & session_id, bool k
         totals.kept_rows.swap(found->second.kept);
         totals.kept_step_rows.swap(found->second.kept_steps);
         totals.kept_first_position = found->second.kept_first;
+        totals.kept_rows_dtype = found->second.wire_dtype;
     }
     engine_.unbind(found->second.generation);  // its queued steps are dropped
     sessions_.erase(found);
@@ -220,6 +222,7 @@ bool DataPlaneServer::handle_frame(const std::shared_ptr<Connection> & conn, con
                 pending.seq_id = s.seq_id;
                 pending.read_at = std::chrono::steady_clock::now();
                 const bool parsed = pending.step.ParseFromString(plain);
+                pending.wire = wire_key(s.wire_dtype, pending.step.boundary_dtype());
                 s.source = conn.get();
                 take_step(s, std::move(pending), parsed, continued, arrived);
             }

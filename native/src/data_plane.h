@@ -40,6 +40,11 @@
 // (Sarathi-Serve's one chunk per iteration, as two Forwards, which keeps every session's bits
 // those of its solo run). The rules themselves live in hop_scheduler.h, tested on a fake clock.
 //
+// Wire dtype (BindSessionRequest.wire_dtype): a range that is not the last sends its output
+// rows in the session's wire dtype (wire_codec.h: F32, or F16S and Q8, which round within a
+// declared bound) and keeps them as sent; the first range's choice is the session's, and steps
+// of sessions with other wire dtypes never share a Forward (engine.h wire_key).
+//
 // Drawing at the last hop (ContinueSession with a temperature > 0): a sampled session's decode
 // steps are computed for the draw (the whole row, or its top-k cut), the token drawn here as the
 // owner would (sampling.h, the uniform of its position), and the RESULT carries it (drawn_token,
@@ -114,6 +119,9 @@ struct DataBinding {
     uint32_t decode_gather_us = 0;  // lock-step at a first hop (0: off)
     uint32_t decode_groups = 0;     // decode groups at a first hop (0 or 1: off)
     std::string continue_key;       // a first hop: CONTINUE frames open under it ("" : none taken)
+    // Not the last range: the dtype its output rows go to the next range in, and are kept in
+    // (the session's wire dtype, wire_codec.h).
+    BoundaryDType wire_dtype = BoundaryDType::kF32;
 };
 
 // What ContinueSession asks (worker.proto ContinueSessionRequest, checked by the service).
@@ -138,7 +146,8 @@ struct DataSessionTotals {
     uint32_t steps = 0;
     uint32_t next_step = 0;
     uint32_t seq_id = 0;
-    std::string kept_rows;       // f32 output rows from kept_first_position on
+    std::string kept_rows;       // output rows as sent (kept_rows_dtype) from kept_first_position on
+    BoundaryDType kept_rows_dtype = BoundaryDType::kF32;
     std::vector<uint32_t> kept_step_rows;  // the rows of each step in kept_rows (a prompt chunk's whole)
     int32_t kept_first_position = 0;
     bool kept_rows_lost = false;
@@ -235,6 +244,7 @@ private:
         uint64_t rows = 0;
         uint32_t steps = 0;
         uint64_t generation = 0;          // which binding (unique in the worker): a rebind drops steps queued before it
+        BoundaryDType wire_dtype = BoundaryDType::kF32;  // of its output rows (DataBinding)
         uint64_t keep_max = 0;            // bytes of output rows to keep (0: none)
         std::string kept;                 // output rows of its steps, positions kept_first on
         std::vector<uint32_t> kept_steps; // rows of each step in kept (a rebuild keeps their shapes)
@@ -331,7 +341,8 @@ private:
     // buffered"): one for each session of sessions (id, generation) still bound, each under the
     // next counter of the session's outgoing frames.
     std::string hello_frames(const std::vector<std::pair<std::string, uint64_t>> & sessions);
-    void keep_rows(const Pending & pending, int32_t first_position, const std::string & rows);
+    // Keeps a step's output rows as they were sent (wire: their dtype).
+    void keep_rows(const Pending & pending, int32_t first_position, const std::string & rows, BoundaryDType wire);
 
     ShardWorkerService * service_;
     Engine & engine_;  // the service's

@@ -7,6 +7,7 @@
 #include "data_plane_wire.h"
 #include "fd_io.h"
 #include "sealed.h"
+#include "wire_codec.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -29,6 +30,7 @@ void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
     std::vector<ShardStatus> status(batch.size());
     std::vector<ForwardOutput> outputs(batch.size());
     std::vector<DrawPlan> draws(batch.size());
+    std::vector<BoundaryDType> wires(batch.size(), BoundaryDType::kF32);  // each output's dtype
     uint64_t compute_us = 0;
     const bool last_range = service_->gives_logits();
     {
@@ -39,7 +41,10 @@ void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
             auto s = sessions_.find(batch[i].session_id);
             if (s == sessions_.end() || s->second.generation != batch[i].generation) {
                 status[i] = ShardStatus::Precondition("unbound");
-            } else if (last_range && s->second.draw.temperature > 0.0 && batch[i].step.positions_size() == 1) {
+                continue;
+            }
+            wires[i] = s->second.wire_dtype;
+            if (last_range && s->second.draw.temperature > 0.0 && batch[i].step.positions_size() == 1) {
                 draws[i] = {true, s->second.draw, s->second.draw_seed};  // a sampled decode step: drawn here
             }
         }
@@ -174,10 +179,25 @@ void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
                 next.set_error_layer_begin(st.error_layer_begin());
             } else {
                 ForwardOutput & o = outputs[i];
-                keep_rows(batch[i], st.positions(0), o.boundary);
+                if (wires[i] != BoundaryDType::kF32) {
+                    // the session's wire dtype (f16 beyond its range: the step fails, named)
+                    std::string encoded;
+                    const size_t row_values = service_->boundary_schema().row_values();
+                    const size_t n_rows = row_values == 0 ? 0 : o.boundary.size() / sizeof(float) / row_values;
+                    if (!encode_boundary_rows(reinterpret_cast<const float *>(o.boundary.data()), n_rows, row_values,
+                                              wires[i], &encoded)) {
+                        next.set_error_code(grpc_code(ErrorCode::kInvalidArgument));
+                        next.set_error_message("an output row is out of the wire dtype's range (plain f16: beyond 65504; F16S takes any)");
+                        next.set_error_layer_begin(service_->layer_begin());
+                        ready_at = seal_into(batch[i], next.SerializeAsString(), false);
+                        continue;
+                    }
+                    o.boundary.swap(encoded);
+                }
+                keep_rows(batch[i], st.positions(0), o.boundary, wires[i]);
                 next.mutable_positions()->CopyFrom(st.positions());
                 next.set_boundary(std::move(o.boundary));
-                next.set_boundary_dtype(v1::DTYPE_F32);
+                next.set_boundary_dtype(static_cast<v1::DType>(wires[i]));
                 next.set_boundary_schema_version(service_->boundary_schema().version);
                 next.set_boundary_streams(service_->boundary_schema().streams);
             }
@@ -261,7 +281,8 @@ bool DataPlaneServer::draw_result(const DrawPlan & plan, const v1::DataStep & st
     return true;
 }
 
-void DataPlaneServer::keep_rows(const Pending & pending, int32_t first_position, const std::string & rows) {
+void DataPlaneServer::keep_rows(const Pending & pending, int32_t first_position, const std::string & rows,
+                                BoundaryDType wire) {
     std::lock_guard<std::mutex> lock(mu_);
     auto found = sessions_.find(pending.session_id);
     if (found == sessions_.end() || found->second.generation != pending.generation) {
@@ -274,7 +295,7 @@ void DataPlaneServer::keep_rows(const Pending & pending, int32_t first_position,
     if (s.kept_first < 0) {
         s.kept_first = first_position;
     }
-    const size_t row_bytes = static_cast<size_t>(service_->boundary_schema().row_values()) * sizeof(float);
+    const size_t row_bytes = boundary_wire_bytes(wire, 1, service_->boundary_schema().row_values());
     const size_t held_rows = row_bytes == 0 ? 0 : s.kept.size() / row_bytes;
     if (static_cast<int64_t>(s.kept_first) + static_cast<int64_t>(held_rows) != first_position ||
         s.kept.size() + rows.size() > s.keep_max) {

@@ -133,6 +133,7 @@ void Engine::post_steps(std::vector<StepWork> && steps) {
             item.meta.binding = work.generation;
             item.meta.seq_id = work.seq_id;
             item.meta.rows = rows;
+            item.meta.wire = work.wire;
             item.meta.refused = refused;
             item.meta.queued_at = work.read_at;
             item.meta.decode_forwards_seen = scheduler_.decode_forwards();  // (a chunk's pacing)

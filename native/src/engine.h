@@ -40,8 +40,15 @@ struct StepWork {
     uint64_t generation = 0;  // its binding: unique in this worker (a rebind is a new one)
     uint32_t seq_id = 0;
     SchedulerTime read_at{};  // its frame read whole
+    uint32_t wire = 0;        // QueuedItem::wire (wire_key)
     worker::v1::DataStep step;
 };
+
+// The wire dtypes of a step (the session's output rows, the rows it arrived in) as one key:
+// steps of sessions with other wire dtypes never share a Forward (the recipe's rule).
+inline uint32_t wire_key(BoundaryDType output, int arrived) {
+    return (static_cast<uint32_t>(output) << 8) | (static_cast<uint32_t>(arrived) & 0xffu);
+}
 
 // Computes a batch of data-plane steps on the engine thread (DataPlaneServer).
 class StepSink {

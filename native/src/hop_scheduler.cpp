@@ -130,6 +130,7 @@ HopScheduler::StepsChoice HopScheduler::choose_steps(const QueueView & queue, co
         }
     }
     uint32_t shape_rows = 0;
+    uint32_t shape_wire = 0;
     uint32_t rows = 0;
     std::unordered_set<uint64_t> seen;  // sessions with an earlier step in or left out
     for (size_t i = 0; i < queue.size(); ++i) {
@@ -145,12 +146,13 @@ HopScheduler::StepsChoice HopScheduler::choose_steps(const QueueView & queue, co
             continue;  // a chunk, after a chunk, while a decode step waits
         }
         if (!choice.batch.empty() &&
-            (q.rows != shape_rows || rows + q.rows > config_.row_budget ||
+            (q.rows != shape_rows || q.wire != shape_wire || rows + q.rows > config_.row_budget ||
              (q.rows == 1 && group_cap != 0 && choice.batch.size() >= group_cap))) {
             continue;
         }
         if (choice.batch.empty()) {
             shape_rows = q.rows;
+            shape_wire = q.wire;
         }
         rows += q.rows;
         choice.batch.push_back(i);

@@ -8,6 +8,7 @@
 // variable that read steady_clock; they could only be tested by real-time tests that slept.
 //
 // Owns: every batching rule of a hop (see data_plane.h for why each exists):
+// - Wire: only data-plane steps of sessions with the same wire dtypes share a Forward.
 // - Shape: only data-plane steps of one shape share a Forward (decode rows with decode rows,
 //   chunks with chunks of their length), at most row_budget rows, one step per session, a
 //   session's steps in arrival order; a batch is laid out by ascending sequence id, so a
@@ -79,6 +80,7 @@ struct QueuedItem {
     uint64_t binding = 0;   // kStep: its session's binding (SessionView::binding)
     uint32_t seq_id = 0;    // kStep: the sequence it extends
     uint32_t rows = 0;      // kStep: its positions; kNodeForward: its longest entry's positions
+    uint32_t wire = 0;      // kStep: its session's wire dtypes (engine.h wire_key): one a Forward
     bool refused = false;   // kStep: it carries an error (answered, not computed)
     SchedulerTime queued_at{};
     // HopScheduler::decode_forwards() when it was queued (a chunk's pacing waits for more)

@@ -1,6 +1,8 @@
 // ShardWorkerService: see service.h (serve_worker() is in serve_worker.cpp).
 #include "service.h"
 
+#include "wire_codec.h"
+
 #include "data_plane.h"
 #include "sealed.h"  // the data plane's key and session id sizes
 
@@ -308,6 +310,11 @@ grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::Bi
             return to_grpc_status(ShardStatus::Invalid(info.takes_tokens ? "continue_key must be 32 bytes"
                                                                          : "only the first range takes a continue_key"));
         }
+        const auto wire = static_cast<BoundaryDType>(request->wire_dtype());
+        if (wire != BoundaryDType::kUnspecified && boundary_wire_bytes(wire, 1, 1) == 0) {
+            return to_grpc_status(ShardStatus::Invalid("wire_dtype " + std::to_string(request->wire_dtype()) +
+                                                       " is not supported (DTYPE_F32, DTYPE_F16, DTYPE_Q8 or DTYPE_F16S)"));
+        }
         if (request->decode_groups() > kMaxDecodeGroups) {
             return to_grpc_status(ShardStatus::Invalid("decode_groups " + std::to_string(request->decode_groups()) +
                                                        " is over " + std::to_string(kMaxDecodeGroups)));
@@ -325,6 +332,7 @@ grpc::Status ShardWorkerService::BindSession(grpc::ServerContext *, const v1::Bi
         binding.decode_gather_us = request->decode_gather_us();
         binding.decode_groups = request->decode_groups();
         binding.continue_key = request->continue_key();
+        binding.wire_dtype = wire == BoundaryDType::kUnspecified ? BoundaryDType::kF32 : wire;
         const std::string refused = data_plane->bind(binding);
         if (refused.rfind("a binding must bring fresh keys", 0) == 0) {
             return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, refused);
@@ -365,6 +373,9 @@ grpc::Status ShardWorkerService::UnbindSession(grpc::ServerContext *, const v1::
         reply->set_kept_rows(std::move(totals.kept_rows));
         reply->set_kept_first_position(totals.kept_first_position);
         reply->set_kept_rows_lost(totals.kept_rows_lost);
+        if (totals.kept_rows_dtype != BoundaryDType::kF32) {
+            reply->set_kept_rows_dtype(static_cast<v1::DType>(totals.kept_rows_dtype));
+        }
         for (uint32_t rows : totals.kept_step_rows) {
             reply->add_kept_step_rows(rows);
         }

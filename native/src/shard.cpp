@@ -3,6 +3,7 @@
 #include "shard.h"
 
 #include "sha256.h"
+#include "wire_codec.h"
 
 #include "llama.h"
 #include "llama-ext.h"  // llama_get_memory_breakdown (C++, exported)
@@ -450,14 +451,8 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
         }
         if (!info_.takes_tokens) {
             float * dst = batch.embd + static_cast<size_t>(n) * n_embd;
-            const size_t n_values = static_cast<size_t>(n_rows) * n_embd;
-            if (e.boundary_dtype == BoundaryDType::kF32) {
-                std::memcpy(dst, e.boundary.data(), n_values * sizeof(float));
-            } else {
-                std::vector<ggml_fp16_t> halves(n_values);  // the request bytes may be unaligned
-                std::memcpy(halves.data(), e.boundary.data(), n_values * sizeof(ggml_fp16_t));
-                ggml_fp16_to_fp32_row(halves.data(), dst, static_cast<int64_t>(n_values));
-            }
+            // (validate_forward took the dtype and the length)
+            decode_boundary_rows(e.boundary.data(), static_cast<size_t>(n_rows), n_embd, e.boundary_dtype, dst);
         }
         n += n_rows;
     }

@@ -57,9 +57,12 @@ enum class BoundaryDType : int {
     kUnspecified = 0,
     kF32 = 1,
     kF16 = 2,
+    kQ8 = 3,    // 8-bit blocks with an f32 scale each (wire_codec.h)
+    kF16S = 4,  // f16 with a power-of-two f32 scale per row (wire_codec.h)
 };
 
-// Bytes per element of a boundary dtype, 0 for one the worker does not take.
+// Bytes per element of F32 or F16, 0 for another dtype (Q8 has no fixed size per element:
+// wire_codec.h boundary_wire_bytes).
 size_t boundary_dtype_size(BoundaryDType dtype);
 
 // ---------------------------------------------------------------------------------------------

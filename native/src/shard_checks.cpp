@@ -2,6 +2,7 @@
 // request must satisfy (validate_forward and its parts), testable without a model. Split from
 // shard.cpp, which owns the llama_model/llama_context lifetimes: these rules need no context.
 #include "shard.h"
+#include "wire_codec.h"
 
 #include "sha256.h"
 
@@ -319,21 +320,36 @@ ShardStatus validate_forward(const ForwardLimits & limits, const std::vector<For
                 return ShardStatus::Invalid(who + ": range " + range + " takes boundary rows, not token ids");
             }
             const size_t elem = boundary_dtype_size(e.boundary_dtype);
-            if (elem == 0) {
+            const bool scaled = e.boundary_dtype == BoundaryDType::kQ8 || e.boundary_dtype == BoundaryDType::kF16S;
+            if (elem == 0 && !scaled) {
                 return ShardStatus::Invalid(who + ": boundary_dtype " + std::to_string(static_cast<int>(e.boundary_dtype)) +
-                                            " is not supported (send DTYPE_F32, or DTYPE_F16)");
+                                            " is not supported (send DTYPE_F32, DTYPE_F16, DTYPE_Q8 or DTYPE_F16S)");
             }
             // the declared schema first: rows of another schema are refused by name, not by size
             st = check_boundary_schema(i, e.seq_id, schema, e.boundary_schema_version, e.boundary_streams);
             if (!st.ok()) {
                 return st;
             }
-            st = check_boundary_bytes(i, e.seq_id, e.boundary.size(), n_rows, row_values, elem);
-            if (!st.ok()) {
-                return st;
+            if (scaled) {
+                const size_t expected = boundary_wire_bytes(e.boundary_dtype, n_rows, row_values);
+                if (e.boundary.size() != expected) {
+                    return ShardStatus::Invalid(who + ": got " + std::to_string(e.boundary.size()) + " bytes, expected " +
+                                                std::to_string(expected) + " = " + std::to_string(n_rows) +
+                                                (e.boundary_dtype == BoundaryDType::kQ8 ? " Q8" : " F16S") +
+                                                " rows of " + std::to_string(expected / std::max<size_t>(n_rows, 1)) +
+                                                " bytes");
+                }
+            } else {
+                st = check_boundary_bytes(i, e.seq_id, e.boundary.size(), n_rows, row_values, elem);
+                if (!st.ok()) {
+                    return st;
+                }
             }
             const size_t n_values = n_rows * row_values;
-            const int64_t bad = e.boundary_dtype == BoundaryDType::kF32
+            const int64_t bad = e.boundary_dtype == BoundaryDType::kQ8 ? find_non_finite_q8(e.boundary.data(), n_rows, row_values)
+                                : e.boundary_dtype == BoundaryDType::kF16S
+                                    ? find_non_finite_f16s(e.boundary.data(), n_rows, row_values)
+                                : e.boundary_dtype == BoundaryDType::kF32
                                     ? find_non_finite_f32(e.boundary.data(), n_values)
                                     : find_non_finite_f16(e.boundary.data(), n_values);
             if (bad >= 0) {

@@ -67,7 +67,7 @@ struct Hop {
         CHECK(run().size() == seq_ids.size());
     }
     // A data-plane step arrives (what the engine records of it, as engine.cpp does).
-    void step(uint32_t seq_id, uint32_t rows = 1, bool refused = false) {
+    void step(uint32_t seq_id, uint32_t rows = 1, bool refused = false, uint32_t wire = 0) {
         SessionView & s = session(seq_id);
         s.decoding = rows == 1 && !refused;
         s.last_step_at = now;
@@ -78,6 +78,7 @@ struct Hop {
         q.seq_id = seq_id;
         q.rows = rows;
         q.refused = refused;
+        q.wire = wire;
         q.queued_at = now;
         q.decode_forwards_seen = scheduler.decode_forwards();
         queue.push_back(q);
@@ -178,6 +179,18 @@ TEST_CASE("shapes do not mix, a session's steps go one a batch in order, and the
     CHECK(hop.run() == Names{"s0", "s2"});
     CHECK(hop.run() == Names{"s0", "s1"});
     CHECK(hop.run() == Names{"s3"});
+}
+
+TEST_CASE("sessions with other wire dtypes never share a Forward") {
+    Hop hop;
+    for (uint32_t seq : {0, 1, 2}) {
+        hop.bind(seq);
+    }
+    hop.step(0, 1, false, /*wire=*/0x101);
+    hop.step(1, 1, false, /*wire=*/0x202);
+    hop.step(2, 1, false, /*wire=*/0x101);
+    CHECK(hop.run() == Names{"s0", "s2"});
+    CHECK(hop.run() == Names{"s1"});
 }
 
 TEST_CASE("a convoy: a lock-step decode step is held until every decoding session's step is queued") {

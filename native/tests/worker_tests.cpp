@@ -26,6 +26,7 @@
 #include "service.h"
 #include "sha256.h"
 #include "shard.h"
+#include "wire_codec.h"
 
 #include "ggml.h"
 #include "gguf.h"
@@ -208,6 +209,78 @@ TEST_CASE("check_boundary_bytes and boundary_dtype_size") {
     CHECK(baton::boundary_dtype_size(BoundaryDType::kF16) == 2);
     CHECK(baton::boundary_dtype_size(BoundaryDType::kUnspecified) == 0);
     CHECK(baton::boundary_dtype_size(static_cast<BoundaryDType>(7)) == 0);
+}
+
+// The rows and the bytes of tests/test_core_boundary.py's Q8 example: both encoders give them.
+static std::vector<float> q8_example_rows() {
+    std::vector<float> rows(80, 0.0f);
+    for (int i = 0; i < 40; ++i) {
+        rows[static_cast<size_t>(i)] = static_cast<float>(i - 17) * 0.37f;
+    }
+    rows[35] = 100.0f;
+    rows[3] = 0.0f;
+    const float second[] = {127.0f, 2.5f, 3.5f, -2.5f, 0.5f, 1.5f};
+    std::copy(std::begin(second), std::end(second), rows.begin() + 40);
+    rows[50] = 254.0f;
+    return rows;
+}
+
+static std::string from_hex(const std::string & hex) {
+    std::string out;
+    for (size_t i = 0; i + 1 < hex.size(); i += 2) {
+        out.push_back(static_cast<char>(std::stoi(hex.substr(i, 2), nullptr, 16)));
+    }
+    return out;
+}
+
+TEST_CASE("Q8 rows encode to the bytes the Python codec gives, and decode to q * d") {
+    const std::vector<float> rows = q8_example_rows();
+    std::string bytes;
+    REQUIRE(baton::encode_boundary_rows(rows.data(), 2, 40, BoundaryDType::kQ8, &bytes));
+    const std::string expected = from_hex(
+        "81ee3e3df943833dae47c9c00000c84200030081890099a1a9b1b9c0c8d0d8e0e8f0f8000810182028303840474f575f676f575c62006e73797f"
+        "0000803f0000000000007e43000000000a007f0204fe000200000000000000000000000000000000000000000000000000000000000000000000");
+    CHECK(bytes == expected);
+    CHECK(baton::q8_row_bytes(40) == 58);
+    CHECK(baton::boundary_wire_bytes(BoundaryDType::kQ8, 2, 40) == 116);
+    CHECK(baton::boundary_wire_bytes(BoundaryDType::kF16S, 2, 40) == 2 * (4 + 80));
+    CHECK(baton::boundary_wire_bytes(BoundaryDType::kF16, 2, 40) == 160);
+    CHECK(baton::boundary_wire_bytes(static_cast<BoundaryDType>(7), 2, 40) == 0);
+    std::vector<float> back(80);
+    REQUIRE(baton::decode_boundary_rows(bytes.data(), 2, 40, BoundaryDType::kQ8, back.data()));
+    CHECK(back[40] == 127.0f);
+    CHECK(back[41] == 2.0f);  // 2.5: half to even
+    CHECK(back[42] == 4.0f);
+    CHECK(back[43] == -2.0f);
+    CHECK(back[50] == 254.0f);  // the outliers: as sent
+    CHECK(back[0] == rows[0]);
+    CHECK(back[35] == 100.0f);
+    for (size_t i = 0; i < 40; ++i) {
+        CHECK(std::fabs(back[i] - rows[i]) <= 8.14f / 127.0f / 2.0f * 1.0001f);  // 8.14: block 1's largest after 100
+    }
+    CHECK(baton::find_non_finite_q8(bytes.data(), 2, 40) == -1);
+    std::string bad = bytes;
+    const float huge = 3e38f;  // 128 of it overflow
+    std::memcpy(bad.data() + 58 + 4, &huge, sizeof(float));
+    CHECK(baton::find_non_finite_q8(bad.data(), 2, 40) == 40 + 32);
+    bad = bytes;
+    bad[17] = 8;  // row 0's second block holds 8 values
+    CHECK(baton::find_non_finite_q8(bad.data(), 2, 40) == 32);
+    // F16S: a row past f16's range is scaled by a power of two, as the Python codec does
+    const float wide[4] = {1.5f, -90685.0f, 0.25f, 3.0f};
+    REQUIRE(baton::encode_boundary_rows(wide, 1, 4, BoundaryDType::kF16S, &bytes));
+    REQUIRE(bytes.size() == 12);
+    float scale = 0.0f;
+    std::memcpy(&scale, bytes.data(), sizeof(float));
+    CHECK(scale == 4.0f);
+    CHECK(baton::find_non_finite_f16s(bytes.data(), 1, 4) == -1);
+    float wide_back[4];
+    REQUIRE(baton::decode_boundary_rows(bytes.data(), 1, 4, BoundaryDType::kF16S, wide_back));
+    CHECK(wide_back[0] == 1.5f);
+    CHECK(wide_back[1] == -90688.0f);  // f16's 11 bits at 2^16 (x 4): steps of 16
+    // f16 out of range is refused, not sent as Inf
+    const float big[2] = {1.0f, 1e6f};
+    CHECK_FALSE(baton::encode_boundary_rows(big, 1, 2, BoundaryDType::kF16, &bytes));
 }
 
 TEST_CASE("find_non_finite_f32 and find_non_finite_f16 name the first non-finite value") {
@@ -1037,6 +1110,37 @@ TEST_CASE("boundary rows sent as f16 are accepted and widened (finite, same argm
     REQUIRE_OK(m.tail->forward({e}, &last));
     CHECK(last[0].next_position == n_prompt);
     CHECK(last[0].logits.size() == wi.n_vocab * sizeof(float));
+    CHECK(baton::find_non_finite_f32(last[0].logits.data(), wi.n_vocab) == -1);
+    CHECK(argmax_last_row(last[0], wi.n_vocab) == argmax_last_row(on_whole[0], wi.n_vocab));
+    int32_t next_pos = -1;
+    CHECK_OK(m.head->remove_sequence(3, &next_pos));
+    CHECK_OK(m.tail->remove_sequence(3, &next_pos));
+}
+
+TEST_CASE("boundary rows sent as Q8 are accepted and decoded (finite, same argmax as the whole model)") {
+    ModelShards & m = model_shards();
+    const baton::ShardInfo & wi = m.whole->info();
+    const std::vector<int32_t> prompt = tokenize(m.whole.get(), "The capital of France is");
+    const int32_t n_prompt = static_cast<int32_t>(prompt.size());
+    std::vector<ForwardOutput> on_whole;
+    REQUIRE_OK(m.whole->forward({token_entry(0, 0, prompt)}, &on_whole));
+    std::vector<ForwardOutput> mid;
+    std::vector<ForwardOutput> last;
+    REQUIRE_OK(m.head->forward({token_entry(3, 0, prompt)}, &mid));
+    std::string q8;
+    REQUIRE(baton::encode_boundary_rows(reinterpret_cast<const float *>(mid[0].boundary.data()),
+                                        static_cast<size_t>(n_prompt), wi.n_embd, BoundaryDType::kQ8, &q8));
+    ForwardEntry e;
+    e.seq_id = 3;
+    e.positions = iota_positions(0, n_prompt);
+    e.boundary = q8;
+    e.boundary_dtype = BoundaryDType::kQ8;
+    ForwardEntry short_entry = e;
+    const std::string cut = q8.substr(0, q8.size() - 1);
+    short_entry.boundary = cut;
+    CHECK_STATUS(m.tail->forward({short_entry}, &last), ErrorCode::kInvalidArgument, "Q8 rows of");
+    REQUIRE_OK(m.tail->forward({e}, &last));
+    CHECK(last[0].next_position == n_prompt);
     CHECK(baton::find_non_finite_f32(last[0].logits.data(), wi.n_vocab) == -1);
     CHECK(argmax_last_row(last[0], wi.n_vocab) == argmax_last_row(on_whole[0], wi.n_vocab));
     int32_t next_pos = -1;

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -111,10 +112,12 @@ def bind_request(
     keys: RouteKeys,
     hosts: list[str],
     next_port: int,
+    wire_dtype: int = 0,
 ) -> swarm_pb2.DataPlaneBindRequest:
     """The bind for hop ``index``: its step key, and where its output goes (the next hop's
-    worker at ``hosts[index + 1]:next_port``, which that hop's bind answered) or, for the last
-    hop, the return key; and the route's length (a first hop's decode groups follow it)."""
+    worker at ``hosts[index + 1]:next_port``, which that hop's bind answered, in the session's
+    ``wire_dtype``; 0: F32) or, for the last hop, the return key; and the route's length (a
+    first hop's decode groups follow it)."""
     hop = route.hops[index]
     request = swarm_pb2.DataPlaneBindRequest(
         session_id=session_id, model_sha256=route.model_sha256, begin=hop.begin, end=hop.end,
@@ -125,6 +128,8 @@ def bind_request(
         request.next_port = next_port
         request.next_step_key = keys.step_keys[index + 1]
         request.next_peer_id = route.hops[index + 1].peer_id
+        if wire_dtype and wire_dtype != swarm_pb2.DTYPE_F32:
+            request.wire_dtype = cast(swarm_pb2.DType, wire_dtype)
     else:
         request.return_key = keys.return_key
     if index == 0:

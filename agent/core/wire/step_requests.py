@@ -1,7 +1,8 @@
 """Step requests: building the ``StepRequest`` a session owner sends to its first hop
-(``first_step_request``), a rebuild's replay of kept rows (``replay_step_request``), and what
-a hop pushes to the next (``next_hop_request``, ``boundary_step_request``: boundary rows in
-the dtype the step arrived in, declaring the schema they follow).
+(``first_step_request``: token ids, and the wire dtype the session's rows travel in), a
+rebuild's replay of kept rows (``replay_step_request``), and what a hop pushes to the next
+(``next_hop_request``, ``boundary_step_request``: boundary rows in the session's wire dtype,
+declaring the schema they follow).
 
 Tensors stay bytes: ``tobytes`` out (``agent.core.wire.boundary.encode_rows``); no per-element
 Python.
@@ -61,10 +62,12 @@ def first_step_request(
     sender_admission: swarm_pb2.SignedAdmission,
     result_top_k: int = 0,
     resume_step: int = 0,
+    wire_dtype: int = _F32_CODE,
 ) -> swarm_pb2.StepRequest:
     """The ``StepRequest`` a session owner sends to ``hops[0]`` (token ids at consecutive
     positions from ``first_position``); ``result_top_k``, ``resume_step`` (a rebuild step,
-    numbered ``step == resume_step``): see ``StepRequest``."""
+    numbered ``step == resume_step``): see ``StepRequest``; ``wire_dtype``: the dtype the
+    session's boundary rows travel in between its hops (``StepRequest.dtype``)."""
     ids = np.asarray(token_ids, dtype=_I32)
     hop = hops[0]
     return swarm_pb2.StepRequest(
@@ -84,6 +87,7 @@ def first_step_request(
         model_sha256=model_sha256,
         result_top_k=result_top_k,
         resume_step=resume_step,
+        dtype=cast(swarm_pb2.DType, wire_dtype if wire_dtype != _F32_CODE else 0),
     )
 
 
@@ -121,14 +125,15 @@ def replay_step_request(
 
 def encode_step_output(step: StepInput, rows: np.ndarray, wire_bytes: bytes | None = None) -> tuple[bytes, int]:
     """``(bytes, dtype)`` of this range's output ``rows`` for ``step`` as they go on the wire:
-    in the dtype the step arrived in (F32 for token input), following ``step.schema``.
+    in the session's wire dtype (``step.dtype``: the one its rows arrived in, or the one a token
+    step asked for), following ``step.schema``.
     ``wire_bytes``: the F32 bytes ``rows`` view, already checked finite (as the worker sent
     them, ``SeqOutput.boundary_bytes``): an F32 step sends them as they are.
 
     Raises:
       BoundaryError: rows of the wrong shape, non-finite, or out of float16 range.
     """
-    dtype = step.dtype if step.rows is not None else _F32_CODE
+    dtype = step.dtype
     data = encode_rows(rows, step.schema.row_values, dtype, checked_bytes=wire_bytes)
     if rows.shape[0] != step.n_rows:
         raise BoundaryError(f"{rows.shape[0]} output rows for a step of {step.n_rows} rows")
@@ -143,8 +148,8 @@ def next_hop_request(
     encoded: tuple[bytes, int] | None = None,
 ) -> swarm_pb2.StepRequest:
     """The ``StepRequest`` for ``step.rest[0]``: this range's output ``rows`` (float32
-    ``[n_rows, streams * n_embd]`` of ``step.schema``) in the dtype the step arrived in (F32
-    for token input), declaring that schema; ``encoded``: those rows already encoded
+    ``[n_rows, streams * n_embd]`` of ``step.schema``) in the session's wire dtype
+    (``encode_step_output``), declaring that schema; ``encoded``: those rows already encoded
     (``encode_step_output``), sent as they are.
 
     Raises:

@@ -29,7 +29,7 @@ from agent.core.wire.boundary import (
     WireDType,
     check_boundary_schema,
     decode_rows,
-    itemsize,
+    wire_bytes,
 )
 from agent.core.wire.swarm_wire import SESSION_ID_BYTES, Code, WireError, crc32
 
@@ -40,6 +40,7 @@ _I32 = np.dtype("<i4")
 _INVALID_ARGUMENT = Code.INVALID_ARGUMENT
 _RESOURCE_EXHAUSTED = Code.RESOURCE_EXHAUSTED
 _F32_CODE = int(WireDType.F32)
+_WIRE_DTYPES = frozenset(int(d) for d in WireDType if d != WireDType.UNSPECIFIED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +79,9 @@ class StepInput:
 
     Exactly one of ``token_ids`` (int32 ``[n_rows]``, first range) or ``rows`` (float32
     ``[n_rows, boundary_schema.row_values]``, a zero-copy view of the received bytes when they
-    were F32) is set. ``dtype``: the wire dtype the step arrived in; the next hop gets its rows
-    in the same one. ``boundary_schema``: the schema of the model's boundary rows (what
+    were F32) is set. ``dtype``: the session's wire dtype: the one its rows arrived in, or for
+    token ids the one the owner asked its boundary rows to travel in (F32 when unset); the next
+    hop gets this range's output rows in it. ``boundary_schema``: the schema of the model's boundary rows (what
     ``rows`` follow, and what this range's output rows follow).
     """
 
@@ -101,7 +103,7 @@ class StepInput:
     boundary_schema: BoundarySchema | None = None  # None: schema 1, one stream of n_embd
     resume_step: int = 0  # non-zero: a rebuild step (StepRequest.resume_step)
     #: the received F32 bytes ``rows`` views (checked: checksum, length, finite), which go to
-    #: the worker as they are; None for token ids or rows converted from F16
+    #: the worker as they are; None for token ids or rows converted from F16 or Q8
     wire_rows: bytes | None = None
 
     @property
@@ -209,6 +211,11 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
     dtype = request.dtype or _F32_CODE
     schema = spec.boundary_schema
     boundary = request.boundary
+    if dtype not in _WIRE_DTYPES:
+        try:
+            wire_bytes(dtype, 0, 1)  # raises, naming the dtypes there are
+        except BoundaryError as err:
+            raise WireError(bad, f"dtype: {err}") from None
     if spec.takes_tokens:
         if boundary:
             raise WireError(
@@ -235,18 +242,20 @@ def validate_step(request: swarm_pb2.StepRequest, spec: RangeSpec) -> StepInput:
                 check_boundary_schema(BoundarySchema.declared(version, streams, n_embd), schema)
             except BoundaryError as err:
                 raise WireError(bad, f"blocks [{spec.begin}, {spec.end}): {err}") from None
-        size = WIRE_ITEMSIZE.get(dtype)
-        if size is None:
-            try:
-                size = itemsize(dtype)  # raises, naming the dtypes there are
-            except BoundaryError as err:
-                raise WireError(bad, f"dtype: {err}") from None
         width = schema.row_values
-        if len(boundary) != n_rows * width * size:
+        size = WIRE_ITEMSIZE.get(dtype)
+        if size is not None:
+            if len(boundary) != n_rows * width * size:
+                raise WireError(
+                    bad,
+                    f"boundary has {len(boundary)} bytes, expected {n_rows} rows x {width} x {size} bytes"
+                    f" = {n_rows * width * size} (schema {schema})",
+                )
+        elif len(boundary) != wire_bytes(dtype, n_rows, width):
             raise WireError(
                 bad,
-                f"boundary has {len(boundary)} bytes, expected {n_rows} rows x {width} x {size} bytes"
-                f" = {n_rows * width * size} (schema {schema})",
+                f"boundary has {len(boundary)} bytes, expected {wire_bytes(dtype, n_rows, width)}: {n_rows}"
+                f" {WireDType(dtype).name} rows of {width} values (schema {schema})",
             )
         if request.checksum != crc32(boundary):
             raise WireError(bad, f"checksum {request.checksum:#010x} does not match the boundary bytes")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from agent import cli_args
+from agent.core.owner.wire_choice import WIRE_CHOICES
 from agent.io.settings import setting
 
 
@@ -69,6 +70,17 @@ class SwarmClientConfig:
     j + 1 while hop i + 1 computes chunk j (pipelined prefill: the time to the first token
     approaches the slowest hop's share of the prompt plus one trip, not the sum of every hop's
     share and every link). 1: one chunk per round trip (e.g. to compare the two).
+    ``wire``: the dtype a session's boundary rows travel in between its hops
+    (``agent.core.owner.wire_choice``): f32 (bit-identical to one unsplit worker), f16 (F16S: f16
+    scaled per row, which carries any model's range) or q8 (within their declared logit bounds,
+    ``agent.core.wire.boundary.WIRE_LOGIT_BOUNDS``), or auto:
+    f16 on a route whose slowest link (``link_mbit``, the operator's or a benchmark's estimate;
+    nothing in the swarm measures it) is below ``wire_f16_below_mbit``, q8 below
+    ``wire_q8_below_mbit``, f32 otherwise and when the link is not known. Why 100 and 10: at
+    100 Mbit/s a 512-token chunk of a 4096-wide model is 8 MB of f32 rows, 0.7 s a hop, about
+    what one consumer GPU takes to compute it; below that the rows, not the compute, set the
+    time to the first token, and f16 halves them. Below 10 Mbit/s even f16 rows take several
+    times the compute, and q8 takes 0.56 of f16's bytes for a larger declared error.
     """
 
     request_timeout_s: float = setting(10.0, "limit on one control request (default 10)", parse=cli_args.positive_float)
@@ -100,6 +112,20 @@ class SwarmClientConfig:
     last_hop_draws: bool = True
     prefill_on_data_plane: bool = True
     prefill_chunks_in_flight: int = 64
+    wire: str = setting(
+        "f32", "boundary rows between hops: f32, f16, q8 or auto (by --link-mbit) (default f32)", choices=WIRE_CHOICES
+    )
+    link_mbit: float = setting(
+        0.0,
+        "the route's slowest link in Mbit/s, for --wire auto (default 0: unknown, f32)",
+        parse=cli_args.non_negative_float,
+    )
+    wire_f16_below_mbit: float = setting(
+        100.0, "--wire auto sends f16 over links slower than this (default 100)", parse=cli_args.positive_float
+    )
+    wire_q8_below_mbit: float = setting(
+        10.0, "--wire auto sends q8 over links slower than this (default 10)", parse=cli_args.positive_float
+    )
     # Integrity (agent/io/client/spot_check.py, docs/INTEGRITY.md): the share of sessions replayed
     # through a route of the same recipe around one of their hops and compared bit for bit,
     # how long a session that ended waits for its replay, and how long the tracker may take to
@@ -129,6 +155,8 @@ class SwarmClientConfig:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         if self.prefill_chunks_in_flight < 1:
             raise ValueError(f"prefill_chunks_in_flight must be >= 1, got {self.prefill_chunks_in_flight}")
+        if self.wire not in WIRE_CHOICES:
+            raise ValueError(f"wire must be one of {', '.join(WIRE_CHOICES)}, got {self.wire!r}")
         if self.probe_attempts < 1:
             raise ValueError(f"probe_attempts must be >= 1, got {self.probe_attempts}")
         if self.replan_attempts < 0:

@@ -196,7 +196,7 @@ class ResumingClient(SessionRunner):
                 session_id=session.session_id, step=resume_step, hops=hops, token_ids=session.tokens[at : at + n_rows],
                 first_position=at, recipe_hash=route.recipe_hash, model_sha256=route.model_sha256,
                 owner_peer_id=self.peer_id, owner_addrs=self.transport.listen_addrs, sender_admission=self.admission,
-                resume_step=resume_step,
+                resume_step=resume_step, wire_dtype=self.wire_dtype(route),
             )  # fmt: skip
             raw = await self.transport.request(
                 first.peer_id, list(first.addrs), STEP_PROTOCOL, request.SerializeToString(),

@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 import numpy as np
 import trio
@@ -32,6 +33,8 @@ from agent.core.owner.data_route import (
 )
 from agent.core.owner.sampling import draws_at_owner
 from agent.core.owner.session import Session
+from agent.core.owner.wire_choice import choose_wire_dtype
+from agent.core.wire.boundary import WireDType
 from agent.core.wire.data_frames import OwnerSession, SessionKeys
 from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION
 from agent.core.wire.topk import TopLogits
@@ -68,6 +71,7 @@ class SessionRunner(StepClient):
         """
         session = live.session
         session.draw_locally()  # (each run starts on the node path: the owner draws until a last hop does)
+        wire = self.wire_dtype(route)
         first = route.hops[0]
         # where results come back: asked once per run, not per step (libp2p lists its
         # listeners' addresses afresh on each ask: ~20 us, measured, on every step's path)
@@ -99,6 +103,8 @@ class SessionRunner(StepClient):
                             step_input, route, owner_peer_id=self.peer_id, owner_addrs=owner_addrs,
                             admission=self.admission,
                         )  # fmt: skip
+                        if wire != WireDType.F32:
+                            request.dtype = cast(swarm_pb2.DType, wire)
                     started = time.perf_counter()
                     sent_at = trio.current_time()
                     if plane is not None:
@@ -141,6 +147,16 @@ class SessionRunner(StepClient):
             progress.interrupted()
             raise
 
+    def wire_dtype(self, route: swarm_pb2.Route) -> WireDType:
+        """The dtype of a session's boundary rows between the hops of ``route``
+        (``SwarmClientConfig.wire``: one estimate of the link for every route, for now)."""
+        del route  # (a route's own measured links would go here)
+        config = self.config
+        return choose_wire_dtype(
+            config.wire, link_mbit=config.link_mbit, f16_below_mbit=config.wire_f16_below_mbit,
+            q8_below_mbit=config.wire_q8_below_mbit,
+        )  # fmt: skip
+
     async def _open_data_plane(
         self, stack: contextlib.AsyncExitStack, live: LiveSession, route: swarm_pb2.Route
     ) -> DataPlane | None:
@@ -165,7 +181,9 @@ class SessionRunner(StepClient):
             session = live.session
             open_rows = len(session.tokens) if session.step == 0 and session.cached_positions == 0 else 0
             for index in reversed(range(len(route.hops))):
-                request = bind_request(route, index, session_id, keys, hosts, ports[index + 1] if bound else 0)
+                request = bind_request(
+                    route, index, session_id, keys, hosts, ports[index + 1] if bound else 0, self.wire_dtype(route)
+                )
                 request.open_rows = open_rows
                 bound.append(route.hops[index])  # (before the answer: a bind that timed out may have been made)
                 reply = await self._node(route.hops[index], swarm_pb2.NodeRequest(data_plane_bind=request))

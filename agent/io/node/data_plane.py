@@ -11,12 +11,14 @@ Must not import ``sessions``, ``handlers`` or ``agent`` (they build on this modu
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 from agent._proto import swarm_pb2, worker_pb2
 from agent.core.node.policy import data_plane_decode_groups, data_plane_gather_us, worker_call_failed
 from agent.core.node.range_states import range_name
 from agent.core.owner.data_route import first_hop_refusal, next_hop_refusal
 from agent.core.wire.address_rate import counted_host
+from agent.core.wire.boundary import wire_bytes
 from agent.core.wire.swarm_wire import SCHEMA_VERSION, WireError, WorkerCall
 from agent.io.net.transport import remote_host
 from agent.io.worker.error import WorkerError
@@ -92,6 +94,8 @@ class DataPlane(BatchServing, TrackerLink):
             keep_rows_max_bytes=0 if served.info.gives_logits or served.kept is None else served.kept.room(session_id),
             decode_gather_us=data_plane_gather_us(begin=served.key[1], decode_groups=groups, decode_gather_ms=gather_ms),
             decode_groups=data_plane_decode_groups(begin=served.key[1], route_hops=body.route_hops, decode_groups=groups),
+            # (the swarm's DType numbers are the worker's; the worker checks the value)
+            wire_dtype=cast(worker_pb2.DType, int(body.wire_dtype)),
         )  # fmt: skip
         try:
             await served.client.call("BindSession", request, timeout_s=self.config.worker_call_timeout_s)
@@ -145,7 +149,9 @@ class DataPlane(BatchServing, TrackerLink):
         )  # fmt: skip
         if served.kept is not None and reply.kept_rows and not reply.kept_rows_lost:
             schema = served.info.boundary.schema
-            row_bytes = schema.row_values * 4
+            # the rows as they were sent, in the session's wire dtype
+            kept_dtype = reply.kept_rows_dtype or swarm_pb2.DTYPE_F32
+            row_bytes = wire_bytes(kept_dtype, 1, schema.row_values)
             # each step's rows as the step that made them (a prompt chunk whole, a decode step's
             # row alone; one row a step from a worker that does not say): a replay merges them as
             # it merges the node path's steps, so the rebuild computes them in the same shapes
@@ -155,7 +161,7 @@ class DataPlane(BatchServing, TrackerLink):
                 served.kept.keep(
                     session_id, reply.kept_first_position + at // row_bytes, n_rows,
                     reply.kept_rows[at : at + n_rows * row_bytes],
-                    dtype=swarm_pb2.DTYPE_F32, schema_version=schema.version, streams=schema.streams,
+                    dtype=kept_dtype, schema_version=schema.version, streams=schema.streams,
                 )  # fmt: skip
                 at += n_rows * row_bytes
 

@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from agent import cli_args
+from agent.core.owner.wire_choice import WIRE_CHOICES
 from agent.io.settings import setting
 
 __all__ = ["DEFAULT_LISTEN", "RelayConfig", "default_cache_dir", "listen_arg", "parse_listen"]
@@ -77,6 +78,8 @@ class RelayConfig:
     line tries again by itself after a busy try (doubling from min to max; once min, then max,
     after a try a freed sequence let go), for sequences freed by the swarm's other owners
     (``agent.core.relay.waiting_line``).
+    ``wire``, ``link_mbit``: the dtype of the swarm sessions' boundary rows between hops, and
+    the link estimate ``auto`` goes by (``SwarmClientConfig.wire``).
     """
 
     # ``tracker`` and ``db`` have no default, and argparse does not require them: a
@@ -146,6 +149,14 @@ class RelayConfig:
         metavar="MADDR",
     )
     log_level: str = setting("INFO", "logging level on stderr (default INFO)")
+    wire: str = setting(
+        "f32", "boundary rows between hops: f32, f16, q8 or auto (by --link-mbit) (default f32)", choices=WIRE_CHOICES
+    )
+    link_mbit: float = setting(
+        0.0,
+        "the routes' slowest link in Mbit/s, for --wire auto (default 0: unknown, f32)",
+        parse=cli_args.non_negative_float,
+    )
     # Limits no flag sets.
     generation_timeout_s: float = 600.0
     default_max_tokens: int = 1024

@@ -268,7 +268,7 @@ async def test_max_tokens_is_capped_by_the_tokens_the_key_has_left(app_parts) ->
         # 12 a day, a prompt of 6: at most 6 generated although 100 were asked for
         reply = await http.post("/v1/completions", json={"model": "tiny", "prompt": "a b c d e f", "max_tokens": 100})
     assert reply.status_code == 200 and reply.json()["usage"] == {
-        "prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12,
+        "prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 0},
     }  # fmt: skip
     assert reply.json()["choices"][0]["finish_reason"] == "length"
     assert state.store.tokens_on("anonymous", "2027-01-15") == 12 and state.reserved == {}

@@ -69,6 +69,11 @@ class SwarmClientConfig:
     j + 1 while hop i + 1 computes chunk j (pipelined prefill: the time to the first token
     approaches the slowest hop's share of the prompt plus one trip, not the sum of every hop's
     share and every link). 1: one chunk per round trip (e.g. to compare the two).
+    ``prefix_block_tokens``: a session whose prompt opens on the data plane names its prompt's
+    whole blocks of this many tokens to every hop (``agent.core.owner.prefix_blocks``), asks each
+    how many leading ones its prefix cache holds and copies the fewest, so that only the rest
+    is prefilled (the copy ends on a ``prefill_chunk_tokens`` boundary: the same tokens as
+    without); each hop keeps the blocks when the session ends. 0: never.
     """
 
     request_timeout_s: float = setting(10.0, "limit on one control request (default 10)", parse=cli_args.positive_float)
@@ -100,6 +105,7 @@ class SwarmClientConfig:
     last_hop_draws: bool = True
     prefill_on_data_plane: bool = True
     prefill_chunks_in_flight: int = 64
+    prefix_block_tokens: int = 64
     # Integrity (agent/io/client/spot_check.py, docs/INTEGRITY.md): the share of sessions replayed
     # through a route of the same recipe around one of their hops and compared bit for bit,
     # how long a session that ended waits for its replay, and how long the tracker may take to

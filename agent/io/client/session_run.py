@@ -219,6 +219,8 @@ class SessionRunner(StepClient):
         if not hashes:
             return None
         held = [len(hashes)] * len(route.hops)
+        if any((hop.peer_id, hop.begin, hop.end) in self._no_prefix_cache for hop in route.hops):
+            return PrefixPlan(hashes, block_tokens, 0)  # (no round trip where a hop has none)
 
         async def ask(index: int) -> None:
             hop = route.hops[index]
@@ -232,6 +234,8 @@ class SessionRunner(StepClient):
             except (SwarmError, TransportError) as why:
                 log.debug("session %s: no prefix lookup at %s: %s", session.session_hex, hop.peer_id, why)
                 held[index] = 0
+                if isinstance(why, SwarmError) and why.code == swarm_pb2.Error.REFUSED:
+                    self._no_prefix_cache.add((hop.peer_id, hop.begin, hop.end))
 
         async with trio.open_nursery() as nursery:
             for index in range(len(route.hops)):

@@ -145,8 +145,10 @@ class DataPlane(BatchServing, TrackerLink):
         what the owner asks each hop before opening a session there."""
         key = (body.model_sha256, body.begin, body.end)
         served = self._held(key)
-        if served is None or served.state != State.READY or served.client is None:
+        if served is None or served.state != State.READY or served.client is None or served.info is None:
             raise WireError(Code.NOT_FOUND, f"this node does not serve {range_name(key)} READY")
+        if not served.info.prefix_cache_sequences:  # (the owner stops asking)
+            raise WireError(Code.REFUSED, f"{range_name(key)} keeps no prefix cache (--prefix-cache-bytes)")
         request = worker_pb2.PrefixLookupRequest(
             schema_version=1, block_hashes=body.block_hashes, block_tokens=body.block_tokens
         )

@@ -27,6 +27,7 @@ from agent.demo.swarm_demo import wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, SwarmProcess
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.worker.client import WorkerClient
+from agent.io.worker.error import WorkerError
 from agent.io.worker.process import open_worker
 from agent.models import model_path, sha256_file
 
@@ -132,7 +133,8 @@ def _health(cached: Cached, route: swarm_pb2.Route) -> list[tuple]:
     for hop in route.hops:
         mine = []
         for socket in _worker_sockets(by_peer[hop.peer_id]):
-            with WorkerClient(socket, timeout_s=10.0) as worker:
+            # (a worker still loading another range does not answer yet)
+            with WorkerClient(socket, timeout_s=10.0) as worker, contextlib.suppress(WorkerError):
                 info = worker.info()
                 if (info.layer_begin, info.layer_end) == (hop.begin, hop.end):
                     mine.append((worker.health(), info))

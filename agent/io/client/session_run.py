@@ -86,7 +86,8 @@ class SessionRunner(StepClient):
                         and (self.config.prefill_on_data_plane or not session.in_prefill)
                     ):
                         plane_tries += 1
-                        plane = await self._open_data_plane(stack, live, route)
+                        # (a spot check's shadow replays the steps from position 0 on the node path)
+                        plane = await self._open_data_plane(stack, live, route, prefix_cache=spot is None)
                         if live.prefix_cached_tokens and not progress.tokens:
                             progress.cached_tokens = live.prefix_cached_tokens
                     live.arm()
@@ -145,7 +146,7 @@ class SessionRunner(StepClient):
             raise
 
     async def _open_data_plane(
-        self, stack: contextlib.AsyncExitStack, live: LiveSession, route: swarm_pb2.Route
+        self, stack: contextlib.AsyncExitStack, live: LiveSession, route: swarm_pb2.Route, *, prefix_cache: bool = True
     ) -> DataPlane | None:
         """Move ``live.session``'s steps onto the workers' data plane of ``route``: bound on every
         hop, last first; the two connections open until ``stack`` closes. None, with the session
@@ -166,7 +167,7 @@ class SessionRunner(StepClient):
             # goes worker to worker too (DataPlaneBindRequest.open_rows)
             session = live.session
             open_rows = len(session.tokens) if session.step == 0 and session.cached_positions == 0 else 0
-            prefix = await self._prefix_plan(session, route) if open_rows else None
+            prefix = await self._prefix_plan(session, route) if open_rows and prefix_cache else None
             for index in reversed(range(len(route.hops))):
                 request = bind_request(route, index, session_id, keys, hosts, ports[index + 1] if bound else 0)
                 request.open_rows = open_rows

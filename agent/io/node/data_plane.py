@@ -62,7 +62,11 @@ class DataPlane(BatchServing, TrackerLink):
             )  # fmt: skip
         self._owner_only(served, session_id, remote_peer_id, role)
         try:
-            copied = await self._open_prefix(served, session_id, body) if opening and body.prefix_block_hashes else 0
+            # (a worker without a cache has nothing to remember; blocks asked of it it refuses)
+            prefix = opening and (
+                body.prefix_blocks or (body.prefix_block_hashes and served.info.prefix_cache_sequences)
+            )
+            copied = await self._open_prefix(served, session_id, body) if prefix else 0
             reply = await self._bind_held(served, session_id, body, remote_peer_id, hop_checked=opening)
             if copied:
                 parsed = swarm_pb2.NodeReply.FromString(reply)

@@ -194,9 +194,11 @@ class SessionRunner(StepClient):
                             )
                         ),
                     )
-            if prefix is not None and prefix.blocks:  # hops opened holding the prefix: open them afresh
-                with contextlib.suppress(SwarmError, TransportError):
-                    await self.end_session(route, session_id)
+            if prefix is not None and prefix.blocks:  # hops opened holding the prefix: step 0 opens them afresh
+                for hop in bound:
+                    with contextlib.suppress(SwarmError, TransportError):
+                        end = swarm_pb2.EndSessionRequest(session_id=session_id)
+                        await self._node(hop, swarm_pb2.NodeRequest(end_session=end))
             return None
         if prefix is not None and prefix.blocks:
             live.session.take_cached_prefix(prefix.positions)

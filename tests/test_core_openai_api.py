@@ -256,7 +256,12 @@ def test_response_shapes() -> None:
     body = chat_response(id_="c", created=1, model="m", text="hi", finish_reason="stop", usage_=usage(3, 2))
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi", "refusal": None}
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     final = chat_chunk(id_="c", created=1, model="m", usage_=usage(1, 1), final_usage=True)
     assert final["choices"] == [] and final["usage"]["total_tokens"] == 2
 

@@ -52,6 +52,7 @@ class FakeClient:
         self.script = [1, 2, 3, 4, EOG]
         self.fail: BaseException | None = None
         self.generations = 0
+        self.cached_tokens = 0  # what each generation says the hops' prefix caches held
 
     async def list_models(self) -> list[swarm_pb2.ModelEntry]:
         return [
@@ -80,7 +81,7 @@ class FakeClient:
             text="", tokens=tokens, prompt_tokens=list(prompt_tokens), route=[], model_sha256=model, prefill_s=0.0,
             decode_s=0.0, decode_steps=0, stopped_by_token=bool(tokens) and tokens[-1] == EOG and not stopped,
             hop_rows=[{"node": "n1", "begin": 0, "end": 4, "rows": len(prompt_tokens) + len(tokens) - 1}],
-            stopped_by_caller=stopped,
+            stopped_by_caller=stopped, cached_tokens=self.cached_tokens,
         )  # fmt: skip
 
 
@@ -132,6 +133,27 @@ async def test_a_model_without_a_chat_template_gets_a_clear_400(app_parts) -> No
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert "chat template" in error["message"] and error["param"] == "messages"
+
+
+@pytest.mark.timeout(30)
+async def test_cached_prompt_tokens_are_reported_as_openai_does(app_parts) -> None:
+    app, key, client, _state = app_parts
+    client.cached_tokens = 2
+    headers = {"Authorization": f"Bearer {key}"}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "a b c"}], "max_tokens": 3}
+    async with _http(app) as http:
+        completion = await http.post("/v1/completions", json={"model": "tiny", "prompt": "a b c"}, headers=headers)
+        answer = await http.post("/v1/chat/completions", json=chat, headers=headers)
+        two = await http.post("/v1/completions", json={"model": "tiny", "prompt": "a b", "n": 2}, headers=headers)
+        streamed = await http.post(
+            "/v1/chat/completions", json={**chat, "stream": True, "stream_options": {"include_usage": True}},
+            headers=headers,
+        )  # fmt: skip
+    for reply in (completion, answer, two):
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}  # (one prompt: counted once)
+    usages = [json.loads(line[6:]).get("usage") for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert [u for u in usages if u] and [u for u in usages if u][-1]["prompt_tokens_details"] == {"cached_tokens": 2}
 
 
 @pytest.mark.timeout(30)
@@ -268,7 +290,7 @@ async def test_max_tokens_is_capped_by_the_tokens_the_key_has_left(app_parts) ->
         # 12 a day, a prompt of 6: at most 6 generated although 100 were asked for
         reply = await http.post("/v1/completions", json={"model": "tiny", "prompt": "a b c d e f", "max_tokens": 100})
     assert reply.status_code == 200 and reply.json()["usage"] == {
-        "prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12,
+        "prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 0},
     }  # fmt: skip
     assert reply.json()["choices"][0]["finish_reason"] == "length"
     assert state.store.tokens_on("anonymous", "2027-01-15") == 12 and state.reserved == {}

@@ -74,7 +74,12 @@ async def test_n_choices_each_a_session_with_its_own_seed_streamed_and_not(parts
     answer = reply.json()
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
     assert all(c["message"]["content"] == "Hello world!" for c in answer["choices"])
-    assert answer["usage"] == {"prompt_tokens": 1, "completion_tokens": 15, "total_tokens": 16}
+    assert answer["usage"] == {
+        "prompt_tokens": 1,
+        "completion_tokens": 15,
+        "total_tokens": 16,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert sorted(kwargs["seed"] for kwargs in seen[:3]) == [5, 6, 7]  # (started in any order)
     by_index: dict[int, str] = {}
     for event in events:

@@ -27,7 +27,7 @@ constexpr const char * kUsage =
     "usage: baton-worker --model PATH --layers BEGIN:END --socket PATH [--forward-socket PATH]\n"
     "                    [--data-listen HOST:PORT] [--prefill-pace-ms N]\n"
     "                    [--data-unproven-timeout-ms N] [--data-max-connections N]\n"
-    "                    [--ctx-size N] [--max-sequences N]\n"
+    "                    [--ctx-size N] [--max-sequences N] [--prefix-cache-bytes N]\n"
     "                    [--batch-size N] [--threads N] [--threads-decode N] [--gpu-layers N]\n"
     "                    [--model-sha256 HEX] [--no-mmap] [--top-k-in-graph auto|on|off]\n"
     "       baton-worker --vocab-only --model PATH --socket PATH [--model-sha256 HEX] [--no-mmap]\n"
@@ -52,6 +52,10 @@ constexpr const char * kUsage =
     "                    all are taken, a new one replaces the oldest unproven accepted one\n"
     "  --ctx-size N      positions per sequence (default 2048)\n"
     "  --max-sequences N sequence ids 0..N-1 (default 4)\n"
+    "  --prefix-cache-bytes N  keep ended sessions' prompt prefixes (whole blocks, by the hashes\n"
+    "                    their owner sent) in spare sequences of at most N bytes of KV in all,\n"
+    "                    least recently used first out; a new session copies its longest one\n"
+    "                    (PrefixLookup, OpenPrefix; default 0 = off)\n"
     "  --batch-size N    most rows one Forward may carry (default 512)\n"
     "  --threads N       CPU threads, 0 = all cores (default 0)\n"
     "  --threads-decode N  CPU threads of a Forward whose micro-batch is one row (a lone session's\n"
@@ -186,6 +190,8 @@ int main(int argc, char ** argv) {
         } else if (flag == "--max-sequences") {
             shard.max_sequences = static_cast<uint32_t>(
                 parse_integer(flag, take_value(), 1, static_cast<long long>(baton::max_sequences_limit())));
+        } else if (flag == "--prefix-cache-bytes") {
+            shard.prefix_cache_bytes = static_cast<uint64_t>(parse_integer(flag, take_value(), 0, std::numeric_limits<long long>::max()));
         } else if (flag == "--rollback-positions") {
             shard.rollback_positions = static_cast<uint32_t>(parse_integer(flag, take_value(), 0, 64));
         } else if (flag == "--batch-size") {

@@ -130,6 +130,9 @@ grpc::Status ShardWorkerService::Info(grpc::ServerContext *, const v1::InfoReque
             reply->add_eog_token_ids(t);
         }
         reply->set_vocab_only(info.vocab_only);
+        reply->set_prefix_cache_sequences(info.prefix_cache_sequences);
+        reply->set_prefix_cache_bytes(info.prefix_cache_bytes);
+        reply->set_prefix_cache_off_reason(info.prefix_cache_off_reason);
         DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire);
         reply->set_data_port(data_plane != nullptr ? data_plane->port() : 0);
         return grpc::Status::OK;
@@ -148,6 +151,15 @@ grpc::Status ShardWorkerService::Health(grpc::ServerContext *, const v1::HealthR
         reply->set_ready(true);  // the service exists only once the shard is loaded
         reply->set_forward_calls(forward_calls());
         reply->set_active_sequences(shard_->active_sequences());
+        reply->set_forward_rows(shard_->forward_rows());
+        const PrefixCacheStats prefix = shard_->prefix_cache_stats();
+        reply->set_prefix_lookups(prefix.lookups);
+        reply->set_prefix_hits(prefix.hits);
+        reply->set_prefix_hit_positions(prefix.hit_positions);
+        reply->set_prefix_kept(prefix.kept);
+        reply->set_prefix_evicted(prefix.evicted);
+        reply->set_prefix_entries(prefix.entries);
+        reply->set_prefix_positions(prefix.positions);
         if (DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire); data_plane != nullptr) {
             const DataPlaneCounts counts = data_plane->counts();
             reply->set_data_plane_forwards(counts.forwards);
@@ -252,6 +264,34 @@ grpc::Status ShardWorkerService::sequence_op(const char * method, uint32_t schem
         reply->set_seq_id(reply_seq_id);
         reply->set_next_position(next);
         return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::PrefixLookup(grpc::ServerContext *, const v1::PrefixLookupRequest * request,
+                                              v1::PrefixLookupReply * reply) {
+    return guarded("PrefixLookup", [&] {
+        ShardStatus st = check_schema_version(request->schema_version());
+        uint32_t blocks = 0;
+        if (st.ok()) {
+            const std::vector<std::string> hashes(request->block_hashes().begin(), request->block_hashes().end());
+            st = engine_.call(QueuedKind::kOperation, 0, [&](Shard & shard) {
+                return shard.prefix_lookup(hashes, request->block_tokens(), &blocks);
+            });
+        }
+        if (!st.ok()) {
+            return to_grpc_status(st);
+        }
+        reply->set_schema_version(kSchemaVersion);
+        reply->set_blocks(blocks);
+        return grpc::Status::OK;
+    });
+}
+
+grpc::Status ShardWorkerService::OpenPrefix(grpc::ServerContext *, const v1::OpenPrefixRequest * request,
+                                            v1::SequenceReply * reply) {
+    return sequence_op("OpenPrefix", request->schema_version(), request->seq_id(), reply, [&](Shard & shard, int32_t * next) {
+        std::vector<std::string> hashes(request->block_hashes().begin(), request->block_hashes().end());
+        return shard.open_prefix(request->seq_id(), std::move(hashes), request->block_tokens(), request->use_blocks(), next);
     });
 }
 

@@ -51,6 +51,10 @@ public:
                                worker::v1::UnbindSessionReply * reply) override;
     grpc::Status ContinueSession(grpc::ServerContext * context, const worker::v1::ContinueSessionRequest * request,
                                  worker::v1::ContinueSessionReply * reply) override;
+    grpc::Status PrefixLookup(grpc::ServerContext * context, const worker::v1::PrefixLookupRequest * request,
+                              worker::v1::PrefixLookupReply * reply) override;
+    grpc::Status OpenPrefix(grpc::ServerContext * context, const worker::v1::OpenPrefixRequest * request,
+                            worker::v1::SequenceReply * reply) override;
 
     uint64_t forward_calls() const { return forward_calls_.load(std::memory_order_relaxed); }
 

@@ -227,34 +227,33 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
                              std::to_string(row_values));
     }
 
-    llama_context_params cparams = llama_context_default_params();
-    cparams.n_ctx = config_.ctx_size_per_seq * config_.max_sequences;
-    cparams.n_batch = config_.batch_size;
-    cparams.n_ubatch = config_.batch_size;
-    cparams.n_seq_max = config_.max_sequences;
+    create_context(config_.max_sequences);
+    uint32_t spares = 0;
+    uint64_t bytes_per_sequence = 0;
+    if (config_.prefix_cache_bytes > 0) {
+        uint64_t kv_bytes = 0;
+        for (const auto & buft_mem : llama_get_memory_breakdown(ctx_.get())) {
+            kv_bytes += buft_mem.second.context;
+        }
+        bytes_per_sequence = kv_bytes / config_.max_sequences;
+        if (schema.version == kBoundaryStreamsSchemaVersion || arch == "deepseek4") {
+            // its compression-window state cannot be cut back to a block boundary (trim_sequence)
+            info_.prefix_cache_off_reason = arch + " compression-window state cannot be cut back to a block boundary";
+        } else if (bytes_per_sequence == 0 || config_.prefix_cache_bytes < bytes_per_sequence) {
+            info_.prefix_cache_off_reason = "--prefix-cache-bytes is below one sequence's KV (" +
+                                            std::to_string(bytes_per_sequence) + " bytes)";
+        } else {
+            const uint64_t room = max_sequences_limit() > config_.max_sequences
+                                      ? max_sequences_limit() - config_.max_sequences : 0;
+            spares = static_cast<uint32_t>(std::min<uint64_t>(config_.prefix_cache_bytes / bytes_per_sequence, room));
+        }
+        if (spares > 0) {
+            create_context(config_.max_sequences + spares);  // the spares are whole sequences of it
+        }
+    }
+
+    const uint32_t n_seq_max = config_.max_sequences;
     const int32_t n_threads_decode = config_.threads_decode > 0 ? config_.threads_decode : n_threads;
-    cparams.n_threads = n_threads_decode;  // llama.cpp: a micro-batch of one token
-    cparams.n_threads_batch = n_threads;
-    cparams.kv_unified = false;
-    cparams.n_rs_seq = config_.rollback_positions;
-    // A range that is not last outputs the residual of every row through the embeddings path.
-    cparams.embeddings = !gives_logits;
-    if (!gives_logits) {
-        cparams.pooling_type = LLAMA_POOLING_TYPE_NONE;
-    }
-    clear_llama_errors();
-    ctx_.reset(llama_init_from_model(model_.get(), cparams));
-    if (!ctx_) {
-        throw ShardLoadError(with_llama_reason("cannot create a context for layers " + asked + " of " +
-                                               config_.model_path));
-    }
-
-    const uint32_t n_seq_max = llama_n_seq_max(ctx_.get());
-    if (n_seq_max != config_.max_sequences) {
-        throw ShardLoadError("llama.cpp made a context for " + std::to_string(n_seq_max) + " sequences, asked " +
-                             std::to_string(config_.max_sequences));
-    }
-
     vocab_ = llama_model_get_vocab(model_.get());
 
     uint64_t weight_buffer_bytes = 0;
@@ -285,13 +284,51 @@ Shard::Shard(ShardConfig config) : config_(std::move(config)) {
     info_.kv_bytes = kv_bytes;
     info_.n_ctx_per_sequence = std::min(config_.ctx_size_per_seq, llama_n_ctx_seq(ctx_.get()));
     info_.n_seq_max = n_seq_max;
+    info_.prefix_cache_sequences = spares;
+    info_.prefix_cache_bytes = spares * bytes_per_sequence;
     info_.n_batch_max = std::min({config_.batch_size, llama_n_batch(ctx_.get()), llama_n_ubatch(ctx_.get())});
     info_.model_path = config_.model_path;
     info_.n_threads = static_cast<uint32_t>(n_threads);
     info_.n_threads_decode = static_cast<uint32_t>(n_threads_decode);
 
     batch_ = std::make_unique<Batch>(static_cast<int32_t>(info_.n_batch_max), takes_tokens ? 0 : row_values);
-    next_positions_.assign(n_seq_max, 0);
+    next_positions_.assign(n_seq_max + spares, 0);
+    prefix_ = PrefixCache(n_seq_max, spares);
+}
+
+void Shard::create_context(uint32_t n_sequences) {
+    const std::string asked = std::to_string(config_.layer_begin) + ":" + std::to_string(config_.layer_end);
+    const bool gives_logits = config_.layer_end < 0 || config_.layer_end == llama_model_n_layer(model_.get());
+    const int32_t n_threads = config_.threads > 0
+                                  ? config_.threads
+                                  : static_cast<int32_t>(std::max(1u, std::thread::hardware_concurrency()));
+    ctx_.reset();
+    llama_context_params cparams = llama_context_default_params();
+    cparams.n_ctx = config_.ctx_size_per_seq * n_sequences;
+    cparams.n_batch = config_.batch_size;
+    cparams.n_ubatch = config_.batch_size;
+    cparams.n_seq_max = n_sequences;
+    const int32_t n_threads_decode = config_.threads_decode > 0 ? config_.threads_decode : n_threads;
+    cparams.n_threads = n_threads_decode;  // llama.cpp: a micro-batch of one token
+    cparams.n_threads_batch = n_threads;
+    cparams.kv_unified = false;
+    cparams.n_rs_seq = config_.rollback_positions;
+    // A range that is not last outputs the residual of every row through the embeddings path.
+    cparams.embeddings = !gives_logits;
+    if (!gives_logits) {
+        cparams.pooling_type = LLAMA_POOLING_TYPE_NONE;
+    }
+    clear_llama_errors();
+    ctx_.reset(llama_init_from_model(model_.get(), cparams));
+    if (!ctx_) {
+        throw ShardLoadError(with_llama_reason("cannot create a context for layers " + asked + " of " +
+                                               config_.model_path));
+    }
+    const uint32_t made = llama_n_seq_max(ctx_.get());
+    if (made != n_sequences) {
+        throw ShardLoadError("llama.cpp made a context for " + std::to_string(made) + " sequences, asked " +
+                             std::to_string(n_sequences));
+    }
 }
 
 void Shard::load_vocab_only() {
@@ -347,7 +384,9 @@ int32_t Shard::next_position(uint32_t seq_id) const {
 
 void Shard::set_next_position(uint32_t seq_id, int32_t next) {
     next_positions_[seq_id] = next;
-    const auto active = std::count_if(next_positions_.begin(), next_positions_.end(), [](int32_t n) { return n > 0; });
+    // sessions only: the prefix cache's spares (ids from n_seq_max) are not active sequences
+    const auto active = std::count_if(next_positions_.begin(), next_positions_.begin() + info_.n_seq_max,
+                                      [](int32_t n) { return n > 0; });
     active_sequences_.store(static_cast<uint32_t>(active), std::memory_order_relaxed);
 }
 
@@ -549,9 +588,12 @@ ShardStatus Shard::forward(const std::vector<ForwardEntry> & entries, std::vecto
             return st;
         }
     }
-    for (const ForwardOutput & o : out) {
-        set_next_position(o.seq_id, o.next_position);
+    uint64_t rows = 0;
+    for (size_t i = 0; i < out.size(); ++i) {
+        set_next_position(out[i].seq_id, out[i].next_position);
+        rows += entries[i].positions.size();
     }
+    forward_rows_.fetch_add(rows, std::memory_order_relaxed);
     *outputs = std::move(out);
     return ShardStatus::Ok();
 }
@@ -565,8 +607,10 @@ ShardStatus Shard::remove_sequence(uint32_t seq_id, int32_t * next_position) {
         return st;
     }
     if (next_positions_[seq_id] == 0) {
+        prefix_.forget(seq_id);
         return ShardStatus::Invalid("unknown sequence " + std::to_string(seq_id));
     }
+    keep_prefix(seq_id);  // its prompt's whole blocks, into a spare (when the cache is on)
     llama_memory_seq_rm(llama_get_memory(ctx_.get()), static_cast<llama_seq_id>(seq_id), -1, -1);
     set_next_position(seq_id, 0);
     *next_position = 0;
@@ -638,6 +682,7 @@ ShardStatus Shard::copy_sequence(uint32_t src_seq_id, uint32_t dst_seq_id, int32
     // cells: correct only because dst is empty, which is checked above.
     llama_memory_seq_cp(llama_get_memory(ctx_.get()), static_cast<llama_seq_id>(src_seq_id),
                         static_cast<llama_seq_id>(dst_seq_id), -1, -1);
+    prefix_.forget(dst_seq_id);  // its blocks are src's session's, not named by any hashes here
     set_next_position(dst_seq_id, next_positions_[src_seq_id]);
     *next_position = next_positions_[dst_seq_id];
     return ShardStatus::Ok();

@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "prefix_cache.h"
 #include "topk_select.h"
 
 struct llama_model;
@@ -97,6 +98,11 @@ struct ShardConfig {
     // llama.cpp's graph, so that only K values a row leave the device, or from the full rows on
     // the host. kAuto: the graph on an accelerator, the host on the CPU.
     TopKInGraph top_k_in_graph = TopKInGraph::kAuto;
+    // The prefix cache (prefix_cache.h): at most this many bytes of KV for spare sequences that
+    // keep ended sessions' prompt prefixes; 0: off. Each spare is one whole sequence of the
+    // non-unified cache (its share of kv_bytes), so the spares are this divided by that, capped
+    // by max_sequences_limit(); none for a model whose cache cannot be cut back (DeepSeek V4).
+    uint64_t prefix_cache_bytes = 0;
 };
 
 // A boundary schema (BoundarySchema in worker.proto): version 1 "residual" (n_embd per
@@ -151,6 +157,11 @@ struct ShardInfo {
     bool vocab_only = false;             // then only architecture, n_vocab, eog ids, model path,
                                          // the build's fields and a given model_sha256 are set
     uint64_t vocabulary_piece_bytes = 0; // sum of every token's piece length (sizes the Vocabulary reply)
+    // The prefix cache: spare sequences (ids n_seq_max .. n_seq_max + spares - 1, given to no
+    // session) and the KV bytes they hold (within ShardConfig::prefix_cache_bytes; in kv_bytes).
+    uint32_t prefix_cache_sequences = 0;
+    uint64_t prefix_cache_bytes = 0;
+    std::string prefix_cache_off_reason;  // why there are none although bytes were given
 };
 
 // The whole vocabulary (mirrors VocabularyReply): per token id, its piece
@@ -335,6 +346,19 @@ public:
     ShardStatus trim_sequence(uint32_t seq_id, int32_t keep_positions, int32_t * next_position);
     ShardStatus copy_sequence(uint32_t src_seq_id, uint32_t dst_seq_id, int32_t * next_position);
 
+    // The prefix cache (shard_prefix.cpp). prefix_lookup: how many leading blocks of `hashes`
+    // (kPrefixHashBytes each, blocks of block_tokens) an entry holds; changes nothing.
+    ShardStatus prefix_lookup(const std::vector<std::string> & hashes, uint32_t block_tokens, uint32_t * blocks) const;
+    // A new session on empty sequence seq_id: copies exactly use_blocks leading blocks of
+    // `hashes` from an entry (FAILED_PRECONDITION when none holds them any more: a miss the
+    // caller must not hide, since the other hops copied as many), and remembers `hashes` (the
+    // prompt's whole blocks) so that the sequence's blocks are kept at its removal.
+    ShardStatus open_prefix(uint32_t seq_id, std::vector<std::string> hashes, uint32_t block_tokens,
+                            uint32_t use_blocks, int32_t * next_position);
+    // Thread-safe (atomics): the cache's counters and the rows of every Forward.
+    PrefixCacheStats prefix_cache_stats() const;
+    uint64_t forward_rows() const { return forward_rows_.load(std::memory_order_relaxed); }
+
     // Thread-safe (vocab is read-only): may be called without the caller's lock.
     ShardStatus tokenize(const std::string & text, bool add_special, bool parse_special,
                          std::vector<int32_t> * tokens) const;
@@ -351,6 +375,9 @@ private:
     ShardStatus check_seq_id(const char * what, uint32_t seq_id) const;
     void load_vocab_only();  // the constructor's vocab-only path
     void set_next_position(uint32_t seq_id, int32_t next);
+    void create_context(uint32_t n_sequences);   // ctx_ for n_sequences (sessions + spares)
+    void keep_prefix(uint32_t seq_id);           // before seq_id is removed: into a spare
+    void publish_prefix_stats();                 // prefix_ -> the atomics Health reads
 
     ShardConfig config_;
     ShardInfo info_;
@@ -361,6 +388,11 @@ private:
     std::vector<int32_t> next_positions_;  // per seq id: positions held
     std::atomic<uint32_t> active_sequences_{0};
     bool top_k_in_graph_ = false;  // a last range selecting top-K in the graph (config + backend)
+    PrefixCache prefix_{0, 0};
+    std::atomic<uint64_t> forward_rows_{0};
+    std::atomic<uint64_t> prefix_lookups_{0}, prefix_hits_{0}, prefix_hit_positions_{0}, prefix_kept_{0},
+        prefix_evicted_{0}, prefix_positions_{0};
+    std::atomic<uint32_t> prefix_entries_{0};
 };
 
 }  // namespace baton

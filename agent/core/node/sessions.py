@@ -324,6 +324,16 @@ class SessionTable:
         self.started += 1
         return session
 
+    def opened_with_prefix(self, session_id: bytes, positions: int) -> None:
+        """A session just opened for the data plane holds ``positions`` positions copied from
+        the worker's prefix cache: its prompt steps start there."""
+        session = self._sessions.get(session_id)
+        if session is None or session.next_step != 0 or session.next_position != 0:
+            raise WireError(Code.INVALID_ARGUMENT, "only a session just opened takes a cached prefix")
+        if not 0 <= positions <= self.n_ctx_per_sequence:
+            raise WireError(Code.INVALID_ARGUMENT, f"a prefix of {positions} positions does not fit the context")
+        session.next_position = positions
+
     def bind_data_plane(self, session_id: bytes, owner_peer_id: str, now_ms: int) -> NodeSession:
         """Mark the session bound on the worker's data plane (the shell binds it there).
 

@@ -101,8 +101,7 @@ class HopFailed(SessionError):
 
 @dataclasses.dataclass(frozen=True)
 class OwnerStep:
-    """The rows one step of the owner's session sends to the first hop (a node's validated
-    step is ``agent.core.wire.step_validation.StepInput``)."""
+    """The rows one step of the owner's session sends (a node's: ``step_validation.StepInput``)."""
 
     step: int
     positions: tuple[int, ...]
@@ -253,6 +252,12 @@ class Session:
     def cached_positions(self) -> int:
         """Positions every hop of the route holds for sure (the steps answered so far)."""
         return self._n_cached
+
+    def take_cached_prefix(self, positions: int) -> None:
+        """The hops copied the prompt's first ``positions`` from their prefix caches: steps start there."""
+        if self.step or self._in_flight_ends or self._n_cached or not 0 <= positions < self.prompt_len:
+            raise ValueError(f"session {self.session_hex}: no cached prefix of {positions} now")
+        self._n_cached = positions
 
     def rebuild_chunks(self, keep_positions: int, merge_rows: int = 16) -> list[tuple[int, int]]:
         """``(first position, rows)`` of the steps that rebuild a lost first hop from this

@@ -178,6 +178,8 @@ class WorkerInfo:
     vocab_only: bool = False
     data_port: int = 0  # the data plane's TCP port (--data-listen); 0: none
     n_threads_decode: int = 0  # threads of a one-row micro-batch (--threads-decode); 0: an old worker
+    prefix_cache_sequences: int = 0  # spare sequences of the prefix cache (--prefix-cache-bytes); 0: off
+    prefix_cache_bytes: int = 0  # the KV bytes they take (in kv_bytes)
 
     @property
     def layers(self) -> LayerRange:
@@ -198,6 +200,14 @@ class WorkerHealth:
     data_plane_forwards: int = 0  # see HealthReply
     data_plane_steps: int = 0
     data_plane_compute_us: int = 0
+    forward_rows: int = 0  # rows of every Forward (a prefix cache hit's copied rows are not)
+    prefix_lookups: int = 0  # the prefix cache's counters (HealthReply)
+    prefix_hits: int = 0
+    prefix_hit_positions: int = 0
+    prefix_kept: int = 0
+    prefix_evicted: int = 0
+    prefix_entries: int = 0
+    prefix_positions: int = 0
 
 
 class TokenAttr(enum.IntFlag):

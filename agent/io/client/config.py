@@ -81,6 +81,11 @@ class SwarmClientConfig:
     what one consumer GPU takes to compute it; below that the rows, not the compute, set the
     time to the first token, and f16 halves them. Below 10 Mbit/s even f16 rows take several
     times the compute, and q8 takes 0.56 of f16's bytes for a larger declared error.
+    ``prefix_block_tokens``: a session whose prompt opens on the data plane names its prompt's
+    whole blocks of this many tokens to every hop (``agent.core.owner.prefix_blocks``), asks each
+    how many leading ones its prefix cache holds and copies the fewest, so that only the rest
+    is prefilled (the copy ends on a ``prefill_chunk_tokens`` boundary: the same tokens as
+    without); each hop keeps the blocks when the session ends. 0: never.
     """
 
     request_timeout_s: float = setting(10.0, "limit on one control request (default 10)", parse=cli_args.positive_float)
@@ -126,6 +131,7 @@ class SwarmClientConfig:
     wire_q8_below_mbit: float = setting(
         10.0, "--wire auto sends q8 over links slower than this (default 10)", parse=cli_args.positive_float
     )
+    prefix_block_tokens: int = 64
     # Integrity (agent/io/client/spot_check.py, docs/INTEGRITY.md): the share of sessions replayed
     # through a route of the same recipe around one of their hops and compared bit for bit,
     # how long a session that ended waits for its replay, and how long the tracker may take to

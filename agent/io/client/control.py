@@ -98,6 +98,8 @@ class ControlClient:
         self._now_ms = now_ms
         self._admission_record = swarm_pb2.AdmissionRecord()
         self._last_routes: dict[str, swarm_pb2.Route] = {}  # model -> the tracker's last route
+        #: (peer, begin, end) of hops that said they keep no prefix cache: not asked again
+        self._no_prefix_cache: set[tuple[str, int, int]] = set()
 
     @property
     def peer_id(self) -> str:

@@ -56,6 +56,7 @@ class LiveSession:
         # the last result the session took: a StepResult (node path) or a DataResult (data plane)
         self.result: swarm_pb2.StepResult | None = None
         self.data_result: worker_pb2.DataResult | None = None
+        self.prefix_cached_tokens = 0  # of its prompt, copied from the hops' prefix caches
 
     def arm(self) -> None:
         self.arrived = trio.Event()

@@ -85,6 +85,8 @@ class GenerationResult:
     #: wall time from the first token to the last (the decode's), however many steps or
     #: trips around the route carried the tokens
     decode_wall_s: float = 0.0
+    #: prompt tokens the hops copied from their prefix caches instead of computing them
+    cached_tokens: int = 0
     #: tokens proposed by a draft and accepted by the route (0: no speculative decoding yet)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -159,6 +161,7 @@ class Progress:
     last_token_at: float = 0.0
     first_token_at: float = 0.0  # when the first token was taken (perf_counter)
     latest_token_at: float = 0.0  # when the latest was (last_token_at is reset by prefills)
+    cached_tokens: int = 0  # prompt tokens the first session copied from the hops' prefix caches
 
     def add(self, token: int, elapsed_s: float, *, prefill: bool) -> None:
         """A token taken: a prefill's ``elapsed_s`` is its step's (the prompt's chunks, each

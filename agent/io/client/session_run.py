@@ -31,6 +31,7 @@ from agent.core.owner.data_route import (
     data_plane_hosts,
     data_step,
 )
+from agent.core.owner.prefix_blocks import PrefixPlan, block_hashes, prefix_seed, usable_blocks
 from agent.core.owner.sampling import draws_at_owner
 from agent.core.owner.session import Session
 from agent.core.owner.wire_choice import choose_wire_dtype
@@ -89,7 +90,10 @@ class SessionRunner(StepClient):
                         and (self.config.prefill_on_data_plane or not session.in_prefill)
                     ):
                         plane_tries += 1
-                        plane = await self._open_data_plane(stack, live, route)
+                        # (a spot check's shadow replays the steps from position 0 on the node path)
+                        plane = await self._open_data_plane(stack, live, route, prefix_cache=spot is None)
+                        if live.prefix_cached_tokens and not progress.tokens:
+                            progress.cached_tokens = live.prefix_cached_tokens
                     live.arm()
                     prefill = session.in_prefill
                     # the prompt's chunks on the data plane go together (pipelined down the route,
@@ -158,7 +162,7 @@ class SessionRunner(StepClient):
         )  # fmt: skip
 
     async def _open_data_plane(
-        self, stack: contextlib.AsyncExitStack, live: LiveSession, route: swarm_pb2.Route
+        self, stack: contextlib.AsyncExitStack, live: LiveSession, route: swarm_pb2.Route, *, prefix_cache: bool = True
     ) -> DataPlane | None:
         """Move ``live.session``'s steps onto the workers' data plane of ``route``: bound on every
         hop, last first; the two connections open until ``stack`` closes. None, with the session
@@ -180,11 +184,15 @@ class SessionRunner(StepClient):
             # goes worker to worker too (DataPlaneBindRequest.open_rows)
             session = live.session
             open_rows = len(session.tokens) if session.step == 0 and session.cached_positions == 0 else 0
+            prefix = await self._prefix_plan(session, route) if open_rows and prefix_cache else None
             for index in reversed(range(len(route.hops))):
                 request = bind_request(
                     route, index, session_id, keys, hosts, ports[index + 1] if bound else 0, self.wire_dtype(route)
                 )
                 request.open_rows = open_rows
+                if prefix is not None:
+                    request.prefix_block_hashes.extend(prefix.hashes)
+                    request.prefix_block_tokens, request.prefix_blocks = prefix.block_tokens, prefix.blocks
                 bound.append(route.hops[index])  # (before the answer: a bind that timed out may have been made)
                 reply = await self._node(route.hops[index], swarm_pb2.NodeRequest(data_plane_bind=request))
                 ports[index] = reply.data_port
@@ -205,7 +213,15 @@ class SessionRunner(StepClient):
                             )
                         ),
                     )
+            if prefix is not None and prefix.blocks:  # hops opened holding the prefix: step 0 opens them afresh
+                for hop in bound:
+                    with contextlib.suppress(SwarmError, TransportError):
+                        end = swarm_pb2.EndSessionRequest(session_id=session_id)
+                        await self._node(hop, swarm_pb2.NodeRequest(end_session=end))
             return None
+        if prefix is not None and prefix.blocks:
+            live.session.take_cached_prefix(prefix.positions)
+            live.prefix_cached_tokens = prefix.positions
         plane = DataPlane(owner, route, to_first, from_last)
         # the binds just renewed every hop's lease: the first touch is due a probe interval after
         # them, not at the first step (a short generation then sends none: 3 requests fewer a chat)
@@ -215,6 +231,42 @@ class SessionRunner(StepClient):
         if self.config.greedy_continuation:
             await self._continue_on_data_plane(live.session, route, keys, hosts, ports[0])
         return plane
+
+    async def _prefix_plan(self, session: Session, route: swarm_pb2.Route) -> PrefixPlan | None:
+        """The prompt's block hashes and the leading blocks every hop of ``route`` holds in its
+        prefix cache (asked of all at once; a hop that cannot say holds none), cut to what
+        ``usable_blocks`` allows. None: no whole block, or the cache is off here."""
+        block_tokens = self.config.prefix_block_tokens
+        if not block_tokens:
+            return None
+        seed = prefix_seed(route.model_sha256, route.recipe_hash, block_tokens)
+        hashes = tuple(block_hashes(session.tokens[: session.prompt_len], block_tokens, seed))
+        if not hashes:
+            return None
+        held = [len(hashes)] * len(route.hops)
+        if any((hop.peer_id, hop.begin, hop.end) in self._no_prefix_cache for hop in route.hops):
+            return PrefixPlan(hashes, block_tokens, 0)  # (no round trip where a hop has none)
+
+        async def ask(index: int) -> None:
+            hop = route.hops[index]
+            lookup = swarm_pb2.PrefixLookupRequest(
+                model_sha256=route.model_sha256, begin=hop.begin, end=hop.end, block_hashes=hashes,
+                block_tokens=block_tokens,
+            )  # fmt: skip
+            try:
+                reply = await self._node(hop, swarm_pb2.NodeRequest(prefix_lookup=lookup))
+                held[index] = reply.prefix_blocks
+            except (SwarmError, TransportError) as why:
+                log.debug("session %s: no prefix lookup at %s: %s", session.session_hex, hop.peer_id, why)
+                held[index] = 0
+                if isinstance(why, SwarmError) and why.code == swarm_pb2.Error.REFUSED:
+                    self._no_prefix_cache.add((hop.peer_id, hop.begin, hop.end))
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(route.hops)):
+                nursery.start_soon(ask, index)
+        blocks = usable_blocks(min(held), session.prompt_len, block_tokens, session.max_step_rows)
+        return PrefixPlan(hashes, block_tokens, blocks)
 
     async def _continue_on_data_plane(
         self, session: Session, route: swarm_pb2.Route, keys: RouteKeys, hosts: list[str], first_port: int

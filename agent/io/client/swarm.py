@@ -447,6 +447,7 @@ class SwarmClient(ResumingClient):
             data_plane_steps=progress.data_plane_steps,
             continued_steps=progress.continued_steps,
             decode_wall_s=progress.decode_wall_s,
+            cached_tokens=progress.cached_tokens,
         )
 
     async def _take_back(self, segments: list[RouteSegment], generated: list[int], avoid: list[str]) -> int:

@@ -206,6 +206,13 @@ class NodeConfig:
         parse=cli_args.positive_int,
         metavar="N",
     )
+    prefix_cache_bytes: int | None = setting(
+        None,
+        "bytes of KV each worker keeps for ended sessions' prompt prefixes, so that a new session starting with"
+        " one prefills only the rest (whole sequences of its context; least recently used out; default 0: off)",
+        parse=cli_args.non_negative_int,
+        metavar="N",
+    )
     worker_wait: str = setting(
         AUTO,
         "how a worker's idle threads wait for work: spin (quickest for a worker alone on its machine), sleep"

@@ -24,7 +24,7 @@ from agent.io.net.transport import remote_host
 from agent.io.worker.error import WorkerError
 
 from .batches import BatchServing
-from .state import ServedRange, clock_ms, unbind_request
+from .state import ServedRange, State, clock_ms, unbind_request
 from .tracker_link import TrackerLink
 
 __all__ = ["DataPlane"]
@@ -64,7 +64,17 @@ class DataPlane(BatchServing, TrackerLink):
             )  # fmt: skip
         self._owner_only(served, session_id, remote_peer_id, role)
         try:
-            return await self._bind_held(served, session_id, body, remote_peer_id, hop_checked=opening)
+            # (a worker without a cache has nothing to remember; blocks asked of it it refuses)
+            prefix = opening and (
+                body.prefix_blocks or (body.prefix_block_hashes and served.info.prefix_cache_sequences)
+            )
+            copied = await self._open_prefix(served, session_id, body) if prefix else 0
+            reply = await self._bind_held(served, session_id, body, remote_peer_id, hop_checked=opening)
+            if copied:
+                parsed = swarm_pb2.NodeReply.FromString(reply)
+                parsed.prefix_blocks = copied
+                reply = parsed.SerializeToString()
+            return reply
         except BaseException:
             if opening and (held := served.sessions.get(session_id)) is not None and not held.data_plane:
                 served.end_session(session_id)  # opened for this bind only: its sequence goes back
@@ -116,6 +126,47 @@ class DataPlane(BatchServing, TrackerLink):
             ) from None
         log.info("%s: session %s on the data plane", range_name(served.key), session_id.hex())
         return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION, data_port=served.info.data_port).SerializeToString()
+
+    async def _open_prefix(self, served: ServedRange, session_id: bytes, body: swarm_pb2.DataPlaneBindRequest) -> int:
+        """Copy ``body.prefix_blocks`` leading blocks of the session's prompt from the worker's
+        prefix cache into its new sequence (all hops copy as many: the owner asked each how many
+        it holds first), and have the worker keep the prompt's blocks when the session ends.
+        Returns the blocks copied; a worker that no longer holds them refuses (the bind fails)."""
+        assert served.sessions is not None and served.client is not None
+        session = served.sessions.get(session_id)
+        assert session is not None  # (opened just before)
+        request = worker_pb2.OpenPrefixRequest(
+            schema_version=1, seq_id=session.seq_id, block_hashes=body.prefix_block_hashes,
+            block_tokens=body.prefix_block_tokens, use_blocks=body.prefix_blocks,
+        )  # fmt: skip
+        try:
+            reply = await served.client.call("OpenPrefix", request, timeout_s=self.config.worker_call_timeout_s)
+        except WorkerError as err:
+            raise worker_call_failed(
+                err.code_name, WorkerCall.OWNER_REQUEST, f"{range_name(served.key)}: prefix not opened: {err.message}"
+            ) from None
+        served.sessions.opened_with_prefix(session_id, reply.next_position)
+        return body.prefix_blocks
+
+    async def _prefix_lookup(self, body: swarm_pb2.PrefixLookupRequest) -> bytes:
+        """How many leading blocks of a prompt this range's worker caches (``PrefixLookupRequest``):
+        what the owner asks each hop before opening a session there."""
+        key = (body.model_sha256, body.begin, body.end)
+        served = self._held(key)
+        if served is None or served.state != State.READY or served.client is None or served.info is None:
+            raise WireError(Code.NOT_FOUND, f"this node does not serve {range_name(key)} READY")
+        if not served.info.prefix_cache_sequences:  # (the owner stops asking)
+            raise WireError(Code.REFUSED, f"{range_name(key)} keeps no prefix cache (--prefix-cache-bytes)")
+        request = worker_pb2.PrefixLookupRequest(
+            schema_version=1, block_hashes=body.block_hashes, block_tokens=body.block_tokens
+        )
+        try:
+            reply = await served.client.call("PrefixLookup", request, timeout_s=self.config.worker_call_timeout_s)
+        except WorkerError as err:
+            raise worker_call_failed(
+                err.code_name, WorkerCall.OWNER_REQUEST, f"{range_name(served.key)}: prefix lookup: {err.message}"
+            ) from None
+        return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION, prefix_blocks=reply.blocks).SerializeToString()
 
     async def _unbind_data_plane(self, body: swarm_pb2.DataPlaneUnbindRequest, remote_peer_id: str, role: int) -> bytes:
         """Take the owner's session back from the worker's data plane to this node."""

@@ -144,10 +144,12 @@ class RequestHandlers(SessionControl):
                 return await self._unbind_data_plane(request.data_plane_unbind, remote_peer_id, record.role)
             if body == "data_plane_continue":
                 return await self._continue_data_plane(request.data_plane_continue, remote_peer_id, record.role)
+            if body == "prefix_lookup":
+                return await self._prefix_lookup(request.prefix_lookup)
             raise WireError(
                 Code.INVALID_ARGUMENT,
                 "the NodeRequest has no body (tokenize, detokenize, end_session, resume_session, replay, touch, "
-                "data_plane_bind, data_plane_unbind or data_plane_continue)",
+                "data_plane_bind, data_plane_unbind, data_plane_continue or prefix_lookup)",
             )
         except WireError as err:
             return node_reply_error(err.code, err.message)

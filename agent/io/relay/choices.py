@@ -107,7 +107,9 @@ class Choices:
         return chunks
 
     def usage(self) -> dict:
-        return usage(self.prompt_tokens, self.completion_tokens)
+        """Cached tokens as prompt tokens: each prompt's once (its first choice's)."""
+        n = self.req.options.n
+        return usage(self.prompt_tokens, self.completion_tokens, sum(part.cached_tokens for part in self.parts[::n]))
 
     def usage_chunk(self) -> dict:
         chunk = self.parts[0].usage_chunk()

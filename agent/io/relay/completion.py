@@ -215,6 +215,7 @@ class Completion:
         self.logprob_entries: list = []  # chat: entries; completion: (token, logprob, top dict)
         self._unsent_logprobs: list = []
         self.completion_tokens = 0
+        self.cached_tokens = 0  # of the prompt, copied from the hops' prefix caches
         self.token_ids: list[int] = []
         self._unsent_token_ids: list[int] = []
         self._sent_prompt_ids = False
@@ -349,7 +350,7 @@ class Completion:
         return chunk
 
     def usage(self) -> dict:
-        return usage(len(self.prompt.tokens), self.completion_tokens)
+        return usage(len(self.prompt.tokens), self.completion_tokens, self.cached_tokens)
 
     def usage_chunk(self) -> dict:
         build = chat_chunk if self.req.kind == "chat" else completion_chunk
@@ -442,6 +443,7 @@ class Completion:
         finally:
             state.live_sessions -= 1
             state.metrics.session_ended()
+        self.cached_tokens = result.cached_tokens
         released = self.text.finish()
         self._parse_calls()
         tail = self._showable(released, final=True)

@@ -87,6 +87,13 @@ class WorkerConfig:
         " host from the full rows) or auto (in the graph when blocks are offloaded to a non-CPU backend; the default)",
         choices=("auto", "on", "off"),
     )
+    prefix_cache_bytes: int | None = setting(
+        None,
+        "bytes of KV kept for ended sessions' prompt prefixes, reused by new sessions that start with them"
+        " (least recently used out; default 0: off)",
+        parse=cli_args.non_negative_int,
+        metavar="N",
+    )
     rollback_positions: int | None = setting(
         None,
         "positions of rollback snapshots kept per sequence, for models whose state cannot be cut back"

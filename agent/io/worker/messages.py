@@ -75,6 +75,8 @@ def _info_from_reply(reply: worker_pb2.InfoReply) -> WorkerInfo:
         vocab_only=reply.vocab_only,
         data_port=reply.data_port,
         n_threads_decode=reply.n_threads_decode,
+        prefix_cache_sequences=reply.prefix_cache_sequences,
+        prefix_cache_bytes=reply.prefix_cache_bytes,
     )
 
 
@@ -87,6 +89,14 @@ def _health_from_reply(reply: worker_pb2.HealthReply) -> WorkerHealth:
         data_plane_forwards=reply.data_plane_forwards,
         data_plane_steps=reply.data_plane_steps,
         data_plane_compute_us=reply.data_plane_compute_us,
+        forward_rows=reply.forward_rows,
+        prefix_lookups=reply.prefix_lookups,
+        prefix_hits=reply.prefix_hits,
+        prefix_hit_positions=reply.prefix_hit_positions,
+        prefix_kept=reply.prefix_kept,
+        prefix_evicted=reply.prefix_evicted,
+        prefix_entries=reply.prefix_entries,
+        prefix_positions=reply.prefix_positions,
     )
 
 

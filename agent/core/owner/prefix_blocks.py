@@ -1,0 +1,75 @@
+"""A prompt's prefix blocks for the hops' prefix caches (``--prefix-cache-bytes``): the prompt's
+whole blocks of ``block_tokens`` tokens, each named by a chained hash, and how many of them a new
+session copies from the caches instead of prefilling.
+
+``H_i = sha256(H_{i-1} || block i's token ids as int32 LE)``, ``H_{-1}`` the seed: the model, the
+recipe (what makes the numbers identical), the block size and an optional salt (so that two
+callers' prefixes can be kept apart). A chained hash names the whole prefix up to its block; a
+worker holds one range of one recipe, so (worker, ``H_i``) names the KV of positions
+``[0, (i + 1) * block_tokens)`` of that range exactly, and the same hashes serve every hop.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from collections.abc import Sequence
+
+__all__ = ["PrefixPlan", "block_hashes", "prefix_seed", "usable_blocks"]
+
+_DOMAIN = b"baton-prefix/1\n"
+
+
+def prefix_seed(model_sha256: str, recipe_hash: str, block_tokens: int, salt: bytes = b"") -> bytes:
+    """``H_{-1}``: what the chain of a prompt's block hashes starts from."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    h = hashlib.sha256(_DOMAIN)
+    for part in (model_sha256.encode(), recipe_hash.encode(), struct.pack("<I", block_tokens), salt):
+        h.update(struct.pack("<I", len(part)))
+        h.update(part)
+    return h.digest()
+
+
+def block_hashes(tokens: Sequence[int], block_tokens: int, seed: bytes) -> list[bytes]:
+    """The chained hashes of the whole blocks of ``tokens`` (a partial last block has none)."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    hashes: list[bytes] = []
+    previous = seed
+    for at in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        block = struct.pack(f"<{block_tokens}i", *tokens[at : at + block_tokens])
+        previous = hashlib.sha256(previous + block).digest()
+        hashes.append(previous)
+    return hashes
+
+
+def usable_blocks(held: int, prompt_len: int, block_tokens: int, chunk_rows: int | None) -> int:
+    """The blocks a new session copies when every hop holds ``held`` leading ones: at least the
+    prompt's last token is left to compute (its row gives the first token), and, when the prompt
+    goes in chunks of ``chunk_rows``, the copied positions end on a chunk boundary, so that the
+    rest is computed in the very chunks a session without the cache computes (and the cached
+    part was computed in them too): a chunk's rows can differ in their last bits from the same
+    rows in other chunks, and the tokens must be the same with the cache as without."""
+    blocks = max(0, min(held, (prompt_len - 1) // block_tokens))
+    if chunk_rows:
+        while blocks > 0 and (blocks * block_tokens) % chunk_rows:
+            blocks -= 1
+    return blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixPlan:
+    """What a session opens with on every hop: its prompt's block hashes (kept by each hop at
+    the session's end) and the leading blocks copied from the caches."""
+
+    hashes: tuple[bytes, ...]
+    block_tokens: int
+    blocks: int
+
+    @property
+    def positions(self) -> int:
+        return self.blocks * self.block_tokens

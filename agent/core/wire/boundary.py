@@ -67,7 +67,9 @@ Q8_BLOCK = 32
 #: 4, 11), 4 sequences with a removal and a trim, 32 greedy steps (tests/test_parity_wire.py):
 #: F16S 1.30 and 1.26, Q8 1.30 and 1.65. Declared: about 2x the larger (room for another CPU's
 #: kernel order), while Q8 with one scale a block and no outlier measured 3.65 on Gemma-3, past
-#: its bound. docs/PERFORMANCE.md, "Boundaries sized for the link", has the rest. Plain F16 (the
+#: its bound. Not yet true of long prompts: a 1,500-token prompt through the lab measured 3.24
+#: (F16S) and 4.35 (Q8) (bench/results/wan_wire.md): to be measured over prompt lengths and
+#: declared again. docs/PERFORMANCE.md, "Boundaries sized for the link", has the rest. Plain F16 (the
 #: V4 tests' dtype) has no bound here: it refuses rows past 65504 (Gemma-3's).
 WIRE_LOGIT_BOUNDS: dict[int, float] = {WireDType.F16S: 2.5, WireDType.Q8: 3.5}
 

@@ -164,8 +164,9 @@ class TrackerLink(NodeState):
         ]
 
     async def _read_worker_counts(self) -> None:
-        """Each READY range's worker's data plane and prefix cache counts (``ServedRange.worker_health``);
-        a worker that does not answer keeps its last counts (its exit is noticed elsewhere)."""
+        """Each READY range's worker's data plane and prefix cache counts
+        (``ServedRange.worker_health``); a worker that does not answer keeps its last counts (its
+        exit is noticed elsewhere)."""
         for served in list(self.ranges.values()):
             info = served.info
             if served.state != State.READY or served.client is None or info is None:
@@ -175,7 +176,7 @@ class TrackerLink(NodeState):
             try:
                 served.worker_health = await served.client.health(timeout_s=self.config.worker_call_timeout_s)
             except WorkerError as err:
-                log.debug("%s: data plane counts: %s", range_name(served.key), err)
+                log.debug("%s: worker counts: %s", range_name(served.key), err)
 
     async def _manifest(self, model_sha256: str) -> tuple[swarm_pb2.ModelManifest, list[str]]:
         """The model's tracker-signed manifest (checked against the tracker's key) and its

@@ -1,8 +1,8 @@
 """The relay's authentication and quotas: who sends a request (``authenticate``: a key's
 name, limits and prefix salt from the ``Authorization: Bearer`` header, or the anonymous
-pseudo-key's) and
-whether it may run now (``admit``: the quota decision is ``agent.core.relay.quotas``'; 401 and 429
-are raised as ``ApiError``), what it may spend once its prompt is known (``reserve``: its tokens
+pseudo-key's; the salts are ``agent.core.relay.prefix_salt``'s) and whether it may run now
+(``admit``: the quota decision is ``agent.core.relay.quotas``'; 401 and 429 are raised as
+``ApiError``), what it may spend once its prompt is known (``reserve``: its tokens
 held against the key's day while it runs) and what it is charged when it ends (``settle``).
 
 Must not import the relay's app, completions or server.

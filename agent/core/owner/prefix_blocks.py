@@ -3,8 +3,9 @@ whole blocks of ``block_tokens`` tokens, each named by a chained hash, and how m
 session copies from the caches instead of prefilling.
 
 ``H_i = sha256(H_{i-1} || block i's token ids as int32 LE)``, ``H_{-1}`` the seed: the model, the
-recipe (what makes the numbers identical), the block size and an optional salt (so that two
-callers' prefixes can be kept apart). A chained hash names the whole prefix up to its block; a
+recipe (what makes the numbers identical), the block size and a salt (so that two callers'
+prefixes are kept apart: ``owner_salt`` for an owner's own generations, the relay's per API key,
+``agent.core.relay.prefix_salt``). A chained hash names the whole prefix up to its block; a
 worker holds one range of one recipe, so (worker, ``H_i``) names the KV of positions
 ``[0, (i + 1) * block_tokens)`` of that range exactly, and the same hashes serve every hop.
 
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import struct
 from collections.abc import Sequence
 
-__all__ = ["PrefixPlan", "block_hashes", "prefix_seed", "usable_blocks"]
+__all__ = ["PrefixPlan", "block_hashes", "owner_salt", "prefix_seed", "usable_blocks"]
 
 _DOMAIN = b"baton-prefix/1\n"
+_OWNER_SALT_DOMAIN = b"baton-prefix-owner-salt/1"
 
 
 def prefix_seed(model_sha256: str, recipe_hash: str, block_tokens: int, salt: bytes = b"") -> bytes:
@@ -32,6 +35,18 @@ def prefix_seed(model_sha256: str, recipe_hash: str, block_tokens: int, salt: by
         h.update(struct.pack("<I", len(part)))
         h.update(part)
     return h.digest()
+
+
+def owner_salt(owner_secret: bytes) -> bytes:
+    """The salt of an owner's own generations (``baton generate``, a library caller that names
+    none), from a secret of the owner's (its private key's bytes): per owner, not unsalted,
+    because any client the tracker admits may ask a node whether it holds a prefix (or time a
+    generation): unsalted hashes of a guessed prompt would tell it whether another owner sent
+    that prompt lately. An owner with a key file (``--key``) keeps its salt, and so its cached
+    prefixes, from run to run; a run with a new key shares nothing with an earlier one."""
+    if not owner_secret:
+        raise ValueError("the owner's salt needs a secret")
+    return hmac.new(owner_secret, _OWNER_SALT_DOMAIN, hashlib.sha256).digest()
 
 
 def block_hashes(tokens: Sequence[int], block_tokens: int, seed: bytes) -> list[bytes]:

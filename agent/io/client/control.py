@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 from agent._proto import swarm_pb2
 from agent.core.net.identity import peer_id_from_public_key
 from agent.core.net.multiaddrs import peer_id_from_multiaddr
+from agent.core.owner.prefix_blocks import owner_salt
 from agent.core.owner.route_repair import end_session_request, surviving_hops
 from agent.core.wire.admission import AdmissionError, make_client_hello, verify_admission
 from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, TRACKER_PROTOCOL
@@ -100,6 +101,9 @@ class ControlClient:
         self._last_routes: dict[str, swarm_pb2.Route] = {}  # model -> the tracker's last route
         #: (peer, begin, end) of hops that said they keep no prefix cache: not asked again
         self._no_prefix_cache: set[tuple[str, int, int]] = set()
+        #: the salt of this owner's prefix block hashes where a generation names none (the
+        #: relay names one per API key): see ``owner_salt`` for why per owner
+        self.prefix_salt = owner_salt(key.private_bytes_raw())
 
     @property
     def peer_id(self) -> str:

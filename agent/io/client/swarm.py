@@ -228,6 +228,7 @@ class SwarmClient(ResumingClient):
         prompt_scores: Callable[[int, np.ndarray | TopLogits], None] | None = None,
         constraint: TokenMask | None = None,
         queue: SequenceQueue | None = None,
+        prefix_salt: bytes | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_tokens`` token ids after ``prompt_tokens`` (tokenized by the caller).
 
@@ -248,6 +249,9 @@ class SwarmClient(ResumingClient):
           queue: a line to wait in for a free sequence, first come, first served with the
             other generations of its owner (the relay's); it decides when to try and when to
             give up as busy, in place of ``queue_timeout_s`` and the backoff.
+          prefix_salt: the salt of the prompt's prefix block hashes: only generations under
+            the same salt share the hops' prefix caches (the relay's per API key:
+            ``agent.core.relay.prefix_salt``); None: this owner's own (``self.prefix_salt``).
 
         Returns:
           A ``GenerationResult`` with ``text`` empty (the caller detokenizes). A route whose
@@ -316,7 +320,7 @@ class SwarmClient(ResumingClient):
                 on_prompt_scores=prompt_scores,
                 constraint=constraint,
             )
-            live = LiveSession(session)
+            live = LiveSession(session, self.prefix_salt if prefix_salt is None else prefix_salt)
             self._live[session.session_id] = live
             lost: list[str] = []
             failure: GenerationError | None = None

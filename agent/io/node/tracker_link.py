@@ -163,16 +163,20 @@ class TrackerLink(NodeState):
             for direct, relayed in [counts.get(peer_id, (0, 0))]
         ]
 
-    async def _read_data_plane_counts(self) -> None:
-        """Each READY range's worker data plane counts (``ServedRange.data_plane``); a worker
-        that does not answer keeps its last counts (its exit is noticed elsewhere)."""
+    async def _read_worker_counts(self) -> None:
+        """Each READY range's worker's data plane and prefix cache counts
+        (``ServedRange.worker_health``); a worker that does not answer keeps its last counts (its
+        exit is noticed elsewhere)."""
         for served in list(self.ranges.values()):
-            if served.state != State.READY or served.client is None or served.info is None or not served.info.data_port:
+            info = served.info
+            if served.state != State.READY or served.client is None or info is None:
+                continue
+            if not (info.data_port or info.prefix_cache_bytes):
                 continue
             try:
-                served.data_plane = await served.client.health(timeout_s=self.config.worker_call_timeout_s)
+                served.worker_health = await served.client.health(timeout_s=self.config.worker_call_timeout_s)
             except WorkerError as err:
-                log.debug("%s: data plane counts: %s", range_name(served.key), err)
+                log.debug("%s: worker counts: %s", range_name(served.key), err)
 
     async def _manifest(self, model_sha256: str) -> tuple[swarm_pb2.ModelManifest, list[str]]:
         """The model's tracker-signed manifest (checked against the tracker's key) and its

@@ -163,14 +163,32 @@ class TrackerLink(NodeState):
             for direct, relayed in [counts.get(peer_id, (0, 0))]
         ]
 
+    def _prefix_tags_max(self) -> int:
+        """Tags of its prefix cache each worker names (``prefix_report_tags``; 0 without a cache)."""
+        return self.config.prefix_report_tags if self.config.prefix_cache_bytes else 0
+
+    def range_prefixes(self) -> list[swarm_pb2.RangePrefixes]:
+        """Which prefix blocks each READY range's cache holds, as its worker said before this
+        heartbeat (``_read_data_plane_counts``)."""
+        return [
+            swarm_pb2.RangePrefixes(
+                assignment=swarm_pb2.Assignment(model_sha256=served.key[0], begin=served.key[1], end=served.key[2]),
+                tags=served.data_plane.prefix_tags,
+            )
+            for served in self.ranges.values()
+            if served.state == State.READY and served.data_plane is not None and served.data_plane.prefix_tags
+        ]
+
     async def _read_data_plane_counts(self) -> None:
-        """Each READY range's worker data plane counts (``ServedRange.data_plane``); a worker
-        that does not answer keeps its last counts (its exit is noticed elsewhere)."""
+        """Each READY range's worker data plane counts (``ServedRange.data_plane``) and prefix
+        cache tags; a worker that does not answer keeps its last (its exit is noticed elsewhere)."""
         for served in list(self.ranges.values()):
             if served.state != State.READY or served.client is None or served.info is None or not served.info.data_port:
                 continue
             try:
-                served.data_plane = await served.client.health(timeout_s=self.config.worker_call_timeout_s)
+                served.data_plane = await served.client.health(
+                    timeout_s=self.config.worker_call_timeout_s, prefix_tags_max=self._prefix_tags_max()
+                )
             except WorkerError as err:
                 log.debug("%s: data plane counts: %s", range_name(served.key), err)
 

@@ -11,9 +11,9 @@ import pytest
 
 from agent._proto import swarm_pb2
 from agent.core.owner.prefix_blocks import block_hashes, prefix_seed, prefix_tag, route_tags
-from agent.core.tracker.heartbeat import MAX_PREFIX_TAGS, read_prefixes
+from agent.core.tracker.heartbeat import read_prefixes
 from agent.core.tracker.routing import MAX_ROUTE_PREFIX_TAGS, ReadyRange, RoutePrefix, plan_route
-from agent.core.wire.swarm_wire import WireError
+from agent.core.wire.swarm_wire import MAX_PREFIX_TAGS, WireError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -16,7 +16,7 @@ Owns, for ``agent.io.tracker.service`` (which stores the report and sends the re
 - the ranges READY with a recipe that are assigned (what the canary schedule checks);
 - whether the node's admission is refreshed now (less than half its lifetime left);
 - the prefix tags each of its ranges holds (``read_prefixes``: at most ``MAX_REPORTED_RANGES``
-  ranges of at most ``MAX_PREFIX_TAGS`` tags, else INVALID_ARGUMENT naming the entry), kept for
+  ranges of at most ``swarm_wire.MAX_PREFIX_TAGS`` tags, else INVALID_ARGUMENT naming the entry), kept for
   routes only (``agent.core.tracker.routing.RoutePrefix``).
 
 Pure: ``now_ms`` comes in. Must not import trio, grpc, libp2p or agent.io.
@@ -29,11 +29,10 @@ from collections.abc import Iterable, Sequence
 
 from agent._proto import swarm_pb2
 from agent.core.tracker.assignment import Assignment
-from agent.core.wire.swarm_wire import WireError, printable
+from agent.core.wire.swarm_wire import MAX_PREFIX_TAGS, WireError, printable
 
 __all__ = [
     "MAX_ERROR_CHARS",
-    "MAX_PREFIX_TAGS",
     "MAX_REPORTED_RANGES",
     "AssignmentDiff",
     "Report",
@@ -53,8 +52,6 @@ MAX_REPORTED_RANGES = 256
 MAX_ERROR_CHARS = 1024
 #: a recipe hash is a digest's hex (compared, stored and shown)
 MAX_RECIPE_CHARS = 128
-#: prefix tags one range may report (a node reports a few hundred; 8 bytes each)
-MAX_PREFIX_TAGS = 4096
 
 #: (model sha256, begin, end) -> the prefix tags that range holds
 RangePrefixTags = dict[tuple[str, int, int], frozenset[int]]

@@ -23,6 +23,7 @@ from agent.core.node.range_states import range_name
 from agent.core.wire.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
 from agent.core.wire.manifest import verify_manifest
 from agent.core.wire.swarm_wire import (
+    MAX_PREFIX_TAGS,
     RESULT_PROTOCOL,
     SCHEMA_VERSION,
     STEP_PROTOCOL,
@@ -164,8 +165,9 @@ class TrackerLink(NodeState):
         ]
 
     def _prefix_tags_max(self) -> int:
-        """Tags of its prefix cache each worker names (``prefix_report_tags``; 0 without a cache)."""
-        return self.config.prefix_report_tags if self.config.prefix_cache_bytes else 0
+        """Tags of its prefix cache each worker names (``prefix_report_tags``, at most what a
+        tracker takes; 0 without a cache)."""
+        return min(self.config.prefix_report_tags, MAX_PREFIX_TAGS) if self.config.prefix_cache_bytes else 0
 
     def range_prefixes(self) -> list[swarm_pb2.RangePrefixes]:
         """Which prefix blocks each READY range's cache holds, as its worker said before this

@@ -125,6 +125,9 @@ def markdown(report: dict) -> str:
     if "measured_at" in report:
         m = report["machine"]
         lines += [f"Measured {report['measured_at']}, {m['cpu_model']}, {m['cores']} cores; SmolLM2.", ""]
+    if "chunk_tokens" in report:
+        lines += [f"The owner's prompt chunks: {report['chunk_tokens']} tokens (a copied prefix ends on a chunk"
+                  " boundary); the relay's: its default.", ""]  # fmt: skip
     if report.get("quick"):
         lines += ["**A smoke run (`--quick`): sizes reduced, targets not checked.**", ""]
     for name, section in report.get("ttft", {}).items():
@@ -213,15 +216,31 @@ async def _idle(swarm) -> None:
             await trio.sleep(0.05)
 
 
-async def _client(swarm, stack: contextlib.AsyncExitStack, listen_addrs=None):
+async def _heard_twice(client) -> None:
+    """Until every node sent two more heartbeats (the tracker's node list): the later one names
+    what its workers' caches held after the caller's wait (as a user's next turn, seconds
+    later, finds it)."""
+
+    async def heard() -> dict[str, int]:
+        return {n.peer_id: n.last_heartbeat_ms for n in await client.list_nodes() if n.alive}
+
+    seen = {p: {ms} for p, ms in (await heard()).items()}
+    with trio.fail_after(30):
+        while any(len(times) <= 2 for times in seen.values()):
+            await trio.sleep(0.1)
+            for p, ms in (await heard()).items():
+                seen.setdefault(p, set()).add(ms)
+
+
+async def _client(swarm, stack: contextlib.AsyncExitStack, args: argparse.Namespace, listen_addrs=None):
     """The tracker started and a client of it (closed with ``stack``): (client, model entry)."""
     from agent.io.client import SwarmClientConfig, open_swarm_client
 
     await swarm.start_tracker()
-    config = SwarmClientConfig(prefill_chunk_tokens=64, prefix_block_tokens=64)
-    client = await stack.enter_async_context(
-        open_swarm_client(swarm.tracker_addr, config=config, listen_addrs=listen_addrs)
-    )
+    # (a cached prefix ends on a chunk boundary: the chunk size bounds what a session copies)
+    config = SwarmClientConfig(prefill_chunk_tokens=args.chunk_tokens)
+    extra = {} if listen_addrs is None else {"listen_addrs": listen_addrs}
+    client = await stack.enter_async_context(open_swarm_client(swarm.tracker_addr, config=config, **extra))
     (entry,) = [m for m in await client.list_models() if m.alias == ALIAS]
     return client, entry
 
@@ -231,7 +250,7 @@ async def measure_ttft(swarm, args: argparse.Namespace, listen_addrs=None, set_r
     from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 
     async with contextlib.AsyncExitStack() as stack:
-        client, entry = await _client(swarm, stack, listen_addrs)
+        client, entry = await _client(swarm, stack, args, listen_addrs)
         memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3)
         for i in range(3):
             swarm.start_node(f"node-{i + 1}", memory, ["--prefix-cache-bytes", str(CACHE_BYTES)])
@@ -309,8 +328,10 @@ async def measure_conversation(args: argparse.Namespace, cache: bool) -> dict:
     from agent.demo.swarm_demo import demo_swarm_config, open_demo_relay
 
     config = demo_swarm_config(threads=args.threads)
+    # (no spot checks: a replayed session's rows would count)
+    config = dataclasses.replace(config, relay_args=(*config.relay_args, "--spot-check-rate", "0"))
     if cache:
-        config = dataclasses.replace(config, node_args=("--prefix-cache-bytes", str(CACHE_BYTES)))
+        config = dataclasses.replace(config, node_args=(*config.node_args, "--prefix-cache-bytes", str(CACHE_BYTES)))
     turns = []
     async with open_demo_relay(config) as (swarm, url, api_key):
         messages = [{"role": "system", "content": SYSTEM_TEXT * args.system_repeat}]
@@ -335,12 +356,14 @@ async def measure_hits(args: argparse.Namespace) -> dict:
     from agent.harness.local_swarm import open_local_swarm
 
     sessions: list[dict] = []
-    async with open_local_swarm(_local_config(threads=args.threads)) as swarm, contextlib.AsyncExitStack() as stack:
-        client, entry = await _client(swarm, stack)
+    # room for --parallel sessions on one route beside another owner's share (--owner-max-share)
+    config = _local_config(threads=args.threads, max_sequences=2 * args.parallel)
+    async with open_local_swarm(config) as swarm, contextlib.AsyncExitStack() as stack:
+        client, entry = await _client(swarm, stack, args)
         blocks_each = -(-entry.n_layer // 3)
         memory = blocks_each * entry.bytes_per_block + entry.bytes_per_block // 2
         for i in range(6):
-            swarm.start_node(f"node-{i + 1}", memory, ["--prefix-cache-bytes", str(CACHE_BYTES)])
+            swarm.start_node(f"node-{i + 1}", memory, ["--prefix-cache-bytes", str(2 * CACHE_BYTES)])
         route = await wait_for_coverage(client, swarm, ALIAS, timeout_s=300.0)
         await wait_for_copies(client, swarm, 2, timeout_s=300.0)
         system, stop = await client.tokenize(route, SYSTEM_TEXT * args.system_repeat)
@@ -365,6 +388,7 @@ async def measure_hits(args: argparse.Namespace) -> dict:
                 for conversation in range(args.conversations):
                     nursery.start_soon(turn_of, conversation, turn)
             await _idle(swarm)
+            await _heard_twice(client)
             log(f"hits: turn {turn + 1} of {args.conversations} conversations done")
     return {
         "conversations": args.conversations, "system_prompts": args.system_prompts, "nodes": 6,
@@ -388,13 +412,16 @@ def main() -> int:
     parser.add_argument("--hit-turns", type=int, default=3, help="hits: turns of each conversation (default 3)")
     parser.add_argument("--parallel", type=int, default=4, help="hits: conversations at once (default 4)")
     parser.add_argument("--threads", type=int, default=1, help="threads per worker (default 1)")
+    parser.add_argument("--chunk-tokens", type=int, default=512,
+                        help="the owner's prefill_chunk_tokens in ttft and hits (default 512, the default's; "
+                             "a copied prefix ends on a chunk boundary)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="write prefix.{json,md} here (bench/results)")
     args = parser.parse_args()
     if args.quick:
         args.turns, args.system_tokens, args.conversation_turns, args.answer_tokens = 1, 300, 2, 8
         args.conversations, args.system_prompts, args.hit_turns, args.system_repeat = 4, 2, 2, 1
     only = set(args.only or ("ttft", "lab", "conversation", "hits"))
-    report: dict = {"quick": args.quick, "ttft": {}}
+    report: dict = {"quick": args.quick, "chunk_tokens": args.chunk_tokens, "ttft": {}}
     if "ttft" in only:
         report["ttft"]["loopback"] = trio.run(ttft_loopback, args)
     if "lab" in only:

@@ -23,6 +23,7 @@ from agent.core.node.range_states import range_name
 from agent.core.wire.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
 from agent.core.wire.manifest import verify_manifest
 from agent.core.wire.swarm_wire import (
+    MAX_HEARTBEAT_PREFIX_TAGS,
     MAX_PREFIX_TAGS,
     RESULT_PROTOCOL,
     SCHEMA_VERSION,
@@ -171,15 +172,20 @@ class TrackerLink(NodeState):
 
     def range_prefixes(self) -> list[swarm_pb2.RangePrefixes]:
         """Which prefix blocks each READY range's cache holds, as its worker said before this
-        heartbeat (``_read_data_plane_counts``)."""
-        return [
-            swarm_pb2.RangePrefixes(
-                assignment=swarm_pb2.Assignment(model_sha256=served.key[0], begin=served.key[1], end=served.key[2]),
-                tags=served.data_plane.prefix_tags,
-            )
-            for served in self.ranges.values()
-            if served.state == State.READY and served.data_plane is not None and served.data_plane.prefix_tags
-        ]
+        heartbeat (``_read_data_plane_counts``), at most ``MAX_HEARTBEAT_PREFIX_TAGS`` in all
+        (each range's most recently used first)."""
+        reports = []
+        room = MAX_HEARTBEAT_PREFIX_TAGS
+        for served in self.ranges.values():
+            if served.state != State.READY or served.data_plane is None or not served.data_plane.prefix_tags:
+                continue
+            tags = served.data_plane.prefix_tags[:room]
+            room -= len(tags)
+            if tags:
+                model_sha256, begin, end = served.key
+                assignment = swarm_pb2.Assignment(model_sha256=model_sha256, begin=begin, end=end)
+                reports.append(swarm_pb2.RangePrefixes(assignment=assignment, tags=tags))
+        return reports
 
     async def _read_data_plane_counts(self) -> None:
         """Each READY range's worker data plane counts (``ServedRange.data_plane``) and prefix

@@ -17,16 +17,16 @@ Prefixes (``RoutePrefix``): a session names its prompt's prefix blocks by tags, 
 says which tags its worker's prefix cache holds (its node's heartbeats). A route's shared
 prefix is the fewest leading blocks any of its hops holds (every hop copies as many: a hop
 that holds none makes the others' copies useless). A route holding ``k`` blocks of ``t``
-tokens ranks as if its step cost ``min(prefix_discount_max, k * t * prefix_discount_per_token)``
-of itself less (then, at equal ranks, the deeper prefix first): relative, because what a cached token saves (its prefill on every hop) grows
-with the route's own cost, and because nodes' measured speeds differ by more than any fixed
-bonus between copies on like machines; capped, so that a route far slower than the others
-does not win every session by holding a long prefix. Full ranges still rank first, so a busy
-hop's load outweighs any prefix (the session goes elsewhere and fills a cache there). Packing
-comes after cost: of two equal copies of every range, the one holding the prefix wins even
-when the other carries more sessions. The preference is all a report
-decides: the owner asks every hop before it copies, so a stale report is a miss, never a
-wrong answer.
+tokens ranks as if its step cost were less by ``min(prefix_discount_max, k * t *
+prefix_discount_per_token)`` of itself (at equal ranks, the deeper prefix first). Relative,
+because what a cached token saves (its prefill on every hop) grows with the route's own cost,
+and because nodes' measured speeds differ by more than any fixed bonus between copies on like
+machines; capped, so that a route far slower than the others does not win every session by
+holding a long prefix. Full ranges still rank first, so a busy hop's load outweighs any prefix
+(the session goes elsewhere and fills a cache there). Packing comes after cost: of two equal
+copies of every range, the one holding the prefix wins even when the other carries more
+sessions. The preference is all a report decides: the owner asks every hop before it copies,
+so a stale report is a miss, never a wrong answer.
 
 Pure: no I/O, no clock. The tracker passes the live sessions nodes report and the routes it
 handed out since.
@@ -174,7 +174,7 @@ def plan_route(
     for recipe in sorted({r.recipe_hash for r in valid}):
         of_recipe = [r for r in valid if r.recipe_hash == recipe]
         # each prefix depth some range holds: the best chain whose every hop holds that much,
-        # its cost less the depth's bonus (a chain holding more is found at its own depth too)
+        # its cost less the depth's discount (a chain holding more is found at its own depth too)
         for depth in sorted({0} | {held[id(r)] for r in of_recipe}):
             candidate = _best_chain(
                 begin, end, [r for r in of_recipe if held[id(r)] >= depth], load, hop_latency_s, cost_resolution_s

@@ -20,7 +20,7 @@ import hmac
 import struct
 from collections.abc import Sequence
 
-__all__ = ["PrefixPlan", "block_hashes", "owner_salt", "prefix_seed", "usable_blocks"]
+__all__ = ["PrefixPlan", "block_hashes", "owner_salt", "prefix_seed", "prefix_tag", "route_tags", "usable_blocks"]
 
 _DOMAIN = b"baton-prefix/1\n"
 _OWNER_SALT_DOMAIN = b"baton-prefix-owner-salt/1"
@@ -60,6 +60,24 @@ def block_hashes(tokens: Sequence[int], block_tokens: int, seed: bytes) -> list[
         previous = hashlib.sha256(previous + block).digest()
         hashes.append(previous)
     return hashes
+
+
+def prefix_tag(block_hash: bytes) -> int:
+    """A block hash's tag: its first 8 bytes, little-endian (as a worker reports what it holds,
+    worker.proto ``HealthReply.prefix_tags``). Enough to prefer a route: a collision misplaces a
+    preference only, since the hops compare whole hashes before they copy."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
+def route_tags(hashes: Sequence[bytes], max_tags: int) -> list[tuple[int, int]]:
+    """``(blocks, tag)`` pairs a route request names a prompt's prefix by: at most ``max_tags``
+    of its block hashes, evenly spaced and ending at the deepest (every one when they fit), so
+    that a long prompt is named to its end and a range's held depth is known within the
+    spacing. Deepest first."""
+    if max_tags < 1 or not hashes:
+        return []
+    stride = -(-len(hashes) // max_tags)
+    return [(index + 1, prefix_tag(hashes[index])) for index in range(len(hashes) - 1, -1, -stride)]
 
 
 def usable_blocks(held: int, prompt_len: int, block_tokens: int, chunk_rows: int | None) -> int:

@@ -214,6 +214,8 @@ class WorkerHealth:
     prefix_evicted: int = 0
     prefix_entries: int = 0
     prefix_positions: int = 0
+    #: the blocks its cache holds, as tags, most recently used first (as many as asked)
+    prefix_tags: tuple[int, ...] = ()
 
 
 class TokenAttr(enum.IntFlag):

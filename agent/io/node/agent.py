@@ -158,6 +158,7 @@ class Node(RequestHandlers, RangeRunner):
                 serving=[served.status() for served in self.ranges.values()],
                 listen_addrs=self.advertised_addrs(),
                 peer_paths=self.peer_paths(),
+                prefixes=self.range_prefixes(),
             ),
         )
         try:

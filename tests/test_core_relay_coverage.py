@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from agent._proto import swarm_pb2
-from agent.core.relay.coverage import model_coverage
+from agent.core.relay.coverage import model_coverage, prefix_caches
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -62,3 +62,27 @@ def test_the_served_context_is_the_smallest_a_live_ready_range_reports_else_the_
     nodes = [node(True, ready, 2048), node(True, ready, 4096), node(False, ready, 512), node(True, loading, 256),
              node(True, ready, 128, sha="other")]  # fmt: skip
     assert served_context(entry, nodes) == 2048
+
+
+def test_prefix_caches_of_ready_assigned_ranges_with_a_cache_only() -> None:
+    entry = swarm_pb2.ModelEntry(sha256=SHA, alias="tiny", n_layer=30)
+    nodes = [_node("b", 10, 20, READY), _node("a", 0, 10, READY), _node("c", 20, 30, LOADING)]
+    nodes.append(_node("d", 0, 10, READY, assigned=False))  # its own word only
+    for node, (lookups, hits) in zip(nodes, [(4, 4), (0, 0), (3, 1), (5, 5)], strict=True):
+        status = node.serving[0]
+        status.prefix_lookups, status.prefix_hits, status.prefix_hit_positions = lookups, hits, 64 * hits
+        status.prefix_cache_used_bytes, status.prefix_cache_bytes = 100 * hits, 1000
+    nodes.append(_node("e", 10, 20, READY))  # no prefix cache (budget 0)
+    liar = _node("f", 20, 30, READY)
+    liar.serving[0].prefix_lookups, liar.serving[0].prefix_hits, liar.serving[0].prefix_cache_bytes = 1, 9, 10
+    caches = prefix_caches([entry], [*nodes, liar])
+    assert [(c["peer_id"], c["model"], c["begin"], c["hit_rate"]) for c in caches] == [
+        ("a", "tiny", 0, 0.0),  # no lookup yet
+        ("b", "tiny", 10, 1.0),
+        ("f", "tiny", 20, 1.0),  # 9 hits of 1 lookup: kept within [0, 1]
+    ]
+    assert caches[1] == {
+        "peer_id": "b", "model": "tiny", "begin": 10, "end": 20, "alive": True, "lookups": 4, "hits": 4,
+        "hit_tokens": 256, "hit_rate": 1.0, "used_bytes": 400, "budget_bytes": 1000,
+    }  # fmt: skip
+    assert prefix_caches([], nodes) == []  # an unregistered model's ranges are not shown

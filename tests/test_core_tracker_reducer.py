@@ -384,3 +384,26 @@ def test_a_passed_check_proves_a_node_where_checks_gate_routes() -> None:
     assert "A" in t.state.proven
     t(RangeWithdrawn("A", M), 300)
     assert "A" not in t.state.proven
+
+
+def test_prefix_tags_of_a_heartbeat_reach_the_routable_ranges_until_the_node_registers_anew() -> None:
+    t = two_ready_nodes()
+
+    def prefixes(a: Assignment, *tags: int) -> swarm_pb2.RangePrefixes:
+        return swarm_pb2.RangePrefixes(
+            assignment=swarm_pb2.Assignment(model_sha256=a.model_sha256, begin=a.begin, end=a.end), tags=tags
+        )
+
+    def held() -> dict[str, frozenset[int]]:
+        return {r.peer_id: r.prefix_tags for r in ready_ranges(t.state, M, cleared=lambda key: True)}
+
+    t(Heartbeat("A", (status(FIRST, State.READY),), prefixes=(prefixes(FIRST, 7, 8),)), 200)
+    assert held() == {"A": frozenset({7, 8}), "B": frozenset()}
+    t(Heartbeat("A", (status(FIRST, State.READY),), prefixes=(prefixes(FIRST, 9),)), 300)  # the latest report only
+    assert held()["A"] == frozenset({9})
+    # a report over the bound refuses the heartbeat, naming the entry; the last report stays
+    refused = t(Heartbeat("A", (status(FIRST, State.READY),), prefixes=(prefixes(FIRST, *range(5000)),)), 400)
+    assert "prefixes[0] has 5000 tags" in of(refused, Refuse)[0].message
+    assert held()["A"] == frozenset({9})
+    t(Registered(facts("A"), ("/memory/A",)), 500)  # restarted: its caches are empty
+    assert "A" not in t.state.prefix_tags

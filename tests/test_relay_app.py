@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import trio
 import trio.lowlevel
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent._proto import swarm_pb2
 from agent.core.owner.chat_template import ChatTemplate
@@ -53,6 +54,7 @@ class FakeClient:
         self.fail: BaseException | None = None
         self.generations = 0
         self.cached_tokens = 0  # what each generation says the hops' prefix caches held
+        self.prefix_salts: list[bytes | None] = []  # each generation's, as the relay named it
 
     async def list_models(self) -> list[swarm_pb2.ModelEntry]:
         return [
@@ -63,8 +65,11 @@ class FakeClient:
     async def list_nodes(self) -> list[swarm_pb2.NodeEntry]:
         return []
 
-    async def generate_tokens(self, model, prompt_tokens, *, max_tokens, on_token, **_kwargs) -> GenerationResult:
+    async def generate_tokens(
+        self, model, prompt_tokens, *, max_tokens, on_token, prefix_salt=None, **_kwargs
+    ) -> GenerationResult:
         self.generations += 1
+        self.prefix_salts.append(prefix_salt)
         if self.fail is not None:
             raise self.fail
         tokens: list[int] = []
@@ -154,6 +159,32 @@ async def test_cached_prompt_tokens_are_reported_as_openai_does(app_parts) -> No
         assert reply.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}  # (one prompt: counted once)
     usages = [json.loads(line[6:]).get("usage") for line in streamed.text.splitlines() if line.startswith("data: {")]
     assert [u for u in usages if u] and [u for u in usages if u][-1]["prompt_tokens_details"] == {"cached_tokens": 2}
+
+
+@pytest.mark.timeout(30)
+async def test_each_key_s_prompts_get_its_own_prefix_salt_unless_it_is_shareable(app_parts) -> None:
+    app, key, client, state = app_parts
+    other = state.store.create_key("other", KeyLimits())
+    shared = [state.store.create_key(f"public-{i}", KeyLimits(), shareable_prefixes=True) for i in range(2)]
+    salts: dict[str, bytes | None] = {}
+    async with _http(app) as http:
+        for name, api_key in [("k", key), ("k again", key), ("other", other), ("public-0", shared[0]),
+                              ("public-1", shared[1]), ("anonymous", None)]:  # fmt: skip
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            reply = await http.post("/v1/completions", json={"model": "tiny", "prompt": "a b"}, headers=headers)
+            assert reply.status_code == 200, reply.text
+            salts[name] = client.prefix_salts[-1]
+    assert all(isinstance(salt, bytes) and len(salt) == 32 for salt in salts.values())
+    assert salts["k"] == salts["k again"]  # a key reuses its own cached prefixes
+    assert salts["public-0"] == salts["public-1"]  # shareable keys share theirs
+    assert len({salts[name] for name in ("k", "other", "public-0", "anonymous")}) == 4  # and no one else's
+    # marked private again: its own salt from its next request
+    assert state.store.set_shareable_prefixes("public-1", False)
+    async with _http(app) as http:
+        reply = await http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "a b"}, headers={"Authorization": f"Bearer {shared[1]}"}
+        )
+    assert reply.status_code == 200 and client.prefix_salts[-1] not in salts.values()
 
 
 @pytest.mark.timeout(30)
@@ -429,3 +460,47 @@ async def test_status_hits_share_one_tracker_lookup_and_show_only_assigned_cover
     assert len(lookups) == 1 and all(r.status_code == 200 for r in replies)
     (tiny,) = [m for m in replies[0].json()["models"] if m["alias"] == "tiny"]
     assert [c["peer_id"] for c in tiny["coverage"]] == ["honest"] and tiny["covered"]
+
+
+@pytest.mark.timeout(30)
+async def test_metrics_and_the_status_record_show_each_range_s_prefix_cache(app_parts) -> None:
+    app, _key, client, _state = app_parts
+    first, second = (swarm_pb2.Assignment(model_sha256=SHA, begin=b, end=e) for b, e in ((0, 2), (2, 4)))
+    ready = swarm_pb2.AssignmentStatus.READY
+
+    async def list_nodes() -> list[swarm_pb2.NodeEntry]:
+        return [
+            swarm_pb2.NodeEntry(peer_id="n1", alive=True, assigned=[first], serving=[swarm_pb2.AssignmentStatus(
+                assignment=first, state=ready, prefix_lookups=8, prefix_hits=6, prefix_hit_positions=768,
+                prefix_cache_used_bytes=3 << 20, prefix_cache_bytes=16 << 20,
+            )]),
+            # no prefix cache: not listed
+            swarm_pb2.NodeEntry(peer_id="n2", alive=True, assigned=[second],
+                                serving=[swarm_pb2.AssignmentStatus(assignment=second, state=ready)]),
+        ]  # fmt: skip
+
+    client.list_nodes = list_nodes  # type: ignore[method-assign]
+    async with _http(app) as http:
+        status = (await http.get("/status.json")).json()
+        metrics = (await http.get("/metrics")).text
+        page = (await http.get("/")).text
+    assert status["prefix_caches"] == [
+        {"peer_id": "n1", "model": "tiny", "begin": 0, "end": 2, "alive": True, "lookups": 8, "hits": 6,
+         "hit_tokens": 768, "hit_rate": 0.75, "used_bytes": 3 << 20, "budget_bytes": 16 << 20},
+    ]  # fmt: skip
+    samples = {
+        (s.name, s.labels.get("peer_id")): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name.startswith("baton_node_prefix_cache")
+    }
+    assert samples == {
+        ("baton_node_prefix_cache_lookups_total", "n1"): 8,
+        ("baton_node_prefix_cache_hits_total", "n1"): 6,
+        ("baton_node_prefix_cache_hit_tokens_total", "n1"): 768,
+        ("baton_node_prefix_cache_hit_ratio", "n1"): 0.75,
+        ("baton_node_prefix_cache_bytes", "n1"): 3 << 20,
+        ("baton_node_prefix_cache_budget_bytes", "n1"): 16 << 20,
+    }
+    assert 'baton_node_prefix_cache_hit_ratio{begin="0",end="2",model="tiny",peer_id="n1"} 0.75' in metrics
+    assert "75.0%" in page and "3.0 MiB / 16.0 MiB" in page

@@ -42,6 +42,27 @@ def _one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> 
         assert needle in lines[0], lines[0]
 
 
+def test_keys_are_private_unless_made_or_marked_shareable(tmp_path: Path) -> None:
+    db = str(tmp_path / "relay.db")
+    public = baton_relay("keys", "add", "public", "--db", db, "--shareable-prefixes")
+    assert public.returncode == 0 and "shareable prefixes" in public.stderr, public.stderr
+    assert baton_relay("keys", "add", "alice", "--db", db).returncode == 0
+
+    def marks() -> list[tuple[str, bool]]:
+        keys = json.loads(baton_relay("keys", "list", "--db", db, "--json").stdout)
+        return [(k["name"], k["shareable_prefixes"]) for k in keys]
+
+    assert marks() == [("alice", False), ("public", True)]
+    header, alice, _public = baton_relay("keys", "list", "--db", db).stdout.splitlines()
+    assert "PREFIXES" in header.split() and alice.split()[-2:] == ["own", "live"]
+    shared = baton_relay("keys", "share", "alice", "--db", db)
+    assert shared.returncode == 0 and "shares its prompt prefixes" in shared.stdout, shared
+    unshared = baton_relay("keys", "unshare", "public", "--db", db)
+    assert unshared.returncode == 0 and "keeps its prompt prefixes" in unshared.stdout, unshared
+    assert marks() == [("alice", True), ("public", False)]
+    _one_line_error(baton_relay("keys", "share", "carol", "--db", db), "baton relay keys share:", "no live key")
+
+
 def test_keys_add_list_revoke(tmp_path: Path) -> None:
     db = str(tmp_path / "state" / "relay.db")
     added = baton_relay(

@@ -124,3 +124,30 @@ def test_recent_tokens_are_pruned_past_the_retention() -> None:
         metrics.recent_tokens_per_s(now_s=999.0, window_s=11.0)
     with pytest.raises(ValueError):
         metrics.recent_tokens_per_s(now_s=999.0, window_s=0.0)
+
+
+def test_each_range_s_prefix_cache_is_exposed_as_the_nodes_last_reported_it() -> None:
+    metrics = RelayMetrics()
+    cache = {
+        "peer_id": "12D3KooWNode", "model": "smollm2", "begin": 0, "end": 10, "alive": True, "lookups": 10,
+        "hits": 9, "hit_tokens": 4608, "hit_rate": 0.9, "used_bytes": 12 << 20, "budget_bytes": 64 << 20,
+    }  # fmt: skip
+    metrics.set_prefix_caches([cache, {**cache, "peer_id": "12D3KooWOther", "hits": 0, "hit_rate": 0.0}])
+    families = {f.name: f.type for f in text_string_to_metric_families(metrics.render()[0].decode())}
+    assert {
+        "baton_node_prefix_cache_lookups": "counter",
+        "baton_node_prefix_cache_hits": "counter",
+        "baton_node_prefix_cache_hit_tokens": "counter",
+        "baton_node_prefix_cache_hit_ratio": "gauge",
+        "baton_node_prefix_cache_bytes": "gauge",
+        "baton_node_prefix_cache_budget_bytes": "gauge",
+    }.items() <= families.items()
+    got = samples(metrics)
+    labels = (("begin", "0"), ("end", "10"), ("model", "smollm2"), ("peer_id", "12D3KooWNode"))
+    assert got["baton_node_prefix_cache_hits_total", labels] == 9
+    assert got["baton_node_prefix_cache_hit_ratio", labels] == 0.9
+    assert got["baton_node_prefix_cache_bytes", labels] == 12 << 20
+    assert got["baton_node_prefix_cache_budget_bytes", labels] == 64 << 20
+    assert got["baton_node_prefix_cache_hit_ratio", (*labels[:3], ("peer_id", "12D3KooWOther"))] == 0.0
+    metrics.set_prefix_caches([])  # the tracker could not be asked: no series rather than stale ones
+    assert not [key for key in samples(metrics) if key[0].startswith("baton_node_")]

@@ -81,6 +81,34 @@ STATUS: dict[str, Any] = {
             ],
         },
     ],
+    "prefix_caches": [
+        {
+            "peer_id": NODE_A,
+            "model": "smollm2",
+            "begin": 0,
+            "end": 12,
+            "alive": True,
+            "lookups": 40,
+            "hits": 34,
+            "hit_tokens": 21760,
+            "hit_rate": 0.85,
+            "used_bytes": 48 << 20,
+            "budget_bytes": 64 << 20,
+        },
+        {
+            "peer_id": HOSTILE,
+            "model": "<img src=x onerror=alert(3)>",
+            "begin": 9,
+            "end": 18,
+            "alive": False,
+            "lookups": 0,
+            "hits": 0,
+            "hit_tokens": 0,
+            "hit_rate": 0.0,
+            "used_bytes": 0,
+            "budget_bytes": 1 << 20,
+        },
+    ],
     "live_sessions": 3,
     "recent_tokens_per_s": 41.25,
     "credits": [
@@ -99,6 +127,7 @@ def changed_status() -> dict[str, Any]:
     gemma["coverage"].append({"peer_id": NODE_LATE, "begin": 0, "end": 18, "state": "READY", "alive": True})
     gemma["covered"] = True
     status["live_sessions"] = 4
+    status["prefix_caches"][0].update(lookups=41, hits=35, hit_rate=35 / 41)
     status["updated_at_s"] += 5
     return status
 
@@ -199,6 +228,19 @@ def node_rows(doc: Element) -> list[dict[str, Any]]:
     return rows
 
 
+def prefix_cache_rows(doc: Element) -> list[tuple[str, list[str]]]:
+    """Every prefix cache row: the peer id (title) and the cells' text."""
+    body = doc.find("table", "prefix-caches").find("tbody")
+    return [
+        (tr.find_all("td")[0].attrs["title"], [td.text() for td in tr.find_all("td")]) for tr in body.find_all("tr")
+    ]
+
+
+def credits_table(doc: Element) -> Element:
+    (table,) = [t for t in doc.find_all("table") if "prefix-caches" not in t.attrs.get("class", "")]
+    return table
+
+
 def expected_rows(status: dict[str, Any]) -> list[tuple[str, str, str]]:
     return [(m["alias"], n["peer_id"], f"[{n['begin']}, {n['end']})") for m in status["models"] for n in m["coverage"]]
 
@@ -244,14 +286,34 @@ def test_page_draws_every_node_and_escapes_network_text() -> None:
         == datetime.datetime.fromtimestamp(1796126400, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     )
 
+    # each range's prefix cache: hit rate, hits of lookups, tokens copied, bytes used of its budget
+    assert prefix_cache_rows(doc) == [
+        (NODE_A, ["12D3…AAAAA1", "smollm2", "[0, 12)", "85.0%", "34 / 40", "21,760", "48.0 MiB / 64.0 MiB"]),
+        (
+            HOSTILE,
+            [
+                short_peer_id(HOSTILE),
+                "<img src=x onerror=alert(3)>",
+                "[9, 18)",
+                "0.0%",
+                "0 / 0",
+                "0",
+                "0.0 MiB / 1.0 MiB",
+            ],
+        ),
+    ]
+    assert "&lt;img src=x onerror=alert(3)&gt;" in html
+    assert [tr.attrs.get("class") for tr in doc.find("table", "prefix-caches").find_all("tr")[1:]] == [None, "offline"]
+
     # credits, highest first
-    credit_rows = [[td.text() for td in tr.find_all("td")] for tr in doc.find("tbody").find_all("tr")]
+    credits = credits_table(doc)
+    credit_rows = [[td.text() for td in tr.find_all("td")] for tr in credits.find("tbody").find_all("tr")]
     assert credit_rows == [
         [short_peer_id(NODE_A), "123,456", "40", "98.50"],
         [short_peer_id(NODE_B), "7,890", "9", "12.25"],
         [short_peer_id(HOSTILE), "10", "0", "0.00"],
     ]
-    assert [td.attrs["title"] for td in doc.find("tbody").find_all("td", "mono")] == [NODE_A, NODE_B, HOSTILE]
+    assert [td.attrs["title"] for td in credits.find("tbody").find_all("td", "mono")] == [NODE_A, NODE_B, HOSTILE]
 
     main = doc.find("main")
     assert main.attrs["data-status-url"] == "/status.json"
@@ -291,9 +353,13 @@ def test_odd_ranges_stay_inside_their_track() -> None:
 
 
 def test_empty_status() -> None:
-    status = {**STATUS, "models": [], "credits": []}
+    status = {**STATUS, "models": [], "prefix_caches": [], "credits": []}
     doc = parse(render_status_page(status, refresh_s=2.5, status_url="/relay/status.json"))
-    assert [p.text() for p in doc.find_all("p", "empty")] == ["No models registered.", "No credits yet."]
+    assert [p.text() for p in doc.find_all("p", "empty")] == [
+        "No models registered.",
+        "No node reports a prefix cache.",
+        "No credits yet.",
+    ]
     main = doc.find("main")
     assert (main.attrs["data-status-url"], main.attrs["data-refresh-ms"]) == ("/relay/status.json", "2500")
     with pytest.raises(ValueError):
@@ -360,6 +426,10 @@ async def test_script_keeps_the_page_live(status_server: str, tmp_path: Path) ->
     assert "LATE01" not in render_status_page(STATUS)
     tiles = [t.find("span", "tile-value").text() for t in dom.find_all("div", "tile")]
     assert tiles == ["4", "41.3", "2 / 2", "3 / 4"]
+    assert prefix_cache_rows(dom)[0] == (
+        NODE_A,
+        ["12D3…AAAAA1", "smollm2", "[0, 12)", "85.4%", "35 / 41", "21,760", "48.0 MiB / 64.0 MiB"],
+    )
     assert dom.find("p", "stale").attrs.get("hidden") == ""
 
     # the hostile peer id went in through textContent/setAttribute: still text, no new script

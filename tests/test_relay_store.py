@@ -23,6 +23,7 @@ from agent.io.relay.store import (
     KeyRecord,
     LedgerEntry,
     StoreError,
+    hash_api_key,
     open_relay_store,
 )
 
@@ -80,14 +81,15 @@ def test_authenticate_known_unknown_and_revoked(db_path: Path) -> None:
     with open_relay_store(db_path) as store:
         limits = KeyLimits(tokens_per_day=1000, requests_per_minute=60, max_concurrent=2)
         api_key = store.create_key("alice", limits, now_s=T0_S)
-        assert store.authenticate(api_key) == KeyRecord("alice", limits, T0_S, revoked=False)
+        key_id = hash_api_key(api_key)
+        assert store.authenticate(api_key) == KeyRecord("alice", limits, T0_S, revoked=False, key_sha256=key_id)
         assert store.authenticate(api_key + "x") is None
         assert store.authenticate("sk-baton-" + "A" * 43) is None
         assert store.authenticate("") is None
         assert store.authenticate("\udcff") is None  # a lone surrogate still hashes
 
         assert store.revoke_key("alice", now_s=T0_S + 1) is True
-        assert store.authenticate(api_key) == KeyRecord("alice", limits, T0_S, revoked=True)
+        assert store.authenticate(api_key) == KeyRecord("alice", limits, T0_S, revoked=True, key_sha256=key_id)
         assert store.revoke_key("alice") is False  # nothing live left to revoke
         assert store.revoke_key("nobody") is False
 
@@ -118,13 +120,86 @@ def test_bad_or_reserved_key_names(db_path: Path, name: str) -> None:
         assert store.list_keys() == []
 
 
+def test_a_key_is_private_unless_marked_shareable(db_path: Path) -> None:
+    with open_relay_store(db_path) as store:
+        private = store.create_key("alice", KeyLimits(), now_s=T0_S)
+        public = store.create_key("bob", KeyLimits(), shareable_prefixes=True, now_s=T0_S)
+        assert (store.authenticate(private).shareable_prefixes, store.authenticate(public).shareable_prefixes) == (
+            False,
+            True,
+        )
+        assert store.set_shareable_prefixes("alice", True) and store.authenticate(private).shareable_prefixes
+        assert store.set_shareable_prefixes("bob", False) and not store.authenticate(public).shareable_prefixes
+        assert not store.set_shareable_prefixes("nobody", True)
+        store.revoke_key("alice")
+        assert not store.set_shareable_prefixes("alice", False)  # only a live key is marked
+
+
+def test_the_prefix_salt_secret_is_made_once_and_kept(db_path: Path) -> None:
+    with open_relay_store(db_path) as store:
+        secret = store.prefix_salt_secret
+    assert len(secret) == 32
+    with open_relay_store(db_path) as store:
+        assert store.prefix_salt_secret == secret
+    with open_relay_store(db_path.with_name("other.db")) as other:
+        assert other.prefix_salt_secret != secret  # random per relay
+
+
+# The relay database as schema version 1 made it (before keys could share prefixes).
+_VERSION_1 = """
+CREATE TABLE api_keys (key_sha256 TEXT PRIMARY KEY, name TEXT NOT NULL, tokens_per_day INTEGER,
+    requests_per_minute INTEGER, max_concurrent INTEGER, created_at_s REAL NOT NULL, revoked_at_s REAL);
+CREATE UNIQUE INDEX api_keys_live_name ON api_keys (name) WHERE revoked_at_s IS NULL;
+CREATE TABLE usage (name TEXT NOT NULL, day TEXT NOT NULL, prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL, PRIMARY KEY (name, day));
+CREATE TABLE requests (name TEXT NOT NULL, at_s REAL NOT NULL);
+CREATE INDEX requests_by_name ON requests (name, at_s);
+CREATE INDEX requests_by_time ON requests (at_s);
+CREATE TABLE completions (completion_id TEXT PRIMARY KEY, model_sha256 TEXT NOT NULL, n_layer INTEGER NOT NULL,
+    credited_at_s REAL NOT NULL);
+CREATE TABLE credits (completion_id TEXT NOT NULL REFERENCES completions (completion_id), position INTEGER NOT NULL,
+    peer_id TEXT NOT NULL, rows INTEGER NOT NULL, credit REAL NOT NULL, PRIMARY KEY (completion_id, peer_id));
+CREATE INDEX credits_by_peer ON credits (peer_id);
+PRAGMA application_id = 1114919532;  -- b"BtRl"
+PRAGMA user_version = 1;
+"""
+
+
+def test_a_version_1_database_is_migrated_keeping_its_keys_usage_and_ledger(db_path: Path) -> None:
+    api_key = API_KEY_PREFIX + "v1-key"
+    connection = sqlite3.connect(db_path)
+    connection.executescript(_VERSION_1)
+    connection.execute(
+        "INSERT INTO api_keys VALUES (?, 'alice', 100, NULL, NULL, ?, NULL)", (hash_api_key(api_key), T0_S)
+    )
+    connection.execute("INSERT INTO usage VALUES ('alice', ?, 3, 4)", (DAY,))
+    connection.commit()
+    connection.close()
+    db_path.chmod(0o600)
+    with open_relay_store(db_path) as store:
+        record = store.authenticate(api_key)
+        assert record == KeyRecord("alice", KeyLimits(tokens_per_day=100), T0_S, False, hash_api_key(api_key))
+        assert not record.shareable_prefixes  # an existing key stays private
+        assert store.tokens_on("alice", DAY) == 7
+        secret = store.prefix_salt_secret
+        assert len(secret) == 32
+        assert store.credit("c1", MODEL, THREE_HOPS, 30, T0_S)
+    with open_relay_store(db_path) as store:  # migrated once: the secret is kept
+        assert store.prefix_salt_secret == secret
+    connection = sqlite3.connect(db_path)
+    assert connection.execute("PRAGMA user_version").fetchone()[0] == RELAY_SCHEMA_VERSION
+    connection.close()
+
+
 def test_keys_survive_reopening(db_path: Path) -> None:
     with open_relay_store(db_path) as store:
         api_key = store.create_key("alice", KeyLimits(requests_per_minute=5), now_s=T0_S)
         revoked_key = store.create_key("bob", KeyLimits(), now_s=T0_S)
         store.revoke_key("bob")
     with open_relay_store(db_path) as store:
-        assert store.authenticate(api_key) == KeyRecord("alice", KeyLimits(requests_per_minute=5), T0_S, False)
+        assert store.authenticate(api_key) == KeyRecord(
+            "alice", KeyLimits(requests_per_minute=5), T0_S, False, hash_api_key(api_key)
+        )
         assert store.authenticate(revoked_key).revoked
 
 
@@ -272,7 +347,9 @@ def test_schema_version_and_foreign_files(tmp_path: Path) -> None:
     assert connection.execute("PRAGMA user_version").fetchone()[0] == RELAY_SCHEMA_VERSION
     connection.execute(f"PRAGMA user_version = {RELAY_SCHEMA_VERSION + 1}")
     connection.close()
-    with pytest.raises(StoreError, match=rf"schema version {RELAY_SCHEMA_VERSION + 1}, this relay speaks 1"):
+    with pytest.raises(
+        StoreError, match=rf"schema version {RELAY_SCHEMA_VERSION + 1}, this relay speaks {RELAY_SCHEMA_VERSION}"
+    ):
         with open_relay_store(db_path):
             pass
 

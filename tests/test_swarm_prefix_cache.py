@@ -8,6 +8,11 @@ prefills only the tail: the workers' own row counters say so) and one whose prom
 prefix that ends between two block boundaries; a hop whose node was restarted (an empty
 cache) is a miss with the same tokens; the caches stay within their byte budgets.
 
+Through a relay on the same swarm (SmolLM2): a key's cached prefix is reused for its own next
+request only, never for another key's (the hops' hit counters stay still), while two keys
+marked shareable share theirs; the hits then reach the relay's ``/metrics`` through the
+nodes' heartbeats.
+
 The module's swarm is shared (one per model); every process is stopped at the end.
 """
 
@@ -18,8 +23,10 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent._proto import swarm_pb2
 from agent.demo.local_demo import generate_through
@@ -218,3 +225,87 @@ async def test_a_restarted_hop_is_a_miss_with_the_same_tokens(cached: Cached) ->
         again, rows = await _generate(cached, c, "long", route)
         assert again.tokens == cached.reference["long"]
         assert again.cached_tokens == PROMPT_BLOCKS * BLOCK_TOKENS
+
+
+# the relay's client prefills in chunks of 512 (its default): a prompt over 512 tokens copies 512
+RELAY_CHUNK_ROWS = 512
+
+
+async def _relay_completion(cached: Cached, url: str, api_key: str, prompt: str, route: swarm_pb2.Route) -> dict:
+    """One greedy completion through the relay, once every hop of ``route`` has ended it (kept its blocks)."""
+    async with httpx.AsyncClient(base_url=url, timeout=120.0) as http:
+        reply = await http.post(
+            "/v1/completions", json={"model": cached.alias, "prompt": prompt, "max_tokens": 4, "temperature": 0},
+            headers={"Authorization": f"Bearer {api_key}"},
+        )  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    with trio.fail_after(10):
+        while not all(a.active_sequences == 0 for a, _ in await trio.to_thread.run_sync(_health, cached, route)):
+            await trio.sleep(0.05)
+    return reply.json()
+
+
+def _hits(cached: Cached, route: swarm_pb2.Route) -> list[int]:
+    return [health.prefix_hits for health, _ in _health(cached, route)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("cached", ["smollm2"], indirect=True)
+async def test_a_key_s_cached_prefix_serves_only_that_key_unless_keys_are_shareable(cached: Cached) -> None:
+    swarm = cached.swarm
+    url = swarm.relay_url if swarm.relay is not None and swarm.relay.alive else await swarm.start_relay()
+    alice, bob = swarm.add_relay_key("alice"), swarm.add_relay_key("bob")
+    public = [swarm.add_relay_key(f"public-{i}", shareable_prefixes=True) for i in range(2)]
+    async with _client_of(swarm) as c:
+        route = await c.route(cached.alias)
+        prompt = TEXT * 2
+        tokens, _ = await c.tokenize(route, prompt)
+    assert len(tokens) > RELAY_CHUNK_ROWS + BLOCK_TOKENS
+
+    first = await _relay_completion(cached, url, alice, prompt, route)
+    assert first["usage"]["prompt_tokens"] == len(tokens)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    hits_before = await trio.to_thread.run_sync(_hits, cached, route)
+    other = await _relay_completion(cached, url, bob, prompt, route)
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # another key: computed again
+    assert await trio.to_thread.run_sync(_hits, cached, route) == hits_before  # no hop copied a block for it
+    again = await _relay_completion(cached, url, alice, prompt, route)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == RELAY_CHUNK_ROWS  # its own: copied
+    assert [h - b for h, b in zip(await trio.to_thread.run_sync(_hits, cached, route), hits_before, strict=True)] == [
+        1
+    ] * NODES
+
+    shared_first = await _relay_completion(cached, url, public[0], prompt, route)
+    assert shared_first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # not alice's cache either
+    shared = await _relay_completion(cached, url, public[1], prompt, route)
+    assert shared["usage"]["prompt_tokens_details"]["cached_tokens"] == RELAY_CHUNK_ROWS  # shareable keys share
+    texts = {r["choices"][0]["text"] for r in (first, other, again, shared_first, shared)}
+    assert len(texts) == 1  # (greedy: the same text, cached or not)
+
+    # the hits reach the relay's /metrics by the nodes' heartbeats and the tracker's node list
+    hops = {(hop.peer_id, str(hop.begin), str(hop.end)) for hop in route.hops}
+    with trio.fail_after(60):
+        while True:
+            async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+                text = (await http.get("/metrics")).text
+            samples = {
+                (s.name, s.labels["peer_id"], s.labels["begin"], s.labels["end"]): s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+                if s.name.startswith("baton_node_prefix_cache")
+            }
+            if all(samples.get(("baton_node_prefix_cache_hits_total", *hop), 0) >= 2 for hop in hops):
+                break
+            await trio.sleep(0.5)
+    async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+        page = (await http.get("/")).text  # and on its status page, a row per hop
+    table = page[page.index('<table class="prefix-caches">') : page.index("<h2>Credits</h2>")]
+    assert all(f'title="{hop.peer_id}"' in table for hop in route.hops)
+    for hop in hops:
+        assert 0 < samples[("baton_node_prefix_cache_hit_ratio", *hop)] <= 1
+        assert (
+            0
+            < samples[("baton_node_prefix_cache_bytes", *hop)]
+            <= samples[("baton_node_prefix_cache_budget_bytes", *hop)]
+        )
+        assert samples[("baton_node_prefix_cache_budget_bytes", *hop)] <= CACHE_BYTES

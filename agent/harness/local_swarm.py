@@ -404,10 +404,10 @@ class LocalSwarm:
             self.relay.signal_group(signal.SIGKILL)
         await self.relay.stop(self.config.stop_grace_s)
 
-    def add_relay_key(self, name: str, **limits: int | None) -> str:
+    def add_relay_key(self, name: str, *, shareable_prefixes: bool = False, **limits: int | None) -> str:
         """A new API key of the relay's db (``tokens_per_day``, ``requests_per_minute``,
-        ``max_concurrent``), as ``baton relay keys add`` makes it; an existing key of that
-        name is revoked first."""
+        ``max_concurrent``, ``--shareable-prefixes``), as ``baton relay keys add`` makes it; an
+        existing key of that name is revoked first."""
         from agent.core.relay.quotas import KeyLimits
         from agent.io.relay.store import KeyExistsError, open_relay_store
 
@@ -416,10 +416,10 @@ class LocalSwarm:
         )
         with open_relay_store(self.relay_db_path) as store:
             try:
-                return store.create_key(name, key_limits)
+                return store.create_key(name, key_limits, shareable_prefixes=shareable_prefixes)
             except KeyExistsError:  # a kept work dir: the old key was printed once and is gone
                 store.revoke_key(name)
-                return store.create_key(name, key_limits)
+                return store.create_key(name, key_limits, shareable_prefixes=shareable_prefixes)
 
     def start_node(
         self,

@@ -2,6 +2,7 @@
 #include "prefix_cache.h"
 
 #include <algorithm>
+#include <unordered_set>
 #include <utility>
 
 namespace baton {
@@ -135,6 +136,37 @@ void PrefixCache::count_lookup(uint32_t copied_blocks, uint32_t block_tokens) {
         ++stats_.hits;
         stats_.hit_positions += static_cast<uint64_t>(copied_blocks) * block_tokens;
     }
+}
+
+uint64_t prefix_tag(const std::string & hash) {
+    uint64_t tag = 0;
+    for (size_t i = 0; i < 8 && i < hash.size(); ++i) {
+        tag |= static_cast<uint64_t>(static_cast<unsigned char>(hash[i])) << (8 * i);
+    }
+    return tag;
+}
+
+std::vector<uint64_t> PrefixCache::held_tags(size_t max) const {
+    std::vector<const Entry *> entries;
+    for (const Entry & e : spares_) {
+        if (!e.hashes.empty()) {
+            entries.push_back(&e);
+        }
+    }
+    std::sort(entries.begin(), entries.end(), [](const Entry * a, const Entry * b) { return a->last_used > b->last_used; });
+    std::vector<uint64_t> tags;
+    std::unordered_set<uint64_t> seen;
+    for (const Entry * e : entries) {
+        for (const std::string & hash : e->hashes) {
+            if (tags.size() >= max) {
+                return tags;
+            }
+            if (const uint64_t tag = prefix_tag(hash); seen.insert(tag).second) {
+                tags.push_back(tag);
+            }
+        }
+    }
+    return tags;
 }
 
 PrefixCacheStats PrefixCache::stats() const {

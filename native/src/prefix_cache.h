@@ -24,6 +24,10 @@ namespace baton {
 
 inline constexpr size_t kPrefixHashBytes = 32;
 
+// A block hash's first 8 bytes as a little-endian integer: enough to prefer a route (a
+// collision only misplaces a preference; the hops compare whole hashes before copying).
+uint64_t prefix_tag(const std::string & hash);
+
 struct PrefixCacheStats {
     uint64_t lookups = 0;          // opens that asked for a prefix
     uint64_t hits = 0;             // opens that copied at least one block
@@ -66,6 +70,12 @@ public:
     void dropped(uint32_t spare_seq_id);
 
     PrefixCacheStats stats() const;
+    // What the node reports to the tracker (which routes hold a prompt's prefix): each entry's
+    // block hashes as tags (prefix_tag), the most recently used entry first, each entry's
+    // leading blocks first, no tag twice, at most `max`. A tag names a prefix as its hash does
+    // (a chained hash names every block before it), so the tracker finds how many leading
+    // blocks of a prompt an entry holds from the prompt's tags alone.
+    std::vector<uint64_t> held_tags(size_t max) const;
     void count_lookup(uint32_t copied_blocks, uint32_t block_tokens);
 
 private:

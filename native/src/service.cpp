@@ -160,6 +160,9 @@ grpc::Status ShardWorkerService::Health(grpc::ServerContext *, const v1::HealthR
         reply->set_prefix_evicted(prefix.evicted);
         reply->set_prefix_entries(prefix.entries);
         reply->set_prefix_positions(prefix.positions);
+        for (const uint64_t tag : shard_->prefix_held_tags(request->prefix_tags_max())) {
+            reply->add_prefix_tags(tag);
+        }
         if (DataPlaneServer * data_plane = data_plane_.load(std::memory_order_acquire); data_plane != nullptr) {
             const DataPlaneCounts counts = data_plane->counts();
             reply->set_data_plane_forwards(counts.forwards);

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -357,6 +358,8 @@ public:
                             uint32_t use_blocks, int32_t * next_position);
     // Thread-safe (atomics): the cache's counters and the rows of every Forward.
     PrefixCacheStats prefix_cache_stats() const;
+    // Thread-safe (a snapshot under its own lock): PrefixCache::held_tags, at most max.
+    std::vector<uint64_t> prefix_held_tags(size_t max) const;
     uint64_t forward_rows() const { return forward_rows_.load(std::memory_order_relaxed); }
 
     // Thread-safe (vocab is read-only): may be called without the caller's lock.
@@ -393,6 +396,8 @@ private:
     std::atomic<uint64_t> prefix_lookups_{0}, prefix_hits_{0}, prefix_hit_positions_{0}, prefix_kept_{0},
         prefix_evicted_{0}, prefix_positions_{0};
     std::atomic<uint32_t> prefix_entries_{0};
+    mutable std::mutex prefix_tags_mutex_;
+    std::vector<uint64_t> prefix_tags_;  // prefix_.held_tags(all), as last published
 };
 
 }  // namespace baton

@@ -7,6 +7,9 @@
 // with llama_memory_seq_rm, which trim_sequence already relies on being exact.
 #include "shard.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -134,6 +137,14 @@ void Shard::publish_prefix_stats() {
     prefix_evicted_.store(s.evicted, std::memory_order_relaxed);
     prefix_entries_.store(s.entries, std::memory_order_relaxed);
     prefix_positions_.store(s.positions, std::memory_order_relaxed);
+    std::vector<uint64_t> tags = prefix_.held_tags(SIZE_MAX);
+    const std::lock_guard<std::mutex> lock(prefix_tags_mutex_);
+    prefix_tags_ = std::move(tags);
+}
+
+std::vector<uint64_t> Shard::prefix_held_tags(size_t max) const {
+    const std::lock_guard<std::mutex> lock(prefix_tags_mutex_);
+    return std::vector<uint64_t>(prefix_tags_.begin(), prefix_tags_.begin() + std::min(max, prefix_tags_.size()));
 }
 
 PrefixCacheStats Shard::prefix_cache_stats() const {

@@ -102,3 +102,26 @@ TEST_CASE("a forgotten session is not kept; lookups are counted") {
     CHECK(cache.stats().hits == 1);
     CHECK(cache.stats().hit_positions == 6);
 }
+
+TEST_CASE("held tags: the most recently used entry first, its leading blocks first, no tag twice, at most max") {
+    PrefixCache cache(4, 3);
+    CHECK(cache.held_tags(10).empty());
+    CHECK(keep(cache, 0, "ab", 4, 8) == 4);   // a0 b1
+    CHECK(keep(cache, 0, "ac", 4, 8) == 5);   // a0 c1: shares a0
+    using baton::prefix_tag;
+    const std::vector<uint64_t> all = {prefix_tag(chain("ac")[0]), prefix_tag(chain("ac")[1]),
+                                       prefix_tag(chain("ab")[1])};
+    CHECK(cache.held_tags(10) == all);
+    CHECK(cache.held_tags(2) == std::vector<uint64_t>(all.begin(), all.begin() + 2));
+    cache.touch(4);  // "ab" used last: first
+    CHECK(cache.held_tags(10)[1] == prefix_tag(chain("ab")[1]));
+    CHECK(cache.held_tags(0).empty());
+}
+
+TEST_CASE("a tag is the hash's first 8 bytes, little-endian") {
+    std::string hash(32, '\0');
+    hash[0] = '\x01';
+    hash[7] = '\x80';
+    hash[8] = '\xff';  // past the tag
+    CHECK(baton::prefix_tag(hash) == 0x8000000000000001ULL);
+}

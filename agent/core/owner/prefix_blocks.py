@@ -3,8 +3,9 @@ whole blocks of ``block_tokens`` tokens, each named by a chained hash, and how m
 session copies from the caches instead of prefilling.
 
 ``H_i = sha256(H_{i-1} || block i's token ids as int32 LE)``, ``H_{-1}`` the seed: the model, the
-recipe (what makes the numbers identical), the block size and an optional salt (so that two
-callers' prefixes can be kept apart). A chained hash names the whole prefix up to its block; a
+recipe (what makes the numbers identical), the block size and a salt (so that two callers'
+prefixes are kept apart: ``owner_salt`` for an owner's own generations, the relay's per API key,
+``agent.core.relay.prefix_salt``). A chained hash names the whole prefix up to its block; a
 worker holds one range of one recipe, so (worker, ``H_i``) names the KV of positions
 ``[0, (i + 1) * block_tokens)`` of that range exactly, and the same hashes serve every hop.
 
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import struct
 from collections.abc import Sequence
 
-__all__ = ["PrefixPlan", "block_hashes", "prefix_seed", "usable_blocks"]
+__all__ = ["PrefixPlan", "block_hashes", "owner_salt", "prefix_seed", "prefix_tag", "route_tags", "usable_blocks"]
 
 _DOMAIN = b"baton-prefix/1\n"
+_OWNER_SALT_DOMAIN = b"baton-prefix-owner-salt/1"
 
 
 def prefix_seed(model_sha256: str, recipe_hash: str, block_tokens: int, salt: bytes = b"") -> bytes:
@@ -34,6 +37,18 @@ def prefix_seed(model_sha256: str, recipe_hash: str, block_tokens: int, salt: by
     return h.digest()
 
 
+def owner_salt(owner_secret: bytes) -> bytes:
+    """The salt of an owner's own generations (``baton generate``, a library caller that names
+    none), from a secret of the owner's (its private key's bytes): per owner, not unsalted,
+    because any client the tracker admits may ask a node whether it holds a prefix (or time a
+    generation): unsalted hashes of a guessed prompt would tell it whether another owner sent
+    that prompt lately. An owner with a key file (``--key``) keeps its salt, and so its cached
+    prefixes, from run to run; a run with a new key shares nothing with an earlier one."""
+    if not owner_secret:
+        raise ValueError("the owner's salt needs a secret")
+    return hmac.new(owner_secret, _OWNER_SALT_DOMAIN, hashlib.sha256).digest()
+
+
 def block_hashes(tokens: Sequence[int], block_tokens: int, seed: bytes) -> list[bytes]:
     """The chained hashes of the whole blocks of ``tokens`` (a partial last block has none)."""
     if block_tokens < 1:
@@ -45,6 +60,24 @@ def block_hashes(tokens: Sequence[int], block_tokens: int, seed: bytes) -> list[
         previous = hashlib.sha256(previous + block).digest()
         hashes.append(previous)
     return hashes
+
+
+def prefix_tag(block_hash: bytes) -> int:
+    """A block hash's tag: its first 8 bytes, little-endian (as a worker reports what it holds,
+    worker.proto ``HealthReply.prefix_tags``). Enough to prefer a route: a collision misplaces a
+    preference only, since the hops compare whole hashes before they copy."""
+    return int.from_bytes(block_hash[:8], "little")
+
+
+def route_tags(hashes: Sequence[bytes], max_tags: int) -> list[tuple[int, int]]:
+    """``(blocks, tag)`` pairs a route request names a prompt's prefix by: at most ``max_tags``
+    of its block hashes, evenly spaced and ending at the deepest (every one when they fit), so
+    that a long prompt is named to its end and a range's held depth is known within the
+    spacing. Deepest first."""
+    if max_tags < 1 or not hashes:
+        return []
+    stride = -(-len(hashes) // max_tags)
+    return [(index + 1, prefix_tag(hashes[index])) for index in range(len(hashes) - 1, -1, -stride)]
 
 
 def usable_blocks(held: int, prompt_len: int, block_tokens: int, chunk_rows: int | None) -> int:

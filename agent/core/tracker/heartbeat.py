@@ -14,7 +14,10 @@ Owns, for ``agent.io.tracker.service`` (which stores the report and sends the re
 - the LOAD/UNLOAD diff: LOAD every range assigned and not reported, UNLOAD every range
   reported and not assigned, in range order;
 - the ranges READY with a recipe that are assigned (what the canary schedule checks);
-- whether the node's admission is refreshed now (less than half its lifetime left).
+- whether the node's admission is refreshed now (less than half its lifetime left);
+- the prefix tags each of its ranges holds (``read_prefixes``: at most ``MAX_REPORTED_RANGES``
+  ranges of at most ``swarm_wire.MAX_PREFIX_TAGS`` tags, else INVALID_ARGUMENT naming the entry), kept for
+  routes only (``agent.core.tracker.routing.RoutePrefix``).
 
 Pure: ``now_ms`` comes in. Must not import trio, grpc, libp2p or agent.io.
 """
@@ -26,7 +29,7 @@ from collections.abc import Iterable, Sequence
 
 from agent._proto import swarm_pb2
 from agent.core.tracker.assignment import Assignment
-from agent.core.wire.swarm_wire import WireError, printable
+from agent.core.wire.swarm_wire import MAX_PREFIX_TAGS, WireError, printable
 
 __all__ = [
     "MAX_ERROR_CHARS",
@@ -35,6 +38,7 @@ __all__ = [
     "Report",
     "admission_due",
     "diff_assignment",
+    "read_prefixes",
     "read_report",
 ]
 
@@ -48,6 +52,9 @@ MAX_REPORTED_RANGES = 256
 MAX_ERROR_CHARS = 1024
 #: a recipe hash is a digest's hex (compared, stored and shown)
 MAX_RECIPE_CHARS = 128
+
+#: (model sha256, begin, end) -> the prefix tags that range holds
+RangePrefixTags = dict[tuple[str, int, int], frozenset[int]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +101,26 @@ def read_report(peer_id: str, serving: Sequence[swarm_pb2.AssignmentStatus], fai
         reported[Assignment(a.model_sha256, a.begin, a.end, peer_id)] = status
     failed_now = frozenset(a.model_sha256 for a, s in reported.items() if s.state == State.FAILED)
     return Report(reported=reported, newly_failed=failed_now - set(failed_models), serving=tuple(kept))
+
+
+def read_prefixes(prefixes: Sequence[swarm_pb2.RangePrefixes]) -> RangePrefixTags:
+    """The prefix tags a heartbeat reports per range (ranges without tags left out).
+
+    Raises:
+      WireError(INVALID_ARGUMENT): too many ranges, or a range with too many tags.
+    """
+    if len(prefixes) > MAX_REPORTED_RANGES:
+        raise WireError(Code.INVALID_ARGUMENT, f"prefixes lists {len(prefixes)} ranges, over {MAX_REPORTED_RANGES}")
+    held: RangePrefixTags = {}
+    for i, reported in enumerate(prefixes):
+        if len(reported.tags) > MAX_PREFIX_TAGS:
+            raise WireError(
+                Code.INVALID_ARGUMENT, f"prefixes[{i}] has {len(reported.tags)} tags, over {MAX_PREFIX_TAGS}"
+            )
+        a = reported.assignment
+        if reported.tags:
+            held[(a.model_sha256, a.begin, a.end)] = frozenset(reported.tags)
+    return held
 
 
 @dataclasses.dataclass(frozen=True)

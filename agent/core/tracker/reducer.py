@@ -39,7 +39,7 @@ from typing import TypeVar
 
 from agent._proto import swarm_pb2
 from agent.core.tracker.assignment import Assignment, NodeCapacity, assign
-from agent.core.tracker.heartbeat import diff_assignment, read_report
+from agent.core.tracker.heartbeat import diff_assignment, read_prefixes, read_report
 from agent.core.tracker.liveness import Liveness
 from agent.core.tracker.routing import ReadyRange
 from agent.core.tracker.state import (
@@ -206,6 +206,7 @@ def ready_ranges(
         ):
             continue
         in_use, total = live.get(key, (0, 0))
+        tags = state.prefix_tags.get(a.peer_id, {}).get((a.model_sha256, a.begin, a.end), frozenset())
         ready.append(
             ReadyRange(
                 peer_id=a.peer_id,
@@ -216,6 +217,7 @@ def ready_ranges(
                 decode_s_per_block=state.nodes[a.peer_id].decode_s_per_block,
                 sessions=in_use,
                 capacity=min(total, session_cap) if session_cap else total,
+                prefix_tags=tags,
             )
         )
     return ready
@@ -252,6 +254,7 @@ def _registered(
         failed=frozenset(k for k in state.failed if k[0] != peer),
         withdrawn=frozenset(k for k in state.withdrawn if k[0] != peer),
         load_failures={p: f for p, f in state.load_failures.items() if p != peer},
+        prefix_tags={p: t for p, t in state.prefix_tags.items() if p != peer},  # (a new start: caches empty)
     )
     return _recompute(state, now_ms, effects)
 
@@ -261,6 +264,7 @@ def _heartbeat(state: TrackerState, beat: Heartbeat, now_ms: int, effects: list[
     try:
         reading = read_report(peer, beat.serving, [m for p, m in state.failed if p == peer])
         check_listen_addrs(beat.listen_addrs or ())
+        prefix_tags = read_prefixes(beat.prefixes)
     except WireError as err:
         effects.append(Refuse(err.code, err.message))
         return state
@@ -299,6 +303,7 @@ def _heartbeat(state: TrackerState, beat: Heartbeat, now_ms: int, effects: list[
         load_failures=load_failures,
         heard_at_ms=_with(state.heard_at_ms, peer, now_ms),
         serving=_with(state.serving, peer, reading.serving),
+        prefix_tags=_with(state.prefix_tags, peer, prefix_tags),
         peer_paths=_with(state.peer_paths, peer, beat.peer_paths[:MAX_PEER_PATHS]),
     )
     if heard.revived:

@@ -13,6 +13,21 @@ is full, and a route through a full range is taken only when every route has one
 owner then waits for a sequence). So a redundant route opens when the first is full, or for
 a session that must avoid a peer. Then the smaller peer ids.
 
+Prefixes (``RoutePrefix``): a session names its prompt's prefix blocks by tags, and each range
+says which tags its worker's prefix cache holds (its node's heartbeats). A route's shared
+prefix is the fewest leading blocks any of its hops holds (every hop copies as many: a hop
+that holds none makes the others' copies useless). A route holding ``k`` blocks of ``t``
+tokens ranks as if its step cost were less by ``min(prefix_discount_max, k * t *
+prefix_discount_per_token)`` of itself (at equal ranks, the deeper prefix first). Relative,
+because what a cached token saves (its prefill on every hop) grows with the route's own cost,
+and because nodes' measured speeds differ by more than any fixed bonus between copies on like
+machines; capped, so that a route far slower than the others does not win every session by
+holding a long prefix. Full ranges still rank first, so a busy hop's load outweighs any prefix
+(the session goes elsewhere and fills a cache there). Packing comes after cost: of two equal
+copies of every range, the one holding the prefix wins even when the other carries more
+sessions. The preference is all a report decides: the owner asks every hop before it copies,
+so a stale report is a miss, never a wrong answer.
+
 Pure: no I/O, no clock. The tracker passes the live sessions nodes report and the routes it
 handed out since.
 """
@@ -22,7 +37,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 
-__all__ = ["Hop", "NoRoute", "ReadyRange", "RoutePlan", "plan_route"]
+__all__ = ["MAX_ROUTE_PREFIX_TAGS", "Hop", "NoRoute", "ReadyRange", "RoutePlan", "RoutePrefix", "plan_route"]
+
+#: prefix tags one route request may name (an owner sends a few dozen)
+MAX_ROUTE_PREFIX_TAGS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +55,7 @@ class ReadyRange:
     decode_s_per_block: float
     sessions: int = 0  # live sessions on this range (the node's last heartbeat)
     capacity: int = 0  # sessions it can hold at once (0: unknown, never full)
+    prefix_tags: frozenset[int] = frozenset()  # prefix blocks its cache holds (RoutePrefix)
 
     def full(self, extra: int = 0) -> bool:
         return self.capacity > 0 and self.sessions + extra >= self.capacity
@@ -57,6 +76,41 @@ class RoutePlan:
     hops: tuple[Hop, ...]
     recipe_hash: str
     estimated_step_s: float
+    prefix_blocks: int = 0  # leading blocks of the session's prefix every hop reported holding
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutePrefix:
+    """A session's prompt prefix as a route request names it: ``(blocks, tag)`` pairs, each the
+    tag of the hash of block ``blocks - 1`` (a chained hash: it names all ``blocks`` leading
+    blocks of ``block_tokens`` tokens). Any subset of a prompt's blocks will do: a range's
+    depth is the longest named prefix it holds."""
+
+    tags: tuple[tuple[int, int], ...]
+    block_tokens: int
+
+    @classmethod
+    def read(cls, tags: Sequence[int], blocks: Sequence[int], block_tokens: int) -> RoutePrefix | None:
+        """From a ``RouteRequest``'s fields; None when it names none.
+
+        Raises:
+          ValueError: the counts differ, too many tags, a block count of 0, or no block size.
+        """
+        if not tags and not blocks:
+            return None
+        if len(tags) != len(blocks):
+            raise ValueError(f"prefix_tags has {len(tags)} tags but prefix_tag_blocks {len(blocks)} counts")
+        if len(tags) > MAX_ROUTE_PREFIX_TAGS:
+            raise ValueError(f"prefix_tags has {len(tags)} tags, over {MAX_ROUTE_PREFIX_TAGS}")
+        if block_tokens < 1:
+            raise ValueError("prefix_block_tokens is 0 while prefix_tags are given")
+        if any(b < 1 for b in blocks):
+            raise ValueError("prefix_tag_blocks has a 0 (a tag names at least one block)")
+        return cls(tuple(zip(blocks, tags, strict=True)), block_tokens)
+
+    def held_blocks(self, held: frozenset[int]) -> int:
+        """The longest of these prefixes, in blocks, whose tag is in ``held`` (0: none)."""
+        return max((blocks for blocks, tag in self.tags if tag in held), default=0)
 
 
 class NoRoute(Exception):
@@ -76,6 +130,9 @@ def plan_route(
     begin: int = 0,
     end: int | None = None,
     recipe_hash: str = "",
+    prefix: RoutePrefix | None = None,
+    prefix_discount_per_token: float = 0.0,
+    prefix_discount_max: float = 0.5,
 ) -> RoutePlan:
     """The cheapest exact chain of ``ranges`` over ``[begin, end)`` (default: the whole
     model, ``[0, n_layer)``).
@@ -90,6 +147,9 @@ def plan_route(
       begin, end: plan only blocks ``[begin, end)`` (a replacement for a lost range, between
         hops that keep their caches); the plan's hops then cover just that part.
       recipe_hash: only ranges of this recipe (the one the rest of the route runs); "" any.
+      prefix: the session's prompt prefix: routes whose every hop holds more of it rank as if
+        their step cost ``prefix_discount_per_token`` of itself less per token held, at most
+        ``prefix_discount_max`` of it (full ranges first).
 
     Raises:
       NoRoute: "no route for model X: blocks [a, b) have no ready node" when some blocks
@@ -108,13 +168,26 @@ def plan_route(
         and r.peer_id not in avoid
         and (not recipe_hash or r.recipe_hash == recipe_hash)
     ]
-    best: tuple[_ChainKey, list[ReadyRange]] | None = None
+    held = {id(r): prefix.held_blocks(r.prefix_tags) if prefix is not None else 0 for r in valid}
+    # (full ranges, discounted cost units, minus the prefix's depth, minus the sessions, peer ids)
+    best: tuple[tuple[int, int, int, int, tuple[str, ...]], list[ReadyRange], int] | None = None
     for recipe in sorted({r.recipe_hash for r in valid}):
-        candidate = _best_chain(
-            begin, end, [r for r in valid if r.recipe_hash == recipe], load, hop_latency_s, cost_resolution_s
-        )
-        if candidate is not None and (best is None or candidate[0] < best[0]):
-            best = candidate
+        of_recipe = [r for r in valid if r.recipe_hash == recipe]
+        # each prefix depth some range holds: the best chain whose every hop holds that much,
+        # its cost less the depth's discount (a chain holding more is found at its own depth too)
+        for depth in sorted({0} | {held[id(r)] for r in of_recipe}):
+            candidate = _best_chain(
+                begin, end, [r for r in of_recipe if held[id(r)] >= depth], load, hop_latency_s, cost_resolution_s
+            )
+            if candidate is None:
+                continue
+            (full, cost, minus_sessions, peers), chain = candidate
+            tokens = depth * (prefix.block_tokens if prefix is not None else 0)
+            discount = min(max(prefix_discount_max, 0.0), tokens * max(prefix_discount_per_token, 0.0))
+            deeper = -depth if prefix_discount_per_token > 0 else 0  # (0: no preference at all)
+            key = (full, round(cost * (1.0 - discount)), deeper, minus_sessions, peers)
+            if best is None or key < best[0]:
+                best = (key, chain, depth)
     if best is None:
         why = _why_no_route(model, begin, end, valid)
         if recipe_hash:
@@ -122,7 +195,7 @@ def plan_route(
         if avoid:
             why += f" (without {', '.join(sorted(avoid))})"
         raise NoRoute(why)
-    _, chain = best
+    _, chain, depth = best
     estimated = sum((r.end - r.begin) * max(r.decode_s_per_block, 0.0) + hop_latency_s for r in chain)
     return RoutePlan(
         model_sha256=model_sha256,
@@ -130,6 +203,7 @@ def plan_route(
         hops=tuple(Hop(r.peer_id, tuple(r.addrs), r.begin, r.end) for r in chain),
         recipe_hash=chain[0].recipe_hash,
         estimated_step_s=estimated,
+        prefix_blocks=depth,
     )
 
 

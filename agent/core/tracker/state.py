@@ -136,6 +136,8 @@ class TrackerState:
       load_failures: peer -> what it reported FAILED since it registered, for operators.
       heard_at_ms: peer -> when its last heartbeat arrived (handed-out routes count until then).
       serving: peer -> what its last heartbeat reported (live sessions for routes).
+      prefix_tags: peer -> (model, begin, end) -> the prefix tags its last heartbeat said that
+        range's cache holds (routes prefer them; never stored).
       peer_paths: peer -> how its steps reached its peers, from its last heartbeat.
       loading_since_ms: assignment -> since when it has not been READY (assigned, or left
         READY): the loading deadline counts from there; absent while READY.
@@ -160,6 +162,7 @@ class TrackerState:
     load_failures: Mapping[str, tuple[swarm_pb2.AssignmentStatus, ...]] = dataclasses.field(default_factory=dict)
     heard_at_ms: Mapping[str, int] = dataclasses.field(default_factory=dict)
     serving: Mapping[str, tuple[swarm_pb2.AssignmentStatus, ...]] = dataclasses.field(default_factory=dict)
+    prefix_tags: Mapping[str, Mapping[tuple[str, int, int], frozenset[int]]] = dataclasses.field(default_factory=dict)
     peer_paths: Mapping[str, tuple[swarm_pb2.PeerPath, ...]] = dataclasses.field(default_factory=dict)
     loading_since_ms: Mapping[Assignment, int] = dataclasses.field(default_factory=dict)
     proven: frozenset[str] = frozenset()
@@ -189,6 +192,7 @@ class Heartbeat:
     serving: tuple[swarm_pb2.AssignmentStatus, ...]
     peer_paths: tuple[swarm_pb2.PeerPath, ...] = ()
     listen_addrs: tuple[str, ...] | None = None
+    prefixes: tuple[swarm_pb2.RangePrefixes, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,9 @@ __all__ = [
     "MAX_ADDR_CHARS",
     "MAX_ADMISSION_REQUEST_BYTES",
     "MAX_BATCH_STEPS",
+    "MAX_HEARTBEAT_PREFIX_TAGS",
     "MAX_LISTEN_ADDRS",
+    "MAX_PREFIX_TAGS",
     "MAX_TRACKER_REQUEST_BYTES",
     "NODE_PROTOCOL",
     "PUNCH_PROTOCOL",
@@ -146,6 +148,11 @@ def printable(text: str, max_chars: int) -> str:
 
 #: addresses one peer may advertise, and the length of one
 MAX_LISTEN_ADDRS = 16
+#: prefix tags a heartbeat may name for one range (``RangePrefixes``; 8 bytes each), and for
+#: all its ranges together (a node cuts its report to fit: a heartbeat stays far below
+#: ``MAX_TRACKER_REQUEST_BYTES``)
+MAX_PREFIX_TAGS = 4096
+MAX_HEARTBEAT_PREFIX_TAGS = 16384
 MAX_ADDR_CHARS = 512
 
 

@@ -181,6 +181,12 @@ class WorkerInfo:
     prefix_cache_sequences: int = 0  # spare sequences of the prefix cache (--prefix-cache-bytes); 0: off
     prefix_cache_bytes: int = 0  # the KV bytes they take (in kv_bytes)
 
+    def prefix_cache_bytes_of(self, positions: int) -> int:
+        """The KV bytes ``positions`` positions of the prefix cache take (its bytes are its
+        spare sequences', ``n_ctx_per_sequence`` positions each)."""
+        held = self.prefix_cache_sequences * self.n_ctx_per_sequence
+        return positions * self.prefix_cache_bytes // held if held else 0
+
     @property
     def layers(self) -> LayerRange:
         """The blocks this worker serves. Raises ValueError for a vocab-only worker."""
@@ -208,6 +214,8 @@ class WorkerHealth:
     prefix_evicted: int = 0
     prefix_entries: int = 0
     prefix_positions: int = 0
+    #: the blocks its cache holds, as tags, most recently used first (as many as asked)
+    prefix_tags: tuple[int, ...] = ()
 
 
 class TokenAttr(enum.IntFlag):

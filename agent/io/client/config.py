@@ -86,6 +86,10 @@ class SwarmClientConfig:
     how many leading ones its prefix cache holds and copies the fewest, so that only the rest
     is prefilled (the copy ends on a ``prefill_chunk_tokens`` boundary: the same tokens as
     without); each hop keeps the blocks when the session ends. 0: never.
+    ``prefix_route_tags``: a route request for a prompt names at most this many of its blocks
+    (tags of their hashes, the deepest always: ``agent.core.owner.prefix_blocks.route_tags``),
+    so that the tracker prefers hops whose caches hold them; 0: none. The hashes are seeded
+    with the recipe of the owner's last route of the model: its first route names none.
     """
 
     request_timeout_s: float = setting(10.0, "limit on one control request (default 10)", parse=cli_args.positive_float)
@@ -132,6 +136,7 @@ class SwarmClientConfig:
         10.0, "--wire auto sends q8 over links slower than this (default 10)", parse=cli_args.positive_float
     )
     prefix_block_tokens: int = 64
+    prefix_route_tags: int = 32
     # Integrity (agent/io/client/spot_check.py, docs/INTEGRITY.md): the share of sessions replayed
     # through a route of the same recipe around one of their hops and compared bit for bit,
     # how long a session that ended waits for its replay, and how long the tracker may take to

@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 from agent._proto import swarm_pb2
 from agent.core.net.identity import peer_id_from_public_key
 from agent.core.net.multiaddrs import peer_id_from_multiaddr
+from agent.core.owner.prefix_blocks import block_hashes, owner_salt, prefix_seed, route_tags
 from agent.core.owner.route_repair import end_session_request, surviving_hops
 from agent.core.wire.admission import AdmissionError, make_client_hello, verify_admission
 from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, TRACKER_PROTOCOL
@@ -100,6 +101,9 @@ class ControlClient:
         self._last_routes: dict[str, swarm_pb2.Route] = {}  # model -> the tracker's last route
         #: (peer, begin, end) of hops that said they keep no prefix cache: not asked again
         self._no_prefix_cache: set[tuple[str, int, int]] = set()
+        #: the salt of this owner's prefix block hashes where a generation names none (the
+        #: relay names one per API key): see ``owner_salt`` for why per owner
+        self.prefix_salt = owner_salt(key.private_bytes_raw())
 
     @property
     def peer_id(self) -> str:
@@ -174,11 +178,20 @@ class ControlClient:
                 log.warning("the tracker cannot be reached (%s): keeping the current admission", error)
 
     async def route(
-        self, model: str, *, avoid_peers: Sequence[str] = (), part: tuple[int, int, str] | None = None
+        self,
+        model: str,
+        *,
+        avoid_peers: Sequence[str] = (),
+        part: tuple[int, int, str] | None = None,
+        prompt: Sequence[int] = (),
+        prefix_salt: bytes | None = None,
     ) -> swarm_pb2.Route:
         """The tracker's route for ``model`` (alias, name or sha256), around ``avoid_peers``.
         ``part``: ``(begin, end, recipe hash)``: hops for blocks ``[begin, end)`` only, of that
-        recipe (a replacement for a lost range).
+        recipe (a replacement for a lost range). ``prompt``: the session's prompt tokens, whose
+        prefix blocks (hashed under ``prefix_salt``, as its session's will be; None: this owner's
+        own, ``self.prefix_salt``) the tracker then prefers hops holding in their caches
+        (``route_prefix``).
 
         While the tracker cannot be reached, the last (whole) route it gave for ``model`` is
         used (if it avoids ``avoid_peers``), with a warning: running swarms do not need the
@@ -192,6 +205,8 @@ class ControlClient:
         request = swarm_pb2.RouteRequest(model=model, avoid_peers=list(avoid_peers))
         if part is not None:
             request.begin, request.end, request.recipe_hash = part
+        elif prompt:
+            self.route_prefix(request, prompt, self.prefix_salt if prefix_salt is None else prefix_salt)
         try:
             reply = await self._tracker(swarm_pb2.TrackerRequest(route=request))
         except TransportError as error:
@@ -210,6 +225,20 @@ class ControlClient:
         if part is None:
             self._last_routes[model] = route
         return route
+
+    def route_prefix(self, request: swarm_pb2.RouteRequest, prompt: Sequence[int], salt: bytes = b"") -> None:
+        """Name ``prompt``'s prefix blocks in ``request`` (``prefix_blocks.route_tags``), hashed
+        as a session's on the owner's last route of the model would be (the recipe seeds the
+        hashes): none before a first route, or with the cache or the tags off."""
+        last = self._last_routes.get(request.model)
+        block_tokens, max_tags = self.config.prefix_block_tokens, self.config.prefix_route_tags
+        if last is None or not block_tokens or not max_tags:
+            return
+        seed = prefix_seed(last.model_sha256, last.recipe_hash, block_tokens, salt)
+        tags = route_tags(block_hashes(prompt, block_tokens, seed), max_tags)
+        request.prefix_tag_blocks.extend(blocks for blocks, _tag in tags)
+        request.prefix_tags.extend(tag for _blocks, tag in tags)
+        request.prefix_block_tokens = block_tokens if tags else 0
 
     async def report_lost_peer(self, peer_id: str, reason: str) -> bool:
         """Tell the tracker this owner lost ``peer_id``; True when the tracker confirmed it

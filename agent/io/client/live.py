@@ -48,8 +48,9 @@ class LiveSession:
     """A live session: where the result handler delivers the outcome of its step in flight,
     or of its rebuild."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, prefix_salt: bytes = b"") -> None:
         self.session = session
+        self.prefix_salt = prefix_salt  # of its prompt's prefix block hashes (``prefix_seed``)
         self.arrived = trio.Event()
         self.outcome: int | BaseException | None = None
         self.rebuild: Rebuild | None = None

@@ -184,7 +184,7 @@ class SessionRunner(StepClient):
             # goes worker to worker too (DataPlaneBindRequest.open_rows)
             session = live.session
             open_rows = len(session.tokens) if session.step == 0 and session.cached_positions == 0 else 0
-            prefix = await self._prefix_plan(session, route) if open_rows and prefix_cache else None
+            prefix = await self._prefix_plan(live, route) if open_rows and prefix_cache else None
             for index in reversed(range(len(route.hops))):
                 request = bind_request(
                     route, index, session_id, keys, hosts, ports[index + 1] if bound else 0, self.wire_dtype(route)
@@ -232,14 +232,15 @@ class SessionRunner(StepClient):
             await self._continue_on_data_plane(live.session, route, keys, hosts, ports[0])
         return plane
 
-    async def _prefix_plan(self, session: Session, route: swarm_pb2.Route) -> PrefixPlan | None:
-        """The prompt's block hashes and the leading blocks every hop of ``route`` holds in its
-        prefix cache (asked of all at once; a hop that cannot say holds none), cut to what
-        ``usable_blocks`` allows. None: no whole block, or the cache is off here."""
+    async def _prefix_plan(self, live: LiveSession, route: swarm_pb2.Route) -> PrefixPlan | None:
+        """The prompt's block hashes (under the session's salt) and the leading blocks every hop
+        of ``route`` holds in its prefix cache (asked of all at once; a hop that cannot say holds
+        none), cut to what ``usable_blocks`` allows. None: no whole block, or the cache is off here."""
         block_tokens = self.config.prefix_block_tokens
         if not block_tokens:
             return None
-        seed = prefix_seed(route.model_sha256, route.recipe_hash, block_tokens)
+        session = live.session
+        seed = prefix_seed(route.model_sha256, route.recipe_hash, block_tokens, live.prefix_salt)
         hashes = tuple(block_hashes(session.tokens[: session.prompt_len], block_tokens, seed))
         if not hashes:
             return None

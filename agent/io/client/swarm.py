@@ -145,10 +145,10 @@ class SwarmClient(ResumingClient):
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         await self._fresh_admission()
+        if vocab is not None:  # (tokenized here: the route request can name the prompt's prefix)
+            return await self._generate_with_vocab(model, prompt, vocab, max_tokens, sampling, seed, on_text, route)
         if route is None:
             route = await self.route(model)
-        if vocab is not None:
-            return await self._generate_with_vocab(model, prompt, vocab, max_tokens, sampling, seed, on_text, route)
         prompt_tokens, stop_tokens = await self._tokenize_prompt(route, prompt)
         generated: list[int] = []
         shown = ""
@@ -187,7 +187,7 @@ class SwarmClient(ResumingClient):
         sampling: SamplingParams,
         seed: int | None,
         on_text: Callable[[str], None] | None,
-        route: swarm_pb2.Route,
+        route: swarm_pb2.Route | None,
     ) -> GenerationResult:
         prompt_tokens = await vocab.tokenize(prompt)
         if not prompt_tokens:
@@ -228,6 +228,7 @@ class SwarmClient(ResumingClient):
         prompt_scores: Callable[[int, np.ndarray | TopLogits], None] | None = None,
         constraint: TokenMask | None = None,
         queue: SequenceQueue | None = None,
+        prefix_salt: bytes | None = None,
     ) -> GenerationResult:
         """Generate up to ``max_tokens`` token ids after ``prompt_tokens`` (tokenized by the caller).
 
@@ -248,6 +249,9 @@ class SwarmClient(ResumingClient):
           queue: a line to wait in for a free sequence, first come, first served with the
             other generations of its owner (the relay's); it decides when to try and when to
             give up as busy, in place of ``queue_timeout_s`` and the backoff.
+          prefix_salt: the salt of the prompt's prefix block hashes: only generations under
+            the same salt share the hops' prefix caches (the relay's per API key:
+            ``agent.core.relay.prefix_salt``); None: this owner's own (``self.prefix_salt``).
 
         Returns:
           A ``GenerationResult`` with ``text`` empty (the caller detokenizes). A route whose
@@ -276,9 +280,9 @@ class SwarmClient(ResumingClient):
                 step=0, code=swarm_pb2.Error.RESOURCE_EXHAUSTED,
             )  # fmt: skip
         await self._fresh_admission()
-        if route is None:
-            route = await self.route(model)
         prompt = [int(t) for t in prompt_tokens]
+        if route is None:
+            route = await self.route(model, prompt=prompt, prefix_salt=prefix_salt)
         progress = Progress()
         generated = progress.tokens
         replans = 0
@@ -316,7 +320,7 @@ class SwarmClient(ResumingClient):
                 on_prompt_scores=prompt_scores,
                 constraint=constraint,
             )
-            live = LiveSession(session)
+            live = LiveSession(session, self.prefix_salt if prefix_salt is None else prefix_salt)
             self._live[session.session_id] = live
             lost: list[str] = []
             failure: GenerationError | None = None
@@ -397,7 +401,7 @@ class SwarmClient(ResumingClient):
                         ) from None  # fmt: skip
                 await self._fresh_admission()
                 with contextlib.suppress(SwarmError, TransportError):
-                    route = await self.route(model)
+                    route = await self.route(model, prompt=prompt, prefix_salt=prefix_salt)
                 continue
             if isinstance(plan, ContextFull):
                 context_full = True  # the context of the route's sequences is full

@@ -149,7 +149,7 @@ class Node(RequestHandlers, RangeRunner):
         except TransportError as err:
             log.debug("relay reservation before the heartbeat: %s", err)
         self._notice_worker_exits(nursery)
-        await self._read_data_plane_counts()
+        await self._read_worker_counts()
         request = swarm_pb2.TrackerRequest(
             schema_version=SCHEMA_VERSION,
             heartbeat=swarm_pb2.HeartbeatRequest(
@@ -158,6 +158,7 @@ class Node(RequestHandlers, RangeRunner):
                 serving=[served.status() for served in self.ranges.values()],
                 listen_addrs=self.advertised_addrs(),
                 peer_paths=self.peer_paths(),
+                prefixes=self.range_prefixes(),
             ),
         )
         try:

@@ -213,6 +213,13 @@ class NodeConfig:
         parse=cli_args.non_negative_int,
         metavar="N",
     )
+    prefix_report_tags: int = setting(
+        256,
+        "with --prefix-cache-bytes: the most prefix blocks of one range's cache each heartbeat names to the tracker"
+        " (the most recently used first), which routes prompts to the hops holding their prefix (default 256; 0: none)",
+        parse=cli_args.non_negative_int,
+        metavar="N",
+    )
     worker_wait: str = setting(
         AUTO,
         "how a worker's idle threads wait for work: spin (quickest for a worker alone on its machine), sleep"

@@ -75,9 +75,10 @@ class ServedRange:
     entries_forwarded: int = 0
     forward_compute_us: int = 0  # their time as the worker measured it (ForwardTiming)
     forward_call_us: int = 0  # and as this node measured the calls
-    #: the worker's data plane Forwards (HealthReply, read before each heartbeat): the
-    #: heartbeat counts them with the node's own (their call time is their compute time)
-    data_plane: WorkerHealth | None = None
+    #: the worker's HealthReply, read before each heartbeat: its data plane Forwards, which the
+    #: heartbeat counts with the node's own (their call time is their compute time), and its
+    #: prefix cache's counters
+    worker_health: WorkerHealth | None = None
     largest_batch: int = 0
     #: the batch in the worker's Forward right now: its steps are owed an error if the range
     #: stops (UNLOAD, the worker dies) before their outputs are pushed
@@ -109,7 +110,8 @@ class ServedRange:
     def status(self) -> swarm_pb2.AssignmentStatus:
         state, error = self.state, self.error
         model_sha256, begin, end = self.key
-        return swarm_pb2.AssignmentStatus(
+        health = self.worker_health
+        status = swarm_pb2.AssignmentStatus(
             assignment=swarm_pb2.Assignment(model_sha256=model_sha256, begin=begin, end=end),
             state=cast(State, state),  # protoc's .pyi takes named values only; proto3 enums are open
             error=error,
@@ -121,18 +123,25 @@ class ServedRange:
             fetch_total_bytes=0 if self.fetch_progress is None else self.fetch_progress.total_bytes,
             fetch_bytes_per_s=0.0 if self.fetch_progress is None else self.fetch_progress.bytes_per_s,
             sessions_started=0 if self.sessions is None else self.sessions.started,
-            forward_calls=self.forward_calls + (0 if self.data_plane is None else self.data_plane.data_plane_forwards),
-            forward_steps=self.entries_forwarded + (0 if self.data_plane is None else self.data_plane.data_plane_steps),
+            forward_calls=self.forward_calls + (0 if health is None else health.data_plane_forwards),
+            forward_steps=self.entries_forwarded + (0 if health is None else health.data_plane_steps),
             forward_compute_us=self.forward_compute_us + self._data_plane_compute_us,
             forward_call_us=self.forward_call_us + self._data_plane_compute_us,
             sessions_resumed=0 if self.sessions is None else self.sessions.resumed,
             sessions_rebuilt=0 if self.sessions is None else self.sessions.rebuilt,
             data_port=self.info.data_port if state == State.READY and self.info is not None else 0,
         )
+        if state == State.READY and health is not None and self.info is not None and self.info.prefix_cache_bytes:
+            status.prefix_lookups = health.prefix_lookups
+            status.prefix_hits = health.prefix_hits
+            status.prefix_hit_positions = health.prefix_hit_positions
+            status.prefix_cache_bytes = self.info.prefix_cache_bytes
+            status.prefix_cache_used_bytes = self.info.prefix_cache_bytes_of(health.prefix_positions)
+        return status
 
     @property
     def _data_plane_compute_us(self) -> int:
-        return 0 if self.data_plane is None else self.data_plane.data_plane_compute_us
+        return 0 if self.worker_health is None else self.worker_health.data_plane_compute_us
 
     def end_session(self, session_id: bytes) -> NodeSession | None:
         """Forget ``session_id`` here (its sequence closes, its queued steps and kept rows

@@ -23,6 +23,8 @@ from agent.core.node.range_states import range_name
 from agent.core.wire.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
 from agent.core.wire.manifest import verify_manifest
 from agent.core.wire.swarm_wire import (
+    MAX_HEARTBEAT_PREFIX_TAGS,
+    MAX_PREFIX_TAGS,
     RESULT_PROTOCOL,
     SCHEMA_VERSION,
     STEP_PROTOCOL,
@@ -163,16 +165,44 @@ class TrackerLink(NodeState):
             for direct, relayed in [counts.get(peer_id, (0, 0))]
         ]
 
-    async def _read_data_plane_counts(self) -> None:
-        """Each READY range's worker data plane counts (``ServedRange.data_plane``); a worker
-        that does not answer keeps its last counts (its exit is noticed elsewhere)."""
+    def _prefix_tags_max(self) -> int:
+        """Tags of its prefix cache each worker names (``prefix_report_tags``, at most what a
+        tracker takes; 0 without a cache)."""
+        return min(self.config.prefix_report_tags, MAX_PREFIX_TAGS) if self.config.prefix_cache_bytes else 0
+
+    def range_prefixes(self) -> list[swarm_pb2.RangePrefixes]:
+        """Which prefix blocks each READY range's cache holds, as its worker said before this
+        heartbeat (``_read_worker_counts``), at most ``MAX_HEARTBEAT_PREFIX_TAGS`` in all
+        (each range's most recently used first)."""
+        reports = []
+        room = MAX_HEARTBEAT_PREFIX_TAGS
+        for served in self.ranges.values():
+            if served.state != State.READY or served.worker_health is None or not served.worker_health.prefix_tags:
+                continue
+            tags = served.worker_health.prefix_tags[:room]
+            room -= len(tags)
+            if tags:
+                model_sha256, begin, end = served.key
+                assignment = swarm_pb2.Assignment(model_sha256=model_sha256, begin=begin, end=end)
+                reports.append(swarm_pb2.RangePrefixes(assignment=assignment, tags=tags))
+        return reports
+
+    async def _read_worker_counts(self) -> None:
+        """Each READY range's worker's data plane and prefix cache counts and the prefix blocks
+        its cache holds (``ServedRange.worker_health``); a worker that does not answer keeps its
+        last (its exit is noticed elsewhere)."""
         for served in list(self.ranges.values()):
-            if served.state != State.READY or served.client is None or served.info is None or not served.info.data_port:
+            info = served.info
+            if served.state != State.READY or served.client is None or info is None:
+                continue
+            if not (info.data_port or info.prefix_cache_bytes):
                 continue
             try:
-                served.data_plane = await served.client.health(timeout_s=self.config.worker_call_timeout_s)
+                served.worker_health = await served.client.health(
+                    timeout_s=self.config.worker_call_timeout_s, prefix_tags_max=self._prefix_tags_max()
+                )
             except WorkerError as err:
-                log.debug("%s: data plane counts: %s", range_name(served.key), err)
+                log.debug("%s: worker counts: %s", range_name(served.key), err)
 
     async def _manifest(self, model_sha256: str) -> tuple[swarm_pb2.ModelManifest, list[str]]:
         """The model's tracker-signed manifest (checked against the tracker's key) and its

@@ -1,7 +1,8 @@
 """The relay's authentication and quotas: who sends a request (``authenticate``: a key's
-name and limits from the ``Authorization: Bearer`` header, or the anonymous pseudo-key) and
-whether it may run now (``admit``: the quota decision is ``agent.core.relay.quotas``'; 401 and 429
-are raised as ``ApiError``), what it may spend once its prompt is known (``reserve``: its tokens
+name, limits and prefix salt from the ``Authorization: Bearer`` header, or the anonymous
+pseudo-key's; the salts are ``agent.core.relay.prefix_salt``'s) and whether it may run now
+(``admit``: the quota decision is ``agent.core.relay.quotas``'; 401 and 429 are raised as
+``ApiError``), what it may spend once its prompt is known (``reserve``: its tokens
 held against the key's day while it runs) and what it is charged when it ends (``settle``).
 
 Must not import the relay's app, completions or server.
@@ -15,6 +16,7 @@ from starlette.requests import Request
 
 from agent.core.relay import quotas
 from agent.core.relay.openai_api import ApiError
+from agent.core.relay.prefix_salt import anonymous_salt, key_salt
 
 from .state import RelayState
 
@@ -25,10 +27,12 @@ ANONYMOUS = "anonymous"
 
 @dataclasses.dataclass
 class Principal:
-    """Who sends a request: a key's name and limits, or the anonymous pseudo-key."""
+    """Who sends a request: a key's name and limits, or the anonymous pseudo-key; and the salt
+    of its prompts' prefix block hashes (whose cached prefixes it may reuse)."""
 
     name: str
     limits: quotas.KeyLimits
+    prefix_salt: bytes
 
 
 def _bearer(request: Request) -> str | None:
@@ -43,7 +47,8 @@ def authenticate(state: RelayState, request: Request) -> Principal:
     key = _bearer(request)
     if key is None:
         if state.config.anonymous_tokens_per_day > 0:
-            return Principal(ANONYMOUS, quotas.KeyLimits(state.config.anonymous_tokens_per_day, None, None))
+            limits = quotas.KeyLimits(state.config.anonymous_tokens_per_day, None, None)
+            return Principal(ANONYMOUS, limits, anonymous_salt(state.store.prefix_salt_secret))
         raise ApiError(
             401,
             "You didn't provide an API key. Send it in the Authorization header (Bearer auth): "
@@ -54,7 +59,8 @@ def authenticate(state: RelayState, request: Request) -> Principal:
         raise ApiError(401, "Incorrect API key provided.")
     if record.revoked:
         raise ApiError(401, f"The API key '{record.name}' has been revoked.")
-    return Principal(record.name, record.limits)
+    salt = key_salt(state.store.prefix_salt_secret, record.key_sha256, shareable=record.shareable_prefixes)
+    return Principal(record.name, record.limits, salt)
 
 
 def admit(state: RelayState, principal: Principal) -> None:

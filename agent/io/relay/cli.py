@@ -6,15 +6,19 @@
                     [--step-timeout-s S] [--queue-timeout-s S] [--cache-dir DIR]
                     [--addr-file PATH] [--p2p-listen MADDR] [--log-level LEVEL] [--config PATH]
   baton relay keys add NAME --db PATH [--tokens-per-day N] [--requests-per-minute N]
-                    [--max-concurrent N]
+                    [--max-concurrent N] [--shareable-prefixes]
   baton relay keys list --db PATH [--json]
   baton relay keys revoke NAME --db PATH
+  baton relay keys share NAME --db PATH
+  baton relay keys unshare NAME --db PATH
   baton relay ledger --db PATH [--json]
 
 ``keys add`` prints the new key alone on stdout (so ``KEY=$(baton relay keys add ...)``
 works) and, on stderr, that it is shown only this once: the database keeps only its sha256.
 ``keys list`` shows names, limits, today's usage (UTC) and whether a key is revoked, never a
-key. ``ledger`` shows each node's rows and credit (``rows * (end - begin) / n_layer`` summed
+key. A key's prompt prefixes are cached on the hops for its own requests only, unless it is
+made with ``--shareable-prefixes`` or marked by ``keys share`` (``keys unshare`` makes it
+private again): shareable keys reuse each other's cached prefixes (docs/SECURITY.md). ``ledger`` shows each node's rows and credit (``rows * (end - begin) / n_layer`` summed
 over its completions). ``serve`` is ``agent.io.relay.server.serve_main``; its options are
 ``RelayConfig``'s fields (``agent.io.relay.config``), also read from ``--config PATH`` (TOML).
 
@@ -80,12 +84,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests this key may have running at once (default: unlimited)",
     )
+    add.add_argument(
+        "--shareable-prefixes",
+        action="store_true",
+        help="its prompts' prefixes share the hops' prefix caches with every other shareable key's (a public"
+        " system prompt computed once; timing can tell such keys what the others sent). Default: its own only",
+    )
     listing = key_commands.add_parser("list", help="list the keys (never the keys themselves)")
     listing.add_argument("--db", required=True, help="the relay's SQLite database")
     listing.add_argument("--json", action="store_true", help="print one JSON array")
     revoke = key_commands.add_parser("revoke", help="revoke the live key of that name")
     revoke.add_argument("name", help="the key's name, as given to keys add")
     revoke.add_argument("--db", required=True, help="the relay's SQLite database")
+    for command, what in (
+        ("share", "let the key's prompt prefixes share the prefix caches with every other shareable key's"),
+        ("unshare", "keep the key's prompt prefixes to its own requests again (the default)"),
+    ):
+        marking = key_commands.add_parser(command, help=what)
+        marking.add_argument("name", help="the key's name, as given to keys add")
+        marking.add_argument("--db", required=True, help="the relay's SQLite database")
 
     ledger = commands.add_parser("ledger", help="each node's rows and credit")
     ledger.add_argument("--db", required=True, help="the relay's SQLite database")
@@ -116,6 +133,8 @@ def main(args: argparse.Namespace) -> int:
             return _keys_list(args)
         if command == "keys revoke":
             return _keys_revoke(args)
+        if command in ("keys share", "keys unshare"):
+            return _keys_share(args, command == "keys share")
         return _ledger(args)
     except (StoreError, ValueError, OSError) as error:
         return _fail(command, str(error))
@@ -136,13 +155,27 @@ def _keys_add(args: argparse.Namespace) -> int:
         max_concurrent=args.max_concurrent,
     )
     with open_relay_store(args.db) as store:
-        api_key = store.create_key(args.name, limits)
+        api_key = store.create_key(args.name, limits, shareable_prefixes=args.shareable_prefixes)
     print(api_key, flush=True)
+    shared = ", shareable prefixes" if args.shareable_prefixes else ""
     print(
-        f"created key {args.name!r} ({_describe_limits(limits)}). It is shown only this once: "
+        f"created key {args.name!r} ({_describe_limits(limits)}{shared}). It is shown only this once: "
         "the relay stores only its sha256.",
         file=sys.stderr,
     )
+    return 0
+
+
+def _keys_share(args: argparse.Namespace, shareable: bool) -> int:
+    from agent.io.relay.store import open_relay_store
+
+    with open_relay_store(args.db) as store:
+        marked = store.set_shareable_prefixes(args.name, shareable)
+    command = "keys share" if shareable else "keys unshare"
+    if not marked:
+        return _fail(command, f"no live key named {args.name!r}")
+    what = "shares its prompt prefixes with every other shareable key" if shareable else "keeps its prompt prefixes"
+    print(f"key {args.name!r} {what} (from its next request)")
     return 0
 
 
@@ -179,6 +212,7 @@ def _keys_list(args: argparse.Namespace) -> int:
                         "tokens_today": usage.total_tokens,
                         "created_at_s": key.created_at_s,
                         "revoked": key.revoked,
+                        "shareable_prefixes": key.shareable_prefixes,
                     }
                     for key, usage in keys
                 ]
@@ -189,7 +223,9 @@ def _keys_list(args: argparse.Namespace) -> int:
     def limit(value: int | None) -> str:
         return "unlimited" if value is None else str(value)
 
-    rows = [("NAME", "TOKENS/DAY", "REQUESTS/MIN", "CONCURRENT", f"TOKENS {today}", "CREATED (UTC)", "STATE")]
+    rows = [
+        ("NAME", "TOKENS/DAY", "REQUESTS/MIN", "CONCURRENT", f"TOKENS {today}", "CREATED (UTC)", "PREFIXES", "STATE")
+    ]
     rows += [
         (
             key.name,
@@ -198,6 +234,7 @@ def _keys_list(args: argparse.Namespace) -> int:
             limit(key.limits.max_concurrent),
             str(usage.total_tokens),
             _utc_time(key.created_at_s),
+            "shareable" if key.shareable_prefixes else "own",
             "revoked" if key.revoked else "live",
         )
         for key, usage in keys

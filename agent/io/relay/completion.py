@@ -424,6 +424,7 @@ class Completion:
                     stop_tokens=[] if req.options.ignore_eos else sorted(eog), sampling=sampling, seed=self.seed,
                     on_token=on_token, queue=ticket, constraint=self.constraint,
                     prompt_scores=self._score_prompt if self.echo and req.logprobs else None,
+                    prefix_salt=self.principal.prefix_salt,  # its key's prefixes only, unless shareable
                 )  # fmt: skip
         except trio.TooSlowError:
             raise ApiError(504, f"the generation did not finish within {state.config.generation_timeout_s} s") from None

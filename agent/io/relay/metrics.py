@@ -2,8 +2,10 @@
 
 Owns: one ``prometheus_client.CollectorRegistry`` per ``RelayMetrics``, never the process-global
 one, so that several relays (or tests) in one process keep separate counts; the metric names and
-buckets; a rolling count of completion tokens for the status page. Time is passed in (``now_s``,
-any monotonic clock in seconds): nothing here reads a clock.
+buckets; a rolling count of completion tokens for the status page; the nodes' prefix cache
+figures as the tracker's node list last gave them (``set_prefix_caches``: its counters are the
+workers', since each started, so they are exposed as they are, not counted here). Time is
+passed in (``now_s``, any monotonic clock in seconds): nothing here reads a clock.
 
 Must not import trio, Starlette or anything of the relay's I/O: the server calls these methods.
 """
@@ -12,9 +14,13 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
 
 __all__ = [
     "INTER_TOKEN_BUCKETS_S",
@@ -81,6 +87,8 @@ class RelayMetrics:
             registry=self.registry,
         )
         self._live_sessions = Gauge("baton_relay_live_sessions", "Generations in progress.", registry=self.registry)
+        self._prefix_caches = _PrefixCaches()
+        self.registry.register(self._prefix_caches)
         # (now_s, tokens), oldest first; pruned to recent_retention_s on every call.
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
 
@@ -113,6 +121,11 @@ class RelayMetrics:
 
     def session_ended(self) -> None:
         self._live_sessions.dec()
+
+    def set_prefix_caches(self, caches: Sequence[Mapping[str, Any]]) -> None:
+        """The nodes' prefix caches to expose from now on, one per range
+        (``agent.core.relay.coverage.prefix_caches``); empty: none (the tracker is not reachable)."""
+        self._prefix_caches.caches = list(caches)
 
     def render(self) -> tuple[bytes, str]:
         """The registry in the Prometheus text format: ``(body, content_type)``."""
@@ -147,3 +160,35 @@ class RelayMetrics:
         oldest_s = now_s - self.recent_retention_s
         while self._recent and self._recent[0][0] <= oldest_s:
             self._recent.popleft()
+
+
+class _PrefixCaches(Collector):
+    """Each node range's prefix cache, labelled by node, model and range (one series each: a
+    swarm's ranges are few). Its counters come from the workers as they are."""
+
+    _LABELS = ("peer_id", "model", "begin", "end")
+
+    def __init__(self) -> None:
+        self.caches: list[Mapping[str, Any]] = []
+
+    def collect(self) -> Iterator[Metric]:
+        counters = (
+            ("lookups", "baton_node_prefix_cache_lookups", "Sessions opened asking the range's cache for a prefix."),
+            ("hits", "baton_node_prefix_cache_hits", "Sessions opened with a prefix copied from the range's cache."),
+            ("hit_tokens", "baton_node_prefix_cache_hit_tokens", "Prompt positions copied instead of computed."),
+        )
+        gauges = (
+            ("hit_rate", "baton_node_prefix_cache_hit_ratio", "Hits / lookups of the range's prefix cache so far."),
+            ("used_bytes", "baton_node_prefix_cache_bytes", "KV bytes the range's prefix cache holds now."),
+            ("budget_bytes", "baton_node_prefix_cache_budget_bytes", "KV bytes the range's prefix cache may hold."),
+        )
+        families: list[tuple[str, CounterMetricFamily | GaugeMetricFamily]] = [
+            (field, CounterMetricFamily(name, text, labels=self._LABELS)) for field, name, text in counters
+        ]
+        families += [(field, GaugeMetricFamily(name, text, labels=self._LABELS)) for field, name, text in gauges]
+        for cache in self.caches:
+            labels = [str(cache["peer_id"]), str(cache["model"]), str(cache["begin"]), str(cache["end"])]
+            for field, family in families:
+                family.add_metric(labels, float(cache[field]))
+        for _field, family in families:
+            yield family

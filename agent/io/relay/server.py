@@ -36,7 +36,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from agent._proto import swarm_pb2
-from agent.core.relay.coverage import model_coverage
+from agent.core.relay.coverage import model_coverage, prefix_caches
 from agent.core.relay.openai_api import ApiError, check_json_content_type, check_unicode, parse_request
 from agent.core.relay.responses_api import chat_body
 from agent.core.relay.served_context import served_context
@@ -198,6 +198,12 @@ def build_app(state: RelayState) -> Callable:
         return HTMLResponse(render_status_page(await _status(state)))
 
     async def metrics(_request: Request) -> Response:
+        try:  # (the node list is cached as the status page's is: a scrape costs the tracker nothing more)
+            caches = prefix_caches(await state.models(), await state.nodes())
+        except (SwarmError, TransportError, ApiError) as error:
+            log.warning("metrics: the tracker cannot be reached: %s", error)
+            caches = []  # (no node series rather than stale ones)
+        state.metrics.set_prefix_caches(caches)
         payload, content_type = state.metrics.render()
         return Response(payload, media_type=content_type)
 
@@ -300,6 +306,7 @@ async def _status(state: RelayState) -> dict:
     return {
         "relay": {"peer_id": state.client.peer_id, "tracker": state.config.tracker, "version": _version()},
         "models": out_models,
+        "prefix_caches": prefix_caches(models, nodes),
         "live_sessions": state.live_sessions,
         "recent_tokens_per_s": state.metrics.recent_tokens_per_s(now),
         "credits": credits,

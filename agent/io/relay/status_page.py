@@ -17,6 +17,9 @@ The status record (``status``)::
                  "covered": bool,
                  "coverage": [{"peer_id": str, "begin": int, "end": int,
                                "state": "READY" | "LOADING" | "FAILED", "alive": bool}]}],
+     "prefix_caches": [{"peer_id": str, "model": str, "begin": int, "end": int, "alive": bool,
+                        "lookups": int, "hits": int, "hit_tokens": int, "hit_rate": float,
+                        "used_bytes": int, "budget_bytes": int}],   # agent.core.relay.coverage
      "live_sessions": int, "recent_tokens_per_s": float,
      "credits": [{"peer_id": str, "rows": int, "credit": float, "completions": int}],
      "updated_at_s": float}   # Unix time (wall clock), seconds
@@ -112,6 +115,7 @@ def status_view(status: Mapping[str, Any]) -> dict[str, Any]:
         "nodes_alive": sum(1 for alive in nodes.values() if alive),
         "nodes_total": len(nodes),
         "models": models,
+        "prefix_caches": [_prefix_cache_view(cache) for cache in status["prefix_caches"]],
         "credits": [
             {
                 "peer_id": str(c["peer_id"]),
@@ -158,6 +162,20 @@ def _node_view(node: Mapping[str, Any], n_layer: int) -> dict[str, Any]:
     }
 
 
+def _prefix_cache_view(cache: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "peer_id": str(cache["peer_id"]),
+        "peer_id_short": short_peer_id(str(cache["peer_id"])),
+        "alive": bool(cache["alive"]),
+        "model": str(cache["model"]),
+        "range": f"[{int(cache['begin'])}, {int(cache['end'])})",
+        "hit_rate": _format_fixed(100 * float(cache["hit_rate"]), 1) + "%",
+        "hits": f"{_format_int(cache['hits'])} / {_format_int(cache['lookups'])}",
+        "hit_tokens": _format_int(cache["hit_tokens"]),
+        "bytes": f"{_format_mib(cache['used_bytes'])} / {_format_mib(cache['budget_bytes'])}",
+    }
+
+
 def _ticks(n_layer: int) -> list[int]:
     if n_layer <= 0:
         return []
@@ -192,6 +210,10 @@ def _format_fixed(value: Any, digits: int) -> str:
     sign, scaled = ("-", -scaled) if scaled < 0 else ("", scaled)
     whole, frac = divmod(scaled, 10**digits)
     return f"{sign}{whole}.{frac:0{digits}d}"
+
+
+def _format_mib(value: Any) -> str:
+    return _format_fixed(float(int(value)) / 1048576, 1) + " MiB"
 
 
 def _format_time(unix_s: float) -> str:

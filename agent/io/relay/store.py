@@ -12,7 +12,12 @@ and the server performs them around this store.
 
 Schema: versioned with ``PRAGMA user_version`` (``RELAY_SCHEMA_VERSION``) and marked as a relay
 database with ``PRAGMA application_id`` (``RELAY_APPLICATION_ID``), so a tracker database or
-another file is refused by name rather than misread.
+another file is refused by name rather than misread. An older version is migrated on open
+(``_MIGRATIONS``).
+
+The relay's secrets live here too: the random secret its prefix salts are derived from
+(``prefix_salt_secret``; ``agent.core.relay.prefix_salt``), made when the file is created or
+migrated, and read by no request.
 
 File mode: created 0600 (the WAL and shared-memory files SQLite creates next to it take the
 same mode); an existing file that group or others may access is refused, as key files are.
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -42,6 +48,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from agent.core.relay.prefix_salt import SECRET_BYTES
 from agent.core.relay.quotas import RPM_WINDOW_S, KeyLimits, credit_for_hops
 from agent.io import sqlite_db
 
@@ -60,7 +67,7 @@ __all__ = [
     "open_relay_store",
 ]
 
-RELAY_SCHEMA_VERSION = 1
+RELAY_SCHEMA_VERSION = 2
 #: ``PRAGMA application_id`` of a relay database: b"BtRl".
 RELAY_APPLICATION_ID = int.from_bytes(b"BtRl", "big")
 #: Every API key starts with this; the rest is ``secrets.token_urlsafe(32)`` (256 random bits).
@@ -80,7 +87,9 @@ CREATE TABLE api_keys (
     requests_per_minute INTEGER,
     max_concurrent INTEGER,
     created_at_s REAL NOT NULL,
-    revoked_at_s REAL                    -- NULL: live
+    revoked_at_s REAL,                   -- NULL: live
+    -- (version 2) 1: its prompts share the hops' prefix caches with every other such key's
+    shareable_prefixes INTEGER NOT NULL DEFAULT 0
 );
 -- One live key per name. Revoked keys keep their rows (authenticate says "revoked").
 CREATE UNIQUE INDEX api_keys_live_name ON api_keys (name) WHERE revoked_at_s IS NULL;
@@ -113,6 +122,19 @@ CREATE TABLE credits (
 );
 CREATE INDEX credits_by_peer ON credits (peer_id);
 """
+_SECRETS_TABLE = """
+CREATE TABLE secrets (                   -- (version 2) the relay's own secrets, by purpose
+    purpose TEXT PRIMARY KEY,
+    secret BLOB NOT NULL
+)"""
+_SCHEMA += _SECRETS_TABLE + ";\n"
+
+#: version -> statements that bring a file of that version to the next one (each migration
+#: also makes the secrets the new version keeps: ``_make_secrets``)
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: ("ALTER TABLE api_keys ADD COLUMN shareable_prefixes INTEGER NOT NULL DEFAULT 0", _SECRETS_TABLE),
+}
+_PREFIX_SALT = "prefix_salt"
 
 
 class StoreError(Exception):
@@ -132,6 +154,8 @@ class KeyRecord:
     limits: KeyLimits
     created_at_s: float
     revoked: bool
+    key_sha256: str = ""  # the key's id (what the store keeps of it)
+    shareable_prefixes: bool = False  # its prompts share the prefix caches with other such keys'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +229,8 @@ class RelayStore(sqlite_db.SqliteStore):
         return cls._adopt(connection, path)
 
     def _migrate(self) -> None:
-        # Inside one write transaction: two processes creating the same new file do not both
-        # create the tables.
+        # Inside one write transaction: two processes creating (or migrating) the same file do
+        # not both do it.
         with self._transaction() as db:
             application_id = db.execute("PRAGMA application_id").fetchone()[0]
             version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -215,21 +239,41 @@ class RelayStore(sqlite_db.SqliteStore):
                 for statement in _SCHEMA.split(";\n"):  # no statement or comment holds ";\n"
                     if statement.strip():
                         db.execute(statement)
+                _make_secrets(db)
                 # PRAGMA arguments cannot be bound; both are int constants of this module.
                 db.execute(f"PRAGMA application_id = {RELAY_APPLICATION_ID:d}")
                 db.execute(f"PRAGMA user_version = {RELAY_SCHEMA_VERSION:d}")
                 return
-        if application_id != RELAY_APPLICATION_ID:
-            raise StoreError(f"{self.path}: not a Baton relay database (application_id {application_id:#x})")
+            if application_id != RELAY_APPLICATION_ID:
+                raise StoreError(f"{self.path}: not a Baton relay database (application_id {application_id:#x})")
+            if version != RELAY_SCHEMA_VERSION and version in _MIGRATIONS:
+                while version != RELAY_SCHEMA_VERSION:
+                    for statement in _MIGRATIONS[version]:
+                        db.execute(statement)
+                    version += 1
+                _make_secrets(db)
+                db.execute(f"PRAGMA user_version = {RELAY_SCHEMA_VERSION:d}")
         if version != RELAY_SCHEMA_VERSION:
             raise StoreError(
                 f"{self.path}: relay database schema version {version}, this relay speaks {RELAY_SCHEMA_VERSION}"
             )
 
+    @functools.cached_property
+    def prefix_salt_secret(self) -> bytes:
+        """The relay's secret its prefix salts are derived from (``agent.core.relay.prefix_salt``):
+        made with the file, the same for every process that opens it."""
+        (secret,) = self._db.execute("SELECT secret FROM secrets WHERE purpose = ?", (_PREFIX_SALT,)).fetchone()
+        return bytes(secret)
+
     # --- API keys -----------------------------------------------------------------------------
 
-    def create_key(self, name: str, limits: KeyLimits, *, now_s: float | None = None) -> str:
+    def create_key(
+        self, name: str, limits: KeyLimits, *, shareable_prefixes: bool = False, now_s: float | None = None
+    ) -> str:
         """Create a key named ``name`` and return it: the only time it exists in clear.
+
+        ``shareable_prefixes``: its requests' prompt prefixes share the hops' prefix caches with
+        every other key so marked (``agent.core.relay.prefix_salt``); by default only its own.
 
         Raises:
           KeyExistsError: a live key has this name.
@@ -246,7 +290,7 @@ class RelayStore(sqlite_db.SqliteStore):
                 raise KeyExistsError(f"a key named {name!r} already exists (revoke it first)")
             db.execute(
                 "INSERT INTO api_keys (key_sha256, name, tokens_per_day, requests_per_minute, max_concurrent, "
-                "created_at_s) VALUES (?, ?, ?, ?, ?, ?)",
+                "created_at_s, shareable_prefixes) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
                     hash_api_key(api_key),
                     name,
@@ -254,6 +298,7 @@ class RelayStore(sqlite_db.SqliteStore):
                     limits.requests_per_minute,
                     limits.max_concurrent,
                     created_at_s,
+                    int(bool(shareable_prefixes)),
                 ),
             )
         return api_key
@@ -272,6 +317,16 @@ class RelayStore(sqlite_db.SqliteStore):
         with self._transaction() as db:
             cursor = db.execute(
                 "UPDATE api_keys SET revoked_at_s = ? WHERE name = ? AND revoked_at_s IS NULL", (revoked_at_s, name)
+            )
+            return cursor.rowcount > 0
+
+    def set_shareable_prefixes(self, name: str, shareable: bool) -> bool:
+        """Mark the live key named ``name`` shareable (or private again); False if there is none.
+        Its requests from then on use the new salt: what it cached before is not reused."""
+        with self._transaction() as db:
+            cursor = db.execute(
+                "UPDATE api_keys SET shareable_prefixes = ? WHERE name = ? AND revoked_at_s IS NULL",
+                (int(bool(shareable)), name),
             )
             return cursor.rowcount > 0
 
@@ -375,7 +430,10 @@ class RelayStore(sqlite_db.SqliteStore):
         return [LedgerEntry(r[0], r[1], r[2], 1) for r in rows]
 
 
-_KEY_COLUMNS = "name, tokens_per_day, requests_per_minute, max_concurrent, created_at_s, revoked_at_s"
+_KEY_COLUMNS = (
+    "name, tokens_per_day, requests_per_minute, max_concurrent, created_at_s, revoked_at_s, key_sha256, "
+    "shareable_prefixes"
+)
 
 
 def _key_record(row) -> KeyRecord:
@@ -384,6 +442,16 @@ def _key_record(row) -> KeyRecord:
         limits=KeyLimits(tokens_per_day=row[1], requests_per_minute=row[2], max_concurrent=row[3]),
         created_at_s=row[4],
         revoked=row[5] is not None,
+        key_sha256=row[6],
+        shareable_prefixes=bool(row[7]),
+    )
+
+
+def _make_secrets(db) -> None:
+    """Make the secrets the current schema keeps that the file lacks (in the caller's transaction)."""
+    db.execute(
+        "INSERT OR IGNORE INTO secrets (purpose, secret) VALUES (?, ?)",
+        (_PREFIX_SALT, secrets.token_bytes(SECRET_BYTES)),
     )
 
 

@@ -213,6 +213,20 @@ class TrackerConfig:
         "route a newly READY range before it passed its first check (default: only after)",
         flag="--no-canary-gate",
     )
+    prefix_discount_per_token: float = setting(
+        0.001,
+        "routes: each prompt token a route's hops all hold in their prefix caches takes this share off the route's"
+        " estimated step time when routes are compared (default 0.001: 320 tokens take 0.32 of it; 0: no preference)",
+        parse=cli_args.non_negative_float,
+        metavar="X",
+    )
+    prefix_discount_max: float = setting(
+        0.5,
+        "routes: the most share a cached prefix takes off a route's estimated step time (default 0.5: a route"
+        " holding a long prefix still wins over one up to 2x faster, never over one faster still)",
+        parse=cli_args.non_negative_float,
+        metavar="X",
+    )
     log_level: str = setting("INFO", "logging level on stderr (default INFO)")
     # Resolved by the command from the settings above, or set by no flag.
     llama_cpp_commit: str = ""

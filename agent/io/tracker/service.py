@@ -60,7 +60,7 @@ from agent.core.tracker.handouts import RouteHandouts
 from agent.core.tracker.heartbeat import admission_due
 from agent.core.tracker.liveness import Liveness
 from agent.core.tracker.reducer import apply, next_sweep_in_ms, ready_ranges, restore
-from agent.core.tracker.routing import NoRoute, plan_route
+from agent.core.tracker.routing import NoRoute, RoutePrefix, plan_route
 from agent.core.wire import admission
 from agent.core.wire.address_rate import LOOPBACK_NETWORKS, KeyedRate, NewIdentityRate, parse_networks
 from agent.core.wire.swarm_wire import (
@@ -437,7 +437,9 @@ class Tracker(OutputIntegrity):
         now = self._now_ms()
         if now >= node.expires_at_ms:
             raise Refusal(Code.NOT_FOUND, "unknown node: register first (its admission expired)")
-        beat_event = ev.Heartbeat(remote, tuple(beat.serving), tuple(beat.peer_paths), tuple(beat.listen_addrs) or None)
+        beat_event = ev.Heartbeat(
+            remote, tuple(beat.serving), tuple(beat.peer_paths), tuple(beat.listen_addrs) or None, tuple(beat.prefixes)
+        )
         reply = swarm_pb2.HeartbeatReply()
         for effect in self._apply(beat_event):
             if isinstance(effect, ev.Refuse):
@@ -466,6 +468,10 @@ class Tracker(OutputIntegrity):
         if model is None:
             raise Refusal(Code.NOT_FOUND, f"unknown model {request.model!r}")
         ready = ready_ranges(self.state, model.sha256, cleared=self._cleared, session_cap=self.config.route_session_cap)
+        try:
+            prefix = RoutePrefix.read(request.prefix_tags, request.prefix_tag_blocks, request.prefix_block_tokens)
+        except ValueError as error:
+            raise Refusal(Code.INVALID_ARGUMENT, f"RouteRequest: {error}") from None
         now_s = self._now_ms() / 1000.0
         try:
             plan = plan_route(
@@ -479,6 +485,9 @@ class Tracker(OutputIntegrity):
                 begin=request.begin,
                 end=request.end or None,
                 recipe_hash=request.recipe_hash,
+                prefix=prefix,
+                prefix_discount_per_token=self.config.prefix_discount_per_token,
+                prefix_discount_max=self.config.prefix_discount_max,
             )
         except NoRoute as error:
             raise Refusal(Code.UNAVAILABLE, str(error)) from None

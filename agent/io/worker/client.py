@@ -179,9 +179,10 @@ class WorkerClient:
         self._info = _info_from_reply(reply)
         return self._info
 
-    def health(self, *, timeout_s: float | None = None) -> WorkerHealth:
-        reply = self.call("Health", worker_pb2.HealthRequest(schema_version=SCHEMA_VERSION), timeout_s)
-        return _health_from_reply(reply)
+    def health(self, *, timeout_s: float | None = None, prefix_tags_max: int = 0) -> WorkerHealth:
+        """The worker's counts; with ``prefix_tags_max``, that many of its prefix cache's tags."""
+        request = worker_pb2.HealthRequest(schema_version=SCHEMA_VERSION, prefix_tags_max=prefix_tags_max)
+        return _health_from_reply(self.call("Health", request, timeout_s))
 
     def forward(self, entries: Sequence[SeqInput], *, timeout_s: float | None = None) -> list[SeqOutput]:
         """One Forward batch: ``entries`` (at most one per sequence) in, outputs in the same order."""
@@ -373,10 +374,9 @@ class AsyncWorkerClient:
         self.sync._info = info
         return info
 
-    async def health(self, *, timeout_s: float | None = None) -> WorkerHealth:
-        return await self._typed(
-            "Health", worker_pb2.HealthRequest(schema_version=SCHEMA_VERSION), _health_from_reply, timeout_s
-        )
+    async def health(self, *, timeout_s: float | None = None, prefix_tags_max: int = 0) -> WorkerHealth:
+        request = worker_pb2.HealthRequest(schema_version=SCHEMA_VERSION, prefix_tags_max=prefix_tags_max)
+        return await self._typed("Health", request, _health_from_reply, timeout_s)
 
     async def forward(self, entries: Sequence[SeqInput], *, timeout_s: float | None = None) -> list[SeqOutput]:
         """One Forward: over the Forward stream when the worker has one, else the gRPC call

@@ -97,6 +97,7 @@ def _health_from_reply(reply: worker_pb2.HealthReply) -> WorkerHealth:
         prefix_evicted=reply.prefix_evicted,
         prefix_entries=reply.prefix_entries,
         prefix_positions=reply.prefix_positions,
+        prefix_tags=tuple(reply.prefix_tags),
     )
 
 

@@ -15,11 +15,8 @@ The module's swarm is shared; the kill test runs last. Every process is stopped 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import trio
@@ -28,7 +25,7 @@ from agent._proto import swarm_pb2
 from agent.core.owner.session import Session
 from agent.demo.local_demo import generate_through
 from agent.demo.swarm_demo import wait_for_copies, wait_for_coverage
-from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, SwarmProcess
+from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.worker.client import WorkerClient
 from agent.io.worker.process import open_worker
@@ -100,21 +97,6 @@ def _client(prefill: Prefill, **overrides):
     return open_swarm_client(prefill.swarm.tracker_addr, config=SwarmClientConfig(**fields))
 
 
-def _worker_sockets(node: SwarmProcess) -> list[str]:
-    """The Unix sockets of the workers a node process started (its process group's)."""
-    sockets = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if os.getpgid(int(entry)) != node.process.pid:
-                continue
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            if b"--socket" in argv and b"--vocab-only" not in argv:
-                sockets.append(argv[argv.index(b"--socket") + 1].decode())
-    return sockets
-
-
 def _counts(prefill: Prefill, route: swarm_pb2.Route) -> list[tuple[int, int]]:
     """Per hop of ``route``: (Forwards its node made, steps its data plane computed), as its
     worker (the one serving the hop's range) says."""
@@ -122,7 +104,7 @@ def _counts(prefill: Prefill, route: swarm_pb2.Route) -> list[tuple[int, int]]:
     counts = []
     for hop in route.hops:
         found = []
-        for socket in _worker_sockets(by_peer[hop.peer_id]):
+        for socket in by_peer[hop.peer_id].worker_sockets():
             with WorkerClient(socket, timeout_s=10.0) as worker:
                 info = worker.info()
                 if (info.layer_begin, info.layer_end) == (hop.begin, hop.end):

@@ -19,9 +19,7 @@ The module's swarm is shared (one per model); every process is stopped at the en
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -31,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent._proto import swarm_pb2
 from agent.demo.local_demo import generate_through
 from agent.demo.swarm_demo import wait_for_coverage
-from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, SwarmProcess
+from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.worker.client import WorkerClient
 from agent.io.worker.error import WorkerError
@@ -118,28 +116,13 @@ def _client_of(swarm: LocalSwarm, block_tokens: int = BLOCK_TOKENS):
     return open_swarm_client(swarm.tracker_addr, config=config)
 
 
-def _worker_sockets(node: SwarmProcess) -> list[str]:
-    """The Unix sockets of the workers a node process started (its process group's)."""
-    sockets = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if os.getpgid(int(entry)) != node.process.pid:
-                continue
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            if b"--socket" in argv and b"--vocab-only" not in argv:
-                sockets.append(argv[argv.index(b"--socket") + 1].decode())
-    return sockets
-
-
 def _health(cached: Cached, route: swarm_pb2.Route) -> list[tuple]:
     """Per hop of ``route``: (its worker's Health, its Info), the worker serving the hop's range."""
     by_peer = {proc.peer_id: proc for proc in cached.swarm.nodes.values()}
     found = []
     for hop in route.hops:
         mine = []
-        for socket in _worker_sockets(by_peer[hop.peer_id]):
+        for socket in by_peer[hop.peer_id].worker_sockets():
             # (a worker still loading another range does not answer yet)
             with WorkerClient(socket, timeout_s=10.0) as worker, contextlib.suppress(WorkerError):
                 info = worker.info()

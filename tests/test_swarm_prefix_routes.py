@@ -13,7 +13,6 @@ The rounds go through each route twice. Every process is stopped at the end.
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import trio
 
 from agent._proto import swarm_pb2
 from agent.demo.swarm_demo import wait_for_copies, wait_for_coverage
-from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, SwarmProcess, open_local_swarm
+from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, open_local_swarm
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.worker.client import WorkerClient
 from agent.io.worker.error import WorkerError
@@ -46,21 +45,6 @@ TEXT = (
 FOLLOW_UP = " And what happens to the work a machine was doing when it disappears?"
 
 
-def _worker_sockets(node: SwarmProcess) -> list[str]:
-    """The Unix sockets of the (non vocab-only) workers a node process started."""
-    sockets = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if os.getpgid(int(entry)) != node.process.pid:
-                continue
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            if b"--socket" in argv and b"--vocab-only" not in argv:
-                sockets.append(argv[argv.index(b"--socket") + 1].decode())
-    return sockets
-
-
 def _counts(swarm: LocalSwarm, peer_ids: list[str]) -> list[tuple[int, int, int]]:
     """Per peer: its worker's (prefix hits, prefix sessions kept, sequences in use), summed over
     the workers that answer (one READY range each here)."""
@@ -68,7 +52,7 @@ def _counts(swarm: LocalSwarm, peer_ids: list[str]) -> list[tuple[int, int, int]
     found = []
     for peer_id in peer_ids:
         hits = kept = active = 0
-        for socket in _worker_sockets(by_peer[peer_id]):
+        for socket in by_peer[peer_id].worker_sockets():
             with WorkerClient(socket, timeout_s=10.0) as worker, contextlib.suppress(WorkerError):
                 health = worker.health()
                 hits, kept, active = (

@@ -91,6 +91,21 @@ class SwarmProcess:
             f"{self.name} {what} (exit code {self.process.poll()})\n--- {self.name} log (tail) ---\n{self.log_tail()}"
         )
 
+    def worker_sockets(self) -> list[str]:
+        """The Unix sockets of the (not vocab-only) workers this process started: its process
+        group's, read from /proc (a test's way to ask a hop's worker for its counters)."""
+        sockets = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                if os.getpgid(int(entry)) != self.process.pid:
+                    continue
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+                if b"--socket" in argv and b"--vocab-only" not in argv:
+                    sockets.append(argv[argv.index(b"--socket") + 1].decode())
+        return sockets
+
     def signal_group(self, signum: int) -> None:
         """Send ``signum`` to the process and every process it started (its group)."""
         with contextlib.suppress(ProcessLookupError):

@@ -600,6 +600,27 @@ def main_sessions(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_owner_section(args: argparse.Namespace, name: str, title: str, measure, markdown) -> int:
+    """A section run alone on a 3-split swarm in the lab (``--only prefill``, ``--only wire``):
+    ``measure(lab, swarm, wan, args)`` inside the owner's machine, its report printed by
+    ``markdown(section)`` (lines) and written as ``name.{json,md}`` under ``--out``."""
+    import datetime
+    import sys
+    import tempfile
+
+    topology = Topology(tuple(MachineSpec(m) for m in MACHINES), LinkSpec())
+    with running_lab(topology, "wan") as lab, contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"baton-{name}-")))
+        (swarm,) = baton_swarms(lab, stack, model_path(ALIAS), workdir, args, (3,)).values()
+        section = lab.trio_run_in("owner", measure, lab, swarm, sys.modules[__name__], args)
+    section["machine"] = machine_info()
+    section["measured_at"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = markdown(section)
+    print("\n".join(lines))
+    publish(args.out, name, section, "\n".join([f"# Baton across a WAN (the lab): {title}", "", *lines]))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rtts-ms", default="0,10,20,50", help="round trips to measure at, ms (default 0,10,20,50)")
@@ -640,17 +661,17 @@ def main() -> int:
     if args.only == "sessions":
         return main_sessions(args)
     if args.only == "prefill":
-        import sys
-
         import wan_prefill
 
-        return wan_prefill.main_prefill(args, sys.modules[__name__])
+        return run_owner_section(
+            args, "wan_prefill", "prefill", wan_prefill.measure_prefill, wan_prefill.prefill_markdown
+        )
     if args.only == "wire":
-        import sys
-
         import wan_wire
 
-        return wan_wire.main_wire(args, sys.modules[__name__])
+        return run_owner_section(
+            args, "wan_wire", "boundaries sized for the link", wan_wire.measure_wire, wan_wire.wire_markdown
+        )
     args.rtts_ms = [float(x) for x in args.rtts_ms.split(",")]
     if args.quick:
         args.rtts_ms, args.turns = [0.0, 20.0], 1

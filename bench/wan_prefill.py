@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import statistics
-import tempfile
-from pathlib import Path
 
 import trio
-from common import log, machine_info, make_prompt, publish
+from common import log, make_prompt
 
-from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology
+from agent.core.lab.topology import LinkChange
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.io.client import SwarmClientConfig, open_swarm_client
-from agent.io.lab.harness import Lab, running_lab
-from agent.models import model_path
+from agent.io.lab.harness import Lab
 
 VARIANTS = ("pipelined", "one_by_one", "node_path")
 PREFILL_NEW_TOKENS = 2
@@ -120,23 +116,3 @@ def prefill_markdown(p: dict) -> list[str]:
         f" round trip on the data plane; the same tokens every run: {p['same_tokens']}.",
     ]
     return lines
-
-
-def main_prefill(args: argparse.Namespace, wan) -> int:
-    """``--only prefill``: the section alone, written as ``wan_prefill.{json,md}`` under ``--out``."""
-    model = model_path(wan.ALIAS)
-    topology = Topology(tuple(MachineSpec(m) for m in wan.MACHINES), LinkSpec())
-    with running_lab(topology, "wan") as lab, contextlib.ExitStack() as stack:
-        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="baton-wan-prefill-")))
-        (swarm,) = wan.baton_swarms(lab, stack, model, workdir, args, (3,)).values()
-        section = lab.trio_run_in("owner", measure_prefill, lab, swarm, wan, args)
-    section["machine"] = machine_info()
-    section["measured_at"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    print("\n".join(prefill_markdown(section)))
-    publish(
-        args.out,
-        "wan_prefill",
-        section,
-        "\n".join(["# Baton across a WAN (the lab): prefill", "", *prefill_markdown(section)]),
-    )
-    return 0

@@ -21,21 +21,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import statistics
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import trio
-from common import log, machine_info, make_prompt, publish
+from common import log, make_prompt
 
-from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology
+from agent.core.lab.topology import LinkChange
 from agent.core.wire.boundary import WIRE_LOGIT_BOUNDS, WireDType, wire_bytes
 from agent.core.wire.topk import TopLogits
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.io.client import SwarmClientConfig, open_swarm_client
-from agent.io.lab.harness import Lab, running_lab
+from agent.io.lab.harness import Lab
 from agent.io.tracker.gguf_info import read_gguf_facts
 from agent.models import model_path
 
@@ -154,23 +151,3 @@ def wire_markdown(p: dict) -> list[str]:
         f" {met}), q8 **{p['q8_over_f32']:.2f}x**; f32's tokens the same every run: {p['f32_tokens_same']}.",
     ]
     return lines
-
-
-def main_wire(args: argparse.Namespace, wan) -> int:
-    """``--only wire``: the section alone, written as ``wan_wire.{json,md}`` under ``--out``."""
-    model = model_path(wan.ALIAS)
-    topology = Topology(tuple(MachineSpec(m) for m in wan.MACHINES), LinkSpec())
-    with running_lab(topology, "wan") as lab, contextlib.ExitStack() as stack:
-        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="baton-wan-wire-")))
-        (swarm,) = wan.baton_swarms(lab, stack, model, workdir, args, (3,)).values()
-        section = lab.trio_run_in("owner", measure_wire, lab, swarm, wan, args)
-    section["machine"] = machine_info()
-    section["measured_at"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    print("\n".join(wire_markdown(section)))
-    publish(
-        args.out,
-        "wan_wire",
-        section,
-        "\n".join(["# Baton across a WAN (the lab): boundaries sized for the link", "", *wire_markdown(section)]),
-    )
-    return 0

@@ -42,10 +42,11 @@ Writes ``wan.json``, ``wan.md`` and ``wan.png`` (matplotlib, the ``bench`` extra
 emulated machine shares this host's cores, so anything else running slows all of them.
 
 Usage: ``sudo .venv/bin/python bench/wan.py [--rtts-ms 0,10,20,50] [--turns 3] [--new-tokens 32]
-[--prompt-tokens 64] [--threads 1] [--quick] [--only sessions|prefill|wire] [--out bench/results]`` (about 25
+[--prompt-tokens 64] [--threads 1] [--quick] [--only sessions|prefill|prefill-chunks|wire] [--out bench/results]`` (about 25
 minutes; ``--only sessions`` about 4; ``--only prefill [--prefill-tokens 1500] [--prefill-chunk-rows 128]
 [--prefill-rtt-ms 20] [--turns 3]`` about 5; ``--only wire [--wire-rate-mbit 20]`` with the
-prefill flags, about 5).
+prefill flags, about 5; ``--only prefill-chunks [--chunk-sweep 64,128,256,512]`` with the
+prefill and wire flags, about 10).
 """
 
 from __future__ import annotations
@@ -635,9 +636,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=("sessions", "prefill", "wire"),
+        choices=("sessions", "prefill", "prefill-chunks", "wire"),
         help="measure one section alone (sessions: the 8 concurrent sessions, replacing it in --out's wan.json;"
         " prefill: time to first token of a long prompt, pipelined or not, as wan_prefill.json;"
+        " prefill-chunks: that prompt's time to first token by chunk size, as wan_prefill_chunks.json;"
         " wire: that prompt's time to first token with f32, f16 and q8 boundaries on slow links, as wan_wire.json)",
     )
     parser.add_argument(
@@ -654,6 +656,11 @@ def main() -> int:
         help="--only prefill: rows of a prompt chunk (default 128)",
     )
     parser.add_argument(
+        "--chunk-sweep",
+        default="64,128,256,512",
+        help="--only prefill-chunks: the chunk sizes measured, rows, comma-separated (default 64,128,256,512)",
+    )
+    parser.add_argument(
         "--prefill-rtt-ms", type=float, default=20.0, help="--only prefill: round trip between machines (default 20)"
     )
     parser.add_argument("--out", type=Path, help="write wan.{json,md,png} here (default: print only)")
@@ -666,6 +673,13 @@ def main() -> int:
         return run_owner_section(
             args, "wan_prefill", "prefill", wan_prefill.measure_prefill, wan_prefill.prefill_markdown
         )
+    if args.only == "prefill-chunks":
+        import wan_prefill_chunks
+
+        return run_owner_section(
+            args, "wan_prefill_chunks", "prefill by chunk size", wan_prefill_chunks.measure_chunks,
+            wan_prefill_chunks.chunks_markdown,
+        )  # fmt: skip
     if args.only == "wire":
         import wan_wire
 

@@ -13,7 +13,7 @@ from agent.core.owner.session import Session
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(10)]
 
-SEED = prefix_seed("ab" * 32, "cd" * 32, 4)
+SEED = prefix_seed("ab" * 32, "cd" * 32, 4, 8)
 
 
 def test_hashes_are_chained_over_whole_blocks() -> None:
@@ -32,17 +32,20 @@ def test_a_shared_block_means_a_shared_prefix() -> None:
     assert block_hashes([1, 2, 3, 4, 0, 0, 0, 0], 4, SEED)[0] == a[0]
 
 
-def test_the_seed_separates_models_recipes_sizes_and_salts() -> None:
+def test_the_seed_separates_models_recipes_block_and_chunk_sizes_and_salts() -> None:
     seeds = {
         SEED,
-        prefix_seed("ab" * 32, "ce" * 32, 4),
-        prefix_seed("aa" * 32, "cd" * 32, 4),
-        prefix_seed("ab" * 32, "cd" * 32, 8),
-        prefix_seed("ab" * 32, "cd" * 32, 4, salt=b"key-1"),
+        prefix_seed("ab" * 32, "ce" * 32, 4, 8),
+        prefix_seed("aa" * 32, "cd" * 32, 4, 8),
+        prefix_seed("ab" * 32, "cd" * 32, 8, 8),
+        prefix_seed("ab" * 32, "cd" * 32, 4, 16),  # blocks filled in other chunks: other bits
+        prefix_seed("ab" * 32, "cd" * 32, 4, 8, salt=b"key-1"),
     }
-    assert len(seeds) == 5
+    assert len(seeds) == 6
     with pytest.raises(ValueError, match="block_tokens"):
-        prefix_seed("", "", 0)
+        prefix_seed("", "", 0, 8)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        prefix_seed("", "", 4, 0)
 
 
 @pytest.mark.parametrize(

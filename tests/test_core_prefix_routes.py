@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
 SHA = "aa" * 32
 BLOCK = 64
-SEED = prefix_seed(SHA, "recipe-1", BLOCK)
+SEED = prefix_seed(SHA, "recipe-1", BLOCK, BLOCK)
 SYSTEM = list(range(1000, 1000 + 24 * BLOCK))  # a 1,536-token system prompt: 24 blocks
 TAGS = [prefix_tag(h) for h in block_hashes([*SYSTEM, *range(7, 7 + 8 * BLOCK)], BLOCK, SEED)]  # 32 blocks
 

@@ -57,7 +57,7 @@ def test_a_salt_needs_the_relay_s_secret() -> None:
 def test_different_salts_give_different_block_names_for_the_same_prompt() -> None:
     prompt = list(range(64))
     names = {
-        tuple(block_hashes(prompt, 16, prefix_seed("ab" * 32, "cd" * 32, 16, salt)))
+        tuple(block_hashes(prompt, 16, prefix_seed("ab" * 32, "cd" * 32, 16, 64, salt)))
         for salt in (key_salt(SECRET, ALICE, shareable=False), key_salt(SECRET, BOB, shareable=False), b"")
     }
     assert len(names) == 3

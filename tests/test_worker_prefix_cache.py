@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.worker, pytest.mark.timeout(180)]
 
 BLOCK = 4
 CTX = 64
-SEED = prefix_seed("00" * 32, "11" * 32, BLOCK)
+SEED = prefix_seed("00" * 32, "11" * 32, BLOCK, BLOCK)
 
 
 def _hashes(tokens: list[int]) -> list[bytes]:

@@ -3,8 +3,10 @@ whole blocks of ``block_tokens`` tokens, each named by a chained hash, and how m
 session copies from the caches instead of prefilling.
 
 ``H_i = sha256(H_{i-1} || block i's token ids as int32 LE)``, ``H_{-1}`` the seed: the model, the
-recipe (what makes the numbers identical), the block size and a salt (so that two callers'
-prefixes are kept apart: ``owner_salt`` for an owner's own generations, the relay's per API key,
+recipe (what makes the numbers identical), the block size, the prompt's chunk size (a row's last
+bits depend on the chunk it was computed in: blocks filled in chunks of another size are not the
+numbers this session's own chunks would give) and a salt (so that two callers' prefixes are kept
+apart: ``owner_salt`` for an owner's own generations, the relay's per API key,
 ``agent.core.relay.prefix_salt``). A chained hash names the whole prefix up to its block; a
 worker holds one range of one recipe, so (worker, ``H_i``) names the KV of positions
 ``[0, (i + 1) * block_tokens)`` of that range exactly, and the same hashes serve every hop.
@@ -22,16 +24,20 @@ from collections.abc import Sequence
 
 __all__ = ["PrefixPlan", "block_hashes", "owner_salt", "prefix_seed", "prefix_tag", "route_tags", "usable_blocks"]
 
-_DOMAIN = b"baton-prefix/1\n"
+_DOMAIN = b"baton-prefix/2\n"
 _OWNER_SALT_DOMAIN = b"baton-prefix-owner-salt/1"
 
 
-def prefix_seed(model_sha256: str, recipe_hash: str, block_tokens: int, salt: bytes = b"") -> bytes:
-    """``H_{-1}``: what the chain of a prompt's block hashes starts from."""
+def prefix_seed(model_sha256: str, recipe_hash: str, block_tokens: int, chunk_rows: int, salt: bytes = b"") -> bytes:
+    """``H_{-1}``: what the chain of a prompt's block hashes starts from, for a prompt that goes
+    in chunks of ``chunk_rows`` rows."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     h = hashlib.sha256(_DOMAIN)
-    for part in (model_sha256.encode(), recipe_hash.encode(), struct.pack("<I", block_tokens), salt):
+    sizes = struct.pack("<II", block_tokens, chunk_rows)
+    for part in (model_sha256.encode(), recipe_hash.encode(), sizes, salt):
         h.update(struct.pack("<I", len(part)))
         h.update(part)
     return h.digest()

@@ -228,13 +228,13 @@ class ControlClient:
 
     def route_prefix(self, request: swarm_pb2.RouteRequest, prompt: Sequence[int], salt: bytes = b"") -> None:
         """Name ``prompt``'s prefix blocks in ``request`` (``prefix_blocks.route_tags``), hashed
-        as a session's on the owner's last route of the model would be (the recipe seeds the
-        hashes): none before a first route, or with the cache or the tags off."""
+        as a session's on the owner's last route of the model would be (the recipe and the
+        chunk size seed the hashes): none before a first route, or with the cache or the tags off."""
         last = self._last_routes.get(request.model)
         block_tokens, max_tags = self.config.prefix_block_tokens, self.config.prefix_route_tags
         if last is None or not block_tokens or not max_tags:
             return
-        seed = prefix_seed(last.model_sha256, last.recipe_hash, block_tokens, salt)
+        seed = prefix_seed(last.model_sha256, last.recipe_hash, block_tokens, self.config.prefill_chunk_tokens, salt)
         tags = route_tags(block_hashes(prompt, block_tokens, seed), max_tags)
         request.prefix_tag_blocks.extend(blocks for blocks, _tag in tags)
         request.prefix_tags.extend(tag for _blocks, tag in tags)

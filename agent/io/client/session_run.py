@@ -237,10 +237,10 @@ class SessionRunner(StepClient):
         of ``route`` holds in its prefix cache (asked of all at once; a hop that cannot say holds
         none), cut to what ``usable_blocks`` allows. None: no whole block, or the cache is off here."""
         block_tokens = self.config.prefix_block_tokens
-        if not block_tokens:
-            return None
         session = live.session
-        seed = prefix_seed(route.model_sha256, route.recipe_hash, block_tokens, live.prefix_salt)
+        if not block_tokens or session.max_step_rows is None:
+            return None  # (a prompt in one step: a copy would leave the rest to another batch's bits)
+        seed = prefix_seed(route.model_sha256, route.recipe_hash, block_tokens, session.max_step_rows, live.prefix_salt)
         hashes = tuple(block_hashes(session.tokens[: session.prompt_len], block_tokens, seed))
         if not hashes:
             return None

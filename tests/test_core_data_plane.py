@@ -204,6 +204,8 @@ def test_a_greedy_session_continues_from_its_last_hop_to_its_first_within_its_bu
     refused([_next_node(peer_id="peer0", begin=10, data_port=7000)], "from block 0")
     refused([first], "at port 7009", first_port=7009)
     refused([first], "is not an address of the first hop peer0", first_host="10.0.0.7")
+    first.seen_host = "10.0.0.5"
+    refused([first], "is not where the tracker hears the first hop peer0 from (10.0.0.5)")
 
 
 def _next_node(**changes) -> swarm_pb2.NodeEntry:
@@ -265,6 +267,13 @@ def test_a_node_binds_only_toward_the_next_hop_the_tracker_lists() -> None:
     other_model.CopyFrom(middle)
     other_model.model_sha256 = "cd" * 32
     refused(other_model, [_next_node()], "is not assigned a range of model cdcdcdcdcdcd")
+    # the node's addresses are its own word: a host the tracker did not hear it from is refused,
+    # even when the node lists it (a node pointing other nodes' workers at a third machine)
+    assert next_hop_refusal(middle, [_next_node(seen_host="10.0.0.2")]) is None
+    assert next_hop_refusal(middle, [_next_node(seen_host="::ffff:10.0.0.2")]) is None
+    refused(middle, [_next_node(seen_host="10.0.0.66")], "is not where the tracker hears the next hop peer2 from")
+    # heard over loopback, a node on the tracker's own machine (the operator's): as listed
+    assert next_hop_refusal(middle, [_next_node(seen_host="127.0.0.1")]) is None
 
 
 def test_results_come_to_the_session_as_the_node_path_would_bring_them() -> None:

@@ -13,7 +13,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from agent.core.net import frames
 from agent.core.net.frames import FrameError, FrameReader, FrameTooLarge, decode_uvarint, encode_uvarint
 from agent.core.net.identity import peer_id_from_public_key
-from agent.core.net.multiaddrs import channel_multiaddr, is_circuit, parse_channel_multiaddr, tcp_hosts
+from agent.core.net.multiaddrs import (
+    channel_multiaddr,
+    is_circuit,
+    parse_channel_multiaddr,
+    same_host,
+    seen_first,
+    tcp_hosts,
+)
 from agent.io.net.peer_cert import LIBP2P_TLS_OID, PeerCertError, make_peer_certificate, verify_peer_certificate
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
@@ -221,6 +228,14 @@ def test_the_hosts_of_direct_tcp_addresses() -> None:
     ]
     assert tcp_hosts(addrs) == ["10.0.0.2", "::1"]
     assert tcp_hosts([]) == []
+
+
+def test_a_peers_addresses_at_the_host_it_was_seen_at_come_first() -> None:
+    assert same_host("10.0.0.2", "::ffff:10.0.0.2") and same_host("::1", "0:0:0:0:0:0:0:1")
+    assert not same_host("10.0.0.2", "10.0.0.3") and not same_host("example.org", "10.0.0.2")
+    addrs = ("/memory/A", "/ip4/10.0.0.9/tcp/1/tls/p2p/A", "/ip4/10.0.0.2/tcp/2/tls/p2p/A", "/ip4/10.0.0.2/tcp/3/p2p/A")
+    assert seen_first(addrs, "10.0.0.2") == (addrs[2], addrs[3], addrs[0], addrs[1])
+    assert seen_first(addrs, "") == addrs == seen_first(addrs, "192.0.2.1")
 
 
 def _cert(identity: Ed25519PrivateKey, cert_key=None) -> bytes:

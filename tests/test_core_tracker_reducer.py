@@ -110,6 +110,23 @@ def test_a_registered_node_is_assigned_ranges_and_told_to_load_them() -> None:
     assert t.routable() == []  # nothing reported READY yet
 
 
+def test_routes_name_a_nodes_addresses_at_the_host_it_was_heard_from_first() -> None:
+    t = Tracker()
+    listed = ("/ip4/10.0.0.9/tcp/4001/tls/p2p/A", "/memory/A", "/ip4/198.18.0.5/tcp/4001/tls/p2p/A")
+    t(Registered(facts("A"), listed, seen_host="198.18.0.5"), 0)
+    t(Registered(facts("B"), ("/memory/B",)), 0)
+    t.beat("A", 100, status(FIRST, State.READY))
+    t.beat("B", 100, status(SECOND, State.READY))
+    assert t.state.seen_hosts == {"A": "198.18.0.5", "B": ""}
+    (a, b) = ready_ranges(t.state, M, cleared=lambda key: True)
+    assert a.addrs == ("/ip4/198.18.0.5/tcp/4001/tls/p2p/A", "/ip4/10.0.0.9/tcp/4001/tls/p2p/A", "/memory/A")
+    assert b.addrs == ("/memory/B",)  # heard from nowhere known: as listed
+    t(Heartbeat("A", (status(FIRST, State.READY),), seen_host="10.0.0.9"), 200)  # it moved
+    assert ready_ranges(t.state, M, cleared=lambda key: True)[0].addrs[0] == "/ip4/10.0.0.9/tcp/4001/tls/p2p/A"
+    t.beat("A", 300, status(FIRST, State.READY))  # a heartbeat from nowhere known keeps the host heard
+    assert t.state.seen_hosts["A"] == "10.0.0.9"
+
+
 def test_heartbeats_keep_a_node_alive() -> None:
     t = two_ready_nodes()
     for now_ms in range(1_000, 30_000, 1_000):  # a heartbeat a second, a sweep after each

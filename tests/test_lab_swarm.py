@@ -124,6 +124,13 @@ def test_five_machines_at_20_ms_give_the_unsplit_tokens_through_the_relay_and_an
         assert after[(a, b)] - before[(a, b)] >= NEW_TOKENS, (a, b)
     assert result.data_plane_steps > 0
 
+    async def seen_hosts() -> dict[str, str]:
+        async with open_swarm_client(lab_swarm.swarm.tracker_addr, listen_addrs=lab_swarm.owner_listen()) as c:
+            return {names[n.peer_id]: n.seen_host for n in await c.list_nodes() if n.peer_id in names}
+
+    # the tracker names where it heard each node from (binds send workers to that host only)
+    assert lab_swarm.in_owner(seen_hosts) == {n: lab.address(n) for n in NODES}
+
 
 @pytest.mark.timeout(300)
 def test_two_percent_loss_on_every_link_gives_the_same_text(lab_swarm: LabSwarm) -> None:

@@ -5,6 +5,8 @@ Owns, on plain strings (no multiaddr library, no sockets):
 - ``circuit_multiaddr`` / ``is_circuit`` / ``circuit_relay_host``: ``<relay addr>/p2p-circuit/p2p/<id>``,
   where a peer behind the tracker's circuit relay is reached (libp2p only), and the relay's host;
 - ``tcp_hosts``: the host of each direct TCP address (``/ip4|ip6/<host>/tcp/<port>...``);
+- ``same_host`` / ``seen_first``: whether two IP addresses are one host, and a peer's addresses
+  with those at the host it was seen at first;
 - ``channel_multiaddr`` / ``parse_channel_multiaddr``: ``/ip4|ip6/<host>/tcp/<port>/tls/p2p/<id>``,
   the direct data channel of a peer (``agent.io.net.channel``: TLS 1.3 with libp2p-TLS
   certificates, Baton channel frames). libp2p never dials these (it would expect multistream
@@ -27,6 +29,8 @@ __all__ = [
     "is_circuit",
     "parse_channel_multiaddr",
     "peer_id_from_multiaddr",
+    "same_host",
+    "seen_first",
     "tcp_hosts",
 ]
 
@@ -113,3 +117,30 @@ def tcp_hosts(addrs: Iterable[str]) -> list[str]:
         if len(parts) >= 4 and parts[0] in ("ip4", "ip6") and parts[2] == "tcp" and not is_circuit(addr):
             hosts.append(parts[1])
     return hosts
+
+
+def same_host(a: str, b: str) -> bool:
+    """Whether IP addresses ``a`` and ``b`` name one host (an IPv4-mapped IPv6 address is its
+    IPv4 one); text that is not an address matches only itself."""
+    try:
+        x, y = ipaddress.ip_address(a), ipaddress.ip_address(b)
+    except ValueError:
+        return a == b
+    x = x.ipv4_mapped or x if isinstance(x, ipaddress.IPv6Address) else x
+    y = y.ipv4_mapped or y if isinstance(y, ipaddress.IPv6Address) else y
+    return x == y
+
+
+def seen_first(addrs: Iterable[str], seen_host: str) -> tuple[str, ...]:
+    """``addrs`` with the direct ones at ``seen_host`` (where the peer was last heard from)
+    first, the rest in their order: whoever dials the first direct address dials the host the
+    peer was seen at. ``seen_host`` "": ``addrs`` as they are."""
+    addrs = tuple(addrs)
+    if not seen_host:
+        return addrs
+
+    def at_seen(addr: str) -> bool:
+        hosts = tcp_hosts([addr])
+        return bool(hosts) and same_host(hosts[0], seen_host)
+
+    return tuple(sorted(addrs, key=lambda addr: not at_seen(addr)))

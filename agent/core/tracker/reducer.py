@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
 from agent._proto import swarm_pb2
+from agent.core.net.multiaddrs import seen_first
 from agent.core.tracker.assignment import Assignment, NodeCapacity, assign
 from agent.core.tracker.heartbeat import diff_assignment, read_prefixes, read_report
 from agent.core.tracker.liveness import Liveness
@@ -118,7 +119,7 @@ def apply(state: TrackerState, event: Event, now_ms: int) -> tuple[TrackerState,
     if isinstance(event, Heartbeat):
         state = _heartbeat(state, event, now_ms, effects)
     elif isinstance(event, Registered):
-        state = _registered(state, event.facts, event.listen_addrs, now_ms, effects)
+        state = _registered(state, event, now_ms, effects)
     elif isinstance(event, Sweep):
         state = _sweep(state, now_ms, effects)
     elif isinstance(event, PeerReported):
@@ -210,7 +211,7 @@ def ready_ranges(
         ready.append(
             ReadyRange(
                 peer_id=a.peer_id,
-                addrs=state.listen_addrs.get(a.peer_id, ()),
+                addrs=seen_first(state.listen_addrs.get(a.peer_id, ()), state.seen_hosts.get(a.peer_id, "")),
                 begin=a.begin,
                 end=a.end,
                 recipe_hash=status.recipe_hash,
@@ -239,9 +240,8 @@ def _cleared_states(
     return {a: RangeStatus() if a.peer_id in gone else status for a, status in assignments.items()}
 
 
-def _registered(
-    state: TrackerState, facts: NodeFacts, listen_addrs: tuple[str, ...], now_ms: int, effects: list[Effect]
-) -> TrackerState:
+def _registered(state: TrackerState, event: Registered, now_ms: int, effects: list[Effect]) -> TrackerState:
+    facts, listen_addrs = event.facts, event.listen_addrs
     peer = facts.peer_id
     liveness, _heard = state.liveness.heard(peer, now_ms)
     effects += [ClearStatus(peer), ForgetChecks(peer), Log("info", f"admitted node {peer}")]
@@ -255,6 +255,7 @@ def _registered(
         withdrawn=frozenset(k for k in state.withdrawn if k[0] != peer),
         load_failures={p: f for p, f in state.load_failures.items() if p != peer},
         prefix_tags={p: t for p, t in state.prefix_tags.items() if p != peer},  # (a new start: caches empty)
+        seen_hosts=_with(state.seen_hosts, peer, event.seen_host),
     )
     return _recompute(state, now_ms, effects)
 
@@ -305,6 +306,7 @@ def _heartbeat(state: TrackerState, beat: Heartbeat, now_ms: int, effects: list[
         serving=_with(state.serving, peer, reading.serving),
         prefix_tags=_with(state.prefix_tags, peer, prefix_tags),
         peer_paths=_with(state.peer_paths, peer, beat.peer_paths[:MAX_PEER_PATHS]),
+        seen_hosts=_with(state.seen_hosts, peer, beat.seen_host) if beat.seen_host else state.seen_hosts,
     )
     if heard.revived:
         effects.append(Log("info", f"node {peer} is back"))

@@ -139,6 +139,8 @@ class TrackerState:
       prefix_tags: peer -> (model, begin, end) -> the prefix tags its last heartbeat said that
         range's cache holds (routes prefer them; never stored).
       peer_paths: peer -> how its steps reached its peers, from its last heartbeat.
+      seen_hosts: peer -> the IP address its registration or last heartbeat came from (routes
+        name its addresses at that host first; binds send workers to that host only).
       loading_since_ms: assignment -> since when it has not been READY (assigned, or left
         READY): the loading deadline counts from there; absent while READY.
       proven: peers that served a range (READY, or a passed check when checks gate routes):
@@ -164,6 +166,7 @@ class TrackerState:
     serving: Mapping[str, tuple[swarm_pb2.AssignmentStatus, ...]] = dataclasses.field(default_factory=dict)
     prefix_tags: Mapping[str, Mapping[tuple[str, int, int], frozenset[int]]] = dataclasses.field(default_factory=dict)
     peer_paths: Mapping[str, tuple[swarm_pb2.PeerPath, ...]] = dataclasses.field(default_factory=dict)
+    seen_hosts: Mapping[str, str] = dataclasses.field(default_factory=dict)
     loading_since_ms: Mapping[Assignment, int] = dataclasses.field(default_factory=dict)
     proven: frozenset[str] = frozenset()
     former: Mapping[Assignment, int] = dataclasses.field(default_factory=dict)
@@ -180,6 +183,7 @@ class Registered:
 
     facts: NodeFacts
     listen_addrs: tuple[str, ...] = ()
+    seen_host: str = ""  # the IP address it came from ("" unknown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +197,7 @@ class Heartbeat:
     peer_paths: tuple[swarm_pb2.PeerPath, ...] = ()
     listen_addrs: tuple[str, ...] | None = None
     prefixes: tuple[swarm_pb2.RangePrefixes, ...] = ()
+    seen_host: str = ""  # the IP address it came from ("" unknown)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -381,7 +381,7 @@ class Tracker(OutputIntegrity):
             )
         )
         # a (re-)registering node has nothing loaded yet, and its past failures are forgiven
-        self._apply(ev.Registered(_facts(remote, fingerprint), tuple(fingerprint.listen_addrs)))
+        self._apply(ev.Registered(_facts(remote, fingerprint), tuple(fingerprint.listen_addrs), remote_host()))
         return swarm_pb2.RegisterReply(
             admission=signed_admission,
             tracker_public_key=self.public_key,
@@ -438,8 +438,9 @@ class Tracker(OutputIntegrity):
         if now >= node.expires_at_ms:
             raise Refusal(Code.NOT_FOUND, "unknown node: register first (its admission expired)")
         beat_event = ev.Heartbeat(
-            remote, tuple(beat.serving), tuple(beat.peer_paths), tuple(beat.listen_addrs) or None, tuple(beat.prefixes)
-        )
+            remote, tuple(beat.serving), tuple(beat.peer_paths), tuple(beat.listen_addrs) or None, tuple(beat.prefixes),
+            remote_host(),
+        )  # fmt: skip
         reply = swarm_pb2.HeartbeatReply()
         for effect in self._apply(beat_event):
             if isinstance(effect, ev.Refuse):
@@ -509,6 +510,7 @@ class Tracker(OutputIntegrity):
         for entry in entries:
             entry.load_failures.extend(self.state.load_failures.get(entry.peer_id, ()))
             entry.peer_paths.extend(self.state.peer_paths.get(entry.peer_id, ()))
+            entry.seen_host = self.state.seen_hosts.get(entry.peer_id, "")
             for status in entry.serving:
                 a = status.assignment
                 status.awaiting_check = status.state == State.READY and not self._cleared(

@@ -172,19 +172,6 @@ def markdown(report: dict) -> str:
 # --- measuring ------------------------------------------------------------------------------
 
 
-def _worker_sockets(pid: int) -> list[str]:
-    """The Unix sockets of the (non vocab-only) workers of node process group ``pid``."""
-    sockets = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                if os.getpgid(int(entry)) == pid:
-                    argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-                    if b"--socket" in argv and b"--vocab-only" not in argv:
-                        sockets.append(argv[argv.index(b"--socket") + 1].decode())
-    return sockets
-
-
 def worker_rows(swarm) -> int:
     """Forward rows of every worker of every node of ``swarm`` since they started."""
     from agent.io.worker.client import WorkerClient
@@ -192,7 +179,7 @@ def worker_rows(swarm) -> int:
 
     rows = 0
     for node in swarm.nodes.values():
-        for socket in _worker_sockets(node.process.pid):
+        for socket in node.worker_sockets():
             with WorkerClient(socket, timeout_s=10.0) as worker, contextlib.suppress(WorkerError):
                 rows += worker.health().forward_rows
     return rows
@@ -206,7 +193,7 @@ async def _idle(swarm) -> None:
     def active() -> int:
         n = 0
         for node in swarm.nodes.values():
-            for socket in _worker_sockets(node.process.pid):
+            for socket in node.worker_sockets():
                 with WorkerClient(socket, timeout_s=10.0) as worker, contextlib.suppress(WorkerError):
                     n += worker.health().active_sequences
         return n
@@ -412,9 +399,12 @@ def main() -> int:
     parser.add_argument("--hit-turns", type=int, default=3, help="hits: turns of each conversation (default 3)")
     parser.add_argument("--parallel", type=int, default=4, help="hits: conversations at once (default 4)")
     parser.add_argument("--threads", type=int, default=1, help="threads per worker (default 1)")
-    parser.add_argument("--chunk-tokens", type=int, default=512,
-                        help="the owner's prefill_chunk_tokens in ttft and hits (default 512, the default's; "
-                             "a copied prefix ends on a chunk boundary)")  # fmt: skip
+    from agent.io.client import SwarmClientConfig
+
+    default_chunk = SwarmClientConfig().prefill_chunk_tokens
+    parser.add_argument("--chunk-tokens", type=int, default=default_chunk,
+                        help=f"the owner's prefill_chunk_tokens in ttft and hits (default {default_chunk}, the "
+                             "owner's default; a copied prefix ends on a chunk boundary)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="write prefix.{json,md} here (bench/results)")
     args = parser.parse_args()
     if args.quick:

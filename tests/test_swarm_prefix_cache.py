@@ -27,6 +27,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent._proto import swarm_pb2
+from agent.core.owner.prefix_blocks import usable_blocks
 from agent.demo.local_demo import generate_through
 from agent.demo.swarm_demo import wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig
@@ -210,8 +211,8 @@ async def test_a_restarted_hop_is_a_miss_with_the_same_tokens(cached: Cached) ->
         assert again.cached_tokens == PROMPT_BLOCKS * BLOCK_TOKENS
 
 
-# the relay's client prefills in chunks of 512 (its default): a prompt over 512 tokens copies 512
-RELAY_CHUNK_ROWS = 512
+# the relay's client prefills in chunks of its default size: a copy ends on a chunk boundary
+RELAY_CHUNK_ROWS = SwarmClientConfig().prefill_chunk_tokens
 
 
 async def _relay_completion(cached: Cached, url: str, api_key: str, prompt: str, route: swarm_pb2.Route) -> dict:
@@ -244,6 +245,9 @@ async def test_a_key_s_cached_prefix_serves_only_that_key_unless_keys_are_sharea
         prompt = TEXT * 2
         tokens, _ = await c.tokenize(route, prompt)
     assert len(tokens) > RELAY_CHUNK_ROWS + BLOCK_TOKENS
+    # every whole block is kept; the copy ends on the chunk boundary below the prompt's last token
+    copied = usable_blocks(len(tokens) // BLOCK_TOKENS, len(tokens), BLOCK_TOKENS, RELAY_CHUNK_ROWS) * BLOCK_TOKENS
+    assert copied >= RELAY_CHUNK_ROWS
 
     first = await _relay_completion(cached, url, alice, prompt, route)
     assert first["usage"]["prompt_tokens"] == len(tokens)
@@ -253,7 +257,7 @@ async def test_a_key_s_cached_prefix_serves_only_that_key_unless_keys_are_sharea
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # another key: computed again
     assert await trio.to_thread.run_sync(_hits, cached, route) == hits_before  # no hop copied a block for it
     again = await _relay_completion(cached, url, alice, prompt, route)
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == RELAY_CHUNK_ROWS  # its own: copied
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == copied  # its own: copied
     assert [h - b for h, b in zip(await trio.to_thread.run_sync(_hits, cached, route), hits_before, strict=True)] == [
         1
     ] * NODES
@@ -261,7 +265,7 @@ async def test_a_key_s_cached_prefix_serves_only_that_key_unless_keys_are_sharea
     shared_first = await _relay_completion(cached, url, public[0], prompt, route)
     assert shared_first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # not alice's cache either
     shared = await _relay_completion(cached, url, public[1], prompt, route)
-    assert shared["usage"]["prompt_tokens_details"]["cached_tokens"] == RELAY_CHUNK_ROWS  # shareable keys share
+    assert shared["usage"]["prompt_tokens_details"]["cached_tokens"] == copied  # shareable keys share
     texts = {r["choices"][0]["text"] for r in (first, other, again, shared_first, shared)}
     assert len(texts) == 1  # (greedy: the same text, cached or not)
 

@@ -28,11 +28,15 @@ class SwarmClientConfig:
     ``session_ended_timeout_s``: how long a finished generation spends telling the tracker its
     routes carry it no more (best effort: the hops' next heartbeats say it anyway).
     ``prefill_chunk_tokens``: a prompt (or a re-prefill) longer than this goes in chunks of
-    this many rows, one step each (at most the workers' batch: 512 by default). 128: on the
-    lab at 20 ms, a 1,500-token prompt's first token came 0.85x as soon as in chunks of 512
-    (the chunks pipeline down the route; bench/results/wan_prefill_chunks.md), and a copied
-    prefix ends on a chunk boundary, so smaller chunks leave less of a cached prompt to compute.
-    An accelerator computes a chunk of 128 less efficiently than one of 512: measure there.
+    this many rows, one step each (at most the workers' batch: 512 by default). 64, the
+    prefix block size: a copied prefix ends on a chunk boundary (the rest is computed in the
+    very chunks a session without the cache computes, so the tokens are the same), so with a
+    chunk per block a cached prompt leaves at most a block to compute. On the lab at 20 ms a
+    1,500-token prompt's first token came 0.90x as soon as in chunks of 512, 0.85x in chunks of
+    128 (the chunks pipeline down the route; bench/results/wan_prefill_chunks.md), and a new
+    session with that prompt cached had its first token 0.13x as soon as the first session in
+    chunks of 64, 0.19x in chunks of 128 (bench/results/prefix.md, prefix_chunks_of_128.md).
+    An accelerator computes a chunk of 64 rows less efficiently than one of 512: measure there.
     ``min_data_plane_step_deadline_s``: the same floor for a step that goes worker to worker,
     lower: no node on the way reports a lost next hop there (a worker that cannot reach the
     next one can only drop the step), so the owner's probes are what name it, and a probe that
@@ -111,7 +115,7 @@ class SwarmClientConfig:
         "while every sequence of the route is in use, wait this long for one (default 60)",
         parse=cli_args.positive_float,
     )
-    prefill_chunk_tokens: int = 128
+    prefill_chunk_tokens: int = 64
     step_deadline_factor: float = 10.0
     min_step_deadline_s: float = 1.0
     min_data_plane_step_deadline_s: float = 0.25

@@ -27,6 +27,7 @@ from agent.core.net.identity import peer_id_from_public_key
 from agent.core.tracker.assignment import Assignment
 from agent.core.tracker.registry import GgufFacts, bytes_per_block, model_entry
 from agent.core.wire import admission as adm
+from agent.core.wire.admission_work import solve_work
 from agent.core.wire.swarm_wire import NODE_PROTOCOL, TRACKER_PROTOCOL
 from agent.io.gguf_sparse import gguf_metadata_prefix
 from agent.io.net.transport import MemoryNetwork
@@ -109,9 +110,9 @@ class Peer:
         fields.update(overrides)
         return swarm_pb2.Fingerprint(**fields)
 
-    async def register(self, **overrides) -> swarm_pb2.TrackerReply:
+    async def register(self, work: bytes = b"", **overrides) -> swarm_pb2.TrackerReply:
         signed = adm.sign_fingerprint(self.key, self.fingerprint(**overrides))
-        return await self.call(register=swarm_pb2.RegisterRequest(fingerprint=signed))
+        return await self.call(register=swarm_pb2.RegisterRequest(fingerprint=signed, work=work))
 
     async def heartbeat(
         self, serving=(), recipe="recipe-1", state=READY, in_use: int = 0, total: int = 0
@@ -217,6 +218,31 @@ async def test_client_hello_gets_a_client_admission_once_per_nonce(autojump_cloc
         await trio.sleep(61)
         stale = await client.call(client_hello=adm.make_client_hello(client.key, now_ms() - 60_001, b"\x02" * 16))
         assert stale.error.message.startswith("stale registration")
+
+
+async def test_a_new_identity_brings_its_proof_of_work_where_the_tracker_asks(autojump_clock, db_path):
+    config = dataclasses.replace(CONFIG, admission_work_bits=12)
+    async with running_tracker(db_path, config=config) as h:
+        node, client, other = h.peer(1), h.peer(2), h.peer(3)
+
+        def public_key(peer: Peer) -> bytes:
+            return peer.key.public_key().public_bytes_raw()
+
+        refused = await node.register()
+        assert refused.error.code == Code.REFUSED and refused.error.work_bits == 12, refused.error
+        assert "a new identity needs a proof of work of 12 bits" in refused.error.message
+        assert (await node.register(work=solve_work(public_key(other), 12))).error.work_bits == 12  # another key's
+        assert (await node.register(work=solve_work(public_key(node), 12))).WhichOneof("body") == "register"
+        assert (await node.register()).WhichOneof("body") == "register"  # a known identity: no work again
+
+        hello = adm.make_client_hello(client.key, now_ms(), b"\x01" * 16)
+        refused = await client.call(client_hello=hello)
+        assert refused.error.code == Code.REFUSED and refused.error.work_bits == 12
+        hello = adm.make_client_hello(client.key, now_ms(), b"\x02" * 16)
+        hello.work = solve_work(public_key(client), 12)
+        assert (await client.call(client_hello=hello)).WhichOneof("body") == "client_hello"
+        renewal = adm.make_client_hello(client.key, now_ms(), b"\x03" * 16)
+        assert (await client.call(client_hello=renewal)).WhichOneof("body") == "client_hello"
 
 
 async def test_only_admitted_live_nodes_may_use_the_relay(autojump_clock, db_path):

@@ -40,11 +40,13 @@ Code = swarm_pb2.Error.Code
 
 
 class RegistrationRefused(Exception):
-    """The tracker refused this node; ``reason`` is its text."""
+    """The tracker refused this node; ``reason`` is its text; ``work_bits``: it asks this new
+    identity for a proof of work of this many bits (``Error.work_bits``; 0: not that)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, work_bits: int = 0) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.work_bits = work_bits
 
 
 class RegistrationInvalid(Exception):
@@ -68,7 +70,7 @@ def read_registration_reply(
 ) -> Registration:
     """Raises RegistrationRefused or RegistrationInvalid (module docstring)."""
     if reply.error.code == Code.REFUSED:
-        raise RegistrationRefused(reply.error.message)
+        raise RegistrationRefused(reply.error.message, reply.error.work_bits)
     if reply.error.code:
         raise RegistrationInvalid(f"tracker refused registration: {WireError(reply.error.code, reply.error.message)}")
     if reply.WhichOneof("body") != "register":

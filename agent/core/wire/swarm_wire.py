@@ -289,8 +289,10 @@ def node_reply_error(code: int, message: str) -> bytes:
     return swarm_pb2.NodeReply(schema_version=SCHEMA_VERSION, error=error(code, message)).SerializeToString()
 
 
-def tracker_reply_error(code: int, message: str) -> bytes:
-    return swarm_pb2.TrackerReply(schema_version=SCHEMA_VERSION, error=error(code, message)).SerializeToString()
+def tracker_reply_error(code: int, message: str, *, work_bits: int = 0) -> bytes:
+    reply = swarm_pb2.TrackerReply(schema_version=SCHEMA_VERSION, error=error(code, message))
+    reply.error.work_bits = work_bits
+    return reply.SerializeToString()
 
 
 class WorkerCall(enum.Enum):

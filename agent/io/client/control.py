@@ -30,6 +30,7 @@ from agent.core.net.multiaddrs import peer_id_from_multiaddr
 from agent.core.owner.prefix_blocks import block_hashes, owner_salt, prefix_seed, route_tags
 from agent.core.owner.route_repair import end_session_request, surviving_hops
 from agent.core.wire.admission import AdmissionError, make_client_hello, verify_admission
+from agent.core.wire.admission_work import MAX_WORK_BITS, solve_work
 from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, TRACKER_PROTOCOL
 from agent.io.client.config import SwarmClientConfig
 from agent.io.client.outcome import GenerationError, SwarmError
@@ -123,7 +124,7 @@ class ControlClient:
         except DecodeError:
             raise SwarmError(peer_id, swarm_pb2.Error.INTERNAL, f"malformed {type(reply).__name__}") from None
         if reply.error.code != swarm_pb2.Error.CODE_UNSPECIFIED:
-            raise SwarmError(peer_id, reply.error.code, reply.error.message)
+            raise SwarmError(peer_id, reply.error.code, reply.error.message, work_bits=reply.error.work_bits)
         return reply
 
     async def _tracker(self, request: swarm_pb2.TrackerRequest) -> swarm_pb2.TrackerReply:
@@ -139,7 +140,17 @@ class ControlClient:
           TransportError: the tracker could not be reached.
         """
         hello = make_client_hello(self._key, self._now_ms(), os.urandom(_NONCE_BYTES))
-        reply = await self._tracker(swarm_pb2.TrackerRequest(client_hello=hello))
+        try:
+            reply = await self._tracker(swarm_pb2.TrackerRequest(client_hello=hello))
+        except SwarmError as refused:
+            if not 0 < refused.work_bits <= MAX_WORK_BITS:
+                raise
+            # a new identity where the operator asks for work: once, then a fresh hello with it
+            log.info("the tracker asks this new key for a proof of work of %d bits", refused.work_bits)
+            work = await trio.to_thread.run_sync(solve_work, bytes(hello.public_key), refused.work_bits)
+            hello = make_client_hello(self._key, self._now_ms(), os.urandom(_NONCE_BYTES))
+            hello.work = work
+            reply = await self._tracker(swarm_pb2.TrackerRequest(client_hello=hello))
         if reply.WhichOneof("body") != "client_hello":
             raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, "the hello reply has no admission")
         tracker_key = bytes(reply.client_hello.tracker_public_key)

@@ -17,13 +17,15 @@ from agent._proto import swarm_pb2
 
 class SwarmError(Exception):
     """A peer answered with an error (``code``: a ``swarm_pb2.Error.Code``), or an answer
-    could not be used. ``peer_id``: who answered."""
+    could not be used. ``peer_id``: who answered; ``work_bits``: the tracker asks a new
+    identity for a proof of work of this many bits (``Error.work_bits``)."""
 
-    def __init__(self, peer_id: str, code: int, message: str) -> None:
+    def __init__(self, peer_id: str, code: int, message: str, *, work_bits: int = 0) -> None:
         super().__init__(f"{code_name(code)} from {peer_id}: {message}")
         self.peer_id = peer_id
         self.code = code
         self.message = message
+        self.work_bits = work_bits
 
 
 class GenerationError(Exception):

@@ -20,6 +20,7 @@ from agent._proto import swarm_pb2
 from agent.core.net.multiaddrs import circuit_multiaddr
 from agent.core.node.link import RegistrationInvalid, RegistrationRefused, read_registration_reply
 from agent.core.node.range_states import range_name
+from agent.core.wire.admission_work import MAX_WORK_BITS, solve_work
 from agent.core.wire.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
 from agent.core.wire.manifest import verify_manifest
 from agent.core.wire.swarm_wire import (
@@ -100,37 +101,44 @@ class TrackerLink(NodeState):
           NodeError: the tracker could not be reached, answered another error, or its key
             does not belong to the tracker peer id of ``config.tracker``.
         """
-        fingerprint = build_fingerprint(
-            probe,
-            peer_id=self.peer_id,
-            listen_addrs=self.advertised_addrs(),
-            model_sha256s=sorted(self.models),
-            usable_memory_bytes=self.config.memory_bytes
-            if self.config.memory_bytes is not None
-            else probe.ram_available_bytes,
-            created_at_ms=unix_ms(),
-            nonce=os.urandom(16),
-            fetches_models=self.config.models_dir is not None,
-        )
-        request = swarm_pb2.TrackerRequest(
-            schema_version=SCHEMA_VERSION,
-            register=swarm_pb2.RegisterRequest(fingerprint=signed_fingerprint(self.key, fingerprint)),
-        )
-        try:
-            reply = await self._tracker_call(request)
-        except TransportError as err:
-            raise TrackerUnreachable(f"tracker {self.tracker_peer_id} unreachable: {err}") from err
-        except WireError as err:
-            raise NodeError(f"tracker answered a malformed reply: {err}") from err
-        try:
-            registered = read_registration_reply(
-                reply, tracker_peer_id=self.tracker_peer_id, peer_id=self.peer_id, now_ms=unix_ms(),
-                own_heartbeat_interval=self.config.heartbeat_interval_ms is not None,
-            )  # fmt: skip
-        except RegistrationRefused as err:
-            raise NodeRefused(err.reason) from None
-        except RegistrationInvalid as err:
-            raise NodeError(str(err)) from None
+        work = b""
+        while True:
+            fingerprint = build_fingerprint(
+                probe,
+                peer_id=self.peer_id,
+                listen_addrs=self.advertised_addrs(),
+                model_sha256s=sorted(self.models),
+                usable_memory_bytes=self.config.memory_bytes
+                if self.config.memory_bytes is not None
+                else probe.ram_available_bytes,
+                created_at_ms=unix_ms(),
+                nonce=os.urandom(16),
+                fetches_models=self.config.models_dir is not None,
+            )
+            signed = signed_fingerprint(self.key, fingerprint)
+            request = swarm_pb2.TrackerRequest(
+                schema_version=SCHEMA_VERSION, register=swarm_pb2.RegisterRequest(fingerprint=signed, work=work)
+            )
+            try:
+                reply = await self._tracker_call(request)
+            except TransportError as err:
+                raise TrackerUnreachable(f"tracker {self.tracker_peer_id} unreachable: {err}") from err
+            except WireError as err:
+                raise NodeError(f"tracker answered a malformed reply: {err}") from err
+            try:
+                registered = read_registration_reply(
+                    reply, tracker_peer_id=self.tracker_peer_id, peer_id=self.peer_id, now_ms=unix_ms(),
+                    own_heartbeat_interval=self.config.heartbeat_interval_ms is not None,
+                )  # fmt: skip
+                break
+            except RegistrationRefused as err:
+                if work or not 0 < err.work_bits <= MAX_WORK_BITS:
+                    raise NodeRefused(err.reason) from None
+                # a new identity where the operator asks for work: solved once, then registered again
+                log.info("the tracker asks this new key for a proof of work of %d bits", err.work_bits)
+                work = await trio.to_thread.run_sync(solve_work, bytes(signed.public_key), err.work_bits)
+            except RegistrationInvalid as err:
+                raise NodeError(str(err)) from None
         self.tracker_public_key = registered.tracker_public_key
         self.admission = registered.admission
         if registered.heartbeat_interval_ms is not None:

@@ -18,6 +18,7 @@ from agent import cli_args
 from agent.core.node.worker_wait import AUTO, WAIT_CHOICES
 from agent.core.tracker.canary import CanaryPolicy
 from agent.core.wire.address_rate import parse_networks
+from agent.core.wire.admission_work import MAX_WORK_BITS
 from agent.io.settings import setting
 
 __all__ = ["TrackerConfig", "parse_host_port", "parse_model_arg", "trio_unix_clock"]
@@ -147,6 +148,13 @@ class TrackerConfig:
         parse=cli_args.non_negative_int,
         metavar="N",
     )
+    admission_work_bits: int = setting(
+        0,
+        "a new identity (node or client key) must bring a proof of work of this many zero bits"
+        " (default 0: none; each bit doubles it: 20 is about 0.7 s of a core, 24 about 11 s; at most 32)",
+        parse=cli_args.non_negative_int,
+        metavar="N",
+    )
     admission_rate_exempt: tuple[str, ...] = setting(
         (),
         "a network (CIDR) whose addresses --new-identities-per-address-per-hour does not limit (repeatable;"
@@ -263,6 +271,8 @@ class TrackerConfig:
         if self.nonce_retention_ms <= self.registration_max_age_ms:
             raise ValueError("nonce_retention_ms must exceed registration_max_age_ms (or replays become possible)")
         parse_networks(self.admission_rate_exempt)  # (raises naming a bad one)
+        if self.admission_work_bits > MAX_WORK_BITS:
+            raise ValueError(f"admission_work_bits must be at most {MAX_WORK_BITS}, got {self.admission_work_bits}")
 
 
 def trio_unix_clock() -> Callable[[], int]:

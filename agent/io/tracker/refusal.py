@@ -10,7 +10,10 @@ __all__ = ["Refusal"]
 
 
 class Refusal(Exception):
-    def __init__(self, code: int, message: str) -> None:
+    """``work_bits``: refused for want of a proof of work of this many bits (``Error.work_bits``)."""
+
+    def __init__(self, code: int, message: str, *, work_bits: int = 0) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.work_bits = work_bits

@@ -71,12 +71,13 @@ from agent.core.wire.swarm_wire import (
     tracker_reply_error,
 )
 from agent.io.net.transport import remote_host
+from agent.io.tracker.admissions import Admissions, node_facts
 from agent.io.tracker.config import TrackerConfig, trio_unix_clock
 from agent.io.tracker.integrity import OutputIntegrity
 from agent.io.tracker.model_files import ModelFiles
 from agent.io.tracker.probes import LostPeerProbes
 from agent.io.tracker.refusal import Refusal
-from agent.io.tracker.store import NodeRecord, TrackerStore
+from agent.io.tracker.store import TrackerStore
 from agent.io.tracker.verifier_api import OpenPersona, VerifierConfig
 
 __all__ = ["Tracker", "serve_tracker"]
@@ -87,7 +88,7 @@ Code = swarm_pb2.Error
 State = swarm_pb2.AssignmentStatus
 
 
-class Tracker(OutputIntegrity):
+class Tracker(OutputIntegrity, Admissions):
     """The tracker's live state around its store. Made by ``serve_tracker`` (handed to
     ``task_status.started``); tests read ``alive``/``pending`` and wait with ``wait_until``."""
 
@@ -120,7 +121,7 @@ class Tracker(OutputIntegrity):
                 loading_min_bytes_per_s=config.loading_min_bytes_per_s,
                 proven_needs_check=config.canary is not None and config.canary.gate_new_ranges,
             ),
-            (_facts(node.peer_id, node.fingerprint) for node in store.nodes()),
+            (node_facts(node.peer_id, node.fingerprint) for node in store.nodes()),
             (node.peer_id for node in store.nodes() if node.alive),
             {node.peer_id: node.listen_addrs for node in store.nodes()},
             {row.assignment: ev.RangeStatus(row.state, row.recipe_hash) for row in store.assignments()},
@@ -312,116 +313,10 @@ class Tracker(OutputIntegrity):
         except WireError as error:
             return tracker_reply_error(error.code, error.message)
         except Refusal as refusal:
-            return tracker_reply_error(refusal.code, refusal.message)
+            return tracker_reply_error(refusal.code, refusal.message, work_bits=refusal.work_bits)
         except Exception as error:  # a bug: answer, log, keep serving
             log.exception("tracker request from %s failed", remote_peer_id)
             return tracker_reply_error(Code.INTERNAL, f"internal error: {type(error).__name__}: {error}")
-
-    def _policy(self) -> admission.AdmissionPolicy:
-        sizes = [m.bytes_per_block for m in self.store.models() if m.bytes_per_block > 0]
-        return admission.AdmissionPolicy(
-            llama_cpp_commit=self.config.llama_cpp_commit,
-            patch_series_sha256=self.config.patch_series_sha256,
-            registration_max_age_ms=self.config.registration_max_age_ms,
-            min_bytes_per_block=min(sizes) if sizes else None,
-        )
-
-    def _issue(
-        self, peer_id: str, role: swarm_pb2.Role, now: int, fingerprint_sha256: str = ""
-    ) -> swarm_pb2.SignedAdmission:
-        record = swarm_pb2.AdmissionRecord(
-            schema_version=admission.ADMISSION_SCHEMA_VERSION,
-            peer_id=peer_id,
-            role=role,
-            tracker_peer_id=self.peer_id,
-            issued_at_ms=now,
-            expires_at_ms=now + self.config.admission_ttl_ms,
-            fingerprint_sha256=fingerprint_sha256,
-        )
-        return admission.issue_admission(self._key, record)
-
-    def _register(self, remote: str, request: swarm_pb2.RegisterRequest) -> swarm_pb2.RegisterReply:
-        if not request.HasField("fingerprint"):
-            raise Refusal(Code.INVALID_ARGUMENT, "RegisterRequest has no fingerprint")
-        signed = request.fingerprint
-        try:
-            fingerprint = admission.verify_signed_fingerprint(signed, remote)
-        except admission.AdmissionError as error:
-            raise Refusal(Code.REFUSED, error.reason) from None
-        refused = self.store.refused(remote)
-        if refused:
-            log.info("refused node %s again: %s", remote, refused)
-            raise Refusal(Code.REFUSED, refused)
-        now = self._now_ms()
-        new_identity = self.store.node(remote) is None
-        if new_identity:
-            self._check_new_identity(now)
-        seen = self.store.nonce_seen(remote, fingerprint.nonce)
-        decision = admission.decide_admission(fingerprint, self._policy(), now, seen)
-        if len(fingerprint.nonce) == admission.NONCE_BYTES:
-            self.store.add_nonce(remote, fingerprint.nonce, now)
-        if not decision.admitted:
-            log.info("refused node %s: %s", remote, decision.reason)
-            raise Refusal(Code.REFUSED, decision.reason)
-        if new_identity:
-            self.new_identities.note(remote_host(), now)
-        signed_admission = self._issue(remote, swarm_pb2.ROLE_NODE, now, admission.fingerprint_sha256(signed))
-        self.store.put_node(
-            NodeRecord(
-                peer_id=remote,
-                public_key=bytes(signed.public_key),
-                signed_fingerprint=signed,
-                fingerprint=fingerprint,
-                admission=signed_admission,
-                admitted_at_ms=now,
-                expires_at_ms=now + self.config.admission_ttl_ms,
-                last_heartbeat_ms=now,
-                alive=True,
-                listen_addrs=tuple(fingerprint.listen_addrs),
-            )
-        )
-        # a (re-)registering node has nothing loaded yet, and its past failures are forgiven
-        self._apply(ev.Registered(_facts(remote, fingerprint), tuple(fingerprint.listen_addrs), remote_host()))
-        return swarm_pb2.RegisterReply(
-            admission=signed_admission,
-            tracker_public_key=self.public_key,
-            heartbeat_interval_ms=self.config.heartbeat_interval_ms,
-            heartbeat_timeout_ms=self.config.heartbeat_timeout_ms,
-        )
-
-    def _client_hello(self, remote: str, hello: swarm_pb2.ClientHelloRequest) -> swarm_pb2.ClientHelloReply:
-        try:
-            admission.verify_client_hello(hello, remote)
-        except admission.AdmissionError as error:
-            raise Refusal(Code.REFUSED, error.reason) from None
-        now = self._now_ms()
-        new_identity = self.store.client_admission(remote) is None
-        if new_identity:
-            self._check_new_identity(now)
-        decision = admission.decide_client_admission(
-            hello, self._policy(), now, self.store.nonce_seen(remote, hello.nonce)
-        )
-        if len(hello.nonce) == admission.NONCE_BYTES:
-            self.store.add_nonce(remote, hello.nonce, now)
-        if not decision.admitted:
-            raise Refusal(Code.REFUSED, decision.reason)
-        if new_identity:
-            self.new_identities.note(remote_host(), now)
-        signed = self._issue(remote, swarm_pb2.ROLE_CLIENT, now)
-        self.store.put_client(remote, bytes(hello.public_key), signed, now, now + self.config.admission_ttl_ms)
-        return swarm_pb2.ClientHelloReply(admission=signed, tracker_public_key=self.public_key)
-
-    def _check_new_identity(self, now: int) -> None:
-        """Refuse a new identity from an address that brought its hour's worth already."""
-        host = remote_host()
-        wait_ms = self.new_identities.retry_after_ms(host, now)
-        if wait_ms:
-            log.info("refused a new identity from %s: its hour's %d are taken", host, self.new_identities.per_window)
-            raise Refusal(
-                Code.RESOURCE_EXHAUSTED,
-                f"{self.new_identities.per_window} new identities from {host} this hour already: try again in"
-                f" {wait_ms / 1000:.0f} s, or reuse a key",
-            )
 
     def _heartbeat(self, remote: str, beat: swarm_pb2.HeartbeatRequest) -> swarm_pb2.HeartbeatReply:
         if beat.peer_id != remote:
@@ -536,16 +431,6 @@ class Tracker(OutputIntegrity):
             changed = self._changed
             with trio.move_on_after(min(wait_ms, self.config.registration_max_age_ms) / 1000.0):
                 await changed.wait()
-
-
-def _facts(peer_id: str, fingerprint: swarm_pb2.Fingerprint) -> ev.NodeFacts:
-    return ev.NodeFacts(
-        peer_id,
-        fingerprint.usable_memory_bytes,
-        fingerprint.decode_s_per_block,
-        frozenset(fingerprint.model_sha256s),
-        fingerprint.fetches_models,
-    )
 
 
 def _wire_assignment(a: Assignment) -> swarm_pb2.Assignment:

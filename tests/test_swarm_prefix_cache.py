@@ -5,8 +5,9 @@ each worker keeping ended sessions' prompt blocks, driven by the real client.
 Asserted, for SmolLM2 and Gemma-3: the greedy tokens equal the same swarm's without the cache (and,
 for the long prompt, one unsplit worker's) for a first session, a second one with the same prompt (every hop copies its cached blocks and
 prefills only the tail: the workers' own row counters say so) and one whose prompt shares a
-prefix that ends between two block boundaries; a hop whose node was restarted (an empty
-cache) is a miss with the same tokens; the caches stay within their byte budgets.
+prefix that ends between two block boundaries; a cached and an uncached session batched
+together each give their own tokens; a hop whose node was restarted (an empty cache) is a miss
+with the same tokens; the caches stay within their byte budgets.
 
 Through a relay on the same swarm (SmolLM2): a key's cached prefix is reused for its own next
 request only, never for another key's (the hops' hit counters stay still), while two keys
@@ -186,6 +187,40 @@ async def test_a_cached_prefix_is_copied_on_every_hop_and_gives_the_same_tokens(
             assert health.prefix_hits >= 3
             per_position = info.prefix_cache_bytes / (info.prefix_cache_sequences * info.n_ctx_per_sequence)
             assert health.prefix_positions * per_position <= CACHE_BYTES
+
+
+@pytest.mark.timeout(600)
+async def test_cached_and_uncached_sessions_batch_together_with_their_own_tokens(cached: Cached) -> None:
+    async with _client_of(cached.swarm) as c, _client_of(cached.swarm, block_tokens=0) as plain:
+        route = await c.route(cached.alias)
+        warm, _ = await _generate(cached, c, "long", route)  # (cached everywhere by now)
+        assert warm.tokens == cached.reference["long"]
+        results: dict[str, object] = {}
+
+        async def run(name: str, client) -> None:
+            results[name] = await client.generate_tokens(
+                cached.alias, cached.prompts[name], max_tokens=NEW_TOKENS, stop_tokens=cached.stop_tokens, route=route
+            )
+
+        for _attempt in range(3):  # until the two shared a Forward somewhere (timing decides)
+            before = await trio.to_thread.run_sync(_health, cached, route)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run, "long", c)  # copies its prompt's blocks
+                nursery.start_soon(run, "whole", plain)  # computes all of its prompt
+            after = await trio.to_thread.run_sync(_health, cached, route)
+            assert results["long"].tokens == cached.reference["long"]  # type: ignore[attr-defined]
+            assert results["long"].cached_tokens == PROMPT_BLOCKS * BLOCK_TOKENS  # type: ignore[attr-defined]
+            assert results["whole"].tokens == cached.reference["whole"]  # type: ignore[attr-defined]
+            assert results["whole"].cached_tokens == 0  # type: ignore[attr-defined]
+            # a Forward that carried more than one step: the sessions were batched
+            shared = sum(
+                (a.data_plane_steps - b.data_plane_steps) - (a.data_plane_forwards - b.data_plane_forwards)
+                for (b, _), (a, _) in zip(before, after, strict=True)
+            )
+            if shared > 0:
+                break
+        else:
+            raise AssertionError("the cached and the uncached session never shared a Forward in 3 tries")
 
 
 @pytest.mark.timeout(600)

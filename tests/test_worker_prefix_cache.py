@@ -1,4 +1,5 @@
-"""A worker's prefix cache (``--prefix-cache-bytes``), on a real worker process with SmolLM2:
+"""A worker's prefix cache (``--prefix-cache-bytes``), on a real worker process with SmolLM2 (and the
+same copy for qwen2, qwen3 and Gemma-3; DeepSeek V4 keeps none and says why):
 an ended session's whole prompt blocks are kept in a spare sequence; a new session copies them
 (``OpenPrefix``) and its tail gives the very logits of the session that computed it all; the
 spares fit the byte budget; the least recently used entry makes room, and a prefix no longer
@@ -100,3 +101,30 @@ async def test_a_budget_below_one_sequence_keeps_nothing_and_says_why(smollm2_pa
         await _logits(worker.client, 0, prompt, 0)
         await worker.client.remove_sequence(0)
         assert await _held(worker.client, prompt) == 0
+
+
+@pytest.mark.parametrize("model", ["qwen2_tiny_path", "qwen3_tiny_path", "gemma3_path"])
+async def test_every_architecture_s_copied_prefix_gives_the_same_logits(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    path = request.getfixturevalue(model)
+    prompt = [1, 504, 3458, 282, 4649, 314, 253, 1345, 1701, 28, 198]  # two whole blocks and 3 tokens
+    async with open_worker(path, 0, None, threads=1, max_sequences=1, ctx_size=CTX, prefix_cache_bytes=64 << 20) as w:
+        client = w.client
+        assert w.info.prefix_cache_sequences >= 1, w.info
+        assert await _open(client, 0, prompt, 0) == 0
+        await _logits(client, 0, prompt[:8], 0)  # in the chunks the copy keeps: 8, then 3
+        want = await _logits(client, 0, prompt, 8)
+        await client.remove_sequence(0)
+        assert await _open(client, 0, prompt, 2) == 2 * BLOCK
+        assert np.array_equal(await _logits(client, 0, prompt, 8), want)
+
+
+async def test_deepseek4_keeps_no_prefixes_and_says_why(deepseek4_tiny_path: Path) -> None:
+    async with open_worker(
+        deepseek4_tiny_path, 0, None, threads=1, max_sequences=1, ctx_size=CTX, prefix_cache_bytes=64 << 20
+    ) as worker:
+        info = await worker.client.call("Info", worker_pb2.InfoRequest(schema_version=1))
+        assert info.prefix_cache_sequences == 0
+        assert "compression-window state cannot be cut back to a block boundary" in info.prefix_cache_off_reason
+        assert await _held(worker.client, list(range(1, 10))) == 0

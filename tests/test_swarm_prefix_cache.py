@@ -2,7 +2,8 @@
 node processes on loopback (a third of the model's blocks each: one route of three hops), with
 each worker keeping ended sessions' prompt blocks, driven by the real client.
 
-Asserted, for SmolLM2 and Gemma-3: the greedy tokens equal the same swarm's without the cache (and,
+Asserted, for SmolLM2, Gemma-3 and the synthetic qwen2 and qwen3 models (DeepSeek V4 keeps no
+prefixes: tests/test_worker_prefix_cache.py): the greedy tokens equal the same swarm's without the cache (and,
 for the long prompt, one unsplit worker's) for a first session, a second one with the same prompt (every hop copies its cached blocks and
 prefills only the tail: the workers' own row counters say so) and one whose prompt shares a
 prefix that ends between two block boundaries; a cached and an uncached session batched
@@ -37,6 +38,7 @@ from agent.io.worker.client import WorkerClient
 from agent.io.worker.error import WorkerError
 from agent.io.worker.process import open_worker
 from agent.models import model_path, sha256_file
+from agent.testing.tiny_models import TINY_MODELS, tiny_model_path
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow]
 
@@ -99,11 +101,12 @@ async def _start(swarm: LocalSwarm, alias: str) -> Cached:
     return cached
 
 
-@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+@pytest.fixture(scope="module", params=["smollm2", "gemma3", "qwen2-tiny", "qwen3-tiny"])
 def cached(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cached]:
     alias = request.param
     config = LocalSwarmConfig(
-        model_path=model_path(alias), model_alias=alias, heartbeat_timeout_ms=15_000,
+        model_path=tiny_model_path(alias) if alias in TINY_MODELS else model_path(alias), model_alias=alias,
+        heartbeat_timeout_ms=15_000,
         node_args=("--prefix-cache-bytes", str(CACHE_BYTES)),
     )  # fmt: skip
     swarm = LocalSwarm(config, tmp_path_factory.mktemp(f"prefix-{alias}"))

@@ -401,6 +401,26 @@ async def measure_sessions(lab: Lab, swarms: dict, args: argparse.Namespace) -> 
         return {"concurrency": await _sessions(lab, clients[3], clients[LOCK_STEP], prompt_tokens, args)}
 
 
+async def open_owner_section(stack: contextlib.AsyncExitStack, lab: Lab, swarm: LocalSwarm, prompt_tokens: int):
+    """The setup of a section run alone (``--only prefill``, ``prefill-chunks``, ``wire``), in
+    the owner's machine: the tracker, the owner (a client there), three nodes of a third of the
+    model each (2 sequences), the 3-hop route and a prompt of ``prompt_tokens`` tokens.
+    Returns ``(client, route, prompt)``."""
+    await swarm.start_tracker()
+    client = await stack.enter_async_context(
+        open_swarm_client(swarm.tracker_addr, listen_addrs=lab.listen_addrs("owner"))
+    )
+    (entry,) = [m for m in await client.list_models() if m.alias == ALIAS]
+    memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3)
+    for i in range(3):
+        swarm.start_node(f"node-{i + 1}", memory, ["--max-sequences", "2"])
+    route = await wait_for_coverage(client, swarm, ALIAS, timeout_s=COVERAGE_TIMEOUT_S)
+    if len(route.hops) != 3:
+        raise RuntimeError(f"the swarm offered a {len(route.hops)}-hop route")
+    _, prompt = await make_prompt(_Tokenizer(client, route), prompt_tokens)
+    return client, route, prompt
+
+
 class _Tokenizer:
     """``make_prompt``'s tokenizer: the swarm's, through a route."""
 

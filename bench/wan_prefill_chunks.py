@@ -23,11 +23,10 @@ import contextlib
 import statistics
 
 import trio
-from common import log, make_prompt
+from common import log
 
 from agent.core.lab.topology import LinkChange
-from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
-from agent.io.client import SwarmClientConfig, open_swarm_client
+from agent.io.client import SwarmClientConfig
 from agent.io.lab.harness import Lab
 
 NEW_TOKENS = 2
@@ -48,18 +47,7 @@ async def measure_chunks(lab: Lab, swarm, wan, args: argparse.Namespace) -> dict
     wan.set_every_link(lab, LinkChange(delay_ms=0.0, rate_mbit=0.0))  # the setup's many small calls, quickly
     links = _links(args)
     async with contextlib.AsyncExitStack() as stack:
-        await swarm.start_tracker()
-        client = await stack.enter_async_context(
-            open_swarm_client(swarm.tracker_addr, listen_addrs=lab.listen_addrs("owner"))
-        )
-        (entry,) = [m for m in await client.list_models() if m.alias == wan.ALIAS]
-        memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3)
-        for i in range(3):
-            swarm.start_node(f"node-{i + 1}", memory, ["--max-sequences", "2"])
-        route = await wait_for_coverage(client, swarm, wan.ALIAS, timeout_s=wan.COVERAGE_TIMEOUT_S)
-        if len(route.hops) != 3:
-            raise RuntimeError(f"the swarm offered a {len(route.hops)}-hop route")
-        _, prompt = await make_prompt(wan._Tokenizer(client, route), args.prefill_tokens)
+        client, route, prompt = await wan.open_owner_section(stack, lab, swarm, args.prefill_tokens)
         configs = {
             rows: SwarmClientConfig(prefill_chunk_tokens=rows, prefill_chunks_in_flight=64) for rows in chunk_rows
         }

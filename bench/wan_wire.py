@@ -25,13 +25,12 @@ import statistics
 
 import numpy as np
 import trio
-from common import log, make_prompt
+from common import log
 
 from agent.core.lab.topology import LinkChange
 from agent.core.wire.boundary import WIRE_LOGIT_BOUNDS, WireDType, wire_bytes
 from agent.core.wire.topk import TopLogits
-from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
-from agent.io.client import SwarmClientConfig, open_swarm_client
+from agent.io.client import SwarmClientConfig
 from agent.io.lab.harness import Lab
 from agent.io.tracker.gguf_info import read_gguf_facts
 from agent.models import model_path
@@ -61,19 +60,8 @@ async def measure_wire(lab: Lab, swarm, wan, args: argparse.Namespace) -> dict:
     """The section, inside the owner's machine (one trio run)."""
     wan.set_every_link(lab, LinkChange(delay_ms=0.0, rate_mbit=0.0))  # the setup's many small calls, quickly
     async with contextlib.AsyncExitStack() as stack:
-        await swarm.start_tracker()
-        first = await stack.enter_async_context(
-            open_swarm_client(swarm.tracker_addr, listen_addrs=lab.listen_addrs("owner"))
-        )
+        first, route, prompt = await wan.open_owner_section(stack, lab, swarm, args.prefill_tokens)
         configs = {name: _config(name, args.chunk_rows) for name in VARIANTS}
-        (entry,) = [m for m in await first.list_models() if m.alias == wan.ALIAS]
-        memory = node_memory_bytes(entry.n_layer, entry.bytes_per_block, 3)
-        for i in range(3):
-            swarm.start_node(f"node-{i + 1}", memory, ["--max-sequences", "2"])
-        route = await wait_for_coverage(first, swarm, wan.ALIAS, timeout_s=wan.COVERAGE_TIMEOUT_S)
-        if len(route.hops) != 3:
-            raise RuntimeError(f"the swarm offered a {len(route.hops)}-hop route")
-        _, prompt = await make_prompt(wan._Tokenizer(first, route), args.prefill_tokens)
         wan.set_every_link(lab, LinkChange(delay_ms=args.prefill_rtt_ms / 2, rate_mbit=args.wire_rate_mbit))
         measured_rtt = statistics.median(await trio.to_thread.run_sync(wan.tcp_rtt_ms, lab, "owner", "n1", 20))
 

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from agent.core.wire.admission_work import MAX_WORK_BITS, WORK_BYTES, solve_work, work_ok
+from agent.core.wire.admission_work import MAX_WORK_BITS, WORK_BYTES, solve_work, work_asked, work_ok
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -27,6 +27,8 @@ def test_a_solved_proof_holds_for_its_key_and_bits_only() -> None:
 def test_no_work_asked_admits_anything_and_a_requirement_is_bounded() -> None:
     assert work_ok(KEY, b"", 0) and work_ok(KEY, b"anything", 0)
     assert solve_work(KEY, 0) == bytes(WORK_BYTES)
+    assert work_asked(1) and work_asked(MAX_WORK_BITS)
+    assert not work_asked(0) and not work_asked(MAX_WORK_BITS + 1)  # (not asked, or hours of a core)
     with pytest.raises(ValueError, match=r"within 0\.\.32"):
         solve_work(KEY, MAX_WORK_BITS + 1)
     with pytest.raises(ValueError, match=r"within 0\.\.32"):

@@ -123,12 +123,13 @@ def same_host(a: str, b: str) -> bool:
     """Whether IP addresses ``a`` and ``b`` name one host (an IPv4-mapped IPv6 address is its
     IPv4 one); text that is not an address matches only itself."""
     try:
-        x, y = ipaddress.ip_address(a), ipaddress.ip_address(b)
+        return _unmapped(ipaddress.ip_address(a)) == _unmapped(ipaddress.ip_address(b))
     except ValueError:
         return a == b
-    x = x.ipv4_mapped or x if isinstance(x, ipaddress.IPv6Address) else x
-    y = y.ipv4_mapped or y if isinstance(y, ipaddress.IPv6Address) else y
-    return x == y
+
+
+def _unmapped(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    return (ip.ipv4_mapped or ip) if isinstance(ip, ipaddress.IPv6Address) else ip
 
 
 def seen_first(addrs: Iterable[str], seen_host: str) -> tuple[str, ...]:

@@ -36,7 +36,6 @@ Pure: no sockets, trio, clocks or randomness. Must not import agent.io.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
@@ -45,6 +44,7 @@ import numpy as np
 from agent._proto import swarm_pb2, worker_pb2
 from agent.core.net.multiaddrs import parse_channel_multiaddr, same_host
 from agent.core.owner.sampling import SamplingParams
+from agent.core.wire.address_rate import counted_host
 from agent.core.wire.data_frames import KEY_BYTES
 from agent.core.wire.step_results import step_result_top
 from agent.core.wire.swarm_wire import SCHEMA_VERSION, crc32, error, worker_error_code
@@ -231,18 +231,11 @@ def _hop_refusal(
     if host not in hosts:
         return f"{host!r} is not an address of {what} {peer} (the tracker lists {sorted(hosts)})"
     # the addresses are the node's word; where the tracker hears it from is not: a node on
-    # another machine cannot send a worker to a host but its own (one on the tracker's own
-    # machine, heard over loopback, is the operator's: its addresses are taken as listed)
-    if entry.seen_host and not _loopback(entry.seen_host) and not same_host(host, entry.seen_host):
+    # another machine cannot send a worker to a host but its own (one heard over loopback, on
+    # the tracker's own machine, is the operator's, as for admission limits: taken as listed)
+    if counted_host(entry.seen_host) and not same_host(host, entry.seen_host):
         return f"{host!r} is not where the tracker hears {what} {peer} from ({entry.seen_host})"
     return None
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def data_step(step: int, positions: Sequence[int], token_ids: Sequence[int], top_k: int) -> worker_pb2.DataStep:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["MAX_WORK_BITS", "WORK_BYTES", "solve_work", "work_ok"]
+__all__ = ["MAX_WORK_BITS", "WORK_BYTES", "solve_work", "work_asked", "work_ok"]
 
 _DOMAIN = b"baton-admission-work/1\n"
 
@@ -40,6 +40,12 @@ def work_ok(public_key: bytes, work: bytes, bits: int) -> bool:
     return _leading_zero_bits(hashlib.sha256(_DOMAIN + public_key + work).digest()) >= bits
 
 
+def work_asked(work_bits: int) -> bool:
+    """Whether a refusal's ``Error.work_bits`` asks for a proof a peer solves (once, then asks
+    again): a requirement past ``MAX_WORK_BITS`` is not tried (hours of a core)."""
+    return 0 < work_bits <= MAX_WORK_BITS
+
+
 def solve_work(public_key: bytes, bits: int) -> bytes:
     """The first counter whose bytes prove ``bits`` bits of work for ``public_key`` (expected
     2^bits hashes: run it off an event loop)."""
@@ -51,6 +57,6 @@ def solve_work(public_key: bytes, bits: int) -> bytes:
         work = counter.to_bytes(WORK_BYTES, "little")
         h = prefix.copy()
         h.update(work)
-        if bits == 0 or _leading_zero_bits(h.digest()) >= bits:
+        if _leading_zero_bits(h.digest()) >= bits:
             return work
         counter += 1

@@ -30,7 +30,7 @@ from agent.core.net.multiaddrs import peer_id_from_multiaddr
 from agent.core.owner.prefix_blocks import block_hashes, owner_salt, prefix_seed, route_tags
 from agent.core.owner.route_repair import end_session_request, surviving_hops
 from agent.core.wire.admission import AdmissionError, make_client_hello, verify_admission
-from agent.core.wire.admission_work import MAX_WORK_BITS, solve_work
+from agent.core.wire.admission_work import solve_work, work_asked
 from agent.core.wire.swarm_wire import NODE_PROTOCOL, SCHEMA_VERSION, TRACKER_PROTOCOL
 from agent.io.client.config import SwarmClientConfig
 from agent.io.client.outcome import GenerationError, SwarmError
@@ -143,7 +143,7 @@ class ControlClient:
         try:
             reply = await self._tracker(swarm_pb2.TrackerRequest(client_hello=hello))
         except SwarmError as refused:
-            if not 0 < refused.work_bits <= MAX_WORK_BITS:
+            if not work_asked(refused.work_bits):
                 raise
             # a new identity where the operator asks for work: once, then a fresh hello with it
             log.info("the tracker asks this new key for a proof of work of %d bits", refused.work_bits)

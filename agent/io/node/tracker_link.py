@@ -20,7 +20,7 @@ from agent._proto import swarm_pb2
 from agent.core.net.multiaddrs import circuit_multiaddr
 from agent.core.node.link import RegistrationInvalid, RegistrationRefused, read_registration_reply
 from agent.core.node.range_states import range_name
-from agent.core.wire.admission_work import MAX_WORK_BITS, solve_work
+from agent.core.wire.admission_work import solve_work, work_asked
 from agent.core.wire.fingerprint import HostProbe, build_fingerprint, signed_fingerprint
 from agent.core.wire.manifest import verify_manifest
 from agent.core.wire.swarm_wire import (
@@ -132,7 +132,7 @@ class TrackerLink(NodeState):
                 )  # fmt: skip
                 break
             except RegistrationRefused as err:
-                if work or not 0 < err.work_bits <= MAX_WORK_BITS:
+                if work or not work_asked(err.work_bits):
                     raise NodeRefused(err.reason) from None
                 # a new identity where the operator asks for work: solved once, then registered again
                 log.info("the tracker asks this new key for a proof of work of %d bits", err.work_bits)

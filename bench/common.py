@@ -8,6 +8,7 @@ importable); nothing here imports a benchmark, so no two benchmarks import each 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import platform
@@ -105,6 +106,13 @@ def _ram_bytes() -> int:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def stamped(report: dict) -> dict:
+    """``report`` with the machine it ran on and when (``machine``, ``measured_at`` in UTC)."""
+    report["machine"] = machine_info()
+    report["measured_at"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return report
 
 
 def machine_info() -> dict:

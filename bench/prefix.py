@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import os
 import statistics
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401  (first: it makes the project importable)
 import trio
-from common import log, machine_info, publish
+from common import log, publish, stamped
 
 ALIAS = "smollm2"
 CACHE_BYTES = 256 << 20
@@ -425,9 +424,7 @@ def main() -> int:
             report["conversation"][name] = trio.run(measure_conversation, args, cache)
     if "hits" in only:
         report["hits"] = trio.run(measure_hits, args)
-    report["machine"] = machine_info()
-    report["measured_at"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    publish(args.out, "prefix", report, markdown(report))
+    publish(args.out, "prefix", stamped(report), markdown(report))
     return 0
 
 

@@ -64,7 +64,16 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401  (first: it makes the project importable)
 import trio
-from common import ensure_llama_tools, log, machine_info, make_prompt, publish, run_llama_bench, stop_processes
+from common import (
+    ensure_llama_tools,
+    log,
+    machine_info,
+    make_prompt,
+    publish,
+    run_llama_bench,
+    stamped,
+    stop_processes,
+)
 
 from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
@@ -602,7 +611,6 @@ def baton_swarms(
 
 def main_sessions(args: argparse.Namespace) -> int:
     """``--only sessions``: section 3 alone, put into the report already in ``--out``."""
-    import datetime
     import tempfile
 
     model = model_path(ALIAS)
@@ -611,8 +619,7 @@ def main_sessions(args: argparse.Namespace) -> int:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="baton-wan-")))
         swarms = baton_swarms(lab, stack, model, workdir, args, (3, LOCK_STEP))
         section = lab.trio_run_in("owner", measure_sessions, lab, swarms, args)["concurrency"]
-    section["machine"] = machine_info()
-    section["measured_at"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    stamped(section)
     print("\n".join(sessions_markdown(section)))
     if args.out is not None:
         report = json.loads((args.out / "wan.json").read_text())
@@ -625,7 +632,6 @@ def run_owner_section(args: argparse.Namespace, name: str, title: str, measure, 
     """A section run alone on a 3-split swarm in the lab (``--only prefill``, ``--only wire``):
     ``measure(lab, swarm, wan, args)`` inside the owner's machine, its report printed by
     ``markdown(section)`` (lines) and written as ``name.{json,md}`` under ``--out``."""
-    import datetime
     import sys
     import tempfile
 
@@ -634,8 +640,7 @@ def run_owner_section(args: argparse.Namespace, name: str, title: str, measure, 
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"baton-{name}-")))
         (swarm,) = baton_swarms(lab, stack, model_path(ALIAS), workdir, args, (3,)).values()
         section = lab.trio_run_in("owner", measure, lab, swarm, sys.modules[__name__], args)
-    section["machine"] = machine_info()
-    section["measured_at"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    stamped(section)
     lines = markdown(section)
     print("\n".join(lines))
     publish(args.out, name, section, "\n".join([f"# Baton across a WAN (the lab): {title}", "", *lines]))

@@ -16,12 +16,11 @@ Usage: ``.venv/bin/python bench/wire_bounds.py [--lengths 40,250,500,1000,1500,2
 from __future__ import annotations
 
 import argparse
-import datetime
 from pathlib import Path
 
 import _bootstrap  # noqa: F401  (first: it makes the project importable)
 import trio
-from common import log, machine_info, publish
+from common import log, publish, stamped
 
 from agent.core.wire.boundary import WIRE_LOGIT_BOUNDS, WireDType
 from agent.harness.parity_run import run_parity
@@ -72,9 +71,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="write wire_bounds.{json,md} here (default: print only)")
     args = parser.parse_args()
     report = trio.run(measure, [int(x) for x in args.lengths.split(",")], args.steps)
-    report["machine"] = machine_info()
-    report["measured_at"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    publish(args.out, "wire_bounds", report, markdown(report))
+    publish(args.out, "wire_bounds", stamped(report), markdown(report))
     return 0
 
 

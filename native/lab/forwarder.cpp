@@ -71,6 +71,9 @@ struct Machine {
     bool nat = false;
     FlowFilter filter{0};
     uint64_t uplink_drops = 0, downlink_drops = 0, nat_drops = 0, spoofed = 0, unknown_dst = 0, write_errors = 0;
+    // time packets spent on the shaped access links (queued and sent at the rate): what a test
+    // reads to know a rate was met, where comparing two wall times would be noise
+    int64_t uplink_wait_ns = 0, downlink_wait_ns = 0;
 };
 
 struct Event {
@@ -180,6 +183,7 @@ void Forwarder::receive(int from, std::string packet, int64_t now) {
         ++source.uplink_drops;
         return;
     }
+    source.uplink_wait_ns += *sent - now;
     const double loss_draw = draw();
     const double jitter_draw = draw();
     const LinkOutcome outcome = link(from, to).send(*sent, packet.size(), loss_draw, jitter_draw);
@@ -205,6 +209,7 @@ void Forwarder::handle(Event event, int64_t now) {
             ++target.downlink_drops;
             return;
         }
+        target.downlink_wait_ns += *out - event.at_ns;
         if (*out > now) {
             event.at_ns = *out;
             event.at_downlink = false;
@@ -271,12 +276,14 @@ std::string Forwarder::stats_json() {
         std::snprintf(row, sizeof row,
                       "%s{\"index\":%zu,\"address\":\"%s\",\"nat\":%s,\"nat_flows\":%zu,\"nat_drops\":%llu,"
                       "\"uplink_drops\":%llu,\"downlink_drops\":%llu,\"spoofed\":%llu,\"unknown_dst\":%llu,"
-                      "\"write_errors\":%llu,\"uplink_bps\":%lld,\"downlink_bps\":%lld}",
+                      "\"write_errors\":%llu,\"uplink_bps\":%lld,\"downlink_bps\":%lld,\"uplink_wait_us\":%lld,"
+                      "\"downlink_wait_us\":%lld}",
                       i ? "," : "", i, format_address(m.address).c_str(), m.nat ? "true" : "false", m.filter.flows(),
                       (unsigned long long)m.nat_drops, (unsigned long long)m.uplink_drops,
                       (unsigned long long)m.downlink_drops, (unsigned long long)m.spoofed,
                       (unsigned long long)m.unknown_dst, (unsigned long long)m.write_errors,
-                      (long long)m.access.uplink_bps, (long long)m.access.downlink_bps);
+                      (long long)m.access.uplink_bps, (long long)m.access.downlink_bps,
+                      (long long)(m.uplink_wait_ns / 1000), (long long)(m.downlink_wait_ns / 1000));
         out += row;
     }
     char tail[384];

@@ -474,6 +474,25 @@ async def test_an_immediate_handler_that_raises_answers_an_error_and_the_connect
     assert a.connections_dialled == 1 and b.frames_refused == 0
 
 
+async def test_a_peer_is_answered_over_its_own_connection_without_a_dial(pair: Pair) -> None:
+    """An owner behind NAT names no address a node can dial: the node's requests to it (a step's
+    result) go back over the connection the owner opened, and nothing is dialled."""
+    a, b = pair.a, pair.b
+    a.set_handler(ECHO, lambda _remote, payload: _echo_reply(payload))
+    assert await a.request(b.peer_id, b.listen_addrs, ECHO, b"to b", timeout_s=10) == b"echo:to b"
+    assert await b.request(a.peer_id, [], ECHO, b"back", timeout_s=10) == b"echo:back"
+    replied = trio.Event()
+    assert b.request_soon(a.peer_id, ECHO, b"soon", timeout_s=10, on_reply=lambda _reply: replied.set())
+    with trio.fail_after(10):
+        await replied.wait()
+    assert b.connections_dialled == 0 and a.connections_accepted == 0 and b.fallback_requests == 0
+    assert b.channel_requests == 2
+
+
+async def _echo_reply(payload: bytes) -> bytes:
+    return b"echo:" + payload
+
+
 async def test_request_soon_answers_through_its_callback_or_says_it_sent_nothing() -> None:
     net = MemoryNetwork()
     ka, kb = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()

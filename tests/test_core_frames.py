@@ -14,6 +14,7 @@ from agent.core.net import frames
 from agent.core.net.frames import FrameError, FrameReader, FrameTooLarge, decode_uvarint, encode_uvarint
 from agent.core.net.identity import peer_id_from_public_key
 from agent.core.net.multiaddrs import (
+    at_seen_host,
     channel_multiaddr,
     is_circuit,
     parse_channel_multiaddr,
@@ -236,6 +237,21 @@ def test_a_peers_addresses_at_the_host_it_was_seen_at_come_first() -> None:
     addrs = ("/memory/A", "/ip4/10.0.0.9/tcp/1/tls/p2p/A", "/ip4/10.0.0.2/tcp/2/tls/p2p/A", "/ip4/10.0.0.2/tcp/3/p2p/A")
     assert seen_first(addrs, "10.0.0.2") == (addrs[2], addrs[3], addrs[0], addrs[1])
     assert seen_first(addrs, "") == addrs == seen_first(addrs, "192.0.2.1")
+
+
+def test_only_the_direct_addresses_at_the_seen_host_are_kept_for_dialling_back() -> None:
+    circuit = "/ip4/198.18.0.1/tcp/4001/p2p/R/p2p-circuit/p2p/A"
+    addrs = (
+        "/ip4/10.0.0.9/tcp/1/tls/p2p/A",
+        "/ip4/10.0.0.2/tcp/2/tls/p2p/A",
+        circuit,
+        "/ip6/::ffff:10.0.0.2/tcp/3/p2p/A",
+    )
+    # another host's address is dropped, whatever its kind; the relay's circuit address stays
+    assert at_seen_host(addrs, "10.0.0.2") == (addrs[1], circuit, addrs[3])
+    assert at_seen_host(addrs, "10.0.0.7") == (circuit,)
+    # the operator's own machine and an in-memory transport: as they are
+    assert at_seen_host(addrs, "127.0.0.1") == addrs == at_seen_host(addrs, "") == at_seen_host(addrs, "::1")
 
 
 def _cert(identity: Ed25519PrivateKey, cert_key=None) -> bytes:

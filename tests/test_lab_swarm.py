@@ -2,7 +2,8 @@
 round trip between every pair, SmolLM2 split in three. Greedy output must equal one unsplit
 worker's through the relay and through an owner of its own; and stay equal with 2 % loss on
 every link, with a node behind a 5 Mbit/s uplink, with a link cut mid-generation, and with a
-machine switched off mid-generation (a spare machine takes its range over).
+machine switched off mid-generation (a spare machine takes its range over). A step's result
+goes only to the host its owner sent it from.
 
 One lab and swarm are shared by the module. The owners (the tests' clients) run in the relay's
 machine; the unsplit reference worker runs on this host (Unix sockets only).
@@ -12,18 +13,24 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import socket
 from collections.abc import Iterator
 
 import openai
 import pytest
 import trio
 
+from agent._proto import swarm_pb2
 from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology
+from agent.core.wire.step_requests import first_step_request
+from agent.core.wire.swarm_wire import NODE_PROTOCOL, RESULT_PROTOCOL, SCHEMA_VERSION, STEP_PROTOCOL, parse_record
 from agent.demo.local_demo import unsplit_greedy
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement
 from agent.io.client import SwarmClientConfig, open_swarm_client
 from agent.io.lab.harness import Lab, running_lab
+from agent.io.net.transport import ImmediateHandler
 from agent.models import model_path
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
@@ -178,6 +185,69 @@ def test_a_node_on_a_5_mbit_uplink_is_served(lab_swarm: LabSwarm) -> None:
     sent_bytes = bytes_after - bytes_before
     assert sent_bytes > len(lab_swarm.prompt_tokens) * 576 * 2  # at least the prompt's rows, f16 at the least
     assert (waited_after - waited_before) / 1e6 >= 0.95 * sent_bytes * 8 / uplink_bps
+
+
+@pytest.mark.timeout(120)
+def test_a_steps_result_is_sent_only_to_the_host_its_owner_sent_from(lab_swarm: LabSwarm) -> None:
+    """An owner that names another machine's host:port as its own address (to have a volunteer
+    connect and send bytes there) is answered only at the host its step came from."""
+    lab = lab_swarm.lab
+
+    def listen() -> socket.socket:  # on the tracker's machine: somebody else's host
+        sock = socket.create_server((lab.address("tracker"), 0))
+        sock.setblocking(False)
+        return sock
+
+    target = lab.run_in("tracker", listen)
+    target_port = target.getsockname()[1]
+
+    async def body() -> swarm_pb2.StepResult:
+        async with open_swarm_client(lab_swarm.swarm.tracker_addr, listen_addrs=lab_swarm.owner_listen()) as client:
+            route = await client.route(ALIAS)
+            got: list[swarm_pb2.StepResult] = []
+            arrived = trio.Event()
+
+            def take(_remote: str, payload: bytes) -> bytes:
+                got.append(parse_record(swarm_pb2.StepResult, payload))
+                arrived.set()
+                return swarm_pb2.StepAck(schema_version=SCHEMA_VERSION).SerializeToString()
+
+            client.transport.set_handler(RESULT_PROTOCOL, ImmediateHandler(take))
+            forged = f"/ip4/{lab.address('tracker')}/tcp/{target_port}/tls/p2p/{client.peer_id}"
+            session_id = os.urandom(16)
+            request = first_step_request(
+                session_id=session_id, step=0, hops=route.hops, token_ids=lab_swarm.prompt_tokens[:4],
+                first_position=0, recipe_hash=route.recipe_hash, model_sha256=route.model_sha256,
+                owner_peer_id=client.peer_id, owner_addrs=[forged, *client.transport.listen_addrs],
+                sender_admission=client.admission, result_top_k=1,
+            )  # fmt: skip
+            first = route.hops[0]
+            raw = await client.transport.request(
+                first.peer_id, list(first.addrs), STEP_PROTOCOL, request.SerializeToString(), timeout_s=30
+            )
+            assert parse_record(swarm_pb2.StepAck, raw).error.code == 0
+            with trio.fail_after(60):
+                await arrived.wait()
+            for hop in route.hops:  # (its sequences back for the module's other tests)
+                end = swarm_pb2.NodeRequest(schema_version=SCHEMA_VERSION, sender_admission=client.admission)
+                end.end_session.session_id = session_id
+                await client.transport.request(
+                    hop.peer_id, list(hop.addrs), NODE_PROTOCOL, end.SerializeToString(), timeout_s=30
+                )
+            return got[0]
+
+    try:
+        result = lab_swarm.in_owner(body)
+        assert not result.HasField("error") or result.error.code == 0, result.error
+        try:
+            accepted, peer = target.accept()
+        except BlockingIOError:
+            pass  # nothing connected to the forged address
+        else:
+            accepted.close()
+            pytest.fail(f"{peer} connected to the forged owner address")
+    finally:
+        target.close()
 
 
 @pytest.mark.timeout(300)

@@ -5,8 +5,9 @@ Owns, on plain strings (no multiaddr library, no sockets):
 - ``circuit_multiaddr`` / ``is_circuit`` / ``circuit_relay_host``: ``<relay addr>/p2p-circuit/p2p/<id>``,
   where a peer behind the tracker's circuit relay is reached (libp2p only), and the relay's host;
 - ``tcp_hosts``: the host of each direct TCP address (``/ip4|ip6/<host>/tcp/<port>...``);
-- ``same_host`` / ``seen_first``: whether two IP addresses are one host, and a peer's addresses
-  with those at the host it was seen at first;
+- ``same_host`` / ``seen_first`` / ``at_seen_host``: whether two IP addresses are one host, a
+  peer's addresses with those at the host it was seen at first, and without the direct ones
+  anywhere else;
 - ``channel_multiaddr`` / ``parse_channel_multiaddr``: ``/ip4|ip6/<host>/tcp/<port>/tls/p2p/<id>``,
   the direct data channel of a peer (``agent.io.net.channel``: TLS 1.3 with libp2p-TLS
   certificates, Baton channel frames). libp2p never dials these (it would expect multistream
@@ -22,6 +23,7 @@ import ipaddress
 from collections.abc import Iterable
 
 __all__ = [
+    "at_seen_host",
     "channel_multiaddr",
     "circuit_multiaddr",
     "circuit_relay_host",
@@ -145,3 +147,25 @@ def seen_first(addrs: Iterable[str], seen_host: str) -> tuple[str, ...]:
         return bool(hosts) and same_host(hosts[0], seen_host)
 
     return tuple(sorted(addrs, key=lambda addr: not at_seen(addr)))
+
+
+@functools.lru_cache(maxsize=1024)  # on each owner step's path: one owner sends the same tuple every step
+def at_seen_host(addrs: tuple[str, ...], seen_host: str) -> tuple[str, ...]:
+    """``addrs`` without the direct addresses at any host but ``seen_host`` (where the peer's
+    connection comes from), so that whoever later dials them dials only that host: a peer
+    that names another host's address has a node open a connection to it for nobody.
+    Circuit addresses stay (libp2p dials their relay, which proves its own peer id first).
+    ``seen_host`` loopback or not an IP address (the operator's own machine, an in-memory
+    transport): ``addrs`` as they are."""
+    try:
+        seen = ipaddress.ip_address(seen_host)
+    except ValueError:
+        return addrs
+    if seen.is_loopback:
+        return addrs
+    kept = []
+    for addr in addrs:
+        hosts = tcp_hosts([addr])
+        if not hosts or same_host(hosts[0], seen_host):
+            kept.append(addr)
+    return tuple(kept)

@@ -180,9 +180,7 @@ class ChannelTransport:
             else:
                 channel_targets.append(parsed)
         with trio.move_on_after(timeout_s) as scope:
-            connection = self._connections.get(peer_id)
-            if connection is not None and connection.closed is not None:
-                connection = None  # failed, its reader not yet done with it: dial anew
+            connection = self._live_connection(peer_id)
             if connection is None and channel_targets:
                 connection = await self._connect(peer_id, channel_targets)
             if connection is not None:
@@ -232,7 +230,7 @@ class ChannelTransport:
         use ``request`` then. The rest of a send the kernel did not take at once goes out from
         the connection's writer.
         """
-        connection = self._connections.get(peer_id)
+        connection = self._live_connection(peer_id)
         if connection is None or len(payload) > self.config.max_frame_bytes:
             return False
         deadline = trio.current_time() + timeout_s
@@ -254,8 +252,20 @@ class ChannelTransport:
         return {peer_id: (direct, relayed) for peer_id, (direct, relayed) in counts.items()}
 
     def _has_connection(self, peer_id: str) -> bool:
+        return self._live_connection(peer_id) is not None
+
+    def _live_connection(self, peer_id: str) -> _Connection | None:
+        """The open connection to ``peer_id``: this side's own, else one the peer opened (an
+        owner's answers go back over the owner's own connection: it may have no address a node
+        can dial, and a node then dials nothing it was only told of). None: none is open (a
+        failed one whose reader is not yet done with it counts as none: dial anew)."""
         connection = self._connections.get(peer_id)
-        return connection is not None and connection.closed is None
+        if connection is not None and connection.closed is None:
+            return connection
+        for accepted in self._inbound:
+            if accepted.peer_id == peer_id and accepted.closed is None:
+                return accepted
+        return None
 
     async def _adopt_punched(self, peer_id: str, tcp: trio.SocketStream, tls_client: bool) -> bool:
         """A hole-punched TCP connection to ``peer_id`` as a channel connection: the TLS 1.3
@@ -309,7 +319,7 @@ class ChannelTransport:
         while True:
             await trio.sleep(self.config.deadline_check_interval_s)
             now = trio.current_time()
-            for connection in list(self._connections.values()):
+            for connection in [*self._connections.values(), *self._inbound]:  # (answers go over either)
                 connection.expire(now)
 
     # -- dialling ----------------------------------------------------------------------------

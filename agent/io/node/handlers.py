@@ -9,9 +9,11 @@ Must not import ``agent`` (it builds on this module).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from agent._proto import swarm_pb2
+from agent.core.net.multiaddrs import at_seen_host
 from agent.core.node.batching import forward_key
 from agent.core.node.policy import check_step_sender, range_not_ready, worker_call_failed
 from agent.core.node.range_states import RangeKey
@@ -97,6 +99,11 @@ class RequestHandlers(SessionControl):
         ):
             raise range_not_ready(key, None if served is None else served.state)
         step = validate_step(request, served.spec)
+        if step.owner_peer_id == remote_peer_id:
+            # the owner's own step: its result is dialled back only at the host it came from
+            owner_addrs = at_seen_host(step.owner_addrs, remote_host())
+            if owner_addrs != step.owner_addrs:
+                step = dataclasses.replace(step, owner_addrs=owner_addrs)
         trusted = step.owner_peer_id in self.config.trusted_owners
         if step.rebuild:
             session = served.sessions.accept_rebuild(

@@ -16,6 +16,7 @@ import logging
 import trio
 
 from agent._proto import swarm_pb2
+from agent.core.net.multiaddrs import at_seen_host
 from agent.core.node.kept_rows import RowsNotKept
 from agent.core.node.policy import check_end_session_sender, worker_call_failed
 from agent.core.node.range_states import range_name
@@ -30,7 +31,7 @@ from agent.core.wire.swarm_wire import (
     WorkerCall,
     parse_record,
 )
-from agent.io.net.transport import TransportError
+from agent.io.net.transport import TransportError, remote_host
 from agent.io.worker.error import WorkerError
 
 from .data_plane import DataPlane
@@ -223,7 +224,8 @@ class SessionControl(DataPlane):
             request = replay_step_request(
                 session_id=session_id, resume_step=body.resume_step, hops=body.to, chunk=chunk,
                 n_embd=served.spec.n_embd, recipe_hash=served.spec.recipe_hash, model_sha256=served.spec.model_sha256,
-                owner_peer_id=remote_peer_id, owner_addrs=list(body.owner_addrs), sender_admission=self.admission,
+                owner_peer_id=remote_peer_id, owner_addrs=list(at_seen_host(tuple(body.owner_addrs), remote_host())),
+                sender_admission=self.admission,
             )  # fmt: skip
             data = request.SerializeToString()
             try:

@@ -125,8 +125,8 @@ def markdown(report: dict) -> str:
         m = report["machine"]
         lines += [f"Measured {report['measured_at']}, {m['cpu_model']}, {m['cores']} cores; SmolLM2.", ""]
     if "chunk_tokens" in report:
-        lines += [f"The owner's prompt chunks: {report['chunk_tokens']} tokens (a copied prefix ends on a chunk"
-                  " boundary); the relay's: its default.", ""]  # fmt: skip
+        lines += [f"The owners' prompt chunks and prefix blocks (the relay's too): {report['chunk_tokens']} tokens"
+                  " (a copied prefix ends on a chunk boundary).", ""]  # fmt: skip
     if report.get("quick"):
         lines += ["**A smoke run (`--quick`): sizes reduced, targets not checked.**", ""]
     for name, section in report.get("ttft", {}).items():
@@ -224,7 +224,7 @@ async def _client(swarm, stack: contextlib.AsyncExitStack, args: argparse.Namesp
 
     await swarm.start_tracker()
     # (a cached prefix ends on a chunk boundary: the chunk size bounds what a session copies)
-    config = SwarmClientConfig(prefill_chunk_tokens=args.chunk_tokens)
+    config = SwarmClientConfig(prefill_chunk_tokens=args.chunk_tokens, prefix_block_tokens=args.chunk_tokens)
     extra = {} if listen_addrs is None else {"listen_addrs": listen_addrs}
     client = await stack.enter_async_context(open_swarm_client(swarm.tracker_addr, config=config, **extra))
     (entry,) = [m for m in await client.list_models() if m.alias == ALIAS]
@@ -315,7 +315,9 @@ async def measure_conversation(args: argparse.Namespace, cache: bool) -> dict:
 
     config = demo_swarm_config(threads=args.threads)
     # (no spot checks: a replayed session's rows would count)
-    config = dataclasses.replace(config, relay_args=(*config.relay_args, "--spot-check-rate", "0"))
+    relay_args = (*config.relay_args, "--spot-check-rate", "0", "--prefill-chunk-tokens", str(args.chunk_tokens),
+                  "--prefix-block-tokens", str(args.chunk_tokens))  # fmt: skip
+    config = dataclasses.replace(config, relay_args=relay_args)
     if cache:
         config = dataclasses.replace(config, node_args=(*config.node_args, "--prefix-cache-bytes", str(CACHE_BYTES)))
     turns = []
@@ -402,7 +404,7 @@ def main() -> int:
 
     default_chunk = SwarmClientConfig().prefill_chunk_tokens
     parser.add_argument("--chunk-tokens", type=int, default=default_chunk,
-                        help=f"the owner's prefill_chunk_tokens in ttft and hits (default {default_chunk}, the "
+                        help=f"the owners' prefill_chunk_tokens and prefix_block_tokens, the relay's too (default {default_chunk}, the "
                              "owner's default; a copied prefix ends on a chunk boundary)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="write prefix.{json,md} here (bench/results)")
     args = parser.parse_args()

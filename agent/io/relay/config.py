@@ -80,6 +80,8 @@ class RelayConfig:
     (``agent.core.relay.waiting_line``).
     ``wire``, ``link_mbit``: the dtype of the swarm sessions' boundary rows between hops, and
     the link estimate ``auto`` goes by (``SwarmClientConfig.wire``).
+    ``prefill_chunk_tokens``, ``prefix_block_tokens``: the prompt's chunk and the prefix cache's
+    block (``SwarmClientConfig``: a cached prefix ends on both).
     """
 
     # ``tracker`` and ``db`` have no default, and argparse does not require them: a
@@ -157,6 +159,15 @@ class RelayConfig:
         "the routes' slowest link in Mbit/s, for --wire auto (default 0: unknown, f32)",
         parse=cli_args.non_negative_float,
     )
+    prefill_chunk_tokens: int = setting(
+        64,
+        "prompt rows a step carries (default 64, the prefix cache's block: a cached prefix ends on a chunk)",
+        parse=cli_args.positive_int,
+    )
+    prefix_block_tokens: int = setting(
+        64, "tokens per prefix-cache block the sessions name to hops (default 64; 0: none)",
+        parse=cli_args.non_negative_int,
+    )  # fmt: skip
     # Limits no flag sets.
     generation_timeout_s: float = 600.0
     default_max_tokens: int = 1024

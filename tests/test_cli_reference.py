@@ -28,7 +28,7 @@ UNIT_SUFFIXES = ("-s", "-ms", "-bytes", "-per-day", "-per-minute", "-mbit")
 UNIT_WORDS = re.compile(
     r"\b(seconds?|ms|bytes|MiB|tokens?|threads?|positions?|sequences?|rows?|steps?|blocks?|layers?|"
     r"nodes?|ranges?|requests?|groups?|checks?|attempts?|share|chance|mass|temperature|seed|"
-    r"difference|error|noise|sessions?|count|RMS|percent|machines?)\b"
+    r"difference|error|noise|sessions?|count|RMS|percent|machines?|keys?|hours?)\b"
 )
 
 

@@ -284,8 +284,8 @@ def test_a_relay_passes_its_client_settings_by_name() -> None:
     )
     relay_types = {f.name: f.type for f in dataclasses.fields(RelayConfig)}
     shared = [f for f in dataclasses.fields(SwarmClientConfig) if f.name in relay_types]
-    assert len(shared) == 8 and all(relay_types[f.name] == f.type for f in shared)
-    assert {"wire", "link_mbit", "prefill_chunk_tokens", "prefix_block_tokens"} <= {f.name for f in shared}
+    assert len(shared) == 9 and all(relay_types[f.name] == f.type for f in shared)
+    assert {"wire", "link_mbit", "prefill_chunk_tokens", "prefix_block_tokens", "invite"} <= {f.name for f in shared}
 
 
 def test_the_node_service_command_line_is_rendered_from_node_config() -> None:

@@ -28,6 +28,7 @@ from agent.core.tracker.assignment import Assignment
 from agent.core.tracker.registry import GgufFacts, bytes_per_block, model_entry
 from agent.core.wire import admission as adm
 from agent.core.wire.admission_work import solve_work
+from agent.core.wire.invites import invite_sha256, new_invite
 from agent.core.wire.swarm_wire import NODE_PROTOCOL, TRACKER_PROTOCOL
 from agent.io.gguf_sparse import gguf_metadata_prefix
 from agent.io.net.transport import MemoryNetwork
@@ -110,9 +111,9 @@ class Peer:
         fields.update(overrides)
         return swarm_pb2.Fingerprint(**fields)
 
-    async def register(self, work: bytes = b"", **overrides) -> swarm_pb2.TrackerReply:
+    async def register(self, work: bytes = b"", invite: str = "", **overrides) -> swarm_pb2.TrackerReply:
         signed = adm.sign_fingerprint(self.key, self.fingerprint(**overrides))
-        return await self.call(register=swarm_pb2.RegisterRequest(fingerprint=signed, work=work))
+        return await self.call(register=swarm_pb2.RegisterRequest(fingerprint=signed, work=work, invite=invite))
 
     async def heartbeat(
         self, serving=(), recipe="recipe-1", state=READY, in_use: int = 0, total: int = 0
@@ -243,6 +244,52 @@ async def test_a_new_identity_brings_its_proof_of_work_where_the_tracker_asks(au
         assert (await client.call(client_hello=hello)).WhichOneof("body") == "client_hello"
         renewal = adm.make_client_hello(client.key, now_ms(), b"\x03" * 16)
         assert (await client.call(client_hello=renewal)).WhichOneof("body") == "client_hello"
+
+
+async def test_a_new_identity_needs_an_invite_where_the_tracker_asks(autojump_clock, db_path):
+    config = dataclasses.replace(CONFIG, require_invites=True)
+    async with running_tracker(db_path, config=config) as h:
+        node, client, third = h.peer(1), h.peer(2), h.peer(3)
+        refused = await node.register()
+        assert refused.error.code == Code.REFUSED and "only with an invite" in refused.error.message
+        token = new_invite(b"\x07" * 32)
+        h.store.add_invite(invite_sha256(token), 2, now_ms() + 3_600_000, "alice", now_ms())
+        forged = token[:-1] + ("A" if token[-1] != "A" else "B")
+        assert "not one this tracker made" in (await node.register(invite=forged)).error.message
+        assert "not a Baton invite" in (await node.register(invite="x" * 100_000)).error.message
+        # refused for another reason: the invite keeps its use
+        wrong_pin = await node.register(invite=token, llama_cpp_commit="0" * 40)
+        assert wrong_pin.error.code == Code.REFUSED and "pin" in wrong_pin.error.message, wrong_pin.error
+        assert h.store.invite(invite_sha256(token)).uses_left == 2
+        assert (await node.register(invite=token)).WhichOneof("body") == "register"
+        assert (await node.register()).WhichOneof("body") == "register"  # a known identity: none again
+        hello = adm.make_client_hello(client.key, now_ms(), b"\x01" * 16)
+        hello.invite = token
+        assert (await client.call(client_hello=hello)).WhichOneof("body") == "client_hello"
+        assert h.store.invite(invite_sha256(token)).uses_left == 0
+        assert "used up" in (await third.register(invite=token)).error.message
+        soon = new_invite(b"\x08" * 32)
+        h.store.add_invite(invite_sha256(soon), 1, now_ms() + 1_000, "", now_ms())
+        await trio.sleep(2)
+        assert "expired" in (await third.register(invite=soon)).error.message
+
+
+def test_invites_are_made_and_listed_by_the_cli_and_only_their_hash_is_kept(tmp_path, capsys):
+    from agent.cli import main as baton
+
+    db = tmp_path / "tracker.db"
+    assert baton(["tracker", "invite", "--db", str(db), "--uses", "3", "--note", "bob's laptop"]) == 0
+    token = capsys.readouterr().out.strip()
+    assert token.startswith("baton-invite-") and len(token) > 50
+    with open_store(db) as store:
+        assert store.invite(invite_sha256(token)) is not None and store.invite(token) is None
+        assert not any(token in str(row) for row in store.invites())
+    assert token.encode() not in db.read_bytes()
+    assert baton(["tracker", "invites", "--db", str(db)]) == 0
+    listing = capsys.readouterr().out
+    assert invite_sha256(token)[:12] in listing and "bob's laptop" in listing and " 3 " in listing
+    assert baton(["tracker", "invite", "--db", str(db), "--note", "\x1b[2J"]) == 2
+    assert "--note must be printable" in capsys.readouterr().err
 
 
 async def test_only_admitted_live_nodes_may_use_the_relay(autojump_clock, db_path):
@@ -1017,7 +1064,7 @@ def test_store_refuses_another_schema_version(db_path):
     connection.execute("UPDATE schema_version SET version = 99")
     connection.commit()
     connection.close()
-    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 4"):
+    with pytest.raises(StoreError, match="schema version 99, this tracker speaks 5"):
         TrackerStore.open(db_path)
 
 
@@ -1034,12 +1081,12 @@ def test_store_migrates_a_version_1_file(db_path):
         "admission BLOB NOT NULL, admitted_at_ms INTEGER NOT NULL, expires_at_ms INTEGER NOT NULL, "
         "last_heartbeat_ms INTEGER NOT NULL, alive INTEGER NOT NULL, listen_addrs TEXT NOT NULL); "
         "DROP TABLE nodes; ALTER TABLE nodes_v1 RENAME TO nodes; "
-        "DROP TABLE integrity_failures; DROP TABLE node_integrity; "
+        "DROP TABLE integrity_failures; DROP TABLE node_integrity; DROP TABLE invites; "
         "UPDATE schema_version SET version = 1;"
     )
     connection.close()
     with open_store(db_path) as store:
-        assert store._db.execute("SELECT version FROM schema_version").fetchone()[0] == 4
+        assert store._db.execute("SELECT version FROM schema_version").fetchone()[0] == 5
         assert store.models() == [MODEL] and store.model_path(MODEL.sha256) is None
         assert store.model_source(MODEL.sha256) == ""  # (version 3) no source recorded
         store.put_model(MODEL, 1, "/models/tiny.gguf")
@@ -1063,6 +1110,9 @@ def test_store_migrates_a_version_1_file(db_path):
         assert (entry.checks_passed, entry.refused, [f.check_id for f in entry.integrity_failures]) == (
             1, "failed 1 check", ["c1"],
         )  # fmt: skip
+        # (version 5) invites
+        store.add_invite("ab" * 32, 1, 0, "", 0)
+        assert store.invite("ab" * 32).uses_left == 1
 
 
 def test_store_uses_wal_and_keeps_assignment_status(db_path):

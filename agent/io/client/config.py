@@ -159,6 +159,11 @@ class SwarmClientConfig:
         command_default=0.01,
     )
     spot_check_grace_s: float = 5.0
+    # a new key's invite, where the tracker admits new keys only with one (--require-invites)
+    invite: str = setting(
+        "", "an invite from the tracker's operator, where the tracker admits new keys only with one (default: none)",
+        metavar="TOKEN",
+    )  # fmt: skip
     integrity_timeout_s: float = 1.0
     check_route_integrity: bool = True
 

@@ -140,6 +140,7 @@ class ControlClient:
           TransportError: the tracker could not be reached.
         """
         hello = make_client_hello(self._key, self._now_ms(), os.urandom(_NONCE_BYTES))
+        hello.invite = self.config.invite
         try:
             reply = await self._tracker(swarm_pb2.TrackerRequest(client_hello=hello))
         except SwarmError as refused:
@@ -149,7 +150,7 @@ class ControlClient:
             log.info("the tracker asks this new key for a proof of work of %d bits", refused.work_bits)
             work = await trio.to_thread.run_sync(solve_work, bytes(hello.public_key), refused.work_bits)
             hello = make_client_hello(self._key, self._now_ms(), os.urandom(_NONCE_BYTES))
-            hello.work = work
+            hello.work, hello.invite = work, self.config.invite
             reply = await self._tracker(swarm_pb2.TrackerRequest(client_hello=hello))
         if reply.WhichOneof("body") != "client_hello":
             raise SwarmError(self.tracker_peer_id, swarm_pb2.Error.INTERNAL, "the hello reply has no admission")

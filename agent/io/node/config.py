@@ -177,6 +177,10 @@ class NodeConfig:
     key_file: str | None = setting(
         None, "the node's Ed25519 key file (created if missing; required)", flag="--key", metavar="PATH"
     )
+    invite: str = setting(
+        "", "an invite from the tracker's operator, where the tracker admits new keys only with one (default: none)",
+        metavar="TOKEN",
+    )  # fmt: skip
     listen: str = setting(
         "/ip4/127.0.0.1/tcp/0",
         "where to listen (default %(default)s); 'none': accept no direct connections (needs --relay)",

@@ -117,7 +117,8 @@ class TrackerLink(NodeState):
             )
             signed = signed_fingerprint(self.key, fingerprint)
             request = swarm_pb2.TrackerRequest(
-                schema_version=SCHEMA_VERSION, register=swarm_pb2.RegisterRequest(fingerprint=signed, work=work)
+                schema_version=SCHEMA_VERSION,
+                register=swarm_pb2.RegisterRequest(fingerprint=signed, work=work, invite=self.config.invite),
             )
             try:
                 reply = await self._tracker_call(request)

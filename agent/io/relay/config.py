@@ -159,6 +159,11 @@ class RelayConfig:
         "the routes' slowest link in Mbit/s, for --wire auto (default 0: unknown, f32)",
         parse=cli_args.non_negative_float,
     )
+    invite: str = setting(
+        "",
+        "an invite for the relay's key, where the tracker admits new keys only with one (default: none)",
+        metavar="TOKEN",
+    )
     prefill_chunk_tokens: int = setting(
         64,
         "prompt rows a step carries (default 64, the prefix cache's block: a cached prefix ends on a chunk)",

@@ -1,8 +1,8 @@
 """The tracker's admissions (a part of ``agent.io.tracker.service.Tracker``): nodes' registrations
 and clients' hellos, checked by the pure rules (``agent.core.wire.admission``), the cost of a new
-identity (a proof of work where the operator asks for one, ``agent.core.wire.admission_work``,
-and at most ``--new-identities-per-address-per-hour`` from one address), and the admissions the
-tracker signs.
+identity (an invite and a proof of work where the operator asks for them,
+``agent.core.wire.invites`` and ``agent.core.wire.admission_work``, and at most
+``--new-identities-per-address-per-hour`` from one address), and the admissions the tracker signs.
 
 Must not import ``agent.io.tracker.service`` (which imports this module).
 """
@@ -20,6 +20,7 @@ from agent.core.tracker import state as ev
 from agent.core.wire import admission
 from agent.core.wire.address_rate import NewIdentityRate
 from agent.core.wire.admission_work import work_ok
+from agent.core.wire.invites import invite_refusal, invite_sha256
 from agent.io.net.transport import remote_host
 from agent.io.tracker.config import TrackerConfig
 from agent.io.tracker.refusal import Refusal
@@ -86,7 +87,7 @@ class Admissions:
         now = self._now_ms()
         new_identity = self.store.node(remote) is None
         if new_identity:
-            self._check_new_identity(now, bytes(signed.public_key), request.work)
+            self._check_new_identity(now, bytes(signed.public_key), request.work, request.invite)
         seen = self.store.nonce_seen(remote, fingerprint.nonce)
         decision = admission.decide_admission(fingerprint, self._policy(), now, seen)
         if len(fingerprint.nonce) == admission.NONCE_BYTES:
@@ -95,7 +96,7 @@ class Admissions:
             log.info("refused node %s: %s", remote, decision.reason)
             raise Refusal(Code.REFUSED, decision.reason)
         if new_identity:
-            self.new_identities.note(remote_host(), now)
+            self._admit_new_identity(now, request.invite)
         signed_admission = self._issue(remote, swarm_pb2.ROLE_NODE, now, admission.fingerprint_sha256(signed))
         self.store.put_node(
             NodeRecord(
@@ -128,7 +129,7 @@ class Admissions:
         now = self._now_ms()
         new_identity = self.store.client_admission(remote) is None
         if new_identity:
-            self._check_new_identity(now, bytes(hello.public_key), hello.work)
+            self._check_new_identity(now, bytes(hello.public_key), hello.work, hello.invite)
         decision = admission.decide_client_admission(
             hello, self._policy(), now, self.store.nonce_seen(remote, hello.nonce)
         )
@@ -137,14 +138,19 @@ class Admissions:
         if not decision.admitted:
             raise Refusal(Code.REFUSED, decision.reason)
         if new_identity:
-            self.new_identities.note(remote_host(), now)
+            self._admit_new_identity(now, hello.invite)
         signed = self._issue(remote, swarm_pb2.ROLE_CLIENT, now)
         self.store.put_client(remote, bytes(hello.public_key), signed, now, now + self.config.admission_ttl_ms)
         return swarm_pb2.ClientHelloReply(admission=signed, tracker_public_key=self.public_key)
 
-    def _check_new_identity(self, now: int, public_key: bytes, work: bytes) -> None:
-        """Refuse a new identity without its proof of work (where asked), or from an address that
-        brought its hour's worth already."""
+    def _check_new_identity(self, now: int, public_key: bytes, work: bytes, invite: str) -> None:
+        """Refuse a new identity without its invite or its proof of work (where asked), or from an
+        address that brought its hour's worth already."""
+        if self.config.require_invites:
+            why = invite_refusal(invite, self.store.invite, now)
+            if why:
+                log.info("refused a new identity from %s: %s", remote_host(), why)
+                raise Refusal(Code.REFUSED, why)
         if not work_ok(public_key, work, bits := self.config.admission_work_bits):
             raise Refusal(Code.REFUSED, f"a new identity needs a proof of work of {bits} bits", work_bits=bits)
         host = remote_host()
@@ -156,6 +162,13 @@ class Admissions:
                 f"{self.new_identities.per_window} new identities from {host} this hour already: try again in"
                 f" {wait_ms / 1000:.0f} s, or reuse a key",
             )
+
+    def _admit_new_identity(self, now: int, invite: str) -> None:
+        """A new identity admitted: counted against its address, and one use of its invite taken
+        (checked by ``_check_new_identity`` in the same request, with nothing awaited between)."""
+        self.new_identities.note(remote_host(), now)
+        if self.config.require_invites:
+            self.store.use_invite(invite_sha256(invite.strip()))
 
 
 def node_facts(peer_id: str, fingerprint: swarm_pb2.Fingerprint) -> ev.NodeFacts:

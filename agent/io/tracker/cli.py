@@ -1,4 +1,4 @@
-"""``baton tracker``: run the tracker, or list the models or nodes its database holds.
+"""``baton tracker``: run the tracker, list the models or nodes its database holds, or make invites.
 
   baton tracker serve --db PATH --key PATH [--listen MULTIADDR] [--addr-file PATH] [--no-relay]
                       [--register-model PATH[:ALIAS] ...] [--model-source ALIAS=URL ...]
@@ -8,6 +8,8 @@
                       [--expected-patch-hash HASH] [--canary-interval-s S] [--canary-* ...]
   baton tracker models --db PATH
   baton tracker nodes --db PATH [--json]
+  baton tracker invite --db PATH [--uses N] [--valid-hours H] [--note TEXT]
+  baton tracker invites --db PATH
 
 ``serve`` registers the given GGUF files (alias: ALIAS, else the file name without .gguf;
 name: general.name), opens the libp2p host, prints ``tracker listening on <multiaddr>`` as its
@@ -47,6 +49,12 @@ after a restart) may hold a reservation or be the destination of a circuit; only
 admitted clients may open circuits (``Tracker.may_hold_relay_reservation`` /
 ``may_open_relay_circuit``).
 
+``invite`` makes a token that admits ``--uses`` new keys (default 1) for ``--valid-hours`` hours
+(default a week) where the tracker runs with ``--require-invites``, and prints it (the
+database keeps only its SHA-256: ``agent.core.wire.invites``); the new node or client passes it
+as ``--invite TOKEN``. A running tracker sees a new invite at once. ``invites`` lists them (uses
+left, expiry, note).
+
 ``serve``'s options are ``TrackerConfig``'s fields (``agent.io.tracker.config``), read back by
 ``tracker_config``.
 
@@ -70,6 +78,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from agent import cli_args
 from agent.core.tracker.heartbeat import MAX_ERROR_CHARS
 from agent.core.wire.swarm_wire import MAX_ADDR_CHARS, printable
 from agent.io.settings import add_flags, settings_from_args
@@ -81,7 +90,7 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``serve``, ``models`` and ``nodes`` sub-commands to ``parser`` (the ``tracker`` parser)."""
+    """Add the ``serve``, ``models``, ``nodes``, ``invite`` and ``invites`` sub-commands to ``parser`` (the ``tracker`` parser)."""
     commands = parser.add_subparsers(dest="tracker_command", required=True, metavar="COMMAND")
     serve = commands.add_parser("serve", help="run the tracker")
     add_flags(serve, TrackerConfig)
@@ -92,6 +101,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     nodes = commands.add_parser("nodes", help="list the admitted nodes, their ranges and states")
     nodes.add_argument("--db", required=True, help="the tracker's SQLite database")
     nodes.add_argument("--json", action="store_true", help="print one JSON object")
+
+    invite = commands.add_parser(
+        "invite", help="make an invite: a token that admits new keys where the tracker runs with --require-invites"
+    )
+    invite.add_argument("--db", required=True, help="the tracker's SQLite database (created if missing)")
+    invite.add_argument(
+        "--uses", type=cli_args.positive_int, default=1, metavar="N", help="how many new keys it admits (default 1)"
+    )
+    invite.add_argument(
+        "--valid-hours", type=cli_args.non_negative_float, default=168.0, metavar="H",
+        help="hours it stays valid (default 168, a week; 0: for ever)",
+    )  # fmt: skip
+    invite.add_argument("--note", default="", help="whom it is for, shown by 'invites' (default: none)")
+
+    invites = commands.add_parser("invites", help="list the invites: uses left, expiry, note (never the tokens)")
+    invites.add_argument("--db", required=True, help="the tracker's SQLite database")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,6 +131,10 @@ def main(args: argparse.Namespace) -> int:
         return _models(args)
     if args.tracker_command == "nodes":
         return _nodes(args)
+    if args.tracker_command == "invite":
+        return _invite(args)
+    if args.tracker_command == "invites":
+        return _invites(args)
     return _serve(args)
 
 
@@ -149,6 +178,43 @@ def _models(args: argparse.Namespace) -> int:
         for m in models
     ]
     _print_table(rows)
+    return 0
+
+
+def _invite(args: argparse.Namespace) -> int:
+    """Make an invite and print its token (the database keeps only its SHA-256)."""
+    from agent.core.wire.invites import INVITE_RANDOM_BYTES, MAX_NOTE_CHARS, invite_sha256, new_invite
+    from agent.io.tracker.store import StoreError, open_store
+
+    if printable(args.note, MAX_NOTE_CHARS) != args.note:
+        print(f"baton tracker invite: --note must be printable text of at most {MAX_NOTE_CHARS} characters",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    token = new_invite(os.urandom(INVITE_RANDOM_BYTES))
+    now_ms = int(time.time() * 1000)
+    expires_at_ms = now_ms + round(args.valid_hours * 3_600_000) if args.valid_hours else 0
+    try:
+        with open_store(args.db) as store:
+            store.add_invite(invite_sha256(token), args.uses, expires_at_ms, args.note, now_ms)
+    except StoreError as error:
+        print(f"baton tracker invite: {error}", file=sys.stderr)
+        return 2
+    print(token)
+    return 0
+
+
+def _invites(args: argparse.Namespace) -> int:
+    from agent.core.wire.invites import MAX_NOTE_CHARS
+
+    rows = _read_store("invites", args.db, lambda store: store.invites())
+    if rows is None:
+        return 2
+    table = [("SHA256", "USES LEFT", "EXPIRES (UTC)", "MADE (UTC)", "NOTE")]
+    table += [
+        (sha[:12], str(uses), _utc(expires) if expires else "never", _utc(made), printable(note, MAX_NOTE_CHARS))
+        for sha, uses, expires, note, made in rows
+    ]
+    _print_table(table)
     return 0
 
 

@@ -155,6 +155,11 @@ class TrackerConfig:
         parse=cli_args.non_negative_int,
         metavar="N",
     )
+    require_invites: bool = setting(
+        False,
+        "admit a new identity (node or client key) only with an invite made by 'baton tracker invite'"
+        " (keys admitted before need none)",
+    )
     admission_rate_exempt: tuple[str, ...] = setting(
         (),
         "a network (CIDR) whose addresses --new-identities-per-address-per-hour does not limit (repeatable;"

@@ -32,11 +32,12 @@ from pathlib import Path
 
 from agent._proto import swarm_pb2
 from agent.core.tracker.assignment import Assignment
+from agent.core.wire.invites import InviteRow
 from agent.io import sqlite_db
 
 __all__ = ["STORE_SCHEMA_VERSION", "AssignmentRow", "NodeRecord", "StoreError", "TrackerStore", "open_store"]
 
-STORE_SCHEMA_VERSION = 4
+STORE_SCHEMA_VERSION = 5
 
 # (version 4) output integrity: checks failed (the evidence) and passed, and refusals. Kept
 # apart from ``nodes``, whose row a registration replaces: these outlive registrations.
@@ -51,6 +52,17 @@ CREATE TABLE node_integrity (
     peer_id TEXT PRIMARY KEY,
     checks_passed INTEGER NOT NULL DEFAULT 0,
     refused TEXT NOT NULL DEFAULT ''     -- why the tracker refuses the node ('' while admitted)
+);
+"""
+
+# (version 5) invites (``--require-invites``): only a token's SHA-256 is kept
+_INVITE_TABLE = """
+CREATE TABLE invites (
+    token_sha256 TEXT PRIMARY KEY,
+    uses_left INTEGER NOT NULL,          -- new keys it may still admit
+    expires_at_ms INTEGER NOT NULL,      -- 0: never
+    note TEXT NOT NULL DEFAULT '',       -- the operator's: whom it was made for
+    created_at_ms INTEGER NOT NULL
 );
 """
 
@@ -108,6 +120,7 @@ CREATE TABLE assignments (
 );
 """
     + _INTEGRITY_TABLES
+    + _INVITE_TABLE
 )
 
 #: version -> statements that bring a file of that version to the next one
@@ -118,6 +131,7 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     2: ("ALTER TABLE models ADD COLUMN source_url TEXT NOT NULL DEFAULT ''",),
     3: tuple(statement for statement in _INTEGRITY_TABLES.split(";") if statement.strip()),
+    4: tuple(statement for statement in _INVITE_TABLE.split(";") if statement.strip()),
 }
 
 
@@ -335,6 +349,35 @@ class TrackerStore(sqlite_db.SqliteStore):
     def client_admission(self, peer_id: str) -> swarm_pb2.SignedAdmission | None:
         row = self._db.execute("SELECT admission FROM clients WHERE peer_id = ?", (peer_id,)).fetchone()
         return None if row is None else _parse(swarm_pb2.SignedAdmission, row[0])
+
+    # --- invites ------------------------------------------------------------------------------------
+
+    def add_invite(self, token_sha256: str, uses: int, expires_at_ms: int, note: str, now_ms: int) -> None:
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO invites (token_sha256, uses_left, expires_at_ms, note, created_at_ms) VALUES (?, ?, ?, ?, ?)",
+                (token_sha256, uses, expires_at_ms, note, now_ms),
+            )
+
+    def invite(self, token_sha256: str) -> InviteRow | None:
+        row = self._db.execute(
+            "SELECT uses_left, expires_at_ms FROM invites WHERE token_sha256 = ?", (token_sha256,)
+        ).fetchone()
+        return None if row is None else InviteRow(uses_left=row[0], expires_at_ms=row[1])
+
+    def use_invite(self, token_sha256: str) -> None:
+        """One use of the invite taken (the caller checked it had one left)."""
+        with self._transaction() as db:
+            db.execute("UPDATE invites SET uses_left = uses_left - 1 WHERE token_sha256 = ?", (token_sha256,))
+
+    def invites(self) -> list[tuple[str, int, int, str, int]]:
+        """Every invite: ``(token_sha256, uses_left, expires_at_ms, note, created_at_ms)``, newest first."""
+        return list(
+            self._db.execute(
+                "SELECT token_sha256, uses_left, expires_at_ms, note, created_at_ms FROM invites"
+                " ORDER BY created_at_ms DESC, token_sha256"
+            )
+        )
 
     # --- nonces -------------------------------------------------------------------------------------
 

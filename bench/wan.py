@@ -11,13 +11,15 @@ pair linked with the same one-way delay, RTT/2; no loss, no rate limit):
    - Baton 3-split and 2-split: a tracker (machine ``tracker``) and nodes on n1..n3, the owner
      (``agent.io.client``, greedy, ``--new-tokens`` after a ``--prompt-tokens`` prompt) on
      ``owner``; decode tokens/s (tokens over the decode's wall time) and time to first token;
+     and the 3-split again with sampled sessions (temperature 0.7, no top_k, a fixed seed),
+     whose last hop draws each token from the full row and continues the session itself;
    - llama.cpp RPC 3-split and 2-split from the same pin: ``ggml-rpc-server`` on n1..n3 (its
      weights cache on), ``llama-bench -rpc ... -ngl 99 -ts 1/1[/1] -r 1`` on ``owner``: decode
      tokens/s at the prompt's depth, and prefill time as its time to first token;
    - the unsplit model: ``llama-bench`` alone on ``owner`` (no network): the compute C of a
      token and of the prompt.
    Next to each, the ring bound: Baton S-split decode is at best one token per C + S x (one-way
-   delay) (hop 1 -> ... -> hop S -> hop 1: the last hop continues a greedy session itself), its
+   delay) (hop 1 -> ... -> hop S -> hop 1: the last hop continues a greedy or sampled session itself), its
    first token at best the prompt's compute + (S + 1) one-way delays (owner -> hops -> owner);
    RPC pays at least a round trip to each of its S servers a token (C + S x RTT). The one-way
    delay is the lab's own measured RTT / 2 at that setting.
@@ -76,6 +78,7 @@ from common import (
 )
 
 from agent.core.lab.topology import LinkChange, LinkSpec, MachineSpec, Topology
+from agent.core.owner.sampling import SamplingParams
 from agent.demo.swarm_demo import node_memory_bytes, wait_for_coverage
 from agent.harness.local_swarm import LocalSwarm, LocalSwarmConfig, Placement
 from agent.io.client import open_swarm_client
@@ -97,9 +100,12 @@ CONCURRENT_RTT_MS = 20.0
 LOCK_STEP = "3-split lock-step"  # the swarm whose nodes say --decode-groups 1
 SERVER_READY_TIMEOUT_S = 30.0
 COVERAGE_TIMEOUT_S = 240.0
-SYSTEMS = ("baton_3", "baton_2", "rpc_3", "rpc_2", "unsplit")
+SYSTEMS = ("baton_3", "baton_sampled_3", "baton_2", "rpc_3", "rpc_2", "unsplit")
+#: the sampled sessions' temperature (no top_k: the last hop draws from the full row)
+SAMPLED_TEMPERATURE = 0.7
 LABELS = {
     "baton_3": "Baton 3-split",
+    "baton_sampled_3": f"Baton 3-split sampled (T {SAMPLED_TEMPERATURE:g}, no top_k)",
     "baton_2": "Baton 2-split",
     "rpc_3": "llama.cpp RPC 3-split",
     "rpc_2": "llama.cpp RPC 2-split",
@@ -242,8 +248,17 @@ def where_time_goes(tps: float, compute_s: float, one_way_s: float, hops: int) -
 # --- one run ------------------------------------------------------------------------------------
 
 
-async def _baton_once(client, prompt_tokens: list[int], new_tokens: int) -> dict:
-    result = await client.generate_tokens(ALIAS, prompt_tokens, max_tokens=new_tokens)
+async def _baton_once(client, prompt_tokens: list[int], new_tokens: int, *, sampled: bool = False) -> dict:
+    if sampled:  # (a fixed seed: every turn draws the same tokens)
+        result = await client.generate_tokens(
+            ALIAS,
+            prompt_tokens,
+            max_tokens=new_tokens,
+            sampling=SamplingParams(temperature=SAMPLED_TEMPERATURE),
+            seed=7,
+        )
+    else:
+        result = await client.generate_tokens(ALIAS, prompt_tokens, max_tokens=new_tokens)
     if len(result.tokens) != new_tokens:
         raise RuntimeError(f"generated {len(result.tokens)} tokens, wanted {new_tokens}")
     return {"decode_tps": result.tokens_per_s, "first_token_s": result.first_token_s,
@@ -330,7 +345,9 @@ async def measure(
                 order = SYSTEMS[turn % len(SYSTEMS) :] + SYSTEMS[: turn % len(SYSTEMS)]
                 for name in order:
                     if name.startswith("baton_"):
-                        figure = await _baton_once(clients[int(name[-1])], prompt_tokens, args.new_tokens)
+                        figure = await _baton_once(
+                            clients[int(name[-1])], prompt_tokens, args.new_tokens, sampled="sampled" in name
+                        )
                     elif name.startswith("rpc_"):
                         figure = await trio.to_thread.run_sync(_rpc_once, lab, bench_bin, model, int(name[-1]), args)
                     else:
@@ -449,7 +466,7 @@ def markdown(report: dict) -> str:
         "# Baton across a WAN (the lab)",
         "",
         f"{report['machine']['cpu_model']}, {report['machine']['cores']} cores; every emulated machine shares them. "
-        f"SmolLM2-135M Q4_1, {report['prompt_tokens']}-token prompt, {report['new_tokens']} tokens greedy, "
+        f"SmolLM2-135M Q4_1, {report['prompt_tokens']}-token prompt, {report['new_tokens']} tokens (greedy unless sampled), "
         f"{report['threads']} thread(s) per worker / rpc-server / llama-bench, {report['turns']} turns per RTT, "
         "systems in rotating order. Ratios are of medians of the same RTT's turns.",
         "",
@@ -571,7 +588,8 @@ def chart(report: dict) -> bytes:
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     rtts = [p["rtt_ms"] for p in report["points"]]
-    styles = {"baton_3": ("tab:blue", "-"), "baton_2": ("tab:cyan", "-"), "rpc_3": ("tab:orange", "-"),
+    styles = {"baton_3": ("tab:blue", "-"), "baton_sampled_3": ("tab:purple", "-."), "baton_2": ("tab:cyan", "-"),
+              "rpc_3": ("tab:orange", "-"),
               "rpc_2": ("tab:red", "-"), "unsplit": ("grey", ":")}  # fmt: skip
     for s in SYSTEMS:
         colour, line = styles[s]

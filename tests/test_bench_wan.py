@@ -40,7 +40,7 @@ def _system(tps: float, first_s: float, hops: int | None) -> dict:
 def test_the_report_names_every_system_and_marks_misses() -> None:
     point = {
         "rtt_ms": 20, "measured_rtt_ms": 20.2, "compute_ms": 6.0, "prompt_compute_ms": 250.0,
-        "systems": {"baton_3": _system(26.0, 0.29, 3), "baton_2": _system(31.0, 0.28, 2), "rpc_3": _system(12.5, 0.33, 3),
+        "systems": {"baton_3": _system(26.0, 0.29, 3), "baton_sampled_3": _system(25.0, 0.29, 3), "baton_2": _system(31.0, 0.28, 2), "rpc_3": _system(12.5, 0.33, 3),
                     "rpc_2": _system(17.0, 0.30, 2), "unsplit": _system(160.0, 0.24, None)},
         "baton_3_over_rpc_3": 2.08, "baton_2_over_rpc_2": 1.82,
     }  # fmt: skip
@@ -64,7 +64,7 @@ def test_the_report_names_every_system_and_marks_misses() -> None:
     text = wan.markdown(report)
     for label in wan.LABELS.values():
         assert label in text
-    assert "| 20 (20.20) | 26.0 (bound 27.8, 0.94x)" in text
+    assert "| 20 (20.20) | 26.0 (bound 27.8, 0.94x) | 25.0 (bound 27.8, 0.90x)" in text
     assert "2.08x" in text and "**4.23x**" in text
     assert (
         "| 1 | 26.0 | 110.0 | 90.0 | 4.23x | 1.22x |" in text and "**1.22x** lock-step (ahead in 1 of 1 rounds)" in text

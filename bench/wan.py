@@ -18,6 +18,10 @@ pair linked with the same one-way delay, RTT/2; no loss, no rate limit):
      tokens/s at the prompt's depth, and prefill time as its time to first token;
    - the unsplit model: ``llama-bench`` alone on ``owner`` (no network): the compute C of a
      token and of the prompt.
+   Before the RTTs, what the 3-split's hops compute for one decode token (each worker's
+   data-plane compute, gRPC Health, over a generation less a prompt-only one): the bound below
+   takes the unsplit model's C, and three hops may compute more than one model does; the 3-split
+   is also set against a bound with that compute in place of C.
    Next to each, the ring bound: Baton S-split decode is at best one token per C + S x (one-way
    delay) (hop 1 -> ... -> hop S -> hop 1: the last hop continues a greedy or sampled session itself), its
    first token at best the prompt's compute + (S + 1) one-way delays (owner -> hops -> owner);
@@ -245,6 +249,15 @@ def where_time_goes(tps: float, compute_s: float, one_way_s: float, hops: int) -
             "rest_ms": 1000 * (token_s - compute_s - links_s)}  # fmt: skip
 
 
+def split_compute_ms(prefill: dict, whole: dict, decode_steps: int) -> dict:
+    """Each hop's compute of one decode token, ms, from its worker's data-plane compute (µs) over
+    a prompt-only generation (``prefill``) and one of ``decode_steps`` more steps (``whole``),
+    keyed by the hop's range: the difference is the decode steps' alone."""
+    hops = {k: (whole[k] - prefill[k]) / decode_steps / 1000 for k in sorted(whole) if k in prefill}
+    return {"hops_ms": [{"begin": b, "end": e, "ms": ms} for (b, e), ms in hops.items()],
+            "sum_ms": sum(hops.values())}  # fmt: skip
+
+
 # --- one run ------------------------------------------------------------------------------------
 
 
@@ -263,6 +276,33 @@ async def _baton_once(client, prompt_tokens: list[int], new_tokens: int, *, samp
         raise RuntimeError(f"generated {len(result.tokens)} tokens, wanted {new_tokens}")
     return {"decode_tps": result.tokens_per_s, "first_token_s": result.first_token_s,
             "continued_steps": result.continued_steps, "data_plane_steps": result.data_plane_steps}  # fmt: skip
+
+
+def _workers_compute_us(swarm: LocalSwarm) -> dict[tuple[int, int], int]:
+    """Each range's worker's data-plane compute so far (µs), by (begin, end): its gRPC Health,
+    over the worker's Unix socket (a path: reachable from any of the lab's machines)."""
+    from agent.io.worker.client import WorkerClient, WorkerError
+
+    found = {}
+    for node in swarm.nodes.values():
+        for socket in node.worker_sockets():
+            with WorkerClient(socket, timeout_s=10.0) as worker, contextlib.suppress(WorkerError):
+                info = worker.info()
+                found[info.layer_begin, info.layer_end] = worker.health().data_plane_compute_us
+    return found
+
+
+async def _split_compute(client, swarm: LocalSwarm, prompt_tokens: list[int], new_tokens: int) -> dict:
+    """What the split's hops compute for one decode token (``split_compute_ms``): the ring bound
+    takes the unsplit model's C, and three hops may compute more than one model does."""
+    before = await trio.to_thread.run_sync(_workers_compute_us, swarm)
+    await client.generate_tokens(ALIAS, prompt_tokens, max_tokens=1)
+    middle = await trio.to_thread.run_sync(_workers_compute_us, swarm)
+    await client.generate_tokens(ALIAS, prompt_tokens, max_tokens=new_tokens)
+    after = await trio.to_thread.run_sync(_workers_compute_us, swarm)
+    prefill = {k: middle[k] - before.get(k, 0) for k in middle}
+    whole = {k: after[k] - middle.get(k, 0) for k in after}
+    return split_compute_ms(prefill, whole, new_tokens - 1)
 
 
 def _rpc_once(lab: Lab, bench_bin: Path, model: Path, n: int, args: argparse.Namespace) -> dict:
@@ -334,6 +374,9 @@ async def measure(
         _, prompt_tokens = await make_prompt(_Tokenizer(clients[3], routes[3]), args.prompt_tokens)
         for client in clients.values():  # warm: every hop's connections made, every worker paged in
             await _baton_once(client, prompt_tokens, 4)
+        split = await _split_compute(clients[3], swarms[3], prompt_tokens, args.new_tokens)
+        log("the 3-split's hops compute a decode token in " + " + ".join(f"{h['ms']:.2f}" for h in split["hops_ms"])
+            + f" = {split['sum_ms']:.2f} ms")  # fmt: skip
 
         points = []
         for rtt_ms in args.rtts_ms:
@@ -369,6 +412,9 @@ async def measure(
                     entry["bound"] = ring_bounds(compute_s, prompt_compute_s, one_way_s, hops)
                     entry["where_time_goes"] = where_time_goes(tps["median"], compute_s, one_way_s, hops)
                     entry["of_bound"] = tps["median"] / entry["bound"]["decode_tps"]
+                    if hops == 3 and split["sum_ms"] > 0:  # the bound with the split's own compute
+                        entry["split_bound_tps"] = 1.0 / (split["sum_ms"] / 1000 + hops * one_way_s)
+                        entry["of_split_bound"] = tps["median"] / entry["split_bound_tps"]
                 point["systems"][name] = entry
             for n in (3, 2):
                 point[f"baton_{n}_over_rpc_{n}"] = (
@@ -382,7 +428,8 @@ async def measure(
             points.append(point)
 
         concurrency = await _sessions(lab, clients[3], clients[LOCK_STEP], prompt_tokens, args)
-        return {"points": points, "concurrency": concurrency, "prompt_tokens": len(prompt_tokens)}
+        return {"points": points, "concurrency": concurrency, "prompt_tokens": len(prompt_tokens),
+                "split_compute": split}  # fmt: skip
 
 
 async def _sessions(lab: Lab, groups, lock_step, prompt_tokens: list[int], args: argparse.Namespace) -> dict:
@@ -494,6 +541,23 @@ def markdown(report: dict) -> str:
         "",
         "Ring bound: Baton S-split decodes at best one token per C + S x one-way delay (C: the unsplit",
         "model's decode step, llama-bench in the same turns); RPC's is C + S x RTT.",
+    ]
+    if "split_compute" in report:
+        split = report["split_compute"]
+        c0 = report["points"][0]["compute_ms"]
+        hops = " + ".join(f"{h['ms']:.2f}" for h in split["hops_ms"])
+        at = ", ".join(
+            f"{p['rtt_ms']:g} ms {s['of_split_bound']:.2f}x"
+            for p in report["points"] if "of_split_bound" in (s := p["systems"]["baton_3"])
+        )  # fmt: skip
+        lines += [
+            "",
+            f"The 3-split's own compute (its workers' data-plane compute over {report['new_tokens'] - 1} decode "
+            "steps, measured once before the RTTs): "
+            f"{hops} = {split['sum_ms']:.2f} ms a token, {split['sum_ms'] / c0:.2f}x the unsplit C of "
+            f"{c0:.2f} ms. The 3-split against a ring bound with that compute in place of C: {at}.",
+        ]
+    lines += [
         "",
         "## Time to first token (s)",
         "",

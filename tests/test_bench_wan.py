@@ -37,6 +37,17 @@ def _system(tps: float, first_s: float, hops: int | None) -> dict:
     return entry
 
 
+def test_the_splits_own_compute_is_each_hops_decode_steps_alone() -> None:
+    # per hop (µs): a prompt-only generation, and a whole one of the same prompt plus 4 decode steps
+    prefill = {(0, 10): 130_000, (10, 20): 140_000, (20, 30): 150_000}
+    whole = {(0, 10): 158_000, (10, 20): 168_000, (20, 30): 210_000}
+    split = wan.split_compute_ms(prefill, whole, 4)
+    assert split["hops_ms"] == [
+        {"begin": 0, "end": 10, "ms": 7.0}, {"begin": 10, "end": 20, "ms": 7.0}, {"begin": 20, "end": 30, "ms": 15.0}
+    ]  # fmt: skip
+    assert split["sum_ms"] == 29.0
+
+
 def test_the_report_names_every_system_and_marks_misses() -> None:
     point = {
         "rtt_ms": 20, "measured_rtt_ms": 20.2, "compute_ms": 6.0, "prompt_compute_ms": 250.0,
@@ -61,7 +72,11 @@ def test_the_report_names_every_system_and_marks_misses() -> None:
             "forwarder": {"cpu_s": 0.2, "packets": 7000, "cpu_us_per_packet": 28.6},
         },
     }  # fmt: skip
+    point["systems"]["baton_3"]["of_split_bound"] = 0.97
+    report["split_compute"] = wan.split_compute_ms({(0, 10): 0, (10, 30): 0}, {(0, 10): 93_000, (10, 30): 124_000}, 31)
     text = wan.markdown(report)
+    assert "3.00 + 4.00 = 7.00 ms a token, 1.17x the unsplit C of 6.00 ms" in text
+    assert "in place of C: 20 ms 0.97x." in text
     for label in wan.LABELS.values():
         assert label in text
     assert "| 20 (20.20) | 26.0 (bound 27.8, 0.94x) | 25.0 (bound 27.8, 0.90x)" in text

@@ -173,29 +173,14 @@ def markdown(report: dict) -> str:
 
 def worker_rows(swarm) -> int:
     """Forward rows of every worker of every node of ``swarm`` since they started."""
-    from agent.io.worker.client import WorkerClient
-    from agent.io.worker.error import WorkerError
-
-    rows = 0
-    for node in swarm.nodes.values():
-        for socket in node.worker_sockets():
-            with WorkerClient(socket, timeout_s=10.0) as worker, contextlib.suppress(WorkerError):
-                rows += worker.health().forward_rows
-    return rows
+    return sum(health.forward_rows for _, health in swarm.worker_health())
 
 
 async def _idle(swarm) -> None:
     """Until no worker holds a session's sequence (their caches kept the blocks by then)."""
-    from agent.io.worker.client import WorkerClient
-    from agent.io.worker.error import WorkerError
 
     def active() -> int:
-        n = 0
-        for node in swarm.nodes.values():
-            for socket in node.worker_sockets():
-                with WorkerClient(socket, timeout_s=10.0) as worker, contextlib.suppress(WorkerError):
-                    n += worker.health().active_sequences
-        return n
+        return sum(health.active_sequences for _, health in swarm.worker_health())
 
     with trio.fail_after(60):
         while await trio.to_thread.run_sync(active):

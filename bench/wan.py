@@ -279,17 +279,9 @@ async def _baton_once(client, prompt_tokens: list[int], new_tokens: int, *, samp
 
 
 def _workers_compute_us(swarm: LocalSwarm) -> dict[tuple[int, int], int]:
-    """Each range's worker's data-plane compute so far (µs), by (begin, end): its gRPC Health,
-    over the worker's Unix socket (a path: reachable from any of the lab's machines)."""
-    from agent.io.worker.client import WorkerClient, WorkerError
-
-    found = {}
-    for node in swarm.nodes.values():
-        for socket in node.worker_sockets():
-            with WorkerClient(socket, timeout_s=10.0) as worker, contextlib.suppress(WorkerError):
-                info = worker.info()
-                found[info.layer_begin, info.layer_end] = worker.health().data_plane_compute_us
-    return found
+    """Each range's worker's data-plane compute so far (µs), by (begin, end) (its Health, over
+    the worker's Unix socket: a path, reachable from any of the lab's machines)."""
+    return {(info.layer_begin, info.layer_end): health.data_plane_compute_us for info, health in swarm.worker_health()}
 
 
 async def _split_compute(client, swarm: LocalSwarm, prompt_tokens: list[int], new_tokens: int) -> dict:

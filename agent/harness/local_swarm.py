@@ -29,7 +29,7 @@ import sys
 import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import trio
 
@@ -42,6 +42,9 @@ from agent.io.node.config import NodeConfig
 from agent.io.relay.config import RelayConfig
 from agent.io.settings import to_argv
 from agent.io.tracker.config import TrackerConfig
+
+if TYPE_CHECKING:
+    from agent.core.wire.worker_records import WorkerHealth, WorkerInfo
 
 __all__ = [
     "LocalSwarm",
@@ -221,6 +224,19 @@ class LocalSwarm:
         self._relay_listen = f"{config.placement.host('relay')}:0"
         self._tracker_listen = f"/ip4/{config.placement.host('tracker')}/tcp/0"
         self._killed: set[str] = set()
+
+    def worker_health(self) -> list[tuple[WorkerInfo, WorkerHealth]]:
+        """Every node's (not vocab-only) workers that answer now: each one's Info and Health
+        (a benchmark's or test's way to read the hops' counters; blocking gRPC calls)."""
+        from agent.io.worker.client import WorkerClient
+        from agent.io.worker.error import WorkerError
+
+        found = []
+        for node in self.nodes.values():
+            for socket in node.worker_sockets():
+                with WorkerClient(socket, timeout_s=10.0) as worker, contextlib.suppress(WorkerError):
+                    found.append((worker.info(), worker.health()))
+        return found
 
     # --- paths and keys ------------------------------------------------------------------------
 

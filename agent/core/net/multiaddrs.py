@@ -161,7 +161,7 @@ def at_seen_host(addrs: tuple[str, ...], seen_host: str) -> tuple[str, ...]:
         seen = ipaddress.ip_address(seen_host)
     except ValueError:
         return addrs
-    if seen.is_loopback:
+    if seen.is_loopback:  # (core.net may not import core.wire's counted_host, the same rule)
         return addrs
     kept = []
     for addr in addrs:

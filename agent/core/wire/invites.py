@@ -20,6 +20,7 @@ __all__ = [
     "INVITE_PREFIX",
     "INVITE_RANDOM_BYTES",
     "MAX_INVITE_CHARS",
+    "MAX_NOTE_CHARS",
     "InviteRow",
     "invite_refusal",
     "invite_sha256",

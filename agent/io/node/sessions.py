@@ -220,12 +220,12 @@ class SessionControl(DataPlane):
         except (RowsNotKept, ValueError) as err:
             raise WireError(Code.UNAVAILABLE, f"{range_name(served.key)}: {err}") from None
         first = body.to[0]
+        owner_addrs = list(at_seen_host(tuple(body.owner_addrs), remote_host()))
         for chunk in chunks:
             request = replay_step_request(
                 session_id=session_id, resume_step=body.resume_step, hops=body.to, chunk=chunk,
                 n_embd=served.spec.n_embd, recipe_hash=served.spec.recipe_hash, model_sha256=served.spec.model_sha256,
-                owner_peer_id=remote_peer_id, owner_addrs=list(at_seen_host(tuple(body.owner_addrs), remote_host())),
-                sender_admission=self.admission,
+                owner_peer_id=remote_peer_id, owner_addrs=owner_addrs, sender_admission=self.admission,
             )  # fmt: skip
             data = request.SerializeToString()
             try:

@@ -168,7 +168,7 @@ class Admissions:
         (checked by ``_check_new_identity`` in the same request, with nothing awaited between)."""
         self.new_identities.note(remote_host(), now)
         if self.config.require_invites:
-            self.store.use_invite(invite_sha256(invite.strip()))
+            self.store.use_invite(invite_sha256(invite))
 
 
 def node_facts(peer_id: str, fingerprint: swarm_pb2.Fingerprint) -> ev.NodeFacts:

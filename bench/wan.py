@@ -41,6 +41,9 @@ pair linked with the same one-way delay, RTT/2; no loss, no rate limit):
 5. ``--only wire`` (run alone): that prompt's time to first token with every link limited to
    ``--wire-rate-mbit`` (20), the session's boundary rows in f32, f16 and q8, and each lossy
    dtype's max logit difference from f32 (``bench/wan_wire.py``; writes ``wan_wire.{json,md}``).
+6. ``--only speculation`` (run alone): 256 greedy tokens of a copy-heavy and a free-form task
+   at ``--prefill-rtt-ms``, with speculative decoding and without (``bench/wan_speculation.py``;
+   writes ``wan_speculation.{json,md}``).
 
 Writes ``wan.json``, ``wan.md`` and ``wan.png`` (matplotlib, the ``bench`` extra) under
 ``--out``. Needs root (the lab), the worker (``make native``) and llama.cpp's tools (built into
@@ -48,11 +51,11 @@ Writes ``wan.json``, ``wan.md`` and ``wan.png`` (matplotlib, the ``bench`` extra
 emulated machine shares this host's cores, so anything else running slows all of them.
 
 Usage: ``sudo .venv/bin/python bench/wan.py [--rtts-ms 0,10,20,50] [--turns 3] [--new-tokens 32]
-[--prompt-tokens 64] [--threads 1] [--quick] [--only sessions|prefill|prefill-chunks|wire] [--out bench/results]`` (about 25
+[--prompt-tokens 64] [--threads 1] [--quick] [--only sessions|prefill|prefill-chunks|wire|speculation] [--out bench/results]`` (about 25
 minutes; ``--only sessions`` about 4; ``--only prefill [--prefill-tokens 1500] [--prefill-chunk-rows 128]
 [--prefill-rtt-ms 20] [--turns 3]`` about 5; ``--only wire [--wire-rate-mbit 20]`` with the
 prefill flags, about 5; ``--only prefill-chunks [--chunk-sweep 64,128,256,512]`` with the
-prefill and wire flags, about 10).
+prefill and wire flags, about 10; ``--only speculation [--prefill-rtt-ms 20] [--turns 3]`` about 5).
 """
 
 from __future__ import annotations
@@ -735,11 +738,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--only",
-        choices=("sessions", "prefill", "prefill-chunks", "wire"),
+        choices=("sessions", "prefill", "prefill-chunks", "wire", "speculation"),
         help="measure one section alone (sessions: the 8 concurrent sessions, replacing it in --out's wan.json;"
         " prefill: time to first token of a long prompt, pipelined or not, as wan_prefill.json;"
         " prefill-chunks: that prompt's time to first token by chunk size, as wan_prefill_chunks.json;"
-        " wire: that prompt's time to first token with f32, f16 and q8 boundaries on slow links, as wan_wire.json)",
+        " wire: that prompt's time to first token with f32, f16 and q8 boundaries on slow links, as wan_wire.json;"
+        " speculation: 256 greedy tokens with and without speculative decoding, as wan_speculation.json)",
     )
     parser.add_argument(
         "--wire-rate-mbit", type=float, default=20.0, help="--only wire: every link's rate in Mbit/s (default 20)"
@@ -778,6 +782,13 @@ def main() -> int:
         return run_owner_section(
             args, "wan_prefill_chunks", "prefill by chunk size", wan_prefill_chunks.measure_chunks,
             wan_prefill_chunks.chunks_markdown,
+        )  # fmt: skip
+    if args.only == "speculation":
+        import wan_speculation
+
+        return run_owner_section(
+            args, "wan_speculation", "speculative decoding", wan_speculation.measure_speculation,
+            wan_speculation.speculation_markdown,
         )  # fmt: skip
     if args.only == "wire":
         import wan_wire

@@ -502,6 +502,41 @@ async def test_greedy_through_three_nodes_equals_one_unsplit_worker(swarm3: Runn
     assert_swarm_alive(swarm3)
 
 
+# The model copies the list a third time (for 15 tokens), then goes its own way; under one
+# prompt chunk (64 rows): the unsplit reference computes the prompt in one step too.
+COPY_PROMPT = "\n".join(
+    ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"] * 2 + ["one", "two"]
+)
+
+
+@pytest.mark.timeout(300)
+async def test_speculative_decoding_through_three_nodes_equals_one_unsplit_worker(swarm3: RunningSwarm) -> None:
+    """Drafts from the context, verified a trip at a time, rejected rows cut on every hop: the
+    same tokens as one unsplit worker decoding one token a step (``agent.core.owner.speculation``)."""
+    async with open_worker(
+        swarm3.model_path, 0, None, threads=1, max_sequences=1, model_sha256=swarm3.model_sha256
+    ) as single:
+        expected = {}
+        for prompt in (COPY_PROMPT, *PROMPTS):
+            tokens = await single.client.tokenize(prompt, add_special=True)
+            run = await generate_through([single.client], tokens, NEW_TOKENS, stop_tokens=single.info.eog_token_ids)
+            expected[prompt] = run.tokens
+    async with client(swarm3, speculate_tokens=6) as c:
+        copied = await c.generate(ALIAS, COPY_PROMPT, max_tokens=NEW_TOKENS)
+        assert copied.tokens == expected[COPY_PROMPT]
+        # the copy is drafted from the prompt, and most of it accepted: fewer trips than tokens
+        assert copied.accepted_tokens >= 8, (copied.drafted_tokens, copied.accepted_tokens)
+        assert copied.drafted_tokens >= copied.accepted_tokens
+        # each accepted token is a trip saved: the prompt's, then a step per token less those
+        assert copied.data_plane_steps == 1 + len(copied.tokens) - 1 - copied.accepted_tokens, copied.data_plane_steps
+        assert copied.continued_steps == 0  # (a speculating session's steps are its owner's)
+        for prompt in PROMPTS:  # free-form: drafts rejected (the rows cut away) change no token
+            result = await c.generate(ALIAS, prompt, max_tokens=NEW_TOKENS)
+            assert result.tokens == expected[prompt], prompt
+            assert result.accepted_tokens <= result.drafted_tokens
+    assert_swarm_alive(swarm3)
+
+
 def forged_peer_id(peer_id: str) -> str:
     """``peer_id`` with its last character changed: always another id (a fixed replacement
     would change nothing for an id that already ends in it)."""

@@ -229,6 +229,78 @@ async def test_a_chain_of_workers_equals_the_unsplit_worker_and_refuses_what_is_
             assert "is bound here" in (await late.receive()).notice
 
 
+async def test_a_verification_step_gives_every_rows_top_k_and_a_rewind_cuts_what_it_rejected(qwen2_tiny_path) -> None:
+    """Speculative decoding's worker half: a step with every_row returns the top-K of each of
+    its rows; the next step, rewound, cuts the rejected rows on every range first (and from
+    the rows kept for a rebuild), and gives the numbers of an unsplit worker cut the same way."""
+    k = 4
+    async with (
+        open_chain(qwen2_tiny_path) as chain,
+        open_worker(qwen2_tiny_path, 0, None, threads=1, ctx_size=64) as whole,
+    ):
+        session = await bind_route(chain, seq_id=0, keep_rows_max_bytes=1 << 20)
+        n = len(PROMPT)
+        draft = [11, 12, 13, 14]
+        async with (
+            open_data_link(HOST, chain[0].info.data_port) as to_first,
+            open_data_link(HOST, chain[-1].info.data_port) as from_last,
+        ):
+            await from_last.send(session.attach_frame())
+            await to_first.send(session.step_frame(step(0, list(range(n)), PROMPT, top_k=k)))
+            assert (await result_of(session, from_last)).error_code == 0
+            verify = worker_pb2.DataStep(
+                step=1, positions=list(range(n, n + 4)), token_ids=draft, top_k=k, every_row=True
+            )
+            await to_first.send(session.step_frame(verify))
+            result = await result_of(session, from_last)
+            assert result.error_code == 0, result.error_message
+            assert result.rows == 4 and result.top_k == k and len(result.row_log_sum_exp) == 4
+            assert result.next_position == n + 4
+            # the unsplit worker, the same rows in the same shapes
+            await whole.client.forward([SeqInput(seq_id=0, positions=list(range(n)), token_ids=PROMPT, top_k=k)])
+            (rows,) = await whole.client.forward(
+                [SeqInput(seq_id=0, positions=list(range(n, n + 4)), token_ids=draft, logit_rows=[0, 1, 2, 3], top_k=k)]
+            )
+            ids = np.frombuffer(result.top_token_ids, dtype="<i4").reshape(4, k)
+            logits = np.frombuffer(result.top_logits, dtype="<f4").reshape(4, k)
+            for r, top in enumerate(rows.top):
+                assert np.array_equal(ids[r], top.ids) and np.array_equal(logits[r], top.logits), r
+                assert result.row_log_sum_exp[r] == top.log_sum_exp
+
+            # Two drafts kept: position n + 2 on is cut on every range, and the step goes on there.
+            kept = n + 2
+            await to_first.send(
+                session.step_frame(worker_pb2.DataStep(step=2, positions=[kept], token_ids=[20], top_k=k, rewind=True))
+            )
+            result = await result_of(session, from_last)
+            assert result.error_code == 0, result.error_message
+            assert result.next_position == kept + 1
+            assert await whole.client.trim_sequence(0, kept) == kept
+            (after,) = await whole.client.forward([SeqInput(seq_id=0, positions=[kept], token_ids=[20], top_k=k)])
+            assert np.array_equal(np.frombuffer(result.top_token_ids, dtype="<i4"), after.top[0].ids)
+            assert np.array_equal(np.frombuffer(result.top_logits, dtype="<f4"), after.top[0].logits)
+
+            # Without rewind a step below the held positions is refused, as before; every_row
+            # without a top-K is refused where it is first seen.
+            await to_first.send(session.step_frame(step(3, [kept], [20], top_k=k)))
+            assert (await result_of(session, from_last)).error_code == 3
+            await to_first.send(
+                session.step_frame(worker_pb2.DataStep(step=4, positions=[kept + 1], token_ids=[5], every_row=True))
+            )
+            refused = await result_of(session, from_last)
+            assert refused.error_code == 3 and "top_k must be > 0" in refused.error_message, refused
+            assert refused.error_layer_begin == 0  # (the first range: none computed it)
+
+        # the rows kept for a rebuild: the prompt, the two kept of the four, the step after
+        totals = await chain[0].client.call(
+            "UnbindSession", worker_pb2.UnbindSessionRequest(schema_version=1, session_id=session.session_id)
+        )
+        assert totals.next_position == kept + 1 and not totals.kept_rows_lost
+        assert list(totals.kept_step_rows) == [n, 2, 1]
+        width = len(totals.kept_rows) // (kept + 1)
+        assert width * (kept + 1) == len(totals.kept_rows)
+
+
 async def test_sessions_that_arrive_together_share_forwards_and_keep_their_numbers(smollm2_path) -> None:
     """Bit for bit, with the bound the swarm's batching declares (0 on CPU, tests/test_batching.py)
     and for the same reason: only steps of one shape share a Forward. SmolLM2 (Q4_1), as there:

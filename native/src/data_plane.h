@@ -343,6 +343,9 @@ private:
     std::string hello_frames(const std::vector<std::pair<std::string, uint64_t>> & sessions);
     // Keeps a step's output rows as they were sent (wire: their dtype).
     void keep_rows(const Pending & pending, int32_t first_position, const std::string & rows, BoundaryDType wire);
+    // A rewound step (DataStep.rewind): the kept rows from first_position on are dropped, the
+    // last kept step cut to what is left of it.
+    void rewind_kept_rows(const Pending & pending, int32_t first_position);
 
     ShardWorkerService * service_;
     Engine & engine_;  // the service's

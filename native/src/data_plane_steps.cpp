@@ -71,6 +71,25 @@ void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
             e.boundary_schema_version = st.boundary_schema_version();
             e.boundary_streams = st.boundary_streams();
             e.top_k = st.top_k();
+            if (st.every_row()) {
+                if (st.top_k() == 0) {  // (refused where it is first seen: no range computes it)
+                    status[i] = ShardStatus::Invalid("a step with every_row asks for the top-K of every row: top_k must be > 0");
+                    continue;
+                }
+                for (int r = 0; r < st.positions_size(); ++r) {
+                    e.logit_rows.push_back(static_cast<uint32_t>(r));
+                }
+            }
+            if (st.rewind() && st.positions_size() > 0 && e.seq_id < next.size() && st.positions(0) < next[e.seq_id]) {
+                // a verification's rejected draft rows: cut away before the step goes on from there
+                int32_t held = 0;
+                status[i] = shard.trim_sequence(e.seq_id, st.positions(0), &held);
+                if (!status[i].ok()) {
+                    continue;
+                }
+                next[e.seq_id] = held;
+                rewind_kept_rows(batch[i], st.positions(0));
+            }
             if (draws[i].draws) {
                 // what the draw reads: the whole row, or its top-k cut (and at least what the step asked)
                 const uint32_t cut = draws[i].sampling.top_k;
@@ -164,6 +183,10 @@ void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
                     result.set_top_token_ids(std::move(o.top_token_ids));
                     result.set_top_logits(std::move(o.top_logits));
                     result.set_log_sum_exp(o.log_sum_exp.empty() ? 0.0 : o.log_sum_exp.back());
+                    if (st.every_row()) {
+                        result.set_rows(static_cast<uint32_t>(o.log_sum_exp.size()));
+                        result.mutable_row_log_sum_exp()->Add(o.log_sum_exp.begin(), o.log_sum_exp.end());
+                    }
                 } else {
                     result.set_logits(std::move(o.logits));
                 }
@@ -173,6 +196,8 @@ void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
             v1::DataStep next;
             next.set_step(st.step());
             next.set_top_k(st.top_k());
+            next.set_every_row(st.every_row());  // (both carried hop to hop, as top_k)
+            next.set_rewind(st.rewind());
             if (!ok) {
                 next.set_error_code(st.error_code());
                 next.set_error_message(st.error_message());
@@ -306,6 +331,39 @@ void DataPlaneServer::keep_rows(const Pending & pending, int32_t first_position,
     }
     s.kept.append(rows);
     s.kept_steps.push_back(row_bytes == 0 ? 0 : static_cast<uint32_t>(rows.size() / row_bytes));
+}
+
+void DataPlaneServer::rewind_kept_rows(const Pending & pending, int32_t first_position) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = sessions_.find(pending.session_id);
+    if (found == sessions_.end() || found->second.generation != pending.generation) {
+        return;
+    }
+    Session & s = found->second;
+    if (s.keep_max == 0 || s.kept_lost || s.kept_first < 0) {
+        return;
+    }
+    if (first_position < s.kept_first) {
+        s.kept_lost = true;  // (rewound past the first kept row: a rebuild cannot start from these)
+        std::string().swap(s.kept);
+        std::vector<uint32_t>().swap(s.kept_steps);
+        return;
+    }
+    const size_t row_bytes = boundary_wire_bytes(s.wire_dtype, 1, service_->boundary_schema().row_values());
+    const size_t keep = static_cast<size_t>(first_position - s.kept_first);
+    if (row_bytes == 0 || keep * row_bytes >= s.kept.size()) {
+        return;
+    }
+    s.kept.resize(keep * row_bytes);
+    size_t rows = 0;
+    size_t n = 0;
+    while (n < s.kept_steps.size() && rows + s.kept_steps[n] <= keep) {
+        rows += s.kept_steps[n++];
+    }
+    s.kept_steps.resize(n);
+    if (rows < keep) {
+        s.kept_steps.push_back(static_cast<uint32_t>(keep - rows));  // the part of a step that stays
+    }
 }
 
 bool DataPlaneServer::seal_output(const Pending & pending, const std::string & body, bool to_owner, Outgoing * out) {

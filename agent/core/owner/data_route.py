@@ -238,10 +238,22 @@ def _hop_refusal(
     return None
 
 
-def data_step(step: int, positions: Sequence[int], token_ids: Sequence[int], top_k: int) -> worker_pb2.DataStep:
+def data_step(
+    step: int,
+    positions: Sequence[int],
+    token_ids: Sequence[int],
+    top_k: int,
+    *,
+    every_row: bool = False,
+    rewind: bool = False,
+) -> worker_pb2.DataStep:
     """The STEP the first worker takes: what the owner's ``StepRequest`` to the first hop
-    would carry (token ids at their positions, the top-K it wants back), and nothing else."""
-    return worker_pb2.DataStep(step=step, positions=positions, token_ids=token_ids, top_k=top_k)
+    would carry (token ids at their positions, the top-K it wants back), and for speculative
+    decoding whether every row's top-K comes back and whether the hops cut rejected rows
+    first (``agent.core.owner.speculation``)."""
+    return worker_pb2.DataStep(
+        step=step, positions=positions, token_ids=token_ids, top_k=top_k, every_row=every_row, rewind=rewind
+    )
 
 
 def step_result(
@@ -302,6 +314,35 @@ def result_scores(result: worker_pb2.DataResult) -> np.ndarray | TopLogits:
             f"{len(result.logits)} logits bytes for n_vocab {result.n_vocab} (expected {4 * result.n_vocab})"
         )
     return np.frombuffer(result.logits, dtype="<f4")
+
+
+def result_rows(result: worker_pb2.DataResult) -> list[TopLogits]:
+    """Each row's top-K of a successful RESULT to a step with ``every_row`` (checked,
+    ``TopLogits.check``).
+
+    Raises:
+      ValueError: n_vocab 0, no top-K, or byte lengths that do not fit ``rows`` rows of it.
+    """
+    rows, k = int(result.rows), int(result.top_k)
+    if result.n_vocab < 1:
+        raise ValueError("n_vocab is 0")
+    if rows < 1 or k < 1:
+        raise ValueError(f"a result of every row's top-K with {rows} rows of the top {k}")
+    if len(result.row_log_sum_exp) != rows:
+        raise ValueError(f"{len(result.row_log_sum_exp)} log-sum-exps for {rows} rows")
+    if len(result.top_token_ids) != 4 * rows * k or len(result.top_logits) != 4 * rows * k:
+        raise ValueError(
+            f"{len(result.top_token_ids)} top-k id bytes and {len(result.top_logits)} logit bytes"
+            f" for {rows} rows of the top {k}"
+        )
+    ids = np.frombuffer(result.top_token_ids, dtype="<i4").reshape(rows, k)
+    logits = np.frombuffer(result.top_logits, dtype="<f4").reshape(rows, k)
+    out = []
+    for row in range(rows):
+        top = TopLogits(ids[row], logits[row], float(result.row_log_sum_exp[row]), int(result.n_vocab))
+        top.check()
+        out.append(top)
+    return out
 
 
 def drawn_token(result: worker_pb2.DataResult) -> int | None:

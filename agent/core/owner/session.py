@@ -106,6 +106,11 @@ class OwnerStep:
     step: int
     positions: tuple[int, ...]
     token_ids: tuple[int, ...]
+    #: a verification step (``Session.next_verify_step``): the last hop returns every row's top-K
+    every_row: bool = False
+    #: the route's caches hold positions past this step's first (rows a verification rejected):
+    #: each hop cuts them away first (``DataStep.rewind``)
+    rewind: bool = False
 
 
 def _error(code_name: str) -> int:
@@ -207,6 +212,15 @@ class Session:
         self._last_hop_draws_after_prefill = False  # asked while the prompt was still going in
         self._top_k_at_least = top_k_at_least
         self._n_cached = 0  # tokens[:_n_cached] are in the route's caches
+        # positions the route's caches hold, rejected draft rows included
+        self._route_held = 0
+        self._draft: tuple[int, ...] = ()  # the draft of the verification step in flight
+        #: speculative decoding: tokens drafted, and of them accepted (``receive_rows``)
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
+        self.last_verified = (0, 0)  # (drafted, accepted) of the last verification step
+        #: each token the last result gave, with the scores it was chosen from
+        self.taken: list[tuple[int, np.ndarray | TopLogits]] = []
 
     # --- state -----------------------------------------------------------------------------
 
@@ -297,6 +311,8 @@ class Session:
             raise ValueError(f"session {self.session_hex}: only a failed session is resumed, not a {self.state} one")
         self.step = self.resume_step
         self._in_flight_ends = []
+        self._draft = ()
+        self._route_held = self._n_cached  # (a resume cuts every hop to cached_positions)
         self.state = READY
         self.failure = None
         self.route_peer_ids = tuple(route_peer_ids)
@@ -363,11 +379,69 @@ class Session:
                     step=self.step + len(steps),
                     positions=tuple(range(at, end)),
                     token_ids=tuple(self.tokens[at:end]),
+                    rewind=not steps and self._held_past(at),
                 )
             )
             self._in_flight_ends.append(end)
             at = end
+        self._route_held = at
         return steps
+
+    @property
+    def may_speculate(self) -> bool:
+        """Whether this session's tokens can be drafted and verified at all: greedy without
+        penalties or a grammar (each kept draft must be the token ``choose_token`` gives its
+        row), top-K results (every row's full logits would cost more than the trip saves)."""
+        return (
+            self.sampling.greedy
+            and self.constraint is None
+            and not adjusts_logits(self.sampling)
+            and self._on_prompt_scores is None
+            and self.result_top_k > 0
+        )
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether a verification step may be sent now: ``may_speculate``, the prompt in, no
+        step in flight, and room for a draft and the token after it."""
+        return (
+            self.may_speculate
+            and self.state == READY
+            and not self.in_prefill
+            and self.max_new_tokens - len(self.generated) >= 2
+        )
+
+    def next_verify_step(self, draft: Sequence[int]) -> OwnerStep:
+        """A decode step that carries ``draft`` after the last token: rows at the next
+        ``1 + len(draft)`` positions, each row's top-K asked back (``receive_rows`` keeps the
+        drafts the model agrees with). The draft is cut to leave room for the token after it.
+
+        Raises:
+          ValueError: no draft, or ``can_speculate`` is False.
+        """
+        if not self.can_speculate:
+            raise ValueError(f"session {self.session_hex}: no verification step now ({self.state})")
+        room = self.max_new_tokens - len(self.generated) - 1
+        draft = tuple(int(t) for t in draft[:room])
+        if not draft:
+            raise ValueError("a verification step needs a draft")
+        at = self._n_cached
+        rows = tuple(self.tokens[at:]) + draft
+        self.state = AWAITING
+        self._draft = draft
+        self._in_flight_ends.append(len(self.tokens))
+        step = OwnerStep(
+            step=self.step,
+            positions=tuple(range(at, at + len(rows))),
+            token_ids=rows,
+            every_row=True,
+            rewind=self._held_past(at),
+        )
+        self._route_held = at + len(rows)
+        return step
+
+    def _held_past(self, position: int) -> bool:
+        return self._route_held > position
 
     @property
     def in_prefill(self) -> bool:
@@ -528,6 +602,66 @@ class Session:
         self._check_step(step)
         return self._take(step, scores, n_vocab, drawn)
 
+    def receive_rows(
+        self, step: int, rows: Callable[[], Sequence[TopLogits]], n_vocab: int, sender_peer_id: str | None = None
+    ) -> list[int]:
+        """Take the result of the verification step in flight (``next_verify_step``): each
+        row's top-K (``rows()``, called once after the identity checks). The drafts are kept up
+        to the first that is not the greedy choice of the row before it; then the choice of
+        the last kept row is taken too. A stop token or the budget ends it where it comes.
+
+        Returns:
+          The tokens taken, in order (also appended to ``tokens``; ``taken`` pairs each with
+          its scores).
+
+        Raises:
+          ResultRefused: as ``receive_scores``; fatal too when the result has not one row per
+            row of the step.
+        """
+        self._check_sender(sender_peer_id, failed=False)
+        self._check_step(step)
+        draft = self._draft
+        try:
+            if not draft:
+                raise ValueError("a result with every row's top-K, for a step with no draft")
+            scores = [self._logits(row, n_vocab) for row in rows()]
+            if len(scores) != len(draft) + 1:
+                raise ValueError(f"{len(scores)} rows of top-K for a step of {len(draft) + 1} rows")
+            taken: list[tuple[int, np.ndarray | TopLogits]] = []
+            context = list(self.tokens)
+            for index, row in enumerate(scores):
+                token = choose_token(row, self.sampling, 0.0, context, self.output_start)
+                taken.append((token, row))
+                context.append(token)
+                if index == len(draft) or token != draft[index] or token in self.stop_tokens:
+                    break
+                if len(self.generated) + len(taken) >= self.max_new_tokens:
+                    break
+        except ValueError as bad:
+            message = f"malformed result for step {step} of session {self.session_hex}: {bad}"
+            self.fail(message)
+            raise ResultRefused(_error("INVALID_ARGUMENT"), message, fatal=True) from None
+        self.n_vocab = n_vocab
+        del self._in_flight_ends[0]
+        self._draft = ()
+        accepted = sum(1 for (token, _), drafted in zip(taken, draft) if token == drafted)
+        self.drafted_tokens += len(draft)
+        self.accepted_tokens += accepted
+        self.last_verified = (len(draft), accepted)
+        self.taken = taken
+        self.tokens.extend(token for token, _ in taken)
+        self.last_logits = taken[-1][1]
+        self._n_cached = len(self.tokens) - 1
+        self.step += 1
+        if taken[-1][0] in self.stop_tokens:
+            self.stopped_by_token = True
+            self.state = FINISHED
+        elif len(self.generated) >= self.max_new_tokens:
+            self.state = FINISHED
+        else:
+            self.state = READY
+        return [token for token, _ in taken]
+
     def _take(
         self, step: int, scores: Callable[[], np.ndarray | TopLogits], n_vocab: int, drawn: int | None = None
     ) -> int | None:
@@ -551,6 +685,7 @@ class Session:
             self.state = AWAITING if self._in_flight_ends else READY  # later chunks are on their way
             return None
         self.last_logits = logits
+        self.taken = [(token, logits)]
         self._n_cached = len(self.tokens)
         self.tokens.append(token)
         if self._last_hop_draws_after_prefill:

@@ -73,6 +73,10 @@ class SwarmClientConfig:
     step (each hop's node opens it there: ``DataPlaneBindRequest.open_rows``), so that its
     prompt goes worker to worker too, as chunks of ``prefill_chunk_tokens`` rows. False: the
     prompt goes through the node agents and the session binds once it is in the caches.
+    ``speculate_tokens``: a greedy session on the data plane drafts up to this many tokens from
+    its own context (``agent.core.owner.speculation``) and sends them with its last token as one
+    step, which one trip around the route verifies; such a session asks for no continuation.
+    0: off.
     ``prefill_chunks_in_flight``: how many of a prompt's chunks the owner sends down the data
     plane before it waits for the first's result: with more than one, hop i computes chunk
     j + 1 while hop i + 1 computes chunk j (pipelined prefill: the time to the first token
@@ -145,6 +149,13 @@ class SwarmClientConfig:
     )
     prefix_block_tokens: int = 64
     prefix_route_tags: int = 32
+    speculate_tokens: int = setting(
+        0,
+        "speculative decoding: a greedy session drafts up to N tokens from its own context and one trip"
+        " around the route verifies them (default 0: off)",
+        parse=cli_args.non_negative_int,
+        metavar="N",
+    )
     # Integrity (agent/io/client/spot_check.py, docs/INTEGRITY.md): the share of sessions replayed
     # through a route of the same recipe around one of their hops and compared bit for bit,
     # how long a session that ended waits for its replay, and how long the tracker may take to
@@ -177,6 +188,8 @@ class SwarmClientConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
+        if self.speculate_tokens < 0:
+            raise ValueError(f"speculate_tokens must be >= 0, got {self.speculate_tokens}")
         if self.prefill_chunks_in_flight < 1:
             raise ValueError(f"prefill_chunks_in_flight must be >= 1, got {self.prefill_chunks_in_flight}")
         if self.wire not in WIRE_CHOICES:

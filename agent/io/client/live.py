@@ -20,7 +20,7 @@ from collections.abc import Callable
 import trio
 
 from agent._proto import swarm_pb2, worker_pb2
-from agent.core.owner.data_route import drawn_token, step_result, success_step_result
+from agent.core.owner.data_route import drawn_token, result_rows, step_result, success_step_result
 from agent.core.owner.data_route import result_scores as data_result_scores  # (swarm_wire's takes a StepResult)
 from agent.core.owner.session import HopFailed, ResultRefused, Session
 from agent.core.wire.data_frames import DataFrameError, OwnerSession
@@ -52,7 +52,8 @@ class LiveSession:
         self.session = session
         self.prefix_salt = prefix_salt  # of its prompt's prefix block hashes (``prefix_seed``)
         self.arrived = trio.Event()
-        self.outcome: int | BaseException | None = None
+        # the token taken (a verification step's: the tokens), the error, or None (a prefill chunk)
+        self.outcome: int | list[int] | BaseException | None = None
         self.rebuild: Rebuild | None = None
         # the last result the session took: a StepResult (node path) or a DataResult (data plane)
         self.result: swarm_pb2.StepResult | None = None
@@ -76,6 +77,15 @@ class LiveSession:
     def deliver_data(self, remote_peer_id: str, result: worker_pb2.DataResult) -> swarm_pb2.Error | None:
         """As ``deliver``, for a successful RESULT of the data plane (opened under the session's
         return key): its scores go to the session without a ``StepResult`` in between."""
+        if result.rows:  # every row's top-K: a verification step (speculative decoding)
+            return self._settle(
+                result.step,
+                remote_peer_id,
+                lambda: self.session.receive_rows(
+                    result.step, lambda: result_rows(result), int(result.n_vocab), remote_peer_id
+                ),
+                result,
+            )
         return self._settle(
             result.step,
             remote_peer_id,
@@ -96,7 +106,7 @@ class LiveSession:
         self,
         step: int,
         remote_peer_id: str,
-        receive: Callable[[], int | None],
+        receive: Callable[[], int | list[int] | None],
         result: swarm_pb2.StepResult | worker_pb2.DataResult,
     ) -> swarm_pb2.Error | None:
         try:

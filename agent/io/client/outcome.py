@@ -89,7 +89,7 @@ class GenerationResult:
     decode_wall_s: float = 0.0
     #: prompt tokens the hops copied from their prefix caches instead of computing them
     cached_tokens: int = 0
-    #: tokens proposed by a draft and accepted by the route (0: no speculative decoding yet)
+    #: tokens drafted for speculative decoding, and of them accepted by the route (0: none drafted)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
 
@@ -164,6 +164,8 @@ class Progress:
     first_token_at: float = 0.0  # when the first token was taken (perf_counter)
     latest_token_at: float = 0.0  # when the latest was (last_token_at is reset by prefills)
     cached_tokens: int = 0  # prompt tokens the first session copied from the hops' prefix caches
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted, and of them accepted
+    accepted_tokens: int = 0
 
     def add(self, token: int, elapsed_s: float, *, prefill: bool) -> None:
         """A token taken: a prefill's ``elapsed_s`` is its step's (the prompt's chunks, each

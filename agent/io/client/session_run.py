@@ -34,6 +34,7 @@ from agent.core.owner.data_route import (
 from agent.core.owner.prefix_blocks import PrefixPlan, block_hashes, prefix_seed, usable_blocks
 from agent.core.owner.sampling import draws_at_owner
 from agent.core.owner.session import Session
+from agent.core.owner.speculation import DraftIndex, DraftLength
 from agent.core.owner.wire_choice import choose_wire_dtype
 from agent.core.wire.boundary import WireDType
 from agent.core.wire.data_frames import OwnerSession, SessionKeys
@@ -72,6 +73,8 @@ class SessionRunner(StepClient):
         """
         session = live.session
         session.draw_locally()  # (each run starts on the node path: the owner draws until a last hop does)
+        # speculative decoding (on the data plane; a spot check's shadow replays plain steps)
+        drafting = Drafting(self.config.speculate_tokens) if self._speculates(session) and spot is None else None
         wire = self.wire_dtype(route)
         first = route.hops[0]
         # where results come back: asked once per run, not per step (libp2p lists its
@@ -99,7 +102,10 @@ class SessionRunner(StepClient):
                     # the prompt's chunks on the data plane go together (pipelined down the route,
                     # ``prefill_chunks_in_flight`` at most); any other step alone
                     window = self.config.prefill_chunks_in_flight if plane is not None and spot is None else 1
-                    step_inputs = session.next_steps(window if prefill else 1)
+                    draft = drafting.draft(session) if drafting is not None and plane is not None else ()
+                    step_inputs = (
+                        [session.next_verify_step(draft)] if draft else session.next_steps(window if prefill else 1)
+                    )
                     step_input = step_inputs[0]
                     request = None
                     if plane is None or spot is not None:  # (the data plane needs no StepRequest)
@@ -116,8 +122,12 @@ class SessionRunner(StepClient):
                         for sent in step_inputs:
                             progress.data_plane_steps += 1
                             await plane.send(
-                                live, data_step(sent.step, sent.positions, sent.token_ids, session.result_top_k)
-                            )
+                                live,
+                                data_step(
+                                    sent.step, sent.positions, sent.token_ids, session.result_top_k,
+                                    every_row=sent.every_row, rewind=sent.rewind,
+                                ),
+                            )  # fmt: skip
                     else:
                         assert request is not None  # made above: there is no data plane
                         if not self._send_step_soon(live, first, request):
@@ -140,12 +150,17 @@ class SessionRunner(StepClient):
                         if live.outcome is None:  # a prefill chunk: more of the prompt follows
                             progress.prefill_s += elapsed
                             continue
-                        token = int(live.outcome)
                         if not prefill:
                             self._note_decode_step(elapsed)
-                        progress.add(token, elapsed, prefill=prefill)
-                        if await take(token, session.last_logits) and not session.finished:
-                            session.stop()
+                        if step_input.every_row:
+                            assert drafting is not None  # (only it drafts)
+                            drafting.verified(session, progress)
+                        for index, (token, logits) in enumerate(session.taken):
+                            progress.add(token, elapsed if index == 0 else 0.0, prefill=prefill)
+                            if await take(token, logits):
+                                if not session.finished:
+                                    session.stop()
+                                break  # (a verification's later tokens are not the caller's)
         except GenerationError as error:
             session.fail(str(error))
             progress.interrupted()
@@ -228,9 +243,15 @@ class SessionRunner(StepClient):
         plane.touched_at = binds_since
         log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
         live.session.draw_locally()  # (a new binding: its last hop draws only once asked)
-        if self.config.greedy_continuation:
+        if self.config.greedy_continuation and not self._speculates(live.session):
+            # (a speculating session's steps are the owner's: a continued step would take the
+            # step number its verification step needs)
             await self._continue_on_data_plane(live.session, route, keys, hosts, ports[0])
         return plane
+
+    def _speculates(self, session: Session) -> bool:
+        """Whether ``session`` drafts tokens on the data plane (``config.speculate_tokens``)."""
+        return self.config.speculate_tokens > 0 and session.may_speculate
 
     async def _prefix_plan(self, live: LiveSession, route: swarm_pb2.Route) -> PrefixPlan | None:
         """The prompt's block hashes (under the session's salt) and the leading blocks every hop
@@ -325,6 +346,36 @@ class SessionRunner(StepClient):
         ]  # fmt: skip
         if missed:
             await self._silent_hop(swarm_pb2.Route(hops=missed), session_id)
+
+
+class Drafting:
+    """One session run's speculative decoding: the context's n-gram index
+    (``agent.core.owner.speculation.DraftIndex``) and the draft length that adapts to what
+    the route accepted (``DraftLength``)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.index = DraftIndex()
+        self.length = DraftLength(max_tokens)
+
+    def draft(self, session: Session) -> tuple[int, ...]:
+        """The draft for the session's next step; empty: a plain decode step."""
+        if not session.can_speculate:
+            return ()
+        want = self.length.wanted(session.max_new_tokens - len(session.generated) - 1)
+        if want:
+            self.index.sync(session.tokens)
+            draft = self.index.draft(want)
+            if draft:
+                return draft
+        self.length.decoded_without_draft()
+        return ()
+
+    def verified(self, session: Session, progress: Progress) -> None:
+        """A verification step's result was taken (``Session.last_verified``)."""
+        drafted, accepted = session.last_verified
+        self.length.observe(drafted, accepted)
+        progress.drafted_tokens += drafted
+        progress.accepted_tokens += accepted
 
 
 def _ignore_reply(_reply: bytes | TransportError) -> None:

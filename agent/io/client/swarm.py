@@ -452,6 +452,8 @@ class SwarmClient(ResumingClient):
             continued_steps=progress.continued_steps,
             decode_wall_s=progress.decode_wall_s,
             cached_tokens=progress.cached_tokens,
+            drafted_tokens=progress.drafted_tokens,
+            accepted_tokens=progress.accepted_tokens,
         )
 
     async def _take_back(self, segments: list[RouteSegment], generated: list[int], avoid: list[str]) -> int:

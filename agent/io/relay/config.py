@@ -173,6 +173,13 @@ class RelayConfig:
         64, "tokens per prefix-cache block the sessions name to hops (default 64; 0: none)",
         parse=cli_args.non_negative_int,
     )  # fmt: skip
+    speculate_tokens: int = setting(
+        0,
+        "speculative decoding: greedy chats draft up to N tokens from their own context, verified in one"
+        " trip around the route (default 0: off)",
+        parse=cli_args.non_negative_int,
+        metavar="N",
+    )
     # Limits no flag sets.
     generation_timeout_s: float = 600.0
     default_max_tokens: int = 1024

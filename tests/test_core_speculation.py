@@ -40,26 +40,42 @@ def test_the_context_s_own_suffix_is_not_its_own_match_and_the_index_follows_gro
         DraftIndex(min_ngram=3, max_ngram=2)
 
 
-def test_the_draft_length_grows_on_full_acceptance_and_pauses_after_misses() -> None:
+def test_the_draft_length_is_the_one_of_the_most_tokens_a_second() -> None:
     length = DraftLength(8)
-    assert length.wanted(100) == 4
-    length.observe(4, 4)
+    assert length.wanted(100) == 8 and length.wanted(3) == 3  # nothing measured: a draft measures it
+    assert length.wanted(0) == 0
+    # a WAN on a CPU: 60 ms a continued token, 70 ms the owner's trip, 20 ms each row more
+    length.trip(1, 0.060, by_owner=False)
+    length.trip(1, 0.070, by_owner=True)
+    length.trip(5, 0.150, by_owner=True)
+    assert length.plain_s == 0.060 and length.verify_s == 0.070 and length.row_s == pytest.approx(0.020)
+    for _ in range(10):
+        length.observe(6, 3)  # copying in part: drafts kept halfway
+    assert 0.7 < length.acceptance < 0.8
+    assert length.wanted(100) in (2, 3)  # rows cost: not the longest draft
+    for _ in range(10):
+        length.observe(6, 6)  # copying: every draft kept
     assert length.wanted(100) == 8
-    assert length.wanted(3) == 3  # (the budget's room)
-    length.observe(8, 2)
-    assert length.wanted(100) == 3
-    length.observe(3, 0)
-    assert length.wanted(100) == 1
-    length.observe(1, 0)  # the second miss in a row: a pause of 4 tokens
-    assert length.wanted(100) == 0
-    for _ in range(4):
-        length.decoded_without_draft()
-    assert length.wanted(100) == 1
-    length.observe(1, 0)
-    length.observe(1, 0)
-    assert length.paused_for == 8  # found wanting again: twice as long
+    length.row_s = 0.0  # a GPU: a row more is nearly free
+    assert length.wanted(100) == 8
+    length.row_s = 0.020
+    for _ in range(20):
+        length.observe(4, 0)  # free writing: none kept
+    assert length.acceptance < 0.5 and length.wanted(100) == 0  # no draft beats the last hop's own steps
     with pytest.raises(ValueError):
         length.observe(2, 3)
+
+
+def test_runs_without_a_draft_grow_while_drafts_fail_and_start_again_after_one_is_kept() -> None:
+    length = DraftLength(8, pause_tokens=4, max_pause_tokens=16)
+    assert length.plain_run() == 4
+    length.observe(3, 0)
+    assert length.plain_run() == 8
+    length.observe(3, 0)
+    length.observe(3, 0)
+    assert length.plain_run() == 16  # (at most max_pause_tokens)
+    length.observe(3, 1)
+    assert length.plain_run() == 4
 
 
 def _top(best: int, k: int = 40) -> TopLogits:

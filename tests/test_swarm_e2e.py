@@ -529,11 +529,12 @@ async def test_speculative_decoding_through_three_nodes_equals_one_unsplit_worke
         assert copied.drafted_tokens >= copied.accepted_tokens
         # each accepted token is a trip saved: the prompt's, then a step per token less those
         assert copied.data_plane_steps == 1 + len(copied.tokens) - 1 - copied.accepted_tokens, copied.data_plane_steps
-        assert copied.continued_steps == 0  # (a speculating session's steps are its owner's)
         for prompt in PROMPTS:  # free-form: drafts rejected (the rows cut away) change no token
             result = await c.generate(ALIAS, prompt, max_tokens=NEW_TOKENS)
             assert result.tokens == expected[prompt], prompt
             assert result.accepted_tokens <= result.drafted_tokens
+            # between drafts the last hop continues the session by itself, a run at a time
+            assert result.continued_steps > 0, prompt
     assert_swarm_alive(swarm3)
 
 

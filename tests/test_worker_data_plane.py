@@ -778,7 +778,11 @@ async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_c
         await chain[-1].client.call("ContinueSession", continue_request(session, first_port, key, budget))
         with pytest.raises(WorkerError) as caught:
             await chain[-1].client.call("ContinueSession", continue_request(session, first_port, os.urandom(32), 3))
-        assert caught.value.code_name == "FAILED_PRECONDITION" and "once per binding" in caught.value.message
+        assert (
+            caught.value.code_name == "FAILED_PRECONDITION" and "one continue_key per binding" in caught.value.message
+        )
+        # the same key again re-arms it (the budget afresh: the owner's speculation between runs)
+        await chain[-1].client.call("ContinueSession", continue_request(session, first_port, key, budget))
 
         async with open_data_link(HOST, first_port) as to_first, open_data_link(HOST, last_port) as from_last:
             await from_last.send(session.attach_frame())
@@ -798,6 +802,9 @@ async def test_a_last_range_continues_greedy_steps_to_the_first_and_the_second_c
             assert [r.step for r in results] == list(range(2 + budget))
             assert all(r.error_code == 0 for r in results), [r.error_message for r in results]
             assert [top_of(r) for r in results] == reference[: 2 + budget], "the stepped unsplit worker's, bit for bit"
+            # each result says whether the last range sent the next step itself: the prompt's
+            # does not, the budget's steps do, the last of them does not (the owner's turn)
+            assert [r.continued for r in results] == [False] + [True] * budget + [False], results
             # then the owner's step after the budget: taken, its result the reference's
             n = 2 + budget
             await to_first.send(session.step_frame(step(n, [len(PROMPT) + n - 1], [tokens[n - 1]], top_k=top_k)))

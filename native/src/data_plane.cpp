@@ -87,13 +87,14 @@ std::string DataPlaneServer::continue_session(const DataContinuation & c) {
         return "no session " + hex_of(c.session_id) + " is bound here";
     }
     Session & s = found->second;
-    if (!s.cont_key.empty()) {
-        // its counter would start again under the same key: once per binding
-        return "the session continues already (once per binding)";
+    if (!s.cont_key.empty() && c.continue_key != s.cont_key) {
+        // another key's counter would start again: one key per binding
+        return "the session continues under another key already (one continue_key per binding)";
     }
     if (c.continue_key == s.step_key || c.continue_key == s.return_key) {
         return "the continue_key must be a key of its own";
     }
+    // (a re-arm under the same key: the frames' counter goes on from where it is)
     s.cont_host = c.host;
     s.cont_port = c.port;
     s.cont_key = c.continue_key;

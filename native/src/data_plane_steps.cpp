@@ -174,6 +174,7 @@ void DataPlaneServer::run_steps(Shard & shard, std::vector<StepWork> && steps) {
                     Outgoing next;  // (deliver writes the RESULTs to owners before it)
                     if (seal_continuation(batch[i], token, o.next_position, &next)) {
                         outgoing.push_back(std::move(next));
+                        result.set_continued(true);
                     }
                 }
                 if (draws[i].draws) {

@@ -75,42 +75,67 @@ class DraftIndex:
 
 @dataclasses.dataclass
 class DraftLength:
-    """How many tokens to draft for the next step, from how the last drafts fared.
+    """How many tokens to draft for the next step, from how the drafts fared and what trips cost.
 
-    A draft wholly accepted doubles the next (up to ``max_tokens``): copying tends to go on. A
-    draft cut short drafts one more than was kept: the match was that good. A draft of which
-    nothing was kept still cost the route its rows, so after ``misses_to_pause`` of them in a
-    row drafting pauses for ``pause_tokens`` tokens, doubling each time it is found wanting
-    again (up to ``max_pause_tokens``), and comes back at one token.
+    A trip of a verification step with k drafts gives ``1 + a + a^2 + ... + a^k`` tokens on
+    average (``a``: the share of drafted tokens the route accepted, counted with ``decay``
+    so that the estimate follows the text from copying to free writing and back) and costs
+    ``verify_s + row_s * k`` (both measured: the owner's trip of one row, and what each row
+    more adds; on a GPU a row more is nearly free, on a CPU it costs about a row's compute).
+    A step without a draft costs ``plain_s`` (measured: with the last hop continuing it is one
+    link less than the owner's trip). The draft length is the k of the most tokens a second,
+    0 when no k beats no draft.
+
+    When no draft pays (or none matched), the session goes on without one for ``plain_run``
+    tokens, during which the last hop continues it by itself: a run that grows (doubling up to
+    ``max_pause_tokens``) each time a draft is found wanting, and starts again from
+    ``pause_tokens`` after one is kept.
     """
 
     max_tokens: int
-    misses_to_pause: int = 2
+    decay: float = 0.9
     pause_tokens: int = 4
     max_pause_tokens: int = 64
-    #: the next draft's length
-    tokens: int = 0
-    misses: int = 0
-    paused_for: int = 0  # tokens left to decode without a draft
+    #: drafted tokens the route accepted, and drafts it cut short (decayed counts; the prior
+    #: is one of each: an acceptance of 1/2 until drafts were tried)
+    accepted: float = 1.0
+    cut_short: float = 1.0
+    verify_s: float | None = None  # the owner's trip of one row (a moving average)
+    row_s: float | None = None  # what each row more adds to a trip (None: not measured, taken as 0)
+    plain_s: float | None = None  # a token without a draft
     next_pause: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.tokens == 0:
-            self.tokens = max(1, self.max_tokens // 2)
         if self.next_pause == 0:
             self.next_pause = self.pause_tokens
 
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / (self.accepted + self.cut_short)
+
     def wanted(self, budget: int) -> int:
         """The next draft's length, at most ``budget`` (0: no draft this step)."""
-        if self.paused_for > 0:
+        limit = min(self.max_tokens, budget)
+        if limit < 1:
             return 0
-        return max(0, min(self.tokens, budget))
+        if self.verify_s is None:
+            return limit  # nothing measured yet: a draft measures it
+        a = self.acceptance
+        # (no continued step measured: every step is the owner's trip)
+        best, best_rate = 0, 1.0 / (self.plain_s if self.plain_s is not None else self.verify_s)
+        tokens = 1.0
+        for k in range(1, limit + 1):
+            tokens += a**k
+            rate = tokens / (self.verify_s + (self.row_s or 0.0) * k)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
-    def decoded_without_draft(self, tokens: int = 1) -> None:
-        """``tokens`` were decoded by a step that carried no draft (paused, or no match)."""
-        self.paused_for = max(0, self.paused_for - tokens)
+    def plain_run(self) -> int:
+        """Tokens to go without a draft (the last hop continuing) before the next look."""
+        return self.next_pause
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verification step kept ``accepted`` of its ``drafted`` tokens."""
@@ -118,17 +143,23 @@ class DraftLength:
             raise ValueError(f"accepted {accepted} of {drafted} drafted")
         if drafted == 0:
             return
-        if accepted == drafted:
-            self.tokens = min(self.max_tokens, 2 * self.tokens)
-            self.misses = 0
-            self.next_pause = self.pause_tokens
-        elif accepted > 0:
-            self.tokens = min(self.max_tokens, accepted + 1)
-            self.misses = 0
+        self.accepted = self.decay * self.accepted + accepted
+        self.cut_short = self.decay * self.cut_short + (1 if accepted < drafted else 0)
+        if accepted == 0:
+            self.next_pause = min(self.max_pause_tokens, 2 * self.next_pause)
         else:
-            self.tokens = 1
-            self.misses += 1
-            if self.misses >= self.misses_to_pause:
-                self.paused_for = self.next_pause
-                self.next_pause = min(self.max_pause_tokens, 2 * self.next_pause)
-                self.misses = 0
+            self.next_pause = self.pause_tokens
+
+    def trip(self, rows: int, seconds: float, *, by_owner: bool) -> None:
+        """A decode step of ``rows`` rows took ``seconds`` (from the result before it): one the
+        owner sent (``by_owner``: its trip), or one the last hop continued."""
+        if not by_owner:
+            self.plain_s = _average(self.plain_s, seconds)
+        elif rows == 1 or self.verify_s is None:
+            self.verify_s = _average(self.verify_s, seconds)
+        else:
+            self.row_s = max(0.0, _average(self.row_s, (seconds - self.verify_s) / (rows - 1)))
+
+
+def _average(old: float | None, new: float, weight: float = 0.3) -> float:
+    return new if old is None else (1 - weight) * old + weight * new

@@ -96,6 +96,11 @@ class LiveSession:
             result,
         )  # fmt: skip
 
+    @property
+    def continued(self) -> bool:
+        """The last hop sent the step after the last result taken itself (``DataResult.continued``)."""
+        return self.data_result is not None and self.data_result.continued
+
     def taken_result(self) -> swarm_pb2.StepResult | None:
         """The last result the session took, as a ``StepResult`` (a spot check replays them)."""
         if self.data_result is not None:
@@ -163,6 +168,8 @@ class DataPlane:
     def __init__(self, owner: OwnerSession, route: swarm_pb2.Route, to_first: DataLink, from_last: DataLink) -> None:
         self.owner, self.route, self.to_first, self.from_last = owner, route, to_first, from_last
         self.touched_at = -math.inf
+        #: a speculating session's continuation, re-armed a run at a time (its steps set then)
+        self.continuation: swarm_pb2.DataPlaneContinueRequest | None = None
 
     async def send(self, live: LiveSession, step: worker_pb2.DataStep) -> None:
         """Send the step to the first hop's worker; a connection that fails fails the step,

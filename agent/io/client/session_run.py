@@ -33,7 +33,7 @@ from agent.core.owner.data_route import (
 )
 from agent.core.owner.prefix_blocks import PrefixPlan, block_hashes, prefix_seed, usable_blocks
 from agent.core.owner.sampling import draws_at_owner
-from agent.core.owner.session import Session
+from agent.core.owner.session import OwnerStep, Session
 from agent.core.owner.speculation import DraftIndex, DraftLength
 from agent.core.owner.wire_choice import choose_wire_dtype
 from agent.core.wire.boundary import WireDType
@@ -97,12 +97,17 @@ class SessionRunner(StepClient):
                         plane = await self._open_data_plane(stack, live, route, prefix_cache=spot is None)
                         if live.prefix_cached_tokens and not progress.tokens:
                             progress.cached_tokens = live.prefix_cached_tokens
+                    continued_before = live.continued  # the last hop sends this step itself
                     live.arm()
                     prefill = session.in_prefill
                     # the prompt's chunks on the data plane go together (pipelined down the route,
                     # ``prefill_chunks_in_flight`` at most); any other step alone
                     window = self.config.prefill_chunks_in_flight if plane is not None and spot is None else 1
-                    draft = drafting.draft(session) if drafting is not None and plane is not None else ()
+                    draft: tuple[int, ...] = ()
+                    if drafting is not None and plane is not None and not prefill:
+                        draft = drafting.draft(session, continued=live.continued)
+                        if not draft and not live.continued and (run := drafting.plain_run(session)):
+                            self._arm_continuation(plane, session, run)  # (the last hop steps meanwhile)
                     step_inputs = (
                         [session.next_verify_step(draft)] if draft else session.next_steps(window if prefill else 1)
                     )
@@ -152,9 +157,8 @@ class SessionRunner(StepClient):
                             continue
                         if not prefill:
                             self._note_decode_step(elapsed)
-                        if step_input.every_row:
-                            assert drafting is not None  # (only it drafts)
-                            drafting.verified(session, progress)
+                        if drafting is not None and not prefill:
+                            drafting.took(session, progress, step_input, elapsed, by_owner=not continued_before)
                         for index, (token, logits) in enumerate(session.taken):
                             progress.add(token, elapsed if index == 0 else 0.0, prefill=prefill)
                             if await take(token, logits):
@@ -243,11 +247,38 @@ class SessionRunner(StepClient):
         plane.touched_at = binds_since
         log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
         live.session.draw_locally()  # (a new binding: its last hop draws only once asked)
-        if self.config.greedy_continuation and not self._speculates(live.session):
-            # (a speculating session's steps are the owner's: a continued step would take the
-            # step number its verification step needs)
+        if self.config.greedy_continuation and self._speculates(live.session):
+            # a speculating session's last hop continues it a run at a time (``Drafting``): its
+            # verification steps go between the runs
+            session = live.session
+            plane.continuation = continue_request(
+                route, session_id, keys, hosts, ports[0], steps=0, stop_token_ids=session.stop_tokens,
+                max_position=0, sampling=session.sampling,
+            )  # fmt: skip
+        elif self.config.greedy_continuation:
             await self._continue_on_data_plane(live.session, route, keys, hosts, ports[0])
         return plane
+
+    def _arm_continuation(self, plane: DataPlane, session: Session, run: int) -> None:
+        """Ask the last hop to continue ``session`` for ``run`` steps from the next (sent without
+        waiting: a late or refused answer only leaves those steps the owner's)."""
+        if plane.continuation is None or self._request_soon is None:
+            return
+        generated = len(session.generated)
+        steps = min(run, continuation_steps(session.max_new_tokens, generated, greedy=True, top_k=session.result_top_k))
+        if steps < 1:
+            return
+        body = swarm_pb2.DataPlaneContinueRequest()
+        body.CopyFrom(plane.continuation)
+        body.steps = steps
+        request = swarm_pb2.NodeRequest(
+            schema_version=SCHEMA_VERSION, sender_admission=self.admission, data_plane_continue=body
+        )
+        last = plane.route.hops[-1]
+        self._request_soon(
+            last.peer_id, NODE_PROTOCOL, request.SerializeToString(), timeout_s=self.config.request_timeout_s,
+            on_reply=_ignore_reply,
+        )  # fmt: skip
 
     def _speculates(self, session: Session) -> bool:
         """Whether ``session`` drafts tokens on the data plane (``config.speculate_tokens``)."""
@@ -350,32 +381,44 @@ class SessionRunner(StepClient):
 
 class Drafting:
     """One session run's speculative decoding: the context's n-gram index
-    (``agent.core.owner.speculation.DraftIndex``) and the draft length that adapts to what
-    the route accepted (``DraftLength``)."""
+    (``agent.core.owner.speculation.DraftIndex``), the draft length that follows what the route
+    accepted and what its trips cost (``DraftLength``), and the runs without a draft, during
+    which the last hop continues the session (the owner decides again when a result says the
+    last hop did not send the next step)."""
 
     def __init__(self, max_tokens: int) -> None:
         self.index = DraftIndex()
         self.length = DraftLength(max_tokens)
+        self.plain_until = 0  # no draft before this many generated tokens
 
-    def draft(self, session: Session) -> tuple[int, ...]:
-        """The draft for the session's next step; empty: a plain decode step."""
-        if not session.can_speculate:
+    def draft(self, session: Session, *, continued: bool) -> tuple[int, ...]:
+        """The draft for the session's next step; empty: a plain decode step (always when the
+        last hop sent that step already, ``continued``)."""
+        if continued or not session.can_speculate or len(session.generated) < self.plain_until:
             return ()
         want = self.length.wanted(session.max_new_tokens - len(session.generated) - 1)
-        if want:
-            self.index.sync(session.tokens)
-            draft = self.index.draft(want)
-            if draft:
-                return draft
-        self.length.decoded_without_draft()
-        return ()
+        if not want:
+            return ()
+        self.index.sync(session.tokens)
+        return self.index.draft(want)
 
-    def verified(self, session: Session, progress: Progress) -> None:
-        """A verification step's result was taken (``Session.last_verified``)."""
-        drafted, accepted = session.last_verified
-        self.length.observe(drafted, accepted)
-        progress.drafted_tokens += drafted
-        progress.accepted_tokens += accepted
+    def plain_run(self, session: Session) -> int:
+        """After a step without a draft was chosen: how many steps go without one (0 while a
+        run is on)."""
+        if len(session.generated) < self.plain_until:
+            return 0
+        run = self.length.plain_run()
+        self.plain_until = len(session.generated) + run
+        return run
+
+    def took(self, session: Session, progress: Progress, step: OwnerStep, elapsed_s: float, *, by_owner: bool) -> None:
+        """A decode step's result was taken, ``elapsed_s`` after the result before it."""
+        self.length.trip(len(step.token_ids), elapsed_s, by_owner=by_owner)
+        if step.every_row:
+            drafted, accepted = session.last_verified
+            self.length.observe(drafted, accepted)
+            progress.drafted_tokens += drafted
+            progress.accepted_tokens += accepted
 
 
 def _ignore_reply(_reply: bytes | TransportError) -> None:

@@ -12,6 +12,7 @@ machine; the unsplit reference worker runs on this host (Unix sockets only).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import socket
@@ -121,6 +122,11 @@ def test_five_machines_at_20_ms_give_the_unsplit_tokens_through_the_relay_and_an
 
     result = lab_swarm.in_owner(lab_swarm.generate)
     assert result.tokens == lab_swarm.reference and result.replans == 0
+    # speculative decoding (the relay's default too, above): drafts verified a trip at a time,
+    # rejected rows cut on every hop, the same tokens
+    speculative = lab_swarm.in_owner(functools.partial(lab_swarm.generate, speculate_tokens=8))
+    assert speculative.tokens == lab_swarm.reference and speculative.replans == 0
+    assert speculative.accepted_tokens <= speculative.drafted_tokens
     hops = [h["node"] for h in result.route]
     assert len(hops) == 3
     # every hop pushed to the next across the lab: the nodes' machines carried the boundaries

@@ -270,9 +270,10 @@ def test_the_owners_config_round_trips_through_baton_generate() -> None:
 
     changed = SwarmClientConfig(**_every_setting_changed(SwarmClientConfig))
     assert parse(to_argv(changed)) == changed
-    # baton generate spot-checks 1% by default, a library user (tests, the relay) opts in
-    assert parse([]) == SwarmClientConfig(spot_check_rate=0.01) and SwarmClientConfig().spot_check_rate == 0.0
-    assert to_argv(SwarmClientConfig()) == ["--spot-check-rate", "0.0"]
+    # baton generate spot-checks 1% and speculates by default, a library user (tests, the relay) opts in
+    assert parse([]) == SwarmClientConfig(spot_check_rate=0.01, speculate_tokens=8)
+    assert SwarmClientConfig().spot_check_rate == 0.0 and SwarmClientConfig().speculate_tokens == 0
+    assert to_argv(SwarmClientConfig()) == ["--speculate-tokens", "0", "--spot-check-rate", "0.0"]
 
 
 def test_a_relay_passes_its_client_settings_by_name() -> None:
@@ -284,8 +285,10 @@ def test_a_relay_passes_its_client_settings_by_name() -> None:
     )
     relay_types = {f.name: f.type for f in dataclasses.fields(RelayConfig)}
     shared = [f for f in dataclasses.fields(SwarmClientConfig) if f.name in relay_types]
-    assert len(shared) == 9 and all(relay_types[f.name] == f.type for f in shared)
-    assert {"wire", "link_mbit", "prefill_chunk_tokens", "prefix_block_tokens", "invite"} <= {f.name for f in shared}
+    assert len(shared) == 10 and all(relay_types[f.name] == f.type for f in shared)
+    assert {"wire", "link_mbit", "prefill_chunk_tokens", "prefix_block_tokens", "invite", "speculate_tokens"} <= {
+        f.name for f in shared
+    }
 
 
 def test_the_node_service_command_line_is_rendered_from_node_config() -> None:

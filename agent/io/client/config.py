@@ -149,12 +149,14 @@ class SwarmClientConfig:
     )
     prefix_block_tokens: int = 64
     prefix_route_tags: int = 32
+    # (0 for a library user and tests; 8 for baton generate)
     speculate_tokens: int = setting(
         0,
         "speculative decoding: a greedy session drafts up to N tokens from its own context and one trip"
-        " around the route verifies them (default 0: off)",
+        " around the route verifies them, where the measured acceptance and trip times say it pays (default 8; 0: off)",
         parse=cli_args.non_negative_int,
         metavar="N",
+        command_default=8,
     )
     # Integrity (agent/io/client/spot_check.py, docs/INTEGRITY.md): the share of sessions replayed
     # through a route of the same recipe around one of their hops and compared bit for bit,

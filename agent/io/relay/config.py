@@ -176,9 +176,10 @@ class RelayConfig:
     speculate_tokens: int = setting(
         0,
         "speculative decoding: greedy chats draft up to N tokens from their own context, verified in one"
-        " trip around the route (default 0: off)",
+        " trip around the route, where the measured acceptance and trip times say it pays (default 8; 0: off)",
         parse=cli_args.non_negative_int,
         metavar="N",
+        command_default=8,
     )
     # Limits no flag sets.
     generation_timeout_s: float = 600.0

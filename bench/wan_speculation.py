@@ -29,10 +29,14 @@ from common import log
 from agent.core.lab.topology import LinkChange
 from agent.io.client import SwarmClientConfig
 from agent.io.lab.harness import Lab
+from agent.models import model_path
 
 SPECULATION_NEW_TOKENS = 256
 SPECULATE_TOKENS = 8
 VARIANTS = ("plain", "speculative")
+ROWS_MEASURED = (1, 2, 3, 5, 9)  # a verification step's rows: the last token and 0, 1, 2, 4, 8 drafts
+ROWS_REPEATS = 8
+ALIAS = "smollm2"
 COPY_TARGET = 2.0  # speculative / plain decode tokens/s on the copy-heavy task
 FREE_TARGET = 0.95  # ... and on the free-form one
 
@@ -107,6 +111,7 @@ async def measure_speculation(lab: Lab, swarm, wan, args: argparse.Namespace) ->
                     + f" (accepted {turns[task]['speculative'][-1]['accepted']}"
                     f" of {turns[task]['speculative'][-1]['drafted']})"
                 )
+        rows_ms = await _rows_compute_ms(args.threads)
     tasks = {}
     for task, by_variant in turns.items():
         medians = {v: statistics.median(f["decode_tps"] for f in figures) for v, figures in by_variant.items()}
@@ -121,10 +126,35 @@ async def measure_speculation(lab: Lab, swarm, wan, args: argparse.Namespace) ->
         }
     return {
         "rtt_ms": args.prefill_rtt_ms, "measured_rtt_ms": measured_rtt, "new_tokens": SPECULATION_NEW_TOKENS,
-        "speculate_tokens": SPECULATE_TOKENS, "tasks": tasks,
+        "speculate_tokens": SPECULATE_TOKENS, "tasks": tasks, "rows_compute_ms": rows_ms,
         "targets": {"copy-heavy": COPY_TARGET, "free-form": FREE_TARGET},
         "route": [[h.begin, h.end] for h in route.hops],
     }  # fmt: skip
+
+
+async def _rows_compute_ms(threads: int) -> dict[int, float]:
+    """What a verification step's rows cost to compute here: the unsplit worker's Forward of
+    ``rows`` rows (every row's top-K) after a 100-token context, the median of
+    ``ROWS_REPEATS``. On a GPU a row more is nearly free; on a CPU core it is not."""
+    from agent.core.wire.worker_records import SeqInput
+    from agent.io.worker.process import open_worker
+
+    out = {}
+    async with open_worker(model_path(ALIAS), 0, None, threads=threads, max_sequences=1) as worker:
+        client = worker.client
+        context = list(range(100, 200))
+        await client.forward([SeqInput(seq_id=0, positions=list(range(100)), token_ids=context, top_k=40)])
+        for rows in ROWS_MEASURED:
+            times = []
+            for _ in range(ROWS_REPEATS):
+                await client.forward([
+                    SeqInput(seq_id=0, positions=list(range(100, 100 + rows)), token_ids=context[:rows],
+                             logit_rows=list(range(rows)), top_k=40)
+                ])  # fmt: skip
+                times.append(client.last_forward.compute_us / 1000)
+                await client.trim_sequence(0, 100)
+            out[rows] = statistics.median(times)
+    return out
 
 
 def speculation_markdown(p: dict) -> list[str]:
@@ -158,4 +188,15 @@ def speculation_markdown(p: dict) -> list[str]:
             f" **{t['speculative_over_plain']:.2f}x** plain (target >= {target:g}x: {met}); tokens identical"
             f" in every run: {t['tokens_identical']}."
         )
+    rows = p["rows_compute_ms"]
+    one = rows.get("1", rows.get(1))
+    lines += [
+        "",
+        "What a verification step's rows cost to compute here (the unsplit worker, every row's top-K):",
+        "",
+        "| rows | " + " | ".join(str(r) for r in rows) + " |",
+        "|---|" + "---|" * len(rows),
+        "| compute ms | " + " | ".join(f"{v:.1f}" for v in rows.values()) + " |",
+        "| of one row | " + " | ".join(f"{v / one:.2f}x" for v in rows.values()) + " |",
+    ]
     return lines

@@ -106,3 +106,28 @@ def test_the_wire_report_names_each_dtype_its_bytes_and_its_bound() -> None:
     assert "f16 **0.55x** f32's time to first token (target <= 0.6x: met)" in text
     assert "| q8 | 1,107,000 | 0.44 | 1.1 | 3.5 |" in text
     assert wan_wire._max_top_diff([{1: 2.0, 2: 1.0}], [{1: 2.5, 3: 0.0}]) == 0.5  # shared tokens only
+
+
+def test_the_speculation_report_sets_each_task_against_its_target_and_shows_what_rows_cost() -> None:
+    import wan_speculation
+
+    def figure(tps: float, drafted: int = 0, accepted: int = 0, trips: int = 256) -> dict:
+        return {"decode_tps": tps, "drafted": drafted, "accepted": accepted, "trips": trips}
+
+    section = {
+        "rtt_ms": 20.0, "new_tokens": 256, "speculate_tokens": 8,
+        "tasks": {
+            "copy-heavy": {"turns": {"plain": [figure(16.0)], "speculative": [figure(36.0, 200, 180, 76)]},
+                           "speculative_over_plain": 2.25, "tokens_identical": True, "generated_tokens": 256,
+                           "prompt_tokens": 290},
+            "free-form": {"turns": {"plain": [figure(18.0)], "speculative": [figure(16.2, 8, 0, 256)]},
+                          "speculative_over_plain": 0.90, "tokens_identical": True, "generated_tokens": 256,
+                          "prompt_tokens": 17},
+        },
+        "targets": {"copy-heavy": 2.0, "free-form": 0.95}, "rows_compute_ms": {"1": 20.0, "2": 30.0, "9": 130.0},
+    }  # fmt: skip
+    text = "\n".join(wan_speculation.speculation_markdown(section))
+    assert "| copy-heavy | 1 | 16.0 | 36.0 | 200 | 180 | 76 |" in text
+    assert "speculative **2.25x** plain (target >= 2x: met)" in text
+    assert "speculative **0.90x** plain (target >= 0.95x: missed)" in text
+    assert "| of one row | 1.00x | 1.50x | 6.50x |" in text

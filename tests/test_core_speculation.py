@@ -156,3 +156,11 @@ def test_only_a_plain_greedy_session_speculates() -> None:
     assert greedy.may_speculate and not greedy.can_speculate  # (the prompt is not in yet)
     with pytest.raises(ValueError, match="no verification step now"):
         greedy.next_verify_step([3])
+
+
+def test_only_a_route_that_can_cut_rows_away_speculates() -> None:
+    from agent.core.owner.speculation import rewinds
+
+    assert rewinds("llama") and rewinds("gemma3")
+    assert not rewinds("deepseek4")  # its compressor state cannot be cut back
+    assert not rewinds("")  # not known: not assumed

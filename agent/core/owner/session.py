@@ -638,9 +638,7 @@ class Session:
                 if len(self.generated) + len(taken) >= self.max_new_tokens:
                     break
         except ValueError as bad:
-            message = f"malformed result for step {step} of session {self.session_hex}: {bad}"
-            self.fail(message)
-            raise ResultRefused(_error("INVALID_ARGUMENT"), message, fatal=True) from None
+            raise self._malformed(step, bad) from None
         self.n_vocab = n_vocab
         del self._in_flight_ends[0]
         self._draft = ()
@@ -652,15 +650,25 @@ class Session:
         self.tokens.extend(token for token, _ in taken)
         self.last_logits = taken[-1][1]
         self._n_cached = len(self.tokens) - 1
+        self._after_token(taken[-1][0])
+        return [token for token, _ in taken]
+
+    def _malformed(self, step: int, bad: ValueError) -> ResultRefused:
+        """Fail the session over a malformed result for ``step``; the error to raise."""
+        message = f"malformed result for step {step} of session {self.session_hex}: {bad}"
+        self.fail(message)
+        return ResultRefused(_error("INVALID_ARGUMENT"), message, fatal=True)
+
+    def _after_token(self, token: int) -> None:
+        """The step is answered with ``token`` last: finished by a stop token or the budget."""
         self.step += 1
-        if taken[-1][0] in self.stop_tokens:
+        if token in self.stop_tokens:
             self.stopped_by_token = True
             self.state = FINISHED
         elif len(self.generated) >= self.max_new_tokens:
             self.state = FINISHED
         else:
             self.state = READY
-        return [token for token, _ in taken]
 
     def _take(
         self, step: int, scores: Callable[[], np.ndarray | TopLogits], n_vocab: int, drawn: int | None = None
@@ -672,9 +680,7 @@ class Session:
             # a chunk's logits are checked, never sampled: no draw, so chunking changes no seed's tokens
             token = None if chunk else self._draw(logits, drawn, n_vocab)
         except ValueError as bad:
-            message = f"malformed result for step {step} of session {self.session_hex}: {bad}"
-            self.fail(message)
-            raise ResultRefused(_error("INVALID_ARGUMENT"), message, fatal=True) from None
+            raise self._malformed(step, bad) from None
         self.n_vocab = n_vocab
         del self._in_flight_ends[0]
         if token is None:
@@ -690,14 +696,7 @@ class Session:
         self.tokens.append(token)
         if self._last_hop_draws_after_prefill:
             self.draw_at_last_hop()  # the prompt's token is in: the decode steps are the last hop's
-        self.step += 1
-        if token in self.stop_tokens:
-            self.stopped_by_token = True
-            self.state = FINISHED
-        elif len(self.generated) >= self.max_new_tokens:
-            self.state = FINISHED
-        else:
-            self.state = READY
+        self._after_token(token)
         return token
 
     def _draw(self, logits: np.ndarray | TopLogits, drawn: int | None, n_vocab: int) -> int:

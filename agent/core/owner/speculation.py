@@ -22,7 +22,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["DraftIndex", "DraftLength"]
+__all__ = ["DraftIndex", "DraftLength", "rewinds"]
+
+#: architectures whose workers refuse a rewind: DeepSeek V4's compression windows and indexer
+#: are running sums the pinned llama.cpp cannot cut back (beyond a rollback window that is off
+#: by default: ``--rollback-positions``)
+_NO_REWIND = frozenset({"deepseek4"})
+
+
+def rewinds(architecture: str) -> bool:
+    """Whether a route of ``architecture`` can cut a verification's rejected rows away (an
+    unknown architecture, "": not assumed)."""
+    return bool(architecture) and architecture not in _NO_REWIND
 
 
 class DraftIndex:

@@ -102,6 +102,8 @@ class ControlClient:
         self._last_routes: dict[str, swarm_pb2.Route] = {}  # model -> the tracker's last route
         #: (peer, begin, end) of hops that said they keep no prefix cache: not asked again
         self._no_prefix_cache: set[tuple[str, int, int]] = set()
+        #: model sha256 -> its architecture (the tracker's model list, asked once a model)
+        self._architectures: dict[str, str] = {}
         #: the salt of this owner's prefix block hashes where a generation names none (the
         #: relay names one per API key): see ``owner_salt`` for why per owner
         self.prefix_salt = owner_salt(key.private_bytes_raw())
@@ -276,7 +278,15 @@ class ControlClient:
 
     async def list_models(self) -> list[swarm_pb2.ModelEntry]:
         reply = await self._tracker(swarm_pb2.TrackerRequest(list_models=swarm_pb2.ListModelsRequest()))
+        self._architectures.update((m.sha256, m.architecture) for m in reply.list_models.models)
         return list(reply.list_models.models)
+
+    async def architecture(self, model_sha256: str) -> str:
+        """The architecture of the model ``model_sha256`` (the tracker's list, asked once; "" when
+        it lists no such model)."""
+        if model_sha256 not in self._architectures:
+            await self.list_models()
+        return self._architectures.get(model_sha256, "")
 
     async def model_metadata(self, model: str) -> swarm_pb2.ModelMetadataReply:
         """The registered GGUF's metadata bytes (everything before its tensors) and size.

@@ -34,7 +34,7 @@ from agent.core.owner.data_route import (
 from agent.core.owner.prefix_blocks import PrefixPlan, block_hashes, prefix_seed, usable_blocks
 from agent.core.owner.sampling import draws_at_owner
 from agent.core.owner.session import OwnerStep, Session
-from agent.core.owner.speculation import DraftIndex, DraftLength
+from agent.core.owner.speculation import DraftIndex, DraftLength, rewinds
 from agent.core.owner.wire_choice import choose_wire_dtype
 from agent.core.wire.boundary import WireDType
 from agent.core.wire.data_frames import OwnerSession, SessionKeys
@@ -74,7 +74,9 @@ class SessionRunner(StepClient):
         session = live.session
         session.draw_locally()  # (each run starts on the node path: the owner draws until a last hop does)
         # speculative decoding (on the data plane; a spot check's shadow replays plain steps)
-        drafting = Drafting(self.config.speculate_tokens) if self._speculates(session) and spot is None else None
+        drafting = None
+        if self._speculates(session) and spot is None and await self._rewinds(route):
+            drafting = Drafting(self.config.speculate_tokens)
         wire = self.wire_dtype(route)
         first = route.hops[0]
         # where results come back: asked once per run, not per step (libp2p lists its
@@ -94,7 +96,9 @@ class SessionRunner(StepClient):
                     ):
                         plane_tries += 1
                         # (a spot check's shadow replays the steps from position 0 on the node path)
-                        plane = await self._open_data_plane(stack, live, route, prefix_cache=spot is None)
+                        plane = await self._open_data_plane(
+                            stack, live, route, prefix_cache=spot is None, speculating=drafting is not None
+                        )
                         if live.prefix_cached_tokens and not progress.tokens:
                             progress.cached_tokens = live.prefix_cached_tokens
                     continued_before = live.continued  # the last hop sends this step itself
@@ -181,7 +185,13 @@ class SessionRunner(StepClient):
         )  # fmt: skip
 
     async def _open_data_plane(
-        self, stack: contextlib.AsyncExitStack, live: LiveSession, route: swarm_pb2.Route, *, prefix_cache: bool = True
+        self,
+        stack: contextlib.AsyncExitStack,
+        live: LiveSession,
+        route: swarm_pb2.Route,
+        *,
+        prefix_cache: bool = True,
+        speculating: bool = False,
     ) -> DataPlane | None:
         """Move ``live.session``'s steps onto the workers' data plane of ``route``: bound on every
         hop, last first; the two connections open until ``stack`` closes. None, with the session
@@ -247,7 +257,7 @@ class SessionRunner(StepClient):
         plane.touched_at = binds_since
         log.debug("session %s on the data plane of %s", live.session.session_hex, describe_route(route))
         live.session.draw_locally()  # (a new binding: its last hop draws only once asked)
-        if self.config.greedy_continuation and self._speculates(live.session):
+        if self.config.greedy_continuation and speculating:
             # a speculating session's last hop continues it a run at a time (``Drafting``): its
             # verification steps go between the runs
             session = live.session
@@ -279,6 +289,15 @@ class SessionRunner(StepClient):
             last.peer_id, NODE_PROTOCOL, request.SerializeToString(), timeout_s=self.config.request_timeout_s,
             on_reply=_ignore_reply,
         )  # fmt: skip
+
+    async def _rewinds(self, route: swarm_pb2.Route) -> bool:
+        """Whether the route's workers can cut a verification's rejected rows away
+        (``agent.core.owner.speculation.rewinds``: not DeepSeek V4's)."""
+        try:
+            return rewinds(await self.architecture(route.model_sha256))
+        except (SwarmError, TransportError) as why:
+            log.info("no speculation: the model's architecture is not known: %s", why)
+            return False
 
     def _speculates(self, session: Session) -> bool:
         """Whether ``session`` drafts tokens on the data plane (``config.speculate_tokens``)."""

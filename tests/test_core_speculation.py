@@ -76,6 +76,8 @@ def test_runs_without_a_draft_grow_while_drafts_fail_and_start_again_after_one_i
     assert length.plain_run() == 16  # (at most max_pause_tokens)
     length.observe(3, 1)
     assert length.plain_run() == 4
+    length.no_match()  # none matched: the text is not copying, as after a failed draft
+    assert length.plain_run() == 8
 
 
 def _top(best: int, k: int = 40) -> TopLogits:

@@ -99,8 +99,8 @@ class DraftLength:
 
     When no draft pays (or none matched), the session goes on without one for ``plain_run``
     tokens, during which the last hop continues it by itself: a run that grows (doubling up to
-    ``max_pause_tokens``) each time a draft is found wanting, and starts again from
-    ``pause_tokens`` after one is kept.
+    ``max_pause_tokens``) each time a draft is found wanting or none matched, and starts again
+    from ``pause_tokens`` after one is kept.
     """
 
     max_tokens: int
@@ -147,6 +147,11 @@ class DraftLength:
     def plain_run(self) -> int:
         """Tokens to go without a draft (the last hop continuing) before the next look."""
         return self.next_pause
+
+    def no_match(self) -> None:
+        """A draft was wanted and the context offered none: the text is not copying now, and
+        each look costs the owner's trip once a run (the runs grow as after a failed draft)."""
+        self.next_pause = min(self.max_pause_tokens, 2 * self.next_pause)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verification step kept ``accepted`` of its ``drafted`` tokens."""

@@ -419,7 +419,10 @@ class Drafting:
         if not want:
             return ()
         self.index.sync(session.tokens)
-        return self.index.draft(want)
+        draft = self.index.draft(want)
+        if not draft:
+            self.length.no_match()
+        return draft
 
     def plain_run(self, session: Session) -> int:
         """After a step without a draft was chosen: how many steps go without one (0 while a

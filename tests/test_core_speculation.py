@@ -166,3 +166,17 @@ def test_only_a_route_that_can_cut_rows_away_speculates() -> None:
     assert rewinds("llama") and rewinds("gemma3")
     assert not rewinds("deepseek4")  # its compressor state cannot be cut back
     assert not rewinds("")  # not known: not assumed
+
+
+def test_a_run_drafts_only_when_the_next_step_is_the_owner_s_and_no_run_without_drafts_is_on() -> None:
+    from agent.core.owner.speculation import Drafting
+
+    s = _decoding([5, 6, 7, 5, 6])  # 9 taken: (6, 9) has no earlier occurrence
+    drafting = Drafting(4)
+    assert drafting.draft(s, continued=True) == ()  # the last hop sent the next step already
+    assert drafting.draft(s, continued=False) == ()  # no match: a run without drafts follows
+    assert drafting.plain_run(s) == 8  # (the run grew: no match counts as a failed look)
+    assert drafting.plain_run(s) == 0  # a run is on
+    step = s.next_step()
+    assert drafting.took(s, step, 0.05, by_owner=True) == (0, 0)
+    assert drafting.length.verify_s == 0.05

@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["DraftIndex", "DraftLength", "rewinds"]
+from agent.core.owner.session import OwnerStep, Session
+
+__all__ = ["DraftIndex", "DraftLength", "Drafting", "rewinds"]
 
 #: architectures whose workers refuse a rewind: DeepSeek V4's compression windows and indexer
 #: are running sums the pinned llama.cpp cannot cut back (beyond a rollback window that is off
@@ -179,3 +181,48 @@ class DraftLength:
 
 def _average(old: float | None, new: float, weight: float = 0.3) -> float:
     return new if old is None else (1 - weight) * old + weight * new
+
+
+class Drafting:
+    """One session run's speculative decoding: the context's n-gram index (``DraftIndex``), the
+    draft length that follows what the route accepted and what its trips cost (``DraftLength``),
+    and the runs without a draft, during which the last hop continues the session (the owner
+    decides again when a result says the last hop did not send the next step)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.index = DraftIndex()
+        self.length = DraftLength(max_tokens)
+        self.plain_until = 0  # no draft before this many generated tokens
+
+    def draft(self, session: Session, *, continued: bool) -> tuple[int, ...]:
+        """The draft for the session's next step; empty: a plain decode step (always when the
+        last hop sent that step already, ``continued``)."""
+        if continued or not session.can_speculate or len(session.generated) < self.plain_until:
+            return ()
+        want = self.length.wanted(session.max_new_tokens - len(session.generated) - 1)
+        if not want:
+            return ()
+        self.index.sync(session.tokens)
+        draft = self.index.draft(want)
+        if not draft:
+            self.length.no_match()
+        return draft
+
+    def plain_run(self, session: Session) -> int:
+        """After a step without a draft was chosen: how many steps go without one (0 while a
+        run is on)."""
+        if len(session.generated) < self.plain_until:
+            return 0
+        run = self.length.plain_run()
+        self.plain_until = len(session.generated) + run
+        return run
+
+    def took(self, session: Session, step: OwnerStep, elapsed_s: float, *, by_owner: bool) -> tuple[int, int]:
+        """A decode step's result was taken, ``elapsed_s`` after the result before it;
+        ``(drafted, accepted)`` tokens of it."""
+        self.length.trip(len(step.token_ids), elapsed_s, by_owner=by_owner)
+        if not step.every_row:
+            return 0, 0
+        drafted, accepted = session.last_verified
+        self.length.observe(drafted, accepted)
+        return drafted, accepted

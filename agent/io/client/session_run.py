@@ -33,8 +33,8 @@ from agent.core.owner.data_route import (
 )
 from agent.core.owner.prefix_blocks import PrefixPlan, block_hashes, prefix_seed, usable_blocks
 from agent.core.owner.sampling import draws_at_owner
-from agent.core.owner.session import OwnerStep, Session
-from agent.core.owner.speculation import DraftIndex, DraftLength, rewinds
+from agent.core.owner.session import Session
+from agent.core.owner.speculation import Drafting, rewinds
 from agent.core.owner.wire_choice import choose_wire_dtype
 from agent.core.wire.boundary import WireDType
 from agent.core.wire.data_frames import OwnerSession, SessionKeys
@@ -109,8 +109,8 @@ class SessionRunner(StepClient):
                     window = self.config.prefill_chunks_in_flight if plane is not None and spot is None else 1
                     draft: tuple[int, ...] = ()
                     if drafting is not None and plane is not None and not prefill:
-                        draft = drafting.draft(session, continued=live.continued)
-                        if not draft and not live.continued and (run := drafting.plain_run(session)):
+                        draft = drafting.draft(session, continued=continued_before)
+                        if not draft and not continued_before and (run := drafting.plain_run(session)):
                             self._arm_continuation(plane, session, run)  # (the last hop steps meanwhile)
                     step_inputs = (
                         [session.next_verify_step(draft)] if draft else session.next_steps(window if prefill else 1)
@@ -162,7 +162,11 @@ class SessionRunner(StepClient):
                         if not prefill:
                             self._note_decode_step(elapsed)
                         if drafting is not None and not prefill:
-                            drafting.took(session, progress, step_input, elapsed, by_owner=not continued_before)
+                            drafted, accepted = drafting.took(
+                                session, step_input, elapsed, by_owner=not continued_before
+                            )
+                            progress.drafted_tokens += drafted
+                            progress.accepted_tokens += accepted
                         for index, (token, logits) in enumerate(session.taken):
                             progress.add(token, elapsed if index == 0 else 0.0, prefill=prefill)
                             if await take(token, logits):
@@ -396,51 +400,6 @@ class SessionRunner(StepClient):
         ]  # fmt: skip
         if missed:
             await self._silent_hop(swarm_pb2.Route(hops=missed), session_id)
-
-
-class Drafting:
-    """One session run's speculative decoding: the context's n-gram index
-    (``agent.core.owner.speculation.DraftIndex``), the draft length that follows what the route
-    accepted and what its trips cost (``DraftLength``), and the runs without a draft, during
-    which the last hop continues the session (the owner decides again when a result says the
-    last hop did not send the next step)."""
-
-    def __init__(self, max_tokens: int) -> None:
-        self.index = DraftIndex()
-        self.length = DraftLength(max_tokens)
-        self.plain_until = 0  # no draft before this many generated tokens
-
-    def draft(self, session: Session, *, continued: bool) -> tuple[int, ...]:
-        """The draft for the session's next step; empty: a plain decode step (always when the
-        last hop sent that step already, ``continued``)."""
-        if continued or not session.can_speculate or len(session.generated) < self.plain_until:
-            return ()
-        want = self.length.wanted(session.max_new_tokens - len(session.generated) - 1)
-        if not want:
-            return ()
-        self.index.sync(session.tokens)
-        draft = self.index.draft(want)
-        if not draft:
-            self.length.no_match()
-        return draft
-
-    def plain_run(self, session: Session) -> int:
-        """After a step without a draft was chosen: how many steps go without one (0 while a
-        run is on)."""
-        if len(session.generated) < self.plain_until:
-            return 0
-        run = self.length.plain_run()
-        self.plain_until = len(session.generated) + run
-        return run
-
-    def took(self, session: Session, progress: Progress, step: OwnerStep, elapsed_s: float, *, by_owner: bool) -> None:
-        """A decode step's result was taken, ``elapsed_s`` after the result before it."""
-        self.length.trip(len(step.token_ids), elapsed_s, by_owner=by_owner)
-        if step.every_row:
-            drafted, accepted = session.last_verified
-            self.length.observe(drafted, accepted)
-            progress.drafted_tokens += drafted
-            progress.accepted_tokens += accepted
 
 
 def _ignore_reply(_reply: bytes | TransportError) -> None:
